@@ -1,0 +1,113 @@
+"""``ring_attention`` and the process-wide default rotation method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .comm import RingGroup, check_rotate_method, resolve_group
+from .ops import AttentionOp, default_scale, resolve_op
+from .ring import RingAttention, RingConfig, ring_attention_fn
+from .validate import InputError, agree_across_ranks, local_problem
+
+__all__ = ["ring_attention", "set_rotate_method", "get_rotate_method", "bind"]
+
+_DEFAULT_ROTATE = ["allgather"]
+
+
+def set_rotate_method(rotate_method: str) -> None:
+    """Set the default KV rotation: ``"allgather"`` (the default), ``"alltoall"`` or ``"p2p"``."""
+    check_rotate_method(rotate_method)
+    _DEFAULT_ROTATE[0] = rotate_method
+
+
+def get_rotate_method() -> str:
+    return _DEFAULT_ROTATE[0]
+
+
+def _ring_attention(
+    impl: RingAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    rotate_method: str | None = None,
+    op: str | AttentionOp | None = None,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+):
+    rotate_method = get_rotate_method() if rotate_method is None else rotate_method
+    pg = resolve_group(group)
+    op_obj, op_error = None, None
+    if isinstance(query, torch.Tensor) and query.dim() == 4:
+        try:
+            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1])
+        except (TypeError, ValueError) as exc:
+            op_error = str(exc)
+    problem = local_problem(
+        query, key, value, is_causal=is_causal, scale=scale, layout=layout,
+        rotate_method=rotate_method, op=op_obj, op_error=op_error,
+    )
+    world = torch.distributed.get_world_size(pg)
+    if world > 1 and not torch.compiler.is_compiling():
+        agree_across_ranks(
+            problem, query, key, is_causal=is_causal, layout=layout, rotate_method=rotate_method,
+            group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+        )
+    elif problem is not None:
+        raise InputError(f"ring_attention: {problem}")
+    assert op_obj is not None
+    cfg = RingConfig(
+        group=RingGroup.of(pg, query.device),
+        is_causal=bool(is_causal),
+        scale=float(scale) if scale is not None else default_scale(query.shape[-1]),
+        layout=layout,
+        rotate_method=rotate_method,
+        op=op_obj,
+    )
+    out, lse = ring_attention_fn(query, key, value, cfg, impl)
+    return (out, lse) if return_lse else out
+
+
+def bind(impl: RingAttention) -> Callable[..., torch.Tensor]:
+    """A ``ring_attention`` with the same signature that runs ``impl`` (a RingAttention variant)."""
+
+    def ring_attention(query, key, value, **kwargs):
+        return _ring_attention(impl, query, key, value, **kwargs)
+
+    ring_attention.__doc__ = _ring_attention_doc
+    return ring_attention
+
+
+_ring_attention_doc = """Ring attention over a process group; differentiable in query, key and value.
+
+Args:
+    query: this rank's shard (batch, heads, seq_q_local, head_dim), sharded on dim 2 in ``layout``.
+    key, value: (batch, heads_kv, seq_kv_local, head_dim); heads % heads_kv == 0 (GQA: only
+        heads_kv heads travel). Non-causal attention may have seq_kv_local != seq_q_local.
+    group: a ProcessGroup or 1-D DeviceMesh (default: the default process group).
+    is_causal: causal attention over the global sequence (top-left aligned); needs
+        seq_q_local == seq_kv_local.
+    scale: softmax scale (default 1/sqrt(head_dim)).
+    rotate_method: "allgather", "alltoall" or "p2p" (default: see set_rotate_method).
+    op: "auto", a registered op name (ring_impl.available_ops()) or an AttentionOp object.
+    layout: "contiguous" or "head_tail" (load balanced for causal attention).
+    return_lse: also return the local LSE (batch, heads, seq_q_local), float32 (float64 for
+        float64 inputs); the LSE is not differentiable.
+
+Returns:
+    The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE
+    when ``return_lse``.
+
+Raises:
+    InputError (a ValueError) on every rank, before any ring collective, for bad input on
+    any rank.
+"""
+
+_DEFAULT_IMPL = RingAttention()
+ring_attention = bind(_DEFAULT_IMPL)
+ring_attention.__name__ = "ring_attention"

@@ -1,0 +1,60 @@
+"""Recording each ring step's partial result, for diagnosis.
+
+While :func:`record_steps` is active (eager mode only), the forward appends one record per
+computed step in the plain-data format that :mod:`reference.diagnose` reads, so a failing
+result can be pinned to the rank and ring step that first diverges from the float64
+simulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["StepRecorder", "record_steps", "active_recorder"]
+
+
+class StepRecorder:
+    """Collects ``{"rank", "step", "kv_rank", "kind", "q_rows", "out", "lse"}`` dicts.
+
+    ``out`` is (batch, heads, rows, head_dim) and ``lse`` (batch, heads, rows), both float64
+    copies; ``q_rows`` is the (start, stop) range of local query rows the partial covers.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def add(self, rank: int, plan, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.records.append(
+            {
+                "rank": rank,
+                "step": plan.step,
+                "kv_rank": plan.kv_rank,
+                "kind": plan.kind,
+                "q_rows": tuple(plan.q_rows),
+                "out": out.detach().to(torch.float64, copy=True).cpu(),
+                "lse": lse.detach().to(torch.float64, copy=True).cpu(),
+            }
+        )
+
+
+_ACTIVE: list[StepRecorder] = []
+
+
+def active_recorder() -> StepRecorder | None:
+    if not _ACTIVE or torch.compiler.is_compiling():
+        return None
+    return _ACTIVE[-1]
+
+
+@contextlib.contextmanager
+def record_steps() -> Iterator[StepRecorder]:
+    """``with record_steps() as rec: ring_attention(...)``; then ``rec.records``."""
+    rec = StepRecorder()
+    _ACTIVE.append(rec)
+    try:
+        yield rec
+    finally:
+        _ACTIVE.remove(rec)

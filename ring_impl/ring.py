@@ -1,0 +1,157 @@
+"""The ring: forward and an explicit backward, behind one autograd Function.
+
+Forward, on every rank, for each ring step of :func:`ring_impl.plan.ring_plan`: take the
+step's key/value block from the rotation (the next one is already in flight), run the local
+op on the planned rows, normalise its LSE and merge into float32 (float64 for float64)
+accumulators with the stable sigmoid form.
+
+Backward is explicit rather than autograd through the collectives: under causal attention
+ranks skip different steps, and autograd would then never run the backward collective of a
+block a rank received but did not use, while its partner waits for it. Here every rank issues
+the same collectives in the same order. With the final output and LSE, each block's gradient
+is exact (the FlashAttention backward): dQ stays local and accumulates; dK/dV accumulate in
+the accumulation dtype and travel with their block until they are back with its owner.
+
+The class :class:`RingAttention` holds the algorithm; its methods are the seams a variant
+overrides (the project's meta-tests build deliberately broken rings this way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import debug
+from .comm import RingGroup, make_grad_rotation, make_kv_rotation
+from .lse import normalize_lse
+from .merge import merge_into
+from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
+from .plan import StepPlan, ring_plan
+
+__all__ = ["RingConfig", "RingAttention", "ring_attention_fn"]
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """Everything a ring call needs besides tensors; plain values, fixed per call."""
+
+    group: RingGroup
+    is_causal: bool
+    scale: float
+    layout: str
+    rotate_method: str
+    op: AttentionOp
+
+
+def _rows(t: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows of the sequence dim (2) as a contiguous tensor: ops always get contiguous inputs."""
+    start, stop = rows
+    if start == 0 and stop == t.shape[2]:
+        return t.contiguous()
+    return t[:, :, start:stop].contiguous()
+
+
+class RingAttention:
+    """Ring attention over one process group. Stateless between calls."""
+
+    def plan(self, cfg: RingConfig, seq_q: int, seq_kv: int) -> list[StepPlan]:
+        g = cfg.group
+        return ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q, seq_kv=seq_kv)
+
+    def pack_kv(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Key and value in one contiguous buffer (2, batch, heads_kv, seq_kv, head_dim): one transfer per hop."""
+        return torch.stack([key, value])
+
+    def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan):
+        """One step's partial (out, lse) with lse normalised to (batch, heads, rows)."""
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
+        b, h, rows, _ = q.shape
+        lse = normalize_lse(
+            lse, batch=b, heads=h, seq_q=rows, layout=cfg.op.capabilities.lse_layout, op_name=getattr(cfg.op, "name", "op")
+        )
+        return out, lse
+
+    def merge(self, out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+        merge_into(out_acc, lse_acc, block_out, block_lse)
+
+    def forward(self, cfg: RingConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """Local (out in the input dtype, lse in the accumulation dtype) of this rank's queries.
+
+        query (batch, heads, seq_q, head_dim); key/value (batch, heads_kv, seq_kv, head_dim).
+        """
+        b, h, sq, d = query.shape
+        acc = accumulation_dtype(query.dtype)
+        out_acc = torch.empty(b, h, sq, d, dtype=acc, device=query.device)
+        lse_acc = torch.empty(b, h, sq, dtype=acc, device=query.device)
+        rotation = make_kv_rotation(self.pack_kv(key, value), cfg.group, cfg.rotate_method)
+        recorder = debug.active_recorder()
+        for plan in self.plan(cfg, sq, key.shape[2]):
+            kv = rotation.block(plan.step)
+            if plan.skipped:
+                continue
+            q0, q1 = plan.q_rows
+            block_out, block_lse = self.block_forward(
+                cfg, _rows(query, plan.q_rows), _rows(kv[0], plan.kv_rows), _rows(kv[1], plan.kv_rows), plan
+            )
+            if recorder is not None:
+                recorder.add(cfg.group.rank, plan, block_out, block_lse)
+            if plan.step == 0:  # step 0 covers every local row: it initialises the accumulators
+                out_acc.copy_(block_out)
+                lse_acc.copy_(block_lse)
+            else:
+                self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
+        return out_acc.to(query.dtype), lse_acc
+
+    def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse):
+        """(dq, dk, dv) in the input dtype; shapes as query, key, value."""
+        acc = accumulation_dtype(query.dtype)
+        dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
+        kv_local = self.pack_kv(key, value)
+        rotation = make_kv_rotation(kv_local, cfg.group, cfg.rotate_method)
+        grads = make_grad_rotation(kv_local.shape, acc, query.device, cfg.group, cfg.rotate_method)
+        for plan in self.plan(cfg, query.shape[2], key.shape[2]):
+            kv = rotation.block(plan.step)
+            contribution = None
+            if not plan.skipped:
+                q0, q1 = plan.q_rows
+                dq, dk, dv = call_backward(
+                    cfg.op,
+                    _rows(grad_out, plan.q_rows),
+                    _rows(query, plan.q_rows),
+                    _rows(kv[0], plan.kv_rows),
+                    _rows(kv[1], plan.kv_rows),
+                    _rows(out, plan.q_rows),
+                    _rows(lse, plan.q_rows),
+                    is_causal=plan.is_causal,
+                    scale=cfg.scale,
+                )
+                dq_acc[:, :, q0:q1] += dq
+                contribution = (plan.kv_rows, dk, dv)
+            grads.add(plan.step, plan.kv_rank, contribution)
+        dkv = grads.result()
+        return dq_acc.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype)
+
+
+class _RingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention):
+        out, lse = impl.forward(cfg, query, key, value)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.cfg, ctx.impl = cfg, impl
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.impl.backward(ctx.cfg, grad_out, query, key, value, out, lse)
+        return dq, dk, dv, None, None
+
+
+def ring_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention | None = None):
+    """Differentiable (out, lse) of the ring with an already validated config."""
+    return _RingFunction.apply(query, key, value, cfg, impl or _DEFAULT_IMPL)
+
+
+_DEFAULT_IMPL = RingAttention()
