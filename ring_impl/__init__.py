@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .comm import ROTATE_METHODS
+from .context_parallel import context_parallel, context_parallel_unshard
 from .layout import LAYOUTS, shard, unshard
+from .parallel_style import ContextParallel
 from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
 from .ring import RingAttention
 from .schedule import collective_schedule
@@ -25,12 +27,15 @@ __all__ = [
     "LAYOUTS",
     "ROTATE_METHODS",
     "AttentionOp",
+    "ContextParallel",
     "InputError",
     "OpCapabilities",
     "RingAttention",
     "available_ops",
     "bind",
     "collective_schedule",
+    "context_parallel",
+    "context_parallel_unshard",
     "get_op",
     "get_rotate_method",
     "register_op",

@@ -39,6 +39,7 @@ def _ring_attention(
     op: str | AttentionOp | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    extra_problem: str | None = None,
 ):
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     pg = resolve_group(group)
@@ -48,7 +49,9 @@ def _ring_attention(
             op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1])
         except (TypeError, ValueError) as exc:
             op_error = str(exc)
-    problem = local_problem(
+    # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
+    # through the same cross-rank agreement so every rank raises together.
+    problem = extra_problem or local_problem(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout,
         rotate_method=rotate_method, op=op_obj, op_error=op_error,
     )
