@@ -59,6 +59,10 @@ class RingAttention:
         g = cfg.group
         return ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q, seq_kv=seq_kv)
 
+    def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Dtype of the output/LSE accumulators and of dQ/dK/dV in flight (float32, float64 for float64)."""
+        return accumulation_dtype(dtype)
+
     def pack_kv(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Key and value in one contiguous buffer (2, batch, heads_kv, seq_kv, head_dim): one transfer per hop."""
         return torch.stack([key, value])
@@ -81,7 +85,7 @@ class RingAttention:
         query (batch, heads, seq_q, head_dim); key/value (batch, heads_kv, seq_kv, head_dim).
         """
         b, h, sq, d = query.shape
-        acc = accumulation_dtype(query.dtype)
+        acc = self.accumulation_dtype(query.dtype)
         out_acc = torch.empty(b, h, sq, d, dtype=acc, device=query.device)
         lse_acc = torch.empty(b, h, sq, dtype=acc, device=query.device)
         rotation = make_kv_rotation(self.pack_kv(key, value), cfg.group, cfg.rotate_method)
@@ -105,7 +109,7 @@ class RingAttention:
 
     def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse):
         """(dq, dk, dv) in the input dtype; shapes as query, key, value."""
-        acc = accumulation_dtype(query.dtype)
+        acc = self.accumulation_dtype(query.dtype)
         dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
         kv_local = self.pack_kv(key, value)
         rotation = make_kv_rotation(kv_local, cfg.group, cfg.rotate_method)

@@ -1,0 +1,200 @@
+"""Attention in float64: the oracle every verdict rests on.
+
+Shape names used throughout:
+    query: (batch, heads, seq_q, head_dim)
+    key:   (batch, heads_kv, seq_k, head_dim)
+    value: (batch, heads_kv, seq_k, head_dim_v)   (head_dim_v is usually head_dim)
+    out:   (batch, heads, seq_q, head_dim_v)
+    lse:   (batch, heads, seq_q)
+
+GQA: query head h reads key/value head h // (heads // heads_kv), the mapping of torch SDPA
+`enable_gqa=True` and of `repeat_interleave` on the head dim.
+Causal: top-left aligned like torch SDPA `is_causal=True`: query i sees key j iff j <= i.
+LSE: the natural-log logsumexp over keys of the scaled, masked scores.
+
+This module is kept deliberately plain (one matmul, one softmax, one matmul) so that it can be
+trusted by reading; everything else in reference/ is built on `masked_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AttentionOutput",
+    "ReferenceResult",
+    "attention",
+    "attention_grads",
+    "causal_visibility",
+    "default_scale",
+    "expand_kv_heads",
+    "masked_attention",
+]
+
+
+class AttentionOutput(NamedTuple):
+    """out: (batch, heads, seq_q, head_dim_v) float64; lse: (batch, heads, seq_q) float64."""
+
+    out: Tensor
+    lse: Tensor
+
+
+class ReferenceResult(NamedTuple):
+    """Forward and gradients of the float64 reference, all float64.
+
+    out: (batch, heads, seq_q, head_dim_v); lse: (batch, heads, seq_q);
+    dq: (batch, heads, seq_q, head_dim); dk: (batch, heads_kv, seq_k, head_dim);
+    dv: (batch, heads_kv, seq_k, head_dim_v).
+    """
+
+    out: Tensor
+    lse: Tensor
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+
+
+def default_scale(head_dim: int) -> float:
+    """The softmax scale torch SDPA uses when none is given: 1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_shapes(query: Tensor, key: Tensor, value: Tensor) -> None:
+    """Raise ValueError unless query/key/value have the shapes described in the module docstring."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            "attention expects 4-d tensors (batch, heads, seq, head_dim); got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree on "
+            "(batch, heads_kv, seq_k)"
+        )
+    if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} must agree on batch and "
+            "head_dim"
+        )
+    heads, heads_kv = query.shape[1], key.shape[1]
+    if heads_kv == 0 or heads % heads_kv != 0:
+        raise ValueError(
+            f"query heads ({heads}) must be a multiple of key/value heads ({heads_kv}) for GQA"
+        )
+
+
+def expand_kv_heads(kv: Tensor, heads: int) -> Tensor:
+    """(batch, heads_kv, seq_k, d) -> (batch, heads, seq_k, d), query head h reading kv head
+    h // (heads // heads_kv). repeat_interleave, so autograd sums the groups back into dk/dv."""
+    return kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def causal_visibility(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """(seq_q,), (seq_k,) global positions -> (seq_q, seq_k) bool: query i sees key j iff
+    position(j) <= position(i). With positions arange(seq_q), arange(seq_k) this is torch SDPA's
+    top-left `is_causal=True` mask."""
+    return k_positions[None, :] <= q_positions[:, None]
+
+
+def masked_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    visible: Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> AttentionOutput:
+    """Attention in float64 with an arbitrary visibility mask.
+
+    query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
+    value (batch, heads_kv, seq_k, head_dim_v); visible: (seq_q, seq_k) bool, None = all visible.
+    Returns out (batch, heads, seq_q, head_dim_v) and lse (batch, heads, seq_q), float64.
+    A row that sees no key gets out 0 and lse -inf (the neutral element of the LSE merge).
+    Differentiable in query, key and value.
+    """
+    check_shapes(query, key, value)
+    q = query.to(torch.float64)
+    k = expand_kv_heads(key.to(torch.float64), q.shape[1])
+    v = expand_kv_heads(value.to(torch.float64), q.shape[1])
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (batch, heads, seq_q, seq_k)
+    if visible is not None:
+        if visible.dtype != torch.bool or visible.shape != scores.shape[-2:]:
+            raise ValueError(
+                "visible must be a bool mask of shape (seq_q, seq_k) = "
+                f"{tuple(scores.shape[-2:])}; got {visible.dtype} of shape {tuple(visible.shape)}"
+            )
+        scores = scores.masked_fill(~visible.to(scores.device), -math.inf)
+
+    # Subtracting the row max keeps exp() in range for any logit size (scores of 1e4 and more).
+    # The shift cancels mathematically, so it is detached: autograd sees plain softmax.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)  # masked entries: exp(-inf) = 0
+    denom = weights.sum(dim=-1, keepdim=True)
+    seen = denom > 0
+    # Rows that see nothing: out = 0 / 1 = 0 rather than 0 / 0; lse = log(0) = -inf.
+    out = torch.matmul(weights, v) / torch.where(seen, denom, torch.ones_like(denom))
+    lse = (row_max + torch.log(denom)).squeeze(-1)
+    return AttentionOutput(out, lse)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> AttentionOutput:
+    """Float64 attention with LSE, whatever the input dtype (inputs are upcast exactly).
+
+    query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
+    value (batch, heads_kv, seq_k, head_dim_v) -> out (batch, heads, seq_q, head_dim_v),
+    lse (batch, heads, seq_q), both float64. is_causal is top-left aligned (query i sees keys
+    0..i), scale defaults to 1 / sqrt(head_dim). Callers pass the dtype-rounded inputs the
+    kernel under test saw, so the only difference left is the kernel's arithmetic.
+    """
+    visible = None
+    if is_causal:
+        device = query.device
+        visible = causal_visibility(
+            torch.arange(query.shape[-2], device=device), torch.arange(key.shape[-2], device=device)
+        )
+    return masked_attention(query, key, value, visible, scale=scale)
+
+
+def attention_grads(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    grad_out: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> ReferenceResult:
+    """Forward and float64 autograd gradients of `attention` for loss (out * grad_out).sum().
+
+    query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
+    value (batch, heads_kv, seq_k, head_dim_v), grad_out (batch, heads, seq_q, head_dim_v).
+    Returns out, lse, dq (shape of query), dk (shape of key: heads_kv heads, GQA groups summed),
+    dv (shape of value), all float64. The LSE is not part of the loss.
+    """
+    q = query.detach().to(torch.float64).requires_grad_(True)
+    k = key.detach().to(torch.float64).requires_grad_(True)
+    v = value.detach().to(torch.float64).requires_grad_(True)
+    with torch.enable_grad():
+        out, lse = attention(q, k, v, is_causal=is_causal, scale=scale)
+        if grad_out.shape != out.shape:
+            raise ValueError(
+                f"grad_out has shape {tuple(grad_out.shape)}, expected the output's "
+                f"{tuple(out.shape)}"
+            )
+        loss = (out * grad_out.detach().to(torch.float64)).sum()
+        dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    return ReferenceResult(out.detach(), lse.detach(), dq, dk, dv)

@@ -1,0 +1,1 @@
+"""Conformance suites for ring attention implementations (``pytest suites -n auto``)."""

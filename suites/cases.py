@@ -1,0 +1,155 @@
+"""Rank-side case functions: what every rank of a pool runs for one conformance case.
+
+Functions here are pickled by reference to the ranks, so they live in this plain module (cheap
+to import on a rank) rather than in the test modules. Each takes the rank's
+:class:`harness.RankContext` first and returns plain data (CPU tensors, dicts) to the pytest
+process, which owns every verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from harness.implementation import load_implementation, load_op
+from suites.inputs import InputSpec, local_inputs
+
+__all__ = ["RingCase", "CountingOp", "ring_case", "ring_case_twice", "resolve_case_op"]
+
+
+@dataclass(frozen=True)
+class RingCase:
+    """One call of an implementation's ``ring_attention`` (and its backward) on every rank."""
+
+    inputs: InputSpec
+    world_size: int
+    is_causal: bool = False
+    layout: str = "contiguous"
+    rotate_method: str = "allgather"
+    op: str | None = None  # a registered op name or "package.module:object"; None: the impl's choice
+    impl: str | None = None  # implementation spec; None: RING_IMPL or the default
+    return_lse: bool = True
+    backward: bool = True
+    compile: str | None = None  # torch.compile backend, fullgraph=True
+    account: bool = False  # record collectives per phase
+    record: bool = False  # record per-step partials (diagnosis)
+    count_work: bool = False  # count attention score entries per rank (load balance)
+    extras: tuple[tuple[str, Any], ...] = field(default=())  # extra keyword arguments for ring_attention
+
+    def with_(self, **changes: Any) -> RingCase:
+        return replace(self, **changes)
+
+    @property
+    def label(self) -> str:
+        return (
+            f"ring_attention(W={self.world_size}, {self.inputs.dtype}, causal={self.is_causal}, "
+            f"rotate={self.rotate_method}, layout={self.layout}, op={self.op or 'default'})"
+        )
+
+
+class CountingOp:
+    """An attention op that counts the score entries it computes, then delegates.
+
+    Work of one call: ``seq_q * seq_k`` entries, or ``seq_q * (seq_q + 1) / 2`` for a causal
+    block, per (batch, head); what load balancing is about.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = f"counting[{getattr(inner, 'name', inner)}]"
+        self.capabilities = inner.capabilities
+        self.work = 0
+
+    def forward(self, query, key, value, *, is_causal, scale):
+        sq, sk = query.shape[2], key.shape[2]
+        self.work += sq * (sq + 1) // 2 if is_causal else sq * sk
+        return self.inner.forward(query, key, value, is_causal=is_causal, scale=scale)
+
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+        return self.inner.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+
+
+def resolve_case_op(case: RingCase, device: torch.device):
+    """The op object a case runs with (the registered default for the device when ``op`` is None)."""
+    from ring_impl.ops import resolve_op
+
+    if case.op is None:
+        return resolve_op("auto", device, case.inputs.torch_dtype, case.inputs.head_dim)
+    return load_op(case.op)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(fn, backend: str):
+    return torch.compile(fn, backend=backend, fullgraph=True)
+
+
+def ring_case(ctx, case: RingCase) -> dict[str, Any]:
+    """Run the case on this rank; return the local results as CPU tensors.
+
+    Keys: ``out`` (b, h, sq_local, d), ``lse`` (b, h, sq_local) or None, ``dq``/``dk``/``dv``
+    (None without backward), ``collectives`` ({phase: {kind: {calls, bytes}}}) or None,
+    ``records`` (per-step partials) or None, ``work`` (int) or None.
+    """
+    if case.world_size != ctx.world_size:
+        raise ValueError(f"case is for {case.world_size} ranks but the pool has {ctx.world_size}")
+    impl = load_implementation(case.impl)
+    caps = impl.capabilities
+    inp = local_inputs(case.inputs, case.layout, ctx.world_size, ctx.rank, ctx.device)
+    kwargs: dict[str, Any] = dict(
+        group=ctx.group, is_causal=case.is_causal, scale=case.inputs.scale,
+        rotate_method=case.rotate_method, layout=case.layout, return_lse=case.return_lse,
+    )
+    kwargs.update(case.extras)
+    op = None
+    if case.op is not None or case.count_work:
+        op = resolve_case_op(case, ctx.device)
+        if case.count_work:
+            op = CountingOp(op)
+    if op is not None:
+        if not caps.declares("ops", "*"):
+            raise ValueError(f"{impl.name} does not accept op objects (capabilities.ops lacks '*')")
+        kwargs["op"] = op
+
+    fn = impl.obj.ring_attention
+    if case.compile:
+        fn = _compiled(fn, case.compile)
+
+    log = None
+    with contextlib.ExitStack() as stack:
+        phase = lambda name: contextlib.nullcontext()  # noqa: E731
+        if case.account:
+            from harness.accounting import CollectiveLog
+
+            log = stack.enter_context(CollectiveLog())
+            phase = log.phase
+        recorder = stack.enter_context(impl.obj.record_steps()) if case.record else None
+        with phase("forward"):
+            res = fn(inp.query, inp.key, inp.value, **kwargs)
+        out, lse = res if case.return_lse else (res, None)
+        if case.backward:
+            with phase("backward"):
+                out.backward(inp.grad_out)
+
+    def cpu(t):
+        return None if t is None else t.detach().cpu()
+
+    return {
+        "out": cpu(out),
+        "lse": cpu(lse),
+        "dq": cpu(inp.query.grad),
+        "dk": cpu(inp.key.grad),
+        "dv": cpu(inp.value.grad),
+        "collectives": log.summary() if log is not None else None,
+        "records": list(recorder.records) if recorder is not None else None,
+        "work": op.work if isinstance(op, CountingOp) else None,
+        "input_strides": [tuple(t.stride()) for t in (inp.query, inp.key, inp.value)],
+    }
+
+
+def ring_case_twice(ctx, case: RingCase) -> list[dict[str, Any]]:
+    """The same case twice in a row on the same ranks (determinism)."""
+    return [ring_case(ctx, case), ring_case(ctx, case)]

@@ -1,0 +1,94 @@
+"""Deterministic global inputs, generated identically in the pytest process and on every rank.
+
+The suite owns the global tensors: each side regenerates them from an :class:`InputSpec`
+(seeded CPU generator, so no tensor crosses a process boundary on the way in), shards them
+with the reference's own layout code and never with the implementation's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from reference.layout import shard
+
+__all__ = ["DTYPES", "InputSpec", "Inputs", "make_inputs", "local_inputs"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+SHORT = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Shapes are global: ``seq_q``/``seq_kv`` are whole sequences, sharded by the case's layout."""
+
+    batch: int = 2
+    heads: int = 4
+    heads_kv: int = 4
+    seq_q: int = 16
+    seq_kv: int = 16
+    head_dim: int = 16
+    dtype: str = "float32"
+    seed: int = 0
+    magnitude: float = 1.0  # scales query and key: 1e2 pushes logits far beyond exp overflow
+    noncontiguous: bool = False  # local shards are transposed views of (batch, seq, heads, dim)
+    scale: float | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def with_(self, **changes) -> InputSpec:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Global tensors: query (b, h, sq, d), key/value (b, hkv, skv, d), grad_out (b, h, sq, d)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    grad_out: torch.Tensor
+
+
+def make_inputs(spec: InputSpec) -> Inputs:
+    """Global inputs in ``spec.dtype``: drawn in float64 from a seeded CPU generator, then
+    rounded once to the dtype (the float64 reference sees the same rounded values)."""
+    gen = torch.Generator(device="cpu").manual_seed(spec.seed)
+
+    def draw(*shape: int, magnitude: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * magnitude).to(spec.torch_dtype)
+
+    b, h, hkv, d = spec.batch, spec.heads, spec.heads_kv, spec.head_dim
+    return Inputs(
+        query=draw(b, h, spec.seq_q, d, magnitude=spec.magnitude),
+        key=draw(b, hkv, spec.seq_kv, d, magnitude=spec.magnitude),
+        value=draw(b, hkv, spec.seq_kv, d),
+        grad_out=draw(b, h, spec.seq_q, d),
+    )
+
+
+def _local(t: torch.Tensor, layout: str, world_size: int, rank: int, noncontiguous: bool, device) -> torch.Tensor:
+    local = shard(t, layout, world_size, rank, dim=2).to(device)
+    if noncontiguous:
+        # The shard a (batch, seq, heads, dim) model hands over: a transposed, non-contiguous view.
+        local = local.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not local.is_contiguous() or min(local.shape[1], local.shape[2]) == 1
+    return local
+
+
+def local_inputs(spec: InputSpec, layout: str, world_size: int, rank: int, device="cpu") -> Inputs:
+    """This rank's shards; query/key/value are leaves that require grad."""
+    g = make_inputs(spec)
+    q, k, v = (
+        _local(t, layout, world_size, rank, spec.noncontiguous, device).detach().requires_grad_()
+        for t in (g.query, g.key, g.value)
+    )
+    return Inputs(q, k, v, _local(g.grad_out, layout, world_size, rank, spec.noncontiguous, device))

@@ -1,0 +1,123 @@
+"""Parent-side verdicts: a case's per-rank results against the float64 oracle.
+
+For each of out, lse, dq, dk, dv the global result X (unsharded with the reference's layout
+code) is judged by :func:`reference.budget.check` against the float64 reference R on the same
+dtype-rounded inputs, relative to the single-device baseline B of the same kernel and dtype.
+R and B depend only on the inputs (not on world size, rotation or layout), so they are
+computed once per input spec and cached for the session.
+
+A failure is re-run with per-step recording (when the implementation can record) and
+diagnosed against the float64 ring simulation, so the message says which rank and ring step
+first diverges, and ends with a copy-pasteable repro.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from reference import layout as ref_layout
+from reference.attention import attention_grads
+from reference.budget import Verdict, check
+from reference.diagnose import diagnose
+from reference.simulate import simulate_ring
+from suites.cases import RingCase
+from suites.inputs import InputSpec, make_inputs
+
+__all__ = ["QUANTITIES", "reference_for", "baseline_for", "unshard_results", "judge", "format_failure", "diagnose_case"]
+
+QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+
+
+@functools.lru_cache(maxsize=128)
+def reference_for(spec: InputSpec, is_causal: bool) -> dict[str, torch.Tensor]:
+    """float64 out, lse, dq, dk, dv of the global inputs."""
+    g = make_inputs(spec)
+    r = attention_grads(g.query, g.key, g.value, g.grad_out, is_causal=is_causal, scale=spec.scale)
+    return {"out": r.out, "lse": r.lse, "dq": r.dq, "dk": r.dk, "dv": r.dv}
+
+
+@functools.lru_cache(maxsize=128)
+def baseline_for(spec: InputSpec, is_causal: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
+    """The same kernel, same dtype, on one device and the whole sequence (numerics policy's B)."""
+    from harness.implementation import load_op
+    from ring_impl.lse import normalize_lse
+    from ring_impl.ops import call_backward, call_forward, default_scale, resolve_op
+
+    g = make_inputs(spec)
+    op = resolve_op("auto", torch.device("cpu"), spec.torch_dtype, spec.head_dim) if op_spec in (None, "auto") else load_op(op_spec)
+    scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
+    out, raw_lse = call_forward(op, g.query, g.key, g.value, is_causal=is_causal, scale=scale)
+    lse = normalize_lse(raw_lse, batch=spec.batch, heads=spec.heads, seq_q=spec.seq_q, layout=op.capabilities.lse_layout)
+    dq, dk, dv = call_backward(op, g.grad_out, g.query, g.key, g.value, out, lse, is_causal=is_causal, scale=scale)
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def unshard_results(results: Sequence[dict[str, Any]], layout: str) -> dict[str, torch.Tensor | None]:
+    """Global tensors from per-rank local results (None where a rank returned None)."""
+    merged: dict[str, torch.Tensor | None] = {}
+    for name in QUANTITIES:
+        parts = [r.get(name) for r in results]
+        if any(p is None for p in parts):
+            merged[name] = None
+            continue
+        if name == "lse":
+            parts = [p.unsqueeze(-1) for p in parts]
+        t = ref_layout.unshard(parts, layout, dim=2)
+        merged[name] = t.squeeze(-1) if name == "lse" else t
+    return merged
+
+
+def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
+    """Verdicts for every quantity the case produced."""
+    spec = case.inputs
+    ref = reference_for(spec, case.is_causal)
+    base = baseline_for(spec, case.is_causal, case.op or baseline_op)
+    got = unshard_results(results, case.layout)
+    verdicts = []
+    for name in QUANTITIES:
+        x = got[name]
+        if x is None:
+            continue
+        if x.shape != ref[name].shape:
+            raise AssertionError(
+                f"{name}: the implementation returned global shape {tuple(x.shape)} (unsharded from "
+                f"per-rank {tuple(results[0][name].shape)}), expected {tuple(ref[name].shape)} [{case.label}]"
+            )
+        verdicts.append(
+            check(name, x, ref[name], base[name], dtype=spec.torch_dtype, layout=case.layout,
+                  world_size=case.world_size, context=f"[{case.label}]")
+        )
+    return verdicts
+
+
+def diagnose_case(case: RingCase, results: Sequence[dict[str, Any]], records: Sequence[dict] | None) -> str:
+    """A paragraph naming the rank and ring step that first diverge from the float64 simulation."""
+    spec = case.inputs
+    g = make_inputs(spec)
+    try:
+        sim = simulate_ring(g.query, g.key, g.value, world_size=case.world_size, layout=case.layout,
+                            is_causal=case.is_causal, scale=spec.scale)
+    except ValueError as exc:  # a shape the simulation cannot shard: nothing to compare
+        return f"(no diagnosis: {exc})"
+    grads = None
+    if all(r.get("dq") is not None for r in results):
+        grads = {n: [r[n] for r in results] for n in ("dq", "dk", "dv")}
+    lses = [r["lse"] for r in results] if all(r.get("lse") is not None for r in results) else None
+    d = diagnose(
+        sim, [r["out"] for r in results], records=records, dtype=spec.torch_dtype, lse_by_rank=lses,
+        grads_by_rank=grads, grad_out=g.grad_out if grads else None,
+    )
+    return d.summary
+
+
+def format_failure(failed: Sequence[Verdict], diagnosis: str | None, repro: str | None) -> str:
+    lines = [v.message for v in failed]
+    if diagnosis:
+        lines.append(f"diagnosis: {diagnosis}")
+    if repro:
+        lines.append(f"repro: {repro}")
+    return "\n".join(lines)

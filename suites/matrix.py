@@ -1,0 +1,61 @@
+"""The discrete axes of the conformance matrix and readable case ids.
+
+Quick tier: what ``pytest suites -n auto`` runs on 2 CPU cores in minutes. Nightly tier
+(``--tier nightly``): the full matrix, world sizes up to 8, every CPU op. Which tier and world
+sizes are on comes from the harness settings (``--tier``, ``--world-sizes``), read when the
+tests are generated, so a quick run does not even collect nightly cases.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import pytest
+
+from harness.pytest_plugin import settings_of
+from suites.cases import RingCase
+from suites.inputs import SHORT
+
+__all__ = ["DTYPES", "ROTATIONS", "LAYOUTS", "CPU_OPS", "tier", "world_sizes", "case_id", "params", "seed_for"]
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+ROTATIONS = ("allgather", "alltoall", "p2p")
+LAYOUTS = ("contiguous", "head_tail")
+#: Kernels that run on CPU, including the CPU emulations of the CUDA kernels' LSE layouts.
+CPU_OPS = ("cpu_flash", "math", "cpu_efficient_layout", "cpu_cudnn_layout")
+
+
+def tier(config: pytest.Config) -> str:
+    return settings_of(config).tier
+
+
+def world_sizes(config: pytest.Config, *, at_most: int | None = None, at_least: int = 1) -> list[int]:
+    """The session's enabled world sizes, optionally bounded."""
+    return [w for w in settings_of(config).world_sizes if w >= at_least and (at_most is None or w <= at_most)]
+
+
+def case_id(case: RingCase, *extra: str) -> str:
+    """e.g. ``W4-bf16-causal-alltoall-head_tail-cpu_flash``."""
+    parts = [f"W{case.world_size}", SHORT[case.inputs.dtype], "causal" if case.is_causal else "full",
+             case.rotate_method, case.layout]
+    if case.op:
+        parts.append(case.op)
+    if case.compile:
+        parts.append(case.compile)
+    return "-".join([*parts, *extra])
+
+
+def seed_for(text: str) -> int:
+    """A stable per-case seed, so cases differ in data but every run and rank agrees."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def params(cases: Iterable[RingCase], *, id_extra=lambda case: ()) -> list:
+    """``pytest.param`` per case with its readable id and a seed derived from the id."""
+    out = []
+    for case in cases:
+        cid = case_id(case, *id_extra(case))
+        seeded = case.with_(inputs=case.inputs.with_(seed=seed_for(cid)))
+        out.append(pytest.param(seeded, id=cid))
+    return out

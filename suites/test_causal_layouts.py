@@ -1,0 +1,64 @@
+"""Causal handling per ring step, both layouts, and load balance.
+
+Per step: the implementation's recorded partial of every (rank, step) is compared with the
+float64 ring simulation (reference/simulate.py): the right key/value block, the right mask,
+computed exactly when needed. Load balance: the attention work each rank does (score entries
+computed, counted by wrapping the kernel) equals the simulation's visible pairs; under
+``head_tail`` every rank does the same work.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from reference.diagnose import compare_records
+from reference.simulate import simulate_ring
+from suites.cases import RingCase
+from suites.inputs import InputSpec, make_inputs
+from suites.matrix import LAYOUTS, params, world_sizes
+
+
+def _cases(config, **extra):
+    out = []
+    for w, layout, causal in itertools.product(world_sizes(config, at_least=2), LAYOUTS, (True, False)):
+        inputs = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float64")
+        out.append(RingCase(inputs, w, is_causal=causal, layout=layout, **extra))
+    return params(out)
+
+
+def pytest_generate_tests(metafunc):
+    if "step_case" in metafunc.fixturenames:
+        metafunc.parametrize("step_case", _cases(metafunc.config, record=True))
+    if "work_case" in metafunc.fixturenames:
+        metafunc.parametrize("work_case", _cases(metafunc.config, count_work=True, backward=False))
+
+
+def _simulation(case: RingCase):
+    g = make_inputs(case.inputs)
+    return simulate_ring(g.query, g.key, g.value, world_size=case.world_size, layout=case.layout, is_causal=case.is_causal)
+
+
+def test_every_ring_step_matches_the_simulation(ring, step_case: RingCase) -> None:
+    if not callable(getattr(ring.impl.obj, "record_steps", None)):
+        pytest.skip(f"N/A: {ring.impl.name} cannot record per-step partials (no record_steps)")
+    case = ring.prepare(step_case)
+    results = ring.run(case)
+    records = [rec for r in results for rec in r["records"]]
+    findings = compare_records(_simulation(case), records, dtype=case.inputs.torch_dtype)
+    assert not findings, f"ring steps diverge from the simulation [{case.label}]:\n" + "\n".join(f.what for f in findings)
+    ring.check(case, results=results)
+
+
+def test_work_per_rank_is_minimal_and_balanced(ring, work_case: RingCase) -> None:
+    case = ring.prepare(work_case)
+    sim = _simulation(case)
+    expected = sim.work_per_rank()  # visible score entries per (batch, head), like CountingOp counts
+    work = [r["work"] for r in ring.run(case)]
+    assert work == expected, (
+        f"attention work per rank {work} differs from the visible (query, key) pairs {expected} per batch-head "
+        f"[{case.label}]: a step that must be skipped was computed, or a needed one was not"
+    )
+    if case.is_causal and case.layout == "head_tail":
+        assert len(set(work)) == 1, f"head_tail must balance causal work; per-rank work {work} [{case.label}]"

@@ -1,0 +1,60 @@
+"""Collective accounting: every rank issues exactly the declared schedule, per phase and kind.
+
+The implementation declares ``collective_schedule(world_size, rotate_method, ...)``; each rank's
+recorded calls and bytes (harness.accounting) must equal it. A rank that skips a collective, an
+extra hop, a dK/dV return trip that is missing or a transfer of the wrong size shows up here
+as a difference on the rank that made it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from suites.cases import RingCase
+from suites.inputs import InputSpec
+from suites.matrix import LAYOUTS, ROTATIONS, params, world_sizes
+
+
+def pytest_generate_tests(metafunc):
+    if "case" not in metafunc.fixturenames:
+        return
+    cases = []
+    for w, rotate, layout, causal, (dtype, heads_kv) in itertools.product(
+        world_sizes(metafunc.config), ROTATIONS, LAYOUTS, (False, True), (("float32", 4), ("bfloat16", 2))
+    ):
+        inputs = InputSpec(batch=2, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype)
+        cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True))
+    metafunc.parametrize("case", params(cases, id_extra=lambda c: (f"hkv{c.inputs.heads_kv}",)))
+
+
+def _diff(expected: dict, actual: dict) -> list[str]:
+    lines = []
+    for phase in sorted(set(expected) | set(actual)):
+        exp, act = expected.get(phase, {}), actual.get(phase, {})
+        for kind in sorted(set(exp) | set(act)):
+            e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
+            if e != a:
+                lines.append(f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes")
+    return lines
+
+
+def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
+    case = ring.prepare(case)
+    schedule = getattr(ring.impl.obj, "collective_schedule", None)
+    if not callable(schedule):
+        pytest.skip(f"N/A: {ring.impl.name} declares no collective_schedule")
+    spec = case.inputs
+    expected = schedule(
+        case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv,
+        seq_kv=spec.seq_kv // case.world_size, head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False,
+    )
+    results = ring.run(case)
+    problems = []
+    for rank, r in enumerate(results):
+        actual = {phase: kinds for phase, kinds in r["collectives"].items() if kinds}
+        problems += [f"rank {rank}: {line}" for line in _diff({p: k for p, k in expected.items() if k}, actual)]
+    assert not problems, f"collectives differ from the declared schedule [{case.label}]:\n" + "\n".join(problems)
+    # The run must also be right: accounting must not perturb the result.
+    ring.check(case, results=results)

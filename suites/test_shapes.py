@@ -1,0 +1,91 @@
+"""Shapes and inputs nobody tried: GQA, cross-attention lengths, non-contiguous inputs,
+large-magnitude logits, odd sizes (head_dim 8..128, one or an odd number of tokens per rank,
+batch 1)."""
+
+from __future__ import annotations
+
+import itertools
+
+from suites.cases import RingCase
+from suites.inputs import InputSpec
+from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
+
+
+def _gqa(config):
+    cases = []
+    for w, (heads, heads_kv), causal, rotate in itertools.product(
+        world_sizes(config, at_least=2), ((8, 4), (8, 2), (8, 1)), (False, True), ROTATIONS
+    ):
+        inputs = InputSpec(batch=1, heads=heads, heads_kv=heads_kv, seq_q=4 * w, seq_kv=4 * w, head_dim=16, dtype="float32")
+        cases.append(RingCase(inputs, w, is_causal=causal, layout="head_tail", rotate_method=rotate))
+    return params(cases, id_extra=lambda c: (f"gqa{c.inputs.heads}x{c.inputs.heads_kv}",))
+
+
+def _cross(config):
+    cases = []
+    for w, (sq, skv), layout, rotate in itertools.product(
+        world_sizes(config, at_least=2), ((8, 24), (24, 8), (2, 16)), LAYOUTS, ROTATIONS
+    ):
+        inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=sq * w, seq_kv=skv * w, head_dim=16, dtype="float64")
+        cases.append(RingCase(inputs, w, is_causal=False, layout=layout, rotate_method=rotate))
+    return params(cases, id_extra=lambda c: (f"q{c.inputs.seq_q // c.world_size}-kv{c.inputs.seq_kv // c.world_size}",))
+
+
+def _noncontiguous(config):
+    cases = []
+    for w, causal, rotate, dtype in itertools.product(world_sizes(config, at_least=2), (False, True), ROTATIONS, ("float32", "bfloat16")):
+        inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype, noncontiguous=True)
+        cases.append(RingCase(inputs, w, is_causal=causal, layout="head_tail", rotate_method=rotate))
+    return params(cases, id_extra=lambda c: ("bshd-views",))
+
+
+def _large_logits(config):
+    cases = []
+    for w, causal, dtype, magnitude in itertools.product(
+        world_sizes(config, at_least=2), (False, True), ("float64", "float32", "bfloat16"), (30.0, 300.0)
+    ):
+        inputs = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype, magnitude=magnitude)
+        cases.append(RingCase(inputs, w, is_causal=causal, layout="head_tail", rotate_method="p2p"))
+    return params(cases, id_extra=lambda c: (f"x{c.inputs.magnitude:g}",))
+
+
+def _odd_sizes(config):
+    nightly = tier(config) == "nightly"
+    cases = []
+    sizes = world_sizes(config, at_least=2) if nightly else world_sizes(config, at_least=2, at_most=3)
+    for w, head_dim, local, causal in itertools.product(sizes, (8, 24, 64, 128), (1, 3, 5), (False, True)):
+        inputs = InputSpec(batch=1, heads=3, heads_kv=1, seq_q=local * w, seq_kv=local * w, head_dim=head_dim, dtype="float32", scale=0.37)
+        cases.append(RingCase(inputs, w, is_causal=causal, layout="contiguous", rotate_method="alltoall"))
+    return params(cases, id_extra=lambda c: (f"d{c.inputs.head_dim}-s{c.inputs.seq_q // c.world_size}",))
+
+
+def pytest_generate_tests(metafunc):
+    for name, make in (("gqa_case", _gqa), ("cross_case", _cross), ("noncontig_case", _noncontiguous),
+                       ("large_case", _large_logits), ("odd_case", _odd_sizes)):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, make(metafunc.config))
+
+
+def test_grouped_query_attention(ring, gqa_case: RingCase) -> None:
+    ring.check(ring.prepare(gqa_case))
+
+
+def test_cross_attention_lengths(ring, cross_case: RingCase) -> None:
+    ring.check(ring.prepare(cross_case))
+
+
+def test_noncontiguous_inputs(ring, noncontig_case: RingCase) -> None:
+    case = ring.prepare(noncontig_case)
+    results = ring.run(case)
+    assert not any(s[-1] != 1 and s == tuple(sorted(s, reverse=True)) for s in results[0]["input_strides"][:1]), (
+        "the suite meant to pass non-contiguous views but did not"
+    )
+    ring.check(case, results=results)
+
+
+def test_large_magnitude_logits(ring, large_case: RingCase) -> None:
+    ring.check(ring.prepare(large_case))
+
+
+def test_odd_sizes(ring, odd_case: RingCase) -> None:
+    ring.check(ring.prepare(odd_case))

@@ -1,0 +1,79 @@
+"""Hypothesis strategies shared by the reference's tests: small attention problems, every draw
+labelled so a failure prints the shape that broke."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+
+# The oracle is tested harder than the code under test, and its cases are cheap: at least 50
+# examples per property, more when the active profile (dev/ci/nightly, chosen by the root
+# conftest before this module is imported) asks for more.
+REFERENCE_SETTINGS = settings(deadline=None, max_examples=max(50, settings().max_examples))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """query (batch, heads, seq_q, head_dim); key/value (batch, heads_kv, seq_k, head_dim)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    is_causal: bool
+    scale: float | None
+
+    @property
+    def groups(self) -> int:
+        return self.query.shape[1] // self.key.shape[1]
+
+
+def make_problem(
+    seed: int,
+    batch: int,
+    heads_kv: int,
+    groups: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    is_causal: bool,
+    scale: float | None,
+    magnitude: float = 1.0,
+) -> Problem:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads_kv * groups, seq_q, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, heads_kv, seq_k, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, heads_kv, seq_k, head_dim, generator=gen, dtype=torch.float64)
+    return Problem(q * magnitude, k * magnitude, v, is_causal, scale)
+
+
+def draw_problem(
+    data: st.DataObject,
+    *,
+    max_seq: int = 10,
+    cross: bool = True,
+    causal: bool | None = None,
+    magnitude: float = 1.0,
+) -> Problem:
+    """Draw a small problem. cross: allow seq_k != seq_q when not causal. causal: fix is_causal
+    (None: draw it)."""
+    is_causal = data.draw(st.booleans(), label="is_causal") if causal is None else causal
+    seq_q = data.draw(st.integers(1, max_seq), label="seq_q")
+    seq_k = seq_q
+    if cross and not is_causal:
+        seq_k = data.draw(st.integers(1, max_seq), label="seq_k")
+    scale = data.draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="scale")
+    return make_problem(
+        seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
+        batch=data.draw(st.integers(1, 2), label="batch"),
+        heads_kv=data.draw(st.integers(1, 2), label="heads_kv"),
+        groups=data.draw(st.integers(1, 3), label="gqa_groups"),
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=data.draw(st.integers(1, 8), label="head_dim"),
+        is_causal=is_causal,
+        scale=scale,
+        magnitude=magnitude,
+    )
