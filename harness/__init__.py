@@ -1,0 +1,69 @@
+"""Multiprocess test harness: persistent rank pools, fault handling, collective accounting.
+
+Suites use::
+
+    from harness import get_pool, RankContext, CaseFailure
+
+    def my_case(ctx: RankContext, n: int) -> float:      # module level: it is pickled to the ranks
+        x = torch.full((n,), float(ctx.rank), device=ctx.device)
+        torch.distributed.all_reduce(x, group=ctx.group)
+        return x.sum().item()
+
+    values = get_pool(world_size=2).run(my_case, 4)     # [4.0, 4.0], index = rank
+
+``pool.run`` raises a :class:`CaseFailure` subclass (:class:`RankError`, :class:`RankCrashed`,
+:class:`CaseTimeout`) naming every failed rank with its traceback or stack; ``pool.run_outcomes``
+returns every rank's :class:`RankOutcome` for tests that expect ranks to raise.
+:class:`CollectiveLog` counts the collectives a rank issues, per phase.
+
+Importing this package does not import torch; the parts that need it import it when used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from harness.context import RankContext
+from harness.errors import (
+    CaseFailure,
+    CaseTimeout,
+    HarnessError,
+    PoolStartError,
+    PoolUnavailable,
+    RankCrashed,
+    RankError,
+    RankOutcome,
+)
+from harness.pool import Pool, RankPool, active_pools, get_pool, shutdown_all_pools
+
+if TYPE_CHECKING:
+    from harness.accounting import CollectiveCall, CollectiveLog
+
+
+def __getattr__(name: str) -> Any:
+    # CollectiveLog needs torch; keep `import harness` light for the pytest controller.
+    if name in ("CollectiveLog", "CollectiveCall"):
+        from harness import accounting
+
+        return getattr(accounting, name)
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")
+
+
+__all__ = [
+    "CaseFailure",
+    "CaseTimeout",
+    "CollectiveCall",
+    "CollectiveLog",
+    "HarnessError",
+    "Pool",
+    "PoolStartError",
+    "PoolUnavailable",
+    "RankContext",
+    "RankCrashed",
+    "RankError",
+    "RankOutcome",
+    "RankPool",
+    "active_pools",
+    "get_pool",
+    "shutdown_all_pools",
+]

@@ -1,0 +1,45 @@
+"""This project's ring attention as an implementation under test (the suites' default)."""
+
+from __future__ import annotations
+
+import ring_impl
+from harness.implementation import Capabilities
+from ring_impl import debug
+
+ALL_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
+
+CAPABILITIES = Capabilities(
+    layouts=frozenset(ring_impl.LAYOUTS),
+    rotate_methods=frozenset(ring_impl.ROTATE_METHODS),
+    dtypes=ALL_DTYPES,
+    devices=frozenset({"cpu", "cuda"}),
+    ops=frozenset({"*"}),
+    backward=True,
+    lse=True,
+    gqa=True,
+    cross_attention=True,
+    compile=True,
+    input_errors=True,
+    context_parallel=True,
+)
+
+
+class RingImplAdapter:
+    """Wraps a :class:`ring_impl.RingAttention` (or a variant of it) for the suites."""
+
+    def __init__(self, impl: ring_impl.RingAttention | None = None, name: str = "ring_impl"):
+        self.name = name
+        self.capabilities = CAPABILITIES
+        self.ring_attention = ring_impl.ring_attention if impl is None else ring_impl.bind(impl)
+        self.baseline_op = "auto"
+
+    @staticmethod
+    def collective_schedule(world_size, rotate_method, **kwargs):
+        return ring_impl.collective_schedule(world_size, rotate_method, **kwargs)
+
+    @staticmethod
+    def record_steps():
+        return debug.record_steps()
+
+
+IMPLEMENTATION = RingImplAdapter()

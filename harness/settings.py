@@ -1,0 +1,224 @@
+"""Harness settings: their command-line options, environment fallbacks, validation and defaults.
+
+Every setting has a pytest option and a ``RING_*`` environment variable; the option wins, then the
+variable, then the default. Parsing is plain Python (no pytest) so it can be unit-tested and used
+by scripts; a bad value raises :class:`SettingsError` whose message names the option, the variable
+it may have come from, and a valid example. The pytest plugin turns that into ``pytest.UsageError``.
+
+``current()`` is the process-wide settings object that ``get_pool`` reads its defaults from (case
+timeout, rank thread count, grace period); the pytest plugin installs the session's settings with
+``install()``, scripts may do the same.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+TIERS = ("quick", "nightly")
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("gloo", "nccl")
+LAUNCHERS = ("auto", "pool", "torchrun")
+DEFAULT_WORLD_SIZES = {"quick": (1, 2, 3, 4), "nightly": (1, 2, 3, 4, 5, 6, 7, 8)}
+DEFAULT_CASE_TIMEOUT_S = 60.0
+DEFAULT_GRACE_S = 2.0
+DEFAULT_RANK_THREADS = 1
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the option and says what to use instead."""
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One harness setting: its pytest option, environment variable, parser and help text.
+
+    ``parse`` turns the raw string into a value or raises ``ValueError`` with what was wrong;
+    ``example`` is a valid value quoted in error messages.
+    """
+
+    dest: str
+    flag: str
+    env: str
+    help: str
+    parse: Callable[[str], Any]
+    example: str
+    choices: tuple[str, ...] | None = None
+
+
+def _parse_world_sizes(raw: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in raw.replace(" ", ",").split(",") if p.strip()]
+    if not parts:
+        raise ValueError("no world size given")
+    sizes: list[int] = []
+    for part in parts:
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"{part!r} is not a positive integer")
+        if int(part) not in sizes:
+            sizes.append(int(part))
+    return tuple(sorted(sizes))
+
+
+def _parse_choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{raw!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _parse_positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{raw!r} must be a positive, finite number of seconds")
+    return value
+
+
+def _parse_positive_int(raw: str) -> int:
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"{raw!r} is not a positive integer")
+    return int(raw)
+
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec(
+        "world_sizes", "--world-sizes", "RING_WORLD_SIZES",
+        "Comma-separated world sizes to run (default 1,2,3,4; nightly tier 1..8)",
+        _parse_world_sizes, "1,2,4",
+    ),
+    OptionSpec(
+        "device", "--device", "RING_DEVICE",
+        "Device the ranks compute on: cpu or cuda (default cpu)",
+        _parse_choice(DEVICES), "cpu", DEVICES,
+    ),
+    OptionSpec(
+        "dist_backend", "--dist-backend", "RING_DIST_BACKEND",
+        "torch.distributed backend: gloo or nccl (default gloo on cpu, nccl on cuda)",
+        _parse_choice(BACKENDS), "gloo", BACKENDS,
+    ),
+    OptionSpec(
+        "case_timeout", "--case-timeout", "RING_CASE_TIMEOUT",
+        "Seconds a distributed case may take before its ranks' stacks are dumped and the pool is rebuilt (default 60)",
+        _parse_positive_float, "60",
+    ),
+    OptionSpec(
+        "tier", "--tier", "RING_TIER",
+        "Test tier: quick (default) or nightly (full matrix, world sizes up to 8, more examples)",
+        _parse_choice(TIERS), "quick", TIERS,
+    ),
+    OptionSpec(
+        "rank_threads", "--rank-threads", "RING_RANK_THREADS",
+        "torch intra-op threads per CPU rank (default 1, so -n auto does not oversubscribe)",
+        _parse_positive_int, "1",
+    ),
+    OptionSpec(
+        "launcher", "--launcher", "RING_LAUNCHER",
+        "How ranks are launched: pool (rank processes per pytest worker), torchrun (this pytest is one torchrun rank) or auto (torchrun when its environment is present)",
+        _parse_choice(LAUNCHERS), "auto", LAUNCHERS,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class HarnessSettings:
+    """The resolved settings of one session (or script)."""
+
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES["quick"]
+    device: str = "cpu"
+    backend: str = "gloo"
+    case_timeout: float = DEFAULT_CASE_TIMEOUT_S
+    tier: str = "quick"
+    rank_threads: int = DEFAULT_RANK_THREADS
+    launcher: str = "pool"
+    grace: float = DEFAULT_GRACE_S
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def with_(self, **changes: Any) -> HarnessSettings:
+        return replace(self, **changes)
+
+
+def default_backend(device: str) -> str:
+    """The natural backend of a device: nccl for cuda, gloo otherwise."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def torchrun_env_present(env: Mapping[str, str]) -> bool:
+    """True when this process was launched as one rank by torchrun (or another env:// launcher)."""
+    return all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> HarnessSettings:
+    """Resolve settings from option values (``None`` = not given) and the environment.
+
+    Raises :class:`SettingsError` naming the option (and variable) and a valid example.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for spec in OPTIONS:
+        raw = cli.get(spec.dest)
+        origin = spec.flag
+        if raw is None and env.get(spec.env, "").strip():
+            raw, origin = env[spec.env], f"{spec.env} (environment)"
+        if raw is None:
+            continue
+        try:
+            values[spec.dest] = spec.parse(str(raw))
+        except ValueError as exc:
+            raise SettingsError(
+                f"{spec.flag}: {exc} (value from {origin}); use e.g. {spec.flag} {spec.example}"
+                + (f" or unset {spec.env}" if origin != spec.flag else "")
+            ) from None
+        sources[spec.dest] = origin
+
+    tier = values.get("tier", "quick")
+    device = values.get("device", "cpu")
+    backend = values.get("dist_backend", default_backend(device))
+    if backend == "nccl" and device != "cuda":
+        raise SettingsError(
+            "--dist-backend nccl needs --device cuda (nccl only moves GPU tensors); "
+            "use --dist-backend gloo for CPU ranks"
+        )
+    launcher = values.get("launcher", "auto")
+    if launcher == "auto":
+        launcher = "torchrun" if torchrun_env_present(env) else "pool"
+    elif launcher == "torchrun" and not torchrun_env_present(env):
+        raise SettingsError(
+            "--launcher torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are not all set; "
+            "start pytest through torchrun (torchrun --nproc-per-node=2 -m pytest ...) "
+            "or use --launcher pool"
+        )
+    return HarnessSettings(
+        world_sizes=values.get("world_sizes", DEFAULT_WORLD_SIZES[tier]),
+        device=device,
+        backend=backend,
+        case_timeout=values.get("case_timeout", DEFAULT_CASE_TIMEOUT_S),
+        tier=tier,
+        rank_threads=values.get("rank_threads", DEFAULT_RANK_THREADS),
+        launcher=launcher,
+        sources=sources,
+    )
+
+
+_current: HarnessSettings | None = None
+
+
+def current() -> HarnessSettings:
+    """The settings of this process: installed by the pytest plugin, else resolved from RING_*."""
+    global _current
+    if _current is None:
+        _current = resolve({})
+    return _current
+
+
+def install(settings: HarnessSettings) -> None:
+    """Make ``settings`` the process-wide defaults for pools created from now on."""
+    global _current
+    _current = settings

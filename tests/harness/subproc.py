@@ -1,0 +1,48 @@
+"""Helpers for acceptance tests that run pytest (or torchrun) in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TARGETS = Path(__file__).resolve().parent / "targets"
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment without the variables of the outer pytest, xdist, torchrun and RING_*."""
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "RING_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "GROUP_RANK", "CI")
+    }
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    env.update(extra or {})
+    return env
+
+
+def pytest_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+
+
+def run_pytest(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run pytest in the repository root; stdout and stderr are merged into ``stdout``."""
+    return subprocess.run(
+        pytest_command(*args), cwd=REPO_ROOT, env=clean_env(env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False,
+    )
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

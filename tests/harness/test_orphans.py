@@ -1,0 +1,80 @@
+"""No rank process outlives its pytest process, however that process ends (real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.procs import pid_alive
+from tests.harness.subproc import REPO_ROOT, TARGETS, clean_env, pytest_command, wait_until
+
+TARGET = str(TARGETS / "target_orphans.py")
+
+
+def start_pytest(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    pids_file = tmp_path / "pids.json"
+    log = tmp_path / "pytest.log"
+    proc = subprocess.Popen(
+        pytest_command(TARGET, "-q", *extra),
+        cwd=REPO_ROOT,
+        env=clean_env({"HARNESS_TEST_PIDS_FILE": str(pids_file)}),
+        stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # signals below reach pytest alone, not this test's process group
+    )
+    return proc, pids_file, log
+
+
+def read_pids(proc: subprocess.Popen[str], pids_file: Path, log: Path) -> dict[str, Any]:
+    if not wait_until(lambda: pids_file.exists() or proc.poll() is not None, timeout=90):
+        pytest.fail(f"the target never started its pool; its output:\n{log.read_text()}")
+    if not pids_file.exists():
+        pytest.fail(f"the target exited ({proc.returncode}) before starting its pool:\n{log.read_text()}")
+    info: dict[str, Any] = json.loads(pids_file.read_text())
+    assert len(info["rank_pids"]) == 2 and all(pid_alive(p) for p in info["rank_pids"])
+    return info
+
+
+def assert_all_gone(pids: list[int], log: Path, what: str) -> None:
+    __tracebackhide__ = True
+    if not wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=15):
+        survivors = [p for p in pids if pid_alive(p)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"{what}: processes {survivors} outlived pytest by 15 s; pytest output:\n{log.read_text()}")
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_no_rank_outlives_a_killed_pytest(tmp_path: Path, sig: signal.Signals) -> None:
+    proc, pids_file, log = start_pytest(tmp_path)
+    try:
+        info = read_pids(proc, pids_file, log)
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=30)
+        assert_all_gone(info["rank_pids"] + info["forkserver_pids"], log, f"after {sig.name} to pytest")
+    finally:
+        kill_group(proc)
+
+
+def test_no_rank_outlives_a_dead_xdist_worker(tmp_path: Path) -> None:
+    proc, pids_file, log = start_pytest(tmp_path, "-n", "1", "--max-worker-restart", "0")
+    try:
+        info = read_pids(proc, pids_file, log)
+        assert info["pytest_pid"] != proc.pid, "the case should run in an xdist worker"
+        os.kill(info["pytest_pid"], signal.SIGKILL)
+        assert_all_gone(info["rank_pids"] + info["forkserver_pids"], log, "after SIGKILL to the xdist worker")
+    finally:
+        kill_group(proc)
