@@ -1,0 +1,94 @@
+"""Rank-side bad-input cases: each must raise on every rank, before any collective can hang.
+
+Several problems exist on one rank only (a dtype, a length), which is the hard part: the other
+ranks have valid input and would otherwise wait forever in the first ring collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from harness.implementation import load_implementation
+
+__all__ = ["BAD_INPUTS", "bad_input_case"]
+
+#: kind -> (what the error message must mention (regex, case-insensitive), needs)
+#: ``needs``: None, "context_parallel" (the SDPA route) or "cuda".
+BAD_INPUTS: dict[str, tuple[str, str | None]] = {
+    "dtype_on_one_rank": (r"dtype", None),
+    "device_mismatch": (r"device", "cuda"),
+    "batch_mismatch": (r"batch", None),
+    "head_dim_mismatch": (r"head_dim|head dim", None),
+    "gqa_heads_not_divisible": (r"heads", None),
+    "lengths_differ_between_ranks": (r"seq|length", None),
+    "causal_cross_lengths": (r"causal", None),
+    "layout_cannot_shard": (r"head_tail|even|layout", None),
+    "unknown_op": (r"\bop\b|attention op", "ops"),
+    "unknown_rotation": (r"rotate", None),
+    "unknown_layout": (r"layout", None),
+    "options_differ_between_ranks": (r"causal", None),
+    "nan_scale": (r"scale", None),
+    "sdpa_attn_mask": (r"attn_mask|mask", "context_parallel"),
+    "sdpa_dropout": (r"dropout", "context_parallel"),
+}
+
+
+def _qkv(ctx, batch=2, heads=4, heads_kv=4, seq=8, seq_kv=None, head_dim=16, dtype=torch.float32):
+    seq_kv = seq if seq_kv is None else seq_kv
+    q = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=ctx.device)
+    k = torch.randn(batch, heads_kv, seq_kv, head_dim, dtype=dtype, device=ctx.device)
+    v = torch.randn(batch, heads_kv, seq_kv, head_dim, dtype=dtype, device=ctx.device)
+    return q, k, v
+
+
+def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
+    """Call the implementation with the bad input ``kind``; return "no error" if nothing raised."""
+    impl = load_implementation(impl_spec)
+    last = ctx.rank == ctx.world_size - 1
+    kw: dict[str, Any] = dict(group=ctx.group, is_causal=False, rotate_method="allgather", layout="contiguous")
+    q, k, v = _qkv(ctx)
+    if kind == "dtype_on_one_rank":
+        if last:
+            k = k.double()
+    elif kind == "device_mismatch":
+        k = k.cpu()
+    elif kind == "batch_mismatch":
+        k, v = k[:1], v[:1]
+    elif kind == "head_dim_mismatch":
+        k, v = k[..., :8], v[..., :8]
+    elif kind == "gqa_heads_not_divisible":
+        q, k, v = _qkv(ctx, heads=4, heads_kv=3)
+    elif kind == "lengths_differ_between_ranks":
+        q, k, v = _qkv(ctx, seq=10 if last else 8)
+    elif kind == "causal_cross_lengths":
+        q, k, v = _qkv(ctx, seq=8, seq_kv=16)
+        kw["is_causal"] = True
+    elif kind == "layout_cannot_shard":
+        q, k, v = _qkv(ctx, seq=3)
+        kw.update(layout="head_tail", is_causal=True)
+    elif kind == "unknown_op":
+        kw["op"] = "no_such_op"
+    elif kind == "unknown_rotation":
+        kw["rotate_method"] = "ring_of_fire"
+    elif kind == "unknown_layout":
+        kw["layout"] = "zigzag_spiral"
+    elif kind == "options_differ_between_ranks":
+        kw["is_causal"] = ctx.rank == 0
+    elif kind == "nan_scale":
+        kw["scale"] = float("nan")
+    elif kind in ("sdpa_attn_mask", "sdpa_dropout"):
+        from suites.cases_api import _mesh, api_of
+
+        api = api_of(impl_spec)
+        mask = torch.ones(8, 8, dtype=torch.bool, device=ctx.device).tril()
+        extra = {"attn_mask": mask} if kind == "sdpa_attn_mask" else {"dropout_p": 0.1}
+        with api.context_parallel(_mesh(ctx)):
+            F.scaled_dot_product_attention(q, k, v, **extra)
+        return "no error"
+    else:
+        raise KeyError(f"unknown bad-input kind {kind!r}")
+    impl.obj.ring_attention(q, k, v, **kw)
+    return "no error"

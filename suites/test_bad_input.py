@@ -1,0 +1,45 @@
+"""Bad input: every error class raises on every rank with a clear message, never a hang.
+
+A hang would surface as the harness's CaseTimeout with every rank's stack; a rank that returns
+normally while another raises fails here with the outcome of each rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from suites.cases_errors import BAD_INPUTS, bad_input_case
+from suites.matrix import world_sizes
+
+TIMEOUT_S = 30.0
+
+
+def pytest_generate_tests(metafunc):
+    if "w" in metafunc.fixturenames:
+        sizes = world_sizes(metafunc.config, at_least=2, at_most=4)
+        ends = sorted({sizes[0], sizes[-1]}) if sizes else []  # the smallest and largest ring
+        metafunc.parametrize("w", [pytest.param(w, id=f"W{w}") for w in ends])
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_INPUTS))
+def test_bad_input_raises_on_every_rank(ring, device: str, w: int, kind: str) -> None:
+    ring.require("input_errors", why="raises on every rank for bad input")
+    pattern, needs = BAD_INPUTS[kind]
+    if needs == "cuda" and device != "cuda":
+        pytest.skip("needs CUDA (tensors on two devices): run on a CUDA machine with --device cuda")
+    if needs == "context_parallel":
+        ring.require("context_parallel", why="the SDPA route")
+    if needs == "ops":
+        ring.require("ops", "*", why="selecting an op by name")
+    outcomes = ring.rank_pool(w).run_outcomes(bad_input_case, ring.impl.spec, kind, timeout=min(TIMEOUT_S, ring.timeout))
+    summary = "\n".join(
+        f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}") for o in outcomes
+    )
+    assert all(not o.ok for o in outcomes), f"{kind}: not every rank raised\n{summary}"
+    assert any(re.search(pattern, o.exc_message, re.IGNORECASE) for o in outcomes), (
+        f"{kind}: no rank's error mentions /{pattern}/; errors must say what was wrong\n{summary}"
+    )
+    for o in outcomes:
+        assert len(o.exc_message) >= 20, f"{kind}: rank {o.rank}'s error is too terse to act on: {o.exc_message!r}"
