@@ -76,6 +76,18 @@ class RingAttention:
         )
         return out, lse
 
+    def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: StepPlan):
+        """One step's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads."""
+        return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale)
+
+    def kv_rotation(self, cfg: RingConfig, kv: torch.Tensor):
+        """Source of each step's packed key/value block (see ring_impl.comm)."""
+        return make_kv_rotation(kv, cfg.group, cfg.rotate_method)
+
+    def grad_rotation(self, cfg: RingConfig, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+        """Where each step's dK/dV contribution goes; ``result()`` is this rank's own block's gradient."""
+        return make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method)
+
     def merge(self, out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
         merge_into(out_acc, lse_acc, block_out, block_lse)
 
@@ -88,7 +100,7 @@ class RingAttention:
         acc = self.accumulation_dtype(query.dtype)
         out_acc = torch.empty(b, h, sq, d, dtype=acc, device=query.device)
         lse_acc = torch.empty(b, h, sq, dtype=acc, device=query.device)
-        rotation = make_kv_rotation(self.pack_kv(key, value), cfg.group, cfg.rotate_method)
+        rotation = self.kv_rotation(cfg, self.pack_kv(key, value))
         recorder = debug.active_recorder()
         for plan in self.plan(cfg, sq, key.shape[2]):
             kv = rotation.block(plan.step)
@@ -112,23 +124,22 @@ class RingAttention:
         acc = self.accumulation_dtype(query.dtype)
         dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
         kv_local = self.pack_kv(key, value)
-        rotation = make_kv_rotation(kv_local, cfg.group, cfg.rotate_method)
-        grads = make_grad_rotation(kv_local.shape, acc, query.device, cfg.group, cfg.rotate_method)
+        rotation = self.kv_rotation(cfg, kv_local)
+        grads = self.grad_rotation(cfg, kv_local.shape, acc, query.device)
         for plan in self.plan(cfg, query.shape[2], key.shape[2]):
             kv = rotation.block(plan.step)
             contribution = None
             if not plan.skipped:
                 q0, q1 = plan.q_rows
-                dq, dk, dv = call_backward(
-                    cfg.op,
+                dq, dk, dv = self.block_backward(
+                    cfg,
                     _rows(grad_out, plan.q_rows),
                     _rows(query, plan.q_rows),
                     _rows(kv[0], plan.kv_rows),
                     _rows(kv[1], plan.kv_rows),
                     _rows(out, plan.q_rows),
                     _rows(lse, plan.q_rows),
-                    is_causal=plan.is_causal,
-                    scale=cfg.scale,
+                    plan,
                 )
                 dq_acc[:, :, q0:q1] += dq
                 contribution = (plan.kv_rows, dk, dv)
