@@ -76,6 +76,13 @@ def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str
     spec = case.inputs
     ref = reference_for(spec, case.is_causal)
     base = baseline_for(spec, case.is_causal, case.op or baseline_op)
+    expected = {"out"} | ({"lse"} if case.return_lse else set()) | ({"dq", "dk", "dv"} if case.backward else set())
+    missing = [f"{name}[rank={rank}]" for rank, r in enumerate(results) for name in sorted(expected) if r.get(name) is None]
+    if missing:
+        raise AssertionError(
+            f"no result for {', '.join(missing)}: the output or LSE was not returned, or the gradient did not reach "
+            f"that input (it was detached, or backward returned None for it) [{case.label}]"
+        )
     got = unshard_results(results, case.layout)
     verdicts = []
     for name in QUANTITIES:
