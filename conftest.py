@@ -3,4 +3,4 @@
 Kept thin on purpose; everything lives in harness/pytest_plugin.py so it can be tested and reused.
 """
 
-pytest_plugins = ["harness.pytest_plugin", "suites.plugin"]
+pytest_plugins = ["harness.pytest_plugin", "suites.plugin", "suites.reporting"]
