@@ -17,8 +17,8 @@ from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .comm import ROTATE_METHODS
 from .context_parallel import context_parallel, context_parallel_unshard
 from .layout import LAYOUTS, shard, unshard
-from .parallel_style import ContextParallel
 from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
+from .parallel_style import ContextParallel
 from .ring import RingAttention
 from .schedule import collective_schedule
 from .validate import InputError

@@ -11,7 +11,7 @@ from .ops import AttentionOp, default_scale, resolve_op
 from .ring import RingAttention, RingConfig, ring_attention_fn
 from .validate import InputError, agree_across_ranks, local_problem
 
-__all__ = ["ring_attention", "set_rotate_method", "get_rotate_method", "bind"]
+__all__ = ["bind", "get_rotate_method", "ring_attention", "set_rotate_method"]
 
 _DEFAULT_ROTATE = ["allgather"]
 

@@ -28,6 +28,7 @@ a step still forwards what it received; nothing can deadlock on a skipped step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,9 +37,9 @@ __all__ = [
     "ROTATE_METHODS",
     "RingGroup",
     "check_rotate_method",
-    "resolve_group",
-    "make_kv_rotation",
     "make_grad_rotation",
+    "make_kv_rotation",
+    "resolve_group",
 ]
 
 ROTATE_METHODS = ("allgather", "alltoall", "p2p")
@@ -105,13 +106,25 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
-class _Transfer:
-    """An in-flight transfer; ``result()`` waits and returns the received tensor."""
+class Pending(Protocol):
+    """A transfer in flight; ``result()`` waits for it and returns the received tensor."""
 
-    def __init__(self, received: torch.Tensor, others: tuple[torch.Tensor, ...] = (), device: torch.device | None = None):
+    def result(self) -> torch.Tensor: ...
+
+
+class _Transfer:
+    """A functional-collective transfer in flight."""
+
+    def __init__(
+        self,
+        received: torch.Tensor,
+        others: tuple[torch.Tensor, ...] = (),
+        device: torch.device | None = None,
+        shape: torch.Size | None = None,
+    ):
         self._received = received
         self._others = others  # send handles: waited too, so the send buffer is not reused early
-        self._device = device
+        self._device, self._shape = device, shape
         self._done = False
 
     def result(self) -> torch.Tensor:
@@ -121,7 +134,8 @@ class _Transfer:
         for t in self._others:
             _wait(t)
         out = _wait(self._received)
-        return out if self._device is None else out.to(self._device)
+        out = out if self._device is None else out.to(self._device)
+        return out if self._shape is None else out.view(self._shape)
 
 
 def _stage(t: torch.Tensor, g: RingGroup) -> tuple[torch.Tensor, torch.device | None]:
@@ -130,7 +144,7 @@ def _stage(t: torch.Tensor, g: RingGroup) -> tuple[torch.Tensor, torch.device | 
     return t, None
 
 
-def shift(t: torch.Tensor, g: RingGroup, method: str) -> _Transfer:
+def shift(t: torch.Tensor, g: RingGroup, method: str) -> Pending:
     """Start sending ``t`` to rank+1 while receiving the same shape from rank-1."""
     flat, device = _stage(t.reshape(-1), g)
     if method == "p2p" and not torch.compiler.is_compiling():
@@ -140,41 +154,35 @@ def shift(t: torch.Tensor, g: RingGroup, method: str) -> _Transfer:
         works = dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, flat, g.next_global, g.pg), dist.P2POp(dist.irecv, recv, g.prev_global, g.pg)]
         )
-        return _ViewTransfer(_WorkTransfer(recv, works, flat, device), t.shape)
+        return _WorkTransfer(recv, works, flat, device, t.shape)
     if method == "p2p":
         recv = torch.empty_like(flat)
         send_h, recv_h = _c10d.batch_p2p_ops(
             ["isend", "irecv"], [g.next_global, g.prev_global], [0, 0], [flat, recv], g.group_name
         )
-        return _ViewTransfer(_Transfer(recv_h, (send_h,), device), t.shape)
+        return _Transfer(recv_h, (send_h,), device, t.shape)
     n = flat.numel()
     in_splits = [0] * g.world_size
     out_splits = [0] * g.world_size
     in_splits[(g.rank + 1) % g.world_size] = n
     out_splits[(g.rank - 1) % g.world_size] = n
     recv = _c10d.all_to_all_single(flat, out_splits, in_splits, g.group_name)
-    return _ViewTransfer(_Transfer(recv, (), device), t.shape)
+    return _Transfer(recv, (), device, t.shape)
 
 
 class _WorkTransfer:
     """An eager c10d transfer: waits its works; keeps the send buffer alive until then."""
 
-    def __init__(self, recv: torch.Tensor, works, send_buf: torch.Tensor, device: torch.device | None):
-        self._recv, self._works, self._send_buf, self._device = recv, works, send_buf, device
+    def __init__(self, recv: torch.Tensor, works, send_buf: torch.Tensor, device: torch.device | None, shape: torch.Size):
+        self._recv, self._works, self._device, self._shape = recv, works, device, shape
+        self._send_buf: torch.Tensor | None = send_buf
 
     def result(self) -> torch.Tensor:
         for w in self._works:
             w.wait()
-        self._works, self._send_buf = (), None
-        return self._recv if self._device is None else self._recv.to(self._device)
-
-
-class _ViewTransfer:
-    def __init__(self, inner: _Transfer | _WorkTransfer, shape: torch.Size):
-        self._inner, self._shape = inner, shape
-
-    def result(self) -> torch.Tensor:
-        return self._inner.result().view(self._shape)
+        self._works, self._send_buf = [], None
+        out = self._recv if self._device is None else self._recv.to(self._device)
+        return out.view(self._shape)
 
 
 class _RingKV:
@@ -182,7 +190,7 @@ class _RingKV:
 
     def __init__(self, kv: torch.Tensor, g: RingGroup, method: str):
         self._kv, self._g, self._method = kv, g, method
-        self._pending: _ViewTransfer | None = None
+        self._pending: Pending | None = None
 
     def block(self, step: int) -> torch.Tensor:
         current = self._kv if step == 0 else self._pending.result()  # type: ignore[union-attr]
@@ -223,7 +231,7 @@ class _RingGrads:
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device, g: RingGroup, method: str):
         self._shape, self._dtype, self._device = shape, dtype, device
         self._g, self._method = g, method
-        self._pending: _ViewTransfer | None = None
+        self._pending: Pending | None = None
 
     def add(self, step: int, kv_rank: int, contribution: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None) -> None:
         """Add this rank's dK/dV for the step's block (None when skipped) and pass it on."""

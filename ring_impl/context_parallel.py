@@ -37,7 +37,7 @@ from .comm import resolve_group
 from .layout import check_layout, chunk_ids, layout_divisor, shard, unshard
 from .ops import AttentionOp
 
-__all__ = ["context_parallel", "context_parallel_unshard", "sdpa_routed_to_ring", "DEFAULT_CP_LAYOUT"]
+__all__ = ["DEFAULT_CP_LAYOUT", "context_parallel", "context_parallel_unshard", "sdpa_routed_to_ring"]
 
 #: Layout of ``context_parallel`` when none is given: load balanced, as PyTorch's default.
 DEFAULT_CP_LAYOUT = "head_tail"
@@ -121,7 +121,7 @@ def sdpa_routed_to_ring(
     check_layout(layout)
     ring_sdpa = _RingSDPA(resolve_group(group), layout, rotate_method, op)
     previous = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = ring_sdpa  # type: ignore[assignment]
+    F.scaled_dot_product_attention = ring_sdpa
     try:
         with _BuiltinSDPAMode(ring_sdpa):
             yield

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["StepRecorder", "record_steps", "active_recorder"]
+__all__ = ["StepRecorder", "active_recorder", "record_steps"]
 
 
 class StepRecorder:

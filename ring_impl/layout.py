@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LAYOUTS", "chunk_ids", "layout_divisor", "shard", "unshard", "check_layout"]
+__all__ = ["LAYOUTS", "check_layout", "chunk_ids", "layout_divisor", "shard", "unshard"]
 
 LAYOUTS = ("contiguous", "head_tail")
 

@@ -29,7 +29,7 @@ from .merge import merge_into
 from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
 from .plan import StepPlan, ring_plan
 
-__all__ = ["RingConfig", "RingAttention", "ring_attention_fn"]
+__all__ = ["RingAttention", "RingConfig", "ring_attention_fn"]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from .comm import ROTATE_METHODS
 from .layout import LAYOUTS
 from .ops import AttentionOp
 
-__all__ = ["InputError", "local_problem", "agree_across_ranks", "SIGNATURE_FIELDS", "exchange_nbytes"]
+__all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes", "local_problem"]
 
 #: Fields compared across ranks; each must be equal on every rank.
 SIGNATURE_FIELDS = (
@@ -118,8 +118,8 @@ def agree_across_ranks(
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
     vec = vec if staged else vec.to(device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    vec = vec.cpu().tolist()
-    bad_ranks = [r for r in range(world) if vec[r]]
+    agreed: list[int] = vec.cpu().tolist()
+    bad_ranks = [r for r in range(world) if agreed[r]]
     if problem is not None:
         raise InputError(f"ring_attention (rank {rank}): {problem}")
     if bad_ranks:
@@ -127,7 +127,7 @@ def agree_across_ranks(
             f"ring_attention (rank {rank}): rank(s) {bad_ranks} rejected their input (see the error on "
             "those ranks); every rank raises so none is left waiting in a collective"
         )
-    hi, lo = vec[world : world + n], [-x for x in vec[world + n :]]
+    hi, lo = agreed[world : world + n], [-x for x in agreed[world + n :]]
     differing = [f"{name} ranges {lo_v}..{hi_v}" for name, lo_v, hi_v in zip(SIGNATURE_FIELDS, lo, hi) if lo_v != hi_v]
     if differing:
         raise InputError(

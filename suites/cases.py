@@ -18,7 +18,7 @@ import torch
 from harness.implementation import load_implementation, load_op
 from suites.inputs import InputSpec, local_inputs
 
-__all__ = ["RingCase", "CountingOp", "ring_case", "ring_case_twice", "resolve_case_op"]
+__all__ = ["CountingOp", "RingCase", "resolve_case_op", "ring_case", "ring_case_twice"]
 
 
 @dataclass(frozen=True)

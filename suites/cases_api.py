@@ -21,9 +21,9 @@ __all__ = [
     "api_of",
     "context_parallel_case",
     "context_parallel_exception_case",
-    "tutorial_case",
     "encoder_case",
     "llama_case",
+    "tutorial_case",
 ]
 
 

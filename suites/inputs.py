@@ -13,7 +13,7 @@ import torch
 
 from reference.layout import shard
 
-__all__ = ["DTYPES", "InputSpec", "Inputs", "make_inputs", "local_inputs"]
+__all__ = ["DTYPES", "InputSpec", "Inputs", "local_inputs", "make_inputs"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,

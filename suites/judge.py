@@ -27,7 +27,7 @@ from reference.simulate import simulate_ring
 from suites.cases import RingCase
 from suites.inputs import InputSpec, make_inputs
 
-__all__ = ["QUANTITIES", "reference_for", "baseline_for", "unshard_results", "judge", "format_failure", "diagnose_case"]
+__all__ = ["QUANTITIES", "baseline_for", "diagnose_case", "format_failure", "judge", "reference_for", "unshard_results"]
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 

@@ -17,7 +17,7 @@ from harness.pytest_plugin import settings_of
 from suites.cases import RingCase
 from suites.inputs import SHORT
 
-__all__ = ["DTYPES", "ROTATIONS", "LAYOUTS", "CPU_OPS", "tier", "world_sizes", "case_id", "params", "seed_for"]
+__all__ = ["CPU_OPS", "DTYPES", "LAYOUTS", "ROTATIONS", "case_id", "params", "seed_for", "tier", "world_sizes"]
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 ROTATIONS = ("allgather", "alltoall", "p2p")

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["LlamaLike", "rope_tables", "encoder_stack"]
+__all__ = ["LlamaLike", "encoder_stack", "rope_tables"]
 
 
 def rope_tables(seq: int, head_dim: int, dtype: torch.dtype, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,16 @@ from typing import Any
 
 import pytest
 
-from harness.implementation import Capabilities, Implementation, ImplSpecError, load_implementation, load_op
+from harness.implementation import (
+    Capabilities,
+    Implementation,
+    ImplSpecError,
+    load_implementation,
+    load_op,
+)
 from harness.pytest_plugin import add_ring_option, ring_option
 
-__all__ = ["RingRunner", "NA_PREFIX", "not_applicable"]
+__all__ = ["NA_PREFIX", "RingRunner", "not_applicable"]
 
 NA_PREFIX = "N/A: "
 

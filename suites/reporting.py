@@ -30,9 +30,9 @@ import pytest
 
 from harness.pytest_plugin import add_ring_option, ring_environment_lines, ring_option, settings_of
 from harness.report import CaseRecord, build_report, render_markdown, render_terminal, to_json
-from suites.plugin import NA_PREFIX, _IMPL_KEY, _OP_KEY
+from suites.plugin import _IMPL_KEY, _OP_KEY, NA_PREFIX
 
-__all__ = ["VendorEntry", "parse_vendor_file", "VendorFileWarning"]
+__all__ = ["VendorEntry", "VendorFileWarning", "parse_vendor_file"]
 
 SUITE_PREFIX = "suites/"
 

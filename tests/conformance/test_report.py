@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import CaseRecord, build_report, effective_ratio, render_markdown, render_terminal, to_json
+from harness.report import (
+    CaseRecord,
+    build_report,
+    effective_ratio,
+    render_markdown,
+    render_terminal,
+    to_json,
+)
 from suites.reporting import parse_vendor_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -62,6 +62,7 @@ def test_math_op_is_float64_accurate_with_cross_lengths() -> None:
     out, lse = ops.get_op("math").forward(q, k, k, is_causal=False, scale=1 / math.sqrt(8))
     want = F.scaled_dot_product_attention(q, k, k)
     torch.testing.assert_close(out, want, atol=1e-13, rtol=0)
+    torch.testing.assert_close(lse, (q @ k.transpose(-1, -2) / math.sqrt(8)).logsumexp(-1), atol=1e-13, rtol=0)
 
 
 def test_efficient_layout_pads_lse_with_garbage_that_trimming_removes() -> None:
@@ -88,7 +89,7 @@ def test_normalize_lse_rejects_a_shape_that_contradicts_the_declared_layout() ->
 
 
 def test_registry_errors_name_the_fix() -> None:
-    with pytest.raises(ValueError, match="registered ops: .*cpu_flash"):
+    with pytest.raises(ValueError, match=r"registered ops: .*cpu_flash"):
         ops.get_op("no_such_op")
     with pytest.raises(ValueError, match="replace=True"):
         ops.register_op(ops.MathOp())
