@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = {
         "harness": (1, int(1000 * scale)),
         "harness+pytest": (1, int(300 * scale)),
-        "MultiProcContinuousTest": (1, int(60 * scale)),
+        "MultiProcContinuousTest": (1, int(500 * scale)),
         "MultiProcessTestCase": (1, 3 if args.quick else 4),
     }
     results: dict[str, Any] = {

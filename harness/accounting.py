@@ -113,7 +113,7 @@ def classify(op_name: str, args: tuple[Any, ...]) -> list[tuple[str, int, int | 
         op_list, peer_list, _tags, tensors = args[0], args[1], args[2], args[3]
         return [("send" if op == "isend" else "recv" if op == "irecv" else f"other:{op_name}.{op}",
                  _nbytes(tensor), int(peer))
-                for op, peer, tensor in zip(op_list, peer_list, tensors)]
+                for op, peer, tensor in zip(op_list, peer_list, tensors, strict=False)]
     table = _EAGER if namespace == "c10d" else _FUNCTIONAL
     if name not in table:
         return [(f"other:{op_name}", 0, None)]

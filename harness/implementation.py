@@ -73,7 +73,8 @@ class Capabilities:
             unknown = sorted(set(raw) - known)
             if unknown:
                 raise ImplSpecError(f"capabilities has unknown fields {unknown}; known fields: {sorted(known)}")
-            return Capabilities(**{k: frozenset(v) if isinstance(v, (list, tuple, set)) else v for k, v in raw.items()})
+            fields: dict[str, Any] = {k: frozenset(v) if isinstance(v, (list, tuple, set)) else v for k, v in raw.items()}
+            return Capabilities(**fields)
         raise ImplSpecError(f"capabilities must be a harness.implementation.Capabilities or a dict, not {type(raw).__name__}")
 
     def declares(self, name: str, value: Any = True) -> bool | None:

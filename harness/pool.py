@@ -58,7 +58,7 @@ from harness.errors import (
     RankError,
     RankOutcome,
 )
-from harness.procs import install_parent_hooks, signal_name
+from harness.procs import install_parent_hooks, pid_alive, signal_name
 from harness.settings import BACKENDS, DEVICES, current, default_backend
 
 # Modules the forkserver imports once so every rank (and every rebuilt rank) starts with them
@@ -82,6 +82,11 @@ class Pool(Protocol):
     backend: str
     device: str
 
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the ranks this pool drives (torchrun: this process only)."""
+        ...
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
             seed: int = 0, **kwargs: Any) -> list[Any]: ...
 
@@ -91,13 +96,36 @@ class Pool(Protocol):
     def shutdown(self) -> None: ...
 
 
-def mp_context() -> BaseContext:
-    """The multiprocessing context ranks are started from: forkserver with torch preloaded."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
+def mp_context(method: str | None = None) -> BaseContext:
+    """The multiprocessing context ranks start from: the forkserver with torch preloaded (default)
+    or spawn (``--rank-start spawn``)."""
+    method = method or current().rank_start
+    if method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        _ensure_forkserver()
         return ctx
     return multiprocessing.get_context("spawn")
+
+
+def _ensure_forkserver() -> None:
+    """Start the forkserver if it is not running, with CUDA kept uninitialised in it.
+
+    Ranks are forked from it, and CUDA does not survive a fork once the driver is initialised:
+    any ``torch.cuda.is_available()`` during the preload must ask NVML, not the CUDA runtime.
+    """
+    from multiprocessing import forkserver
+
+    key = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    previous = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
 
 
 def warm_up() -> None:
@@ -106,11 +134,32 @@ def warm_up() -> None:
     Returns at once: the forkserver imports torch in the background and the first pool start
     waits for it only if it has not finished.
     """
-    ctx = mp_context()
-    if ctx.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
+    if current().rank_start == "forkserver":
+        mp_context("forkserver")
 
-        forkserver.ensure_running()
+
+_TMP_PREFIX = "ring-harness-"
+_stale_checked = False
+
+
+def _remove_stale_tmp_dirs() -> None:
+    """Remove pool directories whose owning process is gone (it was SIGKILLed: no cleanup ran).
+
+    Runs once per process. Directory names carry the owner's pid: ``ring-harness-<pid>-w<W>-*``.
+    """
+    global _stale_checked
+    if _stale_checked:
+        return
+    _stale_checked = True
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        owner = name[len(_TMP_PREFIX):].split("-", 1)[0] if name.startswith(_TMP_PREFIX) else ""
+        if owner.isdigit() and not pid_alive(int(owner)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def case_label(fallback: str) -> str:
@@ -180,7 +229,6 @@ class RankPool:
         self._pids: list[int] = []
         self._tmp_dir: str | None = None
         self._log_offsets: list[int] = []
-        self._stack_offsets: list[int] = []
         self._healthy = False
         self._case_counter = 0
 
@@ -210,6 +258,7 @@ class RankPool:
             if self._healthy:
                 return
             self._kill()
+            self._remove_tmp_dir()
             began = time.monotonic()
             self._start_processes()
             self.last_start_s = time.monotonic() - began
@@ -218,8 +267,9 @@ class RankPool:
     def _start_processes(self) -> None:
         from harness.rank_main import RankBoot, main
 
-        ctx = mp_context()
-        self._tmp_dir = tempfile.mkdtemp(prefix=f"ring-harness-{os.getpid()}-w{self.world_size}-")
+        ctx: Any = mp_context()
+        _remove_stale_tmp_dirs()
+        self._tmp_dir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-w{self.world_size}-")
         store_path = os.path.join(self._tmp_dir, "store")
         threads = self.rank_threads or current().rank_threads
         for rank in range(self.world_size):
@@ -239,43 +289,53 @@ class RankPool:
             self._conns.append(parent_end)
         self._pids = [p.pid for p in self._procs]
         self._log_offsets = [0] * self.world_size
-        self._stack_offsets = [0] * self.world_size
         self._wait_for_hello()
         self._healthy = True
 
     def _wait_for_hello(self) -> None:
+        """Wait until every rank joined the process group; on failure kill them all and raise."""
         deadline = time.monotonic() + self.start_timeout
         outcomes: dict[int, RankOutcome] = {}
         started: set[int] = set()
-        while len(started) + len(outcomes) < self.world_size and time.monotonic() < deadline:
+        failed_at: float | None = None
+        grace = self.grace if self.grace is not None else current().grace
+        while len(started) + len(outcomes) < self.world_size:
+            limit = deadline if failed_at is None else min(deadline, failed_at + grace)
+            if time.monotonic() >= limit:
+                break
             waiting = [r for r in range(self.world_size) if r not in started and r not in outcomes]
             ready = multiprocessing.connection.wait(
-                [self._conns[r] for r in waiting], timeout=max(0.0, deadline - time.monotonic()))
-            for conn in ready:
-                rank = self._conns.index(conn)
+                [self._conns[r] for r in waiting], timeout=max(0.0, limit - time.monotonic()))
+            for ready_conn in ready:
+                rank = self._conns.index(ready_conn)
                 try:
-                    message = wire.loads(conn.recv_bytes())
+                    message = wire.loads(self._conns[rank].recv_bytes())
                 except (EOFError, OSError):
                     outcomes[rank] = self._crashed(rank, "died while starting")
-                    continue
-                if message[0] == "hello":
-                    started.add(rank)
                 else:
+                    if message[0] == "hello":
+                        started.add(rank)
+                        continue
                     outcomes[rank] = RankOutcome(rank, False, None, "harness.RankStartError",
                                                  "could not join the process group", message[3],
                                                  status=ERROR)
-            if outcomes:
-                break
+                if failed_at is None:
+                    failed_at = time.monotonic()
         if len(started) == self.world_size:
             return
-        for rank in range(self.world_size):
-            if rank not in started and rank not in outcomes:
+        unfinished = [r for r in range(self.world_size) if r not in started and r not in outcomes]
+        for rank in unfinished:
+            if failed_at is None:
                 outcomes[rank] = RankOutcome(rank, False, None, "harness.RankStartTimeout",
                                              f"had not joined the process group after {self.start_timeout:g} s",
                                              status=TIMEOUT)
+            else:
+                outcomes[rank] = RankOutcome(rank, False, None, "harness.RankStartAborted",
+                                             f"was still joining the process group {grace:g} s after "
+                                             "another rank failed to start", status=ABORTED)
         for rank in started:
             outcomes[rank] = RankOutcome(rank, True, status=OK)
-        stacks = self._dump_stacks([r for r, o in outcomes.items() if o.status == TIMEOUT])
+        stacks = self._dump_stacks(unfinished)
         self._kill()
         for rank, outcome in outcomes.items():
             outcome.stack = stacks.get(rank, "")
@@ -376,12 +436,14 @@ class RankPool:
                 try:
                     self.start()
                 except PoolStartError as exc:
-                    exc.case = label
-                    raise
+                    raise PoolStartError(
+                        case=label, fn_name=fn_name, world_size=self.world_size, backend=self.backend,
+                        device=self.device, outcomes=exc.outcomes, note=exc.note,
+                        headline="the ranks could not be (re)started for this case") from None
             message = wire.dumps(("case", case_id, int(seed), label, inner))
             results: dict[int, RankOutcome] = {}
             try:
-                for rank, conn in enumerate(self._conns):
+                for conn in self._conns:
                     try:
                         conn.send_bytes(message)
                     except OSError:
@@ -495,9 +557,9 @@ class RankPool:
             ready = multiprocessing.connection.wait(pending, timeout=max(0.0, remaining))
             if not ready:
                 return False
-            for conn in ready:
+            for ready_conn in ready:
                 try:
-                    reply = wire.loads(conn.recv_bytes())
+                    reply = wire.loads(self._conns[self._conns.index(ready_conn)].recv_bytes())
                 except (EOFError, OSError):
                     return False
                 if reply[0] == "probe_ok" and reply[1] == case_id:

@@ -74,7 +74,8 @@ def ring_option(config: pytest.Config, dest: str, default: Any = None) -> Any:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     for spec in OPTIONS:
-        add_ring_option(parser, spec.flag, env=spec.env, help=spec.help, dest=f"ring_{spec.dest}")
+        add_ring_option(parser, spec.flag, env=spec.env, help=spec.help, dest=f"ring_{spec.dest}",
+                        metavar=spec.shown_as)
 
 
 def resolve_settings(config: pytest.Config) -> HarnessSettings:
@@ -206,7 +207,8 @@ def world_size_skip_reason(world_size: int, settings: HarnessSettings) -> str:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Start the forkserver (which imports torch once for every rank) while pytest gets ready.
-    if settings_of(session.config).launcher == "pool" and any(
+    settings = settings_of(session.config)
+    if settings.launcher == "pool" and settings.rank_start == "forkserver" and any(
         "rank_pool" in getattr(item, "fixturenames", ()) for item in session.items
     ):
         warm_up()
@@ -283,7 +285,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"ring attention: device={settings.device} dist-backend={settings.backend} "
         f"world-sizes={','.join(map(str, settings.world_sizes))} tier={settings.tier} "
         f"case-timeout={settings.case_timeout:g}s rank-threads={settings.rank_threads} "
-        f"launcher={settings.launcher}",
+        f"launcher={settings.launcher} rank-start={settings.rank_start}",
         f"versions: python {platform.python_version()}, torch {_version('torch')}, "
         f"numpy {_version('numpy')}, hypothesis {_version('hypothesis')}",
         "devices: " + "; ".join(inventory()),

@@ -120,6 +120,10 @@ def _init_rank(boot: RankBoot) -> tuple[RankContext, dict[str, Any]]:
         pass
     device = torch.device(boot.device)
     if device.type == "cuda":
+        if torch.cuda._is_in_bad_fork():
+            raise RuntimeError(
+                "CUDA was initialised in the process this rank was forked from, so it cannot be "
+                "used here; start ranks with --rank-start spawn (RING_RANK_START=spawn)")
         torch.cuda.set_device(device)
     store = dist.FileStore(boot.store_path, boot.world_size)
     kwargs: dict[str, Any] = {}
@@ -190,7 +194,7 @@ def main(conn: Any, boot: RankBoot) -> None:
     os.environ.update(boot.env)
     sys.path[:] = boot.sys_path
     os.chdir(boot.cwd)
-    stack_file = open(boot.stack_path, "w")  # noqa: SIM115 -- must stay open for faulthandler
+    stack_file = open(boot.stack_path, "w")  # stays open: faulthandler writes to it on SIGUSR1
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
     faulthandler.enable(file=sys.stderr, all_threads=True)
     threading.Thread(

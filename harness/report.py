@@ -51,8 +51,7 @@ class CaseRecord:
 
     @property
     def worst_ratio(self) -> float | None:
-        ratios = [effective_ratio(v) for v in self.verdicts]
-        ratios = [r for r in ratios if r is not None]
+        ratios = [r for r in (effective_ratio(v) for v in self.verdicts) if r is not None]
         return max(ratios) if ratios else None
 
 
@@ -185,7 +184,7 @@ def render_markdown(report: Report) -> str:
         lines.append("")
     na = [r for r in report.records if r.outcome == "n/a"]
     if na:
-        reasons = defaultdict(int)
+        reasons: dict[str, int] = defaultdict(int)
         for r in na:
             reasons[r.message.strip().splitlines()[0] if r.message else "undeclared capability"] += 1
         lines += ["### N/A (capabilities the implementation does not declare)", ""]

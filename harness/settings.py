@@ -21,6 +21,7 @@ TIERS = ("quick", "nightly")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("auto", "pool", "torchrun")
+RANK_STARTS = ("forkserver", "spawn")
 DEFAULT_WORLD_SIZES = {"quick": (1, 2, 3, 4), "nightly": (1, 2, 3, 4, 5, 6, 7, 8)}
 DEFAULT_CASE_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 2.0
@@ -46,6 +47,12 @@ class OptionSpec:
     parse: Callable[[str], Any]
     example: str
     choices: tuple[str, ...] | None = None
+    metavar: str = ""
+
+    @property
+    def shown_as(self) -> str:
+        """Placeholder in --help: the choices, or the metavar."""
+        return "|".join(self.choices) if self.choices else (self.metavar or "VALUE")
 
 
 def _parse_world_sizes(raw: str) -> tuple[int, ...]:
@@ -91,7 +98,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "world_sizes", "--world-sizes", "RING_WORLD_SIZES",
         "Comma-separated world sizes to run (default 1,2,3,4; nightly tier 1..8)",
-        _parse_world_sizes, "1,2,4",
+        _parse_world_sizes, "1,2,4", metavar="N[,N...]",
     ),
     OptionSpec(
         "device", "--device", "RING_DEVICE",
@@ -106,7 +113,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "case_timeout", "--case-timeout", "RING_CASE_TIMEOUT",
         "Seconds a distributed case may take before its ranks' stacks are dumped and the pool is rebuilt (default 60)",
-        _parse_positive_float, "60",
+        _parse_positive_float, "60", metavar="SECONDS",
     ),
     OptionSpec(
         "tier", "--tier", "RING_TIER",
@@ -116,12 +123,17 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "rank_threads", "--rank-threads", "RING_RANK_THREADS",
         "torch intra-op threads per CPU rank (default 1, so -n auto does not oversubscribe)",
-        _parse_positive_int, "1",
+        _parse_positive_int, "1", metavar="N",
     ),
     OptionSpec(
         "launcher", "--launcher", "RING_LAUNCHER",
         "How ranks are launched: pool (rank processes per pytest worker), torchrun (this pytest is one torchrun rank) or auto (torchrun when its environment is present)",
         _parse_choice(LAUNCHERS), "auto", LAUNCHERS,
+    ),
+    OptionSpec(
+        "rank_start", "--rank-start", "RING_RANK_START",
+        "How pool ranks start: forkserver (default; forked from a server that imported torch once, fast) or spawn (fresh interpreters: slow, for debugging a forkserver problem)",
+        _parse_choice(RANK_STARTS), "spawn", RANK_STARTS,
     ),
 )
 
@@ -137,6 +149,7 @@ class HarnessSettings:
     tier: str = "quick"
     rank_threads: int = DEFAULT_RANK_THREADS
     launcher: str = "pool"
+    rank_start: str = "forkserver"
     grace: float = DEFAULT_GRACE_S
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -203,6 +216,7 @@ def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Har
         tier=tier,
         rank_threads=values.get("rank_threads", DEFAULT_RANK_THREADS),
         launcher=launcher,
+        rank_start=values.get("rank_start", "forkserver"),
         sources=sources,
     )
 

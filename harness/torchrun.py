@@ -73,7 +73,11 @@ class TorchrunPool:
         self.ctx = RankContext(rank=self.rank, world_size=self.world_size, group=dist.group.WORLD,
                                device=torch_device, backend=backend)
         self.cases_run = 0
-        self.pids = [os.getpid()]
+
+    @property
+    def pids(self) -> list[int]:
+        """Only this rank's process is known here; the others live on their own hosts."""
+        return [os.getpid()]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
             seed: int = 0, **kwargs: Any) -> list[Any]:

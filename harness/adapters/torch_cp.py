@@ -37,33 +37,44 @@ restores them afterwards:
 - ``convert_to_f32`` stays PyTorch's default (True) unless the adapter is built with
   ``TorchContextParallel(convert_to_f32=False)``.
 
-What it supports, measured on CPU + gloo with torch 2.13 (``python harness/adapters/torch_cp.py``
-prints these figures; W = 2 and 4, batch 2, 4 heads, 16 rows per chunk, head_dim 16):
+What it supports, measured on CPU + gloo with torch 2.13 by
+``python ci/check_ring_numerics.py --world-sizes 2 4 --impl harness.adapters.torch_cp:IMPLEMENTATION``
+(batch 2, 4 heads, 8 rows per layout chunk, head_dim 16; errors are max |X - float64 reference|
+and, in brackets, the same for single-process CPU flash in the same dtype):
 
-- float32, bfloat16, float16: out, LSE and gradients agree with a float64 reference as well as
-  single-process CPU flash does (same error level), causal and non-causal, both layouts, both
-  rotations.
-- float64: accepted, but the merge and the gradient accumulation run in float32
-  (``convert_to_f32=True``): max error against a float64 reference about 3e-7 (out) and 1e-6
-  (grads), against about 1e-15 for single-process CPU flash in float64. Declared, so the suites
-  report it failing. With ``convert_to_f32=False`` float64 agrees to about 1e-15.
+- float32, bfloat16, float16: out, LSE and gradients as accurate as single-process CPU flash
+  (W=4 float32 causal head_tail: out 3.6e-7 [4.4e-7], dk 6.9e-7 [6.0e-7]; bfloat16: out 9.6e-3
+  [5.7e-3]; float16 causal: dv 3.1e-3 [3.1e-3]), causal and non-causal, both layouts where
+  PyTorch allows them, both rotations.
+- float64: accepted, but merged and accumulated in float32 (``convert_to_f32=True``, PyTorch's
+  default): W=4 out 2.2e-7 .. 4.0e-7, lse up to 6.0e-7, grads up to 6.0e-7, against about 1e-15
+  for single-process CPU flash in float64 (even W=1 rounds: the merger casts every partial to
+  float32). Declared, so the suites report it failing. ``NO_F32_CONVERSION`` below
+  (``convert_to_f32=False``) agrees to 3.6e-15.
 - non-causal attention with ``head_tail``: PyTorch raises ``RuntimeError: Load balancing
-  requires `is_causal=True``` (on every rank, before any collective). With its defaults
-  (``enable_load_balance=True``) the public API therefore rejects non-causal SDPA whenever the
-  sequence divides by ``2W``. Non-causal attention works with ``contiguous``.
-- GQA (fewer key/value heads): not supported; the CPU flash kernel rejects it and PyTorch's ring
-  does not expand heads. Not declared.
-- cross attention (non-causal, seq_kv != seq_q): works (declared).
-- LSE: returned (``return_lse=True``), in the kernel's LSE dtype.
-- ``torch.compile(fullgraph=True)``: see ``capabilities.compile`` below and the self-check.
+  requires `is_causal=True``` on every rank, before any collective. The public API turns load
+  balancing on by default whenever the sequence divides by ``2W``, so with default options it
+  rejects non-causal SDPA. Non-causal attention works with ``contiguous``.
+- GQA (fewer key/value heads): works on CPU; the CPU flash kernel in torch 2.13 maps query head
+  ``h`` to key/value head ``h // group`` itself (forward and backward), and PyTorch's ring moves
+  only the ``heads_kv`` heads. On CUDA the adapter passes ``enable_gqa`` to SDPA.
+- cross attention (non-causal, seq_kv != seq_q, ``contiguous``): works.
+- LSE: returned (``return_lse=True``) in the kernel's LSE dtype.
+- ``torch.compile(fullgraph=True)``: not supported. Dynamo stops in PyTorch's backward, which
+  passes the kernel's ``out`` argument by keyword: ``Unsupported: Attempted to call op with
+  non-contiguous `out=` tensor`` (aten._scaled_dot_product_flash_attention_for_cpu_backward).
 - bad input on one rank: PyTorch checks nothing across ranks, so a rank with a different shape
   leaves the others waiting in a collective. Not declared (``input_errors=False``).
+- ``p2p`` rotation, attention ops other than its own kernel, ring_impl's ``context_parallel``
+  API: not in PyTorch; not declared.
 
-Collective schedule (counted with :class:`harness.accounting.CollectiveLog`, exact): forward
-``allgather``: one all-gather of the packed key/value (``kv`` bytes); ``alltoall``: ``W-1``
-all-to-alls of ``kv``. Backward: the key/value again (the same as forward), plus the dK/dV
-accumulators always by all-to-all, ``W`` calls of ``dkv`` bytes (float32 elements with
-``convert_to_f32``), the first of them carrying only the owner's own contribution.
+Collective schedule (counted with :class:`harness.accounting.CollectiveLog`; equal to
+:meth:`TorchContextParallel.collective_schedule` for W = 1, 2, 4): forward ``allgather``: one
+all-gather of the packed key/value (``kv`` bytes); ``alltoall``: ``W-1`` all-to-alls of ``kv``.
+Backward: the key/value again as in forward, plus the dK/dV accumulators, always by all-to-all:
+``W`` calls of ``dkv`` bytes (float32 elements with ``convert_to_f32``). That is one hop more than
+a ring needs (the first hop carries only the owner's own contribution); even at W=1 PyTorch
+sends the accumulator to itself once.
 """
 
 from __future__ import annotations
@@ -109,7 +120,7 @@ def _restore_options(previous: tuple[Any, Any, Any]) -> None:
     opts.enable_load_balance, opts.rotate_method, opts.convert_to_f32 = previous
 
 
-class cp_options:  # noqa: N801 - used like contextlib helpers
+class cp_options:
     """``with cp_options(load_balance=..., rotate_method=...):`` PyTorch's _cp_options for a block."""
 
     def __init__(self, *, load_balance: bool, rotate_method: str, convert_to_f32: bool | None = None):
@@ -200,7 +211,7 @@ class _PublicContextParallel:
         self._cm = context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[2], no_restore_buffers={dummy})
         self._cm.__enter__()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         try:
             self._cm.__exit__(*exc)
         finally:
@@ -211,8 +222,12 @@ def _cuda_sdpa(query, key, value, mesh, is_causal, scale, return_lse):
     """Local (out, lse or None) of the SDPA call inside an entered context_parallel."""
     import torch.nn.functional as F
 
+    gqa = key.shape[1] != query.shape[1]
     if not return_lse:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale), None
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        return out, None
+    if gqa:
+        raise NotImplementedError("torch_cp on CUDA: return_lse with fewer key/value heads (GQA) has no SDPA kernel op")
     from torch.distributed.tensor import DTensor, Shard
 
     q, k, v = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (query, key, value))
@@ -257,7 +272,6 @@ class TorchContextParallel:
     def __init__(self, *, convert_to_f32: bool | None = None, name: str = "torch_cp"):
         self.name = name
         self.convert_to_f32 = convert_to_f32
-        float64_exact = convert_to_f32 is False
         self.capabilities = Capabilities(
             layouts=frozenset(LAYOUTS),
             rotate_methods=frozenset(ROTATE_METHODS),
@@ -266,14 +280,13 @@ class TorchContextParallel:
             ops=None,  # PyTorch picks its kernel; a vendor kernel cannot be plugged in
             backward=True,
             lse=True,
-            gqa=False,
+            gqa=True,
             cross_attention=True,
             compile=False,
             input_errors=False,
             context_parallel=False,
         )
         self.baseline_op = "auto"
-        self._float64_exact = float64_exact
 
     def ring_attention(self, query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None,
                        op=None, layout="contiguous", return_lse=False):
@@ -326,3 +339,7 @@ class TorchContextParallel:
 
 
 IMPLEMENTATION = TorchContextParallel()
+
+#: PyTorch's ring with ``_cp_options.convert_to_f32 = False``: merges and accumulates in the input
+#: dtype, which makes float64 exact and bfloat16/float16 worse (merged in 16 bits).
+NO_F32_CONVERSION = TorchContextParallel(convert_to_f32=False, name="torch_cp[convert_to_f32=False]")

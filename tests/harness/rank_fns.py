@@ -165,11 +165,11 @@ def functional_collectives(ctx: RankContext) -> dict[str, Any]:
     with log, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         with log.phase("forward"):
-            fc.all_reduce(x, "sum", group).wait()
-            fc.all_gather_tensor(x, 0, group).wait()
-            fc.reduce_scatter_tensor(x, "sum", 0, group).wait()
-            fc.all_to_all_single(x, None, None, group).wait()
-            fc.broadcast(x, 0, group).wait()
+            fc.wait_tensor(fc.all_reduce(x, "sum", group))
+            fc.wait_tensor(fc.all_gather_tensor(x, 0, group))
+            fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", 0, group))
+            fc.wait_tensor(fc.all_to_all_single(x, None, None, group))
+            fc.wait_tensor(fc.broadcast(x, 0, group))
             sent, received = torch.ops._c10d_functional.batch_p2p_ops(
                 ["isend", "irecv"], [peer, peer], [0, 0], [torch.ones(2), torch.empty(2)], name)  # 8 + 8 bytes
             torch.ops._c10d_functional.wait_tensor(sent)
@@ -197,3 +197,13 @@ def calls_outside_phase(ctx: RankContext) -> dict[str, Any]:
             dist.all_reduce(torch.ones(3), group=ctx.group)
     dist.all_reduce(torch.ones(4), group=ctx.group)  # outside the log: not recorded
     return log.summary()
+
+
+def segfault_on(ctx: RankContext, bad_rank: int) -> float:
+    """``bad_rank`` dies of a segmentation fault (like a kernel bug); the others wait in an all_reduce."""
+    if ctx.rank == bad_rank:
+        print(f"rank {ctx.rank} about to crash", flush=True)
+        import faulthandler
+
+        faulthandler._sigsegv()  # type: ignore[attr-defined]
+    return all_reduce_sum(ctx, 1)

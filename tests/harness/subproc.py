@@ -26,8 +26,14 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# Only the harness plugin: the root conftest also lists the suites' plugins, which import the
+# implementation under test and write reports; the harness's acceptance tests must depend on
+# neither, nor pay for them in every run. No cache either (concurrent runs share the repo).
+ISOLATION_ARGS = ("-p", "no:cacheprovider", "--noconftest", "-p", "harness.pytest_plugin")
+
+
 def pytest_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+    return [sys.executable, "-m", "pytest", *ISOLATION_ARGS, *args]
 
 
 def run_pytest(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

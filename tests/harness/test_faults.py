@@ -36,10 +36,11 @@ def test_rank_raises_while_peer_waits_in_collective(pool: RankPool) -> None:
     old = pool.pids
     began = time.monotonic()
     with pytest.raises(RankError) as info:
-        pool.run(rank_fns.raise_on, 1, True, timeout=FAULT_TIMEOUT_S)
+        pool.run(rank_fns.raise_on, 1, True, timeout=60.0)
     elapsed = time.monotonic() - began
-    # the peer is not waited on for the full timeout, only for the grace period
-    assert elapsed < settings.current().grace + 4.0, f"took {elapsed:.1f} s"
+    # the blocked peer is not waited on for the 60 s timeout, only for the grace period
+    # (plus stack collection and slack for a loaded machine)
+    assert elapsed < settings.current().grace + 10.0, f"took {elapsed:.1f} s"
     failure = info.value
     assert failure.outcomes[1].status == "error"
     assert failure.outcomes[1].exc_message == "bad input detected on rank 1"
@@ -78,6 +79,20 @@ def test_rank_killed_by_sigkill(pool: RankPool) -> None:
     assert_next_case_passes(pool, old)
 
 
+def test_segfault_report_carries_the_rank_output_and_fatal_error(pool: RankPool) -> None:
+    old = pool.pids
+    with pytest.raises(RankCrashed) as info:
+        pool.run(rank_fns.segfault_on, 1, timeout=FAULT_TIMEOUT_S)
+    crashed = info.value.outcomes[1]
+    assert "killed by signal SIGSEGV" in crashed.exc_message
+    # what the rank printed, and faulthandler's fatal-error stack, are in the report
+    assert "rank 1 about to crash" in crashed.output
+    assert "Fatal Python error: Segmentation fault" in crashed.output
+    assert "segfault_on" in crashed.output
+    assert "rank 1 about to crash" in str(info.value)
+    assert_next_case_passes(pool, old)
+
+
 def test_every_rank_hangs_in_a_collective(pool: RankPool) -> None:
     old = pool.pids
     timeout = 3.0
@@ -85,7 +100,7 @@ def test_every_rank_hangs_in_a_collective(pool: RankPool) -> None:
     with pytest.raises(CaseTimeout) as info:
         pool.run(rank_fns.hang_in_collective, timeout=timeout)
     elapsed = time.monotonic() - began
-    assert timeout <= elapsed < timeout + 5.0, f"took {elapsed:.1f} s for a {timeout} s timeout"
+    assert timeout <= elapsed < timeout + 10.0, f"took {elapsed:.1f} s for a {timeout} s timeout"
     for outcome in info.value.outcomes:
         assert outcome.status == "timeout"
         assert "hang_in_collective" in outcome.stack, outcome.stack
@@ -123,7 +138,7 @@ def test_default_timeout_comes_from_the_settings(pool: RankPool, short_default_t
     began = time.monotonic()
     with pytest.raises(CaseTimeout, match="did not finish within 2 s"):
         pool.run(rank_fns.hang_in_collective)
-    assert time.monotonic() - began < short_default_timeout + 5.0
+    assert time.monotonic() - began < short_default_timeout + 10.0
     assert_next_case_passes(pool, old)
 
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from harness import CaseFailure, RankError, RankOutcome, get_pool
+from harness import CaseFailure, PoolStartError, RankError, RankOutcome, get_pool, settings
+from harness.pool import RankPool
 from tests.harness import rank_fns
 
 
@@ -154,3 +155,34 @@ def test_case_failure_survives_pickling() -> None:
 
 def test_world_size_one_pool() -> None:
     assert get_pool(1).run(rank_fns.all_reduce_sum, 3) == [3.0]
+
+
+def test_spawn_start_method_runs_the_same_cases() -> None:
+    previous = settings.current()
+    settings.install(previous.with_(rank_start="spawn"))
+    pool = RankPool(2, "gloo", "cpu")  # not cached: this test owns and stops it
+    try:
+        pool.start()
+        assert pool.run(rank_fns.all_reduce_sum, 2) == [6.0, 6.0]
+        assert [i["pid"] for i in pool.run(rank_fns.rank_info)] == pool.pids
+    finally:
+        settings.install(previous)
+        pool.shutdown()
+    assert pool.pids == []
+
+
+def test_ranks_that_cannot_form_a_process_group_fail_the_start_with_their_tracebacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nonexistent0")  # gloo cannot create its device
+    pool = RankPool(2, "gloo", "cpu")
+    try:
+        with pytest.raises(PoolStartError) as info:
+            pool.start()
+        text = str(info.value)
+        assert "pool start failed" in text
+        assert "could not join the process group" in text
+        assert "nonexistent0" in text
+        assert pool.pids == [] and not pool.running
+    finally:
+        pool.shutdown()

@@ -12,8 +12,8 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MAS
 
 def test_defaults() -> None:
     s = resolve({}, {})
-    assert (s.world_sizes, s.device, s.backend, s.case_timeout, s.tier, s.rank_threads, s.launcher) == (
-        (1, 2, 3, 4), "cpu", "gloo", 60.0, "quick", 1, "pool")
+    assert (s.world_sizes, s.device, s.backend, s.case_timeout, s.tier, s.rank_threads, s.launcher, s.rank_start) == (
+        (1, 2, 3, 4), "cpu", "gloo", 60.0, "quick", 1, "pool", "forkserver")
 
 
 def test_nightly_tier_widens_the_default_world_sizes() -> None:
@@ -49,6 +49,7 @@ def test_cuda_defaults_to_nccl_and_gloo_can_share_gpus() -> None:
         ({"rank_threads": "0"}, {}, "--rank-threads: '0' is not a positive integer"),
         ({"dist_backend": "nccl"}, {}, "--dist-backend nccl needs --device cuda"),
         ({"launcher": "torchrun"}, {}, "start pytest through torchrun"),
+        ({}, {"RING_RANK_START": "fork"}, "--rank-start: 'fork' is not one of forkserver, spawn"),
     ],
 )
 def test_bad_values_name_the_option_and_the_fix(cli: dict[str, str], env: dict[str, str], expected: str) -> None:

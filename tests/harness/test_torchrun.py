@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.harness.subproc import REPO_ROOT, TARGETS, clean_env
+from tests.harness.subproc import ISOLATION_ARGS, REPO_ROOT, TARGETS, clean_env
 
 SUMMARY = "1 failed, 2 passed, 1 skipped"
 
@@ -13,7 +13,7 @@ SUMMARY = "1 failed, 2 passed, 1 skipped"
 def test_torchrun_two_ranks_run_the_same_cases_in_lockstep() -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "pytest", "-p", "no:cacheprovider", "-rA", str(TARGETS / "target_torchrun.py"),
+        "-m", "pytest", *ISOLATION_ARGS, "-rA", str(TARGETS / "target_torchrun.py"),
     ]
     result = subprocess.run(command, cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=240, check=False)

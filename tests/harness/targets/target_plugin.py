@@ -38,5 +38,7 @@ def test_pool_world_size_2(rank_pool: Callable[[int], Pool], case_timeout: float
 
 @given(st.integers())
 def test_hypothesis_profile(x: int) -> None:
-    print(f"PROFILE max_examples={settings.default.max_examples} derandomize={settings.default.derandomize}")
-    assert settings.default.deadline is None
+    current = settings.default
+    assert current is not None
+    print(f"PROFILE max_examples={current.max_examples} derandomize={current.derandomize}")
+    assert current.deadline is None
