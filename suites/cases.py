@@ -9,7 +9,6 @@ process, which owns every verdict.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,11 +81,6 @@ def resolve_case_op(case: RingCase, device: torch.device):
     return load_op(case.op)
 
 
-@functools.lru_cache(maxsize=64)
-def _compiled(fn, backend: str):
-    return torch.compile(fn, backend=backend, fullgraph=True)
-
-
 def ring_case(ctx, case: RingCase) -> dict[str, Any]:
     """Run the case on this rank; return the local results as CPU tensors.
 
@@ -116,7 +110,10 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
 
     fn = impl.obj.ring_attention
     if case.compile:
-        fn = _compiled(fn, case.compile)
+        # Ranks live across cases: without a reset, every new configuration is a recompile of
+        # the same code object, and dynamo gives up after its recompile limit (8).
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend=case.compile, fullgraph=True)
 
     log = None
     with contextlib.ExitStack() as stack:
