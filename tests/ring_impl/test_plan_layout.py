@@ -5,18 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reference.layout import positions
 from ring_impl.layout import shard, unshard
 from ring_impl.plan import ring_plan
 
 
 def _positions(layout: str, world: int, rank: int, seq: int) -> list[int]:
-    """Global positions a rank holds, written out from the layout definitions."""
-    if layout == "contiguous":
-        n = seq // world
-        return list(range(rank * n, (rank + 1) * n))
-    n = seq // (2 * world)
-    tail = 2 * world - 1 - rank
-    return list(range(rank * n, (rank + 1) * n)) + list(range(tail * n, (tail + 1) * n))
+    """Global positions a rank holds, from the oracle's own layout code (independent of ring_impl)."""
+    return positions(layout, world, rank, seq).tolist()
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
