@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Capabilities", "Implementation", "load_implementation", "load_op", "DEFAULT_IMPL_SPEC", "ImplSpecError"]
+__all__ = ["DEFAULT_IMPL_SPEC", "Capabilities", "ImplSpecError", "Implementation", "load_implementation", "load_op"]
 
 DEFAULT_IMPL_SPEC = "harness.adapters.ring_impl:IMPLEMENTATION"
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["CaseRecord", "Report", "build_report", "render_terminal", "render_markdown", "to_json", "OUTCOMES"]
+__all__ = ["OUTCOMES", "CaseRecord", "Report", "build_report", "render_markdown", "render_terminal", "to_json"]
 
 OUTCOMES = ("passed", "failed", "n/a", "skipped", "xfailed", "xpassed")
 DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "any")

@@ -169,7 +169,7 @@ class BackwardReusesStepZeroKV(RingAttention):
                 self.inner.block(step)  # keep the transfers, so no rank waits in vain
                 return self.kv
 
-        self.kv_rotation = lambda cfg, kv: Stale(RingAttention.kv_rotation(impl, cfg, kv), kv)  # type: ignore[method-assign]
+        self.kv_rotation = lambda cfg, kv, link=None: Stale(RingAttention.kv_rotation(impl, cfg, kv, link), kv)  # type: ignore[method-assign]
         try:
             return super().backward(cfg, grad_out, query, key, value, out, lse)
         finally:
@@ -180,9 +180,9 @@ class WrongNeighbour(RingAttention):
     """Ring methods send each block to rank - 1 instead of rank + 1, while the steps still assume
     it came from rank - s: every step after the first computes with the wrong block."""
 
-    def kv_rotation(self, cfg, kv):
+    def kv_rotation(self, cfg, kv, link=None):
         if cfg.rotate_method == "allgather" or cfg.group.world_size < 3:
-            return super().kv_rotation(cfg, kv)
+            return super().kv_rotation(cfg, kv, link)
         return _BackwardsRing(kv, cfg.group)
 
 
@@ -208,42 +208,26 @@ class _BackwardsRing:
 class GradsNotReturnedHome(RingAttention):
     """dK/dV: the last hop home is missing, so each rank keeps its neighbour's block gradient."""
 
-    def grad_rotation(self, cfg, shape, dtype, device):
-        inner = make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method)
-        if cfg.rotate_method == "allgather" or cfg.group.world_size == 1:
-            return _ReversedScatter(inner, cfg.group.world_size) if cfg.group.world_size > 1 else inner
-        return _NoLastHop(inner, cfg.group.world_size)
+    def grad_rotation(self, cfg, shape, dtype, device, link=None):
+        inner = make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method, link)
+        return inner if cfg.group.world_size == 1 else _NoLastHop(inner, cfg.group.world_size)
 
 
 class _NoLastHop:
+    """Keeps the accumulator of step W-1 (the neighbour's block) instead of sending it home."""
+
     def __init__(self, inner, world_size):
         self.inner, self.world_size, self.kept = inner, world_size, None
 
     def add(self, step, kv_rank, contribution):
         if step < self.world_size - 1:
             return self.inner.add(step, kv_rank, contribution)
-        acc = self.inner._pending.result()
-        if contribution is not None:
-            (k0, k1), dk, dv = contribution
-            acc[0, :, :, k0:k1] += dk
-            acc[1, :, :, k0:k1] += dv
+        acc = self.inner._zeros() if step == 1 else self.inner._link.take("grad")
+        self.inner._accumulate(acc, contribution)
         self.kept = acc
 
     def result(self):
         return self.kept
-
-
-class _ReversedScatter:
-    """allgather: block gradients reduce-scattered in reverse rank order (wrong owners)."""
-
-    def __init__(self, inner, world_size):
-        self.inner, self.world_size = inner, world_size
-
-    def add(self, step, kv_rank, contribution):
-        return self.inner.add(step, self.world_size - 1 - kv_rank, contribution)
-
-    def result(self):
-        return self.inner.result()
 
 
 class ScaleDroppedAfterStepZero(RingAttention):
@@ -289,8 +273,8 @@ class GqaHeadsTiledOnLaterSteps(RingAttention):
 class LastRankSkipsGradHop(RingAttention):
     """The last rank skips its final dK/dV send: its neighbour waits for it forever."""
 
-    def grad_rotation(self, cfg, shape, dtype, device):
-        inner = make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method)
+    def grad_rotation(self, cfg, shape, dtype, device, link=None):
+        inner = make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method, link)
         if cfg.group.rank != cfg.group.world_size - 1 or cfg.group.world_size == 1 or cfg.rotate_method == "allgather":
             return inner
         return _NoLastHop(inner, cfg.group.world_size)

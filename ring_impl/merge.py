@@ -39,5 +39,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     """
     block_lse = block_lse.to(lse.dtype)
     diff = block_lse - lse
-    out.sub_(torch.sigmoid(diff).unsqueeze(-1) * (out - block_out.to(out.dtype)))
+    # out - sigmoid(diff) * (out - block_out), in one in-place pass with no (rows, head_dim)
+    # temporaries (lerp: out + w * (block_out - out)).
+    out.lerp_(block_out.to(out.dtype), torch.sigmoid(diff).unsqueeze(-1))
     lse.copy_(torch.maximum(lse, block_lse) + torch.log1p(torch.exp(-diff.abs())))

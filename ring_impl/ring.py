@@ -10,7 +10,13 @@ ranks skip different steps, and autograd would then never run the backward colle
 block a rank received but did not use, while its partner waits for it. Here every rank issues
 the same collectives in the same order. With the final output and LSE, each block's gradient
 is exact (the FlashAttention backward): dQ stays local and accumulates; dK/dV accumulate in
-the accumulation dtype and travel with their block until they are back with its owner.
+the accumulation dtype and travel with their block until they are back with its owner. The
+backward computes its own block (step 0) last, so that block's dK/dV lands in the accumulator
+that has just come home.
+
+Temporaries are released at the end of each step (``del``) rather than when the next step
+rebinds them, so a step's kernel never runs while the previous step's partial results are
+still held: per-rank memory is the algorithm's, and falls like ``1/W``.
 
 The class :class:`RingAttention` holds the algorithm; its methods are the seams a variant
 overrides (the project's meta-tests build deliberately broken rings this way).
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import debug
-from .comm import RingGroup, make_grad_rotation, make_kv_rotation
+from .comm import Link, RingGroup, after, make_grad_rotation, make_kv_rotation, make_link
 from .lse import normalize_lse
 from .merge import merge_into
 from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
@@ -80,13 +86,15 @@ class RingAttention:
         """One step's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads."""
         return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale)
 
-    def kv_rotation(self, cfg: RingConfig, kv: torch.Tensor):
-        """Source of each step's packed key/value block (see ring_impl.comm)."""
-        return make_kv_rotation(kv, cfg.group, cfg.rotate_method)
+    def kv_rotation(self, cfg: RingConfig, kv: torch.Tensor, link: Link | None = None):
+        """Source of each step's packed key/value block (see ring_impl.comm); ``link``: the
+        backward's transfer chain, shared with :meth:`grad_rotation`."""
+        return make_kv_rotation(kv, cfg.group, cfg.rotate_method, link)
 
-    def grad_rotation(self, cfg: RingConfig, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    def grad_rotation(self, cfg: RingConfig, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                      link: Link | None = None):
         """Where each step's dK/dV contribution goes; ``result()`` is this rank's own block's gradient."""
-        return make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method)
+        return make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method, link)
 
     def merge(self, out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
         merge_into(out_acc, lse_acc, block_out, block_lse)
@@ -117,6 +125,7 @@ class RingAttention:
                 lse_acc.copy_(block_lse)
             else:
                 self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
+            del block_out, block_lse  # not held through the next step's kernel
         return out_acc.to(query.dtype), lse_acc
 
     def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse):
@@ -124,10 +133,28 @@ class RingAttention:
         acc = self.accumulation_dtype(query.dtype)
         dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
         kv_local = self.pack_kv(key, value)
-        rotation = self.kv_rotation(cfg, kv_local)
-        grads = self.grad_rotation(cfg, kv_local.shape, acc, query.device)
-        for plan in self.plan(cfg, query.shape[2], key.shape[2]):
-            kv = rotation.block(plan.step)
+        if torch.compiler.is_compiling():
+            # Tie the backward's key/value hops to grad_out. Without it AOT autograd's partitioner
+            # sees collectives that do not depend on the tangents and moves them into the forward
+            # graph, a different number on different ranks (their plans differ); a rank then
+            # blocks in its forward on a send that its peer only receives in its backward. The
+            # tie is an opaque op: arithmetic like `kv + 0 * grad_out.sum()` is simplified away
+            # by the joint-graph passes before the partitioner runs.
+            kv_local = after(kv_local, grad_out)
+        # One chain of transfers carries both key/value and dK/dV hops (see ring_impl.comm.Link):
+        # every later transfer depends on the first, so all stay in the backward graph too.
+        link = make_link(cfg.group, cfg.rotate_method)
+        grads = self.grad_rotation(cfg, kv_local.shape, acc, query.device, link)
+        rotation = self.kv_rotation(cfg, kv_local, link)
+        del kv_local  # the rotation holds it as long as it needs it
+        plans = self.plan(cfg, query.shape[2], key.shape[2])
+        # Step 0 (this rank's own block) is computed last, on a fresh pack of key/value: its dK/dV
+        # then goes straight into the accumulator that comes home with the last hop, whose
+        # transfer its compute overlaps, and no buffer waits for it meanwhile. The first hop of
+        # key/value starts here and is what step 1 waits for.
+        rotation.block(0)
+        for plan in plans[1:] + plans[:1]:
+            kv = rotation.block(plan.step) if plan.step else self.pack_kv(key, value)
             contribution = None
             if not plan.skipped:
                 q0, q1 = plan.q_rows
@@ -143,7 +170,9 @@ class RingAttention:
                 )
                 dq_acc[:, :, q0:q1] += dq
                 contribution = (plan.kv_rows, dk, dv)
+                del dq, dk, dv
             grads.add(plan.step, plan.kv_rank, contribution)
+            del kv, contribution  # not held through the next step's kernel
         dkv = grads.result()
         return dq_acc.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype)
 

@@ -10,12 +10,24 @@ and gradient bytes ``dkv`` (the same elements in the accumulation dtype, float32
 ============  ==========================================  =============================================
 method        forward                                     backward
 ============  ==========================================  =============================================
-allgather     all_gather: 1 call, kv                      all_gather: 1 call, kv; reduce_scatter: 1, W*dkv
-alltoall      all_to_all: W-1 calls, (W-1)*kv             all_to_all: 2W-1 calls, (W-1)*kv + W*dkv
-p2p           send, recv: W-1 calls each, (W-1)*kv each   send, recv: 2W-1 each, (W-1)*kv + W*dkv each
+allgather     all_gather: 1 call, kv                      all_gather: 1 call, kv; all_to_all: W-1, (W-1)*dkv
+alltoall      all_to_all: W-1 calls, (W-1)*kv             all_to_all: T calls, (W-1)*(kv + dkv)
+p2p           send, recv: W-1 calls each, (W-1)*kv each   send, recv: T each, (W-1)*(kv + dkv) each
 ============  ==========================================  =============================================
 
-plus, in eager mode, the forward's cross-rank input check: all_reduce, 1 call (see
+Every figure is the minimum of a ring: each pass needs every other rank's key/value once
+(``W-1`` blocks), and every block's partial dK/dV must reach its owner, which in a ring takes
+``W-1`` hops of ``dkv`` (a block's accumulator starts on the rank after its owner; the owner's
+own contribution never leaves). ``allgather`` moves the accumulators the same way (see
+:mod:`ring_impl.comm` for why not by reduce-scatter).
+
+The backward's ``T`` transfers: a step's dK/dV hop travels packed with the next key/value hop
+in one transfer (:class:`ring_impl.comm.Link`), so ``W-1`` key/value hops and ``W-1`` dK/dV
+hops take ``T = 2`` transfers at ``W = 2`` and ``T = W + 1`` from ``W = 3`` on (the first two
+carry key/value only, the last two dK/dV only).
+
+Compiled (``compiled=True``), ``p2p`` hops are ``all_to_all`` calls with the same counts and
+bytes (see :func:`ring_impl.comm.shift`); plus, in eager mode, the forward's cross-rank input check: all_reduce, 1 call (see
 :mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
 """
 
@@ -60,10 +72,17 @@ def collective_schedule(
         if rotate_method == "allgather":
             fwd["all_gather"] = {"calls": 1, "bytes": kv}
             bwd["all_gather"] = {"calls": 1, "bytes": kv}
-            bwd["reduce_scatter"] = {"calls": 1, "bytes": w * dkv}
+            bwd["all_to_all"] = {"calls": w - 1, "bytes": (w - 1) * dkv}
         else:
-            kinds = ("all_to_all",) if rotate_method == "alltoall" else ("send", "recv")
+            # Compiled p2p hops are all-to-all permutations (see ring_impl.comm.shift).
+            kinds = ("all_to_all",) if rotate_method == "alltoall" or compiled else ("send", "recv")
             for kind in kinds:
                 fwd[kind] = {"calls": w - 1, "bytes": (w - 1) * kv}
-                bwd[kind] = {"calls": 2 * w - 1, "bytes": (w - 1) * kv + w * dkv}
+                bwd[kind] = {"calls": backward_transfers(w), "bytes": (w - 1) * (kv + dkv)}
     return {"forward": fwd, "backward": bwd}
+
+
+def backward_transfers(world_size: int) -> int:
+    """Transfers of a ring method's backward: ``W - 1`` key/value and ``W - 1`` dK/dV hops, the
+    two kinds sharing a transfer on steps ``2 .. W - 2`` (see the module docstring)."""
+    return 0 if world_size == 1 else min(2 * (world_size - 1), world_size + 1)

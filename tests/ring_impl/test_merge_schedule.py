@@ -32,10 +32,17 @@ def test_schedule_by_hand_for_four_ranks() -> None:
     args = dict(batch=2, heads_kv=3, seq_kv=5, head_dim=8)
     bf16 = collective_schedule(4, "allgather", dtype=torch.bfloat16, **args)
     assert bf16["forward"]["all_gather"] == {"calls": 1, "bytes": 960}
-    assert bf16["backward"]["reduce_scatter"] == {"calls": 1, "bytes": 4 * 480 * 4}
+    # dK/dV accumulators (float32 for bf16) take W-1 hops home; the owner's share never travels.
+    assert bf16["backward"]["all_to_all"] == {"calls": 3, "bytes": 3 * 480 * 4}
+    assert "reduce_scatter" not in bf16["backward"]
     p2p = collective_schedule(4, "p2p", dtype=torch.float64, **args)
     assert p2p["forward"]["send"] == {"calls": 3, "bytes": 3 * 3840}
-    assert p2p["backward"]["recv"] == {"calls": 7, "bytes": 3 * 3840 + 4 * 3840}
+    # 3 key/value and 3 dK/dV hops in 5 transfers: [kv], [kv], [kv+dkv], [dkv], [dkv].
+    assert p2p["backward"]["recv"] == {"calls": 5, "bytes": 3 * 3840 + 3 * 3840}
     a2a = collective_schedule(4, "alltoall", dtype=torch.float32, compiled=True, **args)
     assert "all_reduce" not in a2a["forward"] and a2a["forward"]["all_to_all"]["calls"] == 3
+    # Compiled p2p hops go by all-to-all (see ring_impl.comm.shift): same counts and bytes.
+    compiled_p2p = collective_schedule(4, "p2p", dtype=torch.float64, compiled=True, **args)
+    assert "send" not in compiled_p2p["backward"]
+    assert compiled_p2p["backward"]["all_to_all"] == p2p["backward"]["recv"]
     assert collective_schedule(1, "p2p", dtype=torch.float32, **args) == {"forward": {}, "backward": {}}
