@@ -33,8 +33,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 __all__ = [
-    "ROOT",
     "MEMORY_ENV",
+    "ROOT",
     "PeakRss",
     "median",
     "run_world",
