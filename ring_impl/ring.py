@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import debug
-from .comm import Link, RingGroup, after, make_grad_rotation, make_kv_rotation, make_link
+from .comm import Link, RingGroup, after, make_grad_rotation, make_kv_rotation
 from .lse import normalize_lse
 from .merge import merge_into
 from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
@@ -143,7 +143,7 @@ class RingAttention:
             kv_local = after(kv_local, grad_out)
         # One chain of transfers carries both key/value and dK/dV hops (see ring_impl.comm.Link):
         # every later transfer depends on the first, so all stay in the backward graph too.
-        link = make_link(cfg.group, cfg.rotate_method)
+        link = Link(cfg.group, cfg.rotate_method)
         grads = self.grad_rotation(cfg, kv_local.shape, acc, query.device, link)
         rotation = self.kv_rotation(cfg, kv_local, link)
         del kv_local  # the rotation holds it as long as it needs it
