@@ -215,11 +215,12 @@ def _(x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
 
 
 class Link:
-    """The ring's transfers as one chain: at most one in flight, every rank posting the same.
+    """The ring's transfers as one chain: one step's in flight, every rank posting the same.
 
     A step's outgoing payloads (``"kv"``: the key/value block passed on, ``"grad"``: a dK/dV
-    accumulator passed on) are staged, then :meth:`flush` sends them in *one* transfer, packed
-    byte-wise when there are two. :meth:`take` waits for the transfer and returns one payload.
+    accumulator passed on) are staged, then :meth:`flush` sends them: compiled, in *one*
+    transfer, packed byte-wise when there are two; eager, one transfer each in a fixed order.
+    :meth:`take` waits for the step's transfers and returns one payload.
 
     Why one chain: a compiled graph orders independent collectives as it likes, and the ranks'
     graphs differ (their causal plans do). Two streams (key/value hops and dK/dV hops) could then
@@ -240,7 +241,7 @@ class Link:
         self._method = "alltoall" if method == "allgather" else method  # allgather: grads by all-to-all
         self.carries_kv = False  # a key/value rotation posts through this link (it flushes each step)
         self._staged: dict[str, tuple[torch.Tensor, bool]] = {}
-        self._pending: tuple[Pending, list[tuple[str, torch.Size, torch.dtype, int]]] | None = None
+        self._pending: list[tuple[Pending, list[tuple[str, torch.Size, torch.dtype, int]]]] = []
         self._arrived: dict[str, torch.Tensor] = {}
         self._token: torch.Tensor | None = None  # the last tensor received: what the next post follows
 
@@ -255,20 +256,28 @@ class Link:
         self._staged[name] = (t, follows_token)
 
     def flush(self) -> None:
-        """Send what is staged (nothing staged: no transfer) to rank + 1, receive from rank - 1."""
+        """Send what is staged (nothing staged: no transfer) to rank + 1, receive from rank - 1.
+
+        Compiled, the payloads go packed in one transfer (the order argument above). Eager, each
+        payload is its own transfer, posted in program order, which is the same on every rank:
+        no packing copy (a key/value block and a dK/dV accumulator, 32 MiB per rank at W=4 and
+        seq 16384 in ci/bench_ring.py).
+        """
         if not self._staged:
             return
         self._land()
         parts = [(name, *self._staged[name]) for name in self._ORDER if name in self._staged]
         self._staged = {}
-        layout = [(name, t.shape, t.dtype, t.numel() * t.element_size()) for name, t, _ in parts]
-        if len(parts) == 1:
-            payload = parts[0][1].reshape(-1)
-        else:
-            payload = torch.cat([t.reshape(-1).view(torch.uint8) for _, t, _ in parts])
-        if torch.compiler.is_compiling() and self._token is not None and not all(f for _, _, f in parts):
-            payload = after(payload, self._token)
-        self._pending = (shift(payload, self._g, self._method), layout)
+        compiling = torch.compiler.is_compiling()
+        for group in [parts] if compiling else [[part] for part in parts]:
+            layout = [(name, t.shape, t.dtype, t.numel() * t.element_size()) for name, t, _ in group]
+            if len(group) == 1:
+                payload = group[0][1].reshape(-1)
+            else:
+                payload = torch.cat([t.reshape(-1).view(torch.uint8) for _, t, _ in group])
+            if compiling and self._token is not None and not all(f for _, _, f in group):
+                payload = after(payload, self._token)
+            self._pending.append((shift(payload, self._g, self._method), layout))
 
     def take(self, name: str) -> torch.Tensor:
         """The payload ``name`` of the last transfer, waiting for it if it is still in flight."""
@@ -279,20 +288,19 @@ class Link:
         return self._arrived.pop(name)
 
     def _land(self) -> None:
-        if self._pending is None:
-            return
-        transfer, layout = self._pending
-        self._pending = None
-        buf = transfer.result().reshape(-1)
-        self._token = buf
-        if len(layout) == 1:
-            name, shape, _, _ = layout[0]
-            self._arrived[name] = buf.view(shape)
-            return
-        offset = 0
-        for name, shape, dtype, nbytes in layout:
-            self._arrived[name] = buf[offset : offset + nbytes].view(dtype).view(shape)
-            offset += nbytes
+        """Wait for every transfer in flight and file its payloads under their names."""
+        pending, self._pending = self._pending, []
+        for transfer, layout in pending:
+            buf = transfer.result().reshape(-1)
+            self._token = buf
+            if len(layout) == 1:
+                name, shape, _, _ = layout[0]
+                self._arrived[name] = buf.view(shape)
+                continue
+            offset = 0
+            for name, shape, dtype, nbytes in layout:
+                self._arrived[name] = buf[offset : offset + nbytes].view(dtype).view(shape)
+                offset += nbytes
 
 
 class _RingKV:

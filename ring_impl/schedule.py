@@ -21,14 +21,14 @@ Every figure is the minimum of a ring: each pass needs every other rank's key/va
 own contribution never leaves). ``allgather`` moves the accumulators the same way (see
 :mod:`ring_impl.comm` for why not by reduce-scatter).
 
-The backward's ``T`` transfers: a step's dK/dV hop travels packed with the next key/value hop
-in one transfer (:class:`ring_impl.comm.Link`), so ``W-1`` key/value hops and ``W-1`` dK/dV
-hops take ``T = 2`` transfers at ``W = 2`` and ``T = W + 1`` from ``W = 3`` on (the first two
-carry key/value only, the last two dK/dV only).
+The backward's ``T`` transfers: eager, one per hop, ``T = 2W-2``. Compiled, a step's dK/dV
+hop travels packed with the next key/value hop in one transfer (:class:`ring_impl.comm.Link`),
+so ``W-1`` key/value hops and ``W-1`` dK/dV hops take ``T = 2`` transfers at ``W = 2`` and
+``T = W + 1`` from ``W = 3`` on (the first two carry key/value only, the last two dK/dV only).
 
-Compiled (``compiled=True``), ``p2p`` hops are ``all_to_all`` calls with the same counts and
-bytes (see :func:`ring_impl.comm.shift`); plus, in eager mode, the forward's cross-rank input check: all_reduce, 1 call (see
-:mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
+Compiled (``compiled=True``), ``p2p`` hops are ``all_to_all`` calls, counted as ``alltoall``'s
+(see :func:`ring_impl.comm.shift`). Eager adds the forward's cross-rank input check:
+all_reduce, 1 call (see :mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
 """
 
 from __future__ import annotations
@@ -78,11 +78,12 @@ def collective_schedule(
             kinds = ("all_to_all",) if rotate_method == "alltoall" or compiled else ("send", "recv")
             for kind in kinds:
                 fwd[kind] = {"calls": w - 1, "bytes": (w - 1) * kv}
-                bwd[kind] = {"calls": backward_transfers(w), "bytes": (w - 1) * (kv + dkv)}
+                bwd[kind] = {"calls": backward_transfers(w, compiled), "bytes": (w - 1) * (kv + dkv)}
     return {"forward": fwd, "backward": bwd}
 
 
-def backward_transfers(world_size: int) -> int:
-    """Transfers of a ring method's backward: ``W - 1`` key/value and ``W - 1`` dK/dV hops, the
-    two kinds sharing a transfer on steps ``2 .. W - 2`` (see the module docstring)."""
-    return 0 if world_size == 1 else min(2 * (world_size - 1), world_size + 1)
+def backward_transfers(world_size: int, compiled: bool = False) -> int:
+    """Transfers of a ring method's backward: ``W - 1`` key/value and ``W - 1`` dK/dV hops;
+    compiled, the two kinds share a transfer on steps ``2 .. W - 2`` (see the module docstring)."""
+    hops = 2 * (world_size - 1)
+    return min(hops, world_size + 1) if compiled and world_size > 1 else hops
