@@ -141,20 +141,20 @@ class RingAttention:
             # tie is an opaque op: arithmetic like `kv + 0 * grad_out.sum()` is simplified away
             # by the joint-graph passes before the partitioner runs.
             kv_local = after(kv_local, grad_out)
-        # One chain of transfers carries both key/value and dK/dV hops (see ring_impl.comm.Link):
-        # every later transfer depends on the first, so all stay in the backward graph too.
+        # One chain of transfers carries both key/value and dK/dV hops (see ring_impl.comm.Link);
+        # compiled, every later transfer depends on the first, so all stay in the backward graph.
         link = Link(cfg.group, cfg.rotate_method)
         grads = self.grad_rotation(cfg, kv_local.shape, acc, query.device, link)
         rotation = self.kv_rotation(cfg, kv_local, link)
         del kv_local  # the rotation holds it as long as it needs it
         plans = self.plan(cfg, query.shape[2], key.shape[2])
-        # Step 0 (this rank's own block) is computed last, on a fresh pack of key/value: its dK/dV
+        # Step 0 (this rank's own block) is computed last, on key and value themselves: its dK/dV
         # then goes straight into the accumulator that comes home with the last hop, whose
         # transfer its compute overlaps, and no buffer waits for it meanwhile. The first hop of
         # key/value starts here and is what step 1 waits for.
         rotation.block(0)
         for plan in plans[1:] + plans[:1]:
-            kv = rotation.block(plan.step) if plan.step else self.pack_kv(key, value)
+            kv = rotation.block(plan.step) if plan.step else (key, value)
             contribution = None
             if not plan.skipped:
                 q0, q1 = plan.q_rows
