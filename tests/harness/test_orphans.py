@@ -17,6 +17,11 @@ from tests.harness.subproc import REPO_ROOT, TARGETS, clean_env, pytest_command,
 TARGET = str(TARGETS / "target_orphans.py")
 
 
+def _deliverable_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def start_pytest(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path, Path]:
     pids_file = tmp_path / "pids.json"
     log = tmp_path / "pytest.log"
@@ -26,10 +31,10 @@ def start_pytest(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Pa
         env=clean_env({"HARNESS_TEST_PIDS_FILE": str(pids_file)}),
         stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # signals below reach pytest alone, not this test's process group
-        # An xdist worker ignores SIGINT, and an ignored signal stays ignored across exec: Python
-        # would then never raise KeyboardInterrupt. Ctrl-C on a terminal reaches a pytest that
-        # handles it, so the target gets the default disposition back.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+        # An ignored or blocked SIGINT survives exec, and earlier tests in the same xdist worker
+        # can leave it so: Python would then never raise KeyboardInterrupt. Ctrl-C on a terminal
+        # reaches a pytest that handles it, so the target gets the default disposition back.
+        preexec_fn=_deliverable_sigint,
     )
     return proc, pids_file, log
 
