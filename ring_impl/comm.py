@@ -130,15 +130,8 @@ class Pending(Protocol):
 class _Transfer:
     """A functional-collective transfer in flight."""
 
-    def __init__(
-        self,
-        received: torch.Tensor,
-        others: tuple[torch.Tensor, ...] = (),
-        device: torch.device | None = None,
-        shape: torch.Size | None = None,
-    ):
+    def __init__(self, received: torch.Tensor, device: torch.device | None = None, shape: torch.Size | None = None):
         self._received = received
-        self._others = others  # send handles: waited too, so the send buffer is not reused early
         self._device, self._shape = device, shape
         self._done = False
 
@@ -146,8 +139,6 @@ class _Transfer:
         if self._done:
             raise RuntimeError("_Transfer.result called twice")
         self._done = True
-        for t in self._others:
-            _wait(t)
         out = _wait(self._received)
         out = out if self._device is None else out.to(self._device)
         return out if self._shape is None else out.view(self._shape)
@@ -159,7 +150,7 @@ def _stage(t: torch.Tensor, g: RingGroup) -> tuple[torch.Tensor, torch.device | 
     return t, None
 
 
-def shift(t: torch.Tensor, g: RingGroup, method: str, tag: int = 0) -> Pending:
+def shift(t: torch.Tensor, g: RingGroup, method: str) -> Pending:
     """Start sending ``t`` to rank+1 while receiving the same shape from rank-1."""
     flat, device = _stage(t.reshape(-1), g)
     if method == "p2p" and not torch.compiler.is_compiling():
@@ -167,7 +158,7 @@ def shift(t: torch.Tensor, g: RingGroup, method: str, tag: int = 0) -> Pending:
         # per call in c10d's work registry even when both outputs are waited (torch 2.13).
         recv = torch.empty_like(flat)
         works = dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, flat, g.next_global, g.pg, tag), dist.P2POp(dist.irecv, recv, g.prev_global, g.pg, tag)]
+            [dist.P2POp(dist.isend, flat, g.next_global, g.pg), dist.P2POp(dist.irecv, recv, g.prev_global, g.pg)]
         )
         return _WorkTransfer(recv, works, flat, device, t.shape)
     # Compiled p2p goes by all_to_all_single (the same neighbour permutation). The functional
@@ -181,7 +172,7 @@ def shift(t: torch.Tensor, g: RingGroup, method: str, tag: int = 0) -> Pending:
     in_splits[(g.rank + 1) % g.world_size] = n
     out_splits[(g.rank - 1) % g.world_size] = n
     recv = _c10d.all_to_all_single(flat, out_splits, in_splits, g.group_name)
-    return _Transfer(recv, (), device, t.shape)
+    return _Transfer(recv, device, t.shape)
 
 
 class _WorkTransfer:
@@ -337,7 +328,7 @@ class _GatheredKV:
         self._pending: _Transfer | None = None
         if g.world_size > 1:
             flat, device = _stage(kv.reshape(-1), g)
-            self._pending = _Transfer(_c10d.all_gather_into_tensor(flat, g.world_size, g.group_name), (), device)
+            self._pending = _Transfer(_c10d.all_gather_into_tensor(flat, g.world_size, g.group_name), device)
 
     def block(self, step: int) -> torch.Tensor:
         if step == 0:
