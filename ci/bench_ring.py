@@ -36,6 +36,11 @@ memory
     communication buffer, gloo's own copies included. glibc is told to serve allocations above
     64 KiB with mmap so freed memory leaves the RSS at once (see ci/bench_common.py). W=1 is
     single-process SDPA on the full sequence.
+memory-lean configurations (``hcN``)
+    the ring with ``head_chunks=N`` (``--lean-head-chunks``, default 4): N rings one after
+    another over groups of heads, so the blocks and accumulators in flight and the kernel's
+    step results are 1/N as large (``ring_impl.heads``). In the speed, balance, traffic and
+    memory tables beside the default (``head_chunks=1``).
 traffic
     the collectives each rank issued in the first measured call, recorded per phase with
     ``harness.accounting.CollectiveLog``, turned into bytes the rank sends: all-gather
@@ -86,6 +91,9 @@ class Bench:
     scaling_seqs: tuple[int, ...] = (2048, 4096, 8192, 16384)
     scaling_world_sizes: tuple[int, ...] = (1, 2, 4)
     scaling_rotations: tuple[str, ...] = ("allgather", "alltoall")
+    #: the memory-lean configuration: the ring run over this many head groups (0: left out)
+    lean_head_chunks: int = 4
+    lean_rotations: tuple[str, ...] = ("alltoall",)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
@@ -139,6 +147,10 @@ def _configs(world: int, b: Bench) -> list[dict[str, Any]]:
         for rot in b.ring_rotations:
             out.append({"name": f"ring {kind} {layout} {rot}", "impl": "ring", "causal": causal, "layout": layout,
                         "rotate": rot, "threads": 1})
+        for rot in b.lean_rotations if b.lean_head_chunks > 1 else ():
+            out.append({"name": f"ring {kind} {layout} {rot} hc{b.lean_head_chunks}", "impl": "ring",
+                        "causal": causal, "layout": layout, "rotate": rot, "threads": 1,
+                        "head_chunks": b.lean_head_chunks})
         for rot in b.torch_rotations:
             out.append({"name": f"torch {kind} {layout} {rot}", "impl": "torch", "causal": causal, "layout": layout,
                         "rotate": rot, "threads": 1})
@@ -219,7 +231,8 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
                 with phase("forward"):
                     if c["impl"] == "ring":
                         out = ring_impl.ring_attention(q, k, v, is_causal=c["causal"], layout=c["layout"],
-                                                       rotate_method=c["rotate"], op=ring_op)
+                                                       rotate_method=c["rotate"], op=ring_op,
+                                                       head_chunks=c.get("head_chunks", 1))
                     else:
                         out = torch_cp.IMPLEMENTATION.ring_attention(q, k, v, is_causal=c["causal"], layout=c["layout"],
                                                                      rotate_method=c["rotate"])
@@ -253,6 +266,9 @@ def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
         configs = [{"name": "sdpa", "impl": "sdpa", "threads": min(2, b.cores)}]
     else:
         configs = [{"name": f"ring {r}", "impl": "ring", "rotate": r} for r in b.scaling_rotations]
+        if b.lean_head_chunks > 1:
+            configs += [{"name": f"ring {r} hc{b.lean_head_chunks}", "impl": "ring", "rotate": r,
+                         "head_chunks": b.lean_head_chunks} for r in b.scaling_rotations]
         configs += [{"name": f"torch {r}", "impl": "torch", "rotate": r} for r in b.scaling_rotations
                     if r in TORCH_ROTATIONS]
     out: dict[str, Any] = {}
@@ -272,8 +288,9 @@ def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
                 _sdpa_fwd_bwd(q, k, v, do, True)
                 torch.set_num_threads(1)
             else:
+                extra = {"head_chunks": c["head_chunks"]} if "head_chunks" in c else {}
                 fn = ring_impl.ring_attention if c["impl"] == "ring" else torch_cp.IMPLEMENTATION.ring_attention
-                o = fn(q, k, v, is_causal=True, layout="head_tail", rotate_method=c["rotate"])
+                o = fn(q, k, v, is_causal=True, layout="head_tail", rotate_method=c["rotate"], **extra)
                 o.backward(do)
                 del o
             elapsed = time.perf_counter() - t0
@@ -392,6 +409,7 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
             if c["impl"] in ("ring", "torch") and c["causal"]:
                 comp = r["compute_per_rank"]
                 out["balance"].append({"W": world, "impl": c["impl"], "layout": c["layout"], "rotate": c["rotate"],
+                                       "head_chunks": c.get("head_chunks", 1),
                                        "compute_per_rank_s": comp,
                                        "max_over_mean": max(comp) / (sum(comp) / len(comp))})
             if c["impl"] in ("ring", "torch") and c["layout"] in ("contiguous",) and not c["causal"]:
@@ -406,11 +424,13 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
                 if c["impl"] == "ring":
                     declared = ring_impl.collective_schedule(world, c["rotate"], batch=b.batch, heads_kv=b.heads,
                                                              seq_kv=local, head_dim=b.head_dim,
-                                                             dtype=getattr(torch, b.dtype))
+                                                             dtype=getattr(torch, b.dtype),
+                                                             head_chunks=c.get("head_chunks", 1))
                     declared_ok = all({p: t.get(p, {}) for p in ("forward", "backward")} == declared for t in traffic)
                 for phase in ("forward", "backward"):
                     out["traffic"].append({
                         "W": world, "impl": c["impl"], "rotate": c["rotate"], "phase": phase,
+                        "head_chunks": c.get("head_chunks", 1),
                         "calls": {k: e["calls"] for k, e in traffic[0].get(phase, {}).items()},
                         "sent_bytes": max(s[phase] for s in sent), "gloo_wire_bytes": max(s[phase] for s in wire),
                         "minimum_bytes": minimum[phase],
@@ -443,6 +463,14 @@ def _aims(b: Bench, a: dict) -> list[dict]:
                          "measured": f"{nc['vs_sdpa']:.2f}x", "met": nc["vs_sdpa"] <= 1.15})
             aims.append({"aim": f"W={world} {rot}: causal head_tail ring <= 1.25x SDPA ({world} threads)",
                          "measured": f"{ht['vs_sdpa']:.2f}x", "met": ht["vs_sdpa"] <= 1.25})
+            lean = f" hc{b.lean_head_chunks}"
+            if rot in b.lean_rotations and b.lean_head_chunks > 1:
+                nc_l = speed[(world, f"ring full contiguous {rot}{lean}")]
+                ht_l = speed[(world, f"ring causal head_tail {rot}{lean}")]
+                aims.append({"aim": f"W={world} {rot}{lean}: non-causal ring <= 1.15x SDPA ({world} threads)",
+                             "measured": f"{nc_l['vs_sdpa']:.2f}x", "met": nc_l["vs_sdpa"] <= 1.15})
+                aims.append({"aim": f"W={world} {rot}{lean}: causal head_tail ring <= 1.25x SDPA ({world} threads)",
+                             "measured": f"{ht_l['vs_sdpa']:.2f}x", "met": ht_l["vs_sdpa"] <= 1.25})
             for r in (nc, ht, speed[(world, f"ring causal contiguous {rot}")]):
                 key = "vs_torch_same_rotation" if r["vs_torch_same_rotation"] is not None else "vs_torch_best"
                 label = "same rotation" if key == "vs_torch_same_rotation" else "its best rotation"
@@ -455,7 +483,8 @@ def _aims(b: Bench, a: dict) -> list[dict]:
                          "measured": f"{m['vs_single']:.2f}x", "met": m["vs_single"] <= 0.35})
     for t in a["traffic"]:
         if t["impl"] == "ring":
-            aims.append({"aim": f"W={t['W']} ring {t['rotate']} {t['phase']}: traffic = minimum",
+            hc = f" hc{t['head_chunks']}" if t["head_chunks"] > 1 else ""
+            aims.append({"aim": f"W={t['W']} ring {t['rotate']}{hc} {t['phase']}: traffic = minimum",
                          "measured": f"{t['ratio']:.2f}x (gloo wire {t['gloo_ratio']:.2f}x)",
                          "met": abs(t["ratio"] - 1.0) < 1e-9})
     return aims
@@ -477,7 +506,8 @@ def print_report(b: Bench, a: dict, env: dict) -> None:
     print(tabulate(rows, headers=["W", "configuration", "thr", "time s", "fwd s", "x SDPA", "x torch same rot",
                                   "x torch best", "median s", "median x SDPA", "CPU s", "CPU x SDPA"]))
     print("\nbalance: per-rank seconds in the attention kernel, causal")
-    rows = [[r["W"], r["impl"], r["layout"], r["rotate"], " ".join(f"{x:.2f}" for x in r["compute_per_rank_s"]),
+    rows = [[r["W"], r["impl"], r["layout"], r["rotate"] + (f" hc{r['head_chunks']}" if r["head_chunks"] > 1 else ""),
+             " ".join(f"{x:.2f}" for x in r["compute_per_rank_s"]),
              f"{r['max_over_mean']:.2f}"] for r in a["balance"] if r["rotate"] in ("allgather", "alltoall")]
     print(tabulate(rows, headers=["W", "impl", "layout", "rotate", "kernel s per rank", "max/mean"]))
     print("\nmemory: per-rank peak RSS of forward + backward (inputs included), causal head_tail")
@@ -485,7 +515,7 @@ def print_report(b: Bench, a: dict, env: dict) -> None:
              "" if m["vs_single"] is None else f"{m['vs_single']:.2f}", f"{m['time_s']:.2f}"] for m in a["memory"]]
     print(tabulate(rows, headers=["seq", "configuration", "peak MiB/rank", "inputs MiB", "x single", "time s"]))
     print("\ntraffic: bytes each rank sends (non-causal; causal issues the same collectives)")
-    rows = [[t["W"], t["impl"], t["rotate"], t["phase"], " ".join(f"{k}:{v}" for k, v in t["calls"].items()),
+    rows = [[t["W"], t["impl"], t["rotate"] + (f" hc{t['head_chunks']}" if t["head_chunks"] > 1 else ""), t["phase"], " ".join(f"{k}:{v}" for k, v in t["calls"].items()),
              t["sent_bytes"], t["minimum_bytes"], f"{t['ratio']:.2f}", f"{t['gloo_ratio']:.2f}",
              "" if t["declared_equals_measured"] is None else ("yes" if t["declared_equals_measured"] else "NO")]
             for t in a["traffic"]]
@@ -545,11 +575,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--scaling-seqs", type=int, nargs="*", help="Sequence lengths of the memory/time sweep")
     parser.add_argument("--out", default="reports/bench", help="Output directory for bench.json and bench.png")
+    parser.add_argument("--lean-head-chunks", type=int, default=Bench.lean_head_chunks,
+                        help="head_chunks of the memory-lean ring configurations (0: leave them out)")
     parser.add_argument("--skip-speed", action="store_true", help="Only the memory/time sweep")
     parser.add_argument("--skip-scaling", action="store_true", help="Only the speed, balance and traffic part")
     args = parser.parse_args(argv)
 
-    b = Bench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, warmup=args.warmup)
+    b = Bench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, warmup=args.warmup,
+              lean_head_chunks=args.lean_head_chunks)
     if args.quick:
         b.seq, b.warmup_seq, b.repeat, b.scaling_seqs = 2048, 512, 2, (1024, 2048, 4096)
     b.seq = args.seq or b.seq

@@ -3,7 +3,8 @@
 Public API::
 
     ring_attention(query, key, value, *, group=None, is_causal=False, scale=None,
-                   rotate_method=None, op=None, layout="contiguous", return_lse=False)
+                   rotate_method=None, op=None, layout="contiguous", return_lse=False,
+                   head_chunks=1)
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p"
     shard / unshard                    # layouts "contiguous" and "head_tail"
     context_parallel / context_parallel_unshard / ContextParallel

@@ -39,6 +39,7 @@ def _ring_attention(
     op: str | AttentionOp | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    head_chunks: int = 1,
     extra_problem: str | None = None,
 ):
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
@@ -53,13 +54,13 @@ def _ring_attention(
     # through the same cross-rank agreement so every rank raises together.
     problem = extra_problem or local_problem(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout,
-        rotate_method=rotate_method, op=op_obj, op_error=op_error,
+        rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks,
     )
     world = torch.distributed.get_world_size(pg)
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, layout=layout, rotate_method=rotate_method,
-            group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            head_chunks=head_chunks, group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
         )
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
@@ -71,6 +72,7 @@ def _ring_attention(
         layout=layout,
         rotate_method=rotate_method,
         op=op_obj,
+        head_chunks=head_chunks,
     )
     out, lse = ring_attention_fn(query, key, value, cfg, impl)
     return (out, lse) if return_lse else out
@@ -101,6 +103,11 @@ Args:
     layout: "contiguous" or "head_tail" (load balanced for causal attention).
     return_lse: also return the local LSE (batch, heads, seq_q_local), float32 (float64 for
         float64 inputs); the LSE is not differentiable.
+    head_chunks: run the ring this many times, each over a group of key/value heads (and
+        their query heads), one after another (1 <= head_chunks <= heads_kv). The key/value
+        blocks and dK/dV accumulators in flight and the kernel's per-step results shrink by
+        that factor, so per-rank memory beyond inputs and outputs does; collectives multiply
+        by it, bytes sent stay the same. See ring_impl.heads.
 
 Returns:
     The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE

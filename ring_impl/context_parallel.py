@@ -66,8 +66,10 @@ def _op_from_sdpa_kernel(device: torch.device) -> str:
 class _RingSDPA:
     """A drop-in ``scaled_dot_product_attention`` that runs ring attention over ``group``."""
 
-    def __init__(self, group: dist.ProcessGroup, layout: str, rotate_method: str | None, op: str | AttentionOp | None):
+    def __init__(self, group: dist.ProcessGroup, layout: str, rotate_method: str | None, op: str | AttentionOp | None,
+                 head_chunks: int = 1):
         self.group, self.layout, self.rotate_method, self.op = group, layout, rotate_method, op
+        self.head_chunks = head_chunks
 
     def __call__(
         self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
@@ -94,7 +96,8 @@ class _RingSDPA:
             op = _op_from_sdpa_kernel(query.device)
         out = api._ring_attention(
             api._DEFAULT_IMPL, query, key, value, group=self.group, is_causal=is_causal, scale=scale,
-            rotate_method=self.rotate_method, op=op, layout=self.layout, extra_problem=problem,
+            rotate_method=self.rotate_method, op=op, layout=self.layout, head_chunks=self.head_chunks,
+            extra_problem=problem,
         )
         return out.squeeze(0) if squeeze else out
 
@@ -115,11 +118,12 @@ class _BuiltinSDPAMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def sdpa_routed_to_ring(
-    group, *, layout: str = DEFAULT_CP_LAYOUT, rotate_method: str | None = None, op: str | AttentionOp | None = None
+    group, *, layout: str = DEFAULT_CP_LAYOUT, rotate_method: str | None = None, op: str | AttentionOp | None = None,
+    head_chunks: int = 1,
 ) -> Iterator[None]:
     """While active, SDPA calls run as ring attention over ``group`` (no buffer sharding)."""
     check_layout(layout)
-    ring_sdpa = _RingSDPA(resolve_group(group), layout, rotate_method, op)
+    ring_sdpa = _RingSDPA(resolve_group(group), layout, rotate_method, op, head_chunks)
     previous = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = ring_sdpa
     try:
@@ -146,6 +150,7 @@ def context_parallel(
     layout: str | None = None,
     rotate_method: str | None = None,
     op: str | AttentionOp | None = None,
+    head_chunks: int = 1,
 ) -> Iterator[None]:
     """Shard ``buffers`` in place and route SDPA to ring attention over ``mesh``.
 
@@ -155,8 +160,8 @@ def context_parallel(
         buffer_seq_dims: the sequence dim of each buffer, same order as ``buffers``.
         no_restore_buffers: buffers left sharded on exit (e.g. inputs not needed afterwards).
         layout: "head_tail" (default, load balanced) or "contiguous".
-        rotate_method / op: as for ``ring_attention`` (op default: from the active
-            ``sdpa_kernel`` choice, else the device's default).
+        rotate_method / op / head_chunks: as for ``ring_attention`` (op default: from the
+            active ``sdpa_kernel`` choice, else the device's default).
     """
     group = resolve_group(mesh)
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
@@ -187,7 +192,7 @@ def context_parallel(
     for b, d in zip(buffers, dims):
         _set_data(b, shard(b.detach(), world, rank, layout=layout, dim=d % b.dim()))
     try:
-        with sdpa_routed_to_ring(group, layout=layout, rotate_method=rotate_method, op=op):
+        with sdpa_routed_to_ring(group, layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks):
             yield
     finally:
         for b, original in zip(buffers, originals):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["StepRecorder", "active_recorder", "record_steps"]
+__all__ = ["StepRecorder", "active_recorder", "join_head_chunks", "record_steps"]
 
 
 class StepRecorder:
@@ -38,6 +38,24 @@ class StepRecorder:
                 "lse": lse.detach().to(torch.float64, copy=True).cpu(),
             }
         )
+
+
+def join_head_chunks(rec: StepRecorder, start: int, chunks: int) -> None:
+    """Join the records from ``start`` on, written by ``chunks`` rings over consecutive head
+    groups (``head_chunks``; every chunk's ring has the same plan), into one record per step
+    over all heads, as one ring over every head would have written them."""
+    tail = rec.records[start:]
+    per_chunk = len(tail) // chunks
+    if per_chunk * chunks != len(tail):
+        raise RuntimeError(f"join_head_chunks: {len(tail)} records do not split into {chunks} equal chunks")
+    groups = [tail[i * per_chunk : (i + 1) * per_chunk] for i in range(chunks)]
+    joined = []
+    for parts in zip(*groups):
+        first = parts[0]
+        assert all((p["rank"], p["step"], p["q_rows"]) == (first["rank"], first["step"], first["q_rows"]) for p in parts)
+        joined.append({**first, "out": torch.cat([p["out"] for p in parts], dim=1),
+                       "lse": torch.cat([p["lse"] for p in parts], dim=1)})
+    rec.records[start:] = joined
 
 
 _ACTIVE: list[StepRecorder] = []

@@ -31,16 +31,18 @@ __all__ = ["ContextParallel"]
 class ContextParallel(ParallelStyle):
     """Route SDPA inside the module to ring attention over the (1-D) device mesh."""
 
-    def __init__(self, *, layout: str = DEFAULT_CP_LAYOUT, rotate_method: str | None = None, op: str | AttentionOp | None = None):
+    def __init__(self, *, layout: str = DEFAULT_CP_LAYOUT, rotate_method: str | None = None,
+                 op: str | AttentionOp | None = None, head_chunks: int = 1):
         super().__init__()
         check_layout(layout)
-        self.layout, self.rotate_method, self.op = layout, rotate_method, op
+        self.layout, self.rotate_method, self.op, self.head_chunks = layout, rotate_method, op, head_chunks
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         active: list = []
 
         def enter(mod, args):
-            ctx = sdpa_routed_to_ring(device_mesh, layout=self.layout, rotate_method=self.rotate_method, op=self.op)
+            ctx = sdpa_routed_to_ring(device_mesh, layout=self.layout, rotate_method=self.rotate_method, op=self.op,
+                                      head_chunks=self.head_chunks)
             ctx.__enter__()
             active.append(ctx)
 

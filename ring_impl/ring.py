@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import debug
+from . import debug, heads
 from .comm import Link, RingGroup, after, make_grad_rotation, make_kv_rotation
 from .lse import normalize_lse
 from .merge import merge_into
@@ -48,6 +48,7 @@ class RingConfig:
     layout: str
     rotate_method: str
     op: AttentionOp
+    head_chunks: int = 1  # rings run one after another over head groups (ring_impl.heads)
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
@@ -180,7 +181,7 @@ class RingAttention:
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention):
-        out, lse = impl.forward(cfg, query, key, value)
+        out, lse = heads.run_forward(impl, cfg, query, key, value)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.cfg, ctx.impl = cfg, impl
         ctx.mark_non_differentiable(lse)
@@ -189,7 +190,7 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.impl.backward(ctx.cfg, grad_out, query, key, value, out, lse)
+        dq, dk, dv = heads.run_backward(ctx.impl, ctx.cfg, grad_out, query, key, value, out, lse)
         return dq, dk, dv, None, None
 
 

@@ -26,6 +26,10 @@ hop travels packed with the next key/value hop in one transfer (:class:`ring_imp
 so ``W-1`` key/value hops and ``W-1`` dK/dV hops take ``T = 2`` transfers at ``W = 2`` and
 ``T = W + 1`` from ``W = 3`` on (the first two carry key/value only, the last two dK/dV only).
 
+With ``head_chunks = c`` the ring runs ``c`` times over groups of heads (:mod:`ring_impl.heads`):
+every ring call count is multiplied by ``c`` and the bytes are unchanged (the chunks split
+``heads_kv``); the input check stays one all_reduce.
+
 Compiled (``compiled=True``), ``p2p`` hops are ``all_to_all`` calls, counted as ``alltoall``'s
 (see :func:`ring_impl.comm.shift`). Eager adds the forward's cross-rank input check:
 all_reduce, 1 call (see :mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from .comm import check_rotate_method
+from .heads import check_head_chunks
 from .ops import accumulation_dtype
 from .validate import exchange_nbytes
 
@@ -54,12 +59,17 @@ def collective_schedule(
     head_dim: int,
     dtype: torch.dtype,
     compiled: bool = False,
+    head_chunks: int = 1,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
     ``seq_kv`` is the local key/value length per rank.
     """
     check_rotate_method(rotate_method)
+    problem = check_head_chunks(head_chunks, heads_kv)
+    if problem is not None:
+        raise ValueError(f"collective_schedule: {problem}")
+    c = head_chunks
     fwd: dict[str, dict[str, int]] = {}
     bwd: dict[str, dict[str, int]] = {}
     if world_size > 1:
@@ -70,15 +80,15 @@ def collective_schedule(
         if not compiled:
             fwd["all_reduce"] = {"calls": 1, "bytes": exchange_nbytes(w)}
         if rotate_method == "allgather":
-            fwd["all_gather"] = {"calls": 1, "bytes": kv}
-            bwd["all_gather"] = {"calls": 1, "bytes": kv}
-            bwd["all_to_all"] = {"calls": w - 1, "bytes": (w - 1) * dkv}
+            fwd["all_gather"] = {"calls": c, "bytes": kv}
+            bwd["all_gather"] = {"calls": c, "bytes": kv}
+            bwd["all_to_all"] = {"calls": c * (w - 1), "bytes": (w - 1) * dkv}
         else:
             # Compiled p2p hops are all-to-all permutations (see ring_impl.comm.shift).
             kinds = ("all_to_all",) if rotate_method == "alltoall" or compiled else ("send", "recv")
             for kind in kinds:
-                fwd[kind] = {"calls": w - 1, "bytes": (w - 1) * kv}
-                bwd[kind] = {"calls": backward_transfers(w, compiled), "bytes": (w - 1) * (kv + dkv)}
+                fwd[kind] = {"calls": c * (w - 1), "bytes": (w - 1) * kv}
+                bwd[kind] = {"calls": c * backward_transfers(w, compiled), "bytes": (w - 1) * (kv + dkv)}
     return {"forward": fwd, "backward": bwd}
 
 

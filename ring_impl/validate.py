@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import ROTATE_METHODS
+from .heads import check_head_chunks
 from .layout import LAYOUTS
 from .ops import AttentionOp
 
@@ -26,6 +27,7 @@ __all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nby
 #: Fields compared across ranks; each must be equal on every rank.
 SIGNATURE_FIELDS = (
     "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "is_causal", "layout", "rotate_method",
+    "head_chunks",
 )
 
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
@@ -41,7 +43,8 @@ def exchange_nbytes(world_size: int) -> int:
 
 
 def local_problem(
-    query, key, value, *, is_causal: bool, scale, layout: str, rotate_method: str, op: AttentionOp | None, op_error: str | None
+    query, key, value, *, is_causal: bool, scale, layout: str, rotate_method: str, op: AttentionOp | None,
+    op_error: str | None, head_chunks: int = 1,
 ) -> str | None:
     """Everything one rank can check alone; returns the problem or None. Never raises."""
     names = ("query", "key", "value")
@@ -82,6 +85,9 @@ def local_problem(
         )
     if rotate_method not in ROTATE_METHODS:
         return f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
+    chunks_problem = check_head_chunks(head_chunks, hkv)
+    if chunks_problem is not None:
+        return chunks_problem
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         return f"scale must be a finite number or None, got {scale!r}"
     if op_error is not None:
@@ -93,24 +99,24 @@ def local_problem(
     return None
 
 
-def _signature(query, key, *, is_causal: bool, layout: str, rotate_method: str) -> list[int]:
+def _signature(query, key, *, is_causal: bool, layout: str, rotate_method: str, head_chunks: int) -> list[int]:
     b, h, sq, d = query.shape
     hkv, skv = key.shape[1], key.shape[2]
     return [
         b, h, hkv, sq, skv, d, _DTYPE_CODES.get(query.dtype, 0), int(is_causal),
-        LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method),
+        LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method), head_chunks,
     ]
 
 
 def agree_across_ranks(
-    problem: str | None, query, key, *, is_causal: bool, layout: str, rotate_method: str,
+    problem: str | None, query, key, *, is_causal: bool, layout: str, rotate_method: str, head_chunks: int = 1,
     group: dist.ProcessGroup, device: torch.device,
 ) -> None:
     """Raise InputError on every rank if any rank has a problem or the ranks disagree."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = len(SIGNATURE_FIELDS)
     sig = [0] * n if problem is not None else _signature(
-        query, key, is_causal=is_causal, layout=layout, rotate_method=rotate_method
+        query, key, is_causal=is_causal, layout=layout, rotate_method=rotate_method, head_chunks=head_chunks
     )
     flags = [0] * world
     flags[rank] = 1 if problem is not None else 0

@@ -1,0 +1,106 @@
+"""Running the ring over groups of heads one after another (``head_chunks``), to bound memory.
+
+Attention is independent per head, so a call can run ``c`` complete rings, each over a group of
+key/value heads and the query heads that attend to them, instead of one ring over all heads.
+Everything a ring holds beyond its inputs and outputs then shrinks by ``c``: the key/value block
+in use and the one arriving, the dK/dV accumulators leaving and arriving, the kernel's step
+results (dQ, dK, dV) and the accumulators of the chunk. Measured with ``ci/bench_ring.py``
+(W=4, seq 16384, causal head_tail, alltoall): see the README's Benchmarks section.
+
+What it costs: ``c`` times as many collectives, each ``1/c`` of the bytes (the bytes each rank
+sends are unchanged, still the minimum), and the first key/value hop of each chunk's backward
+waits for nothing to overlap it. Key/value heads are split as evenly as ``torch.tensor_split``
+would; a grouped-query chunk takes the query heads of its key/value heads (query head ``i``
+attends key/value head ``i // (heads // heads_kv)``, as SDPA's ``enable_gqa``).
+
+Under ``torch.compile`` each chunk's first transfer is tied to the previous chunk's result with
+:func:`ring_impl.comm.after` (a copy of the chunk's keys, compiled only), so the chunks'
+collectives are posted in one order on every rank. The chunks' rings are independent in the
+graph, and nothing obliges a compiler to keep independent collectives in program order; the
+ranks' graphs differ (their causal plans do), so two ranks could interleave the rings
+differently, and equal-sized hops of different chunks would then pair up silently. torch 2.13's
+inductor kept program order in every case tried without the tie (W 3 and 4, 4 chunks, causal,
+every rotation and layout), so the tie is a guarantee, not a measured fix.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from . import debug
+from .comm import after
+
+__all__ = ["check_head_chunks", "head_spans", "run_backward", "run_forward"]
+
+
+def check_head_chunks(head_chunks, heads_kv: int | None) -> str | None:
+    """The problem with ``head_chunks`` for ``heads_kv`` key/value heads, or None."""
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        return f"head_chunks must be a positive int, got {head_chunks!r}"
+    if heads_kv is not None and head_chunks > heads_kv:
+        return (
+            f"head_chunks={head_chunks} exceeds the {heads_kv} key/value heads; chunks split key/value "
+            f"heads, so use at most {heads_kv}"
+        )
+    return None
+
+
+def head_spans(heads: int, heads_kv: int, chunks: int) -> list[tuple[slice, slice]]:
+    """(query heads, key/value heads) of each chunk, in order; ``chunks <= heads_kv``."""
+    group = heads // heads_kv
+    bounds = [(i * heads_kv) // chunks for i in range(chunks + 1)]
+    return [(slice(a * group, b * group), slice(a, b)) for a, b in itertools.pairwise(bounds)]
+
+
+def _chunk(t: torch.Tensor, heads: slice) -> torch.Tensor:
+    # Contiguous once per chunk (a no-op for batch 1), not once per ring step.
+    return t[:, heads].contiguous()
+
+
+def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """``impl.forward`` over ``cfg.head_chunks`` head groups: (out, lse) as one ring call's."""
+    spans = head_spans(query.shape[1], key.shape[1], cfg.head_chunks)
+    if len(spans) == 1:
+        return impl.forward(cfg, query, key, value)
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    recorder = debug.active_recorder()
+    first_record = len(recorder.records) if recorder is not None else 0
+    token: torch.Tensor | None = None
+    for hq, hkv in spans:
+        k = _chunk(key, hkv)
+        if token is not None and torch.compiler.is_compiling():
+            k = after(k, token)  # this chunk's ring starts after the previous one ended
+        out_c, lse_c = impl.forward(cfg, _chunk(query, hq), k, _chunk(value, hkv))
+        if out is None or lse is None:
+            out = query.new_empty(query.shape, dtype=out_c.dtype)
+            lse = lse_c.new_empty(query.shape[:3])
+        out[:, hq] = out_c
+        lse[:, hq] = lse_c
+        token = out_c
+        del out_c, lse_c
+    if recorder is not None:
+        debug.join_head_chunks(recorder, first_record, len(spans))
+    return out, lse
+
+
+def run_backward(impl, cfg, grad_out, query, key, value, out, lse):
+    """``impl.backward`` over ``cfg.head_chunks`` head groups: (dq, dk, dv) as one ring call's."""
+    spans = head_spans(query.shape[1], key.shape[1], cfg.head_chunks)
+    if len(spans) == 1:
+        return impl.backward(cfg, grad_out, query, key, value, out, lse)
+    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    token: torch.Tensor | None = None
+    for hq, hkv in spans:
+        k = _chunk(key, hkv)
+        if token is not None and torch.compiler.is_compiling():
+            k = after(k, token)
+        dq_c, dk_c, dv_c = impl.backward(
+            cfg, _chunk(grad_out, hq), _chunk(query, hq), k, _chunk(value, hkv), _chunk(out, hq), _chunk(lse, hq)
+        )
+        dq[:, hq], dk[:, hkv], dv[:, hkv] = dq_c, dk_c, dv_c
+        token = dv_c  # the chunk's last result: its dK/dV came home with its ring's last hop
+        del dq_c, dk_c, dv_c
+    return dq, dk, dv
