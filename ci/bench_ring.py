@@ -399,12 +399,21 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
                    "median_s": r["time_median"], "vs_sdpa": r["time"] / sdpa[c["causal"]],
                    "median_vs_sdpa": r["time_median"] / sdpa_median[c["causal"]], "cpu_s": r["cpu"],
                    "cpu_vs_sdpa": r["cpu"] / sdpa_cpu[c["causal"]]}
+            if c["impl"] != "sdpa":
+                # Seconds outside the attention kernel (rotation, merge, accumulation, waiting),
+                # the slowest rank's: the part a ring implementation controls, free of the
+                # kernel's run-to-run noise (the kernel is ~95% of a call here).
+                row["overhead_s"] = max(e - k for e, k in zip(r["elapsed_per_rank"], r["compute_per_rank"]))
             if c["impl"] == "ring":
                 kind = "causal" if c["causal"] else "full"
-                torch_times = {rot: rows[f"torch {kind} {c['layout']} {rot}"]["time"] for rot in b.torch_rotations}
+                torch_rows = {rot: rows[f"torch {kind} {c['layout']} {rot}"] for rot in b.torch_rotations}
+                torch_times = {rot: t["time"] for rot, t in torch_rows.items()}
                 same = torch_times.get(c["rotate"])
                 row["vs_torch_same_rotation"] = r["time"] / same if same else None
                 row["vs_torch_best"] = r["time"] / min(torch_times.values()) if torch_times else None
+                torch_overheads = {rot: max(e - k for e, k in zip(t["elapsed_per_rank"], t["compute_per_rank"]))
+                                   for rot, t in torch_rows.items()}
+                row["torch_overhead_s"] = torch_overheads.get(c["rotate"], min(torch_overheads.values(), default=None))
             out["speed"].append(row)
             if c["impl"] in ("ring", "torch") and c["causal"]:
                 comp = r["compute_per_rank"]
@@ -457,25 +466,24 @@ def _aims(b: Bench, a: dict) -> list[dict]:
     speed = {(r["W"], r["name"]): r for r in a["speed"]}
     for world in b.world_sizes:
         for rot in b.ring_rotations:
+            lean = [f" hc{b.lean_head_chunks}"] if rot in b.lean_rotations and b.lean_head_chunks > 1 else []
+            for suffix in ["", *lean]:
+                for kind, bound in (("full contiguous", 1.15), ("causal head_tail", 1.25)):
+                    r = speed[(world, f"ring {kind} {rot}{suffix}")]
+                    what = "non-causal" if kind.startswith("full") else "causal head_tail"
+                    aims.append({"aim": f"W={world} {rot}{suffix}: {what} ring <= {bound}x SDPA ({world} threads)",
+                                 "measured": f"{r['vs_sdpa']:.2f}x", "met": r["vs_sdpa"] <= bound})
             nc = speed[(world, f"ring full contiguous {rot}")]
             ht = speed[(world, f"ring causal head_tail {rot}")]
-            aims.append({"aim": f"W={world} {rot}: non-causal ring <= 1.15x SDPA ({world} threads)",
-                         "measured": f"{nc['vs_sdpa']:.2f}x", "met": nc["vs_sdpa"] <= 1.15})
-            aims.append({"aim": f"W={world} {rot}: causal head_tail ring <= 1.25x SDPA ({world} threads)",
-                         "measured": f"{ht['vs_sdpa']:.2f}x", "met": ht["vs_sdpa"] <= 1.25})
-            lean = f" hc{b.lean_head_chunks}"
-            if rot in b.lean_rotations and b.lean_head_chunks > 1:
-                nc_l = speed[(world, f"ring full contiguous {rot}{lean}")]
-                ht_l = speed[(world, f"ring causal head_tail {rot}{lean}")]
-                aims.append({"aim": f"W={world} {rot}{lean}: non-causal ring <= 1.15x SDPA ({world} threads)",
-                             "measured": f"{nc_l['vs_sdpa']:.2f}x", "met": nc_l["vs_sdpa"] <= 1.15})
-                aims.append({"aim": f"W={world} {rot}{lean}: causal head_tail ring <= 1.25x SDPA ({world} threads)",
-                             "measured": f"{ht_l['vs_sdpa']:.2f}x", "met": ht_l["vs_sdpa"] <= 1.25})
             for r in (nc, ht, speed[(world, f"ring causal contiguous {rot}")]):
                 key = "vs_torch_same_rotation" if r["vs_torch_same_rotation"] is not None else "vs_torch_best"
                 label = "same rotation" if key == "vs_torch_same_rotation" else "its best rotation"
                 aims.append({"aim": f"W={world} {r['name']} <= PyTorch's ring ({label})",
                              "measured": f"{r[key]:.2f}x", "met": r[key] <= 1.0})
+                if r["torch_overhead_s"] is not None:
+                    aims.append({"aim": f"W={world} {r['name']}: seconds outside the kernel <= PyTorch's ({label})",
+                                 "measured": f"{r['overhead_s']:.3f} vs {r['torch_overhead_s']:.3f}",
+                                 "met": r["overhead_s"] <= r["torch_overhead_s"]})
     longest = max((m["seq"] for m in a["memory"]), default=None)
     for m in a["memory"]:
         if m["seq"] == longest and m["W"] == 4 and m["vs_single"] is not None:
@@ -502,9 +510,11 @@ def print_report(b: Bench, a: dict, env: dict) -> None:
              "" if r.get("vs_torch_same_rotation") is None else f"{r['vs_torch_same_rotation']:.2f}",
              "" if r.get("vs_torch_best") is None else f"{r['vs_torch_best']:.2f}",
              f"{r['median_s']:.3f}", f"{r['median_vs_sdpa']:.2f}",
+             "" if r.get("overhead_s") is None else f"{r['overhead_s']:.3f}",
              f"{r['cpu_s']:.2f}", f"{r['cpu_vs_sdpa']:.2f}"] for r in a["speed"]]
     print(tabulate(rows, headers=["W", "configuration", "thr", "time s", "fwd s", "x SDPA", "x torch same rot",
-                                  "x torch best", "median s", "median x SDPA", "CPU s", "CPU x SDPA"]))
+                                  "x torch best", "median s", "median x SDPA", "outside kernel s", "CPU s",
+                                  "CPU x SDPA"]))
     print("\nbalance: per-rank seconds in the attention kernel, causal")
     rows = [[r["W"], r["impl"], r["layout"], r["rotate"] + (f" hc{r['head_chunks']}" if r["head_chunks"] > 1 else ""),
              " ".join(f"{x:.2f}" for x in r["compute_per_rank_s"]),
@@ -577,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="reports/bench", help="Output directory for bench.json and bench.png")
     parser.add_argument("--lean-head-chunks", type=int, default=Bench.lean_head_chunks,
                         help="head_chunks of the memory-lean ring configurations (0: leave them out)")
+    parser.add_argument("--analyse", metavar="BENCH_JSON",
+                        help="Measure nothing: print the tables and aims of an earlier run's bench.json again")
     parser.add_argument("--skip-speed", action="store_true", help="Only the memory/time sweep")
     parser.add_argument("--skip-scaling", action="store_true", help="Only the speed, balance and traffic part")
     args = parser.parse_args(argv)
@@ -592,6 +604,16 @@ def main(argv: list[str] | None = None) -> int:
         b.world_sizes = tuple(args.world_sizes)
     if args.scaling_seqs is not None:
         b.scaling_seqs = tuple(args.scaling_seqs)
+    if args.analyse:
+        with open(args.analyse) as f:
+            saved = json.load(f)
+        fields = {"lean_head_chunks": 0, **saved["bench"]}  # runs from before the lean configurations had none
+        b = Bench(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        speed, scaling = saved["speed_raw"], saved["scaling_raw"]
+        if not speed:
+            b = Bench(**{**asdict(b), "world_sizes": ()})
+        print_report(b, analyse(b, speed, scaling), saved["env"])
+        return 0
     if not PeakRss.supported():
         print("memory: /proc/self/clear_refs is not writable here; the memory sweep is skipped", file=sys.stderr)
         args.skip_scaling = True

@@ -145,3 +145,50 @@ def test_bad_head_chunks_raise_on_every_rank(ring, kind: str, pattern: str) -> N
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith(InputError.__name__) for o in outcomes), summary
     assert any(pattern in o.exc_message for o in outcomes), summary
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _routed_with_chunks(ctx) -> dict:
+    """SDPA under ``context_parallel`` and under ``ContextParallel``, head_chunks 1 and 2."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import ring_impl
+    from harness.accounting import CollectiveLog
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 8 * ctx.world_size, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    out: dict = {}
+    for chunks in (1, 2):
+        qs, ks, vs = q.clone(), k.clone(), v.clone()
+        with CollectiveLog() as log, ring_impl.context_parallel(
+            ctx.group, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2], rotate_method="alltoall", head_chunks=chunks
+        ):
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        out[f"cp{chunks}"] = (o, log.summary())
+        mesh = DeviceMesh.from_group(ctx.group, "cpu")
+        module = parallelize_module(_Attention(), mesh, ring_impl.ContextParallel(rotate_method="alltoall",
+                                                                                  head_chunks=chunks))
+        with CollectiveLog() as log:
+            o = module(*(ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail", dim=2) for t in (q, k, v)))
+        out[f"style{chunks}"] = (o, log.summary())
+    return out
+
+
+def test_context_parallel_routes_head_chunks(ring) -> None:
+    _ring_impl_only(ring)
+    for rank, r in enumerate(ring.rank_pool(2).run(_routed_with_chunks, timeout=60.0)):
+        for route in ("cp", "style"):
+            (o1, log1), (o2, log2) = r[f"{route}1"], r[f"{route}2"]
+            torch.testing.assert_close(o2, o1, rtol=1e-12, atol=1e-12, msg=lambda m: f"rank {rank} {route}: {m}")
+            calls1, calls2 = _hops(log1), _hops(log2)
+            assert calls2 == 2 * calls1, f"rank {rank} {route}: head_chunks=2 issued {calls2} hops, 1 issued {calls1}"
+
+
+def _hops(summary: dict) -> int:
+    return sum(kinds.get("all_to_all", {}).get("calls", 0) for kinds in summary.values())
