@@ -3,7 +3,8 @@
 Run from the repository root::
 
     python ci/bench_ring.py --quick        # seq 2048, a few minutes on 2 cores
-    python ci/bench_ring.py                # seq 8192 (the figures), about 15-20 minutes
+    python ci/bench_ring.py                # seq 8192 (the figures), about 8 minutes on 2 cores
+    python ci/bench_ring.py --analyse reports/bench/bench.json   # the tables of a run again
 
 Writes ``bench.json`` and ``bench.png`` under ``--out`` (default ``reports/bench/``) and prints
 the tables and the issue's aims with the measured figures. Timings are only compared as ratios
@@ -24,7 +25,10 @@ speed
     comes and goes within seconds and can double a repetition, and the fastest one is the least
     disturbed (the median is reported beside it). Also the process CPU seconds (all threads,
     gloo's included), summed over ranks: the work done, whatever the load; its ratio to SDPA's is
-    the ring's overhead in work.
+    the ring's overhead in work. And the seconds outside the attention kernel (elapsed minus
+    kernel time, slowest rank): rotation, merging, accumulation and waiting, the part a ring
+    implementation controls. The kernel is ~95% of a call here and its run-to-run noise hides
+    differences between two rings in the total; outside the kernel they show.
 balance
     per-rank time inside the attention kernel (the op is wrapped with a timer) for causal
     attention under ``contiguous`` and ``head_tail``: max / mean over ranks.
