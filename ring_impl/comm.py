@@ -362,7 +362,8 @@ class _RingGrads:
     with the hop after step ``W - 1``. The owner's own (step 0) contribution never travels: it
     is added when the accumulator is home (:meth:`result`). ``RingAttention.backward`` computes
     step 0 last for ring methods, so that contribution is not held while the others are
-    computed (``allgather`` computes it first, to overlap its all-gather, and holds it).
+    computed (``allgather`` from ``W = 3`` computes it first, to overlap its all-gather, and
+    holds it).
 
     The accumulator of step ``s`` leaves with the key/value hop posted at the start of step
     ``s + 1`` when a ring rotation shares the link, else (``allgather``) at once; the last one

@@ -12,7 +12,8 @@ the same collectives in the same order. With the final output and LSE, each bloc
 is exact (the FlashAttention backward): dQ stays local and accumulates; dK/dV accumulate in
 the accumulation dtype and travel with their block until they are back with its owner. The
 backward computes its own block (step 0) last, so that block's dK/dV lands in the accumulator
-that has just come home (``allgather``: first, overlapping its all-gather; see ``backward``).
+that has just come home (``allgather`` at ``W >= 3``: first, overlapping its all-gather; see
+``backward``).
 
 Temporaries are released at the end of each step (``del``) rather than when the next step
 rebinds them, so a step's kernel never runs while the previous step's partial results are
@@ -161,15 +162,16 @@ class RingAttention:
         # Step 0 (this rank's own block) is computed on key and value themselves. Ring methods
         # compute it last: its dK/dV then goes straight into the accumulator that comes home with
         # the last hop, whose transfer its compute overlaps, and no buffer waits for it meanwhile
-        # (the first key/value hop, one block, is what step 1 waits for). ``allgather`` computes
-        # it first, overlapping the all-gather of every block, which step 1 would otherwise wait
-        # for in full; its dK/dV is then held until the accumulator is home. Measured at W=4,
-        # seq 8192, gloo: the backward's time waiting for transfers fell from 50-95 ms to 1-25 ms
-        # per rank (backward 2-3% faster), and at seq 16384 the per-rank peak rose from 0.66x to
-        # 0.78x of one process's (PyTorch's allgather ring: 0.83x). Who picks allgather picks
-        # fewer, larger collectives; alltoall and head_chunks are the lean choices.
+        # (the first key/value hop, one block, is what step 1 waits for). ``allgather`` from
+        # W = 3 on computes it first, overlapping the all-gather, which brings W - 1 blocks at
+        # once that step 1 would otherwise wait for in full; its dK/dV is then held until the
+        # accumulator is home. Measured at W=4, seq 8192, gloo: the backward's time waiting for
+        # transfers fell from 50-95 ms to 1-25 ms per rank (backward 2-3% faster), and at seq
+        # 16384 the per-rank peak rose from 0.66x to 0.78x of one process's (PyTorch's
+        # allgather ring: 0.83x). At W = 2 the gather is one block, like a ring hop: ~10 ms
+        # saved did not pay for 1.00x -> 1.11x. alltoall and head_chunks are the lean choices.
         rotation.block(0)
-        own_first = cfg.rotate_method == "allgather"
+        own_first = cfg.rotate_method == "allgather" and cfg.group.world_size > 2
         for plan in plans if own_first else plans[1:] + plans[:1]:
             kv = rotation.block(plan.step) if plan.step else (key, value)
             contribution = None
