@@ -480,6 +480,8 @@ def _aims(b: Bench, a: dict) -> list[dict]:
             nc = speed[(world, f"ring full contiguous {rot}")]
             ht = speed[(world, f"ring causal head_tail {rot}")]
             for r in (nc, ht, speed[(world, f"ring causal contiguous {rot}")]):
+                if r["vs_torch_best"] is None:  # PyTorch's ring was not run (--rotations)
+                    continue
                 key = "vs_torch_same_rotation" if r["vs_torch_same_rotation"] is not None else "vs_torch_best"
                 label = "same rotation" if key == "vs_torch_same_rotation" else "its best rotation"
                 aims.append({"aim": f"W={world} {r['name']} <= PyTorch's ring ({label})",
@@ -589,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--scaling-seqs", type=int, nargs="*", help="Sequence lengths of the memory/time sweep")
     parser.add_argument("--out", default="reports/bench", help="Output directory for bench.json and bench.png")
+    parser.add_argument("--rotations", nargs="+", choices=RING_ROTATIONS,
+                        help="Rotation methods of the speed benchmark (default: all; PyTorch's ring runs those it has)")
     parser.add_argument("--lean-head-chunks", type=int, default=Bench.lean_head_chunks,
                         help="head_chunks of the memory-lean ring configurations (0: leave them out)")
     parser.add_argument("--analyse", metavar="BENCH_JSON",
@@ -606,6 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     b.repeat = args.repeat or b.repeat
     if args.world_sizes:
         b.world_sizes = tuple(args.world_sizes)
+    if args.rotations:
+        b.ring_rotations = tuple(args.rotations)
+        b.torch_rotations = tuple(r for r in args.rotations if r in TORCH_ROTATIONS)
+        b.lean_rotations = tuple(r for r in b.lean_rotations if r in args.rotations)
     if args.scaling_seqs is not None:
         b.scaling_seqs = tuple(args.scaling_seqs)
     if args.analyse:

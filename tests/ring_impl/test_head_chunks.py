@@ -185,7 +185,7 @@ def test_context_parallel_routes_head_chunks(ring) -> None:
     for rank, r in enumerate(ring.rank_pool(2).run(_routed_with_chunks, timeout=60.0)):
         for route in ("cp", "style"):
             (o1, log1), (o2, log2) = r[f"{route}1"], r[f"{route}2"]
-            torch.testing.assert_close(o2, o1, rtol=1e-12, atol=1e-12, msg=lambda m: f"rank {rank} {route}: {m}")
+            torch.testing.assert_close(o2, o1, rtol=1e-12, atol=1e-12, msg=lambda m, at=f"rank {rank} {route}": f"{at}: {m}")
             calls1, calls2 = _hops(log1), _hops(log2)
             assert calls2 == 2 * calls1, f"rank {rank} {route}: head_chunks=2 issued {calls2} hops, 1 issued {calls1}"
 
