@@ -152,7 +152,7 @@ def _configs(world: int, b: Bench) -> list[dict[str, Any]]:
             out.append({"name": f"ring {kind} {layout} {rot}", "impl": "ring", "causal": causal, "layout": layout,
                         "rotate": rot, "threads": 1})
         for rot in b.lean_rotations if b.lean_head_chunks > 1 else ():
-            out.append({"name": f"ring {kind} {layout} {rot} hc{b.lean_head_chunks}", "impl": "ring",
+            out.append({"name": f"ring {kind} {layout} {rot}{_hc(b.lean_head_chunks)}", "impl": "ring",
                         "causal": causal, "layout": layout, "rotate": rot, "threads": 1,
                         "head_chunks": b.lean_head_chunks})
         for rot in b.torch_rotations:
@@ -271,7 +271,7 @@ def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
     else:
         configs = [{"name": f"ring {r}", "impl": "ring", "rotate": r} for r in b.scaling_rotations]
         if b.lean_head_chunks > 1:
-            configs += [{"name": f"ring {r} hc{b.lean_head_chunks}", "impl": "ring", "rotate": r,
+            configs += [{"name": f"ring {r}{_hc(b.lean_head_chunks)}", "impl": "ring", "rotate": r,
                          "head_chunks": b.lean_head_chunks} for r in b.scaling_rotations]
         configs += [{"name": f"torch {r}", "impl": "torch", "rotate": r} for r in b.scaling_rotations
                     if r in TORCH_ROTATIONS]
@@ -307,6 +307,16 @@ def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
 # ------------------------------------------------------------------------------------------
 # Driver side
 # ------------------------------------------------------------------------------------------
+
+
+def _hc(head_chunks: int) -> str:
+    """The name suffix of a head_chunks configuration (none for one ring over all heads)."""
+    return f" hc{head_chunks}" if head_chunks > 1 else ""
+
+
+def _outside_kernel(row: dict) -> float:
+    """Seconds outside the attention kernel of the slowest rank (elapsed minus kernel time)."""
+    return max(e - k for e, k in zip(row["elapsed_per_rank"], row["compute_per_rank"]))
 
 
 def _sent_bytes(summary: dict, world: int, gloo: bool) -> dict[str, int]:
@@ -407,7 +417,7 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
                 # Seconds outside the attention kernel (rotation, merge, accumulation, waiting),
                 # the slowest rank's: the part a ring implementation controls, free of the
                 # kernel's run-to-run noise (the kernel is ~95% of a call here).
-                row["overhead_s"] = max(e - k for e, k in zip(r["elapsed_per_rank"], r["compute_per_rank"]))
+                row["overhead_s"] = _outside_kernel(r)
             if c["impl"] == "ring":
                 kind = "causal" if c["causal"] else "full"
                 torch_rows = {rot: rows[f"torch {kind} {c['layout']} {rot}"] for rot in b.torch_rotations}
@@ -415,8 +425,7 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
                 same = torch_times.get(c["rotate"])
                 row["vs_torch_same_rotation"] = r["time"] / same if same else None
                 row["vs_torch_best"] = r["time"] / min(torch_times.values()) if torch_times else None
-                torch_overheads = {rot: max(e - k for e, k in zip(t["elapsed_per_rank"], t["compute_per_rank"]))
-                                   for rot, t in torch_rows.items()}
+                torch_overheads = {rot: _outside_kernel(t) for rot, t in torch_rows.items()}
                 row["torch_overhead_s"] = torch_overheads.get(c["rotate"], min(torch_overheads.values(), default=None))
             out["speed"].append(row)
             if c["impl"] in ("ring", "torch") and c["causal"]:
@@ -465,12 +474,17 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
     return out
 
 
+def _analysis(b: Bench, speed: dict, scaling: dict) -> dict:
+    """:func:`analyse`, also for a run without the speed part (then no world size has speed rows)."""
+    return analyse(b if speed else Bench(**{**asdict(b), "world_sizes": ()}), speed, scaling)
+
+
 def _aims(b: Bench, a: dict) -> list[dict]:
     aims = []
     speed = {(r["W"], r["name"]): r for r in a["speed"]}
     for world in b.world_sizes:
         for rot in b.ring_rotations:
-            lean = [f" hc{b.lean_head_chunks}"] if rot in b.lean_rotations and b.lean_head_chunks > 1 else []
+            lean = [_hc(b.lean_head_chunks)] if rot in b.lean_rotations and b.lean_head_chunks > 1 else []
             for suffix in ["", *lean]:
                 for kind, bound in (("full contiguous", 1.15), ("causal head_tail", 1.25)):
                     r = speed[(world, f"ring {kind} {rot}{suffix}")]
@@ -497,8 +511,7 @@ def _aims(b: Bench, a: dict) -> list[dict]:
                          "measured": f"{m['vs_single']:.2f}x", "met": m["vs_single"] <= 0.35})
     for t in a["traffic"]:
         if t["impl"] == "ring":
-            hc = f" hc{t['head_chunks']}" if t["head_chunks"] > 1 else ""
-            aims.append({"aim": f"W={t['W']} ring {t['rotate']}{hc} {t['phase']}: traffic = minimum",
+            aims.append({"aim": f"W={t['W']} ring {t['rotate']}{_hc(t['head_chunks'])} {t['phase']}: traffic = minimum",
                          "measured": f"{t['ratio']:.2f}x (gloo wire {t['gloo_ratio']:.2f}x)",
                          "met": abs(t["ratio"] - 1.0) < 1e-9})
     return aims
@@ -522,7 +535,7 @@ def print_report(b: Bench, a: dict, env: dict) -> None:
                                   "x torch best", "median s", "median x SDPA", "outside kernel s", "CPU s",
                                   "CPU x SDPA"]))
     print("\nbalance: per-rank seconds in the attention kernel, causal")
-    rows = [[r["W"], r["impl"], r["layout"], r["rotate"] + (f" hc{r['head_chunks']}" if r["head_chunks"] > 1 else ""),
+    rows = [[r["W"], r["impl"], r["layout"], r["rotate"] + _hc(r["head_chunks"]),
              " ".join(f"{x:.2f}" for x in r["compute_per_rank_s"]),
              f"{r['max_over_mean']:.2f}"] for r in a["balance"] if r["rotate"] in ("allgather", "alltoall")]
     print(tabulate(rows, headers=["W", "impl", "layout", "rotate", "kernel s per rank", "max/mean"]))
@@ -531,7 +544,7 @@ def print_report(b: Bench, a: dict, env: dict) -> None:
              "" if m["vs_single"] is None else f"{m['vs_single']:.2f}", f"{m['time_s']:.2f}"] for m in a["memory"]]
     print(tabulate(rows, headers=["seq", "configuration", "peak MiB/rank", "inputs MiB", "x single", "time s"]))
     print("\ntraffic: bytes each rank sends (non-causal; causal issues the same collectives)")
-    rows = [[t["W"], t["impl"], t["rotate"] + (f" hc{t['head_chunks']}" if t["head_chunks"] > 1 else ""), t["phase"], " ".join(f"{k}:{v}" for k, v in t["calls"].items()),
+    rows = [[t["W"], t["impl"], t["rotate"] + _hc(t["head_chunks"]), t["phase"], " ".join(f"{k}:{v}" for k, v in t["calls"].items()),
              t["sent_bytes"], t["minimum_bytes"], f"{t['ratio']:.2f}", f"{t['gloo_ratio']:.2f}",
              "" if t["declared_equals_measured"] is None else ("yes" if t["declared_equals_measured"] else "NO")]
             for t in a["traffic"]]
@@ -621,10 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(f)
         fields = {"lean_head_chunks": 0, **saved["bench"]}  # runs from before the lean configurations had none
         b = Bench(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-        speed, scaling = saved["speed_raw"], saved["scaling_raw"]
-        if not speed:
-            b = Bench(**{**asdict(b), "world_sizes": ()})
-        print_report(b, analyse(b, speed, scaling), saved["env"])
+        print_report(b, _analysis(b, saved["speed_raw"], saved["scaling_raw"]), saved["env"])
         return 0
     if not PeakRss.supported():
         print("memory: /proc/self/clear_refs is not writable here; the memory sweep is skipped", file=sys.stderr)
@@ -638,10 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     scaling = {} if args.skip_scaling else run_scaling(b)
     env["load_after"] = _load()
     env["wall_s"] = time.perf_counter() - t0
-    if speed:
-        analysis = analyse(b, speed, scaling)
-    else:
-        analysis = analyse(Bench(**{**asdict(b), "world_sizes": ()}), {}, scaling)
+    analysis = _analysis(b, speed, scaling)
     print_report(b, analysis, env)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

@@ -59,6 +59,15 @@ def _chunk(t: torch.Tensor, heads: slice) -> torch.Tensor:
     return t[:, heads].contiguous()
 
 
+def _keys_after(key: torch.Tensor, heads: slice, token: torch.Tensor | None) -> torch.Tensor:
+    """The chunk's keys; compiled, tied to ``token`` (the previous chunk's result) so this
+    chunk's ring starts after the previous one ended."""
+    k = _chunk(key, heads)
+    if token is not None and torch.compiler.is_compiling():
+        k = after(k, token)
+    return k
+
+
 def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     """``impl.forward`` over ``cfg.head_chunks`` head groups: (out, lse) as one ring call's."""
     spans = head_spans(query.shape[1], key.shape[1], cfg.head_chunks)
@@ -70,10 +79,7 @@ def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.
     first_record = len(recorder.records) if recorder is not None else 0
     token: torch.Tensor | None = None
     for hq, hkv in spans:
-        k = _chunk(key, hkv)
-        if token is not None and torch.compiler.is_compiling():
-            k = after(k, token)  # this chunk's ring starts after the previous one ended
-        out_c, lse_c = impl.forward(cfg, _chunk(query, hq), k, _chunk(value, hkv))
+        out_c, lse_c = impl.forward(cfg, _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv))
         if out is None or lse is None:
             out = query.new_empty(query.shape, dtype=out_c.dtype)
             lse = lse_c.new_empty(query.shape[:3])
@@ -94,11 +100,9 @@ def run_backward(impl, cfg, grad_out, query, key, value, out, lse):
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     token: torch.Tensor | None = None
     for hq, hkv in spans:
-        k = _chunk(key, hkv)
-        if token is not None and torch.compiler.is_compiling():
-            k = after(k, token)
         dq_c, dk_c, dv_c = impl.backward(
-            cfg, _chunk(grad_out, hq), _chunk(query, hq), k, _chunk(value, hkv), _chunk(out, hq), _chunk(lse, hq)
+            cfg, _chunk(grad_out, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv),
+            _chunk(out, hq), _chunk(lse, hq),
         )
         dq[:, hq], dk[:, hkv], dv[:, hkv] = dq_c, dk_c, dv_c
         token = dv_c  # the chunk's last result: its dK/dV came home with its ring's last hop

@@ -104,7 +104,12 @@ def test_chunked_ring_matches_reference_and_schedule(ring, case: RingCase) -> No
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("rotate", ["allgather", "p2p"])
 def test_chunked_ring_compiles_in_one_order(ring, backend: str, rotate: str) -> None:
-    """W=3 causal: the ranks' graphs differ (their causal plans do); the chunks must not interleave."""
+    """W=3 causal, compiled: the chunked ring is right and does not hang.
+
+    The ranks' graphs differ (their causal plans do). torch 2.13 also keeps the chunks in
+    program order without heads.py's ordering tie, so this checks the compiled chunked ring's
+    results, not the tie itself.
+    """
     _ring_impl_only(ring)
     spec = InputSpec(batch=1, heads=4, heads_kv=4, seq_q=24, seq_kv=24, head_dim=16, dtype="float32", seed=77)
     case = RingCase(spec, 3, is_causal=True, layout="head_tail", rotate_method=rotate, compile=backend,
