@@ -152,7 +152,8 @@ def _one_case(rank: int, world_size: int, case: Case, impl, takes_op: bool) -> d
 
     import ring_impl
     from harness.accounting import CollectiveLog
-    from reference.budget import TOLERANCES
+    from reference.attention import causal_visibility
+    from reference.budget import ErrorScale, check, compute_dtype, error_scales
     from ring_impl.ops import resolve_op
 
     dtype = getattr(torch, case.dtype)
@@ -194,19 +195,17 @@ def _one_case(rank: int, world_size: int, case: Case, impl, takes_op: bool) -> d
     got = {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     ref = dict(zip(("out", "lse", "dq", "dk", "dv"), _reference(q, k, v, do, case.is_causal, scale)))
     base = dict(zip(("out", "lse", "dq", "dk", "dv"), _baseline(op, q, k, v, do, case.is_causal, scale)))
-    tol = TOLERANCES[dtype]
+    visible = causal_visibility(torch.arange(q.shape[2]), torch.arange(k.shape[2])) if case.is_causal else None
+    scales = error_scales(q, k, v, do, visible=visible, scale=scale)
     row = {"case": asdict(case), "label": case.label, "rank": rank, "ok": True, "errors": {}}
     for name in ("out", "lse", "dq", "dk", "dv"):
-        r = sh(ref[name]).to(torch.float64)
-        x = got[name].detach().to(torch.float64)
-        bb = sh(base[name].detach()).to(torch.float64)
-        ex, eb = (x - r).abs(), (bb - r).abs()
-        floor = tol.floor_rel * max(1.0, r.abs().max().item())
-        ok = ex.max().item() <= tol.k * eb.max().item() + floor and ex.mean().item() <= tol.k * eb.mean().item() + floor
-        want = torch.float64 if dtype == torch.float64 else (torch.float32 if name == "lse" else dtype)
-        if got[name].dtype != want:
-            ok = False
-        row["errors"][name] = {"max": ex.max().item(), "base": eb.max().item(), "ok": ok}
+        # This rank's shard of everything, judged by the numerics policy (reference/budget.py).
+        want = compute_dtype(dtype) if name == "lse" else dtype
+        local_scales = ErrorScale(*(sh(t) for t in (scales[name].magnitude, scales[name].compute, scales[name].conditioning)))
+        verdict = check(name, got[name], sh(ref[name]), sh(base[name].detach()), dtype=dtype, result_dtype=want,
+                        scales=local_scales, world_size=world_size)
+        ok = verdict.passed and got[name].dtype == want
+        row["errors"][name] = {"max": verdict.max_err, "base": verdict.base_max_err, "ok": ok}
         row["ok"] &= ok
     if not case.compile:
         declared = impl.obj.collective_schedule(

@@ -21,13 +21,23 @@ import torch
 
 from reference import layout as ref_layout
 from reference.attention import attention_grads
-from reference.budget import Verdict, check
+from reference.budget import ErrorScale, Verdict, check, compute_dtype, error_scales
 from reference.diagnose import diagnose
 from reference.simulate import simulate_ring
 from suites.cases import RingCase
 from suites.inputs import InputSpec, make_inputs
 
-__all__ = ["QUANTITIES", "baseline_for", "diagnose_case", "format_failure", "judge", "reference_for", "unshard_results"]
+__all__ = [
+    "QUANTITIES",
+    "baseline_for",
+    "contract_violations",
+    "diagnose_case",
+    "format_failure",
+    "judge",
+    "reference_for",
+    "scales_for",
+    "unshard_results",
+]
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 
@@ -38,6 +48,16 @@ def reference_for(spec: InputSpec, is_causal: bool) -> dict[str, torch.Tensor]:
     g = make_inputs(spec)
     r = attention_grads(g.query, g.key, g.value, g.grad_out, is_causal=is_causal, scale=spec.scale)
     return {"out": r.out, "lse": r.lse, "dq": r.dq, "dk": r.dk, "dv": r.dv}
+
+
+@functools.lru_cache(maxsize=128)
+def scales_for(spec: InputSpec, is_causal: bool) -> dict[str, ErrorScale]:
+    """The numerics policy's per-element magnitudes of out, lse, dq, dk, dv for these inputs."""
+    from reference.attention import causal_visibility
+
+    g = make_inputs(spec)
+    visible = causal_visibility(torch.arange(spec.seq_q), torch.arange(spec.seq_kv)) if is_causal else None
+    return error_scales(g.query, g.key, g.value, g.grad_out, visible=visible, scale=spec.scale)
 
 
 @functools.lru_cache(maxsize=128)
@@ -71,11 +91,45 @@ def unshard_results(results: Sequence[dict[str, Any]], layout: str) -> dict[str,
     return merged
 
 
-def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
-    """Verdicts for every quantity the case produced."""
+def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> list[str]:
+    """What each rank returned against the protocol's contract (harness/implementation.py).
+
+    Per rank: out has the input dtype and the local query's shape (batch, heads, seq_q_local,
+    head_dim); the LSE is float32 (float64 for float64 inputs) of shape (batch, heads,
+    seq_q_local); dq, dk, dv have the dtype and shape of query, key and value.
+    """
     spec = case.inputs
-    ref = reference_for(spec, case.is_causal)
-    base = baseline_for(spec, case.is_causal, case.op or baseline_op)
+    w = case.world_size
+    in_dtype = spec.torch_dtype
+    sq, skv = spec.seq_q // w, spec.seq_kv // w
+    q_shape = (spec.batch, spec.heads, sq, spec.head_dim)
+    kv_shape = (spec.batch, spec.heads_kv, skv, spec.head_dim)
+    expected = {
+        "out": (in_dtype, q_shape, "the input dtype"),
+        "lse": (compute_dtype(in_dtype), q_shape[:3], "float32 (float64 for float64 inputs)"),
+        "dq": (in_dtype, q_shape, "the dtype of query"),
+        "dk": (in_dtype, kv_shape, "the dtype of key"),
+        "dv": (in_dtype, kv_shape, "the dtype of value"),
+    }
+    problems = []
+    for rank, r in enumerate(results):
+        for name, (dtype, shape, dtype_words) in expected.items():
+            t = r.get(name)
+            if t is None:
+                continue
+            if t.dtype != dtype:
+                problems.append(
+                    f"contract: {name} must be {dtype_words}, {str(dtype).removeprefix('torch.')}; "
+                    f"rank {rank} returned {str(t.dtype).removeprefix('torch.')}"
+                )
+            if tuple(t.shape) != shape:
+                problems.append(f"contract: {name} must have shape {shape} on every rank; rank {rank} returned {tuple(t.shape)}")
+    return problems
+
+
+def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
+    """Verdicts for every quantity the case produced; AssertionError for a broken contract."""
+    spec = case.inputs
     expected = {"out"} | ({"lse"} if case.return_lse else set()) | ({"dq", "dk", "dv"} if case.backward else set())
     missing = [f"{name}[rank={rank}]" for rank, r in enumerate(results) for name in sorted(expected) if r.get(name) is None]
     if missing:
@@ -83,6 +137,12 @@ def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str
             f"no result for {', '.join(missing)}: the output or LSE was not returned, or the gradient did not reach "
             f"that input (it was detached, or backward returned None for it) [{case.label}]"
         )
+    broken = contract_violations(case, results)
+    if broken:
+        raise AssertionError("\n".join([*broken, f"[{case.label}]"]))
+    ref = reference_for(spec, case.is_causal)
+    base = baseline_for(spec, case.is_causal, case.op or baseline_op)
+    scales = scales_for(spec, case.is_causal)
     got = unshard_results(results, case.layout)
     verdicts = []
     for name in QUANTITIES:
@@ -95,8 +155,9 @@ def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str
                 f"per-rank {tuple(results[0][name].shape)}), expected {tuple(ref[name].shape)} [{case.label}]"
             )
         verdicts.append(
-            check(name, x, ref[name], base[name], dtype=spec.torch_dtype, layout=case.layout,
-                  world_size=case.world_size, context=f"[{case.label}]")
+            check(name, x, ref[name], base[name], dtype=spec.torch_dtype,
+                  result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
+                  scales=scales[name], layout=case.layout, world_size=case.world_size, context=f"[{case.label}]")
         )
     return verdicts
 

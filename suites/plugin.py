@@ -173,7 +173,7 @@ class RingRunner:
             [
                 {"name": v.name, "passed": v.passed, "max_err": v.max_err, "base_max_err": v.base_max_err,
                  "mean_err": v.mean_err, "base_mean_err": v.base_mean_err, "ratio": v.ratio,
-                 "k": v.k, "floor": v.floor, "rank": v.rank, "worst_index": list(v.worst_index)}
+                 "k": v.k, "floor": v.floor, "mean_floor": v.mean_floor, "mean_ratio": v.mean_ratio, "rank": v.rank, "worst_index": list(v.worst_index)}
                 for v in verdicts
             ],
         ))
