@@ -33,6 +33,7 @@ __all__ = [
     "default_scale",
     "expand_kv_heads",
     "masked_attention",
+    "nonfinite_reach",
 ]
 
 
@@ -100,6 +101,60 @@ def causal_visibility(q_positions: Tensor, k_positions: Tensor) -> Tensor:
     return k_positions[None, :] <= q_positions[:, None]
 
 
+def nonfinite_reach(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    grad_out: Tensor | None = None,
+    visible: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Which results a non-finite input reaches: bool masks of the shapes of out, lse (and dq,
+    dk, dv with grad_out), True where the result depends on a NaN/inf input.
+
+    The rule is dependency through the visibility, not what some arithmetic happens to do (a
+    matmul multiplies a masked-out weight 0 by a NaN value and gets NaN; the result does not
+    depend on that value): row i's scores depend on query i and the keys it sees; out[i, d] on
+    those and on feature d of the values it sees; the LSE on the scores. dQ[i] depends on row i's
+    scores, its output and output gradient (D = rowsum(dO * O)) and every value it sees (dP);
+    dK[j] on every row that sees key j, through dQ's dependencies; dV[j, d] on the scores of
+    every row that sees j and on feature d of their output gradients.
+    """
+    q, k, v = query, expand_kv_heads(key, query.shape[1]), expand_kv_heads(value, query.shape[1])
+    vis = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.float64) if visible is None else visible.to(torch.float64)
+    vis = vis.to(q.device)
+
+    def seen(flags: Tensor) -> Tensor:  # flags over keys (b, h, sk[, d]) -> does row i see one
+        f = flags.to(torch.float64)
+        return (vis @ f if f.dim() == 4 else (vis @ f.unsqueeze(-1)).squeeze(-1)) > 0
+
+    def seen_by(flags: Tensor) -> Tensor:  # flags over rows (b, h, sq[, d]) -> is key j seen by one
+        f = flags.to(torch.float64)
+        vt = vis.transpose(0, 1)
+        return (vt @ f if f.dim() == 4 else (vt @ f.unsqueeze(-1)).squeeze(-1)) > 0
+
+    def to_kv_heads(flags: Tensor) -> Tensor:  # any over each GQA group
+        b, h = flags.shape[:2]
+        hkv = key.shape[1]
+        return flags.reshape(b, hkv, h // hkv, *flags.shape[2:]).any(2)
+
+    bad_v = ~torch.isfinite(v)
+    row = (~torch.isfinite(q)).any(-1) | seen((~torch.isfinite(k)).any(-1))
+    reach = {"out": row.unsqueeze(-1) | seen(bad_v), "lse": row}
+    if grad_out is None:
+        return reach
+    bad_do = ~torch.isfinite(grad_out)
+    row_grad = row | bad_do.any(-1) | seen(bad_v.any(-1))
+    reach["dq"] = row_grad.unsqueeze(-1).expand(query.shape)
+    reach["dk"] = to_kv_heads(seen_by(row_grad)).unsqueeze(-1).expand(key.shape)
+    reach["dv"] = to_kv_heads(seen_by(row.unsqueeze(-1) | bad_do))
+    return reach
+
+
+def _finite(t: Tensor) -> Tensor:
+    """t with its non-finite entries replaced by 0 (see nonfinite_reach for where they go)."""
+    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def masked_attention(
     query: Tensor,
     key: Tensor,
@@ -114,12 +169,14 @@ def masked_attention(
     value (batch, heads_kv, seq_k, head_dim_v); visible: (seq_q, seq_k) bool, None = all visible.
     Returns out (batch, heads, seq_q, head_dim_v) and lse (batch, heads, seq_q), float64.
     A row that sees no key gets out 0 and lse -inf (the neutral element of the LSE merge).
+    Non-finite inputs give NaN exactly where they reach (:func:`nonfinite_reach`).
     Differentiable in query, key and value.
     """
     check_shapes(query, key, value)
-    q = query.to(torch.float64)
-    k = expand_kv_heads(key.to(torch.float64), q.shape[1])
-    v = expand_kv_heads(value.to(torch.float64), q.shape[1])
+    reach = nonfinite_reach(query, key, value, visible=visible)
+    q = _finite(query.to(torch.float64))
+    k = expand_kv_heads(_finite(key.to(torch.float64)), q.shape[1])
+    v = expand_kv_heads(_finite(value.to(torch.float64)), q.shape[1])
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
 
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (batch, heads, seq_q, seq_k)
@@ -141,7 +198,8 @@ def masked_attention(
     # Rows that see nothing: out = 0 / 1 = 0 rather than 0 / 0; lse = log(0) = -inf.
     out = torch.matmul(weights, v) / torch.where(seen, denom, torch.ones_like(denom))
     lse = (row_max + torch.log(denom)).squeeze(-1)
-    return AttentionOutput(out, lse)
+    nan = torch.full((), math.nan, dtype=torch.float64, device=out.device)
+    return AttentionOutput(torch.where(reach["out"], nan, out), torch.where(reach["lse"], nan, lse))
 
 
 def attention(
@@ -177,24 +235,43 @@ def attention_grads(
     *,
     is_causal: bool = False,
     scale: float | None = None,
+    grad_lse: Tensor | None = None,
 ) -> ReferenceResult:
-    """Forward and float64 autograd gradients of `attention` for loss (out * grad_out).sum().
+    """Forward and float64 autograd gradients of `attention` for the loss
+    (out * grad_out).sum() + (lse * grad_lse).sum().
 
     query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
-    value (batch, heads_kv, seq_k, head_dim_v), grad_out (batch, heads, seq_q, head_dim_v).
+    value (batch, heads_kv, seq_k, head_dim_v), grad_out (batch, heads, seq_q, head_dim_v),
+    grad_lse (batch, heads, seq_q) or None (the LSE is not part of the loss).
     Returns out, lse, dq (shape of query), dk (shape of key: heads_kv heads, GQA groups summed),
-    dv (shape of value), all float64. The LSE is not part of the loss.
+    dv (shape of value), all float64.
     """
     q = query.detach().to(torch.float64).requires_grad_(True)
     k = key.detach().to(torch.float64).requires_grad_(True)
     v = value.detach().to(torch.float64).requires_grad_(True)
+    visible = None
+    if is_causal:
+        visible = causal_visibility(torch.arange(query.shape[-2]), torch.arange(key.shape[-2]))
+    reach = nonfinite_reach(query, key, value, grad_out, visible)
+    grad_out = _finite(grad_out.detach().to(torch.float64))
     with torch.enable_grad():
-        out, lse = attention(q, k, v, is_causal=is_causal, scale=scale)
+        # The gradients of finite copies, NaN where a non-finite input reaches (nonfinite_reach).
+        out, lse = attention(_finite(q), _finite(k), _finite(v), is_causal=is_causal, scale=scale)
+        out = torch.where(reach["out"], torch.zeros_like(out), out)
         if grad_out.shape != out.shape:
             raise ValueError(
                 f"grad_out has shape {tuple(grad_out.shape)}, expected the output's "
                 f"{tuple(out.shape)}"
             )
-        loss = (out * grad_out.detach().to(torch.float64)).sum()
+        loss = (out * grad_out).sum()
+        if grad_lse is not None:
+            if grad_lse.shape != lse.shape:
+                raise ValueError(f"grad_lse has shape {tuple(grad_lse.shape)}, expected the LSE's {tuple(lse.shape)}")
+            # Rows that see nothing have LSE -inf and no gradient: keep 0 * -inf out of the loss.
+            used = torch.isfinite(lse) & ~reach["lse"]
+            loss = loss + torch.where(used, lse, torch.zeros_like(lse)).mul(_finite(grad_lse.to(torch.float64))).sum()
         dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
-    return ReferenceResult(out.detach(), lse.detach(), dq, dk, dv)
+    nan = torch.full((), math.nan, dtype=torch.float64)
+    out, lse = torch.where(reach["out"], nan, out.detach()), torch.where(reach["lse"], nan, lse.detach())
+    dq, dk, dv = (torch.where(reach[n], nan, g) for n, g in (("dq", dq), ("dk", dk), ("dv", dv)))
+    return ReferenceResult(out, lse, dq, dk, dv)

@@ -24,7 +24,8 @@ cancel to ~0 while its terms do not). Per element:
        (``|dO||V|^T + |dO|.|O|`` instead of ``|dP - D| + ...``): what roundings inside the
        compute dtype are relative to.
 ``C``  the conditioning: the same sums with each probability ``p_ij`` weighted by
-       ``kappa_i = |lse_i|`` (and dS by ``|dP - D|``). A ring's backward recomputes
+       ``kappa_i = |lse_i|`` (and dS by ``|dP - D| + |dO|.P|V|``: D is formed from the output,
+       which carries the same conditioning). A ring's backward recomputes
        ``p_ij = exp(s_ij - lse_i)`` from its *merged* LSE, which each of the row's merges rounds
        at the LSE's magnitude; one such rounding moves every probability of the row by the
        relative amount ``u * |lse_i|`` (and the forward's merge weights, sigmoids of LSE
@@ -209,10 +210,12 @@ def error_scales(
     *,
     visible: Tensor | None = None,
     scale: float | None = None,
+    grad_lse: Tensor | None = None,
 ) -> dict[str, ErrorScale]:
     """M, A and C of out, lse (and dq, dk, dv when grad_out is given), computed in float64.
 
-    query (b, h, sq, d), key/value (b, hkv, sk, d), grad_out (b, h, sq, d); visible (sq, sk) bool
+    query (b, h, sq, d), key/value (b, hkv, sk, d), grad_out (b, h, sq, d), grad_lse (b, h, sq)
+    or None (the gradient reaching the LSE: it joins D as ``D - grad_lse``); visible (sq, sk) bool
     (None: every key visible; pass the causal or any other mask the case uses). Rows that see no
     key have M = A = C = 0: their exact result (out 0, LSE -inf, zero gradients) must be met
     exactly.
@@ -247,10 +250,16 @@ def error_scales(
     o = p @ v
     delta = (do * o).sum(-1, keepdim=True)  # D_i = rowsum(dO * O)
     d_magnitude = (do.abs() * o.abs()).sum(-1, keepdim=True)  # D from the rounded output O
+    if grad_lse is not None:
+        g = torch.where(seen, grad_lse.detach().to(torch.float64).unsqueeze(-1), torch.zeros_like(lse0))
+        delta, d_magnitude = delta - g, d_magnitude + g.abs()
     dp_minus_d = (do @ v.transpose(-2, -1) - delta).abs()
-    ds_m = scale * p * (dp_minus_d + d_magnitude)  # dS = P o (dP - D) as returned, with D's rounding
-    ds_a = scale * p * (do.abs() @ v.abs().transpose(-2, -1) + d_magnitude)  # dP, D at their own size
-    ds_c = scale * pk * dp_minus_d  # dS's change when every p_ij moves by u * kappa_ij
+    ds_m = abs(scale) * p * (dp_minus_d + d_magnitude)  # dS = P o (dP - D) as returned, with D's rounding
+    ds_a = abs(scale) * p * (do.abs() @ v.abs().transpose(-2, -1) + d_magnitude)  # dP, D at their own size
+    # dS's change when every p_ij moves by u * kappa_i, directly and through D: the output O in
+    # D = rowsum(dO * O) carries the same conditioning (C of out, |lse_i| * P|V|).
+    d_conditioning = (do.abs() * out_m[0]).sum(-1, keepdim=True)
+    ds_c = abs(scale) * pk * (dp_minus_d + d_conditioning)
     scales["dq"] = _scale(terms.rows(ds_m, k), terms.rows(ds_a, k), terms.rows(ds_c, k))
     scales["dk"] = _scale(terms.cols(ds_m, q), terms.cols(ds_a, q), terms.cols(ds_c, q))
     dv_m = terms.cols(p, do)

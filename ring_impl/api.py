@@ -45,30 +45,37 @@ def _ring_attention(
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     pg = resolve_group(group)
     op_obj, op_error = None, None
+    effective_scale: float | None = None
     if isinstance(query, torch.Tensor) and query.dim() == 4:
+        if scale is None:
+            effective_scale = default_scale(query.shape[-1])
+        elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            effective_scale = float(scale)
         try:
-            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1])
+            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
+                                is_causal=is_causal is True or is_causal == 1)
         except (TypeError, ValueError) as exc:
             op_error = str(exc)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
     # through the same cross-rank agreement so every rank raises together.
     problem = extra_problem or local_problem(
-        query, key, value, is_causal=is_causal, scale=scale, layout=layout,
-        rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks,
+        query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
+        op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
     )
     world = torch.distributed.get_world_size(pg)
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
-            problem, query, key, is_causal=is_causal, layout=layout, rotate_method=rotate_method,
-            head_chunks=head_chunks, group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
+            rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
+            device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
         )
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
-    assert op_obj is not None
+    assert op_obj is not None and effective_scale is not None
     cfg = RingConfig(
         group=RingGroup.of(pg, query.device),
         is_causal=bool(is_causal),
-        scale=float(scale) if scale is not None else default_scale(query.shape[-1]),
+        scale=effective_scale,
         layout=layout,
         rotate_method=rotate_method,
         op=op_obj,
@@ -102,7 +109,8 @@ Args:
     op: "auto", a registered op name (ring_impl.available_ops()) or an AttentionOp object.
     layout: "contiguous" or "head_tail" (load balanced for causal attention).
     return_lse: also return the local LSE (batch, heads, seq_q_local), float32 (float64 for
-        float64 inputs); the LSE is not differentiable.
+        float64 inputs); differentiable like the output (its gradient enters the backward's
+        row term). NaN/inf in the inputs give NaN wherever they reach (see ring_impl.nonfinite).
     head_chunks: run the ring this many times, each over a group of key/value heads (and
         their query heads), one after another (1 <= head_chunks <= heads_kv). The key/value
         blocks and dK/dV accumulators in flight and the kernel's per-step results shrink by
@@ -115,7 +123,9 @@ Returns:
 
 Raises:
     InputError (a ValueError) on every rank, before any ring collective, for bad input on
-    any rank.
+    any rank, and when the ranks disagree on any shape or option (saying which rank has what).
+    The backward is first-order: gradients taken with create_graph=True carry no graph, and
+    differentiating them again raises on every rank.
 """
 
 _DEFAULT_IMPL = RingAttention()

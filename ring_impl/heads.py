@@ -92,17 +92,26 @@ def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.
     return out, lse
 
 
-def run_backward(impl, cfg, grad_out, query, key, value, out, lse):
-    """``impl.backward`` over ``cfg.head_chunks`` head groups: (dq, dk, dv) as one ring call's."""
+def run_backward(impl, cfg, grad_out, query, key, value, out, lse, grad_lse=None):
+    """``impl.backward`` over ``cfg.head_chunks`` head groups: (dq, dk, dv) as one ring call's.
+
+    grad_lse (batch, heads, seq_q) or None: passed on only when given (variants may override
+    ``backward`` without it)."""
     spans = head_spans(query.shape[1], key.shape[1], cfg.head_chunks)
+
+    def lse_grad(hq: slice | None = None) -> dict:
+        if grad_lse is None:
+            return {}
+        return {"grad_lse": grad_lse if hq is None else _chunk(grad_lse, hq)}
+
     if len(spans) == 1:
-        return impl.backward(cfg, grad_out, query, key, value, out, lse)
+        return impl.backward(cfg, grad_out, query, key, value, out, lse, **lse_grad())
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     token: torch.Tensor | None = None
     for hq, hkv in spans:
         dq_c, dk_c, dv_c = impl.backward(
             cfg, _chunk(grad_out, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv),
-            _chunk(out, hq), _chunk(lse, hq),
+            _chunk(out, hq), _chunk(lse, hq), **lse_grad(hq),
         )
         dq[:, hq], dk[:, hkv], dv[:, hkv] = dq_c, dk_c, dv_c
         token = dv_c  # the chunk's last result: its dK/dV came home with its ring's last hop

@@ -9,7 +9,9 @@ layout for the log-sum-exp (LSE) the merge depends on. An :class:`AttentionOp` h
   normalises it with :func:`ring_impl.lse.normalize_lse`).
 - ``backward(grad_out, query, key, value, out, lse, *, is_causal, scale) -> (dq, dk, dv)``:
   ``out`` and ``lse`` are the *final* merged output and the normalised LSE ``(batch, heads,
-  seq_q)``; the op converts the LSE to whatever its kernel wants.
+  seq_q)``; the op converts the LSE to whatever its kernel wants. An op that declares
+  ``capabilities.lse_grad`` also takes ``grad_lse`` (the gradient reaching the LSE, or None);
+  for the others :func:`call_backward` folds it into ``out`` (see there).
 
 Shapes: query ``(batch, heads, seq_q, head_dim)``, key/value ``(batch, heads_kv, seq_k,
 head_dim)``. Ops that declare ``gqa=False`` always receive ``heads_kv == heads``; the ring's
@@ -77,9 +79,13 @@ class OpCapabilities:
     head_dim_multiple: int = 1
     gqa: bool = False
     lse_layout: str = "bhs"
+    lse_grad: bool = False  # backward takes grad_lse=
+    #: a known kernel fault: causal attention with a scale <= 0 comes back wrong (NaN)
+    causal_needs_positive_scale: bool = False
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-        """Return why (device, dtype, head_dim) is unsupported, or None when it is supported."""
+    def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+                    scale: float | None = None, is_causal: bool = False) -> str | None:
+        """Return why (device, dtype, head_dim[, scale, is_causal]) is unsupported, or None."""
         if device.type not in self.devices:
             return f"device {device.type!r} not in {sorted(self.devices)}"
         if dtype not in self.dtypes:
@@ -91,6 +97,8 @@ class OpCapabilities:
                 f"head_dim {head_dim} outside [{lo}, {hi}]"
                 + (f" or not a multiple of {self.head_dim_multiple}" if self.head_dim_multiple > 1 else "")
             )
+        if self.causal_needs_positive_scale and is_causal and scale is not None and scale <= 0:
+            return f"causal attention with scale {scale} <= 0 (the kernel returns NaN there)"
         return None
 
 
@@ -137,7 +145,7 @@ class MathOp:
     """
 
     name = "math"
-    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True)
+    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True, lse_grad=True)
 
     @staticmethod
     def _scores(query: torch.Tensor, key: torch.Tensor, is_causal: bool, scale: float) -> torch.Tensor:
@@ -159,7 +167,7 @@ class MathOp:
         out = torch.einsum("bngqk,bnkd->bngqd", p, value.to(s.dtype))
         return out.reshape(b, h, sq, d).to(query.dtype), lse.reshape(b, h, sq)
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None):
         b, h, sq, d = query.shape
         hkv = key.shape[1]
         g = h // hkv
@@ -171,6 +179,8 @@ class MathOp:
         dv = torch.einsum("bngqk,bngqd->bnkd", p, do)
         dp = torch.einsum("bngqd,bnkd->bngqk", do, value.to(acc))
         delta = (do * o).sum(-1, keepdim=True)  # rowsum(dO * O) of the *final* output
+        if grad_lse is not None:  # d lse_i / d s_ij = p_ij
+            delta = delta - grad_lse.to(acc).reshape(b, hkv, g, sq, 1)
         ds = p * (dp - delta)
         dq = torch.einsum("bngqk,bnkd->bngqd", ds, key.to(acc)) * scale
         dk = torch.einsum("bngqk,bngqd->bnkd", ds, query.to(acc).reshape(b, hkv, g, sq, d)) * scale
@@ -189,7 +199,7 @@ class CpuFlashOp:
     """
 
     name = "cpu_flash"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}))
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True)
 
     def forward(self, query, key, value, *, is_causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -231,7 +241,7 @@ class CpuEfficientLayoutOp(CpuFlashOp):
     """
 
     name = "cpu_efficient_layout"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs_padded32")
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs_padded32", causal_needs_positive_scale=True)
 
     def forward(self, query, key, value, *, is_causal, scale):
         out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale)
@@ -245,7 +255,7 @@ class CpuCudnnLayoutOp(CpuFlashOp):
     """CPU flash with the LSE layout of cuDNN attention: (batch, heads, seq_q, 1)."""
 
     name = "cpu_cudnn_layout"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs1")
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs1", causal_needs_positive_scale=True)
 
     def forward(self, query, key, value, *, is_causal, scale):
         out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale)
@@ -422,21 +432,24 @@ def get_op(name: str) -> AttentionOp:
         ) from None
 
 
-def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionOp:
-    if device.type == "cpu":
-        return get_op("cpu_flash")
-    candidates = ("cuda_flash", "cuda_efficient") if dtype != torch.float64 else ()
+def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: float | None = None,
+             is_causal: bool = False) -> AttentionOp:
+    """The fastest registered op that supports the call; ``math`` where no fused kernel does
+    (float64 on CUDA, or a fused kernel's known fault such as cpu_flash's causal scale <= 0)."""
+    candidates = ("cpu_flash",) if device.type == "cpu" else ("cuda_flash", "cuda_efficient")
     for name in candidates:
         op = get_op(name)
-        if op.capabilities.unsupported(device, dtype, head_dim) is None:
+        if op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal) is None:
             return op
     return get_op("math")
 
 
-def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionOp:
-    """Turn the ``op=`` argument into an op object; "auto"/None picks by device and dtype."""
+def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+               scale: float | None = None, is_causal: bool = False) -> AttentionOp:
+    """Turn the ``op=`` argument into an op object; "auto"/None picks by device, dtype and the
+    call's scale and causality (routing around a kernel's known faults)."""
     if op is None or op == "auto":
-        return _auto_op(device, dtype, head_dim)
+        return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal)
     if isinstance(op, str):
         return get_op(op)
     missing = [a for a in ("forward", "backward", "capabilities") if not hasattr(op, a)]
@@ -448,7 +461,8 @@ def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.
     return op
 
 
-for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuCudnnLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaCudnnOp()):
+_MATH = MathOp()
+for _op in (_MATH, CpuFlashOp(), CpuEfficientLayoutOp(), CpuCudnnLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaCudnnOp()):
     register_op(_op)
 
 
@@ -479,6 +493,43 @@ def call_forward(
     return op.forward(query, key, value, is_causal=is_causal, scale=scale)
 
 
+def _with_lse_grad(
+    op: AttentionOp, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor, *, is_causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``op.backward`` with the LSE's gradient folded into ``out``, for kernels that take none.
+
+    The LSE's gradient ``g`` enters the backward as ``dS = P * (dP - (D - g))`` with
+    ``D = rowsum(dO * O)``, and flash-style kernels read ``out`` only to form ``D``. Padding
+    the head dim with extra columns where value and the key/query are 0, the output gradient
+    is 1 and the output is ``-g`` (in two parts, high and low, so a 16-bit dtype carries ``g``
+    to about its square precision) gives ``D' = D - g`` and leaves ``dP``, and the real
+    columns of dQ, dK, dV, unchanged. Padded to a multiple of 8 columns (what fused kernels
+    want); an op that cannot take the padded head dim runs the block with the math op.
+    """
+    d = query.shape[-1]
+    padded = -(-(d + 2) // 8) * 8
+    if op.capabilities.unsupported(query.device, query.dtype, padded) is not None:
+        return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse)
+    extra = padded - d
+    acc = accumulation_dtype(query.dtype)
+    g = -grad_lse.to(acc)
+    g_hi = g.to(query.dtype)
+    g_lo = (g - g_hi.to(acc)).to(query.dtype)
+
+    def pad(t: torch.Tensor, fill: list[torch.Tensor] | None = None) -> torch.Tensor:
+        cols = [c.unsqueeze(-1) for c in fill or []]
+        zeros = t.new_zeros(*t.shape[:-1], extra - len(cols))
+        return torch.cat([t, *[c.to(t.dtype) for c in cols], zeros], dim=-1)
+
+    ones = torch.ones_like(grad_lse, dtype=grad_out.dtype)
+    dq, dk, dv = op.backward(
+        pad(grad_out, [ones, ones]), pad(query), pad(key), pad(value), pad(out, [g_hi, g_lo]), lse,
+        is_causal=is_causal, scale=scale,
+    )
+    return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
 def call_backward(
     op: AttentionOp,
     grad_out: torch.Tensor,
@@ -490,12 +541,23 @@ def call_backward(
     *,
     is_causal: bool,
     scale: float,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``op.backward`` with GQA expansion, returning dk/dv with ``heads_kv`` heads."""
+    """``op.backward`` with GQA expansion, returning dk/dv with ``heads_kv`` heads.
+
+    grad_lse (batch, heads, seq_q) or None: the gradient reaching the LSE; given to ops that
+    declare ``lse_grad``, folded into ``out`` for the others (:func:`_with_lse_grad`).
+    """
     heads_kv = key.shape[1]
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-    dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+    if grad_lse is None:
+        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+    elif op.capabilities.lse_grad:
+        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
+                                 grad_lse=grad_lse)  # type: ignore[call-arg]
+    else:
+        dq, dk, dv = _with_lse_grad(op, grad_out, query, key, value, out, lse, grad_lse, is_causal=is_causal, scale=scale)
     return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)
 
 

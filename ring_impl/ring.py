@@ -29,10 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
+from torch.autograd.function import once_differentiable
+
 from . import debug, heads
 from .comm import Link, RingGroup, after, make_grad_rotation, make_kv_rotation
 from .lse import normalize_lse
 from .merge import merge_into
+from .nonfinite import poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
 from .plan import StepPlan, ring_plan
 
@@ -81,17 +84,22 @@ class RingAttention:
         return torch.stack([key, value])
 
     def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan):
-        """One step's partial (out, lse) with lse normalised to (batch, heads, rows)."""
+        """One step's partial (out, lse) with lse normalised to (batch, heads, rows); NaN
+        wherever a non-finite input reaches them, whatever the kernel did (ring_impl.nonfinite)."""
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
         b, h, rows, _ = q.shape
         lse = normalize_lse(
             lse, batch=b, heads=h, seq_q=rows, layout=cfg.op.capabilities.lse_layout, op_name=getattr(cfg.op, "name", "op")
         )
-        return out, lse
+        return poison_forward(out, lse, q, k, v, plan.kind)
 
-    def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: StepPlan):
-        """One step's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads."""
-        return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale)
+    def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: StepPlan, grad_lse=None):
+        """One step's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads.
+
+        grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
+        dq, dk, dv = call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
+                                   grad_lse=grad_lse)
+        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind)
 
     def kv_rotation(self, cfg: RingConfig, kv: torch.Tensor, link: Link | None = None):
         """Source of each step's packed key/value block (see ring_impl.comm); ``link``: the
@@ -139,8 +147,13 @@ class RingAttention:
         assert out_acc is not None and lse_acc is not None
         return out_acc.to(query.dtype), lse_acc
 
-    def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse):
-        """(dq, dk, dv) in the input dtype; shapes as query, key, value."""
+    def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse=None):
+        """(dq, dk, dv) in the input dtype; shapes as query, key, value.
+
+        grad_lse: the gradient reaching the returned LSE (batch, heads, seq_q), or None when
+        the LSE is not used. It enters every block's dS as ``P * grad_lse`` (d lse_i / d s_ij
+        = p_ij), i.e. the row term ``rowsum(dO * O)`` becomes ``rowsum(dO * O) - grad_lse``.
+        """
         acc = self.accumulation_dtype(query.dtype)
         dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
         kv_local = self.pack_kv(key, value)
@@ -177,6 +190,8 @@ class RingAttention:
             contribution = None
             if not plan.skipped:
                 q0, q1 = plan.q_rows
+                # grad_lse only when there is one: variants may override block_backward without it.
+                extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, plan.q_rows)}
                 dq, dk, dv = self.block_backward(
                     cfg,
                     _rows(grad_out, plan.q_rows),
@@ -186,6 +201,7 @@ class RingAttention:
                     _rows(out, plan.q_rows),
                     _rows(lse, plan.q_rows),
                     plan,
+                    **extra,
                 )
                 dq_acc[:, :, q0:q1] += dq
                 contribution = (plan.kv_rows, dk, dv)
@@ -197,18 +213,25 @@ class RingAttention:
 
 
 class _RingFunction(torch.autograd.Function):
+    """out and lse, both differentiable. The backward is first-order only (once_differentiable):
+    with ``create_graph=True`` the gradients come back without a graph, and differentiating them
+    again raises the same error on every rank, before any collective."""
+
     @staticmethod
     def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention):
         out, lse = heads.run_forward(impl, cfg, query, key, value)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.cfg, ctx.impl = cfg, impl
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = heads.run_backward(ctx.impl, ctx.cfg, grad_out, query, key, value, out, lse)
+        if grad_out is None:  # only the LSE reaches the loss
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = heads.run_backward(ctx.impl, ctx.cfg, grad_out, query, key, value, out, lse, grad_lse)
         return dq, dk, dv, None, None
 
 

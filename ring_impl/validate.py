@@ -1,18 +1,23 @@
 """Input checks that fail on every rank, before any ring collective, never with a hang.
 
 A check that fails on one rank only (a shape that differs between ranks, a dtype one rank got
-wrong) would leave the other ranks blocked in the first ring collective. So every rank first
-runs its local checks *without raising*, then all ranks exchange one small vector (a MAX
-all-reduce of ``[per-rank error flags | shape signature | -shape signature]``), and every rank
-raises if any rank found a problem or the signatures differ. The exchange is one tiny
-all-reduce per call, declared in the collective schedule (phase ``forward``, kind
-``all_reduce``); it is skipped under ``torch.compile``, where shapes are static per graph and
-a data-dependent branch would break the graph.
+wrong, an option of the wrong type on one rank) would leave the other ranks blocked in the first
+ring collective. So every rank first runs its local checks *without raising* (:func:`local_problem`,
+which never raises whatever the arguments are), then all ranks exchange one small table (a SUM
+all-reduce in which each rank fills its own row: its problem flag and its :data:`SIGNATURE_FIELDS`),
+and every rank raises the same :class:`InputError` if any rank found a problem or the rows
+differ, naming which rank has what. The exchange is one tiny all-reduce per call, declared in the
+collective schedule (phase ``forward``, kind ``all_reduce``); it is skipped under
+``torch.compile``, where shapes are static per graph and a data-dependent branch would break the
+graph.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+import zlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,15 +27,16 @@ from .heads import check_head_chunks
 from .layout import LAYOUTS
 from .ops import AttentionOp
 
-__all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes", "local_problem"]
+__all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes", "local_problem", "signature"]
 
 #: Fields compared across ranks; each must be equal on every rank.
 SIGNATURE_FIELDS = (
-    "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "is_causal", "layout", "rotate_method",
-    "head_chunks",
+    "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "device", "is_causal", "scale", "layout",
+    "rotate_method", "op", "head_chunks", "return_lse",
 )
 
-_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_DEVICE_TYPES = ("cpu", "cuda")
 
 
 class InputError(ValueError):
@@ -38,17 +44,49 @@ class InputError(ValueError):
 
 
 def exchange_nbytes(world_size: int) -> int:
-    """Bytes of the cross-rank check's all-reduce input (int64 per slot)."""
-    return 8 * (world_size + 2 * len(SIGNATURE_FIELDS))
+    """Bytes of the cross-rank check's all-reduce input: a row per rank (problem flag and
+    signature), int64."""
+    return 8 * world_size * (1 + len(SIGNATURE_FIELDS))
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or (type(value).__name__ == "bool_" and value in (True, False)) or (
+        isinstance(value, int) and value in (0, 1)
+    )
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    return isinstance(t, DTensor)
 
 
 def local_problem(
-    query, key, value, *, is_causal: bool, scale, layout: str, rotate_method: str, op: AttentionOp | None,
-    op_error: str | None, head_chunks: int = 1,
+    query, key, value, *, is_causal, scale, layout, rotate_method, op: AttentionOp | None,
+    op_error: str | None, head_chunks=1, return_lse=False,
 ) -> str | None:
     """Everything one rank can check alone; returns the problem or None. Never raises."""
+    try:
+        return _local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
+                              rotate_method=rotate_method, op=op, op_error=op_error, head_chunks=head_chunks,
+                              return_lse=return_lse)
+    except Exception as exc:  # a check that trips over an argument is still a problem, not a crash
+        return f"invalid arguments ({type(exc).__name__}: {exc})"
+
+
+def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, op, op_error, head_chunks,
+                   return_lse) -> str | None:
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
+        if _is_dtensor(t):
+            return (
+                f"{name} is a DTensor; ring_attention takes this rank's local shard as a plain tensor: pass "
+                f"{name}.to_local() of a tensor sharded on the sequence dim in the layout you name (layout="
+                "'contiguous' for DTensor's Shard(2)), or shard a global tensor with ring_impl.shard, or use "
+                "context_parallel"
+            )
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if t.dim() != 4:
@@ -57,8 +95,12 @@ def local_problem(
             return f"{name} must be floating point, got {t.dtype}"
     if query.dtype != key.dtype or query.dtype != value.dtype:
         return f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}; cast them to one dtype"
+    if query.dtype not in _DTYPES:
+        return f"dtype {query.dtype} is not supported; use one of {[str(d) for d in _DTYPES]}"
     if query.device != key.device or query.device != value.device:
         return f"query/key/value devices differ: {query.device}, {key.device}, {value.device}"
+    if query.device.type not in _DEVICE_TYPES:
+        return f"device {query.device} is not supported; use one of {_DEVICE_TYPES}"
     if key.shape != value.shape:
         return f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}"
     b, h, sq, d = query.shape
@@ -71,73 +113,142 @@ def local_problem(
         return f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query attention"
     if min(b, h, sq, skv, d) == 0:
         return f"empty input: query {tuple(query.shape)}, key/value {tuple(key.shape)}"
+    if not _is_bool(is_causal):
+        return f"is_causal must be a bool, got {is_causal!r} ({type(is_causal).__name__})"
+    if not _is_bool(return_lse):
+        return f"return_lse must be a bool, got {return_lse!r} ({type(return_lse).__name__})"
     if is_causal and sq != skv:
         return (
             f"causal ring attention needs equal local query and key/value lengths, got {sq} and {skv}; "
             "use is_causal=False for cross attention"
         )
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail" and (sq % 2 or skv % 2):
         return (
             f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even; got "
             f"query {sq}, key/value {skv}; shard a sequence that is a multiple of 2 * world_size"
         )
-    if rotate_method not in ROTATE_METHODS:
+    if not isinstance(rotate_method, str) or rotate_method not in ROTATE_METHODS:
         return f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
     chunks_problem = check_head_chunks(head_chunks, hkv)
     if chunks_problem is not None:
         return chunks_problem
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         return f"scale must be a finite number or None, got {scale!r}"
     if op_error is not None:
         return op_error
-    assert op is not None
-    why = op.capabilities.unsupported(query.device, query.dtype, d)
+    if op is None:
+        return "no attention op resolved"
+    effective_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    why = op.capabilities.unsupported(query.device, query.dtype, d, scale=effective_scale, is_causal=bool(is_causal))
     if why is not None:
         return f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}; choose another op="
     return None
 
 
-def _signature(query, key, *, is_causal: bool, layout: str, rotate_method: str, head_chunks: int) -> list[int]:
+def _scale_code(scale: float) -> int:
+    """The float64 bits of the scale as an int64: equal codes iff equal scales."""
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def _op_code(op: AttentionOp) -> int:
+    return zlib.crc32(str(getattr(op, "name", type(op).__name__)).encode()) & 0x7FFFFFFF
+
+
+def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method: str, op: AttentionOp,
+              head_chunks: int, return_lse) -> list[int]:
+    """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
+    local problem)."""
     b, h, sq, d = query.shape
     hkv, skv = key.shape[1], key.shape[2]
     return [
-        b, h, hkv, sq, skv, d, _DTYPE_CODES.get(query.dtype, 0), int(is_causal),
-        LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method), head_chunks,
+        b, h, hkv, sq, skv, d, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
+        _scale_code(scale), LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method), _op_code(op), head_chunks,
+        int(bool(return_lse)),
     ]
 
 
+def _shown(field: str, code: int, op_names: dict[int, str]) -> str:
+    """A field's integer code in words."""
+    if field == "dtype":
+        return str(_DTYPES[code]).removeprefix("torch.")
+    if field == "device":
+        return _DEVICE_TYPES[code]
+    if field in ("is_causal", "return_lse"):
+        return str(bool(code))
+    if field == "scale":
+        return f"{struct.unpack('<d', struct.pack('<q', code))[0]:.6g}"
+    if field == "layout":
+        return repr(LAYOUTS[code])
+    if field == "rotate_method":
+        return repr(ROTATE_METHODS[code])
+    if field == "op":
+        return repr(op_names.get(code, f"op #{code}"))
+    return str(code)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)
+
+
+def disagreement(table: list[list[int]], op_names: dict[int, str]) -> str | None:
+    """Which signature fields differ between the ranks' rows, in words, or None."""
+    differing = []
+    for i, field in enumerate(SIGNATURE_FIELDS):
+        by_value: dict[int, list[int]] = {}
+        for rank, row in enumerate(table):
+            by_value.setdefault(row[i], []).append(rank)
+        if len(by_value) > 1:
+            held = "; ".join(f"{_ranks(ranks)} {_shown(field, code, op_names)}" for code, ranks in by_value.items())
+            differing.append(f"{field} ({held})")
+    if not differing:
+        return None
+    text = "ranks disagree on " + ", ".join(differing) + "; every rank must pass shards of equal shape and the same options"
+    if any(f.startswith(("seq_q", "seq_kv")) for f in differing):
+        text += " (local lengths differ: pad the global sequence to a multiple of the layout's chunk count, W or 2W)"
+    return text
+
+
 def agree_across_ranks(
-    problem: str | None, query, key, *, is_causal: bool, layout: str, rotate_method: str, head_chunks: int = 1,
-    group: dist.ProcessGroup, device: torch.device,
+    problem: str | None, query, key, *, is_causal, scale: float | None, layout, rotate_method, op: AttentionOp | None,
+    head_chunks=1, return_lse=False, group: dist.ProcessGroup, device: torch.device,
 ) -> None:
     """Raise InputError on every rank if any rank has a problem or the ranks disagree."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = len(SIGNATURE_FIELDS)
-    sig = [0] * n if problem is not None else _signature(
-        query, key, is_causal=is_causal, layout=layout, rotate_method=rotate_method, head_chunks=head_chunks
-    )
-    flags = [0] * world
-    flags[rank] = 1 if problem is not None else 0
-    vec = torch.tensor(flags + sig + [-x for x in sig], dtype=torch.int64)
+    n = 1 + len(SIGNATURE_FIELDS)
+    table = [0] * (world * n)
+    if problem is not None:
+        table[rank * n] = 1
+    else:
+        assert op is not None and scale is not None
+        table[rank * n + 1 : (rank + 1) * n] = signature(
+            query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
+            head_chunks=head_chunks, return_lse=return_lse,
+        )
+    vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
     vec = vec if staged else vec.to(device)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     agreed: list[int] = vec.cpu().tolist()
-    bad_ranks = [r for r in range(world) if agreed[r]]
+    rows = [agreed[r * n : (r + 1) * n] for r in range(world)]
     if problem is not None:
         raise InputError(f"ring_attention (rank {rank}): {problem}")
+    bad_ranks = [r for r in range(world) if rows[r][0]]
     if bad_ranks:
         raise InputError(
-            f"ring_attention (rank {rank}): rank(s) {bad_ranks} rejected their input (see the error on "
+            f"ring_attention (rank {rank}): {_ranks(bad_ranks)} rejected their input (see the error on "
             "those ranks); every rank raises so none is left waiting in a collective"
         )
-    hi, lo = agreed[world : world + n], [-x for x in agreed[world + n :]]
-    differing = [f"{name} ranges {lo_v}..{hi_v}" for name, lo_v, hi_v in zip(SIGNATURE_FIELDS, lo, hi) if lo_v != hi_v]
-    if differing:
-        raise InputError(
-            f"ring_attention (rank {rank}): ranks disagree on {', '.join(differing)}; every rank must "
-            "pass shards of equal shape and the same options (pad the sequence to a multiple of the "
-            "layout's chunk count)"
-        )
+    op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
+    text = disagreement([row[1:] for row in rows], op_names)
+    if text is not None:
+        raise InputError(f"ring_attention (rank {rank}): {text}")

@@ -129,7 +129,12 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         out, lse = res if case.return_lse else (res, None)
         if case.backward:
             with phase("backward"):
-                out.backward(inp.grad_out)
+                if inp.grad_lse is not None:  # the loss uses the LSE too
+                    if lse is None:
+                        raise ValueError("the case's loss uses the LSE, but the case does not ask for it (return_lse)")
+                    torch.autograd.backward([out, lse], [inp.grad_out, inp.grad_lse])
+                else:
+                    out.backward(inp.grad_out)
 
     def cpu(t):
         return None if t is None else t.detach().cpu()

@@ -30,6 +30,14 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "unknown_rotation": (r"rotate", None),
     "unknown_layout": (r"layout", None),
     "options_differ_between_ranks": (r"causal", None),
+    "is_causal_none_on_one_rank": (r"is_causal", None),
+    "is_causal_not_a_bool": (r"is_causal", None),
+    "scale_differs_between_ranks": (r"scale", None),
+    "layout_differs_between_ranks": (r"layout", None),
+    "rotation_differs_between_ranks": (r"rotate", None),
+    "return_lse_differs_between_ranks": (r"return_lse", None),
+    "op_differs_between_ranks": (r"\bop\b", "ops"),
+    "dtensor_inputs": (r"DTensor", None),
     "nan_scale": (r"scale", None),
     "sdpa_attn_mask": (r"attn_mask|mask", "context_parallel"),
     "sdpa_dropout": (r"dropout", "context_parallel"),
@@ -77,6 +85,31 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
         kw["layout"] = "zigzag_spiral"
     elif kind == "options_differ_between_ranks":
         kw["is_causal"] = ctx.rank == 0
+    elif kind == "is_causal_none_on_one_rank":
+        if last:
+            kw["is_causal"] = None
+    elif kind == "is_causal_not_a_bool":
+        kw["is_causal"] = "yes"
+    elif kind == "scale_differs_between_ranks":
+        kw["scale"] = 0.25 if last else 0.125
+    elif kind == "layout_differs_between_ranks":
+        kw["layout"] = "head_tail" if last else "contiguous"
+    elif kind == "rotation_differs_between_ranks":
+        kw["rotate_method"] = "alltoall" if last else "allgather"
+    elif kind == "return_lse_differs_between_ranks":
+        kw["return_lse"] = last
+    elif kind == "op_differs_between_ranks":
+        from harness.implementation import load_op
+
+        fused = "cpu_flash" if ctx.device.type == "cpu" else "cuda_efficient"  # both take these float32 inputs
+        kw["op"] = load_op("math" if last else fused)
+    elif kind == "dtensor_inputs":
+        from torch.distributed.tensor import DTensor, Shard
+
+        from suites.cases_api import _mesh
+
+        mesh = _mesh(ctx)
+        q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]) for t in (q, k, v))
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):

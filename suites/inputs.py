@@ -13,7 +13,7 @@ import torch
 
 from reference.layout import shard
 
-__all__ = ["DTYPES", "InputSpec", "Inputs", "local_inputs", "make_inputs"]
+__all__ = ["DTYPES", "InputSpec", "Inputs", "local_inputs", "make_inputs", "nan_position"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -39,6 +39,8 @@ class InputSpec:
     magnitude: float = 1.0  # scales query and key: 1e2 pushes logits far beyond exp overflow
     noncontiguous: bool = False  # local shards are transposed views of (batch, seq, heads, dim)
     scale: float | None = None
+    lse_grad: bool = False  # the loss also uses the LSE: grad_lse (batch, heads, seq_q) is drawn
+    nan_in: str | None = None  # "query", "key" or "value": one element is NaN (see make_inputs)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -50,12 +52,21 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class Inputs:
-    """Global tensors: query (b, h, sq, d), key/value (b, hkv, skv, d), grad_out (b, h, sq, d)."""
+    """Global tensors: query (b, h, sq, d), key/value (b, hkv, skv, d), grad_out (b, h, sq, d),
+    grad_lse (b, h, sq) when the spec's loss uses the LSE, else None."""
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
     grad_out: torch.Tensor
+    grad_lse: torch.Tensor | None = None
+
+
+def nan_position(spec: InputSpec) -> tuple[int, int, int, int]:
+    """Where ``spec.nan_in`` puts its NaN: batch 0, head 0, a third into the sequence, feature 1
+    (a position that later rows see under causal attention and that is not a shard's first)."""
+    seq = spec.seq_q if spec.nan_in == "query" else spec.seq_kv
+    return (0, 0, seq // 3, min(1, spec.head_dim - 1))
 
 
 def make_inputs(spec: InputSpec) -> Inputs:
@@ -67,12 +78,18 @@ def make_inputs(spec: InputSpec) -> Inputs:
         return (torch.randn(*shape, generator=gen, dtype=torch.float64) * magnitude).to(spec.torch_dtype)
 
     b, h, hkv, d = spec.batch, spec.heads, spec.heads_kv, spec.head_dim
-    return Inputs(
+    inputs = Inputs(
         query=draw(b, h, spec.seq_q, d, magnitude=spec.magnitude),
         key=draw(b, hkv, spec.seq_kv, d, magnitude=spec.magnitude),
         value=draw(b, hkv, spec.seq_kv, d),
         grad_out=draw(b, h, spec.seq_q, d),
+        grad_lse=draw(b, h, spec.seq_q) if spec.lse_grad else None,
     )
+    if spec.nan_in is not None:
+        if spec.nan_in not in ("query", "key", "value"):
+            raise ValueError(f"InputSpec.nan_in must be 'query', 'key' or 'value', not {spec.nan_in!r}")
+        getattr(inputs, spec.nan_in)[nan_position(spec)] = float("nan")
+    return inputs
 
 
 def _local(t: torch.Tensor, layout: str, world_size: int, rank: int, noncontiguous: bool, device) -> torch.Tensor:
@@ -91,4 +108,7 @@ def local_inputs(spec: InputSpec, layout: str, world_size: int, rank: int, devic
         _local(t, layout, world_size, rank, spec.noncontiguous, device).detach().requires_grad_()
         for t in (g.query, g.key, g.value)
     )
-    return Inputs(q, k, v, _local(g.grad_out, layout, world_size, rank, spec.noncontiguous, device))
+    grad_lse = None
+    if g.grad_lse is not None:
+        grad_lse = shard(g.grad_lse.unsqueeze(-1), layout, world_size, rank, dim=2).squeeze(-1).to(device)
+    return Inputs(q, k, v, _local(g.grad_out, layout, world_size, rank, spec.noncontiguous, device), grad_lse)

@@ -46,7 +46,7 @@ QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 def reference_for(spec: InputSpec, is_causal: bool) -> dict[str, torch.Tensor]:
     """float64 out, lse, dq, dk, dv of the global inputs."""
     g = make_inputs(spec)
-    r = attention_grads(g.query, g.key, g.value, g.grad_out, is_causal=is_causal, scale=spec.scale)
+    r = attention_grads(g.query, g.key, g.value, g.grad_out, is_causal=is_causal, scale=spec.scale, grad_lse=g.grad_lse)
     return {"out": r.out, "lse": r.lse, "dq": r.dq, "dk": r.dk, "dv": r.dv}
 
 
@@ -57,7 +57,7 @@ def scales_for(spec: InputSpec, is_causal: bool) -> dict[str, ErrorScale]:
 
     g = make_inputs(spec)
     visible = causal_visibility(torch.arange(spec.seq_q), torch.arange(spec.seq_kv)) if is_causal else None
-    return error_scales(g.query, g.key, g.value, g.grad_out, visible=visible, scale=spec.scale)
+    return error_scales(g.query, g.key, g.value, g.grad_out, visible=visible, scale=spec.scale, grad_lse=g.grad_lse)
 
 
 @functools.lru_cache(maxsize=128)
@@ -68,11 +68,15 @@ def baseline_for(spec: InputSpec, is_causal: bool, op_spec: str | None) -> dict[
     from ring_impl.ops import call_backward, call_forward, default_scale, resolve_op
 
     g = make_inputs(spec)
-    op = resolve_op("auto", torch.device("cpu"), spec.torch_dtype, spec.head_dim) if op_spec in (None, "auto") else load_op(op_spec)
     scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
+    if op_spec in (None, "auto"):
+        op = resolve_op("auto", torch.device("cpu"), spec.torch_dtype, spec.head_dim, scale=scale, is_causal=is_causal)
+    else:
+        op = load_op(op_spec)
     out, raw_lse = call_forward(op, g.query, g.key, g.value, is_causal=is_causal, scale=scale)
     lse = normalize_lse(raw_lse, batch=spec.batch, heads=spec.heads, seq_q=spec.seq_q, layout=op.capabilities.lse_layout)
-    dq, dk, dv = call_backward(op, g.grad_out, g.query, g.key, g.value, out, lse, is_causal=is_causal, scale=scale)
+    dq, dk, dv = call_backward(op, g.grad_out, g.query, g.key, g.value, out, lse, is_causal=is_causal, scale=scale,
+                               grad_lse=g.grad_lse)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 

@@ -115,7 +115,9 @@ def _brute_force_scales(q, k, v, do, visible, scale):
                     add("lse", 2, (bi, hi, i), p[j] * kap)
                     dp = float(do[bi, hi, i] @ v[bi, kh, j])
                     dpa = float(do[bi, hi, i].abs() @ v[bi, kh, j].abs())
-                    m_ds, a_ds, c_ds = p[j] * (abs(dp - delta) + dmag), p[j] * (dpa + dmag), p[j] * kap * abs(dp - delta)
+                    dcond = float((do[bi, hi, i].abs() * sum(p[jj] * v[bi, kh, jj].abs() for jj in seen)).sum())
+                    m_ds, a_ds = p[j] * (abs(dp - delta) + dmag), p[j] * (dpa + dmag)
+                    c_ds = p[j] * kap * (abs(dp - delta) + dcond)
                     for idx, w in enumerate((m_ds, a_ds, c_ds)):
                         add("dq", idx, (bi, hi, i), scale * w * k[bi, kh, j].abs())
                         add("dk", idx, (bi, kh, j), scale * w * q[bi, hi, i].abs())

@@ -143,7 +143,7 @@ def _bad_chunks(ctx, kind: str):
 
 
 @pytest.mark.parametrize("kind,pattern", [("too_many", "exceeds the 2 key/value heads"), ("zero", "positive int"),
-                                          ("differ", "head_chunks ranges 1..2")])
+                                          ("differ", "head_chunks (rank 0 1; rank 1 2)")])
 def test_bad_head_chunks_raise_on_every_rank(ring, kind: str, pattern: str) -> None:
     _ring_impl_only(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_chunks, kind, timeout=30.0)

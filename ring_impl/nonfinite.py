@@ -1,0 +1,87 @@
+"""NaN and inf in the inputs reach the outputs, whatever the local kernel does with them.
+
+Attention in exact arithmetic turns a non-finite input into NaN in everything that depends on
+it: a query row poisons its own output row and LSE; a key poisons the rows that see it; a value
+element poisons that feature of the rows that see it; in the backward, a poisoned row poisons
+its dQ row and the dK/dV rows of every key it sees. Kernels do not all honour this (the CPU
+flash kernel returns a query row holding NaN as out 0, LSE 0), and a ring must not hide a NaN
+its inputs carry. So every step's block result is passed through these masks, computed from
+the block's own inputs and its visibility (``"full"``, or top-left ``"causal"``): elementwise
+flags and a cumulative ``any`` over keys, O(seq * head_dim) per step against the kernel's
+O(seq^2 * head_dim), with no data-dependent branch (compiles into the graph).
+
+Shapes: query/out/grad_out (batch, heads, rows, head_dim), lse (batch, heads, rows),
+key/value (batch, heads_kv, cols, head_dim); GQA: query head h reads key/value head
+h // (heads // heads_kv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["poison_backward", "poison_forward"]
+
+
+def _bad(t: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(t)
+
+
+def _to_query_heads(flags: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, heads_kv, ...) -> (batch, heads, ...): each query head gets its key/value head's flags."""
+    group = heads // flags.shape[1]
+    return flags if group == 1 else flags.repeat_interleave(group, dim=1)
+
+
+def _to_kv_heads(flags: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(batch, heads, ...) -> (batch, heads_kv, ...): any over each GQA group."""
+    b, h = flags.shape[:2]
+    return flags if h == heads_kv else flags.reshape(b, heads_kv, h // heads_kv, *flags.shape[2:]).any(2)
+
+
+def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """For key flags (batch, heads, cols[, d]): whether each query row sees a flagged key:
+    (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols)."""
+    if kind == "causal":
+        return torch.cummax(flags.to(torch.uint8), dim=2).values.bool()
+    seen = flags.any(dim=2, keepdim=True)
+    return seen.expand(*seen.shape[:2], rows, *seen.shape[3:])
+
+
+def _seeing_cols(flags: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
+    """For query-row flags (batch, heads, rows): whether each key is seen by a flagged row:
+    (batch, heads, cols). ``causal``: key j is seen by rows j..rows-1."""
+    if kind == "causal":
+        return torch.cummax(flags.to(torch.uint8).flip(2), dim=2).values.bool().flip(2)
+    return flags.any(dim=2, keepdim=True).expand(*flags.shape[:2], cols)
+
+
+def poison_forward(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's (out, lse) with NaN wherever a non-finite input reaches them."""
+    heads, rows = query.shape[1], query.shape[2]
+    bad_k = _to_query_heads(_bad(key).any(-1), heads)  # (b, h, cols)
+    bad_v = _to_query_heads(_bad(value), heads)  # (b, h, cols, d)
+    row_bad = _bad(query).any(-1) | _seen_by_rows(bad_k, kind, rows)  # (b, h, rows)
+    feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(bad_v, kind, rows)  # (b, h, rows, d)
+    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    return torch.where(feature_bad, nan, out), torch.where(row_bad, nan.to(lse.dtype), lse)
+
+
+def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                    kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them.
+
+    A row is poisoned when its query, output, LSE or output gradient holds a non-finite value,
+    or a key/value it sees does; its dQ row is NaN and so are the dK/dV rows of every key it
+    sees (a superset of where float64 autograd puts NaN, never a subset).
+    """
+    heads, heads_kv, rows, cols = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
+    bad_kv = _to_query_heads(_bad(key).any(-1) | _bad(value).any(-1), heads)  # (b, h, cols)
+    row_bad = (
+        _bad(query).any(-1) | _bad(out).any(-1) | _bad(grad_out).any(-1) | _bad(lse) | _seen_by_rows(bad_kv, kind, rows)
+    )
+    col_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
+    nan = torch.full((), float("nan"), dtype=dq.dtype, device=dq.device)
+    return (torch.where(row_bad.unsqueeze(-1), nan, dq), torch.where(col_bad, nan.to(dk.dtype), dk),
+            torch.where(col_bad, nan.to(dv.dtype), dv))
