@@ -100,7 +100,8 @@ def check_bytes() -> int:
     return 8 * (1 + len(_FIELDS))
 
 
-def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods, op) -> str | None:
+def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods,
+                   op_problem) -> str | None:
     """Everything this rank can see alone; never raises."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -139,9 +140,7 @@ def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method
         return f"unknown rotate_method {rotate_method!r}; this ring supports {tuple(rotate_methods)}"
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
         return f"scale must be a finite number or None, got {scale!r}"
-    if op is not None:
-        return f"op={op!r} given, but this ring always runs its own kernel per step; leave op=None"
-    return None
+    return op_problem
 
 
 def _describe(field: str, value: int) -> str:
@@ -163,9 +162,10 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_method, rotate_methods,
-                 op=None) -> RingSetup:
+                 op_problem: str | None = None) -> RingSetup:
     """Check the call on every rank; raise :class:`CorrectRingError` on every rank if any rank's
     input is bad or the ranks disagree (shapes, dtype, options, scale), before any ring collective.
+    ``op_problem``: what the ring found wrong with its ``op=`` argument, if anything.
 
     One all-gather of ``1 + len(_FIELDS)`` int64 per rank (see :func:`check_bytes`); none at W=1.
     """
@@ -173,7 +173,7 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
         group = group.get_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     problem = _local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
-                             rotate_method=rotate_method, rotate_methods=rotate_methods, op=op)
+                             rotate_method=rotate_method, rotate_methods=rotate_methods, op_problem=op_problem)
     if world == 1:
         if problem is not None:
             raise CorrectRingError(f"ring_attention: {problem}")

@@ -249,7 +249,9 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
     """
     rotate_method = "p2p" if rotate_method is None else rotate_method
     setup = check_inputs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-                         rotate_method=rotate_method, rotate_methods=ROTATE_METHODS, op=op)
+                         rotate_method=rotate_method, rotate_methods=ROTATE_METHODS,
+                         op_problem=None if op is None else f"op={op!r} given, but math_ring always runs its own "
+                         "kernel per step (capabilities.ops is empty); leave op=None")
     out, lse = _MathRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method)
     return (out, lse) if return_lse else out
 
