@@ -2,12 +2,14 @@
 
 meta_tests/broken.py shows that the suites fail broken rings; here two independently written
 correct rings (meta_tests/correct/: ``math_ring``, plain torch math with an online-softmax merge;
-``flash_ring``, the CPU flash kernel with one LSE-weighted merge at the end) run the whole quick
-tier through ``--impl``, each in its own pytest process, and must pass with no failure. A pass
-must also mean something: enough cases executed, and every suite module executed at least one
-case unless all its cases are N/A for a capability the ring declares it lacks.
+``flash_ring``, the CPU flash kernel with one LSE-weighted merge at the end) run the whole tier of
+this session (quick unless ``--tier nightly``) through ``--impl``, each in its own pytest
+process, and must pass with no failure. A pass must also mean something: enough cases passed,
+and every suite module executed at least one case unless all its cases are N/A for a capability
+the ring declares it lacks.
 
-Also here: the rings' LSE gradient against float64 autograd (the suites do not ask for it yet).
+Also here: the rings' gradient through the LSE against float64 autograd, which the suites do not
+test.
 """
 
 from __future__ import annotations
@@ -25,24 +27,26 @@ import pytest
 import torch
 
 from harness.implementation import Capabilities, load_implementation
+from harness.pytest_plugin import settings_of
 from meta_tests.correct import CORRECT
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Cases a correct ring must pass at the least. Measured at the quick tier's defaults (W 1..4,
-#: 728 cases): math_ring passes 587 (139 N/A: compile, the context-parallel API, op objects),
-#: flash_ring 677 (49 N/A: compile, the context-parallel API); 2 CUDA-only cases skip. A run that
-#: lost a whole module of the size of test_forward_backward (192 cases) falls below this.
-MIN_PASSED = 500
+#: Cases a correct ring must pass at the least, per tier. Measured at the tiers' defaults:
+#: quick (W 1..4, 728 cases): math_ring passes 587 (139 N/A: compile, the context-parallel API,
+#: op objects), flash_ring 677 (49 N/A: compile, the context-parallel API); nightly (W 1..8, 1944
+#: cases): math_ring 1283, flash_ring 1773; 2 CUDA-only cases skip in both. A quick run that lost
+#: a module of the size of test_forward_backward (192 cases) falls below its minimum.
+MIN_PASSED = {"quick": 500, "nightly": 1100}
 
 
-def run_quick_tier(impl: str, junit: Path, timeout: float = 1200) -> subprocess.CompletedProcess:
-    """``pytest suites`` (quick tier, defaults) against ``impl`` in a fresh process."""
+def run_suites(impl: str, tier: str, junit: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``pytest suites`` at ``tier`` (its default world sizes) against ``impl`` in a fresh process."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}  # the tier's defaults, not ours
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "pytest", "suites", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "--impl", impl, "--report-dir", "none", f"--junitxml={junit}"]
+           "--impl", impl, "--tier", tier, "--report-dir", "none", f"--junitxml={junit}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -82,11 +86,13 @@ def undeclared_lacks(reasons: list[str], caps: Capabilities) -> list[str]:
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
-def test_correct_ring_passes_the_quick_tier(name: str, tmp_path: Path) -> None:
+def test_correct_ring_passes_the_suites(name: str, tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    """The whole tier this session runs (quick by default, nightly with ``--tier nightly``)."""
     impl = f"meta_tests.correct:{name}"
+    tier = settings_of(pytestconfig).tier
     junit = tmp_path / "junit.xml"
     started = time.monotonic()
-    proc = run_quick_tier(impl, junit)
+    proc = run_suites(impl, tier, junit, timeout=1200 if tier == "quick" else 3600)
     wall = time.monotonic() - started
     tail = f"\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
     assert junit.exists(), f"pytest suites --impl {impl} wrote no JUnit report (exit {proc.returncode}){tail}"
@@ -99,7 +105,8 @@ def test_correct_ring_passes_the_quick_tier(name: str, tmp_path: Path) -> None:
         f"correct result wrongly{tail}"
     )
     assert proc.returncode == 0, f"pytest suites --impl {impl} exited {proc.returncode} ({figures}){tail}"
-    assert totals["passed"] >= MIN_PASSED, f"{name}: only {figures}; at least {MIN_PASSED} cases must execute{tail}"
+    least = MIN_PASSED[tier]
+    assert totals["passed"] >= least, f"{name}: only {figures} at tier {tier}; at least {least} cases must pass{tail}"
 
     suite_modules = sorted(p.stem for p in (ROOT / "suites").glob("test_*.py"))
     caps = load_implementation(impl).capabilities

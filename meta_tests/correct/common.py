@@ -198,7 +198,8 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
     bad = [r for r in range(world) if table[r][0]]
     if bad:
         raise CorrectRingError(
-            f"ring_attention (rank {rank}): {_ranks(bad)} rejected their input (see the error raised there); "
+            f"ring_attention (rank {rank}): {_ranks(bad)} rejected {'its' if len(bad) == 1 else 'their'} input "
+            "(see the error raised there); "
             "every rank raises so that none waits in a collective"
         )
     differences = []
