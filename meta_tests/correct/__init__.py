@@ -1,0 +1,20 @@
+"""Two independently written correct ring attentions, the false-failure side of the proof that
+the conformance suites judge rightly: each must pass the whole quick tier
+(``pytest suites --impl meta_tests.correct:<name>``) with no failure.
+
+- :data:`math_ring`: plain torch math per step, online-softmax merge in float32, explicit
+  backward from the float32 LSE; ring rotations (``meta_tests/correct/math_ring.py``).
+- :data:`flash_ring`: the CPU flash kernel per step, every block fetched at once, one
+  LSE-weighted merge at the end in float64 (``meta_tests/correct/flash_ring.py``).
+
+Neither imports ring_impl; both share only the layouts, input checks and step recording of
+``meta_tests/correct/common.py``.
+"""
+
+from meta_tests.correct.flash_ring import flash_ring
+from meta_tests.correct.math_ring import math_ring
+
+__all__ = ["CORRECT", "flash_ring", "math_ring"]
+
+#: name -> implementation object, for ``--impl meta_tests.correct:<name>``.
+CORRECT = {"math_ring": math_ring, "flash_ring": flash_ring}

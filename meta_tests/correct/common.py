@@ -1,0 +1,263 @@
+"""What both correct rings share and what holds no attention math: the sequence layouts, the
+input checks that raise on every rank, and per-step recording for diagnosis.
+
+Written from the layout definition (design.md, "Layouts"), not from ring_impl: ``contiguous``
+cuts the sequence into W chunks and rank r holds chunk r; ``head_tail`` cuts it into 2W chunks and
+rank r holds chunks r and 2W-1-r, in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "LAYOUTS",
+    "CorrectRingError",
+    "RingSetup",
+    "StepRecords",
+    "all_gather",
+    "check_bytes",
+    "check_inputs",
+    "chunk_ids",
+    "chunk_rows",
+    "local_positions",
+    "record_step",
+    "record_steps",
+    "recording",
+    "reduce_scatter",
+]
+
+LAYOUTS = ("contiguous", "head_tail")
+ROTATE_METHODS = ("allgather", "alltoall", "p2p")
+
+
+#: torch 2.13 names (the *_tensor names warn there); the older names before.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CorrectRingError(ValueError):
+    """Bad input to a correct ring; raised on every rank before any ring collective."""
+
+
+# ------------------------------------------------------------------------------------ layouts
+
+
+def chunk_ids(layout: str, world_size: int, rank: int) -> tuple[int, ...]:
+    """Global chunk indices a rank holds, in local order: (r,) or (r, 2W-1-r)."""
+    return (rank,) if layout == "contiguous" else (rank, 2 * world_size - 1 - rank)
+
+
+def chunk_rows(layout: str, world_size: int, rank: int, seq_local: int) -> list[tuple[int, slice]]:
+    """[(global chunk id, local rows)] of a rank's shard of length seq_local."""
+    ids = chunk_ids(layout, world_size, rank)
+    n = seq_local // len(ids)
+    return [(c, slice(i * n, (i + 1) * n)) for i, c in enumerate(ids)]
+
+
+def local_positions(layout: str, world_size: int, rank: int, seq_local: int) -> torch.Tensor:
+    """(seq_local,) int64: the global sequence position of every local row."""
+    parts = [torch.arange(c * (rows.stop - rows.start), (c + 1) * (rows.stop - rows.start))
+             for c, rows in chunk_rows(layout, world_size, rank, seq_local)]
+    return torch.cat(parts)
+
+
+# ------------------------------------------------------------------------------- input checks
+
+
+@dataclass(frozen=True)
+class RingSetup:
+    """A checked call: the group, this rank, the ring's size and the softmax scale to use."""
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    scale: float
+
+    def peer(self, group_rank: int) -> int:
+        """The global rank of ``group_rank`` (p2p ops address global ranks)."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+
+_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPE_NAMES)}
+_CODE_NAMES = {code: _DTYPE_NAMES[dt] for dt, code in _DTYPE_CODES.items()}
+
+#: Fields every rank sends in the one check exchange, in order after the problem flag.
+_FIELDS = ("batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "is_causal", "layout",
+           "rotate_method", "scale")
+
+
+def check_bytes() -> int:
+    """Bytes of the check exchange's all-gather input: int64 flag plus one int64 per field."""
+    return 8 * (1 + len(_FIELDS))
+
+
+def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods,
+                   op_problem) -> str | None:
+    """Everything this rank can see alone; never raises."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"{name} must be a 4-D tensor (batch, heads, seq_local, head_dim), got {shape}"
+        if t.dtype not in _DTYPE_CODES:
+            return f"{name} has dtype {t.dtype}; supported dtypes are {sorted(_DTYPE_NAMES.values())}"
+    if not query.dtype == key.dtype == value.dtype:
+        return (f"query/key/value dtypes differ on this rank ({query.dtype}, {key.dtype}, {value.dtype}); "
+                "cast them to one dtype")
+    if not query.device == key.device == value.device or query.device.type != "cpu":
+        return f"query/key/value must all be on the CPU device, got {query.device}, {key.device}, {value.device}"
+    if key.shape != value.shape:
+        return f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}"
+    b, h, sq, d = query.shape
+    bk, hkv, skv, dk = key.shape
+    if b != bk:
+        return f"batch differs: query has {b}, key/value have {bk}"
+    if d != dk:
+        return f"head_dim differs: query has {d}, key/value have {dk}"
+    if hkv == 0 or h % hkv:
+        return f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query attention"
+    if min(b, h, sq, skv, d) == 0:
+        return f"empty input: query {tuple(query.shape)}, key/value {tuple(key.shape)}"
+    if is_causal not in (True, False):
+        return f"is_causal must be a bool, got {is_causal!r}"
+    if is_causal and sq != skv:
+        return (f"causal attention needs equal local query and key/value lengths, got {sq} and {skv}; "
+                "cross attention (different lengths) is non-causal only")
+    if layout not in LAYOUTS:
+        return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
+    if layout == "head_tail" and (sq % 2 or skv % 2):
+        return (f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, got query "
+                f"{sq} and key/value {skv}; shard a sequence whose length is a multiple of 2 * world_size")
+    if rotate_method not in rotate_methods:
+        return f"unknown rotate_method {rotate_method!r}; this ring supports {tuple(rotate_methods)}"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        return f"scale must be a finite number or None, got {scale!r}"
+    return op_problem
+
+
+def _describe(field: str, value: int) -> str:
+    if field == "dtype":
+        return _CODE_NAMES.get(value, f"code {value}")
+    if field == "is_causal":
+        return str(bool(value))
+    if field == "layout":
+        return repr(LAYOUTS[value])
+    if field == "rotate_method":
+        return repr(ROTATE_METHODS[value])
+    if field == "scale":
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    return str(value)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_method, rotate_methods,
+                 op_problem: str | None = None) -> RingSetup:
+    """Check the call on every rank; raise :class:`CorrectRingError` on every rank if any rank's
+    input is bad or the ranks disagree (shapes, dtype, options, scale), before any ring collective.
+    ``op_problem``: what the ring found wrong with its ``op=`` argument, if anything.
+
+    One all-gather of ``1 + len(_FIELDS)`` int64 per rank (see :func:`check_bytes`); none at W=1.
+    """
+    if hasattr(group, "get_group"):  # a 1-D DeviceMesh
+        group = group.get_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    problem = _local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
+                             rotate_method=rotate_method, rotate_methods=rotate_methods, op_problem=op_problem)
+    if world == 1:
+        if problem is not None:
+            raise CorrectRingError(f"ring_attention: {problem}")
+        return RingSetup(group, 1, 0, _resolved_scale(scale, query.shape[-1]))
+
+    if problem is None:
+        resolved = _resolved_scale(scale, query.shape[-1])
+        b, h, sq, d = query.shape
+        fields = [b, h, key.shape[1], sq, key.shape[2], d, _DTYPE_CODES[query.dtype], int(is_causal),
+                  LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method),
+                  struct.unpack("<q", struct.pack("<d", resolved))[0]]
+        mine = torch.tensor([0, *fields], dtype=torch.int64)
+    else:
+        resolved = math.nan
+        mine = torch.tensor([1] + [0] * len(_FIELDS), dtype=torch.int64)
+    everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
+    all_gather(everyone, mine, group=group)
+    table = everyone.view(world, -1).tolist()
+
+    if problem is not None:
+        raise CorrectRingError(f"ring_attention (rank {rank}): {problem}")
+    bad = [r for r in range(world) if table[r][0]]
+    if bad:
+        raise CorrectRingError(
+            f"ring_attention (rank {rank}): {_ranks(bad)} rejected {'its' if len(bad) == 1 else 'their'} input "
+            "(see the error raised there); "
+            "every rank raises so that none waits in a collective"
+        )
+    differences = []
+    for i, field in enumerate(_FIELDS, start=1):
+        values: dict[int, list[int]] = {}
+        for r in range(world):
+            values.setdefault(table[r][i], []).append(r)
+        if len(values) > 1:
+            held = "; ".join(f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {_describe(field, v)}"
+                             for v, rs in sorted(values.items(), key=lambda kv: kv[1][0]))
+            differences.append(f"{field}: {held}")
+    if differences:
+        lengths = any(d.startswith(("seq_q", "seq_kv")) for d in differences)
+        hint = ("; shard the global sequence into equal parts (pad it to a multiple of the layout's chunk count: "
+                "W for contiguous, 2W for head_tail)") if lengths else "; every rank must pass the same options and shapes"
+        raise CorrectRingError(f"ring_attention (rank {rank}): ranks disagree on " + " | ".join(differences) + hint)
+    return RingSetup(group, world, rank, resolved)
+
+
+def _resolved_scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+# ---------------------------------------------------------------------------- step recording
+
+
+class StepRecords:
+    """Per-step partial results in the format reference.diagnose reads: dicts with ``rank``,
+    ``step``, ``kv_rank``, ``q_rows`` (start, stop), ``out`` (batch, heads, rows, head_dim) and
+    ``lse`` (batch, heads, rows), float64 copies."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+
+_ACTIVE: list[StepRecords] = []
+
+
+@contextlib.contextmanager
+def record_steps() -> Iterator[StepRecords]:
+    """``with record_steps() as rec: ring_attention(...)``; then ``rec.records``."""
+    rec = StepRecords()
+    _ACTIVE.append(rec)
+    try:
+        yield rec
+    finally:
+        _ACTIVE.remove(rec)
+
+
+def recording() -> bool:
+    return bool(_ACTIVE)
+
+
+def record_step(*, rank: int, step: int, kv_rank: int, q_rows: tuple[int, int], out: torch.Tensor,
+                lse: torch.Tensor) -> None:
+    """Append one partial (out (b, h, rows, d), lse (b, h, rows)) to the active recorder."""
+    if _ACTIVE:
+        _ACTIVE[-1].records.append({
+            "rank": rank, "step": step, "kv_rank": kv_rank, "q_rows": q_rows,
+            "out": out.detach().to(torch.float64, copy=True), "lse": lse.detach().to(torch.float64, copy=True),
+        })

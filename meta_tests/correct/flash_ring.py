@@ -1,0 +1,363 @@
+"""flash_ring: the CPU flash kernel per step, every block fetched at once, one merge at the end.
+
+Per step (the key/value block of rank ``(r - step) mod W``), the kernel
+``aten._scaled_dot_product_flash_attention_for_cpu`` runs on every pair of a local query chunk
+and a key/value chunk that the causal plan keeps: a key chunk before the query chunk is full, the
+same chunk is causal (the kernel's top-left mask), a later one is not computed. Non-causal
+attention runs one call per step on the whole local queries and block. Key/value heads are
+expanded per call for grouped-query attention and dK/dV summed back over each group.
+
+With ``op=`` an attention-op object (the contract of ring_impl/ops.py, what the suites pass as
+``--op``), that kernel runs per step instead, its LSE brought from its declared layout to
+(batch, heads, seq); names are not resolved.
+
+Merge: every partial (out in the input dtype, LSE in float32/float64) is kept, and each query
+chunk's partials are merged once at the end, weighted by ``exp(lse_i - logsumexp_i lse_i)``, in
+float64 for every dtype. Backward calls the kernel's backward on the same pairs with the final
+output and LSE and accumulates dQ/dK/dV in float64.
+
+Rotations: not a ring. Every rank fetches every block in one exchange, and in backward fetches
+them again and sends each block's dK/dV straight to its owner (sent in float32, float64 for
+float64; summed in float64 there):
+
+- ``allgather``: one all-gather; dK/dV by one reduce-scatter.
+- ``alltoall``: one ``all_to_all_single`` that sends the own block to every rank; dK/dV by one
+  ``all_to_all_single``.
+- ``p2p``: one ``batch_isend_irecv`` of W-1 sends (the own block to every other rank) and W-1
+  receives; dK/dV by W-1 direct sends to the owners.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.implementation import Capabilities
+from meta_tests.correct.common import (
+    LAYOUTS,
+    RingSetup,
+    all_gather,
+    check_bytes,
+    check_inputs,
+    chunk_rows,
+    record_step,
+    record_steps,
+    recording,
+    reduce_scatter,
+)
+
+__all__ = ["FlashRing", "flash_ring"]
+
+ROTATE_METHODS = ("allgather", "alltoall", "p2p")
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    """dtype dK/dV travel in: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- exchanges
+
+
+def _gather_blocks(setup: RingSetup, method: str, kv: torch.Tensor) -> torch.Tensor:
+    """Every rank's block: kv (2, b, hkv, s, d) -> (W, 2, b, hkv, s, d), row j from rank j."""
+    w, r = setup.world_size, setup.rank
+    if w == 1:
+        return kv.unsqueeze(0)
+    kv = kv.contiguous()
+    blocks = torch.empty((w, *kv.shape), dtype=kv.dtype)
+    if method == "allgather":
+        all_gather(blocks.view(-1), kv.view(-1), group=setup.group)
+    elif method == "alltoall":
+        dist.all_to_all_single(blocks, kv.unsqueeze(0).expand(w, *kv.shape).contiguous(), group=setup.group)
+    else:
+        blocks[r] = kv
+        ops = [dist.P2POp(dist.isend, kv, setup.peer(j), setup.group) for j in range(w) if j != r]
+        ops += [dist.P2POp(dist.irecv, blocks[j], setup.peer(j), setup.group) for j in range(w) if j != r]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return blocks
+
+
+def _return_grads(setup: RingSetup, method: str, grads: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """Send every block's dK/dV to its owner and sum what arrives.
+
+    grads (W, 2, b, hkv, s, d) float64, row j = this rank's contribution to rank j's block; sent
+    as ``wire``. Returns the sum over ranks of the contributions to this rank's block
+    (2, b, hkv, s, d), float64.
+    """
+    w, r = setup.world_size, setup.rank
+    if w == 1:
+        return grads[0]
+    sent = grads.to(wire).contiguous()
+    if method == "allgather":
+        mine = torch.empty(sent.shape[1:], dtype=wire)
+        reduce_scatter(mine.view(-1), sent.view(-1), group=setup.group)
+        return mine.to(torch.float64)
+    received = torch.empty_like(sent)
+    if method == "alltoall":
+        dist.all_to_all_single(received, sent, group=setup.group)
+    else:
+        ops = [dist.P2POp(dist.isend, sent[j], setup.peer(j), setup.group) for j in range(w) if j != r]
+        ops += [dist.P2POp(dist.irecv, received[j], setup.peer(j), setup.group) for j in range(w) if j != r]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        received[r] = sent[r]
+    return received.to(torch.float64).sum(0)
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def _calls(setup: RingSetup, layout: str, is_causal: bool, kv_rank: int, sq: int, sk: int):
+    """Kernel calls of one step: [(query rows, key rows, causal)]; empty when the block is skipped."""
+    if not is_causal:
+        return [(slice(0, sq), slice(0, sk), False)]
+    calls = []
+    for q_chunk, q_rows in chunk_rows(layout, setup.world_size, setup.rank, sq):
+        for k_chunk, k_rows in chunk_rows(layout, setup.world_size, kv_rank, sk):
+            if k_chunk < q_chunk:
+                calls.append((q_rows, k_rows, False))
+            elif k_chunk == q_chunk:
+                calls.append((q_rows, k_rows, True))
+    return calls
+
+
+# ------------------------------------------------------------------------------ kernels
+
+
+class _CpuFlash:
+    """The default kernel: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward.
+    No native GQA; LSE (b, h, s) in float32 (float64 for float64)."""
+
+    gqa = False
+
+    @staticmethod
+    def forward(q, k, v, *, is_causal, scale):
+        return _flash(q, k, v, 0.0, is_causal, scale=scale)
+
+    @staticmethod
+    def backward(do, q, k, v, o, lse, *, is_causal, scale):
+        return _flash_backward(do, q, k, v, o, lse, 0.0, is_causal, scale=scale)
+
+
+class _OpKernel:
+    """An attention-op object given as ``op=`` (the contract of ring_impl/ops.py: ``forward`` ->
+    (out, LSE in the op's declared layout), ``backward`` with the (b, h, s) LSE, ``capabilities``
+    with ``gqa`` and ``lse_layout``); its LSE is brought to (b, h, s) here."""
+
+    def __init__(self, op):
+        self.op = op
+        self.gqa = bool(op.capabilities.gqa)
+        self.lse_layout = op.capabilities.lse_layout
+
+    def forward(self, q, k, v, *, is_causal, scale):
+        out, lse = self.op.forward(q, k, v, is_causal=is_causal, scale=scale)
+        b, h, sq = q.shape[:3]
+        if self.lse_layout == "bhs1":
+            lse = lse.squeeze(-1)
+        elif self.lse_layout == "bhs_padded32":
+            lse = lse[..., :sq]  # the padding beyond seq_q is not part of the result
+        if tuple(lse.shape) != (b, h, sq):
+            raise RuntimeError(f"attention op {self.op.name!r} returned LSE {tuple(lse.shape)} in layout "
+                               f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after normalising")
+        return out, lse
+
+    def backward(self, do, q, k, v, o, lse, *, is_causal, scale):
+        return self.op.backward(do, q, k, v, o, lse, is_causal=is_causal, scale=scale)
+
+
+def _op_problem(op, query) -> str | None:
+    """Why ``op=`` cannot be used for this call, or None (never raises)."""
+    if op is None:
+        return None
+    if isinstance(op, str) or not all(hasattr(op, a) for a in ("forward", "backward", "capabilities")):
+        return (f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities as in "
+                "ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel")
+    caps = op.capabilities
+    if getattr(caps, "lse_layout", None) not in ("bhs", "bhs1", "bhs_padded32"):
+        return f"attention op {getattr(op, 'name', op)!r} declares an unknown LSE layout {getattr(caps, 'lse_layout', None)!r}"
+    if isinstance(query, torch.Tensor) and query.dim() == 4:
+        why = caps.unsupported(query.device, query.dtype, query.shape[-1])
+        if why is not None:
+            return f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}"
+    return None
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, hkv, s, d) -> (b, heads, s, d): query head i uses key/value head i // (heads // hkv)."""
+    group = heads // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _fold(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(b, h, s, d) gradient of (possibly expanded) heads -> (b, heads_kv, s, d) float64, summed per group."""
+    b, h, s, d = t.shape
+    return t.to(torch.float64).reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    return t[:, :, rows].contiguous()
+
+
+def _widen(t: torch.Tensor, fill: float) -> torch.Tensor:
+    """Append one column of ``fill`` to the last dim (see the LSE gradient in backward: the kernel
+    then runs at head_dim + 1, which every CPU kernel supports)."""
+    return torch.cat([t, torch.full((*t.shape[:-1], 1), fill, dtype=t.dtype)], dim=-1)
+
+
+class _FlashRingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, setup: RingSetup, is_causal: bool, layout: str, method: str, kernel):
+        b, h, sq, _ = query.shape
+        sk = key.shape[2]
+        w, r = setup.world_size, setup.rank
+        blocks = _gather_blocks(setup, method, torch.stack([key, value]))
+        q = query.contiguous()
+        partials: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for step in range(w):
+            kv_rank = (r - step) % w
+            k, v = blocks[kv_rank][0], blocks[kv_rank][1]
+            if not kernel.gqa:
+                k, v = _expand(k, h), _expand(v, h)
+            for q_rows, k_rows, causal in _calls(setup, layout, is_causal, kv_rank, sq, sk):
+                o, lse = kernel.forward(_rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows),
+                                        is_causal=causal, scale=setup.scale)
+                span = (q_rows.start, q_rows.stop)
+                partials.setdefault(span, []).append((o, lse))
+                if recording():
+                    record_step(rank=r, step=step, kv_rank=kv_rank, q_rows=span, out=o, lse=lse)
+        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        out = torch.empty_like(q)
+        lse = torch.empty((b, h, sq), dtype=lse_dtype)
+        for (start, stop), parts in partials.items():
+            # All of a chunk's partials at once: weights exp(lse_i - LSE) with LSE = logsumexp_i lse_i.
+            lses = torch.stack([p[1].to(torch.float64) for p in parts])
+            total = torch.logsumexp(lses, dim=0)
+            weights = torch.exp(lses - total).unsqueeze(-1)
+            merged = (weights * torch.stack([p[0].to(torch.float64) for p in parts])).sum(0)
+            out[:, :, start:stop] = merged.to(query.dtype)
+            lse[:, :, start:stop] = total.to(lse_dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.setup, ctx.is_causal, ctx.layout, ctx.method, ctx.kernel = setup, is_causal, layout, method, kernel
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        setup, is_causal, layout, method, kernel = ctx.setup, ctx.is_causal, ctx.layout, ctx.method, ctx.kernel
+        b, h, sq, d = query.shape
+        hkv, sk = key.shape[1], key.shape[2]
+        w, r = setup.world_size, setup.rank
+        blocks = _gather_blocks(setup, method, torch.stack([key, value]))
+        q, o, do = query.contiguous(), out.contiguous(), grad_out.to(query.dtype).contiguous()
+        lse = lse.contiguous()
+        with_lse_grad = grad_lse is not None and bool(grad_lse.any())
+        if with_lse_grad:
+            # The kernel's dS = P * (dO V^T - rowsum(dO * O)) has no LSE term. Append one column:
+            # query/key 0 (scores unchanged), value 1 and output 0 there, and dO = dLSE, so that
+            # dO V^T gains dLSE per row and rowsum(dO * O) is unchanged: dS gains P * dLSE.
+            q, o = _widen(q, 0.0), _widen(o, 0.0)
+            do = torch.cat([do, grad_lse.to(query.dtype).unsqueeze(-1)], dim=-1).contiguous()
+        dq = torch.zeros((b, h, sq, d), dtype=torch.float64)
+        grads = torch.zeros((w, 2, b, hkv, sk, d), dtype=torch.float64)
+        for step in range(w):
+            kv_rank = (r - step) % w
+            k, v = blocks[kv_rank][0], blocks[kv_rank][1]
+            if not kernel.gqa:
+                k, v = _expand(k, h), _expand(v, h)
+            if with_lse_grad:
+                k, v = _widen(k, 0.0), _widen(v, 1.0)
+            for q_rows, k_rows, causal in _calls(setup, layout, is_causal, kv_rank, sq, sk):
+                dq_c, dk_c, dv_c = kernel.backward(
+                    _rows(do, q_rows), _rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows), _rows(o, q_rows),
+                    _rows(lse, q_rows), is_causal=causal, scale=setup.scale,
+                )
+                dq[:, :, q_rows] += dq_c[..., :d].to(torch.float64)
+                grads[kv_rank, 0, :, :, k_rows] += _fold(dk_c[..., :d], hkv)
+                grads[kv_rank, 1, :, :, k_rows] += _fold(dv_c[..., :d], hkv)
+        dkv = _return_grads(setup, method, grads, _wire(query.dtype))
+        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None
+
+
+def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None, op=None,
+                   layout="contiguous", return_lse=False):
+    """Attention over the blocks of every rank of ``group``; differentiable in query, key and
+    value (and through the LSE).
+
+    query (batch, heads, seq_q_local, head_dim), key/value (batch, heads_kv, seq_kv_local,
+    head_dim), sharded on dim 2 in ``layout``. ``op``: None for the CPU flash kernel, or an
+    attention-op object (ring_impl/ops.py contract) to run per step instead. Returns the local
+    output (input dtype) and, with ``return_lse``, the LSE (batch, heads, seq_q_local) in float32
+    (float64 for float64).
+    """
+    rotate_method = "allgather" if rotate_method is None else rotate_method
+    setup = check_inputs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
+                         rotate_method=rotate_method, rotate_methods=ROTATE_METHODS,
+                         op_problem=_op_problem(op, query))
+    kernel = _CpuFlash() if op is None else _OpKernel(op)
+    out, lse = _FlashRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method, kernel)
+    return (out, lse) if return_lse else out
+
+
+def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False, **_):
+    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
+
+    kv = one block (2*batch*heads_kv*seq_kv*head_dim elements) in the input dtype, dkv the same
+    elements in float32 (float64 for float64). Forward adds the input check's all-gather.
+    W = 1 issues nothing.
+    """
+    if rotate_method not in ROTATE_METHODS:
+        raise ValueError(f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}")
+    if compiled:
+        raise ValueError("flash_ring does not run under torch.compile (capabilities.compile is False)")
+    w = world_size
+    if w == 1:
+        return {"forward": {}, "backward": {}}
+    elems = 2 * batch * heads_kv * seq_kv * head_dim
+    kv = elems * dtype.itemsize
+    dkv = elems * (8 if dtype == torch.float64 else 4)
+    check = {"calls": 1, "bytes": check_bytes()}
+    if rotate_method == "allgather":
+        return {
+            "forward": {"all_gather": {"calls": 2, "bytes": check_bytes() + kv}},
+            "backward": {"all_gather": {"calls": 1, "bytes": kv}, "reduce_scatter": {"calls": 1, "bytes": w * dkv}},
+        }
+    if rotate_method == "alltoall":
+        return {
+            "forward": {"all_gather": check, "all_to_all": {"calls": 1, "bytes": w * kv}},
+            "backward": {"all_to_all": {"calls": 2, "bytes": w * (kv + dkv)}},
+        }
+    hops = {kind: {"calls": w - 1, "bytes": (w - 1) * kv} for kind in ("send", "recv")}
+    back = {kind: {"calls": 2 * (w - 1), "bytes": (w - 1) * (kv + dkv)} for kind in ("send", "recv")}
+    return {"forward": {"all_gather": check, **hops}, "backward": back}
+
+
+class FlashRing:
+    """flash_ring as an implementation under test (``--impl meta_tests.correct:flash_ring``)."""
+
+    name = "flash_ring"
+    baseline_op = "cpu_flash"
+    capabilities = Capabilities(
+        layouts=frozenset(LAYOUTS),
+        rotate_methods=frozenset(ROTATE_METHODS),
+        dtypes=frozenset({"float64", "float32", "bfloat16", "float16"}),
+        devices=frozenset({"cpu"}),
+        ops=frozenset({"*"}),  # attention-op objects; op names are not resolved (an error says so)
+        backward=True,
+        lse=True,
+        gqa=True,
+        cross_attention=True,
+        compile=False,
+        input_errors=True,
+        context_parallel=False,
+    )
+    ring_attention = staticmethod(ring_attention)
+    collective_schedule = staticmethod(collective_schedule)
+    record_steps = staticmethod(record_steps)
+
+
+flash_ring = FlashRing()

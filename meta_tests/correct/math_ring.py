@@ -1,0 +1,309 @@
+"""math_ring: ring attention in plain torch math, written from the textbook algorithm.
+
+Per ring step: scores in float32 (float64 for float64 inputs), masked by global positions, and
+the classic online-softmax merge (running row max ``m``, running sum ``l``, an unnormalised
+float32 accumulator; normalised once at the end). Backward is explicit and recomputes every
+step's probabilities from the float32 final LSE, as flash kernels do:
+``dS = P * (dP - rowsum(dO * O))``, with ``O`` the output as returned (input dtype).
+
+Rotations (every rank issues the same collectives in the same order, whatever it computes):
+
+- ``p2p`` / ``alltoall``: the key/value block moves to ``rank + 1`` after every step (W-1 hops,
+  by ``batch_isend_irecv`` or by an ``all_to_all_single`` permutation). In backward the block
+  travels again with its dK/dV accumulator, which starts at the owner and goes the whole way
+  round (W hops of dK/dV, W-1 of key/value).
+- ``allgather``: one all-gather of every block in forward, kept for backward; every rank's
+  dK/dV contributions go to their owners in one ``all_to_all_single``.
+
+A block no query of this rank sees (causal) is not computed; a block some queries see is
+computed with the mask from global positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.implementation import Capabilities
+from meta_tests.correct.common import (
+    LAYOUTS,
+    RingSetup,
+    all_gather,
+    check_bytes,
+    check_inputs,
+    local_positions,
+    record_step,
+    record_steps,
+    recording,
+)
+
+__all__ = ["MathRing", "math_ring"]
+
+ROTATE_METHODS = ("allgather", "alltoall", "p2p")
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 for float64, float32 for every other dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- transport
+
+
+class _Hop:
+    """Moves a tensor from every rank to ``rank + 1`` (receives from ``rank - 1``)."""
+
+    def __init__(self, setup: RingSetup, method: str):
+        self.setup, self.method = setup, method
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        s = self.setup
+        t = t.contiguous()
+        got = torch.empty_like(t)
+        nxt, prv = (s.rank + 1) % s.world_size, (s.rank - 1) % s.world_size
+        if self.method == "p2p":
+            ops = [dist.P2POp(dist.isend, t, s.peer(nxt), s.group), dist.P2POp(dist.irecv, got, s.peer(prv), s.group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            return got
+        send = [0] * s.world_size
+        recv = [0] * s.world_size
+        send[nxt], recv[prv] = t.numel(), t.numel()
+        dist.all_to_all_single(got.view(-1), t.view(-1), output_split_sizes=recv, input_split_sizes=send, group=s.group)
+        return got
+
+
+# ----------------------------------------------------------------------------------- math
+
+
+def _grouped(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(b, h, s, d) -> (b, heads_kv, h // heads_kv, s, d): query head i uses key/value head i // group."""
+    b, h, s, d = t.shape
+    return t.reshape(b, heads_kv, h // heads_kv, s, d)
+
+
+def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor | None) -> torch.Tensor:
+    """q5 (b, hkv, g, sq, d), k (b, hkv, sk, d) in the accumulation dtype -> (b, hkv, g, sq, sk)."""
+    s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _visibility(setup: RingSetup, layout: str, is_causal: bool, kv_rank: int, sq: int, sk: int):
+    """(kind, mask): kind "full" (mask None), "skip" or "masked" with a (sq, sk) bool mask."""
+    if not is_causal:
+        return "full", None
+    qpos = local_positions(layout, setup.world_size, setup.rank, sq)
+    kpos = local_positions(layout, setup.world_size, kv_rank, sk)
+    visible = kpos[None, :] <= qpos[:, None]
+    if bool(visible.all()):
+        return "full", None
+    if not bool(visible.any()):
+        return "skip", None
+    return "masked", visible
+
+
+class _Online:
+    """Online-softmax state of one rank's queries: running max m, sum l, accumulator acc."""
+
+    def __init__(self, q5: torch.Tensor):
+        b, hkv, g, sq, _ = q5.shape
+        self.m = torch.full((b, hkv, g, sq), float("-inf"), dtype=q5.dtype)
+        self.l = torch.zeros((b, hkv, g, sq), dtype=q5.dtype)
+        self.acc = torch.zeros_like(q5)
+
+    def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
+        """Fold in one block: scores s (b, hkv, g, sq, sk) (-inf where masked), v (b, hkv, sk, d)."""
+        m_new = torch.maximum(self.m, s.amax(-1))
+        # Rows that have seen no key yet keep m = -inf; shift by 0 there so exp gives 0, not NaN.
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - shift.unsqueeze(-1))
+        alpha = torch.exp(self.m - shift)
+        self.l = self.l * alpha + p.sum(-1)
+        self.acc = self.acc * alpha.unsqueeze(-1) + torch.matmul(p, v.unsqueeze(2))
+        self.m = m_new
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf."""
+        seen = self.l > 0
+        out = torch.where(seen.unsqueeze(-1), self.acc / torch.where(seen, self.l, 1.0).unsqueeze(-1), 0.0)
+        lse = torch.where(seen, self.m + torch.log(self.l), float("-inf"))
+        return out, lse
+
+
+def _record(setup: RingSetup, step: int, kv_rank: int, s: torch.Tensor, v: torch.Tensor) -> None:
+    """This step's own partial (normalised over its visible keys), for diagnosis."""
+    lse = torch.logsumexp(s, dim=-1)
+    seen = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(seen, lse, 0.0).unsqueeze(-1))
+    out = torch.matmul(p, v.unsqueeze(2))
+    b, hkv, g, sq, d = out.shape
+    record_step(rank=setup.rank, step=step, kv_rank=kv_rank, q_rows=(0, sq),
+                out=out.reshape(b, hkv * g, sq, d), lse=lse.reshape(b, hkv * g, sq))
+
+
+class _MathRingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, setup: RingSetup, is_causal: bool, layout: str, method: str):
+        acc = _acc(query.dtype)
+        b, h, sq, d = query.shape
+        hkv, sk = key.shape[1], key.shape[2]
+        w, r = setup.world_size, setup.rank
+        q5 = _grouped(query.to(acc), hkv)
+        kv = torch.stack([key, value])  # (2, b, hkv, sk, d): one transfer per hop
+        gathered = None
+        if method == "allgather" and w > 1:
+            gathered = torch.empty((w, *kv.shape), dtype=kv.dtype)
+            all_gather(gathered.view(-1), kv.contiguous().view(-1), group=setup.group)
+        hop = _Hop(setup, method)
+        state = _Online(q5)
+        for step in range(w):
+            kv_rank = (r - step) % w
+            block = gathered[kv_rank] if gathered is not None else kv
+            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
+            if kind != "skip":
+                k, v = block[0].to(acc), block[1].to(acc)
+                s = _scores(q5, k, setup.scale, visible)
+                state.add(s, v)
+                if recording():
+                    _record(setup, step, kv_rank, s, v)
+            if gathered is None and step < w - 1:
+                kv = hop(kv)
+        out5, lse5 = state.result()
+        out = out5.reshape(b, h, sq, d).to(query.dtype)
+        lse = lse5.reshape(b, h, sq)
+        ctx.save_for_backward(query, key, value, out, lse, gathered if gathered is not None else torch.empty(0))
+        ctx.setup, ctx.is_causal, ctx.layout, ctx.method = setup, is_causal, layout, method
+        ctx.gathered = gathered is not None
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, gathered = ctx.saved_tensors
+        setup, is_causal, layout, method = ctx.setup, ctx.is_causal, ctx.layout, ctx.method
+        acc = _acc(query.dtype)
+        b, h, sq, d = query.shape
+        hkv, sk = key.shape[1], key.shape[2]
+        w, r = setup.world_size, setup.rank
+        q5 = _grouped(query.to(acc), hkv)
+        do5 = _grouped(grad_out.to(acc), hkv)
+        lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
+        # rowsum(dO * O) of the final output; an LSE gradient adds P * dLSE to dS, i.e. lowers the row term.
+        delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
+        if grad_lse is not None:
+            delta = delta - _grouped(grad_lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
+        dq5 = torch.zeros_like(q5)
+
+        def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:
+            """(2, b, hkv, sk, d) dK/dV contribution of this rank's queries to one block, or None."""
+            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
+            if kind == "skip":
+                return None
+            k, v = block[0].to(acc), block[1].to(acc)
+            s = _scores(q5, k, setup.scale, visible)
+            p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there
+            dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
+            dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2))
+            ds = p * (dp - delta.unsqueeze(-1))
+            dq5.add_(torch.matmul(ds, k.unsqueeze(2)) * setup.scale)
+            dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * setup.scale
+            return torch.stack([dk, dv])
+
+        if ctx.gathered:
+            contributions = torch.zeros((w, 2, b, hkv, sk, d), dtype=acc)
+            for step in range(w):
+                kv_rank = (r - step) % w
+                g = block_grads(gathered[kv_rank], kv_rank)
+                if g is not None:
+                    contributions[kv_rank] = g
+            # Row j goes to rank j; rank r receives every rank's contribution to its own block.
+            received = torch.empty_like(contributions)
+            dist.all_to_all_single(received, contributions, group=setup.group)
+            dkv = received.sum(0)
+        else:
+            hop = _Hop(setup, method)
+            kv = torch.stack([key, value])
+            dkv = torch.zeros((2, b, hkv, sk, d), dtype=acc)
+            for step in range(w):
+                kv_rank = (r - step) % w
+                g = block_grads(kv, kv_rank)
+                if g is not None:
+                    dkv = dkv + g
+                if w > 1:
+                    if step < w - 1:
+                        kv = hop(kv)
+                    # The accumulator travels with its block; after W hops it is back with its owner.
+                    dkv = hop(dkv)
+        dq = dq5.reshape(b, h, sq, d).to(query.dtype)
+        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None
+
+
+def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None, op=None,
+                   layout="contiguous", return_lse=False):
+    """Ring attention over ``group``; differentiable in query, key and value (and through the LSE).
+
+    query (batch, heads, seq_q_local, head_dim), key/value (batch, heads_kv, seq_kv_local,
+    head_dim), sharded on dim 2 in ``layout``. Returns the local output (input dtype) and, with
+    ``return_lse``, the LSE (batch, heads, seq_q_local) in float32 (float64 for float64).
+    """
+    rotate_method = "p2p" if rotate_method is None else rotate_method
+    setup = check_inputs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
+                         rotate_method=rotate_method, rotate_methods=ROTATE_METHODS,
+                         op_problem=None if op is None else f"op={op!r} given, but math_ring always runs its own "
+                         "kernel per step (capabilities.ops is empty); leave op=None")
+    out, lse = _MathRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method)
+    return (out, lse) if return_lse else out
+
+
+def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False, **_):
+    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
+
+    kv = 2*batch*heads_kv*seq_kv*head_dim elements in the input dtype, dkv the same elements in
+    the accumulation dtype. Forward adds the input check's all-gather. W = 1 issues nothing.
+    """
+    if rotate_method not in ROTATE_METHODS:
+        raise ValueError(f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}")
+    if compiled:
+        raise ValueError("math_ring does not run under torch.compile (capabilities.compile is False)")
+    w = world_size
+    if w == 1:
+        return {"forward": {}, "backward": {}}
+    elems = 2 * batch * heads_kv * seq_kv * head_dim
+    kv, dkv = elems * dtype.itemsize, elems * _acc(dtype).itemsize
+    fwd = {"all_gather": {"calls": 1, "bytes": check_bytes()}}
+    if rotate_method == "allgather":
+        fwd["all_gather"] = {"calls": 2, "bytes": check_bytes() + kv}
+        return {"forward": fwd, "backward": {"all_to_all": {"calls": 1, "bytes": w * dkv}}}
+    kinds = ("send", "recv") if rotate_method == "p2p" else ("all_to_all",)
+    for kind in kinds:
+        fwd[kind] = {"calls": w - 1, "bytes": (w - 1) * kv}
+    bwd = {kind: {"calls": 2 * w - 1, "bytes": (w - 1) * kv + w * dkv} for kind in kinds}
+    return {"forward": fwd, "backward": bwd}
+
+
+class MathRing:
+    """math_ring as an implementation under test (``--impl meta_tests.correct:math_ring``)."""
+
+    name = "math_ring"
+    baseline_op = "math"
+    capabilities = Capabilities(
+        layouts=frozenset(LAYOUTS),
+        rotate_methods=frozenset(ROTATE_METHODS),
+        dtypes=frozenset({"float64", "float32", "bfloat16", "float16"}),
+        devices=frozenset({"cpu"}),
+        ops=frozenset(),
+        backward=True,
+        lse=True,
+        gqa=True,
+        cross_attention=True,
+        compile=False,
+        input_errors=True,
+        context_parallel=False,
+    )
+    ring_attention = staticmethod(ring_attention)
+    collective_schedule = staticmethod(collective_schedule)
+    record_steps = staticmethod(record_steps)
+
+
+math_ring = MathRing()
