@@ -123,7 +123,7 @@ def _lse_only_loss(ctx) -> dict:
     w, r = ctx.world_size, ctx.rank
     ql, kl, vl = (shard(t, w, r, layout="head_tail").requires_grad_() for t in (q, k, v))
     gl = shard(g.unsqueeze(-1), w, r, layout="head_tail").squeeze(-1)
-    out, lse = ring_attention(ql, kl, vl, group=ctx.group, is_causal=True, layout="head_tail", return_lse=True)
+    _out, lse = ring_attention(ql, kl, vl, group=ctx.group, is_causal=True, layout="head_tail", return_lse=True)
     (lse * gl).sum().backward()  # out unused: its gradient is None, not zeros
     return {"dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
