@@ -29,10 +29,11 @@ from .ops import AttentionOp
 
 __all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes", "local_problem", "signature"]
 
-#: Fields compared across ranks; each must be equal on every rank.
+#: Fields compared across ranks; each must be equal on every rank. (``op``: different kernels on
+#: different ranks would still give a valid result, but is always a mistake: rejected too.)
 SIGNATURE_FIELDS = (
     "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "device", "is_causal", "scale", "layout",
-    "rotate_method", "op", "head_chunks", "return_lse",
+    "rotate_method", "op", "head_chunks",
 )
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -157,7 +158,7 @@ def _op_code(op: AttentionOp) -> int:
 
 
 def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method: str, op: AttentionOp,
-              head_chunks: int, return_lse) -> list[int]:
+              head_chunks: int) -> list[int]:
     """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
     local problem)."""
     b, h, sq, d = query.shape
@@ -165,7 +166,6 @@ def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method
     return [
         b, h, hkv, sq, skv, d, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
         _scale_code(scale), LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method), _op_code(op), head_chunks,
-        int(bool(return_lse)),
     ]
 
 
@@ -175,7 +175,7 @@ def _shown(field: str, code: int, op_names: dict[int, str]) -> str:
         return str(_DTYPES[code]).removeprefix("torch.")
     if field == "device":
         return _DEVICE_TYPES[code]
-    if field in ("is_causal", "return_lse"):
+    if field == "is_causal":
         return str(bool(code))
     if field == "scale":
         return f"{struct.unpack('<d', struct.pack('<q', code))[0]:.6g}"
@@ -232,7 +232,7 @@ def agree_across_ranks(
         assert op is not None and scale is not None
         table[rank * n + 1 : (rank + 1) * n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks, return_lse=return_lse,
+            head_chunks=head_chunks,
         )
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"

@@ -1,7 +1,10 @@
 """Rank-side bad-input cases: each must raise on every rank, before any collective can hang.
 
-Several problems exist on one rank only (a dtype, a length), which is the hard part: the other
-ranks have valid input and would otherwise wait forever in the first ring collective.
+Several problems exist on one rank only (a dtype, a length, an option of the wrong type), which is
+the hard part: the other ranks have valid input and would otherwise wait forever in the first ring
+collective. Options that must agree are those whose disagreement gives a wrong result or a hang
+(causality, scale, layout, rotation); a per-rank choice that changes neither (whether to return
+the LSE) is not an error.
 """
 
 from __future__ import annotations
@@ -35,8 +38,6 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "scale_differs_between_ranks": (r"scale", None),
     "layout_differs_between_ranks": (r"layout", None),
     "rotation_differs_between_ranks": (r"rotate", None),
-    "return_lse_differs_between_ranks": (r"return_lse", None),
-    "op_differs_between_ranks": (r"\bop\b", "ops"),
     "dtensor_inputs": (r"DTensor", None),
     "nan_scale": (r"scale", None),
     "sdpa_attn_mask": (r"attn_mask|mask", "context_parallel"),
@@ -96,13 +97,6 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
         kw["layout"] = "head_tail" if last else "contiguous"
     elif kind == "rotation_differs_between_ranks":
         kw["rotate_method"] = "alltoall" if last else "allgather"
-    elif kind == "return_lse_differs_between_ranks":
-        kw["return_lse"] = last
-    elif kind == "op_differs_between_ranks":
-        from harness.implementation import load_op
-
-        fused = "cpu_flash" if ctx.device.type == "cpu" else "cuda_efficient"  # both take these float32 inputs
-        kw["op"] = load_op("math" if last else fused)
     elif kind == "dtensor_inputs":
         from torch.distributed.tensor import DTensor, Shard
 
