@@ -153,7 +153,7 @@ def load_op(spec: str):
     obj = _import_object(spec, "attention op", "--op", "RING_OP")
     if isinstance(obj, type):
         obj = obj()
-    missing = [a for a in ("forward", "backward", "capabilities") if not hasattr(obj, a)]
+    missing = ops.missing_members(obj)
     if missing:
         raise ImplSpecError(f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the contract")
     return obj

@@ -1,0 +1,103 @@
+"""Calling an op: GQA adaptation for ops without native GQA, and the LSE's gradient for ops
+that do not take it."""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import AttentionOp, accumulation_dtype
+from .math import MathOp
+
+__all__ = ["call_backward", "call_forward"]
+
+_MATH = MathOp()
+
+
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    group = heads // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _reduce_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    b, h, s, d = t.shape
+    if h == heads_kv:
+        return t
+    # query head h belongs to kv head h // group: sum each run of `group` consecutive heads.
+    return t.reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
+
+
+def call_forward(
+    op: AttentionOp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``op.forward`` with key/value heads expanded only if the op lacks native GQA."""
+    if not op.capabilities.gqa:
+        key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+    return op.forward(query, key, value, is_causal=is_causal, scale=scale)
+
+
+def _with_lse_grad(
+    op: AttentionOp, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor, *, is_causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``op.backward`` with the LSE's gradient folded into ``out``, for kernels that take none.
+
+    The LSE's gradient ``g`` enters the backward as ``dS = P * (dP - (D - g))`` with
+    ``D = rowsum(dO * O)``, and flash-style kernels read ``out`` only to form ``D``. Padding
+    the head dim with extra columns where value and the key/query are 0, the output gradient
+    is 1 and the output is ``-g`` (in two parts, high and low, so a 16-bit dtype carries ``g``
+    to about its square precision) gives ``D' = D - g`` and leaves ``dP``, and the real
+    columns of dQ, dK, dV, unchanged. Padded to a multiple of 8 columns (what fused kernels
+    want); an op that cannot take the padded head dim runs the block with the math op.
+    """
+    d = query.shape[-1]
+    padded = -(-(d + 2) // 8) * 8
+    if op.capabilities.unsupported(query.device, query.dtype, padded) is not None:
+        return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse)
+    extra = padded - d
+    acc = accumulation_dtype(query.dtype)
+    g = -grad_lse.to(acc)
+    g_hi = g.to(query.dtype)
+    g_lo = (g - g_hi.to(acc)).to(query.dtype)
+
+    def pad(t: torch.Tensor, fill: list[torch.Tensor] | None = None) -> torch.Tensor:
+        cols = [c.unsqueeze(-1) for c in fill or []]
+        zeros = t.new_zeros(*t.shape[:-1], extra - len(cols))
+        return torch.cat([t, *[c.to(t.dtype) for c in cols], zeros], dim=-1)
+
+    ones = torch.ones_like(grad_lse, dtype=grad_out.dtype)
+    dq, dk, dv = op.backward(
+        pad(grad_out, [ones, ones]), pad(query), pad(key), pad(value), pad(out, [g_hi, g_lo]), lse,
+        is_causal=is_causal, scale=scale,
+    )
+    return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+def call_backward(
+    op: AttentionOp,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    grad_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``op.backward`` with GQA expansion, returning dk/dv with ``heads_kv`` heads.
+
+    grad_lse (batch, heads, seq_q) or None: the gradient reaching the LSE; given to ops that
+    declare ``lse_grad``, folded into ``out`` for the others (:func:`_with_lse_grad`).
+    """
+    heads_kv = key.shape[1]
+    if not op.capabilities.gqa:
+        key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+    if grad_lse is None:
+        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+    elif op.capabilities.lse_grad:
+        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
+                                 grad_lse=grad_lse)  # type: ignore[call-arg]
+    else:
+        dq, dk, dv = _with_lse_grad(op, grad_out, query, key, value, out, lse, grad_lse, is_causal=is_causal, scale=scale)
+    return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)

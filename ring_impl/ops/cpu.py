@@ -1,0 +1,80 @@
+"""CPU kernels: ``aten``'s CPU flash attention, and CPU emulations of the CUDA kernels' LSE layouts
+(so the ring's trimming and reshaping paths are tested without a GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import OpCapabilities, accumulation_dtype
+
+__all__ = ["CpuCudnnLayoutOp", "CpuEfficientLayoutOp", "CpuFlashOp"]
+
+
+class CpuFlashOp:
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward.
+
+    LSE comes back (batch, heads, seq_q) in float32 (float64 for float64 inputs).
+    """
+
+    name = "cpu_flash"
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True)
+
+    def forward(self, query, key, value, *, is_causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, scale=scale
+        )
+        return out, lse
+
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+        acc = accumulation_dtype(query.dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.to(query.dtype),
+            query,
+            key,
+            value,
+            out.to(query.dtype),
+            lse.to(acc).contiguous(),
+            0.0,
+            is_causal,
+            scale=scale,
+        )
+        return dq, dk, dv
+
+
+def _garbage_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Plausible-looking but wrong LSE values, like uninitialised kernel memory.
+
+    Finite and large, so an implementation that forgets to trim is caught by the numbers rather
+    than by a NaN check it might happen to have.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(0x5EED)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * 1e4).to(dtype=dtype, device=device)
+
+
+class CpuEfficientLayoutOp(CpuFlashOp):
+    """CPU flash with the LSE layout of CUDA memory-efficient attention.
+
+    LSE is (batch, heads, ceil(seq_q / 32) * 32) and the padding holds garbage, exactly the
+    layout the ring must trim; lets CI exercise the trimming path without a GPU.
+    """
+
+    name = "cpu_efficient_layout"
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs_padded32", causal_needs_positive_scale=True)
+
+    def forward(self, query, key, value, *, is_causal, scale):
+        out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale)
+        b, h, sq = lse.shape
+        padded = _garbage_like((b, h, -(-sq // 32) * 32), lse.dtype, lse.device)
+        padded[..., :sq] = lse
+        return out, padded
+
+
+class CpuCudnnLayoutOp(CpuFlashOp):
+    """CPU flash with the LSE layout of cuDNN attention: (batch, heads, seq_q, 1)."""
+
+    name = "cpu_cudnn_layout"
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs1", causal_needs_positive_scale=True)
+
+    def forward(self, query, key, value, *, is_causal, scale):
+        out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale)
+        return out, lse.unsqueeze(-1)

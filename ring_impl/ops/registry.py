@@ -1,0 +1,85 @@
+"""The op registry: names accepted by ``op=``, and the choice ``op="auto"`` makes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .contract import AttentionOp, missing_members
+from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuFlashOp
+from .cuda import CudaCudnnOp, CudaEfficientOp, CudaFlashOp
+from .math import MathOp
+
+__all__ = ["available_ops", "get_op", "register_op", "resolve_op"]
+
+
+@dataclass
+class _Registry:
+    ops: dict[str, AttentionOp] = field(default_factory=dict)
+
+
+_REGISTRY = _Registry()
+
+
+def register_op(op: AttentionOp, *, name: str | None = None, replace: bool = False) -> AttentionOp:
+    """Make ``op`` selectable by name (``ring_attention(..., op=name)``)."""
+    missing = missing_members(op)
+    if missing:
+        raise TypeError(f"register_op: {op!r} lacks {missing}; see ring_impl.ops.AttentionOp")
+    key = name or op.name
+    if key in _REGISTRY.ops and not replace:
+        raise ValueError(f"register_op: an op named {key!r} is already registered; pass replace=True")
+    _REGISTRY.ops[key] = op
+    return op
+
+
+def available_ops() -> list[str]:
+    """Names accepted by ``op=`` (plus ``"auto"``)."""
+    return sorted(_REGISTRY.ops)
+
+
+def get_op(name: str) -> AttentionOp:
+    """The registered op called ``name``; raises ValueError naming the registered ones."""
+    try:
+        return _REGISTRY.ops[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention op {name!r}; registered ops: {available_ops()} (or 'auto'); "
+            "register your own with ring_impl.register_op"
+        ) from None
+
+
+def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: float | None = None,
+             is_causal: bool = False) -> AttentionOp:
+    """The fastest registered op that supports the call; ``math`` where no fused kernel does
+    (float64 on CUDA, or a fused kernel's known fault such as cpu_flash's causal scale <= 0)."""
+    candidates = ("cpu_flash",) if device.type == "cpu" else ("cuda_flash", "cuda_efficient")
+    for name in candidates:
+        op = get_op(name)
+        if op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal) is None:
+            return op
+    return get_op("math")
+
+
+def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+               scale: float | None = None, is_causal: bool = False) -> AttentionOp:
+    """Turn the ``op=`` argument into an op object; "auto"/None picks by device, dtype and the
+    call's scale and causality (routing around a kernel's known faults)."""
+    if op is None or op == "auto":
+        return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal)
+    if isinstance(op, str):
+        return get_op(op)
+    missing = missing_members(op)
+    if missing:
+        raise TypeError(
+            f"op must be 'auto', a registered name ({available_ops()}) or an object with "
+            f"forward/backward/capabilities (ring_impl.ops.AttentionOp); {op!r} lacks {missing}"
+        )
+    return op
+
+
+
+
+for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuCudnnLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaCudnnOp()):
+    register_op(_op)
