@@ -49,7 +49,7 @@ class ReferenceResult(NamedTuple):
 
     out: (batch, heads, seq_q, head_dim_v); lse: (batch, heads, seq_q);
     dq: (batch, heads, seq_q, head_dim); dk: (batch, heads_kv, seq_k, head_dim);
-    dv: (batch, heads_kv, seq_k, head_dim_v).
+    dv: (batch, heads_kv, seq_k, head_dim_v); dsinks: (heads,) when sinks were given.
     """
 
     out: Tensor
@@ -57,6 +57,7 @@ class ReferenceResult(NamedTuple):
     dq: Tensor
     dk: Tensor
     dv: Tensor
+    dsinks: Tensor | None = None
 
 
 def default_scale(head_dim: int) -> float:
@@ -129,7 +130,7 @@ def nonfinite_reach(
 
     def seen_by(flags: Tensor) -> Tensor:  # flags over rows (b, h, sq[, d]) -> is key j seen by one
         f = flags.to(torch.float64)
-        vt = vis.transpose(0, 1)
+        vt = vis.transpose(-2, -1)
         return (vt @ f if f.dim() == 4 else (vt @ f.unsqueeze(-1)).squeeze(-1)) > 0
 
     def to_kv_heads(flags: Tensor) -> Tensor:  # any over each GQA group
@@ -162,15 +163,20 @@ def masked_attention(
     visible: Tensor | None = None,
     *,
     scale: float | None = None,
+    sinks: Tensor | None = None,
 ) -> AttentionOutput:
-    """Attention in float64 with an arbitrary visibility mask.
+    """Attention in float64 with an arbitrary visibility mask and optional attention sinks.
 
     query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
-    value (batch, heads_kv, seq_k, head_dim_v); visible: (seq_q, seq_k) bool, None = all visible.
-    Returns out (batch, heads, seq_q, head_dim_v) and lse (batch, heads, seq_q), float64.
-    A row that sees no key gets out 0 and lse -inf (the neutral element of the LSE merge).
+    value (batch, heads_kv, seq_k, head_dim_v); visible: bool (seq_q, seq_k) or broadcastable
+    to (batch, heads, seq_q, seq_k), None = all visible; sinks: (heads,) logits of one extra
+    softmax term per head that every row sees and that has no value (its probability mass is
+    taken from the keys and goes nowhere), None = no sink.
+    Returns out (batch, heads, seq_q, head_dim_v) and lse (batch, heads, seq_q), float64; the LSE
+    includes the sink term. A row that sees no key gets out 0 and lse -inf (the neutral element
+    of the LSE merge), or lse = its sink logit with a sink.
     Non-finite inputs give NaN exactly where they reach (:func:`nonfinite_reach`).
-    Differentiable in query, key and value.
+    Differentiable in query, key, value and sinks.
     """
     check_shapes(query, key, value)
     reach = nonfinite_reach(query, key, value, visible=visible)
@@ -181,19 +187,32 @@ def masked_attention(
 
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (batch, heads, seq_q, seq_k)
     if visible is not None:
-        if visible.dtype != torch.bool or visible.shape != scores.shape[-2:]:
+        try:
+            ok = visible.dtype == torch.bool and torch.broadcast_shapes(visible.shape, scores.shape) == scores.shape
+        except RuntimeError:
+            ok = False
+        if not ok:
             raise ValueError(
-                "visible must be a bool mask of shape (seq_q, seq_k) = "
-                f"{tuple(scores.shape[-2:])}; got {visible.dtype} of shape {tuple(visible.shape)}"
+                "visible must be a bool mask of shape (seq_q, seq_k) or broadcastable to (batch, heads, seq_q, "
+                f"seq_k) = {tuple(scores.shape)}; got {visible.dtype} of shape {tuple(visible.shape)}"
             )
         scores = scores.masked_fill(~visible.to(scores.device), -math.inf)
+    sink = None
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"sinks must have shape (heads,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+        sink = sinks.to(torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
 
     # Subtracting the row max keeps exp() in range for any logit size (scores of 1e4 and more).
     # The shift cancels mathematically, so it is detached: autograd sees plain softmax.
     row_max = scores.amax(dim=-1, keepdim=True).detach()
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink.detach())
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)  # masked entries: exp(-inf) = 0
     denom = weights.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)  # the sink's share of the row: no value
     seen = denom > 0
     # Rows that see nothing: out = 0 / 1 = 0 rather than 0 / 0; lse = log(0) = -inf.
     out = torch.matmul(weights, v) / torch.where(seen, denom, torch.ones_like(denom))
@@ -209,22 +228,26 @@ def attention(
     *,
     is_causal: bool = False,
     scale: float | None = None,
+    visible: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> AttentionOutput:
     """Float64 attention with LSE, whatever the input dtype (inputs are upcast exactly).
 
     query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
     value (batch, heads_kv, seq_k, head_dim_v) -> out (batch, heads, seq_q, head_dim_v),
-    lse (batch, heads, seq_q), both float64. is_causal is top-left aligned (query i sees keys
+    lse (batch, heads, seq_q), both float64. visible / sinks: as for masked_attention (e.g. a
+    mask spec's visibility from reference.masks). is_causal is top-left aligned (query i sees keys
     0..i), scale defaults to 1 / sqrt(head_dim). Callers pass the dtype-rounded inputs the
     kernel under test saw, so the only difference left is the kernel's arithmetic.
     """
-    visible = None
     if is_causal:
+        if visible is not None:
+            raise ValueError("pass either is_causal=True or visible (a causal mask spec), not both")
         device = query.device
         visible = causal_visibility(
             torch.arange(query.shape[-2], device=device), torch.arange(key.shape[-2], device=device)
         )
-    return masked_attention(query, key, value, visible, scale=scale)
+    return masked_attention(query, key, value, visible, scale=scale, sinks=sinks)
 
 
 def attention_grads(
@@ -236,27 +259,32 @@ def attention_grads(
     is_causal: bool = False,
     scale: float | None = None,
     grad_lse: Tensor | None = None,
+    visible: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> ReferenceResult:
     """Forward and float64 autograd gradients of `attention` for the loss
     (out * grad_out).sum() + (lse * grad_lse).sum().
 
     query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
     value (batch, heads_kv, seq_k, head_dim_v), grad_out (batch, heads, seq_q, head_dim_v),
-    grad_lse (batch, heads, seq_q) or None (the LSE is not part of the loss).
+    grad_lse (batch, heads, seq_q) or None (the LSE is not part of the loss); visible / sinks as
+    for masked_attention.
     Returns out, lse, dq (shape of query), dk (shape of key: heads_kv heads, GQA groups summed),
-    dv (shape of value), all float64.
+    dv (shape of value), dsinks ((heads,), with sinks), all float64.
     """
     q = query.detach().to(torch.float64).requires_grad_(True)
     k = key.detach().to(torch.float64).requires_grad_(True)
     v = value.detach().to(torch.float64).requires_grad_(True)
-    visible = None
+    sk = None if sinks is None else sinks.detach().to(torch.float64).requires_grad_(True)
     if is_causal:
+        if visible is not None:
+            raise ValueError("pass either is_causal=True or visible (a causal mask spec), not both")
         visible = causal_visibility(torch.arange(query.shape[-2]), torch.arange(key.shape[-2]))
     reach = nonfinite_reach(query, key, value, grad_out, visible)
     grad_out = _finite(grad_out.detach().to(torch.float64))
     with torch.enable_grad():
         # The gradients of finite copies, NaN where a non-finite input reaches (nonfinite_reach).
-        out, lse = attention(_finite(q), _finite(k), _finite(v), is_causal=is_causal, scale=scale)
+        out, lse = masked_attention(_finite(q), _finite(k), _finite(v), visible, scale=scale, sinks=sk)
         out = torch.where(reach["out"], torch.zeros_like(out), out)
         if grad_out.shape != out.shape:
             raise ValueError(
@@ -270,8 +298,11 @@ def attention_grads(
             # Rows that see nothing have LSE -inf and no gradient: keep 0 * -inf out of the loss.
             used = torch.isfinite(lse) & ~reach["lse"]
             loss = loss + torch.where(used, lse, torch.zeros_like(lse)).mul(_finite(grad_lse.to(torch.float64))).sum()
-        dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+        inputs = (q, k, v) if sk is None else (q, k, v, sk)
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    dq, dk, dv = grads[:3]
+    dsinks = None if sk is None else (grads[3] if grads[3] is not None else torch.zeros_like(sk))
     nan = torch.full((), math.nan, dtype=torch.float64)
     out, lse = torch.where(reach["out"], nan, out.detach()), torch.where(reach["lse"], nan, lse.detach())
     dq, dk, dv = (torch.where(reach[n], nan, g) for n, g in (("dq", dq), ("dk", dk), ("dv", dv)))
-    return ReferenceResult(out, lse, dq, dk, dv)
+    return ReferenceResult(out, lse, dq, dk, dv, dsinks)
