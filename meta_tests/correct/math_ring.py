@@ -17,6 +17,12 @@ Rotations (every rank issues the same collectives in the same order, whatever it
 
 A block no query of this rank sees (causal) is not computed; a block some queries see is
 computed with the mask from global positions.
+
+NaN in the inputs flows through the arithmetic itself: a NaN score makes the row's running max,
+sum and accumulator NaN, and the row is told apart from a row that saw no key by its running max
+(still -inf only there). In backward, masked entries of P and dS are set to 0 rather than left to
+``exp(-inf - NaN)`` and ``0 * NaN``, so a NaN reaches only the keys and rows that see it (and,
+through the matmul with values, the other rows of its own batch entry and head group).
 """
 
 from __future__ import annotations
@@ -125,8 +131,12 @@ class _Online:
         self.m = m_new
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf."""
-        seen = self.l > 0
+        """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf.
+
+        A row saw nothing exactly when its running max is still -inf. A NaN input makes the max
+        (and so l and acc) NaN in every row it reaches: those rows must come back NaN, so they
+        are not taken for rows that saw nothing (``l > 0`` would be False for them)."""
+        seen = self.m != float("-inf")
         out = torch.where(seen.unsqueeze(-1), self.acc / torch.where(seen, self.l, 1.0).unsqueeze(-1), 0.0)
         lse = torch.where(seen, self.m + torch.log(self.l), float("-inf"))
         return out, lse
@@ -202,10 +212,16 @@ class _MathRingFn(torch.autograd.Function):
                 return None
             k, v = block[0].to(acc), block[1].to(acc)
             s = _scores(q5, k, setup.scale, visible)
-            p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there
+            p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there ...
+            if visible is not None:
+                # ... unless the row's LSE is NaN (a NaN input reaches the row): exp(-inf - NaN)
+                # is NaN, which would reach the dK/dV of keys the row does not see.
+                p = p.masked_fill(~visible, 0.0)
             dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
             dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2))
             ds = p * (dp - delta.unsqueeze(-1))
+            if visible is not None:  # p = 0 times a NaN of dP (a NaN value the row does not see)
+                ds = ds.masked_fill(~visible, 0.0)
             dq5.add_(torch.matmul(ds, k.unsqueeze(2)) * setup.scale)
             dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * setup.scale
             return torch.stack([dk, dv])
