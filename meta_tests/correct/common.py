@@ -231,10 +231,12 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
         raise CorrectRingError(f"ring_attention (rank {rank}): {problem[1]}")
     bad = [r for r in range(world) if table[r][0]]
     if bad:
-        what = "; ".join(f"rank {r}: its {_ARGUMENTS[table[r][0] - 1]} argument" for r in bad)
+        args = [_ARGUMENTS[table[r][0] - 1] for r in bad]
+        what = (f"rank {bad[0]} rejected its {args[0]} argument" if len(bad) == 1 else
+                f"{_ranks(bad)} rejected their input (" + "; ".join(f"rank {r}: {a}" for r, a in zip(bad, args)) + ")")
         raise CorrectRingError(
-            f"ring_attention (rank {rank}): {_ranks(bad)} rejected {'its' if len(bad) == 1 else 'their'} input "
-            f"({what}; see the error raised there); every rank raises so that none waits in a collective"
+            f"ring_attention (rank {rank}): {what} (see the error raised there); "
+            "every rank raises so that none waits in a collective"
         )
     differences = []
     for i, field in enumerate(_FIELDS, start=1):

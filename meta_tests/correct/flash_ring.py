@@ -196,16 +196,25 @@ class _Exact:
 
     Same contract as the kernels: q (b, h, sq, d), k/v (b, hkv, sk, d) with any hkv dividing h,
     causal top-left; returns out (b, h, sq, d) and LSE (b, h, sq) in float64, and (dq, dk, dv)
-    float64 with k's heads. NaN flows through the arithmetic; entries the mask hides are set to 0
-    in P and dS (not ``exp(-inf - NaN)`` or ``0 * NaN``), so a NaN reaches only the rows and keys
-    that see it, and through the matmuls with values the rest of its own batch entry and head."""
+    float64 with k's heads. NaN flows through the arithmetic (±inf inputs are made NaN first);
+    entries the mask hides are set to 0 in P and dS (not ``exp(-inf - NaN)`` or ``0 * NaN``), so
+    a NaN reaches only the rows and keys that see it, and through the matmuls with values the rest
+    of its own batch entry and head."""
 
     @staticmethod
-    def _scores(q, k, *, is_causal, scale):
+    def _input(t: torch.Tensor) -> torch.Tensor:
+        """An input in float64 with ±inf made NaN: attention is undefined wherever an infinite
+        input reaches, and NaN (unlike an inf score that exp turns into a weight of 0) carries
+        that through every later operation."""
+        t = t.to(torch.float64)
+        return torch.where(torch.isinf(t), torch.full((), float("nan"), dtype=torch.float64), t)
+
+    @classmethod
+    def _scores(cls, q, k, *, is_causal, scale):
         b, h, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
-        q5 = q.to(torch.float64).reshape(b, hkv, h // hkv, sq, d)
-        s = torch.matmul(q5, k.to(torch.float64).unsqueeze(2).transpose(-1, -2)) * scale
+        q5 = cls._input(q).reshape(b, hkv, h // hkv, sq, d)
+        s = torch.matmul(q5, cls._input(k).unsqueeze(2).transpose(-1, -2)) * scale
         visible = torch.ones(sq, sk, dtype=torch.bool).tril() if is_causal else None
         if visible is not None:
             s = s.masked_fill(~visible, float("-inf"))
@@ -222,7 +231,7 @@ class _Exact:
         b, h, sq, _ = q.shape
         _, s, visible = cls._scores(q, k, is_causal=is_causal, scale=scale)
         lse5 = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(cls._probs(s, lse5, visible), v.to(torch.float64).unsqueeze(2))
+        out = torch.matmul(cls._probs(s, lse5, visible), cls._input(v).unsqueeze(2))
         return out.reshape(b, h, sq, v.shape[-1]), lse5.reshape(b, h, sq)
 
     @classmethod
@@ -231,14 +240,14 @@ class _Exact:
         hkv = k.shape[1]
         q5, s, visible = cls._scores(q, k, is_causal=is_causal, scale=scale)
         p = cls._probs(s, lse.to(torch.float64).reshape(b, hkv, h // hkv, sq), visible)
-        do5 = do.to(torch.float64).reshape(b, hkv, h // hkv, sq, do.shape[-1])
+        do5 = cls._input(do).reshape(b, hkv, h // hkv, sq, do.shape[-1])
         o5 = o.to(torch.float64).reshape(do5.shape)
         dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
-        dp = torch.matmul(do5, v.to(torch.float64).unsqueeze(2).transpose(-1, -2))
+        dp = torch.matmul(do5, cls._input(v).unsqueeze(2).transpose(-1, -2))
         ds = p * (dp - (do5 * o5).sum(-1, keepdim=True))
         if visible is not None:
             ds = ds.masked_fill(~visible, 0.0)
-        dq = torch.matmul(ds, k.to(torch.float64).unsqueeze(2)) * scale
+        dq = torch.matmul(ds, cls._input(k).unsqueeze(2)) * scale
         dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * scale
         return dq.reshape(b, h, sq, d), dk, dv
 

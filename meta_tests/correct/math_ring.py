@@ -18,7 +18,7 @@ Rotations (every rank issues the same collectives in the same order, whatever it
 A block no query of this rank sees (causal) is not computed; a block some queries see is
 computed with the mask from global positions.
 
-NaN in the inputs flows through the arithmetic itself: a NaN score makes the row's running max,
+NaN in the inputs flows through the arithmetic itself (±inf inputs are made NaN first): a NaN score makes the row's running max,
 sum and accumulator NaN, and the row is told apart from a row that saw no key by its running max
 (still -inf only there). In backward, masked entries of P and dS are set to 0 rather than left to
 ``exp(-inf - NaN)`` and ``0 * NaN``, so a NaN reaches only the keys and rows that see it (and,
@@ -51,6 +51,14 @@ ROTATE_METHODS = ("allgather", "alltoall", "p2p")
 def _acc(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64, float32 for every other dtype."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _widen(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """An input in the accumulation dtype, ±inf made NaN: attention is undefined wherever an
+    infinite input reaches, and NaN (unlike an inf score that exp turns into a weight of 0)
+    carries that through every later operation."""
+    t = t.to(acc)
+    return torch.where(torch.isinf(t), torch.full((), float("nan"), dtype=acc), t)
 
 
 # ----------------------------------------------------------------------------- transport
@@ -160,7 +168,7 @@ class _MathRingFn(torch.autograd.Function):
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
-        q5 = _grouped(query.to(acc), hkv)
+        q5 = _grouped(_widen(query, acc), hkv)
         kv = torch.stack([key, value])  # (2, b, hkv, sk, d): one transfer per hop
         gathered = None
         if method == "allgather" and w > 1:
@@ -173,7 +181,7 @@ class _MathRingFn(torch.autograd.Function):
             block = gathered[kv_rank] if gathered is not None else kv
             kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
             if kind != "skip":
-                k, v = block[0].to(acc), block[1].to(acc)
+                k, v = _widen(block[0], acc), _widen(block[1], acc)
                 s = _scores(q5, k, setup.scale, visible)
                 state.add(s, v)
                 if recording():
@@ -196,13 +204,13 @@ class _MathRingFn(torch.autograd.Function):
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
-        q5 = _grouped(query.to(acc), hkv)
-        do5 = _grouped(grad_out.to(acc), hkv)
+        q5 = _grouped(_widen(query, acc), hkv)
+        do5 = _grouped(_widen(grad_out, acc), hkv)
         lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
         # rowsum(dO * O) of the final output; an LSE gradient adds P * dLSE to dS, i.e. lowers the row term.
         delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
         if grad_lse is not None:
-            delta = delta - _grouped(grad_lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
+            delta = delta - _grouped(_widen(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
         dq5 = torch.zeros_like(q5)
 
         def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:
@@ -210,7 +218,7 @@ class _MathRingFn(torch.autograd.Function):
             kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
             if kind == "skip":
                 return None
-            k, v = block[0].to(acc), block[1].to(acc)
+            k, v = _widen(block[0], acc), _widen(block[1], acc)
             s = _scores(q5, k, setup.scale, visible)
             p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there ...
             if visible is not None:
