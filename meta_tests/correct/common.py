@@ -96,14 +96,62 @@ _FIELDS = ("batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype",
 
 
 def check_bytes() -> int:
-    """Bytes of the check exchange's all-gather input: int64 flag plus one int64 per field."""
+    """Bytes of the check exchange's all-gather input: int64 flag (0, or 1 + the index in
+    _ARGUMENTS of what this rank rejected) plus one int64 per field."""
     return 8 * (1 + len(_FIELDS))
 
 
+#: What a rank's problem is about; its index + 1 is the flag it sends, so every rank can name it.
+_ARGUMENTS = ("query/key/value", "is_causal", "scale", "layout", "rotate_method", "op", "arguments")
+
+Problem = tuple[str, str]  # (argument from _ARGUMENTS, what is wrong and what to do)
+
+
 def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods,
-                   op_problem) -> str | None:
-    """Everything this rank can see alone; never raises."""
+                   op_problem) -> Problem | None:
+    """Everything this rank can see alone; never raises (an exception here, on one rank only,
+    would leave the other ranks waiting in the check's all-gather)."""
+    try:
+        return _checked(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
+                        rotate_method=rotate_method, rotate_methods=rotate_methods, op_problem=op_problem)
+    except Exception as exc:  # an argument so odd that even looking at it raised
+        return "arguments", f"could not check the arguments ({type(exc).__name__}: {exc}); pass tensors and plain options"
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _checked(query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods,
+             op_problem) -> Problem | None:
+    tensors = _tensor_problem(query, key, value)
+    if tensors is not None:
+        return "query/key/value", tensors
+    sq, skv = query.shape[2], key.shape[2]
+    if not isinstance(is_causal, bool):
+        return "is_causal", f"is_causal must be a bool (True or False), got {is_causal!r} of type {type(is_causal).__name__}"
+    if is_causal and sq != skv:
+        return "is_causal", (f"causal attention needs equal local query and key/value lengths, got {sq} and {skv}; "
+                             "cross attention (different lengths) is non-causal only")
+    if layout not in LAYOUTS:
+        return "layout", f"unknown layout {layout!r}; expected one of {LAYOUTS}"
+    if layout == "head_tail" and (sq % 2 or skv % 2):
+        return "layout", (f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, got "
+                          f"query {sq} and key/value {skv}; shard a sequence whose length is a multiple of 2 * world_size")
+    if rotate_method not in rotate_methods:
+        return "rotate_method", f"unknown rotate_method {rotate_method!r}; this ring supports {tuple(rotate_methods)}"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        return "scale", f"scale must be a finite number or None, got {scale!r}"
+    return None if op_problem is None else ("op", op_problem)
+
+
+def _tensor_problem(query, key, value) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
+        if _is_dtensor(t):
+            return (f"{name} is a DTensor; ring_attention takes each rank's local shard as a plain tensor: pass "
+                    f"{name}.to_local() of a DTensor sharded on the sequence dim (Shard(2)) in the given layout")
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             return f"{name} must be a 4-D tensor (batch, heads, seq_local, head_dim), got {shape}"
@@ -126,21 +174,7 @@ def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method
         return f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query attention"
     if min(b, h, sq, skv, d) == 0:
         return f"empty input: query {tuple(query.shape)}, key/value {tuple(key.shape)}"
-    if is_causal not in (True, False):
-        return f"is_causal must be a bool, got {is_causal!r}"
-    if is_causal and sq != skv:
-        return (f"causal attention needs equal local query and key/value lengths, got {sq} and {skv}; "
-                "cross attention (different lengths) is non-causal only")
-    if layout not in LAYOUTS:
-        return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
-    if layout == "head_tail" and (sq % 2 or skv % 2):
-        return (f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, got query "
-                f"{sq} and key/value {skv}; shard a sequence whose length is a multiple of 2 * world_size")
-    if rotate_method not in rotate_methods:
-        return f"unknown rotate_method {rotate_method!r}; this ring supports {tuple(rotate_methods)}"
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        return f"scale must be a finite number or None, got {scale!r}"
-    return op_problem
+    return None
 
 
 def _describe(field: str, value: int) -> str:
@@ -176,7 +210,7 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
                              rotate_method=rotate_method, rotate_methods=rotate_methods, op_problem=op_problem)
     if world == 1:
         if problem is not None:
-            raise CorrectRingError(f"ring_attention: {problem}")
+            raise CorrectRingError(f"ring_attention: {problem[1]}")
         return RingSetup(group, 1, 0, _resolved_scale(scale, query.shape[-1]))
 
     if problem is None:
@@ -188,18 +222,20 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
         mine = torch.tensor([0, *fields], dtype=torch.int64)
     else:
         resolved = math.nan
-        mine = torch.tensor([1] + [0] * len(_FIELDS), dtype=torch.int64)
+        mine = torch.tensor([1 + _ARGUMENTS.index(problem[0])] + [0] * len(_FIELDS), dtype=torch.int64)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
     all_gather(everyone, mine, group=group)
     table = everyone.view(world, -1).tolist()
 
     if problem is not None:
-        raise CorrectRingError(f"ring_attention (rank {rank}): {problem}")
+        raise CorrectRingError(f"ring_attention (rank {rank}): {problem[1]}")
     bad = [r for r in range(world) if table[r][0]]
     if bad:
+        args = [_ARGUMENTS[table[r][0] - 1] for r in bad]
+        what = (f"rank {bad[0]} rejected its {args[0]} argument" if len(bad) == 1 else
+                f"{_ranks(bad)} rejected their input (" + "; ".join(f"rank {r}: {a}" for r, a in zip(bad, args)) + ")")
         raise CorrectRingError(
-            f"ring_attention (rank {rank}): {_ranks(bad)} rejected {'its' if len(bad) == 1 else 'their'} input "
-            "(see the error raised there); "
+            f"ring_attention (rank {rank}): {what} (see the error raised there); "
             "every rank raises so that none waits in a collective"
         )
     differences = []

@@ -7,9 +7,17 @@ same chunk is causal (the kernel's top-left mask), a later one is not computed. 
 attention runs one call per step on the whole local queries and block. Key/value heads are
 expanded per call for grouped-query attention and dK/dV summed back over each group.
 
+Calls the kernel cannot be trusted with run in plain float64 math instead (:class:`_Exact`): a
+call whose inputs hold NaN or inf (the CPU flash kernel returns a NaN query row as out 0, LSE 0
+when its key block is short, and sharding makes short blocks; NaN in an input must reach every
+result that depends on it), and a causal call with a scale <= 0 (the CPU flash kernel returns
+NaN there). The check is per call and on the call's own inputs, so the rest of the ring keeps
+the kernel.
+
 With ``op=`` an attention-op object (the contract of ring_impl/ops.py, what the suites pass as
 ``--op``), that kernel runs per step instead, its LSE brought from its declared layout to
-(batch, heads, seq); names are not resolved.
+(batch, heads, seq); names are not resolved. An op whose capabilities reject the call (its
+declared faults, e.g. causal with scale <= 0) is an input error raised on every rank.
 
 Merge: every partial (out in the input dtype, LSE in float32/float64) is kept, and each query
 chunk's partials are merged once at the end, weighted by ``exp(lse_i - logsumexp_i lse_i)``, in
@@ -136,6 +144,12 @@ class _CpuFlash:
     gqa = False
 
     @staticmethod
+    def faults(*, is_causal: bool, scale: float) -> bool:
+        """Whether the kernel is known to return garbage for such a call: causal with a scale
+        <= 0 comes back NaN (its mask's -inf times the scale)."""
+        return is_causal and scale <= 0
+
+    @staticmethod
     def forward(q, k, v, *, is_causal, scale):
         return _flash(q, k, v, 0.0, is_causal, scale=scale)
 
@@ -169,21 +183,107 @@ class _OpKernel:
     def backward(self, do, q, k, v, o, lse, *, is_causal, scale):
         return self.op.backward(do, q, k, v, o, lse, is_causal=is_causal, scale=scale)
 
+    @staticmethod
+    def faults(*, is_causal: bool, scale: float) -> bool:
+        """An op's declared faults reject the call up front (see :func:`_op_problem`)."""
+        return False
 
-def _op_problem(op, query) -> str | None:
+
+class _Exact:
+    """Plain attention in float64 for one kernel call, used where the kernel cannot be: a call
+    whose inputs hold NaN/inf (the CPU flash kernel drops NaN for a query row on short key
+    blocks, and sharding makes short blocks), and a call the kernel is known to get wrong.
+
+    Same contract as the kernels: q (b, h, sq, d), k/v (b, hkv, sk, d) with any hkv dividing h,
+    causal top-left; returns out (b, h, sq, d) and LSE (b, h, sq) in float64, and (dq, dk, dv)
+    float64 with k's heads. NaN flows through the arithmetic (±inf inputs are made NaN first);
+    entries the mask hides are set to 0 in P and dS (not ``exp(-inf - NaN)`` or ``0 * NaN``), so
+    a NaN reaches only the rows and keys that see it, and through the matmuls with values the rest
+    of its own batch entry and head."""
+
+    @staticmethod
+    def _input(t: torch.Tensor) -> torch.Tensor:
+        """An input in float64 with ±inf made NaN: attention is undefined wherever an infinite
+        input reaches, and NaN (unlike an inf score that exp turns into a weight of 0) carries
+        that through every later operation."""
+        t = t.to(torch.float64)
+        return torch.where(torch.isinf(t), torch.full((), float("nan"), dtype=torch.float64), t)
+
+    @classmethod
+    def _scores(cls, q, k, *, is_causal, scale):
+        b, h, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        q5 = cls._input(q).reshape(b, hkv, h // hkv, sq, d)
+        s = torch.matmul(q5, cls._input(k).unsqueeze(2).transpose(-1, -2)) * scale
+        visible = torch.ones(sq, sk, dtype=torch.bool).tril() if is_causal else None
+        if visible is not None:
+            s = s.masked_fill(~visible, float("-inf"))
+        return q5, s, visible
+
+    @staticmethod
+    def _probs(s, lse5, visible):
+        shift = torch.where(lse5 == float("-inf"), 0.0, lse5)  # a row that sees nothing: p = 0, not NaN
+        p = torch.exp(s - shift.unsqueeze(-1))
+        return p if visible is None else p.masked_fill(~visible, 0.0)
+
+    @classmethod
+    def forward(cls, q, k, v, *, is_causal, scale):
+        b, h, sq, _ = q.shape
+        _, s, visible = cls._scores(q, k, is_causal=is_causal, scale=scale)
+        lse5 = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(cls._probs(s, lse5, visible), cls._input(v).unsqueeze(2))
+        return out.reshape(b, h, sq, v.shape[-1]), lse5.reshape(b, h, sq)
+
+    @classmethod
+    def backward(cls, do, q, k, v, o, lse, *, is_causal, scale):
+        b, h, sq, d = q.shape
+        hkv = k.shape[1]
+        q5, s, visible = cls._scores(q, k, is_causal=is_causal, scale=scale)
+        p = cls._probs(s, lse.to(torch.float64).reshape(b, hkv, h // hkv, sq), visible)
+        do5 = cls._input(do).reshape(b, hkv, h // hkv, sq, do.shape[-1])
+        o5 = o.to(torch.float64).reshape(do5.shape)
+        dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
+        dp = torch.matmul(do5, cls._input(v).unsqueeze(2).transpose(-1, -2))
+        ds = p * (dp - (do5 * o5).sum(-1, keepdim=True))
+        if visible is not None:
+            ds = ds.masked_fill(~visible, 0.0)
+        dq = torch.matmul(ds, cls._input(k).unsqueeze(2)) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * scale
+        return dq.reshape(b, h, sq, d), dk, dv
+
+
+def _kernel_for(kernel, *tensors: torch.Tensor, is_causal: bool, scale: float):
+    """The kernel to run one call on: ``kernel``, or :class:`_Exact` where its inputs hold a
+    non-finite value or ``kernel`` is known to fault on the call."""
+    if kernel.faults(is_causal=is_causal, scale=scale):
+        return _Exact
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        return _Exact
+    return kernel
+
+
+def _op_problem(op, query, *, scale, is_causal) -> str | None:
     """Why ``op=`` cannot be used for this call, or None (never raises)."""
     if op is None:
         return None
     if isinstance(op, str) or not all(hasattr(op, a) for a in ("forward", "backward", "capabilities")):
         return (f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities as in "
                 "ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel")
-    caps = op.capabilities
-    if getattr(caps, "lse_layout", None) not in ("bhs", "bhs1", "bhs_padded32"):
-        return f"attention op {getattr(op, 'name', op)!r} declares an unknown LSE layout {getattr(caps, 'lse_layout', None)!r}"
-    if isinstance(query, torch.Tensor) and query.dim() == 4:
-        why = caps.unsupported(query.device, query.dtype, query.shape[-1])
-        if why is not None:
-            return f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}"
+    name = getattr(op, "name", op)
+    try:
+        caps = op.capabilities
+        if getattr(caps, "lse_layout", None) not in ("bhs", "bhs1", "bhs_padded32"):
+            return f"attention op {name!r} declares an unknown LSE layout {getattr(caps, 'lse_layout', None)!r}"
+        if isinstance(query, torch.Tensor) and query.dim() == 4:
+            try:  # with the call's scale and causality, where the op takes them (its known faults)
+                why = caps.unsupported(query.device, query.dtype, query.shape[-1], scale=scale, is_causal=is_causal)
+            except TypeError:
+                why = caps.unsupported(query.device, query.dtype, query.shape[-1])
+            if why is not None:
+                return (f"attention op {name!r} does not support this input (scale {scale!r}, is_causal "
+                        f"{is_causal!r}): {why}; leave op=None for the CPU flash kernel, which is routed around its faults")
+    except Exception as exc:  # raising here on one rank only would leave the others in the check's collective
+        return f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -224,8 +324,9 @@ class _FlashRingFn(torch.autograd.Function):
             if not kernel.gqa:
                 k, v = _expand(k, h), _expand(v, h)
             for q_rows, k_rows, causal in _calls(setup, layout, is_causal, kv_rank, sq, sk):
-                o, lse = kernel.forward(_rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows),
-                                        is_causal=causal, scale=setup.scale)
+                args = _rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows)
+                run = _kernel_for(kernel, *args, is_causal=causal, scale=setup.scale)
+                o, lse = run.forward(*args, is_causal=causal, scale=setup.scale)
                 span = (q_rows.start, q_rows.stop)
                 partials.setdefault(span, []).append((o, lse))
                 if recording():
@@ -272,10 +373,10 @@ class _FlashRingFn(torch.autograd.Function):
             if with_lse_grad:
                 k, v = _widen(k, 0.0), _widen(v, 1.0)
             for q_rows, k_rows, causal in _calls(setup, layout, is_causal, kv_rank, sq, sk):
-                dq_c, dk_c, dv_c = kernel.backward(
-                    _rows(do, q_rows), _rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows), _rows(o, q_rows),
-                    _rows(lse, q_rows), is_causal=causal, scale=setup.scale,
-                )
+                args = (_rows(do, q_rows), _rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows), _rows(o, q_rows),
+                        _rows(lse, q_rows))
+                run = _kernel_for(kernel, *args, is_causal=causal, scale=setup.scale)
+                dq_c, dk_c, dv_c = run.backward(*args, is_causal=causal, scale=setup.scale)
                 dq[:, :, q_rows] += dq_c[..., :d].to(torch.float64)
                 grads[kv_rank, 0, :, :, k_rows] += _fold(dk_c[..., :d], hkv)
                 grads[kv_rank, 1, :, :, k_rows] += _fold(dv_c[..., :d], hkv)
@@ -297,7 +398,7 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
     rotate_method = "allgather" if rotate_method is None else rotate_method
     setup = check_inputs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
                          rotate_method=rotate_method, rotate_methods=ROTATE_METHODS,
-                         op_problem=_op_problem(op, query))
+                         op_problem=_op_problem(op, query, scale=scale, is_causal=is_causal))
     kernel = _CpuFlash() if op is None else _OpKernel(op)
     out, lse = _FlashRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method, kernel)
     return (out, lse) if return_lse else out
@@ -340,7 +441,9 @@ class FlashRing:
     """flash_ring as an implementation under test (``--impl meta_tests.correct:flash_ring``)."""
 
     name = "flash_ring"
-    baseline_op = "cpu_flash"
+    #: the CPU flash kernel, and plain math where it is known to fault (causal, scale <= 0): the
+    #: same routing as flash_ring's own (its per-call float64 math there is at least as exact)
+    baseline_op = "auto"
     capabilities = Capabilities(
         layouts=frozenset(LAYOUTS),
         rotate_methods=frozenset(ROTATE_METHODS),

@@ -17,6 +17,12 @@ Rotations (every rank issues the same collectives in the same order, whatever it
 
 A block no query of this rank sees (causal) is not computed; a block some queries see is
 computed with the mask from global positions.
+
+NaN in the inputs flows through the arithmetic itself (±inf inputs are made NaN first): a NaN score makes the row's running max,
+sum and accumulator NaN, and the row is told apart from a row that saw no key by its running max
+(still -inf only there). In backward, masked entries of P and dS are set to 0 rather than left to
+``exp(-inf - NaN)`` and ``0 * NaN``, so a NaN reaches only the keys and rows that see it (and,
+through the matmul with values, the other rows of its own batch entry and head group).
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ ROTATE_METHODS = ("allgather", "alltoall", "p2p")
 def _acc(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64, float32 for every other dtype."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _widen(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """An input in the accumulation dtype, ±inf made NaN: attention is undefined wherever an
+    infinite input reaches, and NaN (unlike an inf score that exp turns into a weight of 0)
+    carries that through every later operation."""
+    t = t.to(acc)
+    return torch.where(torch.isinf(t), torch.full((), float("nan"), dtype=acc), t)
 
 
 # ----------------------------------------------------------------------------- transport
@@ -125,8 +139,12 @@ class _Online:
         self.m = m_new
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf."""
-        seen = self.l > 0
+        """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf.
+
+        A row saw nothing exactly when its running max is still -inf. A NaN input makes the max
+        (and so l and acc) NaN in every row it reaches: those rows must come back NaN, so they
+        are not taken for rows that saw nothing (``l > 0`` would be False for them)."""
+        seen = self.m != float("-inf")
         out = torch.where(seen.unsqueeze(-1), self.acc / torch.where(seen, self.l, 1.0).unsqueeze(-1), 0.0)
         lse = torch.where(seen, self.m + torch.log(self.l), float("-inf"))
         return out, lse
@@ -150,7 +168,7 @@ class _MathRingFn(torch.autograd.Function):
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
-        q5 = _grouped(query.to(acc), hkv)
+        q5 = _grouped(_widen(query, acc), hkv)
         kv = torch.stack([key, value])  # (2, b, hkv, sk, d): one transfer per hop
         gathered = None
         if method == "allgather" and w > 1:
@@ -163,7 +181,7 @@ class _MathRingFn(torch.autograd.Function):
             block = gathered[kv_rank] if gathered is not None else kv
             kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
             if kind != "skip":
-                k, v = block[0].to(acc), block[1].to(acc)
+                k, v = _widen(block[0], acc), _widen(block[1], acc)
                 s = _scores(q5, k, setup.scale, visible)
                 state.add(s, v)
                 if recording():
@@ -186,13 +204,13 @@ class _MathRingFn(torch.autograd.Function):
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
-        q5 = _grouped(query.to(acc), hkv)
-        do5 = _grouped(grad_out.to(acc), hkv)
+        q5 = _grouped(_widen(query, acc), hkv)
+        do5 = _grouped(_widen(grad_out, acc), hkv)
         lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
         # rowsum(dO * O) of the final output; an LSE gradient adds P * dLSE to dS, i.e. lowers the row term.
         delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
         if grad_lse is not None:
-            delta = delta - _grouped(grad_lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
+            delta = delta - _grouped(_widen(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
         dq5 = torch.zeros_like(q5)
 
         def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:
@@ -200,12 +218,18 @@ class _MathRingFn(torch.autograd.Function):
             kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
             if kind == "skip":
                 return None
-            k, v = block[0].to(acc), block[1].to(acc)
+            k, v = _widen(block[0], acc), _widen(block[1], acc)
             s = _scores(q5, k, setup.scale, visible)
-            p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there
+            p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there ...
+            if visible is not None:
+                # ... unless the row's LSE is NaN (a NaN input reaches the row): exp(-inf - NaN)
+                # is NaN, which would reach the dK/dV of keys the row does not see.
+                p = p.masked_fill(~visible, 0.0)
             dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
             dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2))
             ds = p * (dp - delta.unsqueeze(-1))
+            if visible is not None:  # p = 0 times a NaN of dP (a NaN value the row does not see)
+                ds = ds.masked_fill(~visible, 0.0)
             dq5.add_(torch.matmul(ds, k.unsqueeze(2)) * setup.scale)
             dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * setup.scale
             return torch.stack([dk, dv])
