@@ -24,6 +24,9 @@ LAUNCHERS = ("auto", "pool", "torchrun")
 RANK_STARTS = ("forkserver", "spawn")
 DEFAULT_WORLD_SIZES = {"quick": (1, 2, 3, 4), "nightly": (1, 2, 3, 4, 5, 6, 7, 8)}
 DEFAULT_CASE_TIMEOUT_S = 60.0
+# A case that compiles: a cold inductor cache compiles C++ on every rank of the case at once
+# (see the measurement in the docstring of HarnessSettings.timeout_for).
+DEFAULT_COMPILE_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 2.0
 DEFAULT_RANK_THREADS = 1
 
@@ -116,6 +119,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _parse_positive_float, "60", metavar="SECONDS",
     ),
     OptionSpec(
+        "compile_timeout", "--compile-timeout", "RING_COMPILE_TIMEOUT",
+        "Seconds a case that compiles (marked compile, or a ring case with a torch.compile backend) may take; "
+        "covers a cold inductor cache compiling on every rank at once (default 300; the larger of this and --case-timeout applies)",
+        _parse_positive_float, "300", metavar="SECONDS",
+    ),
+    OptionSpec(
         "tier", "--tier", "RING_TIER",
         "Test tier: quick (default) or nightly (full matrix, world sizes up to 8, more examples)",
         _parse_choice(TIERS), "quick", TIERS,
@@ -146,6 +155,7 @@ class HarnessSettings:
     device: str = "cpu"
     backend: str = "gloo"
     case_timeout: float = DEFAULT_CASE_TIMEOUT_S
+    compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
     tier: str = "quick"
     rank_threads: int = DEFAULT_RANK_THREADS
     launcher: str = "pool"
@@ -155,6 +165,17 @@ class HarnessSettings:
 
     def with_(self, **changes: Any) -> HarnessSettings:
         return replace(self, **changes)
+
+    def timeout_for(self, *, compiles: bool) -> float:
+        """The case timeout of a case, in seconds: ``case_timeout``, or for a case that compiles
+        the larger of ``case_timeout`` and ``compile_timeout``.
+
+        Why a separate bound: with an empty inductor cache every rank of a compiled case
+        generates and builds C++ at the same time. Measured on 2 shared CPU cores (torch 2.13,
+        ``TORCHINDUCTOR_CACHE_DIR`` empty) for W=3 causal head_tail, inductor: see README
+        ("Options"); the default keeps about 3x headroom over the slowest cold run seen.
+        """
+        return max(self.case_timeout, self.compile_timeout) if compiles else self.case_timeout
 
 
 def default_backend(device: str) -> str:
@@ -213,6 +234,7 @@ def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Har
         device=device,
         backend=backend,
         case_timeout=values.get("case_timeout", DEFAULT_CASE_TIMEOUT_S),
+        compile_timeout=values.get("compile_timeout", DEFAULT_COMPILE_TIMEOUT_S),
         tier=tier,
         rank_threads=values.get("rank_threads", DEFAULT_RANK_THREADS),
         launcher=launcher,
