@@ -235,6 +235,9 @@ class RingRunner:
         """Check capabilities (N/A) and fill in the session's implementation and op."""
         __tracebackhide__ = True
         spec = case.inputs
+        op = case.op if case.op is not None else self.op_spec
+        # Recorded first, so a case that ends N/A, skipped or raising still lands in its cell.
+        self.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
         self.require("layouts", case.layout)
         self.require("rotate_methods", case.rotate_method)
         self.require("dtypes", spec.dtype)
@@ -251,7 +254,6 @@ class RingRunner:
             self.require("ops", "*", why="counting work wraps the attention op")
         if case.record:
             self.require("record_steps", why="per-step partials")
-        op = case.op if case.op is not None else self.op_spec
         if op is not None:
             self.require("ops", "*", why=f"runs op {op!r}")
         return replace(case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse"))
@@ -312,7 +314,8 @@ class RingRunner:
 
     def record(self, case, verdicts) -> None:
         """Attach case parameters and error figures to the test report (for the conformance report)."""
-        self.request.node.user_properties.append(("ring_case", case_properties(case)))
+        if ("ring_case", case_properties(case)) not in self.request.node.user_properties:
+            self.request.node.user_properties.append(("ring_case", case_properties(case)))
         self.request.node.user_properties.append((
             "ring_verdicts",
             [
