@@ -33,7 +33,7 @@ __all__ = ["OUTCOMES", "CaseRecord", "Report", "build_report", "render_markdown"
 
 OUTCOMES = ("passed", "failed", "n/a", "skipped", "xfailed", "xpassed")
 #: The cell text of each outcome.
-STATES = {"passed": "pass", "failed": "FAIL", "xfailed": "xfail", "xpassed": "XPASS", "n/a": "N/A", "skipped": "skip"}
+STATES = {"passed": "pass", "failed": "FAIL", "xpassed": "XPASS", "xfailed": "xfail", "n/a": "N/A", "skipped": "skip"}
 #: Outcomes of a case that ran (a verdict was reached); N/A and skipped cases did not.
 EXECUTED = ("passed", "failed", "xfailed", "xpassed")
 DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "any")
@@ -92,7 +92,7 @@ class Cell:
     @property
     def status(self) -> str:
         c = self.counts
-        present = [o for o in OUTCOMES if c.get(o)]
+        present = [o for o in STATES if c.get(o)]  # most telling first: xpassed, xfailed, n/a, skipped
         if c.get("failed"):
             return "FAIL"
         if len(present) == 1:
