@@ -18,7 +18,7 @@ def test_defaults() -> None:
 
 def test_compile_timeout_covers_cases_that_compile() -> None:
     s = resolve({}, {})
-    assert (s.compile_timeout, s.timeout_for(compiles=True), s.timeout_for(compiles=False)) == (300.0, 300.0, 60.0)
+    assert (s.compile_timeout, s.timeout_for(compiles=True), s.timeout_for(compiles=False)) == (600.0, 600.0, 60.0)
     s = resolve({"case_timeout": "900"}, {"RING_COMPILE_TIMEOUT": "120"})
     assert (s.compile_timeout, s.timeout_for(compiles=True)) == (120.0, 900.0)  # never below the case timeout
     with pytest.raises(SettingsError, match="--compile-timeout: 'x' is not a number of seconds"):
