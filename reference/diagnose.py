@@ -554,8 +554,11 @@ def _dtype_findings(
     for name, shards in (grads_by_rank or {}).items():
         named.append((name, shards, lambda r: None, dtype))
     for name, shards, truth, wider in named:
-        hits = [(r, narrowest_dtype(t, truth(r), wider=wider)) for r, t in enumerate(shards)]
-        hits = [(r, d) for r, d in hits if d is not None]
+        hits: list[tuple[int, torch.dtype]] = []
+        for r, t in enumerate(shards):
+            d = narrowest_dtype(t, truth(r), wider=wider)
+            if d is not None:
+                hits.append((r, d))
         if not hits:
             continue
         narrow, own = hits[0][1], _dtype_name(wider)
