@@ -81,12 +81,15 @@ def run_job(job: Job, out: Path, extra: list[str], workers: str) -> dict:
 
 
 def summary_markdown(results: list[dict]) -> str:
-    lines = ["## Nightly conformance matrix", "", "| job | exit | score | failed | N/A | time |", "|---|---|---|---|---|---|"]
+    lines = ["## Nightly conformance matrix", "",
+             "| job | exit | score (passes only) | failed | xfailed | xpassed | N/A | skipped | time |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         score = f"{r['score']['passed']}/{r['score']['total']}" if r.get("score") else "-"
         counts = r.get("counts") or {}
         exit_text = f"{r['exit_code']}" + (" (informational)" if r["informational"] else "")
-        lines.append(f"| {r['job']} | {exit_text} | {score} | {counts.get('failed', '-')} | {counts.get('n/a', '-')} | {r['seconds']} s |")
+        shown = " | ".join(str(counts.get(k, "-")) for k in ("failed", "xfailed", "xpassed", "n/a", "skipped"))
+        lines.append(f"| {r['job']} | {exit_text} | {score} | {shown} | {r['seconds']} s |")
     return "\n".join(lines) + "\n"
 
 

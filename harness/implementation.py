@@ -8,23 +8,49 @@ An implementation is any object (a module works too) with:
     LSE ``(batch, heads, seq_local)`` with ``return_lse=True``), differentiable in query, key and
     value. The suite shards and unshards the global tensors itself.
 
-and optionally:
+Everything else the protocol describes is **claimed unless the implementation declares that it
+lacks it**. ``capabilities`` (a :class:`Capabilities`, or a dict of its fields) says what it
+lacks: a field set to ``False``, or a set that leaves the value out (``rotate_methods=
+frozenset({"p2p"})`` lacks ``allgather`` and ``alltoall``). A field left ``None``, or no
+``capabilities`` at all, is claimed: its cases run and must pass. Only what is declared lacking
+is reported N/A; an object with ``ring_attention`` and nothing else is tested on everything.
 
-``capabilities``
-    A :class:`Capabilities` (or a dict of its fields). A field left ``None`` is *undeclared*:
-    the cases that need it are reported N/A, neither failed nor silently skipped.
+The other pieces of the protocol, each claimed unless its capability field is ``False``:
+
 ``collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled)``
-    ``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call, in the
-    accounting convention of :mod:`harness.accounting`; the suite asserts it exactly.
+    (capability ``collective_schedule``) ``{phase: {kind: {"calls": n, "bytes": b}}}`` for one
+    forward and one backward call, in the accounting convention of :mod:`harness.accounting`;
+    the suite asserts it exactly on every rank.
 ``record_steps()``
-    A context manager yielding an object with ``records`` (see :mod:`ring_impl.debug`), so a
-    failure can be pinned to a ring step.
+    (capability ``record_steps``) a context manager yielding an object with ``records`` (see
+    :mod:`ring_impl.debug`): the per-step partials that ``test_causal_layouts`` compares with
+    the float64 ring simulation, and that pin a failure to a rank and ring step.
+``api_module``
+    (capability ``context_parallel``) the name of an importable module that offers
+    ``context_parallel``, ``context_parallel_unshard`` and ``ContextParallel`` with the semantics
+    of ``ring_impl``'s (PyTorch's ``torch.distributed.tensor.experimental`` API on plain
+    tensors). The context-parallel and model cases run that module's API; nothing falls back to
+    ``ring_impl``'s. :meth:`Implementation.api_module` resolves it.
+
+A claimed piece that is missing fails every case that needs it, with a message that names the
+missing attribute and the capability field that would declare it lacking; it is never N/A.
+
+Optional, with defaults:
+
+``name``
+    Shown in reports (default: the spec).
 ``baseline_op``
     The name of the :mod:`ring_impl.ops` kernel that matches the implementation's own local
-    kernel; the single-device baseline of the numerics policy runs it (default: ``"auto"``).
+    kernel; the single-device baseline of the numerics policy runs it (default ``"auto"``).
 
-``op`` is passed only when the implementation declares ``capabilities.ops``; a kernel the suite
-is told to use (``--op``) is given as an op object (:class:`ring_impl.ops.AttentionOp`).
+``op`` is passed to ``ring_attention`` when a case runs a given kernel (``--op``, the LSE-layout
+cases, the work-counting cases): as an op object (:class:`ring_impl.ops.AttentionOp`), which needs
+``"*"`` in ``capabilities.ops`` (undeclared ``ops`` claims it). Declare ``ops=frozenset()`` for
+an implementation that always runs its own kernel.
+
+``--impl`` takes ``package.module:object``; ``package.module`` alone means that module's
+``IMPLEMENTATION`` if it has one, else the module itself; ``ring_impl`` means the default
+implementation (:data:`DEFAULT_IMPL_SPEC`).
 """
 
 from __future__ import annotations
@@ -33,20 +59,53 @@ import dataclasses
 import importlib
 import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-__all__ = ["DEFAULT_IMPL_SPEC", "Capabilities", "ImplSpecError", "Implementation", "load_implementation", "load_op"]
+__all__ = [
+    "CONTEXT_PARALLEL_API",
+    "DEFAULT_IMPL_SPEC",
+    "PROTOCOL_ATTRIBUTES",
+    "Capabilities",
+    "ImplSpecError",
+    "Implementation",
+    "ProtocolError",
+    "canonical_spec",
+    "load_implementation",
+    "load_op",
+]
 
 DEFAULT_IMPL_SPEC = "harness.adapters.ring_impl:IMPLEMENTATION"
+
+#: ``--impl`` names that stand for another spec.
+ALIASES = {"ring_impl": DEFAULT_IMPL_SPEC}
+
+#: Capability field -> the implementation attribute that provides it.
+PROTOCOL_ATTRIBUTES = {
+    "collective_schedule": "collective_schedule",
+    "record_steps": "record_steps",
+    "context_parallel": "api_module",
+}
+
+#: What the module named by ``api_module`` must offer.
+CONTEXT_PARALLEL_API = ("context_parallel", "context_parallel_unshard", "ContextParallel")
 
 
 class ImplSpecError(ValueError):
     """A ``--impl`` / ``--op`` value that cannot be loaded; the message names the fix."""
 
 
+class ProtocolError(ImplSpecError):
+    """A piece of the protocol the implementation claims (by not declaring it lacking) is missing."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What an implementation claims. ``None`` means undeclared (cases report N/A)."""
+    """What an implementation declares it supports or lacks.
+
+    ``None`` (the default) means undeclared, which claims the capability: its cases run. N/A is
+    only for a bool field set to ``False`` or a set that does not contain the value a case needs.
+    """
 
     layouts: frozenset[str] | None = None
     rotate_methods: frozenset[str] | None = None
@@ -59,7 +118,9 @@ class Capabilities:
     cross_attention: bool | None = None  # non-causal with seq_kv != seq_q
     compile: bool | None = None  # works under torch.compile(fullgraph=True)
     input_errors: bool | None = None  # raises on every rank for bad input, never hangs
-    context_parallel: bool | None = None  # offers context_parallel / ContextParallel (ring_impl API)
+    context_parallel: bool | None = None  # offers context_parallel / ContextParallel (needs api_module)
+    collective_schedule: bool | None = None  # has collective_schedule(...), asserted exactly
+    record_steps: bool | None = None  # has record_steps(), per-step partials
 
     @staticmethod
     def of(obj: Any) -> Capabilities:
@@ -78,13 +139,30 @@ class Capabilities:
         raise ImplSpecError(f"capabilities must be a harness.implementation.Capabilities or a dict, not {type(raw).__name__}")
 
     def declares(self, name: str, value: Any = True) -> bool | None:
-        """True/False if the field is declared and contains/equals value, None if undeclared."""
+        """What the field says: True/False if declared (contains/equals value), None if undeclared.
+
+        For decisions use :meth:`claims`: undeclared is claimed.
+        """
         field = getattr(self, name)
         if field is None:
             return None
         if isinstance(field, frozenset):
             return value in field or "*" in field
         return bool(field) == bool(value)
+
+    def claims(self, name: str, value: Any = True) -> bool:
+        """True unless the implementation declares it lacks ``name`` (or ``value`` in it)."""
+        declared = self.declares(name, value)
+        return True if declared is None else declared
+
+    def lacking(self, name: str, value: Any = True) -> str:
+        """Why ``name``/``value`` is not claimed, in words ("" when it is claimed)."""
+        if self.claims(name, value):
+            return ""
+        field = getattr(self, name)
+        if isinstance(field, frozenset):
+            return f"declares capabilities.{name}={sorted(field)}, without {value!r}"
+        return f"declares capabilities.{name}={field!r}"
 
 
 @dataclass(frozen=True)
@@ -101,6 +179,57 @@ class Implementation:
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities.of(self.obj)
+
+    def missing(self, capability: str) -> str:
+        """The message for a claimed protocol piece that is missing ("" when present or lacking).
+
+        ``capability``: a key of :data:`PROTOCOL_ATTRIBUTES`.
+        """
+        attr = PROTOCOL_ATTRIBUTES[capability]
+        if not self.capabilities.claims(capability):
+            return ""
+        value = getattr(self.obj, attr, None)
+        present = isinstance(value, str) and bool(value) if attr == "api_module" else callable(value)
+        if present:
+            return ""
+        if value is None:
+            has = f"has no {attr}"
+        else:
+            has = f"its {attr} is {type(value).__name__} {value!r}, not {'a module name' if attr == 'api_module' else 'callable'}"
+        return (
+            f"{self.name} claims capabilities.{capability} (not declared False; undeclared means claimed) "
+            f"but {has}: add {attr} (see harness/implementation.py) or declare capabilities.{capability}=False"
+        )
+
+    def protocol(self, capability: str) -> Any:
+        """The attribute that provides a claimed ``capability``; :class:`ProtocolError` if it is missing."""
+        problem = self.missing(capability)
+        if problem:
+            raise ProtocolError(problem)
+        if not self.capabilities.claims(capability):
+            raise ProtocolError(f"{self.name} {self.capabilities.lacking(capability)}: nothing to call")
+        return getattr(self.obj, PROTOCOL_ATTRIBUTES[capability])
+
+    def api_module(self) -> ModuleType:
+        """The module whose ``context_parallel``, ``context_parallel_unshard`` and
+        ``ContextParallel`` are under test (the implementation's ``api_module``).
+
+        Raises :class:`ProtocolError` when the implementation declares ``context_parallel=False``,
+        has no ``api_module``, names a module that cannot be imported, or one that lacks a name of
+        :data:`CONTEXT_PARALLEL_API`.
+        """
+        name = self.protocol("context_parallel")
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ProtocolError(f"{self.name}: api_module {name!r} cannot be imported ({exc}); make it importable or fix api_module") from exc
+        lacking = [a for a in CONTEXT_PARALLEL_API if not hasattr(module, a)]
+        if lacking:
+            raise ProtocolError(
+                f"{self.name}: api_module {name!r} lacks {lacking}; it must offer {list(CONTEXT_PARALLEL_API)} "
+                "(or declare capabilities.context_parallel=False)"
+            )
+        return module
 
     def __reduce__(self):
         return (load_implementation, (self.spec,))
@@ -127,21 +256,34 @@ def _import_object(spec: str, what: str, option: str, env: str) -> Any:
     return obj
 
 
+def canonical_spec(spec: str) -> str:
+    """``package.module:object`` for a ``--impl`` value: aliases resolved, and a bare module that
+    has an ``IMPLEMENTATION`` attribute turned into ``module:IMPLEMENTATION``."""
+    spec = ALIASES.get(spec.strip(), spec.strip())
+    if ":" in spec:
+        return spec
+    module = _import_object(spec, "implementation", "--impl", "RING_IMPL")
+    return f"{spec}:IMPLEMENTATION" if hasattr(module, "IMPLEMENTATION") else spec
+
+
 _CACHE: dict[str, Implementation] = {}
 
 
 def load_implementation(spec: str | None = None) -> Implementation:
     """Load ``package.module:object`` (default: ``RING_IMPL`` or ring_impl's adapter)."""
-    spec = spec or os.environ.get("RING_IMPL") or DEFAULT_IMPL_SPEC
-    if spec not in _CACHE:
-        obj = _import_object(spec, "implementation", "--impl", "RING_IMPL")
-        if not callable(getattr(obj, "ring_attention", None)):
-            raise ImplSpecError(
-                f"--impl={spec!r}: {obj!r} has no callable ring_attention; see harness/implementation.py for the protocol"
-            )
-        Capabilities.of(obj)  # validate now, at start, not in the middle of a run
-        _CACHE[spec] = Implementation(spec, obj)
-    return _CACHE[spec]
+    given = spec or os.environ.get("RING_IMPL") or DEFAULT_IMPL_SPEC
+    if given not in _CACHE:
+        canonical = canonical_spec(given)
+        if canonical not in _CACHE:
+            obj = _import_object(canonical, "implementation", "--impl", "RING_IMPL")
+            if not callable(getattr(obj, "ring_attention", None)):
+                raise ImplSpecError(
+                    f"--impl={given!r}: {obj!r} has no callable ring_attention; see harness/implementation.py for the protocol"
+                )
+            Capabilities.of(obj)  # validate now, at start, not in the middle of a run
+            _CACHE[canonical] = Implementation(canonical, obj)
+        _CACHE[given] = _CACHE[canonical]
+    return _CACHE[given]
 
 
 def load_op(spec: str):

@@ -7,19 +7,27 @@ plugin module listed in ``conftest.py``); it lands in the same "ring attention" 
 ``RING_*`` variable is echoed in the report header and read by :func:`ring_option` when the option
 is not given. Harness settings themselves are declared in :data:`harness.settings.OPTIONS`.
 
-Markers: ``quick``, ``nightly`` (skipped unless ``--tier nightly``), ``gpu`` (skipped unless
-``--device cuda``), ``compile``, ``world_size(n)`` (skipped unless n is enabled). Every skip says
-why and how to enable the test.
+Markers: ``quick`` (a case of the quick tier), ``nightly`` (a case only the nightly tier has;
+skipped unless ``--tier nightly``), ``gpu`` (skipped unless ``--device cuda``), ``compile``
+(compiles with torch.compile: its case timeout is ``--compile-timeout``), ``world_size(n)`` or
+``world_size(n=N)`` (skipped unless n is enabled; ``-m "world_size(n=2)"`` selects by it). Every
+skip says why and how to enable the test. The conformance suites apply them to their cases
+(suites/plugin.py); any test may apply them too.
 
 Fixtures: ``rank_pool`` (factory: ``rank_pool(world_size)`` -> pool, skipping when that world
 size is not enabled or cannot run here), ``harness_settings``, ``world_sizes``, ``device``,
-``dist_backend``, ``tier``, ``case_timeout``.
+``dist_backend``, ``tier``, ``case_timeout`` (this test's: the compile timeout for a test marked
+``compile``).
+
+:func:`repro_args` gives the ring options of this session that differ from their defaults (from
+the command line or a ``RING_*`` variable), so a printed repro command reproduces the session.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -37,13 +45,19 @@ SETTINGS_KEY = pytest.StashKey[HarnessSettings]()
 
 # dest -> environment variable, for every option registered through add_ring_option.
 _ENV_FALLBACKS: dict[str, str] = {}
+# dest -> command-line flag, for the same options.
+_FLAGS: dict[str, str] = {}
 
 MARKERS = {
-    "quick": "part of the quick tier (the default tier, minutes on 2 CPU cores); select with -m quick",
-    "nightly": "nightly tier only (full matrix, slow); skipped unless --tier nightly or RING_TIER=nightly",
+    "quick": "a case of the quick tier (the default tier, minutes on 2 CPU cores: every suite case of a default run, "
+             "and those of --tier nightly that the quick tier runs too); select with -m quick",
+    "nightly": "a case only the nightly tier has (full matrix, slow); collected with --tier nightly (RING_TIER=nightly), "
+               "skipped otherwise; select with -m nightly",
     "gpu": "needs CUDA; skipped unless run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)",
-    "compile": "uses torch.compile (inductor); slow to compile, the nightly tier runs the full matrix",
-    "world_size(n)": "needs world size n; skipped unless n is in --world-sizes (RING_WORLD_SIZES)",
+    "compile": "uses torch.compile; its case timeout is --compile-timeout (a cold inductor cache compiles on every rank); "
+               "leave these out with -m 'not compile'",
+    "world_size(n)": "needs world size n; skipped unless n is in --world-sizes (RING_WORLD_SIZES); "
+                     "suite cases carry world_size(n=N): select with -m 'world_size(n=2)'",
 }
 
 HYPOTHESIS_PROFILES = {"dev": 20, "ci": 10, "nightly": 100}
@@ -61,6 +75,7 @@ def add_ring_option(parser: pytest.Parser, flag: str, *, env: str, help: str,
     group = parser.getgroup(OPTION_GROUP, OPTION_GROUP_DESCRIPTION)
     group.addoption(flag, dest=dest, default=None, help=f"{help} [env: {env}]", **kwargs)
     _ENV_FALLBACKS[dest] = env
+    _FLAGS[dest] = flag
 
 
 def ring_option(config: pytest.Config, dest: str, default: Any = None) -> Any:
@@ -70,6 +85,30 @@ def ring_option(config: pytest.Config, dest: str, default: Any = None) -> Any:
         env = _ENV_FALLBACKS.get(dest)
         value = os.environ.get(env) if env else None
     return default if value is None else value
+
+
+def repro_args(config: pytest.Config, *, exclude: tuple[str, ...] = ("report_dir",)) -> list[str]:
+    """``[flag, value, ...]`` for every ring option this session was given, on the command line
+    or through its ``RING_*`` variable (the variable shown as its flag), in registration order.
+
+    ``exclude``: option dests left out (by default ``report_dir``: where files go does not change
+    a verdict). A repro command built from these runs the same configuration in a shell whose
+    environment has no ``RING_*`` variables.
+    """
+    args: list[str] = []
+    for dest, flag in _FLAGS.items():
+        if dest in exclude or dest.removeprefix("ring_") in exclude:
+            continue
+        value = ring_option(config, dest)
+        if value is not None and str(value).strip():
+            args += [flag, str(value)]
+    return args
+
+
+def repro_command(config: pytest.Config, nodeid: str, *extra: str) -> str:
+    """A shell command that re-runs ``nodeid`` alone with this session's ring options."""
+    words = ["pytest", nodeid, *repro_args(config), *extra]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -183,10 +222,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(
                 reason="needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"))
         marker = item.get_closest_marker("world_size")
-        if marker is not None and marker.args:
-            reason = world_size_skip_reason(int(marker.args[0]), settings)
+        n = marker_world_size(marker)
+        if n is not None:
+            reason = world_size_skip_reason(n, settings)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def marker_world_size(marker: pytest.Mark | None) -> int | None:
+    """n of ``world_size(n)`` or ``world_size(n=N)`` (None without the marker)."""
+    if marker is None:
+        return None
+    if "n" in marker.kwargs:
+        return int(marker.kwargs["n"])
+    return int(marker.args[0]) if marker.args else None
 
 
 def world_size_skip_reason(world_size: int, settings: HarnessSettings) -> str:
@@ -242,9 +291,10 @@ def tier(harness_settings: HarnessSettings) -> str:
     return harness_settings.tier
 
 
-@pytest.fixture(scope="session")
-def case_timeout(harness_settings: HarnessSettings) -> float:
-    return harness_settings.case_timeout
+@pytest.fixture
+def case_timeout(request: pytest.FixtureRequest, harness_settings: HarnessSettings) -> float:
+    """This test's case timeout in seconds (``--compile-timeout`` bound for a test marked ``compile``)."""
+    return harness_settings.timeout_for(compiles=request.node.get_closest_marker("compile") is not None)
 
 
 @pytest.fixture(scope="session")
@@ -284,7 +334,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [
         f"ring attention: device={settings.device} dist-backend={settings.backend} "
         f"world-sizes={','.join(map(str, settings.world_sizes))} tier={settings.tier} "
-        f"case-timeout={settings.case_timeout:g}s rank-threads={settings.rank_threads} "
+        f"case-timeout={settings.case_timeout:g}s compile-timeout={settings.compile_timeout:g}s "
+        f"rank-threads={settings.rank_threads} "
         f"launcher={settings.launcher} rank-start={settings.rank_start}",
         f"versions: python {platform.python_version()}, torch {_version('torch')}, "
         f"numpy {_version('numpy')}, hypothesis {_version('hypothesis')}",

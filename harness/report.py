@@ -4,13 +4,20 @@ Input: one :class:`CaseRecord` per test (built from pytest reports by suites/plu
 works the same under xdist, where reports reach the controller with their ``user_properties``).
 
 The matrix has a row per (capability, rotation) and a column per dtype; a capability is a suite
-module (``suites/test_<capability>.py``). A cell says ``pass``, ``FAIL`` or ``N/A`` and the worst
-error ratio of its cases: ``max|X - R| / (max|B - R| + floor / k)``, the single-device ratio of the
+module (``suites/test_<capability>.py``). A cell names the state of its cases and the worst error
+ratio among them: ``max|X - R| / (max|B - R| + floor / k)``, the single-device ratio of the
 numerics policy with the floor folded in, so it is always finite and a case passes its max-error
 bound exactly when the ratio is at most ``k``.
 
-Scores use the full feature set as denominator: every collected case counts, so N/A and skipped
-cases lower the score instead of vanishing from it.
+States (pytest outcome -> cell): passed ``pass``, failed ``FAIL``, expected failure (vendor file)
+``xfail``, unexpected pass of a non-strict expected failure ``XPASS``, declared lacking ``N/A``,
+skipped ``skip``. A cell whose cases share one state shows it; ``FAIL`` wins over everything;
+a cell with some passes and other states shows ``part p/n`` (p of its n cases passed); a cell
+with no pass and several states joins them (``xfail+N/A``).
+
+Only passes are passes. Scores use the full feature set as denominator: every collected case
+counts, so failed, xfailed, xpassed, N/A and skipped cases lower the score instead of vanishing
+from it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from typing import Any
 __all__ = ["OUTCOMES", "CaseRecord", "Report", "build_report", "render_markdown", "render_terminal", "to_json"]
 
 OUTCOMES = ("passed", "failed", "n/a", "skipped", "xfailed", "xpassed")
+#: The cell text of each outcome.
+STATES = {"passed": "pass", "failed": "FAIL", "xpassed": "XPASS", "xfailed": "xfail", "n/a": "N/A", "skipped": "skip"}
+#: Outcomes of a case that ran (a verdict was reached); N/A and skipped cases did not.
+EXECUTED = ("passed", "failed", "xfailed", "xpassed")
 DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "any")
 ROTATION_ORDER = ("allgather", "alltoall", "p2p", "any")
 
@@ -81,13 +92,14 @@ class Cell:
     @property
     def status(self) -> str:
         c = self.counts
-        if c["failed"] or c["xpassed"]:
+        present = [o for o in STATES if c.get(o)]  # most telling first: xpassed, xfailed, n/a, skipped
+        if c.get("failed"):
             return "FAIL"
-        if c["passed"] or c["xfailed"]:
-            return "pass" if not (c["n/a"] or c["skipped"]) else "part"
-        if c["n/a"]:
-            return "N/A"
-        return "skip"
+        if len(present) == 1:
+            return STATES[present[0]]
+        if c.get("passed"):
+            return f"part {c['passed']}/{sum(c.values())}"
+        return "+".join(STATES[o] for o in present)
 
     def text(self) -> str:
         ratio = "" if self.worst_ratio is None else (" inf" if math.isinf(self.worst_ratio) else f" {self.worst_ratio:.2g}")
@@ -107,9 +119,14 @@ class Report:
         return c
 
     def score(self, records: Sequence[CaseRecord] | None = None) -> tuple[int, int]:
-        """(passed, total) over every collected case: the full feature set is the denominator."""
+        """(passed, total) over every collected case: the full feature set is the denominator,
+        and only a pass is a pass (not an xfail, an XPASS, N/A or a skip)."""
         recs = self.records if records is None else records
-        return sum(r.outcome in ("passed", "xfailed") for r in recs), len(recs)
+        return sum(r.outcome == "passed" for r in recs), len(recs)
+
+    def executed(self, records: Iterable[CaseRecord] | None = None) -> int:
+        """Cases that ran to a verdict (passed, failed, xfailed, xpassed)."""
+        return sum(r.outcome in EXECUTED for r in (self.records if records is None else records))
 
     def capabilities(self) -> list[str]:
         return sorted({r.capability for r in self.records})
@@ -153,17 +170,20 @@ def _summary_line(report: Report) -> str:
     pct = 100.0 * passed / total if total else 0.0
     return (
         f"{report.implementation}: {passed}/{total} cases pass ({pct:.1f}%); "
-        f"{c['failed']} failed, {c['n/a']} N/A, {c['skipped']} skipped, {c['xfailed']} xfailed, {c['xpassed']} xpassed"
+        f"{c['failed']} failed, {c['xfailed']} xfailed, {c['xpassed']} xpassed, {c['n/a']} N/A, {c['skipped']} skipped"
     )
+
+
+LEGEND = ("cell: pass, FAIL, xfail (expected failure), XPASS (unexpected pass), N/A (declared lacking), skip, "
+          "'part p/n' (p of n passed, the rest in other states) or the states of a cell without passes joined by '+'; "
+          "then the worst error ratio max|X-R| / (max|B-R| + floor/k): a case passes its max bound when the ratio <= k")
 
 
 def render_terminal(report: Report) -> str:
     from tabulate import tabulate
 
     head, body = _table(report)
-    legend = ("cell: pass/FAIL/N/A/part (some passed, some N/A or skipped) and the worst error ratio "
-              "max|X-R| / (max|B-R| + floor/k); a case passes its max bound when the ratio <= k")
-    return "\n".join([_summary_line(report), tabulate(body, head, tablefmt="simple"), legend])
+    return "\n".join([_summary_line(report), tabulate(body, head, tablefmt="simple"), LEGEND])
 
 
 def render_markdown(report: Report) -> str:
@@ -172,7 +192,7 @@ def render_markdown(report: Report) -> str:
     head, body = _table(report)
     lines = [f"## Ring attention conformance: {report.implementation}", "", f"**{_summary_line(report)}**", ""]
     lines += [f"- {k}: `{v}`" for k, v in report.header.items()]
-    lines += ["", tabulate(body, head, tablefmt="github"), ""]
+    lines += ["", tabulate(body, head, tablefmt="github"), "", LEGEND, ""]
     failed = [r for r in report.records if r.outcome in ("failed", "xpassed")]
     if failed:
         lines += ["### Failures", ""]
@@ -182,15 +202,25 @@ def render_markdown(report: Report) -> str:
         if len(failed) > 50:
             lines.append(f"- ... and {len(failed) - 50} more (see the JSON report)")
         lines.append("")
-    na = [r for r in report.records if r.outcome == "n/a"]
-    if na:
-        reasons: dict[str, int] = defaultdict(int)
-        for r in na:
-            reasons[r.message.strip().splitlines()[0] if r.message else "undeclared capability"] += 1
-        lines += ["### N/A (capabilities the implementation does not declare)", ""]
-        lines += [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1])]
-        lines.append("")
+    for outcome, title, fallback in (
+        ("xfailed", "Expected failures (xfail)", "no reason given"),
+        ("n/a", "N/A (what the implementation declares it lacks)", "declared lacking"),
+        ("skipped", "Skipped", "no reason given"),
+    ):
+        reasons = _reasons(r for r in report.records if r.outcome == outcome)
+        if reasons:
+            lines += [f"### {title}", ""]
+            lines += [f"- {n} x {reason or fallback}" for reason, n in reasons]
+            lines.append("")
     return "\n".join(lines)
+
+
+def _reasons(records: Iterable[CaseRecord]) -> list[tuple[str, int]]:
+    """(first line of the message, count), most frequent first."""
+    counts: dict[str, int] = defaultdict(int)
+    for r in records:
+        counts[(r.message.strip().splitlines() or [""])[0]] += 1
+    return sorted(counts.items(), key=lambda x: (-x[1], x[0]))
 
 
 def to_json(report: Report) -> str:
@@ -200,6 +230,7 @@ def to_json(report: Report) -> str:
         "implementation": report.implementation,
         "header": report.header,
         "score": {"passed": passed, "total": total},
+        "executed": report.executed(),
         "counts": report.counts(),
         "cases": [{**asdict(r), "worst_ratio": r.worst_ratio} for r in report.records],
     }

@@ -24,6 +24,9 @@ LAUNCHERS = ("auto", "pool", "torchrun")
 RANK_STARTS = ("forkserver", "spawn")
 DEFAULT_WORLD_SIZES = {"quick": (1, 2, 3, 4), "nightly": (1, 2, 3, 4, 5, 6, 7, 8)}
 DEFAULT_CASE_TIMEOUT_S = 60.0
+# A case that compiles: a cold inductor cache compiles C++ on every rank of the case at once
+# (see the measurement in the docstring of HarnessSettings.timeout_for).
+DEFAULT_COMPILE_TIMEOUT_S = 600.0
 DEFAULT_GRACE_S = 2.0
 DEFAULT_RANK_THREADS = 1
 
@@ -116,6 +119,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _parse_positive_float, "60", metavar="SECONDS",
     ),
     OptionSpec(
+        "compile_timeout", "--compile-timeout", "RING_COMPILE_TIMEOUT",
+        "Seconds a case that compiles (marked compile, or a ring case with a torch.compile backend) may take; "
+        "covers a cold inductor cache compiling on every rank at once (default 600; the larger of this and --case-timeout applies)",
+        _parse_positive_float, "600", metavar="SECONDS",
+    ),
+    OptionSpec(
         "tier", "--tier", "RING_TIER",
         "Test tier: quick (default) or nightly (full matrix, world sizes up to 8, more examples)",
         _parse_choice(TIERS), "quick", TIERS,
@@ -146,6 +155,7 @@ class HarnessSettings:
     device: str = "cpu"
     backend: str = "gloo"
     case_timeout: float = DEFAULT_CASE_TIMEOUT_S
+    compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
     tier: str = "quick"
     rank_threads: int = DEFAULT_RANK_THREADS
     launcher: str = "pool"
@@ -155,6 +165,22 @@ class HarnessSettings:
 
     def with_(self, **changes: Any) -> HarnessSettings:
         return replace(self, **changes)
+
+    def timeout_for(self, *, compiles: bool) -> float:
+        """The case timeout of a case, in seconds: ``case_timeout``, or for a case that compiles
+        the larger of ``case_timeout`` and ``compile_timeout``.
+
+        Why a separate bound: with an empty inductor cache every rank of a compiled case
+        generates and builds C++ at the same time. Measured on 2 shared CPU cores (torch 2.13,
+        empty ``TORCHINDUCTOR_CACHE_DIR``), ``tests/ring_impl/test_head_chunks.py::
+        test_chunked_ring_compiles_in_one_order[allgather-inductor]`` (W=3, causal head_tail)
+        took 162 s alone while other processes kept the load average near 12, and 154 s with its
+        ``p2p`` twin compiling at the same time under ``-n 2``; 17 s with a warm cache. The
+        default, 600 s, is about 3.7 times the slowest cold run: a slower core or one more
+        compile at once still fits, and a hang in one of the few compiling cases is still
+        reported within 10 minutes.
+        """
+        return max(self.case_timeout, self.compile_timeout) if compiles else self.case_timeout
 
 
 def default_backend(device: str) -> str:
@@ -213,6 +239,7 @@ def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Har
         device=device,
         backend=backend,
         case_timeout=values.get("case_timeout", DEFAULT_CASE_TIMEOUT_S),
+        compile_timeout=values.get("compile_timeout", DEFAULT_COMPILE_TIMEOUT_S),
         tier=tier,
         rank_threads=values.get("rank_threads", DEFAULT_RANK_THREADS),
         launcher=launcher,

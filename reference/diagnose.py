@@ -4,11 +4,21 @@ Two sources of evidence, both judged against the float64 RingSimulation of the s
 
 - Per-step partials from the implementation (records), when it exposes them: each (rank, step)
   partial is compared with the simulation's; a step computed that should be skipped, skipped that
-  was needed, or fed the wrong key/value block is reported too.
+  was needed, or fed the wrong key/value block is reported too. A partial that differs is
+  explained when a replayed bug reproduces it within the step tolerance: computed in full or
+  with a diagonal mask, with the causal mask though attention is not causal, with the other
+  chunk of a head_tail pair, with another rank's block, another scale, key/value heads tiled
+  instead of repeated, or only the LSE wrong (the kernel's LSE misread).
 - Otherwise, final per-rank outputs only: for each rank whose rows are wrong, hypotheses about one
   ring step (dropped, computed as full or causal, wrong key/value block, wrong scale) are replayed
   on the simulation's blocks, and the one that reproduces the observed output far better than the
   observed error is reported.
+
+Beside the steps: a result whose every value is exactly a number of a narrower dtype than its own
+(a float64 output holding float32 values, a float32 LSE or gradient holding bfloat16 values) was
+computed or rounded in that dtype; NaN/inf on rows whose LSE exceeds what ``exp`` can hold is an
+overflow; a forward that matches while the gradients do not is replayed against backward bugs
+(each step using the rank's own key/value block; dK/dV left a hop short of their owner).
 
 "First" means in ring time: the lowest step, then the lowest rank. Tolerances come from
 reference.budget.TOLERANCES (step_rel), as there is no single-device baseline per step.
@@ -17,14 +27,20 @@ reference.budget.TOLERANCES (step_rel), as there is no single-device baseline pe
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from reference import layout as layouts
-from reference.attention import attention_grads, default_scale, masked_attention
+from reference.attention import (
+    attention_grads,
+    causal_visibility,
+    default_scale,
+    expand_kv_heads,
+    masked_attention,
+)
 from reference.budget import abs_error, fmt_err, tolerance_for
 from reference.simulate import (
     RingSimulation,
@@ -96,6 +112,85 @@ def _ranges(values: Sequence[int]) -> str:
 
 def _step_label(rec: StepRecord) -> str:
     return f"rank {rec.rank} step {rec.step} (kv from rank {rec.kv_rank}, expected {rec.kind})"
+
+
+# Narrower dtypes a result may have been computed or rounded in, narrowest first.
+_NARROWER = {
+    torch.float64: (torch.bfloat16, torch.float16, torch.float32),
+    torch.float32: (torch.bfloat16, torch.float16),
+}
+# Fewer finite nonzero values than this say nothing about the dtype they went through.
+_MIN_VALUES_FOR_DTYPE = 16
+
+
+def narrowest_dtype(t: Tensor, ref: Tensor | None = None, *, wider: torch.dtype | None = None) -> torch.dtype | None:
+    """The narrowest dtype (bfloat16, float16, float32) narrower than ``wider`` (default
+    ``t.dtype``: the dtype the values should have been computed in) in which every finite nonzero
+    value of ``t`` is exactly representable, or None.
+
+    A float32 result computed in float32 from random inputs is not exactly bfloat16 everywhere;
+    one that is was rounded to bfloat16 somewhere. ``ref`` (the float64 truth), when given, must
+    not be representable in that dtype itself, so exact results (small integers) are not blamed.
+    """
+    values = t.detach()
+    values = values[torch.isfinite(values) & (values != 0)]
+    if values.numel() < _MIN_VALUES_FOR_DTYPE:
+        return None
+    for narrow in _NARROWER.get(wider or t.dtype, ()):
+        if torch.equal(values.to(narrow).to(values.dtype), values):
+            if ref is not None:
+                r = ref.detach().to(torch.float64)
+                r = r[torch.isfinite(r) & (r != 0)]
+                if r.numel() and torch.equal(r.to(narrow).to(torch.float64), r):
+                    return None
+            return narrow
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _step_hypotheses(sim: RingSimulation, rec: StepRecord) -> list[tuple[str, Tensor, Tensor]]:
+    """(what, out, lse) of one step's partial under each replayable bug of that step."""
+    q = sim.query_shard(rec.rank)
+    k, v = sim.key_shard(rec.kv_rank), sim.value_shard(rec.kv_rank)
+    mask = rec.visible
+    hyps: list[tuple[str, Tensor, Tensor]] = []
+
+    def add(what: str, key: Tensor, value: Tensor, visible: Tensor | None, scale: float = sim.scale) -> None:
+        out, lse = masked_attention(q, key, value, visible, scale=scale)
+        hyps.append((what, out, lse))
+
+    if not bool(mask.all()):
+        add("computed in full, though part of the block must be masked", k, v, None)
+    if not sim.is_causal and sim.query.shape[2] == sim.key.shape[2]:
+        causal = causal_visibility(sim.q_positions(rec.rank), sim.k_positions(rec.kv_rank))
+        if not torch.equal(causal, mask):
+            add("computed with the causal mask of these positions, though attention is not causal "
+                "(the step plan or load balancing assumed is_causal=True)", k, v, causal)
+    if mask.shape[0] == mask.shape[1]:
+        tril = lower_triangular(mask.shape[0])
+        if not torch.equal(mask, tril):
+            shape = "full" if bool(mask.all()) else "not a diagonal block"
+            add(f"computed with a causal (diagonal) mask, though this block is {shape}", k, v, tril)
+    n = k.shape[2] // 2
+    if sim.layout == "head_tail" and n and k.shape[2] == 2 * n:
+        swap = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)])
+        add("paired the queries with the wrong key/value chunk of the head_tail pair (head and tail "
+            "chunks swapped)", k[..., swap, :], v[..., swap, :], mask)
+    for other in range(sim.world_size):
+        if other != rec.kv_rank:
+            add(f"used the key/value block of rank {other} instead of rank {rec.kv_rank}",
+                sim.key_shard(other), sim.value_shard(other), mask)
+    for c in sorted({1.0, default_scale(q.shape[-1]), sim.scale**2} - {sim.scale}):
+        add(f"used scale {c:.6g} instead of {sim.scale:.6g}", k, v, mask, c)
+    heads, heads_kv = q.shape[1], k.shape[1]
+    if heads_kv not in (heads, 1):
+        tiled = k.repeat(1, heads // heads_kv, 1, 1), v.repeat(1, heads // heads_kv, 1, 1)
+        add(f"tiled the key/value heads (query head h read key/value head h % {heads_kv}, not "
+            f"h // {heads // heads_kv})", *tiled, mask)
+    return hyps
 
 
 # ---------------------------------------------------------------- with per-step records
@@ -191,24 +286,54 @@ def compare_records(
             continue
         assembled = _assemble(rec, entries, findings)
         if assembled is not None:
-            finding = _compare_partial(rec, *assembled, step_rel)
+            raw = [e["out"] for e in entries if isinstance(e.get("out"), Tensor)]
+            finding = _compare_partial(sim, rec, *assembled, step_rel, raw, dtype)
             if finding is not None:
                 findings.append(finding)
     return sorted(findings, key=lambda f: (f.step if f.step is not None else math.inf, f.rank))
 
 
-def _compare_partial(rec: StepRecord, out: Tensor, lse: Tensor, step_rel: float) -> Finding | None:
+def _partial_errors(out: Tensor, lse: Tensor, want_out: Tensor, want_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-element |out - want_out| and per-row |lse - want_lse|; a row that sees no key on both
+    sides (lse -inf, out 0) has error 0, one that sees keys on one side only an infinite one."""
+    empty = lse <= EMPTY_LSE
+    lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
+    return abs_error(out, want_out), abs_error(lse, want_lse)
+
+
+def explain_partial(sim: RingSimulation, rec: StepRecord, out: Tensor, lse: Tensor, step_rel: float) -> str:
+    """The replayed bug that reproduces a step's observed partial within the step tolerance
+    ("" if none does). out (batch, heads, rows, head_dim_v), lse (batch, heads, rows)."""
+    out_tol, lse_tol = _atol(rec.partial_out, step_rel), _atol(rec.partial_lse, step_rel)
+    for what, h_out, h_lse in _step_hypotheses(sim, rec):
+        h_out_err, h_lse_err = _partial_errors(out, lse, h_out, h_lse)
+        if float(h_out_err.max()) <= out_tol and float(h_lse_err.max()) <= lse_tol:
+            return what
+    # Checked after the replays: a block of one key gives the same output at any scale.
+    out_err, lse_err = _partial_errors(out, lse, rec.partial_out, rec.partial_lse)
+    if float(out_err.max()) <= out_tol and float(lse_err.max()) > lse_tol:
+        return ("the partial output matches but its LSE does not: the kernel's LSE was misread "
+                "(padding not trimmed, a trailing dim, or the wrong layout)")
+    return ""
+
+
+def _compare_partial(
+    sim: RingSimulation, rec: StepRecord, out: Tensor, lse: Tensor, step_rel: float, raw_outs: list[Tensor],
+    dtype: torch.dtype,
+) -> Finding | None:
     """Judge one assembled partial (out (batch, heads, rows, head_dim_v), lse (batch, heads,
-    rows)) against the simulation's; rows that see no key need only an empty lse."""
+    rows)) against the simulation's; rows that see no key need only an empty lse. raw_outs: the
+    records' outputs as recorded; dtype: the dtype the ring computes in."""
     seen = rec.partial_lse > -math.inf  # (batch, heads, rows)
     stray = (~seen) & (lse > EMPTY_LSE)
     if bool(stray.any()):
         rows = sorted({int(i) for i in stray.nonzero()[:, 2]})
+        why = explain_partial(sim, rec, out, lse, step_rel)
         return Finding(
             rec.rank,
             rec.step,
             f"{_step_label(rec)}: local query rows {_ranges(rows)} see no key in this block "
-            "but got a finite lse (wrong mask?)",
+            "but got a finite lse (wrong mask?)" + (f"; explained by: {why}" if why else ""),
         )
     out_err = torch.where(seen.unsqueeze(-1), abs_error(out, rec.partial_out), 0.0)
     lse_err = torch.where(seen, abs_error(lse, rec.partial_lse), 0.0)
@@ -219,12 +344,18 @@ def _compare_partial(rec: StepRecord, out: Tensor, lse: Tensor, step_rel: float)
     rows = sorted(
         {int(i) for i in ((out_err.amax(-1) > out_tol) | (lse_err > lse_tol)).nonzero()[:, 2]}
     )
+    narrow = next((d for d in (narrowest_dtype(o, wider=dtype) for o in raw_outs) if d is not None), None)
+    if narrow is not None:
+        why = (f"every value of the recorded partial of this {_dtype_name(dtype)} ring is a "
+               f"{_dtype_name(narrow)} number: the step was computed in {_dtype_name(narrow)}")
+    else:
+        why = explain_partial(sim, rec, out, lse, step_rel)
     return Finding(
         rec.rank,
         rec.step,
         f"{_step_label(rec)}: partial out max err {fmt_err(out_max)} (tol {fmt_err(out_tol)}), "
         f"lse max err {fmt_err(lse_max)} (tol {fmt_err(lse_tol)}) "
-        f"on local query rows {_ranges(rows)}",
+        f"on local query rows {_ranges(rows)}" + (f"; explained by: {why}" if why else ""),
         out_max,
     )
 
@@ -378,6 +509,13 @@ def diagnose(
         name: tuple(r for r, (e, tol) in errs.items() if e > tol)
         for name, errs in grad_errs.items()
     }
+    findings += _dtype_findings(sim, out_by_rank, lse_by_rank, grads_by_rank, dtype)
+    findings += _overflow_findings(sim, out_by_rank, lse_by_rank, dtype)
+    if lse_by_rank is not None:
+        findings += _lse_form_findings(sim, lse_by_rank, dtype)
+    if any(grad_bad.values()) and grads_by_rank is not None and grad_out is not None:
+        forward_ok = not findings and not bad_rows and out_by_rank is not None
+        findings += _backward_findings(sim, grads_by_rank, grad_out, grad_errs, grad_bad, forward_ok, findings)
 
     findings.sort(key=lambda f: (f.step if f.step is not None else math.inf, f.rank))
     ok = not findings and not bad_rows and not any(grad_bad.values())
@@ -394,6 +532,206 @@ def diagnose(
     return Diagnosis(
         ok, first_rank, first.step if first else None, tuple(findings), bad_rows, grad_bad, summary
     )
+
+
+def _dtype_findings(
+    sim: RingSimulation,
+    out_by_rank: Sequence[Tensor] | None,
+    lse_by_rank: Sequence[Tensor] | None,
+    grads_by_rank: Mapping[str, Sequence[Tensor]] | None,
+    dtype: torch.dtype,
+) -> list[Finding]:
+    """Results whose every value is a number of a narrower dtype than the one they should have
+    been computed in (``dtype``; for the LSE float32, float64 for float64): computed or rounded
+    in that dtype (see :func:`narrowest_dtype`). One finding per quantity, naming the ranks."""
+    found: list[Finding] = []
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    named: list[tuple[str, Sequence[Tensor], Callable[[int], Tensor | None], torch.dtype]] = []
+    if out_by_rank is not None:
+        named.append(("out", out_by_rank, sim.local_out, dtype))
+    if lse_by_rank is not None:
+        named.append(("lse", lse_by_rank, sim.local_lse, lse_dtype))
+    for name, shards in (grads_by_rank or {}).items():
+        named.append((name, shards, lambda r: None, dtype))
+    for name, shards, truth, wider in named:
+        hits: list[tuple[int, torch.dtype]] = []
+        for r, t in enumerate(shards):
+            d = narrowest_dtype(t, truth(r), wider=wider)
+            if d is not None:
+                hits.append((r, d))
+        if not hits:
+            continue
+        narrow, own = hits[0][1], _dtype_name(wider)
+        ranks = _ranges([r for r, d in hits if d == narrow])
+        what = (f"{name} on rank {ranks}: every value of the {own} result is a {_dtype_name(narrow)} number: "
+                f"{name} was computed, accumulated or cast in {_dtype_name(narrow)} on its way")
+        if name == "lse":
+            what += " (the LSE's contract is float32, float64 for float64 inputs)"
+        found.append(Finding(hits[0][0], None, what))
+    return found
+
+
+def _overflow_findings(
+    sim: RingSimulation,
+    out_by_rank: Sequence[Tensor] | None,
+    lse_by_rank: Sequence[Tensor] | None,
+    dtype: torch.dtype,
+) -> list[Finding]:
+    """NaN/inf on rows whose true LSE is beyond log(max) of the dtype: an exp overflowed."""
+    found = []
+    limit = math.log(torch.finfo(dtype).max)
+    for rank in range(sim.world_size):
+        ref_out, ref_lse = sim.local_merge(rank)
+        bad = torch.zeros_like(ref_lse, dtype=torch.bool)
+        if out_by_rank is not None:
+            o = out_by_rank[rank].to(torch.float64).to(ref_out.device)
+            bad |= (~torch.isfinite(o) & torch.isfinite(ref_out)).any(-1)
+        if lse_by_rank is not None:
+            lse = lse_by_rank[rank].to(torch.float64).to(ref_lse.device)
+            bad |= ~torch.isfinite(lse) & torch.isfinite(ref_lse)
+        if not bool(bad.any()):
+            continue
+        reach = float(ref_lse[bad & torch.isfinite(ref_lse)].abs().max())
+        if reach > limit:
+            found.append(Finding(rank, None, (
+                f"rank {rank}: NaN/inf on rows whose LSE reaches {reach:.3g}, beyond log(max {dtype}) = "
+                f"{limit:.1f}: an exp of the LSE (or of raw scores) overflowed; merge in the stable form "
+                "(subtract the running maximum, or use logsigmoid)")))
+    return found
+
+
+def _lse_form_findings(sim: RingSimulation, lse_by_rank: Sequence[Tensor], dtype: torch.dtype) -> list[Finding]:
+    """An LSE in base 2 (the natural one divided by ln 2), or shifted by one constant on every
+    row. Judged with the float32 step tolerance for bfloat16/float16 runs: the LSE is float32."""
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    step_rel = tolerance_for(lse_dtype).step_rel
+    base2: list[int] = []
+    shifts: dict[int, float] = {}
+    for rank, got in enumerate(lse_by_rank):
+        ref = sim.local_lse(rank)
+        got64 = got.detach().to(torch.float64).to(ref.device)
+        finite = torch.isfinite(ref) & torch.isfinite(got64)
+        if int(finite.sum()) < 4:
+            continue
+        tol = _atol(ref, step_rel)
+        err = (got64 - ref)[finite]
+        if float(err.abs().max()) <= tol:
+            continue
+        if float((got64[finite] * math.log(2) - ref[finite]).abs().max()) <= tol:
+            base2.append(rank)
+        elif float((err - err.mean()).abs().max()) <= tol:
+            shifts[rank] = float(err.mean())
+    found = []
+    if base2:
+        found.append(Finding(base2[0], None, (
+            f"lse on rank {_ranges(base2)} is the natural-log LSE divided by ln 2: it is in base 2, the "
+            "contract (and every merge) is base e")))
+    if shifts:
+        shown = ", ".join(f"{fmt_err(v)} on rank {r}" for r, v in shifts.items())
+        found.append(Finding(min(shifts), None, (
+            f"lse is shifted by a constant on every row ({shown}): an offset added to the LSE")))
+    return found
+
+
+def _block_grads(
+    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """float64 (dq, dk, dv) contribution of one (query shard, key/value block) pair to the
+    gradient of the whole attention, given the final out and lse of the query rows.
+
+    q, out, dout (batch, heads, sq, d); k, v (batch, heads_kv, sk, d); lse (batch, heads, sq);
+    visible (sq, sk). dk, dv come back with heads_kv heads (query groups summed).
+    """
+    heads, heads_kv = q.shape[1], k.shape[1]
+    ke, ve = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+    scores = (q @ ke.transpose(-2, -1) * scale).masked_fill(~visible, -math.inf)
+    seen = torch.isfinite(lse).unsqueeze(-1)
+    p = torch.where(seen, torch.exp(scores - torch.where(seen, lse.unsqueeze(-1), 0.0)), 0.0)
+    dp = dout @ ve.transpose(-2, -1)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    dq = ds @ ke * scale
+    dk, dv = ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+    b, _, sk, _ = dk.shape
+
+    def fold(t: Tensor) -> Tensor:
+        return t.reshape(b, heads_kv, heads // heads_kv, sk, t.shape[-1]).sum(2)
+
+    return dq, fold(dk), fold(dv)
+
+
+def _replay_backward(sim: RingSimulation, grad_out: Tensor, kv_source: Callable[[StepRecord], int]) -> dict[str, list[Tensor]]:
+    """Per-rank dq, dk, dv of a ring whose backward computes step ``rec`` with the key/value block
+    of rank ``kv_source(rec)`` (the contribution still goes to block ``rec.kv_rank``)."""
+    w = sim.world_size
+    grads: dict[str, list[Tensor]] = {
+        "dq": [torch.zeros_like(sim.query_shard(r)) for r in range(w)],
+        "dk": [torch.zeros_like(sim.key_shard(r)) for r in range(w)],
+        "dv": [torch.zeros_like(sim.value_shard(r)) for r in range(w)],
+    }
+    dout64 = grad_out.to(torch.float64).to(sim.query.device)
+    for rank in range(w):
+        out, lse = sim.local_merge(rank)
+        dout = layouts.shard(dout64, sim.layout, w, rank)
+        q = sim.query_shard(rank)
+        for rec in sim.rank_steps(rank):
+            if rec.kind == "skip":
+                continue
+            src = kv_source(rec)
+            dq, dk, dv = _block_grads(q, sim.key_shard(src), sim.value_shard(src), rec.visible.to(q.device),
+                                      out, lse, dout, sim.scale)
+            grads["dq"][rank] += dq
+            grads["dk"][rec.kv_rank] += dk
+            grads["dv"][rec.kv_rank] += dv
+    return grads
+
+
+def _backward_findings(
+    sim: RingSimulation,
+    grads_by_rank: Mapping[str, Sequence[Tensor]],
+    grad_out: Tensor,
+    grad_errs: dict[str, dict[int, tuple[float, float]]],
+    grad_bad: dict[str, tuple[int, ...]],
+    forward_ok: bool,
+    earlier: list[Finding],
+) -> list[Finding]:
+    """Explain wrong gradients by a replayed backward bug; say the backward is at fault when the
+    forward matched and nothing explains them."""
+    if any("every value of the" in f.what and f.what.startswith(("dq", "dk", "dv")) for f in earlier):
+        return []  # already explained by the dtype the gradients went through
+    w = sim.world_size
+
+    def matches(observed: Mapping[str, Sequence[Tensor]], names: Sequence[str]) -> bool:
+        for name in names:
+            for r in range(w):
+                tol = grad_errs[name][r][1]
+                got = grads_by_rank[name][r]
+                if float(abs_error(got.to(observed[name][r].device), observed[name][r]).max()) > tol:
+                    return False
+        return True
+
+    names = [n for n in ("dq", "dk", "dv") if n in grads_by_rank]
+    if w > 1 and forward_ok:
+        own = _replay_backward(sim, grad_out, lambda rec: rec.rank)
+        if matches(own, names):
+            return [Finding(0, None, "the backward used each rank's own key/value block at every ring step "
+                                     "(the step-0 block reused): dq, dk and dv equal that replay")]
+        if "dq" in grads_by_rank and not grad_bad.get("dq") and {"dk", "dv"} & set(grads_by_rank):
+            truth = _replay_backward(sim, grad_out, lambda rec: rec.kv_rank)
+            kv_names = [n for n in ("dk", "dv") if n in grads_by_rank]
+            for t in range(1, w):
+                shifted = {n: [truth[n][(r + t) % w] for r in range(w)] for n in kv_names}
+                if matches(shifted, kv_names):
+                    return [Finding(0, None, (
+                        f"dq matches on every rank, but rank r holds the dk/dv of rank r+{t}'s block: the dK/dV "
+                        f"accumulators stopped {t} hop(s) short of their owners (the return hop is missing)"))]
+            return [Finding(0, None, (
+                "dq matches on every rank, but dk/dv do not: the dK/dV accumulators did not reach their owners "
+                "complete (a missing, extra or misrouted hop of the gradient ring)"))]
+    if forward_ok:
+        wrong = ", ".join(n for n in names if grad_bad.get(n))
+        return [Finding(0, None, f"the forward matches the simulation on every rank but {wrong} do not: "
+                                 "the backward is at fault (its blocks, masks or the routing of dK/dV)")]
+    return []
 
 
 def _grad_errors(

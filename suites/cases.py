@@ -104,8 +104,8 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         if case.count_work:
             op = CountingOp(op)
     if op is not None:
-        if not caps.declares("ops", "*"):
-            raise ValueError(f"{impl.name} does not accept op objects (capabilities.ops lacks '*')")
+        if not caps.claims("ops", "*"):
+            raise ValueError(f"{impl.name} does not accept op objects (it {caps.lacking('ops', '*')})")
         kwargs["op"] = op
 
     fn = impl.obj.ring_attention

@@ -5,7 +5,8 @@ Options (group "ring attention"):
 ``--report-dir DIR`` (``RING_REPORT_DIR``, default ``reports``)
     Where ``conformance.json``, ``conformance.md`` and ``conformance.xml`` (JUnit) are written at
     the end of every run that ran suite cases; ``--report-dir none`` writes nothing. With
-    ``GITHUB_STEP_SUMMARY`` set, the Markdown is also appended there.
+    ``GITHUB_STEP_SUMMARY`` set, the Markdown is also appended there. Checked at start: a path
+    that is a file, lies under a file, or cannot be written is a usage error before any case runs.
 ``--vendor-file PATH`` (``RING_VENDOR_FILE``)
     Expected failures and skips of an implementation, one per line::
 
@@ -16,6 +17,11 @@ Options (group "ring attention"):
     entry that matches no collected test warns, so a typo or a renamed test does not hide.
 
 Only tests under ``suites/`` are conformance cases; the project's own tests are not reported.
+
+A run that reports suite cases but executes none of them (every one N/A or skipped) exits
+non-zero, with a message that says why: it tested nothing. So does a run whose only collected
+tests are suite cases that ``-k``/``-m`` deselected. A run that collects no suite case (the
+project's own tests alone) is not a conformance run and is left alone.
 """
 
 from __future__ import annotations
@@ -29,12 +35,17 @@ from pathlib import Path
 import pytest
 
 from harness.pytest_plugin import add_ring_option, ring_environment_lines, ring_option, settings_of
-from harness.report import CaseRecord, build_report, render_markdown, render_terminal, to_json
-from suites.plugin import _IMPL_KEY, _OP_KEY, NA_PREFIX
+from harness.report import (
+    EXECUTED,
+    CaseRecord,
+    build_report,
+    render_markdown,
+    render_terminal,
+    to_json,
+)
+from suites.plugin import _IMPL_KEY, _OP_KEY, NA_PREFIX, SUITE_PREFIX, is_suite_item
 
-__all__ = ["VendorEntry", "VendorFileWarning", "parse_vendor_file"]
-
-SUITE_PREFIX = "suites/"
+__all__ = ["SUITE_PREFIX", "VendorEntry", "VendorFileWarning", "check_report_dir", "nothing_executed", "parse_vendor_file"]
 
 
 class VendorFileWarning(UserWarning):
@@ -84,6 +95,22 @@ def _report_dir(config: pytest.Config) -> Path | None:
     return None if str(raw).lower() == "none" else Path(raw)
 
 
+def check_report_dir(out: Path) -> None:
+    """Raise ValueError (what is wrong, what to do) unless ``out`` is, or can be created as, a
+    writable directory. Creates nothing."""
+    fix = "point --report-dir (RING_REPORT_DIR) at a directory you can write, or use 'none' for no report files"
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{str(out)!r} exists and is not a directory; {fix}")
+    probe = out.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{str(out)!r} cannot be created: {str(probe)!r} is a file, not a directory; {fix}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is" if probe == out.absolute() else f"would be created in {str(probe)!r}, which is"
+        raise ValueError(f"{str(out)!r} {what} not writable; {fix}")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     vendor = ring_option(config, "vendor_file")
@@ -99,6 +126,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if _is_worker(config) or torchrun_rank != 0:
         return  # the controller (or torchrun's rank 0) reports for everyone
     out = _report_dir(config)
+    if out is not None:
+        try:
+            check_report_dir(out)
+        except ValueError as exc:
+            raise pytest.UsageError(f"--report-dir/RING_REPORT_DIR: {exc}") from None
     # JUnit XML next to the other files, unless the user asked for it elsewhere (junitxml reads
     # the option in its own pytest_configure, which runs after this one).
     if out is not None and not config.option.xmlpath:
@@ -123,6 +155,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ), stacklevel=1)
 
 
+def nothing_executed(counts: dict[str, int], deselected: int = 0) -> str:
+    """Why a run that reported suite cases tested nothing ("" when some case ran to a verdict).
+
+    ``counts``: outcome -> number of suite cases (harness.report.OUTCOMES); ``deselected``: suite
+    cases that ``-k``/``-m`` deselected.
+    """
+    executed = sum(counts.get(o, 0) for o in EXECUTED)
+    reported = sum(counts.values())
+    if executed or not (reported or deselected):
+        return ""
+    na, skipped = counts.get("n/a", 0), counts.get("skipped", 0)
+    parts = [f"{na} N/A", f"{skipped} skipped"] + ([f"{deselected} deselected by -k/-m"] if deselected else [])
+    why = []
+    if na:
+        why.append("N/A: the implementation declares it lacks what those cases need (capabilities set to False, "
+                   "or sets without the value); undeclared capabilities are claimed and tested")
+    if skipped:
+        why.append("skipped: see the skip reasons (pytest -rs); a world size, tier or device that is not enabled, "
+                   "or vendor-file skips")
+    if deselected:
+        why.append("deselected: the -k/-m expression left no suite case (suite cases carry the markers quick, "
+                   "nightly, compile, world_size(n=N); nightly cases exist only with --tier nightly)")
+    return (f"no conformance case was executed; of {reported + deselected} suite cases {', '.join(parts)}. "
+            "A run that tests nothing is not a pass. " + "; ".join(why) + ".")
+
+
 def _outcome(report: pytest.TestReport) -> str:
     if hasattr(report, "wasxfail"):
         return "xpassed" if report.passed else "xfailed"
@@ -139,9 +197,19 @@ class ConformanceReporter:
         self.config, self.out = config, out
         self.records: dict[str, CaseRecord] = {}
         self.started = time.time()
+        self.deselected = 0  # suite cases -k/-m deselected (seen without xdist; workers keep theirs)
+        self.collected_other = False  # a test that is not a suite case was selected
+        self.vacuous = ""
+
+    def pytest_deselected(self, items: list[pytest.Item]) -> None:
+        self.deselected += sum(is_suite_item(item.nodeid) for item in items)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.collected_other = any(not is_suite_item(item.nodeid) for item in session.items)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not report.nodeid.startswith(SUITE_PREFIX):
+        if not is_suite_item(report.nodeid):
+            self.collected_other = True
             return
         outcome = _outcome(report)
         decisive = report.when == "call" or (report.when == "setup" and outcome != "passed") or (
@@ -157,8 +225,10 @@ class ConformanceReporter:
         # parameters they share; the others become "any".
         params = {k: v for k, v in cases[0].items() if all(c.get(k) == v for c in cases)} if cases else {}
         message = ""
-        if outcome in ("failed", "xpassed"):
+        if outcome == "failed":
             message = str(report.longrepr)[-2000:] if report.longrepr else ""
+        elif outcome in ("xfailed", "xpassed"):
+            message = str(getattr(report, "wasxfail", "") or "")
         elif outcome in ("n/a", "skipped") and isinstance(report.longrepr, tuple):
             message = str(report.longrepr[2]).removeprefix("Skipped: ")
         self.records[report.nodeid] = CaseRecord(
@@ -192,6 +262,9 @@ class ConformanceReporter:
         return build_report(impl.name if impl is not None else "?", self.header(), list(self.records.values()))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.vacuous:
+            terminalreporter.section("ring attention conformance: nothing tested", red=True, bold=True)
+            terminalreporter.write_line(self.vacuous, red=True)
         report = self.report()
         if report is None:
             return
@@ -203,7 +276,16 @@ class ConformanceReporter:
                 f"report files: {self.out / 'conformance.json'}, {self.out / 'conformance.md'}, {self.config.option.xmlpath}"
             )
 
-    def pytest_sessionfinish(self) -> None:
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        counts: dict[str, int] = {}
+        for rec in self.records.values():
+            counts[rec.outcome] = counts.get(rec.outcome, 0) + 1
+        # A conformance run reported suite cases, or selected nothing but had suite cases
+        # deselected; the project's own tests alone are not one.
+        if not self.config.option.collectonly and (self.records or not self.collected_other):
+            self.vacuous = nothing_executed(counts, self.deselected)
+        if self.vacuous and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         report = self.report()
         if report is None or self.out is None:
             return

@@ -16,20 +16,21 @@ from suites.matrix import LAYOUTS, ROTATIONS, seed_for, world_sizes
 @given(data=st.data())
 def test_any_shape_matches_reference(ring, pytestconfig, data) -> None:
     caps = ring.caps
-    # Draw only what the implementation declares; undeclared features have their own N/A cases.
+    # Draw only what the implementation claims (undeclared is claimed); what it declares it lacks
+    # has its own N/A cases.
     sizes = world_sizes(pytestconfig, at_least=2) or [1]
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layout = data.draw(st.sampled_from([x for x in LAYOUTS if caps.declares("layouts", x)] or LAYOUTS), label="layout")
+    layout = data.draw(st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS), label="layout")
     causal = data.draw(st.booleans(), label="is_causal")
-    rotate = data.draw(st.sampled_from([m for m in ROTATIONS if caps.declares("rotate_methods", m)] or ROTATIONS), label="rotate_method")
+    rotate = data.draw(st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS), label="rotate_method")
     dtype = data.draw(st.sampled_from(("float64", "float32")), label="dtype")
     batch = data.draw(st.integers(1, 2), label="batch")
     heads_kv = data.draw(st.integers(1, 3), label="heads_kv")
-    group = data.draw(st.integers(1, 3), label="gqa_group") if caps.gqa else 1
+    group = data.draw(st.integers(1, 3), label="gqa_group") if caps.claims("gqa") else 1
     head_dim = data.draw(st.sampled_from((8, 12, 16, 40, 64)), label="head_dim")
     step = 2 if layout == "head_tail" else 1
     local_q = data.draw(st.integers(1, 6), label="tokens_per_rank") * step
-    cross = not causal and caps.cross_attention
+    cross = not causal and caps.claims("cross_attention")
     local_kv = data.draw(st.integers(1, 6), label="kv_tokens_per_rank") * step if cross else local_q
     inputs = InputSpec(batch=batch, heads=heads_kv * group, heads_kv=heads_kv, seq_q=local_q * w, seq_kv=local_kv * w,
                        head_dim=head_dim, dtype=dtype)

@@ -31,7 +31,7 @@ def pytest_generate_tests(metafunc):
 
 
 def test_rotation_methods_agree(ring, case: RingCase) -> None:
-    supported = [m for m in ROTATIONS if ring.caps.declares("rotate_methods", m)]
+    supported = [m for m in ROTATIONS if ring.caps.claims("rotate_methods", m)]
     if len(supported) < 2:
         pytest.skip(f"N/A: {ring.impl.name} declares fewer than two rotation methods")
     results = {}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
@@ -74,13 +76,49 @@ def test_cross_attention_lengths(ring, cross_case: RingCase) -> None:
     ring.check(ring.prepare(cross_case))
 
 
+def _strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of a tensor of ``shape`` whose memory holds its dims in ``order`` (outermost first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    return tuple(strides)
+
+
+def noncontiguous_problems(case: RingCase, results) -> list[str]:
+    """What every rank handed to ring_attention must be the (batch, seq, heads, dim) memory of a
+    model, seen as (batch, heads, seq, dim): the strides of that order, which are not the
+    contiguous ones. One line per tensor and rank that is not."""
+    spec, w = case.inputs, case.world_size
+    local = {"query": (spec.batch, spec.heads, spec.seq_q // w, spec.head_dim),
+             "key": (spec.batch, spec.heads_kv, spec.seq_kv // w, spec.head_dim),
+             "value": (spec.batch, spec.heads_kv, spec.seq_kv // w, spec.head_dim)}
+    problems = []
+    for rank, r in enumerate(results):
+        for (name, shape), strides in zip(local.items(), r["input_strides"], strict=True):
+            bshd, contiguous = _strides(shape, (0, 2, 1, 3)), _strides(shape, (0, 1, 2, 3))
+            if tuple(strides) != bshd or bshd == contiguous:
+                problems.append(f"rank {rank}: {name} {shape} passed with strides {tuple(strides)}, "
+                                f"expected the (batch, seq, heads, dim) view's {bshd} (contiguous: {contiguous})")
+    return problems
+
+
 def test_noncontiguous_inputs(ring, noncontig_case: RingCase) -> None:
     case = ring.prepare(noncontig_case)
     results = ring.run(case)
-    assert not any(s[-1] != 1 and s == tuple(sorted(s, reverse=True)) for s in results[0]["input_strides"][:1]), (
-        "the suite meant to pass non-contiguous views but did not"
-    )
-    ring.check(case, results=results)
+    problems = noncontiguous_problems(case, results)
+    assert not problems, "the suite did not pass the non-contiguous views it means to test:\n" + "\n".join(problems)
+    try:
+        ring.check(case, results=results)
+    except pytest.fail.Exception as failure:
+        contiguous = case.with_(inputs=case.inputs.with_(noncontiguous=False))
+        try:
+            ring.check(contiguous)
+        except pytest.fail.Exception:
+            raise failure from None
+        pytest.fail(f"{failure}\nThe same case with contiguous inputs passes: the implementation is wrong only with "
+                    "non-contiguous inputs (it reads their memory as if contiguous, ignoring strides)", pytrace=False)
 
 
 def test_large_magnitude_logits(ring, large_case: RingCase) -> None:

@@ -21,6 +21,8 @@ CAPABILITIES = Capabilities(
     compile=True,
     input_errors=True,
     context_parallel=True,
+    collective_schedule=True,
+    record_steps=True,
 )
 
 
@@ -32,6 +34,8 @@ class RingImplAdapter:
         self.capabilities = CAPABILITIES
         self.ring_attention = ring_impl.ring_attention if impl is None else ring_impl.bind(impl)
         self.baseline_op = "auto"
+        # The package whose context_parallel / context_parallel_unshard / ContextParallel are tested.
+        self.api_module = "ring_impl"
 
     @staticmethod
     def collective_schedule(world_size, rotate_method, **kwargs):

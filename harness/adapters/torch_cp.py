@@ -64,9 +64,11 @@ and, in brackets, the same for single-process CPU flash in the same dtype):
   passes the kernel's ``out`` argument by keyword: ``Unsupported: Attempted to call op with
   non-contiguous `out=` tensor`` (aten._scaled_dot_product_flash_attention_for_cpu_backward).
 - bad input on one rank: PyTorch checks nothing across ranks, so a rank with a different shape
-  leaves the others waiting in a collective. Not declared (``input_errors=False``).
-- ``p2p`` rotation, attention ops other than its own kernel, ring_impl's ``context_parallel``
-  API: not in PyTorch; not declared.
+  leaves the others waiting in a collective. Declared lacking (``input_errors=False``).
+- ``p2p`` rotation, attention ops other than its own kernel (``ops=frozenset()``), a
+  ``context_parallel`` API that runs on CPU (``context_parallel=False``, no ``api_module``),
+  per-step partials (``record_steps=False``): not in PyTorch; declared lacking, so those cases
+  are N/A (anything left undeclared would be claimed and tested).
 
 Collective schedule (counted with :class:`harness.accounting.CollectiveLog`; equal to
 :meth:`TorchContextParallel.collective_schedule` for W = 1, 2, 4): forward ``allgather``: one
@@ -277,14 +279,16 @@ class TorchContextParallel:
             rotate_methods=frozenset(ROTATE_METHODS),
             dtypes=frozenset({"float64", "float32", "bfloat16", "float16"}),
             devices=frozenset({"cpu", "cuda"}),
-            ops=None,  # PyTorch picks its kernel; a vendor kernel cannot be plugged in
+            ops=frozenset(),  # PyTorch picks its kernel; a vendor kernel cannot be plugged in
             backward=True,
             lse=True,
             gqa=True,
             cross_attention=True,
             compile=False,
             input_errors=False,
-            context_parallel=False,
+            context_parallel=False,  # no api_module: PyTorch's API does not run on CPU
+            collective_schedule=True,
+            record_steps=False,  # PyTorch's ring exposes no per-step partials
         )
         self.baseline_op = "auto"
 

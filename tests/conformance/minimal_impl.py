@@ -1,5 +1,7 @@
-"""A vendor-style implementation that declares little: contiguous layout, allgather, float32,
-no GQA, no LSE, no collective schedule. Used to check N/A reporting and the plug-in path."""
+"""A vendor-style implementation that declares what it lacks: only the contiguous layout,
+allgather and float32 on CPU; no LSE, no op objects, no collective schedule, no step records, no
+context-parallel API. What it leaves undeclared (GQA, cross attention, compile, bad-input
+errors) it claims. Used to check N/A reporting and the plug-in path."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ class MinimalRing:
         devices=frozenset({"cpu"}),
         backward=True,
         lse=False,
+        ops=frozenset(),
+        collective_schedule=False,
+        record_steps=False,
+        context_parallel=False,
     )
 
     @staticmethod

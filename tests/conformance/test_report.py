@@ -97,3 +97,66 @@ def test_bad_impl_option_fails_at_start_naming_the_option(tmp_path: Path) -> Non
     proc = _pytest("suites/test_determinism.py", "--impl", "no_such_pkg.mod:obj", tmp_path=tmp_path)
     assert proc.returncode != 0
     assert "--impl" in proc.stderr and "cannot import module" in proc.stderr
+
+
+def _cell_text(*outcomes: str) -> tuple[str, tuple[int, int]]:
+    records = [CaseRecord(f"suites/test_a.py::t[{i}]", o, "a", {"dtype": "float32", "rotate_method": "p2p"})
+               for i, o in enumerate(outcomes)]
+    report = build_report("impl", {}, records)
+    return report.matrix()[("a", "p2p")]["float32"].text(), report.score()
+
+
+@pytest.mark.parametrize(("outcomes", "cell", "passed"), [
+    (("passed", "passed"), "pass", 2),
+    (("xfailed", "xfailed"), "xfail", 0),  # an expectation file does not turn failures into passes
+    (("xpassed",), "XPASS", 0),
+    (("n/a", "n/a"), "N/A", 0),
+    (("skipped",), "skip", 0),
+    (("passed", "xfailed", "n/a"), "part 1/3", 1),
+    (("xfailed", "n/a"), "xfail+N/A", 0),
+    (("passed", "failed", "xfailed"), "FAIL", 1),
+])
+def test_states_are_their_own_and_only_passes_score(outcomes, cell: str, passed: int) -> None:
+    text, score = _cell_text(*outcomes)
+    assert text == cell and score == (passed, len(outcomes))
+
+
+def test_summary_and_markdown_list_every_state() -> None:
+    records = [
+        CaseRecord("suites/test_a.py::t[0]", "xfailed", "a", message="vendor file line 3: known (ACME-1)"),
+        CaseRecord("suites/test_a.py::t[1]", "skipped", "a", message="needs CUDA: run on a CUDA machine"),
+        CaseRecord("suites/test_a.py::t[2]", "n/a", "a", message="N/A: impl declares capabilities.lse=False"),
+        CaseRecord("suites/test_a.py::t[3]", "passed", "a"),
+    ]
+    report = build_report("impl", {}, records)
+    assert "impl: 1/4 cases pass (25.0%); 0 failed, 1 xfailed, 0 xpassed, 1 N/A, 1 skipped" in render_terminal(report)
+    md = render_markdown(report)
+    for section, line in (("### Expected failures (xfail)", "- 1 x vendor file line 3: known (ACME-1)"),
+                          ("### N/A (what the implementation declares it lacks)", "- 1 x N/A: impl declares capabilities.lse=False"),
+                          ("### Skipped", "- 1 x needs CUDA: run on a CUDA machine")):
+        assert section in md and line in md
+    assert json.loads(to_json(report))["executed"] == 2
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_report_dir_that_cannot_be_a_directory_is_a_usage_error_at_start(tmp_path: Path, where: str) -> None:
+    afile = tmp_path / "taken"
+    afile.write_text("not a directory")
+    target = afile if where == "file" else afile / "reports"
+    proc = _pytest("suites/test_forward_backward.py", "-q", "--report-dir", str(target), tmp_path=tmp_path)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]  # pytest's usage error, before any test
+    expected = "exists and is not a directory" if where == "file" else "is a file, not a directory"
+    assert "--report-dir/RING_REPORT_DIR:" in proc.stderr and expected in proc.stderr, proc.stderr
+    assert "passed" not in proc.stdout and "failed" not in proc.stdout
+
+
+def test_report_dir_check_covers_unwritable_parents(tmp_path: Path) -> None:
+    from suites.reporting import check_report_dir
+
+    check_report_dir(tmp_path / "new" / "deeper")  # creatable: fine, and nothing is created
+    assert not (tmp_path / "new").exists()
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            check_report_dir(locked / "reports")

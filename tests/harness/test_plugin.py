@@ -21,7 +21,8 @@ def quick_run() -> str:
 
 
 def test_report_header_echoes_versions_devices_backends_and_ring_variables(quick_run: str) -> None:
-    assert "ring attention: device=cpu dist-backend=gloo world-sizes=1,2,3,4 tier=quick case-timeout=30s" in quick_run
+    assert ("ring attention: device=cpu dist-backend=gloo world-sizes=1,2,3,4 tier=quick case-timeout=30s "
+            "compile-timeout=600s") in quick_run
     assert re.search(r"versions: python 3\.\d+\.\d+, torch \S+, numpy \S+, hypothesis \S+", quick_run)
     assert re.search(r"devices: CPUs: \d+", quick_run)
     assert "dist backends: gloo" in quick_run
@@ -32,10 +33,11 @@ def test_report_header_echoes_versions_devices_backends_and_ring_variables(quick
 def test_skips_say_why_and_how_to_enable(quick_run: str) -> None:
     assert "nightly tier only: run with --tier nightly (or RING_TIER=nightly)" in quick_run
     assert "needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)" in quick_run
-    # the world_size marker and the rank_pool fixture give the same reason
-    assert quick_run.count("world_size 8 not enabled (world sizes: 1,2,3,4): add it with --world-sizes 1,2,3,4,8") == 2
+    # the world_size marker (world_size(8) and world_size(n=8)) and the rank_pool fixture give the same reason
+    assert quick_run.count("world_size 8 not enabled (world sizes: 1,2,3,4): add it with --world-sizes 1,2,3,4,8") == 3
     assert "test_pool_world_size_2 PASSED" in quick_run
-    assert "2 passed, 4 skipped" in quick_run
+    assert "test_compile_marked_gets_the_compile_timeout PASSED" in quick_run
+    assert "3 passed, 5 skipped" in quick_run
 
 
 def test_ci_profile_is_derandomized_with_few_examples(quick_run: str) -> None:
@@ -59,10 +61,10 @@ def test_explicit_hypothesis_profile_wins() -> None:
 def test_markers_are_registered_with_descriptions() -> None:
     result = run_pytest("--markers")
     assert result.returncode == 0, result.stdout
-    for line in ("@pytest.mark.quick: part of the quick tier",
-                 "@pytest.mark.nightly: nightly tier only",
+    for line in ("@pytest.mark.quick: a case of the quick tier",
+                 "@pytest.mark.nightly: a case only the nightly tier has",
                  "@pytest.mark.gpu: needs CUDA",
-                 "@pytest.mark.compile: uses torch.compile",
+                 "@pytest.mark.compile: uses torch.compile; its case timeout is --compile-timeout",
                  "@pytest.mark.world_size(n): needs world size n"):
         assert line in result.stdout
 

@@ -16,6 +16,15 @@ def test_defaults() -> None:
         (1, 2, 3, 4), "cpu", "gloo", 60.0, "quick", 1, "pool", "forkserver")
 
 
+def test_compile_timeout_covers_cases_that_compile() -> None:
+    s = resolve({}, {})
+    assert (s.compile_timeout, s.timeout_for(compiles=True), s.timeout_for(compiles=False)) == (600.0, 600.0, 60.0)
+    s = resolve({"case_timeout": "900"}, {"RING_COMPILE_TIMEOUT": "120"})
+    assert (s.compile_timeout, s.timeout_for(compiles=True)) == (120.0, 900.0)  # never below the case timeout
+    with pytest.raises(SettingsError, match="--compile-timeout: 'x' is not a number of seconds"):
+        resolve({"compile_timeout": "x"}, {})
+
+
 def test_nightly_tier_widens_the_default_world_sizes() -> None:
     assert resolve({"tier": "nightly"}, {}).world_sizes == DEFAULT_WORLD_SIZES["nightly"] == tuple(range(1, 9))
 

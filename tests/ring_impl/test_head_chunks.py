@@ -101,6 +101,7 @@ def test_chunked_ring_matches_reference_and_schedule(ring, case: RingCase) -> No
         assert issued == {p: k for p, k in expected.items() if k}, f"rank {rank}: issued {issued}, declared {expected}"
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("rotate", ["allgather", "p2p"])
 def test_chunked_ring_compiles_in_one_order(ring, backend: str, rotate: str) -> None:

@@ -27,6 +27,11 @@ def test_marked_world_size_8() -> None:
     assert True
 
 
+@pytest.mark.world_size(n=8)
+def test_marked_world_size_n8() -> None:
+    assert True
+
+
 def test_pool_world_size_8(rank_pool: Callable[[int], Pool]) -> None:
     rank_pool(8)
 
@@ -42,3 +47,8 @@ def test_hypothesis_profile(x: int) -> None:
     assert current is not None
     print(f"PROFILE max_examples={current.max_examples} derandomize={current.derandomize}")
     assert current.deadline is None
+
+
+@pytest.mark.compile
+def test_compile_marked_gets_the_compile_timeout(case_timeout: float) -> None:
+    assert case_timeout == 600.0  # RING_CASE_TIMEOUT=30 stays for the other tests

@@ -1,0 +1,27 @@
+"""Checks inside the suites that must be able to fail: the non-contiguous inputs check."""
+
+from __future__ import annotations
+
+import torch
+
+from suites.cases import RingCase
+from suites.inputs import InputSpec, local_inputs
+from suites.test_shapes import noncontiguous_problems
+
+
+def _strides(spec: InputSpec, world_size: int) -> list[dict]:
+    """What each rank reports: the strides of the query, key and value it passed."""
+    return [{"input_strides": [tuple(t.stride()) for t in (inp.query, inp.key, inp.value)]}
+            for inp in (local_inputs(spec, "head_tail", world_size, r) for r in range(world_size))]
+
+
+def test_noncontiguous_check_fails_for_contiguous_inputs() -> None:
+    spec = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=16, seq_kv=16, head_dim=16, noncontiguous=True)
+    case = RingCase(spec, 2, layout="head_tail")
+    assert noncontiguous_problems(case, _strides(spec, 2)) == []
+    contiguous = _strides(spec.with_(noncontiguous=False), 2)
+    problems = noncontiguous_problems(case, contiguous)
+    assert len(problems) == 6 and "rank 0: query (2, 4, 8, 16) passed with strides (512, 128, 16, 1)" in problems[0]
+    # a view that is non-contiguous in another way is not the (batch, seq, heads, dim) memory either
+    other = [{"input_strides": [tuple(torch.empty(2, 16, 8, 4).permute(0, 2, 1, 3)[:, :4].stride())] * 3}] * 2
+    assert len(noncontiguous_problems(case, other)) == 6
