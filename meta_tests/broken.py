@@ -466,11 +466,9 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
     Broken("declares_nothing_lse_base_2", "undeclared capabilities: an implementation that declares nothing, with a bug",
            r"is in base 2, the contract", DeclaresNothing("declares_nothing_lse_base_2", _lse_in_base_2)),
     Broken("float32_output_for_half", "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
-           r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype", _wrapped("float32_output_for_half", _float32_output_for_half),
-           pending="the output-dtype contract of suites/judge.py"),
+           r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype", _wrapped("float32_output_for_half", _float32_output_for_half)),
     Broken("lse_offset_in_bf16", "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
-           r"lse is shifted by a constant on every row", _wrapped("lse_offset_in_bf16", _lse_offset_in_bf16),
-           pending="judging the LSE with the float32 floor in suites/judge.py and reference/budget.py"),
+           r"lse is shifted by a constant on every row", _wrapped("lse_offset_in_bf16", _lse_offset_in_bf16)),
 ]}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken:<name>.

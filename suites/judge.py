@@ -154,6 +154,7 @@ def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> li
 
 def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
     """Verdicts for every quantity the case produced; AssertionError for a broken contract."""
+    __tracebackhide__ = True
     spec = case.inputs
     expected = {"out"} | ({"lse"} if case.return_lse else set()) | ({"dq", "dk", "dv"} if case.backward else set())
     missing = [f"{name}[rank={rank}]" for rank, r in enumerate(results) for name in sorted(expected) if r.get(name) is None]

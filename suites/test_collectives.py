@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, params, world_sizes
@@ -48,10 +50,12 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
         seq_kv=spec.seq_kv // case.world_size, head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False,
     )
     results = ring.run(case)
+    # The result first: a ring that computes wrongly is reported for that, not for its traffic.
+    ring.check(case, results=results)
     problems = []
     for rank, r in enumerate(results):
         actual = {phase: kinds for phase, kinds in r["collectives"].items() if kinds}
         problems += [f"rank {rank}: {line}" for line in _diff({p: k for p, k in expected.items() if k}, actual)]
-    assert not problems, f"collectives differ from the declared schedule [{case.label}]:\n" + "\n".join(problems)
-    # The run must also be right: accounting must not perturb the result.
-    ring.check(case, results=results)
+    if problems:
+        pytest.fail(f"collectives differ from the declared schedule [{case.label}]:\n" + "\n".join(problems)
+                    + f"\nrepro: {ring.repro()}", pytrace=False)
