@@ -4,12 +4,12 @@ the tutorial example. Needs ``capabilities.context_parallel`` (ring_impl's API).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from harness.procs import run_tree
 from reference.attention import attention
 from reference.budget import assert_verdict, check
 from suites import cases_api
@@ -63,7 +63,8 @@ def test_tutorial_script_under_torchrun(cp, tmp_path) -> None:
     if cp.impl.spec != cp_default_spec():
         pytest.skip("N/A: the tutorial script imports ring_impl; it checks the default implementation only")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    # A process tree: torchrun's ranks leave its session; an interrupted run must not orphan them.
+    proc = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
          str(ROOT / "examples" / "context_parallel_tutorial.py")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
