@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,13 +58,22 @@ NEED_WEIGHTS_PROBLEM = (
 
 @dataclass(frozen=True)
 class Route:
-    """Where and how routed SDPA calls run."""
+    """Where and how routed SDPA calls run.
+
+    ``key``: the route as plain values (group name, layout, rotation, op name or the op
+    object's identity, head chunks); compiled code is guarded on it (see :func:`_pin`).
+    """
 
     group: dist.ProcessGroup
     layout: str
     rotate_method: str | None
     op: str | AttentionOp | None
     head_chunks: int = 1
+    key: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        op_key = self.op if self.op is None or isinstance(self.op, str) else f"{type(self.op).__qualname__}@{id(self.op):x}"
+        object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key, self.head_chunks))
 
 
 #: Active routes, innermost last. Module state on purpose: dynamo reads it (and guards on it)
@@ -153,17 +162,35 @@ def _needs_weights(args: tuple, kwargs: dict) -> bool:
     return bool(_NEED_WEIGHTS_DEFAULT)
 
 
+_NEVER = object()
+
+
+def _pin(route: Route) -> None:
+    """Use every part of the route's key, so that dynamo guards the compiled code on it.
+
+    Dynamo traces :class:`_RouteMode` for each torch call of a compiled region, and guards on
+    the values the traced code uses (a value only read is not guarded). Without the guard,
+    code compiled under one route would run under another: ``F.multi_head_attention_forward``
+    is one opaque node of dynamo's graph, into which the backend (AOT) traces the ring of the
+    route active at compile time.
+    """
+    for part in route.key:
+        if part is _NEVER:
+            raise AssertionError("unreachable")
+
+
 class _RouteMode(TorchFunctionMode):
     """Routes direct calls of the SDPA builtin and rejects MultiheadAttention's weights path."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        route = active_route()
+        if route is not None:
+            _pin(route)
         if func is _BUILTIN_SDPA:
             return routed_sdpa(*args, **kwargs)
-        if func is _MHA_FORWARD and _needs_weights(args, kwargs):
-            route = active_route()
-            if route is not None:
-                _reject_on_every_rank(route, NEED_WEIGHTS_PROBLEM, args[0] if args else kwargs.get("query"))
+        if func is _MHA_FORWARD and route is not None and _needs_weights(args, kwargs):
+            _reject_on_every_rank(route, NEED_WEIGHTS_PROBLEM, args[0] if args else kwargs.get("query"))
         return func(*args, **kwargs)
 
 
