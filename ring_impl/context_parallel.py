@@ -120,15 +120,15 @@ class ShardedBuffers:
             if not -b.dim() <= d < b.dim():
                 raise ContextParallelError(f"buffer_seq_dims[{i}]={d} is out of range for a {b.dim()}-D buffer")
             d %= b.dim()
-            same = [j for j, (e, _, _) in enumerate(entries) if e is b]
-            if same:
-                if entries[same[0]][1] != d:
+            earlier = self._listed_before(entries, b)
+            if earlier is not None:
+                if earlier[1] != d:
                     raise ContextParallelError(
                         f"buffers[{i}] is the same tensor as an earlier buffer but with sequence dim {d} instead of "
-                        f"{entries[same[0]][1]}; a tensor has one sequence dim: list it once"
+                        f"{earlier[1]}; a tensor has one sequence dim: list it once"
                     )
                 continue  # listed again (q = k = v = x): sharded once
-            if _SHARDED.get(id(b)) is b:
+            if self._sharded_by_enclosing(b):
                 raise ContextParallelError(
                     f"buffers[{i}] is already sharded by an enclosing context_parallel; nesting would shard it "
                     "again: list it in the outer context only"
@@ -144,7 +144,17 @@ class ShardedBuffers:
                 raise ContextParallelError("every tensor in no_restore_buffers must also be in buffers")
         return entries
 
-    def _tracks_grad(self, b: torch.Tensor) -> bool:
+    @staticmethod
+    def _listed_before(entries: list[tuple[torch.Tensor, int, bool]], b: torch.Tensor) -> tuple | None:
+        """The entry of ``b`` if it is already listed (the same tensor object), else None."""
+        return next((e for e in entries if e[0] is b), None)
+
+    @staticmethod
+    def _sharded_by_enclosing(b: torch.Tensor) -> bool:
+        return _SHARDED.get(id(b)) is b
+
+    @staticmethod
+    def _tracks_grad(b: torch.Tensor) -> bool:
         return b.is_leaf and b.requires_grad
 
     def shard(self) -> None:
@@ -160,21 +170,23 @@ class ShardedBuffers:
             _SHARDED[id(b)] = b
 
     def restore(self, *, normal_exit: bool) -> None:
-        """Global data back; on a normal exit the global gradients too (collectives)."""
-        shard_grads: list[torch.Tensor | None] = []
-        for (b, _, restore), original, entry_grad in zip(self.entries, self.originals, self.entry_grads):
+        """Global data back (last sharded first); on a normal exit the global gradients too
+        (collectives)."""
+        shard_grads: list[torch.Tensor | None] = [None] * len(self.entries)
+        for i in reversed(range(len(self.entries))):
+            b, _, restore = self.entries[i]
             _SHARDED.pop(id(b), None)
             if not restore:
-                shard_grads.append(None)
                 continue
             local = b.grad if self._tracks_grad(b) else None
-            shard_grads.append(local)
+            shard_grads[i] = local
             if local is not None:
                 b.grad = None
+            original = self.originals[i]
             assert original is not None
             _set_data(b, original)
-            if local is not None or entry_grad is not None:
-                b.grad = entry_grad
+            if local is not None or self.entry_grads[i] is not None:
+                b.grad = self.entry_grads[i]
         if normal_exit:
             self._add_global_grads(shard_grads)
 

@@ -9,7 +9,7 @@ active:
   module global), custom attention modules calling ``F.scaled_dot_product_attention``, and
   code compiled with ``torch.compile`` (dynamo inlines the function; its identity is stable,
   so the compiled code is guarded on it and not recompiled per call).
-- a ``TorchFunctionMode`` (:class:`_RouteMode`) catches callers that hold the SDPA builtin
+- a ``TorchFunctionMode`` (:class:`RouteMode`) catches callers that hold the SDPA builtin
   itself, and rejects ``F.multi_head_attention_forward(..., need_weights=True)``: that path
   computes attention weights with bmm + softmax and never calls SDPA, so under context
   parallel it would attend to the local shard only. The mode also makes ``has_torch_function``
@@ -40,7 +40,7 @@ from .comm import resolve_group
 from .layout import check_layout
 from .ops import AttentionOp
 
-__all__ = ["Route", "active_route", "routed_sdpa", "sdpa_routed_to_ring"]
+__all__ = ["NEED_WEIGHTS_PROBLEM", "Route", "RouteMode", "active_route", "routed_sdpa", "routing", "sdpa_routed_to_ring"]
 
 _BUILTIN_SDPA = torch._C._nn.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
@@ -168,7 +168,7 @@ _NEVER = object()
 def _pin(route: Route) -> None:
     """Use every part of the route's key, so that dynamo guards the compiled code on it.
 
-    Dynamo traces :class:`_RouteMode` for each torch call of a compiled region, and guards on
+    Dynamo traces :class:`RouteMode` for each torch call of a compiled region, and guards on
     the values the traced code uses (a value only read is not guarded). Without the guard,
     code compiled under one route would run under another: ``F.multi_head_attention_forward``
     is one opaque node of dynamo's graph, into which the backend (AOT) traces the ring of the
@@ -179,7 +179,7 @@ def _pin(route: Route) -> None:
             raise AssertionError("unreachable")
 
 
-class _RouteMode(TorchFunctionMode):
+class RouteMode(TorchFunctionMode):
     """Routes direct calls of the SDPA builtin and rejects MultiheadAttention's weights path."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -189,9 +189,14 @@ class _RouteMode(TorchFunctionMode):
             _pin(route)
         if func is _BUILTIN_SDPA:
             return routed_sdpa(*args, **kwargs)
-        if func is _MHA_FORWARD and route is not None and _needs_weights(args, kwargs):
-            _reject_on_every_rank(route, NEED_WEIGHTS_PROBLEM, args[0] if args else kwargs.get("query"))
+        if func is _MHA_FORWARD and route is not None:
+            self.check_attention_weights(route, args, kwargs)
         return func(*args, **kwargs)
+
+    def check_attention_weights(self, route: Route, args: tuple, kwargs: dict) -> None:
+        """Reject ``F.multi_head_attention_forward(..., need_weights=True)`` on every rank."""
+        if _needs_weights(args, kwargs):
+            _reject_on_every_rank(route, NEED_WEIGHTS_PROBLEM, args[0] if args else kwargs.get("query"))
 
 
 @contextlib.contextmanager
@@ -207,14 +212,17 @@ def sdpa_routed_to_ring(
 
 
 @contextlib.contextmanager
-def routing(route: Route) -> Iterator[None]:
-    """Activate ``route`` (innermost wins); the previous state comes back on exit."""
+def routing(route: Route, *, mode_type: type[TorchFunctionMode] | None = None) -> Iterator[None]:
+    """Activate ``route`` (innermost wins); the previous state comes back on exit.
+
+    ``mode_type``: the torch-function mode entered with it (default :class:`RouteMode`).
+    """
     if not _ROUTES:
         _SAVED_SDPA.append(F.scaled_dot_product_attention)
         F.scaled_dot_product_attention = routed_sdpa
     _ROUTES.append(route)
     try:
-        with _RouteMode():
+        with (mode_type or RouteMode)():
             yield
     finally:
         _ROUTES.pop()

@@ -40,7 +40,7 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("w", [pytest.param(w, id=f"W{w}") for w in world_sizes(metafunc.config, at_least=2)])
     nightly = tier(metafunc.config) == "nightly"
     if "cw" in metafunc.fixturenames:  # compiled cases: the smallest ring in the quick tier
-        sizes = world_sizes(metafunc.config, at_least=2, at_most=None if nightly else 2)
+        sizes = world_sizes(metafunc.config, at_least=2, at_most=4 if nightly else 2)
         metafunc.parametrize("cw", [pytest.param(w, id=f"W{w}") for w in sizes])
     if "backend" in metafunc.fixturenames:
         backends = ("eager", "aot_eager", "inductor") if nightly else ("eager", "aot_eager")
