@@ -36,9 +36,34 @@ _cp = importlib.import_module("ring_impl.context_parallel")
 # ------------------------------------------------------------------------ torch.compile
 
 
-class HooksTracedByDynamo(ContextParallel):
-    """The routing hooks are left to dynamo, which replays their effect on SDPA inside its
-    trace only: the compiled module attends to the local shard."""
+class _OpaqueAttentionForward(sdpa_route.RouteMode):
+    """F.multi_head_attention_forward called as it is, also when compiled: dynamo keeps it as
+    one opaque node of its graph, which looks SDPA up only when it runs or is traced."""
+
+    def attention_forward(self, *args, **kwargs):
+        return F.multi_head_attention_forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _routing_in_the_trace(route: sdpa_route.Route) -> Iterator[None]:
+    """The routing as plain state changes that dynamo traces through without a graph break."""
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = sdpa_route.routed_sdpa
+    sdpa_route._ROUTES.append(route)
+    try:
+        with _OpaqueAttentionForward():
+            yield
+    finally:
+        sdpa_route._ROUTES.pop()
+        F.scaled_dot_product_attention = previous
+
+
+class RoutingInvisibleToCompile(ContextParallel):
+    """The routing is done in hooks that dynamo traces, around an opaque attention node: dynamo
+    replays the hooks' effect on SDPA inside its trace only, and the node computes after the
+    routing was undone, attending to the local shard."""
+
+    route_ctx = staticmethod(_routing_in_the_trace)
 
     def _apply(self, module, device_mesh):
         enter, leave = self.routing_hooks(device_mesh)
@@ -149,7 +174,7 @@ def _broken(name: str, bug_class: str, expect: str, **parts) -> Broken:
 BROKEN_API: dict[str, Broken] = {b.name: b for b in [
     _broken("routing_lost_under_compile",
             "silent fallback: a parallelised module compiled with torch.compile attends to the local shard",
-            r"compiled parallelized module: ContextParallel then torch\.compile", style=HooksTracedByDynamo),
+            r"compiled parallelized module: ContextParallel then torch\.compile", style=RoutingInvisibleToCompile),
     _broken("compiled_sdpa_fails",
             "torch.compile: SDPA compiled inside context_parallel fails (the route is not a function)",
             r"function calling SDPA inside context_parallel failed", route_ctx=_routing_through_an_object),

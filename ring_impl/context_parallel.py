@@ -288,7 +288,7 @@ def context_parallel(
         no_restore_buffers: buffers left sharded on exit (e.g. inputs not needed afterwards).
         layout: "head_tail" (default, load balanced) or "contiguous".
         rotate_method / op / head_chunks: as for ``ring_attention`` (op default: from the
-            active ``sdpa_kernel`` choice, else the device's default).
+            ``torch.nn.attention.sdpa_kernel`` choice active on entry, else the device's default).
 
     Raises:
         ContextParallelError (a ValueError) on every rank, before anything is sharded, for bad

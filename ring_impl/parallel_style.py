@@ -14,14 +14,14 @@ in the same layout (shard them, and position buffers such as RoPE tables, with
 ``context_parallel`` or ``ring_impl.shard``).
 
 ``torch.compile`` of a parallelised module (or of a model containing one) runs ring attention
-too: the routing hooks run outside the compiled graph (dynamo is told to skip them, one graph
+too: the routing hooks run outside the compiled graph (dynamo is told to skip them: one graph
 break before and one after the module's forward) and the forward in between is compiled with
-the routing active. Were the hooks traced, dynamo would replay their effect on
-``F.scaled_dot_product_attention`` only inside its own trace, while
-``F.multi_head_attention_forward`` is a single node of the graph that looks SDPA up when it
-runs, after the routing has been undone: local attention, silently. ``fullgraph=True`` on the
-parallelised module itself is therefore refused by dynamo; compile with the default
-``fullgraph=False``.
+the routing active, the ring inside its graph (see :mod:`ring_impl.sdpa_route`). Were the hooks
+traced, dynamo would replay their effect on ``F.scaled_dot_product_attention`` only inside its
+own trace, while ``F.multi_head_attention_forward`` stays a single node of its graph that
+looks SDPA up when it runs (eager backend) or is traced (AOT backends), after the routing has
+been undone: local attention, silently. ``fullgraph=True`` on the parallelised module itself
+is therefore refused by dynamo; compile with the default ``fullgraph=False``.
 
 Apply the style to the layer rather than to its ``self_attn`` when the layer is an
 ``nn.TransformerEncoderLayer``: in inference mode that layer may take a fused fast path that
@@ -51,7 +51,9 @@ class ContextParallel(ParallelStyle):
     Args (checked here, at construction):
         layout: "head_tail" (default, load balanced) or "contiguous".
         rotate_method: None (the process default), "allgather", "alltoall" or "p2p".
-        op: None / "auto", a registered op name or an AttentionOp object.
+        op: None (from the ``torch.nn.attention.sdpa_kernel`` choice active when forward
+            starts, else the device's default), "auto", a registered op name or an AttentionOp
+            object.
         head_chunks: a positive int (see ``ring_attention``).
     """
 

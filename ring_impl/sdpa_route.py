@@ -20,6 +20,15 @@ The function and the mode are both needed: the SDPA call inside
 ``F.multi_head_attention_forward`` runs nested in that function's own torch-function dispatch,
 where the mode is switched off.
 
+Under ``torch.compile`` (with the route entered outside the compiled region, as
+``context_parallel`` and ``ContextParallel`` do) the ring becomes part of dynamo's graph: dynamo
+traces the mode and inlines :func:`routed_sdpa`. ``F.multi_head_attention_forward`` is an
+exception dynamo would keep as one opaque node, whose SDPA call the backend resolves later,
+outside dynamo's guards and with a cache keyed by dynamo's graph alone (so by neither the route
+nor the rank's causal plan); the mode therefore calls a copy of it that dynamo inlines. Compiled
+code is guarded on the route (:func:`_pin`), so it is recompiled for another route, not per
+call.
+
 Routes nest: the innermost active route decides (group, layout, rotation, op, head chunks).
 """
 
@@ -28,7 +37,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import FunctionType
 
 import torch
 import torch.distributed as dist
@@ -47,6 +57,15 @@ _MHA_FORWARD = F.multi_head_attention_forward
 _MHA_PARAMS = inspect.signature(_MHA_FORWARD).parameters
 _NEED_WEIGHTS_POS = list(_MHA_PARAMS).index("need_weights")
 _NEED_WEIGHTS_DEFAULT = _MHA_PARAMS["need_weights"].default
+# The same function as a separate object. Dynamo keeps F.multi_head_attention_forward itself
+# as one opaque node of its graph (the backend traces into it later, outside dynamo's view and
+# guards, and caches the result keyed by that graph alone), but inlines this copy like any
+# Python function: the routed SDPA call inside, and so the ring, become part of dynamo's graph.
+_MHA_FORWARD_INLINED = FunctionType(
+    _MHA_FORWARD.__code__, _MHA_FORWARD.__globals__, _MHA_FORWARD.__name__, _MHA_FORWARD.__defaults__,
+    _MHA_FORWARD.__closure__,
+)
+_MHA_FORWARD_INLINED.__kwdefaults__ = _MHA_FORWARD.__kwdefaults__
 
 NEED_WEIGHTS_PROBLEM = (
     "nn.MultiheadAttention / F.multi_head_attention_forward with need_weights=True (its default) computes "
@@ -60,8 +79,12 @@ NEED_WEIGHTS_PROBLEM = (
 class Route:
     """Where and how routed SDPA calls run.
 
-    ``key``: the route as plain values (group name, layout, rotation, op name or the op
-    object's identity, head chunks); compiled code is guarded on it (see :func:`_pin`).
+    ``kernel_ops``: ``((device type, op name), ...)``, the op an ``op=None`` route runs on each
+    device type, from the ``torch.nn.attention.sdpa_kernel`` choice active when the route was
+    entered (filled in by :func:`routing`; reading those flags inside a compiled region would
+    break the graph). ``key``: the route as plain values (group name, layout, rotation, op name
+    or the op object's identity, head chunks, kernel ops); compiled code is guarded on it (see
+    :func:`_pin`).
     """
 
     group: dist.ProcessGroup
@@ -69,11 +92,18 @@ class Route:
     rotate_method: str | None
     op: str | AttentionOp | None
     head_chunks: int = 1
+    kernel_ops: tuple[tuple[str, str], ...] = ()
     key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         op_key = self.op if self.op is None or isinstance(self.op, str) else f"{type(self.op).__qualname__}@{id(self.op):x}"
-        object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key, self.head_chunks))
+        object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key,
+                                         self.head_chunks, *(name for _, name in self.kernel_ops)))
+
+    def op_for(self, device: torch.device) -> str | AttentionOp:
+        if self.op is not None:
+            return self.op
+        return next((name for kind, name in self.kernel_ops if kind == device.type), "auto")
 
 
 #: Active routes, innermost last. Module state on purpose: dynamo reads it (and guards on it)
@@ -87,10 +117,10 @@ def active_route() -> Route | None:
     return _ROUTES[-1] if _ROUTES else None
 
 
-def _op_from_sdpa_kernel(device: torch.device) -> str:
+def _op_from_sdpa_kernel(device_type: str) -> str:
     """Honour an active ``torch.nn.attention.sdpa_kernel`` choice when picking the ring's op."""
     backends = torch.backends.cuda
-    if device.type == "cpu":
+    if device_type == "cpu":
         only_math = backends.math_sdp_enabled() and not (
             backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
         )
@@ -133,9 +163,7 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
     if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    op = route.op
-    if op is None and isinstance(query, torch.Tensor):
-        op = _op_from_sdpa_kernel(query.device)
+    op = route.op_for(query.device) if isinstance(query, torch.Tensor) else route.op
     out = api._ring_attention(
         api._DEFAULT_IMPL, query, key, value, group=route.group, is_causal=is_causal, scale=scale,
         rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
@@ -168,11 +196,11 @@ _NEVER = object()
 def _pin(route: Route) -> None:
     """Use every part of the route's key, so that dynamo guards the compiled code on it.
 
-    Dynamo traces :class:`RouteMode` for each torch call of a compiled region, and guards on
-    the values the traced code uses (a value only read is not guarded). Without the guard,
-    code compiled under one route would run under another: ``F.multi_head_attention_forward``
-    is one opaque node of dynamo's graph, into which the backend (AOT) traces the ring of the
-    route active at compile time.
+    Dynamo traces :class:`RouteMode` for each torch call of a compiled region and guards on the
+    values the traced code uses (a value only read is not guarded). :func:`routed_sdpa` uses
+    the route too; this covers compiled code under a route whose SDPA call dynamo does not see
+    itself (a function kept as an opaque node, into which the backend traces later): without a
+    guard, code compiled under one route would run under another.
     """
     for part in route.key:
         if part is _NEVER:
@@ -191,7 +219,15 @@ class RouteMode(TorchFunctionMode):
             return routed_sdpa(*args, **kwargs)
         if func is _MHA_FORWARD and route is not None:
             self.check_attention_weights(route, args, kwargs)
+            return self.attention_forward(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def attention_forward(self, *args, **kwargs):
+        """``F.multi_head_attention_forward``; compiled, the copy dynamo inlines (see the module
+        docstring)."""
+        if torch.compiler.is_compiling():
+            return _MHA_FORWARD_INLINED(*args, **kwargs)
+        return _MHA_FORWARD(*args, **kwargs)
 
     def check_attention_weights(self, route: Route, args: tuple, kwargs: dict) -> None:
         """Reject ``F.multi_head_attention_forward(..., need_weights=True)`` on every rank."""
@@ -220,7 +256,7 @@ def routing(route: Route, *, mode_type: type[TorchFunctionMode] | None = None) -
     if not _ROUTES:
         _SAVED_SDPA.append(F.scaled_dot_product_attention)
         F.scaled_dot_product_attention = routed_sdpa
-    _ROUTES.append(route)
+    _ROUTES.append(replace(route, kernel_ops=tuple((kind, _op_from_sdpa_kernel(kind)) for kind in ("cpu", "cuda"))))
     try:
         with (mode_type or RouteMode)():
             yield
