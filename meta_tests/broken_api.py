@@ -45,13 +45,13 @@ class _OpaqueAttentionForward(sdpa_route.RouteMode):
 
 
 @contextlib.contextmanager
-def _routing_in_the_trace(route: sdpa_route.Route) -> Iterator[None]:
+def _routing_in_the_trace(route: sdpa_route.Route, *, mode_type=None) -> Iterator[None]:
     """The routing as plain state changes that dynamo traces through without a graph break."""
     previous = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = sdpa_route.routed_sdpa
     sdpa_route._ROUTES.append(route)
     try:
-        with _OpaqueAttentionForward():
+        with (mode_type or _OpaqueAttentionForward)():
             yield
     finally:
         sdpa_route._ROUTES.pop()

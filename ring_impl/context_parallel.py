@@ -74,16 +74,16 @@ def check_options(*, layout, rotate_method, op, head_chunks) -> str | None:
     method; op: None / "auto", a registered op name or an AttentionOp object; head_chunks: a
     positive int.
     """
-    checks = [
-        lambda: check_layout(layout),
-        lambda: rotate_method is None or check_rotate_method(rotate_method),
-        lambda: op is None or op == "auto" or (get_op(op) if isinstance(op, str) else resolve_op(op, torch.device("cpu"), torch.float32, 1)),
-    ]
-    for check in checks:
-        try:
-            check()
-        except (TypeError, ValueError) as exc:
-            return str(exc)
+    try:
+        check_layout(layout)
+        if rotate_method is not None:
+            check_rotate_method(rotate_method)
+        if isinstance(op, str) and op != "auto":
+            get_op(op)
+        elif op is not None and not isinstance(op, str):
+            resolve_op(op, torch.device("cpu"), torch.float32, 1)  # checks the op object's interface
+    except (TypeError, ValueError) as exc:
+        return str(exc)
     return check_head_chunks(head_chunks, None)
 
 
