@@ -173,7 +173,7 @@ class ShardedBuffers:
         """Global data back (last sharded first); on a normal exit the global gradients too
         (collectives)."""
         shard_grads: list[torch.Tensor | None] = [None] * len(self.entries)
-        for i in reversed(range(len(self.entries))):
+        for i in reversed(range(len(self.originals))):  # the buffers shard() got to
             b, _, restore = self.entries[i]
             _SHARDED.pop(id(b), None)
             if not restore:
@@ -313,8 +313,8 @@ def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffe
         problem = sharded.problem
     _agree(problem, group, _default_device(group, buffers), "context_parallel")
     assert sharded is not None
-    sharded.shard()
     try:
+        sharded.shard()
         with route_ctx(Route(group, layout, rotate_method, op, head_chunks)):
             yield
     except BaseException:
