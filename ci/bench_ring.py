@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--world-sizes", type=int, nargs="+", help="World sizes of the speed benchmark (default 2 4)")
-    parser.add_argument("--repeat", type=int, help="Measured repetitions (median; default 3)")
+    parser.add_argument("--repeat", type=int, help="Measured repetitions; the fastest is reported, the median beside it (default 3)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--scaling-seqs", type=int, nargs="*", help="Sequence lengths of the memory/time sweep")
     parser.add_argument("--out", default="reports/bench", help="Output directory for bench.json and bench.png")

@@ -8,6 +8,7 @@ same script runs unchanged with backend "nccl" and device "cuda").
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,12 @@ def context_parallel_sdpa_example(world_size: int, rank: int) -> None:
               f"(max difference {(cp_out.float() - out.float()).abs().max().item():.1e})")
 
 
+LAUNCH = "torchrun --standalone --nproc-per-node=4 examples/context_parallel_tutorial.py"
+
 if __name__ == "__main__":
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # Started without a launcher: there are no other ranks to rendezvous with.
+        sys.exit(f"context_parallel_tutorial.py runs one process per rank; launch it with: {LAUNCH}")
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
 

@@ -6,20 +6,32 @@ CPU + gloo included:
 
 - on entry, every tensor in ``buffers`` is replaced in place by this rank's shard of it along
   its ``buffer_seq_dims`` entry, in ``layout`` (default ``head_tail``, PyTorch's load-balanced
-  layout);
-- while active, ``torch.nn.functional.scaled_dot_product_attention`` runs as ring attention
-  over the mesh (calls through the ``torch.nn.functional`` attribute, as ``nn.MultiheadAttention``
-  makes, and direct calls of the builtin);
-- on exit, also on an exception, SDPA is restored and every buffer not in
-  ``no_restore_buffers`` gets its original (global) contents back.
+  layout). A tensor listed more than once (``buffers=[x, x, x]`` for ``q = k = v = x``) is
+  sharded once; listing it with two different sequence dims is an error. A buffer that an
+  enclosing ``context_parallel`` already sharded is an error too (it would be sharded again);
+  list it in the outer context only.
+- while active, SDPA runs as ring attention over the mesh (see :mod:`ring_impl.sdpa_route`:
+  ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention`` with ``need_weights=False``,
+  direct calls of the builtin, and code compiled with ``torch.compile``).
+  ``nn.MultiheadAttention`` with ``need_weights=True`` (its default) raises: that path never
+  calls SDPA and would attend to the local shard only.
+- on exit, SDPA is restored and every buffer not in ``no_restore_buffers`` gets its global
+  contents back.
+
+Gradients of buffers that require grad (an ``nn.Parameter`` such as a learned position
+table): run backward inside the context. On entry a buffer's ``.grad`` is set aside (a global
+gradient cannot accumulate into a shard). On a normal exit its ``.grad`` becomes the global
+gradient: the shard gradients of every rank gathered in layout order (one all-gather per such
+buffer), added to the gradient it had on entry, so an optimizer step after the context sees a
+gradient shaped like the parameter. On an exit by exception no collective runs (the other
+ranks may not be exiting the same way), the shard gradients are discarded and ``.grad`` is
+what it was on entry. Buffers in ``no_restore_buffers`` stay sharded, and so does their
+``.grad`` (the entry gradient is sharded with the data).
+
+Every argument is checked on entry, before anything is sharded, and the ranks agree on the
+outcome (one small all-reduce): bad arguments on any rank raise on every rank.
 
 ``context_parallel_unshard`` gathers sharded outputs back into global tensors.
-
-Routing is done twice on purpose: the ``torch.nn.functional`` attribute is patched (the SDPA
-call inside ``F.multi_head_attention_forward`` is nested in another torch-function dispatch,
-where a mode would be switched off), and a TorchFunctionMode catches callers holding the
-builtin itself. The mode also makes ``has_torch_function`` true, which keeps
-``nn.MultiheadAttention``'s fused inference fast path (that never calls SDPA) out of the way.
 """
 
 from __future__ import annotations
@@ -29,108 +41,214 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from . import api
-from .comm import resolve_group
+from .comm import check_rotate_method, resolve_group
+from .heads import check_head_chunks
 from .layout import check_layout, chunk_ids, layout_divisor, shard, unshard
-from .ops import AttentionOp
+from .ops import AttentionOp, get_op, resolve_op
+from .sdpa_route import Route, routing, sdpa_routed_to_ring
 
-__all__ = ["DEFAULT_CP_LAYOUT", "context_parallel", "context_parallel_unshard", "sdpa_routed_to_ring"]
+__all__ = [
+    "DEFAULT_CP_LAYOUT",
+    "ContextParallelError",
+    "ShardedBuffers",
+    "check_options",
+    "context_parallel",
+    "context_parallel_unshard",
+    "sdpa_routed_to_ring",
+    "sharded_and_routed",
+]
 
 #: Layout of ``context_parallel`` when none is given: load balanced, as PyTorch's default.
 DEFAULT_CP_LAYOUT = "head_tail"
 
-_BUILTIN_SDPA = torch._C._nn.scaled_dot_product_attention
+
+class ContextParallelError(ValueError):
+    """Bad arguments to ``context_parallel`` / ``ContextParallel``; raised on every rank."""
 
 
-def _op_from_sdpa_kernel(device: torch.device) -> str:
-    """Honour an active ``torch.nn.attention.sdpa_kernel`` choice when picking the ring's op."""
-    backends = torch.backends.cuda
-    if device.type == "cpu":
-        only_math = backends.math_sdp_enabled() and not (
-            backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
-        )
-        return "math" if only_math else "cpu_flash"
-    for enabled, name in (
-        (backends.flash_sdp_enabled(), "cuda_flash"),
-        (backends.cudnn_sdp_enabled(), "cudnn"),
-        (backends.mem_efficient_sdp_enabled(), "cuda_efficient"),
-    ):
-        if enabled:
-            return name
-    return "math"
+def check_options(*, layout, rotate_method, op, head_chunks) -> str | None:
+    """The problem with the routing options, or None. Never raises.
 
-
-class _RingSDPA:
-    """A drop-in ``scaled_dot_product_attention`` that runs ring attention over ``group``."""
-
-    def __init__(self, group: dist.ProcessGroup, layout: str, rotate_method: str | None, op: str | AttentionOp | None,
-                 head_chunks: int = 1):
-        self.group, self.layout, self.rotate_method, self.op = group, layout, rotate_method, op
-        self.head_chunks = head_chunks
-
-    def __call__(
-        self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-    ) -> torch.Tensor:
-        problem = None
-        if attn_mask is not None:
-            problem = (
-                "attn_mask is not supported under context parallel (a mask over the global sequence "
-                "cannot be applied per shard); use is_causal=True or no mask"
-            )
-        elif dropout_p:
-            problem = f"dropout_p={dropout_p} is not supported under context parallel; set attention dropout to 0"
-        elif isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() and query.dim() >= 3:
-            if query.shape[-3] != key.shape[-3] and not enable_gqa:
-                problem = (
-                    f"query has {query.shape[-3]} heads but key/value have {key.shape[-3]}; "
-                    "pass enable_gqa=True for grouped-query attention"
-                )
-        squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
-        if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        op = self.op
-        if op is None and isinstance(query, torch.Tensor):
-            op = _op_from_sdpa_kernel(query.device)
-        out = api._ring_attention(
-            api._DEFAULT_IMPL, query, key, value, group=self.group, is_causal=is_causal, scale=scale,
-            rotate_method=self.rotate_method, op=op, layout=self.layout, head_chunks=self.head_chunks,
-            extra_problem=problem,
-        )
-        return out.squeeze(0) if squeeze else out
-
-
-class _BuiltinSDPAMode(TorchFunctionMode):
-    """Routes direct calls of the SDPA builtin; everything else passes through."""
-
-    def __init__(self, ring_sdpa: _RingSDPA):
-        super().__init__()
-        self._ring_sdpa = ring_sdpa
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _BUILTIN_SDPA:
-            return self._ring_sdpa(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def sdpa_routed_to_ring(
-    group, *, layout: str = DEFAULT_CP_LAYOUT, rotate_method: str | None = None, op: str | AttentionOp | None = None,
-    head_chunks: int = 1,
-) -> Iterator[None]:
-    """While active, SDPA calls run as ring attention over ``group`` (no buffer sharding)."""
-    check_layout(layout)
-    ring_sdpa = _RingSDPA(resolve_group(group), layout, rotate_method, op, head_chunks)
-    previous = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = ring_sdpa
+    layout: a ring_impl layout; rotate_method: None (the process default) or a rotation
+    method; op: None / "auto", a registered op name or an AttentionOp object; head_chunks: a
+    positive int.
+    """
     try:
-        with _BuiltinSDPAMode(ring_sdpa):
-            yield
-    finally:
-        F.scaled_dot_product_attention = previous
+        check_layout(layout)
+        if rotate_method is not None:
+            check_rotate_method(rotate_method)
+        if isinstance(op, str) and op != "auto":
+            get_op(op)
+        elif op is not None and not isinstance(op, str):
+            resolve_op(op, torch.device("cpu"), torch.float32, 1)  # checks the op object's interface
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return check_head_chunks(head_chunks, None)
+
+
+# Buffers sharded by an active context_parallel: id -> tensor (held so the id stays unique).
+_SHARDED: dict[int, torch.Tensor] = {}
+
+
+class ShardedBuffers:
+    """The buffers of one ``context_parallel``: checked, sharded on entry, restored on exit."""
+
+    def __init__(self, group: dist.ProcessGroup, layout: str, buffers, dims, keep):
+        self.group, self.layout = group, layout
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.problem: str | None = None
+        self.entries: list[tuple[torch.Tensor, int, bool]] = []  # (buffer, seq dim, restore on exit)
+        self.originals: list[torch.Tensor | None] = []
+        self.entry_grads: list[torch.Tensor | None] = []
+        try:
+            self.entries = self._distinct(list(buffers or ()), list(dims or ()), list(keep or ()))
+        except ContextParallelError as exc:
+            self.problem = str(exc)
+
+    def _distinct(self, buffers: list, dims: list, keep: list) -> list[tuple[torch.Tensor, int, bool]]:
+        """One entry per distinct buffer; raises ContextParallelError for bad buffers."""
+        if len(buffers) != len(dims):
+            raise ContextParallelError(f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one sequence dim per buffer")
+        divisor = layout_divisor(self.layout, self.world)
+        entries: list[tuple[torch.Tensor, int, bool]] = []
+        for i, (b, d) in enumerate(zip(buffers, dims)):
+            if not isinstance(b, torch.Tensor):
+                raise ContextParallelError(f"buffers[{i}] is a {type(b).__name__}, not a tensor")
+            if isinstance(d, bool) or not isinstance(d, int):
+                raise ContextParallelError(f"buffer_seq_dims[{i}] must be an int, got {d!r}")
+            if not -b.dim() <= d < b.dim():
+                raise ContextParallelError(f"buffer_seq_dims[{i}]={d} is out of range for a {b.dim()}-D buffer")
+            d %= b.dim()
+            earlier = self._listed_before(entries, b)
+            if earlier is not None:
+                if earlier[1] != d:
+                    raise ContextParallelError(
+                        f"buffers[{i}] is the same tensor as an earlier buffer but with sequence dim {d} instead of "
+                        f"{earlier[1]}; a tensor has one sequence dim: list it once"
+                    )
+                continue  # listed again (q = k = v = x): sharded once
+            if self._sharded_by_enclosing(b):
+                raise ContextParallelError(
+                    f"buffers[{i}] is already sharded by an enclosing context_parallel; nesting would shard it "
+                    "again: list it in the outer context only"
+                )
+            if b.shape[d] % divisor:
+                raise ContextParallelError(
+                    f"buffers[{i}] has sequence length {b.shape[d]} on dim {d}, not a multiple of {divisor} "
+                    f"(layout {self.layout!r}, {self.world} ranks); pad the sequence"
+                )
+            entries.append((b, d, all(k is not b for k in keep)))
+        for k in keep:
+            if all(k is not b for b in buffers):
+                raise ContextParallelError("every tensor in no_restore_buffers must also be in buffers")
+        return entries
+
+    @staticmethod
+    def _listed_before(entries: list[tuple[torch.Tensor, int, bool]], b: torch.Tensor) -> tuple | None:
+        """The entry of ``b`` if it is already listed (the same tensor object), else None."""
+        return next((e for e in entries if e[0] is b), None)
+
+    @staticmethod
+    def _sharded_by_enclosing(b: torch.Tensor) -> bool:
+        return _SHARDED.get(id(b)) is b
+
+    @staticmethod
+    def _tracks_grad(b: torch.Tensor) -> bool:
+        return b.is_leaf and b.requires_grad
+
+    def shard(self) -> None:
+        for b, d, restore in self.entries:
+            entry_grad = b.grad if self._tracks_grad(b) else None
+            self.originals.append(b.data if restore else None)
+            self.entry_grads.append(entry_grad)
+            if entry_grad is not None:
+                b.grad = None  # a global gradient cannot accumulate into a shard
+            _set_data(b, shard(b.detach(), self.world, self.rank, layout=self.layout, dim=d))
+            if entry_grad is not None and not restore:
+                b.grad = shard(entry_grad, self.world, self.rank, layout=self.layout, dim=d)
+            _SHARDED[id(b)] = b
+
+    def restore(self, *, normal_exit: bool) -> None:
+        """Global data back (last sharded first); on a normal exit the global gradients too
+        (collectives)."""
+        shard_grads: list[torch.Tensor | None] = [None] * len(self.entries)
+        for i in reversed(range(len(self.originals))):  # the buffers shard() got to
+            b, _, restore = self.entries[i]
+            _SHARDED.pop(id(b), None)
+            if not restore:
+                continue
+            local = b.grad if self._tracks_grad(b) else None
+            shard_grads[i] = local
+            if local is not None:
+                b.grad = None
+            original = self.originals[i]
+            assert original is not None
+            _set_data(b, original)
+            if local is not None or self.entry_grads[i] is not None:
+                b.grad = self.entry_grads[i]
+        if normal_exit:
+            self._add_global_grads(shard_grads)
+
+    def _add_global_grads(self, shard_grads: list[torch.Tensor | None]) -> None:
+        """``.grad += unshard(shard gradients)`` for every restored buffer that tracks grad.
+
+        Every rank issues the same collectives: the ranks first agree on which buffers got a
+        gradient on any rank (a rank without one contributes zeros).
+        """
+        candidates = [i for i, (b, _, restore) in enumerate(self.entries) if restore and self._tracks_grad(b)]
+        if not candidates:
+            return
+        have = torch.tensor([int(shard_grads[i] is not None) for i in candidates], dtype=torch.int64)
+        device = self.entries[candidates[0]][0].device
+        if self.world > 1:
+            have = have.to(_collective_device(self.group, device))
+            dist.all_reduce(have, op=dist.ReduceOp.MAX, group=self.group)
+        for i, flag in zip(candidates, have.tolist()):
+            if not flag:
+                continue
+            b, d, _ = self.entries[i]
+            local = shard_grads[i]
+            if local is None:
+                local = torch.zeros(shard(b.detach(), self.world, self.rank, layout=self.layout, dim=d).shape,
+                                    dtype=b.dtype, device=b.device)
+            full = local if self.world == 1 else _gather_global(local, d, self.group, self.layout)
+            b.grad = full if b.grad is None else b.grad + full
+
+
+def _collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    # gloo reduces CPU tensors; NCCL needs them on the GPU.
+    return torch.device("cpu") if str(dist.get_backend(group)).lower() == "gloo" else device
+
+
+def _gather_global(local: torch.Tensor, dim: int, group: dist.ProcessGroup, layout: str) -> torch.Tensor:
+    """The global tensor from every rank's ``local`` shard (no autograd)."""
+    world = dist.get_world_size(group)
+    staged = local.detach().movedim(dim, 0).contiguous()
+    parts = [torch.empty_like(staged) for _ in range(world)]
+    dist.all_gather(parts, staged, group=group)
+    return unshard(parts, layout=layout, dim=0).movedim(0, dim)
+
+
+def _agree(problem: str | None, group: dist.ProcessGroup, device: torch.device, what: str) -> None:
+    """Raise ContextParallelError on every rank if any rank has a problem (one all-reduce)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1 or torch.compiler.is_compiling():
+        if problem is not None:
+            raise ContextParallelError(f"{what}: {problem}")
+        return
+    flags = torch.zeros(world, dtype=torch.int64)
+    flags[rank] = int(problem is not None)
+    flags = flags.to(_collective_device(group, device))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    bad = [r for r, f in enumerate(flags.tolist()) if f]
+    if problem is not None:
+        raise ContextParallelError(f"{what} (rank {rank}): {problem}")
+    if bad:
+        raise ContextParallelError(
+            f"{what} (rank {rank}): rank(s) {bad} rejected their arguments (see the error on those ranks); "
+            "every rank raises so none is left waiting in a collective"
+        )
 
 
 def _set_data(t: torch.Tensor, new: torch.Tensor) -> None:
@@ -140,7 +258,15 @@ def _set_data(t: torch.Tensor, new: torch.Tensor) -> None:
         t.data = new
 
 
-@contextlib.contextmanager
+def _default_device(group: dist.ProcessGroup, buffers) -> torch.device:
+    for b in buffers or ():
+        if isinstance(b, torch.Tensor):
+            return b.device
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def context_parallel(
     mesh,
     *,
@@ -151,53 +277,50 @@ def context_parallel(
     rotate_method: str | None = None,
     op: str | AttentionOp | None = None,
     head_chunks: int = 1,
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Shard ``buffers`` in place and route SDPA to ring attention over ``mesh``.
 
     Args:
         mesh: a 1-D DeviceMesh (or ProcessGroup) of the context-parallel ranks.
-        buffers: global tensors (identical on every rank) to shard along their sequence dim.
+        buffers: global tensors (identical on every rank) to shard along their sequence dim;
+            a tensor listed more than once is sharded once.
         buffer_seq_dims: the sequence dim of each buffer, same order as ``buffers``.
         no_restore_buffers: buffers left sharded on exit (e.g. inputs not needed afterwards).
         layout: "head_tail" (default, load balanced) or "contiguous".
         rotate_method / op / head_chunks: as for ``ring_attention`` (op default: from the
-            active ``sdpa_kernel`` choice, else the device's default).
+            ``torch.nn.attention.sdpa_kernel`` choice active on entry, else the device's default).
+
+    Raises:
+        ContextParallelError (a ValueError) on every rank, before anything is sharded, for bad
+        arguments on any rank.
     """
+    return sharded_and_routed(
+        ShardedBuffers, routing, mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims,
+        no_restore_buffers=no_restore_buffers, layout=layout, rotate_method=rotate_method, op=op,
+        head_chunks=head_chunks,
+    )
+
+
+@contextlib.contextmanager
+def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffers, buffer_seq_dims,
+                       no_restore_buffers, layout, rotate_method, op, head_chunks) -> Iterator[None]:
+    """``context_parallel`` with its two parts given: the buffer handling and the routing."""
     group = resolve_group(mesh)
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
-    check_layout(layout)
-    buffers = list(buffers or ())
-    dims = list(buffer_seq_dims or ())
-    if len(buffers) != len(dims):
-        raise ValueError(
-            f"context_parallel: {len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one sequence dim per buffer"
-        )
-    keep = list(no_restore_buffers or ())
-    if any(all(k is not b for b in buffers) for k in keep):
-        raise ValueError("context_parallel: every tensor in no_restore_buffers must also be in buffers")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    divisor = layout_divisor(layout, world)
-    # Check every buffer before touching any, so an error leaves nothing half-sharded.
-    for i, (b, d) in enumerate(zip(buffers, dims)):
-        if not isinstance(b, torch.Tensor):
-            raise TypeError(f"context_parallel: buffers[{i}] is a {type(b).__name__}, not a tensor")
-        if not -b.dim() <= d < b.dim():
-            raise ValueError(f"context_parallel: buffer_seq_dims[{i}]={d} is out of range for a {b.dim()}-D buffer")
-        if b.shape[d] % divisor:
-            raise ValueError(
-                f"context_parallel: buffers[{i}] has sequence length {b.shape[d]} on dim {d}, not a multiple of "
-                f"{divisor} (layout {layout!r}, {world} ranks); pad the sequence"
-            )
-    originals = [None if any(k is b for k in keep) else b.detach().clone() for b in buffers]
-    for b, d in zip(buffers, dims):
-        _set_data(b, shard(b.detach(), world, rank, layout=layout, dim=d % b.dim()))
+    problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks)
+    sharded = sharding(group, layout, buffers, buffer_seq_dims, no_restore_buffers) if problem is None else None
+    if sharded is not None:
+        problem = sharded.problem
+    _agree(problem, group, _default_device(group, buffers), "context_parallel")
+    assert sharded is not None
     try:
-        with sdpa_routed_to_ring(group, layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks):
+        sharded.shard()
+        with route_ctx(Route(group, layout, rotate_method, op, head_chunks)):
             yield
-    finally:
-        for b, original in zip(buffers, originals):
-            if original is not None:
-                _set_data(b, original)
+    except BaseException:
+        sharded.restore(normal_exit=False)
+        raise
+    sharded.restore(normal_exit=True)
 
 
 def context_parallel_unshard(

@@ -63,9 +63,18 @@ def collective_schedule(
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
-    ``seq_kv`` is the local key/value length per rank.
+    ``seq_kv`` is the local key/value length per rank. Sizes must be ints >= 1 and ``dtype`` a
+    floating-point dtype (ValueError otherwise).
     """
     check_rotate_method(rotate_method)
+    sizes = {"world_size": world_size, "batch": batch, "heads_kv": heads_kv, "seq_kv": seq_kv, "head_dim": head_dim}
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"collective_schedule: {name} must be an int >= 1, got {value!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"collective_schedule: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if not isinstance(compiled, bool):
+        raise ValueError(f"collective_schedule: compiled must be a bool, got {compiled!r}")
     problem = check_head_chunks(head_chunks, heads_kv)
     if problem is not None:
         raise ValueError(f"collective_schedule: {problem}")

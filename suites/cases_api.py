@@ -1,8 +1,10 @@
 """Rank-side cases of the context-parallel API and model integration (ring_impl's API).
 
 They use ``context_parallel``, ``context_parallel_unshard`` and the ``ContextParallel`` parallel
-style exported by the implementation's package (``capabilities.context_parallel``). Each
-returns plain data; the pytest process judges it.
+style exported by the implementation's API package (:func:`api_of`; needs
+``capabilities.context_parallel``). Each returns plain data; the pytest process judges it.
+Cases whose contract allows either a correct result or an error on every rank let the error
+propagate, and the test judges every rank's outcome.
 """
 
 from __future__ import annotations
@@ -19,21 +21,29 @@ from suites.models import LlamaLike, encoder_stack
 
 __all__ = [
     "api_of",
+    "compiled_module_case",
+    "compiled_sdpa_case",
     "context_parallel_case",
     "context_parallel_exception_case",
     "encoder_case",
     "llama_case",
+    "mha_default_case",
+    "nested_buffers_case",
+    "parameter_buffer_case",
+    "repeated_buffer_case",
+    "repeated_buffer_two_dims_case",
     "tutorial_case",
 ]
 
 
 def api_of(impl_spec: str | None):
-    """The package offering context_parallel & co for an implementation (ring_impl by default)."""
+    """The package offering context_parallel & co for an implementation: its ``api_module``
+    attribute, a module name (default "ring_impl") or the module object itself."""
     from harness.implementation import load_implementation
 
     impl = load_implementation(impl_spec)
     module = getattr(impl.obj, "api_module", "ring_impl")
-    return importlib.import_module(module)
+    return importlib.import_module(module) if isinstance(module, str) else module
 
 
 def _mesh(ctx):
@@ -187,3 +197,209 @@ def llama_case(ctx, impl_spec, layout: str) -> dict:
     return {"out": full.cpu(), "ref_out": ref_logits.detach().cpu(), "grads": _param_grads(model),
             "ref_grads": _param_grads(reference),
             "rope_restored": model.rope_cos.shape[0] == seq}
+
+
+# ---------------------------------------------------------------------- silent fallbacks
+
+
+def _encoder_layer(device) -> nn.TransformerEncoderLayer:
+    return nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, dtype=torch.float64).to(device)
+
+
+def compiled_module_case(ctx, impl_spec, backend: str, layout: str) -> dict:
+    """``ContextParallel`` on an ``nn.TransformerEncoderLayer``, then ``torch.compile(backend)``:
+    two training steps (the second runs the cached graph) against the unsharded layer.
+
+    Returns both steps' global outputs, the parameter gradients of the last step after the
+    all-reduce a CP training step needs, and the unsharded layer's output and gradients.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    api = api_of(impl_spec)
+    w = ctx.world_size
+    torch.manual_seed(5)
+    layer = _encoder_layer(ctx.device)
+    reference = copy.deepcopy(layer)
+    seq = 8 * w
+    x = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
+    grad_out = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
+    mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64, device=ctx.device)
+    ref_out = reference(x, src_mask=mask, is_causal=True)
+    (ref_out * grad_out).sum().backward()
+
+    parallelize_module(layer, _mesh(ctx), api.ContextParallel(layout=layout))
+    compiled = torch.compile(layer, backend=backend)
+    x_local, g_local = shard(x, layout, w, ctx.rank, dim=1), shard(grad_out, layout, w, ctx.rank, dim=1)
+    local_mask = nn.Transformer.generate_square_subsequent_mask(seq // w, dtype=torch.float64, device=ctx.device)
+    outs = []
+    for _ in range(2):
+        layer.zero_grad(set_to_none=True)
+        out = compiled(x_local, src_mask=local_mask, is_causal=True)
+        (out * g_local).sum().backward()
+        outs.append(_gather(ctx, out, layout, 1).cpu())
+    for p in layer.parameters():
+        torch.distributed.all_reduce(p.grad, group=ctx.group)
+    return {"outs": outs, "ref_out": ref_out.detach().cpu(), "grads": _param_grads(layer),
+            "ref_grads": _param_grads(reference)}
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def compiled_sdpa_case(ctx, impl_spec, backend: str, layout: str) -> dict:
+    """A ``torch.compile``d function calling SDPA, run inside ``context_parallel`` (twice: the
+    second call runs the cached code); the global outputs and single-process SDPA's."""
+    api = api_of(impl_spec)
+    w = ctx.world_size
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, 4, 8 * w, 16, generator=gen, dtype=torch.float64).to(ctx.device) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    attend = torch.compile(_causal_sdpa, backend=backend)
+    fulls = []
+    for _ in range(2):
+        bufs = [t.clone() for t in (q, k, v)]
+        with api.context_parallel(_mesh(ctx), buffers=bufs, buffer_seq_dims=[2, 2, 2], layout=layout):
+            out = attend(*bufs)
+            (full,) = api.context_parallel_unshard(_mesh(ctx), [out], [2], layout=layout)
+        fulls.append(full.cpu())
+    return {"fulls": fulls, "expected": expected.cpu(), "inputs": [t.cpu() for t in (q, k, v)]}
+
+
+def mha_default_case(ctx, impl_spec, route: str) -> dict:
+    """``nn.MultiheadAttention`` called with its defaults (``need_weights=True``) under
+    ``context_parallel`` or ``ContextParallel``; raises what the implementation raises.
+
+    Returns the global output and the unsharded module's output.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    api = api_of(impl_spec)
+    w = ctx.world_size
+    torch.manual_seed(3)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64).to(ctx.device)
+    x = torch.randn(2, 8 * w, 32, dtype=torch.float64, device=ctx.device)
+    ref_out, _ = copy.deepcopy(mha)(x, x, x)
+    if route == "context_parallel":
+        xs = x.clone()
+        with api.context_parallel(_mesh(ctx), buffers=[xs], buffer_seq_dims=[1], layout="head_tail"):
+            out, _ = mha(xs, xs, xs)
+    else:
+        parallelize_module(mha, _mesh(ctx), api.ContextParallel(layout="head_tail"))
+        x_local = shard(x, "head_tail", w, ctx.rank, dim=1)
+        out, _ = mha(x_local, x_local, x_local)
+    return {"out": _gather(ctx, out, "head_tail", 1).cpu(), "ref_out": ref_out.detach().cpu()}
+
+
+# ---------------------------------------------------------------------- buffers
+
+
+def repeated_buffer_case(ctx, impl_spec, layout: str) -> dict:
+    """Self-attention with the same tensor listed three times in ``buffers`` (q = k = v = x)."""
+    api = api_of(impl_spec)
+    w = ctx.world_size
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 4, 8 * w, 16, generator=gen, dtype=torch.float64).to(ctx.device)
+    expected = F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    xs = x.clone()
+    with api.context_parallel(_mesh(ctx), buffers=[xs, xs, xs], buffer_seq_dims=[2, 2, 2], layout=layout):
+        inside = tuple(xs.shape)
+        matches_shard = inside == tuple(shard(x, layout, w, ctx.rank, dim=2).shape) and torch.equal(
+            xs, shard(x, layout, w, ctx.rank, dim=2))
+        out = F.scaled_dot_product_attention(xs, xs, xs, is_causal=True)
+        (full,) = api.context_parallel_unshard(_mesh(ctx), [out], [2], layout=layout)
+    return {"inside": inside, "global": tuple(x.shape), "matches_shard": matches_shard, "full": full.cpu(),
+            "expected": expected.cpu(), "x": x.cpu(), "restored": torch.equal(xs, x)}
+
+
+def repeated_buffer_two_dims_case(ctx, impl_spec) -> dict:
+    """One tensor listed twice with different sequence dims; raises what the implementation
+    raises (after checking that the tensor is unchanged)."""
+    api = api_of(impl_spec)
+    w = ctx.world_size
+    y = torch.arange((8 * w) ** 2, dtype=torch.float64, device=ctx.device).reshape(1, 8 * w, 8 * w)
+    original = y.clone()
+    try:
+        with api.context_parallel(_mesh(ctx), buffers=[y, y], buffer_seq_dims=[1, 2]):
+            inside = tuple(y.shape)
+    except Exception as exc:
+        if not torch.equal(y, original):
+            raise AssertionError(f"the rejected buffer was left changed (shape {tuple(y.shape)})") from exc
+        raise
+    return {"inside": inside, "restored": torch.equal(y, original)}
+
+
+def nested_buffers_case(ctx, impl_spec, layout: str) -> dict:
+    """``context_parallel`` nested in another over the same buffer. The inner context either
+    raises (recorded; the outer one then exits normally) or must not shard the buffer again."""
+    api = api_of(impl_spec)
+    w = ctx.world_size
+    x = torch.arange(16 * w, dtype=torch.float64, device=ctx.device).reshape(1, 1, 16 * w, 1)
+    xs = x.clone()
+    rec: dict = {"shard": shard(x, layout, w, ctx.rank, dim=2).cpu()}
+    with api.context_parallel(_mesh(ctx), buffers=[xs], buffer_seq_dims=[2], layout=layout):
+        rec["outer"] = xs.cpu().clone()
+        try:
+            with api.context_parallel(_mesh(ctx), buffers=[xs], buffer_seq_dims=[2], layout=layout):
+                rec["inner"] = xs.cpu().clone()
+            rec["error"] = None
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+        rec["after_inner"] = xs.cpu().clone()
+    rec["restored"] = torch.equal(xs, x)
+    return rec
+
+
+class _LeaveByException(Exception):
+    pass
+
+
+def _positional_attention_loss(pos: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """sum(SDPA(x + pos) * g) with 2 heads of 8: pos (1, seq, 16), x and g (2, seq, 16)."""
+    b, s, _ = x.shape
+    h = (x + pos).view(b, s, 2, 8).transpose(1, 2)
+    out = F.scaled_dot_product_attention(h, h, h, is_causal=True)
+    return (out.transpose(1, 2).reshape(b, s, 16) * g).sum()
+
+
+def parameter_buffer_case(ctx, impl_spec, layout: str, leave_by_exception: bool) -> dict:
+    """A learned position table (an ``nn.Parameter`` holding a gradient on entry) sharded by
+    ``context_parallel``; backward inside the context; then an SGD step after it.
+
+    Returns the parameter's gradient and value after the step (or the step's error), and the
+    same for an unsharded run of the same loss.
+    """
+    api = api_of(impl_spec)
+    w = ctx.world_size
+    seq = 8 * w
+    gen = torch.Generator().manual_seed(13)
+    init, entry = (torch.randn(1, seq, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    x, g = (torch.randn(2, seq, 16, generator=gen, dtype=torch.float64).to(ctx.device) for _ in range(2))
+    init, entry = init.to(ctx.device), entry.to(ctx.device)
+
+    ref = nn.Parameter(init.clone())
+    ref.grad = entry.clone()
+    _positional_attention_loss(ref, x, g).backward()
+    ref_grad = ref.grad.detach().clone()
+    torch.optim.SGD([ref], lr=0.5).step()
+
+    pos = nn.Parameter(init.clone())
+    pos.grad = entry.clone()
+    xs, gs = x.clone(), g.clone()
+    try:
+        with api.context_parallel(_mesh(ctx), buffers=[pos, xs, gs], buffer_seq_dims=[1, 1, 1], layout=layout):
+            _positional_attention_loss(pos, xs, gs).backward()
+            if leave_by_exception:
+                raise _LeaveByException
+    except _LeaveByException:
+        pass
+    rec: dict = {"param_shape": tuple(pos.shape), "grad_shape": None if pos.grad is None else tuple(pos.grad.shape),
+                 "grad": None if pos.grad is None else pos.grad.detach().cpu().clone(), "ref_grad": ref_grad.cpu(),
+                 "entry_grad": entry.cpu(), "data_restored": torch.equal(pos.detach(), init)}
+    try:
+        torch.optim.SGD([pos], lr=0.5).step()
+        rec["step_error"] = None
+    except Exception as exc:
+        rec["step_error"] = f"{type(exc).__name__}: {exc}"
+    rec["param"], rec["ref_param"] = pos.detach().cpu(), ref.detach().cpu()
+    return rec

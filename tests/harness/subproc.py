@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from harness.procs import run_tree
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGETS = Path(__file__).resolve().parent / "targets"
 
@@ -37,10 +39,12 @@ def pytest_command(*args: str) -> list[str]:
 
 
 def run_pytest(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Run pytest in the repository root; stdout and stderr are merged into ``stdout``."""
-    return subprocess.run(
+    """Run pytest in the repository root; stdout and stderr are merged into ``stdout``.
+
+    As a process tree (harness.procs.run_tree): its rank processes die with this test."""
+    return run_tree(
         pytest_command(*args), cwd=REPO_ROOT, env=clean_env(env), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False,
+        stderr=subprocess.STDOUT, text=True, timeout=timeout,
     )
 
 

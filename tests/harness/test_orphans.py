@@ -11,39 +11,34 @@ from typing import Any
 
 import pytest
 
-from harness.procs import pid_alive
+from harness.procs import ProcessTree, pid_alive
 from tests.harness.subproc import REPO_ROOT, TARGETS, clean_env, pytest_command, wait_until
 
 TARGET = str(TARGETS / "target_orphans.py")
 
 
-def _deliverable_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-def start_pytest(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path, Path]:
+def start_pytest(tmp_path: Path, *extra: str) -> tuple[ProcessTree, Path, Path]:
+    """The target pytest as a process tree. Its supervisor would kill ranks left behind, so it
+    lingers past the checks below: what is tested is the harness's own cleanup. The tree starts
+    the target with SIGINT deliverable (an ignored or blocked SIGINT survives exec, and earlier
+    tests in the same xdist worker can leave it so), as Ctrl-C on a terminal would find it."""
     pids_file = tmp_path / "pids.json"
     log = tmp_path / "pytest.log"
-    proc = subprocess.Popen(
+    tree = ProcessTree(
         pytest_command(TARGET, "-q", *extra),
+        linger=120.0,
         cwd=REPO_ROOT,
         env=clean_env({"HARNESS_TEST_PIDS_FILE": str(pids_file)}),
         stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # signals below reach pytest alone, not this test's process group
-        # An ignored or blocked SIGINT survives exec, and earlier tests in the same xdist worker
-        # can leave it so: Python would then never raise KeyboardInterrupt. Ctrl-C on a terminal
-        # reaches a pytest that handles it, so the target gets the default disposition back.
-        preexec_fn=_deliverable_sigint,
     )
-    return proc, pids_file, log
+    return tree, pids_file, log
 
 
-def read_pids(proc: subprocess.Popen[str], pids_file: Path, log: Path) -> dict[str, Any]:
-    if not wait_until(lambda: pids_file.exists() or proc.poll() is not None, timeout=90):
+def read_pids(tree: ProcessTree, pids_file: Path, log: Path) -> dict[str, Any]:
+    if not wait_until(lambda: pids_file.exists() or tree.returncode is not None, timeout=90):
         pytest.fail(f"the target never started its pool; its output:\n{log.read_text()}")
     if not pids_file.exists():
-        pytest.fail(f"the target exited ({proc.returncode}) before starting its pool:\n{log.read_text()}")
+        pytest.fail(f"the target exited ({tree.returncode}) before starting its pool:\n{log.read_text()}")
     info: dict[str, Any] = json.loads(pids_file.read_text())
     assert len(info["rank_pids"]) == 2 and all(pid_alive(p) for p in info["rank_pids"])
     return info
@@ -58,37 +53,25 @@ def assert_all_gone(pids: list[int], log: Path, what: str) -> None:
         pytest.fail(f"{what}: processes {survivors} outlived pytest by 15 s; pytest output:\n{log.read_text()}")
 
 
-def kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait(timeout=10)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_no_rank_outlives_a_killed_pytest(tmp_path: Path, sig: signal.Signals) -> None:
-    proc, pids_file, log = start_pytest(tmp_path)
-    try:
-        info = read_pids(proc, pids_file, log)
-        os.kill(proc.pid, sig)
+    tree, pids_file, log = start_pytest(tmp_path)
+    with tree:
+        info = read_pids(tree, pids_file, log)
+        os.kill(tree.pid, sig)
         try:
             # pytest's KeyboardInterrupt path: session finish, pool shutdown (up to 5 s polite
             # stop + 5 s per rank to reap); generous for a loaded 2-core runner.
-            proc.wait(timeout=60)
+            tree.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pytest.fail(f"pytest did not exit within 60 s of {sig.name}; its output:\n{log.read_text()}")
         assert_all_gone(info["rank_pids"] + info["forkserver_pids"], log, f"after {sig.name} to pytest")
-    finally:
-        kill_group(proc)
 
 
 def test_no_rank_outlives_a_dead_xdist_worker(tmp_path: Path) -> None:
-    proc, pids_file, log = start_pytest(tmp_path, "-n", "1", "--max-worker-restart", "0")
-    try:
-        info = read_pids(proc, pids_file, log)
-        assert info["pytest_pid"] != proc.pid, "the case should run in an xdist worker"
+    tree, pids_file, log = start_pytest(tmp_path, "-n", "1", "--max-worker-restart", "0")
+    with tree:
+        info = read_pids(tree, pids_file, log)
+        assert info["pytest_pid"] != tree.pid, "the case should run in an xdist worker"
         os.kill(info["pytest_pid"], signal.SIGKILL)
         assert_all_gone(info["rank_pids"] + info["forkserver_pids"], log, "after SIGKILL to the xdist worker")
-    finally:
-        kill_group(proc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from harness.procs import run_tree
 from tests.harness.subproc import ISOLATION_ARGS, REPO_ROOT, TARGETS, clean_env
 
 SUMMARY = "1 failed, 2 passed, 1 skipped"
@@ -15,8 +16,8 @@ def test_torchrun_two_ranks_run_the_same_cases_in_lockstep() -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "pytest", *ISOLATION_ARGS, "-rA", str(TARGETS / "target_torchrun.py"),
     ]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=240, check=False)
+    result = run_tree(command, cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True, timeout=240)
     out = result.stdout
     assert result.returncode != 0, out  # one case fails, so torchrun reports failure
     # only rank 0 prints a report, and it has the verdicts every rank agreed on

@@ -1,0 +1,266 @@
+"""Routing ``scaled_dot_product_attention`` to ring attention while a context is active.
+
+Used by ``context_parallel`` and the ``ContextParallel`` parallel style. While a route is
+active:
+
+- ``torch.nn.functional.scaled_dot_product_attention`` is :func:`routed_sdpa`, one plain
+  function for the whole process. Callers that look the name up at call time are routed:
+  ``nn.MultiheadAttention`` (through ``F.multi_head_attention_forward``, which reads the
+  module global), custom attention modules calling ``F.scaled_dot_product_attention``, and
+  code compiled with ``torch.compile`` (dynamo inlines the function; its identity is stable,
+  so the compiled code is guarded on it and not recompiled per call).
+- a ``TorchFunctionMode`` (:class:`RouteMode`) catches callers that hold the SDPA builtin
+  itself, and rejects ``F.multi_head_attention_forward(..., need_weights=True)``: that path
+  computes attention weights with bmm + softmax and never calls SDPA, so under context
+  parallel it would attend to the local shard only. The mode also makes ``has_torch_function``
+  true, which keeps ``nn.MultiheadAttention``'s fused inference fast path (that never calls
+  SDPA either) out of the way.
+
+The function and the mode are both needed: the SDPA call inside
+``F.multi_head_attention_forward`` runs nested in that function's own torch-function dispatch,
+where the mode is switched off.
+
+Under ``torch.compile`` (with the route entered outside the compiled region, as
+``context_parallel`` and ``ContextParallel`` do) the ring becomes part of dynamo's graph: dynamo
+traces the mode and inlines :func:`routed_sdpa`. ``F.multi_head_attention_forward`` is an
+exception dynamo would keep as one opaque node, whose SDPA call the backend resolves later,
+outside dynamo's guards and with a cache keyed by dynamo's graph alone (so by neither the route
+nor the rank's causal plan); the mode therefore calls a copy of it that dynamo inlines. Compiled
+code is guarded on the route (:func:`_pin`), so it is recompiled for another route, not per
+call.
+
+Routes nest: the innermost active route decides (group, layout, rotation, op, head chunks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from types import FunctionType
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import api
+from .comm import resolve_group
+from .layout import check_layout
+from .ops import AttentionOp
+
+__all__ = ["NEED_WEIGHTS_PROBLEM", "Route", "RouteMode", "active_route", "routed_sdpa", "routing", "sdpa_routed_to_ring"]
+
+_BUILTIN_SDPA = torch._C._nn.scaled_dot_product_attention
+_MHA_FORWARD = F.multi_head_attention_forward
+_MHA_PARAMS = inspect.signature(_MHA_FORWARD).parameters
+_NEED_WEIGHTS_POS = list(_MHA_PARAMS).index("need_weights")
+_NEED_WEIGHTS_DEFAULT = _MHA_PARAMS["need_weights"].default
+# The same function as a separate object. Dynamo keeps F.multi_head_attention_forward itself
+# as one opaque node of its graph (the backend traces into it later, outside dynamo's view and
+# guards, and caches the result keyed by that graph alone), but inlines this copy like any
+# Python function: the routed SDPA call inside, and so the ring, become part of dynamo's graph.
+_MHA_FORWARD_INLINED = FunctionType(
+    _MHA_FORWARD.__code__, _MHA_FORWARD.__globals__, _MHA_FORWARD.__name__, _MHA_FORWARD.__defaults__,
+    _MHA_FORWARD.__closure__,
+)
+_MHA_FORWARD_INLINED.__kwdefaults__ = _MHA_FORWARD.__kwdefaults__
+
+NEED_WEIGHTS_PROBLEM = (
+    "nn.MultiheadAttention / F.multi_head_attention_forward with need_weights=True (its default) computes "
+    "the attention weights with bmm + softmax instead of scaled_dot_product_attention, so under context "
+    "parallel it would attend to this rank's shard only; call it with need_weights=False (the weights of a "
+    "sharded sequence are not available)"
+)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where and how routed SDPA calls run.
+
+    ``kernel_ops``: ``((device type, op name), ...)``, the op an ``op=None`` route runs on each
+    device type, from the ``torch.nn.attention.sdpa_kernel`` choice active when the route was
+    entered (filled in by :func:`routing`; reading those flags inside a compiled region would
+    break the graph). ``key``: the route as plain values (group name, layout, rotation, op name
+    or the op object's identity, head chunks, kernel ops); compiled code is guarded on it (see
+    :func:`_pin`).
+    """
+
+    group: dist.ProcessGroup
+    layout: str
+    rotate_method: str | None
+    op: str | AttentionOp | None
+    head_chunks: int = 1
+    kernel_ops: tuple[tuple[str, str], ...] = ()
+    key: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        op_key = self.op if self.op is None or isinstance(self.op, str) else f"{type(self.op).__qualname__}@{id(self.op):x}"
+        object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key,
+                                         self.head_chunks, *(name for _, name in self.kernel_ops)))
+
+    def op_for(self, device: torch.device) -> str | AttentionOp:
+        if self.op is not None:
+            return self.op
+        return next((name for kind, name in self.kernel_ops if kind == device.type), "auto")
+
+
+#: Active routes, innermost last. Module state on purpose: dynamo reads it (and guards on it)
+#: when it inlines routed_sdpa, so compiled code follows the route of the call.
+_ROUTES: list[Route] = []
+#: What F.scaled_dot_product_attention was before the outermost route.
+_SAVED_SDPA: list = []
+
+
+def active_route() -> Route | None:
+    return _ROUTES[-1] if _ROUTES else None
+
+
+def _op_from_sdpa_kernel(device_type: str) -> str:
+    """Honour an active ``torch.nn.attention.sdpa_kernel`` choice when picking the ring's op."""
+    backends = torch.backends.cuda
+    if device_type == "cpu":
+        only_math = backends.math_sdp_enabled() and not (
+            backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
+        )
+        return "math" if only_math else "cpu_flash"
+    for enabled, name in (
+        (backends.flash_sdp_enabled(), "cuda_flash"),
+        (backends.cudnn_sdp_enabled(), "cudnn"),
+        (backends.mem_efficient_sdp_enabled(), "cuda_efficient"),
+    ):
+        if enabled:
+            return name
+    return "math"
+
+
+def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` as ring attention over the active route's group.
+
+    query (batch, heads, seq_local, head_dim) or unbatched (heads, seq_local, head_dim); key and
+    value likewise with heads_kv heads. Returns the local output in query's shape. Outside any
+    route it is the builtin SDPA.
+    """
+    route = active_route()
+    if route is None:
+        return _BUILTIN_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+    problem = None
+    if attn_mask is not None:
+        problem = (
+            "attn_mask is not supported under context parallel (a mask over the global sequence "
+            "cannot be applied per shard); use is_causal=True or no mask"
+        )
+    elif dropout_p:
+        problem = f"dropout_p={dropout_p} is not supported under context parallel; set attention dropout to 0"
+    elif isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() and query.dim() >= 3:
+        if query.shape[-3] != key.shape[-3] and not enable_gqa:
+            problem = (
+                f"query has {query.shape[-3]} heads but key/value have {key.shape[-3]}; "
+                "pass enable_gqa=True for grouped-query attention"
+            )
+    squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
+    if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    op = route.op_for(query.device) if isinstance(query, torch.Tensor) else route.op
+    out = api._ring_attention(
+        api._DEFAULT_IMPL, query, key, value, group=route.group, is_causal=is_causal, scale=scale,
+        rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
+        extra_problem=problem,
+    )
+    return out.squeeze(0) if squeeze else out
+
+
+def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
+    """Raise ``problem`` on every rank of the route's group, through the same cross-rank
+    agreement as a ring call, so a rank whose call did reach SDPA raises too instead of
+    waiting in the ring."""
+    anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
+    api._ring_attention(api._DEFAULT_IMPL, anchor, anchor, anchor, group=route.group, layout=route.layout,
+                        rotate_method=route.rotate_method, head_chunks=route.head_chunks, extra_problem=problem)
+    raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover
+
+
+def _needs_weights(args: tuple, kwargs: dict) -> bool:
+    if "need_weights" in kwargs:
+        return bool(kwargs["need_weights"])
+    if len(args) > _NEED_WEIGHTS_POS:
+        return bool(args[_NEED_WEIGHTS_POS])
+    return bool(_NEED_WEIGHTS_DEFAULT)
+
+
+_NEVER = object()
+
+
+def _pin(route: Route) -> None:
+    """Use every part of the route's key, so that dynamo guards the compiled code on it.
+
+    Dynamo traces :class:`RouteMode` for each torch call of a compiled region and guards on the
+    values the traced code uses (a value only read is not guarded). :func:`routed_sdpa` uses
+    the route too; this covers compiled code under a route whose SDPA call dynamo does not see
+    itself (a function kept as an opaque node, into which the backend traces later): without a
+    guard, code compiled under one route would run under another.
+    """
+    for part in route.key:
+        if part is _NEVER:
+            raise AssertionError("unreachable")
+
+
+class RouteMode(TorchFunctionMode):
+    """Routes direct calls of the SDPA builtin and rejects MultiheadAttention's weights path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = active_route()
+        if route is not None:
+            _pin(route)
+        if func is _BUILTIN_SDPA:
+            return routed_sdpa(*args, **kwargs)
+        if func is _MHA_FORWARD and route is not None:
+            self.check_attention_weights(route, args, kwargs)
+            return self.attention_forward(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def attention_forward(self, *args, **kwargs):
+        """``F.multi_head_attention_forward``; compiled, the copy dynamo inlines (see the module
+        docstring)."""
+        if torch.compiler.is_compiling():
+            return _MHA_FORWARD_INLINED(*args, **kwargs)
+        return _MHA_FORWARD(*args, **kwargs)
+
+    def check_attention_weights(self, route: Route, args: tuple, kwargs: dict) -> None:
+        """Reject ``F.multi_head_attention_forward(..., need_weights=True)`` on every rank."""
+        if _needs_weights(args, kwargs):
+            _reject_on_every_rank(route, NEED_WEIGHTS_PROBLEM, args[0] if args else kwargs.get("query"))
+
+
+@contextlib.contextmanager
+def sdpa_routed_to_ring(
+    group, *, layout: str = "head_tail", rotate_method: str | None = None, op: str | AttentionOp | None = None,
+    head_chunks: int = 1,
+) -> Iterator[None]:
+    """While active, SDPA calls run as ring attention over ``group`` (no buffer sharding)."""
+    check_layout(layout)
+    route = Route(resolve_group(group), layout, rotate_method, op, head_chunks)
+    with routing(route):
+        yield
+
+
+@contextlib.contextmanager
+def routing(route: Route, *, mode_type: type[TorchFunctionMode] | None = None) -> Iterator[None]:
+    """Activate ``route`` (innermost wins); the previous state comes back on exit.
+
+    ``mode_type``: the torch-function mode entered with it (default :class:`RouteMode`).
+    """
+    if not _ROUTES:
+        _SAVED_SDPA.append(F.scaled_dot_product_attention)
+        F.scaled_dot_product_attention = routed_sdpa
+    _ROUTES.append(replace(route, kernel_ops=tuple((kind, _op_from_sdpa_kernel(kind)) for kind in ("cpu", "cuda"))))
+    try:
+        with (mode_type or RouteMode)():
+            yield
+    finally:
+        _ROUTES.pop()
+        if not _ROUTES:
+            F.scaled_dot_product_attention = _SAVED_SDPA.pop()
