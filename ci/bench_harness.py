@@ -38,6 +38,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from harness.procs import run_tree  # noqa: E402  (each command's process tree dies with the script)
+
 CASE_BODY = """\
     x = torch.ones(1)
     dist.all_reduce(x)
@@ -152,7 +154,7 @@ def _env() -> dict[str, str]:
 
 def _timed(command: list[str], cwd: Path, timeout: float) -> float:
     began = time.perf_counter()
-    result = subprocess.run(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+    result = run_tree(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
     elapsed = time.perf_counter() - began
     if result.returncode != 0:

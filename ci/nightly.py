@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from harness.procs import run_tree  # noqa: E402  (each job's process tree dies with the script)
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ def run_job(job: Job, out: Path, extra: list[str], workers: str) -> dict:
     env = {**os.environ, **job.env}
     started = time.time()
     with open(job_dir / "pytest.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = run_tree(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     report_file = job_dir / "conformance.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     return {

@@ -399,6 +399,8 @@ class Broken:
     ``expect``: a regex the failure must match and no other broken ring's failure may (it names
     this cause). ``pending``: the suite check that catches it when that check is not in this
     tree yet; the proof then reports the ring as an expected failure while the suites pass it.
+    ``suites``: the suite path the proof runs (a broken API only fails the API suite; its ring
+    is correct, and running every other module first would only cost time).
     """
 
     name: str
@@ -406,6 +408,7 @@ class Broken:
     expect: str
     impl: object
     pending: str = ""
+    suites: str = "suites"
 
 
 def _adapter(name: str, ring: RingAttention) -> RingImplAdapter:

@@ -168,7 +168,8 @@ def _implementation(name: str, api: types.ModuleType) -> RingImplAdapter:
 
 
 def _broken(name: str, bug_class: str, expect: str, **parts) -> Broken:
-    return Broken(name, bug_class, expect, _implementation(name, _api(name, **parts)))
+    return Broken(name, bug_class, expect, _implementation(name, _api(name, **parts)),
+                  suites="suites/test_context_parallel.py")
 
 
 BROKEN_API: dict[str, Broken] = {b.name: b for b in [

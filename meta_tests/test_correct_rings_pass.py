@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from harness.implementation import Capabilities, load_implementation
+from harness.procs import run_tree  # the command's process tree dies with the test
 from harness.pytest_plugin import settings_of
 from meta_tests.correct import CORRECT
 
@@ -47,7 +48,7 @@ def run_suites(impl: str, tier: str, junit: Path, timeout: float) -> subprocess.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "pytest", "suites", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
            "--impl", impl, "--tier", tier, "--report-dir", "none", f"--junitxml={junit}"]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_tree(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def outcomes_by_module(junit: Path) -> dict[str, Counter]:

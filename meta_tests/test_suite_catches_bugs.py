@@ -21,19 +21,24 @@ from pathlib import Path
 
 import pytest
 
-from meta_tests.broken import BROKEN
+from harness.procs import run_tree  # the command's process tree dies with the test
+from meta_tests.broken import BROKEN as BROKEN_RINGS
+from meta_tests.broken_api import BROKEN_API
+
+#: Every deliberately broken implementation: rings, and context-parallel APIs around a correct ring.
+BROKEN = {**BROKEN_RINGS, **BROKEN_API}
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_suites(impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True) -> subprocess.CompletedProcess:
+def run_suites(impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True, suites: str = "suites") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "pytest", "suites", *(["-x"] if exitfirst else []), "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", suites, *(["-x"] if exitfirst else []), "-q", "-p", "no:cacheprovider",
            "--impl", impl, "--case-timeout", "20", *extra]
     if "-n" not in extra:
         cmd += ["-p", "no:xdist"]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_tree(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def failure_text(proc: subprocess.CompletedProcess, impl_name: str) -> str:
@@ -44,13 +49,16 @@ def failure_text(proc: subprocess.CompletedProcess, impl_name: str) -> str:
     text = out[start:] if start >= 0 else out
     end = text.find("ring attention conformance")
     text = text[:end] if end > 0 else text
-    return text.replace(f"meta_tests.broken:{impl_name}", "<impl>").replace(impl_name, "<impl>")
+    for module in ("meta_tests.broken", "meta_tests.broken_api"):
+        text = text.replace(f"{module}:{impl_name}", "<impl>")
+    return text.replace(impl_name, "<impl>")
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_suite_fails_on_broken_implementation(name: str) -> None:
     broken = BROKEN[name]
-    proc = run_suites(f"meta_tests.broken:{name}", "--report-dir", "none")
+    module = "meta_tests.broken_api" if name in BROKEN_API else "meta_tests.broken"
+    proc = run_suites(f"{module}:{name}", "--report-dir", "none", suites=broken.suites)
     if broken.pending and proc.returncode == 0:
         pytest.xfail(f"{name} ({broken.bug_class}) is caught by {broken.pending}, which this tree lacks")
     text = failure_text(proc, name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .comm import ROTATE_METHODS
-from .context_parallel import context_parallel, context_parallel_unshard
+from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
 from .layout import LAYOUTS, shard, unshard
 from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
 from .parallel_style import ContextParallel
@@ -29,6 +29,7 @@ __all__ = [
     "ROTATE_METHODS",
     "AttentionOp",
     "ContextParallel",
+    "ContextParallelError",
     "InputError",
     "OpCapabilities",
     "RingAttention",

@@ -10,7 +10,6 @@ propagate, and the test judges every rank's outcome.
 from __future__ import annotations
 
 import copy
-import importlib
 
 import torch
 import torch.nn as nn
@@ -37,13 +36,12 @@ __all__ = [
 
 
 def api_of(impl_spec: str | None):
-    """The package offering context_parallel & co for an implementation: its ``api_module``
-    attribute, a module name (default "ring_impl") or the module object itself."""
+    """The module offering context_parallel & co for an implementation: the protocol's
+    ``api_module`` (harness.implementation.Implementation.api_module: a claimed API without one
+    fails, naming it; never another implementation's API)."""
     from harness.implementation import load_implementation
 
-    impl = load_implementation(impl_spec)
-    module = getattr(impl.obj, "api_module", "ring_impl")
-    return importlib.import_module(module) if isinstance(module, str) else module
+    return load_implementation(impl_spec).api_module()
 
 
 def _mesh(ctx):

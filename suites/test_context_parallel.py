@@ -85,7 +85,8 @@ def test_tutorial_example_in_the_pool(cp) -> None:
 def test_tutorial_script_under_torchrun(cp, tmp_path) -> None:
     """examples/context_parallel_tutorial.py, verbatim, under torchrun with 4 CPU ranks."""
     if cp.impl.spec != cp_default_spec():
-        pytest.skip("N/A: the tutorial script imports ring_impl; it checks the default implementation only")
+        pytest.skip("the tutorial script imports ring_impl: it runs with the default implementation only "
+                    "(drop --impl to run it)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     # A process tree: torchrun's ranks leave its session; an interrupted run must not orphan them.
     proc = run_tree(

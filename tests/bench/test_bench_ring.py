@@ -14,11 +14,13 @@ import sys
 
 import pytest
 
+from harness.procs import run_tree  # the command's process tree dies with the test
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "ci", "bench_ring.py"), *args], cwd=ROOT,
+    return run_tree([sys.executable, os.path.join(ROOT, "ci", "bench_ring.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from harness.procs import run_tree  # the command's process tree dies with the test
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,7 @@ def collected(*args: str) -> list[str]:
     """Test ids ``pytest --collect-only`` selects with ``args`` (no cases run)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--co", "-q",
+    proc = run_tree([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--co", "-q",
                            "--report-dir", "none", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode in (0, 5), proc.stdout[-3000:] + proc.stderr[-3000:]
     return [line for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")]

@@ -20,6 +20,7 @@ from harness.implementation import (
     ProtocolError,
     load_implementation,
 )
+from harness.procs import run_tree  # the command's process tree dies with the test
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ def _pytest(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}
     clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), clean.get("PYTHONPATH", "")])
     clean.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+    return run_tree([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
                           cwd=ROOT, env=clean, capture_output=True, text=True, timeout=timeout)
 
 

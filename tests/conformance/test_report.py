@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.procs import run_tree  # the command's process tree dies with the test
 from harness.report import (
     CaseRecord,
     build_report,
@@ -68,7 +69,7 @@ def test_vendor_file_parsing_rejects_lines_without_reason(tmp_path: Path) -> Non
 def _pytest(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+    return run_tree([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

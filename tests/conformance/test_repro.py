@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
+
+from harness.procs import run_tree  # the command's process tree dies with the test
 
 ROOT = Path(__file__).resolve().parents[2]
 CASE = "suites/test_forward_backward.py::test_forward_backward_match_reference[W3-f32-causal-alltoall-contiguous]"
@@ -30,7 +31,7 @@ def test_repro_line_reproduces_the_failure_with_every_option(tmp_path: Path) -> 
     cmd = [sys.executable, "-m", "pytest", CASE, "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--report-dir", "none"]
     for flag, value in options.items():
         cmd += [flag, value]
-    first = subprocess.run(cmd, cwd=ROOT, env=_env(from_env), capture_output=True, text=True, timeout=300)
+    first = run_tree(cmd, cwd=ROOT, env=_env(from_env), capture_output=True, text=True, timeout=300)
     assert first.returncode == 1, first.stdout[-3000:]
     line = re.search(r"^repro: (.*)$", first.stdout, re.M)
     assert line, first.stdout[-3000:]
@@ -41,7 +42,7 @@ def test_repro_line_reproduces_the_failure_with_every_option(tmp_path: Path) -> 
         assert given.get(flag) == value, (flag, line.group(1))
     assert "--report-dir" not in given  # where report files go does not change a verdict
     # Run it as printed (pytest as this interpreter's module), with no RING_* variable set.
-    again = subprocess.run([sys.executable, "-m", *words, "-p", "no:cacheprovider", "--report-dir", "none"],
+    again = run_tree([sys.executable, "-m", *words, "-p", "no:cacheprovider", "--report-dir", "none"],
                            cwd=ROOT, env=_env({}), capture_output=True, text=True, timeout=300)
     assert again.returncode == 1, again.stdout[-3000:]
     assert f"FAILED {CASE}" in again.stdout
