@@ -124,8 +124,8 @@ class PartialsInInputDtype(RingAttention):
 class GradCastToBf16(RingAttention):
     """dQ/dK/dV cast to a hard-coded bfloat16 on the way out, whatever the input dtype."""
 
-    def backward(self, cfg, *args):
-        return tuple(g.to(torch.bfloat16).to(g.dtype) for g in super().backward(cfg, *args))
+    def backward(self, cfg, *args, **kwargs):
+        return tuple(g.to(torch.bfloat16).to(g.dtype) for g in super().backward(cfg, *args, **kwargs))
 
 
 class Float64ComputedInFloat32(RingAttention):
@@ -137,11 +137,13 @@ class Float64ComputedInFloat32(RingAttention):
             return out.double(), lse.double()
         return super().block_forward(cfg, q, k, v, plan)
 
-    def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan):
+    def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan, grad_lse=None):
         if q.dtype == torch.float64:
-            grads = super().block_backward(cfg, grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse.float(), plan)
+            grad_lse = None if grad_lse is None else grad_lse.float()
+            grads = super().block_backward(cfg, grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse.float(),
+                                           plan, grad_lse)
             return tuple(g.double() for g in grads)
-        return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan)
+        return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan, grad_lse)
 
 
 class NoncontiguousMisread(RingAttention):
@@ -162,7 +164,7 @@ class NoncontiguousMisread(RingAttention):
 class BackwardReusesStepZeroKV(RingAttention):
     """Backward computes every step with the step-0 (local) key/value block."""
 
-    def backward(self, cfg, grad_out, query, key, value, out, lse):
+    def backward(self, cfg, grad_out, query, key, value, out, lse, grad_lse=None):
         impl = self
 
         class Stale:
@@ -175,7 +177,7 @@ class BackwardReusesStepZeroKV(RingAttention):
 
         self.kv_rotation = lambda cfg, kv, link=None: Stale(RingAttention.kv_rotation(impl, cfg, kv, link), kv)  # type: ignore[method-assign]
         try:
-            return super().backward(cfg, grad_out, query, key, value, out, lse)
+            return super().backward(cfg, grad_out, query, key, value, out, lse, grad_lse)
         finally:
             del self.kv_rotation
 
@@ -242,10 +244,10 @@ class ScaleDroppedAfterStepZero(RingAttention):
             cfg = replace(cfg, scale=default_scale(q.shape[-1]))
         return super().block_forward(cfg, q, k, v, plan)
 
-    def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan):
+    def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan, grad_lse=None):
         if plan.step > 0:
             cfg = replace(cfg, scale=default_scale(q.shape[-1]))
-        return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan)
+        return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan, grad_lse)
 
 
 class GqaHeadsTiledOnLaterSteps(RingAttention):
@@ -261,14 +263,14 @@ class GqaHeadsTiledOnLaterSteps(RingAttention):
             k, v = self._tile(k, q.shape[1]), self._tile(v, q.shape[1])
         return super().block_forward(cfg, q, k, v, plan)
 
-    def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan):
+    def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan, grad_lse=None):
         hkv = k.shape[1]
         if plan.step > 0 and hkv != q.shape[1]:
             dq, dk, dv = call_backward(cfg.op, grad_out, q, self._tile(k, q.shape[1]), self._tile(v, q.shape[1]), out, lse,
-                                       is_causal=plan.is_causal, scale=cfg.scale)
+                                       is_causal=plan.is_causal, scale=cfg.scale, grad_lse=grad_lse)
             b, h, s, d = dk.shape
             return dq, dk.reshape(b, h // hkv, hkv, s, d).sum(1), dv.reshape(b, h // hkv, hkv, s, d).sum(1)
-        return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan)
+        return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan, grad_lse)
 
 
 # ------------------------------------------------------------------------ hangs
@@ -285,28 +287,28 @@ class LastRankSkipsGradHop(RingAttention):
 
 
 class RaisesOnOneRankOnly:
-    """Input checks that raise on the rank that sees the problem only, without telling the
-    others, which then block in the first ring collective."""
+    """ring_impl's own local input checks, raised on the rank that sees the problem without the
+    cross-rank agreement: a problem on one rank only leaves the others blocked in the first
+    ring collective."""
 
     def __call__(self, query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None,
                  op=None, layout="contiguous", return_lse=False):
         from ring_impl.api import get_rotate_method
-        from ring_impl.comm import RingGroup, resolve_group
         from ring_impl.ops import resolve_op
-        from ring_impl.ring import RingConfig, ring_attention_fn
+        from ring_impl.validate import local_problem
 
-        if query.dtype != key.dtype or query.dtype != value.dtype:
-            raise ValueError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
-        if is_causal and query.shape[2] != key.shape[2]:
-            raise ValueError("causal attention needs equal query and key lengths")
-        cfg = RingConfig(
-            group=RingGroup.of(resolve_group(group), query.device), is_causal=is_causal,
-            scale=scale if scale is not None else default_scale(query.shape[-1]), layout=layout,
-            rotate_method=rotate_method or get_rotate_method(),
-            op=resolve_op(op, query.device, query.dtype, query.shape[-1]),
-        )
-        out, lse = ring_attention_fn(query, key, value, cfg)
-        return (out, lse) if return_lse else out
+        rotate_method = rotate_method or get_rotate_method()
+        op_obj, op_error = None, None
+        try:
+            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1])
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            op_error = str(exc)
+        problem = local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
+                                rotate_method=rotate_method, op=op_obj, op_error=op_error, return_lse=return_lse)
+        if problem is not None:
+            raise ValueError(f"ring_attention: {problem}")
+        return _ring_attention(_DEFAULT, query, key, value, group=group, is_causal=is_causal, scale=scale,
+                               rotate_method=rotate_method, op=op, layout=layout, return_lse=return_lse)
 
 
 # ------------------------------------------------------------------------ autograd, compile
@@ -335,6 +337,56 @@ class WrongOnlyWhenCompiled(RingAttention):
         if torch.compiler.is_compiling() and plan.step > 0:
             cfg = replace(cfg, scale=cfg.scale * 1.05)
         return super().block_forward(cfg, q, k, v, plan)
+
+
+class NanHidden(RingAttention):
+    """Block results taken as the kernel returns them: a kernel that drops NaN (the CPU flash
+    kernel returns a NaN query row as out 0, LSE 0) hides it."""
+
+    def nonfinite_forward(self, out, lse, q, k, v, plan):
+        return out, lse
+
+    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan):
+        return dq, dk, dv
+
+
+class _OwnScaleOp:
+    """The rank's own scale inside the kernel while the checks see scale=None on every rank."""
+
+    def __init__(self, inner, scale: float):
+        self.inner, self.scale = inner, scale
+        self.name, self.capabilities = inner.name, inner.capabilities
+
+    def forward(self, query, key, value, *, is_causal, scale):
+        return self.inner.forward(query, key, value, is_causal=is_causal, scale=self.scale)
+
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, **kwargs):
+        return self.inner.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=self.scale, **kwargs)
+
+
+class ScaleNotAgreed:
+    """The scale left out of the cross-rank agreement: ranks given different scales compute
+    silently with their own (output error 0.85 in the wild)."""
+
+    def __call__(self, query, key, value, *, scale=None, op=None, **kwargs):
+        import math
+
+        from ring_impl.ops import default_scale, resolve_op
+
+        if scale is None or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            return _ring_attention(_DEFAULT, query, key, value, scale=scale, op=op, **kwargs)  # checked as usual
+        inner = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=scale,
+                           is_causal=bool(kwargs.get("is_causal", False)))
+        own = _OwnScaleOp(inner, float(scale)) if float(scale) != default_scale(query.shape[-1]) else inner
+        return _ring_attention(_DEFAULT, query, key, value, op=own, **kwargs)
+
+
+class LseNotDifferentiable:
+    """The LSE returned detached: a loss that uses it gets no gradient through it."""
+
+    def __call__(self, query, key, value, *, return_lse=False, **kwargs):
+        res = _ring_attention(_DEFAULT, query, key, value, return_lse=return_lse, **kwargs)
+        return (res[0], res[1].detach()) if return_lse else res
 
 
 _DEFAULT = RingAttention()
@@ -422,6 +474,12 @@ def _wrapped(name: str, fn) -> RingImplAdapter:
 
 
 BROKEN: dict[str, Broken] = {b.name: b for b in [
+    Broken("nan_hidden", "NaN in the inputs hidden by a kernel that drops it",
+           r"the NaN was hidden", _adapter("nan_hidden", NanHidden())),
+    Broken("scale_not_agreed", "per-rank option disagreement: scale not part of the cross-rank check",
+           r"scale_differs_between_ranks: no rank raised", _wrapped("scale_not_agreed", ScaleNotAgreed())),
+    Broken("lse_not_differentiable", "autograd: the LSE returned without a gradient",
+           r"does not require grad while query, key and value do", _wrapped("lse_not_differentiable", LseNotDifferentiable())),
     Broken("skipped_step_computed", "causal: a step computed that must be skipped",
            r"computed, but no query of this rank sees any key of that block", _adapter("skipped_step_computed", SkippedStepComputed())),
     Broken("needed_step_skipped", "causal: a step skipped that was needed",
@@ -439,7 +497,8 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
     Broken("naive_exp_merge", "unstable merge: exp of large LSE overflows",
            r"an exp of the LSE \(or of raw scores\) overflowed", _adapter("naive_exp_merge", NaiveExpMerge())),
     Broken("partials_in_input_dtype", "accumulation dtype: partials kept in bf16/fp16",
-           r"lse on rank [-\d, ]+: every value of the float32 result is a bfloat16 number", _adapter("partials_in_input_dtype", PartialsInInputDtype())),
+           r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank [-\d, ]+: every value of the float32 result is a bfloat16 number",
+           _adapter("partials_in_input_dtype", PartialsInInputDtype())),
     Broken("grad_cast_to_bf16", "accumulation dtype: gradient cast to a hard-coded dtype",
            r"d[qkv] on rank [-\d, ]+: every value of the float64 result is a bfloat16 number", _adapter("grad_cast_to_bf16", GradCastToBf16())),
     Broken("float64_computed_in_float32", "accumulation dtype: float64 silently computed in float32",
@@ -453,13 +512,14 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
     Broken("grads_not_returned_home", "rotation: dK/dV not returned to the owning rank (last hop missing)",
            r"dq matches on every rank, but [^\n]*dK/dV accumulators", _adapter("grads_not_returned_home", GradsNotReturnedHome())),
     Broken("scale_dropped_after_step0", "scale not passed through to every step",
-           r"used scale [\d.]+ instead of [\d.]+", _adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero())),
+           r"used scale -?[\d.]+ instead of -?[\d.]+", _adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero())),
     Broken("gqa_heads_tiled", "GQA head mapping wrong for some steps",
            r"tiled the key/value heads", _adapter("gqa_heads_tiled", GqaHeadsTiledOnLaterSteps())),
     Broken("last_rank_skips_grad_hop", "hang: a collective skipped on one rank only",
            r"did not finish within [\d.]+ s|collectives differ from the declared schedule", _adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop())),
     Broken("raises_on_one_rank_only", "hang: an exception on one rank leaving the others blocked",
-           r"not every rank raised", _wrapped("raises_on_one_rank_only", RaisesOnOneRankOnly())),
+           r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others waiting",
+           _wrapped("raises_on_one_rank_only", RaisesOnOneRankOnly())),
     Broken("value_gradient_dropped", "autograd: gradients not flowing to inputs that need them",
            r"no result for dv\[rank=\d+\]|gradient did not reach", _wrapped("value_gradient_dropped", ValueGradientDropped())),
     Broken("graph_break_in_loop", "torch.compile: graph break in the ring loop",

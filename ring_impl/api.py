@@ -81,7 +81,7 @@ def _ring_attention(
         op=op_obj,
         head_chunks=head_chunks,
     )
-    out, lse = ring_attention_fn(query, key, value, cfg, impl)
+    out, lse = ring_attention_fn(query, key, value, cfg, impl, bool(return_lse))
     return (out, lse) if return_lse else out
 
 

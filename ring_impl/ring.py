@@ -83,21 +83,28 @@ class RingAttention:
         return torch.stack([key, value])
 
     def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan):
-        """One step's partial (out, lse) with lse normalised to (batch, heads, rows); NaN
-        wherever a non-finite input reaches them, whatever the kernel did (ring_impl.nonfinite)."""
+        """One step's partial (out, lse) with lse normalised to (batch, heads, rows)."""
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
         b, h, rows, _ = q.shape
         lse = normalize_lse(
             lse, batch=b, heads=h, seq_q=rows, layout=cfg.op.capabilities.lse_layout, op_name=getattr(cfg.op, "name", "op")
         )
-        return poison_forward(out, lse, q, k, v, plan.kind)
+        return out, lse
 
     def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: StepPlan, grad_lse=None):
         """One step's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads.
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
-        dq, dk, dv = call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
-                                   grad_lse=grad_lse)
+        return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
+                             grad_lse=grad_lse)
+
+    def nonfinite_forward(self, out, lse, q, k, v, plan: StepPlan):
+        """The block's (out, lse) with NaN wherever a non-finite input reaches them, whatever the
+        kernel did with it (ring_impl.nonfinite)."""
+        return poison_forward(out, lse, q, k, v, plan.kind)
+
+    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: StepPlan):
+        """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them."""
         return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind)
 
     def kv_rotation(self, cfg: RingConfig, kv: torch.Tensor, link: Link | None = None):
@@ -129,9 +136,9 @@ class RingAttention:
             if plan.skipped:
                 continue
             q0, q1 = plan.q_rows
-            block_out, block_lse = self.block_forward(
-                cfg, _rows(query, plan.q_rows), _rows(kv[0], plan.kv_rows), _rows(kv[1], plan.kv_rows), plan
-            )
+            q, k, v = _rows(query, plan.q_rows), _rows(kv[0], plan.kv_rows), _rows(kv[1], plan.kv_rows)
+            block_out, block_lse = self.nonfinite_forward(*self.block_forward(cfg, q, k, v, plan), q, k, v, plan)
+            del q, k, v
             if recorder is not None:
                 recorder.add(cfg.group.rank, plan, block_out, block_lse)
             if out_acc is None or lse_acc is None:
@@ -191,17 +198,12 @@ class RingAttention:
                 q0, q1 = plan.q_rows
                 # grad_lse only when there is one: variants may override block_backward without it.
                 extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, plan.q_rows)}
-                dq, dk, dv = self.block_backward(
-                    cfg,
-                    _rows(grad_out, plan.q_rows),
-                    _rows(query, plan.q_rows),
-                    _rows(kv[0], plan.kv_rows),
-                    _rows(kv[1], plan.kv_rows),
-                    _rows(out, plan.q_rows),
-                    _rows(lse, plan.q_rows),
-                    plan,
-                    **extra,
-                )
+                block = (_rows(grad_out, plan.q_rows), _rows(query, plan.q_rows), _rows(kv[0], plan.kv_rows),
+                         _rows(kv[1], plan.kv_rows), _rows(out, plan.q_rows), _rows(lse, plan.q_rows))
+                do_, q_, k_, v_, o_, l_ = block
+                dq, dk, dv = self.nonfinite_backward(*self.block_backward(cfg, *block, plan, **extra),
+                                                     q_, k_, v_, o_, l_, do_, plan)
+                del block, do_, q_, k_, v_, o_, l_
                 dq_acc[:, :, q0:q1] += dq
                 contribution = (plan.kv_rows, dk, dv)
                 del dq, dk, dv
@@ -212,16 +214,20 @@ class RingAttention:
 
 
 class _RingFunction(torch.autograd.Function):
-    """out and lse, both differentiable. The backward is first-order only (once_differentiable):
-    with ``create_graph=True`` the gradients come back without a graph, and differentiating them
-    again raises the same error on every rank, before any collective."""
+    """out (and lse when asked for), both differentiable. The backward is first-order only
+    (once_differentiable): with ``create_graph=True`` the gradients come back without a graph,
+    and differentiating them again raises the same error on every rank, before any collective.
+    The LSE is an output only when the caller asks for it: otherwise there is no LSE gradient to
+    fold into the backward (compiled graphs materialise zeros for unused outputs)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention):
+    def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention, with_lse: bool):
         out, lse = heads.run_forward(impl, cfg, query, key, value)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.cfg, ctx.impl = cfg, impl
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (eager)
+        if not with_lse:
+            ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
@@ -231,12 +237,13 @@ class _RingFunction(torch.autograd.Function):
         if grad_out is None:  # only the LSE reaches the loss
             grad_out = torch.zeros_like(out)
         dq, dk, dv = heads.run_backward(ctx.impl, ctx.cfg, grad_out, query, key, value, out, lse, grad_lse)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def ring_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention | None = None):
-    """Differentiable (out, lse) of the ring with an already validated config."""
-    return _RingFunction.apply(query, key, value, cfg, impl or _DEFAULT_IMPL)
+def ring_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention | None = None, return_lse: bool = True):
+    """Differentiable (out, lse) of the ring with an already validated config; the LSE is
+    differentiable only with ``return_lse``."""
+    return _RingFunction.apply(query, key, value, cfg, impl or _DEFAULT_IMPL, return_lse)
 
 
 _DEFAULT_IMPL = RingAttention()

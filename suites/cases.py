@@ -86,7 +86,8 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
 
     Keys: ``out`` (b, h, sq_local, d), ``lse`` (b, h, sq_local) or None, ``dq``/``dk``/``dv``
     (None without backward), ``collectives`` ({phase: {kind: {calls, bytes}}}) or None,
-    ``records`` (per-step partials) or None, ``work`` (int) or None.
+    ``records`` (per-step partials) or None, ``work`` (int) or None, ``input_strides``,
+    ``lse_requires_grad`` (whether the returned LSE carries a gradient).
     """
     if case.world_size != ctx.world_size:
         raise ValueError(f"case is for {case.world_size} ranks but the pool has {ctx.world_size}")
@@ -127,13 +128,12 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         with phase("forward"):
             res = fn(inp.query, inp.key, inp.value, **kwargs)
         out, lse = res if case.return_lse else (res, None)
+        lse_requires_grad = lse is not None and lse.requires_grad
         if case.backward:
             with phase("backward"):
-                if inp.grad_lse is not None:  # the loss uses the LSE too
-                    if lse is None:
-                        raise ValueError("the case's loss uses the LSE, but the case does not ask for it (return_lse)")
+                if inp.grad_lse is not None and lse_requires_grad:  # the loss uses the LSE too
                     torch.autograd.backward([out, lse], [inp.grad_out, inp.grad_lse])
-                else:
+                else:  # (an LSE without a gradient is reported, the judge says what it costs)
                     out.backward(inp.grad_out)
 
     def cpu(t):
@@ -149,6 +149,7 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         "records": list(recorder.records) if recorder is not None else None,
         "work": op.work if isinstance(op, CountingOp) else None,
         "input_strides": [tuple(t.stride()) for t in (inp.query, inp.key, inp.value)],
+        "lse_requires_grad": lse_requires_grad,
     }
 
 

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from harness.errors import ABORTED, CaseTimeout
 from suites.cases_errors import BAD_INPUTS, bad_input_case
 from suites.matrix import world_sizes
 
@@ -34,11 +35,27 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
         ring.require("context_parallel", why="the SDPA route")
     if needs == "ops":
         ring.require("ops", "*", why="selecting an op by name")
-    outcomes = ring.rank_pool(w).run_outcomes(bad_input_case, ring.impl.spec, kind, timeout=min(TIMEOUT_S, ring.timeout))
+    timeout = min(TIMEOUT_S, ring.timeout)
+    try:
+        outcomes = ring.rank_pool(w).run_outcomes(bad_input_case, ring.impl.spec, kind, timeout=timeout)
+    except CaseTimeout as exc:
+        states = ", ".join(f"rank {o.rank} {'raised ' + o.exc_type if not o.ok and o.exc_type else o.status}"
+                           for o in exc.outcomes)
+        pytest.fail(f"{kind}: the ranks hung ({states}) for {timeout:g} s: a rank that rejected its input left the "
+                    f"others waiting in a collective\nrepro: {ring.repro()}", pytrace=False)
     summary = "\n".join(
         f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}") for o in outcomes
     )
-    assert all(not o.ok for o in outcomes), f"{kind}: not every rank raised\n{summary}"
+    waiting = [o.rank for o in outcomes if o.status == ABORTED]  # the harness ended their wait
+    if waiting:
+        pytest.fail(f"{kind}: the ranks hung (rank(s) {waiting} still waiting in a collective after another rank "
+                    f"raised; the harness aborted them): a rank that rejected its input left the others waiting"
+                    f"\n{summary}\nrepro: {ring.repro()}", pytrace=False)
+    raised = [o.rank for o in outcomes if not o.ok]
+    if not raised:
+        pytest.fail(f"{kind}: no rank raised: the bad input was accepted\n{summary}", pytrace=False)
+    if len(raised) < len(outcomes):
+        pytest.fail(f"{kind}: only rank(s) {raised} raised, the others returned\n{summary}", pytrace=False)
     assert any(re.search(pattern, o.exc_message, re.IGNORECASE) for o in outcomes), (
         f"{kind}: no rank's error mentions /{pattern}/; errors must say what was wrong\n{summary}"
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 from suites.matrix import CPU_OPS, LAYOUTS, ROTATIONS, params, tier, world_sizes
@@ -40,4 +42,13 @@ def pytest_generate_tests(metafunc):
 
 def test_lse_gradient_matches_float64_autograd(ring, case: RingCase) -> None:
     ring.require("lse", why="the loss uses the returned LSE")
-    ring.check(ring.prepare(case))
+    case = ring.prepare(case)
+    results = ring.run(case)
+    detached = [rank for rank, r in enumerate(results) if not r["lse_requires_grad"]]
+    if detached:
+        pytest.fail(
+            f"the LSE returned on rank(s) {detached} does not require grad while query, key and value do: a loss "
+            f"that uses it backpropagates as if it were not there [{case.label}]\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
+    ring.check(case, results=results)

@@ -249,7 +249,7 @@ def test_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ring) -> No
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok for o in outcomes), summary
     assert "need_weights=False" in outcomes[0].exc_message, summary
-    assert "rank(s) [0] rejected" in outcomes[1].exc_message, summary
+    assert "rank 0 rejected their input" in outcomes[1].exc_message, summary
 
 
 class _Attention(torch.nn.Module):
