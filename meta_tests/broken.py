@@ -22,8 +22,8 @@ import ring_impl
 from harness.adapters.ring_impl import RingImplAdapter
 from ring_impl import RingAttention, collective_schedule, debug
 from ring_impl.api import _ring_attention
-from ring_impl.comm import make_grad_rotation
 from ring_impl.ops import call_backward, call_forward, default_scale
+from ring_impl.plan import Block
 
 __all__ = ["BROKEN", "Broken"]
 
@@ -31,11 +31,17 @@ __all__ = ["BROKEN", "Broken"]
 # ------------------------------------------------------------------------ causal handling
 
 
+def _with_blocks(plans, change):
+    """Plans with each step's blocks replaced by ``change(step_plan)`` (a tuple of blocks)."""
+    return [replace(p, blocks=tuple(change(p))) for p in plans]
+
+
 class SkippedStepComputed(RingAttention):
     """Causal, contiguous: a key/value block from a later rank is computed in full, not skipped."""
 
     def plan(self, cfg, seq_q, seq_kv):
-        return [replace(p, kind="full") if p.kind == "skip" else p for p in super().plan(cfg, seq_q, seq_kv)]
+        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: p.blocks or (
+            Block(p.step, p.kv_rank, "full", (0, seq_q), (0, seq_kv)),))
 
 
 class NeededStepSkipped(RingAttention):
@@ -43,15 +49,15 @@ class NeededStepSkipped(RingAttention):
 
     def plan(self, cfg, seq_q, seq_kv):
         last = cfg.group.world_size - 1
-        return [replace(p, kind="skip") if p.step == last and last > 0 else p for p in super().plan(cfg, seq_q, seq_kv)]
+        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: () if p.step == last and last > 0 else p.blocks)
 
 
 class CausalMaskOnFullStep(RingAttention):
     """Steps after the first are computed with the causal mask, as if every block were diagonal."""
 
     def plan(self, cfg, seq_q, seq_kv):
-        return [replace(p, kind="causal") if p.kind == "full" and p.step > 0 and seq_q == seq_kv else p
-                for p in super().plan(cfg, seq_q, seq_kv)]
+        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: (
+            replace(b, kind="causal") if b.kind == "full" and p.step > 0 and seq_q == seq_kv else b for b in p.blocks))
 
 
 class HeadTailWrongPairing(RingAttention):
@@ -59,8 +65,8 @@ class HeadTailWrongPairing(RingAttention):
 
     def plan(self, cfg, seq_q, seq_kv):
         n = seq_kv // 2
-        return [replace(p, kv_rows=(n, 2 * n)) if p.kv_rows == (0, n) and p.kind == "full" else p
-                for p in super().plan(cfg, seq_q, seq_kv)]
+        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: (
+            replace(b, kv_rows=(n, 2 * n)) if b.kv_rows == (0, n) and b.kind == "full" else b for b in p.blocks))
 
 
 class LoadBalanceAssumesCausal(RingAttention):
@@ -186,10 +192,27 @@ class WrongNeighbour(RingAttention):
     """Ring methods send each block to rank - 1 instead of rank + 1, while the steps still assume
     it came from rank - s: every step after the first computes with the wrong block."""
 
-    def kv_rotation(self, cfg, kv, link=None):
+    def transport(self, cfg):
+        inner = super().transport(cfg)
         if cfg.rotate_method == "allgather" or cfg.group.world_size < 3:
-            return super().kv_rotation(cfg, kv, link)
-        return _BackwardsRing(kv, cfg.group)
+            return inner
+        return _BackwardsTransport(inner)
+
+
+class _BackwardsTransport:
+    """A neighbour transport whose key/value hops go the wrong way, outside the backward's link
+    (so the dK/dV accumulators flush on their own, every rank posting in one order)."""
+
+    kv_hops_share_link = False
+
+    def __init__(self, inner):
+        self.name, self.grad_hop, self._inner = inner.name, inner.grad_hop, inner
+
+    def kv_blocks(self, kv, g, link):
+        return _BackwardsRing(kv, g)
+
+    def own_block_first(self, world_size):
+        return self._inner.own_block_first(world_size)
 
 
 class _BackwardsRing:
@@ -214,26 +237,17 @@ class _BackwardsRing:
 class GradsNotReturnedHome(RingAttention):
     """dK/dV: the last hop home is missing, so each rank keeps its neighbour's block gradient."""
 
-    def grad_rotation(self, cfg, shape, dtype, device, link=None):
-        inner = make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method, link)
-        return inner if cfg.group.world_size == 1 else _NoLastHop(inner, cfg.group.world_size)
+    def pass_grads(self, cfg, link, step, acc):
+        if step == cfg.group.world_size - 1:  # the bug: keep the neighbour's accumulator
+            self._kept = acc
+            return
+        super().pass_grads(cfg, link, step, acc)
 
-
-class _NoLastHop:
-    """Keeps the accumulator of step W-1 (the neighbour's block) instead of sending it home."""
-
-    def __init__(self, inner, world_size):
-        self.inner, self.world_size, self.kept = inner, world_size, None
-
-    def add(self, step, kv_rank, contribution):
-        if step < self.world_size - 1:
-            return self.inner.add(step, kv_rank, contribution)
-        acc = self.inner._zeros() if step == 1 else self.inner._link.take("grad")
-        self.inner._accumulate(acc, contribution)
-        self.kept = acc
-
-    def result(self):
-        return self.kept
+    def grads_home(self, cfg, link, like):
+        if cfg.group.world_size == 1:
+            return super().grads_home(cfg, link, like)
+        kept, self._kept = self._kept, None
+        return kept
 
 
 class ScaleDroppedAfterStepZero(RingAttention):
@@ -279,11 +293,11 @@ class GqaHeadsTiledOnLaterSteps(RingAttention):
 class LastRankSkipsGradHop(RingAttention):
     """The last rank skips its final dK/dV send: its neighbour waits for it forever."""
 
-    def grad_rotation(self, cfg, shape, dtype, device, link=None):
-        inner = make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method, link)
-        if cfg.group.rank != cfg.group.world_size - 1 or cfg.group.world_size == 1 or cfg.rotate_method == "allgather":
-            return inner
-        return _NoLastHop(inner, cfg.group.world_size)
+    def pass_grads(self, cfg, link, step, acc):
+        g = cfg.group
+        if g.rank == g.world_size - 1 and step == g.world_size - 1 and cfg.rotate_method != "allgather":
+            return  # the bug: the last hop home is never sent
+        super().pass_grads(cfg, link, step, acc)
 
 
 class RaisesOnOneRankOnly:

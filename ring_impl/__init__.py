@@ -5,8 +5,9 @@ Public API::
     ring_attention(query, key, value, *, group=None, is_causal=False, scale=None,
                    rotate_method=None, op=None, layout="contiguous", return_lse=False,
                    head_chunks=1)
-    set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p"
-    shard / unshard                    # layouts "contiguous" and "head_tail"
+    set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
+    shard / unshard                    # layouts "contiguous", "head_tail", registered ones
+    register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
     context_parallel / context_parallel_unshard / ContextParallel
     register_op / available_ops / AttentionOp / OpCapabilities
     collective_schedule                # the collectives a call issues, per phase
@@ -15,13 +16,13 @@ Public API::
 from __future__ import annotations
 
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
-from .comm import ROTATE_METHODS
 from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
-from .layout import LAYOUTS, shard, unshard
+from .layout import LAYOUTS, Layout, layouts, register_layout, shard, unshard
 from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
 from .parallel_style import ContextParallel
 from .ring import RingAttention
 from .schedule import collective_schedule
+from .transports import ROTATE_METHODS, Transport, get_transport, register_transport, rotate_methods
 from .validate import InputError
 
 __all__ = [
@@ -31,8 +32,10 @@ __all__ = [
     "ContextParallel",
     "ContextParallelError",
     "InputError",
+    "Layout",
     "OpCapabilities",
     "RingAttention",
+    "Transport",
     "available_ops",
     "bind",
     "collective_schedule",
@@ -40,8 +43,13 @@ __all__ = [
     "context_parallel_unshard",
     "get_op",
     "get_rotate_method",
+    "get_transport",
+    "layouts",
+    "register_layout",
     "register_op",
+    "register_transport",
     "ring_attention",
+    "rotate_methods",
     "set_rotate_method",
     "shard",
     "unshard",

@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 import torch
 
-from .comm import RingGroup, check_rotate_method, resolve_group
+from .group import RingGroup, resolve_group
 from .ops import AttentionOp, default_scale, resolve_op
 from .ring import RingAttention, RingConfig, ring_attention_fn
+from .transports import check_rotate_method
 from .validate import InputError, agree_across_ranks, local_problem
 
 __all__ = ["bind", "get_rotate_method", "ring_attention", "set_rotate_method"]
@@ -58,11 +59,11 @@ def _ring_attention(
             op_error = str(exc)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
     # through the same cross-rank agreement so every rank raises together.
+    world = torch.distributed.get_world_size(pg)
     problem = extra_problem or local_problem(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
-        op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
+        op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
     )
-    world = torch.distributed.get_world_size(pg)
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
@@ -107,7 +108,8 @@ Args:
     scale: softmax scale (default 1/sqrt(head_dim)).
     rotate_method: "allgather", "alltoall" or "p2p" (default: see set_rotate_method).
     op: "auto", a registered op name (ring_impl.available_ops()) or an AttentionOp object.
-    layout: "contiguous" or "head_tail" (load balanced for causal attention).
+    layout: "contiguous", "head_tail" (load balanced for causal attention) or any layout registered
+        with ring_impl.register_layout.
     return_lse: also return the local LSE (batch, heads, seq_q_local), float32 (float64 for
         float64 inputs); differentiable like the output (its gradient enters the backward's
         row term). NaN/inf in the inputs give NaN wherever they reach (see ring_impl.nonfinite).

@@ -42,11 +42,12 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import check_rotate_method, resolve_group
+from .group import resolve_group
 from .heads import check_head_chunks
-from .layout import check_layout, chunk_ids, layout_divisor, shard, unshard
+from .layout import check_layout, layout_divisor, shard, unshard
 from .ops import AttentionOp, get_op, resolve_op
 from .sdpa_route import Route, routing, sdpa_routed_to_ring
+from .transports import check_rotate_method
 
 __all__ = [
     "DEFAULT_CP_LAYOUT",
@@ -337,12 +338,15 @@ def context_parallel_unshard(
     if len(buffers) != len(seq_dims):
         raise ValueError(f"context_parallel_unshard: {len(buffers)} buffers but {len(seq_dims)} seq_dims")
     world = dist.get_world_size(group)
-    per_rank = len(chunk_ids(layout, world, 0))
+    divisor = layout_divisor(layout, world)
     result = []
     for t, d in zip(buffers, seq_dims):
         d = d % t.dim()
-        if t.shape[d] % per_rank:
-            raise ValueError(f"context_parallel_unshard: local length {t.shape[d]} is not a multiple of {per_rank} (layout {layout!r})")
+        if (t.shape[d] * world) % divisor:
+            raise ValueError(
+                f"context_parallel_unshard: local length {t.shape[d]} x {world} ranks is not a multiple of {divisor}, "
+                f"so these are not shards of layout {layout!r}"
+            )
         gathered = gather(t.movedim(d, 0).contiguous(), 0, group)
         result.append(unshard(gathered.chunk(world, dim=0), layout=layout, dim=0).movedim(0, d))
     return result

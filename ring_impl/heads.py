@@ -14,7 +14,7 @@ differ by at most one); a grouped-query chunk takes the query heads of its key/v
 attends key/value head ``i // (heads // heads_kv)``, as SDPA's ``enable_gqa``).
 
 Under ``torch.compile`` each chunk's first transfer is tied to the previous chunk's result with
-:func:`ring_impl.comm.after` (a copy of the chunk's keys, compiled only), so the chunks'
+:func:`ring_impl.transports.after` (a copy of the chunk's keys, compiled only), so the chunks'
 collectives are posted in one order on every rank. The chunks' rings are independent in the
 graph, and nothing obliges a compiler to keep independent collectives in program order; the
 ranks' graphs differ (their causal plans do), so two ranks could interleave the rings
@@ -30,7 +30,7 @@ import itertools
 import torch
 
 from . import debug
-from .comm import after
+from .transports import after
 
 __all__ = ["check_head_chunks", "head_spans", "run_backward", "run_forward"]
 

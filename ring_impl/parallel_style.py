@@ -37,8 +37,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from .comm import resolve_group
 from .context_parallel import DEFAULT_CP_LAYOUT, ContextParallelError, check_options
+from .group import resolve_group
 from .ops import AttentionOp
 from .sdpa_route import Route, routing
 

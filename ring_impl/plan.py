@@ -1,44 +1,51 @@
-"""The per-step plan of the ring: which block pairs each step computes, and how.
+"""The per-step plan of the ring: which local query rows see which local key/value rows.
 
 Convention: at ring step ``s`` (``0 <= s < W``) rank ``r`` holds the key/value shard of rank
-``(r - s) mod W``. For each step the plan says whether the step is computed in full, with a
-causal mask, or skipped, and which local query rows and key/value rows take part:
+``(r - s) mod W``. A step's plan is a list of :class:`Block` s, each one kernel call on a
+rectangle of local rows: ``full`` (every query row sees every key/value row of the rectangle)
+or ``causal`` (top-left: the rectangle's query row ``t`` sees its key/value rows ``0 .. t``). A
+step with no block is skipped (its key/value block is still rotated). Rows and columns no query
+sees are trimmed away, so a block is never larger than the visible region needs.
+
+The plan is derived from the layout's positions (:func:`ring_impl.layout.layout_runs`), never
+written per layout: with key/value positions increasing along local order, the key/value rows a
+query at global position ``p`` sees under a causal mask are the prefix of the ``c(p)`` rows
+whose positions are ``<= p``. Along a run of query positions ``c`` grows by 0 (a full block
+``rows x [0, c)``) or by 1 per row (a diagonal: a causal block, plus a full block to its left);
+consecutive pieces that continue one another are joined. For the built-in layouts that gives one
+block per step:
 
 contiguous, causal
-    step 0: the rank's own block, causal. kv from an earlier rank (``kv_rank < rank``): full.
-    kv from a later rank: skipped (those keys are in every query's future).
+    step 0: the rank's own block, causal. kv from an earlier rank: full. From a later rank: skipped.
 head_tail, causal (local rows are [chunk r | chunk 2W-1-r], each ``n`` rows)
-    step 0: causal over the whole local block; top-left causal over the concatenation is
-    exactly right because chunk r precedes chunk 2W-1-r.
-    ``kv_rank < rank``: every query sees only the kv's first chunk (``kv_rank`` precedes both
-    query chunks; ``2W-1-kv_rank`` follows both): all query rows x kv rows ``[0, n)``, full.
-    ``kv_rank > rank``: only the query tail chunk sees the kv rank's chunks, and it sees both in
-    full: query rows ``[n, 2n)`` x all kv rows, full.
-non-causal: every step full, any layout.
+    step 0: causal over the whole local block (chunk r precedes chunk 2W-1-r).
+    ``kv_rank < rank``: all query rows x kv rows ``[0, n)``, full.
+    ``kv_rank > rank``: query rows ``[n, 2n)`` x all kv rows, full.
+non-causal: one full block per step, any layout.
 
-Under head_tail every non-skipped step costs ``n x 2n`` score entries on every rank, which is
-what balances the work.
+A plan is plain Python on ints (cached), so it is a constant under ``torch.compile``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import pairwise
 
-from .layout import check_layout
+from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["StepPlan", "ring_plan"]
+__all__ = ["Block", "StepPlan", "ring_plan", "step_blocks"]
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """What one rank does at one ring step.
-
-    ``q_rows`` / ``kv_rows`` are half-open ``(start, stop)`` ranges of local rows (sequence dim).
-    """
+class Block:
+    """One kernel call of one step: local query rows ``q_rows`` x local key/value rows
+    ``kv_rows`` (half-open ``(start, stop)`` ranges on the sequence dim), ``kind`` "full" or
+    "causal" (top-left within the rectangle)."""
 
     step: int
     kv_rank: int
-    kind: str  # "full" | "causal" | "skip"
+    kind: str
     q_rows: tuple[int, int]
     kv_rows: tuple[int, int]
 
@@ -47,26 +54,77 @@ class StepPlan:
         return self.kind == "causal"
 
     @property
+    def skipped(self) -> bool:  # a block is never empty; kept so a block reads like a step plan
+        return False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one rank computes at one ring step: ``blocks`` in order (none: the step is skipped)."""
+
+    step: int
+    kv_rank: int
+    blocks: tuple[Block, ...]
+
+    @property
     def skipped(self) -> bool:
-        return self.kind == "skip"
+        return not self.blocks
+
+    @property
+    def kind(self) -> str:
+        """"skip", the single block's kind, or "blocks" for a step of several blocks."""
+        if not self.blocks:
+            return "skip"
+        return self.blocks[0].kind if len(self.blocks) == 1 else "blocks"
 
 
 def ring_plan(rank: int, world_size: int, *, layout: str, is_causal: bool, seq_q: int, seq_kv: int) -> list[StepPlan]:
     """The plan of every ring step for ``rank``; ``seq_q``/``seq_kv`` are local lengths."""
     check_layout(layout)
+    return list(_ring_plan(rank, world_size, layout, bool(is_causal), seq_q, seq_kv))
+
+
+@lru_cache(maxsize=512)
+def _ring_plan(rank: int, world_size: int, layout: str, is_causal: bool, seq_q: int, seq_kv: int) -> tuple[StepPlan, ...]:
     plans = []
+    q_runs = layout_runs(layout, seq_q * world_size, world_size, rank) if is_causal else ()
     for step in range(world_size):
         kv_rank = (rank - step) % world_size
-        all_q, all_kv = (0, seq_q), (0, seq_kv)
         if not is_causal:
-            plans.append(StepPlan(step, kv_rank, "full", all_q, all_kv))
-        elif step == 0:
-            plans.append(StepPlan(step, kv_rank, "causal", all_q, all_kv))
-        elif layout == "contiguous":
-            kind = "full" if kv_rank < rank else "skip"
-            plans.append(StepPlan(step, kv_rank, kind, all_q, all_kv))
-        elif kv_rank < rank:
-            plans.append(StepPlan(step, kv_rank, "full", all_q, (0, seq_kv // 2)))
+            blocks = (Block(step, kv_rank, "full", (0, seq_q), (0, seq_kv)),)
         else:
-            plans.append(StepPlan(step, kv_rank, "full", (seq_q // 2, seq_q), all_kv))
-    return plans
+            kv_runs = layout_runs(layout, seq_kv * world_size, world_size, kv_rank)
+            blocks = tuple(Block(step, kv_rank, kind, q, kv) for kind, q, kv in step_blocks(q_runs, kv_runs))
+        plans.append(StepPlan(step, kv_rank, blocks))
+    return tuple(plans)
+
+
+def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+    """The (kind, q_rows, kv_rows) kernel calls for causal attention of queries at ``q_runs``
+    over keys at ``kv_runs`` (both runs of global positions in local order; ``kv_runs``
+    increasing)."""
+    # Pieces (row0, row1, c0, slope): rows [row0, row1) see kv rows [0, c0 + slope * (row - row0)).
+    pieces: list[list[int]] = []
+    row = 0
+    for qa, qb in q_runs:
+        cuts = sorted({qa, qb, *(x for a, b in kv_runs for x in (a, b) if qa < x < qb)})
+        for x, y in pairwise(cuts):
+            slope = int(any(a <= x < b for a, b in kv_runs))
+            c0 = sum(min(max(x - a + 1, 0), b - a) for a, b in kv_runs)
+            r0, r1 = row + x - qa, row + y - qa
+            last = pieces[-1] if pieces else None
+            if last is not None and last[1] == r0 and last[3] == slope and last[2] + slope * (r0 - last[0]) == c0:
+                last[1] = r1  # continues the previous piece
+            else:
+                pieces.append([r0, r1, c0, slope])
+        row += qb - qa
+    blocks = []
+    for r0, r1, c0, slope in pieces:
+        if slope == 0:
+            if c0 > 0:
+                blocks.append(("full", (r0, r1), (0, c0)))
+            continue
+        if c0 > 1:  # the columns every row of the diagonal sees
+            blocks.append(("full", (r0, r1), (0, c0 - 1)))
+        blocks.append(("causal", (r0, r1), (c0 - 1, c0 - 1 + r1 - r0)))
+    return blocks

@@ -2,7 +2,7 @@
 
 Forward, on every rank, for each ring step of :func:`ring_impl.plan.ring_plan`: take the
 step's key/value block from the rotation (the next one is already in flight), run the local
-op on the planned rows, normalise its LSE and merge into float32 (float64 for float64)
+op on each of the step's planned blocks (:mod:`ring_impl.plan`), normalise its LSE and merge into float32 (float64 for float64)
 accumulators with the stable sigmoid form.
 
 Backward is explicit rather than autograd through the collectives: under causal attention
@@ -31,12 +31,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import debug, heads
-from .comm import Link, RingGroup, after, make_grad_rotation, make_kv_rotation
+from .group import RingGroup
 from .lse import normalize_lse
 from .merge import merge_into
 from .nonfinite import poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
-from .plan import StepPlan, ring_plan
+from .plan import Block, StepPlan, ring_plan
+from .transports import Link, Transport, after, get_transport
 
 __all__ = ["RingAttention", "RingConfig", "ring_attention_fn"]
 
@@ -82,8 +83,8 @@ class RingAttention:
         """Key and value in one contiguous buffer (2, batch, heads_kv, seq_kv, head_dim): one transfer per hop."""
         return torch.stack([key, value])
 
-    def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan):
-        """One step's partial (out, lse) with lse normalised to (batch, heads, rows)."""
+    def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block):
+        """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
         b, h, rows, _ = q.shape
         lse = normalize_lse(
@@ -91,31 +92,51 @@ class RingAttention:
         )
         return out, lse
 
-    def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: StepPlan, grad_lse=None):
-        """One step's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads.
+    def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: Block, grad_lse=None):
+        """One block's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads.
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
         return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
                              grad_lse=grad_lse)
 
-    def nonfinite_forward(self, out, lse, q, k, v, plan: StepPlan):
+    def nonfinite_forward(self, out, lse, q, k, v, plan: Block):
         """The block's (out, lse) with NaN wherever a non-finite input reaches them, whatever the
         kernel did with it (ring_impl.nonfinite)."""
         return poison_forward(out, lse, q, k, v, plan.kind)
 
-    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: StepPlan):
+    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block):
         """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them."""
         return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind)
 
-    def kv_rotation(self, cfg: RingConfig, kv: torch.Tensor, link: Link | None = None):
-        """Source of each step's packed key/value block (see ring_impl.comm); ``link``: the
-        backward's transfer chain, shared with :meth:`grad_rotation`."""
-        return make_kv_rotation(kv, cfg.group, cfg.rotate_method, link)
+    def transport(self, cfg: RingConfig) -> Transport:
+        """The rotation method's transport (ring_impl.transports)."""
+        return get_transport(cfg.rotate_method)
 
-    def grad_rotation(self, cfg: RingConfig, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                      link: Link | None = None):
-        """Where each step's dK/dV contribution goes; ``result()`` is this rank's own block's gradient."""
-        return make_grad_rotation(shape, dtype, device, cfg.group, cfg.rotate_method, link)
+    def kv_rotation(self, cfg: RingConfig, kv: torch.Tensor, link: Link | None = None):
+        """Source of each step's packed key/value block; ``link``: the backward's chain of
+        transfers, which the dK/dV hops share."""
+        return self.transport(cfg).kv_blocks(kv, cfg.group, link)
+
+    # The backward's dK/dV accumulators, one per block, travel around the ring for every
+    # transport: a block's accumulator starts (zero) on the rank after its owner at step 1,
+    # collects one contribution per rank and reaches the owner with the hop after step W - 1,
+    # where the owner's own (step 0) contribution is added. Three seams, in the order they run:
+
+    def grads_arrived(self, cfg: RingConfig, link: Link, step: int, like: torch.Tensor) -> torch.Tensor:
+        """The accumulator of step ``step``'s block: zeros at step 1, else the one the last hop
+        brought (``like``: zeros of its shape and dtype, made when needed)."""
+        return torch.zeros(like.shape, dtype=like.dtype, device=like.device) if step == 1 else link.take("grad")
+
+    def pass_grads(self, cfg: RingConfig, link: Link, step: int, acc: torch.Tensor) -> None:
+        """Send the accumulator on to rank + 1: with the next key/value hop when the transport's
+        hops share the link, else (and after the last step, home) at once."""
+        link.stage("grad", acc)
+        if step == cfg.group.world_size - 1 or not self.transport(cfg).kv_hops_share_link:
+            link.flush()
+
+    def grads_home(self, cfg: RingConfig, link: Link, like: torch.Tensor) -> torch.Tensor:
+        """This rank's own block's accumulator, home after its last hop."""
+        return link.take("grad") if cfg.group.world_size > 1 else torch.zeros(like.shape, dtype=like.dtype, device=like.device)
 
     def merge(self, out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
         merge_into(out_acc, lse_acc, block_out, block_lse)
@@ -133,23 +154,24 @@ class RingAttention:
         recorder = debug.active_recorder()
         for plan in self.plan(cfg, sq, key.shape[2]):
             kv = rotation.block(plan.step)
-            if plan.skipped:
-                continue
-            q0, q1 = plan.q_rows
-            q, k, v = _rows(query, plan.q_rows), _rows(kv[0], plan.kv_rows), _rows(kv[1], plan.kv_rows)
-            block_out, block_lse = self.nonfinite_forward(*self.block_forward(cfg, q, k, v, plan), q, k, v, plan)
-            del q, k, v
-            if recorder is not None:
-                recorder.add(cfg.group.rank, plan, block_out, block_lse)
-            if out_acc is None or lse_acc is None:
-                # Step 0 (never skipped) covers every local row: its result becomes the
-                # accumulators, without a copy when it already has their dtype and layout.
-                assert plan.step == 0 and (q0, q1) == (0, sq), "the first computed step must be step 0"
-                out_acc = _as_accumulator(block_out, acc)
-                lse_acc = _as_accumulator(block_lse, acc)
-            else:
-                self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
-            del block_out, block_lse  # not held through the next step's kernel
+            for block in plan.blocks:
+                q0, q1 = block.q_rows
+                q, k, v = _rows(query, block.q_rows), _rows(kv[0], block.kv_rows), _rows(kv[1], block.kv_rows)
+                block_out, block_lse = self.nonfinite_forward(*self.block_forward(cfg, q, k, v, block), q, k, v, block)
+                del q, k, v
+                if recorder is not None:
+                    recorder.add(cfg.group.rank, block, block_out, block_lse)
+                if out_acc is None or lse_acc is None:
+                    # Step 0's first block covers every local row (every query sees itself, or
+                    # everything): its result becomes the accumulators, without a copy when it
+                    # already has their dtype and layout.
+                    assert plan.step == 0 and (q0, q1) == (0, sq), "the first computed block must be step 0 over every row"
+                    out_acc = _as_accumulator(block_out, acc)
+                    lse_acc = _as_accumulator(block_lse, acc)
+                else:
+                    self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
+                del block_out, block_lse  # not held through the next block's kernel
+            del kv
         assert out_acc is not None and lse_acc is not None
         return out_acc.to(query.dtype), lse_acc
 
@@ -171,46 +193,60 @@ class RingAttention:
             # tie is an opaque op: arithmetic like `kv + 0 * grad_out.sum()` is simplified away
             # by the joint-graph passes before the partitioner runs.
             kv_local = after(kv_local, grad_out)
-        # One chain of transfers carries both key/value and dK/dV hops (see ring_impl.comm.Link);
+        # One chain of transfers carries both key/value and dK/dV hops (ring_impl.transports.Link);
         # compiled, every later transfer depends on the first, so all stay in the backward graph.
-        link = Link(cfg.group, cfg.rotate_method)
-        grads = self.grad_rotation(cfg, kv_local.shape, acc, query.device, link)
+        transport = self.transport(cfg)
+        link = Link(cfg.group, transport.grad_hop)
         rotation = self.kv_rotation(cfg, kv_local, link)
+        like = torch.empty((), dtype=acc, device=query.device).expand(kv_local.shape)  # the accumulators' kind
         del kv_local  # the rotation holds it as long as it needs it
         plans = self.plan(cfg, query.shape[2], key.shape[2])
-        # Step 0 (this rank's own block) is computed on key and value themselves. Ring methods
-        # compute it last: its dK/dV then goes straight into the accumulator that comes home with
-        # the last hop, whose transfer its compute overlaps, and no buffer waits for it meanwhile
-        # (the first key/value hop, one block, is what step 1 waits for). ``allgather`` from
-        # W = 3 on computes it first, overlapping the all-gather, which brings W - 1 blocks at
-        # once that step 1 would otherwise wait for in full; its dK/dV is then held until the
-        # accumulator is home. Measured at W=4, seq 8192, gloo: the backward's time waiting for
-        # transfers fell from 50-95 ms to 1-25 ms per rank (backward 2-3% faster), and at seq
-        # 16384 the per-rank peak rose from 0.66x to 0.78x of one process's (PyTorch's
-        # allgather ring: 0.83x). At W = 2 the gather is one block, like a ring hop: ~10 ms
-        # saved did not pay for 1.00x -> 1.11x. alltoall and head_chunks are the lean choices.
+        # Step 0 (this rank's own block) is computed on key and value themselves, first or last as
+        # the transport says (own_block_first: the measurements are with each transport).
+        # What moves, per step s of the loop (ring transports; allgather has no key/value hops):
+        #   block(s)         takes block s, passes it on (s < W-1) with the accumulator staged last
+        #   step s computed  its dQ accumulates here; its dK/dV into the accumulator of block s,
+        #                    which arrived with this hop (or starts here at s = 1)
+        #   pass_grads       stages that accumulator for the next hop (flushes it at s = W-1: home)
+        #   grads_home       after the loop: this rank's own accumulator, plus its step-0 part
         rotation.block(0)
-        own_first = cfg.rotate_method == "allgather" and cfg.group.world_size > 2
-        for plan in plans if own_first else plans[1:] + plans[:1]:
+        order = plans if transport.own_block_first(cfg.group.world_size) else plans[1:] + plans[:1]
+        own = None  # this rank's contribution to its own block: added once that accumulator is home
+        for plan in order:
             kv = rotation.block(plan.step) if plan.step else (key, value)
-            contribution = None
-            if not plan.skipped:
-                q0, q1 = plan.q_rows
+            contribution = []  # (kv_rows, dk, dv) per block
+            for block in plan.blocks:
+                q0, q1 = block.q_rows
                 # grad_lse only when there is one: variants may override block_backward without it.
-                extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, plan.q_rows)}
-                block = (_rows(grad_out, plan.q_rows), _rows(query, plan.q_rows), _rows(kv[0], plan.kv_rows),
-                         _rows(kv[1], plan.kv_rows), _rows(out, plan.q_rows), _rows(lse, plan.q_rows))
-                do_, q_, k_, v_, o_, l_ = block
-                dq, dk, dv = self.nonfinite_backward(*self.block_backward(cfg, *block, plan, **extra),
-                                                     q_, k_, v_, o_, l_, do_, plan)
-                del block, do_, q_, k_, v_, o_, l_
+                extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}
+                args = (_rows(grad_out, block.q_rows), _rows(query, block.q_rows), _rows(kv[0], block.kv_rows),
+                        _rows(kv[1], block.kv_rows), _rows(out, block.q_rows), _rows(lse, block.q_rows))
+                do_, q_, k_, v_, o_, l_ = args
+                dq, dk, dv = self.nonfinite_backward(*self.block_backward(cfg, *args, block, **extra),
+                                                     q_, k_, v_, o_, l_, do_, block)
+                del args, do_, q_, k_, v_, o_, l_
                 dq_acc[:, :, q0:q1] += dq
-                contribution = (plan.kv_rows, dk, dv)
+                contribution.append((block.kv_rows, dk, dv))
                 del dq, dk, dv
-            grads.add(plan.step, plan.kv_rank, contribution)
+            if plan.step == 0:
+                own = contribution
+            else:
+                grads = self.grads_arrived(cfg, link, plan.step, like)
+                _accumulate(grads, contribution)
+                self.pass_grads(cfg, link, plan.step, grads)
+                del grads
             del kv, contribution  # not held through the next step's kernel
-        dkv = grads.result()
+        dkv = self.grads_home(cfg, link, like)
+        _accumulate(dkv, own)
         return dq_acc.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype)
+
+
+def _accumulate(acc: torch.Tensor, contribution) -> None:
+    """Add one step's [(kv_rows, dk, dv), ...] per block to a packed (2, batch, heads_kv, seq_kv,
+    head_dim) accumulator."""
+    for (k0, k1), dk, dv in contribution or ():
+        acc[0, :, :, k0:k1] += dk
+        acc[1, :, :, k0:k1] += dv
 
 
 class _RingFunction(torch.autograd.Function):

@@ -1,11 +1,10 @@
 """The collective schedule ring_impl declares, so a suite can assert it exactly.
 
-Accounting convention (shared with ``harness.accounting``): one entry per collective call a
-rank issues; the bytes of a call are the bytes of the tensors the rank passes in (for a recv,
-the receive buffer). Batched p2p counts one ``send`` and one ``recv`` per hop.
-
-Per phase, for ``W > 1`` and packed key/value bytes ``kv = 2*batch*heads_kv*seq_kv*head_dim*itemsize``
-and gradient bytes ``dkv`` (the same elements in the accumulation dtype, float32 or float64):
+Per phase (forward, backward) and collective kind, the calls and bytes one rank issues for one
+call of ``ring_attention`` and its backward. The ring's collectives come from the transport
+(``rotate_method``; each declares its own in :mod:`ring_impl.transports`), with packed key/value
+bytes ``kv = 2*batch*heads_kv*seq_kv*head_dim*itemsize`` and dK/dV accumulator bytes ``dkv`` (the
+same elements in the accumulation dtype, float32 or float64):
 
 ============  ==========================================  =============================================
 method        forward                                     backward
@@ -15,33 +14,23 @@ alltoall      all_to_all: W-1 calls, (W-1)*kv             all_to_all: T calls, (
 p2p           send, recv: W-1 calls each, (W-1)*kv each   send, recv: T each, (W-1)*(kv + dkv) each
 ============  ==========================================  =============================================
 
-Every figure is the minimum of a ring: each pass needs every other rank's key/value once
-(``W-1`` blocks), and every block's partial dK/dV must reach its owner, which in a ring takes
-``W-1`` hops of ``dkv`` (a block's accumulator starts on the rank after its owner; the owner's
-own contribution never leaves). ``allgather`` moves the accumulators the same way (see
-:mod:`ring_impl.comm` for why not by reduce-scatter).
-
-The backward's ``T`` transfers: eager, one per hop, ``T = 2W-2``. Compiled, a step's dK/dV
-hop travels packed with the next key/value hop in one transfer (:class:`ring_impl.comm.Link`),
-so ``W-1`` key/value hops and ``W-1`` dK/dV hops take ``T = 2`` transfers at ``W = 2`` and
-``T = W + 1`` from ``W = 3`` on (the first two carry key/value only, the last two dK/dV only).
+``T = 2W - 2`` eager; compiled ``T = 2`` at ``W = 2`` and ``W + 1`` from ``W = 3`` on (see
+:mod:`ring_impl.transports.neighbour`); compiled p2p hops count as ``all_to_all``. Every figure is
+the minimum of a ring.
 
 With ``head_chunks = c`` the ring runs ``c`` times over groups of heads (:mod:`ring_impl.heads`):
 every ring call count is multiplied by ``c`` and the bytes are unchanged (the chunks split
-``heads_kv``); the input check stays one all_reduce.
-
-Compiled (``compiled=True``), ``p2p`` hops are ``all_to_all`` calls, counted as ``alltoall``'s
-(see :func:`ring_impl.comm.shift`). Eager adds the forward's cross-rank input check:
-all_reduce, 1 call (see :mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
+``heads_kv``). Eager adds the forward's cross-rank input check: all_reduce, 1 call (see
+:mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .comm import check_rotate_method
 from .heads import check_head_chunks
 from .ops import accumulation_dtype
+from .transports import get_transport
 from .validate import exchange_nbytes
 
 __all__ = ["collective_schedule"]
@@ -66,7 +55,7 @@ def collective_schedule(
     ``seq_kv`` is the local key/value length per rank. Sizes must be ints >= 1 and ``dtype`` a
     floating-point dtype (ValueError otherwise).
     """
-    check_rotate_method(rotate_method)
+    transport = get_transport(rotate_method)
     sizes = {"world_size": world_size, "batch": batch, "heads_kv": heads_kv, "seq_kv": seq_kv, "head_dim": head_dim}
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -78,31 +67,16 @@ def collective_schedule(
     problem = check_head_chunks(head_chunks, heads_kv)
     if problem is not None:
         raise ValueError(f"collective_schedule: {problem}")
-    c = head_chunks
     fwd: dict[str, dict[str, int]] = {}
     bwd: dict[str, dict[str, int]] = {}
     if world_size > 1:
         elems = 2 * batch * heads_kv * seq_kv * head_dim
         kv = elems * dtype.itemsize
         dkv = elems * accumulation_dtype(dtype).itemsize
-        w = world_size
         if not compiled:
-            fwd["all_reduce"] = {"calls": 1, "bytes": exchange_nbytes(w)}
-        if rotate_method == "allgather":
-            fwd["all_gather"] = {"calls": c, "bytes": kv}
-            bwd["all_gather"] = {"calls": c, "bytes": kv}
-            bwd["all_to_all"] = {"calls": c * (w - 1), "bytes": (w - 1) * dkv}
-        else:
-            # Compiled p2p hops are all-to-all permutations (see ring_impl.comm.shift).
-            kinds = ("all_to_all",) if rotate_method == "alltoall" or compiled else ("send", "recv")
-            for kind in kinds:
-                fwd[kind] = {"calls": c * (w - 1), "bytes": (w - 1) * kv}
-                bwd[kind] = {"calls": c * backward_transfers(w, compiled), "bytes": (w - 1) * (kv + dkv)}
+            fwd["all_reduce"] = {"calls": 1, "bytes": exchange_nbytes(world_size)}
+        ring = transport.schedule(world_size, kv_bytes=kv, dkv_bytes=dkv, compiled=compiled)
+        for phase, into in (("forward", fwd), ("backward", bwd)):
+            for kind, entry in ring.get(phase, {}).items():
+                into[kind] = {"calls": head_chunks * entry["calls"], "bytes": entry["bytes"]}
     return {"forward": fwd, "backward": bwd}
-
-
-def backward_transfers(world_size: int, compiled: bool = False) -> int:
-    """Transfers of a ring method's backward: ``W - 1`` key/value and ``W - 1`` dK/dV hops;
-    compiled, the two kinds share a transfer on steps ``2 .. W - 2`` (see the module docstring)."""
-    hops = 2 * (world_size - 1)
-    return min(hops, world_size + 1) if compiled and world_size > 1 else hops

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import api
-from .comm import resolve_group
+from .group import resolve_group
 from .layout import check_layout
 from .ops import AttentionOp
 

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import ROTATE_METHODS
 from .heads import check_head_chunks
-from .layout import LAYOUTS
+from .layout import layout_divisor, layouts
 from .ops import AttentionOp
+from .transports import rotate_methods
 
 __all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes", "local_problem", "signature"]
 
@@ -66,19 +66,22 @@ def _is_dtensor(t: Any) -> bool:
 
 def local_problem(
     query, key, value, *, is_causal, scale, layout, rotate_method, op: AttentionOp | None,
-    op_error: str | None, head_chunks=1, return_lse=False,
+    op_error: str | None, head_chunks=1, return_lse=False, world_size: int | None = None,
 ) -> str | None:
-    """Everything one rank can check alone; returns the problem or None. Never raises."""
+    """Everything one rank can check alone; returns the problem or None. Never raises.
+
+    world_size: the ring's size, to check the local lengths against the layout (None: not checked
+    beyond the built-in layouts' own rule)."""
     try:
         return _local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
                               rotate_method=rotate_method, op=op, op_error=op_error, head_chunks=head_chunks,
-                              return_lse=return_lse)
+                              return_lse=return_lse, world_size=world_size)
     except Exception as exc:  # a check that trips over an argument is still a problem, not a crash
         return f"invalid arguments ({type(exc).__name__}: {exc})"
 
 
 def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, op, op_error, head_chunks,
-                   return_lse) -> str | None:
+                   return_lse, world_size=None) -> str | None:
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         if _is_dtensor(t):
@@ -123,15 +126,22 @@ def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method
             f"causal ring attention needs equal local query and key/value lengths, got {sq} and {skv}; "
             "use is_causal=False for cross attention"
         )
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
+    if not isinstance(layout, str) or layout not in layouts():
+        return f"unknown layout {layout!r}; expected one of {layouts()}"
     if layout == "head_tail" and (sq % 2 or skv % 2):
         return (
             f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even; got "
             f"query {sq}, key/value {skv}; shard a sequence that is a multiple of 2 * world_size"
         )
-    if not isinstance(rotate_method, str) or rotate_method not in ROTATE_METHODS:
-        return f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
+    if is_causal and world_size is not None:  # the causal plan follows the layout's positions
+        divisor = layout_divisor(layout, world_size)
+        if (sq * world_size) % divisor:
+            return (
+                f"layout {layout!r} over {world_size} ranks splits global lengths that are multiples of {divisor}; "
+                f"local length {sq} x {world_size} ranks is not: shard a sequence whose length is a multiple of {divisor}"
+            )
+    if not isinstance(rotate_method, str) or rotate_method not in rotate_methods():
+        return f"unknown rotate_method {rotate_method!r}; expected one of {rotate_methods()}"
     chunks_problem = check_head_chunks(head_chunks, hkv)
     if chunks_problem is not None:
         return chunks_problem
@@ -165,7 +175,7 @@ def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method
     hkv, skv = key.shape[1], key.shape[2]
     return [
         b, h, hkv, sq, skv, d, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
-        _scale_code(scale), LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method), _op_code(op), head_chunks,
+        _scale_code(scale), layouts().index(layout), rotate_methods().index(rotate_method), _op_code(op), head_chunks,
     ]
 
 
@@ -180,9 +190,9 @@ def _shown(field: str, code: int, op_names: dict[int, str]) -> str:
     if field == "scale":
         return f"{struct.unpack('<d', struct.pack('<q', code))[0]:.6g}"
     if field == "layout":
-        return repr(LAYOUTS[code])
+        return repr(layouts()[code]) if 0 <= code < len(layouts()) else f"layout #{code}"
     if field == "rotate_method":
-        return repr(ROTATE_METHODS[code])
+        return repr(rotate_methods()[code])
     if field == "op":
         return repr(op_names.get(code, f"op #{code}"))
     return str(code)
