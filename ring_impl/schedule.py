@@ -81,7 +81,7 @@ def collective_schedule(
             raise ValueError(f"collective_schedule: strategy {strategy!r} needs mesh_shape, heads and seq_q")
         if mesh_shape[0] * mesh_shape[1] != world_size:
             raise ValueError(f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} ranks")
-        return strategy_schedule(strategy, tuple(mesh_shape), rotate_method, batch=batch, heads=heads, heads_kv=heads_kv,
+        return strategy_schedule(strategy, (mesh_shape[0], mesh_shape[1]), rotate_method, batch=batch, heads=heads, heads_kv=heads_kv,
                                  seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
                                  head_chunks=head_chunks, return_lse=return_lse)
     check_rotate_method(rotate_method)

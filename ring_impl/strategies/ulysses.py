@@ -41,6 +41,7 @@ from ..layout import chunk_ids
 from ..lse import normalize_lse
 from ..nonfinite import poison_backward, poison_forward
 from ..ops import AttentionOp, accumulation_dtype, call_backward, call_forward
+from ..ring import RingAttention, RingConfig
 from .alltoall import heads_to_sequence, sequence_to_heads
 from .groups import HeadGroup
 
@@ -65,8 +66,8 @@ class HeadParallelConfig:
     layout: str
     op: AttentionOp
     return_lse: bool
-    ring: object = None
-    ring_impl: object = None
+    ring: RingConfig | None = None
+    ring_impl: RingAttention | None = None
 
 
 class Ulysses:
