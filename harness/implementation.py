@@ -43,6 +43,11 @@ Optional, with defaults:
     The name of the :mod:`ring_impl.ops` kernel that matches the implementation's own local
     kernel; the single-device baseline of the numerics policy runs it (default ``"auto"``).
 
+``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
+(``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
+``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
+shards follow :mod:`reference.strategies`' layouts. Undeclared claims all three.
+
 ``op`` is passed to ``ring_attention`` when a case runs a given kernel (``--op``, the LSE-layout
 cases, the work-counting cases): as an op object (:class:`ring_impl.ops.AttentionOp`), which needs
 ``"*"`` in ``capabilities.ops`` (undeclared ``ops`` claims it). Declare ``ops=frozenset()`` for
@@ -121,6 +126,7 @@ class Capabilities:
     context_parallel: bool | None = None  # offers context_parallel / ContextParallel (needs api_module)
     collective_schedule: bool | None = None  # has collective_schedule(...), asserted exactly
     record_steps: bool | None = None  # has record_steps(), per-step partials
+    strategies: frozenset[str] | None = None  # "ring", "ulysses", "hybrid": ring_attention(strategy=...)
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

@@ -246,11 +246,13 @@ def world_size_skip_reason(world_size: int, settings: HarnessSettings) -> str:
             return (f"needs world_size {world_size} but torchrun launched {launched} ranks: "
                     f"launch torchrun with {world_size} ranks in total to run it")
         return ""
-    if world_size not in settings.world_sizes:
+    if not settings.runs_world_size(world_size):
         enabled = ",".join(map(str, settings.world_sizes))
         wider = ",".join(map(str, sorted({*settings.world_sizes, world_size})))
+        mesh = ",".join(map(str, settings.mesh_world_sizes))
         return (f"world_size {world_size} not enabled (world sizes: {enabled}): "
-                f"add it with --world-sizes {wider} (or RING_WORLD_SIZES), or use --tier nightly")
+                f"add it with --world-sizes {wider} (or RING_WORLD_SIZES), or use --tier nightly"
+                + (f" (suites over 2-D meshes run {mesh})" if mesh != enabled else ""))
     return ""
 
 

@@ -23,6 +23,9 @@ BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("auto", "pool", "torchrun")
 RANK_STARTS = ("forkserver", "spawn")
 DEFAULT_WORLD_SIZES = {"quick": (1, 2, 3, 4), "nightly": (1, 2, 3, 4, 5, 6, 7, 8)}
+#: World sizes of the suites over 2-D meshes when --world-sizes is not given: their mesh shapes
+#: need 6 ranks (2x3, 3x2) in the quick tier and 8 and 16 (4x2, 4x4, 2x8) in the nightly one.
+DEFAULT_MESH_WORLD_SIZES = {"quick": (4, 6), "nightly": (4, 6, 8, 16)}
 DEFAULT_CASE_TIMEOUT_S = 60.0
 # A case that compiles: a cold inductor cache compiles C++ on every rank of the case at once
 # (see the measurement in the docstring of HarnessSettings.timeout_for).
@@ -100,7 +103,7 @@ def _parse_positive_int(raw: str) -> int:
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "world_sizes", "--world-sizes", "RING_WORLD_SIZES",
-        "Comma-separated world sizes to run (default 1,2,3,4; nightly tier 1..8)",
+        "Comma-separated world sizes to run (default 1,2,3,4; nightly tier 1..8; suites over 2-D meshes: 4,6; nightly 4,6,8,16)",
         _parse_world_sizes, "1,2,4", metavar="N[,N...]",
     ),
     OptionSpec(
@@ -165,6 +168,16 @@ class HarnessSettings:
 
     def with_(self, **changes: Any) -> HarnessSettings:
         return replace(self, **changes)
+
+    @property
+    def mesh_world_sizes(self) -> tuple[int, ...]:
+        """World sizes of the suites over 2-D meshes: ``world_sizes`` when given explicitly
+        (option or variable), else the tier's :data:`DEFAULT_MESH_WORLD_SIZES`."""
+        return self.world_sizes if "world_sizes" in self.sources else DEFAULT_MESH_WORLD_SIZES[self.tier]
+
+    def runs_world_size(self, world_size: int) -> bool:
+        """Whether a case of ``world_size`` ranks runs in this session."""
+        return world_size in self.world_sizes or world_size in self.mesh_world_sizes
 
     def timeout_for(self, *, compiles: bool) -> float:
         """The case timeout of a case, in seconds: ``case_timeout``, or for a case that compiles

@@ -4,7 +4,7 @@ Public API::
 
     ring_attention(query, key, value, *, group=None, is_causal=False, scale=None,
                    rotate_method=None, op=None, layout="contiguous", return_lse=False,
-                   head_chunks=1)
+                   head_chunks=1, strategy="ring")   # or "ulysses", "hybrid": ring_impl.strategies
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
     shard / unshard                    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
@@ -22,12 +22,14 @@ from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
 from .parallel_style import ContextParallel
 from .ring import RingAttention
 from .schedule import collective_schedule
+from .strategies import STRATEGIES
 from .transports import ROTATE_METHODS, Transport, get_transport, register_transport, rotate_methods
 from .validate import InputError
 
 __all__ = [
     "LAYOUTS",
     "ROTATE_METHODS",
+    "STRATEGIES",
     "AttentionOp",
     "ContextParallel",
     "ContextParallelError",

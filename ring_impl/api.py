@@ -42,8 +42,18 @@ def _ring_attention(
     return_lse: bool = False,
     head_chunks: int = 1,
     extra_problem: str | None = None,
+    strategy: str = "ring",
+    algorithms=None,
 ):
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
+    if strategy != "ring":
+        from .strategies import strategy_attention
+
+        return strategy_attention(
+            impl, algorithms, strategy, query, key, value, group=group, is_causal=is_causal, scale=scale,
+            rotate_method=rotate_method, op=op, layout=layout, return_lse=return_lse, head_chunks=head_chunks,
+            extra_problem=extra_problem,
+        )
     pg = resolve_group(group)
     op_obj, op_error = None, None
     effective_scale: float | None = None
@@ -86,11 +96,13 @@ def _ring_attention(
     return (out, lse) if return_lse else out
 
 
-def bind(impl: RingAttention) -> Callable[..., torch.Tensor]:
-    """A ``ring_attention`` with the same signature that runs ``impl`` (a RingAttention variant)."""
+def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]:
+    """A ``ring_attention`` with the same signature that runs ``impl`` (a RingAttention variant),
+    and ``strategies`` ({"ulysses": ..., "hybrid": ...}: variants of ``ring_impl.strategies``'
+    algorithms) for the head-parallel strategies."""
 
     def ring_attention(query, key, value, **kwargs):
-        return _ring_attention(impl, query, key, value, **kwargs)
+        return _ring_attention(impl, query, key, value, algorithms=strategies, **kwargs)
 
     ring_attention.__doc__ = _ring_attention_doc
     return ring_attention
@@ -102,7 +114,9 @@ Args:
     query: this rank's shard (batch, heads, seq_q_local, head_dim), sharded on dim 2 in ``layout``.
     key, value: (batch, heads_kv, seq_kv_local, head_dim); heads % heads_kv == 0 (GQA: only
         heads_kv heads travel). Non-causal attention may have seq_kv_local != seq_q_local.
-    group: a ProcessGroup or 1-D DeviceMesh (default: the default process group).
+    group: a ProcessGroup or 1-D DeviceMesh (default: the default process group); for
+        ``strategy="hybrid"`` a 2-D DeviceMesh with dims named "ulysses" and "ring", or a
+        mapping {"ulysses": group, "ring": group}.
     is_causal: causal attention over the global sequence (top-left aligned); needs
         seq_q_local == seq_kv_local.
     scale: softmax scale (default 1/sqrt(head_dim)).
@@ -118,6 +132,12 @@ Args:
         blocks and dK/dV accumulators in flight and the kernel's per-step results shrink by
         that factor, so per-rank memory beyond inputs and outputs does; collectives multiply
         by it, bytes sent stay the same. See ring_impl.heads.
+    strategy: "ring" (default); "ulysses": an all-to-all turns sequence shards into head shards,
+        each rank attends heads / U heads over the whole sequence with the local kernel, and an
+        all-to-all turns the output back (heads must be divisible by the group size; key/value
+        heads fewer than it are replicated); "hybrid": Ulysses inside each row of a 2-D mesh and
+        the ring (every rotation, layout, op, head_chunks) across rows. Shards follow the
+        strategy's layout (ring_impl.strategies.shard). See ring_impl.strategies.
 
 Returns:
     The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE

@@ -49,12 +49,30 @@ def collective_schedule(
     dtype: torch.dtype,
     compiled: bool = False,
     head_chunks: int = 1,
+    strategy: str = "ring",
+    mesh_shape: tuple[int, int] | None = None,
+    heads: int | None = None,
+    seq_q: int | None = None,
+    return_lse: bool = True,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
     ``seq_kv`` is the local key/value length per rank. Sizes must be ints >= 1 and ``dtype`` a
-    floating-point dtype (ValueError otherwise).
+    floating-point dtype (ValueError otherwise). ``strategy="ulysses"`` / ``"hybrid"`` also take
+    ``mesh_shape`` (ulysses degree, ring degree; product ``world_size``), ``heads``, ``seq_q``
+    (local) and ``return_lse``: see :mod:`ring_impl.strategies.schedule`.
     """
+    if strategy != "ring":
+        from .strategies.schedule import strategy_schedule
+
+        mesh_shape = (world_size, 1) if mesh_shape is None and strategy == "ulysses" else mesh_shape
+        if mesh_shape is None or heads is None or seq_q is None:
+            raise ValueError(f"collective_schedule: strategy {strategy!r} needs mesh_shape, heads and seq_q")
+        if mesh_shape[0] * mesh_shape[1] != world_size:
+            raise ValueError(f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} ranks")
+        return strategy_schedule(strategy, (mesh_shape[0], mesh_shape[1]), rotate_method, batch=batch, heads=heads, heads_kv=heads_kv,
+                                 seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
+                                 head_chunks=head_chunks, return_lse=return_lse)
     transport = get_transport(rotate_method)
     sizes = {"world_size": world_size, "batch": batch, "heads_kv": heads_kv, "seq_kv": seq_kv, "head_dim": head_dim}
     for name, value in sizes.items():

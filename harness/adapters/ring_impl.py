@@ -23,6 +23,7 @@ CAPABILITIES = Capabilities(
     context_parallel=True,
     collective_schedule=True,
     record_steps=True,
+    strategies=frozenset(ring_impl.STRATEGIES),
 )
 
 

@@ -289,6 +289,7 @@ class TorchContextParallel:
             context_parallel=False,  # no api_module: PyTorch's API does not run on CPU
             collective_schedule=True,
             record_steps=False,  # PyTorch's ring exposes no per-step partials
+            strategies=frozenset({"ring"}),  # its ring only: no Ulysses or hybrid
         )
         self.baseline_op = "auto"
 

@@ -457,6 +457,7 @@ class FlashRing:
         compile=False,
         input_errors=True,
         context_parallel=False,
+        strategies=frozenset({"ring"}),
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

@@ -324,6 +324,7 @@ class MathRing:
         compile=False,
         input_errors=True,
         context_parallel=False,
+        strategies=frozenset({"ring"}),
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

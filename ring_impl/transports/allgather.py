@@ -26,7 +26,7 @@ import torch
 
 from ..group import RingGroup
 from .base import PhaseSchedule
-from .link import Link, Pending, _c10d, _Transfer, alltoall_hop, stage_on_host
+from .link import Link, Pending, Transfer, _c10d, alltoall_hop, stage_on_host
 
 __all__ = ["ALLGATHER", "AllGather", "GatheredBlocks"]
 
@@ -41,7 +41,7 @@ class GatheredBlocks:
         self._pending: Pending | None = None
         if g.world_size > 1:
             flat, device = stage_on_host(kv.reshape(-1), g)
-            self._pending = _Transfer(_c10d.all_gather_into_tensor(flat, g.world_size, g.group_name), device)
+            self._pending = Transfer(_c10d.all_gather_into_tensor(flat, g.world_size, g.group_name), device)
 
     def block(self, step: int) -> torch.Tensor:
         if step == 0:

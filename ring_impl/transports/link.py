@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..group import RingGroup
 
-__all__ = ["Hop", "Link", "Pending", "after", "alltoall_hop", "p2p_hop", "stage_on_host"]
+__all__ = ["Hop", "Link", "Pending", "Transfer", "after", "alltoall_hop", "p2p_hop", "stage_on_host"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -35,7 +35,7 @@ class Pending(Protocol):
     def result(self) -> torch.Tensor: ...
 
 
-class _Transfer:
+class Transfer:
     """A functional-collective transfer in flight."""
 
     def __init__(self, received: torch.Tensor, device: torch.device | None = None, shape: torch.Size | None = None):
@@ -45,7 +45,7 @@ class _Transfer:
 
     def result(self) -> torch.Tensor:
         if self._done:
-            raise RuntimeError("_Transfer.result called twice")
+            raise RuntimeError("Transfer.result called twice")
         self._done = True
         out = _wait(self._received)
         out = out if self._device is None else out.to(self._device)
@@ -102,7 +102,7 @@ def alltoall_hop(t: torch.Tensor, g: RingGroup) -> Pending:
     in_splits[(g.rank + 1) % g.world_size] = n
     out_splits[(g.rank - 1) % g.world_size] = n
     recv = _c10d.all_to_all_single(flat, out_splits, in_splits, g.group_name)
-    return _Transfer(recv, device, t.shape)
+    return Transfer(recv, device, t.shape)
 
 
 def p2p_hop(t: torch.Tensor, g: RingGroup) -> Pending:

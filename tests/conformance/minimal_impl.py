@@ -1,6 +1,6 @@
 """A vendor-style implementation that declares what it lacks: only the contiguous layout,
 allgather and float32 on CPU; no LSE, no op objects, no collective schedule, no step records, no
-context-parallel API. What it leaves undeclared (GQA, cross attention, compile, bad-input
+context-parallel API, the ring strategy only. What it leaves undeclared (GQA, cross attention, compile, bad-input
 errors) it claims. Used to check N/A reporting and the plug-in path."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class MinimalRing:
         collective_schedule=False,
         record_steps=False,
         context_parallel=False,
+        strategies=frozenset({"ring"}),
     )
 
     @staticmethod

@@ -1,0 +1,110 @@
+"""Deliberately broken head-parallel strategies: one per bug users reported in Ulysses and
+hybrid (USP-style) context parallelism.
+
+Each is ``ring_impl``'s Ulysses and hybrid with one seam overridden the way a real implementation
+got it wrong, wrapped as an implementation under test (``--impl
+meta_tests.broken_strategies:<NAME>``; its ring is ring_impl's, correct).
+``meta_tests/test_strategies_caught.py`` runs ``suites/test_strategies.py`` against each and
+requires a failure whose message matches the bug's own ``expect`` pattern and no other broken
+implementation's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness.adapters.ring_impl import RingImplAdapter
+from meta_tests.broken import Broken
+from ring_impl import RingAttention, bind
+from ring_impl.ops import accumulation_dtype
+from ring_impl.strategies import Hybrid, Ulysses
+from ring_impl.strategies.alltoall import _exchange, _pack, _unpack
+
+__all__ = ["BROKEN_STRATEGIES"]
+
+
+class HeadsAndSequenceSwapped:
+    """The sequence-to-heads all-to-all splits the sequence dim where it must split heads (the
+    all-to-all on the wrong dim after a transpose); the receiver reads the pieces as head slices."""
+
+    def to_heads(self, parts, g):
+        if g.size == 1:
+            return list(parts)
+        u = g.size
+        staged = [t.reshape(t.shape[0], t.shape[1], u, t.shape[2] // u, t.shape[3]).permute(2, 0, 1, 3, 4) for t in parts]
+        rows, layout = _pack(staged, g)
+        out = []
+        for t, r in zip(parts, _unpack(_exchange(rows, g), layout)):
+            b, h, s, f = t.shape
+            out.append(r.reshape(u, b, h // u, s, f).permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, f))
+        return out
+
+
+class KVHeadsTiled:
+    """Key/value heads fewer than the degree replicated as a block (``repeat``) instead of each
+    head next to its copies (``repeat_interleave``); the gradients summed back the same way."""
+
+    def expand_kv(self, t, factor):
+        return t if factor == 1 else t.repeat(1, factor, 1, 1)
+
+    def reduce_kv(self, t, factor):
+        if factor == 1:
+            return t
+        b, h, s, d = t.shape
+        return t.reshape(b, factor, h // factor, s, d).sum(1)
+
+
+class RingDimWithoutReorder:
+    """The hybrid's ring dimension runs the contiguous plan whatever the layout: head_tail shards
+    attended as if they were contiguous ones."""
+
+    def ring_config(self, cfg):
+        return replace(cfg.ring, layout="contiguous")
+
+
+class LocalOnly:
+    """No all-to-all, no ring: each rank attends to its own shard with the local kernel, and
+    returns shapes and dtypes that look right."""
+
+    def forward(self, cfg, query, key, value):
+        out, lse = Ulysses.inner_forward(self, cfg, query, key, value)  # type: ignore[arg-type]
+        return out, (lse if cfg.return_lse else None), (query, key, value, out, lse)
+
+    def backward(self, cfg, grad_out, grad_lse, saved, key_dtype, heads_kv):
+        q, k, v, out, lse = saved
+        acc = accumulation_dtype(q.dtype)
+        dlse = None if grad_lse is None else grad_lse.to(acc)
+        dq, dk, dv = Ulysses.inner_backward(self, cfg, grad_out, q, k, v, out, lse, dlse)  # type: ignore[arg-type]
+        return dq.to(q.dtype), dk.to(key_dtype), dv.to(key_dtype)
+
+
+def _strategies(bug: type) -> dict[str, Ulysses]:
+    """The bug applied to both head-parallel strategies (where it has a seam in them)."""
+    return {"ulysses": type(f"{bug.__name__}Ulysses", (bug, Ulysses), {})(),
+            "hybrid": type(f"{bug.__name__}Hybrid", (bug, Hybrid), {})()}
+
+
+def _adapter(name: str, bug: type) -> RingImplAdapter:
+    adapter = RingImplAdapter(name=name)
+    adapter.ring_attention = bind(RingAttention(), strategies=_strategies(bug))
+    return adapter
+
+
+BROKEN_STRATEGIES: dict[str, Broken] = {b.name: b for b in [
+    Broken("heads_sequence_swapped", "Ulysses/hybrid: all-to-all on the wrong dimension after a transpose",
+           r"heads and sequence swapped in the all-to-all", _adapter("heads_sequence_swapped", HeadsAndSequenceSwapped),
+           suites="suites/test_strategies.py"),
+    Broken("kv_heads_wrong_order", "Ulysses/hybrid: key/value heads fewer than the degree replicated in the wrong order",
+           r"key/value heads replicated in the wrong order", _adapter("kv_heads_wrong_order", KVHeadsTiled),
+           suites="suites/test_strategies.py"),
+    Broken("hybrid_without_head_tail_reorder", "hybrid: the ring dimension missing the load-balancing reorder",
+           r"head_tail reorder is missing", _adapter("hybrid_without_head_tail_reorder", RingDimWithoutReorder),
+           suites="suites/test_strategies.py"),
+    Broken("local_attention_only", "silent fallback: a strategy that runs local attention only",
+           r"local attention, context parallelism silently off", _adapter("local_attention_only", LocalOnly),
+           suites="suites/test_strategies.py"),
+]}
+
+# Module attributes, so each is loadable as --impl meta_tests.broken_strategies:<name>.
+globals().update({name: b.impl for name, b in BROKEN_STRATEGIES.items()})
+

@@ -1,0 +1,96 @@
+"""The collectives a head-parallel call issues, per phase, so a suite can assert them exactly.
+
+Accounting convention as :mod:`ring_impl.schedule` (one entry per call a rank issues; the bytes
+of an ``all_to_all`` are its whole input, this rank's own part included). Per rank, with local
+lengths ``s_q``, ``s_kv``, ``it`` the input dtype's item size and ``acc`` the accumulation
+dtype's, ``hkv' = heads_kv * e`` key/value heads after replication (``e = U / gcd(heads_kv, U)``,
+see :mod:`.ulysses`), and ``U`` the Ulysses degree:
+
+=========  ===================================================  =================================================
+phase      all_to_all over the Ulysses group (U > 1)            the ring over the ring group (hybrid, R > 1)
+=========  ===================================================  =================================================
+forward    1 call, q + k + v: ``b*(h*s_q + 2*hkv'*s_kv)*d*it``;  ``ring_impl.collective_schedule(R, ...)`` of the
+           1 call, out (+ LSE): ``b*h*s_q*(d*it [+ acc])``       ring shard: ``heads_kv = hkv'/U``, ``seq_kv =
+backward   1 call, dO (+ dLSE): ``b*h*s_q*(d*it [+ acc])``;      U*s_kv``, without its input check
+           1 call, dQ + dK + dV: as the forward's first
+=========  ===================================================  =================================================
+
+``[+ acc]``: only with ``return_lse`` (the LSE and its gradient then travel with the output).
+The forward's input check adds ``all_reduce``: one call per mesh dim of size > 1 (eager only),
+each of :func:`.validate.exchange_nbytes` bytes. A rank's all-to-all bytes are the minimum for
+the two exchanges: every rank needs the whole sequence of its heads; only ``e > 1`` with
+``heads_kv`` not dividing ``U`` sends a key/value head to a rank twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import accumulation_dtype
+from ..schedule import collective_schedule as ring_schedule
+from .layout import check_strategy
+from .ulysses import kv_replication
+from .validate import exchange_calls, exchange_nbytes
+
+__all__ = ["strategy_schedule"]
+
+Schedule = dict[str, dict[str, dict[str, int]]]
+
+
+def _add(into: dict[str, dict[str, int]], kind: str, calls: int, nbytes: int) -> None:
+    entry = into.setdefault(kind, {"calls": 0, "bytes": 0})
+    entry["calls"] += calls
+    entry["bytes"] += nbytes
+
+
+def strategy_schedule(
+    strategy: str,
+    mesh_shape: tuple[int, int],
+    rotate_method: str = "allgather",
+    *,
+    batch: int,
+    heads: int,
+    heads_kv: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    compiled: bool = False,
+    head_chunks: int = 1,
+    return_lse: bool = True,
+) -> Schedule:
+    """``{phase: {kind: {"calls": n, "bytes": b}}}`` of one forward and one backward call of
+    ``strategy`` ("ulysses" on a ``(U, 1)`` mesh, "hybrid" on ``(U, R)``); ``seq_q``/``seq_kv``
+    are local lengths. ValueError for bad sizes."""
+    check_strategy(strategy)
+    if strategy == "ring":
+        raise ValueError("strategy_schedule: use ring_impl.collective_schedule for the ring")
+    sizes = {"batch": batch, "heads": heads, "heads_kv": heads_kv, "seq_q": seq_q, "seq_kv": seq_kv, "head_dim": head_dim}
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"strategy_schedule: {name} must be an int >= 1, got {value!r}")
+    u, r = (int(n) for n in mesh_shape)
+    if strategy == "ulysses" and r != 1:
+        raise ValueError(f"strategy_schedule: Ulysses runs on a (U, 1) mesh, got {mesh_shape!r}")
+    if heads % u or heads % heads_kv:
+        raise ValueError(f"strategy_schedule: heads {heads} must be divisible by the Ulysses degree {u} and by heads_kv {heads_kv}")
+    fwd: dict[str, dict[str, int]] = {}
+    bwd: dict[str, dict[str, int]] = {}
+    it, acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
+    hkv = heads_kv * kv_replication(heads_kv, u)
+    if not compiled and exchange_calls((u, r)):
+        _add(fwd, "all_reduce", exchange_calls((u, r)), exchange_calls((u, r)) * exchange_nbytes(u * r))
+    if u > 1:
+        qkv = batch * (heads * seq_q + 2 * hkv * seq_kv) * head_dim * it
+        back = batch * heads * seq_q * (head_dim * it + (acc if return_lse else 0))
+        _add(fwd, "all_to_all", 2, qkv + back)
+        _add(bwd, "all_to_all", 2, back + qkv)
+    if strategy == "hybrid" and r > 1:
+        ring = ring_schedule(r, rotate_method, batch=batch, heads_kv=hkv // u, seq_kv=u * seq_kv, head_dim=head_dim,
+                             dtype=dtype, compiled=bool(compiled), head_chunks=head_chunks)
+        if not compiled:
+            ring["forward"].pop("all_reduce", None)  # the hybrid checks its input once, on the mesh
+        for phase, into in (("forward", fwd), ("backward", bwd)):
+            for kind, entry in ring[phase].items():
+                _add(into, kind, entry["calls"], entry["bytes"])
+    return {"forward": fwd, "backward": bwd}

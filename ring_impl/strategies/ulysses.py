@@ -1,0 +1,214 @@
+"""Ulysses: attention parallel over heads, with the sequence gathered by all-to-all.
+
+Forward, on each rank of a Ulysses group of ``U`` ranks:
+
+1. one all-to-all turns the sequence shards of query, key and value into head shards: this rank
+   gets the whole (gathered) sequence of ``heads / U`` query heads and of the key/value heads
+   they read;
+2. the *inner* attention runs on them: the local kernel on the full sequence (``ulysses``), or
+   the ring across the hybrid's rows (:mod:`.hybrid`);
+3. one all-to-all turns the output (and the LSE when it is returned) back into sequence shards.
+
+The backward is explicit and mirrors it: one all-to-all brings the output gradient (and the
+LSE's) to head shards, the inner backward runs, one all-to-all takes dQ, dK and dV back to
+sequence shards. Every rank issues the same collectives in the same order (2 forward, 2 backward).
+
+Key/value heads. Query head ``h`` reads key/value head ``h // (heads / heads_kv)`` (SDPA's GQA).
+Rank ``j`` holds query heads ``[j*heads/U, (j+1)*heads/U)``. When ``U`` divides ``heads_kv`` it
+also holds key/value heads ``[j*heads_kv/U, ...)``, exactly what its query heads read. Otherwise
+(GQA or MQA with fewer key/value heads than the degree) each key/value head is replicated ``e =
+U / gcd(heads_kv, U)`` times *in place* (``repeat_interleave``: head ``i`` becomes heads ``i*e ..
+i*e + e - 1``), which makes ``lcm(heads_kv, U)`` heads that split evenly and keep the mapping:
+query head ``h`` reads replica ``h // (heads / (e * heads_kv))``, a copy of key/value head ``h //
+(heads / heads_kv)``. The gradients of the replicas are summed back (in the accumulation dtype)
+after the last all-to-all. When ``heads_kv`` divides ``U`` (MQA included) every rank receives
+exactly the one key/value head it needs. Query heads must be divisible by ``U``: a rank cannot
+hold part of a head (InputError on every rank otherwise).
+
+The class holds the algorithm; its methods are the seams a variant overrides (the project's
+meta-tests build deliberately broken strategies this way).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..layout import chunk_ids
+from ..lse import normalize_lse
+from ..nonfinite import poison_backward, poison_forward
+from ..ops import AttentionOp, accumulation_dtype, call_backward, call_forward
+from ..ring import RingAttention, RingConfig
+from .alltoall import heads_to_sequence, sequence_to_heads
+from .groups import HeadGroup
+
+__all__ = ["HeadParallelConfig", "Ulysses", "head_parallel_fn", "kv_replication"]
+
+
+def kv_replication(heads_kv: int, degree: int) -> int:
+    """How many times each key/value head is replicated before the all-to-all: ``U / gcd(heads_kv, U)``."""
+    return degree // math.gcd(heads_kv, degree)
+
+
+@dataclass(frozen=True)
+class HeadParallelConfig:
+    """Everything a head-parallel call needs besides tensors; plain values, fixed per call.
+
+    ``ring``: the ring's config for the hybrid's ring dimension (a ``ring_impl.ring.RingConfig``),
+    None for Ulysses. ``ring_impl``: the ``RingAttention`` that runs it."""
+
+    heads: HeadGroup
+    is_causal: bool
+    scale: float
+    layout: str
+    op: AttentionOp
+    return_lse: bool
+    ring: RingConfig | None = None
+    ring_impl: RingAttention | None = None
+
+
+class Ulysses:
+    """Ulysses over one process group (``strategy="ulysses"``). Stateless between calls."""
+
+    name = "ulysses"
+
+    # ------------------------------------------------------------------ key/value heads
+
+    def expand_kv(self, t: torch.Tensor, factor: int) -> torch.Tensor:
+        """(b, hkv, s, d) -> (b, hkv * factor, s, d), each head's replicas next to each other."""
+        return t if factor == 1 else t.repeat_interleave(factor, dim=1)
+
+    def reduce_kv(self, t: torch.Tensor, factor: int) -> torch.Tensor:
+        """The inverse of :meth:`expand_kv` for gradients: the replicas of each head summed (in
+        ``t``'s dtype; the caller passes the accumulation dtype)."""
+        if factor == 1:
+            return t
+        b, h, s, d = t.shape
+        return t.reshape(b, h // factor, factor, s, d).sum(2)
+
+    # ------------------------------------------------------------------ all-to-all
+
+    def to_heads(self, parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
+        return sequence_to_heads(parts, g)
+
+    def to_sequence(self, parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
+        return heads_to_sequence(parts, g)
+
+    # ------------------------------------------------------------------ sequence order
+
+    def gathered_order(self, cfg: HeadParallelConfig) -> list[int] | None:
+        """Chunk ids, in sequence order, of the gathered sequence's ``2U`` chunks when the
+        inner attention needs it reordered (causal ``head_tail``); None when it needs no reorder."""
+        u = cfg.heads.size
+        if not cfg.is_causal or cfg.layout != "head_tail" or u == 1:
+            return None
+        held = [c for rank in range(u) for c in chunk_ids("head_tail", u, rank)]  # gathered order
+        return [held.index(c) for c in range(2 * u)]  # position in the gathered order of chunk c
+
+    @staticmethod
+    def _permute(t: torch.Tensor, order: list[int] | None, *, inverse: bool = False) -> torch.Tensor:
+        """Reorder the equal chunks of dim 2: chunk ``i`` of the result is chunk ``order[i]``."""
+        if order is None:
+            return t
+        if inverse:
+            order = [order.index(i) for i in range(len(order))]
+        chunks = t.chunk(len(order), dim=2)
+        return torch.cat([chunks[i] for i in order], dim=2)
+
+    # ------------------------------------------------------------------ inner attention
+
+    def inner_forward(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """(out in the input dtype, lse (b, h, s) in the accumulation dtype) of the gathered heads:
+        the local kernel on the whole sequence."""
+        kind = "causal" if cfg.is_causal else "full"
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=cfg.is_causal, scale=cfg.scale)
+        b, h, s, _ = q.shape
+        lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=cfg.op.capabilities.lse_layout,
+                            op_name=getattr(cfg.op, "name", "op"))
+        out, lse = poison_forward(out, lse, q, k, v, kind)
+        return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
+
+    def inner_backward(self, cfg: HeadParallelConfig, grad_out, q, k, v, out, lse, grad_lse):
+        kind = "causal" if cfg.is_causal else "full"
+        dq, dk, dv = call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=cfg.is_causal, scale=cfg.scale,
+                                   grad_lse=grad_lse)
+        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, kind)
+
+    # ------------------------------------------------------------------ the algorithm
+
+    def forward(self, cfg: HeadParallelConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """Local (out (b, h, s_q, d) in the input dtype, lse (b, h, s_q) in the accumulation dtype,
+        saved) where ``saved`` is what :meth:`backward` needs."""
+        g = cfg.heads
+        factor = kv_replication(key.shape[1], g.size)
+        q, k, v = self.to_heads([query, self.expand_kv(key, factor), self.expand_kv(value, factor)], g)
+        order = self.gathered_order(cfg)
+        q, k, v = (self._permute(t, order) for t in (q, k, v))
+        out_h, lse_h = self.inner_forward(cfg, q, k, v)
+        back = [self._permute(out_h, order, inverse=True)]
+        if cfg.return_lse:
+            back.append(self._permute(lse_h.unsqueeze(-1), order, inverse=True))
+        back = self.to_sequence(back, g)
+        out = back[0]
+        lse = back[1].squeeze(-1) if cfg.return_lse else None
+        return out, lse, (q, k, v, out_h, lse_h)
+
+    def backward(self, cfg: HeadParallelConfig, grad_out, grad_lse, saved, key_dtype: torch.dtype, heads_kv: int):
+        """(dq, dk, dv) as sequence shards; dk/dv with ``heads_kv`` heads in ``key_dtype``.
+
+        grad_out (b, h, s_q, d); grad_lse (b, h, s_q) or None (zeros travel when the LSE was
+        returned, so every rank sends the same bytes whether or not its loss used the LSE)."""
+        q, k, v, out_h, lse_h = saved
+        g = cfg.heads
+        order = self.gathered_order(cfg)
+        acc = accumulation_dtype(q.dtype)
+        parts = [grad_out]
+        if cfg.return_lse:
+            lse_grad = torch.zeros(grad_out.shape[:3], dtype=acc, device=grad_out.device) if grad_lse is None else grad_lse.to(acc)
+            parts.append(lse_grad.unsqueeze(-1))
+        parts = self.to_heads(parts, g)
+        dout_h = self._permute(parts[0], order)
+        dlse_h = self._permute(parts[1], order).squeeze(-1) if cfg.return_lse else None
+        dq_h, dk_h, dv_h = self.inner_backward(cfg, dout_h, q, k, v, out_h, lse_h, dlse_h)
+        grads = [self._permute(t.to(q.dtype), order, inverse=True) for t in (dq_h, dk_h, dv_h)]
+        dq, dk, dv = self.to_sequence(grads, g)
+        factor = kv_replication(heads_kv, g.size)
+        if factor > 1:  # replicas summed in the accumulation dtype, rounded once
+            dk, dv = self.reduce_kv(dk.to(acc), factor), self.reduce_kv(dv.to(acc), factor)
+        return dq, dk.to(key_dtype), dv.to(key_dtype)
+
+
+class _HeadParallelFunction(torch.autograd.Function):
+    """out and lse of a head-parallel strategy; the backward is explicit and first-order."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cfg: HeadParallelConfig, algo: Ulysses):
+        out, lse, saved = algo.forward(cfg, query, key, value)
+        ctx.save_for_backward(*saved)
+        ctx.cfg, ctx.algo = cfg, algo
+        ctx.heads_kv, ctx.key_dtype = key.shape[1], key.dtype
+        ctx.set_materialize_grads(False)
+        if lse is None:
+            return out, out.new_empty(0)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        cfg, algo = ctx.cfg, ctx.algo
+        saved = ctx.saved_tensors
+        if grad_out is None:  # only the LSE reaches the loss
+            grad_out = torch.zeros(saved[0].shape[0], saved[0].shape[1] * cfg.heads.size, saved[0].shape[2] // cfg.heads.size,
+                                   saved[0].shape[3], dtype=saved[0].dtype, device=saved[0].device)
+        dq, dk, dv = algo.backward(cfg, grad_out, grad_lse if cfg.return_lse else None, saved, ctx.key_dtype,
+                                   ctx.heads_kv)
+        return dq, dk, dv, None, None
+
+
+def head_parallel_fn(query, key, value, cfg: HeadParallelConfig, algo: Ulysses):
+    """Differentiable (out, lse) of a head-parallel strategy with an already validated config
+    (lse is an empty tensor unless ``cfg.return_lse``)."""
+    return _HeadParallelFunction.apply(query, key, value, cfg, algo)

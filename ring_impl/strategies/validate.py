@@ -1,0 +1,168 @@
+"""Input checks of the head-parallel strategies, on every rank of the mesh before any collective.
+
+As for the ring (:mod:`ring_impl.validate`): every rank first finds its own problem without
+raising, then the ranks exchange one small table (each fills its own row: a problem flag and its
+signature) and every rank raises the same :class:`ring_impl.InputError` if any rank found a
+problem or the rows differ. On a 2-D mesh the table goes round in two SUM all-reduces, one over
+the rank's Ulysses group and one over its ring group: after the first every rank holds its row's
+entries, after the second every row's (each entry is added once, by the row's rank in the
+column). Nothing is raised between the two, so no rank is left waiting. Skipped under
+``torch.compile`` (as the ring's); declared in the schedule (phase ``forward``, ``all_reduce``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..heads import check_head_chunks
+from ..layout import LAYOUTS
+from ..ops import AttentionOp
+from ..validate import (
+    SIGNATURE_FIELDS,
+    InputError,
+    _is_bool,
+    _op_code,
+    disagreement,
+    local_problem,
+    signature,
+)
+from .groups import StrategyGroups
+from .layout import STRATEGIES
+from .ulysses import kv_replication
+
+__all__ = ["STRATEGY_FIELDS", "agree_on_mesh", "exchange_calls", "exchange_nbytes", "strategy_problem"]
+
+#: Signature fields beyond the ring's, each equal on every rank.
+STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse")
+
+
+def exchange_nbytes(mesh_size: int) -> int:
+    """Bytes of one all-reduce of the table: a row per mesh rank (flag and signature), int64."""
+    return 8 * mesh_size * (1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS))
+
+
+def exchange_calls(mesh_shape: tuple[int, int]) -> int:
+    """All-reduces of the check: one per mesh dim of size > 1."""
+    return int(mesh_shape[0] > 1) + int(mesh_shape[1] > 1)
+
+
+def strategy_problem(strategy: str, query, key, value, *, mesh_shape: tuple[int, int], is_causal, scale, layout,
+                     rotate_method, op: AttentionOp | None, op_error: str | None, head_chunks, return_lse) -> str | None:
+    """Everything one rank can check alone (the ring's checks and the strategy's); never raises."""
+    try:
+        return _problem(strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale,
+                        layout=layout, rotate_method=rotate_method, op=op, op_error=op_error, head_chunks=head_chunks,
+                        return_lse=return_lse)
+    except Exception as exc:  # a check that trips over an argument is still a problem, not a crash
+        return f"invalid arguments ({type(exc).__name__}: {exc})"
+
+
+def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layout, rotate_method, op, op_error,
+             head_chunks, return_lse) -> str | None:
+    if not _is_bool(return_lse):
+        return f"return_lse must be a bool, got {return_lse!r} ({type(return_lse).__name__})"
+    # The ring's checks, with the layout and head_chunks checked below for the strategy.
+    base = local_problem(query, key, value, is_causal=is_causal, scale=scale, layout="contiguous",
+                         rotate_method=rotate_method, op=op, op_error=op_error, head_chunks=1, return_lse=return_lse)
+    if base is not None:
+        return base
+    u, r = mesh_shape
+    heads, heads_kv, sq, skv = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
+    if heads % u:
+        return (
+            f"query heads ({heads}) are not divisible by the Ulysses degree {u}: each rank attends whole heads, "
+            f"heads / {u} of them; use a Ulysses degree that divides {heads}"
+            + (" (a smaller 'ulysses' mesh dim, the rest on 'ring')" if strategy == "hybrid" else
+               " (strategy='hybrid' with a smaller Ulysses degree, or strategy='ring')")
+        )
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
+    if layout == "head_tail":
+        # Ulysses: two equal chunks per rank; hybrid: the row's ring shard (U local pieces) holds two.
+        held = 1 if strategy == "ulysses" else u
+        if (held * sq) % 2 or (held * skv) % 2:
+            return (
+                f"layout 'head_tail' needs {'local' if held == 1 else 'row (U x local)'} lengths that split into two "
+                f"equal chunks; got query {held * sq}, key/value {held * skv}; shard a sequence that is a multiple "
+                f"of {2 * u if strategy == 'ulysses' else 2 * r * u}"
+            )
+    if strategy == "ulysses":
+        if head_chunks != 1:
+            return (
+                f"head_chunks={head_chunks!r} applies to the ring; strategy='ulysses' runs one kernel call per rank "
+                "on its slice of heads: leave head_chunks at 1"
+            )
+        return None
+    heads_kv_per_rank = heads_kv * kv_replication(heads_kv, u) // u
+    problem = check_head_chunks(head_chunks, heads_kv_per_rank)
+    if problem is not None:
+        return f"{problem} (the hybrid's ring runs on {heads_kv_per_rank} key/value heads per rank)"
+    return None
+
+
+def _codes(strategy: str, mesh_shape: tuple[int, int], return_lse) -> list[int]:
+    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], int(bool(return_lse))]
+
+
+def _shown(field: str, code: int) -> str:
+    if field == "strategy":
+        return repr(STRATEGIES[code])
+    if field == "return_lse":
+        return str(bool(code))
+    return str(code)
+
+
+def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, query, key, *, is_causal, scale,
+                  layout, rotate_method, op: AttentionOp | None, head_chunks, return_lse, device: torch.device) -> None:
+    """Raise InputError on every rank of the mesh if any rank has a problem or the ranks disagree.
+
+    Rows of the table are mesh ranks (``r * U + u``)."""
+    mesh_shape, mesh_rank = groups.shape, groups.mesh_rank
+    size = mesh_shape[0] * mesh_shape[1]
+    n = 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS)
+    table = [0] * (size * n)
+    row = mesh_rank * n
+    if problem is not None:
+        table[row] = 1
+    else:
+        assert op is not None and scale is not None
+        table[row + 1: row + n] = signature(
+            query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
+            head_chunks=head_chunks,
+        ) + _codes(strategy, mesh_shape, return_lse)
+    vec = torch.tensor(table, dtype=torch.int64)
+    for pg in (groups.ulysses, groups.ring):
+        if pg is None or dist.get_world_size(pg) == 1:
+            continue
+        staged = device.type != "cpu" and str(dist.get_backend(pg)).lower() == "gloo"
+        vec = vec if staged else vec.to(device)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
+    agreed: list[int] = vec.cpu().tolist()
+    rows = [agreed[i * n:(i + 1) * n] for i in range(size)]
+    where = f"{strategy} attention (mesh rank {mesh_rank}, ulysses {groups.coords[0]}, ring {groups.coords[1]})"
+    if problem is not None:
+        raise InputError(f"{where}: {problem}")
+    bad = [i for i in range(size) if rows[i][0]]
+    if bad:
+        raise InputError(
+            f"{where}: mesh rank(s) {bad} rejected their input (see the error on those ranks); every rank raises so "
+            "none is left waiting in a collective"
+        )
+    op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
+    base = len(SIGNATURE_FIELDS) + 1
+    text = disagreement([rw[1:base] for rw in rows], op_names)
+    extra = []
+    for i, field in enumerate(STRATEGY_FIELDS):
+        values: dict[int, list[int]] = {}
+        for mr, rw in enumerate(rows):
+            values.setdefault(rw[base + i], []).append(mr)
+        if len(values) > 1:
+            extra.append(f"{field} (" + "; ".join(f"ranks {ranks} {_shown(field, c)}" for c, ranks in values.items()) + ")")
+    if extra:
+        text = ((text + "; ") if text else "") + "ranks disagree on " + ", ".join(extra) + (
+            "; every rank of the mesh must call the same strategy with the same options (return_lse too: the "
+            "LSE travels in the all-to-all)"
+        )
+    if text is not None:
+        raise InputError(f"{where}: {text} (ranks numbered as mesh ranks, ring * U + ulysses)")

@@ -1,0 +1,300 @@
+"""Ulysses and the hybrid (Ulysses x ring on a 2-D mesh) against the float64 oracle, their
+declared collectives, torch.compile and bad input on every rank.
+
+Parametrized over strategy and mesh shape ``U x R`` (ulysses degree x ring degree): quick W=4
+(``ulysses`` 4; ``hybrid`` 4x1, 2x2, 1x4) and W=6 (``ulysses`` 6; ``hybrid`` 2x3, 3x2); nightly
+adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8). The world sizes are the session's mesh world sizes
+(``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given). Key/value heads:
+as many as the query heads (MHA), fewer than the Ulysses degree (GQA, each head replicated; a
+replication order error shows only with two or more of them), one (MQA). Causal and not, both
+layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring (cycled over the quick
+matrix, all of them nightly), the LSE's gradient, every CPU op (their LSE layouts), cross-attention
+lengths and non-contiguous inputs.
+
+Numerics: :mod:`suites.judge_strategies` (the policy of every ring case; ``world_size`` = the
+ring degree). A failure names the replayed strategy bug it matches (local attention only,
+key/value heads in the wrong order, the all-to-all on the wrong dim, the head_tail reorder missing).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from harness.errors import CaseFailure
+from harness.pytest_plugin import settings_of
+from reference.budget import assert_verdict, check
+from suites.cases_strategies import BAD_INPUTS, StrategyCase, strategy_bad_input_case, strategy_case
+from suites.inputs import SHORT, InputSpec
+from suites.judge import QUANTITIES, baseline_for, format_failure, reference_for
+from suites.judge_strategies import diagnose_strategy_case, judge_strategy, unshard_strategy_results
+from suites.matrix import CPU_OPS, ROTATIONS, seed_for
+from suites.plugin import case_properties
+
+#: (strategy, (U, R)) per world size.
+MESHES: dict[int, list[tuple[str, tuple[int, int]]]] = {
+    4: [("ulysses", (4, 1)), ("hybrid", (4, 1)), ("hybrid", (2, 2)), ("hybrid", (1, 4))],
+    6: [("ulysses", (6, 1)), ("hybrid", (2, 3)), ("hybrid", (3, 2))],
+    8: [("hybrid", (8, 1)), ("hybrid", (2, 4)), ("hybrid", (4, 2))],
+    16: [("hybrid", (4, 4)), ("hybrid", (2, 8))],
+}
+#: (layout, causal): non-causal head_tail only where the matrix is full (nightly).
+LAYOUT_CAUSAL = (("contiguous", False), ("contiguous", True), ("head_tail", True))
+TIMEOUT_S = 30.0
+
+
+def meshes(config: pytest.Config) -> list[tuple[str, tuple[int, int]]]:
+    sizes = settings_of(config).mesh_world_sizes
+    return [m for w in sorted(MESHES) if w in sizes for m in MESHES[w]]
+
+
+def heads_of(u: int) -> tuple[int, dict[str, int]]:
+    """Query heads divisible by ``u`` and the key/value head counts: MHA, GQA below the degree
+    (two or more heads where the degree allows, so a wrong replication order shows), MQA."""
+    heads = 16 if u == 8 else 12
+    return heads, {"mha": heads, "gqa": 2 if u > 2 else heads // 2, "mqa": 1}
+
+
+def spec_for(mesh: tuple[int, int], dtype: str, kv: str, **changes: Any) -> InputSpec:
+    """Tiny global inputs: local length 4U (a multiple of U and even), batch 2 (packing mixes
+    batches if it is wrong), head_dim 8."""
+    u, r = mesh
+    heads, kvs = heads_of(u)
+    seq = 4 * u * u * r
+    return InputSpec(batch=2, heads=heads, heads_kv=kvs[kv], seq_q=seq, seq_kv=seq, head_dim=8, dtype=dtype).with_(**changes)
+
+
+def case_id(case: StrategyCase, kv: str, *extra: str) -> str:
+    """e.g. ``hybrid-2x2-bf16-causal-head_tail-gqa-p2p``."""
+    parts = [case.strategy, case.mesh, SHORT[case.inputs.dtype], "causal" if case.is_causal else "full", case.layout, kv]
+    if case.strategy == "hybrid" and case.mesh_shape[1] > 1:
+        parts.append(case.rotate_method)
+    return "-".join([*parts, *([case.op] if case.op else []), *([case.compile] if case.compile else []), *extra])
+
+
+def param(case: StrategyCase, kv: str, *extra: str):
+    cid = case_id(case, kv, *extra)
+    case = case.with_(inputs=case.inputs.with_(seed=seed_for(cid)))
+    marks = [pytest.mark.world_size(n=case.world_size)] + ([pytest.mark.compile] if case.compile else [])
+    return pytest.param(case, id=cid, marks=marks)
+
+
+def _matrix(config: pytest.Config) -> list:
+    nightly = settings_of(config).tier == "nightly"
+    out, i = [], 0
+    for strategy, mesh in meshes(config):
+        small = mesh[0] * mesh[1] <= 6
+        dtypes = ("float64", "float32", "bfloat16") if small or nightly else ("float32", "bfloat16")
+        combos = [(lay, c) for lay in ("contiguous", "head_tail") for c in (False, True)] if nightly and small else LAYOUT_CAUSAL
+        ring_dim = strategy == "hybrid" and mesh[1] > 1
+        for dtype, (layout, causal), kv in itertools.product(dtypes, combos, ("mha", "gqa", "mqa")):
+            rotations = ROTATIONS if nightly and small and ring_dim else (ROTATIONS[i % 3],)
+            i += 1
+            for rotate in rotations:
+                spec = spec_for(mesh, dtype, kv, lse_grad=dtype == "float64")
+                out.append(param(StrategyCase(spec, strategy, mesh, is_causal=causal, layout=layout, rotate_method=rotate), kv))
+        if mesh[0] * mesh[1] == 4:
+            # every CPU op (their LSE layouts reach the strategy), cross-attention lengths, non-contiguous shards
+            for op in CPU_OPS:
+                spec = spec_for(mesh, "float32", "gqa")
+                out.append(param(StrategyCase(spec, strategy, mesh, is_causal=True, layout="head_tail", op=op,
+                                              rotate_method="alltoall"), "gqa"))
+            cross = spec_for(mesh, "float32", "mqa")
+            cross = cross.with_(seq_kv=cross.seq_kv // 2)
+            out.append(param(StrategyCase(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross"))
+            nc = spec_for(mesh, "float32", "gqa", noncontiguous=True)
+            out.append(param(StrategyCase(nc, strategy, mesh, is_causal=True, layout="head_tail"), "gqa", "noncontig"))
+    return out
+
+
+def _collectives_matrix(config: pytest.Config) -> list:
+    nightly = settings_of(config).tier == "nightly"
+    out = []
+    for strategy, mesh in meshes(config):
+        ring_dim = strategy == "hybrid" and mesh[1] > 1
+        for rotate in (ROTATIONS if ring_dim and (nightly or mesh[0] * mesh[1] == 4) else ("allgather",)):
+            for dtype, kv, lse in (("float32", "mha", True), ("bfloat16", "gqa", False)):
+                spec = spec_for(mesh, dtype, kv)
+                out.append(param(StrategyCase(spec, strategy, mesh, is_causal=True, layout="head_tail", rotate_method=rotate,
+                                              return_lse=lse, account=True), kv, "lse" if lse else "nolse"))
+    return out
+
+
+def _compile_matrix(config: pytest.Config) -> list:
+    nightly = settings_of(config).tier == "nightly"
+    out = []
+    for strategy, mesh in meshes(config):
+        if mesh[0] * mesh[1] != 4 or (not nightly and mesh not in ((4, 1), (2, 2))):
+            continue
+        backends = ("aot_eager", "inductor") if nightly else ("aot_eager",)
+        for backend, (layout, causal) in itertools.product(backends, (("head_tail", True), ("contiguous", False))):
+            spec = spec_for(mesh, "float32", "gqa")
+            out.append(param(StrategyCase(spec, strategy, mesh, is_causal=causal, layout=layout, rotate_method="alltoall",
+                                          compile=backend), "gqa"))
+    return out
+
+
+def _bad_matrix(config: pytest.Config) -> list:
+    out = []
+    for strategy, mesh in meshes(config):
+        if mesh[0] == 1 or mesh[0] * mesh[1] not in (4, 6) or (strategy, mesh) == ("hybrid", (4, 1)):
+            continue  # Ulysses 4, 6 and the hybrids 2x2, 2x3, 3x2: a degree > 1 in each dim that has one
+        for kind, (_, applies) in sorted(BAD_INPUTS.items()):
+            if strategy not in applies or (kind == "head_tail_odd_rows" and strategy == "hybrid" and mesh[0] % 2 == 0):
+                continue  # an even number of pieces always makes a row of even length
+            out.append(pytest.param((strategy, mesh, kind), id=f"{strategy}-{mesh[0]}x{mesh[1]}-{kind}",
+                                    marks=[pytest.mark.world_size(n=mesh[0] * mesh[1])]))
+    return out
+
+
+def pytest_generate_tests(metafunc):
+    name = metafunc.function.__name__
+    if "case" in metafunc.fixturenames:
+        make = {"test_strategy_matches_reference": _matrix, "test_strategy_collectives_match_schedule": _collectives_matrix,
+                "test_strategy_compiles": _compile_matrix}[name]
+        metafunc.parametrize("case", make(metafunc.config))
+    if "bad" in metafunc.fixturenames:
+        metafunc.parametrize("bad", _bad_matrix(metafunc.config))
+
+
+# ---------------------------------------------------------------------- running and judging
+
+
+def prepare(ring, case: StrategyCase) -> StrategyCase:
+    """N/A for what the implementation declares it lacks; the session's implementation and op filled in."""
+    __tracebackhide__ = True
+    spec = case.inputs
+    op = case.op if case.op is not None else ring.op_spec
+    ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
+    ring.request.node.user_properties.append(("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)}))
+    ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
+    ring.require("layouts", case.layout)
+    if case.strategy == "hybrid" and case.mesh_shape[1] > 1:
+        ring.require("rotate_methods", case.rotate_method, why="the hybrid's ring dimension")
+    ring.require("dtypes", spec.dtype)
+    ring.require("devices", ring.request.getfixturevalue("device"))
+    if case.backward:
+        ring.require("backward")
+    if spec.heads != spec.heads_kv:
+        ring.require("gqa", why="key/value with fewer heads than query")
+    if spec.seq_q != spec.seq_kv:
+        ring.require("cross_attention", why="key/value length differs from query length")
+    if case.compile:
+        ring.require("compile")
+    if op is not None:
+        ring.require("ops", "*", why=f"runs op {op!r}")
+    return replace(case, impl=ring.impl.spec, op=op, return_lse=case.return_lse and ring.caps.claims("lse"))
+
+
+def run(ring, case: StrategyCase) -> list[dict]:
+    return ring.rank_pool(case.world_size).run(strategy_case, case, timeout=ring.timeout_for(case))
+
+
+def judged(ring, case: StrategyCase, results: list[dict]) -> list:
+    """Judge every quantity; fail with the strategy diagnosis and a repro."""
+    __tracebackhide__ = True
+    try:
+        verdicts = judge_strategy(case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None))
+    except AssertionError as exc:  # a broken contract: no numbers to judge
+        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
+    ring.record(case, verdicts)
+    failed = [v for v in verdicts if not v.passed]
+    if failed:
+        pytest.fail(format_failure(failed, diagnose_strategy_case(case, results, verdicts), ring.repro()), pytrace=False)
+    return verdicts
+
+
+def test_strategy_matches_reference(ring, case: StrategyCase) -> None:
+    """out, LSE, dQ, dK, dV of the strategy against the float64 oracle (numerics policy)."""
+    case = prepare(ring, case)
+    judged(ring, case, run(ring, case))
+
+
+def _diff(expected: dict, actual: dict) -> list[str]:
+    lines = []
+    for phase in sorted(set(expected) | set(actual)):
+        exp, act = expected.get(phase, {}), actual.get(phase, {})
+        for kind in sorted(set(exp) | set(act)):
+            e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
+            if e != a:
+                lines.append(f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; "
+                             f"issued {a['calls']} calls, {a['bytes']} bytes")
+    return lines
+
+
+def test_strategy_collectives_match_schedule(ring, case: StrategyCase) -> None:
+    """Every rank issues exactly the declared schedule: the all-to-alls of the Ulysses rows, the
+    ring's transfers across rows, the input check."""
+    case = prepare(ring, case)
+    schedule = ring.protocol("collective_schedule", why="the collectives of every rank are asserted against it")
+    spec, (u, r) = case.inputs, case.mesh_shape
+    expected = schedule(
+        case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv, seq_kv=spec.seq_kv // case.world_size,
+        head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False, strategy=case.strategy, mesh_shape=(u, r),
+        heads=spec.heads, seq_q=spec.seq_q // case.world_size, return_lse=case.return_lse,
+    )
+    results = run(ring, case)
+    judged(ring, case, results)  # a wrong result is reported for that, not for its traffic
+    expected = {p: k for p, k in expected.items() if k}
+    problems = []
+    for rank, res in enumerate(results):
+        actual = {p: k for p, k in (res["collectives"] or {}).items() if k}
+        problems += [f"rank {rank} (ulysses {rank % u}, ring {rank // u}): {line}" for line in _diff(expected, actual)]
+    if problems:
+        pytest.fail(f"collectives differ from the declared schedule [{case.label}]:\n" + "\n".join(problems)
+                    + f"\nrepro: {ring.repro()}", pytrace=False)
+
+
+def test_strategy_compiles(ring, case: StrategyCase) -> None:
+    """torch.compile(fullgraph=True): no graph break, the oracle's verdict, and eager's result
+    (bitwise with aot_eager; within the policy with inductor, eager standing in for the reference)."""
+    compiled = prepare(ring, case)
+    try:
+        got = run(ring, compiled)
+    except CaseFailure as exc:
+        try:
+            run(ring, compiled.with_(compile=None))
+        except CaseFailure:
+            raise exc from None
+        pytest.fail(f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} strategy raised on "
+                    f"the ranks and the eager run does not: it fails only under torch.compile [{case.label}]\n{exc}",
+                    pytrace=False)
+    judged(ring, compiled, got)
+    eager_case = compiled.with_(compile=None)
+    eager = unshard_strategy_results(eager_case, run(ring, eager_case))
+    mine = unshard_strategy_results(compiled, got)
+    ref, base = reference_for(case.inputs, case.is_causal), baseline_for(case.inputs, case.is_causal, compiled.op)
+    for name in QUANTITIES:
+        if mine[name] is None:
+            continue
+        if case.compile == "aot_eager":
+            assert torch.equal(mine[name], eager[name]), (
+                f"{name}: aot_eager differs from eager (max {float((mine[name].double() - eager[name].double()).abs().max()):.2e}); "
+                f"it runs the same ops and must be bitwise equal [{case.label}]"
+            )
+        else:
+            shifted = base[name].double() + (eager[name].double() - ref[name])
+            assert_verdict(check(f"{name} compiled vs eager", mine[name], eager[name], shifted,
+                                 dtype=case.inputs.torch_dtype, context=f"[{case.label}]"))
+
+
+def test_strategy_bad_input_raises_on_every_rank(ring, bad) -> None:
+    """Bad input on any rank: the same InputError (or TypeError for a wrong group) on every rank, no hang."""
+    strategy, mesh, kind = bad
+    ring.require("strategies", strategy, why=f"strategy={strategy!r}")
+    ring.require("input_errors", why="raises on every rank for bad input")
+    pattern, _ = BAD_INPUTS[kind]
+    pool = ring.rank_pool(mesh[0] * mesh[1])
+    outcomes = pool.run_outcomes(strategy_bad_input_case, ring.impl.spec, strategy, mesh, kind,
+                                 timeout=min(TIMEOUT_S, ring.timeout))
+    summary = "\n".join(f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}")
+                        for o in outcomes)
+    assert all(not o.ok for o in outcomes), f"{strategy} {kind}: not every rank raised\n{summary}"
+    assert all(re.search(pattern, o.exc_message, re.IGNORECASE) or "rejected their input" in o.exc_message
+               for o in outcomes), f"{strategy} {kind}: an error does not say what was wrong (/{pattern}/)\n{summary}"
+    assert any(re.search(pattern, o.exc_message, re.IGNORECASE) for o in outcomes), summary
