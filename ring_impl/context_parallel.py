@@ -68,13 +68,25 @@ class ContextParallelError(ValueError):
     """Bad arguments to ``context_parallel`` / ``ContextParallel``; raised on every rank."""
 
 
-def check_options(*, layout, rotate_method, op, head_chunks) -> str | None:
+#: Strategies the context-parallel API routes SDPA to: both shard the sequence over one group in
+#: a ring layout (Ulysses over U ranks uses the ring's layouts over U, ring_impl.strategies.layout).
+#: The hybrid needs a 2-D mesh and its own sharding: ring_attention(strategy="hybrid").
+CP_STRATEGIES = ("ring", "ulysses")
+
+
+def check_options(*, layout, rotate_method, op, head_chunks, strategy="ring") -> str | None:
     """The problem with the routing options, or None. Never raises.
 
     layout: a ring_impl layout; rotate_method: None (the process default) or a rotation
     method; op: None / "auto", a registered op name or an AttentionOp object; head_chunks: a
-    positive int.
+    positive int; strategy: "ring" or "ulysses".
     """
+    if strategy == "hybrid":
+        return ("strategy='hybrid' is not routed by context_parallel / ContextParallel (it needs a 2-D mesh and "
+                "its own sharding): call ring_impl.ring_attention(..., strategy='hybrid', group=mesh) on shards "
+                "from ring_impl.strategies.shard, or use strategy='ring' or 'ulysses' here")
+    if not isinstance(strategy, str) or strategy not in CP_STRATEGIES:
+        return f"unknown strategy {strategy!r}; context parallel routes SDPA to one of {CP_STRATEGIES}"
     try:
         check_layout(layout)
         if rotate_method is not None:
@@ -278,8 +290,9 @@ def context_parallel(
     rotate_method: str | None = None,
     op: str | AttentionOp | None = None,
     head_chunks: int = 1,
+    strategy: str = "ring",
 ) -> contextlib.AbstractContextManager[None]:
-    """Shard ``buffers`` in place and route SDPA to ring attention over ``mesh``.
+    """Shard ``buffers`` in place and route SDPA to ring (or Ulysses) attention over ``mesh``.
 
     Args:
         mesh: a 1-D DeviceMesh (or ProcessGroup) of the context-parallel ranks.
@@ -290,6 +303,9 @@ def context_parallel(
         layout: "head_tail" (default, load balanced) or "contiguous".
         rotate_method / op / head_chunks: as for ``ring_attention`` (op default: from the
             ``torch.nn.attention.sdpa_kernel`` choice active on entry, else the device's default).
+        strategy: "ring" (default) or "ulysses" (heads over the ranks by all-to-all: query heads
+            and key/value heads as ``ring_attention(strategy="ulysses")`` needs); the buffers are
+            sharded the same way for both.
 
     Raises:
         ContextParallelError (a ValueError) on every rank, before anything is sharded, for bad
@@ -298,17 +314,19 @@ def context_parallel(
     return sharded_and_routed(
         ShardedBuffers, routing, mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims,
         no_restore_buffers=no_restore_buffers, layout=layout, rotate_method=rotate_method, op=op,
-        head_chunks=head_chunks,
+        head_chunks=head_chunks, strategy=strategy,
     )
 
 
 @contextlib.contextmanager
 def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffers, buffer_seq_dims,
-                       no_restore_buffers, layout, rotate_method, op, head_chunks) -> Iterator[None]:
+                       no_restore_buffers, layout, rotate_method, op, head_chunks,
+                       strategy: str = "ring") -> Iterator[None]:
     """``context_parallel`` with its two parts given: the buffer handling and the routing."""
     group = resolve_group(mesh)
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
-    problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks)
+    problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks,
+                            strategy=strategy)
     sharded = sharding(group, layout, buffers, buffer_seq_dims, no_restore_buffers) if problem is None else None
     if sharded is not None:
         problem = sharded.problem
@@ -316,7 +334,7 @@ def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffe
     assert sharded is not None
     try:
         sharded.shard()
-        with route_ctx(Route(group, layout, rotate_method, op, head_chunks)):
+        with route_ctx(Route(group, layout, rotate_method, op, head_chunks, strategy)):
             yield
     except BaseException:
         sharded.restore(normal_exit=False)

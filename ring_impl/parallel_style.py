@@ -55,15 +55,18 @@ class ContextParallel(ParallelStyle):
             starts, else the device's default), "auto", a registered op name or an AttentionOp
             object.
         head_chunks: a positive int (see ``ring_attention``).
+        strategy: "ring" (default) or "ulysses" (see ``ring_attention``).
     """
 
     def __init__(self, *, layout: str = DEFAULT_CP_LAYOUT, rotate_method: str | None = None,
-                 op: str | AttentionOp | None = None, head_chunks: int = 1):
+                 op: str | AttentionOp | None = None, head_chunks: int = 1, strategy: str = "ring"):
         super().__init__()
-        problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks)
+        problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks,
+                                strategy=strategy)
         if problem is not None:
             raise ContextParallelError(f"ContextParallel: {problem}")
         self.layout, self.rotate_method, self.op, self.head_chunks = layout, rotate_method, op, head_chunks
+        self.strategy = strategy
 
     #: The routing context entered around each forward (see ring_impl.sdpa_route).
     route_ctx = staticmethod(routing)
@@ -71,7 +74,8 @@ class ContextParallel(ParallelStyle):
     def routing_hooks(self, device_mesh) -> tuple[Callable, Callable]:
         """The forward pre-hook that enters the routing and the forward hook that leaves it."""
         # One route object per module: compiled code guards on the route's fields, which stay equal.
-        route = Route(resolve_group(device_mesh), self.layout, self.rotate_method, self.op, self.head_chunks)
+        route = Route(resolve_group(device_mesh), self.layout, self.rotate_method, self.op, self.head_chunks,
+                      self.strategy)
         active: list = []
 
         def enter(mod, args):

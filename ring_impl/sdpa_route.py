@@ -92,13 +92,14 @@ class Route:
     rotate_method: str | None
     op: str | AttentionOp | None
     head_chunks: int = 1
+    strategy: str = "ring"
     kernel_ops: tuple[tuple[str, str], ...] = ()
     key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         op_key = self.op if self.op is None or isinstance(self.op, str) else f"{type(self.op).__qualname__}@{id(self.op):x}"
         object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key,
-                                         self.head_chunks, *(name for _, name in self.kernel_ops)))
+                                         self.head_chunks, self.strategy, *(name for _, name in self.kernel_ops)))
 
     def op_for(self, device: torch.device) -> str | AttentionOp:
         if self.op is not None:
@@ -167,7 +168,7 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     out = api._ring_attention(
         api._DEFAULT_IMPL, query, key, value, group=route.group, is_causal=is_causal, scale=scale,
         rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
-        extra_problem=problem,
+        strategy=route.strategy, extra_problem=problem,
     )
     return out.squeeze(0) if squeeze else out
 
@@ -178,7 +179,8 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
     waiting in the ring."""
     anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
     api._ring_attention(api._DEFAULT_IMPL, anchor, anchor, anchor, group=route.group, layout=route.layout,
-                        rotate_method=route.rotate_method, head_chunks=route.head_chunks, extra_problem=problem)
+                        rotate_method=route.rotate_method, head_chunks=route.head_chunks, strategy=route.strategy,
+                        extra_problem=problem)
     raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover
 
 
@@ -238,11 +240,11 @@ class RouteMode(TorchFunctionMode):
 @contextlib.contextmanager
 def sdpa_routed_to_ring(
     group, *, layout: str = "head_tail", rotate_method: str | None = None, op: str | AttentionOp | None = None,
-    head_chunks: int = 1,
+    head_chunks: int = 1, strategy: str = "ring",
 ) -> Iterator[None]:
-    """While active, SDPA calls run as ring attention over ``group`` (no buffer sharding)."""
+    """While active, SDPA calls run as ring (or Ulysses) attention over ``group`` (no buffer sharding)."""
     check_layout(layout)
-    route = Route(resolve_group(group), layout, rotate_method, op, head_chunks)
+    route = Route(resolve_group(group), layout, rotate_method, op, head_chunks, strategy)
     with routing(route):
         yield
 

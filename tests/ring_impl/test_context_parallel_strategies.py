@@ -1,0 +1,103 @@
+"""``strategy=`` through the context-parallel API: ``context_parallel`` and ``ContextParallel``
+route SDPA to Ulysses (sequence-to-heads all-to-all) as they do to the ring, with the same
+buffer sharding; the hybrid, which needs a 2-D mesh and its own sharding, is refused on every
+rank with what to do instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.implementation import DEFAULT_IMPL_SPEC
+from reference import attention
+from reference.budget import assert_close
+
+HEADS, HEAD_DIM, LOCAL = 4, 8, 8
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _inputs(world: int):
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randn(1, HEADS, LOCAL * world, HEAD_DIM, dtype=torch.float64, generator=gen) for _ in range(3)]
+
+
+def _routed(ctx, strategy: str) -> dict:
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import ring_impl
+    from harness.accounting import CollectiveLog
+
+    q, k, v = _inputs(ctx.world_size)
+    out: dict = {}
+    qs, ks, vs = q.clone(), k.clone(), v.clone()
+    with CollectiveLog() as log, ring_impl.context_parallel(
+        ctx.group, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2], rotate_method="alltoall", strategy=strategy
+    ):
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    out["cp"] = (o, log.summary())
+    mesh = DeviceMesh.from_group(ctx.group, "cpu")
+    module = parallelize_module(_Attention(), mesh, ring_impl.ContextParallel(rotate_method="alltoall", strategy=strategy))
+    with CollectiveLog() as log:
+        o = module(*(ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail", dim=2) for t in (q, k, v)))
+    out["style"] = (o, log.summary())
+    return out
+
+
+def _calls(summary: dict, kind: str) -> int:
+    return sum(kinds.get(kind, {}).get("calls", 0) for kinds in summary.values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_routes_sdpa_to_ulysses(ring, world: int) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}")
+    import ring_impl
+
+    q, k, v = _inputs(world)
+    ref = attention(q, k, v, is_causal=True).out
+    base = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ranks = {s: ring.rank_pool(world).run(_routed, s, timeout=60.0) for s in ("ulysses", "ring")}
+    for route in ("cp", "style"):
+        got = ring_impl.unshard([r[route][0] for r in ranks["ulysses"]], layout="head_tail")
+        assert_close(f"out [context parallel {route}, ulysses, W={world}]", got, ref, base, world_size=1)
+        for strategy in ("ulysses", "ring"):
+            # Forward only: each route issued its strategy's declared forward all-to-alls
+            # (Ulysses: query/key/value to heads, output back; the ring: W-1 key/value hops).
+            declared = ring_impl.collective_schedule(
+                world, "alltoall", strategy=strategy, batch=1, heads=HEADS, heads_kv=HEADS, seq_q=LOCAL,
+                seq_kv=LOCAL, head_dim=HEAD_DIM, dtype=torch.float64, return_lse=False,
+                **({"mesh_shape": (world, 1)} if strategy == "ulysses" else {}),
+            )["forward"]["all_to_all"]["calls"]
+            for rank in range(world):
+                issued = ranks[strategy][rank][route][1]
+                assert _calls(issued, "all_to_all") == declared, f"rank {rank} {route} {strategy}: issued {issued}, declared {declared}"
+            assert declared == (2 if strategy == "ulysses" else world - 1)
+
+
+def _hybrid_refused(ctx, where: str):
+    import ring_impl
+
+    x = torch.zeros(1, HEADS, LOCAL * ctx.world_size, HEAD_DIM)
+    if where == "style":
+        ring_impl.ContextParallel(strategy="hybrid")
+    else:
+        with ring_impl.context_parallel(ctx.group, buffers=[x], buffer_seq_dims=[2], strategy="hybrid"):
+            pass
+    return "accepted"
+
+
+@pytest.mark.parametrize("where", ["context_parallel", "style"])
+def test_hybrid_is_refused_on_every_rank_with_what_to_do(ring, where: str) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}")
+    outcomes = ring.rank_pool(2).run_outcomes(_hybrid_refused, where, timeout=30.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
+    assert all("strategy='hybrid'" in o.exc_message and "ring_impl.strategies.shard" in o.exc_message
+               for o in outcomes), summary
