@@ -13,7 +13,7 @@ aot_eager and inductor. Each rank compares its local out, lse, dq, dk, dv with i
 
 with the policy of reference/budget.py (``max|X-R| <= k*max|B-R| + floor`` and the same for the
 mean), and the collectives it issued (harness.accounting.CollectiveLog) with the declared
-``collective_schedule``. With ``--impl`` (e.g. ``harness.adapters.torch_cp:IMPLEMENTATION``) only
+``collective_schedule``. With ``--impl`` (e.g. ``conformance.adapters.torch_cp:IMPLEMENTATION``) only
 the cases the implementation's capabilities declare run, unless ``--undeclared``; errors raised
 on every rank are reported per case. Exit status 1 on any failure of a declared case. A
 development tool for changes to ring_impl; the conformance suites are the product's verdict.
@@ -133,7 +133,7 @@ def _baseline(op, q, k, v, do, is_causal, scale):
 
 
 def _rank_cases(rank: int, world_size: int, case_list: list[Case], impl_spec: str | None) -> list[dict]:
-    from harness.implementation import load_implementation
+    from conformance.implementation import load_implementation
 
     impl = load_implementation(impl_spec)
     takes_op = bool(impl.capabilities.declares("ops", "*"))
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Also run the cases the implementation's capabilities do not declare (compile "
                              "excepted: a compile failure on one rank can leave the others waiting)")
     args = parser.parse_args(argv)
-    from harness.implementation import load_implementation
+    from conformance.implementation import load_implementation
 
     caps = load_implementation(args.impl).capabilities
     os.environ.setdefault("TORCHDYNAMO_ENABLE_P2P_COMPILATION", "1")

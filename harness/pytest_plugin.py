@@ -1,9 +1,11 @@
 """pytest integration: the "ring attention" options, markers, fixtures, report header, profiles.
 
-Loaded by the root ``conftest.py`` (``pytest_plugins = ["harness.pytest_plugin"]``).
+Loaded through the ``harness.pytest_plugin`` ``pytest11`` entry point of the installed package,
+by a root ``conftest.py`` (``pytest_plugins = ["harness.pytest_plugin"]``), or with
+``-p harness.pytest_plugin``.
 
 Adding an option: call :func:`add_ring_option` from a ``pytest_addoption`` hook (here or in another
-plugin module listed in ``conftest.py``); it lands in the same "ring attention" group, its
+plugin module); it lands in the same "ring attention" group, its
 ``RING_*`` variable is echoed in the report header and read by :func:`ring_option` when the option
 is not given. Harness settings themselves are declared in :data:`harness.settings.OPTIONS`.
 
@@ -11,8 +13,8 @@ Markers: ``quick`` (a case of the quick tier), ``nightly`` (a case only the nigh
 skipped unless ``--tier nightly``), ``gpu`` (skipped unless ``--device cuda``), ``compile``
 (compiles with torch.compile: its case timeout is ``--compile-timeout``), ``world_size(n)`` or
 ``world_size(n=N)`` (skipped unless n is enabled; ``-m "world_size(n=2)"`` selects by it). Every
-skip says why and how to enable the test. The conformance suites apply them to their cases
-(suites/plugin.py); any test may apply them too.
+skip says why and how to enable the test. Any test may apply them; the conformance suites'
+plugins apply them to every suite case.
 
 Fixtures: ``rank_pool`` (factory: ``rank_pool(world_size)`` -> pool, skipping when that world
 size is not enabled or cannot run here), ``harness_settings``, ``world_sizes``, ``device``,

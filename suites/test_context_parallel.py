@@ -249,6 +249,6 @@ def test_compiled_parallelized_module(cp, cw: int, backend: str, layout: str) ->
 
 
 def cp_default_spec() -> str:
-    from harness.implementation import DEFAULT_IMPL_SPEC
+    from conformance.implementation import DEFAULT_IMPL_SPEC
 
     return DEFAULT_IMPL_SPEC

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ring_impl
-from harness.implementation import DEFAULT_IMPL_SPEC
+from conformance.implementation import DEFAULT_IMPL_SPEC
 from harness.procs import run_tree
 from ring_impl.context_parallel import ContextParallelError
 
