@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +37,8 @@ import pytest
 
 from harness import settings as harness_settings_module
 from harness.errors import PoolUnavailable
-from harness.pool import Pool, get_pool, shutdown_all_pools, warm_up
+from harness.launch import Pool
+from harness.launchers import get_pool, shutdown_all_pools, warm_up
 from harness.settings import OPTIONS, HarnessSettings, SettingsError
 
 OPTION_GROUP = "ring attention"
@@ -258,10 +258,7 @@ def world_size_skip_reason(world_size: int, settings: HarnessSettings) -> str:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Start the forkserver (which imports torch once for every rank) while pytest gets ready.
-    settings = settings_of(session.config)
-    if settings.launcher == "pool" and settings.rank_start == "forkserver" and any(
-        "rank_pool" in getattr(item, "fixturenames", ()) for item in session.items
-    ):
+    if any("rank_pool" in getattr(item, "fixturenames", ()) for item in session.items):
         warm_up()
 
 
@@ -373,17 +370,9 @@ def ring_environment_lines(env: dict[str, str] | os._Environ[str] | None = None)
 
 # ---------------------------------------------------------------------- teardown
 
-def _shutdown() -> None:
-    shutdown_all_pools()
-    if "harness.torchrun" in sys.modules:
-        from harness.torchrun import shutdown_torchrun_pool
-
-        shutdown_torchrun_pool()
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _shutdown()
+    shutdown_all_pools()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    _shutdown()
+    shutdown_all_pools()
