@@ -89,7 +89,7 @@ def is_suite_item(item: pytest.Item) -> bool:
 
 def report_suite_id(report: pytest.TestReport) -> str | None:
     """The stable id of the suite case a report is about (None for the project's own tests)."""
-    return next((v for k, v in report.user_properties if k == SUITE_ID_PROPERTY), None)
+    return next((str(v) for k, v in report.user_properties if k == SUITE_ID_PROPERTY), None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -34,6 +34,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -231,8 +232,9 @@ class ConformanceReporter:
         if not decisive or (prev is not None and prev.outcome == "failed"):
             return  # a teardown error after a failed call keeps the call's message
         module = test_id.split("::", 1)[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
-        cases = [v for k, v in report.user_properties if k == "ring_case"]
-        verdicts = [v for k, vs in report.user_properties if k == "ring_verdicts" for v in vs]
+        properties: list[tuple[str, Any]] = list(report.user_properties)
+        cases = [v for k, v in properties if k == "ring_case"]
+        verdicts = [v for k, vs in properties if k == "ring_verdicts" for v in vs]
         # A test may run several cases (rotation agreement, hypothesis examples): keep the
         # parameters they share; the others become "any".
         params = {k: v for k, v in cases[0].items() if all(c.get(k) == v for c in cases)} if cases else {}
