@@ -1,6 +1,7 @@
-"""Root pytest glue: the ring attention harness plugin (options, markers, fixtures, report header).
+"""Root pytest glue of a checkout: the plugins of the harness, the conformance layer and the suites.
 
-Kept thin on purpose; everything lives in harness/pytest_plugin.py so it can be tested and reused.
+Kept thin on purpose; the plugins live in their packages. An installed package registers the same
+modules through ``pytest11`` entry points named after them, so pytest loads each once either way.
 """
 
-pytest_plugins = ["harness.pytest_plugin", "suites.plugin", "suites.reporting"]
+pytest_plugins = ["harness.pytest_plugin", "conformance.plugin", "conformance.reporting", "suites.runner"]

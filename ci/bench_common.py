@@ -3,10 +3,11 @@
 Scripts in ci/ run as ``python ci/<script>.py`` from the repository root; importing this module
 puts the root on ``sys.path`` so ``ring_impl``, ``reference`` and ``harness`` import.
 
-Rank processes: :func:`run_world` spawns ``W`` fresh processes (``multiprocessing`` spawn), each
-with ``threads`` intra-op threads and a gloo process group over a FileStore on loopback, runs
-``fn(rank, world_size, *args)`` on every rank and returns the per-rank results. A rank that
-raises makes the call raise with that rank's traceback, after the others are stopped.
+Rank processes: :func:`run_world` starts a pool of the harness (:class:`harness.pool.RankPool`)
+of ``W`` freshly spawned processes, each with ``threads`` intra-op threads and a gloo process
+group, runs ``fn(rank, world_size, *args)`` on every rank as one case and returns the per-rank
+results; the pool is stopped afterwards, so every call measures fresh processes. A rank that
+raises, dies or hangs fails the call with every rank's traceback or stack.
 
 Memory: :class:`PeakRss` reads the kernel's resident-set high-water mark (``VmHWM`` in
 ``/proc/self/status``) after resetting it (``echo 5 > /proc/self/clear_refs``), so the peak is
@@ -22,9 +23,7 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -97,24 +96,8 @@ class PeakRss:
         return _status_kib("VmHWM") * 1024 - self.base
 
 
-def _rank_main(rank: int, world_size: int, store_path: str, threads: int, fn: Callable, args: tuple, queue) -> None:
-    from harness.procs import set_parent_death_signal
-
-    set_parent_death_signal()
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
-    except BaseException:  # reported to the parent, which owns the verdict
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _call(ctx, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    return fn(ctx.rank, ctx.world_size, *args)
 
 
 def run_world(
@@ -125,58 +108,20 @@ def run_world(
     env: dict[str, str] | None = None,
     timeout: float = 1800.0,
 ) -> list[Any]:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process.
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, on a fresh pool of the
+    harness: each rank its own freshly spawned process, CPU + gloo (the pool's process group is
+    the default group).
 
     ``fn`` must be importable by reference (a module-level function). ``env`` is added to the
-    ranks' environment (read by the C library at process start, e.g. malloc settings).
+    ranks' environment before their interpreters start (read by the C library at process start,
+    e.g. malloc settings). A rank that raises, dies or outlives ``timeout`` makes the call raise
+    the harness's :class:`~harness.errors.CaseFailure`, with every rank's traceback or stack.
     """
-    import multiprocessing as mp
-    import queue as queue_mod
+    from harness.pool import RankPool
 
-    ctx = mp.get_context("spawn")
-    results: dict[int, Any] = {}
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with tempfile.TemporaryDirectory(prefix="ring_bench_") as tmp:
-        q = ctx.Queue()
-        procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, os.path.join(tmp, "store"), threads, fn, args, q),
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        deadline = time.monotonic() + timeout
-        try:
-            while len(results) < world_size:
-                try:
-                    rank, ok, payload = q.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-                except queue_mod.Empty:
-                    dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                    if dead:
-                        raise RuntimeError(f"rank process {dead[0].pid} died ({dead[0].exitcode})") from None
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{fn.__name__} on W={world_size} did not finish in {timeout:.0f} s") from None
-                    continue
-                if not ok:
-                    raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{payload}")
-                results[rank] = payload
-            for p in procs:
-                p.join(timeout=60)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=10)
-    return [results[r] for r in range(world_size)]
+    pool = RankPool(world_size, "gloo", "cpu", rank_threads=threads, rank_start="spawn", env=env,
+                    case_timeout=timeout)
+    try:
+        return pool.run(_call, fn, args, timeout=timeout)
+    finally:
+        pool.shutdown()

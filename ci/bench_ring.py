@@ -16,7 +16,7 @@ speed
     forward + backward of ``ring_impl.ring_attention`` at each world size W on CPU + gloo, every
     rank a process with one intra-op thread, against one process running SDPA (CPU flash,
     ``SDPBackend.FLASH_ATTENTION``) on the full sequence with W threads, and against PyTorch's
-    own templated ring (``harness.adapters.torch_cp``: ``_templated_ring_attention`` and its
+    own templated ring (``conformance.adapters.torch_cp``: ``_templated_ring_attention`` and its
     backward with the same CPU flash kernel). Non-causal (``contiguous``) and causal
     (``contiguous`` and ``head_tail``), every rotation. One warm-up call at a smaller size, then
     ``--repeat`` repetitions in which the configurations are interleaved; the time of one
@@ -181,8 +181,8 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
     import torch.distributed as dist
 
     import ring_impl
+    from conformance.adapters import torch_cp
     from harness.accounting import CollectiveLog
-    from harness.adapters import torch_cp
 
     b = Bench(**b_dict)
     timer = KernelTimer()
@@ -261,7 +261,7 @@ def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
     import torch
 
     import ring_impl
-    from harness.adapters import torch_cp
+    from conformance.adapters import torch_cp
 
     b = Bench(**b_dict)
     dtype = getattr(torch, b.dtype)

@@ -1,22 +1,26 @@
-"""Distributed correctness check of ``ring_impl.ring_attention`` against float64.
+"""Distributed correctness check of an implementation (default ``ring_impl``) against float64.
 
 Run:  python ci/check_ring_numerics.py [--world-sizes 2 3 4] [--compile] [--impl SPEC] [--undeclared]
 
-For each world size, spawns the ranks (CPU + gloo) and runs every case on them: dtypes float64,
-float32, bfloat16, float16; causal and non-causal; layouts ``contiguous`` and ``head_tail``; rotations
-``allgather``, ``alltoall``, ``p2p``; GQA; cross attention (seq_kv != seq_q); the CPU ops with
-the CUDA kernels' LSE layouts; with ``--compile`` also ``torch.compile(fullgraph=True)`` with
-aot_eager and inductor. Each rank compares its local out, lse, dq, dk, dv with its shard of
+A development tool for changes to ring_impl, one line per case; the conformance suites are the
+product's verdict, and this check judges exactly as they do. For each world size it runs a fixed
+list of cases on a pool of CPU + gloo ranks of the harness (``harness.get_pool``): dtypes float64,
+float32, bfloat16, float16; causal and non-causal; layouts ``contiguous`` and ``head_tail``;
+rotations ``allgather``, ``alltoall``, ``p2p``; GQA; cross attention (seq_kv != seq_q); the CPU
+ops with the CUDA kernels' LSE layouts; with ``--compile`` also ``torch.compile(fullgraph=True)``
+with aot_eager and inductor. Each case is a :class:`suites.cases.RingCase` run by the suites' rank
+function (the suites' inputs, sharded with the reference's layout code) and judged by
+:func:`suites.judge.judge`: out, lse, dq, dk, dv against
 
-- R: plain float64 attention (autograd) on the dtype-rounded global inputs, and
-- B: the same op on one process over the full sequence in the same dtype (the baseline),
+- R: the float64 reference (:mod:`reference.attention`) on the dtype-rounded global inputs, and
+- B: the same kernel on one process over the full sequence in the same dtype (the suites'
+  baseline),
 
-with the policy of reference/budget.py (``max|X-R| <= k*max|B-R| + floor`` and the same for the
-mean), and the collectives it issued (harness.accounting.CollectiveLog) with the declared
-``collective_schedule``. With ``--impl`` (e.g. ``harness.adapters.torch_cp:IMPLEMENTATION``) only
-the cases the implementation's capabilities declare run, unless ``--undeclared``; errors raised
-on every rank are reported per case. Exit status 1 on any failure of a declared case. A
-development tool for changes to ring_impl; the conformance suites are the product's verdict.
+with the numerics policy of :mod:`reference.budget`; and the collectives each rank issued
+(``harness.accounting.CollectiveLog``) with the declared ``collective_schedule``. With ``--impl``
+(e.g. ``conformance.adapters.torch_cp:IMPLEMENTATION``) only the cases the implementation's
+capabilities declare run, unless ``--undeclared``; a case whose ranks raise, die or hang is
+reported as ERROR with the first rank's error. Exit status 1 on any failure of a declared case.
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import run_world
+from conformance.implementation import Implementation, load_implementation
+from harness import CaseFailure, Pool, get_pool, shutdown_all_pools
+from harness.settings import current
+from suites.cases import RingCase, ring_case
+from suites.inputs import InputSpec
+from suites.judge import judge
 
 
 @dataclass(frozen=True)
@@ -102,123 +112,69 @@ def declared(case: Case, caps) -> bool:
     return all(bool(c) for c in checks)
 
 
-def _reference(q, k, v, do, is_causal, scale):
-    """float64 out, lse, dq, dk, dv by autograd through plain attention (GQA by repeat)."""
-    import torch
-
-    q, k, v = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = (q @ kk.transpose(-1, -2)) * scale
-    if is_causal:
-        sq, sk = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(), float("-inf"))
-    lse = s.logsumexp(-1)
-    out = torch.exp(s - lse.unsqueeze(-1)) @ vv
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do.to(torch.float64))
-    return out.detach(), lse.detach(), dq, dk, dv
+def ring_case_of(case: Case, world_size: int, impl: Implementation) -> RingCase:
+    """The suites' description of ``case`` at ``world_size``: 8 query rows per layout chunk,
+    batch 2, head_dim 16, inputs drawn from seed 1234."""
+    seq = 2 * world_size * 8
+    inputs = InputSpec(batch=2, heads=case.heads, heads_kv=case.heads_kv, seq_q=seq, seq_kv=seq * case.kv_factor,
+                       head_dim=16, dtype=case.dtype, seed=1234)
+    return RingCase(inputs, world_size, is_causal=case.is_causal, layout=case.layout, rotate_method=case.rotate,
+                    op=None if case.op == "auto" else case.op, impl=impl.spec,
+                    return_lse=impl.capabilities.claims("lse"), compile=case.compile, account=not case.compile)
 
 
-def _baseline(op, q, k, v, do, is_causal, scale):
-    """The same op on the full sequence, one process: out, lse, dq, dk, dv."""
-
-    from ring_impl.lse import normalize_lse
-    from ring_impl.ops import accumulation_dtype, call_backward, call_forward
-
-    out, lse = call_forward(op, q, k, v, is_causal=is_causal, scale=scale)
-    b, h, s, _ = q.shape
-    lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=op.capabilities.lse_layout).to(accumulation_dtype(q.dtype))
-    dq, dk, dv = call_backward(op, do, q, k, v, out, lse, is_causal=is_causal, scale=scale)
-    return out, lse, dq, dk, dv
-
-
-def _rank_cases(rank: int, world_size: int, case_list: list[Case], impl_spec: str | None) -> list[dict]:
-    from harness.implementation import load_implementation
-
-    impl = load_implementation(impl_spec)
-    takes_op = bool(impl.capabilities.declares("ops", "*"))
-    results = []
-    for case in case_list:
-        try:
-            results.append(_one_case(rank, world_size, case, impl, takes_op))
-        except Exception as exc:  # PyTorch's own checks raise on every rank alike
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            results.append({"label": case.label, "rank": rank, "ok": False, "error": f"{type(exc).__name__}: {first}"[:200]})
-    return results
+def schedule_problems(impl: Implementation, case: RingCase, results: list[dict[str, Any]]) -> list[str]:
+    """Every rank's recorded collectives against the implementation's declared schedule."""
+    spec = case.inputs
+    schedule = impl.obj.collective_schedule(
+        case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv,
+        seq_kv=spec.seq_kv // case.world_size, head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False,
+    )
+    declared = {phase: schedule.get(phase, {}) for phase in ("forward", "backward")}
+    problems = []
+    for rank, r in enumerate(results):
+        issued = {phase: r["collectives"].get(phase, {}) for phase in ("forward", "backward")}
+        if issued != declared:
+            problems.append(f"rank {rank}: declared {declared}, issued {issued}")
+    return problems
 
 
-def _one_case(rank: int, world_size: int, case: Case, impl, takes_op: bool) -> dict:
-    import torch
+@dataclass
+class Outcome:
+    """One case's result: ``status`` ok / FAIL / ERROR, the max error of each quantity and the
+    baseline's (``errors``), lines that say what failed, and whether the collectives matched."""
 
-    import ring_impl
-    from harness.accounting import CollectiveLog
-    from reference.attention import causal_visibility
-    from reference.budget import ErrorScale, check, compute_dtype, error_scales
-    from ring_impl.ops import resolve_op
+    status: str
+    errors: dict[str, tuple[float, float]]
+    problems: list[str]
+    schedule: str = ""  # "schedule ok" when the collectives matched the declared schedule
 
-    dtype = getattr(torch, case.dtype)
-    n = 8  # rows per layout chunk
-    seq = 2 * world_size * n
-    b, d = 2, 16
-    gen = torch.Generator().manual_seed(1234)
-    q = torch.randn(b, case.heads, seq, d, generator=gen, dtype=torch.float64).to(dtype)
-    k = torch.randn(b, case.heads_kv, seq * case.kv_factor, d, generator=gen, dtype=torch.float64).to(dtype)
-    v = torch.randn(b, case.heads_kv, seq * case.kv_factor, d, generator=gen, dtype=torch.float64).to(dtype)
-    do = torch.randn(b, case.heads, seq, d, generator=gen, dtype=torch.float64).to(dtype)
-    scale = d**-0.5
-    op = resolve_op(case.op, q.device, dtype, d)
+    def line(self) -> str:
+        text = " ".join([*(f"{name}={err:.1e}({base:.1e})" for name, (err, base) in self.errors.items()),
+                         self.schedule]).strip()
+        return "\n    ".join([text, *self.problems]).strip()
 
-    def sh(t, layout=case.layout):
-        return ring_impl.shard(t, world_size, rank, layout=layout)
 
-    ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
-    extra = {"op": case.op} if takes_op else {}
-
-    def call(ql, kl, vl):
-        return impl.obj.ring_attention(
-            ql, kl, vl, is_causal=case.is_causal, rotate_method=case.rotate, layout=case.layout,
-            scale=scale, return_lse=True, **extra,
-        )
-
-    log = CollectiveLog()
-    if case.compile:
-        torch._dynamo.reset()
-        fn = torch.compile(call, backend=case.compile, fullgraph=True)
-        out, lse = fn(ql, kl, vl)
-        out.backward(sh(do))
-    else:
-        with log:
-            with log.phase("forward"):
-                out, lse = call(ql, kl, vl)
-            with log.phase("backward"):
-                out.backward(sh(do))
-    got = {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
-    ref = dict(zip(("out", "lse", "dq", "dk", "dv"), _reference(q, k, v, do, case.is_causal, scale)))
-    base = dict(zip(("out", "lse", "dq", "dk", "dv"), _baseline(op, q, k, v, do, case.is_causal, scale)))
-    visible = causal_visibility(torch.arange(q.shape[2]), torch.arange(k.shape[2])) if case.is_causal else None
-    scales = error_scales(q, k, v, do, visible=visible, scale=scale)
-    row = {"case": asdict(case), "label": case.label, "rank": rank, "ok": True, "errors": {}}
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        # This rank's shard of everything, judged by the numerics policy (reference/budget.py).
-        want = compute_dtype(dtype) if name == "lse" else dtype
-        local_scales = ErrorScale(*(sh(t) for t in (scales[name].magnitude, scales[name].compute, scales[name].conditioning)))
-        verdict = check(name, got[name], sh(ref[name]), sh(base[name].detach()), dtype=dtype, result_dtype=want,
-                        scales=local_scales, world_size=world_size)
-        ok = verdict.passed and got[name].dtype == want
-        row["errors"][name] = {"max": verdict.max_err, "base": verdict.base_max_err, "ok": ok}
-        row["ok"] &= ok
-    if not case.compile:
-        declared = impl.obj.collective_schedule(
-            world_size, case.rotate, batch=b, heads_kv=case.heads_kv, seq_kv=kl.shape[2], head_dim=d,
-            dtype=dtype, compiled=False,
-        )
-        measured = log.summary()
-        measured = {p: measured.get(p, {}) for p in ("forward", "backward")}
-        row["schedule_ok"] = measured == declared
-        if not row["schedule_ok"]:
-            row["schedule"] = {"declared": declared, "measured": measured}
-        row["ok"] &= row["schedule_ok"]
-    return row
+def check_case(pool: Pool, impl: Implementation, case: RingCase) -> Outcome:
+    """Run ``case`` on every rank of ``pool`` and judge it as the suites do."""
+    try:
+        results = pool.run(ring_case, case, timeout=current().timeout_for(compiles=bool(case.compile)))
+    except CaseFailure as exc:
+        first = exc.failed[0]
+        message = (first.exc_message.strip().splitlines() or [""])[0]
+        return Outcome("ERROR", {}, [f"rank {first.rank}: {first.exc_type}: {message}"[:200]])
+    try:
+        verdicts = judge(case, results, baseline_op=getattr(impl.obj, "baseline_op", None))
+    except AssertionError as exc:  # a broken contract: a wrong dtype or shape, a missing result
+        return Outcome("FAIL", {}, str(exc).splitlines()[:1])
+    errors = {v.name: (v.max_err, v.base_max_err) for v in verdicts}
+    problems = [v.message.splitlines()[0] for v in verdicts if not v.passed]
+    schedule = ""
+    if not case.compile and impl.capabilities.claims("collective_schedule"):
+        mismatch = schedule_problems(impl, case, results)
+        problems += ["SCHEDULE MISMATCH", *mismatch] if mismatch else []
+        schedule = "" if mismatch else "schedule ok"
+    return Outcome("FAIL" if problems else "ok", errors, problems, schedule)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,39 +186,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="Also run the cases the implementation's capabilities do not declare (compile "
                              "excepted: a compile failure on one rank can leave the others waiting)")
     args = parser.parse_args(argv)
-    from harness.implementation import load_implementation
-
-    caps = load_implementation(args.impl).capabilities
-    os.environ.setdefault("TORCHDYNAMO_ENABLE_P2P_COMPILATION", "1")
+    impl = load_implementation(args.impl)
+    caps = impl.capabilities
     failures = 0
-    for w in args.world_sizes:
-        t0 = time.perf_counter()
-        case_list = [c for c in cases(w, args.compile)
-                     if declared(c, caps) or (args.undeclared and not c.compile)]
-        per_rank = run_world(w, _rank_cases, case_list, args.impl, timeout=3600)
-        worst: dict[str, float] = {}
-        for i, case in enumerate(case_list):
-            rows = [per_rank[r][i] for r in range(w)]
-            ok = all(row["ok"] for row in rows)
-            mark = "" if declared(case, caps) else " [undeclared]"
-            if any("error" in row for row in rows):
-                failures += 0 if mark else 1
-                print(f"W={w} FAIL {case.label:55s} {rows[0].get('error', '')}{mark}")
-                continue
-            err = {name: max(row["errors"][name]["max"] for row in rows) for name in ("out", "lse", "dq", "dk", "dv")}
-            base = {name: max(row["errors"][name]["base"] for row in rows) for name in ("out", "lse", "dq", "dk", "dv")}
-            if case.dtype == "float64":
-                worst[case.dtype] = max(worst.get(case.dtype, 0.0), *err.values())
-            sched = "" if case.compile else (" schedule ok" if all(row["schedule_ok"] for row in rows) else " SCHEDULE MISMATCH")
-            status = "ok  " if ok else "FAIL"
-            errs = " ".join(f"{k}={err[k]:.1e}({base[k]:.1e})" for k in err)
-            print(f"W={w} {status} {case.label:55s} {errs}{sched}{mark}")
-            if not ok and not mark:
-                failures += 1
-                for row in rows:
-                    if "schedule" in row:
-                        print(f"    rank {row['rank']}: {row['schedule']}")
-        print(f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst float64 error {worst.get('float64', 0):.2e}")
+    try:
+        for w in args.world_sizes:
+            t0 = time.perf_counter()
+            case_list = [c for c in cases(w, args.compile)
+                         if declared(c, caps) or (args.undeclared and not c.compile)]
+            pool = get_pool(w, backend="gloo", device="cpu")
+            worst = 0.0
+            for case in case_list:
+                outcome = check_case(pool, impl, ring_case_of(case, w, impl))
+                mark = "" if declared(case, caps) else " [undeclared]"
+                print(f"W={w} {outcome.status:5s} {case.label:55s} {outcome.line()}{mark}", flush=True)
+                failures += outcome.status != "ok" and not mark
+                if case.dtype == "float64" and outcome.errors:
+                    worst = max(worst, *(err for err, _ in outcome.errors.values()))
+            print(f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst float64 error {worst:.2e}")
+    finally:
+        shutdown_all_pools()
     print("FAILED" if failures else "all cases pass", f"({failures} failing)")
     return 1 if failures else 0
 

@@ -40,7 +40,7 @@ class Job:
 
 
 def jobs(cuda: bool) -> list[Job]:
-    torch_cp = "harness.adapters.torch_cp:IMPLEMENTATION"
+    torch_cp = "conformance.adapters.torch_cp:IMPLEMENTATION"
     out = [
         Job("ring_impl-nightly", ("--tier", "nightly")),
         Job("ring_impl-op-math", ("--op", "math", "--world-sizes", "1,2,4")),

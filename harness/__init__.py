@@ -16,6 +16,15 @@ Suites use::
 returns every rank's :class:`RankOutcome` for tests that expect ranks to raise.
 :class:`CollectiveLog` counts the collectives a rank issues, per phase.
 
+Modules by role: :mod:`harness.launchers` (``get_pool``: the launchers by name), :mod:`harness.launch`
+(what every pool does), :mod:`harness.pool` (rank processes owned by this process) with
+:mod:`harness.rank_start`, :mod:`harness.rank_main`, :mod:`harness.waiting`,
+:mod:`harness.stacks` and :mod:`harness.rank_output`; :mod:`harness.torchrun` (this process is
+one torchrun rank); :mod:`harness.errors`, :mod:`harness.context`, :mod:`harness.wire`;
+:mod:`harness.settings`, :mod:`harness.devices`, :mod:`harness.procs` (process trees that die with
+their owner), :mod:`harness.accounting` and the pytest plugin :mod:`harness.pytest_plugin`. The
+harness knows ranks, pools, faults, accounting and pytest, and nothing of what the ranks compute.
+
 Importing this package does not import torch; the parts that need it import it when used.
 """
 
@@ -34,7 +43,9 @@ from harness.errors import (
     RankError,
     RankOutcome,
 )
-from harness.pool import Pool, RankPool, active_pools, get_pool, shutdown_all_pools
+from harness.launch import Pool
+from harness.launchers import get_pool, shutdown_all_pools
+from harness.pool import RankPool, active_pools
 
 if TYPE_CHECKING:
     from harness.accounting import CollectiveCall, CollectiveLog

@@ -1,9 +1,11 @@
 """pytest integration: the "ring attention" options, markers, fixtures, report header, profiles.
 
-Loaded by the root ``conftest.py`` (``pytest_plugins = ["harness.pytest_plugin"]``).
+Loaded through the ``harness.pytest_plugin`` ``pytest11`` entry point of the installed package,
+by a root ``conftest.py`` (``pytest_plugins = ["harness.pytest_plugin"]``), or with
+``-p harness.pytest_plugin``.
 
 Adding an option: call :func:`add_ring_option` from a ``pytest_addoption`` hook (here or in another
-plugin module listed in ``conftest.py``); it lands in the same "ring attention" group, its
+plugin module); it lands in the same "ring attention" group, its
 ``RING_*`` variable is echoed in the report header and read by :func:`ring_option` when the option
 is not given. Harness settings themselves are declared in :data:`harness.settings.OPTIONS`.
 
@@ -11,8 +13,8 @@ Markers: ``quick`` (a case of the quick tier), ``nightly`` (a case only the nigh
 skipped unless ``--tier nightly``), ``gpu`` (skipped unless ``--device cuda``), ``compile``
 (compiles with torch.compile: its case timeout is ``--compile-timeout``), ``world_size(n)`` or
 ``world_size(n=N)`` (skipped unless n is enabled; ``-m "world_size(n=2)"`` selects by it). Every
-skip says why and how to enable the test. The conformance suites apply them to their cases
-(suites/plugin.py); any test may apply them too.
+skip says why and how to enable the test. Any test may apply them; the conformance suites'
+plugins apply them to every suite case.
 
 Fixtures: ``rank_pool`` (factory: ``rank_pool(world_size)`` -> pool, skipping when that world
 size is not enabled or cannot run here), ``harness_settings``, ``world_sizes``, ``device``,
@@ -28,7 +30,6 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,8 @@ import pytest
 
 from harness import settings as harness_settings_module
 from harness.errors import PoolUnavailable
-from harness.pool import Pool, get_pool, shutdown_all_pools, warm_up
+from harness.launch import Pool
+from harness.launchers import get_pool, shutdown_all_pools, warm_up
 from harness.settings import OPTIONS, HarnessSettings, SettingsError
 
 OPTION_GROUP = "ring attention"
@@ -258,10 +260,7 @@ def world_size_skip_reason(world_size: int, settings: HarnessSettings) -> str:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Start the forkserver (which imports torch once for every rank) while pytest gets ready.
-    settings = settings_of(session.config)
-    if settings.launcher == "pool" and settings.rank_start == "forkserver" and any(
-        "rank_pool" in getattr(item, "fixturenames", ()) for item in session.items
-    ):
+    if any("rank_pool" in getattr(item, "fixturenames", ()) for item in session.items):
         warm_up()
 
 
@@ -373,17 +372,9 @@ def ring_environment_lines(env: dict[str, str] | os._Environ[str] | None = None)
 
 # ---------------------------------------------------------------------- teardown
 
-def _shutdown() -> None:
-    shutdown_all_pools()
-    if "harness.torchrun" in sys.modules:
-        from harness.torchrun import shutdown_torchrun_pool
-
-        shutdown_torchrun_pool()
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _shutdown()
+    shutdown_all_pools()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    _shutdown()
+    shutdown_all_pools()

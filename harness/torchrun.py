@@ -20,23 +20,17 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from harness import wire
 from harness.context import RankContext
-from harness.errors import (
-    CRASHED,
-    ERROR,
-    OK,
-    CaseFailure,
-    PoolUnavailable,
-    RankCrashed,
-    RankError,
-    RankOutcome,
-)
+from harness.errors import CRASHED, ERROR, OK, CaseFailure, PoolUnavailable, RankOutcome
+from harness.launch import Pool, case_failure, case_label
 from harness.settings import current
+
+__all__ = ["TorchrunPool", "get_torchrun_pool", "shutdown_torchrun_pool", "torchrun_rank"]
 
 # Margin past the case timeout before a hung rank kills itself: its peers report first.
 _EXIT_MARGIN_S = 10.0
@@ -49,8 +43,8 @@ def torchrun_rank() -> tuple[int, int, int]:
     return rank, world_size, int(env.get("LOCAL_RANK", rank))
 
 
-class TorchrunPool:
-    """The in-process "pool" of a torchrun rank; same ``run`` / ``run_outcomes`` as a RankPool."""
+class TorchrunPool(Pool):
+    """The in-process "pool" of a torchrun rank; ``run`` / ``run_outcomes`` as every :class:`Pool`."""
 
     def __init__(self, backend: str, device: str) -> None:
         import torch
@@ -79,30 +73,13 @@ class TorchrunPool:
         """Only this rank's process is known here; the others live on their own hosts."""
         return [os.getpid()]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            seed: int = 0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(ctx, *args, **kwargs)`` here, in lockstep with the other torchrun ranks."""
-        __tracebackhide__ = True  # pytest: show the test's line, not the harness internals
-        outcomes, failure = self._execute(fn, args, kwargs, timeout, seed)
-        if failure is not None:
-            raise failure
-        return [o.value for o in outcomes]
-
-    def run_outcomes(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-                     seed: int = 0, **kwargs: Any) -> list[RankOutcome]:
-        """Every rank's outcome; raises only when a rank stopped answering."""
-        __tracebackhide__ = True
-        outcomes, failure = self._execute(fn, args, kwargs, timeout, seed)
-        if failure is not None and not isinstance(failure, RankError):
-            raise failure
-        return outcomes
-
-    def _execute(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _execute(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                  timeout: float | None, seed: int) -> tuple[list[RankOutcome], CaseFailure | None]:
+        """Run ``fn(ctx, *args, **kwargs)`` here, in lockstep with the other torchrun ranks, and
+        share every rank's outcome with every rank."""
         import torch
         import torch.distributed as dist
 
-        from harness.pool import case_label
         from harness.rank_main import seed_everything
 
         fn_name = wire.qualified_name(fn)
@@ -133,9 +110,8 @@ class TorchrunPool:
                 outcomes = [outcome if r == self.rank else
                             RankOutcome(r, False, None, "harness.Unknown", "did not report", status=CRASHED)
                             for r in range(self.world_size)]
-                return outcomes, RankCrashed(case=label, fn_name=fn_name, world_size=self.world_size,
-                                             backend=self.backend, device=self.device, outcomes=outcomes,
-                                             headline="a torchrun rank stopped answering")
+                return outcomes, case_failure(self, label, fn_name, outcomes, timeout=timeout,
+                                              headline="a torchrun rank stopped answering")
         finally:
             faulthandler.cancel_dump_traceback_later()
         outcomes = []
@@ -145,12 +121,8 @@ class TorchrunPool:
             else:
                 outcomes.append(RankOutcome(rank, False, None, exc_type, exc_message, tb,
                                             status=ERROR, duration_s=duration))
-        if all(o.ok for o in outcomes):
-            return outcomes, None
-        return outcomes, RankError(case=label, fn_name=fn_name, world_size=self.world_size,
-                                   backend=self.backend, device=self.device, outcomes=outcomes,
-                                   headline="a rank raised",
-                                   note=f"reported by torchrun rank {self.rank} of {self.world_size}")
+        return outcomes, case_failure(self, label, fn_name, outcomes, timeout=timeout,
+                                      note=f"reported by torchrun rank {self.rank} of {self.world_size}")
 
     def shutdown(self) -> None:
         import torch.distributed as dist

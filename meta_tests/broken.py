@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import ring_impl
-from harness.adapters.ring_impl import RingImplAdapter
+from conformance.adapters.ring_impl import RingImplAdapter
 from ring_impl import RingAttention, collective_schedule, debug
 from ring_impl.api import _ring_attention
 from ring_impl.ops import call_backward, call_forward, default_scale

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch.nn.functional as F
 
 import ring_impl
-from harness.adapters.ring_impl import RingImplAdapter
+from conformance.adapters.ring_impl import RingImplAdapter
 from meta_tests.broken import Broken
 from ring_impl import sdpa_route
 from ring_impl.context_parallel import ShardedBuffers, context_parallel_unshard, sharded_and_routed

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from harness.adapters.ring_impl import RingImplAdapter
+from conformance.adapters.ring_impl import RingImplAdapter
 from meta_tests.broken import Broken
 from ring_impl import RingAttention, bind
 from ring_impl.ops import accumulation_dtype

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.implementation import Capabilities, load_implementation
+from conformance.implementation import Capabilities, load_implementation
 from harness.procs import run_tree  # the command's process tree dies with the test
 from harness.pytest_plugin import settings_of
 from meta_tests.correct import CORRECT

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from harness.implementation import load_implementation, load_op
+from conformance.implementation import load_implementation, load_op
 from suites.inputs import InputSpec, local_inputs
 
 __all__ = ["CountingOp", "RingCase", "resolve_case_op", "ring_case", "ring_case_twice"]

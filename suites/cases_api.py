@@ -37,9 +37,9 @@ __all__ = [
 
 def api_of(impl_spec: str | None):
     """The module offering context_parallel & co for an implementation: the protocol's
-    ``api_module`` (harness.implementation.Implementation.api_module: a claimed API without one
+    ``api_module`` (conformance.implementation.Implementation.api_module: a claimed API without one
     fails, naming it; never another implementation's API)."""
-    from harness.implementation import load_implementation
+    from conformance.implementation import load_implementation
 
     return load_implementation(impl_spec).api_module()
 

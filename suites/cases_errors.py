@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.implementation import load_implementation
+from conformance.implementation import load_implementation
 
 __all__ = ["BAD_INPUTS", "bad_input_case"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from harness.implementation import load_implementation, load_op
+from conformance.implementation import load_implementation, load_op
 from reference.strategies import shard
 from suites.inputs import InputSpec, make_inputs
 

@@ -76,7 +76,7 @@ def baseline_for(spec: InputSpec, is_causal: bool, op_spec: str | None) -> dict[
 
 @functools.lru_cache(maxsize=128)
 def _baseline_on(spec: InputSpec, is_causal: bool, op_spec: str | None, device_name: str) -> dict[str, torch.Tensor]:
-    from harness.implementation import load_op
+    from conformance.implementation import load_op
     from ring_impl.lse import normalize_lse
     from ring_impl.ops import call_backward, call_forward, default_scale, resolve_op
 
@@ -117,7 +117,7 @@ def unshard_results(results: Sequence[dict[str, Any]], layout: str) -> dict[str,
 
 
 def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> list[str]:
-    """What each rank returned against the protocol's contract (harness/implementation.py).
+    """What each rank returned against the protocol's contract (conformance/implementation.py).
 
     Per rank: out has the input dtype and the local query's shape (batch, heads, seq_q_local,
     head_dim); the LSE is float32 (float64 for float64 inputs) of shape (batch, heads,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +23,8 @@ from harness.procs import run_tree
 from reference.attention import attention
 from reference.budget import assert_verdict, check
 from suites import cases_api
+from suites.checkout import ROOT, checkout_file
 from suites.matrix import tier, world_sizes
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 #: Seconds a compiled case may take: each rank compiles the graphs itself (the harness's hang
 #: timeout stays the session's --case-timeout elsewhere). A cold inductor cache on 2 CPU cores
@@ -91,7 +88,7 @@ def test_tutorial_script_under_torchrun(cp, tmp_path) -> None:
     # A process tree: torchrun's ranks leave its session; an interrupted run must not orphan them.
     proc = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-         str(ROOT / "examples" / "context_parallel_tutorial.py")],
+         str(checkout_file("examples", "context_parallel_tutorial.py"))],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -252,6 +249,6 @@ def test_compiled_parallelized_module(cp, cw: int, backend: str, layout: str) ->
 
 
 def cp_default_spec() -> str:
-    from harness.implementation import DEFAULT_IMPL_SPEC
+    from conformance.implementation import DEFAULT_IMPL_SPEC
 
     return DEFAULT_IMPL_SPEC

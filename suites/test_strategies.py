@@ -34,7 +34,7 @@ from suites.inputs import SHORT, InputSpec
 from suites.judge import QUANTITIES, baseline_for, format_failure, reference_for
 from suites.judge_strategies import diagnose_strategy_case, judge_strategy, unshard_strategy_results
 from suites.matrix import CPU_OPS, ROTATIONS, seed_for
-from suites.plugin import case_properties
+from suites.runner import case_properties
 
 #: (strategy, (U, R)) per world size.
 MESHES: dict[int, list[tuple[str, tuple[int, int]]]] = {

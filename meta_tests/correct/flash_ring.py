@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.implementation import Capabilities
+from conformance import Capabilities
 from meta_tests.correct.common import (
     LAYOUTS,
     RingSetup,

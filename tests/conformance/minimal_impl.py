@@ -6,7 +6,7 @@ errors) it claims. Used to check N/A reporting and the plug-in path."""
 from __future__ import annotations
 
 import ring_impl
-from harness.implementation import Capabilities
+from conformance import Capabilities
 
 
 class MinimalRing:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.implementation import (
+from conformance.implementation import (
     DEFAULT_IMPL_SPEC,
     Capabilities,
     Implementation,
@@ -48,7 +48,7 @@ def test_impl_ring_impl_means_the_default_implementation() -> None:
     impl = load_implementation("ring_impl")
     assert impl.spec == DEFAULT_IMPL_SPEC and impl is load_implementation(DEFAULT_IMPL_SPEC)
     # A module named alone stands for its IMPLEMENTATION when it has one.
-    assert load_implementation("harness.adapters.torch_cp").spec == "harness.adapters.torch_cp:IMPLEMENTATION"
+    assert load_implementation("conformance.adapters.torch_cp").spec == "conformance.adapters.torch_cp:IMPLEMENTATION"
     with pytest.raises(ImplSpecError, match="has no callable ring_attention"):
         load_implementation("tests.conformance")
 
@@ -75,7 +75,7 @@ def test_api_module_resolution() -> None:
 
     class WrongModule(Declared):
         capabilities = Capabilities()
-        api_module = "harness.report"  # importable, but offers no context_parallel
+        api_module = "conformance.report"  # importable, but offers no context_parallel
 
     class Unimportable(Declared):
         capabilities = Capabilities()

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.procs import run_tree  # the command's process tree dies with the test
-from harness.report import (
+from conformance.report import (
     CaseRecord,
     build_report,
     effective_ratio,
@@ -19,7 +18,8 @@ from harness.report import (
     render_terminal,
     to_json,
 )
-from suites.reporting import parse_vendor_file
+from conformance.reporting import parse_vendor_file
+from harness.procs import run_tree  # the command's process tree dies with the test
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_minimal_vendor_impl_gets_na_not_failures_and_a_report(tmp_path: Path) -
                       "skip suites/test_no_such_module.py  typo on purpose\n")
     proc = _pytest("suites/test_forward_backward.py", "suites/test_collectives.py", "-q", "--world-sizes", "2",
                    "--impl", "tests.conformance.minimal_impl:IMPLEMENTATION", "--report-dir", str(tmp_path / "out"),
-                   "-k", "W2-f32 and contiguous and allgather or W2-bf16", "-W", "always::suites.reporting.VendorFileWarning",
+                   "-k", "W2-f32 and contiguous and allgather or W2-bf16", "-W", "always::conformance.reporting.VendorFileWarning",
                    "--vendor-file", str(vendor), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "matches no collected test" in proc.stdout, "an unmatched vendor entry must warn"
@@ -152,7 +152,7 @@ def test_report_dir_that_cannot_be_a_directory_is_a_usage_error_at_start(tmp_pat
 
 
 def test_report_dir_check_covers_unwritable_parents(tmp_path: Path) -> None:
-    from suites.reporting import check_report_dir
+    from conformance.reporting import check_report_dir
 
     check_report_dir(tmp_path / "new" / "deeper")  # creatable: fine, and nothing is created
     assert not (tmp_path / "new").exists()

@@ -28,10 +28,13 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-# Only the harness plugin: the root conftest also lists the suites' plugins, which import the
-# implementation under test and write reports; the harness's acceptance tests must depend on
-# neither, nor pay for them in every run. No cache either (concurrent runs share the repo).
-ISOLATION_ARGS = ("-p", "no:cacheprovider", "--noconftest", "-p", "harness.pytest_plugin")
+# Only the harness plugin: the root conftest also lists the conformance and suites plugins, which
+# import the implementation under test and write reports; the harness's acceptance tests must
+# depend on neither, nor pay for them in every run. An installed package (pip install -e .)
+# registers them through entry points named after their modules: blocked by those names. No
+# cache either (concurrent runs share the repo).
+ISOLATION_ARGS = ("-p", "no:cacheprovider", "--noconftest", "-p", "harness.pytest_plugin",
+                  "-p", "no:conformance.plugin", "-p", "no:conformance.reporting", "-p", "no:suites.runner")
 
 
 def pytest_command(*args: str) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ring_impl
-from harness.implementation import DEFAULT_IMPL_SPEC
+from conformance.implementation import DEFAULT_IMPL_SPEC
 from harness.procs import run_tree
 from ring_impl.context_parallel import ContextParallelError
 
@@ -61,7 +61,7 @@ def test_unshard_rejects_unequal_shards(layout: str) -> None:
 
 
 def test_unshard_rejects_an_odd_head_tail_shard_and_no_shards() -> None:
-    with pytest.raises(ValueError, match="length 6 cannot be sharded in layout .head_tail. over 2 ranks: it must be a multiple of 4"):
+    with pytest.raises(ValueError, match="length 6 cannot be sharded in layout 'head_tail' over 2 ranks: it must be a multiple of 4"):
         ring_impl.unshard([torch.zeros(1, 1, 3, 1)] * 2, layout="head_tail")
     with pytest.raises(ValueError, match="no shards"):
         ring_impl.unshard([], layout="contiguous")

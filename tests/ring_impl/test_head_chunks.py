@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from harness.implementation import DEFAULT_IMPL_SPEC
+from conformance.implementation import DEFAULT_IMPL_SPEC
 from ring_impl import InputError, collective_schedule
 from ring_impl.heads import check_head_chunks, head_spans
 from suites.cases import RingCase

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from harness.implementation import DEFAULT_IMPL_SPEC
+from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference.attention import attention
 from ring_impl import collective_schedule
 from ring_impl.strategies import kv_replication, strategy_schedule

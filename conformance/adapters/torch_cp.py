@@ -1,6 +1,6 @@
 """PyTorch's own context parallel (``torch.distributed.tensor.experimental``) under test.
 
-Use it with ``--impl harness.adapters.torch_cp:IMPLEMENTATION`` (or ``RING_IMPL=...``).
+Use it with ``--impl conformance.adapters.torch_cp:IMPLEMENTATION`` (or ``RING_IMPL=...``).
 
 How it runs
 -----------
@@ -38,7 +38,7 @@ restores them afterwards:
   ``TorchContextParallel(convert_to_f32=False)``.
 
 What it supports, measured on CPU + gloo with torch 2.13 by
-``python ci/check_ring_numerics.py --world-sizes 2 4 --impl harness.adapters.torch_cp:IMPLEMENTATION``
+``python ci/check_ring_numerics.py --world-sizes 2 4 --impl conformance.adapters.torch_cp:IMPLEMENTATION``
 (batch 2, 4 heads, 8 rows per layout chunk, head_dim 16; errors are max |X - float64 reference|
 and, in brackets, the same for single-process CPU flash in the same dtype):
 
@@ -87,7 +87,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.implementation import Capabilities
+from conformance.implementation import Capabilities
 
 __all__ = ["IMPLEMENTATION", "TorchContextParallel", "cp_options"]
 
@@ -269,7 +269,7 @@ class _CudaContextParallel(torch.autograd.Function):
 
 
 class TorchContextParallel:
-    """PyTorch's context parallel in the protocol of :mod:`harness.implementation`."""
+    """PyTorch's context parallel in the protocol of :mod:`conformance.implementation`."""
 
     def __init__(self, *, convert_to_f32: bool | None = None, name: str = "torch_cp"):
         self.name = name

@@ -1,6 +1,7 @@
 """pytest glue for the conformance report and vendor expectation files.
 
-Options (group "ring attention"):
+Registered through the ``conformance.reporting`` ``pytest11`` entry point of the installed
+package, and from the root ``conftest.py`` in a checkout. Options (group "ring attention"):
 
 ``--report-dir DIR`` (``RING_REPORT_DIR``, default ``reports``)
     Where ``conformance.json``, ``conformance.md`` and ``conformance.xml`` (JUnit) are written at
@@ -16,7 +17,9 @@ Options (group "ring attention"):
     ``xfail``/``skip``, a test-id prefix, then the reason (required). ``#`` starts a comment. An
     entry that matches no collected test warns, so a typo or a renamed test does not hide.
 
-Only tests under ``suites/`` are conformance cases; the project's own tests are not reported.
+Only the tests of the suites package are conformance cases (:func:`conformance.plugin.suite_id`);
+the project's own tests are not reported. Vendor-file prefixes and the report's ids are the
+stable ids ``suites/<module>.py::<name>``, the same for a checkout and an installed package.
 
 A run that reports suite cases but executes none of them (every one N/A or skipped) exits
 non-zero, with a message that says why: it tested nothing. So does a run whose only collected
@@ -31,11 +34,19 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from harness.pytest_plugin import add_ring_option, ring_environment_lines, ring_option, settings_of
-from harness.report import (
+from conformance.plugin import (
+    _IMPL_KEY,
+    _OP_KEY,
+    NA_PREFIX,
+    is_suite_item,
+    report_suite_id,
+    suite_id,
+)
+from conformance.report import (
     EXECUTED,
     CaseRecord,
     build_report,
@@ -43,9 +54,9 @@ from harness.report import (
     render_terminal,
     to_json,
 )
-from suites.plugin import _IMPL_KEY, _OP_KEY, NA_PREFIX, SUITE_PREFIX, is_suite_item
+from harness.pytest_plugin import add_ring_option, ring_environment_lines, ring_option, settings_of
 
-__all__ = ["SUITE_PREFIX", "VendorEntry", "VendorFileWarning", "check_report_dir", "nothing_executed", "parse_vendor_file"]
+__all__ = ["VendorEntry", "VendorFileWarning", "check_report_dir", "nothing_executed", "parse_vendor_file"]
 
 
 class VendorFileWarning(UserWarning):
@@ -142,8 +153,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     entries = config.stash.get(_VENDOR, [])
     used = set()
     for item in items:
+        test_id = suite_id(item) or item.nodeid
         for e in entries:
-            if item.nodeid.startswith(e.prefix):
+            if test_id.startswith(e.prefix):
                 used.add(e)
                 reason = f"vendor file line {e.line}: {e.reason}"
                 item.add_marker(pytest.mark.xfail(reason=reason, strict=True) if e.kind == "xfail" else pytest.mark.skip(reason=reason))
@@ -158,7 +170,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def nothing_executed(counts: dict[str, int], deselected: int = 0) -> str:
     """Why a run that reported suite cases tested nothing ("" when some case ran to a verdict).
 
-    ``counts``: outcome -> number of suite cases (harness.report.OUTCOMES); ``deselected``: suite
+    ``counts``: outcome -> number of suite cases (conformance.report.OUTCOMES); ``deselected``: suite
     cases that ``-k``/``-m`` deselected.
     """
     executed = sum(counts.get(o, 0) for o in EXECUTED)
@@ -202,25 +214,27 @@ class ConformanceReporter:
         self.vacuous = ""
 
     def pytest_deselected(self, items: list[pytest.Item]) -> None:
-        self.deselected += sum(is_suite_item(item.nodeid) for item in items)
+        self.deselected += sum(is_suite_item(item) for item in items)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self.collected_other = any(not is_suite_item(item.nodeid) for item in session.items)
+        self.collected_other = any(not is_suite_item(item) for item in session.items)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not is_suite_item(report.nodeid):
+        test_id = report_suite_id(report)
+        if test_id is None:
             self.collected_other = True
             return
         outcome = _outcome(report)
         decisive = report.when == "call" or (report.when == "setup" and outcome != "passed") or (
             report.when == "teardown" and outcome == "failed"
         )
-        prev = self.records.get(report.nodeid)
+        prev = self.records.get(test_id)
         if not decisive or (prev is not None and prev.outcome == "failed"):
             return  # a teardown error after a failed call keeps the call's message
-        module = report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
-        cases = [v for k, v in report.user_properties if k == "ring_case"]
-        verdicts = [v for k, vs in report.user_properties if k == "ring_verdicts" for v in vs]
+        module = test_id.split("::", 1)[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
+        properties: list[tuple[str, Any]] = list(report.user_properties)
+        cases = [v for k, v in properties if k == "ring_case"]
+        verdicts = [v for k, vs in properties if k == "ring_verdicts" for v in vs]
         # A test may run several cases (rotation agreement, hypothesis examples): keep the
         # parameters they share; the others become "any".
         params = {k: v for k, v in cases[0].items() if all(c.get(k) == v for c in cases)} if cases else {}
@@ -231,8 +245,8 @@ class ConformanceReporter:
             message = str(getattr(report, "wasxfail", "") or "")
         elif outcome in ("n/a", "skipped") and isinstance(report.longrepr, tuple):
             message = str(report.longrepr[2]).removeprefix("Skipped: ")
-        self.records[report.nodeid] = CaseRecord(
-            report.nodeid, outcome, module, params, verdicts, report.duration, message,
+        self.records[test_id] = CaseRecord(
+            test_id, outcome, module, params, verdicts, report.duration, message,
         )
 
     def header(self) -> dict[str, str]:

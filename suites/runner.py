@@ -1,24 +1,22 @@
-"""pytest glue of the conformance suites: the implementation under test, the case runner, N/A,
-and the markers of suite cases.
+"""The suites' case runner: the ``ring`` fixture and the markers of suite cases.
 
-Registered from the root conftest (options must be known before test collection). Adds to the
-"ring attention" option group:
+A pytest plugin (registered from the root ``conftest.py`` and, when the package is installed,
+through its ``pytest11`` entry point), so that any test, not only the suites, can run a
+:class:`suites.cases.RingCase` through the implementation under test::
 
-``--impl package.module:object`` (``RING_IMPL``)
-    The implementation under test (protocol: harness/implementation.py). Default: ring_impl.
-``--op name-or-package.module:object`` (``RING_OP``)
-    The attention op (local kernel) to run inside the implementation (op contract: ring_impl/ops.py).
+    def test_something(ring, case):
+        ring.check(ring.prepare(case))      # N/A, run on the pool, judge, diagnose, repro
 
-What the implementation does not declare it lacks is claimed and tested (harness/implementation.py).
-A case that needs what it declares it lacks is reported **N/A**: neither passed, failed nor an
-ordinary skip (the terminal shows ``N`` and the summary counts "N/A"). A case that needs a
-protocol piece the implementation claims but does not have (``collective_schedule``,
-``record_steps``, ``api_module``) fails, naming the missing attribute.
+:class:`RingRunner` checks the implementation's capabilities (N/A for what it declares it lacks,
+a failure naming the attribute for a claimed protocol piece it lacks), runs the case on every
+rank (:func:`suites.cases.ring_case`), judges every quantity against the float64 reference
+(:mod:`suites.judge`), diagnoses a failure to a rank and ring step and prints a repro command.
+It records each case's parameters and error figures in the test report (user properties
+``ring_case`` and ``ring_verdicts``), which the conformance report reads.
 
 Markers of suite cases (applied at collection, so ``-m`` selects by them): ``world_size(n=N)``
-from the case's world size; ``compile`` for a case with a torch.compile backend; ``quick`` for a
-case of the quick tier and ``nightly`` for a case only the nightly tier has (with ``--tier
-nightly`` a case is ``quick`` when the quick tier generates the very same case).
+from the case's world size, ``compile`` for a case with a torch.compile backend. The tier
+markers (``quick``, ``nightly``) come from :mod:`conformance.plugin`.
 """
 
 from __future__ import annotations
@@ -29,173 +27,50 @@ from typing import Any
 
 import pytest
 
-from harness.implementation import (
-    PROTOCOL_ATTRIBUTES,
-    Capabilities,
-    Implementation,
-    ImplSpecError,
-    load_implementation,
-    load_op,
-)
-from harness.pytest_plugin import (
-    SETTINGS_KEY,
-    add_ring_option,
-    repro_command,
-    ring_option,
-    settings_of,
-)
-from harness.settings import DEFAULT_WORLD_SIZES
+from conformance.implementation import PROTOCOL_ATTRIBUTES, Capabilities, Implementation
+from conformance.plugin import not_applicable, suite_id
+from harness.pytest_plugin import repro_command, settings_of
 
-__all__ = ["NA_PREFIX", "SUITE_PREFIX", "RingRunner", "is_suite_item", "not_applicable"]
-
-NA_PREFIX = "N/A: "
-#: Test ids of conformance cases start with this; the project's own tests are not suite cases.
-SUITE_PREFIX = "suites/"
-
-
-def not_applicable(reason: str) -> None:
-    """Report the current test as N/A (the implementation declares it lacks what it needs)."""
-    __tracebackhide__ = True
-    pytest.skip(NA_PREFIX + reason)
-
-
-def is_suite_item(nodeid: str) -> bool:
-    return nodeid.startswith(SUITE_PREFIX)
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    add_ring_option(parser, "--impl", env="RING_IMPL", metavar="MODULE:OBJECT",
-                    help="Implementation under test (default: ring_impl's adapter; 'ring_impl' names it too)")
-    add_ring_option(parser, "--op", env="RING_OP", metavar="NAME|MODULE:OBJECT",
-                    help="Attention op (local kernel) to run inside the implementation")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # Fail at start, naming the option, rather than in every test.
-    try:
-        impl = load_implementation(ring_option(config, "impl"))
-    except ImplSpecError as exc:
-        raise pytest.UsageError(str(exc)) from None
-    op_spec = ring_option(config, "op")
-    if op_spec:
-        try:
-            load_op(op_spec)
-        except (ImplSpecError, ValueError) as exc:
-            raise pytest.UsageError(f"--op/RING_OP: {exc}") from None
-        if not impl.capabilities.claims("ops", "*"):
-            raise pytest.UsageError(
-                f"--op={op_spec!r} given, but implementation {impl.name!r} does not accept op objects "
-                f"(it {impl.capabilities.lacking('ops', '*')}); drop --op or plug the kernel into an implementation that does"
-            )
-    config.stash[_IMPL_KEY] = impl
-    config.stash[_OP_KEY] = op_spec or None
-    config.stash[_QUICK_KEY] = {}
-
-
-def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
-    if report.skipped and isinstance(report.longrepr, tuple) and str(report.longrepr[2]).startswith(
-        ("Skipped: " + NA_PREFIX, NA_PREFIX)
-    ):
-        return "n/a", "N", "N/A"
-    return None
-
-
-_IMPL_KEY = pytest.StashKey[Implementation]()
-_OP_KEY = pytest.StashKey[Any]()
-# definition node id -> {argname: [values the quick tier generates]} (nightly sessions only)
-_QUICK_KEY = pytest.StashKey[dict[str, dict[str, list]]]()
+__all__ = ["RingRunner", "case_properties", "repro_words"]
 
 
 # ---------------------------------------------------------------------- markers of suite cases
 
 
-class _ParametrizeRecorder:
-    """Stands in for a Metafunc: records what a module's ``pytest_generate_tests`` parametrizes."""
-
-    def __init__(self, metafunc: pytest.Metafunc):
-        self._metafunc = metafunc
-        self.values: dict[str, list] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._metafunc, name)
-
-    def parametrize(self, argnames, argvalues, *args: Any, **kwargs: Any) -> None:
-        names = [n.strip() for n in argnames.split(",")] if isinstance(argnames, str) else list(argnames)
-        for value in argvalues:
-            values = value.values if hasattr(value, "values") and hasattr(value, "marks") else (
-                (value,) if len(names) == 1 else tuple(value))
-            for name, v in zip(names, values):
-                self.values.setdefault(name, []).append(v)
-
-
-def quick_tier_settings(settings):
-    """The settings under which the quick tier would generate its cases in this session: the
-    quick tier and its world sizes (the session's, where given explicitly)."""
-    sizes = settings.world_sizes if "world_sizes" in settings.sources else DEFAULT_WORLD_SIZES["quick"]
-    return settings.with_(tier="quick", world_sizes=tuple(sizes))
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """In a nightly session, record what the module's own generator makes for the quick tier, so
-    collection can tell the quick tier's cases from the ones only the nightly tier has."""
-    module = metafunc.module
-    generate = getattr(module, "pytest_generate_tests", None)
-    if not callable(generate) or not is_suite_item(metafunc.definition.nodeid):
-        return
-    config = metafunc.config
-    settings = settings_of(config)
-    if settings.tier == "quick":
-        return
-    recorder = _ParametrizeRecorder(metafunc)
-    config.stash[SETTINGS_KEY] = quick_tier_settings(settings)
-    try:
-        generate(recorder)
-    finally:
-        config.stash[SETTINGS_KEY] = settings
-    config.stash[_QUICK_KEY][metafunc.definition.nodeid] = recorder.values
-
-
-def _case_of(params: dict[str, Any]):
-    from suites.cases import RingCase
-
-    return next((v for v in params.values() if isinstance(v, RingCase)), None)
-
-
 @pytest.hookimpl(tryfirst=True)  # before the harness reads world_size and before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    settings = settings_of(config)
-    quick_values = config.stash.get(_QUICK_KEY, {})
+    # Imported here, not at plugin load: it imports torch, and pytest --help should not.
+    from suites.cases import RingCase
+
     for item in items:
-        if not is_suite_item(item.nodeid):
+        if suite_id(item) is None:
             continue
         params: dict[str, Any] = dict(getattr(getattr(item, "callspec", None), "params", {}) or {})
-        case = _case_of(params)
+        case = next((v for v in params.values() if isinstance(v, RingCase)), None)
         world_size = case.world_size if case is not None else params.get("w")
         if isinstance(world_size, int) and item.get_closest_marker("world_size") is None:
             item.add_marker(pytest.mark.world_size(n=world_size))
         if case is not None and case.compile:
             item.add_marker(pytest.mark.compile)
-        quick = True
-        if settings.tier != "quick":
-            generated = quick_values.get(item.nodeid.split("[", 1)[0])
-            if generated is not None:
-                quick = all(params[name] in values for name, values in generated.items() if name in params)
-        item.add_marker(pytest.mark.quick if quick else pytest.mark.nightly)
 
 
-# ---------------------------------------------------------------------- fixtures and runner
+# ---------------------------------------------------------------------- the runner
 
 
-@pytest.fixture(scope="session")
-def impl(pytestconfig: pytest.Config) -> Implementation:
-    """The implementation under test."""
-    return pytestconfig.stash[_IMPL_KEY]
-
-
-@pytest.fixture(scope="session")
-def op_under_test(pytestconfig: pytest.Config) -> str | None:
-    """``--op`` (a spec string the ranks load), or None for the implementation's own choice."""
-    return pytestconfig.stash[_OP_KEY]
+def repro_words(item: pytest.Item) -> list[str]:
+    """How to name ``item`` on a command line run where this session ran: its node id when it
+    lies under the rootdir (a checkout), else ``--pyargs package.module::name`` (installed suites,
+    run from any directory)."""
+    try:
+        item.path.relative_to(item.config.rootpath)
+        return [item.nodeid]
+    except ValueError:
+        pass
+    sid = suite_id(item)
+    if sid is None:
+        return [item.nodeid]
+    module, _, name = sid.partition("::")
+    return [f"{module.removesuffix('.py').replace('/', '.')}::{name}", "--pyargs"]
 
 
 class RingRunner:
@@ -331,7 +206,8 @@ class RingRunner:
 
     def repro(self) -> str:
         """A command that re-runs this test alone with every ring option of the session."""
-        return repro_command(self.request.config, self.request.node.nodeid, "-p", "no:xdist")
+        target, *how = repro_words(self.request.node)
+        return repro_command(self.request.config, target, *how, "-p", "no:xdist")
 
 
 def case_properties(case) -> dict[str, Any]:

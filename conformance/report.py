@@ -1,6 +1,6 @@
 """The conformance report: a matrix on the terminal, and JSON and Markdown files.
 
-Input: one :class:`CaseRecord` per test (built from pytest reports by suites/plugin.py, so it
+Input: one :class:`CaseRecord` per test (built from pytest reports by conformance/reporting.py, so it
 works the same under xdist, where reports reach the controller with their ``user_properties``).
 
 The matrix has a row per (capability, rotation) and a column per dtype; a capability is a suite

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ring_impl
-from harness.implementation import Capabilities
+from conformance.implementation import Capabilities
 from ring_impl import debug
 
 ALL_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})

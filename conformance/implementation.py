@@ -80,7 +80,7 @@ __all__ = [
     "load_op",
 ]
 
-DEFAULT_IMPL_SPEC = "harness.adapters.ring_impl:IMPLEMENTATION"
+DEFAULT_IMPL_SPEC = "conformance.adapters.ring_impl:IMPLEMENTATION"
 
 #: ``--impl`` names that stand for another spec.
 ALIASES = {"ring_impl": DEFAULT_IMPL_SPEC}
@@ -142,7 +142,7 @@ class Capabilities:
                 raise ImplSpecError(f"capabilities has unknown fields {unknown}; known fields: {sorted(known)}")
             fields: dict[str, Any] = {k: frozenset(v) if isinstance(v, (list, tuple, set)) else v for k, v in raw.items()}
             return Capabilities(**fields)
-        raise ImplSpecError(f"capabilities must be a harness.implementation.Capabilities or a dict, not {type(raw).__name__}")
+        raise ImplSpecError(f"capabilities must be a conformance.Capabilities or a dict, not {type(raw).__name__}")
 
     def declares(self, name: str, value: Any = True) -> bool | None:
         """What the field says: True/False if declared (contains/equals value), None if undeclared.
@@ -204,7 +204,7 @@ class Implementation:
             has = f"its {attr} is {type(value).__name__} {value!r}, not {'a module name' if attr == 'api_module' else 'callable'}"
         return (
             f"{self.name} claims capabilities.{capability} (not declared False; undeclared means claimed) "
-            f"but {has}: add {attr} (see harness/implementation.py) or declare capabilities.{capability}=False"
+            f"but {has}: add {attr} (see conformance/implementation.py) or declare capabilities.{capability}=False"
         )
 
     def protocol(self, capability: str) -> Any:
@@ -284,7 +284,7 @@ def load_implementation(spec: str | None = None) -> Implementation:
             obj = _import_object(canonical, "implementation", "--impl", "RING_IMPL")
             if not callable(getattr(obj, "ring_attention", None)):
                 raise ImplSpecError(
-                    f"--impl={given!r}: {obj!r} has no callable ring_attention; see harness/implementation.py for the protocol"
+                    f"--impl={given!r}: {obj!r} has no callable ring_attention; see conformance/implementation.py for the protocol"
                 )
             Capabilities.of(obj)  # validate now, at start, not in the middle of a run
             _CACHE[canonical] = Implementation(canonical, obj)
