@@ -291,13 +291,26 @@ class GqaHeadsTiledOnLaterSteps(RingAttention):
 
 
 class LastRankSkipsGradHop(RingAttention):
-    """The last rank skips its final dK/dV send: its neighbour waits for it forever."""
+    """The last rank skips the final dK/dV hop (it keeps its own accumulator as if it were home):
+    its neighbour waits for that hop forever."""
+
+    @staticmethod
+    def _skips(cfg, step) -> bool:
+        g = cfg.group
+        return g.rank == g.world_size - 1 and step == g.world_size - 1 and cfg.rotate_method != "allgather"
 
     def pass_grads(self, cfg, link, step, acc):
-        g = cfg.group
-        if g.rank == g.world_size - 1 and step == g.world_size - 1 and cfg.rotate_method != "allgather":
-            return  # the bug: the last hop home is never sent
+        if self._skips(cfg, step):
+            self._kept = acc  # the bug: the last hop home is never exchanged
+            return
         super().pass_grads(cfg, link, step, acc)
+
+    def grads_home(self, cfg, link, like):
+        kept = getattr(self, "_kept", None)
+        if kept is not None and self._skips(cfg, cfg.group.world_size - 1):
+            self._kept = None
+            return kept
+        return super().grads_home(cfg, link, like)
 
 
 class RaisesOnOneRankOnly:
