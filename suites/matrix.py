@@ -17,13 +17,26 @@ from harness.pytest_plugin import settings_of
 from suites.cases import RingCase
 from suites.inputs import SHORT
 
-__all__ = ["CPU_OPS", "DTYPES", "LAYOUTS", "ROTATIONS", "case_id", "params", "seed_for", "tier", "world_sizes"]
+__all__ = ["CPU_OPS", "CUDA_OPS", "DTYPES", "LAYOUTS", "ROTATIONS", "case_id", "padded_lse_ops", "params", "seed_for", "session_ops", "tier", "world_sizes"]
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 ROTATIONS = ("allgather", "alltoall", "p2p")
 LAYOUTS = ("contiguous", "head_tail")
 #: Kernels that run on CPU, including the CPU emulations of the CUDA kernels' LSE layouts.
 CPU_OPS = ("cpu_flash", "math", "cpu_efficient_layout", "cpu_cudnn_layout")
+#: Kernels that run on CUDA: the real padded-LSE (memory-efficient) and trailing-dim (cuDNN) ones.
+CUDA_OPS = ("cuda_flash", "math", "cuda_efficient", "cudnn")
+
+
+def session_ops(config: pytest.Config) -> tuple[str, ...]:
+    """The registered kernels of the session's device (``--device``)."""
+    return CUDA_OPS if settings_of(config).device == "cuda" else CPU_OPS
+
+
+def padded_lse_ops(config: pytest.Config) -> tuple[str, ...]:
+    """The kernels whose LSE is not plain (batch, heads, seq) on the session's device: the CUDA
+    ones themselves on CUDA, their CPU emulations elsewhere."""
+    return ("cuda_efficient", "cudnn") if settings_of(config).device == "cuda" else ("cpu_efficient_layout", "cpu_cudnn_layout")
 
 
 def tier(config: pytest.Config) -> str:

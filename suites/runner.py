@@ -131,7 +131,29 @@ class RingRunner:
             self.require("record_steps", why="per-step partials")
         if op is not None:
             self.require("ops", "*", why=f"runs op {op!r}")
+            self.skip_if_kernel_cannot(op, case)
         return replace(case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse"))
+
+    def skip_if_kernel_cannot(self, op, case) -> None:
+        """Skip (with the kernel's reason) a case whose registered kernel declares it cannot run
+        the case's dtype, head size or mask on the session's device: a limit of the kernel, the
+        same on one device, not of the implementation under test."""
+        if not isinstance(op, str) or ":" in op or op == "auto":
+            return
+        import torch
+
+        from ring_impl.ops import available_ops, default_scale, get_op
+
+        if op not in available_ops():
+            return  # an unknown name fails in the implementation, as it should
+        spec = case.inputs
+        device = torch.device(self.request.getfixturevalue("device"))
+        scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
+        why = get_op(op).capabilities.unsupported(device, spec.torch_dtype, spec.head_dim, scale=scale,
+                                                   is_causal=case.is_causal)
+        if why is not None:
+            pytest.skip(f"kernel {op!r} cannot run this case on {device}: {why} (the kernel's own limit; "
+                        "other dtypes of this test run it)")
 
     def timeout_for(self, case) -> float:
         """This test's timeout, or the compile bound for a case that compiles."""

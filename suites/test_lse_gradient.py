@@ -15,7 +15,7 @@ import pytest
 
 from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.matrix import CPU_OPS, LAYOUTS, ROTATIONS, params, tier, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, params, session_ops, tier, world_sizes
 
 
 def pytest_generate_tests(metafunc):
@@ -24,7 +24,7 @@ def pytest_generate_tests(metafunc):
     nightly = tier(metafunc.config) == "nightly"
     sizes = world_sizes(metafunc.config, at_least=2) if nightly else world_sizes(metafunc.config, at_least=2, at_most=3)
     cases = []
-    for i, (op, rotate) in enumerate(itertools.product((None, *CPU_OPS), ROTATIONS)):
+    for i, (op, rotate) in enumerate(itertools.product((None, *session_ops(metafunc.config)), ROTATIONS)):
         combos = itertools.product(sizes, ("float64", "float32", "bfloat16"), (False, True), LAYOUTS) if nightly else [
             (sizes[i % len(sizes)], "float32", True, "head_tail"), (sizes[-1], "float64", False, "contiguous"),
         ] if sizes else []

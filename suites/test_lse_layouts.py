@@ -12,7 +12,7 @@ import itertools
 
 from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.matrix import CPU_OPS, LAYOUTS, params, tier, world_sizes
+from suites.matrix import LAYOUTS, padded_lse_ops, params, session_ops, tier, world_sizes
 
 
 def pytest_generate_tests(metafunc):
@@ -22,11 +22,13 @@ def pytest_generate_tests(metafunc):
     sizes = world_sizes(metafunc.config, at_least=2) if nightly else world_sizes(metafunc.config, at_least=2, at_most=3)
     dtypes = ("float64", "float32", "bfloat16", "float16") if nightly else ("float32", "bfloat16")
     cases = []
-    for op, w, dtype, causal, layout in itertools.product(CPU_OPS, sizes, dtypes, (False, True), LAYOUTS):
+    # The session device's kernels (--device cuda: the CUDA kernels and their real LSE layouts); a
+    # kernel that cannot run a dtype skips that case with its reason (suites.runner).
+    for op, w, dtype, causal, layout in itertools.product(session_ops(metafunc.config), sizes, dtypes, (False, True), LAYOUTS):
         inputs = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=6 * w, seq_kv=6 * w, head_dim=16, dtype=dtype)
         cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, op=op))
     # Tiny and just-past-32 local lengths, where padded layouts differ most from the plain one.
-    for op, local, layout in itertools.product(("cpu_efficient_layout", "cpu_cudnn_layout"), (1, 2, 33, 34), LAYOUTS):
+    for op, local, layout in itertools.product(padded_lse_ops(metafunc.config), (1, 2, 33, 34), LAYOUTS):
         if layout == "head_tail" and local % 2:
             continue
         w = 2

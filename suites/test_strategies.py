@@ -33,7 +33,7 @@ from suites.cases_strategies import BAD_INPUTS, StrategyCase, strategy_bad_input
 from suites.inputs import SHORT, InputSpec
 from suites.judge import QUANTITIES, baseline_for, format_failure, reference_for
 from suites.judge_strategies import diagnose_strategy_case, judge_strategy, unshard_strategy_results
-from suites.matrix import CPU_OPS, ROTATIONS, seed_for
+from suites.matrix import ROTATIONS, seed_for, session_ops
 from suites.runner import case_properties
 
 #: (strategy, (U, R)) per world size.
@@ -99,8 +99,8 @@ def _matrix(config: pytest.Config) -> list:
                 spec = spec_for(mesh, dtype, kv, lse_grad=dtype == "float64")
                 out.append(param(StrategyCase(spec, strategy, mesh, is_causal=causal, layout=layout, rotate_method=rotate), kv))
         if mesh[0] * mesh[1] == 4:
-            # every CPU op (their LSE layouts reach the strategy), cross-attention lengths, non-contiguous shards
-            for op in CPU_OPS:
+            # every op of the session device (their LSE layouts reach the strategy), cross-attention lengths, non-contiguous shards
+            for op in session_ops(config):
                 spec = spec_for(mesh, "float32", "gqa")
                 out.append(param(StrategyCase(spec, strategy, mesh, is_causal=True, layout="head_tail", op=op,
                                               rotate_method="alltoall"), "gqa"))
