@@ -43,6 +43,14 @@ Optional, with defaults:
     The name of the :mod:`ring_impl.ops` kernel that matches the implementation's own local
     kernel; the single-device baseline of the numerics policy runs it (default ``"auto"``).
 
+``mask`` (capability ``masks``) and ``sinks`` (capability ``sinks``) are passed to
+``ring_attention`` by the mask suite (``suites/test_masks.py``): ``mask`` a
+:class:`ring_impl.masks.Mask` on global positions (``mask.visible(b, h, q_idx, kv_idx)`` on index
+tensors evaluates it; built from the plain-data spec of :mod:`reference.masks`), ``sinks`` a
+(heads,) tensor of per-head sink logits that requires grad; the suite sums every rank's
+``sinks.grad``. Rows that see nothing must come back as out 0, LSE -inf (the sink logit with
+sinks), zero gradients.
+
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
 (``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
 ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
@@ -127,6 +135,8 @@ class Capabilities:
     collective_schedule: bool | None = None  # has collective_schedule(...), asserted exactly
     record_steps: bool | None = None  # has record_steps(), per-step partials
     strategies: frozenset[str] | None = None  # "ring", "ulysses", "hybrid": ring_attention(strategy=...)
+    masks: frozenset[str] | None = None  # mask kinds (reference.masks.MASK_KINDS) of ring_attention(mask=...)
+    sinks: bool | None = None  # ring_attention(sinks=...): per-head sink logits, differentiable
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

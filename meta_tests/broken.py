@@ -471,6 +471,37 @@ class DeclaresNothing:
 # ------------------------------------------------------------------------ registry
 
 
+# ------------------------------------------------------------------------ masks and sinks
+
+
+class MaskedRowsKeepKernelLse(RingAttention):
+    """A masked block's rows that see nothing are merged as the CPU kernel returns them (out 0,
+    LSE 0) instead of as nothing (LSE -inf)."""
+
+    def block_forward(self, cfg, q, k, v, plan):
+        if plan.visible is None:
+            return super().block_forward(cfg, q, k, v, plan)
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=False, scale=cfg.scale, visible=plan.visible)
+        dead = ~plan.visible.any(-1).expand(lse.shape)
+        return out, torch.where(dead, torch.zeros((), dtype=lse.dtype), lse.to(torch.float32 if lse.dtype != torch.float64 else lse.dtype))
+
+
+def _sinks_dropped_on_last_rank(query, key, value, *, group=None, sinks=None, return_lse=False, **kwargs):
+    """The sink term applied on every rank but the last (its copy of the logits never used)."""
+    import torch.distributed as dist
+
+    from ring_impl.group import resolve_group
+    from ring_impl.sinks import with_sinks
+
+    pg = resolve_group(group)
+    out, lse = ring_impl.ring_attention(query, key, value, group=group, return_lse=True, **kwargs)
+    if sinks is not None and dist.get_rank(pg) != dist.get_world_size(pg) - 1:
+        out, lse = with_sinks(out, lse, sinks)
+    elif sinks is not None:
+        out = out + 0 * sinks.sum()  # the logits get a (zero) gradient, as if they were used
+    return (out, lse) if return_lse else out
+
+
 @dataclass(frozen=True)
 class Broken:
     """A broken implementation, the bug class it stands for, and what the failure must say.
@@ -559,6 +590,12 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
            r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype", _wrapped("float32_output_for_half", _float32_output_for_half)),
     Broken("lse_offset_in_bf16", "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
            r"lse is shifted by a constant on every row", _wrapped("lse_offset_in_bf16", _lse_offset_in_bf16)),
+    Broken("masked_rows_keep_kernel_lse", "masks: a row the mask hides completely merged with the kernel's LSE 0",
+           r"rows that see no key must have LSE -inf|rows a masked block hides must merge as nothing", _adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
+           suites="suites/test_masks.py"),
+    Broken("sinks_dropped_on_one_rank", "sinks: the sink term applied on some ranks only",
+           r"sinks=True\)\]", _wrapped("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
+           suites="suites/test_masks.py"),
 ]}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken:<name>.

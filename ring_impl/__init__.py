@@ -4,7 +4,8 @@ Public API::
 
     ring_attention(query, key, value, *, group=None, is_causal=False, scale=None,
                    rotate_method=None, op=None, layout="contiguous", return_lse=False,
-                   head_chunks=1, strategy="ring")   # or "ulysses", "hybrid": ring_impl.strategies
+                   head_chunks=1, strategy="ring",   # or "ulysses", "hybrid": ring_impl.strategies
+                   mask=None, sinks=None)            # ring_impl.masks on global positions; sink logits
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
     shard / unshard                    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
@@ -15,6 +16,7 @@ Public API::
 
 from __future__ import annotations
 
+from . import masks
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
 from .layout import LAYOUTS, Layout, layouts, register_layout, shard, unshard
@@ -47,6 +49,7 @@ __all__ = [
     "get_rotate_method",
     "get_transport",
     "layouts",
+    "masks",
     "register_layout",
     "register_op",
     "register_transport",

@@ -7,8 +7,10 @@ from collections.abc import Callable
 import torch
 
 from .group import RingGroup, resolve_group
+from .masks import Causal, mask_code, masking_problem
 from .ops import AttentionOp, default_scale, resolve_op
 from .ring import RingAttention, RingConfig, ring_attention_fn
+from .sinks import with_sinks
 from .transports import check_rotate_method
 from .validate import InputError, agree_across_ranks, local_problem
 
@@ -44,8 +46,13 @@ def _ring_attention(
     extra_problem: str | None = None,
     strategy: str = "ring",
     algorithms=None,
+    mask=None,
+    sinks=None,
 ):
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
+    if strategy != "ring" and (mask is not None or sinks is not None):
+        extra_problem = extra_problem or (
+            f"mask= and sinks= run with strategy='ring' only (got strategy={strategy!r}); apply them with the ring")
     if strategy != "ring":
         from .strategies import strategy_attention
 
@@ -73,12 +80,15 @@ def _ring_attention(
     problem = extra_problem or local_problem(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
         op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
-    )
+    ) or masking_problem(query, key, mask, sinks, world_size=world, head_chunks=head_chunks)
+    if mask is not None and torch.compiler.is_compiling():
+        problem = problem or "mask= is not supported under torch.compile yet: call ring_attention eagerly (outside the compiled region)"
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            mask_code=mask_code(mask, sinks) if problem is None else 0,
         )
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
@@ -91,8 +101,14 @@ def _ring_attention(
         rotate_method=rotate_method,
         op=op_obj,
         head_chunks=head_chunks,
+        mask=None if mask is None else (Causal() & mask if is_causal else mask),
+        mask_dims=(query.shape[0], query.shape[1]),
     )
-    out, lse = ring_attention_fn(query, key, value, cfg, impl, bool(return_lse))
+    if sinks is None:
+        out, lse = ring_attention_fn(query, key, value, cfg, impl, bool(return_lse))
+        return (out, lse) if return_lse else out
+    out, lse = ring_attention_fn(query, key, value, cfg, impl, True)
+    out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -138,6 +154,15 @@ Args:
         heads fewer than it are replicated); "hybrid": Ulysses inside each row of a 2-D mesh and
         the ring (every rotation, layout, op, head_chunks) across rows. Shards follow the
         strategy's layout (ring_impl.strategies.shard). See ring_impl.strategies.
+    mask: a ring_impl.masks.Mask on *global* positions (Documents, SlidingWindow, ChunkedCausal,
+        PrefixLM, MaskMod, combined with & and |; with is_causal=True it is intersected with
+        causal), equal on every rank. Each ring step computes only the rows and columns some
+        query sees (skipped when none: the block is still rotated), unmasked when all of them
+        do, with the kernel's causal flag when causal-shaped, else with the block's mask (ops
+        declaring ``masks``; others run those blocks with the math op). Rows that see nothing
+        give out 0, LSE -inf and zero gradients. Eager only; ring strategy, head_chunks=1.
+    sinks: (heads,) per-head sink logits (a softmax term with no value), differentiable; each
+        rank's gradient covers its own rows (reduce it over the group like any parameter's).
 
 Returns:
     The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE

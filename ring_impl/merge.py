@@ -38,7 +38,9 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
         block_lse: the block's normalised LSE (batch, heads, rows).
     """
     block_lse = block_lse.to(lse.dtype)
-    diff = block_lse - lse
+    # A row the block hides completely (LSE -inf) adds nothing, also to a row nothing has reached
+    # yet (-inf - -inf would be NaN): its difference is -inf, so its weight is 0.
+    diff = torch.where(torch.isneginf(block_lse), block_lse, block_lse - lse)
     # out - sigmoid(diff) * (out - block_out), in one in-place pass with no (rows, head_dim)
     # temporaries (lerp: out + w * (block_out - out)).
     out.lerp_(block_out.to(out.dtype), torch.sigmoid(diff).unsqueeze(-1))

@@ -38,38 +38,47 @@ def _to_kv_heads(flags: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return flags if h == heads_kv else flags.reshape(b, heads_kv, h // heads_kv, *flags.shape[2:]).any(2)
 
 
-def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tensor | None = None) -> torch.Tensor:
     """For key flags (batch, heads, cols[, d]): whether each query row sees a flagged key:
-    (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols)."""
+    (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols); ``masked``: as
+    ``visible`` (batch or 1, heads or 1, rows, cols) says."""
+    if kind == "masked" and visible is not None:
+        f = flags.to(torch.float32)
+        seen = visible.to(torch.float32) @ (f if f.dim() == 4 else f.unsqueeze(-1))
+        return (seen > 0) if f.dim() == 4 else (seen > 0).squeeze(-1)
     if kind == "causal":
         return torch.cummax(flags.to(torch.uint8), dim=2).values.bool()
     seen = flags.any(dim=2, keepdim=True)
     return seen.expand(*seen.shape[:2], rows, *seen.shape[3:])
 
 
-def _seeing_cols(flags: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
+def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tensor | None = None) -> torch.Tensor:
     """For query-row flags (batch, heads, rows): whether each key is seen by a flagged row:
-    (batch, heads, cols). ``causal``: key j is seen by rows j..rows-1."""
+    (batch, heads, cols). ``causal``: key j is seen by rows j..rows-1; ``masked``: as ``visible``."""
+    if kind == "masked" and visible is not None:
+        seen = flags.to(torch.float32).unsqueeze(-2) @ visible.to(torch.float32)  # (b, h, 1, cols)
+        return (seen > 0).squeeze(-2)
     if kind == "causal":
         return torch.cummax(flags.to(torch.uint8).flip(2), dim=2).values.bool().flip(2)
     return flags.any(dim=2, keepdim=True).expand(*flags.shape[:2], cols)
 
 
 def poison_forward(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's (out, lse) with NaN wherever a non-finite input reaches them."""
+                   value: torch.Tensor, kind: str, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's (out, lse) with NaN wherever a non-finite input reaches them (``visible``:
+    a masked block's visibility)."""
     heads, rows = query.shape[1], query.shape[2]
     bad_k = _to_query_heads(_bad(key).any(-1), heads)  # (b, h, cols)
     bad_v = _to_query_heads(_bad(value), heads)  # (b, h, cols, d)
-    row_bad = _bad(query).any(-1) | _seen_by_rows(bad_k, kind, rows)  # (b, h, rows)
-    feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(bad_v, kind, rows)  # (b, h, rows, d)
+    row_bad = _bad(query).any(-1) | _seen_by_rows(bad_k, kind, rows, visible)  # (b, h, rows)
+    feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(bad_v, kind, rows, visible)  # (b, h, rows, d)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     return torch.where(feature_bad, nan, out), torch.where(row_bad, nan.to(lse.dtype), lse)
 
 
 def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                    kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    kind: str, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them.
 
     A row is poisoned when its query, output, LSE or output gradient holds a non-finite value,
@@ -79,9 +88,9 @@ def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query:
     heads, heads_kv, rows, cols = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
     bad_kv = _to_query_heads(_bad(key).any(-1) | _bad(value).any(-1), heads)  # (b, h, cols)
     row_bad = (
-        _bad(query).any(-1) | _bad(out).any(-1) | _bad(grad_out).any(-1) | _bad(lse) | _seen_by_rows(bad_kv, kind, rows)
+        _bad(query).any(-1) | _bad(out).any(-1) | _bad(grad_out).any(-1) | _bad(lse) | _seen_by_rows(bad_kv, kind, rows, visible)
     )
-    col_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
+    col_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
     nan = torch.full((), float("nan"), dtype=dq.dtype, device=dq.device)
     return (torch.where(row_bad.unsqueeze(-1), nan, dq), torch.where(col_bad, nan.to(dk.dtype), dk),
             torch.where(col_bad, nan.to(dv.dtype), dv))

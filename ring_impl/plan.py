@@ -28,26 +28,41 @@ A plan is plain Python on ints (cached), so it is a constant under ``torch.compi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
 
+import torch
+
 from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["Block", "StepPlan", "ring_plan", "step_blocks"]
+__all__ = ["Block", "StepPlan", "masked_plan", "ring_plan", "step_blocks"]
 
 
 @dataclass(frozen=True)
 class Block:
     """One kernel call of one step: local query rows ``q_rows`` x local key/value rows
-    ``kv_rows`` (half-open ``(start, stop)`` ranges on the sequence dim), ``kind`` "full" or
-    "causal" (top-left within the rectangle)."""
+    ``kv_rows`` (half-open ``(start, stop)`` ranges on the sequence dim), ``kind`` "full",
+    "causal" (top-left within the rectangle) or "masked" (``visible``: (batch or 1, heads or 1,
+    rows, cols) bool, True where a query sees a key; some rows may see nothing)."""
 
     step: int
     kv_rank: int
     kind: str
     q_rows: tuple[int, int]
     kv_rows: tuple[int, int]
+    visible: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def work(self) -> int:
+        """Score entries the block computes that some query sees (its visible area, any batch/head)."""
+        rows, cols = self.q_rows[1] - self.q_rows[0], self.kv_rows[1] - self.kv_rows[0]
+        if self.kind == "full":
+            return rows * cols
+        if self.kind == "causal":
+            return sum(min(i + 1, cols) for i in range(rows))
+        assert self.visible is not None
+        return int(self.visible.any(0).any(0).sum())
 
     @property
     def is_causal(self) -> bool:
@@ -128,3 +143,41 @@ def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int],
             blocks.append(("full", (r0, r1), (0, c0 - 1)))
         blocks.append(("causal", (r0, r1), (c0 - 1, c0 - 1 + r1 - r0)))
     return blocks
+
+
+def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, seq_kv: int, batch: int, heads: int,
+                device: torch.device | None = None) -> list[StepPlan]:
+    """The plan of every ring step for ``rank`` under ``mask`` (ring_impl.masks, on global
+    positions); ``seq_q``/``seq_kv`` are local lengths. Per step one block, trimmed to the rows
+    and columns some query sees: none (skipped, still rotated), ``full``, ``causal`` (top-left
+    within the trimmed rectangle) or ``masked`` with its visibility. Costs one boolean
+    (rows x cols) evaluation of the mask per step (eager; not cached: masks hold data)."""
+    from .masks import visibility
+
+    check_layout(layout)
+    device = device or torch.device("cpu")
+
+    def positions(r: int, local: int) -> torch.Tensor:
+        runs = layout_runs(layout, local * world_size, world_size, r)
+        return torch.cat([torch.arange(a, b, device=device) for a, b in runs])
+
+    q_pos = positions(rank, seq_q)
+    plans = []
+    for step in range(world_size):
+        kv_rank = (rank - step) % world_size
+        vis = visibility(mask, q_pos, positions(kv_rank, seq_kv), batch=batch, heads=heads)
+        seen = vis.any(0).any(0)  # (rows, cols)
+        rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
+        if rows.numel() == 0:
+            plans.append(StepPlan(step, kv_rank, ()))
+            continue
+        r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+        box = vis[..., r0:r1, c0:c1]
+        if bool(box.all()):
+            block = Block(step, kv_rank, "full", (r0, r1), (c0, c1))
+        elif r1 - r0 == c1 - c0 and bool((box == torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=device).tril()).all()):
+            block = Block(step, kv_rank, "causal", (r0, r1), (c0, c1))
+        else:
+            block = Block(step, kv_rank, "masked", (r0, r1), (c0, c1), visible=box.contiguous())
+        plans.append(StepPlan(step, kv_rank, (block,)))
+    return plans

@@ -36,7 +36,7 @@ from .lse import normalize_lse
 from .merge import merge_into
 from .nonfinite import poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
-from .plan import Block, StepPlan, ring_plan
+from .plan import Block, StepPlan, masked_plan, ring_plan
 from .transports import Link, Transport, after, get_transport
 
 __all__ = ["RingAttention", "RingConfig", "ring_attention_fn"]
@@ -53,6 +53,10 @@ class RingConfig:
     rotate_method: str
     op: AttentionOp
     head_chunks: int = 1  # rings run one after another over head groups (ring_impl.heads)
+    #: a ring_impl.masks.Mask on global positions (is_causal already folded in), or None
+    mask: object = None
+    #: (batch, heads) the mask is evaluated for (a MaskMod may depend on them)
+    mask_dims: tuple[int, int] = (1, 1)
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
@@ -73,6 +77,9 @@ class RingAttention:
 
     def plan(self, cfg: RingConfig, seq_q: int, seq_kv: int) -> list[StepPlan]:
         g = cfg.group
+        if cfg.mask is not None:
+            return masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q, seq_kv=seq_kv,
+                               batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
         return ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q, seq_kv=seq_kv)
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -85,28 +92,50 @@ class RingAttention:
 
     def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block):
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
+        visible = None if plan.visible is None else plan.visible.to(q.device)
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale, visible=visible)
         b, h, rows, _ = q.shape
+        op = cfg.op if plan.visible is None or cfg.op.capabilities.masks else None
         lse = normalize_lse(
-            lse, batch=b, heads=h, seq_q=rows, layout=cfg.op.capabilities.lse_layout, op_name=getattr(cfg.op, "name", "op")
+            lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout if op is not None else "bhs",
+            op_name=getattr(op, "name", "math"),
         )
+        if visible is not None:  # rows the block hides completely: nothing (kernels return LSE 0 there)
+            dead = ~visible.any(-1).expand(b, h, rows)
+            out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
+            lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse)
         return out, lse
 
     def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: Block, grad_lse=None):
         """One block's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads.
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
+        visible = None if plan.visible is None else plan.visible.to(q.device)
+        if visible is not None:
+            # Rows the block hides completely contribute nothing; their final LSE may be -inf
+            # (rows that see nothing at all), which kernels would turn into NaN: a finite LSE and
+            # a zero output gradient make their terms exactly 0.
+            b, h, rows, _ = q.shape
+            dead = ~visible.any(-1).expand(b, h, rows)
+            lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+            grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), grad_out)
+            if grad_lse is not None:
+                grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
         return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
-                             grad_lse=grad_lse)
+                             grad_lse=grad_lse, visible=visible)
 
     def nonfinite_forward(self, out, lse, q, k, v, plan: Block):
         """The block's (out, lse) with NaN wherever a non-finite input reaches them, whatever the
         kernel did with it (ring_impl.nonfinite)."""
-        return poison_forward(out, lse, q, k, v, plan.kind)
+        return poison_forward(out, lse, q, k, v, plan.kind, None if plan.visible is None else plan.visible.to(q.device))
 
     def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block):
         """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them."""
-        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind)
+        visible = None if plan.visible is None else plan.visible.to(q.device)
+        if visible is not None:  # as block_backward: rows the block hides carry no LSE
+            dead = ~visible.any(-1).expand(lse.shape)
+            lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind, visible)
 
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
@@ -161,18 +190,22 @@ class RingAttention:
                 del q, k, v
                 if recorder is not None:
                     recorder.add(cfg.group.rank, block, block_out, block_lse)
-                if out_acc is None or lse_acc is None:
-                    # Step 0's first block covers every local row (every query sees itself, or
-                    # everything): its result becomes the accumulators, without a copy when it
-                    # already has their dtype and layout.
-                    assert plan.step == 0 and (q0, q1) == (0, sq), "the first computed block must be step 0 over every row"
+                if out_acc is None and (q0, q1) == (0, sq):
+                    # A first block over every local row (without a mask: step 0, every query
+                    # sees itself or everything) becomes the accumulators, without a copy when
+                    # it already has their dtype and layout.
                     out_acc = _as_accumulator(block_out, acc)
                     lse_acc = _as_accumulator(block_lse, acc)
                 else:
+                    if out_acc is None or lse_acc is None:  # masks: start from "nothing seen"
+                        out_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
+                        lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
                     self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
                 del block_out, block_lse  # not held through the next block's kernel
             del kv
-        assert out_acc is not None and lse_acc is not None
+        if out_acc is None or lse_acc is None:  # a mask that hides everything from this rank's rows
+            out_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
+            lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
         return out_acc.to(query.dtype), lse_acc
 
     def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse=None):

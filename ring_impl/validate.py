@@ -33,7 +33,7 @@ __all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nby
 #: different ranks would still give a valid result, but is always a mistake: rejected too.)
 SIGNATURE_FIELDS = (
     "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "device", "is_causal", "scale", "layout",
-    "rotate_method", "op", "head_chunks",
+    "rotate_method", "op", "head_chunks", "mask",
 )
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -168,7 +168,7 @@ def _op_code(op: AttentionOp) -> int:
 
 
 def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method: str, op: AttentionOp,
-              head_chunks: int) -> list[int]:
+              head_chunks: int, mask_code: int = 0) -> list[int]:
     """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
     local problem)."""
     b, h, sq, d = query.shape
@@ -176,6 +176,7 @@ def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method
     return [
         b, h, hkv, sq, skv, d, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
         _scale_code(scale), layouts().index(layout), rotate_methods().index(rotate_method), _op_code(op), head_chunks,
+        mask_code,
     ]
 
 
@@ -195,6 +196,8 @@ def _shown(field: str, code: int, op_names: dict[int, str]) -> str:
         return repr(rotate_methods()[code])
     if field == "op":
         return repr(op_names.get(code, f"op #{code}"))
+    if field == "mask":
+        return "no mask or sinks" if code == 0 else f"mask/sinks digest {code:#010x}"
     return str(code)
 
 
@@ -230,7 +233,7 @@ def disagreement(table: list[list[int]], op_names: dict[int, str]) -> str | None
 
 def agree_across_ranks(
     problem: str | None, query, key, *, is_causal, scale: float | None, layout, rotate_method, op: AttentionOp | None,
-    head_chunks=1, return_lse=False, group: dist.ProcessGroup, device: torch.device,
+    head_chunks=1, return_lse=False, group: dist.ProcessGroup, device: torch.device, mask_code: int = 0,
 ) -> None:
     """Raise InputError on every rank if any rank has a problem or the ranks disagree."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -242,7 +245,7 @@ def agree_across_ranks(
         assert op is not None and scale is not None
         table[rank * n + 1 : (rank + 1) * n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks,
+            head_chunks=head_chunks, mask_code=mask_code,
         )
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"

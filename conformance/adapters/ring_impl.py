@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ring_impl
 from conformance.implementation import Capabilities
+from reference.masks import MASK_KINDS
 from ring_impl import debug
 
 ALL_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
@@ -24,6 +25,8 @@ CAPABILITIES = Capabilities(
     collective_schedule=True,
     record_steps=True,
     strategies=frozenset(ring_impl.STRATEGIES),
+    masks=frozenset(MASK_KINDS),
+    sinks=True,
 )
 
 

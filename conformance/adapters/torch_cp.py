@@ -290,6 +290,8 @@ class TorchContextParallel:
             collective_schedule=True,
             record_steps=False,  # PyTorch's ring exposes no per-step partials
             strategies=frozenset({"ring"}),  # its ring only: no Ulysses or hybrid
+            masks=frozenset(),  # only through flex attention on CUDA
+            sinks=False,
         )
         self.baseline_op = "auto"
 

@@ -458,6 +458,8 @@ class FlashRing:
         input_errors=True,
         context_parallel=False,
         strategies=frozenset({"ring"}),
+        masks=frozenset(),
+        sinks=False,
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

@@ -26,12 +26,26 @@ def _reduce_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
 
 
+def _masked_op(op: AttentionOp, visible: torch.Tensor | None) -> AttentionOp:
+    """The op that runs a block: ``op``, or the math op for a masked block ``op`` cannot mask."""
+    return op if visible is None or op.capabilities.masks else _MATH
+
+
 def call_forward(
-    op: AttentionOp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float
+    op: AttentionOp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``op.forward`` with key/value heads expanded only if the op lacks native GQA."""
+    """``op.forward`` with key/value heads expanded only if the op lacks native GQA.
+
+    visible: (batch or 1, heads or 1, rows, cols) bool for a masked block (True: the query sees
+    the key), run by the op when it declares ``masks``, else by the math op. Rows that see
+    nothing come back however the kernel leaves them: the caller sets them (out 0, LSE -inf).
+    """
+    op = _masked_op(op, visible)
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+    if visible is not None:
+        return op.forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=visible)  # type: ignore[call-arg]
     return op.forward(query, key, value, is_causal=is_causal, scale=scale)
 
 
@@ -84,12 +98,26 @@ def call_backward(
     is_causal: bool,
     scale: float,
     grad_lse: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``op.backward`` with GQA expansion, returning dk/dv with ``heads_kv`` heads.
 
     grad_lse (batch, heads, seq_q) or None: the gradient reaching the LSE; given to ops that
     declare ``lse_grad``, folded into ``out`` for the others (:func:`_with_lse_grad`).
+    visible: as for :func:`call_forward` (rows that see nothing must come with a finite LSE and
+    a zero output gradient: the caller's job).
     """
+    if visible is not None:
+        op = _masked_op(op, visible)
+        if grad_lse is not None and not op.capabilities.lse_grad:
+            op = _MATH  # the LSE-gradient padding trick would need the mask padded too
+        heads_kv = key.shape[1]
+        if not op.capabilities.gqa:
+            key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+        extra = {"grad_lse": grad_lse} if grad_lse is not None else {}
+        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
+                                 attn_mask=visible, **extra)  # type: ignore[call-arg]
+        return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)
     heads_kv = key.shape[1]
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])

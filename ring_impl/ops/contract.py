@@ -71,6 +71,10 @@ class OpCapabilities:
     lse_grad: bool = False  # backward takes grad_lse=
     #: a known kernel fault: causal attention with a scale <= 0 comes back wrong (NaN)
     causal_needs_positive_scale: bool = False
+    #: forward and backward take ``attn_mask=``: a bool tensor broadcastable to
+    #: (batch, heads, rows, cols), True where a query sees a key (a block of a masked step).
+    #: Ops without it run masked blocks with the math op.
+    masks: bool = False
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                     scale: float | None = None, is_causal: bool = False) -> str | None:

@@ -17,15 +17,15 @@ class CpuFlashOp:
     """
 
     name = "cpu_flash"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True)
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True)
 
-    def forward(self, query, key, value, *, is_causal, scale):
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, scale=scale
+            query, key, value, 0.0, is_causal, attn_mask=_additive(attn_mask, query.dtype), scale=scale
         )
         return out, lse
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
         acc = accumulation_dtype(query.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.to(query.dtype),
@@ -36,9 +36,19 @@ class CpuFlashOp:
             lse.to(acc).contiguous(),
             0.0,
             is_causal,
+            attn_mask=_additive(attn_mask, query.dtype),
             scale=scale,
         )
         return dq, dk, dv
+
+
+def _additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The CPU flash kernel takes masks only as additive masks in the query's dtype: 0 where a
+    query sees a key, -inf elsewhere."""
+    if visible is None:
+        return None
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, torch.full((), float("-inf"), dtype=dtype, device=visible.device))
 
 
 def _garbage_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

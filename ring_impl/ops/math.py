@@ -26,10 +26,11 @@ class MathOp:
     """
 
     name = "math"
-    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True, lse_grad=True)
+    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True, lse_grad=True, masks=True)
 
     @staticmethod
-    def _scores(query: torch.Tensor, key: torch.Tensor, is_causal: bool, scale: float) -> torch.Tensor:
+    def _scores(query: torch.Tensor, key: torch.Tensor, is_causal: bool, scale: float,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         # query (b, h, sq, d) viewed as (b, hkv, g, sq, d): query head h uses kv head h // g.
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
@@ -38,21 +39,25 @@ class MathOp:
         s = torch.einsum("bngqd,bnkd->bngqk", q, key.to(acc)) * scale
         if is_causal:
             s = s.masked_fill(~_causal_mask(sq, sk, query.device), float("-inf"))
+        if attn_mask is not None:  # (B or 1, h or 1, sq, sk) -> the grouped head layout
+            m = attn_mask if attn_mask.dim() == 4 else attn_mask.view(1, 1, *attn_mask.shape[-2:])
+            m = m.reshape(m.shape[0], hkv, h // hkv, sq, sk) if m.shape[1] == h else m.unsqueeze(1)
+            s = s.masked_fill(~m, float("-inf"))
         return s  # (b, hkv, g, sq, sk)
 
-    def forward(self, query, key, value, *, is_causal, scale):
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
         b, h, sq, d = query.shape
-        s = self._scores(query, key, is_causal, scale)
+        s = self._scores(query, key, is_causal, scale, attn_mask)
         lse = torch.logsumexp(s, dim=-1)  # (b, hkv, g, sq)
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.einsum("bngqk,bnkd->bngqd", p, value.to(s.dtype))
         return out.reshape(b, h, sq, d).to(query.dtype), lse.reshape(b, h, sq)
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None):
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None, attn_mask=None):
         b, h, sq, d = query.shape
         hkv = key.shape[1]
         g = h // hkv
-        s = self._scores(query, key, is_causal, scale)
+        s = self._scores(query, key, is_causal, scale, attn_mask)
         acc = s.dtype
         p = torch.exp(s - lse.to(acc).reshape(b, hkv, g, sq, 1))
         do = grad_out.to(acc).reshape(b, hkv, g, sq, d)

@@ -23,6 +23,8 @@ class MinimalRing:
         record_steps=False,
         context_parallel=False,
         strategies=frozenset({"ring"}),
+        masks=frozenset(),
+        sinks=False,
     )
 
     @staticmethod

@@ -47,7 +47,7 @@ from conformance import Capabilities
 CAPABILITIES = Capabilities(
     layouts=frozenset({"contiguous", "head_tail"}), rotate_methods=frozenset({"alltoall"}),
     dtypes=frozenset({"float32"}), devices=frozenset({"cpu"}), compile=False,
-    record_steps=False, context_parallel=False,
+    record_steps=False, context_parallel=False, masks=frozenset(), sinks=False,
 )
 
 

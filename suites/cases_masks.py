@@ -1,0 +1,230 @@
+"""Cases of the mask suite: a ring case with a mask (by name, built on the global sequence) and
+optionally per-head sink logits; the rank function and the judge.
+
+The judge holds every quantity to the numerics policy (reference.budget) against the float64
+oracle with the same mask (reference.masks, written independently of ring_impl.masks), with
+the single-device baseline of the same kernel given the same mask (rows that see nothing: out 0,
+LSE -inf, as the contract says, whatever the kernel returns there).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conformance.implementation import load_implementation
+from reference.budget import Verdict, check, error_scales
+from reference.layout import shard as oracle_shard
+from reference.layout import unshard as oracle_unshard
+from reference.masks import visibility
+from suites.cases import RingCase
+from suites.inputs import InputSpec, make_inputs
+
+__all__ = ["MASK_NAMES", "MaskCase", "diagnose_masked", "judge_masked", "mask_spec", "masked_case", "per_head_window"]
+
+MASK_NAMES = ("causal", "documents", "documents_full", "documents_with_gaps", "one_token_documents", "window_narrow", "window_wide",
+              "chunked_causal", "prefix_lm", "documents_window", "mask_mod")
+
+
+def per_head_window(b, h, q_idx, kv_idx):
+    """A flex-style mask_mod that depends on the head: even heads causal, odd heads a causal
+    window of 3 keys back."""
+    return (kv_idx <= q_idx) & ((h % 2 == 0) | (kv_idx >= q_idx - 3))
+
+
+def _documents(seq: int, lengths: list[int]) -> list[int]:
+    """Document ids for consecutive documents of ``lengths`` (a negative length: that many
+    padding tokens), padding after the last."""
+    ids, d = [], 0
+    for n in lengths:
+        if n < 0:
+            ids += [-1] * -n
+            continue
+        ids += [d] * n
+        d += 1
+    return (ids + [-1] * seq)[:seq]
+
+
+def mask_spec(name: str, seq: int) -> dict[str, Any]:
+    """The plain-data mask (reference.masks) called ``name`` on a global sequence of ``seq``."""
+    # Uneven documents crossing shard boundaries, one shorter than a shard, a one-token one, and
+    # padding (-1) at the end.
+    docs = {"kind": "document", "doc_ids": _documents(seq, [5, 1, seq // 3, 2, seq // 4]), "causal": True}
+    specs: dict[str, dict[str, Any]] = {
+        "causal": {"kind": "causal"},
+        "documents": docs,
+        "documents_full": {**docs, "causal": False},
+        # padding between documents, inside shards: rows that see nothing amid rows that do
+        "documents_with_gaps": {"kind": "document", "doc_ids": _documents(seq, [3, -2, seq // 4, -3, seq // 3]), "causal": True},
+        "one_token_documents": {"kind": "document", "doc_ids": _documents(seq, [1] * (seq - 2)), "causal": True},
+        "window_narrow": {"kind": "sliding_window", "left": max(1, seq // 12), "right": 0},
+        "window_wide": {"kind": "sliding_window", "left": seq // 2, "right": 2},
+        "chunked_causal": {"kind": "chunked_causal", "chunk": max(1, seq // 3)},
+        "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
+        "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
+        "mask_mod": {"kind": "mask_mod", "fn": per_head_window},
+    }
+    return specs[name]
+
+
+@dataclass(frozen=True)
+class MaskCase(RingCase):
+    mask: str = "causal"
+    sinks: bool = False
+
+    @property
+    def label(self) -> str:
+        return RingCase.label.fget(self)[:-1] + f", mask={self.mask}, sinks={self.sinks})"  # type: ignore[attr-defined]
+
+
+def _sinks(spec: InputSpec) -> torch.Tensor:
+    """(heads,) sink logits, a parameter in float32 (float64 for a float64 case): its gradient
+    comes back in that dtype."""
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    s = torch.randn(spec.heads, generator=gen, dtype=torch.float64)
+    return s if spec.torch_dtype == torch.float64 else s.float()
+
+
+def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
+    """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
+    from ring_impl.masks import from_spec
+
+    impl = load_implementation(case.impl)
+    spec = case.inputs
+    g = make_inputs(spec)
+    w, r = ctx.world_size, ctx.rank
+    q, k, v = (oracle_shard(t, case.layout, w, r).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
+    dout = oracle_shard(g.grad_out, case.layout, w, r).to(ctx.device)
+    sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
+    kwargs: dict[str, Any] = dict(group=ctx.group, is_causal=False, scale=spec.scale, rotate_method=case.rotate_method,
+                                  layout=case.layout, return_lse=True, mask=from_spec(mask_spec(case.mask, spec.seq_q)))
+    if sinks is not None:
+        kwargs["sinks"] = sinks
+    if case.op is not None:
+        from suites.cases import resolve_case_op
+
+        kwargs["op"] = resolve_case_op(case, ctx.device)
+    out, lse = impl.obj.ring_attention(q, k, v, **kwargs)
+    out.backward(dout)
+    return {"out": out.detach().cpu(), "lse": lse.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(),
+            "dv": v.grad.cpu(), "dsinks": None if sinks is None else sinks.grad.cpu()}
+
+
+def _result_dtypes(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    lse = torch.float64 if dtype == torch.float64 else torch.float32
+    return {"out": dtype, "lse": lse, "dq": dtype, "dk": dtype, "dv": dtype, "dsinks": lse}
+
+
+@functools.lru_cache(maxsize=64)
+def _baseline(spec: InputSpec, mask: str, sinks: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
+    """The same kernel on one device (CPU) with the whole sequence and the mask: the policy's B."""
+    from conformance.implementation import load_op
+    from ring_impl.lse import normalize_lse
+    from ring_impl.ops import call_backward, call_forward, default_scale, resolve_op
+    from ring_impl.sinks import with_sinks
+
+    g = make_inputs(spec)
+    scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
+    op = resolve_op("auto", torch.device("cpu"), spec.torch_dtype, spec.head_dim) if op_spec in (None, "auto") else load_op(op_spec)
+    vis = visibility(mask_spec(mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    masked_op = op if op.capabilities.masks else resolve_op("math", torch.device("cpu"), spec.torch_dtype, spec.head_dim)
+    out, raw = call_forward(op, g.query, g.key, g.value, is_causal=False, scale=scale, visible=vis)
+    lse = normalize_lse(raw, batch=spec.batch, heads=spec.heads, seq_q=spec.seq_q, layout=masked_op.capabilities.lse_layout)
+    dead = ~vis.any(-1).expand(spec.batch, spec.heads, spec.seq_q)
+    out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype), out)
+    lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype), lse)
+    grad_out, grad_lse, dsinks = g.grad_out, None, None
+    if sinks:  # the sink term on the kernel's result, and its gradients back into the kernel's backward
+        o, l_, s = out.detach().requires_grad_(), lse.detach().requires_grad_(), _sinks(spec).requires_grad_()
+        o2, l2 = with_sinks(o, l_, s)
+        o2.backward(g.grad_out)
+        out, lse, dsinks = o2.detach(), l2.detach(), s.grad
+        grad_out, grad_lse = o.grad.to(spec.torch_dtype), l_.grad
+    lse_in = torch.where(dead, torch.zeros((), dtype=lse.dtype), lse if not sinks else l_.detach())
+    out_in = out if not sinks else o.detach()
+    grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype), grad_out)
+    if grad_lse is not None:
+        grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype), grad_lse)
+    dq, dk, dv = call_backward(op, grad_out, g.query, g.key, g.value, out_in, lse_in, is_causal=False, scale=scale,
+                               grad_lse=grad_lse, visible=vis)
+    result = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    if dsinks is not None:
+        result["dsinks"] = dsinks
+    return result
+
+
+def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str | None = None) -> list[Verdict]:
+    """Verdicts for out, lse, dq, dk, dv (and dsinks) of a masked case."""
+    from reference import attention_grads
+
+    spec, w = case.inputs, case.world_size
+    g = make_inputs(spec)
+    vis = visibility(mask_spec(case.mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    sinks = _sinks(spec) if case.sinks else None
+    ref = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, sinks=sinks, scale=spec.scale)
+    # Magnitudes without the sink term: it only lowers each probability, so these bound them.
+    scales = error_scales(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale)
+    base = _baseline(spec, case.mask, case.sinks, case.op or baseline_op)
+    dtypes = _result_dtypes(spec.torch_dtype)
+    verdicts = []
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        parts = [r.get(name) for r in results]
+        if any(p is None for p in parts):
+            raise AssertionError(f"{name}: a rank returned no {name} (masked ring_attention with return_lse=True "
+                                 "returns (out, lse) and gradients for query, key, value)")
+        got = oracle_unshard(parts, case.layout).to(torch.float64)
+        want, b = getattr(ref, name), base[name].to(torch.float64)
+        if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
+            nothing = torch.isneginf(want)
+            if not torch.equal(torch.isneginf(got), nothing):
+                raise AssertionError(
+                    f"lse: rows that see no key must have LSE -inf and only they: {int((torch.isneginf(got) != nothing).sum())} "
+                    f"rows differ [{case.label}]")
+            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
+        verdicts.append(check(name, got, want, b, dtype=spec.torch_dtype, result_dtype=dtypes[name], scales=scales[name],
+                              world_size=w, context=f"[{case.label}]"))
+    if case.sinks:
+        parts = [r.get("dsinks") for r in results]
+        if any(p is None for p in parts):
+            raise AssertionError("dsinks: a rank's sinks got no gradient (sinks must be differentiable)")
+        got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
+        verdicts.append(check("dsinks", got, ref.dsinks, base["dsinks"].to(torch.float64), dtype=spec.torch_dtype,
+                              result_dtype=dtypes["dsinks"], world_size=w, roundings=spec.batch * spec.seq_q,
+                              context=f"[{case.label}] (summed over ranks)"))
+    return verdicts
+
+
+def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
+    """Name the mask bug classes the output's errors point at, or ""."""
+    from reference import attention
+    from reference.layout import positions
+
+    spec, w = case.inputs, case.world_size
+    g = make_inputs(spec)
+    vis = visibility(mask_spec(case.mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    ref = attention(g.query, g.key, g.value, visible=vis, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale)
+    got = oracle_unshard([r["out"] for r in results], case.layout).to(torch.float64)
+    row_err = (got - ref.out).abs().amax(dim=(0, 1, 3))  # (seq,)
+    bad = row_err > 1e-2 * max(1.0, float(ref.out.abs().max()))
+    if not bool(bad.any()):
+        return ""
+    # Rows that see something, but nothing at all of some rank's key/value shard that other
+    # rows of their own shard do see: the ring computes that block for them with a mask that
+    # hides their whole row.
+    seen = vis.any(0).any(0)  # (seq_q, seq_kv)
+    hidden_somewhere = torch.zeros(spec.seq_q, dtype=torch.bool)
+    for r in range(w):
+        q_pos = positions(case.layout, w, r, spec.seq_q)
+        for kv_r in range(w):
+            k_pos = positions(case.layout, w, kv_r, spec.seq_kv)
+            block = seen[q_pos][:, k_pos]
+            if bool(block.any()):
+                hidden_somewhere[q_pos] |= ~block.any(1)
+    if bool(hidden_somewhere[bad].all()) and not bool(bad[~hidden_somewhere].any()):
+        return ("every wrong row is one that a rank's key/value block it shares a computed block with hides "
+                "completely: rows a masked block hides must merge as nothing (LSE -inf), not as the kernel "
+                "returns them (the CPU flash kernel gives out 0, LSE 0)")
+    return ""

@@ -1,0 +1,210 @@
+"""``ring_attention(mask=..., sinks=...)``: masks on global positions and attention sinks,
+judged against the float64 oracle (reference.masks / reference.attention, written independently
+of ring_impl.masks) by the numerics policy, over layouts, rotations, world sizes, dtypes and GQA;
+rows that see nothing come back as nothing (out 0, LSE -inf, zero gradients, no NaN); blocks
+nobody sees are never computed; bad masks and sinks raise on every rank."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conformance.implementation import DEFAULT_IMPL_SPEC
+from reference import attention_grads
+from reference.budget import assert_close, error_scales
+from reference.masks import visibility
+
+BATCH, HEADS, HEADS_KV, HEAD_DIM = 1, 4, 2, 8
+
+
+def every_fourth_head_sees_back(b, h, q_idx, kv_idx):
+    """A mask_mod that depends on the head: heads 0 and 2 causal, heads 1 and 3 see 3 back only."""
+    return (kv_idx <= q_idx) & ((h % 2 == 0) | (kv_idx >= q_idx - 3))
+
+
+def _doc_ids(seq: int) -> list[int]:
+    """Uneven documents crossing shard boundaries, a one-token document, padding at the end."""
+    lengths = [5, 1, seq // 3, 2]
+    ids, d = [], 0
+    for n in lengths:
+        ids += [d] * n
+        d += 1
+    ids += [d] * max(0, seq - 4 - len(ids))
+    return (ids + [-1] * seq)[:seq]
+
+
+def _masks(seq: int) -> dict[str, dict]:
+    window = seq // 6  # narrower than a shard at W <= 3 (head_tail: half a shard per chunk)
+    docs = {"kind": "document", "doc_ids": _doc_ids(seq), "causal": True}
+    return {
+        "causal": {"kind": "causal"},
+        "documents": docs,
+        "documents_full": {**docs, "causal": False},
+        "window_narrow": {"kind": "sliding_window", "left": window, "right": 0},
+        "window_wide": {"kind": "sliding_window", "left": seq // 2, "right": 2},
+        "chunked_causal": {"kind": "chunked_causal", "chunk": seq // 4},
+        "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
+        "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
+        "mask_mod_per_head": {"kind": "mask_mod", "fn": every_fourth_head_sees_back},
+    }
+
+
+def _inputs(seq: int, dtype: torch.dtype, sinks: bool):
+    gen = torch.Generator().manual_seed(seq * 7 + int(sinks))
+    q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(BATCH, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+    s = torch.randn(HEADS, generator=gen, dtype=torch.float64).float() if sinks else None
+    return q, k, v, dout, s
+
+
+def _run(ctx, spec, seq, dtype, layout, rotate, op, sinks):
+    import ring_impl
+    from ring_impl.masks import from_spec
+
+    q, k, v, dout, s = _inputs(seq, dtype, sinks)
+    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    if s is not None:
+        s.requires_grad_(True)
+    from harness.accounting import CollectiveLog
+
+    with CollectiveLog() as log:
+        out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), sinks=s, layout=layout,
+                                            rotate_method=rotate, op=op, return_lse=True)
+        out.backward(dout)
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "dsinks": None if s is None else s.grad, "log": log.summary()}
+
+
+def _cases():
+    out = []
+    combos = itertools.product(("causal", "documents", "documents_full", "window_narrow", "window_wide",
+                                "chunked_causal", "prefix_lm", "documents_window", "mask_mod_per_head"),
+                               ((2, "head_tail"), (3, "contiguous")))
+    for i, (name, (world, layout)) in enumerate(combos):
+        dtype, op = ((torch.float64, "math"), (torch.float32, "cpu_flash"))[i % 2]
+        rotate = ("allgather", "alltoall", "p2p")[i % 3]
+        out.append(pytest.param(name, world, layout, rotate, dtype, op, i % 3 == 0,
+                                id=f"{name}-W{world}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}"))
+    return out
+
+
+@pytest.mark.parametrize("name,world,layout,rotate,dtype,op,sinks", _cases())
+def test_masked_ring_matches_the_oracle(ring, name, world, layout, rotate, dtype, op, sinks) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+    import ring_impl
+
+    seq = 24 * world
+    spec = _masks(seq)[name]
+    results = ring.rank_pool(world).run(_run, spec, seq, dtype, layout, rotate, op, sinks, timeout=120.0)
+    q, k, v, dout, s = _inputs(seq, dtype, sinks)
+    vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
+    ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
+    # The policy's magnitudes of this case (without the sink term, which only lowers every
+    # probability: its magnitudes are at most these).
+    scales = error_scales(q, k, v, dout, visible=vis)
+    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": torch.float64 if dtype == torch.float64 else torch.float32}
+    for n in ("out", "lse", "dq", "dk", "dv"):
+        got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
+        want = getattr(ref, n)
+        if n == "lse":  # rows that see nothing (and no sink): exactly -inf
+            nothing = torch.isneginf(want)
+            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{name}]"
+            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
+        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
+        base = want.to(out_dtype[n])  # an exact kernel, rounded once to its output dtype
+        assert_close(f"{n} [{name}, W={world}, {layout}, {rotate}, {op}, sinks={sinks}]", got, want, base,
+                     world_size=world, dtype=dtype, result_dtype=out_dtype[n], scales=scales[n])
+    if sinks:
+        dsinks = sum(r["dsinks"] for r in results)  # each rank's share covers its own rows
+        assert_close(f"dsinks [{name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=world, dtype=dtype,
+                     result_dtype=torch.float32, roundings=seq)
+
+
+def _work(ctx, spec, seq, layout):
+    """This rank's kernel calls per step (counted by wrapping the op) for a masked forward."""
+    import ring_impl
+    from ring_impl.masks import from_spec
+    from ring_impl.ops import get_op
+
+    base = get_op("math")
+    calls: list[int] = []
+
+    class Counting:
+        name = "counting_math"
+        capabilities = base.capabilities
+
+        def forward(self, *a, **kw):
+            calls.append(a[1].shape[2])
+            return base.forward(*a, **kw)
+
+        def backward(self, *a, **kw):
+            return base.backward(*a, **kw)
+
+    q, k, v, _, _ = _inputs(seq, torch.float64, False)
+    q, k, v = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v))
+    ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), layout=layout, op=Counting(),
+                             rotate_method="alltoall")
+    return len(calls)
+
+
+def test_blocks_nobody_sees_are_never_computed(ring) -> None:
+    """A narrow causal window over W=4 contiguous shards: each rank's queries reach its own block
+    and the previous rank's only, so 2 kernel calls per rank (rank 0: 1), not 4."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+    seq = 32
+    calls = ring.rank_pool(4).run(_work, {"kind": "sliding_window", "left": 3, "right": 0}, seq, "contiguous", timeout=60.0)
+    assert calls == [1, 2, 2, 2], f"kernel calls per rank {calls}"
+
+
+def _bad(ctx, kind: str):
+    import ring_impl
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow
+
+    seq_local = 8
+    q = torch.randn(1, 2, seq_local, 8)
+    k = v = torch.randn(1, 2, seq_local, 8)
+    seq = seq_local * ctx.world_size
+    mask, sinks = None, None
+    if kind == "doc_ids_length":
+        mask = Documents(torch.zeros(seq - 1, dtype=torch.int64))
+    elif kind == "doc_ids_decrease":
+        mask = Documents(torch.tensor([1] * (seq // 2) + [0] * (seq - seq // 2)))
+    elif kind == "window_negative":
+        mask = SlidingWindow(-1)
+    elif kind == "mask_mod_fails":
+        table = torch.zeros(seq // 2, dtype=torch.bool)
+        mask = MaskMod(lambda b, h, q_idx, kv_idx: table[q_idx] | (kv_idx <= q_idx))  # IndexError past seq/2
+    elif kind == "mask_differs":
+        mask = SlidingWindow(2 + ctx.rank)
+    elif kind == "sinks_shape":
+        sinks = torch.zeros(3)
+    elif kind == "sinks_dtype":
+        sinks = torch.zeros(2, dtype=torch.int64)
+    ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask, sinks=sinks, rotate_method="alltoall")
+    return "no error"
+
+
+@pytest.mark.parametrize("kind,pattern", [
+    ("doc_ids_length", "has 15 entries but the global sequence has 16 tokens"),
+    ("doc_ids_decrease", "decrease along the sequence"),
+    ("window_negative", "SlidingWindow.left must be an int >= 0"),
+    ("mask_mod_fails", "cannot be evaluated on the global positions (IndexError"),
+    ("mask_differs", "ranks disagree on mask"),
+    ("sinks_shape", "sinks must have shape (2,)"),
+    ("sinks_dtype", "sinks must be floating point"),
+])
+def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+    from ring_impl import InputError
+
+    outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith(InputError.__name__) for o in outcomes), summary
+    assert any(pattern in o.exc_message for o in outcomes), summary
