@@ -28,14 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from .heads import check_head_chunks
-from .ops import accumulation_dtype
-from .transports import get_transport
-from .validate import exchange_nbytes
+from .ring_schedule import Schedule, ring_schedule
+from .strategies.schedule import strategy_schedule
 
 __all__ = ["collective_schedule"]
-
-Schedule = dict[str, dict[str, dict[str, int]]]
 
 
 def collective_schedule(
@@ -63,8 +59,6 @@ def collective_schedule(
     (local) and ``return_lse``: see :mod:`ring_impl.strategies.schedule`.
     """
     if strategy != "ring":
-        from .strategies.schedule import strategy_schedule
-
         mesh_shape = (world_size, 1) if mesh_shape is None and strategy == "ulysses" else mesh_shape
         if mesh_shape is None or heads is None or seq_q is None:
             raise ValueError(f"collective_schedule: strategy {strategy!r} needs mesh_shape, heads and seq_q")
@@ -73,28 +67,5 @@ def collective_schedule(
         return strategy_schedule(strategy, (mesh_shape[0], mesh_shape[1]), rotate_method, batch=batch, heads=heads, heads_kv=heads_kv,
                                  seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
                                  head_chunks=head_chunks, return_lse=return_lse)
-    transport = get_transport(rotate_method)
-    sizes = {"world_size": world_size, "batch": batch, "heads_kv": heads_kv, "seq_kv": seq_kv, "head_dim": head_dim}
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"collective_schedule: {name} must be an int >= 1, got {value!r}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"collective_schedule: dtype must be a floating-point torch.dtype, got {dtype!r}")
-    if not isinstance(compiled, bool):
-        raise ValueError(f"collective_schedule: compiled must be a bool, got {compiled!r}")
-    problem = check_head_chunks(head_chunks, heads_kv)
-    if problem is not None:
-        raise ValueError(f"collective_schedule: {problem}")
-    fwd: dict[str, dict[str, int]] = {}
-    bwd: dict[str, dict[str, int]] = {}
-    if world_size > 1:
-        elems = 2 * batch * heads_kv * seq_kv * head_dim
-        kv = elems * dtype.itemsize
-        dkv = elems * accumulation_dtype(dtype).itemsize
-        if not compiled:
-            fwd["all_reduce"] = {"calls": 1, "bytes": exchange_nbytes(world_size)}
-        ring = transport.schedule(world_size, kv_bytes=kv, dkv_bytes=dkv, compiled=compiled)
-        for phase, into in (("forward", fwd), ("backward", bwd)):
-            for kind, entry in ring.get(phase, {}).items():
-                into[kind] = {"calls": head_chunks * entry["calls"], "bytes": entry["bytes"]}
-    return {"forward": fwd, "backward": bwd}
+    return ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
+                         dtype=dtype, compiled=compiled, head_chunks=head_chunks)

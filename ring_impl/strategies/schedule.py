@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import accumulation_dtype
-from ..schedule import collective_schedule as ring_schedule
+from ..ring_schedule import ring_schedule
 from .layout import check_strategy
 from .ulysses import kv_replication
 from .validate import exchange_calls, exchange_nbytes
