@@ -66,7 +66,7 @@ def hybrid_case(ctx, shape: tuple[int, int]) -> float:
 
 
 def measure(world_size: int, repeat: int) -> dict[str, Any]:
-    from harness.pool import get_pool, shutdown_all_pools
+    from harness import get_pool, shutdown_all_pools
 
     starts, after_start, rows = [], None, []
     for _ in range(repeat):
