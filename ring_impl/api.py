@@ -50,16 +50,13 @@ def _ring_attention(
     sinks=None,
 ):
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
-    if strategy != "ring" and (mask is not None or sinks is not None):
-        extra_problem = extra_problem or (
-            f"mask= and sinks= run with strategy='ring' only (got strategy={strategy!r}); apply them with the ring")
     if strategy != "ring":
         from .strategies import strategy_attention
 
         return strategy_attention(
             impl, algorithms, strategy, query, key, value, group=group, is_causal=is_causal, scale=scale,
             rotate_method=rotate_method, op=op, layout=layout, return_lse=return_lse, head_chunks=head_chunks,
-            extra_problem=extra_problem,
+            extra_problem=extra_problem, mask=mask, sinks=sinks,
         )
     pg = resolve_group(group)
     op_obj, op_error = None, None

@@ -6,8 +6,10 @@ from collections.abc import Mapping
 
 import torch
 
+from ..masks import Causal, mask_code, masking_problem
 from ..ops import AttentionOp, default_scale, resolve_op
 from ..ring import RingAttention, RingConfig
+from ..sinks import with_sinks
 from ..validate import InputError
 from .groups import resolve_strategy_groups
 from .hybrid import Hybrid
@@ -38,8 +40,11 @@ def strategy_attention(
     return_lse: bool = False,
     head_chunks: int = 1,
     extra_problem: str | None = None,
+    mask=None,
+    sinks=None,
 ):
-    """``ring_attention`` for ``strategy`` "ulysses" or "hybrid" (see ``ring_impl.ring_attention``)."""
+    """``ring_attention`` for ``strategy`` "ulysses" or "hybrid" (see ``ring_impl.ring_attention``).
+    ``mask`` / ``sinks``: Ulysses only (it attends the whole sequence, so any mask applies)."""
     if strategy not in ("ulysses", "hybrid"):
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
@@ -60,11 +65,12 @@ def strategy_attention(
     problem = extra_problem or strategy_problem(
         strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale, layout=layout,
         rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
-    )
+    ) or _masking_problem(strategy, query, key, mask, sinks, mesh_shape)
     if mesh_shape[0] * mesh_shape[1] > 1 and not torch.compiler.is_compiling():
         agree_on_mesh(problem, strategy, groups, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
                       rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
-                      device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"))
+                      device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+                      mask_code=mask_code(mask, sinks) if problem is None and (mask is not None or sinks is not None) else 0)
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert op_obj is not None and effective_scale is not None
@@ -72,7 +78,22 @@ def strategy_attention(
     if strategy == "hybrid":
         ring_cfg = RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=effective_scale,
                               layout=layout, rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks)
+    folded = None if mask is None else (Causal() & mask if is_causal else mask)
     cfg = HeadParallelConfig(heads=groups.head_group(query.device), is_causal=bool(is_causal), scale=effective_scale,
-                             layout=layout, op=op_obj, return_lse=bool(return_lse), ring=ring_cfg, ring_impl=impl)
+                             layout=layout, op=op_obj, return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg,
+                             ring_impl=impl, mask=folded)
     out, lse = head_parallel_fn(query, key, value, cfg, algo)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _masking_problem(strategy: str, query, key, mask, sinks, mesh_shape) -> str | None:
+    if mask is None and sinks is None:
+        return None
+    if strategy == "hybrid":
+        return ("mask= and sinks= are not supported with strategy='hybrid' yet: use strategy='ring' (masks and sinks) "
+                "or 'ulysses'")
+    if mask is not None and torch.compiler.is_compiling():
+        return "mask= is not supported under torch.compile yet: call ring_attention eagerly"
+    return masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])

@@ -68,6 +68,8 @@ class HeadParallelConfig:
     return_lse: bool
     ring: RingConfig | None = None
     ring_impl: RingAttention | None = None
+    #: a ring_impl.masks.Mask on global positions (is_causal folded in), Ulysses only
+    mask: object = None
 
 
 class Ulysses:
@@ -103,7 +105,7 @@ class Ulysses:
         """Chunk ids, in sequence order, of the gathered sequence's ``2U`` chunks when the
         inner attention needs it reordered (causal ``head_tail``); None when it needs no reorder."""
         u = cfg.heads.size
-        if not cfg.is_causal or cfg.layout != "head_tail" or u == 1:
+        if cfg.mask is not None or not cfg.is_causal or cfg.layout != "head_tail" or u == 1:
             return None
         held = [c for rank in range(u) for c in chunk_ids("head_tail", u, rank)]  # gathered order
         return [held.index(c) for c in range(2 * u)]  # position in the gathered order of chunk c
@@ -120,22 +122,51 @@ class Ulysses:
 
     # ------------------------------------------------------------------ inner attention
 
+    def visible(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+        """The mask on the gathered sequence (every rank's shard in rank order) for this rank's
+        query heads: (batch or 1, heads or 1, s_q, s_kv) bool, or None without a mask."""
+        if cfg.mask is None:
+            return None
+        from ..layout import permutation
+        from ..masks import visibility
+
+        u, h = cfg.heads.size, q.shape[1]
+        pos_q, pos_kv = permutation(cfg.layout, q.shape[2], u), permutation(cfg.layout, k.shape[2], u)
+        vis = visibility(cfg.mask, pos_q, pos_kv, batch=q.shape[0], heads=h * u)
+        if vis.shape[1] > 1:  # a head-dependent mask: this rank's heads are slice rank of U
+            vis = vis[:, cfg.heads.rank * h:(cfg.heads.rank + 1) * h]
+        return vis.to(q.device)
+
     def inner_forward(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(out in the input dtype, lse (b, h, s) in the accumulation dtype) of the gathered heads:
-        the local kernel on the whole sequence."""
-        kind = "causal" if cfg.is_causal else "full"
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=cfg.is_causal, scale=cfg.scale)
+        the local kernel on the whole sequence (with the mask: rows that see nothing give out 0,
+        LSE -inf)."""
+        vis = self.visible(cfg, q, k)
+        kind = "masked" if vis is not None else "causal" if cfg.is_causal else "full"
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=cfg.is_causal and vis is None, scale=cfg.scale, visible=vis)
         b, h, s, _ = q.shape
-        lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=cfg.op.capabilities.lse_layout,
-                            op_name=getattr(cfg.op, "name", "op"))
-        out, lse = poison_forward(out, lse, q, k, v, kind)
+        op = cfg.op if vis is None or cfg.op.capabilities.masks else None
+        lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=op.capabilities.lse_layout if op else "bhs",
+                            op_name=getattr(op, "name", "math"))
+        if vis is not None:
+            dead = ~vis.any(-1).expand(b, h, s)
+            out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
+            lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse)
+        out, lse = poison_forward(out, lse, q, k, v, kind, vis)
         return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
 
     def inner_backward(self, cfg: HeadParallelConfig, grad_out, q, k, v, out, lse, grad_lse):
-        kind = "causal" if cfg.is_causal else "full"
-        dq, dk, dv = call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=cfg.is_causal, scale=cfg.scale,
-                                   grad_lse=grad_lse)
-        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, kind)
+        vis = self.visible(cfg, q, k)
+        kind = "masked" if vis is not None else "causal" if cfg.is_causal else "full"
+        if vis is not None:  # rows that see nothing: zero terms (their LSE -inf would give NaN)
+            dead = ~vis.any(-1).expand(lse.shape)
+            lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+            grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), grad_out)
+            if grad_lse is not None:
+                grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
+        dq, dk, dv = call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=cfg.is_causal and vis is None,
+                                   scale=cfg.scale, grad_lse=grad_lse, visible=vis)
+        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, kind, vis)
 
     # ------------------------------------------------------------------ the algorithm
 

@@ -114,7 +114,8 @@ def _shown(field: str, code: int) -> str:
 
 
 def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, query, key, *, is_causal, scale,
-                  layout, rotate_method, op: AttentionOp | None, head_chunks, return_lse, device: torch.device) -> None:
+                  layout, rotate_method, op: AttentionOp | None, head_chunks, return_lse, device: torch.device,
+                  mask_code: int = 0) -> None:
     """Raise InputError on every rank of the mesh if any rank has a problem or the ranks disagree.
 
     Rows of the table are mesh ranks (``r * U + u``)."""
@@ -129,7 +130,7 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
         assert op is not None and scale is not None
         table[row + 1: row + n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks,
+            head_chunks=head_chunks, mask_code=mask_code,
         ) + _codes(strategy, mesh_shape, return_lse)
     vec = torch.tensor(table, dtype=torch.int64)
     for pg in (groups.ulysses, groups.ring):

@@ -60,7 +60,7 @@ def _inputs(seq: int, dtype: torch.dtype, sinks: bool):
     return q, k, v, dout, s
 
 
-def _run(ctx, spec, seq, dtype, layout, rotate, op, sinks):
+def _run(ctx, spec, seq, dtype, layout, rotate, op, sinks, strategy="ring"):
     import ring_impl
     from ring_impl.masks import from_spec
 
@@ -73,13 +73,13 @@ def _run(ctx, spec, seq, dtype, layout, rotate, op, sinks):
 
     with CollectiveLog() as log:
         out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), sinks=s, layout=layout,
-                                            rotate_method=rotate, op=op, return_lse=True)
+                                            rotate_method=rotate, op=op, return_lse=True, strategy=strategy)
         out.backward(dout)
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "dsinks": None if s is None else s.grad, "log": log.summary()}
 
 
-def _cases():
+def _cases(strategy: str = "ring"):
     out = []
     combos = itertools.product(("causal", "documents", "documents_full", "window_narrow", "window_wide",
                                 "chunked_causal", "prefix_lm", "documents_window", "mask_mod_per_head"),
@@ -87,20 +87,21 @@ def _cases():
     for i, (name, (world, layout)) in enumerate(combos):
         dtype, op = ((torch.float64, "math"), (torch.float32, "cpu_flash"))[i % 2]
         rotate = ("allgather", "alltoall", "p2p")[i % 3]
-        out.append(pytest.param(name, world, layout, rotate, dtype, op, i % 3 == 0,
-                                id=f"{name}-W{world}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}"))
+        world = 4 if strategy == "ulysses" and world == 3 else world  # Ulysses: heads (4) divisible by W
+        out.append(pytest.param(name, world, layout, rotate, dtype, op, i % 3 == 0, strategy,
+                                id=f"{strategy}-{name}-W{world}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}"))
     return out
 
 
-@pytest.mark.parametrize("name,world,layout,rotate,dtype,op,sinks", _cases())
-def test_masked_ring_matches_the_oracle(ring, name, world, layout, rotate, dtype, op, sinks) -> None:
+@pytest.mark.parametrize("name,world,layout,rotate,dtype,op,sinks,strategy", _cases("ring") + _cases("ulysses"))
+def test_masked_ring_matches_the_oracle(ring, name, world, layout, rotate, dtype, op, sinks, strategy) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
     import ring_impl
 
     seq = 24 * world
     spec = _masks(seq)[name]
-    results = ring.rank_pool(world).run(_run, spec, seq, dtype, layout, rotate, op, sinks, timeout=120.0)
+    results = ring.rank_pool(world).run(_run, spec, seq, dtype, layout, rotate, op, sinks, strategy, timeout=120.0)
     q, k, v, dout, s = _inputs(seq, dtype, sinks)
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
@@ -117,9 +118,9 @@ def test_masked_ring_matches_the_oracle(ring, name, world, layout, rotate, dtype
             got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
         assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
         base = want.to(out_dtype[n])  # an exact kernel, rounded once to its output dtype
-        assert_close(f"{n} [{name}, W={world}, {layout}, {rotate}, {op}, sinks={sinks}]", got, want, base,
-                     world_size=world, dtype=dtype, result_dtype=out_dtype[n], scales=scales[n])
-    if sinks:
+        assert_close(f"{n} [{strategy}, {name}, W={world}, {layout}, {rotate}, {op}, sinks={sinks}]", got, want, base,
+                     world_size=world if strategy == "ring" else 1, dtype=dtype, result_dtype=out_dtype[n], scales=scales[n])
+    if sinks:  # world_size: the roundings of the sum over ranks
         dsinks = sum(r["dsinks"] for r in results)  # each rank's share covers its own rows
         assert_close(f"dsinks [{name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=world, dtype=dtype,
                      result_dtype=torch.float32, roundings=seq)
