@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..masks import Causal, mask_code, masking_problem
+from ..masks import Causal, mask_code, masking_problem, visibility
 from ..ops import AttentionOp, default_scale, resolve_op
 from ..ring import RingAttention, RingConfig
 from ..sinks import with_sinks
@@ -74,14 +74,17 @@ def strategy_attention(
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert op_obj is not None and effective_scale is not None
+    folded = None if mask is None else (Causal() & mask if is_causal else mask)
     ring_cfg = None
     if strategy == "hybrid":
+        # The mask goes to the ring across rows: a row's shard is the ring layout's over R ranks
+        # (positions global), its heads a slice (the mask is head-independent, checked above).
         ring_cfg = RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=effective_scale,
-                              layout=layout, rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks)
-    folded = None if mask is None else (Causal() & mask if is_causal else mask)
+                              layout=layout, rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks,
+                              mask=folded, mask_dims=(query.shape[0], 1))
     cfg = HeadParallelConfig(heads=groups.head_group(query.device), is_causal=bool(is_causal), scale=effective_scale,
                              layout=layout, op=op_obj, return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg,
-                             ring_impl=impl, mask=folded)
+                             ring_impl=impl, mask=folded if strategy == "ulysses" else None)
     out, lse = head_parallel_fn(query, key, value, cfg, algo)
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
@@ -91,9 +94,12 @@ def strategy_attention(
 def _masking_problem(strategy: str, query, key, mask, sinks, mesh_shape) -> str | None:
     if mask is None and sinks is None:
         return None
-    if strategy == "hybrid":
-        return ("mask= and sinks= are not supported with strategy='hybrid' yet: use strategy='ring' (masks and sinks) "
-                "or 'ulysses'")
     if mask is not None and torch.compiler.is_compiling():
         return "mask= is not supported under torch.compile yet: call ring_attention eagerly"
-    return masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])
+    problem = masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])
+    if problem is None and strategy == "hybrid" and mask is not None:
+        n = torch.arange(min(64, query.shape[2] * mesh_shape[0] * mesh_shape[1]))
+        if visibility(mask, n, n, heads=query.shape[1]).shape[1] > 1:
+            problem = ("a mask that depends on the head runs with strategy='ring' or 'ulysses'; the hybrid's ring "
+                       "takes head-independent masks")
+    return problem

@@ -209,3 +209,86 @@ def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) 
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith(InputError.__name__) for o in outcomes), summary
     assert any(pattern in o.exc_message for o in outcomes), summary
+
+
+def _run_hybrid(ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape):
+    import ring_impl
+    from reference.strategies import shard as strategy_shard
+    from ring_impl.masks import from_spec
+
+    u, r = mesh_shape
+    mesh = ctx.device_mesh((r, u), ("ring", "ulysses"))
+    q, k, v, dout, s = _inputs(seq, dtype, sinks)
+    q, k, v, dout = (strategy_shard(t, "hybrid", layout, mesh_shape, ctx.rank).contiguous() for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    if s is not None:
+        s.requires_grad_(True)
+    out, lse = ring_impl.ring_attention(q, k, v, group=mesh, strategy="hybrid", mask=from_spec(spec), sinks=s,
+                                        layout=layout, rotate_method=rotate, op=op, return_lse=True)
+    out.backward(dout)
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "dsinks": None if s is None else s.grad}
+
+
+def _hybrid_cases():
+    out = []
+    names = ("causal", "documents", "documents_full", "window_narrow", "chunked_causal", "prefix_lm", "documents_window")
+    for i, (name, layout) in enumerate(itertools.product(names, ("head_tail", "contiguous"))):
+        dtype, op = ((torch.float64, "math"), (torch.float32, "cpu_flash"))[i % 2]
+        rotate = ("allgather", "alltoall", "p2p")[i % 3]
+        out.append(pytest.param(name, layout, rotate, dtype, op, i % 3 == 0,
+                                id=f"hybrid2x2-{name}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}"))
+    return out
+
+
+@pytest.mark.parametrize("name,layout,rotate,dtype,op,sinks", _hybrid_cases())
+def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op, sinks) -> None:
+    """The hybrid 2x2: Ulysses in rows, the masked ring (its plan on global positions) across rows."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+    from reference.strategies import unshard as strategy_unshard
+
+    mesh_shape, seq = (2, 2), 48
+    spec = _masks(seq)[name]
+    results = ring.rank_pool(4).run(_run_hybrid, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, timeout=120.0)
+    q, k, v, dout, s = _inputs(seq, dtype, sinks)
+    vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
+    ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
+    scales = error_scales(q, k, v, dout, visible=vis)
+    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": torch.float64 if dtype == torch.float64 else torch.float32}
+    for n in ("out", "lse", "dq", "dk", "dv"):
+        got = strategy_unshard([r[n] if n != "lse" else r[n].unsqueeze(-1) for r in results], "hybrid", layout,
+                               mesh_shape).to(torch.float64)
+        got = got.squeeze(-1) if n == "lse" else got
+        want = getattr(ref, n)
+        if n == "lse":
+            nothing = torch.isneginf(want)
+            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{name}]"
+            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
+        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
+        assert_close(f"{n} [hybrid 2x2, {name}, {layout}, {rotate}, {op}, sinks={sinks}]", got, want,
+                     want.to(out_dtype[n]), world_size=mesh_shape[1], dtype=dtype, result_dtype=out_dtype[n],
+                     scales=scales[n])
+    if sinks:
+        dsinks = sum(r["dsinks"] for r in results)
+        assert_close(f"dsinks [hybrid {name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=4, dtype=dtype,
+                     result_dtype=torch.float32, roundings=seq)
+
+
+def _hybrid_head_mask(ctx):
+    import ring_impl
+    from ring_impl.masks import MaskMod
+
+    mesh = ctx.device_mesh((2, 2), ("ring", "ulysses"))
+    q = k = v = torch.randn(1, 4, 8, 8)
+    ring_impl.ring_attention(q, k, v, group=mesh, strategy="hybrid", mask=MaskMod(every_fourth_head_sees_back))
+    return "no error"
+
+
+def test_hybrid_refuses_head_dependent_masks_on_every_rank(ring) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+    outcomes = ring.rank_pool(4).run_outcomes(_hybrid_head_mask, timeout=30.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    assert all("depends on the head" in o.exc_message for o in outcomes), summary
