@@ -71,7 +71,7 @@ class ContextParallelError(ValueError):
 #: Strategies the context-parallel API routes SDPA to: both shard the sequence over one group in
 #: a ring layout (Ulysses over U ranks uses the ring's layouts over U, ring_impl.strategies.layout).
 #: The hybrid needs a 2-D mesh and its own sharding: ring_attention(strategy="hybrid").
-CP_STRATEGIES = ("ring", "ulysses")
+CP_STRATEGIES = ("ring", "ulysses", "hybrid")
 
 
 def check_options(*, layout, rotate_method, op, head_chunks, strategy="ring") -> str | None:
@@ -81,10 +81,6 @@ def check_options(*, layout, rotate_method, op, head_chunks, strategy="ring") ->
     method; op: None / "auto", a registered op name or an AttentionOp object; head_chunks: a
     positive int; strategy: "ring" or "ulysses".
     """
-    if strategy == "hybrid":
-        return ("strategy='hybrid' is not routed by context_parallel / ContextParallel (it needs a 2-D mesh and "
-                "its own sharding): call ring_impl.ring_attention(..., strategy='hybrid', group=mesh) on shards "
-                "from ring_impl.strategies.shard, or use strategy='ring' or 'ulysses' here")
     if not isinstance(strategy, str) or strategy not in CP_STRATEGIES:
         return f"unknown strategy {strategy!r}; context parallel routes SDPA to one of {CP_STRATEGIES}"
     try:
@@ -323,18 +319,22 @@ def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffe
                        no_restore_buffers, layout, rotate_method, op, head_chunks,
                        strategy: str = "ring") -> Iterator[None]:
     """``context_parallel`` with its two parts given: the buffer handling and the routing."""
-    group = resolve_group(mesh)
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
     problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks,
                             strategy=strategy)
-    sharded = sharding(group, layout, buffers, buffer_seq_dims, no_restore_buffers) if problem is None else None
+    try:
+        group, shard_layout, route_mesh = cp_sharding(mesh, layout if problem is None else DEFAULT_CP_LAYOUT,
+                                                      strategy if problem is None else "ring")
+    except (TypeError, ValueError) as exc:  # a mesh the strategy cannot take: the same on every rank
+        raise ContextParallelError(f"context_parallel: {problem or exc}") from None
+    sharded = sharding(group, shard_layout, buffers, buffer_seq_dims, no_restore_buffers) if problem is None else None
     if sharded is not None:
         problem = sharded.problem
     _agree(problem, group, _default_device(group, buffers), "context_parallel")
     assert sharded is not None
     try:
         sharded.shard()
-        with route_ctx(Route(group, layout, rotate_method, op, head_chunks, strategy)):
+        with route_ctx(Route(group, layout, rotate_method, op, head_chunks, strategy, mesh=route_mesh)):
             yield
     except BaseException:
         sharded.restore(normal_exit=False)
@@ -342,17 +342,34 @@ def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffe
     sharded.restore(normal_exit=True)
 
 
+def cp_sharding(mesh, layout: str, strategy: str):
+    """(process group the buffers are sharded over, the layout they are sharded in, the mesh the
+    routed calls take or None). ``strategy="hybrid"``: the mesh flattened and the hybrid's layout
+    (ring_impl.strategies.cp); otherwise ``mesh``'s group and ``layout``. Raises
+    ContextParallelError for a mesh the strategy cannot take (the same on every rank)."""
+    if strategy != "hybrid":
+        return resolve_group(mesh), layout, None
+    from .strategies.cp import hybrid_sharding
+
+    try:
+        group, name = hybrid_sharding(mesh, layout)
+    except ValueError as exc:
+        raise ContextParallelError(str(exc)) from None
+    return group, name, mesh
+
+
 def context_parallel_unshard(
-    mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], *, layout: str | None = None
+    mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], *, layout: str | None = None,
+    strategy: str = "ring",
 ) -> list[torch.Tensor]:
     """Global tensors from the local shards (differentiable: gradients go back to the shards)."""
     import torch.distributed._functional_collectives as funcol
 
     # all_gather_single_autograd is the newer name (torch >= 2.10); the older one warns there.
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-    group = resolve_group(mesh)
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
     check_layout(layout)
+    group, layout, _ = cp_sharding(mesh, layout, strategy)
     if len(buffers) != len(seq_dims):
         raise ValueError(f"context_parallel_unshard: {len(buffers)} buffers but {len(seq_dims)} seq_dims")
     world = dist.get_world_size(group)

@@ -37,8 +37,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from .context_parallel import DEFAULT_CP_LAYOUT, ContextParallelError, check_options
-from .group import resolve_group
+from .context_parallel import DEFAULT_CP_LAYOUT, ContextParallelError, check_options, cp_sharding
 from .ops import AttentionOp
 from .sdpa_route import Route, routing
 
@@ -74,8 +73,8 @@ class ContextParallel(ParallelStyle):
     def routing_hooks(self, device_mesh) -> tuple[Callable, Callable]:
         """The forward pre-hook that enters the routing and the forward hook that leaves it."""
         # One route object per module: compiled code guards on the route's fields, which stay equal.
-        route = Route(resolve_group(device_mesh), self.layout, self.rotate_method, self.op, self.head_chunks,
-                      self.strategy)
+        group, _, mesh = cp_sharding(device_mesh, self.layout, self.strategy)
+        route = Route(group, self.layout, self.rotate_method, self.op, self.head_chunks, self.strategy, mesh=mesh)
         active: list = []
 
         def enter(mod, args):

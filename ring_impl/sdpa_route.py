@@ -93,6 +93,8 @@ class Route:
     op: str | AttentionOp | None
     head_chunks: int = 1
     strategy: str = "ring"
+    #: the 2-D DeviceMesh routed calls take (strategy "hybrid"; ``group`` is then the mesh flattened)
+    mesh: object = field(default=None, compare=False, repr=False)
     kernel_ops: tuple[tuple[str, str], ...] = ()
     key: tuple = field(init=False, repr=False, compare=False)
 
@@ -166,7 +168,8 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     op = route.op_for(query.device) if isinstance(query, torch.Tensor) else route.op
     out = api._ring_attention(
-        api._DEFAULT_IMPL, query, key, value, group=route.group, is_causal=is_causal, scale=scale,
+        api._DEFAULT_IMPL, query, key, value, group=route.mesh if route.mesh is not None else route.group,
+        is_causal=is_causal, scale=scale,
         rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
         strategy=route.strategy, extra_problem=problem,
     )
@@ -178,7 +181,8 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
     agreement as a ring call, so a rank whose call did reach SDPA raises too instead of
     waiting in the ring."""
     anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
-    api._ring_attention(api._DEFAULT_IMPL, anchor, anchor, anchor, group=route.group, layout=route.layout,
+    api._ring_attention(api._DEFAULT_IMPL, anchor, anchor, anchor, group=route.mesh if route.mesh is not None else route.group,
+                        layout=route.layout,
                         rotate_method=route.rotate_method, head_chunks=route.head_chunks, strategy=route.strategy,
                         extra_problem=problem)
     raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover

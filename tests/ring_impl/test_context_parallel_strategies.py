@@ -1,7 +1,7 @@
 """``strategy=`` through the context-parallel API: ``context_parallel`` and ``ContextParallel``
 route SDPA to Ulysses (sequence-to-heads all-to-all) as they do to the ring, with the same
-buffer sharding; the hybrid, which needs a 2-D mesh and its own sharding, is refused on every
-rank with what to do instead."""
+buffer sharding, and to the hybrid on a 2-D mesh (buffers in the hybrid's layout over the
+flattened mesh); the hybrid on anything but a (ring, ulysses) mesh is refused on every rank."""
 
 from __future__ import annotations
 
@@ -80,12 +80,51 @@ def test_context_parallel_routes_sdpa_to_ulysses(ring, world: int) -> None:
             assert declared == (2 if strategy == "ulysses" else world - 1)
 
 
+def _hybrid_routed(ctx) -> dict:
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import ring_impl
+
+    mesh = ctx.device_mesh((2, 2), ("ring", "ulysses"))
+    q, k, v = _inputs(ctx.world_size)
+    out: dict = {}
+    qs, ks, vs = q.clone(), k.clone(), v.clone()
+    with ring_impl.context_parallel(mesh, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2], rotate_method="p2p",
+                                    strategy="hybrid"):
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        out["cp"] = ring_impl.context_parallel_unshard(mesh, [o], [2], strategy="hybrid")[0]
+    module = parallelize_module(_Attention(), mesh, ring_impl.ContextParallel(rotate_method="p2p", strategy="hybrid"))
+    from ring_impl.strategies.cp import hybrid_sharding
+
+    _, layout = hybrid_sharding(mesh, "head_tail")
+    o = module(*(ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout, dim=2) for t in (q, k, v)))
+    out["style"] = ring_impl.context_parallel_unshard(mesh, [o], [2], strategy="hybrid")[0]
+    return out
+
+
+def test_context_parallel_routes_sdpa_to_the_hybrid(ring) -> None:
+    """A 2x2 (ring x ulysses) mesh: buffers sharded in the hybrid's layout over the flattened
+    mesh, SDPA routed to the hybrid, unshard back; equal to single-process SDPA by the policy."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}")
+    q, k, v = _inputs(4)
+    ref = attention(q, k, v, is_causal=True).out
+    base = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for rank, r in enumerate(ring.rank_pool(4).run(_hybrid_routed, timeout=90.0)):
+        for route in ("cp", "style"):
+            assert_close(f"out [context parallel {route}, hybrid 2x2, rank {rank}]", r[route], ref, base, world_size=2)
+
+
 def _hybrid_refused(ctx, where: str):
     import ring_impl
 
     x = torch.zeros(1, HEADS, LOCAL * ctx.world_size, HEAD_DIM)
     if where == "style":
-        ring_impl.ContextParallel(strategy="hybrid")
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(_Attention(), DeviceMesh.from_group(ctx.group, "cpu"), ring_impl.ContextParallel(strategy="hybrid"))
     else:
         with ring_impl.context_parallel(ctx.group, buffers=[x], buffer_seq_dims=[2], strategy="hybrid"):
             pass
@@ -93,11 +132,10 @@ def _hybrid_refused(ctx, where: str):
 
 
 @pytest.mark.parametrize("where", ["context_parallel", "style"])
-def test_hybrid_is_refused_on_every_rank_with_what_to_do(ring, where: str) -> None:
+def test_hybrid_on_a_1d_mesh_is_refused_on_every_rank_with_what_to_do(ring, where: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}")
     outcomes = ring.rank_pool(2).run_outcomes(_hybrid_refused, where, timeout=30.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
-    assert all("strategy='hybrid'" in o.exc_message and "ring_impl.strategies.shard" in o.exc_message
-               for o in outcomes), summary
+    assert all("needs a 2-D DeviceMesh with dims named 'ring' and 'ulysses'" in o.exc_message for o in outcomes), summary
