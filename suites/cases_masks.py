@@ -207,6 +207,13 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
     vis = visibility(mask_spec(case.mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
     ref = attention(g.query, g.key, g.value, visible=vis, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale)
     got = oracle_unshard([r["out"] for r in results], case.layout).to(torch.float64)
+    invented = ~torch.isfinite(got) & torch.isfinite(ref.out)
+    if bool(invented.any()):
+        rows = sorted({int(i) for i in invented.nonzero()[:, 2].tolist()})[:8]
+        return (f"NaN/inf where the reference is finite (global rows {rows}...) with finite inputs: a merge that "
+                "exponentiates LSEs breaks on rows nothing has reached yet (LSE -inf) or that a block hides; "
+                "an exp of the LSE (or of raw scores) overflowed, or -inf - -inf became NaN: merge with bounded "
+                "exponentials and give a block's LSE -inf weight 0")
     row_err = (got - ref.out).abs().amax(dim=(0, 1, 3))  # (seq,)
     bad = row_err > 1e-2 * max(1.0, float(ref.out.abs().max()))
     if not bool(bad.any()):
