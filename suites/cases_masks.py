@@ -214,6 +214,18 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
                 "exponentiates LSEs breaks on rows nothing has reached yet (LSE -inf) or that a block hides; "
                 "an exp of the LSE (or of raw scores) overflowed, or -inf - -inf became NaN: merge with bounded "
                 "exponentials and give a block's LSE -inf weight 0")
+    if case.sinks:  # ranks whose rows are attention without the sink term
+        plain = attention(g.query, g.key, g.value, visible=vis, scale=spec.scale).out
+        tol = 1e-3 * max(1.0, float(ref.out.abs().max()))
+        dropped = []
+        for r in range(w):
+            rows = positions(case.layout, w, r, spec.seq_q)
+            mine, want, without = got[:, :, rows], ref.out[:, :, rows], plain[:, :, rows]
+            if float((mine - want).abs().max()) > tol and float((mine - without).abs().max()) <= tol:
+                dropped.append(r)
+        if dropped:
+            return (f"the rows of rank(s) {dropped} equal attention without the sink term: the sinks were not "
+                    "applied on those ranks (every rank adds exp(sink) to each row's softmax)")
     row_err = (got - ref.out).abs().amax(dim=(0, 1, 3))  # (seq,)
     bad = row_err > 1e-2 * max(1.0, float(ref.out.abs().max()))
     if not bool(bad.any()):
