@@ -8,7 +8,7 @@ import torch
 
 from .group import RingGroup, resolve_group
 from .masks import Causal, mask_code, masking_problem
-from .ops import AttentionOp, default_scale, resolve_op
+from .ops import AttentionOp, resolve_scale_and_op
 from .ring import RingAttention, RingConfig, ring_attention_fn
 from .sinks import with_sinks
 from .transports import check_rotate_method
@@ -59,18 +59,7 @@ def _ring_attention(
             extra_problem=extra_problem, mask=mask, sinks=sinks,
         )
     pg = resolve_group(group)
-    op_obj, op_error = None, None
-    effective_scale: float | None = None
-    if isinstance(query, torch.Tensor) and query.dim() == 4:
-        if scale is None:
-            effective_scale = default_scale(query.shape[-1])
-        elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-            effective_scale = float(scale)
-        try:
-            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
-                                is_causal=is_causal is True or is_causal == 1)
-        except (TypeError, ValueError) as exc:
-            op_error = str(exc)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
     # through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)

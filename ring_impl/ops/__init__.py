@@ -27,7 +27,7 @@ from .contract import (
 from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuFlashOp
 from .cuda import CudaCudnnOp, CudaEfficientOp, CudaFlashOp
 from .math import MathOp
-from .registry import available_ops, get_op, register_op, resolve_op
+from .registry import available_ops, get_op, register_op, resolve_op, resolve_scale_and_op
 
 __all__ = [
     "ALL_DTYPES",
@@ -50,4 +50,5 @@ __all__ = [
     "missing_members",
     "register_op",
     "resolve_op",
+    "resolve_scale_and_op",
 ]

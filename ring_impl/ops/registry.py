@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .contract import AttentionOp, missing_members
+from .contract import AttentionOp, default_scale, missing_members
 from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuFlashOp
 from .cuda import CudaCudnnOp, CudaEfficientOp, CudaFlashOp
 from .math import MathOp
 
-__all__ = ["available_ops", "get_op", "register_op", "resolve_op"]
+__all__ = ["available_ops", "get_op", "register_op", "resolve_op", "resolve_scale_and_op"]
 
 
 @dataclass
@@ -83,3 +83,20 @@ def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.
 
 for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuCudnnLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaCudnnOp()):
     register_op(_op)
+
+def resolve_scale_and_op(query, scale, op, is_causal) -> tuple[float | None, AttentionOp | None, str | None]:
+    """(the scale in effect, the op object, why the op cannot be resolved) for a call's
+    arguments; never raises (a bad argument is reported by the input checks on every rank)."""
+    if not (isinstance(query, torch.Tensor) and query.dim() == 4):
+        return None, None, None
+    effective_scale: float | None = None
+    if scale is None:
+        effective_scale = default_scale(query.shape[-1])
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        effective_scale = float(scale)
+    try:
+        op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
+                            is_causal=is_causal is True or is_causal == 1)
+    except (TypeError, ValueError) as exc:
+        return effective_scale, None, str(exc)
+    return effective_scale, op_obj, None

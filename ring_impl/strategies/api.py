@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from ..masks import Causal, mask_code, masking_problem, visibility
-from ..ops import AttentionOp, default_scale, resolve_op
+from ..ops import AttentionOp, resolve_scale_and_op
 from ..ring import RingAttention, RingConfig
 from ..sinks import with_sinks
 from ..validate import InputError
@@ -49,18 +49,7 @@ def strategy_attention(
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
     groups = resolve_strategy_groups(strategy, group)
-    op_obj, op_error = None, None
-    effective_scale: float | None = None
-    if isinstance(query, torch.Tensor) and query.dim() == 4:
-        if scale is None:
-            effective_scale = default_scale(query.shape[-1])
-        elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-            effective_scale = float(scale)
-        try:
-            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
-                                is_causal=is_causal is True or is_causal == 1)
-        except (TypeError, ValueError) as exc:
-            op_error = str(exc)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal)
     mesh_shape = groups.shape
     problem = extra_problem or strategy_problem(
         strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale, layout=layout,
