@@ -11,8 +11,17 @@ from .contract import OpCapabilities
 __all__ = ["CudaCudnnOp", "CudaEfficientOp", "CudaFlashOp"]
 
 
-def _empty_int(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64, device=device)
+# The backward kernels take their dense (non-varlen, unbiased) path only when the cumulative
+# sequence lengths and the bias are *undefined* tensors; ``torch.ops`` turns ``None`` into an
+# undefined tensor. An empty tensor is defined: it selects the varlen path (flash: "cu_seqlens_q
+# must have dtype int32") or is read as a bias (efficient: "Bias expected in BMHK format").
+_UNDEFINED = None
+
+
+def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Contiguous (batch, heads, seq, head_dim) tensors for a backward kernel: the ring hands
+    merged outputs and received blocks in whatever memory order they were made in."""
+    return tuple(t.contiguous() for t in tensors)
 
 
 class CudaFlashOp:
@@ -24,6 +33,9 @@ class CudaFlashOp:
         dtypes=frozenset({torch.bfloat16, torch.float16}),
         head_dims=(8, 256),
         head_dim_multiple=8,
+        # Measured on an H100 (torch 2.11, suites/test_edge_values.py): causal with scale <= 0
+        # gives inf/NaN, as CPU flash does; "auto" routes such calls to another kernel.
+        causal_needs_positive_scale=True,
     )
 
     def forward(self, query, key, value, *, is_causal, scale):
@@ -33,16 +45,17 @@ class CudaFlashOp:
         return res[0], res[1]
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+        grad_out, query, key, value, out = _dense(grad_out.to(query.dtype), query, key, value, out.to(query.dtype))
         seed = torch.zeros((), dtype=torch.int64, device=query.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out.to(query.dtype).contiguous(),
+            grad_out,
             query,
             key,
             value,
-            out.to(query.dtype),
+            out,
             lse.float().contiguous(),
-            _empty_int(query.device),
-            _empty_int(query.device),
+            _UNDEFINED,
+            _UNDEFINED,
             query.shape[2],
             key.shape[2],
             0.0,
@@ -71,18 +84,24 @@ class CudaEfficientOp:
         return res[0], res[1]
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+        grad_out, query, key, value = _dense(grad_out.to(query.dtype), query, key, value)
+        # The kernel reads `out` as (batch, seq, heads, head_dim)-contiguous whatever its strides
+        # say (the row stride is taken as heads * head_dim): give it that memory order, as its
+        # own forward returns it. Measured on an H100, torch 2.11: a (batch, heads, seq,
+        # head_dim)-contiguous out gave dQ/dK errors of order 1 (dV right).
+        out = out.to(query.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         b, h, sq = lse.shape
         # The kernel reads its LSE in its own padded layout; the padding is never read.
         padded = lse.new_zeros(b, h, -(-sq // 32) * 32, dtype=torch.float32)
         padded[..., :sq] = lse
         seed = torch.zeros((), dtype=torch.int64, device=query.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out.to(query.dtype).contiguous(),
+            grad_out,
             query,
             key,
             value,
-            torch.empty(0, device=query.device, dtype=query.dtype),
-            out.to(query.dtype),
+            _UNDEFINED,
+            out,
             padded,
             seed,
             seed,
@@ -104,6 +123,8 @@ class CudaCudnnOp:
         head_dims=(8, 128),
         head_dim_multiple=8,
         lse_layout="bhs1",
+        # Measured on an H100 (torch 2.11): causal with scale <= 0 gives inf/NaN, as flash does.
+        causal_needs_positive_scale=True,
     )
 
     def forward(self, query, key, value, *, is_causal, scale):
@@ -113,19 +134,20 @@ class CudaCudnnOp:
         return res[0], res[1]
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+        grad_out, query, key, value, out = _dense(grad_out.to(query.dtype), query, key, value, out.to(query.dtype))
         seed = torch.zeros((), dtype=torch.int64, device=query.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out.to(query.dtype).contiguous(),
+            grad_out,
             query,
             key,
             value,
-            out.to(query.dtype),
+            out,
             lse.float().unsqueeze(-1).contiguous(),
             seed,
             seed,
-            torch.empty(0, device=query.device, dtype=query.dtype),
-            _empty_int(query.device),
-            _empty_int(query.device),
+            _UNDEFINED,
+            _UNDEFINED,
+            _UNDEFINED,
             query.shape[2],
             key.shape[2],
             0.0,
