@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from . import api
 from .group import resolve_group
 from .layout import check_layout
-from .ops import AttentionOp
+from .ops import AttentionOp, default_scale, get_op
 
 __all__ = ["NEED_WEIGHTS_PROBLEM", "Route", "RouteMode", "active_route", "routed_sdpa", "routing", "sdpa_routed_to_ring"]
 
@@ -79,9 +79,10 @@ NEED_WEIGHTS_PROBLEM = (
 class Route:
     """Where and how routed SDPA calls run.
 
-    ``kernel_ops``: ``((device type, op name), ...)``, the op an ``op=None`` route runs on each
-    device type, from the ``torch.nn.attention.sdpa_kernel`` choice active when the route was
-    entered (filled in by :func:`routing`; reading those flags inside a compiled region would
+    ``kernel_ops``: ``((device type, (op name, ...)), ...)``, the ops an ``op=None`` route may
+    run on each device type in SDPA's order of preference, from the
+    ``torch.nn.attention.sdpa_kernel`` choice active when the route was entered; a call runs the
+    first that takes its dtype, head size, scale and causality, as SDPA itself picks (filled in by :func:`routing`; reading those flags inside a compiled region would
     break the graph). ``key``: the route as plain values (group name, layout, rotation, op name
     or the op object's identity, head chunks, kernel ops); compiled code is guarded on it (see
     :func:`_pin`).
@@ -95,18 +96,29 @@ class Route:
     strategy: str = "ring"
     #: the 2-D DeviceMesh routed calls take (strategy "hybrid"; ``group`` is then the mesh flattened)
     mesh: object = field(default=None, compare=False, repr=False)
-    kernel_ops: tuple[tuple[str, str], ...] = ()
+    kernel_ops: tuple[tuple[str, tuple[str, ...]], ...] = ()
     key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         op_key = self.op if self.op is None or isinstance(self.op, str) else f"{type(self.op).__qualname__}@{id(self.op):x}"
         object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key,
-                                         self.head_chunks, self.strategy, *(name for _, name in self.kernel_ops)))
+                                         self.head_chunks, self.strategy, *self.kernel_ops))
 
-    def op_for(self, device: torch.device) -> str | AttentionOp:
+    def op_for(self, query: torch.Tensor, scale: float | None, is_causal: bool) -> str | AttentionOp:
+        """The op a routed call on ``query`` runs: the route's own, else the first enabled SDPA
+        backend's op that takes the call (float64 on CUDA goes to ``math`` as SDPA sends it),
+        else the first one, whose input check then says why it cannot."""
         if self.op is not None:
             return self.op
-        return next((name for kind, name in self.kernel_ops if kind == device.type), "auto")
+        names = next((names for kind, names in self.kernel_ops if kind == query.device.type), ())
+        effective = default_scale(query.shape[-1]) if scale is None else (
+            float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None)
+        for name in names:
+            why = get_op(name).capabilities.unsupported(query.device, query.dtype, query.shape[-1],
+                                                        scale=effective, is_causal=bool(is_causal))
+            if why is None:
+                return name
+        return names[0] if names else "auto"
 
 
 #: Active routes, innermost last. Module state on purpose: dynamo reads it (and guards on it)
@@ -120,22 +132,20 @@ def active_route() -> Route | None:
     return _ROUTES[-1] if _ROUTES else None
 
 
-def _op_from_sdpa_kernel(device_type: str) -> str:
-    """Honour an active ``torch.nn.attention.sdpa_kernel`` choice when picking the ring's op."""
+def _ops_from_sdpa_kernel(device_type: str) -> tuple[str, ...]:
+    """The ops of the SDPA backends an active ``torch.nn.attention.sdpa_kernel`` choice enables,
+    in the order the ring prefers them; ``math`` last where SDPA's math backend is enabled."""
     backends = torch.backends.cuda
+    math = ("math",) if backends.math_sdp_enabled() else ()
     if device_type == "cpu":
-        only_math = backends.math_sdp_enabled() and not (
-            backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
-        )
-        return "math" if only_math else "cpu_flash"
-    for enabled, name in (
+        fused = backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
+        return ("cpu_flash", *math) if fused or not math else math
+    names = tuple(name for enabled, name in (
         (backends.flash_sdp_enabled(), "cuda_flash"),
         (backends.cudnn_sdp_enabled(), "cudnn"),
         (backends.mem_efficient_sdp_enabled(), "cuda_efficient"),
-    ):
-        if enabled:
-            return name
-    return "math"
+    ) if enabled) + math
+    return names or ("math",)
 
 
 def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -166,7 +176,7 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
     if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    op = route.op_for(query.device) if isinstance(query, torch.Tensor) else route.op
+    op = route.op_for(query, scale, is_causal) if isinstance(query, torch.Tensor) else route.op
     out = api._ring_attention(
         api._DEFAULT_IMPL, query, key, value, group=route.mesh if route.mesh is not None else route.group,
         is_causal=is_causal, scale=scale,
@@ -262,7 +272,7 @@ def routing(route: Route, *, mode_type: type[TorchFunctionMode] | None = None) -
     if not _ROUTES:
         _SAVED_SDPA.append(F.scaled_dot_product_attention)
         F.scaled_dot_product_attention = routed_sdpa
-    _ROUTES.append(replace(route, kernel_ops=tuple((kind, _op_from_sdpa_kernel(kind)) for kind in ("cpu", "cuda"))))
+    _ROUTES.append(replace(route, kernel_ops=tuple((kind, _ops_from_sdpa_kernel(kind)) for kind in ("cpu", "cuda"))))
     try:
         with (mode_type or RouteMode)():
             yield
