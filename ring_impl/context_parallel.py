@@ -374,6 +374,9 @@ def context_parallel_unshard(
         raise ValueError(f"context_parallel_unshard: {len(buffers)} buffers but {len(seq_dims)} seq_dims")
     world = dist.get_world_size(group)
     divisor = layout_divisor(layout, world)
+    # gloo's functional collectives do not take CUDA tensors (the process dies): gather host copies,
+    # as the ring's own transfers do (RingGroup.stage_on_host). .to() is differentiable both ways.
+    gloo = str(dist.get_backend(group)).lower() == "gloo"
     result = []
     for t, d in zip(buffers, seq_dims):
         d = d % t.dim()
@@ -382,6 +385,9 @@ def context_parallel_unshard(
                 f"context_parallel_unshard: local length {t.shape[d]} x {world} ranks is not a multiple of {divisor}, "
                 f"so these are not shards of layout {layout!r}"
             )
-        gathered = gather(t.movedim(d, 0).contiguous(), 0, group)
+        local = t.movedim(d, 0).contiguous()
+        host = gloo and local.device.type != "cpu"
+        gathered = gather(local.cpu() if host else local, 0, group)
+        gathered = gathered.to(local.device) if host else gathered
         result.append(unshard(gathered.chunk(world, dim=0), layout=layout, dim=0).movedim(0, d))
     return result

@@ -79,15 +79,23 @@ def test_tutorial_example_in_the_pool(cp) -> None:
         assert r["allclose"], f"rank {rank}: tutorial check failed: max diff {r['max_diff']:.3e} > atol {r['atol']:.1e}"
 
 
-def test_tutorial_script_under_torchrun(cp, tmp_path) -> None:
-    """examples/context_parallel_tutorial.py, verbatim, under torchrun with 4 CPU ranks."""
+def test_tutorial_script_under_torchrun(cp, device, tmp_path) -> None:
+    """examples/context_parallel_tutorial.py, verbatim, under torchrun: 4 CPU ranks on gloo, or
+    under ``--device cuda`` one rank per visible GPU (at most 4) on NCCL, as the script picks."""
     if cp.impl.spec != cp_default_spec():
         pytest.skip("the tutorial script imports ring_impl: it runs with the default implementation only "
                     "(drop --impl to run it)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    if device == "cuda":
+        # The script pins cuda:<rank> and uses NCCL: one rank per GPU.
+        nproc = min(4, torch.cuda.device_count())
+    else:
+        # The script takes CUDA when it sees it; on a CPU run it must not, whatever the machine has.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        nproc = 4
     # A process tree: torchrun's ranks leave its session; an interrupted run must not orphan them.
     proc = run_tree(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          str(checkout_file("examples", "context_parallel_tutorial.py"))],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )
