@@ -109,30 +109,37 @@ class RingRunner:
     def prepare(self, case):
         """Check capabilities (N/A) and fill in the session's implementation and op."""
         __tracebackhide__ = True
-        spec = case.inputs
         op = case.op if case.op is not None else self.op_spec
         # Recorded first, so a case that ends N/A, skipped or raising still lands in its cell.
         self.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
         self.require("layouts", case.layout)
         self.require("rotate_methods", case.rotate_method)
+        if case.count_work:
+            self.require("ops", "*", why="counting work wraps the attention op")
+        if case.record:
+            self.require("record_steps", why="per-step partials")
+        self.require_inputs(case, op)
+        return replace(case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse"))
+
+    def require_inputs(self, case, op) -> None:
+        """What every suite's case asks of its inputs and kernel (ring, strategy and mask cases
+        alike): dtype, device, backward, GQA, cross-attention, compile, the op; a registered
+        kernel that cannot run the case skips with its reason."""
+        __tracebackhide__ = True
+        spec = case.inputs
         self.require("dtypes", spec.dtype)
         self.require("devices", self.request.getfixturevalue("device"))
-        if case.backward:
+        if getattr(case, "backward", True):
             self.require("backward")
         if spec.heads != spec.heads_kv:
             self.require("gqa", why="key/value with fewer heads than query")
         if spec.seq_q != spec.seq_kv:
             self.require("cross_attention", why="key/value length differs from query length")
-        if case.compile:
+        if getattr(case, "compile", None):
             self.require("compile")
-        if case.count_work:
-            self.require("ops", "*", why="counting work wraps the attention op")
-        if case.record:
-            self.require("record_steps", why="per-step partials")
         if op is not None:
             self.require("ops", "*", why=f"runs op {op!r}")
             self.skip_if_kernel_cannot(op, case)
-        return replace(case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse"))
 
     def skip_if_kernel_cannot(self, op, case) -> None:
         """Skip (with the kernel's reason) a case whose registered kernel declares it cannot run

@@ -68,13 +68,8 @@ def _prepare(ring, case: MaskCase) -> MaskCase:
     ring.require("lse", why="the masked rows' LSE is part of the contract")
     ring.require("layouts", case.layout)
     ring.require("rotate_methods", case.rotate_method)
-    ring.require("dtypes", case.inputs.dtype)
-    ring.require("devices", ring.request.getfixturevalue("device"))
     ring.require("backward")
-    if case.inputs.heads != case.inputs.heads_kv:
-        ring.require("gqa", why="key/value with fewer heads than query")
-    if op is not None:
-        ring.require("ops", "*", why=f"runs op {op!r}")
+    ring.require_inputs(case, op)
     return replace(case, impl=ring.impl.spec, op=op)
 
 

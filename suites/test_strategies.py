@@ -168,7 +168,6 @@ def pytest_generate_tests(metafunc):
 def prepare(ring, case: StrategyCase) -> StrategyCase:
     """N/A for what the implementation declares it lacks; the session's implementation and op filled in."""
     __tracebackhide__ = True
-    spec = case.inputs
     op = case.op if case.op is not None else ring.op_spec
     ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
     ring.request.node.user_properties.append(("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)}))
@@ -176,18 +175,7 @@ def prepare(ring, case: StrategyCase) -> StrategyCase:
     ring.require("layouts", case.layout)
     if case.strategy == "hybrid" and case.mesh_shape[1] > 1:
         ring.require("rotate_methods", case.rotate_method, why="the hybrid's ring dimension")
-    ring.require("dtypes", spec.dtype)
-    ring.require("devices", ring.request.getfixturevalue("device"))
-    if case.backward:
-        ring.require("backward")
-    if spec.heads != spec.heads_kv:
-        ring.require("gqa", why="key/value with fewer heads than query")
-    if spec.seq_q != spec.seq_kv:
-        ring.require("cross_attention", why="key/value length differs from query length")
-    if case.compile:
-        ring.require("compile")
-    if op is not None:
-        ring.require("ops", "*", why=f"runs op {op!r}")
+    ring.require_inputs(case, op)
     return replace(case, impl=ring.impl.spec, op=op, return_lse=case.return_lse and ring.caps.claims("lse"))
 
 
