@@ -7,7 +7,7 @@ its dQ row and the dK/dV rows of every key it sees. Kernels do not all honour th
 flash kernel returns a query row holding NaN as out 0, LSE 0), and a ring must not hide a NaN
 its inputs carry. So every step's block result is passed through these masks, computed from
 the block's own inputs and its visibility (``"full"``, or top-left ``"causal"``): elementwise
-flags and a cumulative ``any`` over keys, O(seq * head_dim) per step against the kernel's
+flags and a prefix ``any`` over keys (one reduction), O(seq * head_dim) per step against the kernel's
 O(seq^2 * head_dim), with no data-dependent branch (compiles into the graph).
 
 Shapes: query/out/grad_out (batch, heads, rows, head_dim), lse (batch, heads, rows),
@@ -38,6 +38,24 @@ def _to_kv_heads(flags: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return flags if h == heads_kv else flags.reshape(b, heads_kv, h // heads_kv, *flags.shape[2:]).any(2)
 
 
+def _prefix_any(flags: torch.Tensor, rows: int) -> torch.Tensor:
+    """(batch, heads, cols[, d]) flags -> (batch, heads, rows[, d]): row i has a flag among
+    0..i. A row index against the first flag's index: a reduction, not a scan (cummax on CUDA
+    also writes int64 indices for every element)."""
+    cols = flags.shape[2]
+    first = torch.where(flags.any(dim=2, keepdim=True), flags.to(torch.uint8).argmax(dim=2, keepdim=True), cols)
+    pos = torch.arange(rows, device=flags.device).view(1, 1, rows, *([1] * (flags.dim() - 3)))
+    return pos >= first
+
+
+def _suffix_any(flags: torch.Tensor, cols: int) -> torch.Tensor:
+    """(batch, heads, rows) flags -> (batch, heads, cols): col j has a flag among rows j..end."""
+    rows = flags.shape[2]
+    pos = torch.arange(rows, device=flags.device)
+    last = torch.where(flags, pos, -1).amax(dim=2, keepdim=True)  # -1: no flagged row
+    return torch.arange(cols, device=flags.device).view(1, 1, cols) <= last
+
+
 def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tensor | None = None) -> torch.Tensor:
     """For key flags (batch, heads, cols[, d]): whether each query row sees a flagged key:
     (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols); ``masked``: as
@@ -47,7 +65,7 @@ def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tens
         seen = visible.to(torch.float32) @ (f if f.dim() == 4 else f.unsqueeze(-1))
         return (seen > 0) if f.dim() == 4 else (seen > 0).squeeze(-1)
     if kind == "causal":
-        return torch.cummax(flags.to(torch.uint8), dim=2).values.bool()
+        return _prefix_any(flags, rows)
     seen = flags.any(dim=2, keepdim=True)
     return seen.expand(*seen.shape[:2], rows, *seen.shape[3:])
 
@@ -59,7 +77,7 @@ def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tenso
         seen = flags.to(torch.float32).unsqueeze(-2) @ visible.to(torch.float32)  # (b, h, 1, cols)
         return (seen > 0).squeeze(-2)
     if kind == "causal":
-        return torch.cummax(flags.to(torch.uint8).flip(2), dim=2).values.bool().flip(2)
+        return _suffix_any(flags, cols)
     return flags.any(dim=2, keepdim=True).expand(*flags.shape[:2], cols)
 
 
