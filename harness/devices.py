@@ -82,6 +82,14 @@ def rank_devices(
     return [f"cuda:{gpus[r % len(gpus)]}" for r in range(world_size)]
 
 
+def shares_gpus(device: str, gpu_count: int, worker: tuple[int, int]) -> bool:
+    """Whether this xdist worker's CUDA ranks share their GPUs with other workers' (fewer GPUs
+    than workers). Such a worker keeps one pool alive at a time: every rank process holds a CUDA
+    context (about 0.5 GiB), and on one 80 GiB H100, 14 workers each keeping W=4 and W=6 gloo
+    pools alive ran the GPU out of memory."""
+    return device == "cuda" and gpu_count > 0 and worker[1] > gpu_count
+
+
 def visible_gpu_count() -> int:
     """Number of CUDA devices visible to this process (0 without CUDA); does not initialise CUDA."""
     import torch

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from harness import wire
-from harness.devices import rank_devices, visible_gpu_count, worker_gpus, xdist_worker
+from harness.devices import rank_devices, shares_gpus, visible_gpu_count, worker_gpus, xdist_worker
 from harness.errors import (
     ABORTED,
     CRASHED,
@@ -460,12 +460,17 @@ def rank_pool(world_size: int, backend: str, device: str) -> RankPool:
     """This process's pool of ``world_size`` ranks for (backend, device), started on first use and
     cached; :class:`~harness.errors.PoolStartError` when the ranks fail to start."""
     key = (world_size, backend, device)
+    evicted: list[RankPool] = []
     with _registry_lock:
         pool = _pools.get(key)
         if pool is None:
+            if shares_gpus(device, visible_gpu_count(), xdist_worker()):
+                evicted = [_pools.pop(k) for k in [k for k in _pools if k[2] == "cuda"]]
             pool = RankPool(world_size, backend, device)
             _pools[key] = pool
             install_parent_hooks(shutdown_rank_pools)
+    for old in evicted:  # one CUDA pool at a time on a shared GPU (harness.devices.shares_gpus)
+        old.shutdown()
     pool.start()
     return pool
 

@@ -1,10 +1,10 @@
-"""GPU assignment to xdist workers and ranks (pure functions: no GPU needed)."""
+"""GPU assignment to xdist workers and ranks (pure functions and the pool registry: no GPU needed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.devices import rank_devices, worker_gpus, xdist_worker
+from harness.devices import rank_devices, shares_gpus, worker_gpus, xdist_worker
 from harness.errors import PoolUnavailable
 
 
@@ -50,3 +50,35 @@ def test_gloo_ranks_may_share_one_gpu() -> None:
 def test_cuda_without_gpus_says_how_to_enable() -> None:
     with pytest.raises(PoolUnavailable, match="run on a CUDA machine or use --device cpu"):
         rank_devices(2, "gloo", "cuda", [])
+
+
+def test_workers_share_gpus_only_when_fewer_gpus_than_workers() -> None:
+    assert shares_gpus("cuda", 1, (3, 16))
+    assert not shares_gpus("cuda", 8, (3, 8))
+    assert not shares_gpus("cuda", 1, (0, 1))
+    assert not shares_gpus("cpu", 1, (3, 16))
+    assert not shares_gpus("cuda", 0, (3, 16))
+
+
+def test_a_worker_sharing_its_gpu_keeps_one_cuda_pool_alive(monkeypatch) -> None:
+    """Starting a CUDA pool of another world size stops this worker's other CUDA pools first when
+    the GPU is shared with other workers; CPU pools and unshared GPUs keep every pool."""
+    from harness import pool as pool_mod
+
+    events: list[tuple[str, int]] = []
+    monkeypatch.setattr(pool_mod.RankPool, "start", lambda self: events.append(("start", self.world_size)))
+    monkeypatch.setattr(pool_mod.RankPool, "shutdown", lambda self: events.append(("stop", self.world_size)))
+    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(pool_mod, "_pools", {})
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    monkeypatch.setattr(pool_mod, "install_parent_hooks", lambda fn: None)
+    pool_mod.rank_pool(2, "gloo", "cuda")
+    pool_mod.rank_pool(2, "gloo", "cuda")  # the same pool again: nothing stopped
+    pool_mod.rank_pool(4, "gloo", "cuda")
+    assert events == [("start", 2), ("start", 2), ("stop", 2), ("start", 4)]
+    assert [k[0] for k in pool_mod._pools] == [4]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    pool_mod.rank_pool(2, "gloo", "cuda")  # one worker, one GPU: not shared, both kept
+    assert sorted(k[0] for k in pool_mod._pools) == [2, 4]
