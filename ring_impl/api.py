@@ -66,7 +66,7 @@ def _ring_attention(
     problem = extra_problem or local_problem(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
         op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
-    ) or masking_problem(query, key, mask, sinks, world_size=world, head_chunks=head_chunks)
+    ) or masking_problem(query, key, mask, sinks, world_size=world)
     if mask is not None and torch.compiler.is_compiling():
         problem = problem or "mask= is not supported under torch.compile yet: call ring_attention eagerly (outside the compiled region)"
     if world > 1 and not torch.compiler.is_compiling():
@@ -146,7 +146,7 @@ Args:
         query sees (skipped when none: the block is still rotated), unmasked when all of them
         do, with the kernel's causal flag when causal-shaped, else with the block's mask (ops
         declaring ``masks``; others run those blocks with the math op). Rows that see nothing
-        give out 0, LSE -inf and zero gradients. Eager only; ring strategy, head_chunks=1.
+        give out 0, LSE -inf and zero gradients. Eager only; any head_chunks.
     sinks: (heads,) per-head sink logits (a softmax term with no value), differentiable; each
         rank's gradient covers its own rows (reduce it over the group like any parameter's).
 

@@ -26,6 +26,7 @@ every rotation and layout), so the tie is a guarantee, not a measured fix.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 
@@ -68,6 +69,11 @@ def _keys_after(key: torch.Tensor, heads: slice, token: torch.Tensor | None) -> 
     return k
 
 
+def _for_heads(cfg, heads: slice):
+    """The config of the ring over query heads ``heads``: a mask is planned for those heads."""
+    return cfg if cfg.mask is None else replace(cfg, mask_heads=(heads.start, heads.stop))
+
+
 def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     """``impl.forward`` over ``cfg.head_chunks`` head groups: (out, lse) as one ring call's."""
     spans = head_spans(query.shape[1], key.shape[1], cfg.head_chunks)
@@ -79,7 +85,7 @@ def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.
     first_record = len(recorder.records) if recorder is not None else 0
     token: torch.Tensor | None = None
     for hq, hkv in spans:
-        out_c, lse_c = impl.forward(cfg, _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv))
+        out_c, lse_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv))
         if out is None or lse is None:
             out = query.new_empty(query.shape, dtype=out_c.dtype)
             lse = lse_c.new_empty(query.shape[:3])
@@ -110,7 +116,7 @@ def run_backward(impl, cfg, grad_out, query, key, value, out, lse, grad_lse=None
     token: torch.Tensor | None = None
     for hq, hkv in spans:
         dq_c, dk_c, dv_c = impl.backward(
-            cfg, _chunk(grad_out, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv),
+            _for_heads(cfg, hq), _chunk(grad_out, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv),
             _chunk(out, hq), _chunk(lse, hq), **lse_grad(hq),
         )
         dq[:, hq], dk[:, hkv], dv[:, hkv] = dq_c, dk_c, dv_c

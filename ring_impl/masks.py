@@ -305,7 +305,7 @@ def mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> st
     return None
 
 
-def masking_problem(query, key, mask, sinks, *, world_size: int, head_chunks: int = 1) -> str | None:
+def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
     """The problem with ``mask=`` / ``sinks=`` of a ring call on local shards, or None."""
     from .sinks import sinks_problem
 
@@ -314,8 +314,6 @@ def masking_problem(query, key, mask, sinks, *, world_size: int, head_chunks: in
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4):
         return None  # the shape problem is reported by the input checks
     b, h, sq, _ = query.shape
-    if mask is not None and head_chunks != 1:
-        return "mask= runs with head_chunks=1 only"
     problem = mask_problem(mask, seq_q=sq * world_size, seq_kv=key.shape[2] * world_size, batch=b, heads=h)
     return problem or sinks_problem(sinks, h)
 

@@ -146,12 +146,14 @@ def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int],
 
 
 def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, seq_kv: int, batch: int, heads: int,
-                device: torch.device | None = None) -> list[StepPlan]:
+                device: torch.device | None = None, head_span: tuple[int, int] | None = None) -> list[StepPlan]:
     """The plan of every ring step for ``rank`` under ``mask`` (ring_impl.masks, on global
     positions); ``seq_q``/``seq_kv`` are local lengths. Per step one block, trimmed to the rows
     and columns some query sees: none (skipped, still rotated), ``full``, ``causal`` (top-left
     within the trimmed rectangle) or ``masked`` with its visibility. Costs one boolean
-    (rows x cols) evaluation of the mask per step (eager; not cached: masks hold data)."""
+    (rows x cols) evaluation of the mask per step (eager; not cached: masks hold data).
+    ``head_span``: the query heads [start, stop) of ``heads`` a head chunk runs; a mask that
+    depends on the head is planned for those heads only."""
     from .masks import visibility
 
     check_layout(layout)
@@ -166,6 +168,8 @@ def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, se
     for step in range(world_size):
         kv_rank = (rank - step) % world_size
         vis = visibility(mask, q_pos, positions(kv_rank, seq_kv), batch=batch, heads=heads)
+        if head_span is not None and vis.shape[1] > 1:
+            vis = vis[:, head_span[0]:head_span[1]]
         seen = vis.any(0).any(0)  # (rows, cols)
         rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
         if rows.numel() == 0:

@@ -57,6 +57,8 @@ class RingConfig:
     mask: object = None
     #: (batch, heads) the mask is evaluated for (a MaskMod may depend on them)
     mask_dims: tuple[int, int] = (1, 1)
+    #: the query heads [start, stop) of mask_dims this ring runs (a head chunk), or None: all
+    mask_heads: tuple[int, int] | None = None
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
@@ -79,7 +81,7 @@ class RingAttention:
         g = cfg.group
         if cfg.mask is not None:
             return masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q, seq_kv=seq_kv,
-                               batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
+                               batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], head_span=cfg.mask_heads)
         return ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q, seq_kv=seq_kv)
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
