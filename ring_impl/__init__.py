@@ -10,6 +10,7 @@ Public API::
     shard / unshard                    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
     context_parallel / context_parallel_unshard / ContextParallel
+    flex_attention                     # flex attention; ring attention with its block mask under a route
     register_op / available_ops / AttentionOp / OpCapabilities
     collective_schedule                # the collectives a call issues, per phase
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 from . import masks
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
+from .flex_route import flex_attention
 from .layout import LAYOUTS, Layout, layouts, register_layout, shard, unshard
 from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
 from .parallel_style import ContextParallel
@@ -45,6 +47,7 @@ __all__ = [
     "collective_schedule",
     "context_parallel",
     "context_parallel_unshard",
+    "flex_attention",
     "get_op",
     "get_rotate_method",
     "get_transport",

@@ -250,8 +250,9 @@ class Or(Mask):
 class MaskMod(Mask):
     """``fn(b, h, q_idx, kv_idx)`` as in flex attention, called once on broadcastable int64
     tensors of shapes (B, 1, 1, 1), (1, H, 1, 1), (1, 1, rows, 1), (1, 1, 1, cols). Its digest
-    is its qualified name plus its values on a probe grid of the first 64 positions, batch 0,
-    head 0 (a closure differing between ranks outside that grid is not detected)."""
+    is its qualified name plus its values on a probe grid of the first 64 positions (fewer for a
+    fn that cannot take 64), batch 0, head 0 (a closure differing between ranks outside that
+    grid is not detected)."""
 
     fn: Callable
 
@@ -259,12 +260,19 @@ class MaskMod(Mask):
         return self.fn(b, h, q, kv)
 
     def describe(self) -> str:
-        n = torch.arange(64)
-        probe = torch.as_tensor(self.fn(torch.zeros(1, 1, 1, 1, dtype=torch.int64), torch.zeros(1, 1, 1, 1, dtype=torch.int64),
-                                        n.view(1, 1, -1, 1), n.view(1, 1, 1, -1)))
-        bits = probe.to(torch.bool).expand(1, 1, 64, 64).contiguous().numpy().tobytes()
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
-        return f"mask_mod({name},{zlib.crc32(bits)})"
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.int64)
+        # The first 64 positions, fewer where the fn cannot take them (a mask_mod indexing a
+        # table of a shorter sequence): the same grid on every rank for the same fn and data.
+        for size in (64, 32, 16, 8, 4, 2, 1):
+            n = torch.arange(size)
+            try:
+                probe = torch.as_tensor(self.fn(zero, zero, n.view(1, 1, -1, 1), n.view(1, 1, 1, -1)))
+            except (IndexError, RuntimeError, ValueError):
+                continue
+            bits = probe.to(torch.bool).expand(1, 1, size, size).contiguous().numpy().tobytes()
+            return f"mask_mod({name},{size},{zlib.crc32(bits)})"
+        return f"mask_mod({name},unprobed)"
 
 
 def visibility(mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, batch: int = 1, heads: int = 1) -> torch.Tensor:

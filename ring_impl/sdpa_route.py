@@ -29,6 +29,10 @@ nor the rank's causal plan); the mode therefore calls a copy of it that dynamo i
 code is guarded on the route (:func:`_pin`), so it is recompiled for another route, not per
 call.
 
+Flex attention is routed the same way (``ring_impl.flex_route``): ``flex_attention(q, k, v,
+block_mask=...)`` with a block mask built on the global sequence runs as ring attention with
+that mask.
+
 Routes nest: the innermost active route decides (group, layout, rotation, op, head chunks).
 """
 
@@ -45,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import api
+from . import api, flex_route
 from .group import resolve_group
 from .layout import check_layout
 from .ops import AttentionOp, default_scale, get_op
@@ -272,6 +276,7 @@ def routing(route: Route, *, mode_type: type[TorchFunctionMode] | None = None) -
     if not _ROUTES:
         _SAVED_SDPA.append(F.scaled_dot_product_attention)
         F.scaled_dot_product_attention = routed_sdpa
+        flex_route.install(active_route)
     _ROUTES.append(replace(route, kernel_ops=tuple((kind, _ops_from_sdpa_kernel(kind)) for kind in ("cpu", "cuda"))))
     try:
         with (mode_type or RouteMode)():
@@ -280,3 +285,4 @@ def routing(route: Route, *, mode_type: type[TorchFunctionMode] | None = None) -
         _ROUTES.pop()
         if not _ROUTES:
             F.scaled_dot_product_attention = _SAVED_SDPA.pop()
+            flex_route.uninstall()
