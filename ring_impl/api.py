@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
 
 from .group import RingGroup, resolve_group
+from .halo import halo_attention_fn, halo_reach, halo_refusal
 from .masks import Causal, mask_code, masking_problem
 from .ops import AttentionOp, resolve_scale_and_op
 from .ring import RingAttention, RingConfig, ring_attention_fn
@@ -48,9 +50,12 @@ def _ring_attention(
     algorithms=None,
     mask=None,
     sinks=None,
+    halo: bool | None = None,
 ):
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     if strategy != "ring":
+        if halo is not None and halo is not False:
+            extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
         from .strategies import strategy_attention
 
         return strategy_attention(
@@ -69,12 +74,24 @@ def _ring_attention(
     ) or masking_problem(query, key, mask, sinks, world_size=world)
     if mask is not None and torch.compiler.is_compiling():
         problem = problem or "mask= is not supported under torch.compile yet: call ring_attention eagerly (outside the compiled region)"
+    folded = None if mask is None else (Causal() & mask if is_causal else mask)
+    reach = None
+    if problem is None:
+        if halo is not None and not isinstance(halo, bool):
+            problem = f"halo must be None (automatic), True or False, got {halo!r}"
+        elif halo is not False and world > 1:
+            seq_q, seq_kv = query.shape[2], key.shape[2]
+            refusal = halo_refusal(folded, layout=layout, world_size=world, seq_q=seq_q, seq_kv=seq_kv)
+            if refusal is None:
+                reach = halo_reach(folded, layout=layout, world_size=world, seq_q=seq_q, seq_kv=seq_kv)
+            elif halo:
+                problem = f"halo=True but the halo exchange cannot serve this call: {refusal}; pass halo=None to fall back to the ring"
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-            mask_code=mask_code(mask, sinks) if problem is None else 0,
+            mask_code=_path_code(mask_code(mask, sinks), reach is not None) if problem is None else 0,
         )
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
@@ -87,15 +104,27 @@ def _ring_attention(
         rotate_method=rotate_method,
         op=op_obj,
         head_chunks=head_chunks,
-        mask=None if mask is None else (Causal() & mask if is_causal else mask),
+        mask=folded,
         mask_dims=(query.shape[0], query.shape[1]),
     )
+
+    def attend(with_lse: bool):
+        if reach is not None:
+            return halo_attention_fn(query, key, value, cfg, impl, reach, with_lse)
+        return ring_attention_fn(query, key, value, cfg, impl, with_lse)
+
     if sinks is None:
-        out, lse = ring_attention_fn(query, key, value, cfg, impl, bool(return_lse))
+        out, lse = attend(bool(return_lse))
         return (out, lse) if return_lse else out
-    out, lse = ring_attention_fn(query, key, value, cfg, impl, True)
+    out, lse = attend(True)
     out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _path_code(code: int, halo: bool) -> int:
+    """The mask digest the ranks compare, marked when the call takes the halo path: ranks that
+    would take different paths (one passed halo=False) disagree on it and raise together."""
+    return zlib.crc32(f"{code}|halo".encode()) & 0x7FFFFFFF if halo else code
 
 
 def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]:
@@ -147,6 +176,16 @@ Args:
         do, with the kernel's causal flag when causal-shaped, else with the block's mask (ops
         declaring ``masks``; others run those blocks with the math op). Rows that see nothing
         give out 0, LSE -inf and zero gradients. Eager only; any head_chunks.
+    halo: None (default): a mask that reaches at most a shard's length back and forward
+        (Mask.reach(): a SlidingWindow, alone or with & Causal / Documents; ChunkedCausal),
+        with layout "contiguous", equal local lengths and W >= 2, runs as a halo exchange
+        (ring_impl.halo): each rank receives only the last ``left`` key/value rows of rank - 1
+        and the first ``right`` of rank + 1, runs the kernel once, and sends those rows'
+        dK/dV home in the backward; no block goes around the ring. Anything else runs on the
+        ring. False: always the ring (rotate_method applies). True: the halo exchange, or
+        InputError on every rank saying why it cannot serve the call (at W=1, the ring: there
+        is nothing to exchange). rotate_method and head_chunks do not apply to the halo exchange; its
+        collectives: collective_schedule(..., mask=, rank=).
     sinks: (heads,) per-head sink logits (a softmax term with no value), differentiable; each
         rank's gradient covers its own rows (reduce it over the group like any parameter's).
 

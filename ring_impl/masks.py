@@ -22,6 +22,10 @@ Masks (``visible(q_pos, kv_pos)`` -> bool, True = sees):
 
 Visibility is ``(batch or 1, heads or 1, rows, cols)``: only ``MaskMod`` may depend on batch and
 head. Every rank must pass an equal mask; each mask has a :meth:`Mask.digest` the ranks compare.
+
+:meth:`Mask.reach` bounds how far a query looks: ``(left, right)`` with every visible pair
+satisfying ``q - left <= kv <= q + right`` (None on a side: not bounded, or not known to be). A
+mask bounded on both sides by less than a shard runs as a halo exchange (:mod:`ring_impl.halo`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ class Mask:
     def check(self, seq_q: int, seq_kv: int) -> str | None:
         return None
 
+    def reach(self) -> tuple[int | None, int | None]:
+        """``(left, right)``: every pair the mask shows has ``q - left <= kv <= q + right``;
+        None on a side that is unbounded (or that this mask cannot bound: the default)."""
+        return None, None
+
     def digest(self) -> int:
         """31 bits equal on ranks with equal masks (and, with overwhelming odds, only then)."""
         return zlib.crc32(self.describe().encode()) & 0x7FFFFFFF
@@ -92,6 +101,9 @@ class Causal(Mask):
     def describe(self) -> str:
         return "causal"
 
+    def reach(self):
+        return None, 0
+
 
 @dataclass(frozen=True)
 class SlidingWindow(Mask):
@@ -111,6 +123,9 @@ class SlidingWindow(Mask):
     def describe(self) -> str:
         return f"window({self.left},{self.right})"
 
+    def reach(self):
+        return self.left, self.right
+
     def check(self, seq_q, seq_kv):
         for name, v in (("left", self.left), ("right", self.right)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -128,6 +143,9 @@ class ChunkedCausal(Mask):
     def describe(self) -> str:
         return f"chunked_causal({self.chunk})"
 
+    def reach(self):
+        return self.chunk - 1, 0
+
     def check(self, seq_q, seq_kv):
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
             return f"ChunkedCausal.chunk must be an int >= 1, got {self.chunk!r}"
@@ -143,6 +161,9 @@ class PrefixLM(Mask):
 
     def describe(self) -> str:
         return f"prefix_lm({self.prefix})"
+
+    def reach(self):
+        return None, 0
 
     def check(self, seq_q, seq_kv):
         if isinstance(self.prefix, bool) or not isinstance(self.prefix, int) or self.prefix < 0:
@@ -187,6 +208,11 @@ class Documents(Mask):
         seen = (dq == dk) & (dq >= 0)
         return seen & (kv <= q) if self.causal else seen
 
+    def reach(self):
+        # Bounded by the longest document, but a halo that wide is rarely narrower than a
+        # shard: documents alone run on the ring (combine them with a SlidingWindow for a halo).
+        return None, (0 if self.causal else None)
+
     def describe(self) -> str:
         parts = [torch.as_tensor(self.doc_ids)]
         if self.kv_doc_ids is not None:
@@ -227,6 +253,10 @@ class And(Mask):
     def describe(self) -> str:
         return f"and({self.a.describe()},{self.b.describe()})"
 
+    def reach(self):
+        (la, ra), (lb, rb) = self.a.reach(), self.b.reach()
+        return _bound(min, la, lb), _bound(min, ra, rb)
+
     def check(self, seq_q, seq_kv):
         return self.a.check(seq_q, seq_kv) or self.b.check(seq_q, seq_kv)
 
@@ -241,6 +271,10 @@ class Or(Mask):
 
     def describe(self) -> str:
         return f"or({self.a.describe()},{self.b.describe()})"
+
+    def reach(self):
+        (la, ra), (lb, rb) = self.a.reach(), self.b.reach()
+        return _bound(max, la, lb), _bound(max, ra, rb)
 
     def check(self, seq_q, seq_kv):
         return self.a.check(seq_q, seq_kv) or self.b.check(seq_q, seq_kv)
@@ -273,6 +307,15 @@ class MaskMod(Mask):
             bits = probe.to(torch.bool).expand(1, 1, size, size).contiguous().numpy().tobytes()
             return f"mask_mod({name},{size},{zlib.crc32(bits)})"
         return f"mask_mod({name},unprobed)"
+
+
+def _bound(pick, a: int | None, b: int | None) -> int | None:
+    """``pick`` (min: intersection, max: union) of two reaches, None being unbounded."""
+    if a is not None and b is not None:
+        return pick(a, b)
+    if pick is min:  # an intersection is as bounded as its bounded part
+        return a if b is None else b
+    return None
 
 
 def visibility(mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, batch: int = 1, heads: int = 1) -> torch.Tensor:

@@ -6,28 +6,24 @@ call of ``ring_attention`` and its backward. The ring's collectives come from th
 bytes ``kv = 2*batch*heads_kv*seq_kv*head_dim*itemsize`` and dK/dV accumulator bytes ``dkv`` (the
 same elements in the accumulation dtype, float32 or float64):
 
-============  ==========================================  =============================================
-method        forward                                     backward
-============  ==========================================  =============================================
-allgather     all_gather: 1 call, kv                      all_gather: 1 call, kv; all_to_all: W-1, (W-1)*dkv
-alltoall      all_to_all: W-1 calls, (W-1)*kv             all_to_all: T calls, (W-1)*(kv + dkv)
-p2p           send, recv: W-1 calls each, (W-1)*kv each   send, recv: T each, (W-1)*(kv + dkv) each
-============  ==========================================  =============================================
+====- forward: ``send``, one call per nonzero of ``a_k, b_k``, ``(a_k + b_k) r itemsize`` bytes;
+  ``recv``, one per nonzero of ``l_k, r_k``, ``(l_k + r_k) r itemsize``;
+- backward: ``send``, one per nonzero of ``l_k, r_k``, ``(l_k + r_k) r acc``; ``recv``, one per
+  nonzero of ``a_k, b_k``, ``(a_k + b_k) r acc``;
 
-``T = 2W - 2`` eager; compiled ``T = 2`` at ``W = 2`` and ``W + 1`` from ``W = 3`` on (see
-:mod:`ring_impl.transports.neighbour`); compiled p2p hops count as ``all_to_all``. Every figure is
-the minimum of a ring.
-
-With ``head_chunks = c`` the ring runs ``c`` times over groups of heads (:mod:`ring_impl.heads`):
-every ring call count is multiplied by ``c`` and the bytes are unchanged (the chunks split
-``heads_kv``). Eager adds the forward's cross-rank input check: all_reduce, 1 call (see
-:mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
+plus the forward's input check. The forward's bytes are the minimum (the rows the neighbours'
+queries see, each once; summed over ranks ``(W-1)(left+right)`` rows, against the ring's
+``W(W-1)S``); the backward sends no key/value (the halos are kept from the forward) and the
+halos' dK/dV in the accumulation dtype (``acc`` = 4, or 8 for float64; the ring's accumulators
+are too): twice the bytes of the rows in a 16-bit input dtype. The schedule differs between
+the end ranks and the others, hence ``rank``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .halo import halo_reach, halo_refusal, halo_schedule
 from .ring_schedule import Schedule, ring_schedule
 from .strategies.schedule import strategy_schedule
 
@@ -50,6 +46,11 @@ def collective_schedule(
     heads: int | None = None,
     seq_q: int | None = None,
     return_lse: bool = True,
+    mask=None,
+    is_causal: bool = False,
+    layout: str = "contiguous",
+    rank: int | None = None,
+    halo: bool | None = None,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
@@ -57,6 +58,11 @@ def collective_schedule(
     floating-point dtype (ValueError otherwise). ``strategy="ulysses"`` / ``"hybrid"`` also take
     ``mesh_shape`` (ulysses degree, ring degree; product ``world_size``), ``heads``, ``seq_q``
     (local) and ``return_lse``: see :mod:`ring_impl.strategies.schedule`.
+
+    ``mask`` (a ``ring_impl.masks.Mask``), ``is_causal``, ``layout`` and ``halo`` as given to
+    ``ring_attention``: a call the halo exchange serves declares its halo collectives (see the
+    module docstring), which depend on ``rank`` (ValueError without it). Masks run eagerly only
+    (ValueError with ``compiled=True``).
     """
     if strategy != "ring":
         mesh_shape = (world_size, 1) if mesh_shape is None and strategy == "ulysses" else mesh_shape
@@ -67,5 +73,26 @@ def collective_schedule(
         return strategy_schedule(strategy, (mesh_shape[0], mesh_shape[1]), rotate_method, batch=batch, heads=heads, heads_kv=heads_kv,
                                  seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
                                  head_chunks=head_chunks, return_lse=return_lse)
+    if mask is not None and halo is not False and world_size > 1 and strategy == "ring":
+        folded = mask
+        if is_causal:
+            from .masks import Causal
+
+            folded = Causal() & mask
+        seq_q = seq_kv if seq_q is None else seq_q
+        refusal = halo_refusal(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
+        if refusal is None:
+            if compiled:
+                raise ValueError("collective_schedule: mask= runs eagerly only (compiled=False)")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+                raise ValueError(f"collective_schedule: this call takes the halo exchange, whose collectives differ "
+                                 f"between the end ranks and the others: pass rank= (0 <= rank < {world_size}), got {rank!r}")
+            ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
+                          dtype=dtype)  # the same checks of the sizes
+            reach = halo_reach(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
+            assert reach is not None
+            return halo_schedule(world_size, rank, *reach, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
+        if halo:
+            raise ValueError(f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}")
     return ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
                          dtype=dtype, compiled=compiled, head_chunks=head_chunks)

@@ -1,5 +1,6 @@
 """``ring_attention(mask=..., head_chunks=N)``: the rings over head groups each plan the mask for
-their own query heads (a ``MaskMod`` may depend on the head), against the float64 oracle."""
+their own query heads (a ``MaskMod`` may depend on the head), against the float64 oracle (the
+ring forced: ``halo=False``; the halo exchange runs all heads at once)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _run(ctx, spec, seq, dtype, layout, head_chunks):
     q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), layout=layout,
-                                        op="math", return_lse=True, head_chunks=head_chunks)
+                                        op="math", return_lse=True, head_chunks=head_chunks, halo=False)
     out.backward(dout)
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 

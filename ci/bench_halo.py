@@ -1,0 +1,164 @@
+"""Benchmark of the halo exchange against the ring under the same sliding window.
+
+Run from the repository root::
+
+    python ci/bench_halo.py --quick     # W=2 and 4, seq 4096, windows 256 and 512
+    python ci/bench_halo.py             # also seq 8192
+
+Forward + backward of ``ring_impl.ring_attention(mask=SlidingWindow(window))`` (a causal window:
+``window`` keys back, none forward) on CPU + gloo, every rank a process with one intra-op thread,
+``contiguous`` layout, the CPU flash kernel, float32, batch 1, 8 heads (key/value heads too),
+head_dim 64: ``halo=None`` (the halo exchange, ring_impl.halo) against ``halo=False`` (the ring,
+``p2p`` rotation, skipping the blocks the window does not reach but moving every block). One
+warm-up call at a small size, one untimed call per point that records the collectives, then
+``--repeat`` repetitions with both paths interleaved; a
+repetition's time is that of the slowest rank and the fastest repetition is reported (the median
+is kept in the JSON). Only the ratio halo / ring within this run means anything; nothing is
+asserted.
+
+Bytes: every collective of the first measured call is recorded (harness.accounting) and the
+bytes each rank sends (``send`` calls; the input check's all-reduce apart) are summed over the
+ranks, against the halo minimum: each rank's last ``window`` key/value rows to the next rank,
+``(W - 1) * window`` rows in all, forward; their dK/dV back in float32, backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ci.bench_common import median, run_world
+
+PATHS = {"halo": None, "ring": False}
+
+
+@dataclass
+class Bench:
+    worlds: tuple[int, ...] = (2, 4)
+    seqs: tuple[int, ...] = (4096, 8192)
+    windows: tuple[int, ...] = (256, 512)
+    heads: int = 8
+    head_dim: int = 64
+    batch: int = 1
+    warmup_seq: int = 1024
+    repeat: int = 3
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+
+def _rank(rank: int, world: int, b_dict: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import ring_impl
+    from harness.accounting import CollectiveLog
+    from ring_impl.masks import SlidingWindow
+
+    b = Bench(**b_dict)
+    torch.set_num_threads(1)
+    results: dict = {}
+
+    def call(seq: int, window: int, halo, log: CollectiveLog | None) -> float:
+        gen = torch.Generator().manual_seed(seq)
+        q, k, v, do = (ring_impl.shard(torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen), world, rank)
+                       for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        dist.barrier()
+        t0 = time.perf_counter()
+        if log is None:
+            out = ring_impl.ring_attention(q, k, v, mask=SlidingWindow(window), op="cpu_flash", rotate_method="p2p",
+                                           halo=halo)
+            out.backward(do)
+        else:
+            with log:
+                with log.phase("forward"):
+                    out = ring_impl.ring_attention(q, k, v, mask=SlidingWindow(window), op="cpu_flash",
+                                                   rotate_method="p2p", halo=halo)
+                with log.phase("backward"):
+                    out.backward(do)
+        return time.perf_counter() - t0
+
+    call(b.warmup_seq, min(b.windows), None, None)
+    call(b.warmup_seq, min(b.windows), False, None)
+    for it in range(1 + b.repeat):  # the first pass records the collectives, untimed
+        for seq, window in itertools.product(b.seqs, b.windows):
+            point = results.setdefault(f"s{seq}-w{window}", {"seq": seq, "window": window, "sent": {},
+                                                              **{p: [] for p in PATHS}})
+            for name, halo in PATHS.items():
+                log = CollectiveLog() if it == 0 else None
+                elapsed = call(seq, window, halo, log)
+                if log is None:
+                    point[name].append(elapsed)
+                else:
+                    summary = log.summary()
+                    point["sent"][name] = {ph: sum(e["bytes"] for kind, e in summary.get(ph, {}).items() if kind == "send")
+                                           for ph in ("forward", "backward")}
+    return results
+
+
+def minimum_sent(b: Bench, world: int, window: int) -> dict[str, int]:
+    """Bytes all ranks together must send (see the module docstring), float32."""
+    rows = (world - 1) * window
+    row = 2 * b.batch * b.heads * b.head_dim * 4
+    return {"forward": rows * row, "backward": rows * row}
+
+
+def analyse(b: Bench, world: int, per_rank: list[dict]) -> list[dict]:
+    rows = []
+    for key, point in per_rank[0].items():
+        row = {"world": world, "seq": point["seq"], "window": point["window"]}
+        mins = minimum_sent(b, world, point["window"])
+        for name in PATHS:
+            slowest = [max(pr[key][name][i] for pr in per_rank) for i in range(b.repeat)]
+            row[name], row[f"{name}_median"] = min(slowest), median(slowest)
+            sent = {ph: sum(pr[key]["sent"][name][ph] for pr in per_rank) for ph in ("forward", "backward")}
+            row[f"{name}_sent"] = sent
+            row[f"{name}_sent_ratio"] = {ph: sent[ph] / mins[ph] for ph in sent}
+        row["halo_over_ring"] = row["halo"] / row["ring"]
+        rows.append(row)
+    return rows
+
+
+def print_report(b: Bench, rows: list[dict]) -> None:
+    print(f"\n{b.cores} cores, one thread per rank; float32, batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}; "
+          f"causal window; time = forward+backward of the slowest rank, fastest of {b.repeat}")
+    print(f"\n{'W':>2} {'seq':>6} {'window':>6} {'ring s':>7} {'halo s':>7} {'halo/ring':>9}   "
+          f"{'sent MiB ring':>13} {'sent MiB halo':>13}   halo sent / minimum (fwd, bwd)")
+    for r in rows:
+        mib = {p: (r[f"{p}_sent"]["forward"] + r[f"{p}_sent"]["backward"]) / 2**20 for p in PATHS}
+        ratio = r["halo_sent_ratio"]
+        print(f"{r['world']:>2} {r['seq']:>6} {r['window']:>6} {r['ring']:>7.3f} {r['halo']:>7.3f} "
+              f"{r['halo_over_ring']:>9.2f}   {mib['ring']:>13.2f} {mib['halo']:>13.3f}   "
+              f"{ratio['forward']:.2f}, {ratio['backward']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sequence 4096 only")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", default="reports/bench/halo.json")
+    args = parser.parse_args(argv)
+    b = Bench(repeat=args.repeat)
+    if args.quick:
+        b.seqs = (4096,)
+    t0 = time.perf_counter()
+    rows = []
+    for world in b.worlds:
+        rows += analyse(b, world, run_world(world, _rank, asdict(b), timeout=3600))
+    print_report(b, rows)
+    print(f"\nwall {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"bench": asdict(b), "rows": rows, "platform": platform.platform()}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,266 @@
+"""Halo exchange: attention under a mask that reaches less than a shard, without the ring.
+
+With the ``contiguous`` layout rank ``r`` holds global positions ``[r S, (r + 1) S)``. A mask
+whose :meth:`~ring_impl.masks.Mask.reach` is ``(left, right)`` with ``left, right <= S`` (a
+``SlidingWindow``, alone, with ``Causal`` or ``Documents`` by ``&``; a ``ChunkedCausal`` of
+chunks up to ``S + 1``) lets rank ``r``'s queries see only
+
+    [last ``left`` keys of rank r-1 | its own S keys | first ``right`` keys of rank r+1]
+
+so only those halos travel, once, instead of every block around the ring:
+
+forward    rank r sends its first ``right`` key/value rows to r-1 and its last ``left`` to r+1
+           (none past the ends of the sequence: no wrap-around), receives the two halos, and
+           runs the kernel once on [halo | local | halo] with the mask on global positions
+           (one block, trimmed to the rows and columns some query sees, as a ring step's).
+backward   the kernel's backward on the same block (the halos were kept from the forward, not
+           sent again); dQ stays; the dK/dV rows of each halo go home to their owner in the
+           accumulation dtype (float32, float64 for float64: the ring's accumulator dtype), where
+           they are added to the owner's own part before the cast to the input dtype.
+
+Each exchange is one batched isend/irecv with the neighbours (``c10d`` p2p; host copies on
+gloo with CUDA tensors, as :mod:`ring_impl.transports.link`). What a rank sends is exactly what
+its neighbours' queries need, so the key/value bytes are the minimum of any exchange; the
+dK/dV bytes are the same rows in the accumulation dtype (a 16-bit transfer would halve them for
+16-bit inputs at the cost of a rounding before the sum). :func:`halo_schedule` declares them per
+rank (the two end ranks have one neighbour).
+
+The seams of :class:`ring_impl.ring.RingAttention` the block goes through are the ring's own
+(``pack_kv``, ``block_forward``, ``block_backward``, ``nonfinite_forward``, ``nonfinite_backward``),
+so a variant's kernel handling applies to both paths; its plan and transports do not (there is
+no ring). The step recorder (:mod:`ring_impl.debug`) records nothing here: the block mixes three
+ranks' keys, which the ring simulation has no step for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from .ops import accumulation_dtype
+from .plan import Block
+from .ring import RingAttention, RingConfig
+from .transports.link import stage_on_host
+from .validate import exchange_nbytes
+
+__all__ = ["HaloRows", "halo_attention_fn", "halo_reach", "halo_refusal", "halo_rows", "halo_schedule"]
+
+
+def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int) -> str | None:
+    """Why the halo path cannot serve a call, or None when it can. Never raises.
+
+    ``mask``: the call's mask with ``is_causal`` folded in; ``seq_q``/``seq_kv``: local lengths.
+    """
+    try:
+        if mask is None:
+            return "there is no mask: every query sees every shard"
+        if layout != "contiguous":
+            return (f"layout {layout!r} holds positions that are not one run per rank; the halo path needs "
+                    "layout='contiguous'")
+        if seq_q != seq_kv:
+            return f"local query and key/value lengths differ ({seq_q} and {seq_kv}); the halo path needs them equal"
+        left, right = mask.reach()
+        for side, n in (("back", left), ("forward", right)):
+            if n is None:
+                return f"mask {mask.describe()} does not bound how far a query looks {side}"
+            if isinstance(n, bool) or not isinstance(n, int):
+                return f"mask {mask.describe()}: reach() gave {n!r}, not an int"
+        if max(left, right) > seq_kv:
+            return (f"mask {mask.describe()} reaches {left} keys back and {right} forward, more than a shard "
+                    f"({seq_kv} tokens): queries need keys beyond the neighbours; the ring serves it")
+    except Exception as exc:  # a user's Mask whose reach fails is served by the ring
+        return f"mask reach could not be read ({type(exc).__name__}: {exc})"
+    return None
+
+
+def halo_reach(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int) -> tuple[int, int] | None:
+    """``(left, right)`` rows (clamped at 0) when the halo path can serve the call, else None."""
+    if halo_refusal(mask, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv) is not None:
+        return None
+    left, right = mask.reach()
+    return max(0, left), max(0, right)
+
+
+@dataclass(frozen=True)
+class HaloRows:
+    """Key/value rows one rank exchanges: ``left`` received from rank - 1 (its last rows),
+    ``right`` from rank + 1 (its first rows); ``to_prev`` of its first rows sent to rank - 1,
+    ``to_next`` of its last rows to rank + 1. Zero past the ends of the sequence."""
+
+    left: int
+    right: int
+    to_prev: int
+    to_next: int
+
+
+def halo_rows(rank: int, world_size: int, left: int, right: int) -> HaloRows:
+    first, last = rank == 0, rank == world_size - 1
+    return HaloRows(left=0 if first else left, right=0 if last else right,
+                    to_prev=0 if first else right, to_next=0 if last else left)
+
+
+def halo_schedule(world_size: int, rank: int, left: int, right: int, *, batch: int, heads_kv: int, head_dim: int,
+                  dtype: torch.dtype) -> dict[str, dict[str, dict[str, int]]]:
+    """The collectives of one halo call on ``rank`` (forward and backward), eager.
+
+    Forward: the input check's all_reduce; a ``send`` per neighbour that needs this rank's rows
+    (their key/value, input dtype) and a ``recv`` per halo. Backward: the reverse: a ``send`` per
+    halo (its dK/dV, accumulation dtype) and a ``recv`` per neighbour's part of this rank's rows.
+    """
+    h = halo_rows(rank, world_size, left, right)
+    row = 2 * batch * heads_kv * head_dim  # elements of one packed key/value row
+    kv, acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
+
+    def entry(rows: tuple[int, int], itemsize: int) -> dict[str, int] | None:
+        calls = sum(1 for n in rows if n)
+        return {"calls": calls, "bytes": row * sum(rows) * itemsize} if calls else None
+
+    out: dict[str, dict[str, dict[str, int]]] = {"forward": {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)}},
+                                                 "backward": {}}
+    for phase, kind, rows, itemsize in (("forward", "send", (h.to_prev, h.to_next), kv),
+                                        ("forward", "recv", (h.left, h.right), kv),
+                                        ("backward", "send", (h.left, h.right), acc),
+                                        ("backward", "recv", (h.to_prev, h.to_next), acc)):
+        e = entry(rows, itemsize)
+        if e is not None:
+            out[phase][kind] = e
+    return out
+
+
+def _exchange(g, to_prev: torch.Tensor | None, to_next: torch.Tensor | None,
+              from_prev: torch.Size | None, from_next: torch.Size | None, like: torch.Tensor):
+    """Send ``to_prev`` to rank - 1 and ``to_next`` to rank + 1, receive tensors of the shapes
+    ``from_prev`` / ``from_next`` (dtype and device of ``like``); None: nothing that way. One
+    batched isend/irecv; returns (received from rank - 1, received from rank + 1)."""
+    ops, recvs = [], []
+    sends = []  # the send buffers stay alive until the works finish
+    for t, peer in ((to_prev, g.prev_global), (to_next, g.next_global)):
+        if t is not None:
+            buf, _ = stage_on_host(t.contiguous(), g)
+            sends.append(buf)
+            ops.append(dist.P2POp(dist.isend, buf, peer, g.pg))
+    for shape, peer in ((from_prev, g.prev_global), (from_next, g.next_global)):
+        if shape is None:
+            recvs.append(None)
+            continue
+        buf = torch.empty(shape, dtype=like.dtype, device="cpu" if g.stage_on_host else like.device)
+        recvs.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, peer, g.pg))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    del sends
+    return tuple(None if r is None else r.to(like.device) for r in recvs)
+
+
+def _shape(t: torch.Tensor, rows: int) -> torch.Size | None:
+    """The shape of ``rows`` rows of a packed (2, batch, heads_kv, seq, head_dim) tensor, or None."""
+    return None if rows == 0 else torch.Size((*t.shape[:3], rows, t.shape[4]))
+
+
+def _extended(kv: torch.Tensor, from_prev: torch.Tensor | None, from_next: torch.Tensor | None) -> torch.Tensor:
+    parts = [p for p in (from_prev, kv, from_next) if p is not None]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+
+
+def halo_block(cfg: RingConfig, seq: int, h: HaloRows) -> Block | None:
+    """The one block of a halo call: local query rows x [left halo | local | right halo] rows,
+    trimmed to the rows and columns some query sees (None: no query sees anything)."""
+    from .masks import visibility
+
+    r = cfg.group.rank
+    q_pos = torch.arange(r * seq, (r + 1) * seq)
+    kv_pos = torch.arange(r * seq - h.left, (r + 1) * seq + h.right)
+    vis = visibility(cfg.mask, q_pos, kv_pos, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
+    seen = vis.any(0).any(0)
+    rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    box = vis[..., r0:r1, c0:c1]
+    if bool(box.all()):
+        return Block(0, r, "full", (r0, r1), (c0, c1))
+    if r1 - r0 == c1 - c0 and bool((box == torch.ones(r1 - r0, c1 - c0, dtype=torch.bool).tril()).all()):
+        return Block(0, r, "causal", (r0, r1), (c0, c1))
+    return Block(0, r, "masked", (r0, r1), (c0, c1), visible=box.contiguous())
+
+
+def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int = 2) -> torch.Tensor:
+    return t.narrow(dim, rows[0], rows[1] - rows[0]).contiguous()
+
+
+class _HaloFunction(torch.autograd.Function):
+    """(out, lse) of the halo path; the LSE differentiable only when asked for (as the ring's)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention, reach: tuple[int, int], with_lse: bool):
+        g, seq = cfg.group, query.shape[2]
+        h = halo_rows(g.rank, g.world_size, *reach)
+        kv = impl.pack_kv(key, value)  # (2, batch, heads_kv, seq, head_dim)
+        from_prev, from_next = _exchange(
+            g, kv[:, :, :, :h.to_prev] if h.to_prev else None, kv[:, :, :, seq - h.to_next:] if h.to_next else None,
+            _shape(kv, h.left), _shape(kv, h.right), kv)
+        ext = _extended(kv, from_prev, from_next)
+        del kv
+        acc = impl.accumulation_dtype(query.dtype)
+        block = halo_block(cfg, seq, h)
+        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
+        if block is not None:
+            q, k, v = _rows(query, block.q_rows), _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
+            block_out, block_lse = impl.nonfinite_forward(*impl.block_forward(cfg, q, k, v, block), q, k, v, block)
+            out[:, :, block.q_rows[0]:block.q_rows[1]] = block_out
+            lse[:, :, block.q_rows[0]:block.q_rows[1]] = block_lse
+        ctx.save_for_backward(query, key, value, out, lse,
+                              *(t if t is not None else torch.empty(0) for t in (from_prev, from_next)))
+        ctx.cfg, ctx.impl, ctx.halo, ctx.block = cfg, impl, h, block
+        ctx.set_materialize_grads(False)
+        if not with_lse:
+            ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, from_prev, from_next = ctx.saved_tensors
+        cfg, impl, h, block = ctx.cfg, ctx.impl, ctx.halo, ctx.block
+        if grad_out is None:  # only the LSE reaches the loss
+            grad_out = torch.zeros_like(out)
+        seq = query.shape[2]
+        acc = impl.accumulation_dtype(query.dtype)
+        ext = _extended(impl.pack_kv(key, value), from_prev if h.left else None, from_next if h.right else None)
+        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+        dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)  # [left halo | local | right halo]
+        if block is not None:
+            (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
+            extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}
+            do_, q_, o_, l_ = (_rows(t, block.q_rows) for t in (grad_out, query, out, lse))
+            k_, v_ = _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
+            bq, bk, bv = impl.nonfinite_backward(*impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra),
+                                                 q_, k_, v_, o_, l_, do_, block)
+            dq[:, :, q0:q1] += bq
+            dkv[0, :, :, k0:k1] += bk
+            dkv[1, :, :, k0:k1] += bv
+        del ext
+        # The halos' dK/dV go home; this rank's rows that its neighbours saw come back.
+        to_prev = dkv[:, :, :, :h.left] if h.left else None
+        to_next = dkv[:, :, :, h.left + seq:] if h.right else None
+        back_prev, back_next = _exchange(cfg.group, to_prev, to_next, _shape(dkv, h.to_prev), _shape(dkv, h.to_next), dkv)
+        local = dkv[:, :, :, h.left:h.left + seq]
+        if back_prev is not None:
+            local[:, :, :, :h.to_prev] += back_prev
+        if back_next is not None:
+            local[:, :, :, seq - h.to_next:] += back_next
+        return dq.to(query.dtype), local[0].to(key.dtype), local[1].to(value.dtype), None, None, None, None
+
+
+def halo_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention, reach: tuple[int, int],
+                      return_lse: bool = True):
+    """Differentiable (out, lse) by the halo exchange, for a validated config whose mask reaches
+    ``reach = (left, right)`` rows (:func:`halo_reach`); the LSE is differentiable only with
+    ``return_lse``. query (batch, heads, seq, head_dim); key/value (batch, heads_kv, seq, head_dim);
+    out like query in its dtype, lse (batch, heads, seq) in the accumulation dtype."""
+    return _HaloFunction.apply(query, key, value, cfg, impl, tuple(reach), bool(return_lse))
