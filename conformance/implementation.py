@@ -51,6 +51,18 @@ tensors evaluates it; built from the plain-data spec of :mod:`reference.masks`),
 ``sinks.grad``. Rows that see nothing must come back as out 0, LSE -inf (the sink logit with
 sinks), zero gradients.
 
+``balanced_layout(balancer, mask, seq_len, world_size)``
+    (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``
+    (head_tail per packed document) and ``"work_aware"`` (chunks dealt by their work under the
+    mask)) builds the balancer's layout for ``mask`` (a :class:`ring_impl.masks.Mask` on global
+    positions) on a sequence of ``seq_len`` tokens over ``world_size`` ranks, makes
+    ``ring_attention`` accept it, and returns ``(layout, runs)``: the name to pass as
+    ``layout=`` and, per rank, the half-open runs ``((start, stop), ...)`` of global positions
+    it holds in local order. The balance suite (``suites/test_balance.py``) calls it on every
+    rank with equal arguments, shards the global tensors by ``runs`` itself and holds each
+    rank's work to the bound the suite declares for the balancer. Built-in layouts are
+    ``capabilities.layouts``; undeclared ``balancers`` claims both (and ``balanced_layout``).
+
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
 (``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
 ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
@@ -137,6 +149,7 @@ class Capabilities:
     strategies: frozenset[str] | None = None  # "ring", "ulysses", "hybrid": ring_attention(strategy=...)
     masks: frozenset[str] | None = None  # mask kinds (reference.masks.MASK_KINDS) of ring_attention(mask=...)
     sinks: bool | None = None  # ring_attention(sinks=...): per-head sink logits, differentiable
+    balancers: frozenset[str] | None = None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

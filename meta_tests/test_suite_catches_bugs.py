@@ -24,9 +24,14 @@ import pytest
 from harness.procs import run_tree  # the command's process tree dies with the test
 from meta_tests.broken import BROKEN as BROKEN_RINGS
 from meta_tests.broken_api import BROKEN_API
+from meta_tests.broken_masks import BROKEN_MASKS
 
-#: Every deliberately broken implementation: rings, and context-parallel APIs around a correct ring.
-BROKEN = {**BROKEN_RINGS, **BROKEN_API}
+#: Every deliberately broken implementation: rings, context-parallel APIs around a correct ring,
+#: and rings with mask and load-balance bugs.
+BROKEN = {**BROKEN_RINGS, **BROKEN_API, **BROKEN_MASKS}
+#: The module that holds each broken implementation.
+MODULES = {**dict.fromkeys(BROKEN_RINGS, "meta_tests.broken"), **dict.fromkeys(BROKEN_API, "meta_tests.broken_api"),
+           **dict.fromkeys(BROKEN_MASKS, "meta_tests.broken_masks")}
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +54,7 @@ def failure_text(proc: subprocess.CompletedProcess, impl_name: str) -> str:
     text = out[start:] if start >= 0 else out
     end = text.find("ring attention conformance")
     text = text[:end] if end > 0 else text
-    for module in ("meta_tests.broken", "meta_tests.broken_api"):
+    for module in sorted(set(MODULES.values()), key=len, reverse=True):
         text = text.replace(f"{module}:{impl_name}", "<impl>")
     return text.replace(impl_name, "<impl>")
 
@@ -57,8 +62,7 @@ def failure_text(proc: subprocess.CompletedProcess, impl_name: str) -> str:
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_suite_fails_on_broken_implementation(name: str) -> None:
     broken = BROKEN[name]
-    module = "meta_tests.broken_api" if name in BROKEN_API else "meta_tests.broken"
-    proc = run_suites(f"{module}:{name}", "--report-dir", "none", suites=broken.suites)
+    proc = run_suites(f"{MODULES[name]}:{name}", "--report-dir", "none", suites=broken.suites)
     if broken.pending and proc.returncode == 0:
         pytest.xfail(f"{name} ({broken.bug_class}) is caught by {broken.pending}, which this tree lacks")
     text = failure_text(proc, name)

@@ -1,26 +1,56 @@
-"""Load balance under a mask: each rank's work from the plan, and a work-aware layout.
+"""Load balance under a mask: each rank's work from the plan, and two balancers.
 
 A rank's *work* is the score area its kernel calls compute (:attr:`ring_impl.plan.Block.work`,
 summed over the ring's steps): what decides its time. Correctness tests cannot see imbalance, so
 it is measured here from the same plan the ring runs.
 
-:func:`work_balanced_layout` cuts the sequence into equal chunks, weighs each chunk by the score
-area its query rows see under the mask (on the whole sequence), and deals the chunks out
-greedily, heaviest first, each to the rank with the least work that still has room (every rank
-holds the same number of chunks, as every layout must); each rank's chunks stay in sequence
-order. For a causal mask it reproduces head-tail's balance; for packed documents of very
-different lengths it balances where head_tail cannot (a long document's tail is heavy wherever
-it lands).
+Balancers (each builds a :class:`~ring_impl.layout.Layout` for one mask, sequence length and
+world size; register it with :func:`ring_impl.register_layout` on every rank, or let
+:func:`register_balanced_layout` name and register it):
+
+``document_head_tail`` (:func:`document_head_tail_layout`)
+    head_tail per packed document: every document is cut into ``2W`` chunks and rank ``r``
+    takes chunk ``r`` and chunk ``2W-1-r`` of each, so each rank holds a head-and-tail pair of
+    every document and does the same causal work in each. A document's length is rarely a
+    multiple of ``2W``: its ``L mod 2W`` leftover tokens (all of a document shorter than
+    ``2W``) are dealt one per rank, round robin over the whole sequence (the turn carries on
+    from one document to the next), to the rank's head chunk first, then its tail chunk. Every
+    rank then holds ``S / W`` tokens, as a layout must (``S`` a multiple of ``W``). Padding
+    (id -1) is a document like any other; a mask without documents is one document (then, for
+    ``S`` a multiple of ``2W``, this is ``head_tail``).
+``work_aware`` (:func:`work_balanced_layout`)
+    cuts the sequence into equal chunks, weighs each chunk by the score area its query rows see
+    under the mask (on the whole sequence), and deals the chunks out greedily, heaviest first,
+    each to the rank with the least work that still has room (every rank holds the same number
+    of chunks, as every layout must); each rank's chunks stay in sequence order. For a causal
+    mask it reproduces head-tail's balance; for packed documents of very different lengths it
+    balances where head_tail cannot (a long document's tail is heavy wherever it lands).
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
+
 import torch
 
-from .layout import Layout
+from .layout import Layout, Runs, layout_runs, register_layout
 from .plan import masked_plan
 
-__all__ = ["rank_work", "work_balanced_layout"]
+__all__ = [
+    "BALANCERS",
+    "balanced_layout",
+    "document_head_tail_layout",
+    "document_spans",
+    "imbalance",
+    "rank_work",
+    "register_balanced_layout",
+    "work_balanced_layout",
+]
+
+#: The balancers :func:`register_balanced_layout` knows (an implementation under test declares
+#: the ones it has in ``capabilities.balancers``).
+BALANCERS = ("document_head_tail", "work_aware")
 
 
 def rank_work(layout: str, mask, seq_len: int, world_size: int, *, batch: int = 1, heads: int = 1) -> list[int]:
@@ -32,6 +62,12 @@ def rank_work(layout: str, mask, seq_len: int, world_size: int, *, batch: int = 
                                                 batch=batch, heads=heads) for block in plan.blocks)
         for r in range(world_size)
     ]
+
+
+def imbalance(work: Sequence[int]) -> float:
+    """max / mean of per-rank work (1.0: balanced; ``W``: one rank does everything)."""
+    total = sum(work)
+    return max(work) * len(work) / total if total else 1.0
 
 
 def work_balanced_layout(name: str, mask, seq_len: int, world_size: int, *, chunks_per_rank: int = 8) -> Layout:
@@ -57,9 +93,105 @@ def work_balanced_layout(name: str, mask, seq_len: int, world_size: int, *, chun
     assignment = [tuple(sorted(h)) for h in held]
 
     def runs(length: int, world: int, rank: int):
-        if (length, world) != (seq_len, world_size):
-            raise ValueError(f"layout {name!r} was balanced for {seq_len} tokens over {world_size} ranks, "
-                             f"not {length} over {world}; build one for this sequence")
+        _check_built_for(name, seq_len, world_size, length, world)
         return tuple((c * n, (c + 1) * n) for c in assignment[rank])
 
     return Layout(name, runs, lambda world: pieces, chunks=lambda world, rank: assignment[rank])
+
+
+def document_spans(documents, seq_len: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` spans of equal document id along the sequence (padding runs
+    included), from a mask (its :class:`~ring_impl.masks.Documents`, found inside ``&``/``|``;
+    none: one span, the whole sequence) or from per-position ids (seq_len,)."""
+    ids = _document_ids(documents, seq_len)
+    if ids is None:
+        return [(0, seq_len)] if seq_len else []
+    ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+    if ids.numel() != seq_len:
+        raise ValueError(f"document ids have {ids.numel()} entries but the sequence has {seq_len} tokens")
+    starts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist()]
+    return [(a, b) for a, b in zip(starts, [*starts[1:], seq_len]) if b > a]
+
+
+def _document_ids(documents, seq_len: int):
+    from .masks import And, Documents, Mask, Or
+
+    if not isinstance(documents, Mask):
+        return documents
+    stack, found = [documents], []
+    while stack:
+        m = stack.pop()
+        if isinstance(m, Documents):
+            found.append(m)
+        elif isinstance(m, (And, Or)):
+            stack += [m.b, m.a]
+    if len(found) > 1 and any(not torch.equal(torch.as_tensor(f.doc_ids), torch.as_tensor(found[0].doc_ids)) for f in found):
+        raise ValueError("document_head_tail_layout: the mask combines different document ids; pass the ids to balance")
+    return found[0].doc_ids if found else None
+
+
+def document_head_tail_runs(spans: Sequence[tuple[int, int]], world_size: int) -> list[Runs]:
+    """Per rank, its runs under ``document_head_tail`` for documents at ``spans`` (see the
+    module docstring): chunks ``r`` and ``2W-1-r`` of every document, leftovers dealt round robin."""
+    w = world_size
+    held: list[list[tuple[int, int]]] = [[] for _ in range(w)]
+    turn = 0  # the rank that gets the next leftover token
+    for a, b in spans:
+        base, leftover = divmod(b - a, 2 * w)
+        sizes = [base] * (2 * w)
+        for _ in range(leftover):  # at most two per rank per document (leftover < 2W)
+            sizes[turn if sizes[turn] == base else 2 * w - 1 - turn] += 1
+            turn = (turn + 1) % w
+        start = a
+        for chunk, size in enumerate(sizes):
+            if size:
+                runs = held[chunk if chunk < w else 2 * w - 1 - chunk]
+                if runs and runs[-1][1] == start:  # continues the rank's last run (rank 0 across documents)
+                    runs[-1] = (runs[-1][0], start + size)
+                else:
+                    runs.append((start, start + size))
+            start += size
+    return [tuple(r) for r in held]
+
+
+def document_head_tail_layout(name: str, documents, seq_len: int, world_size: int) -> Layout:
+    """The ``document_head_tail`` layout (module docstring) of ``documents`` (a mask or
+    per-position document ids) for sequences of exactly ``seq_len`` over ``world_size`` ranks;
+    ``seq_len`` must be a multiple of ``world_size``. Register it on every rank."""
+    if world_size < 1 or seq_len % world_size:
+        raise ValueError(f"document_head_tail_layout: seq_len {seq_len} is not a multiple of world_size {world_size}; "
+                         "pad the sequence")
+    per_rank = document_head_tail_runs(document_spans(documents, seq_len), world_size)
+
+    def runs(length: int, world: int, rank: int) -> Runs:
+        _check_built_for(name, seq_len, world_size, length, world)
+        return per_rank[rank]
+
+    return Layout(name, runs, lambda world: world)
+
+
+def _check_built_for(name: str, seq_len: int, world_size: int, length: int, world: int) -> None:
+    if (length, world) != (seq_len, world_size):
+        raise ValueError(f"layout {name!r} was balanced for {seq_len} tokens over {world_size} ranks, "
+                         f"not {length} over {world}; build one for this sequence")
+
+
+def balanced_layout(balancer: str, name: str, mask, seq_len: int, world_size: int) -> Layout:
+    """The layout balancer ``balancer`` (one of :data:`BALANCERS`) builds for ``mask``."""
+    if balancer == "document_head_tail":
+        return document_head_tail_layout(name, mask, seq_len, world_size)
+    if balancer == "work_aware":
+        return work_balanced_layout(name, mask, seq_len, world_size)
+    raise ValueError(f"unknown balancer {balancer!r}; expected one of {BALANCERS}")
+
+
+def register_balanced_layout(balancer: str, mask, seq_len: int, world_size: int) -> tuple[str, list[Runs]]:
+    """Build and register ``balancer``'s layout for ``mask`` (on this process: call it on every
+    rank with equal arguments); returns its name, for ``layout=``, and every rank's runs.
+
+    The name is derived from the arguments (the mask's digest), so equal calls on every rank
+    agree on it and a repeated call replaces the layout with an equal one."""
+    digest = zlib.crc32(f"{balancer}|{mask.describe()}|{seq_len}|{world_size}".encode()) & 0xFFFFFFFF
+    name = f"{balancer}-{seq_len}x{world_size}-{digest:08x}"
+    register_layout(balanced_layout(balancer, name, mask, seq_len, world_size), replace=True)
+    return name, [layout_runs(name, seq_len, world_size, r) for r in range(world_size)]

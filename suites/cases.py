@@ -53,8 +53,13 @@ class RingCase:
 class CountingOp:
     """An attention op that counts the score entries it computes, then delegates.
 
-    Work of one call: ``seq_q * seq_k`` entries, or ``seq_q * (seq_q + 1) / 2`` for a causal
-    block, per (batch, head); what load balancing is about.
+    Work of one call, per (batch, head): ``seq_q * seq_k`` entries, ``seq_q * (seq_q + 1) / 2``
+    for a causal block, or for a masked block (``attn_mask``, the (batch or 1, heads or 1,
+    seq_q, seq_k) bool a masked kernel receives, True where a query sees a key) the entries some
+    batch and head sees: what load balancing is about. Only forward calls count.
+
+    Masked blocks reach an op only when it declares ``masks`` (the ring runs them with the math
+    op otherwise, past this wrapper): count masked work with an op that declares it.
     """
 
     def __init__(self, inner):
@@ -62,14 +67,27 @@ class CountingOp:
         self.name = f"counting[{getattr(inner, 'name', inner)}]"
         self.capabilities = inner.capabilities
         self.work = 0
+        self.calls = 0
 
-    def forward(self, query, key, value, *, is_causal, scale):
+    @staticmethod
+    def call_work(query, key, *, is_causal: bool, attn_mask=None) -> int:
         sq, sk = query.shape[2], key.shape[2]
-        self.work += sq * (sq + 1) // 2 if is_causal else sq * sk
-        return self.inner.forward(query, key, value, is_causal=is_causal, scale=scale)
+        if attn_mask is not None:
+            seen = attn_mask if attn_mask.dim() == 2 else attn_mask.reshape(-1, *attn_mask.shape[-2:]).any(0)
+            if is_causal:
+                seen = seen & torch.ones(sq, sk, dtype=torch.bool, device=seen.device).tril()
+            return int(seen.expand(sq, sk).sum())
+        return sq * (sq + 1) // 2 if is_causal else sq * sk
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
-        return self.inner.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+        self.work += self.call_work(query, key, is_causal=is_causal, attn_mask=attn_mask)
+        self.calls += 1
+        extra = {} if attn_mask is None else {"attn_mask": attn_mask}
+        return self.inner.forward(query, key, value, is_causal=is_causal, scale=scale, **extra)
+
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, **kwargs):
+        # kwargs: attn_mask for a masked block, grad_lse for ops that declare lse_grad
+        return self.inner.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **kwargs)
 
 
 def resolve_case_op(case: RingCase, device: torch.device):

@@ -6,6 +6,7 @@ import ring_impl
 from conformance.implementation import Capabilities
 from reference.masks import MASK_KINDS
 from ring_impl import debug
+from ring_impl.balance import BALANCERS, register_balanced_layout
 
 ALL_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
 
@@ -27,6 +28,7 @@ CAPABILITIES = Capabilities(
     strategies=frozenset(ring_impl.STRATEGIES),
     masks=frozenset(MASK_KINDS),
     sinks=True,
+    balancers=frozenset(BALANCERS),
 )
 
 
@@ -48,6 +50,10 @@ class RingImplAdapter:
     @staticmethod
     def record_steps():
         return debug.record_steps()
+
+    @staticmethod
+    def balanced_layout(balancer, mask, seq_len, world_size):
+        return register_balanced_layout(balancer, mask, seq_len, world_size)
 
 
 IMPLEMENTATION = RingImplAdapter()

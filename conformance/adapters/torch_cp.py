@@ -292,6 +292,7 @@ class TorchContextParallel:
             strategies=frozenset({"ring"}),  # its ring only: no Ulysses or hybrid
             masks=frozenset(),  # only through flex attention on CUDA
             sinks=False,
+            balancers=frozenset(),  # head_tail is PyTorch's only load balancer
         )
         self.baseline_op = "auto"
 

@@ -1,6 +1,6 @@
 """Balance as a property: each rank's work (score area) under a mask, from the plan the ring
-runs, and a work-aware layout that balances packed documents where head_tail cannot; the ring
-stays right on it."""
+runs; a work-aware layout and head_tail per document that balance packed documents where
+head_tail cannot; the ring stays right on them."""
 
 from __future__ import annotations
 
@@ -47,25 +47,135 @@ def test_work_aware_layout_balances_packed_documents(seed: int) -> None:
 
 def test_work_is_the_visible_area() -> None:
     """Per-rank work sums to the mask's visible area: nothing invisible computed, nothing lost."""
-    from ring_impl.balance import rank_work
+    from ring_impl.balance import rank_work, register_balanced_layout
     from ring_impl.masks import Causal, Documents, SlidingWindow
 
     seq, world = 96, 3
     pos = torch.arange(seq)
     for mask in (Causal(), SlidingWindow(5), Documents(_lognormal_doc_ids(seq, 3))):
         area = int(mask.visible(None, None, pos.view(-1, 1), pos.view(1, -1)).sum())
-        for layout in ("contiguous", "head_tail"):
+        balanced = [register_balanced_layout(b, mask, seq, world)[0] for b in ("document_head_tail", "work_aware")]
+        for layout in ("contiguous", "head_tail", *balanced):
             assert sum(rank_work(layout, mask, seq, world)) == area, (mask, layout)
 
 
-def _run(ctx, doc_ids: torch.Tensor, seq: int, rotate: str):
+def _ids(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)])
+
+
+def _registered(layout) -> str:
+    from ring_impl import register_layout
+
+    return register_layout(layout, replace=True).name
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_document_head_tail_gives_each_rank_a_head_and_a_tail_of_every_document(world: int) -> None:
+    from ring_impl.balance import document_head_tail_layout
+    from ring_impl.layout import layout_runs
+
+    lengths = [4 * world, 6 * world, 2 * world]  # multiples of 2W: no leftovers
+    seq = sum(lengths)
+    name = _registered(document_head_tail_layout("test_dht_even", _ids(lengths), seq, world))
+    starts = [sum(lengths[:d]) for d in range(len(lengths))]
+    for r in range(world):
+        want = []
+        for a, n in zip(starts, lengths):
+            m = n // (2 * world)
+            want += [(a + r * m, a + (r + 1) * m), (a + (2 * world - 1 - r) * m, a + (2 * world - r) * m)]
+        held = torch.cat([torch.arange(a, b) for a, b in layout_runs(name, seq, world, r)])
+        assert held.tolist() == torch.cat([torch.arange(a, b) for a, b in want]).tolist(), r
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 5, 7, 11, 1, 18], [3] * 8, [1] * 24, [50, 1, 1, 20], [23, 1]])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_document_head_tail_keeps_the_layout_rules_for_any_lengths(lengths: list[int], world: int) -> None:
+    """Leftovers and documents shorter than 2W: every rank S/W tokens, each once, in increasing
+    order (layout_runs checks them), and each rank holds at most two runs per document."""
+    from ring_impl.balance import document_head_tail_layout, document_spans
+    from ring_impl.layout import layout_runs
+
+    seq = -(-sum(lengths) // world) * world
+    ids = torch.cat([_ids(lengths), torch.full((seq - sum(lengths),), -1)])  # padding: one more document
+    name = _registered(document_head_tail_layout("test_dht_any", ids, seq, world))
+    runs = [layout_runs(name, seq, world, r) for r in range(world)]  # raises if a rule is broken
+    assert sorted(p for rr in runs for a, b in rr for p in range(a, b)) == list(range(seq))
+    for a, b in document_spans(ids, seq):
+        for r in range(world):
+            inside = [(max(a, x), min(b, y)) for x, y in runs[r] if x < b and y > a]
+            assert len(inside) <= 2, (a, b, r, inside)
+            assert sum(y - x for x, y in inside) <= -(-(b - a) // world) + 1
+
+
+def test_document_head_tail_rejects_a_length_it_cannot_share_equally() -> None:
+    from ring_impl.balance import document_head_tail_layout
+
+    with pytest.raises(ValueError, match="not a multiple of world_size 4"):
+        document_head_tail_layout("x", _ids([5, 5]), 10, 4)
+
+
+def test_document_head_tail_is_head_tail_without_documents() -> None:
+    from ring_impl.balance import register_balanced_layout
+    from ring_impl.layout import permutation
+    from ring_impl.masks import Causal, SlidingWindow
+
+    for mask in (Causal(), SlidingWindow(5)):
+        name, _ = register_balanced_layout("document_head_tail", mask, 48, 3)
+        assert torch.equal(permutation(name, 48, 3), permutation("head_tail", 48, 3))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_work_of_head_tail_per_document_against_head_tail_and_work_aware(seed: int) -> None:
+    """Packed documents: head_tail per document and the work-aware layout balance (<= 1.05),
+    head_tail does not; causal without documents: head_tail per document is head_tail (1.0)."""
+    from ring_impl.balance import imbalance, rank_work, register_balanced_layout
+    from ring_impl.masks import Causal, Documents
+
+    seq, world = 2048, 4
+    mask = Documents(_lognormal_doc_ids(seq, seed))
+    figures = {}
+    for layout in ("head_tail", "document_head_tail", "work_aware"):
+        name = layout if layout == "head_tail" else register_balanced_layout(layout, mask, seq, world)[0]
+        figures[layout] = imbalance(rank_work(name, mask, seq, world))
+    print(f"seed {seed}: max/mean work {figures}")
+    assert figures["document_head_tail"] <= 1.05 and figures["work_aware"] <= 1.05, figures
+    assert figures["document_head_tail"] < figures["head_tail"] and figures["work_aware"] < figures["head_tail"], figures
+    name, _ = register_balanced_layout("document_head_tail", Causal(), seq, world)
+    assert rank_work(name, Causal(), seq, world) == rank_work("head_tail", Causal(), seq, world)
+    assert imbalance(rank_work(name, Causal(), seq, world)) == 1.0
+
+
+def test_balanced_layout_names_are_equal_for_equal_arguments() -> None:
+    from ring_impl.balance import register_balanced_layout
+    from ring_impl.masks import Documents
+
+    mask = Documents(_lognormal_doc_ids(256, 4))
+    first, second = (register_balanced_layout("work_aware", mask, 256, 4) for _ in range(2))
+    assert first == second
+    other = register_balanced_layout("work_aware", Documents(_lognormal_doc_ids(256, 5)), 256, 4)
+    assert other[0] != first[0]
+    with pytest.raises(ValueError, match="unknown balancer 'zigzag'"):
+        register_balanced_layout("zigzag", mask, 256, 4)
+
+
+def _balanced(balancer: str, doc_ids: torch.Tensor, seq: int, world: int) -> str:
     import ring_impl
-    from ring_impl.balance import work_balanced_layout
+    from ring_impl.balance import document_head_tail_layout, work_balanced_layout
+    from ring_impl.masks import Documents
+
+    if balancer == "work_aware":
+        layout = work_balanced_layout("test_docs_ring", Documents(doc_ids), seq, world, chunks_per_rank=4)
+    else:
+        layout = document_head_tail_layout("test_docs_ring", Documents(doc_ids), seq, world)
+    return ring_impl.register_layout(layout, replace=True).name
+
+
+def _run(ctx, balancer: str, doc_ids: torch.Tensor, seq: int, rotate: str):
+    import ring_impl
     from ring_impl.masks import Documents
 
     mask = Documents(doc_ids)
-    layout = ring_impl.register_layout(work_balanced_layout("test_docs_ring", mask, seq, ctx.world_size, chunks_per_rank=4),
-                                       replace=True).name
+    layout = _balanced(balancer, doc_ids, seq, ctx.world_size)
     gen = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
     q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
@@ -75,19 +185,17 @@ def _run(ctx, doc_ids: torch.Tensor, seq: int, rotate: str):
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+@pytest.mark.parametrize("balancer", ["work_aware", "document_head_tail"])
 @pytest.mark.parametrize("rotate", ["alltoall", "p2p"])
-def test_ring_is_right_on_the_work_aware_layout(ring, rotate: str) -> None:
+def test_ring_is_right_on_the_balanced_layouts(ring, rotate: str, balancer: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"work_balanced_layout is ring_impl's API; the implementation under test is {ring.impl.spec}")
+        pytest.skip(f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}")
     import ring_impl
-    from ring_impl.balance import work_balanced_layout
-    from ring_impl.masks import Documents
 
     seq, world = 96, 3
     doc_ids = _lognormal_doc_ids(seq, 7)
-    layout = ring_impl.register_layout(work_balanced_layout("test_docs_ring", Documents(doc_ids), seq, world, chunks_per_rank=4),
-                                       replace=True).name
-    results = ring.rank_pool(world).run(_run, doc_ids, seq, rotate, timeout=120.0)
+    layout = _balanced(balancer, doc_ids, seq, world)
+    results = ring.rank_pool(world).run(_run, balancer, doc_ids, seq, rotate, timeout=120.0)
     gen = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
     vis = visibility({"kind": "document", "doc_ids": doc_ids.tolist(), "causal": True}, seq, seq)
@@ -96,4 +204,4 @@ def test_ring_is_right_on_the_work_aware_layout(ring, rotate: str) -> None:
     for name in ("out", "dq", "dk", "dv"):
         got = ring_impl.unshard([r[name] for r in results], layout=layout)
         want = getattr(ref, name)
-        assert_close(f"{name} [work-aware layout, {rotate}]", got, want, want, world_size=world, scales=scales[name])
+        assert_close(f"{name} [{balancer} layout, {rotate}]", got, want, want, world_size=world, scales=scales[name])

@@ -1,0 +1,159 @@
+"""Deliberately broken rings for masks and load balance (shared/bug-classes.md, "Masks" and
+"Balance"), each caught by the balance suite (``suites/test_balance.py``), which sees every
+(query, key) pair the kernels compute and every rank's work.
+
+- ``window_off_by_one_at_block_edge``: the sliding window lets in one key too many, exactly
+  where a key/value block begins (a bound checked with ``>`` at the block's first key).
+- ``documents_at_local_positions``: document ids looked up at each token's local index on its
+  rank instead of its global position.
+- ``balancer_long_documents_on_one_rank``: a work-aware balancer that is correct (every position
+  once, equal shares, increasing order: its layout passes every layout check, the outputs are
+  right) but deals the longest documents out first, filling rank 0, then rank 1, ...: one rank
+  gets the long documents and most of the work.
+
+Each is ring_impl with one part replaced, wrapped as an implementation under test
+(``--impl meta_tests.broken_masks:<NAME>``); ``meta_tests/test_suite_catches_bugs.py`` runs the
+suite against each and requires a failure matching its ``expect`` pattern and no other's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+import ring_impl
+from conformance.adapters.ring_impl import RingImplAdapter
+from meta_tests.broken import Broken
+from ring_impl import RingAttention
+from ring_impl.balance import document_spans
+from ring_impl.layout import Layout, layout_runs
+from ring_impl.masks import And, Documents, Mask, Or, SlidingWindow
+
+__all__ = ["BROKEN_MASKS"]
+
+
+def _replace_in(mask: Mask, swap) -> Mask:
+    """``mask`` with every node for which ``swap(node)`` returns a mask replaced by it."""
+    new = swap(mask)
+    if new is not None:
+        return new
+    if isinstance(mask, (And, Or)):
+        return type(mask)(_replace_in(mask.a, swap), _replace_in(mask.b, swap))
+    return mask
+
+
+def _all_runs(cfg, seq_kv: int):
+    w = cfg.group.world_size
+    return [layout_runs(cfg.layout, seq_kv * w, w, r) for r in range(w)]
+
+
+# ------------------------------------------------------------------------ window off by one
+
+
+@dataclass(frozen=True, eq=False)
+class _WindowPastBlockEdge(Mask):
+    """The window, plus the key one past its left end when that key starts a block."""
+
+    window: SlidingWindow
+    edge: torch.Tensor  # (seq,) bool: the position is the first of a block (a run of a rank)
+
+    def visible(self, b, h, q, kv):
+        extra = (kv == q - self.window.left - 1) & self.edge.to(kv.device)[kv]
+        return self.window.visible(b, h, q, kv) | extra
+
+    def describe(self) -> str:
+        return self.window.describe()
+
+
+class WindowOffByOneAtBlockEdge(RingAttention):
+    def plan(self, cfg, seq_q, seq_kv):
+        if cfg.mask is not None:
+            edge = torch.zeros(seq_kv * cfg.group.world_size, dtype=torch.bool)
+            for runs in _all_runs(cfg, seq_kv):
+                edge[[a for a, _ in runs]] = True
+            mask = _replace_in(cfg.mask, lambda m: _WindowPastBlockEdge(m, edge)
+                               if isinstance(m, SlidingWindow) and m.left is not None else None)
+            cfg = replace(cfg, mask=mask)
+        return super().plan(cfg, seq_q, seq_kv)
+
+
+# ------------------------------------------------------------------------ documents at local positions
+
+
+@dataclass(frozen=True, eq=False)
+class _DocumentsAtLocalIndex(Mask):
+    """Documents whose ids are read at each position's local index on its rank."""
+
+    documents: Documents
+    local: torch.Tensor  # (seq,) int64: global position -> index in its rank's shard
+
+    def visible(self, b, h, q, kv):
+        ids = torch.as_tensor(self.documents.doc_ids).to(q.device)
+        local = self.local.to(q.device)
+        dq, dk = ids[local[q]], ids[local[kv]]
+        seen = (dq == dk) & (dq >= 0)
+        return seen & (kv <= q) if self.documents.causal else seen
+
+    def describe(self) -> str:
+        return self.documents.describe()
+
+
+class DocumentsAtLocalPositions(RingAttention):
+    def plan(self, cfg, seq_q, seq_kv):
+        if cfg.mask is not None:
+            local = torch.zeros(seq_kv * cfg.group.world_size, dtype=torch.int64)
+            for runs in _all_runs(cfg, seq_kv):
+                held = torch.cat([torch.arange(a, b) for a, b in runs])
+                local[held] = torch.arange(held.numel())
+            mask = _replace_in(cfg.mask, lambda m: _DocumentsAtLocalIndex(m, local)
+                               if isinstance(m, Documents) and m.kv_doc_ids is None else None)
+            cfg = replace(cfg, mask=mask)
+        return super().plan(cfg, seq_q, seq_kv)
+
+
+# ------------------------------------------------------------------------ a balancer that piles up work
+
+
+def _longest_first_runs(mask, seq_len: int, world_size: int) -> list[tuple[tuple[int, int], ...]]:
+    """Documents longest first, each rank filled to S/W before the next (a document split where
+    a rank is full); each rank's runs in increasing order: a valid layout."""
+    share = seq_len // world_size
+    held: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    rank, room = 0, share
+    for a, b in sorted(document_spans(mask, seq_len), key=lambda s: (s[0] - s[1], s[0])):
+        while a < b:
+            take = min(room, b - a)
+            held[rank].append((a, a + take))
+            a, room = a + take, room - take
+            if room == 0 and rank + 1 < world_size:
+                rank, room = rank + 1, share
+    return [tuple(sorted(runs)) for runs in held]
+
+
+class LongDocumentsOnOneRank(RingImplAdapter):
+    def balanced_layout(self, balancer, mask, seq_len, world_size):
+        if balancer != "work_aware" or len(document_spans(mask, seq_len)) < 2:  # right without documents
+            return super().balanced_layout(balancer, mask, seq_len, world_size)
+        per_rank = _longest_first_runs(mask, seq_len, world_size)
+        name = f"longest_first-{seq_len}x{world_size}-{mask.digest():08x}"
+        ring_impl.register_layout(Layout(name, lambda length, world, rank: per_rank[rank], lambda world: world), replace=True)
+        return name, [layout_runs(name, seq_len, world_size, r) for r in range(world_size)]
+
+
+BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
+    Broken("window_off_by_one_at_block_edge", "masks: a window off by one at a block edge",
+           r"sliding window off by one at a block edge", RingImplAdapter(WindowOffByOneAtBlockEdge(),
+                                                                         name="window_off_by_one_at_block_edge"),
+           suites="suites/test_balance.py"),
+    Broken("documents_at_local_positions", "masks: document boundaries computed from local instead of global positions",
+           r"document boundaries taken from local positions", RingImplAdapter(DocumentsAtLocalPositions(),
+                                                                              name="documents_at_local_positions"),
+           suites="suites/test_balance.py"),
+    Broken("balancer_long_documents_on_one_rank", "balance: a correct per-document balancer that gives one rank most of the work",
+           r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
+           LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"), suites="suites/test_balance.py"),
+]}
+
+# Module attributes, so each is loadable as --impl meta_tests.broken_masks:<name>.
+globals().update({name: b.impl for name, b in BROKEN_MASKS.items()})
