@@ -143,7 +143,7 @@ class LongDocumentsOnOneRank(RingImplAdapter):
 
 BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
     Broken("window_off_by_one_at_block_edge", "masks: a window off by one at a block edge",
-           r"sliding window off by one at a block edge", RingImplAdapter(WindowOffByOneAtBlockEdge(),
+           r"sliding window off by one", RingImplAdapter(WindowOffByOneAtBlockEdge(),
                                                                          name="window_off_by_one_at_block_edge"),
            suites="suites/test_balance.py"),
     Broken("documents_at_local_positions", "masks: document boundaries computed from local instead of global positions",
