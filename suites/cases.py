@@ -73,7 +73,8 @@ class CountingOp:
     def call_work(query, key, *, is_causal: bool, attn_mask=None) -> int:
         sq, sk = query.shape[2], key.shape[2]
         if attn_mask is not None:
-            seen = attn_mask if attn_mask.dim() == 2 else attn_mask.reshape(-1, *attn_mask.shape[-2:]).any(0)
+            seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")  # additive: -inf hides
+            seen = seen if seen.dim() == 2 else seen.reshape(-1, *seen.shape[-2:]).any(0)
             if is_causal:
                 seen = seen & torch.ones(sq, sk, dtype=torch.bool, device=seen.device).tril()
             return int(seen.expand(sq, sk).sum())

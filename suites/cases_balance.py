@@ -121,6 +121,7 @@ class PairRecordingOp(CountingOp):
             computed &= torch.ones(sq, sk, dtype=torch.bool).tril()
         if attn_mask is not None:
             m = attn_mask.detach().cpu()
+            m = m if m.dtype == torch.bool else m > float("-inf")  # an additive mask: -inf hides
             computed &= (m if m.dim() == 2 else m.reshape(-1, sq, sk).any(0)).expand(sq, sk)
         self.records.append({"q": q_pos, "kv": kv_pos, "computed": computed, "causal": bool(is_causal),
                              "masked": attn_mask is not None})
