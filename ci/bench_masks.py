@@ -431,8 +431,8 @@ def run(b: Bench) -> dict:
 
 
 def kernel_area(layout: str, mask, seq: int, world: int) -> list[int]:
-    """Per rank, the score entries the kernel computes: each step's trimmed rectangle (the
-    triangle for a causal-shaped block; the CPU flash kernel skips no tile a mask hides)."""
+    """Per rank, the score entries the kernel computes: every planned call's rectangle (the
+    triangle for a causal one; the CPU flash kernel skips no tile a mask hides): Block.area."""
     from ring_impl.plan import masked_plan
 
     local = seq // world
@@ -440,9 +440,7 @@ def kernel_area(layout: str, mask, seq: int, world: int) -> list[int]:
     for r in range(world):
         total = 0
         for plan in masked_plan(r, world, layout=layout, mask=mask, seq_q=local, seq_kv=local, batch=1, heads=1):
-            for blk in plan.blocks:
-                rows, cols = blk.q_rows[1] - blk.q_rows[0], blk.kv_rows[1] - blk.kv_rows[0]
-                total += blk.work if blk.kind == "causal" else rows * cols
+            total += sum(blk.area for blk in plan.blocks)
         area.append(total)
     return area
 

@@ -211,14 +211,28 @@ def error_scales(
     visible: Tensor | None = None,
     scale: float | None = None,
     grad_lse: Tensor | None = None,
+    sinks: Tensor | None = None,
+    input_dtype: torch.dtype | None = None,
 ) -> dict[str, ErrorScale]:
-    """M, A and C of out, lse (and dq, dk, dv when grad_out is given), computed in float64.
+    """M, A and C of out, lse (and dq, dk, dv when grad_out is given; dsinks too with
+    ``sinks``), computed in float64.
 
     query (b, h, sq, d), key/value (b, hkv, sk, d), grad_out (b, h, sq, d), grad_lse (b, h, sq)
     or None (the gradient reaching the LSE: it joins D as ``D - grad_lse``); visible (sq, sk) bool
     (None: every key visible; pass the causal or any other mask the case uses). Rows that see no
     key have M = A = C = 0: their exact result (out 0, LSE -inf, zero gradients) must be met
-    exactly.
+    exactly. With sinks, grad_out and grad_lse reach the output and LSE *after* the sink term,
+    and the magnitudes of out and lse are those without it (the sink only lowers P: an upper bound).
+
+    dsinks (heads,), with ``sinks`` (heads,) and ``input_dtype`` (the case's dtype): the sink's
+    gradient is ``sum_i sigma_i (g_i - dO_i . O_i)`` over every row i of the head (sigma_i the
+    sink's probability, g_i the LSE's gradient, O_i the output with the sink, dO_i its
+    gradient). ``O_i`` enters as a ring returns it, in the input dtype: rounded once per partial
+    result (weights summing to at most 1: at most one rounding of ``|O_i|`` in all) and once
+    when merged, so those terms carry two roundings of the input dtype, counted in M in units of
+    the result dtype's (float32; float64 for float64) roundoff: ``2 u(input) / u(result)``. A
+    and C: the terms at their own magnitude, C weighted by ``|lse_i|`` (sigma_i comes from the
+    merged LSE).
     """
     from reference.attention import default_scale, expand_kv_heads
 
@@ -264,7 +278,28 @@ def error_scales(
     scales["dk"] = _scale(terms.cols(ds_m, q), terms.cols(ds_a, q), terms.cols(ds_c, q))
     dv_m = terms.cols(p, do)
     scales["dv"] = _scale(dv_m, dv_m, terms.cols(pk, do))
+    if sinks is not None:
+        scales["dsinks"] = _sink_scale(sinks, lse, o, do, None if grad_lse is None else g, input_dtype or query.dtype)
     return scales
+
+
+def _sink_scale(sinks: Tensor, lse: Tensor, o: Tensor, do: Tensor, g: Tensor | None, input_dtype: torch.dtype) -> ErrorScale:
+    """M, A, C of dsinks (heads,) (see :func:`error_scales`). lse (b, h, sq, 1) and o (b, h, sq, d)
+    without the sink; do, g: the gradients reaching the output and LSE with it."""
+    sk = sinks.detach().to(torch.float64).view(1, -1, 1)
+    lse0 = lse.squeeze(-1)
+    lse_s = torch.logaddexp(lse0, sk.expand_as(lse0))
+    sigma = torch.exp(sk - lse_s)  # (b, h, sq)
+    o_s = o * torch.exp(lse0 - lse_s).unsqueeze(-1)  # 0 for rows that see nothing
+    t_out = sigma * (do.abs() * o_s.abs()).sum(-1)
+    t_g = sigma * (g.squeeze(-1).abs() if g is not None else torch.zeros_like(sigma))
+    weight = 2 * unit_roundoff(input_dtype) / unit_roundoff(compute_dtype(input_dtype))
+    cond = lse_s.abs()
+
+    def per_head(t: Tensor) -> tuple[Tensor, Tensor]:
+        return t.sum(dim=(0, 2)), t.square().sum(dim=(0, 2)).sqrt()
+
+    return _scale(per_head(weight * t_out + t_g), per_head(t_out + t_g), per_head(cond * (t_out + t_g)))
 
 
 @dataclass(frozen=True)

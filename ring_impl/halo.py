@@ -166,26 +166,21 @@ def _extended(kv: torch.Tensor, from_prev: torch.Tensor | None, from_next: torch
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
 
 
-def halo_block(cfg: RingConfig, seq: int, h: HaloRows) -> Block | None:
-    """The one block of a halo call: local query rows x [left halo | local | right halo] rows,
-    trimmed to the rows and columns some query sees (None: no query sees anything)."""
+def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | None = None) -> tuple[Block, ...]:
+    """The kernel calls of a halo call: local query rows x [left halo | local | right halo]
+    rows, cut as a ring step's (:func:`ring_impl.tiling.split_visibility`: a window's band in
+    tiles; none when no query sees anything)."""
     from .masks import visibility
+    from .tiling import call_cost_for, split_visibility
 
     r = cfg.group.rank
     q_pos = torch.arange(r * seq, (r + 1) * seq)
     kv_pos = torch.arange(r * seq - h.left, (r + 1) * seq + h.right)
     vis = visibility(cfg.mask, q_pos, kv_pos, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
-    seen = vis.any(0).any(0)
-    rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
-    if rows.numel() == 0:
-        return None
-    r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-    box = vis[..., r0:r1, c0:c1]
-    if bool(box.all()):
-        return Block(0, r, "full", (r0, r1), (c0, c1))
-    if r1 - r0 == c1 - c0 and bool((box == torch.ones(r1 - r0, c1 - c0, dtype=torch.bool).tril()).all()):
-        return Block(0, r, "causal", (r0, r1), (c0, c1))
-    return Block(0, r, "masked", (r0, r1), (c0, c1), visible=box.contiguous())
+    if cfg.mask_heads is not None and vis.shape[1] > 1:
+        vis = vis[:, cfg.mask_heads[0]:cfg.mask_heads[1]]
+    calls = split_visibility(vis, call_cost=call_cost_for(device))
+    return tuple(Block(0, r, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int = 2) -> torch.Tensor:
@@ -206,17 +201,20 @@ class _HaloFunction(torch.autograd.Function):
         ext = _extended(kv, from_prev, from_next)
         del kv
         acc = impl.accumulation_dtype(query.dtype)
-        block = halo_block(cfg, seq, h)
-        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        blocks = halo_blocks(cfg, seq, h, query.device)
+        out = torch.zeros(query.shape, dtype=acc, device=query.device)
         lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
-        if block is not None:
+        for block in blocks:
+            (q0, q1) = block.q_rows
             q, k, v = _rows(query, block.q_rows), _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
             block_out, block_lse = impl.nonfinite_forward(*impl.block_forward(cfg, q, k, v, block), q, k, v, block)
-            out[:, :, block.q_rows[0]:block.q_rows[1]] = block_out
-            lse[:, :, block.q_rows[0]:block.q_rows[1]] = block_lse
+            del q, k, v
+            impl.merge(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
+            del block_out, block_lse
+        out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse,
                               *(t if t is not None else torch.empty(0) for t in (from_prev, from_next)))
-        ctx.cfg, ctx.impl, ctx.halo, ctx.block = cfg, impl, h, block
+        ctx.cfg, ctx.impl, ctx.halo, ctx.blocks = cfg, impl, h, blocks
         ctx.set_materialize_grads(False)
         if not with_lse:
             ctx.mark_non_differentiable(lse)
@@ -226,7 +224,7 @@ class _HaloFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse, from_prev, from_next = ctx.saved_tensors
-        cfg, impl, h, block = ctx.cfg, ctx.impl, ctx.halo, ctx.block
+        cfg, impl, h, blocks = ctx.cfg, ctx.impl, ctx.halo, ctx.blocks
         if grad_out is None:  # only the LSE reaches the loss
             grad_out = torch.zeros_like(out)
         seq = query.shape[2]
@@ -234,7 +232,7 @@ class _HaloFunction(torch.autograd.Function):
         ext = _extended(impl.pack_kv(key, value), from_prev if h.left else None, from_next if h.right else None)
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)  # [left halo | local | right halo]
-        if block is not None:
+        for block in blocks:
             (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
             extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}
             do_, q_, o_, l_ = (_rows(t, block.q_rows) for t in (grad_out, query, out, lse))

@@ -30,6 +30,7 @@ mask bounded on both sides by less than a shard runs as a halo exchange (:mod:`r
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,11 @@ class Mask:
         None on a side that is unbounded (or that this mask cannot bound: the default)."""
         return None, None
 
+    #: Whether :meth:`describe` determines :meth:`visible` completely, so that plans may be
+    #: cached by it (ring_impl.plan.masked_plan). True for the built-in masks; a ``MaskMod``'s
+    #: description only probes its fn. A subclass whose description covers all its data may set it.
+    exact_digest = False
+
     def digest(self) -> int:
         """31 bits equal on ranks with equal masks (and, with overwhelming odds, only then)."""
         return zlib.crc32(self.describe().encode()) & 0x7FFFFFFF
@@ -86,6 +92,8 @@ class Mask:
 
 @dataclass(frozen=True)
 class Full(Mask):
+    exact_digest = True
+
     def visible(self, b, h, q, kv):
         return torch.ones_like(kv <= q)
 
@@ -95,6 +103,8 @@ class Full(Mask):
 
 @dataclass(frozen=True)
 class Causal(Mask):
+    exact_digest = True
+
     def visible(self, b, h, q, kv):
         return kv <= q
 
@@ -107,6 +117,8 @@ class Causal(Mask):
 
 @dataclass(frozen=True)
 class SlidingWindow(Mask):
+    exact_digest = True
+
     """``q - left <= kv <= q + right`` (``right=0``: causal sliding window; None: unbounded)."""
 
     left: int | None
@@ -135,6 +147,8 @@ class SlidingWindow(Mask):
 
 @dataclass(frozen=True)
 class ChunkedCausal(Mask):
+    exact_digest = True
+
     chunk: int
 
     def visible(self, b, h, q, kv):
@@ -154,6 +168,8 @@ class ChunkedCausal(Mask):
 
 @dataclass(frozen=True)
 class PrefixLM(Mask):
+    exact_digest = True
+
     prefix: int
 
     def visible(self, b, h, q, kv):
@@ -176,6 +192,8 @@ class Documents(Mask):
     """Packed documents: ``doc_ids`` (seq_len,) integer ids per global position, non-decreasing
     over the documents (``-1``: padding, anywhere); a query sees keys of its own document
     (causally when ``causal``). For cross attention, ``kv_doc_ids`` gives the keys' ids."""
+
+    exact_digest = True
 
     doc_ids: torch.Tensor
     causal: bool = True
@@ -217,7 +235,10 @@ class Documents(Mask):
         parts = [torch.as_tensor(self.doc_ids)]
         if self.kv_doc_ids is not None:
             parts.append(torch.as_tensor(self.kv_doc_ids))
-        crcs = ",".join(f"{t.numel()}:{zlib.crc32(t.to(torch.int64).contiguous().cpu().numpy().tobytes())}" for t in parts)
+        # 128 bits of the ids: plans are cached by this description, so two documents layouts
+        # must not share one by chance (a 32-bit checksum would, over a long run).
+        crcs = ",".join(f"{t.numel()}:{hashlib.blake2b(t.to(torch.int64).contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()}"
+                        for t in parts)
         return f"documents({'causal' if self.causal else 'full'},{crcs})"
 
     def check(self, seq_q, seq_kv):
@@ -247,6 +268,10 @@ class And(Mask):
     a: Mask
     b: Mask
 
+    @property
+    def exact_digest(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
+
     def visible(self, b, h, q, kv):
         return self.a.visible(b, h, q, kv) & self.b.visible(b, h, q, kv)
 
@@ -265,6 +290,10 @@ class And(Mask):
 class Or(Mask):
     a: Mask
     b: Mask
+
+    @property
+    def exact_digest(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
 
     def visible(self, b, h, q, kv):
         return self.a.visible(b, h, q, kv) | self.b.visible(b, h, q, kv)

@@ -61,6 +61,8 @@ def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tens
     (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols); ``masked``: as
     ``visible`` (batch or 1, heads or 1, rows, cols) says."""
     if kind == "masked" and visible is not None:
+        if not bool(flags.any()):  # the usual case; masked blocks run eager (masks are refused under compile)
+            return flags.new_zeros((*flags.shape[:2], rows, *flags.shape[3:]))
         f = flags.to(torch.float32)
         seen = visible.to(torch.float32) @ (f if f.dim() == 4 else f.unsqueeze(-1))
         return (seen > 0) if f.dim() == 4 else (seen > 0).squeeze(-1)
@@ -74,6 +76,8 @@ def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tenso
     """For query-row flags (batch, heads, rows): whether each key is seen by a flagged row:
     (batch, heads, cols). ``causal``: key j is seen by rows j..rows-1; ``masked``: as ``visible``."""
     if kind == "masked" and visible is not None:
+        if not bool(flags.any()):
+            return flags.new_zeros((*flags.shape[:2], cols))
         seen = flags.to(torch.float32).unsqueeze(-2) @ visible.to(torch.float32)  # (b, h, 1, cols)
         return (seen > 0).squeeze(-2)
     if kind == "causal":

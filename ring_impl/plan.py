@@ -60,9 +60,15 @@ class Block:
         if self.kind == "full":
             return rows * cols
         if self.kind == "causal":
-            return sum(min(i + 1, cols) for i in range(rows))
+            return _triangle(rows, cols)
         assert self.visible is not None
         return int(self.visible.any(0).any(0).sum())
+
+    @property
+    def area(self) -> int:
+        """Score entries the kernel computes: the rectangle, or its top-left triangle for ``causal``."""
+        rows, cols = self.q_rows[1] - self.q_rows[0], self.kv_rows[1] - self.kv_rows[0]
+        return _triangle(rows, cols) if self.kind == "causal" else rows * cols
 
     @property
     def is_causal(self) -> bool:
@@ -71,6 +77,12 @@ class Block:
     @property
     def skipped(self) -> bool:  # a block is never empty; kept so a block reads like a step plan
         return False
+
+
+def _triangle(rows: int, cols: int) -> int:
+    """Entries of a top-left causal rows x cols block: row i sees min(i + 1, cols) keys."""
+    k = min(rows, cols)
+    return k * (k + 1) // 2 + (rows - k) * cols
 
 
 @dataclass(frozen=True)
@@ -148,40 +160,52 @@ def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int],
 def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, seq_kv: int, batch: int, heads: int,
                 device: torch.device | None = None, head_span: tuple[int, int] | None = None) -> list[StepPlan]:
     """The plan of every ring step for ``rank`` under ``mask`` (ring_impl.masks, on global
-    positions); ``seq_q``/``seq_kv`` are local lengths. Per step one block, trimmed to the rows
-    and columns some query sees: none (skipped, still rotated), ``full``, ``causal`` (top-left
-    within the trimmed rectangle) or ``masked`` with its visibility. Costs one boolean
-    (rows x cols) evaluation of the mask per step (eager; not cached: masks hold data).
+    positions); ``seq_q``/``seq_kv`` are local lengths. Per step the kernel calls of
+    :func:`ring_impl.tiling.split_visibility`: none (skipped, still rotated), or ``full``,
+    ``causal`` and ``masked`` blocks on disjoint rectangles trimmed to what some query sees.
     ``head_span``: the query heads [start, stop) of ``heads`` a head chunk runs; a mask that
-    depends on the head is planned for those heads only."""
-    from .masks import visibility
+    depends on the head is planned for those heads only.
 
+    Costs one boolean (rows x cols) evaluation of the mask per step. Plans of masks whose
+    digest covers all their data (:attr:`ring_impl.masks.Mask.exact_digest`: every built-in
+    mask, not ``MaskMod``) are cached by digest and the layout's runs, so the forward, the
+    backward and every layer of a step share one."""
     check_layout(layout)
-    device = device or torch.device("cpu")
+    device = torch.device(device or "cpu")
+    q_runs = layout_runs(layout, seq_q * world_size, world_size, rank)
+    kv_runs = tuple(layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size))
+    args = (rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs)
+    if not getattr(mask, "exact_digest", False):
+        return list(_masked_plan(*args))
+    key = (rank, world_size, mask.describe(), seq_q, seq_kv, batch, heads, str(device), head_span, q_runs, kv_runs)
+    plans = _PLAN_CACHE.pop(key, None)
+    if plans is None:
+        plans = _masked_plan(*args)
+        while len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+    _PLAN_CACHE[key] = plans  # most recently used last
+    return list(plans)
 
-    def positions(r: int, local: int) -> torch.Tensor:
-        runs = layout_runs(layout, local * world_size, world_size, r)
+
+_PLAN_CACHE: dict[tuple, tuple[StepPlan, ...]] = {}
+_PLAN_CACHE_SIZE = 64
+
+
+def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs) -> tuple[StepPlan, ...]:
+    from .masks import visibility
+    from .tiling import call_cost_for, split_visibility
+
+    def positions(runs: Runs) -> torch.Tensor:
         return torch.cat([torch.arange(a, b, device=device) for a, b in runs])
 
-    q_pos = positions(rank, seq_q)
+    q_pos = positions(q_runs)
     plans = []
     for step in range(world_size):
         kv_rank = (rank - step) % world_size
-        vis = visibility(mask, q_pos, positions(kv_rank, seq_kv), batch=batch, heads=heads)
+        vis = visibility(mask, q_pos, positions(kv_runs[kv_rank]), batch=batch, heads=heads)
         if head_span is not None and vis.shape[1] > 1:
             vis = vis[:, head_span[0]:head_span[1]]
-        seen = vis.any(0).any(0)  # (rows, cols)
-        rows, cols = seen.any(1).nonzero().flatten(), seen.any(0).nonzero().flatten()
-        if rows.numel() == 0:
-            plans.append(StepPlan(step, kv_rank, ()))
-            continue
-        r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
-        box = vis[..., r0:r1, c0:c1]
-        if bool(box.all()):
-            block = Block(step, kv_rank, "full", (r0, r1), (c0, c1))
-        elif r1 - r0 == c1 - c0 and bool((box == torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=device).tril()).all()):
-            block = Block(step, kv_rank, "causal", (r0, r1), (c0, c1))
-        else:
-            block = Block(step, kv_rank, "masked", (r0, r1), (c0, c1), visible=box.contiguous())
-        plans.append(StepPlan(step, kv_rank, (block,)))
-    return plans
+        calls = split_visibility(vis, call_cost=call_cost_for(device))
+        plans.append(StepPlan(step, kv_rank, tuple(Block(step, kv_rank, kind, rows, cols, visible=box)
+                                                   for kind, rows, cols, box in calls)))
+    return tuple(plans)

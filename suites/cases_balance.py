@@ -272,8 +272,10 @@ def judge_pairs(case: BalanceCase, results: list[dict[str, Any]]) -> tuple[list[
                 parts.append(f"{int(missing.sum())} of {need} visible pairs were never computed")
             if bool(twice.any()):
                 parts.append(f"{int(twice.sum())} pairs were computed more than once")
-            if len(calls[j]) > 1:
-                parts.append(f"the block took {len(calls[j])} kernel calls (one call per block that some query sees)")
+            idle = sum(1 for call in calls[j]
+                       if not bool((call["computed"] & expected[j][local_q[call["q"]]][:, index[call["kv"]]]).any()))
+            if idle:  # an implementation may cut a block into several calls, but none for nothing
+                parts.append(f"{idle} of its {len(calls[j])} kernel calls computed no pair some query sees")
             if parts:
                 pair = _other_head_tail_chunk(calls[j], expected[j], runs[j], index)
                 findings.append(BlockFinding(r, j, f"{where}: " + "; ".join(parts) + (f" ({pair})" if pair else "")))

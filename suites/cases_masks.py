@@ -166,7 +166,8 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
     sinks = _sinks(spec) if case.sinks else None
     ref = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, sinks=sinks, scale=spec.scale)
     # Magnitudes without the sink term: it only lowers each probability, so these bound them.
-    scales = error_scales(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale)
+    scales = error_scales(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale, sinks=sinks,
+                          input_dtype=spec.torch_dtype)
     base = _baseline(spec, case.mask, case.sinks, case.op or baseline_op)
     dtypes = _result_dtypes(spec.torch_dtype)
     verdicts = []
@@ -193,6 +194,7 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
         got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
         verdicts.append(check("dsinks", got, ref.dsinks, base["dsinks"].to(torch.float64), dtype=spec.torch_dtype,
                               result_dtype=dtypes["dsinks"], world_size=w, roundings=spec.batch * spec.seq_q,
+                              scales=scales["dsinks"],
                               context=f"[{case.label}] (summed over ranks)"))
     return verdicts
 

@@ -9,7 +9,8 @@ ranks with an op that records every kernel call (suites/cases_balance.py). Then:
 (b) the (query, key) pairs its kernels computed are exactly the pairs the mask shows on global
     positions (the reference's mask on the positions the layout gives each rank, never the
     implementation's own plan): every visible pair once, no hidden pair, no call for a block no
-    query sees, one call per block some query sees;
+    query sees, no call that computes no visible pair (a block may take several calls: cutting
+    one into exact pieces is how masked work stays near the visible area);
 (a) each rank's work (score entries computed, counted by the op) sets max/mean against the bound
     declared for (layout, family) in :data:`BOUNDS`.
 

@@ -156,7 +156,7 @@ def _judge(results, spec, is_causal, world, dtype, heads_kv, sinks, op, layout="
     glse = glse if lse_grad else None
     vis = visibility(_oracle_spec(spec, is_causal), seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s, grad_lse=glse)
-    scales = error_scales(q, k, v, dout, visible=vis, grad_lse=glse)
+    scales = error_scales(q, k, v, dout, visible=vis, grad_lse=glse, sinks=s, input_dtype=dtype)
     base = _baseline(q, k, v, dout, glse, vis, s, op)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": lse_dtype}
@@ -173,7 +173,7 @@ def _judge(results, spec, is_causal, world, dtype, heads_kv, sinks, op, layout="
     if sinks:
         dsinks = sum(r["dsinks"] for r in results)
         assert_close(f"dsinks [{label}]", dsinks, ref.dsinks, base["dsinks"], world_size=world, dtype=dtype,
-                     result_dtype=torch.float32, roundings=seq)
+                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
     return vis
 
 

@@ -107,7 +107,7 @@ def test_masked_ring_matches_the_oracle(ring, name, world, layout, rotate, dtype
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
     # The policy's magnitudes of this case (without the sink term, which only lowers every
     # probability: its magnitudes are at most these).
-    scales = error_scales(q, k, v, dout, visible=vis)
+    scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype)
     out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": torch.float64 if dtype == torch.float64 else torch.float32}
     for n in ("out", "lse", "dq", "dk", "dv"):
         got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
@@ -123,7 +123,7 @@ def test_masked_ring_matches_the_oracle(ring, name, world, layout, rotate, dtype
     if sinks:  # world_size: the roundings of the sum over ranks
         dsinks = sum(r["dsinks"] for r in results)  # each rank's share covers its own rows
         assert_close(f"dsinks [{name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=world, dtype=dtype,
-                     result_dtype=torch.float32, roundings=seq)
+                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
 
 
 def _work(ctx, spec, seq, layout):
@@ -255,7 +255,7 @@ def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op,
     q, k, v, dout, s = _inputs(seq, dtype, sinks)
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
-    scales = error_scales(q, k, v, dout, visible=vis)
+    scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype)
     out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": torch.float64 if dtype == torch.float64 else torch.float32}
     for n in ("out", "lse", "dq", "dk", "dv"):
         got = strategy_unshard([r[n] if n != "lse" else r[n].unsqueeze(-1) for r in results], "hybrid", layout,
@@ -273,7 +273,7 @@ def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op,
     if sinks:
         dsinks = sum(r["dsinks"] for r in results)
         assert_close(f"dsinks [hybrid {name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=4, dtype=dtype,
-                     result_dtype=torch.float32, roundings=seq)
+                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
 
 
 def _hybrid_head_mask(ctx):
