@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .ops import accumulation_dtype
-from .plan import Block
+from .plan import Block, cached_by_mask
 from .ring import RingAttention, RingConfig
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
@@ -174,13 +174,18 @@ def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | N
     from .tiling import call_cost_for, split_visibility
 
     r = cfg.group.rank
-    q_pos = torch.arange(r * seq, (r + 1) * seq)
-    kv_pos = torch.arange(r * seq - h.left, (r + 1) * seq + h.right)
-    vis = visibility(cfg.mask, q_pos, kv_pos, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
-    if cfg.mask_heads is not None and vis.shape[1] > 1:
-        vis = vis[:, cfg.mask_heads[0]:cfg.mask_heads[1]]
-    calls = split_visibility(vis, call_cost=call_cost_for(device))
-    return tuple(Block(0, r, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)
+
+    def build() -> tuple[Block, ...]:
+        q_pos = torch.arange(r * seq, (r + 1) * seq)
+        kv_pos = torch.arange(r * seq - h.left, (r + 1) * seq + h.right)
+        vis = visibility(cfg.mask, q_pos, kv_pos, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
+        if cfg.mask_heads is not None and vis.shape[1] > 1:
+            vis = vis[:, cfg.mask_heads[0]:cfg.mask_heads[1]]
+        calls = split_visibility(vis, call_cost=call_cost_for(device))
+        return tuple(Block(0, r, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)
+
+    key = ("halo", r, seq, h, cfg.mask_dims, cfg.mask_heads, str(device))
+    return cached_by_mask(cfg.mask, key, build)
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int = 2) -> torch.Tensor:
@@ -204,10 +209,13 @@ class _HaloFunction(torch.autograd.Function):
         blocks = halo_blocks(cfg, seq, h, query.device)
         out = torch.zeros(query.shape, dtype=acc, device=query.device)
         lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
+        finite = bool(blocks) and impl.all_finite(query, ext)
         for block in blocks:
             (q0, q1) = block.q_rows
             q, k, v = _rows(query, block.q_rows), _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
-            block_out, block_lse = impl.nonfinite_forward(*impl.block_forward(cfg, q, k, v, block), q, k, v, block)
+            block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
+            if not finite:
+                block_out, block_lse = impl.nonfinite_forward(block_out, block_lse, q, k, v, block)
             del q, k, v
             impl.merge(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
             del block_out, block_lse
@@ -232,13 +240,16 @@ class _HaloFunction(torch.autograd.Function):
         ext = _extended(impl.pack_kv(key, value), from_prev if h.left else None, from_next if h.right else None)
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)  # [left halo | local | right halo]
+        finite = bool(blocks) and impl.all_finite(query, ext, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0)) and (
+            grad_lse is None or impl.all_finite(grad_lse))
         for block in blocks:
             (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
             extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}
             do_, q_, o_, l_ = (_rows(t, block.q_rows) for t in (grad_out, query, out, lse))
             k_, v_ = _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
-            bq, bk, bv = impl.nonfinite_backward(*impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra),
-                                                 q_, k_, v_, o_, l_, do_, block)
+            bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
+            if not finite:
+                bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block)
             dq[:, :, q0:q1] += bq
             dkv[0, :, :, k0:k1] += bk
             dkv[1, :, :, k0:k1] += bv

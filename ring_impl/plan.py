@@ -28,15 +28,19 @@ A plan is plain Python on ints (cached), so it is a constant under ``torch.compi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
+from typing import Any, TypeVar
 
 import torch
 
 from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["Block", "StepPlan", "masked_plan", "ring_plan", "step_blocks"]
+__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "ring_plan", "step_blocks"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -175,20 +179,31 @@ def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, se
     q_runs = layout_runs(layout, seq_q * world_size, world_size, rank)
     kv_runs = tuple(layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size))
     args = (rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs)
+    key = ("ring", rank, world_size, seq_q, seq_kv, batch, heads, str(device), head_span, q_runs, kv_runs)
+    return list(cached_by_mask(mask, key, lambda: _masked_plan(*args)))
+
+
+_PLAN_CACHE: dict[tuple, Any] = {}
+_PLAN_CACHE_SIZE = 64
+
+
+def cached_by_mask(mask, key: tuple, build: Callable[[], T]) -> T:
+    """``build()``, cached by the mask's description and ``key`` (everything else the result
+    depends on) when the description determines the mask (:attr:`ring_impl.masks.Mask.exact_digest`);
+    least recently used entries go first. Results are shared: never modify one."""
     if not getattr(mask, "exact_digest", False):
-        return list(_masked_plan(*args))
-    key = (rank, world_size, mask.describe(), seq_q, seq_kv, batch, heads, str(device), head_span, q_runs, kv_runs)
-    plans = _PLAN_CACHE.pop(key, None)
-    if plans is None:
-        plans = _masked_plan(*args)
+        return build()
+    full = (mask.describe(), *key)
+    hit = _PLAN_CACHE.pop(full, _MISSING)
+    if hit is _MISSING:
+        hit = build()
         while len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
             _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
-    _PLAN_CACHE[key] = plans  # most recently used last
-    return list(plans)
+    _PLAN_CACHE[full] = hit  # most recently used last
+    return hit
 
 
-_PLAN_CACHE: dict[tuple, tuple[StepPlan, ...]] = {}
-_PLAN_CACHE_SIZE = 64
+_MISSING = object()
 
 
 def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs) -> tuple[StepPlan, ...]:

@@ -22,3 +22,20 @@ def test_prefix_and_suffix_any_equal_running_maximum(b, h, n, d, density, seed) 
     if not d:
         from_end = torch.cummax(flags.to(torch.uint8).flip(2), dim=2).values.bool().flip(2)
         assert torch.equal(_suffix_any(flags, n), from_end)
+
+
+def test_the_all_finite_shortcut_is_taken_only_when_nothing_is_non_finite() -> None:
+    """The ring skips the NaN propagation for a block only when all_finite says so: it must say
+    False for any NaN or inf (and may say False for a finite tensor whose sum overflows)."""
+    from ring_impl.ring import RingAttention
+
+    impl = RingAttention()
+    x = torch.randn(2, 3, 5, 4)
+    assert impl.all_finite(x, x.double())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1, 2, 3, 0] = bad
+        assert not impl.all_finite(x, y), f"{bad} not seen"
+    big = torch.full((4,), 3e38)
+    assert not impl.all_finite(big)  # overflowing sum: the propagation runs, which changes nothing
+    assert not impl.all_finite(torch.tensor([float("inf"), float("-inf")]))  # inf - inf = nan, still seen
