@@ -11,8 +11,8 @@ so only those halos travel, once, instead of every block around the ring:
 
 forward    rank r sends its first ``right`` key/value rows to r-1 and its last ``left`` to r+1
            (none past the ends of the sequence: no wrap-around), receives the two halos, and
-           runs the kernel once on [halo | local | halo] with the mask on global positions
-           (one block, trimmed to the rows and columns some query sees, as a ring step's).
+           runs the kernel on [halo | local | halo] with the mask on global positions, cut as
+           a ring step's block (:mod:`ring_impl.tiling`: a window's band in tiles).
 backward   the kernel's backward on the same block (the halos were kept from the forward, not
            sent again); dQ stays; the dK/dV rows of each halo go home to their owner in the
            accumulation dtype (float32, float64 for float64: the ring's accumulator dtype), where
