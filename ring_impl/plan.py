@@ -183,8 +183,12 @@ def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, se
     return list(cached_by_mask(mask, key, lambda: _masked_plan(*args)))
 
 
-_PLAN_CACHE: dict[tuple, Any] = {}
+_PLAN_CACHE: dict[tuple, tuple[Any, int]] = {}  # key -> (plan, bytes of visibility it holds)
 _PLAN_CACHE_SIZE = 64
+#: Plans holding more visibility than this (irregular masks on long shards) are not kept, and
+#: the cache as a whole holds at most _PLAN_CACHE_BYTES of it.
+_PLAN_ENTRY_BYTES = 16 << 20
+_PLAN_CACHE_BYTES = 256 << 20
 
 
 def cached_by_mask(mask, key: tuple, build: Callable[[], T]) -> T:
@@ -194,16 +198,28 @@ def cached_by_mask(mask, key: tuple, build: Callable[[], T]) -> T:
     if not getattr(mask, "exact_digest", False):
         return build()
     full = (mask.describe(), *key)
-    hit = _PLAN_CACHE.pop(full, _MISSING)
-    if hit is _MISSING:
-        hit = build()
-        while len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+    hit = _PLAN_CACHE.pop(full, None)
+    if hit is None:
+        plan = build()
+        held = _visibility_bytes(plan)
+        if held > _PLAN_ENTRY_BYTES:
+            return plan
+        hit = (plan, held)
+        while _PLAN_CACHE and (len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE
+                               or sum(b for _, b in _PLAN_CACHE.values()) + held > _PLAN_CACHE_BYTES):
             _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
     _PLAN_CACHE[full] = hit  # most recently used last
-    return hit
+    return hit[0]
 
 
-_MISSING = object()
+def _visibility_bytes(plan) -> int:
+    """Bytes of the masked blocks' visibility a plan (StepPlans or Blocks, in tuples) holds."""
+    items = plan if isinstance(plan, (tuple, list)) else (plan,)
+    total = 0
+    for item in items:
+        blocks = item.blocks if isinstance(item, StepPlan) else (item,)
+        total += sum(b.visible.numel() * b.visible.element_size() for b in blocks if b.visible is not None)
+    return total
 
 
 def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs) -> tuple[StepPlan, ...]:

@@ -176,3 +176,17 @@ def test_masked_plan_is_cached_for_exact_masks_only() -> None:
     table["cut"] = 20
     second = masked_plan(0, 2, layout="contiguous", mask=mod, seq_q=32, seq_kv=32, batch=1, heads=1)
     assert _what(first) != _what(second), "a MaskMod's plan was reused after its data changed"
+
+
+def test_plans_holding_much_visibility_are_not_kept(monkeypatch) -> None:
+    """The cache keeps plans of built-in masks only while the visibility they hold is small: an
+    irregular mask on long shards would otherwise pin its masked blocks' booleans."""
+    from ring_impl import plan as plan_module
+
+    docs = _documents([30, 34]) | ChunkedCausal(5)  # irregular rows: masked blocks
+    monkeypatch.setattr(plan_module, "_PLAN_ENTRY_BYTES", 0)
+    a = masked_plan(0, 2, layout="contiguous", mask=docs, seq_q=32, seq_kv=32, batch=1, heads=1)
+    b = masked_plan(0, 2, layout="contiguous", mask=docs, seq_q=32, seq_kv=32, batch=1, heads=1)
+    assert any(blk.visible is not None for p in a for blk in p.blocks), "the case needs a masked block"
+    assert not any(x is y for x, y in zip(a, b)), "a plan over the size limit was kept"
+    assert _what(a) == _what(b)
