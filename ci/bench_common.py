@@ -19,7 +19,9 @@ allocation above 64 KiB with its own mmap and returns it to the kernel when free
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import platform
 import re
 import statistics
 import sys
@@ -35,14 +37,33 @@ __all__ = [
     "MEMORY_ENV",
     "ROOT",
     "PeakRss",
+    "load_average",
     "median",
     "run_world",
     "timed",
+    "write_rows",
 ]
 
 #: Environment for memory measurements: every allocation above 64 KiB is its own mmap, given
 #: back to the kernel on free, so the RSS high-water mark follows the live tensors.
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages as text ("?" where the platform has none)."""
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def write_rows(path: str, bench: dict[str, Any], rows: list[Any], t0: float) -> None:
+    """Print the wall time since ``t0`` and the load, and write ``{"bench", "rows", "platform"}``
+    as JSON to ``path`` (its directory created)."""
+    print(f"\nwall {time.perf_counter() - t0:.0f} s; load average {load_average()}")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"bench": bench, "rows": rows, "platform": platform.platform()}, f, indent=2)
 
 
 def median(values: list[float]) -> float:

@@ -75,7 +75,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import median, run_world
+from ci.bench_common import load_average, median, run_world
 from ci.bench_ring import KernelTimer, _sent_bytes, _timed_ring_op
 
 #: the layouts of the documents benchmark; "work_balanced" is registered per (seq, W)
@@ -605,13 +605,6 @@ def print_report(b: Bench, a: dict, env: dict, lengths: list[int]) -> None:
                                              for x in a["aims"]]))
 
 
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Masked ring attention benchmark: packed documents and a sliding window")
     parser.add_argument("--quick", action="store_true", help="Sequence 4096 (warm-up 1024), 2 repetitions")
@@ -653,11 +646,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     env = {"torch": torch.__version__, "python": platform.python_version(), "cores": b.cores,
-           "machine": platform.machine(), "load_before": _load(), "argv": sys.argv[1:],
+           "machine": platform.machine(), "load_before": load_average(), "argv": sys.argv[1:],
            "halo_keyword": halo_supported()}
     t0 = time.perf_counter()
     raw = run(b)
-    env["load_after"] = _load()
+    env["load_after"] = load_average()
     env["wall_s"] = time.perf_counter() - t0
     analysis = analyse(b, raw)
     lengths = document_lengths(b, b.seq)

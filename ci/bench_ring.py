@@ -70,7 +70,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import MEMORY_ENV, PeakRss, median, run_world
+from ci.bench_common import MEMORY_ENV, PeakRss, load_average, median, run_world
 
 RING_ROTATIONS = ("allgather", "alltoall", "p2p")
 TORCH_ROTATIONS = ("allgather", "alltoall")
@@ -584,13 +584,6 @@ def plot(a: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Ring attention benchmark: speed, balance, memory and traffic")
     parser.add_argument("--quick", action="store_true", help="Small sizes for a run of a few minutes")
@@ -642,11 +635,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     env = {"torch": torch.__version__, "python": platform.python_version(), "cores": b.cores,
-           "machine": platform.machine(), "load_before": _load(), "argv": sys.argv[1:]}
+           "machine": platform.machine(), "load_before": load_average(), "argv": sys.argv[1:]}
     t0 = time.perf_counter()
     speed = {} if args.skip_speed else run_speed(b)
     scaling = {} if args.skip_scaling else run_scaling(b)
-    env["load_after"] = _load()
+    env["load_after"] = load_average()
     env["wall_s"] = time.perf_counter() - t0
     analysis = _analysis(b, speed, scaling)
     print_report(b, analysis, env)

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import median, run_world
+from ci.bench_common import median, run_world, write_rows
 
 STRATEGIES = ("ring", "ulysses", "hybrid")
 
@@ -245,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_world(b.world, _rank, asdict(b), timeout=3600)
     rows = analyse(b, per_rank)
     print_report(b, rows)
-    print(f"\nwall {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"bench": asdict(b), "rows": rows, "platform": platform.platform()}, f, indent=2)
+    write_rows(args.out, asdict(b), rows, t0)
     return 0
 
 

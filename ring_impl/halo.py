@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .ops import accumulation_dtype
-from .plan import Block, cached_by_mask
+from .plan import Block, cached_by_mask, visibility_blocks
 from .ring import RingAttention, RingConfig
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
@@ -171,7 +171,6 @@ def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | N
     rows, cut as a ring step's (:func:`ring_impl.tiling.split_visibility`: a window's band in
     tiles; none when no query sees anything)."""
     from .masks import visibility
-    from .tiling import call_cost_for, split_visibility
 
     r = cfg.group.rank
 
@@ -181,8 +180,7 @@ def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | N
         vis = visibility(cfg.mask, q_pos, kv_pos, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
         if cfg.mask_heads is not None and vis.shape[1] > 1:
             vis = vis[:, cfg.mask_heads[0]:cfg.mask_heads[1]]
-        calls = split_visibility(vis, call_cost=call_cost_for(device))
-        return tuple(Block(0, r, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)
+        return visibility_blocks(vis, 0, r, device)
 
     key = ("halo", r, seq, h, cfg.mask_dims, cfg.mask_heads, str(device))
     return cached_by_mask(cfg.mask, key, build)

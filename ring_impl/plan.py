@@ -38,7 +38,7 @@ import torch
 
 from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "ring_plan", "step_blocks"]
+__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "ring_plan", "step_blocks", "visibility_blocks"]
 
 T = TypeVar("T")
 
@@ -224,7 +224,6 @@ def _visibility_bytes(plan) -> int:
 
 def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs) -> tuple[StepPlan, ...]:
     from .masks import visibility
-    from .tiling import call_cost_for, split_visibility
 
     def positions(runs: Runs) -> torch.Tensor:
         return torch.cat([torch.arange(a, b, device=device) for a, b in runs])
@@ -236,7 +235,14 @@ def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, he
         vis = visibility(mask, q_pos, positions(kv_runs[kv_rank]), batch=batch, heads=heads)
         if head_span is not None and vis.shape[1] > 1:
             vis = vis[:, head_span[0]:head_span[1]]
-        calls = split_visibility(vis, call_cost=call_cost_for(device))
-        plans.append(StepPlan(step, kv_rank, tuple(Block(step, kv_rank, kind, rows, cols, visible=box)
-                                                   for kind, rows, cols, box in calls)))
+        plans.append(StepPlan(step, kv_rank, visibility_blocks(vis, step, kv_rank, device)))
     return tuple(plans)
+
+
+def visibility_blocks(vis: torch.Tensor, step: int, kv_rank: int, device: torch.device | None) -> tuple[Block, ...]:
+    """The blocks of one step whose visibility is ``vis`` (batch or 1, heads or 1, rows, cols):
+    :func:`ring_impl.tiling.split_visibility`'s calls, at the per-call cost of ``device``."""
+    from .tiling import call_cost_for, split_visibility
+
+    calls = split_visibility(vis, call_cost=call_cost_for(device))
+    return tuple(Block(step, kv_rank, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)

@@ -162,10 +162,9 @@ def _segment_calls(s: _Segment, seen: torch.Tensor, call_cost: int, tile: int) -
 
 def _classify(kind: str, rows: tuple[int, int], cols: tuple[int, int], vis: torch.Tensor) -> Call:
     """A masked rectangle that is in fact full or causal becomes that kind; else carries its visibility."""
-    box = vis[..., rows[0]:rows[1], cols[0]:cols[1]]
     if kind != "masked":
         return kind, rows, cols, None
-    trimmed = box.any(0).any(0)
+    trimmed = vis[..., rows[0]:rows[1], cols[0]:cols[1]].any(0).any(0)
     r_any, c_any = trimmed.any(1).nonzero().flatten(), trimmed.any(0).nonzero().flatten()
     r0, r1 = rows[0] + int(r_any[0]), rows[0] + int(r_any[-1]) + 1
     c0, c1 = cols[0] + int(c_any[0]), cols[0] + int(c_any[-1]) + 1
