@@ -74,10 +74,14 @@ class Mask:
         None on a side that is unbounded (or that this mask cannot bound: the default)."""
         return None, None
 
-    #: Whether :meth:`describe` determines :meth:`visible` completely, so that plans may be
-    #: cached by it (ring_impl.plan.masked_plan). True for the built-in masks; a ``MaskMod``'s
-    #: description only probes its fn. A subclass whose description covers all its data may set it.
-    exact_digest = False
+    @property
+    def exact_digest(self) -> bool:
+        """Whether :meth:`describe` determines :meth:`visible` completely, so that plans may be
+        cached by it (ring_impl.plan.masked_plan): the built-in masks themselves (and ``&``/``|``
+        of them), not ``MaskMod`` (its description only probes its fn) and not subclasses, which
+        may change ``visible`` under the parent's description. A subclass whose description
+        covers all its data may override this."""
+        return type(self) in _EXACT_TYPES
 
     def digest(self) -> int:
         """31 bits equal on ranks with equal masks (and, with overwhelming odds, only then)."""
@@ -92,8 +96,6 @@ class Mask:
 
 @dataclass(frozen=True)
 class Full(Mask):
-    exact_digest = True
-
     def visible(self, b, h, q, kv):
         return torch.ones_like(kv <= q)
 
@@ -103,8 +105,6 @@ class Full(Mask):
 
 @dataclass(frozen=True)
 class Causal(Mask):
-    exact_digest = True
-
     def visible(self, b, h, q, kv):
         return kv <= q
 
@@ -117,8 +117,6 @@ class Causal(Mask):
 
 @dataclass(frozen=True)
 class SlidingWindow(Mask):
-    exact_digest = True
-
     """``q - left <= kv <= q + right`` (``right=0``: causal sliding window; None: unbounded)."""
 
     left: int | None
@@ -147,8 +145,6 @@ class SlidingWindow(Mask):
 
 @dataclass(frozen=True)
 class ChunkedCausal(Mask):
-    exact_digest = True
-
     chunk: int
 
     def visible(self, b, h, q, kv):
@@ -168,8 +164,6 @@ class ChunkedCausal(Mask):
 
 @dataclass(frozen=True)
 class PrefixLM(Mask):
-    exact_digest = True
-
     prefix: int
 
     def visible(self, b, h, q, kv):
@@ -192,8 +186,6 @@ class Documents(Mask):
     """Packed documents: ``doc_ids`` (seq_len,) integer ids per global position, non-decreasing
     over the documents (``-1``: padding, anywhere); a query sees keys of its own document
     (causally when ``causal``). For cross attention, ``kv_doc_ids`` gives the keys' ids."""
-
-    exact_digest = True
 
     doc_ids: torch.Tensor
     causal: bool = True
@@ -269,8 +261,8 @@ class And(Mask):
     b: Mask
 
     @property
-    def exact_digest(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
+    def exact_digest(self) -> bool:
+        return type(self) in _EXACT_TYPES and bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
 
     def visible(self, b, h, q, kv):
         return self.a.visible(b, h, q, kv) & self.b.visible(b, h, q, kv)
@@ -292,8 +284,8 @@ class Or(Mask):
     b: Mask
 
     @property
-    def exact_digest(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
+    def exact_digest(self) -> bool:
+        return type(self) in _EXACT_TYPES and bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
 
     def visible(self, b, h, q, kv):
         return self.a.visible(b, h, q, kv) | self.b.visible(b, h, q, kv)
@@ -336,6 +328,10 @@ class MaskMod(Mask):
             bits = probe.to(torch.bool).expand(1, 1, size, size).contiguous().numpy().tobytes()
             return f"mask_mod({name},{size},{zlib.crc32(bits)})"
         return f"mask_mod({name},unprobed)"
+
+
+#: The masks whose description determines them (Mask.exact_digest).
+_EXACT_TYPES = frozenset({Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM, Documents, And, Or})
 
 
 def _bound(pick, a: int | None, b: int | None) -> int | None:

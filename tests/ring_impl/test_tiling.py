@@ -190,3 +190,18 @@ def test_plans_holding_much_visibility_are_not_kept(monkeypatch) -> None:
     assert any(blk.visible is not None for p in a for blk in p.blocks), "the case needs a masked block"
     assert not any(x is y for x, y in zip(a, b)), "a plan over the size limit was kept"
     assert _what(a) == _what(b)
+
+
+def test_a_subclass_with_its_parents_description_gets_its_own_plan() -> None:
+    """A subclass may change visible() and keep the parent's describe(): sharing the parent's
+    cached plan would compute the parent's mask."""
+
+    class WiderWindow(SlidingWindow):
+        def visible(self, b, h, q, kv):
+            return (kv <= q) & (kv >= q - 2 * self.left)
+
+    plain = masked_plan(0, 1, layout="contiguous", mask=SlidingWindow(3), seq_q=16, seq_kv=16, batch=1, heads=1)
+    wider = masked_plan(0, 1, layout="contiguous", mask=WiderWindow(3), seq_q=16, seq_kv=16, batch=1, heads=1)
+    assert _what(plain) != _what(wider)
+    assert SlidingWindow(3).exact_digest and (SlidingWindow(3) & Causal()).exact_digest
+    assert not WiderWindow(3).exact_digest and not (WiderWindow(3) & Causal()).exact_digest
