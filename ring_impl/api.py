@@ -80,12 +80,11 @@ def _ring_attention(
         if halo is not None and not isinstance(halo, bool):
             problem = f"halo must be None (automatic), True or False, got {halo!r}"
         elif halo is not False and world > 1:
-            seq_q, seq_kv = query.shape[2], key.shape[2]
-            refusal = halo_refusal(folded, layout=layout, world_size=world, seq_q=seq_q, seq_kv=seq_kv)
-            if refusal is None:
-                reach = halo_reach(folded, layout=layout, world_size=world, seq_q=seq_q, seq_kv=seq_kv)
-            elif halo:
-                problem = f"halo=True but the halo exchange cannot serve this call: {refusal}; pass halo=None to fall back to the ring"
+            where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
+            reach = halo_reach(folded, **where)
+            if reach is None and halo:
+                problem = (f"halo=True but the halo exchange cannot serve this call: {halo_refusal(folded, **where)}; "
+                           "pass halo=None to fall back to the ring")
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
@@ -180,8 +179,8 @@ Args:
         (Mask.reach(): a SlidingWindow, alone or with & Causal / Documents; ChunkedCausal),
         with layout "contiguous", equal local lengths and W >= 2, runs as a halo exchange
         (ring_impl.halo): each rank receives only the last ``left`` key/value rows of rank - 1
-        and the first ``right`` of rank + 1, runs the kernel once, and sends those rows'
-        dK/dV home in the backward; no block goes around the ring. Anything else runs on the
+        and the first ``right`` of rank + 1, runs the kernel on the band's tiles, and sends
+        those rows' dK/dV home in the backward; no block goes around the ring. Anything else runs on the
         ring. False: always the ring (rotate_method applies). True: the halo exchange, or
         InputError on every rank saying why it cannot serve the call (at W=1, the ring: there
         is nothing to exchange). rotate_method and head_chunks do not apply to the halo exchange; its

@@ -6,7 +6,30 @@ call of ``ring_attention`` and its backward. The ring's collectives come from th
 bytes ``kv = 2*batch*heads_kv*seq_kv*head_dim*itemsize`` and dK/dV accumulator bytes ``dkv`` (the
 same elements in the accumulation dtype, float32 or float64):
 
-====- forward: ``send``, one call per nonzero of ``a_k, b_k``, ``(a_k + b_k) r itemsize`` bytes;
+============  ==========================================  =============================================
+method        forward                                     backward
+============  ==========================================  =============================================
+allgather     all_gather: 1 call, kv                      all_gather: 1 call, kv; all_to_all: W-1, (W-1)*dkv
+alltoall      all_to_all: W-1 calls, (W-1)*kv             all_to_all: T calls, (W-1)*(kv + dkv)
+p2p           send, recv: W-1 calls each, (W-1)*kv each   send, recv: T each, (W-1)*(kv + dkv) each
+============  ==========================================  =============================================
+
+``T = 2W - 2`` eager; compiled ``T = 2`` at ``W = 2`` and ``W + 1`` from ``W = 3`` on (see
+:mod:`ring_impl.transports.neighbour`); compiled p2p hops count as ``all_to_all``. Every figure is
+the minimum of a ring.
+
+With ``head_chunks = c`` the ring runs ``c`` times over groups of heads (:mod:`ring_impl.heads`):
+every ring call count is multiplied by ``c`` and the bytes are unchanged (the chunks split
+``heads_kv``). Eager adds the forward's cross-rank input check: all_reduce, 1 call (see
+:mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
+
+A call the halo exchange serves (``mask=`` and ``rank=`` given; :mod:`ring_impl.halo`) has no
+ring: with ``r = 2*batch*heads_kv*head_dim`` elements per packed key/value row, rank ``k``
+receives ``l_k`` rows from rank ``k-1`` and ``r_k`` from rank ``k+1`` (the mask's reach, 0 past
+the ends of the sequence) and sends ``a_k`` of its first rows to ``k-1`` and ``b_k`` of its last
+to ``k+1`` (:func:`ring_impl.halo.halo_rows`):
+
+- forward: ``send``, one call per nonzero of ``a_k, b_k``, ``(a_k + b_k) r itemsize`` bytes;
   ``recv``, one per nonzero of ``l_k, r_k``, ``(l_k + r_k) r itemsize``;
 - backward: ``send``, one per nonzero of ``l_k, r_k``, ``(l_k + r_k) r acc``; ``recv``, one per
   nonzero of ``a_k, b_k``, ``(a_k + b_k) r acc``;
