@@ -31,7 +31,24 @@ def get_rotate_method() -> str:
     return _DEFAULT_ROTATE[0]
 
 
-def _ring_attention(
+#: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
+MASKS_RUN_EAGERLY = (
+    "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break): its plan is data, the "
+    "mask evaluated on global positions, which a graph could only bake in and then serve stale for "
+    "another mask; compile without fullgraph=True, or call the masked attention outside the compiled region"
+)
+
+
+def _ring_attention(impl: RingAttention, query, key, value, **kwargs):
+    """``ring_attention``'s body, run eagerly for masks under torch.compile (see MASKS_RUN_EAGERLY):
+    the plan is rebuilt (or found in the plan cache) on every call, so a new mask is never
+    served an old plan, and the backward runs through autograd as any eager region's does."""
+    if kwargs.get("mask") is not None and torch.compiler.is_compiling():
+        return _masked_eagerly(impl, query, key, value, **kwargs)
+    return _attend(impl, query, key, value, **kwargs)
+
+
+def _attend(
     impl: RingAttention,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -72,8 +89,6 @@ def _ring_attention(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
         op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
     ) or masking_problem(query, key, mask, sinks, world_size=world)
-    if mask is not None and torch.compiler.is_compiling():
-        problem = problem or "mask= is not supported under torch.compile yet: call ring_attention eagerly (outside the compiled region)"
     folded = None if mask is None else (Causal() & mask if is_causal else mask)
     reach = None
     if problem is None:
@@ -118,6 +133,9 @@ def _ring_attention(
     out, lse = attend(True)
     out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+_masked_eagerly = torch._dynamo.disable(_attend, reason=MASKS_RUN_EAGERLY)
 
 
 def _path_code(code: int, halo: bool) -> int:
@@ -174,7 +192,8 @@ Args:
         query sees (skipped when none: the block is still rotated), unmasked when all of them
         do, with the kernel's causal flag when causal-shaped, else with the block's mask (ops
         declaring ``masks``; others run those blocks with the math op). Rows that see nothing
-        give out 0, LSE -inf and zero gradients. Eager only; any head_chunks.
+        give out 0, LSE -inf and zero gradients. Any head_chunks. Under torch.compile the
+        call runs eagerly inside the compiled region (a graph break; see MASKS_RUN_EAGERLY).
     halo: None (default): a mask that reaches at most a shard's length back and forward
         (Mask.reach(): a SlidingWindow, alone or with & Causal / Documents; ChunkedCausal),
         with layout "contiguous", equal local lengths and W >= 2, runs as a halo exchange

@@ -15,7 +15,8 @@ instead. Outside any route :func:`flex_attention` is flex attention itself.
 Not routed, each refused on every rank with the reason: a ``score_mod`` (the ring's kernels take
 visibility, not score changes), ``kernel_options`` (they tune flex's own kernel, which does not
 run), ``return_aux`` asking for max scores, and a block mask built for other lengths than the
-global ones. Under ``torch.compile`` masks are not supported yet (the ring says so).
+global ones. Under ``torch.compile`` the routed call runs eagerly inside the compiled region (a graph
+break: ``ring_impl.api.MASKS_RUN_EAGERLY``).
 """
 
 from __future__ import annotations

@@ -83,8 +83,6 @@ def strategy_attention(
 def _masking_problem(strategy: str, query, key, mask, sinks, mesh_shape) -> str | None:
     if mask is None and sinks is None:
         return None
-    if mask is not None and torch.compiler.is_compiling():
-        return "mask= is not supported under torch.compile yet: call ring_attention eagerly"
     problem = masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])
     if problem is None and strategy == "hybrid" and mask is not None:
         n = torch.arange(min(64, query.shape[2] * mesh_shape[0] * mesh_shape[1]))
