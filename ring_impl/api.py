@@ -9,6 +9,7 @@ import torch
 
 from .group import RingGroup, resolve_group
 from .halo import halo_attention_fn, halo_reach, halo_refusal
+from .kv_gather import gather_attention_fn, gather_refusal
 from .masks import Causal, mask_code, masking_problem
 from .ops import AttentionOp, resolve_scale_and_op
 from .ring import RingAttention, RingConfig, ring_attention_fn
@@ -68,11 +69,14 @@ def _attend(
     mask=None,
     sinks=None,
     halo: bool | None = None,
+    sparse_kv: bool = False,
 ):
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     if strategy != "ring":
         if halo is not None and halo is not False:
             extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
+        if sparse_kv is not False:
+            extra_problem = extra_problem or f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False"
         from .strategies import strategy_attention
 
         return strategy_attention(
@@ -91,9 +95,16 @@ def _attend(
     ) or masking_problem(query, key, mask, sinks, world_size=world)
     folded = None if mask is None else (Causal() & mask if is_causal else mask)
     reach = None
+    gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
     if problem is None:
         if halo is not None and not isinstance(halo, bool):
             problem = f"halo must be None (automatic), True or False, got {halo!r}"
+        elif not isinstance(sparse_kv, bool):
+            problem = f"sparse_kv must be True or False, got {sparse_kv!r}"
+        elif sparse_kv:
+            problem = ("halo=True and sparse_kv=True ask for two different exchanges; pass one of them" if halo
+                       else gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy=strategy))
+            gather = problem is None and world > 1
         elif halo is not False and world > 1:
             where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
             reach = halo_reach(folded, **where)
@@ -105,7 +116,8 @@ def _attend(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-            mask_code=_path_code(mask_code(mask, sinks), reach is not None) if problem is None else 0,
+            mask_code=_path_code(mask_code(mask, sinks), "gather" if gather else "halo" if reach is not None else "ring")
+            if problem is None else 0,
         )
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
@@ -123,6 +135,8 @@ def _attend(
     )
 
     def attend(with_lse: bool):
+        if gather:
+            return gather_attention_fn(query, key, value, cfg, impl, with_lse)
         if reach is not None:
             return halo_attention_fn(query, key, value, cfg, impl, reach, with_lse)
         return ring_attention_fn(query, key, value, cfg, impl, with_lse)
@@ -138,10 +152,11 @@ def _attend(
 _masked_eagerly = torch._dynamo.disable(_attend, reason=MASKS_RUN_EAGERLY)
 
 
-def _path_code(code: int, halo: bool) -> int:
-    """The mask digest the ranks compare, marked when the call takes the halo path: ranks that
-    would take different paths (one passed halo=False) disagree on it and raise together."""
-    return zlib.crc32(f"{code}|halo".encode()) & 0x7FFFFFFF if halo else code
+def _path_code(code: int, path: str) -> int:
+    """The mask digest the ranks compare, marked with the path the call takes ("ring", "halo",
+    "gather"): ranks that would take different paths (one passed halo=False, or sparse_kv=True)
+    disagree on it and raise together."""
+    return code if path == "ring" else zlib.crc32(f"{code}|{path}".encode()) & 0x7FFFFFFF
 
 
 def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]:
@@ -204,6 +219,14 @@ Args:
         InputError on every rank saying why it cannot serve the call (at W=1, the ring: there
         is nothing to exchange). rotate_method and head_chunks do not apply to the halo exchange; its
         collectives: collective_schedule(..., mask=, rank=).
+    sparse_kv: False (default): the ring (or the halo exchange, see halo). True, with a mask:
+        each rank receives in one all-to-all only the key/value rows its queries see, runs the
+        kernel on its own and those rows (exact calls, as a ring step's), and sends their dK/dV
+        home in one all-to-all in the backward (ring_impl.kv_gather). Bytes are the minimum of
+        any exchange: for packed documents under a balanced layout a fraction of the ring's,
+        whose transfers it does not overlap with compute. Any layout; W = 1 runs the ring;
+        rotate_method and head_chunks (must be 1) do not apply; its collectives:
+        collective_schedule(..., mask=, rank=, sparse_kv=True).
     sinks: (heads,) per-head sink logits (a softmax term with no value), differentiable; each
         rank's gradient covers its own rows (reduce it over the group like any parameter's).
 

@@ -190,6 +190,52 @@ def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int = 2) -> torch.Tensor:
     return t.narrow(dim, rows[0], rows[1] - rows[0]).contiguous()
 
 
+def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, ext: torch.Tensor,
+                     blocks: tuple[Block, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in the accumulation dtype of ``query`` (batch, heads, seq, head_dim) against
+    the packed key/value rows ``ext`` (2, batch, heads_kv, rows, head_dim) that ``blocks`` index
+    (one kernel call each, through the ring's seams); rows no block covers: out 0, LSE -inf.
+    Shared by the paths without a ring (the halo here, ring_impl.kv_gather)."""
+    acc = impl.accumulation_dtype(query.dtype)
+    out = torch.zeros(query.shape, dtype=acc, device=query.device)
+    lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
+    finite = bool(blocks) and impl.all_finite(query, ext)
+    for block in blocks:
+        (q0, q1) = block.q_rows
+        q, k, v = _rows(query, block.q_rows), _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
+        block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
+        if not finite:
+            block_out, block_lse = impl.nonfinite_forward(block_out, block_lse, q, k, v, block)
+        del q, k, v
+        impl.merge(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
+        del block_out, block_lse
+    return out.to(query.dtype), lse
+
+
+def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, ext: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None,
+                      blocks: tuple[Block, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, d ext) in the accumulation dtype for :func:`extended_forward`'s call: ``out``/``lse``
+    as it returned them, ``grad_lse`` the LSE's gradient or None."""
+    acc = impl.accumulation_dtype(query.dtype)
+    dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+    dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)
+    finite = bool(blocks) and impl.all_finite(query, ext, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0)) and (
+        grad_lse is None or impl.all_finite(grad_lse))
+    for block in blocks:
+        (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
+        extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}
+        do_, q_, o_, l_ = (_rows(t, block.q_rows) for t in (grad_out, query, out, lse))
+        k_, v_ = _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
+        bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
+        if not finite:
+            bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block)
+        dq[:, :, q0:q1] += bq
+        dkv[0, :, :, k0:k1] += bk
+        dkv[1, :, :, k0:k1] += bv
+    return dq, dkv
+
+
 class _HaloFunction(torch.autograd.Function):
     """(out, lse) of the halo path; the LSE differentiable only when asked for (as the ring's)."""
 
@@ -203,21 +249,8 @@ class _HaloFunction(torch.autograd.Function):
             _shape(kv, h.left), _shape(kv, h.right), kv)
         ext = _extended(kv, from_prev, from_next)
         del kv
-        acc = impl.accumulation_dtype(query.dtype)
         blocks = halo_blocks(cfg, seq, h, query.device)
-        out = torch.zeros(query.shape, dtype=acc, device=query.device)
-        lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
-        finite = bool(blocks) and impl.all_finite(query, ext)
-        for block in blocks:
-            (q0, q1) = block.q_rows
-            q, k, v = _rows(query, block.q_rows), _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
-            block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
-            if not finite:
-                block_out, block_lse = impl.nonfinite_forward(block_out, block_lse, q, k, v, block)
-            del q, k, v
-            impl.merge(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
-            del block_out, block_lse
-        out = out.to(query.dtype)
+        out, lse = extended_forward(impl, cfg, query, ext, blocks)
         ctx.save_for_backward(query, key, value, out, lse,
                               *(t if t is not None else torch.empty(0) for t in (from_prev, from_next)))
         ctx.cfg, ctx.impl, ctx.halo, ctx.blocks = cfg, impl, h, blocks
@@ -234,23 +267,8 @@ class _HaloFunction(torch.autograd.Function):
         if grad_out is None:  # only the LSE reaches the loss
             grad_out = torch.zeros_like(out)
         seq = query.shape[2]
-        acc = impl.accumulation_dtype(query.dtype)
         ext = _extended(impl.pack_kv(key, value), from_prev if h.left else None, from_next if h.right else None)
-        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
-        dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)  # [left halo | local | right halo]
-        finite = bool(blocks) and impl.all_finite(query, ext, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0)) and (
-            grad_lse is None or impl.all_finite(grad_lse))
-        for block in blocks:
-            (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
-            extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}
-            do_, q_, o_, l_ = (_rows(t, block.q_rows) for t in (grad_out, query, out, lse))
-            k_, v_ = _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
-            bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
-            if not finite:
-                bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block)
-            dq[:, :, q0:q1] += bq
-            dkv[0, :, :, k0:k1] += bk
-            dkv[1, :, :, k0:k1] += bv
+        dq, dkv = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, blocks)  # [left | local | right]
         del ext
         # The halos' dK/dV go home; this rank's rows that its neighbours saw come back.
         to_prev = dkv[:, :, :, :h.left] if h.left else None

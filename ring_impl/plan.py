@@ -213,11 +213,12 @@ def cached_by_mask(mask, key: tuple, build: Callable[[], T]) -> T:
 
 
 def _visibility_bytes(plan) -> int:
-    """Bytes of the masked blocks' visibility a plan (StepPlans or Blocks, in tuples) holds."""
+    """Bytes of the masked blocks' visibility a plan (StepPlans or Blocks, in tuples, or an
+    object with ``blocks``) holds."""
     items = plan if isinstance(plan, (tuple, list)) else (plan,)
     total = 0
     for item in items:
-        blocks = item.blocks if isinstance(item, StepPlan) else (item,)
+        blocks = item.blocks if hasattr(item, "blocks") else (item,)
         total += sum(b.visible.numel() * b.visible.element_size() for b in blocks if b.visible is not None)
     return total
 

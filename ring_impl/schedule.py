@@ -40,6 +40,11 @@ queries see, each once; summed over ranks ``(W-1)(left+right)`` rows, against th
 halos' dK/dV in the accumulation dtype (``acc`` = 4, or 8 for float64; the ring's accumulators
 are too): twice the bytes of the rows in a 16-bit input dtype. The schedule differs between
 the end ranks and the others, hence ``rank``.
+
+A call with ``sparse_kv=True`` (:mod:`ring_impl.kv_gather`) has no ring either: forward, one
+``all_to_all`` whose input is the key/value rows of this rank that other ranks' queries see
+(input dtype); backward, one ``all_to_all`` whose input is the dK/dV of the rows it received
+(accumulation dtype); plus the input check. Both depend on the mask, the layout and ``rank``.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def collective_schedule(
     layout: str = "contiguous",
     rank: int | None = None,
     halo: bool | None = None,
+    sparse_kv: bool = False,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
@@ -85,8 +91,14 @@ def collective_schedule(
     ``mask`` (a ``ring_impl.masks.Mask``), ``is_causal``, ``layout`` and ``halo`` as given to
     ``ring_attention``: a call the halo exchange serves declares its halo collectives (see the
     module docstring), which depend on ``rank`` (ValueError without it). Masks run eagerly only
-    (ValueError with ``compiled=True``).
+    (ValueError with ``compiled=True``). ``sparse_kv=True`` (with ``mask``, ``rank`` and ``heads``
+    when the mask depends on the head) declares the sparse gather's (ring_impl.kv_gather).
     """
+    if sparse_kv and world_size > 1:
+        return _gather_schedule(world_size, rotate_method, mask=mask, is_causal=is_causal, layout=layout, rank=rank,
+                                batch=batch, heads=heads, heads_kv=heads_kv, seq_q=seq_q, seq_kv=seq_kv,
+                                head_dim=head_dim, dtype=dtype, compiled=compiled, strategy=strategy,
+                                head_chunks=head_chunks)
     if strategy != "ring":
         mesh_shape = (world_size, 1) if mesh_shape is None and strategy == "ulysses" else mesh_shape
         if mesh_shape is None or heads is None or seq_q is None:
@@ -119,3 +131,27 @@ def collective_schedule(
             raise ValueError(f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}")
     return ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
                          dtype=dtype, compiled=compiled, head_chunks=head_chunks)
+
+
+def _gather_schedule(world_size, rotate_method, *, mask, is_causal, layout, rank, batch, heads, heads_kv, seq_q, seq_kv,
+                     head_dim, dtype, compiled, strategy, head_chunks) -> Schedule:
+    """The sparse gather's collectives on ``rank`` (ring_impl.kv_gather.gather_schedule)."""
+    from .kv_gather import gather_plan, gather_refusal, gather_schedule
+
+    refusal = gather_refusal(mask, world_size=world_size, head_chunks=head_chunks, strategy=strategy)
+    if refusal is not None:
+        raise ValueError(f"collective_schedule: {refusal}")
+    if compiled:
+        raise ValueError("collective_schedule: mask= runs eagerly only (compiled=False)")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"collective_schedule: the sparse gather's collectives differ between ranks: pass rank= "
+                         f"(0 <= rank < {world_size}), got {rank!r}")
+    ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
+                  dtype=dtype)  # the same checks of the sizes
+    if is_causal:
+        from .masks import Causal
+
+        mask = Causal() & mask
+    plan = gather_plan(mask, rank=rank, world_size=world_size, layout=layout, seq_q=seq_kv if seq_q is None else seq_q,
+                       seq_kv=seq_kv, batch=batch, heads=heads or 1)
+    return gather_schedule(plan, world_size=world_size, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)

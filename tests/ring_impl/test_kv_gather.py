@@ -1,0 +1,224 @@
+"""``ring_attention(mask=..., sparse_kv=True)``: the sparse gather (ring_impl.kv_gather).
+
+Judged against the float64 oracle (reference.masks / reference.attention, written apart from
+ring_impl) by the numerics policy, over masks, layouts (the balancers' included), dtypes, GQA,
+sinks and the LSE's gradient; its collectives against its declared schedule, and its key/value
+bytes against the minimum computed here from the oracle's visibility (each row a rank's queries
+see, once); bad options raise on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.implementation import DEFAULT_IMPL_SPEC
+from reference import attention_grads
+from reference.budget import assert_close, error_scales
+from reference.masks import visibility
+from tests.ring_impl.test_halo import BATCH, HEAD_DIM, HEADS, _baseline
+
+
+def _skip_other_impls(ring):
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"sparse_kv= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+
+
+def _doc_ids(seq: int) -> list[int]:
+    """Uneven documents crossing shard boundaries, one-token documents, a long one, padding."""
+    lengths = [5, 1, seq // 3, 2, 1, seq // 5]
+    ids: list[int] = []
+    for d, n in enumerate(lengths):
+        ids += [d] * n
+    ids += [len(lengths)] * max(0, seq - 4 - len(ids))
+    return (ids + [-1] * seq)[:seq]
+
+
+def _spec(name: str, seq: int) -> dict:
+    docs = {"kind": "document", "doc_ids": _doc_ids(seq), "causal": True}
+    return {
+        "documents": docs,
+        "documents_full": {**docs, "causal": False},
+        "window": {"kind": "sliding_window", "left": seq // 6, "right": 2},
+        "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
+        "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
+    }[name]
+
+
+def _layout(ctx_or_none, name: str, spec: dict, seq: int, world: int) -> str:
+    """``name``, or for "work_balanced" the work-aware layout of the documents, registered here."""
+    if name != "work_balanced":
+        return name
+    import ring_impl
+    from ring_impl.balance import work_balanced_layout
+    from ring_impl.masks import from_spec
+
+    registered = f"test_gather_work_{seq}_{world}"
+    ring_impl.register_layout(work_balanced_layout(registered, from_spec(spec), seq, world, chunks_per_rank=3),
+                              replace=True)
+    return registered
+
+
+def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, sinks: bool):
+    gen = torch.Generator().manual_seed(seq + heads_kv)
+    q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+    glse = torch.randn(BATCH, HEADS, seq, generator=gen, dtype=torch.float64)
+    s = torch.randn(HEADS, generator=gen, dtype=torch.float64).float() if sinks else None
+    return q, k, v, dout, glse, s
+
+
+def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad):
+    import ring_impl
+    from harness.accounting import CollectiveLog
+    from ring_impl.masks import from_spec
+
+    spec = _spec(name, seq)
+    layout = _layout(ctx, layout_name, spec, seq, ctx.world_size)
+    q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks)
+    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    glse = ring_impl.shard(glse.unsqueeze(-1), ctx.world_size, ctx.rank, layout=layout).squeeze(-1)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    if s is not None:
+        s.requires_grad_(True)
+    with CollectiveLog() as log:
+        with log.phase("forward"):
+            out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), sinks=s, layout=layout,
+                                                op="math" if dtype == torch.float64 else "cpu_flash", return_lse=True,
+                                                sparse_kv=True)
+        with log.phase("backward"):
+            loss = (out * dout).sum()
+            if lse_grad:
+                loss = loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
+            loss.backward()
+    declared = ring_impl.collective_schedule(ctx.world_size, "alltoall", batch=BATCH, heads_kv=heads_kv,
+                                             seq_kv=seq // ctx.world_size, head_dim=HEAD_DIM, dtype=dtype,
+                                             mask=from_spec(spec), layout=layout, rank=ctx.rank, sparse_kv=True)
+    # Each rank's global positions, to count the minimum bytes from the oracle's visibility.
+    positions = [ring_impl.shard(torch.arange(seq).view(1, 1, seq, 1), ctx.world_size, r, layout=layout).flatten()
+                 for r in range(ctx.world_size)]
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "dsinks": None if s is None else s.grad, "log": log.summary(), "declared": declared,
+            "layout": layout, "positions": positions}
+
+
+CASES = [
+    # name, world, layout, dtype, heads_kv, sinks, lse_grad
+    ("documents", 2, "work_balanced", torch.float64, 2, True, False),
+    ("documents", 3, "head_tail", torch.float32, 1, False, True),
+    ("documents_full", 2, "contiguous", torch.float64, 4, False, False),
+    ("window", 3, "contiguous", torch.float64, 2, False, True),
+    ("prefix_lm", 2, "head_tail", torch.float32, 2, True, False),
+    ("documents_window", 4, "work_balanced", torch.bfloat16, 2, False, False),
+]
+
+
+@pytest.mark.parametrize("name,world,layout,dtype,heads_kv,sinks,lse_grad", CASES,
+                         ids=[f"{c[0]}-W{c[1]}-{c[2]}-{str(c[3]).removeprefix('torch.')}-hkv{c[4]}"
+                              f"{'-sinks' if c[5] else ''}{'-lsegrad' if c[6] else ''}" for c in CASES])
+def test_sparse_gather_matches_the_oracle_with_minimum_bytes(ring, name, world, layout, dtype, heads_kv, sinks,
+                                                             lse_grad) -> None:
+    _skip_other_impls(ring)
+    import ring_impl
+
+    seq = 24 * world
+    results = ring.rank_pool(world).run(_run, name, seq, dtype, layout, heads_kv, sinks, lse_grad, timeout=120.0)
+    used_layout = results[0]["layout"]
+    if layout == "work_balanced":  # the parent registers it too, to unshard
+        _layout(None, layout, _spec(name, seq), seq, world)
+    spec = _spec(name, seq)
+    q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks)
+    glse = glse if lse_grad else None
+    vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
+    ref = attention_grads(q, k, v, dout, visible=vis, sinks=s, grad_lse=glse)
+    scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype, grad_lse=glse)
+    op = "math" if dtype == torch.float64 else "cpu_flash"
+    base = _baseline(q, k, v, dout, glse, vis, s, op)  # the same kernel on one device (the policy's B)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    label = f"sparse_kv, {name}, W={world}, {layout}, {dtype}, hkv={heads_kv}, sinks={sinks}, lse_grad={lse_grad}"
+    for n in ("out", "lse", "dq", "dk", "dv"):
+        got = ring_impl.unshard([r[n] for r in results], layout=used_layout).to(torch.float64)
+        want, b = getattr(ref, n), base[n].to(torch.float64)
+        if n == "lse":  # rows that see nothing (and no sink): exactly -inf
+            nothing = torch.isneginf(want)
+            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{label}]"
+            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
+        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{label}]"
+        assert_close(f"{n} [{label}]", got, want, b, world_size=world, dtype=dtype,
+                     result_dtype=lse_dtype if n == "lse" else dtype, scales=scales[n])
+    if sinks:
+        dsinks = sum(r["dsinks"] for r in results)
+        assert_close(f"dsinks [{label}]", dsinks, ref.dsinks, base["dsinks"], world_size=world, dtype=dtype,
+                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
+    seen = vis.any(0).any(0)  # (query, key): some batch entry and head sees it
+    row = 2 * BATCH * heads_kv * HEAD_DIM
+    acc = 8 if dtype == torch.float64 else 4
+    for rank, r in enumerate(results):
+        log, declared, pos = r["log"], r["declared"], r["positions"]
+        assert log == {p: kinds for p, kinds in declared.items() if kinds}, (
+            f"rank {rank}: collectives {log} != declared {declared} [{label}]")
+        # The minimum: this rank's keys that each other rank's queries see, once (forward, input
+        # dtype); back, the dK/dV of the keys of others that its own queries saw (accumulation dtype).
+        sent = sum(int(seen[pos[t]][:, pos[rank]].any(0).sum()) for t in range(world) if t != rank)
+        received = sum(int(seen[pos[rank]][:, pos[t]].any(0).sum()) for t in range(world) if t != rank)
+        assert log["forward"]["all_to_all"]["bytes"] == sent * row * dtype.itemsize, (
+            f"rank {rank}: forward {log['forward']}, the minimum is {sent} rows [{label}]")
+        assert log["backward"]["all_to_all"]["bytes"] == received * row * acc, (
+            f"rank {rank}: backward {log['backward']}, the minimum is {received} rows of dK/dV [{label}]")
+
+
+def test_sparse_gather_sends_a_fraction_of_the_ring_for_documents() -> None:
+    """Packed documents much shorter than a shard (plus one a shard long) under the work-aware
+    layout: the rows some other rank's queries see are few, so the declared bytes are well under
+    the ring's (W - 1) blocks per rank (ci/bench_masks.py measures 0.22 of them at W=2 and 0.31
+    at W=4 on its mix)."""
+    import ring_impl
+    from ring_impl.balance import work_balanced_layout
+    from ring_impl.masks import Documents
+
+    seq, world = 4096, 4
+    lengths = [1024] + [60, 7, 130, 33, 90, 18, 200, 45] * 5
+    lengths.append(seq - sum(lengths))
+    docs = Documents(torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]))
+    ring_impl.register_layout(work_balanced_layout("test_gather_fraction", docs, seq, world), replace=True)
+    kw = dict(batch=1, heads_kv=2, seq_kv=seq // world, head_dim=16, dtype=torch.float32, layout="test_gather_fraction")
+    ring = ring_impl.collective_schedule(world, "alltoall", **kw)["forward"]["all_to_all"]["bytes"]
+    gathered = [ring_impl.collective_schedule(world, "alltoall", mask=docs, rank=r, sparse_kv=True, **kw)
+                ["forward"]["all_to_all"]["bytes"] for r in range(world)]
+    assert max(gathered) < 0.6 * ring, f"sparse gather bytes per rank {gathered}, the ring's {ring}"
+
+
+def _bad(ctx, kind: str):
+    import ring_impl
+    from ring_impl.masks import SlidingWindow
+
+    q = k = v = torch.randn(1, 2, 8, 8)
+    kw = {"mask": SlidingWindow(2), "sparse_kv": True}
+    if kind == "no_mask":
+        kw = {"sparse_kv": True}
+    elif kind == "head_chunks":
+        kw["head_chunks"] = 2
+    elif kind == "halo_too":
+        kw["halo"] = True
+    elif kind == "not_bool":
+        kw["sparse_kv"] = "yes"
+    elif kind == "one_rank_only":
+        kw["sparse_kv"] = ctx.rank == 0
+    ring_impl.ring_attention(q, k, v, group=ctx.group, rotate_method="alltoall", **kw)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind,pattern", [
+    ("no_mask", "sparse_kv=True needs a mask"),
+    ("head_chunks", "pass head_chunks=1"),
+    ("halo_too", "two different exchanges"),
+    ("not_bool", "sparse_kv must be True or False"),
+    ("one_rank_only", "ranks disagree on mask"),
+])
+def test_bad_sparse_options_raise_on_every_rank(ring, kind, pattern) -> None:
+    _skip_other_impls(ring)
+    outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:200]) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    assert all(pattern in o.exc_message for o in outcomes), summary
