@@ -5,6 +5,7 @@
 - :mod:`.math`: a pure-torch op in every dtype (float64 included) and device.
 - :mod:`.cpu`: CPU flash attention and CPU emulations of the CUDA kernels' LSE layouts.
 - :mod:`.cuda`: FlashAttention-2, memory-efficient and cuDNN attention.
+- :mod:`.flex`: flex attention's forward (masks as its ``mask_mod``) with the math op's backward.
 - :mod:`.registry`: names accepted by ``op=`` and the choice of ``op="auto"``.
 - :mod:`.calls`: calling an op (GQA adaptation, the LSE's gradient).
 
@@ -26,6 +27,7 @@ from .contract import (
 )
 from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuFlashOp
 from .cuda import CudaCudnnOp, CudaEfficientOp, CudaFlashOp
+from .flex import FlexOp
 from .math import MathOp
 from .registry import available_ops, get_op, register_op, resolve_op, resolve_scale_and_op
 
@@ -39,6 +41,7 @@ __all__ = [
     "CudaCudnnOp",
     "CudaEfficientOp",
     "CudaFlashOp",
+    "FlexOp",
     "MathOp",
     "OpCapabilities",
     "accumulation_dtype",

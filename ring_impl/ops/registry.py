@@ -9,6 +9,7 @@ import torch
 from .contract import AttentionOp, default_scale, missing_members
 from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuFlashOp
 from .cuda import CudaCudnnOp, CudaEfficientOp, CudaFlashOp
+from .flex import FlexOp
 from .math import MathOp
 
 __all__ = ["available_ops", "get_op", "register_op", "resolve_op", "resolve_scale_and_op"]
@@ -81,7 +82,7 @@ def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.
 
 
 
-for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuCudnnLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaCudnnOp()):
+for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuCudnnLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaCudnnOp(), FlexOp()):
     register_op(_op)
 
 def resolve_scale_and_op(query, scale, op, is_causal) -> tuple[float | None, AttentionOp | None, str | None]:
