@@ -116,8 +116,9 @@ def gather_plan(mask, *, rank: int, world_size: int, layout: str, seq_q: int, se
                           order=None if identity else order.to(device),
                           blocks=visibility_blocks(vis, 0, rank, device))
 
+    # The layouts' runs, not only its name: a layout registered again under the same name is replanned.
     key = ("gather", rank, world_size, layout, seq_q, seq_kv, batch, heads, str(device),
-           tuple(layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size)))
+           *(tuple(layout_runs(layout, n * world_size, world_size, r) for r in range(world_size)) for n in (seq_q, seq_kv)))
     return cached_by_mask(mask, key, build)
 
 
