@@ -88,11 +88,7 @@ DOC_RUNS = (("work_balanced", True), *((layout, False) for layout in DOC_LAYOUTS
 
 
 def sparse_supported() -> bool:
-    import inspect
-
-    from ring_impl import api
-
-    return "sparse_kv" in inspect.signature(api._attend).parameters if hasattr(api, "_attend") else False
+    return takes_keyword("sparse_kv")
 
 
 def doc_run_name(layout: str, sparse: bool) -> str:
@@ -124,17 +120,20 @@ class Bench:
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
-def halo_supported() -> bool:
-    """Whether ``ring_attention`` takes ``halo=`` (being added in parallel to this script).
-    The public function forwards ``**kwargs``, so the keyword is looked up on the function it
-    forwards to as well."""
+def takes_keyword(name: str) -> bool:
+    """Whether ``ring_attention`` takes the keyword ``name`` (``halo``, ``sparse_kv``). The public
+    function forwards ``**kwargs``, so it is looked up on the functions it forwards to as well."""
     import ring_impl
     from ring_impl import api
 
-    for fn in (ring_impl.ring_attention, getattr(api, "_ring_attention", None)):
-        if fn is not None and "halo" in inspect.signature(fn).parameters:
+    for fn in (ring_impl.ring_attention, getattr(api, "_ring_attention", None), getattr(api, "_attend", None)):
+        if fn is not None and name in inspect.signature(fn).parameters:
             return True
     return False
+
+
+def halo_supported() -> bool:
+    return takes_keyword("halo")
 
 
 def document_lengths(b: Bench, seq: int) -> list[int]:
