@@ -17,6 +17,7 @@ from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from reference.masks import visibility
 from tests.ring_impl.test_halo import BATCH, HEAD_DIM, HEADS, _baseline
+from tests.ring_impl.test_masks import every_fourth_head_sees_back
 
 
 def _skip_other_impls(ring):
@@ -42,10 +43,11 @@ def _spec(name: str, seq: int) -> dict:
         "window": {"kind": "sliding_window", "left": seq // 6, "right": 2},
         "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
         "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
+        "mask_mod_per_head": {"kind": "mask_mod", "fn": every_fourth_head_sees_back},  # the union over heads travels
     }[name]
 
 
-def _layout(ctx_or_none, name: str, spec: dict, seq: int, world: int) -> str:
+def _layout(name: str, spec: dict, seq: int, world: int) -> str:
     """``name``, or for "work_balanced" the work-aware layout of the documents, registered here."""
     if name != "work_balanced":
         return name
@@ -75,7 +77,7 @@ def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad):
     from ring_impl.masks import from_spec
 
     spec = _spec(name, seq)
-    layout = _layout(ctx, layout_name, spec, seq, ctx.world_size)
+    layout = _layout(layout_name, spec, seq, ctx.world_size)
     q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks)
     q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
     glse = ring_impl.shard(glse.unsqueeze(-1), ctx.world_size, ctx.rank, layout=layout).squeeze(-1)
@@ -111,6 +113,7 @@ CASES = [
     ("window", 3, "contiguous", torch.float64, 2, False, True),
     ("prefix_lm", 2, "head_tail", torch.float32, 2, True, False),
     ("documents_window", 4, "work_balanced", torch.bfloat16, 2, False, False),
+    ("mask_mod_per_head", 3, "head_tail", torch.float64, 2, False, False),
 ]
 
 
@@ -126,7 +129,7 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(ring, name, world, 
     results = ring.rank_pool(world).run(_run, name, seq, dtype, layout, heads_kv, sinks, lse_grad, timeout=120.0)
     used_layout = results[0]["layout"]
     if layout == "work_balanced":  # the parent registers it too, to unshard
-        _layout(None, layout, _spec(name, seq), seq, world)
+        _layout(layout, _spec(name, seq), seq, world)
     spec = _spec(name, seq)
     q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks)
     glse = glse if lse_grad else None
