@@ -45,8 +45,8 @@ window
     (``harness.accounting.CollectiveLog``; all-gather ``(W-1) x input``, all-to-all ``input``,
     send ``bytes``, as ci/bench_ring.py counts them), against the halo minimum: forward
     ``window`` rows of key and value from the left neighbour; backward their dK/dV back in float32
-    (the forward's halo rows kept; a path that sends them again exceeds it). ``--halo auto|on|off`` is passed as ``ring_attention(..., halo=...)``
-    to the window's ring when that keyword exists, and ignored (with a note) otherwise.
+    (the forward's halo rows kept; a path that sends them again exceeds it). ``--halo auto|on|off``
+    is passed to the window's ring as ``ring_attention(..., halo=None|True|False)``.
 
 Timing: one warm-up repetition at ``--warmup-seq`` (its own documents and layout; it also
 checks every configuration's output and dQ against the full-mask baseline), then ``--repeat``
@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import itertools
 import json
 import math
@@ -82,13 +81,8 @@ from ci.bench_ring import KernelTimer, _sent_bytes, _timed_ring_op
 
 #: the layouts of the documents benchmark; "work_balanced" is registered per (seq, W)
 DOC_LAYOUTS = ("work_balanced", "head_tail", "contiguous")
-#: The documents' ring configurations: (layout, sparse_kv); the sparse gather only where
-#: ring_attention takes sparse_kv= (ring_impl.kv_gather).
+#: The documents' ring configurations: (layout, sparse_kv: the sparse gather, ring_impl.kv_gather).
 DOC_RUNS = (("work_balanced", True), *((layout, False) for layout in DOC_LAYOUTS))
-
-
-def sparse_supported() -> bool:
-    return takes_keyword("sparse_kv")
 
 
 def doc_run_name(layout: str, sparse: bool) -> str:
@@ -118,22 +112,6 @@ class Bench:
     chunks_per_rank: int = 8
     halo: str | None = None
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
-
-
-def takes_keyword(name: str) -> bool:
-    """Whether ``ring_attention`` takes the keyword ``name`` (``halo``, ``sparse_kv``). The public
-    function forwards ``**kwargs``, so it is looked up on the functions it forwards to as well."""
-    import ring_impl
-    from ring_impl import api
-
-    for fn in (ring_impl.ring_attention, getattr(api, "_ring_attention", None), getattr(api, "_attend", None)):
-        if fn is not None and name in inspect.signature(fn).parameters:
-            return True
-    return False
-
-
-def halo_supported() -> bool:
-    return takes_keyword("halo")
 
 
 def document_lengths(b: Bench, seq: int) -> list[int]:
@@ -275,8 +253,6 @@ def _configs(world: int, b: Bench) -> list[dict[str, Any]]:
         out.append({"name": f"docs single per-document {t}t", "part": "documents", "impl": "single",
                     "fn": "documents", "threads": t})
     for layout, sparse in DOC_RUNS:
-        if sparse and not sparse_supported():
-            continue
         out.append({"name": doc_run_name(layout, sparse), "part": "documents", "impl": "ring", "layout": layout,
                     "sparse": sparse})
     for t in threads:
@@ -352,7 +328,7 @@ def _bench_rank(rank: int, world: int, b_dict: dict) -> dict:
     timer = KernelTimer()
     ring_op = _timed_ring_op(timer)
     # --halo auto|on|off is ring_attention(halo=None|True|False)
-    halo = {"halo": {"auto": None, "on": True, "off": False}[b.halo]} if b.halo is not None and halo_supported() else {}
+    halo = {"halo": {"auto": None, "on": True, "off": False}[b.halo]} if b.halo is not None else {}
     cases = {False: _case(b, b.warmup_seq, rank, world, reference=True) if b.warmup else None,
              True: _case(b, b.seq, rank, world, reference=False)}
     configs = _configs(world, b)
@@ -408,7 +384,7 @@ def _bench_rank(rank: int, world: int, b_dict: dict) -> dict:
             with log:
                 _ring_call(cases[True], c, b, ring_op, halo, log)
             results[c["name"]]["traffic"] = log.summary()
-    return {"results": results, "halo_passed": b.halo if halo else None}
+    return {"results": results, "halo_passed": b.halo}
 
 
 # ------------------------------------------------------------------------------------------
@@ -504,8 +480,6 @@ def analyse(b: Bench, raw: dict) -> dict:
                 for part, fn in (("docs", "full-mask"), ("docs", "per-document"), ("window", "full-mask"),
                                  ("window", "banded"))}
         for layout, sparse in DOC_RUNS:
-            if doc_run_name(layout, sparse) not in rows:
-                continue
             r = rows[doc_run_name(layout, sparse)]
             work = rank_work(layouts[layout], docs, b.seq, world)
             area = kernel_area(layouts[layout], docs, b.seq, world, sparse)
@@ -652,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rotate", default=Bench.rotate, choices=("allgather", "alltoall", "p2p"),
                         help="Rotation method of the ring")
     parser.add_argument("--halo", choices=HALO_CHOICES,
-                        help="ring_attention(halo=...) for the window, where ring_attention takes it (else ignored)")
+                        help="ring_attention(halo=None|True|False) for the window (default: not passed, i.e. None)")
     parser.add_argument("--out", default="reports/bench", help="Output directory for masks.json")
     args = parser.parse_args(argv)
 
@@ -671,15 +645,11 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--seq/--warmup-seq {seq} must be a multiple of {unit} at W={world} "
                              f"(the work-aware layout cuts {b.chunks_per_rank} chunks per rank)")
     if args.halo is not None:
-        if halo_supported():
-            b.halo = args.halo
-        else:
-            print(f"--halo {args.halo}: ring_attention takes no halo= keyword here; ignored", file=sys.stderr)
+        b.halo = args.halo
     import torch
 
     env = {"torch": torch.__version__, "python": platform.python_version(), "cores": b.cores,
-           "machine": platform.machine(), "load_before": load_average(), "argv": sys.argv[1:],
-           "halo_keyword": halo_supported()}
+           "machine": platform.machine(), "load_before": load_average(), "argv": sys.argv[1:]}
     t0 = time.perf_counter()
     raw = run(b)
     env["load_after"] = load_average()

@@ -109,21 +109,13 @@ def collective_schedule(
                                  seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
                                  head_chunks=head_chunks, return_lse=return_lse)
     if mask is not None and halo is not False and world_size > 1 and strategy == "ring":
-        folded = mask
-        if is_causal:
-            from .masks import Causal
-
-            folded = Causal() & mask
+        folded = _folded(mask, is_causal)
         seq_q = seq_kv if seq_q is None else seq_q
         refusal = halo_refusal(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
         if refusal is None:
-            if compiled:
-                raise ValueError("collective_schedule: mask= runs eagerly only (compiled=False)")
-            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-                raise ValueError(f"collective_schedule: this call takes the halo exchange, whose collectives differ "
-                                 f"between the end ranks and the others: pass rank= (0 <= rank < {world_size}), got {rank!r}")
-            ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
-                          dtype=dtype)  # the same checks of the sizes
+            _check_per_rank_path("this call takes the halo exchange, whose collectives differ between the end ranks "
+                                 "and the others", world_size, rotate_method, rank=rank, compiled=compiled, batch=batch,
+                                 heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype)
             reach = halo_reach(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
             assert reach is not None
             return halo_schedule(world_size, rank, *reach, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
@@ -141,17 +133,28 @@ def _gather_schedule(world_size, rotate_method, *, mask, is_causal, layout, rank
     refusal = gather_refusal(mask, world_size=world_size, head_chunks=head_chunks, strategy=strategy)
     if refusal is not None:
         raise ValueError(f"collective_schedule: {refusal}")
+    _check_per_rank_path("the sparse gather's collectives differ between ranks", world_size, rotate_method, rank=rank,
+                         compiled=compiled, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype)
+    plan = gather_plan(_folded(mask, is_causal), rank=rank, world_size=world_size, layout=layout, seq_q=seq_kv if seq_q is None else seq_q,
+                       seq_kv=seq_kv, batch=batch, heads=heads or 1)
+    return gather_schedule(plan, world_size=world_size, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
+
+
+def _folded(mask, is_causal: bool):
+    """The mask the call runs: ``mask``, intersected with causal for ``is_causal`` (as ring_attention folds it)."""
+    if not is_causal:
+        return mask
+    from .masks import Causal
+
+    return Causal() & mask
+
+
+def _check_per_rank_path(why_rank: str, world_size: int, rotate_method: str, *, rank, compiled: bool, batch: int,
+                         heads_kv: int, seq_kv: int, head_dim: int, dtype: torch.dtype) -> None:
+    """The checks of a masked path whose collectives depend on the rank (the halo exchange, the
+    sparse gather): eager only, ``rank`` given, and the sizes as the ring checks them."""
     if compiled:
         raise ValueError("collective_schedule: mask= runs eagerly only (compiled=False)")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"collective_schedule: the sparse gather's collectives differ between ranks: pass rank= "
-                         f"(0 <= rank < {world_size}), got {rank!r}")
-    ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
-                  dtype=dtype)  # the same checks of the sizes
-    if is_causal:
-        from .masks import Causal
-
-        mask = Causal() & mask
-    plan = gather_plan(mask, rank=rank, world_size=world_size, layout=layout, seq_q=seq_kv if seq_q is None else seq_q,
-                       seq_kv=seq_kv, batch=batch, heads=heads or 1)
-    return gather_schedule(plan, world_size=world_size, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
+        raise ValueError(f"collective_schedule: {why_rank}: pass rank= (0 <= rank < {world_size}), got {rank!r}")
+    ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype)
