@@ -10,7 +10,7 @@ import torch
 from .group import RingGroup, resolve_group
 from .halo import halo_attention_fn, halo_reach, halo_refusal
 from .kv_gather import gather_attention_fn, gather_refusal
-from .masks import Causal, mask_code, masking_problem
+from .masks import fold_causal, mask_code, masking_problem
 from .ops import AttentionOp, resolve_scale_and_op
 from .ring import RingAttention, RingConfig, ring_attention_fn
 from .sinks import with_sinks
@@ -93,7 +93,7 @@ def _attend(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
         op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
     ) or masking_problem(query, key, mask, sinks, world_size=world)
-    folded = None if mask is None else (Causal() & mask if is_causal else mask)
+    folded = fold_causal(mask, is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
     if problem is None:

@@ -220,8 +220,7 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
     acc = impl.accumulation_dtype(query.dtype)
     dq = torch.zeros(query.shape, dtype=acc, device=query.device)
     dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)
-    finite = bool(blocks) and impl.all_finite(query, ext, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0)) and (
-        grad_lse is None or impl.all_finite(grad_lse))
+    finite = bool(blocks) and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
     for block in blocks:
         (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
         extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}

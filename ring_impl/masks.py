@@ -330,6 +330,13 @@ class MaskMod(Mask):
         return f"mask_mod({name},unprobed)"
 
 
+def fold_causal(mask: Mask | None, is_causal) -> Mask | None:
+    """The mask a call runs: ``mask`` intersected with ``Causal()`` when ``is_causal`` (None stays None)."""
+    if mask is None or not is_causal:
+        return mask
+    return Causal() & mask
+
+
 #: The masks whose description determines them (Mask.exact_digest).
 _EXACT_TYPES = frozenset({Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM, Documents, And, Or})
 

@@ -150,6 +150,12 @@ class RingAttention:
         # tensor whose sum overflows only loses the shortcut.
         return all(bool(torch.isfinite(t.sum())) for t in tensors)
 
+    def rows_finite(self, query, out, grad_out, lse, grad_lse=None) -> bool:
+        """:meth:`all_finite` of a backward's row inputs; LSE -inf (rows that see nothing) counts
+        as finite, since the propagation treats it as nothing seen too."""
+        return self.all_finite(query, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0)) and (
+            grad_lse is None or self.all_finite(grad_lse))
+
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
         return get_transport(cfg.rotate_method)
@@ -260,9 +266,7 @@ class RingAttention:
         #   pass_grads       stages that accumulator for the next hop (flushes it at s = W-1: home)
         #   grads_home       after the loop: this rank's own accumulator, plus its step-0 part
         rotation.block(0)
-        # lse: -inf on rows that see nothing, which the propagation treats as nothing seen too
-        rows_finite = self.all_finite(query, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0)) and (
-            grad_lse is None or self.all_finite(grad_lse))
+        rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse)
         order = plans if transport.own_block_first(cfg.group.world_size) else plans[1:] + plans[:1]
         own = None  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:

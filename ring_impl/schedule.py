@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 
 from .halo import halo_reach, halo_refusal, halo_schedule
+from .masks import fold_causal
 from .ring_schedule import Schedule, ring_schedule
 from .strategies.schedule import strategy_schedule
 
@@ -109,7 +110,7 @@ def collective_schedule(
                                  seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
                                  head_chunks=head_chunks, return_lse=return_lse)
     if mask is not None and halo is not False and world_size > 1 and strategy == "ring":
-        folded = _folded(mask, is_causal)
+        folded = fold_causal(mask, is_causal)
         seq_q = seq_kv if seq_q is None else seq_q
         refusal = halo_refusal(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
         if refusal is None:
@@ -135,18 +136,9 @@ def _gather_schedule(world_size, rotate_method, *, mask, is_causal, layout, rank
         raise ValueError(f"collective_schedule: {refusal}")
     _check_per_rank_path("the sparse gather's collectives differ between ranks", world_size, rotate_method, rank=rank,
                          compiled=compiled, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype)
-    plan = gather_plan(_folded(mask, is_causal), rank=rank, world_size=world_size, layout=layout, seq_q=seq_kv if seq_q is None else seq_q,
+    plan = gather_plan(fold_causal(mask, is_causal), rank=rank, world_size=world_size, layout=layout, seq_q=seq_kv if seq_q is None else seq_q,
                        seq_kv=seq_kv, batch=batch, heads=heads or 1)
     return gather_schedule(plan, world_size=world_size, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
-
-
-def _folded(mask, is_causal: bool):
-    """The mask the call runs: ``mask``, intersected with causal for ``is_causal`` (as ring_attention folds it)."""
-    if not is_causal:
-        return mask
-    from .masks import Causal
-
-    return Causal() & mask
 
 
 def _check_per_rank_path(why_rank: str, world_size: int, rotate_method: str, *, rank, compiled: bool, batch: int,

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..masks import Causal, mask_code, masking_problem, visibility
+from ..masks import fold_causal, mask_code, masking_problem, visibility
 from ..ops import AttentionOp, resolve_scale_and_op
 from ..ring import RingAttention, RingConfig
 from ..sinks import with_sinks
@@ -63,7 +63,7 @@ def strategy_attention(
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert op_obj is not None and effective_scale is not None
-    folded = None if mask is None else (Causal() & mask if is_causal else mask)
+    folded = fold_causal(mask, is_causal)
     ring_cfg = None
     if strategy == "hybrid":
         # The mask goes to the ring across rows: a row's shard is the ring layout's over R ranks
