@@ -1,6 +1,7 @@
 """Deliberately broken rings for masks and load balance (shared/bug-classes.md, "Masks" and
 "Balance"), each caught by the balance suite (``suites/test_balance.py``), which sees every
-(query, key) pair the kernels compute and every rank's work.
+(query, key) pair the kernels compute and every rank's work, or by the mask suite
+(``suites/test_masks.py``), which judges outputs and gradients in the balancers' layouts.
 
 - ``window_off_by_one_at_block_edge``: the sliding window lets in one key too many, exactly
   where a key/value block begins (a bound checked with ``>`` at the block's first key).
@@ -10,6 +11,9 @@
   once, equal shares, increasing order: its layout passes every layout check, the outputs are
   right) but deals the longest documents out first, filling rank 0, then rank 1, ...: one rank
   gets the long documents and most of the work.
+- ``backward_plans_balanced_layout_as_contiguous``: the forward runs a balancer's layout, the
+  backward plans it as ``contiguous`` (a backward that knows the built-in layouts only). The
+  forward's kernel calls are exactly right, so the balance suite (forward only) passes it.
 
 Each is ring_impl with one part replaced, wrapped as an implementation under test
 (``--impl meta_tests.broken_masks:<NAME>``); ``meta_tests/test_suite_catches_bugs.py`` runs the
@@ -112,6 +116,16 @@ class DocumentsAtLocalPositions(RingAttention):
         return super().plan(cfg, seq_q, seq_kv)
 
 
+# ------------------------------------------------------------------------ a backward on the wrong layout
+
+
+class BackwardPlansBalancedLayoutAsContiguous(RingAttention):
+    def backward(self, cfg, grad_out, query, key, value, out, lse, grad_lse=None):
+        if cfg.layout not in ring_impl.LAYOUTS:
+            cfg = replace(cfg, layout="contiguous")
+        return super().backward(cfg, grad_out, query, key, value, out, lse, grad_lse)
+
+
 # ------------------------------------------------------------------------ a balancer that piles up work
 
 
@@ -153,6 +167,11 @@ BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
     Broken("balancer_long_documents_on_one_rank", "balance: a correct per-document balancer that gives one rank most of the work",
            r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
            LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"), suites="suites/test_balance.py"),
+    Broken("backward_plans_balanced_layout_as_contiguous",
+           "balance: the backward plans a balancer's layout as another (the forward is right)",
+           r"the backward did not run the layout the forward ran",
+           RingImplAdapter(BackwardPlansBalancedLayoutAsContiguous(), name="backward_plans_balanced_layout_as_contiguous"),
+           suites="suites/test_masks.py"),
 ]}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_masks:<name>.

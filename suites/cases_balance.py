@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+import pytest
 import torch
 
 from conformance.implementation import load_implementation, load_op
@@ -28,7 +29,7 @@ from suites.cases import CountingOp, RingCase
 from suites.inputs import InputSpec, make_inputs
 
 __all__ = ["BALANCER_LAYOUTS", "FAMILIES", "BalanceCase", "BlockFinding", "balance_case", "family_spec", "judge_pairs",
-           "lognormal_documents", "runs_problem", "seq_len_for"]
+           "lognormal_documents", "require_balancer", "runs_problem", "seq_len_for"]
 
 #: Mask families of the balance suite.
 FAMILIES = ("causal", "documents", "window", "documents_window")
@@ -85,6 +86,18 @@ class BalanceCase(RingCase):
     def label(self) -> str:
         return (f"ring_attention(W={self.world_size}, mask={self.family}, layout={self.layout}, "
                 f"rotate={self.rotate_method}, seq={self.inputs.seq_q})")
+
+
+def require_balancer(ring, balancer: str) -> None:
+    """N/A unless the implementation claims ``balancer``; a claim without a callable
+    ``balanced_layout`` fails (the suite cannot build the layout it claims)."""
+    __tracebackhide__ = True
+    ring.require("balancers", balancer)
+    if not callable(getattr(ring.impl.obj, "balanced_layout", None)):
+        pytest.fail(f"{ring.impl.name} claims capabilities.balancers {balancer!r} (undeclared means claimed) but "
+                    "has no callable balanced_layout: add balanced_layout(balancer, mask, seq_len, world_size) -> "
+                    "(layout, runs) (see conformance/implementation.py) or declare capabilities.balancers without it",
+                    pytrace=False)
 
 
 def case_inputs(world_size: int, seed: int = 0) -> InputSpec:

@@ -1,6 +1,11 @@
 """Cases of the mask suite: a ring case with a mask (by name, built on the global sequence) and
 optionally per-head sink logits; the rank function and the judge.
 
+A case's layout is a built-in one or a balancer's (``document_head_tail``, ``work_aware``): then
+every rank asks the implementation's ``balanced_layout`` for it, and the ranks' runs of global
+positions shard the inputs and unshard the results. A case's mask is a named one
+(:func:`mask_spec`) or plain data given as JSON (``mask_json``: a generated mask).
+
 The judge holds every quantity to the numerics policy (reference.budget) against the float64
 oracle with the same mask (reference.masks, written independently of ring_impl.masks), with
 the single-device baseline of the same kernel given the same mask (rows that see nothing: out 0,
@@ -10,6 +15,7 @@ LSE -inf, as the contract says, whatever the kernel returns there).
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +24,13 @@ import torch
 from conformance.implementation import load_implementation
 from reference.budget import Verdict, check, error_scales
 from reference.layout import shard as oracle_shard
-from reference.layout import unshard as oracle_unshard
 from reference.masks import visibility
 from suites.cases import RingCase
+from suites.cases_balance import BALANCER_LAYOUTS, runs_problem
 from suites.inputs import InputSpec, make_inputs
 
-__all__ = ["MASK_NAMES", "MaskCase", "diagnose_masked", "judge_masked", "mask_spec", "masked_case", "per_head_window"]
+__all__ = ["MASK_NAMES", "MaskCase", "diagnose_masked", "documents", "judge_masked", "mask_spec", "masked_case", "per_head_window",
+           "rank_positions"]
 
 MASK_NAMES = ("causal", "documents", "documents_full", "documents_with_gaps", "one_token_documents", "window_narrow", "window_wide",
               "chunked_causal", "prefix_lm", "documents_window", "mask_mod")
@@ -35,7 +42,7 @@ def per_head_window(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & ((h % 2 == 0) | (kv_idx >= q_idx - 3))
 
 
-def _documents(seq: int, lengths: list[int]) -> list[int]:
+def documents(seq: int, lengths: list[int]) -> list[int]:
     """Document ids for consecutive documents of ``lengths`` (a negative length: that many
     padding tokens), padding after the last."""
     ids, d = [], 0
@@ -52,14 +59,14 @@ def mask_spec(name: str, seq: int) -> dict[str, Any]:
     """The plain-data mask (reference.masks) called ``name`` on a global sequence of ``seq``."""
     # Uneven documents crossing shard boundaries, one shorter than a shard, a one-token one, and
     # padding (-1) at the end.
-    docs = {"kind": "document", "doc_ids": _documents(seq, [5, 1, seq // 3, 2, seq // 4]), "causal": True}
+    docs = {"kind": "document", "doc_ids": documents(seq, [5, 1, seq // 3, 2, seq // 4]), "causal": True}
     specs: dict[str, dict[str, Any]] = {
         "causal": {"kind": "causal"},
         "documents": docs,
         "documents_full": {**docs, "causal": False},
         # padding between documents, inside shards: rows that see nothing amid rows that do
-        "documents_with_gaps": {"kind": "document", "doc_ids": _documents(seq, [3, -2, seq // 4, -3, seq // 3]), "causal": True},
-        "one_token_documents": {"kind": "document", "doc_ids": _documents(seq, [1] * (seq - 2)), "causal": True},
+        "documents_with_gaps": {"kind": "document", "doc_ids": documents(seq, [3, -2, seq // 4, -3, seq // 3]), "causal": True},
+        "one_token_documents": {"kind": "document", "doc_ids": documents(seq, [1] * (seq - 2)), "causal": True},
         "window_narrow": {"kind": "sliding_window", "left": max(1, seq // 12), "right": 0},
         "window_wide": {"kind": "sliding_window", "left": seq // 2, "right": 2},
         "chunked_causal": {"kind": "chunked_causal", "chunk": max(1, seq // 3)},
@@ -72,12 +79,26 @@ def mask_spec(name: str, seq: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class MaskCase(RingCase):
+    """``mask``: a name of :data:`MASK_NAMES`, or a label for ``mask_json`` (a generated mask's
+    plain data, reference.masks' form, as JSON). ``layout``: built in, or a balancer's name
+    (:data:`suites.cases_balance.BALANCER_LAYOUTS`)."""
+
     mask: str = "causal"
     sinks: bool = False
+    mask_json: str = ""
+
+    @property
+    def balancer(self) -> str | None:
+        return self.layout if self.layout in BALANCER_LAYOUTS else None
+
+    def mask_data(self) -> dict[str, Any]:
+        """The mask's plain data (reference.masks) on the case's global sequence."""
+        return json.loads(self.mask_json) if self.mask_json else mask_spec(self.mask, self.inputs.seq_q)
 
     @property
     def label(self) -> str:
-        return RingCase.label.fget(self)[:-1] + f", mask={self.mask}, sinks={self.sinks})"  # type: ignore[attr-defined]
+        data = f", mask_data={self.mask_json}" if self.mask_json else ""
+        return RingCase.label.fget(self)[:-1] + f", mask={self.mask}, sinks={self.sinks}{data})"  # type: ignore[attr-defined]
 
 
 def _sinks(spec: InputSpec) -> torch.Tensor:
@@ -96,11 +117,24 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     spec = case.inputs
     g = make_inputs(spec)
     w, r = ctx.world_size, ctx.rank
-    q, k, v = (oracle_shard(t, case.layout, w, r).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
-    dout = oracle_shard(g.grad_out, case.layout, w, r).to(ctx.device)
+    mask = from_spec(case.mask_data())
+    layout, runs = case.layout, None
+    if case.balancer is not None:  # the implementation's balancer builds the layout on every rank
+        layout, runs = impl.obj.balanced_layout(case.balancer, mask, spec.seq_q, w)
+        runs = tuple(tuple((int(a), int(b)) for a, b in rank_runs) for rank_runs in runs)
+        mine = torch.cat([torch.arange(a, b) for a, b in runs[r]]) if runs[r] else torch.zeros(0, dtype=torch.int64)
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(2, mine)
+    else:
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return oracle_shard(t, case.layout, w, r)
+
+    q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
+    dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
     kwargs: dict[str, Any] = dict(group=ctx.group, is_causal=False, scale=spec.scale, rotate_method=case.rotate_method,
-                                  layout=case.layout, return_lse=True, mask=from_spec(mask_spec(case.mask, spec.seq_q)))
+                                  layout=layout, return_lse=True, mask=mask)
     if sinks is not None:
         kwargs["sinks"] = sinks
     if case.op is not None:
@@ -110,7 +144,35 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     out, lse = impl.obj.ring_attention(q, k, v, **kwargs)
     out.backward(dout)
     return {"out": out.detach().cpu(), "lse": lse.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(),
-            "dv": v.grad.cpu(), "dsinks": None if sinks is None else sinks.grad.cpu()}
+            "dv": v.grad.cpu(), "dsinks": None if sinks is None else sinks.grad.cpu(), "runs": runs}
+
+
+def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """Per rank, the global positions of its local rows: the built-in layout's (the reference's
+    own), or the runs the balancer gave every rank (held to the layout rules, and equal on
+    every rank: AssertionError otherwise)."""
+    from reference.layout import positions
+
+    w, seq = case.world_size, case.inputs.seq_q
+    if case.balancer is None:
+        return [positions(case.layout, w, r, seq) for r in range(w)]
+    runs = [res.get("runs") for res in results]
+    problem = runs_problem(runs[0], seq, w) if runs[0] is not None else "balanced_layout returned no runs"
+    if problem is None and any(rr != runs[0] for rr in runs):
+        problem = "the ranks got different runs from equal balanced_layout calls"
+    if problem:
+        raise AssertionError(f"the {case.balancer} balancer's layout breaks the layout rules: {problem} [{case.label}]")
+    return [torch.cat([torch.arange(a, b) for a, b in rr]) if rr else torch.zeros(0, dtype=torch.int64) for rr in runs[0]]
+
+
+def _unshard(parts: list[torch.Tensor], pos: list[torch.Tensor]) -> torch.Tensor:
+    """The global tensor (sequence dim 2) from every rank's local rows at global positions ``pos``."""
+    shape = list(parts[0].shape)
+    shape[2] = sum(len(p) for p in pos)
+    whole = parts[0].new_zeros(shape)
+    for part, p in zip(parts, pos):
+        whole[:, :, p] = part
+    return whole
 
 
 def _result_dtypes(dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -119,7 +181,7 @@ def _result_dtypes(dtype: torch.dtype) -> dict[str, torch.dtype]:
 
 
 @functools.lru_cache(maxsize=64)
-def _baseline(spec: InputSpec, mask: str, sinks: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
+def _baseline(spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
     """The same kernel on one device (CPU) with the whole sequence and the mask: the policy's B."""
     from conformance.implementation import load_op
     from ring_impl.lse import normalize_lse
@@ -129,7 +191,8 @@ def _baseline(spec: InputSpec, mask: str, sinks: bool, op_spec: str | None) -> d
     g = make_inputs(spec)
     scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
     op = resolve_op("auto", torch.device("cpu"), spec.torch_dtype, spec.head_dim) if op_spec in (None, "auto") else load_op(op_spec)
-    vis = visibility(mask_spec(mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    data = json.loads(mask_json) if mask_json else mask_spec(mask, spec.seq_q)
+    vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
     masked_op = op if op.capabilities.masks else resolve_op("math", torch.device("cpu"), spec.torch_dtype, spec.head_dim)
     out, raw = call_forward(op, g.query, g.key, g.value, is_causal=False, scale=scale, visible=vis)
     lse = normalize_lse(raw, batch=spec.batch, heads=spec.heads, seq_q=spec.seq_q, layout=masked_op.capabilities.lse_layout)
@@ -162,13 +225,14 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
 
     spec, w = case.inputs, case.world_size
     g = make_inputs(spec)
-    vis = visibility(mask_spec(case.mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    vis = visibility(case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
     sinks = _sinks(spec) if case.sinks else None
     ref = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, sinks=sinks, scale=spec.scale)
     # Magnitudes without the sink term: it only lowers each probability, so these bound them.
     scales = error_scales(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale, sinks=sinks,
                           input_dtype=spec.torch_dtype)
-    base = _baseline(spec, case.mask, case.sinks, case.op or baseline_op)
+    base = _baseline(spec, case.mask, case.mask_json, case.sinks, case.op or baseline_op)
+    pos = rank_positions(case, results)
     dtypes = _result_dtypes(spec.torch_dtype)
     verdicts = []
     for name in ("out", "lse", "dq", "dk", "dv"):
@@ -176,7 +240,7 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
         if any(p is None for p in parts):
             raise AssertionError(f"{name}: a rank returned no {name} (masked ring_attention with return_lse=True "
                                  "returns (out, lse) and gradients for query, key, value)")
-        got = oracle_unshard(parts, case.layout).to(torch.float64)
+        got = _unshard(parts, pos).to(torch.float64)
         want, b = getattr(ref, name), base[name].to(torch.float64)
         if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
             nothing = torch.isneginf(want)
@@ -202,13 +266,13 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
 def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
     """Name the mask bug classes the output's errors point at, or ""."""
     from reference import attention
-    from reference.layout import positions
 
     spec, w = case.inputs, case.world_size
     g = make_inputs(spec)
-    vis = visibility(mask_spec(case.mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    vis = visibility(case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
     ref = attention(g.query, g.key, g.value, visible=vis, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale)
-    got = oracle_unshard([r["out"] for r in results], case.layout).to(torch.float64)
+    pos = rank_positions(case, results)
+    got = _unshard([r["out"] for r in results], pos).to(torch.float64)
     invented = ~torch.isfinite(got) & torch.isfinite(ref.out)
     if bool(invented.any()):
         rows = sorted({int(i) for i in invented.nonzero()[:, 2].tolist()})[:8]
@@ -221,13 +285,27 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         tol = 1e-3 * max(1.0, float(ref.out.abs().max()))
         dropped = []
         for r in range(w):
-            rows = positions(case.layout, w, r, spec.seq_q)
+            rows = pos[r]
             mine, want, without = got[:, :, rows], ref.out[:, :, rows], plain[:, :, rows]
             if float((mine - want).abs().max()) > tol and float((mine - without).abs().max()) <= tol:
                 dropped.append(r)
         if dropped:
             return (f"the rows of rank(s) {dropped} equal attention without the sink term: the sinks were not "
                     "applied on those ranks (every rank adds exp(sink) to each row's softmax)")
+    if case.balancer is not None:  # forward right, gradients wrong: only the backward saw another layout
+        from reference import attention_grads
+
+        grads = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, sinks=_sinks(spec) if case.sinks else None,
+                                scale=spec.scale)
+
+        def off(name: str, want: torch.Tensor) -> bool:
+            mine = _unshard([r[name] for r in results], pos).to(torch.float64)
+            return float((mine - want).abs().max()) > 1e-2 * max(1.0, float(want.abs().max()))
+
+        if not off("out", ref.out) and any(off(n, getattr(grads, n)) for n in ("dq", "dk", "dv")):
+            return (f"out is right but the gradients are not, in the {case.balancer} balancer's layout: the backward did "
+                    "not run the layout the forward ran (it must plan the same runs of global positions, not a "
+                    "built-in layout's)")
     row_err = (got - ref.out).abs().amax(dim=(0, 1, 3))  # (seq,)
     bad = row_err > 1e-2 * max(1.0, float(ref.out.abs().max()))
     if not bool(bad.any()):
@@ -238,9 +316,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
     seen = vis.any(0).any(0)  # (seq_q, seq_kv)
     hidden_somewhere = torch.zeros(spec.seq_q, dtype=torch.bool)
     for r in range(w):
-        q_pos = positions(case.layout, w, r, spec.seq_q)
+        q_pos = pos[r]
         for kv_r in range(w):
-            k_pos = positions(case.layout, w, kv_r, spec.seq_kv)
+            k_pos = pos[kv_r]
             block = seen[q_pos][:, k_pos]
             if bool(block.any()):
                 hidden_somewhere[q_pos] |= ~block.any(1)

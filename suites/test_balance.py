@@ -38,6 +38,7 @@ from suites.cases_balance import (
     case_inputs,
     family_spec,
     judge_pairs,
+    require_balancer,
     runs_problem,
     window_left,
 )
@@ -140,12 +141,7 @@ def _prepare(ring, case: BalanceCase) -> BalanceCase:
     if case.balancer is None:
         ring.require("layouts", case.layout)
     else:
-        ring.require("balancers", case.balancer)
-        if not callable(getattr(ring.impl.obj, "balanced_layout", None)):
-            pytest.fail(f"{ring.impl.name} claims capabilities.balancers {case.balancer!r} (undeclared means claimed) but "
-                        "has no callable balanced_layout: add balanced_layout(balancer, mask, seq_len, world_size) -> "
-                        "(layout, runs) (see conformance/implementation.py) or declare capabilities.balancers without it",
-                        pytrace=False)
+        require_balancer(ring, case.balancer)
     rotate = next((m for m in (case.rotate_method, *ROTATIONS) if ring.caps.claims("rotate_methods", m)), None)
     if rotate is None:
         ring.require("rotate_methods", case.rotate_method)

@@ -1,32 +1,42 @@
 """Masks under context parallelism: packed documents (causal and full, uneven, crossing shard
 boundaries, one-token documents, padding), sliding windows narrower and wider than a shard,
 chunked causal, prefix-LM, documents combined with a window, a head-dependent mask_mod, and
-attention sinks; every rotation, both layouts, W 1..4 (nightly 5..8), float64/float32/bfloat16,
-GQA. Judged against the float64 oracle with the same mask (reference.masks) by the numerics
+attention sinks; every rotation, both built-in layouts and the layouts the implementation's
+balancers build for the mask (``document_head_tail``, ``work_aware``: sharded and unsharded by the
+runs it returns), W 1..4 (nightly 5..8), float64/float32/bfloat16, GQA. Judged against the float64 oracle with the same mask (reference.masks) by the numerics
 policy; rows that see nothing must come back as nothing (out 0, LSE -inf).
 
-Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles) and
-``sinks``; undeclared claims them.
+Beside the named zoo, a Hypothesis property draws masks (documents of any lengths with padding
+anywhere, windows of any extents, chunked causal, prefix-LM, their ``and``/``or``) with any
+layout, balancer, rotation, world size, dtype, GQA and sinks, and judges each the same way.
+
+Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles),
+``sinks``, ``layouts`` and ``balancers`` (with ``balanced_layout``); undeclared claims them.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from suites.cases_balance import BALANCER_LAYOUTS, require_balancer
 from suites.cases_masks import (
     MASK_NAMES,
     MaskCase,
     diagnose_masked,
+    documents,
     judge_masked,
     mask_spec,
     masked_case,
 )
 from suites.inputs import InputSpec
 from suites.judge import format_failure
-from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
 from suites.runner import case_properties
 
 #: The mask kinds (reference.masks) each named mask uses.
@@ -41,7 +51,10 @@ def _cases(config) -> list:
     sizes = world_sizes(config) if nightly else world_sizes(config, at_most=4)
     dtypes = ("float64", "float32", "bfloat16")
     out = []
-    for i, (name, w, layout) in enumerate(itertools.product(MASK_NAMES, sizes, LAYOUTS)):
+    # A balancer's layout on one rank is the whole sequence: W >= 2 only.
+    combos = [(n, w, lay) for n, w, lay in itertools.product(MASK_NAMES, sizes, (*LAYOUTS, *BALANCER_LAYOUTS))
+              if w > 1 or lay in LAYOUTS]
+    for i, (name, w, layout) in enumerate(combos):
         chosen = dtypes if nightly else (dtypes[i % 3],)
         for j, dtype in enumerate(chosen):
             rotate = ROTATIONS[(i // 3 + j) % 3]
@@ -57,16 +70,24 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("case", _cases(metafunc.config))
 
 
+def _kinds(data: dict) -> set[str]:
+    """The mask kinds (reference.masks) a mask's plain data uses."""
+    return {data["kind"], *(k for m in data.get("masks", ()) for k in _kinds(m))}
+
+
 def _prepare(ring, case: MaskCase) -> MaskCase:
     __tracebackhide__ = True
     op = case.op if case.op is not None else ring.op_spec
     ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
-    for kind in sorted(KINDS[case.mask]):
+    for kind in sorted(KINDS[case.mask] if not case.mask_json else _kinds(case.mask_data())):
         ring.require("masks", kind, why=f"mask {case.mask!r}")
     if case.sinks:
         ring.require("sinks")
     ring.require("lse", why="the masked rows' LSE is part of the contract")
-    ring.require("layouts", case.layout)
+    if case.balancer is None:
+        ring.require("layouts", case.layout)
+    else:
+        require_balancer(ring, case.balancer)
     ring.require("rotate_methods", case.rotate_method)
     ring.require("backward")
     ring.require_inputs(case, op)
@@ -77,6 +98,11 @@ def test_masked_attention_matches_reference(ring, case: MaskCase) -> None:
     """out, LSE, dQ, dK, dV (and dSinks) under the mask against the float64 oracle."""
     case = _prepare(ring, case)
     assert mask_spec(case.mask, case.inputs.seq_q)["kind"] in KINDS[case.mask]
+    _run_and_judge(ring, case)
+
+
+def _run_and_judge(ring, case: MaskCase) -> None:
+    __tracebackhide__ = True
     results = ring.rank_pool(case.world_size).run(masked_case, case, timeout=ring.timeout_for(case))
     try:
         verdicts = judge_masked(case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None))
@@ -86,3 +112,69 @@ def test_masked_attention_matches_reference(ring, case: MaskCase) -> None:
     failed = [v for v in verdicts if not v.passed]
     if failed:
         pytest.fail(format_failure(failed, diagnose_masked(case, results), ring.repro()), pytrace=False)
+
+
+# ---------------------------------------------------------------------- drawn masks
+
+#: The leaf kinds the property draws (``and``/``or`` join two of them).
+_LEAVES = ("causal", "document", "sliding_window", "chunked_causal", "prefix_lm")
+
+
+@st.composite
+def _leaf(draw, seq: int, kinds: list[str]) -> dict:
+    kind = draw(st.sampled_from(kinds))
+    if kind == "document":  # lengths up to the whole sequence; negative: a run of padding (-1)
+        lengths = draw(st.lists(st.one_of(st.integers(1, seq), st.integers(-3, -1)), min_size=1, max_size=8))
+        return {"kind": "document", "doc_ids": documents(seq, lengths), "causal": draw(st.booleans())}
+    if kind == "sliding_window":  # from 0 keys back to past the whole sequence, either side
+        return {"kind": "sliding_window", "left": draw(st.integers(0, seq + 1)), "right": draw(st.integers(0, seq + 1))}
+    if kind == "chunked_causal":
+        return {"kind": "chunked_causal", "chunk": draw(st.integers(1, seq + 1))}
+    if kind == "prefix_lm":
+        return {"kind": "prefix_lm", "prefix": draw(st.integers(0, seq))}
+    return {"kind": "causal"}
+
+
+def _tokens_per_rank(layout: str) -> st.SearchStrategy[int]:
+    """Local lengths a layout takes: head_tail splits a shard in two; the work-aware balancer
+    deals 8 equal chunks per rank."""
+    if layout == "head_tail":
+        return st.integers(1, 6).map(lambda n: 2 * n)
+    if layout == "work_aware":
+        return st.sampled_from((8, 16))
+    return st.integers(1, 12)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
+    """A drawn mask, layout (the balancers' included), rotation, world size, dtype, GQA and
+    sinks: out, LSE, dQ, dK, dV (and dSinks) against the float64 oracle, as the named cases."""
+    caps = ring.caps
+    kinds = [k for k in _LEAVES if caps.claims("masks", k)]
+    if not kinds:
+        pytest.skip(f"{ring.impl.name} claims none of the mask kinds {list(_LEAVES)} (capabilities.masks)")
+    sizes = world_sizes(pytestconfig, at_least=2) or [1]
+    w = data.draw(st.sampled_from(sizes), label="world_size")
+    layouts = [x for x in LAYOUTS if caps.claims("layouts", x)]
+    if w > 1:
+        layouts += [b for b in BALANCER_LAYOUTS if caps.claims("balancers", b)]
+    layout = data.draw(st.sampled_from(layouts or list(LAYOUTS)), label="layout")
+    seq = data.draw(_tokens_per_rank(layout), label="tokens_per_rank") * w
+    mask = data.draw(_leaf(seq, kinds), label="mask")
+    joins = [j for j in ("and", "or") if caps.claims("masks", j)]
+    if joins and data.draw(st.booleans(), label="joined"):
+        mask = {"kind": data.draw(st.sampled_from(joins), label="join"), "masks": [mask, data.draw(_leaf(seq, kinds))]}
+    heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
+    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
+    dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
+    spec = InputSpec(batch=data.draw(st.integers(1, 2), label="batch"), heads=heads_kv * group, heads_kv=heads_kv,
+                     seq_q=seq, seq_kv=seq, head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
+                     dtype=data.draw(st.sampled_from(dtypes), label="dtype"))
+    rotate = data.draw(st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or list(ROTATIONS)),
+                       label="rotate_method")
+    sinks = caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
+    mask_json = json.dumps(mask, sort_keys=True)
+    case = MaskCase(spec.with_(seed=seed_for(repr(spec) + mask_json)), w, layout=layout, rotate_method=rotate,
+                    mask="drawn", sinks=sinks, mask_json=mask_json)
+    _run_and_judge(ring, _prepare(ring, case))
