@@ -58,9 +58,10 @@ sinks), zero gradients.
     positions) on a sequence of ``seq_len`` tokens over ``world_size`` ranks, makes
     ``ring_attention`` accept it, and returns ``(layout, runs)``: the name to pass as
     ``layout=`` and, per rank, the half-open runs ``((start, stop), ...)`` of global positions
-    it holds in local order. The balance suite (``suites/test_balance.py``) calls it on every
-    rank with equal arguments, shards the global tensors by ``runs`` itself and holds each
-    rank's work to the bound the suite declares for the balancer. Built-in layouts are
+    it holds in local order. The balance suite (``suites/test_balance.py``) and the mask suite
+    (``suites/test_masks.py``) call it on every rank with equal arguments and shard the global
+    tensors by ``runs`` themselves; the first holds each rank's work to the bound the suite
+    declares for the balancer, the second the outputs and gradients to the float64 oracle. Built-in layouts are
     ``capabilities.layouts``; undeclared ``balancers`` claims both (and ``balanced_layout``).
 
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
