@@ -70,8 +70,12 @@ def _keys_after(key: torch.Tensor, heads: slice, token: torch.Tensor | None) -> 
 
 
 def _for_heads(cfg, heads: slice):
-    """The config of the ring over query heads ``heads``: a mask is planned for those heads."""
-    return cfg if cfg.mask is None else replace(cfg, mask_heads=(heads.start, heads.stop))
+    """The config of the ring over query heads ``heads`` (of the ring's own, which start at head
+    ``cfg.mask_heads[0]`` of the mask's when the ring runs a slice of them: the hybrid's)."""
+    if cfg.mask is None:
+        return cfg
+    base = cfg.mask_heads[0] if cfg.mask_heads is not None else 0
+    return replace(cfg, mask_heads=(base + heads.start, base + heads.stop))
 
 
 def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):

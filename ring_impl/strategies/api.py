@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..masks import fold_causal, mask_code, masking_problem, visibility
+from ..masks import fold_causal, mask_code, masking_problem
 from ..ops import AttentionOp, resolve_scale_and_op
 from ..ring import RingAttention, RingConfig
 from ..sinks import with_sinks
@@ -65,13 +65,17 @@ def strategy_attention(
     assert op_obj is not None and effective_scale is not None
     folded = fold_causal(mask, is_causal)
     ring_cfg = None
+    head_group = groups.head_group(query.device)
     if strategy == "hybrid":
         # The mask goes to the ring across rows: a row's shard is the ring layout's over R ranks
-        # (positions global), its heads a slice (the mask is head-independent, checked above).
+        # (positions global), its heads the query heads of this rank's slice of the U head slices
+        # (a mask that depends on the head is planned for those heads only).
+        per_rank = query.shape[1] // head_group.size
+        span = (head_group.rank * per_rank, (head_group.rank + 1) * per_rank)
         ring_cfg = RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=effective_scale,
                               layout=layout, rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks,
-                              mask=folded, mask_dims=(query.shape[0], 1))
-    cfg = HeadParallelConfig(heads=groups.head_group(query.device), is_causal=bool(is_causal), scale=effective_scale,
+                              mask=folded, mask_dims=(query.shape[0], query.shape[1]), mask_heads=span)
+    cfg = HeadParallelConfig(heads=head_group, is_causal=bool(is_causal), scale=effective_scale,
                              layout=layout, op=op_obj, return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg,
                              ring_impl=impl, mask=folded if strategy == "ulysses" else None)
     out, lse = head_parallel_fn(query, key, value, cfg, algo)
@@ -83,10 +87,4 @@ def strategy_attention(
 def _masking_problem(strategy: str, query, key, mask, sinks, mesh_shape) -> str | None:
     if mask is None and sinks is None:
         return None
-    problem = masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])
-    if problem is None and strategy == "hybrid" and mask is not None:
-        n = torch.arange(min(64, query.shape[2] * mesh_shape[0] * mesh_shape[1]))
-        if visibility(mask, n, n, heads=query.shape[1]).shape[1] > 1:
-            problem = ("a mask that depends on the head runs with strategy='ring' or 'ulysses'; the hybrid's ring "
-                       "takes head-independent masks")
-    return problem
+    return masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])

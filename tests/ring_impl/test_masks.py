@@ -51,10 +51,10 @@ def _masks(seq: int) -> dict[str, dict]:
     }
 
 
-def _inputs(seq: int, dtype: torch.dtype, sinks: bool):
+def _inputs(seq: int, dtype: torch.dtype, sinks: bool, heads_kv: int = HEADS_KV):
     gen = torch.Generator().manual_seed(seq * 7 + int(sinks))
     q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(BATCH, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
     dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     s = torch.randn(HEADS, generator=gen, dtype=torch.float64).float() if sinks else None
     return q, k, v, dout, s
@@ -212,20 +212,20 @@ def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) 
     assert any(pattern in o.exc_message for o in outcomes), summary
 
 
-def _run_hybrid(ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape):
+def _run_hybrid(ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, heads_kv=HEADS_KV, head_chunks=1):
     import ring_impl
     from reference.strategies import shard as strategy_shard
     from ring_impl.masks import from_spec
 
     u, r = mesh_shape
     mesh = ctx.device_mesh((r, u), ("ring", "ulysses"))
-    q, k, v, dout, s = _inputs(seq, dtype, sinks)
+    q, k, v, dout, s = _inputs(seq, dtype, sinks, heads_kv)
     q, k, v, dout = (strategy_shard(t, "hybrid", layout, mesh_shape, ctx.rank).contiguous() for t in (q, k, v, dout))
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     if s is not None:
         s.requires_grad_(True)
     out, lse = ring_impl.ring_attention(q, k, v, group=mesh, strategy="hybrid", mask=from_spec(spec), sinks=s,
-                                        layout=layout, rotate_method=rotate, op=op, return_lse=True)
+                                        layout=layout, rotate_method=rotate, op=op, return_lse=True, head_chunks=head_chunks)
     out.backward(dout)
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
             "dsinks": None if s is None else s.grad}
@@ -247,12 +247,39 @@ def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op,
     """The hybrid 2x2: Ulysses in rows, the masked ring (its plan on global positions) across rows."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+    seq = 48
+    _check_hybrid(ring, name, _masks(seq)[name], seq, layout, rotate, dtype, op, sinks)
+
+
+def every_head_its_own_band(b, h, q_idx, kv_idx):
+    """A mask_mod with a different band per head (0: causal, 1: five back, 2: two back, 3: two
+    either side): a head planned under another head's index shows."""
+    back = torch.where(h == 0, q_idx.new_tensor(1 << 30), torch.where(h == 1, 5, 2))
+    return ((kv_idx <= q_idx) | (h == 3)) & (q_idx - kv_idx <= back) & (kv_idx - q_idx <= 2)
+
+
+@pytest.mark.parametrize("heads_kv,head_chunks,layout,rotate", [
+    (HEADS_KV, 1, "head_tail", "alltoall"),  # GQA: a rank's two query heads share its key/value head
+    (HEADS, 2, "contiguous", "p2p"),  # two rings per rank, one head each: the chunk's heads within the rank's
+])
+def test_hybrid_plans_a_head_dependent_mask_for_its_heads(ring, heads_kv, head_chunks, layout, rotate) -> None:
+    """The hybrid's ring runs the query heads of its rank's head slice: a mask that depends on
+    the head is planned for those (global) heads, in head chunks too."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+    seq = 32
+    spec = {"kind": "mask_mod", "fn": every_head_its_own_band}
+    _check_hybrid(ring, "every_head_its_own_band", spec, seq, layout, rotate, torch.float64, "math", True,
+                  heads_kv=heads_kv, head_chunks=head_chunks)
+
+
+def _check_hybrid(ring, name, spec, seq, layout, rotate, dtype, op, sinks, heads_kv=HEADS_KV, head_chunks=1) -> None:
     from reference.strategies import unshard as strategy_unshard
 
-    mesh_shape, seq = (2, 2), 48
-    spec = _masks(seq)[name]
-    results = ring.rank_pool(4).run(_run_hybrid, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, timeout=120.0)
-    q, k, v, dout, s = _inputs(seq, dtype, sinks)
+    mesh_shape = (2, 2)
+    results = ring.rank_pool(4).run(_run_hybrid, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, heads_kv,
+                                    head_chunks, timeout=120.0)
+    q, k, v, dout, s = _inputs(seq, dtype, sinks, heads_kv)
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
     scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype)
@@ -274,22 +301,3 @@ def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op,
         dsinks = sum(r["dsinks"] for r in results)
         assert_close(f"dsinks [hybrid {name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=4, dtype=dtype,
                      result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
-
-
-def _hybrid_head_mask(ctx):
-    import ring_impl
-    from ring_impl.masks import MaskMod
-
-    mesh = ctx.device_mesh((2, 2), ("ring", "ulysses"))
-    q = k = v = torch.randn(1, 4, 8, 8)
-    ring_impl.ring_attention(q, k, v, group=mesh, strategy="hybrid", mask=MaskMod(every_fourth_head_sees_back))
-    return "no error"
-
-
-def test_hybrid_refuses_head_dependent_masks_on_every_rank(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
-    outcomes = ring.rank_pool(4).run_outcomes(_hybrid_head_mask, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
-    assert all("depends on the head" in o.exc_message for o in outcomes), summary
