@@ -78,6 +78,30 @@ class LocalOnly:
         return dq.to(q.dtype), dk.to(key_dtype), dv.to(key_dtype)
 
 
+class MaskAtLocalHeadIndex:
+    """A head-dependent mask evaluated at each rank's own head index (0 .. H/U - 1) instead of
+    the global head: Ulysses' kernel and the hybrid's ring plan every rank as if it held heads
+    0 .. H/U - 1 (caught by the mask suite's strategy cases)."""
+
+    def visible(self, cfg, q, k):
+        from ring_impl.layout import permutation
+        from ring_impl.masks import visibility
+
+        if cfg.mask is None:
+            return None
+        u, h = cfg.heads.size, q.shape[1]
+        pos_q, pos_kv = permutation(cfg.layout, q.shape[2], u), permutation(cfg.layout, k.shape[2], u)
+        vis = visibility(cfg.mask, pos_q, pos_kv, batch=q.shape[0], heads=h * u)
+        return (vis[:, :h] if vis.shape[1] > 1 else vis).to(q.device)
+
+    def ring_config(self, cfg):
+        ring = super().ring_config(cfg)  # type: ignore[misc]
+        if ring is None or ring.mask_heads is None:
+            return ring
+        start, stop = ring.mask_heads
+        return replace(ring, mask_heads=(0, stop - start))
+
+
 def _strategies(bug: type) -> dict[str, Ulysses]:
     """The bug applied to both head-parallel strategies (where it has a seam in them)."""
     return {"ulysses": type(f"{bug.__name__}Ulysses", (bug, Ulysses), {})(),
@@ -103,6 +127,9 @@ BROKEN_STRATEGIES: dict[str, Broken] = {b.name: b for b in [
     Broken("local_attention_only", "silent fallback: a strategy that runs local attention only",
            r"local attention, context parallelism silently off", _adapter("local_attention_only", LocalOnly),
            suites="suites/test_strategies.py"),
+    Broken("mask_at_local_head_index", "Ulysses/hybrid: a head-dependent mask evaluated at the rank's own head index",
+           r"mask evaluated at each rank's own head index", _adapter("mask_at_local_head_index", MaskAtLocalHeadIndex),
+           suites="suites/test_masks.py"),
 ]}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_strategies:<name>.

@@ -25,6 +25,7 @@ from conformance.implementation import load_implementation
 from reference.budget import Verdict, check, error_scales
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
+from reference.strategies import kv_blocks
 from suites.cases import RingCase
 from suites.cases_balance import BALANCER_LAYOUTS, runs_problem
 from suites.inputs import InputSpec, make_inputs
@@ -37,9 +38,10 @@ MASK_NAMES = ("causal", "documents", "documents_full", "documents_with_gaps", "o
 
 
 def per_head_window(b, h, q_idx, kv_idx):
-    """A flex-style mask_mod that depends on the head: even heads causal, odd heads a causal
-    window of 3 keys back."""
-    return (kv_idx <= q_idx) & ((h % 2 == 0) | (kv_idx >= q_idx - 3))
+    """A flex-style mask_mod that depends on the head, differently for every head: head 0
+    causal, head ``h > 0`` a causal window of ``3h`` keys back (a head evaluated under another
+    head's index, e.g. its index within a rank's slice of heads, shows)."""
+    return (kv_idx <= q_idx) & ((h == 0) | (kv_idx >= q_idx - 3 * h))
 
 
 def documents(seq: int, lengths: list[int]) -> list[int]:
@@ -86,6 +88,10 @@ class MaskCase(RingCase):
     mask: str = "causal"
     sinks: bool = False
     mask_json: str = ""
+    #: "ring", or "ulysses" / "hybrid" on a (U, R) mesh of world_size = U * R ranks
+    #: (suites.cases_strategies' groups, reference.strategies' layouts)
+    strategy: str = "ring"
+    mesh_shape: tuple[int, int] | None = None
 
     @property
     def balancer(self) -> str | None:
@@ -98,7 +104,9 @@ class MaskCase(RingCase):
     @property
     def label(self) -> str:
         data = f", mask_data={self.mask_json}" if self.mask_json else ""
-        return RingCase.label.fget(self)[:-1] + f", mask={self.mask}, sinks={self.sinks}{data})"  # type: ignore[attr-defined]
+        mesh = f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}" if self.mesh_shape else ""
+        return (RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
+                + f"{mesh}, mask={self.mask}, sinks={self.sinks}{data})")
 
 
 def _sinks(spec: InputSpec) -> torch.Tensor:
@@ -113,13 +121,23 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
     from ring_impl.masks import from_spec
 
+    group = ctx.group
+    if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
+        from suites.cases_strategies import strategy_group
+
+        group = strategy_group(ctx, case.strategy, case.mesh_shape)
     impl = load_implementation(case.impl)
     spec = case.inputs
     g = make_inputs(spec)
     w, r = ctx.world_size, ctx.rank
     mask = from_spec(case.mask_data())
     layout, runs = case.layout, None
-    if case.balancer is not None:  # the implementation's balancer builds the layout on every rank
+    if case.mesh_shape is not None:
+        from reference.strategies import shard as strategy_shard
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return strategy_shard(t, case.strategy, case.layout, case.mesh_shape, r).contiguous()
+    elif case.balancer is not None:  # the implementation's balancer builds the layout on every rank
         layout, runs = impl.obj.balanced_layout(case.balancer, mask, spec.seq_q, w)
         runs = tuple(tuple((int(a), int(b)) for a, b in rank_runs) for rank_runs in runs)
         mine = torch.cat([torch.arange(a, b) for a, b in runs[r]]) if runs[r] else torch.zeros(0, dtype=torch.int64)
@@ -133,8 +151,10 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
     dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
-    kwargs: dict[str, Any] = dict(group=ctx.group, is_causal=False, scale=spec.scale, rotate_method=case.rotate_method,
+    kwargs: dict[str, Any] = dict(group=group, is_causal=False, scale=spec.scale, rotate_method=case.rotate_method,
                                   layout=layout, return_lse=True, mask=mask)
+    if case.mesh_shape is not None:
+        kwargs["strategy"] = case.strategy
     if sinks is not None:
         kwargs["sinks"] = sinks
     if case.op is not None:
@@ -154,6 +174,10 @@ def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.
     from reference.layout import positions
 
     w, seq = case.world_size, case.inputs.seq_q
+    if case.mesh_shape is not None:
+        from reference.strategies import positions as strategy_positions
+
+        return [strategy_positions(case.strategy, case.layout, case.mesh_shape, r, seq) for r in range(w)]
     if case.balancer is None:
         return [positions(case.layout, w, r, seq) for r in range(w)]
     runs = [res.get("runs") for res in results]
@@ -234,6 +258,9 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
     base = _baseline(spec, case.mask, case.mask_json, case.sinks, case.op or baseline_op)
     pos = rank_positions(case, results)
     dtypes = _result_dtypes(spec.torch_dtype)
+    # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel sees
+    # the whole sequence; the hybrid merges its ring's R).
+    blocks = w if case.mesh_shape is None else kv_blocks(case.strategy, case.mesh_shape)
     verdicts = []
     for name in ("out", "lse", "dq", "dk", "dv"):
         parts = [r.get(name) for r in results]
@@ -250,7 +277,7 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
                     f"rows differ [{case.label}]")
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
         verdicts.append(check(name, got, want, b, dtype=spec.torch_dtype, result_dtype=dtypes[name], scales=scales[name],
-                              world_size=w, context=f"[{case.label}]"))
+                              world_size=blocks, context=f"[{case.label}]"))
     if case.sinks:
         parts = [r.get("dsinks") for r in results]
         if any(p is None for p in parts):
@@ -306,6 +333,8 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
             return (f"out is right but the gradients are not, in the {case.balancer} balancer's layout: the backward did "
                     "not run the layout the forward ran (it must plan the same runs of global positions, not a "
                     "built-in layout's)")
+    if case.mesh_shape is not None:
+        return _diagnose_head_parallel(case, g, vis, got, ref.out)
     row_err = (got - ref.out).abs().amax(dim=(0, 1, 3))  # (seq,)
     bad = row_err > 1e-2 * max(1.0, float(ref.out.abs().max()))
     if not bool(bad.any()):
@@ -326,4 +355,26 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         return ("every wrong row is one that a rank's key/value block it shares a computed block with hides "
                 "completely: rows a masked block hides must merge as nothing (LSE -inf), not as the kernel "
                 "returns them (the CPU flash kernel gives out 0, LSE 0)")
+    return ""
+
+
+def _diagnose_head_parallel(case: MaskCase, g, vis: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> str:
+    """Ulysses / hybrid: a head-dependent mask evaluated at each rank's own head index (0 ..
+    H/U - 1) instead of the global one. (The ring's block heuristics do not apply: a
+    head-parallel rank attends more than its ring block.)"""
+    from reference import attention
+
+    heads, u = vis.shape[1], case.mesh_shape[0]
+    if heads == 1 or u == 1:
+        return ""
+    local = vis[:, [h % (heads // u) for h in range(heads)]]
+    if torch.equal(local, vis):
+        return ""
+    spec = case.inputs
+    wrong = attention(g.query, g.key, g.value, visible=local, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale).out
+    tol = 1e-2 * max(1.0, float(want.abs().max()))
+    if float((got - wrong).abs().max()) <= tol < float((got - want).abs().max()):
+        return (f"the output is attention under the mask evaluated at each rank's own head index (0..{heads // u - 1}) "
+                f"instead of the global head: a head-dependent mask must be planned for the heads of the rank's slice "
+                f"(head u * H/U + i on Ulysses rank u)")
     return ""

@@ -6,7 +6,8 @@ balancers build for the mask (``document_head_tail``, ``work_aware``: sharded an
 runs it returns), W 1..4 (nightly 5..8), float64/float32/bfloat16, GQA. Judged against the float64 oracle with the same mask (reference.masks) by the numerics
 policy; rows that see nothing must come back as nothing (out 0, LSE -inf).
 
-Beside the named zoo, a Hypothesis property draws masks (documents of any lengths with padding
+The named masks run under Ulysses and the hybrid too (capability ``strategies``), on the 4-rank
+meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks (documents of any lengths with padding
 anywhere, windows of any extents, chunked causal, prefix-LM, their ``and``/``or``) with any
 layout, balancer, rotation, world size, dtype, GQA and sinks, and judges each the same way.
 
@@ -24,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.pytest_plugin import settings_of
 from suites.cases_balance import BALANCER_LAYOUTS, require_balancer
 from suites.cases_masks import (
     MASK_NAMES,
@@ -62,7 +64,34 @@ def _cases(config) -> list:
             seq = 24 * w
             spec = InputSpec(batch=1, heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16, dtype=dtype)
             out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0))
-    return params(out, id_extra=lambda c: (c.mask, *(("sinks",) if c.sinks else ())))
+    out += _strategy_cases(config)
+    return params(out, id_extra=lambda c: (*((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
+                                           c.mask, *(("sinks",) if c.sinks else ())))
+
+
+#: Ulysses and the hybrid with masks, on the session's 4-rank meshes (suites/test_strategies.py's).
+STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
+
+
+def _strategy_cases(config) -> list[MaskCase]:
+    """Every named mask under Ulysses and the hybrid on 4 ranks, the layout and dtype cycled
+    (nightly: all of them): each rank attends its heads' whole sequence (Ulysses), or a ring of
+    its heads across rows (the hybrid), under the mask on global positions."""
+    if 4 not in settings_of(config).mesh_world_sizes:
+        return []
+    nightly = tier(config) == "nightly"
+    dtypes = ("float64", "float32", "bfloat16")
+    out = []
+    for i, (name, (strategy, mesh)) in enumerate(itertools.product(MASK_NAMES, STRATEGY_MESHES)):
+        # i alternates the strategy: the layout and GQA turn every other pair, so each strategy gets both.
+        layouts = LAYOUTS if nightly else (LAYOUTS[(i // 2 + i) % 2],)
+        for j, layout in enumerate(layouts):
+            dtype = dtypes[(i + j) % 3]
+            spec = InputSpec(batch=1, heads=4, heads_kv=2 if (i // 2 + j) % 2 else 4, seq_q=96, seq_kv=96, head_dim=16,
+                             dtype=dtype)
+            out.append(MaskCase(spec, 4, layout=layout, rotate_method=ROTATIONS[(i // 2 + j) % 3], mask=name,
+                                sinks=(i + j) % 3 == 0, strategy=strategy, mesh_shape=mesh))
+    return out
 
 
 def pytest_generate_tests(metafunc):
@@ -84,6 +113,8 @@ def _prepare(ring, case: MaskCase) -> MaskCase:
     if case.sinks:
         ring.require("sinks")
     ring.require("lse", why="the masked rows' LSE is part of the contract")
+    if case.mesh_shape is not None:
+        ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
     if case.balancer is None:
         ring.require("layouts", case.layout)
     else:
