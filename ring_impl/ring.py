@@ -35,7 +35,7 @@ from .group import RingGroup
 from .lse import normalize_lse
 from .merge import merge_into
 from .nonfinite import poison_backward, poison_forward
-from .ops import AttentionOp, accumulation_dtype, call_backward, call_forward
+from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
 from .plan import Block, StepPlan, masked_plan, ring_plan
 from .transports import Link, Transport, after, get_transport
 
@@ -97,11 +97,9 @@ class RingAttention:
         visible = None if plan.visible is None else plan.visible.to(q.device)
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale, visible=visible)
         b, h, rows, _ = q.shape
-        op = cfg.op if plan.visible is None or cfg.op.capabilities.masks else None
-        lse = normalize_lse(
-            lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout if op is not None else "bhs",
-            op_name=getattr(op, "name", "math"),
-        )
+        op = block_op(cfg.op, is_causal=plan.is_causal, scale=cfg.scale, visible=visible)  # the op that ran it
+        lse = normalize_lse(lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout,
+                            op_name=getattr(op, "name", "math"))
         if visible is not None:  # rows the block hides completely: nothing (kernels return LSE 0 there)
             dead = ~visible.any(-1).expand(b, h, rows)
             out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)

@@ -306,7 +306,10 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         return (f"NaN/inf where the reference is finite (global rows {rows}...) with finite inputs: a merge that "
                 "exponentiates LSEs breaks on rows nothing has reached yet (LSE -inf) or that a block hides; "
                 "an exp of the LSE (or of raw scores) overflowed, or -inf - -inf became NaN: merge with bounded "
-                "exponentials and give a block's LSE -inf weight 0")
+                "exponentials and give a block's LSE -inf weight 0"
+                + (f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel whose causal path "
+                   "returns NaN there (the CPU flash kernel): run such blocks with a mask or another kernel"
+                   if spec.scale is not None and spec.scale <= 0 else ""))
     if case.sinks:  # ranks whose rows are attention without the sink term
         plain = attention(g.query, g.key, g.value, visible=vis, scale=spec.scale).out
         tol = 1e-3 * max(1.0, float(ref.out.abs().max()))

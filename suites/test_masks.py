@@ -64,9 +64,25 @@ def _cases(config) -> list:
             seq = 24 * w
             spec = InputSpec(batch=1, heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16, dtype=dtype)
             out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0))
-    out += _strategy_cases(config)
+    out += _strategy_cases(config) + _scale_cases(config)
     return params(out, id_extra=lambda c: (*((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
-                                           c.mask, *(("sinks",) if c.sinks else ())))
+                                           c.mask, *(("sinks",) if c.sinks else ()),
+                                           *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ())))
+
+
+def _scale_cases(config) -> list[MaskCase]:
+    """Softmax scales <= 0 under masks whose visible region has causal pieces (a negative
+    temperature is legitimate): a kernel whose causal path returns NaN there (the CPU flash
+    kernel) must not get a mask's causal tiles (suites/test_edge_values.py has the is_causal case)."""
+    sizes = world_sizes(config, at_least=2, at_most=3)
+    out = []
+    names = ("causal", "documents", "window_narrow", "documents_window")
+    for i, (w, scale, name) in enumerate(itertools.product(sizes, (-0.3, 0.0), names)):
+        spec = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float32",
+                         scale=scale)
+        out.append(MaskCase(spec, w, layout=LAYOUTS[(i + i // 4) % 2], rotate_method=ROTATIONS[i % 3], mask=name,
+                            sinks=i % 3 == 0))
+    return out
 
 
 #: Ulysses and the hybrid with masks, on the session's 4-rank meshes (suites/test_strategies.py's).

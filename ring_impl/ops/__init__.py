@@ -15,7 +15,7 @@ with :func:`register_op`).
 
 from __future__ import annotations
 
-from .calls import call_backward, call_forward
+from .calls import block_op, call_backward, call_forward
 from .contract import (
     ALL_DTYPES,
     LSE_LAYOUTS,
@@ -46,6 +46,7 @@ __all__ = [
     "OpCapabilities",
     "accumulation_dtype",
     "available_ops",
+    "block_op",
     "call_backward",
     "call_forward",
     "default_scale",

@@ -8,7 +8,7 @@ import torch
 from .contract import AttentionOp, accumulation_dtype
 from .math import MathOp
 
-__all__ = ["call_backward", "call_forward"]
+__all__ = ["block_op", "call_backward", "call_forward"]
 
 _MATH = MathOp()
 
@@ -26,9 +26,17 @@ def _reduce_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
 
 
-def _masked_op(op: AttentionOp, visible: torch.Tensor | None) -> AttentionOp:
-    """The op that runs a block: ``op``, or the math op for a masked block ``op`` cannot mask."""
-    return op if visible is None or op.capabilities.masks else _MATH
+def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: torch.Tensor | None = None) -> AttentionOp:
+    """The op that runs a block: ``op``, or the math op where ``op`` cannot run it: a masked
+    block ``op`` cannot mask, or a causal block with ``scale <= 0`` on an op whose causal kernel
+    returns NaN there (``causal_needs_positive_scale``). ``is_causal=True`` calls refuse or
+    reroute that case before any collective; a mask's causal tiles (ring_impl.tiling) reach it
+    here, since the tiler, not the caller, chose the causal kernel."""
+    if visible is not None and not op.capabilities.masks:
+        return _MATH
+    if is_causal and scale is not None and scale <= 0 and op.capabilities.causal_needs_positive_scale:
+        return _MATH
+    return op
 
 
 def call_forward(
@@ -41,7 +49,7 @@ def call_forward(
     the key), run by the op when it declares ``masks``, else by the math op. Rows that see
     nothing come back however the kernel leaves them: the caller sets them (out 0, LSE -inf).
     """
-    op = _masked_op(op, visible)
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible)
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
     if visible is not None:
@@ -107,8 +115,8 @@ def call_backward(
     visible: as for :func:`call_forward` (rows that see nothing must come with a finite LSE and
     a zero output gradient: the caller's job).
     """
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible)
     if visible is not None:
-        op = _masked_op(op, visible)
         if grad_lse is not None and not op.capabilities.lse_grad:
             op = _MATH  # the LSE-gradient padding trick would need the mask padded too
         heads_kv = key.shape[1]

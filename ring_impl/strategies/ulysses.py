@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 from ..layout import chunk_ids
 from ..lse import normalize_lse
 from ..nonfinite import poison_backward, poison_forward
-from ..ops import AttentionOp, accumulation_dtype, call_backward, call_forward
+from ..ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
 from ..ring import RingAttention, RingConfig
 from .alltoall import heads_to_sequence, sequence_to_heads
 from .groups import HeadGroup
@@ -143,10 +143,11 @@ class Ulysses:
         LSE -inf)."""
         vis = self.visible(cfg, q, k)
         kind = "masked" if vis is not None else "causal" if cfg.is_causal else "full"
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=cfg.is_causal and vis is None, scale=cfg.scale, visible=vis)
+        causal = cfg.is_causal and vis is None
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=causal, scale=cfg.scale, visible=vis)
         b, h, s, _ = q.shape
-        op = cfg.op if vis is None or cfg.op.capabilities.masks else None
-        lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=op.capabilities.lse_layout if op else "bhs",
+        op = block_op(cfg.op, is_causal=causal, scale=cfg.scale, visible=vis)  # the op that ran it
+        lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=op.capabilities.lse_layout,
                             op_name=getattr(op, "name", "math"))
         if vis is not None:
             dead = ~vis.any(-1).expand(b, h, s)
