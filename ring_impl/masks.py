@@ -173,7 +173,8 @@ class PrefixLM(Mask):
         return f"prefix_lm({self.prefix})"
 
     def reach(self):
-        return None, 0
+        # Causal, plus the prefix seen from every query: query 0 sees keys up to prefix - 1.
+        return None, max(0, self.prefix - 1)
 
     def check(self, seq_q, seq_kv):
         if isinstance(self.prefix, bool) or not isinstance(self.prefix, int) or self.prefix < 0:

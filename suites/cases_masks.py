@@ -34,7 +34,7 @@ __all__ = ["MASK_NAMES", "MaskCase", "diagnose_masked", "documents", "judge_mask
            "rank_positions"]
 
 MASK_NAMES = ("causal", "documents", "documents_full", "documents_with_gaps", "one_token_documents", "window_narrow", "window_wide",
-              "chunked_causal", "prefix_lm", "documents_window", "mask_mod")
+              "chunked_causal", "prefix_lm", "documents_window", "prefix_lm_window", "mask_mod")
 
 
 def per_head_window(b, h, q_idx, kv_idx):
@@ -74,6 +74,11 @@ def mask_spec(name: str, seq: int) -> dict[str, Any]:
         "chunked_causal": {"kind": "chunked_causal", "chunk": max(1, seq // 3)},
         "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
         "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
+        # a window that looks forward, under a prefix seen from every query and longer than a
+        # shard (W >= 2): an exchange sized by the window alone misses the prefix keys the first
+        # rows see on the next rank
+        "prefix_lm_window": {"kind": "and", "masks": [{"kind": "prefix_lm", "prefix": seq // 2 + 2},
+                                                      {"kind": "sliding_window", "left": max(1, seq // 12), "right": 2}]},
         "mask_mod": {"kind": "mask_mod", "fn": per_head_window},
     }
     return specs[name]

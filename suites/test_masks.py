@@ -45,6 +45,7 @@ from suites.runner import case_properties
 KINDS = {"causal": {"causal"}, "documents": {"document"}, "documents_full": {"document"}, "documents_with_gaps": {"document"},
          "one_token_documents": {"document"}, "window_narrow": {"sliding_window"}, "window_wide": {"sliding_window"},
          "chunked_causal": {"chunked_causal"}, "prefix_lm": {"prefix_lm"}, "documents_window": {"and", "document", "sliding_window"},
+         "prefix_lm_window": {"and", "prefix_lm", "sliding_window"},
          "mask_mod": {"mask_mod"}}
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
@@ -415,22 +417,51 @@ def test_mask_reach() -> None:
     assert (SlidingWindow(3, 0) | SlidingWindow(1, 2)).reach() == (3, 2)
     assert (SlidingWindow(3, 0) | Causal()).reach() == (None, 0)
     assert ChunkedCausal(4).reach() == (3, 0)
-    assert Causal().reach() == PrefixLM(3).reach() == docs.reach() == (None, 0)
+    assert Causal().reach() == docs.reach() == PrefixLM(0).reach() == PrefixLM(1).reach() == (None, 0)
+    assert PrefixLM(3).reach() == (None, 2)  # query 0 sees keys 0..2
+    assert (PrefixLM(6) & SlidingWindow(2, 2)).reach() == (2, 2)
     assert Full().reach() == MaskMod(lambda b, h, q, kv: kv <= q).reach() == (None, None)
 
 
-def test_reach_bounds_the_mask() -> None:
-    """Every pair a mask shows lies within its reach (the halo relies on it)."""
-    from ring_impl.masks import ChunkedCausal, Documents, SlidingWindow, visibility
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_reach_bounds_the_mask(data) -> None:
+    """Every pair a mask shows lies within its reach (the halo relies on it): any built-in
+    mask, and ``&`` / ``|`` of two."""
+    from ring_impl.masks import (
+        Causal,
+        ChunkedCausal,
+        Documents,
+        Full,
+        PrefixLM,
+        SlidingWindow,
+        visibility,
+    )
 
-    ids = torch.tensor([0] * 5 + [1] * 9 + [-1] * 2)
-    pos = torch.arange(16)
-    for mask in (SlidingWindow(3, 2), ChunkedCausal(5), Documents(ids) & SlidingWindow(4, 1),
-                 SlidingWindow(2, 0) | SlidingWindow(0, 3)):
-        left, right = mask.reach()
-        seen = visibility(mask, pos, pos)[0, 0]
-        d = pos.view(1, -1) - pos.view(-1, 1)  # kv - q
-        assert not bool((seen & ((d < -left) | (d > right))).any()), mask.describe()
+    seq = 16
+    side = st.one_of(st.none(), st.integers(0, seq + 1))
+
+    def leaf():
+        return st.one_of(
+            st.just(Causal()), st.just(Full()), st.builds(SlidingWindow, side, side),
+            st.builds(ChunkedCausal, st.integers(1, seq + 1)), st.builds(PrefixLM, st.integers(0, seq)),
+            st.builds(lambda ids, causal: Documents(torch.tensor(sorted(ids)), causal), st.lists(st.integers(-1, 3), min_size=seq,
+                                                                                          max_size=seq), st.booleans()))
+
+    mask = data.draw(leaf(), label="mask")
+    if data.draw(st.booleans(), label="joined"):
+        other = data.draw(leaf(), label="other")
+        mask = mask & other if data.draw(st.booleans(), label="and") else mask | other
+    left, right = mask.reach()
+    pos = torch.arange(seq)
+    seen = visibility(mask, pos, pos)[0, 0]
+    d = pos.view(1, -1) - pos.view(-1, 1)  # kv - q
+    outside = torch.zeros_like(seen)
+    if left is not None:
+        outside |= d < -left
+    if right is not None:
+        outside |= d > right
+    assert not bool((seen & outside).any()), f"{mask.describe()} reaches {(left, right)} but shows pairs beyond it"
 
 
 def test_halo_schedule_declaration_errors_and_fallbacks() -> None:
