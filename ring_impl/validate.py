@@ -27,7 +27,8 @@ from .layout import layout_divisor, layouts
 from .ops import AttentionOp
 from .transports import rotate_methods
 
-__all__ = ["SIGNATURE_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes", "local_problem", "signature"]
+__all__ = ["SIGNATURE_FIELDS", "STRATEGIES", "STRATEGY_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes",
+           "local_problem", "signature", "strategy_codes", "strategy_disagreement"]
 
 #: Fields compared across ranks; each must be equal on every rank. (``op``: different kernels on
 #: different ranks would still give a valid result, but is always a mistake: rejected too.)
@@ -44,10 +45,45 @@ class InputError(ValueError):
     """Bad input to ring attention; raised on every rank of the group."""
 
 
+#: The strategies (``strategy=``), in the order their codes use.
+STRATEGIES = ("ring", "ulysses", "hybrid")
+#: Fields beyond :data:`SIGNATURE_FIELDS` in every row, each equal on every rank: the ring's own
+#: check carries them too (strategy "ring", a 1 x W mesh), so ranks that disagree on
+#: ``strategy=`` exchange tables of one size and all raise, instead of pairing a ring rank's
+#: all-reduce with a head-parallel rank's of another size.
+STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse")
+
+
+def strategy_codes(strategy: str, mesh_shape: tuple[int, int], return_lse) -> list[int]:
+    """A row's :data:`STRATEGY_FIELDS`. The ring compares no ``return_lse`` (nothing of the LSE
+    travels): 0."""
+    lse = int(bool(return_lse)) if strategy != "ring" else 0
+    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse]
+
+
+def strategy_disagreement(codes: list[list[int]], ranks_as: str = "ranks") -> str | None:
+    """Which :data:`STRATEGY_FIELDS` differ between the rows ``codes``, in words, or None."""
+    differing = []
+    strategies_differ = len({row[0] for row in codes}) > 1
+    for i, field in enumerate(STRATEGY_FIELDS):
+        if field == "return_lse" and strategies_differ:
+            continue  # the ring's rows carry none
+        values: dict[int, list[int]] = {}
+        for r, row in enumerate(codes):
+            values.setdefault(row[i], []).append(r)
+        if len(values) > 1:
+            shown = {"strategy": lambda c: repr(STRATEGIES[c]), "return_lse": lambda c: str(bool(c))}.get(field, str)
+            differing.append(f"{field} (" + "; ".join(f"{ranks_as} {ranks} {shown(c)}" for c, ranks in values.items()) + ")")
+    if not differing:
+        return None
+    return ("ranks disagree on " + ", ".join(differing) + "; every rank must call the same strategy with the same "
+            "options (return_lse too: under Ulysses and the hybrid the LSE travels in the all-to-all)")
+
+
 def exchange_nbytes(world_size: int) -> int:
-    """Bytes of the cross-rank check's all-reduce input: a row per rank (problem flag and
-    signature), int64."""
-    return 8 * world_size * (1 + len(SIGNATURE_FIELDS))
+    """Bytes of the cross-rank check's all-reduce input: a row per rank (problem flag,
+    signature and strategy fields), int64; the same for every strategy."""
+    return 8 * world_size * (1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS))
 
 
 def _is_bool(value: Any) -> bool:
@@ -237,7 +273,7 @@ def agree_across_ranks(
 ) -> None:
     """Raise InputError on every rank if any rank has a problem or the ranks disagree."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = 1 + len(SIGNATURE_FIELDS)
+    n = 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS)
     table = [0] * (world * n)
     if problem is not None:
         table[rank * n] = 1
@@ -246,7 +282,7 @@ def agree_across_ranks(
         table[rank * n + 1 : (rank + 1) * n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
             head_chunks=head_chunks, mask_code=mask_code,
-        )
+        ) + strategy_codes("ring", (1, world), return_lse)
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
     vec = vec if staged else vec.to(device)
@@ -262,6 +298,7 @@ def agree_across_ranks(
             "those ranks); every rank raises so none is left waiting in a collective"
         )
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
-    text = disagreement([row[1:] for row in rows], op_names)
-    if text is not None:
-        raise InputError(f"ring_attention (rank {rank}): {text}")
+    base = 1 + len(SIGNATURE_FIELDS)
+    texts = [disagreement([row[1:base] for row in rows], op_names), strategy_disagreement([row[base:] for row in rows])]
+    if any(texts):
+        raise InputError(f"ring_attention (rank {rank}): " + "; ".join(t for t in texts if t))

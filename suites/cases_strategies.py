@@ -135,6 +135,8 @@ BAD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "length_differs_on_one_rank": (r"seq_q|length", ("ulysses", "hybrid")),
     "causal_differs_on_one_rank": (r"is_causal", ("ulysses", "hybrid")),
     "return_lse_differs_on_one_rank": (r"return_lse", ("ulysses", "hybrid")),
+    # the last rank calls the ring on the same flat group: both checks must exchange one table size
+    "strategy_differs_on_one_rank": (r"strategy", ("ulysses",)),
     "head_tail_odd_rows": (r"head_tail", ("ulysses", "hybrid")),
     "head_chunks_for_ulysses": (r"head_chunks", ("ulysses",)),
     "hybrid_on_a_flat_group": (r"2-D DeviceMesh", ("hybrid",)),
@@ -161,6 +163,8 @@ def strategy_bad_input_case(ctx, impl_spec: str | None, strategy: str, mesh_shap
         kw["is_causal"] = last
     elif kind == "return_lse_differs_on_one_rank":
         kw["return_lse"] = last
+    elif kind == "strategy_differs_on_one_rank" and last:
+        kw["strategy"] = "ring"
     elif kind == "head_tail_odd_rows":
         kw["layout"], kw["is_causal"] = "head_tail", True
         seq = 1 if strategy == "hybrid" and u % 2 else 2 * u + 1

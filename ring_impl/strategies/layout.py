@@ -29,6 +29,7 @@ import math
 import torch
 
 from ..layout import check_layout, chunk_ids, layout_divisor
+from ..validate import STRATEGIES as VALIDATED_STRATEGIES
 
 __all__ = [
     "STRATEGIES",
@@ -40,7 +41,7 @@ __all__ = [
     "unshard",
 ]
 
-STRATEGIES = ("ring", "ulysses", "hybrid")
+STRATEGIES = VALIDATED_STRATEGIES  # one order: the cross-rank check's codes use it
 
 
 def check_strategy(strategy: str) -> None:

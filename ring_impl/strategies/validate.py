@@ -20,26 +20,21 @@ from ..layout import LAYOUTS
 from ..ops import AttentionOp
 from ..validate import (
     SIGNATURE_FIELDS,
+    STRATEGY_FIELDS,
     InputError,
     _is_bool,
     _op_code,
     disagreement,
+    exchange_nbytes,
     local_problem,
     signature,
+    strategy_codes,
+    strategy_disagreement,
 )
 from .groups import StrategyGroups
-from .layout import STRATEGIES
 from .ulysses import kv_replication
 
 __all__ = ["STRATEGY_FIELDS", "agree_on_mesh", "exchange_calls", "exchange_nbytes", "strategy_problem"]
-
-#: Signature fields beyond the ring's, each equal on every rank.
-STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse")
-
-
-def exchange_nbytes(mesh_size: int) -> int:
-    """Bytes of one all-reduce of the table: a row per mesh rank (flag and signature), int64."""
-    return 8 * mesh_size * (1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS))
 
 
 def exchange_calls(mesh_shape: tuple[int, int]) -> int:
@@ -101,18 +96,6 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
     return None
 
 
-def _codes(strategy: str, mesh_shape: tuple[int, int], return_lse) -> list[int]:
-    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], int(bool(return_lse))]
-
-
-def _shown(field: str, code: int) -> str:
-    if field == "strategy":
-        return repr(STRATEGIES[code])
-    if field == "return_lse":
-        return str(bool(code))
-    return str(code)
-
-
 def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, query, key, *, is_causal, scale,
                   layout, rotate_method, op: AttentionOp | None, head_chunks, return_lse, device: torch.device,
                   mask_code: int = 0) -> None:
@@ -131,7 +114,7 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
         table[row + 1: row + n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
             head_chunks=head_chunks, mask_code=mask_code,
-        ) + _codes(strategy, mesh_shape, return_lse)
+        ) + strategy_codes(strategy, mesh_shape, return_lse)
     vec = torch.tensor(table, dtype=torch.int64)
     for pg in (groups.ulysses, groups.ring):
         if pg is None or dist.get_world_size(pg) == 1:
@@ -153,17 +136,8 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = len(SIGNATURE_FIELDS) + 1
     text = disagreement([rw[1:base] for rw in rows], op_names)
-    extra = []
-    for i, field in enumerate(STRATEGY_FIELDS):
-        values: dict[int, list[int]] = {}
-        for mr, rw in enumerate(rows):
-            values.setdefault(rw[base + i], []).append(mr)
-        if len(values) > 1:
-            extra.append(f"{field} (" + "; ".join(f"ranks {ranks} {_shown(field, c)}" for c, ranks in values.items()) + ")")
+    extra = strategy_disagreement([rw[base:] for rw in rows])
     if extra:
-        text = ((text + "; ") if text else "") + "ranks disagree on " + ", ".join(extra) + (
-            "; every rank of the mesh must call the same strategy with the same options (return_lse too: the "
-            "LSE travels in the all-to-all)"
-        )
+        text = ((text + "; ") if text else "") + extra
     if text is not None:
         raise InputError(f"{where}: {text} (ranks numbered as mesh ranks, ring * U + ulysses)")
