@@ -403,7 +403,10 @@ def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
 
 
 def mask_code(mask, sinks) -> int:
-    """31 bits for the cross-rank check: equal on ranks with equal masks and sinks."""
+    """31 bits for the cross-rank check: equal on ranks with equal masks and sinks; 0 for
+    neither (what every strategy's check sends then, so the texts agree on "no mask")."""
+    if mask is None and sinks is None:
+        return 0
     parts = [mask.describe() if mask is not None else "-"]
     if sinks is not None:
         parts.append(str(zlib.crc32(sinks.detach().to(torch.float64).cpu().contiguous().numpy().tobytes())))

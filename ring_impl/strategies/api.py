@@ -59,7 +59,7 @@ def strategy_attention(
         agree_on_mesh(problem, strategy, groups, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
                       rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
                       device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-                      mask_code=mask_code(mask, sinks) if problem is None and (mask is not None or sinks is not None) else 0)
+                      mask_code=mask_code(mask, sinks) if problem is None else 0)
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert op_obj is not None and effective_scale is not None

@@ -72,6 +72,11 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
                " (strategy='hybrid' with a smaller Ulysses degree, or strategy='ring')")
         )
     if not isinstance(layout, str) or layout not in LAYOUTS:
+        from ..layout import layouts as registered_layouts
+
+        if isinstance(layout, str) and layout in registered_layouts():
+            return (f"layout {layout!r} is registered, but {strategy} runs the built-in layouts {LAYOUTS} only (its "
+                    "all-to-all reorders by them); use strategy='ring' for a registered layout")
         return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail":
         # Ulysses: two equal chunks per rank; hybrid: the row's ring shard (U local pieces) holds two.

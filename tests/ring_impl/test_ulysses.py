@@ -194,3 +194,20 @@ def test_loss_through_the_lse_only(ring) -> None:
     for i, want in enumerate((q.grad, k.grad, torch.zeros_like(v))):
         got = unshard([r[i] for r in res], "hybrid", "head_tail", (2, 2))
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it() -> None:
+    """Ulysses and the hybrid take the built-in layouts only; a registered one is refused as such,
+    not as unknown (ring_attention accepts it with strategy='ring')."""
+    import ring_impl
+    from ring_impl.ops import get_op
+    from ring_impl.strategies.validate import strategy_problem
+
+    ring_impl.register_layout(ring_impl.layout.chunked_layout("test_registered_for_ulysses", lambda w: w,
+                                                             lambda w, r: (r,)), replace=True)
+    q = torch.zeros(1, 4, 8, 8)
+    for strategy, mesh in (("ulysses", (2, 1)), ("hybrid", (2, 2))):
+        problem = strategy_problem(strategy, q, q, q, mesh_shape=mesh, is_causal=False, scale=None,
+                                   layout="test_registered_for_ulysses", rotate_method="alltoall", op=get_op("math"),
+                                   op_error=None, head_chunks=1, return_lse=False)
+        assert problem is not None and "is registered" in problem and "strategy='ring'" in problem, problem
