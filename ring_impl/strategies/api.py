@@ -54,7 +54,7 @@ def strategy_attention(
     problem = extra_problem or strategy_problem(
         strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale, layout=layout,
         rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
-    ) or _masking_problem(strategy, query, key, mask, sinks, mesh_shape)
+    ) or _masking_problem(query, key, mask, sinks, mesh_shape)
     if mesh_shape[0] * mesh_shape[1] > 1 and not torch.compiler.is_compiling():
         agree_on_mesh(problem, strategy, groups, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
                       rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
@@ -84,7 +84,7 @@ def strategy_attention(
     return (out, lse) if return_lse else out
 
 
-def _masking_problem(strategy: str, query, key, mask, sinks, mesh_shape) -> str | None:
+def _masking_problem(query, key, mask, sinks, mesh_shape) -> str | None:
     if mask is None and sinks is None:
         return None
     return masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])
