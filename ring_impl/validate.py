@@ -61,7 +61,7 @@ def strategy_codes(strategy: str, mesh_shape: tuple[int, int], return_lse) -> li
     return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse]
 
 
-def strategy_disagreement(codes: list[list[int]], ranks_as: str = "ranks") -> str | None:
+def strategy_disagreement(codes: list[list[int]]) -> str | None:
     """Which :data:`STRATEGY_FIELDS` differ between the rows ``codes``, in words, or None."""
     differing = []
     strategies_differ = len({row[0] for row in codes}) > 1
@@ -73,7 +73,7 @@ def strategy_disagreement(codes: list[list[int]], ranks_as: str = "ranks") -> st
             values.setdefault(row[i], []).append(r)
         if len(values) > 1:
             shown = {"strategy": lambda c: repr(STRATEGIES[c]), "return_lse": lambda c: str(bool(c))}.get(field, str)
-            differing.append(f"{field} (" + "; ".join(f"{ranks_as} {ranks} {shown(c)}" for c, ranks in values.items()) + ")")
+            differing.append(f"{field} (" + "; ".join(f"ranks {ranks} {shown(c)}" for c, ranks in values.items()) + ")")
     if not differing:
         return None
     return ("ranks disagree on " + ", ".join(differing) + "; every rank must call the same strategy with the same "

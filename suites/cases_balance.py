@@ -28,8 +28,21 @@ from reference.masks import document_ids, visibility
 from suites.cases import CountingOp, RingCase
 from suites.inputs import InputSpec, make_inputs
 
-__all__ = ["BALANCER_LAYOUTS", "FAMILIES", "BalanceCase", "BlockFinding", "balance_case", "family_spec", "judge_pairs",
-           "lognormal_documents", "require_balancer", "runs_problem", "seq_len_for"]
+__all__ = [
+    "BALANCER_LAYOUTS",
+    "FAMILIES",
+    "BalanceCase",
+    "BlockFinding",
+    "as_runs",
+    "balance_case",
+    "family_spec",
+    "judge_pairs",
+    "lognormal_documents",
+    "require_balancer",
+    "runs_positions",
+    "runs_problem",
+    "seq_len_for",
+]
 
 #: Mask families of the balance suite.
 FAMILIES = ("causal", "documents", "window", "documents_window")
@@ -141,8 +154,14 @@ class PairRecordingOp(CountingOp):
         return super().forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
 
 
-def _as_runs(runs) -> tuple[tuple[tuple[int, int], ...], ...]:
+def as_runs(runs) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per-rank runs (as ``balanced_layout`` returned them) as tuples of int pairs."""
     return tuple(tuple((int(a), int(b)) for a, b in rank_runs) for rank_runs in runs)
+
+
+def runs_positions(rank_runs) -> torch.Tensor:
+    """(n,) int64: the global positions of one rank's runs, in local order."""
+    return torch.cat([torch.arange(a, b) for a, b in rank_runs]) if rank_runs else torch.zeros(0, dtype=torch.int64)
 
 
 def builtin_runs(layout: str, seq: int, world_size: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -172,10 +191,10 @@ def balance_case(ctx, case: BalanceCase) -> dict[str, Any]:
     mask = from_spec(family_spec(case.family, seq, w))
     if case.balancer is not None:
         layout, runs = impl.obj.balanced_layout(case.balancer, mask, seq, w)
-        runs = _as_runs(runs)
+        runs = as_runs(runs)
     else:
         layout, runs = case.layout, builtin_runs(case.layout, seq, w)
-    mine = torch.cat([torch.arange(a, b) for a, b in runs[ctx.rank]]) if runs[ctx.rank] else torch.zeros(0, dtype=torch.int64)
+    mine = runs_positions(runs[ctx.rank])
     q, k, v = (t.index_select(2, mine).to(ctx.device) for t in positioned_inputs(case.inputs))
     # The math op: which blocks the ring asks for does not depend on the kernel, and it takes
     # every block's mask (a kernel without masks would have masked blocks run past the counter).
@@ -232,7 +251,7 @@ def judge_pairs(case: BalanceCase, results: list[dict[str, Any]]) -> tuple[list[
     spec = family_spec(case.family, case.inputs.seq_q, case.world_size)
     seq, w = case.inputs.seq_q, case.world_size
     runs = results[0]["runs"]
-    pos = [torch.cat([torch.arange(a, b) for a, b in rr]) for rr in runs]
+    pos = [runs_positions(rr) for rr in runs]
     owner = torch.empty(seq, dtype=torch.int64)
     for r, p in enumerate(pos):
         owner[p] = r

@@ -27,7 +27,7 @@ from reference.layout import shard as oracle_shard
 from reference.masks import visibility
 from reference.strategies import kv_blocks
 from suites.cases import RingCase
-from suites.cases_balance import BALANCER_LAYOUTS, runs_problem
+from suites.cases_balance import BALANCER_LAYOUTS, as_runs, runs_positions, runs_problem
 from suites.inputs import InputSpec, make_inputs
 
 __all__ = ["MASK_NAMES", "MaskCase", "diagnose_masked", "documents", "judge_masked", "mask_spec", "masked_case", "per_head_window",
@@ -144,8 +144,8 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
             return strategy_shard(t, case.strategy, case.layout, case.mesh_shape, r).contiguous()
     elif case.balancer is not None:  # the implementation's balancer builds the layout on every rank
         layout, runs = impl.obj.balanced_layout(case.balancer, mask, spec.seq_q, w)
-        runs = tuple(tuple((int(a), int(b)) for a, b in rank_runs) for rank_runs in runs)
-        mine = torch.cat([torch.arange(a, b) for a, b in runs[r]]) if runs[r] else torch.zeros(0, dtype=torch.int64)
+        runs = as_runs(runs)
+        mine = runs_positions(runs[r])
 
         def shard(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(2, mine)
@@ -191,7 +191,7 @@ def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.
         problem = "the ranks got different runs from equal balanced_layout calls"
     if problem:
         raise AssertionError(f"the {case.balancer} balancer's layout breaks the layout rules: {problem} [{case.label}]")
-    return [torch.cat([torch.arange(a, b) for a, b in rr]) if rr else torch.zeros(0, dtype=torch.int64) for rr in runs[0]]
+    return [runs_positions(rr) for rr in runs[0]]
 
 
 def _unshard(parts: list[torch.Tensor], pos: list[torch.Tensor]) -> torch.Tensor:

@@ -1,18 +1,22 @@
 """Masks under context parallelism: packed documents (causal and full, uneven, crossing shard
 boundaries, one-token documents, padding), sliding windows narrower and wider than a shard,
-chunked causal, prefix-LM, documents combined with a window, a head-dependent mask_mod, and
-attention sinks; every rotation, both built-in layouts and the layouts the implementation's
-balancers build for the mask (``document_head_tail``, ``work_aware``: sharded and unsharded by the
-runs it returns), W 1..4 (nightly 5..8), float64/float32/bfloat16, GQA. Judged against the float64 oracle with the same mask (reference.masks) by the numerics
-policy; rows that see nothing must come back as nothing (out 0, LSE -inf).
+chunked causal, prefix-LM, documents combined with a window, a prefix with a window, a
+head-dependent mask_mod, and attention sinks; every rotation, both built-in layouts and the
+layouts the implementation's balancers build for the mask (``document_head_tail``,
+``work_aware``: sharded and unsharded by the runs it returns), W 1..4 (nightly 5..8),
+float64/float32/bfloat16, GQA, and softmax scales <= 0. Judged against the float64 oracle with
+the same mask (reference.masks) by the numerics policy; rows that see nothing must come back as
+nothing (out 0, LSE -inf).
 
 The named masks run under Ulysses and the hybrid too (capability ``strategies``), on the 4-rank
-meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks (documents of any lengths with padding
-anywhere, windows of any extents, chunked causal, prefix-LM, their ``and``/``or``) with any
-layout, balancer, rotation, world size, dtype, GQA and sinks, and judges each the same way.
+meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks
+(documents of any lengths with padding anywhere, windows of any extents, chunked causal,
+prefix-LM, their ``and``/``or``) with any layout, balancer, rotation, world size, dtype, GQA and
+sinks, and judges each the same way.
 
 Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles),
-``sinks``, ``layouts`` and ``balancers`` (with ``balanced_layout``); undeclared claims them.
+``sinks``, ``layouts``, ``strategies`` and ``balancers`` (with ``balanced_layout``); undeclared
+claims them.
 """
 
 from __future__ import annotations
