@@ -8,11 +8,11 @@ from collections.abc import Callable
 import torch
 
 from .group import RingGroup, resolve_group
-from .halo import halo_attention_fn, halo_reach, halo_refusal
-from .kv_gather import gather_attention_fn, gather_refusal
+from .halo import HaloPath, halo_reach, halo_refusal
+from .kv_gather import gather_path, gather_refusal
 from .masks import fold_causal, mask_code, masking_problem
 from .ops import AttentionOp, resolve_scale_and_op
-from .ring import RingAttention, RingConfig, ring_attention_fn
+from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .sinks import with_sinks
 from .transports import check_rotate_method
 from .validate import InputError, agree_across_ranks, local_problem
@@ -34,22 +34,53 @@ def get_rotate_method() -> str:
 
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
-    "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break): its plan is data, the "
-    "mask evaluated on global positions, which a graph could only bake in and then serve stale for "
-    "another mask; compile without fullgraph=True, or call the masked attention outside the compiled region"
+    "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod (a Python "
+    "function the compiled graph cannot carry), strategy='ulysses' or 'hybrid', an op given as an object, "
+    "or mask values that are not plain ints/bools/tensors; its plan is data (the mask on global positions) "
+    "that a graph could only bake in and serve stale. Built-in masks with strategy='ring' and an op name run "
+    "in the graph (ring_impl.compiled_masks). Compile without fullgraph=True, or call such masked "
+    "attention outside the compiled region"
 )
 
 
-def _ring_attention(impl: RingAttention, query, key, value, **kwargs):
-    """``ring_attention``'s body, run eagerly for masks under torch.compile (see MASKS_RUN_EAGERLY):
-    the plan is rebuilt (or found in the plan cache) on every call, so a new mask is never
-    served an old plan, and the backward runs through autograd as any eager region's does."""
+def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | None = None, **kwargs):
+    """``ring_attention``'s body. A masked call under torch.compile runs as custom ops in the
+    graph (ring_impl.compiled_masks: the plan is made when the op runs, so a new mask is never
+    served an old plan) or, for what those cannot carry, eagerly (MASKS_RUN_EAGERLY)."""
     if kwargs.get("mask") is not None and torch.compiler.is_compiling():
+        if kwargs.get("strategy", "ring") == "ring" and impl_name is not None:
+            from .compiled_masks import masked_ring_call
+
+            options = {k: v for k, v in kwargs.items() if k not in ("strategy", "algorithms")}
+            result = masked_ring_call(impl_name, query, key, value, **options)
+            if result is not None:
+                return result
         return _masked_eagerly(impl, query, key, value, **kwargs)
     return _attend(impl, query, key, value, **kwargs)
 
 
-def _attend(
+def _attend(impl: RingAttention, query, key, value, *, return_lse: bool = False, sinks=None, strategy: str = "ring",
+            algorithms=None, **kwargs):
+    if strategy != "ring":
+        from .strategies import strategy_attention
+
+        extra_problem, halo, sparse_kv = kwargs.pop("extra_problem", None), kwargs.pop("halo", None), kwargs.pop("sparse_kv", False)
+        if halo is not None and halo is not False:
+            extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
+        if sparse_kv is not False:
+            extra_problem = extra_problem or f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False"
+        kwargs["rotate_method"] = get_rotate_method() if kwargs.get("rotate_method") is None else kwargs["rotate_method"]
+        return strategy_attention(impl, algorithms, strategy, query, key, value, return_lse=return_lse,
+                                  extra_problem=extra_problem, sinks=sinks, **kwargs)
+    path = ring_path(impl, query, key, value, return_lse=return_lse, sinks=sinks, **kwargs)
+    if sinks is None:
+        out, lse = PathFunction.apply(query, key, value, path, bool(return_lse))
+        return (out, lse) if return_lse else out
+    out, lse = with_sinks(*PathFunction.apply(query, key, value, path, True), sinks)
+    return (out, lse) if return_lse else out
+
+
+def ring_path(
     impl: RingAttention,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -64,26 +95,15 @@ def _attend(
     return_lse: bool = False,
     head_chunks: int = 1,
     extra_problem: str | None = None,
-    strategy: str = "ring",
-    algorithms=None,
     mask=None,
     sinks=None,
     halo: bool | None = None,
     sparse_kv: bool = False,
-):
+) -> Path:
+    """The :class:`ring_impl.ring.Path` (the ring, the halo exchange or the sparse gather) that
+    serves a ``strategy="ring"`` call of ``ring_attention`` with these arguments, after checking
+    them on this rank and across the group (InputError on every rank for bad input)."""
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
-    if strategy != "ring":
-        if halo is not None and halo is not False:
-            extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
-        if sparse_kv is not False:
-            extra_problem = extra_problem or f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False"
-        from .strategies import strategy_attention
-
-        return strategy_attention(
-            impl, algorithms, strategy, query, key, value, group=group, is_causal=is_causal, scale=scale,
-            rotate_method=rotate_method, op=op, layout=layout, return_lse=return_lse, head_chunks=head_chunks,
-            extra_problem=extra_problem, mask=mask, sinks=sinks,
-        )
     pg = resolve_group(group)
     effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
@@ -103,7 +123,7 @@ def _attend(
             problem = f"sparse_kv must be True or False, got {sparse_kv!r}"
         elif sparse_kv:
             problem = ("halo=True and sparse_kv=True ask for two different exchanges; pass one of them" if halo
-                       else gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy=strategy))
+                       else gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy="ring"))
             gather = problem is None and world > 1
         elif halo is not False and world > 1:
             where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
@@ -134,19 +154,11 @@ def _attend(
         mask_dims=(query.shape[0], query.shape[1]),
     )
 
-    def attend(with_lse: bool):
-        if gather:
-            return gather_attention_fn(query, key, value, cfg, impl, with_lse)
-        if reach is not None:
-            return halo_attention_fn(query, key, value, cfg, impl, reach, with_lse)
-        return ring_attention_fn(query, key, value, cfg, impl, with_lse)
-
-    if sinks is None:
-        out, lse = attend(bool(return_lse))
-        return (out, lse) if return_lse else out
-    out, lse = attend(True)
-    out, lse = with_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+    if gather:
+        return gather_path(query, key, cfg, impl)
+    if reach is not None:
+        return HaloPath(cfg, impl, reach)
+    return RingPath(cfg, impl)
 
 
 _masked_eagerly = torch._dynamo.disable(_attend, reason=MASKS_RUN_EAGERLY)
@@ -164,8 +176,12 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
     and ``strategies`` ({"ulysses": ..., "hybrid": ...}: variants of ``ring_impl.strategies``'
     algorithms) for the head-parallel strategies."""
 
+    from .compiled_masks import register_impl
+
+    impl_name = register_impl(impl)
+
     def ring_attention(query, key, value, **kwargs):
-        return _ring_attention(impl, query, key, value, algorithms=strategies, **kwargs)
+        return _ring_attention(impl, query, key, value, algorithms=strategies, impl_name=impl_name, **kwargs)
 
     ring_attention.__doc__ = _ring_attention_doc
     return ring_attention

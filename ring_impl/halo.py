@@ -38,15 +38,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
-from .ring import RingAttention, RingConfig
+from .ring import PathFunction, RingAttention, RingConfig
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
 
-__all__ = ["HaloRows", "halo_attention_fn", "halo_reach", "halo_refusal", "halo_rows", "halo_schedule"]
+__all__ = ["HaloPath", "HaloRows", "halo_attention_fn", "halo_reach", "halo_refusal", "halo_rows", "halo_schedule"]
 
 
 def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int) -> str | None:
@@ -235,13 +234,19 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
     return dq, dkv
 
 
-class _HaloFunction(torch.autograd.Function):
-    """(out, lse) of the halo path; the LSE differentiable only when asked for (as the ring's)."""
+@dataclass(frozen=True)
+class HaloPath:
+    """The halo exchange as a :class:`ring_impl.ring.Path` for a mask reaching ``reach = (left,
+    right)`` rows. Saved for the backward: the received halos (not sent again)."""
 
-    @staticmethod
-    def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention, reach: tuple[int, int], with_lse: bool):
+    cfg: RingConfig
+    impl: RingAttention
+    reach: tuple[int, int]
+
+    def forward(self, query, key, value):
+        cfg, impl = self.cfg, self.impl
         g, seq = cfg.group, query.shape[2]
-        h = halo_rows(g.rank, g.world_size, *reach)
+        h = halo_rows(g.rank, g.world_size, *self.reach)
         kv = impl.pack_kv(key, value)  # (2, batch, heads_kv, seq, head_dim)
         from_prev, from_next = _exchange(
             g, kv[:, :, :, :h.to_prev] if h.to_prev else None, kv[:, :, :, seq - h.to_next:] if h.to_next else None,
@@ -250,23 +255,13 @@ class _HaloFunction(torch.autograd.Function):
         del kv
         blocks = halo_blocks(cfg, seq, h, query.device)
         out, lse = extended_forward(impl, cfg, query, ext, blocks)
-        ctx.save_for_backward(query, key, value, out, lse,
-                              *(t if t is not None else torch.empty(0) for t in (from_prev, from_next)))
-        ctx.cfg, ctx.impl, ctx.halo, ctx.blocks = cfg, impl, h, blocks
-        ctx.set_materialize_grads(False)
-        if not with_lse:
-            ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out, lse, (query, key, value, out, lse, from_prev, from_next), (h, blocks)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, lse, from_prev, from_next = ctx.saved_tensors
-        cfg, impl, h, blocks = ctx.cfg, ctx.impl, ctx.halo, ctx.blocks
-        if grad_out is None:  # only the LSE reaches the loss
-            grad_out = torch.zeros_like(out)
+    def backward(self, saved, meta, grad_out, grad_lse):
+        query, key, value, out, lse, from_prev, from_next = saved
+        (cfg, impl), (h, blocks) = (self.cfg, self.impl), meta
         seq = query.shape[2]
-        ext = _extended(impl.pack_kv(key, value), from_prev if h.left else None, from_next if h.right else None)
+        ext = _extended(impl.pack_kv(key, value), from_prev, from_next)
         dq, dkv = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, blocks)  # [left | local | right]
         del ext
         # The halos' dK/dV go home; this rank's rows that its neighbours saw come back.
@@ -278,7 +273,7 @@ class _HaloFunction(torch.autograd.Function):
             local[:, :, :, :h.to_prev] += back_prev
         if back_next is not None:
             local[:, :, :, seq - h.to_next:] += back_next
-        return dq.to(query.dtype), local[0].to(key.dtype), local[1].to(value.dtype), None, None, None, None
+        return dq.to(query.dtype), local[0].to(key.dtype), local[1].to(value.dtype)
 
 
 def halo_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention, reach: tuple[int, int],
@@ -287,4 +282,4 @@ def halo_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention, r
     ``reach = (left, right)`` rows (:func:`halo_reach`); the LSE is differentiable only with
     ``return_lse``. query (batch, heads, seq, head_dim); key/value (batch, heads_kv, seq, head_dim);
     out like query in its dtype, lse (batch, heads, seq) in the accumulation dtype."""
-    return _HaloFunction.apply(query, key, value, cfg, impl, tuple(reach), bool(return_lse))
+    return PathFunction.apply(query, key, value, HaloPath(cfg, impl, tuple(reach)), bool(return_lse))

@@ -35,16 +35,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from .halo import extended_backward, extended_forward
 from .layout import layout_runs
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
-from .ring import RingAttention, RingConfig
+from .ring import PathFunction, RingAttention, RingConfig
 from .validate import exchange_nbytes
 
-__all__ = ["GatherPlan", "gather_attention_fn", "gather_plan", "gather_refusal", "gather_schedule"]
+__all__ = ["GatherPath", "GatherPlan", "gather_attention_fn", "gather_path", "gather_plan", "gather_refusal", "gather_schedule"]
 
 
 def gather_refusal(mask, *, world_size: int, head_chunks: int, strategy: str) -> str | None:
@@ -154,16 +153,21 @@ def _rows_first(kv: torch.Tensor) -> torch.Tensor:
     return kv.permute(3, 0, 1, 2, 4)
 
 
-class _GatherFunction(torch.autograd.Function):
-    """(out, lse) of the sparse gather; the LSE differentiable only when asked for (as the ring's)."""
+@dataclass(frozen=True)
+class GatherPath:
+    """The sparse gather as a :class:`ring_impl.ring.Path` for ``plan`` (:func:`gather_plan`).
+    Saved for the backward: the extended key/value block (the received rows are not sent again)."""
 
-    @staticmethod
-    def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention, plan: GatherPlan, with_lse: bool):
-        g = cfg.group
+    cfg: RingConfig
+    impl: RingAttention
+    plan: GatherPlan
+
+    def forward(self, query, key, value):
+        cfg, impl, plan = self.cfg, self.impl, self.plan
         kv = impl.pack_kv(key, value)  # (2, batch, heads_kv, seq_kv, head_dim)
         rows = _rows_first(kv)
         send = rows.index_select(0, torch.cat(plan.send_rows)) if sum(plan.send_counts) else rows[:0]
-        received = _all_to_all(g, send, plan.send_counts, plan.recv_counts)  # (received, 2, b, hkv, d)
+        received = _all_to_all(cfg.group, send, plan.send_counts, plan.recv_counts)  # (received, 2, b, hkv, d)
         del send
         ext_rows = torch.cat([rows, received]) if received.shape[0] else rows
         if plan.order is not None:
@@ -171,22 +175,12 @@ class _GatherFunction(torch.autograd.Function):
         ext = ext_rows.permute(1, 2, 3, 0, 4).contiguous()  # (2, batch, heads_kv, extended, head_dim)
         del kv, rows, ext_rows
         out, lse = extended_forward(impl, cfg, query, ext, plan.blocks)
-        ctx.save_for_backward(query, out, lse, ext)
-        ctx.cfg, ctx.impl, ctx.plan = cfg, impl, plan
-        ctx.kv_dtypes = (key.dtype, value.dtype)
-        ctx.seq_kv = key.shape[2]
-        ctx.set_materialize_grads(False)
-        if not with_lse:
-            ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out, lse, (query, out, lse, ext), ((key.dtype, value.dtype), key.shape[2])
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        query, out, lse, ext = ctx.saved_tensors
-        cfg, impl, plan, seq = ctx.cfg, ctx.impl, ctx.plan, ctx.seq_kv
-        if grad_out is None:  # only the LSE reaches the loss
-            grad_out = torch.zeros_like(out)
+    def backward(self, saved, meta, grad_out, grad_lse):
+        query, out, lse, ext = saved
+        cfg, impl, plan = self.cfg, self.impl, self.plan
+        (dk_dtype, dv_dtype), seq = meta
         dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, plan.blocks)
         del ext
         d_rows = _rows_first(dext)  # extended rows in global order
@@ -200,15 +194,19 @@ class _GatherFunction(torch.autograd.Function):
         if back.shape[0]:
             own.index_add_(0, torch.cat(plan.send_rows), back)
         dkv = own.permute(1, 2, 3, 0, 4)  # (2, batch, heads_kv, seq_kv, head_dim)
-        dk_dtype, dv_dtype = ctx.kv_dtypes
-        return dq.to(query.dtype), dkv[0].to(dk_dtype), dkv[1].to(dv_dtype), None, None, None, None
+        return dq.to(query.dtype), dkv[0].to(dk_dtype), dkv[1].to(dv_dtype)
+
+
+def gather_path(query, key, cfg: RingConfig, impl: RingAttention) -> GatherPath:
+    """The sparse gather's :class:`GatherPath` for a validated masked config (its plan for these shapes)."""
+    g = cfg.group
+    plan = gather_plan(cfg.mask, rank=g.rank, world_size=g.world_size, layout=cfg.layout, seq_q=query.shape[2],
+                       seq_kv=key.shape[2], batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], device=query.device)
+    return GatherPath(cfg, impl, plan)
 
 
 def gather_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention, return_lse: bool = True):
     """Differentiable (out, lse) by the sparse gather for a validated masked config.
     query (batch, heads, seq_q, head_dim); key/value (batch, heads_kv, seq_kv, head_dim);
     out like query in its dtype, lse (batch, heads, seq_q) in the accumulation dtype."""
-    g = cfg.group
-    plan = gather_plan(cfg.mask, rank=g.rank, world_size=g.world_size, layout=cfg.layout, seq_q=query.shape[2],
-                       seq_kv=key.shape[2], batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], device=query.device)
-    return _GatherFunction.apply(query, key, value, cfg, impl, plan, bool(return_lse))
+    return PathFunction.apply(query, key, value, gather_path(query, key, cfg, impl), bool(return_lse))

@@ -1,4 +1,4 @@
-"""The ring: forward and an explicit backward, behind one autograd Function.
+"""The ring: forward and an explicit backward, a :class:`Path` behind one autograd Function.
 
 Forward, on every rank, for each ring step of :func:`ring_impl.plan.ring_plan`: take the
 step's key/value block from the rotation (the next one is already in flight), run the local
@@ -26,6 +26,7 @@ overrides (the project's meta-tests build deliberately broken rings this way).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -39,7 +40,7 @@ from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_
 from .plan import Block, StepPlan, masked_plan, ring_plan
 from .transports import Link, Transport, after, get_transport
 
-__all__ = ["RingAttention", "RingConfig", "ring_attention_fn"]
+__all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath", "ring_attention_fn"]
 
 
 @dataclass(frozen=True)
@@ -306,18 +307,51 @@ def _accumulate(acc: torch.Tensor, contribution) -> None:
         acc[1, :, :, k0:k1] += dv
 
 
-class _RingFunction(torch.autograd.Function):
-    """out (and lse when asked for), both differentiable. The backward is first-order only
-    (once_differentiable): with ``create_graph=True`` the gradients come back without a graph,
-    and differentiating them again raises the same error on every rank, before any collective.
-    The LSE is an output only when the caller asks for it: otherwise there is no LSE gradient to
-    fold into the backward (compiled graphs materialise zeros for unused outputs)."""
+class Path(Protocol):
+    """One way of computing attention over the group for a validated call (the ring here; the
+    halo exchange, ring_impl.halo; the sparse gather, ring_impl.kv_gather), as two plain
+    functions: the autograd Function below wraps them for eager and traced calls, and
+    ring_impl.compiled_masks as custom ops for masked calls under torch.compile."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """(out in the input dtype, lse in the accumulation dtype, saved, meta): ``saved`` the
+        tensors (or None) the backward needs, ``meta`` anything else it needs."""
+        ...
+
+    def backward(self, saved: tuple, meta, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):
+        """(dq, dk, dv) in the dtypes of query, key, value; ``grad_lse`` None when the LSE is unused."""
+        ...
+
+
+@dataclass(frozen=True)
+class RingPath:
+    """The ring (:class:`RingAttention` over ``cfg.head_chunks`` head groups) as a :class:`Path`."""
+
+    cfg: RingConfig
+    impl: RingAttention
+
+    def forward(self, query, key, value):
+        out, lse = heads.run_forward(self.impl, self.cfg, query, key, value)
+        return out, lse, (query, key, value, out, lse), None
+
+    def backward(self, saved, meta, grad_out, grad_lse):
+        query, key, value, out, lse = saved
+        return heads.run_backward(self.impl, self.cfg, grad_out, query, key, value, out, lse, grad_lse)
+
+
+class PathFunction(torch.autograd.Function):
+    """A :class:`Path`'s out (and lse when asked for), both differentiable. The backward is
+    first-order only (once_differentiable): with ``create_graph=True`` the gradients come back
+    without a graph, and differentiating them again raises the same error on every rank, before
+    any collective. The LSE is an output only when the caller asks for it: otherwise there is
+    no LSE gradient to fold into the backward (compiled graphs materialise zeros for unused
+    outputs)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, cfg: RingConfig, impl: RingAttention, with_lse: bool):
-        out, lse = heads.run_forward(impl, cfg, query, key, value)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.cfg, ctx.impl = cfg, impl
+    def forward(ctx, query, key, value, path: Path, with_lse: bool):
+        out, lse, saved, meta = path.forward(query, key, value)
+        ctx.save_for_backward(*saved)
+        ctx.path, ctx.meta = path, meta
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (eager)
         if not with_lse:
             ctx.mark_non_differentiable(lse)
@@ -326,17 +360,17 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, lse = ctx.saved_tensors
-        if grad_out is None:  # only the LSE reaches the loss
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = heads.run_backward(ctx.impl, ctx.cfg, grad_out, query, key, value, out, lse, grad_lse)
-        return dq, dk, dv, None, None, None
+        saved = ctx.saved_tensors
+        if grad_out is None:  # only the LSE reaches the loss; out is shaped as the query (saved first)
+            grad_out = torch.zeros_like(saved[0])
+        dq, dk, dv = ctx.path.backward(saved, ctx.meta, grad_out, grad_lse)
+        return dq, dk, dv, None, None
 
 
 def ring_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention | None = None, return_lse: bool = True):
     """Differentiable (out, lse) of the ring with an already validated config; the LSE is
     differentiable only with ``return_lse``."""
-    return _RingFunction.apply(query, key, value, cfg, impl or _DEFAULT_IMPL, return_lse)
+    return PathFunction.apply(query, key, value, RingPath(cfg, impl or _DEFAULT_IMPL), return_lse)
 
 
 _DEFAULT_IMPL = RingAttention()

@@ -1,11 +1,15 @@
-"""Masks under ``torch.compile``: the masked ring runs eagerly inside the compiled region (a graph
-break, ``ring_impl.api.MASKS_RUN_EAGERLY``), with the code around it compiled.
+"""Masks under ``torch.compile``. Built-in masks with ``strategy="ring"`` run in the graph as
+custom ops (``ring_impl.compiled_masks``), ``fullgraph=True`` included; ``MaskMod`` and the
+head-parallel strategies run eagerly inside the compiled region (a graph break,
+``ring_impl.api.MASKS_RUN_EAGERLY``), with the code around them compiled.
 
 Judged against the same call run eagerly, bitwise: the code around the attention is exact
 (multiplications by powers of two), so any difference is the ring's. A second mask after the
-first compile must get its own plan (a graph that baked the first plan in would serve it stale),
-and ``fullgraph=True`` must fail on every rank naming why. The eager masked ring itself is judged
-against the float64 oracle in test_masks.py.
+first compile must get its own plan (a graph that baked the first plan in would serve it stale):
+documents with other ids reuse the graph (the ids are a tensor input), a window of another width
+recompiles (dynamo guards on it). The saved state of the ops is freed with the graph, bad input
+still raises InputError on every rank, and ``fullgraph=True`` with a MaskMod fails on every rank
+naming why. The eager masked ring itself is judged against the float64 oracle in test_masks.py.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def _mask(kind: str, variant: int):
     return SlidingWindow((3, 9)[variant], 0)
 
 
-def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks):
+def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_kv):
     import torch._dynamo.testing
 
     import ring_impl
@@ -43,15 +47,16 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks):
     dout = torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen)
     sinks = torch.randn(HEADS, generator=gen) if with_sinks else None
     q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    extra = {"sparse_kv": True} if sparse_kv else {}
 
     def attention(q, k, v, mask, sinks):
         # Exact arithmetic around the ring (powers of two): compiled and eager agree bitwise.
         out = ring_impl.ring_attention(q * 2.0, k, v, group=ctx.group, mask=mask, sinks=sinks, layout=layout,
-                                       rotate_method="alltoall", strategy=strategy, scale=0.25)
+                                       rotate_method="alltoall", strategy=strategy, scale=0.25, **extra)
         return out * 0.5
 
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-    compiled = torch.compile(attention, backend=counter)
+    compiled = torch.compile(attention, backend=counter, fullgraph=strategy == "ring")
     results = {}
     for variant in (0, 1):
         for name, fn in (("compiled", compiled), ("eager", attention)):
@@ -60,23 +65,34 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks):
             out = fn(*leaves, _mask(kind, variant), s)
             out.backward(dout)
             results[name, variant] = [out.detach()] + [t.grad for t in leaves] + ([] if s is None else [s.grad])
-    return {"results": results, "frames": counter.frame_count}
+    from ring_impl.compiled_masks import saved_states
+
+    return {"results": results, "frames": counter.frame_count, "saved": saved_states()}
 
 
-@pytest.mark.parametrize("kind,strategy,layout,backend,with_sinks", [
-    ("documents", "ring", "head_tail", "aot_eager", True),
-    ("window", "ring", "contiguous", "aot_eager", False),  # the halo exchange
-    ("documents", "ulysses", "contiguous", "aot_eager", False),
-    ("documents", "ring", "head_tail", "inductor", True),
+@pytest.mark.parametrize("kind,strategy,layout,backend,with_sinks,sparse_kv", [
+    ("documents", "ring", "head_tail", "aot_eager", True, False),
+    ("window", "ring", "contiguous", "aot_eager", False, False),  # the halo exchange
+    ("documents", "ring", "head_tail", "aot_eager", False, True),  # the sparse gather
+    ("documents", "ulysses", "contiguous", "aot_eager", False, False),  # eagerly, a graph break
+    ("documents", "ring", "head_tail", "inductor", False, False),
+    ("window", "ring", "contiguous", "inductor", False, False),
 ])
-def test_masked_attention_under_compile_equals_eager(ring, kind, strategy, layout, backend, with_sinks) -> None:
+def test_masked_attention_under_compile_equals_eager(ring, kind, strategy, layout, backend, with_sinks, sparse_kv) -> None:
     _skip_other_impls(ring)
-    runs = ring.rank_pool(2).run(_compiled_vs_eager, kind, strategy, layout, backend, with_sinks, timeout=240.0)
+    runs = ring.rank_pool(2).run(_compiled_vs_eager, kind, strategy, layout, backend, with_sinks, sparse_kv, timeout=240.0)
     names = ["out", "dq", "dk", "dv", "dsinks"]
     for rank, run in enumerate(runs):
-        # The code around the attention was compiled (graphs before and after the break).
-        assert run["frames"] >= 1, f"rank {rank}: torch.compile compiled no frame: nothing was under test"
         res = run["results"]
+        if strategy == "ring":
+            # In the graph (fullgraph=True compiled): the documents' ids are an input of the
+            # graph, a window's width a constant it was specialised on.
+            want = 1 if kind == "documents" else 2
+            assert run["frames"] == want, (
+                f"rank {rank}: {run['frames']} compiled frames for two {kind} masks, expected {want}")
+            assert run["saved"] == 0, f"rank {rank}: {run['saved']} saved states outlive their backward"
+        else:  # the code around the attention was compiled (graphs before and after the break)
+            assert run["frames"] >= 1, f"rank {rank}: torch.compile compiled no frame: nothing was under test"
         for variant in (0, 1):
             for name, got, want in zip(names, res["compiled", variant], res["eager", variant]):
                 assert torch.equal(got, want), (
@@ -87,23 +103,90 @@ def test_masked_attention_under_compile_equals_eager(ring, kind, strategy, layou
             f"rank {rank}: two different masks gave the same compiled output (a stale plan?)")
 
 
+def _saved_state_lifetime(ctx):
+    import ring_impl
+    from ring_impl.compiled_masks import saved_states
+    from ring_impl.masks import Documents
+
+    mask = _mask("documents", 0)
+    assert isinstance(mask, Documents)
+    q = torch.randn(1, HEADS, SEQ // 2, HEAD_DIM, requires_grad=True)
+    fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask, is_causal=True),
+                       backend="aot_eager", fullgraph=True)
+    counts = {}
+    out = fn(q)
+    counts["after forward"] = saved_states()
+    out.sum().backward(retain_graph=True)
+    first = q.grad.clone()
+    q.grad = None
+    out.sum().backward()  # a second backward of a retained graph
+    counts["second backward equal"] = int(torch.equal(q.grad, first))
+    counts["after backward"] = saved_states()
+    del out
+    counts["after release"] = saved_states()
+    out = fn(q)
+    del out  # a forward whose backward never runs
+    counts["forward only, released"] = saved_states()
+    with torch.no_grad():
+        fn(q)
+    counts["no_grad"] = saved_states()
+    return counts
+
+
+def test_compiled_masked_call_frees_its_saved_state(ring) -> None:
+    """What the backward op needs lives as long as the graph that will call it, as autograd's
+    saved tensors: through a retained graph's second backward, and not past its release."""
+    _skip_other_impls(ring)
+    for rank, counts in enumerate(ring.rank_pool(2).run(_saved_state_lifetime, timeout=240.0)):
+        assert counts == {"after forward": 1, "second backward equal": 1, "after backward": 0, "after release": 0,
+                          "forward only, released": 0, "no_grad": 0}, (rank, counts)
+
+
+def _bad_input_compiled(ctx, case):
+    import ring_impl
+    from ring_impl.masks import Documents, SlidingWindow
+
+    if case == "ids_of_wrong_length":
+        mask = Documents(torch.zeros(SEQ + 3, dtype=torch.int64))
+    else:  # "mask_differs_between_ranks"
+        mask = SlidingWindow(3 + ctx.rank)
+    q = torch.randn(1, HEADS, SEQ // 2, HEAD_DIM)
+    fn = torch.compile(lambda q, mask: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
+                       backend="aot_eager", fullgraph=True)
+    fn(q, mask)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["ids_of_wrong_length", "mask_differs_between_ranks"])
+def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> None:
+    """The op runs the eager call's checks, the cross-rank agreement included."""
+    _skip_other_impls(ring)
+    outcomes = ring.rank_pool(2).run_outcomes(_bad_input_compiled, case, timeout=120.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    word = "entries" if case == "ids_of_wrong_length" else "mask"
+    assert all(word in o.exc_message for o in outcomes), summary
+
+
 def _fullgraph(ctx):
     import ring_impl
-    from ring_impl.masks import SlidingWindow
+    from ring_impl.masks import MaskMod
 
     q = torch.randn(1, 2, 8, 8)
-    fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=SlidingWindow(2)),
+    mask = MaskMod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
                        backend="eager", fullgraph=True)
     fn(q)
     return "no error"
 
 
-def test_fullgraph_names_why_a_masked_call_breaks_the_graph(ring) -> None:
+def test_fullgraph_names_why_a_mask_mod_breaks_the_graph(ring) -> None:
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_fullgraph, timeout=60.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
     assert all(not o.ok for o in outcomes), summary
-    assert all("runs eagerly inside torch.compile" in o.exc_message for o in outcomes), summary
+    assert all("runs eagerly inside torch.compile" in o.exc_message and "MaskMod" in o.exc_message
+               for o in outcomes), summary
 
 
 #: documents over 48 global positions, crossing the shard boundaries at W = 2

@@ -1,0 +1,299 @@
+"""Masked ``ring_attention`` inside ``torch.compile``, ``fullgraph=True`` included: the call as a
+pair of custom ops that every backend (eager, aot_eager, inductor) keeps as one opaque call.
+
+A masked call's plan is data: the mask evaluated on global positions (:mod:`ring_impl.plan`),
+packed documents' ids included. Traced into a graph it could only be baked in, and served stale
+to the next batch's documents. Here the graph holds the call instead, and the plan is made (or
+found in the plan cache) when the op runs, from the tensors it is given:
+
+``ring_impl::masked_ring(query, key, value, sinks, mask_tensors, call) -> (out, lse, handle)``
+    ``call`` is the call's description as a Python literal (the mask's structure with its
+    tensors replaced by indices into ``mask_tensors``, and every option), which the traced code
+    builds from the mask's attributes; dynamo guards on those, so a mask with another window or
+    prefix recompiles, while documents with other ids (a tensor) reuse the graph and get their
+    own plan. The op runs :func:`ring_impl.api.ring_path`, the eager call's checks included
+    (InputError on every rank, across ranks before any collective), and the path's forward.
+    ``sinks`` is only checked there: the sink term is applied after the op, in the graph, so
+    autograd gives dsinks. ``handle`` (an int64 scalar) names what the backward needs (the
+    path's saved tensors and plan), held until the handle tensor is freed, as autograd holds
+    saved tensors.
+``ring_impl::masked_ring_backward(grad_out, grad_lse, query, key, value, out, lse, handle) -> (dq, dk, dv)``
+    The path's backward: the same collectives as the eager call's. The graph gives it the tensors
+    it keeps anyway (inputs and outputs); the handle holds only the rest (a halo, a gathered block). ``grad_lse`` is None when
+    the LSE is not used (compiled graphs give zeros for an unused output's gradient; the eager
+    backward would not see them).
+
+Runs in the graph: every built-in mask but :class:`~ring_impl.masks.MaskMod` (its function is
+Python that the op could only find by identity), with ``strategy="ring"`` (every path: ring,
+halo, sparse gather), an op given by name, and a process group or 1-D device mesh. Anything
+else runs eagerly inside the compiled region, a graph break (``MASKS_RUN_EAGERLY`` in
+:mod:`ring_impl.api`).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import operator
+import weakref
+from functools import lru_cache
+
+import torch
+
+from .masks import And, Causal, ChunkedCausal, Documents, Full, Or, PrefixLM, SlidingWindow
+from .ring import RingAttention
+from .sinks import sinks_problem, with_sinks
+
+__all__ = ["masked_ring_call", "register_impl", "saved_states", "traceable_mask"]
+
+_IMPLS: dict[str, RingAttention] = {}
+#: handle -> (path, saved tensors, meta) of a forward whose backward has not been freed yet
+_SAVED: dict[int, tuple] = {}
+_HANDLES = itertools.count()
+
+
+def register_impl(impl: RingAttention) -> str:
+    """The name the ops find ``impl`` by (``ring_impl.bind`` registers every bound variant)."""
+    for name, known in _IMPLS.items():
+        if known is impl:
+            return name
+    name = f"{type(impl).__module__}.{type(impl).__qualname__}#{len(_IMPLS)}"
+    _IMPLS[name] = impl
+    return name
+
+
+def saved_states() -> int:
+    """How many compiled masked forwards' saved states are held (for tests of their lifetime)."""
+    return len(_SAVED)
+
+
+class _NotLiteral(Exception):
+    """A value the call description cannot carry: the call runs eagerly."""
+
+
+def _literal(x) -> str:
+    """``x`` (None, bool, int, float, str) as a Python literal, in forms dynamo traces: an int
+    read from an argument's attribute may be a SymInt after a recompile, and operator.index
+    specialises it (with a guard); a float is carried exactly, as its hex form."""
+    if x is None:
+        return "None"
+    if isinstance(x, bool):
+        return "True" if x else "False"
+    if isinstance(x, int):
+        return str(operator.index(x))
+    if isinstance(x, float):
+        return f"('{_FLOAT}', '{float(x).hex()}')"
+    if isinstance(x, str):
+        return repr(x)
+    raise _NotLiteral(type(x).__name__)
+
+
+_FLOAT = "__float__"
+
+
+def _decode(x):
+    """Undo :func:`_literal`'s float form inside a parsed description."""
+    if isinstance(x, tuple):
+        if len(x) == 2 and x[0] == _FLOAT:
+            return float.fromhex(x[1])
+        return tuple(_decode(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _decode(v) for k, v in x.items()}
+    return x
+
+
+def _structure(mask, tensors: list) -> str:
+    """``mask``'s structure as a Python literal tuple; its tensors appended to ``tensors`` and
+    named by index. Exact types only: a subclass may see differently."""
+    kind = type(mask)
+    if kind is Full:
+        return "('full',)"
+    if kind is Causal:
+        return "('causal',)"
+    if kind is SlidingWindow:
+        return f"('window', {_literal(mask.left)}, {_literal(mask.right)})"
+    if kind is ChunkedCausal:
+        return f"('chunked', {_literal(mask.chunk)})"
+    if kind is PrefixLM:
+        return f"('prefix', {_literal(mask.prefix)})"
+    if kind is Documents:
+        ids = []
+        for t in (mask.doc_ids, mask.kv_doc_ids):
+            if t is None:
+                ids.append("None")
+            elif isinstance(t, torch.Tensor):
+                tensors.append(t)
+                ids.append(str(len(tensors) - 1))
+            else:
+                raise _NotLiteral("Documents ids that are not a tensor")
+        return f"('documents', {ids[0]}, {ids[1]}, {_literal(mask.causal)})"
+    if kind is And or kind is Or:
+        return f"('{'and' if kind is And else 'or'}', {_structure(mask.a, tensors)}, {_structure(mask.b, tensors)})"
+    raise _NotLiteral(kind.__name__)
+
+
+def _rebuild(structure, tensors):
+    kind, *args = structure
+    if kind == "full":
+        return Full()
+    if kind == "causal":
+        return Causal()
+    if kind == "window":
+        return SlidingWindow(*args)
+    if kind == "chunked":
+        return ChunkedCausal(*args)
+    if kind == "prefix":
+        return PrefixLM(*args)
+    if kind == "documents":
+        ids, kv_ids, causal = args
+        return Documents(tensors[ids], causal, None if kv_ids is None else tensors[kv_ids])
+    a, b = (_rebuild(s, tensors) for s in args)
+    return And(a, b) if kind == "and" else Or(a, b)
+
+
+def traceable_mask(mask) -> bool:
+    """Whether a masked call with ``mask`` can run as the ops (else: eagerly, a graph break)."""
+    try:
+        _structure(mask, [])
+    except _NotLiteral:
+        return False
+    return True
+
+
+#: the options ring_path takes besides tensors, mask and sinks, carried in the call description
+_OPTIONS = ("is_causal", "scale", "rotate_method", "op", "layout", "return_lse", "head_chunks", "extra_problem",
+            "halo", "sparse_kv")
+
+
+def masked_ring_call(impl_name: str, query, key, value, *, group=None, mask, sinks=None, return_lse: bool = False,
+                     **options):
+    """``ring_attention(..., mask=mask)`` with ``strategy="ring"`` as the custom ops, for traced
+    code; None when something in the call cannot be carried (run it eagerly then)."""
+    from .group import resolve_group
+
+    if set(options) - set(_OPTIONS):  # an unknown keyword: the eager call says which
+        return None
+    tensors: list = []
+    try:
+        fields = [f"'impl': {_literal(impl_name)}", f"'mask': {_structure(mask, tensors)}",
+                  f"'group': {_literal(resolve_group(group).group_name)}", f"'return_lse': {_literal(return_lse)}",
+                  f"'lse_used': {_literal(bool(return_lse) or sinks is not None)}"]
+        fields += [f"'{name}': {_literal(value)}" for name, value in options.items() if name != "return_lse"]
+    except _NotLiteral:
+        return None
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        return None
+    call = "{" + ", ".join(fields) + "}"
+    out, lse, _ = torch.ops.ring_impl.masked_ring(query, key, value, sinks, tensors, call)
+    if sinks is not None and sinks_problem(sinks, query.shape[1]) is None:
+        # (Bad sinks: the op raises InputError on every rank before the sink term would run.)
+        out, lse = with_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
+
+
+@lru_cache(maxsize=256)
+def _parse(call: str) -> dict:
+    return _decode(ast.literal_eval(call))
+
+
+def _drop(handle: int) -> None:
+    _SAVED.pop(handle, None)
+
+
+@torch.library.custom_op("ring_impl::masked_ring", mutates_args=())
+def _masked_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
+                 mask_tensors: list[torch.Tensor], call: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .api import ring_path
+
+    c = dict(_parse(call))
+    impl = _IMPLS[c.pop("impl")]
+    mask = _rebuild(c.pop("mask"), mask_tensors)
+    group = torch.distributed.distributed_c10d._resolve_process_group(c.pop("group"))
+    c.pop("lse_used")
+    path = ring_path(impl, query, key, value, group=group, mask=mask, sinks=sinks, **c)
+    out, lse, saved, meta = path.forward(query, key, value)
+    # Fresh, dense outputs: a custom op's outputs may not alias its inputs, and the fake says dense.
+    out_c = out.contiguous().clone() if _aliases(out, query, key, value) else out.contiguous()
+    lse_c = lse.contiguous()
+    number = next(_HANDLES)
+    handle = torch.tensor(number, dtype=torch.int64)
+    _SAVED[number] = (path, _stash(saved, (query, key, value, out, lse)), meta)
+    weakref.finalize(handle, _drop, number)
+    return out_c, lse_c, handle
+
+
+class _FromGraph(int):
+    """In a stashed saved tuple: the index of a tensor the backward op is given by the graph."""
+
+
+def _stash(saved: tuple, graph: tuple) -> tuple:
+    """``saved`` with the tensors the graph also holds (query, key, value, out, lse) replaced by
+    their index: the backward op is given those by the graph, which keeps them for it. Holding
+    them here instead would be unsafe: a compiled graph may reuse an op output's buffer for a
+    later result (inductor writes ``out * 0.5`` into ``out``'s) once it sees no later use. A view
+    of one of them is copied, for the same reason."""
+    kept = []
+    for t in saved:
+        index = next((i for i, g in enumerate(graph) if t is g), None) if t is not None else None
+        if index is not None:
+            kept.append(_FromGraph(index))
+        else:
+            kept.append(t.clone() if t is not None and _aliases(t, *graph) else t)
+    return tuple(kept)
+
+
+def _unstash(kept: tuple, graph: tuple) -> tuple:
+    return tuple(graph[t] if isinstance(t, _FromGraph) else t for t in kept)
+
+
+def _aliases(t: torch.Tensor, *others: torch.Tensor) -> bool:
+    return any(o is not None and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others)
+
+
+@_masked_ring.register_fake
+def _(query, key, value, sinks, mask_tensors, call):
+    acc = _IMPLS[_parse(call)["impl"]].accumulation_dtype(query.dtype)
+    return (query.new_empty(query.shape), query.new_empty(query.shape[:3], dtype=acc),
+            query.new_empty((), dtype=torch.int64))
+
+
+@torch.library.custom_op("ring_impl::masked_ring_backward", mutates_args=())
+def _masked_ring_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor,
+                          key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                          handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    entry = _SAVED.get(int(handle))
+    if entry is None:
+        raise RuntimeError("ring_impl::masked_ring_backward: the forward's saved state is gone (its graph was freed); "
+                           "pass retain_graph=True to the first backward to run another")
+    path, kept, meta = entry
+    saved = _unstash(kept, (query, key, value, out, lse))
+    dq, dk, dv = path.backward(saved, meta, grad_out.contiguous(), None if grad_lse is None else grad_lse.contiguous())
+    grads: list[torch.Tensor] = []
+    for g in (dq, dk, dv):  # dK and dV are often two halves of one buffer: the op's outputs may not share
+        g = g.contiguous()
+        grads.append(g.clone() if _aliases(g, grad_out, grad_lse, query, key, value, out, lse, *grads) else g)
+    return tuple(grads)
+
+
+@_masked_ring_backward.register_fake
+def _(grad_out, grad_lse, query, key, value, out, lse, handle):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, _sinks, tensors, call = inputs
+    ctx.save_for_backward(query, key, value, output[0], output[1], output[2])
+    ctx.n_tensors = len(tensors)
+    ctx.lse_used = _parse(call)["lse_used"]
+
+
+def _backward(ctx, grad_out, grad_lse, _grad_handle):
+    query, key, value, out, lse, handle = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    grad_lse = grad_lse if ctx.lse_used else None
+    dq, dk, dv = torch.ops.ring_impl.masked_ring_backward(grad_out, grad_lse, query, key, value, out, lse, handle)
+    return dq, dk, dv, None, [None] * ctx.n_tensors, None
+
+
+_masked_ring.register_autograd(_backward, setup_context=_setup_context)
