@@ -253,8 +253,9 @@ def _aliases(t: torch.Tensor, *others: torch.Tensor) -> bool:
 @_masked_ring.register_fake
 def _(query, key, value, sinks, mask_tensors, call):
     acc = _IMPLS[_parse(call)["impl"]].accumulation_dtype(query.dtype)
+    # The handle lives on the host whatever the device: the backward reads it without a sync.
     return (query.new_empty(query.shape), query.new_empty(query.shape[:3], dtype=acc),
-            query.new_empty((), dtype=torch.int64))
+            torch.empty((), dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("ring_impl::masked_ring_backward", mutates_args=())

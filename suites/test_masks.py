@@ -4,7 +4,8 @@ chunked causal, prefix-LM, documents combined with a window, a prefix with a win
 head-dependent mask_mod, and attention sinks; every rotation, both built-in layouts and the
 layouts the implementation's balancers build for the mask (``document_head_tail``,
 ``work_aware``: sharded and unsharded by the runs it returns), W 1..4 (nightly 5..8),
-float64/float32/bfloat16, GQA, and softmax scales <= 0. Judged against the float64 oracle with
+float64/float32/bfloat16, GQA, softmax scales <= 0, and under ``torch.compile(fullgraph=True)``
+(capability ``compile``; each after a call with other mask data in the same compiled function). Judged against the float64 oracle with
 the same mask (reference.masks) by the numerics policy; rows that see nothing must come back as
 nothing (out 0, LSE -inf).
 
@@ -69,7 +70,7 @@ def _cases(config) -> list:
             seq = 24 * w
             spec = InputSpec(batch=1, heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16, dtype=dtype)
             out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0))
-    out += _strategy_cases(config) + _scale_cases(config)
+    out += _strategy_cases(config) + _scale_cases(config) + _compile_cases(config)
     return params(out, id_extra=lambda c: (*((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
                                            c.mask, *(("sinks",) if c.sinks else ()),
                                            *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ())))
@@ -87,6 +88,27 @@ def _scale_cases(config) -> list[MaskCase]:
                          scale=scale)
         out.append(MaskCase(spec, w, layout=LAYOUTS[(i + i // 4) % 2], rotate_method=ROTATIONS[i % 3], mask=name,
                             sinks=i % 3 == 0))
+    return out
+
+
+def _compile_cases(config) -> list[MaskCase]:
+    """The named masks under ``torch.compile(fullgraph=True)`` (capability ``compile``), each
+    call after one with the same kind of mask and other data in the same compiled function
+    (cases_masks.other_mask_data): a stale plan shows. Quick: ``aot_eager`` at W=2, the layout,
+    rotation, dtype and sinks cycled; nightly: ``inductor`` too, at W 2..4. ``mask_mod`` is left
+    out: a Python function has no form a compiled graph can take as data (ring_impl runs it
+    eagerly, a graph break that fullgraph=True refuses)."""
+    nightly = tier(config) == "nightly"
+    sizes = world_sizes(config, at_least=2, at_most=4 if nightly else 2)
+    backends = ("aot_eager", "inductor") if nightly else ("aot_eager",)
+    names = [n for n in MASK_NAMES if n != "mask_mod"]
+    out = []
+    for i, (name, w, backend) in enumerate(itertools.product(names, sizes, backends)):
+        j, b = divmod(i, len(backends))  # cycled per (mask, W), turned per backend
+        spec = InputSpec(batch=1, heads=4, heads_kv=2 if (j // 2 + b) % 2 else 4, seq_q=24 * w, seq_kv=24 * w,
+                         head_dim=16, dtype=("float32", "float64")[j % 2])
+        out.append(MaskCase(spec, w, layout=LAYOUTS[(j + b) % 2], rotate_method=ROTATIONS[(j + b) % 3], mask=name,
+                            sinks=(j + b) % 3 == 0, compile=backend))
     return out
 
 
