@@ -35,11 +35,10 @@ def get_rotate_method() -> str:
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
     "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod (a Python "
-    "function the compiled graph cannot carry), strategy='ulysses' or 'hybrid', an op given as an object, "
-    "or mask values that are not plain ints/bools/tensors; its plan is data (the mask on global positions) "
-    "that a graph could only bake in and serve stale. Built-in masks with strategy='ring' and an op name run "
-    "in the graph (ring_impl.compiled_masks). Compile without fullgraph=True, or call such masked "
-    "attention outside the compiled region"
+    "function the compiled graph cannot carry), an op given as an object, or mask values that are not plain "
+    "ints/bools/tensors: its plan is data (the mask on global positions) that a graph could only bake in and "
+    "serve stale. Built-in masks with an op name run in the graph, every strategy (ring_impl.compiled_masks). "
+    "Compile without fullgraph=True, or call such masked attention outside the compiled region"
 )
 
 
@@ -48,10 +47,10 @@ def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | 
     graph (ring_impl.compiled_masks: the plan is made when the op runs, so a new mask is never
     served an old plan) or, for what those cannot carry, eagerly (MASKS_RUN_EAGERLY)."""
     if kwargs.get("mask") is not None and torch.compiler.is_compiling():
-        if kwargs.get("strategy", "ring") == "ring" and impl_name is not None:
+        if impl_name is not None:
             from .compiled_masks import masked_ring_call
 
-            options = {k: v for k, v in kwargs.items() if k not in ("strategy", "algorithms")}
+            options = {k: v for k, v in kwargs.items() if k != "algorithms"}  # bound with impl_name
             result = masked_ring_call(impl_name, query, key, value, **options)
             if result is not None:
                 return result
@@ -59,25 +58,30 @@ def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | 
     return _attend(impl, query, key, value, **kwargs)
 
 
-def _attend(impl: RingAttention, query, key, value, *, return_lse: bool = False, sinks=None, strategy: str = "ring",
-            algorithms=None, **kwargs):
-    if strategy != "ring":
-        from .strategies import strategy_attention
-
-        extra_problem, halo, sparse_kv = kwargs.pop("extra_problem", None), kwargs.pop("halo", None), kwargs.pop("sparse_kv", False)
-        if halo is not None and halo is not False:
-            extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
-        if sparse_kv is not False:
-            extra_problem = extra_problem or f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False"
-        kwargs["rotate_method"] = get_rotate_method() if kwargs.get("rotate_method") is None else kwargs["rotate_method"]
-        return strategy_attention(impl, algorithms, strategy, query, key, value, return_lse=return_lse,
-                                  extra_problem=extra_problem, sinks=sinks, **kwargs)
-    path = ring_path(impl, query, key, value, return_lse=return_lse, sinks=sinks, **kwargs)
-    if sinks is None:
-        out, lse = PathFunction.apply(query, key, value, path, bool(return_lse))
-        return (out, lse) if return_lse else out
-    out, lse = with_sinks(*PathFunction.apply(query, key, value, path, True), sinks)
+def _attend(impl: RingAttention, query, key, value, *, return_lse: bool = False, sinks=None, **kwargs):
+    path = call_path(impl, query, key, value, return_lse=return_lse, sinks=sinks, **kwargs)
+    out, lse = PathFunction.apply(query, key, value, path, bool(return_lse) or sinks is not None)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def call_path(impl: RingAttention, query, key, value, *, strategy: str = "ring", algorithms=None, **kwargs) -> Path:
+    """The :class:`ring_impl.ring.Path` serving a ``ring_attention`` call with these arguments
+    (``ring_path`` for ``strategy="ring"``, ``ring_impl.strategies.strategy_path`` otherwise),
+    checked on this rank and across the group. Its LSE is computed when ``return_lse`` or
+    ``sinks`` (the sink term needs it)."""
+    if strategy == "ring":
+        return ring_path(impl, query, key, value, **kwargs)
+    from .strategies import strategy_path
+
+    extra_problem, halo, sparse_kv = kwargs.pop("extra_problem", None), kwargs.pop("halo", None), kwargs.pop("sparse_kv", False)
+    if halo is not None and halo is not False:
+        extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
+    if sparse_kv is not False:
+        extra_problem = extra_problem or f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False"
+    kwargs["rotate_method"] = get_rotate_method() if kwargs.get("rotate_method") is None else kwargs["rotate_method"]
+    return strategy_path(impl, algorithms, strategy, query, key, value, extra_problem=extra_problem, **kwargs)
 
 
 def ring_path(
@@ -178,7 +182,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
 
     from .compiled_masks import register_impl
 
-    impl_name = register_impl(impl)
+    impl_name = register_impl(impl, strategies)
 
     def ring_attention(query, key, value, **kwargs):
         return _ring_attention(impl, query, key, value, algorithms=strategies, impl_name=impl_name, **kwargs)

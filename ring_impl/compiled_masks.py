@@ -24,10 +24,10 @@ found in the plan cache) when the op runs, from the tensors it is given:
     backward would not see them).
 
 Runs in the graph: every built-in mask but :class:`~ring_impl.masks.MaskMod` (its function is
-Python that the op could only find by identity), with ``strategy="ring"`` (every path: ring,
-halo, sparse gather), an op given by name, and a process group or 1-D device mesh. Anything
-else runs eagerly inside the compiled region, a graph break (``MASKS_RUN_EAGERLY`` in
-:mod:`ring_impl.api`).
+Python that the op could only find by identity), with every strategy and path (the ring, the halo
+exchange, the sparse gather, Ulysses, the hybrid: :func:`ring_impl.api.call_path`), an op given by
+name, and any ``group=`` form (the ops find the process groups by name). Anything else runs
+eagerly inside the compiled region, a graph break (``MASKS_RUN_EAGERLY`` in :mod:`ring_impl.api`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import ast
 import itertools
 import operator
 import weakref
+from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -46,19 +47,20 @@ from .sinks import sinks_problem, with_sinks
 
 __all__ = ["masked_ring_call", "register_impl", "saved_states", "traceable_mask"]
 
-_IMPLS: dict[str, RingAttention] = {}
+#: name -> (a RingAttention variant, its head-parallel algorithms or None), as ring_impl.bind got them
+_IMPLS: dict[str, tuple[RingAttention, Mapping | None]] = {}
 #: handle -> (path, saved tensors, meta) of a forward whose backward has not been freed yet
 _SAVED: dict[int, tuple] = {}
 _HANDLES = itertools.count()
 
 
-def register_impl(impl: RingAttention) -> str:
-    """The name the ops find ``impl`` by (``ring_impl.bind`` registers every bound variant)."""
-    for name, known in _IMPLS.items():
-        if known is impl:
+def register_impl(impl: RingAttention, algorithms: Mapping | None = None) -> str:
+    """The name the ops find ``impl`` and ``algorithms`` by (``ring_impl.bind`` registers what it binds)."""
+    for name, (known, known_algorithms) in _IMPLS.items():
+        if known is impl and known_algorithms is algorithms:
             return name
     name = f"{type(impl).__module__}.{type(impl).__qualname__}#{len(_IMPLS)}"
-    _IMPLS[name] = impl
+    _IMPLS[name] = (impl, algorithms)
     return name
 
 
@@ -160,25 +162,48 @@ def traceable_mask(mask) -> bool:
     return True
 
 
-#: the options ring_path takes besides tensors, mask and sinks, carried in the call description
+#: the options a call carries in its description besides tensors, mask, sinks and group
 _OPTIONS = ("is_causal", "scale", "rotate_method", "op", "layout", "return_lse", "head_chunks", "extra_problem",
-            "halo", "sparse_kv")
+            "halo", "sparse_kv", "strategy")
+
+
+def _group_names(strategy, group) -> str:
+    """The process groups of the call by name: ``('pg', name)`` for the ring and Ulysses, ``('mesh',
+    ulysses name, ring name)`` for the hybrid (any of its ``group=`` forms)."""
+    if strategy == "hybrid":
+        from .strategies.groups import resolve_strategy_groups
+
+        groups = resolve_strategy_groups(strategy, group)
+        return f"('mesh', {_literal(groups.ulysses.group_name)}, {_literal(groups.ring.group_name)})"
+    from .group import resolve_group
+
+    if strategy == "ulysses":
+        from .strategies.groups import resolve_strategy_groups
+
+        return f"('pg', {_literal(resolve_strategy_groups(strategy, group).ulysses.group_name)})"
+    return f"('pg', {_literal(resolve_group(group).group_name)})"
+
+
+def _group(names: tuple):
+    resolve = torch.distributed.distributed_c10d._resolve_process_group
+    if names[0] == "mesh":
+        return {"ulysses": resolve(names[1]), "ring": resolve(names[2])}
+    return resolve(names[1])
 
 
 def masked_ring_call(impl_name: str, query, key, value, *, group=None, mask, sinks=None, return_lse: bool = False,
-                     **options):
-    """``ring_attention(..., mask=mask)`` with ``strategy="ring"`` as the custom ops, for traced
-    code; None when something in the call cannot be carried (run it eagerly then)."""
-    from .group import resolve_group
-
-    if set(options) - set(_OPTIONS):  # an unknown keyword: the eager call says which
-        return None
+                     strategy: str = "ring", **options):
+    """``ring_attention(..., mask=mask)`` as the custom ops, for traced code; None when
+    something in the call cannot be carried (run it eagerly then)."""
+    if set(options) - set(_OPTIONS) or strategy not in ("ring", "ulysses", "hybrid"):
+        return None  # an unknown keyword or strategy: the eager call says what is wrong
     tensors: list = []
     try:
         fields = [f"'impl': {_literal(impl_name)}", f"'mask': {_structure(mask, tensors)}",
-                  f"'group': {_literal(resolve_group(group).group_name)}", f"'return_lse': {_literal(return_lse)}",
+                  f"'group': {_group_names(strategy, group)}", f"'strategy': {_literal(strategy)}",
+                  f"'return_lse': {_literal(return_lse)}",
                   f"'lse_used': {_literal(bool(return_lse) or sinks is not None)}"]
-        fields += [f"'{name}': {_literal(value)}" for name, value in options.items() if name != "return_lse"]
+        fields += [f"'{name}': {_literal(value)}" for name, value in options.items()]
     except _NotLiteral:
         return None
     if sinks is not None and not isinstance(sinks, torch.Tensor):
@@ -203,14 +228,14 @@ def _drop(handle: int) -> None:
 @torch.library.custom_op("ring_impl::masked_ring", mutates_args=())
 def _masked_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
                  mask_tensors: list[torch.Tensor], call: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .api import ring_path
+    from .api import call_path
 
     c = dict(_parse(call))
-    impl = _IMPLS[c.pop("impl")]
+    impl, algorithms = _IMPLS[c.pop("impl")]
     mask = _rebuild(c.pop("mask"), mask_tensors)
-    group = torch.distributed.distributed_c10d._resolve_process_group(c.pop("group"))
+    group = _group(c.pop("group"))
     c.pop("lse_used")
-    path = ring_path(impl, query, key, value, group=group, mask=mask, sinks=sinks, **c)
+    path = call_path(impl, query, key, value, group=group, mask=mask, sinks=sinks, algorithms=algorithms, **c)
     out, lse, saved, meta = path.forward(query, key, value)
     # Fresh, dense outputs: a custom op's outputs may not alias its inputs, and the fake says dense.
     out_c = out.contiguous().clone() if _aliases(out, query, key, value) else out.contiguous()
@@ -252,9 +277,12 @@ def _aliases(t: torch.Tensor, *others: torch.Tensor) -> bool:
 
 @_masked_ring.register_fake
 def _(query, key, value, sinks, mask_tensors, call):
-    acc = _IMPLS[_parse(call)["impl"]].accumulation_dtype(query.dtype)
+    c = _parse(call)
+    acc = _IMPLS[c["impl"]][0].accumulation_dtype(query.dtype)
+    # A head-parallel strategy computes no LSE it is not asked for (an empty tensor).
+    lse_shape = query.shape[:3] if c["strategy"] == "ring" or c["lse_used"] else (0,)
     # The handle lives on the host whatever the device: the backward reads it without a sync.
-    return (query.new_empty(query.shape), query.new_empty(query.shape[:3], dtype=acc),
+    return (query.new_empty(query.shape), query.new_empty(lse_shape, dtype=acc),
             torch.empty((), dtype=torch.int64, device="cpu"))
 
 

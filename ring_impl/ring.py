@@ -318,8 +318,9 @@ class Path(Protocol):
         tensors (or None) the backward needs, ``meta`` anything else it needs."""
         ...
 
-    def backward(self, saved: tuple, meta, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):
-        """(dq, dk, dv) in the dtypes of query, key, value; ``grad_lse`` None when the LSE is unused."""
+    def backward(self, saved: tuple, meta, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):
+        """(dq, dk, dv) in the dtypes of query, key, value; ``grad_out`` None when only the LSE
+        reaches the loss, ``grad_lse`` None when the LSE is unused."""
         ...
 
 
@@ -336,6 +337,8 @@ class RingPath:
 
     def backward(self, saved, meta, grad_out, grad_lse):
         query, key, value, out, lse = saved
+        if grad_out is None:  # only the LSE reaches the loss
+            grad_out = torch.zeros_like(out)
         return heads.run_backward(self.impl, self.cfg, grad_out, query, key, value, out, lse, grad_lse)
 
 
@@ -360,10 +363,7 @@ class PathFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        saved = ctx.saved_tensors
-        if grad_out is None:  # only the LSE reaches the loss; out is shaped as the query (saved first)
-            grad_out = torch.zeros_like(saved[0])
-        dq, dk, dv = ctx.path.backward(saved, ctx.meta, grad_out, grad_lse)
+        dq, dk, dv = ctx.path.backward(ctx.saved_tensors, ctx.meta, grad_out, grad_lse)
         return dq, dk, dv, None, None
 
 

@@ -134,6 +134,15 @@ def _strategy_cases(config) -> list[MaskCase]:
                              dtype=dtype)
             out.append(MaskCase(spec, 4, layout=layout, rotate_method=ROTATIONS[(i // 2 + j) % 3], mask=name,
                                 sinks=(i + j) % 3 == 0, strategy=strategy, mesh_shape=mesh))
+    # Under torch.compile(fullgraph=True) (capability compile): quick, one mask per strategy;
+    # nightly, every named mask but mask_mod (see _compile_cases), the strategy alternating.
+    names = [n for n in MASK_NAMES if n != "mask_mod"] if nightly else ["documents_window", "prefix_lm"]
+    for i, name in enumerate(names):
+        strategy, mesh = STRATEGY_MESHES[i % 2]
+        spec = InputSpec(batch=1, heads=4, heads_kv=2 if i % 3 else 4, seq_q=96, seq_kv=96, head_dim=16,
+                         dtype=dtypes[i % 2])
+        out.append(MaskCase(spec, 4, layout=LAYOUTS[(i // 2) % 2], rotate_method=ROTATIONS[i % 3], mask=name,
+                            sinks=i % 2 == 0, strategy=strategy, mesh_shape=mesh, compile="aot_eager"))
     return out
 
 

@@ -8,22 +8,22 @@ import torch
 
 from ..masks import fold_causal, mask_code, masking_problem
 from ..ops import AttentionOp, resolve_scale_and_op
-from ..ring import RingAttention, RingConfig
+from ..ring import PathFunction, RingAttention, RingConfig
 from ..sinks import with_sinks
 from ..validate import InputError
 from .groups import resolve_strategy_groups
 from .hybrid import Hybrid
 from .layout import STRATEGIES
-from .ulysses import HeadParallelConfig, Ulysses, head_parallel_fn
+from .ulysses import HeadParallelConfig, HeadParallelPath, Ulysses
 from .validate import agree_on_mesh, strategy_problem
 
-__all__ = ["DEFAULT_ALGORITHMS", "strategy_attention"]
+__all__ = ["DEFAULT_ALGORITHMS", "strategy_attention", "strategy_path"]
 
 #: The algorithm object of each head-parallel strategy (a variant replaces one, see ``bind``).
 DEFAULT_ALGORITHMS: Mapping[str, Ulysses] = {"ulysses": Ulysses(), "hybrid": Hybrid()}
 
 
-def strategy_attention(
+def strategy_path(
     impl: RingAttention,
     algorithms: Mapping[str, Ulysses] | None,
     strategy: str,
@@ -43,8 +43,10 @@ def strategy_attention(
     mask=None,
     sinks=None,
 ):
-    """``ring_attention`` for ``strategy`` "ulysses" or "hybrid" (see ``ring_impl.ring_attention``).
-    ``mask`` / ``sinks``: Ulysses only (it attends the whole sequence, so any mask applies)."""
+    """The :class:`~ring_impl.strategies.ulysses.HeadParallelPath` serving ``ring_attention`` with
+    ``strategy`` "ulysses" or "hybrid" (see ``ring_impl.ring_attention``), after checking the call
+    on this rank and across the mesh (InputError on every rank for bad input). Its LSE is
+    returned when ``return_lse`` or ``sinks`` (the sink term needs it)."""
     if strategy not in ("ulysses", "hybrid"):
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
@@ -78,13 +80,21 @@ def strategy_attention(
     cfg = HeadParallelConfig(heads=head_group, is_causal=bool(is_causal), scale=effective_scale,
                              layout=layout, op=op_obj, return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg,
                              ring_impl=impl, mask=folded if strategy == "ulysses" else None)
-    out, lse = head_parallel_fn(query, key, value, cfg, algo)
-    if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+    return HeadParallelPath(cfg, algo)
 
 
 def _masking_problem(query, key, mask, sinks, mesh_shape) -> str | None:
     if mask is None and sinks is None:
         return None
     return masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])
+
+
+def strategy_attention(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None, strategy: str,
+                       query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, return_lse: bool = False,
+                       sinks=None, **kwargs):
+    """``ring_attention`` for ``strategy`` "ulysses" or "hybrid": :func:`strategy_path`, run."""
+    path = strategy_path(impl, algorithms, strategy, query, key, value, return_lse=return_lse, sinks=sinks, **kwargs)
+    out, lse = PathFunction.apply(query, key, value, path, path.cfg.return_lse)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out

@@ -35,7 +35,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..layout import chunk_ids
 from ..lse import normalize_lse
@@ -45,7 +44,7 @@ from ..ring import RingAttention, RingConfig
 from .alltoall import heads_to_sequence, sequence_to_heads
 from .groups import HeadGroup
 
-__all__ = ["HeadParallelConfig", "Ulysses", "head_parallel_fn", "kv_replication"]
+__all__ = ["HeadParallelConfig", "HeadParallelPath", "Ulysses", "kv_replication"]
 
 
 def kv_replication(heads_kv: int, degree: int) -> int:
@@ -213,34 +212,22 @@ class Ulysses:
         return dq, dk.to(key_dtype), dv.to(key_dtype)
 
 
-class _HeadParallelFunction(torch.autograd.Function):
-    """out and lse of a head-parallel strategy; the backward is explicit and first-order."""
+@dataclass(frozen=True)
+class HeadParallelPath:
+    """A head-parallel strategy (``algo``: Ulysses or the hybrid) as a :class:`ring_impl.ring.Path`;
+    its LSE is an empty tensor unless ``cfg.return_lse``."""
 
-    @staticmethod
-    def forward(ctx, query, key, value, cfg: HeadParallelConfig, algo: Ulysses):
-        out, lse, saved = algo.forward(cfg, query, key, value)
-        ctx.save_for_backward(*saved)
-        ctx.cfg, ctx.algo = cfg, algo
-        ctx.heads_kv, ctx.key_dtype = key.shape[1], key.dtype
-        ctx.set_materialize_grads(False)
-        if lse is None:
-            return out, out.new_empty(0)
-        return out, lse
+    cfg: HeadParallelConfig
+    algo: Ulysses
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        cfg, algo = ctx.cfg, ctx.algo
-        saved = ctx.saved_tensors
-        if grad_out is None:  # only the LSE reaches the loss
-            grad_out = torch.zeros(saved[0].shape[0], saved[0].shape[1] * cfg.heads.size, saved[0].shape[2] // cfg.heads.size,
-                                   saved[0].shape[3], dtype=saved[0].dtype, device=saved[0].device)
-        dq, dk, dv = algo.backward(cfg, grad_out, grad_lse if cfg.return_lse else None, saved, ctx.key_dtype,
-                                   ctx.heads_kv)
-        return dq, dk, dv, None, None
+    def forward(self, query, key, value):
+        out, lse, saved = self.algo.forward(self.cfg, query, key, value)
+        return out, (out.new_empty(0) if lse is None else lse), saved, (key.dtype, key.shape[1])
 
-
-def head_parallel_fn(query, key, value, cfg: HeadParallelConfig, algo: Ulysses):
-    """Differentiable (out, lse) of a head-parallel strategy with an already validated config
-    (lse is an empty tensor unless ``cfg.return_lse``)."""
-    return _HeadParallelFunction.apply(query, key, value, cfg, algo)
+    def backward(self, saved, meta, grad_out, grad_lse):
+        cfg, (key_dtype, heads_kv) = self.cfg, meta
+        if grad_out is None:  # only the LSE reaches the loss; saved[0] is the head-sharded query
+            q = saved[0]
+            grad_out = torch.zeros(q.shape[0], q.shape[1] * cfg.heads.size, q.shape[2] // cfg.heads.size, q.shape[3],
+                                   dtype=q.dtype, device=q.device)
+        return self.algo.backward(cfg, grad_out, grad_lse if cfg.return_lse else None, saved, key_dtype, heads_kv)

@@ -1,7 +1,7 @@
-"""Masks under ``torch.compile``. Built-in masks with ``strategy="ring"`` run in the graph as
-custom ops (``ring_impl.compiled_masks``), ``fullgraph=True`` included; ``MaskMod`` and the
-head-parallel strategies run eagerly inside the compiled region (a graph break,
-``ring_impl.api.MASKS_RUN_EAGERLY``), with the code around them compiled.
+"""Masks under ``torch.compile``. Built-in masks run in the graph as custom ops
+(``ring_impl.compiled_masks``), ``fullgraph=True`` included, with every strategy and path (ring,
+halo exchange, sparse gather, Ulysses, the hybrid); ``MaskMod`` runs eagerly inside the compiled
+region (a graph break, ``ring_impl.api.MASKS_RUN_EAGERLY``), with the code around it compiled.
 
 Judged against the same call run eagerly, bitwise: the code around the attention is exact
 (multiplications by powers of two), so any difference is the ring's. A second mask after the
@@ -46,17 +46,25 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
     k, v = (torch.randn(1, HEADS_KV, SEQ, HEAD_DIM, generator=gen) for _ in range(2))
     dout = torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen)
     sinks = torch.randn(HEADS, generator=gen) if with_sinks else None
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    group = ctx.group
+    if strategy == "hybrid":  # a 2 x 2 mesh
+        from reference.strategies import shard
+        from suites.cases_strategies import strategy_group
+
+        group = strategy_group(ctx, strategy, (2, 2))
+        q, k, v, dout = (shard(t, strategy, layout, (2, 2), ctx.rank).contiguous() for t in (q, k, v, dout))
+    else:
+        q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
     extra = {"sparse_kv": True} if sparse_kv else {}
 
     def attention(q, k, v, mask, sinks):
         # Exact arithmetic around the ring (powers of two): compiled and eager agree bitwise.
-        out = ring_impl.ring_attention(q * 2.0, k, v, group=ctx.group, mask=mask, sinks=sinks, layout=layout,
+        out = ring_impl.ring_attention(q * 2.0, k, v, group=group, mask=mask, sinks=sinks, layout=layout,
                                        rotate_method="alltoall", strategy=strategy, scale=0.25, **extra)
         return out * 0.5
 
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-    compiled = torch.compile(attention, backend=counter, fullgraph=strategy == "ring")
+    compiled = torch.compile(attention, backend=counter, fullgraph=True)
     results = {}
     for variant in (0, 1):
         for name, fn in (("compiled", compiled), ("eager", attention)):
@@ -74,25 +82,24 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
     ("documents", "ring", "head_tail", "aot_eager", True, False),
     ("window", "ring", "contiguous", "aot_eager", False, False),  # the halo exchange
     ("documents", "ring", "head_tail", "aot_eager", False, True),  # the sparse gather
-    ("documents", "ulysses", "contiguous", "aot_eager", False, False),  # eagerly, a graph break
+    ("documents", "ulysses", "contiguous", "aot_eager", False, False),
+    ("window", "hybrid", "head_tail", "aot_eager", True, False),  # 4 ranks, a 2 x 2 mesh
     ("documents", "ring", "head_tail", "inductor", False, False),
     ("window", "ring", "contiguous", "inductor", False, False),
 ])
 def test_masked_attention_under_compile_equals_eager(ring, kind, strategy, layout, backend, with_sinks, sparse_kv) -> None:
     _skip_other_impls(ring)
-    runs = ring.rank_pool(2).run(_compiled_vs_eager, kind, strategy, layout, backend, with_sinks, sparse_kv, timeout=240.0)
+    world = 4 if strategy == "hybrid" else 2
+    runs = ring.rank_pool(world).run(_compiled_vs_eager, kind, strategy, layout, backend, with_sinks, sparse_kv,
+                                     timeout=240.0)
     names = ["out", "dq", "dk", "dv", "dsinks"]
     for rank, run in enumerate(runs):
         res = run["results"]
-        if strategy == "ring":
-            # In the graph (fullgraph=True compiled): the documents' ids are an input of the
-            # graph, a window's width a constant it was specialised on.
-            want = 1 if kind == "documents" else 2
-            assert run["frames"] == want, (
-                f"rank {rank}: {run['frames']} compiled frames for two {kind} masks, expected {want}")
-            assert run["saved"] == 0, f"rank {rank}: {run['saved']} saved states outlive their backward"
-        else:  # the code around the attention was compiled (graphs before and after the break)
-            assert run["frames"] >= 1, f"rank {rank}: torch.compile compiled no frame: nothing was under test"
+        # In the graph (fullgraph=True compiled): the documents' ids are an input of the graph,
+        # a window's width a constant it was specialised on.
+        want = 1 if kind == "documents" else 2
+        assert run["frames"] == want, f"rank {rank}: {run['frames']} compiled frames for two {kind} masks, expected {want}"
+        assert run["saved"] == 0, f"rank {rank}: {run['saved']} saved states outlive their backward"
         for variant in (0, 1):
             for name, got, want in zip(names, res["compiled", variant], res["eager", variant]):
                 assert torch.equal(got, want), (
