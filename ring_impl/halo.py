@@ -41,11 +41,11 @@ import torch.distributed as dist
 
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
-from .ring import PathFunction, RingAttention, RingConfig
+from .ring import RingAttention, RingConfig
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
 
-__all__ = ["HaloPath", "HaloRows", "halo_attention_fn", "halo_reach", "halo_refusal", "halo_rows", "halo_schedule"]
+__all__ = ["HaloPath", "HaloRows", "halo_reach", "halo_refusal", "halo_rows", "halo_schedule"]
 
 
 def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int) -> str | None:
@@ -276,12 +276,3 @@ class HaloPath:
         if back_next is not None:
             local[:, :, :, seq - h.to_next:] += back_next
         return dq.to(query.dtype), local[0].to(key.dtype), local[1].to(value.dtype)
-
-
-def halo_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention, reach: tuple[int, int],
-                      return_lse: bool = True):
-    """Differentiable (out, lse) by the halo exchange, for a validated config whose mask reaches
-    ``reach = (left, right)`` rows (:func:`halo_reach`); the LSE is differentiable only with
-    ``return_lse``. query (batch, heads, seq, head_dim); key/value (batch, heads_kv, seq, head_dim);
-    out like query in its dtype, lse (batch, heads, seq) in the accumulation dtype."""
-    return PathFunction.apply(query, key, value, HaloPath(cfg, impl, tuple(reach)), bool(return_lse))

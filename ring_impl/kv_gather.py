@@ -40,10 +40,10 @@ from .halo import extended_backward, extended_forward
 from .layout import layout_runs
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
-from .ring import PathFunction, RingAttention, RingConfig
+from .ring import RingAttention, RingConfig
 from .validate import exchange_nbytes
 
-__all__ = ["GatherPath", "GatherPlan", "gather_attention_fn", "gather_path", "gather_plan", "gather_refusal", "gather_schedule"]
+__all__ = ["GatherPath", "GatherPlan", "gather_path", "gather_plan", "gather_refusal", "gather_schedule"]
 
 
 def gather_refusal(mask, *, world_size: int, head_chunks: int, strategy: str) -> str | None:
@@ -205,10 +205,3 @@ def gather_path(query, key, cfg: RingConfig, impl: RingAttention) -> GatherPath:
     plan = gather_plan(cfg.mask, rank=g.rank, world_size=g.world_size, layout=cfg.layout, seq_q=query.shape[2],
                        seq_kv=key.shape[2], batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], device=query.device)
     return GatherPath(cfg, impl, plan)
-
-
-def gather_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention, return_lse: bool = True):
-    """Differentiable (out, lse) by the sparse gather for a validated masked config.
-    query (batch, heads, seq_q, head_dim); key/value (batch, heads_kv, seq_kv, head_dim);
-    out like query in its dtype, lse (batch, heads, seq_q) in the accumulation dtype."""
-    return PathFunction.apply(query, key, value, gather_path(query, key, cfg, impl), bool(return_lse))

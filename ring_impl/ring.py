@@ -40,7 +40,7 @@ from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_
 from .plan import Block, StepPlan, masked_plan, ring_plan
 from .transports import Link, Transport, after, get_transport
 
-__all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath", "ring_attention_fn"]
+__all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath"]
 
 
 @dataclass(frozen=True)
@@ -366,11 +366,3 @@ class PathFunction(torch.autograd.Function):
         dq, dk, dv = ctx.path.backward(ctx.saved_tensors, ctx.meta, grad_out, grad_lse)
         return dq, dk, dv, None, None
 
-
-def ring_attention_fn(query, key, value, cfg: RingConfig, impl: RingAttention | None = None, return_lse: bool = True):
-    """Differentiable (out, lse) of the ring with an already validated config; the LSE is
-    differentiable only with ``return_lse``."""
-    return PathFunction.apply(query, key, value, RingPath(cfg, impl or _DEFAULT_IMPL), return_lse)
-
-
-_DEFAULT_IMPL = RingAttention()
