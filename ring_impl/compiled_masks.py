@@ -8,20 +8,21 @@ found in the plan cache) when the op runs, from the tensors it is given:
 
 ``ring_impl::masked_ring(query, key, value, sinks, mask_tensors, call) -> (out, lse, handle)``
     ``call`` is the call's description as a Python literal (the mask's structure with its
-    tensors replaced by indices into ``mask_tensors``, and every option), which the traced code
-    builds from the mask's attributes; dynamo guards on those, so a mask with another window or
-    prefix recompiles, while documents with other ids (a tensor) reuse the graph and get their
-    own plan. The op runs :func:`ring_impl.api.ring_path`, the eager call's checks included
-    (InputError on every rank, across ranks before any collective), and the path's forward.
-    ``sinks`` is only checked there: the sink term is applied after the op, in the graph, so
-    autograd gives dsinks. ``handle`` (an int64 scalar) names what the backward needs (the
-    path's saved tensors and plan), held until the handle tensor is freed, as autograd holds
+    tensors replaced by indices into ``mask_tensors``, the strategy, the process groups by name,
+    every option), which the traced code builds from the mask's attributes; dynamo guards on
+    those, so a mask with another window or prefix recompiles, while documents with other ids (a
+    tensor) reuse the graph and get their own plan. The op runs :func:`ring_impl.api.call_path`,
+    the eager call's checks included (InputError on every rank, across ranks before any
+    collective), and the path's forward. ``sinks`` is only checked there: the sink term is
+    applied after the op, in the graph, so autograd gives dsinks. ``handle`` (an int64 scalar on
+    the host) names what the backward needs beyond the graph's tensors (the path, its plan, a
+    received halo or gathered block), held until the handle tensor is freed, as autograd holds
     saved tensors.
 ``ring_impl::masked_ring_backward(grad_out, grad_lse, query, key, value, out, lse, handle) -> (dq, dk, dv)``
-    The path's backward: the same collectives as the eager call's. The graph gives it the tensors
-    it keeps anyway (inputs and outputs); the handle holds only the rest (a halo, a gathered block). ``grad_lse`` is None when
-    the LSE is not used (compiled graphs give zeros for an unused output's gradient; the eager
-    backward would not see them).
+    The path's backward: the same collectives as the eager call's. The graph gives it the
+    tensors it keeps for it (inputs and outputs): a buffer the graph does not know is held could
+    be reused for another result. ``grad_lse`` is None when the LSE is not used (compiled graphs
+    give zeros for an unused output's gradient; the eager backward would not see them).
 
 Runs in the graph: every built-in mask but :class:`~ring_impl.masks.MaskMod` (its function is
 Python that the op could only find by identity), with every strategy and path (the ring, the halo
@@ -45,7 +46,7 @@ from .masks import And, Causal, ChunkedCausal, Documents, Full, Or, PrefixLM, Sl
 from .ring import RingAttention
 from .sinks import sinks_problem, with_sinks
 
-__all__ = ["masked_ring_call", "register_impl", "saved_states", "traceable_mask"]
+__all__ = ["masked_ring_call", "register_impl", "saved_states"]
 
 #: name -> (a RingAttention variant, its head-parallel algorithms or None), as ring_impl.bind got them
 _IMPLS: dict[str, tuple[RingAttention, Mapping | None]] = {}
@@ -151,15 +152,6 @@ def _rebuild(structure, tensors):
         return Documents(tensors[ids], causal, None if kv_ids is None else tensors[kv_ids])
     a, b = (_rebuild(s, tensors) for s in args)
     return And(a, b) if kind == "and" else Or(a, b)
-
-
-def traceable_mask(mask) -> bool:
-    """Whether a masked call with ``mask`` can run as the ops (else: eagerly, a graph break)."""
-    try:
-        _structure(mask, [])
-    except _NotLiteral:
-        return False
-    return True
 
 
 #: the options a call carries in its description besides tensors, mask, sinks and group
