@@ -322,15 +322,19 @@ def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffe
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
     problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks,
                             strategy=strategy)
-    try:
-        group, shard_layout, route_mesh = cp_sharding(mesh, layout if problem is None else DEFAULT_CP_LAYOUT,
-                                                      strategy if problem is None else "ring")
-    except (TypeError, ValueError) as exc:  # a mesh the strategy cannot take: the same on every rank
-        raise ContextParallelError(f"context_parallel: {problem or exc}") from None
-    sharded = sharding(group, shard_layout, buffers, buffer_seq_dims, no_restore_buffers) if problem is None else None
-    if sharded is not None:
-        problem = sharded.problem
-    _agree(problem, group, _default_device(group, buffers), "context_parallel")
+    # The ranks agree over a group that depends on the mesh alone, not on the options they may
+    # disagree on: a rank with a bad option still joins the all-reduce the others wait in.
+    agree_group = agreement_group(mesh)
+    sharded = None
+    if problem is None:
+        try:
+            group, shard_layout, route_mesh = cp_sharding(mesh, layout, strategy)
+        except (TypeError, ValueError) as exc:  # a mesh the strategy cannot take
+            problem = str(exc)
+        else:
+            sharded = sharding(group, shard_layout, buffers, buffer_seq_dims, no_restore_buffers)
+            problem = sharded.problem
+    _agree(problem, agree_group, _default_device(agree_group, buffers), "context_parallel")
     assert sharded is not None
     try:
         sharded.shard()
@@ -340,6 +344,21 @@ def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffe
         sharded.restore(normal_exit=False)
         raise
     sharded.restore(normal_exit=True)
+
+
+def agreement_group(mesh) -> dist.ProcessGroup:
+    """The group every rank of a ``context_parallel`` call checks its arguments over: ``mesh``'s
+    group, or a 2-D mesh flattened (the hybrid's group; flattening is a collective every rank of
+    the mesh takes, whatever its other arguments). ContextParallelError for a ``mesh`` that is
+    neither (the same on every rank passing the same kind of argument)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    try:
+        if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
+            return mesh._flatten().get_group()
+        return resolve_group(mesh)
+    except (TypeError, ValueError) as exc:
+        raise ContextParallelError(f"context_parallel: {exc}") from None
 
 
 def cp_sharding(mesh, layout: str, strategy: str):

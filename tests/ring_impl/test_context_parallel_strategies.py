@@ -139,3 +139,29 @@ def test_hybrid_on_a_1d_mesh_is_refused_on_every_rank_with_what_to_do(ring, wher
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
     assert all("needs a 2-D DeviceMesh with dims named 'ring' and 'ulysses'" in o.exc_message for o in outcomes), summary
+
+
+def _hybrid_option_differs(ctx, option: str):
+    import ring_impl
+
+    mesh = ctx.device_mesh((2, 2), ("ring", "ulysses"))
+    x = torch.zeros(1, HEADS, LOCAL * ctx.world_size, HEAD_DIM)
+    bad = ctx.rank != 0  # rank 0's arguments are good, the others' are not
+    kwargs = {"rotate_method": "ring" if bad else "p2p"} if option == "rotate_method" else {
+        "strategy": "sideways" if bad else "hybrid"}
+    with ring_impl.context_parallel(mesh, buffers=[x], buffer_seq_dims=[2], **{"strategy": "hybrid", **kwargs}):
+        pass
+    return "accepted"
+
+
+@pytest.mark.parametrize("option", ["rotate_method", "strategy"])
+def test_hybrid_option_bad_on_some_ranks_is_refused_on_every_rank(ring, option: str) -> None:
+    """Rank 0 passes good arguments and the others a bad one: rank 0 must not wait alone in the
+    argument check (it agreed over the flattened mesh while the others gave up before any
+    collective: a hang, found by the fuzz campaign)."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}")
+    outcomes = ring.rank_pool(4).run_outcomes(_hybrid_option_differs, option, timeout=60.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:200]) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
+    assert "rejected their arguments" in outcomes[0].exc_message, summary
