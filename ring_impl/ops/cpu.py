@@ -20,6 +20,7 @@ class CpuFlashOp:
     capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True)
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+        query, key, value = (_dense_head_dim(t) for t in (query, key, value))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=_additive(attn_mask, query.dtype), scale=scale
         )
@@ -28,11 +29,11 @@ class CpuFlashOp:
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
         acc = accumulation_dtype(query.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.to(query.dtype),
-            query,
-            key,
-            value,
-            out.to(query.dtype),
+            _dense_head_dim(grad_out.to(query.dtype)),
+            _dense_head_dim(query),
+            _dense_head_dim(key),
+            _dense_head_dim(value),
+            _dense_head_dim(out.to(query.dtype)),
             lse.to(acc).contiguous(),
             0.0,
             is_causal,
@@ -40,6 +41,13 @@ class CpuFlashOp:
             scale=scale,
         )
         return dq, dk, dv
+
+
+def _dense_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride on the head dim (copied only when it has another). aten's CPU flash
+    kernel (torch 2.13) reads the head dim as if its stride were 1: a view such as ``x[..., ::2]``
+    gives wrong outputs, LSE and gradients, silently (other strides it honours)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def _additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

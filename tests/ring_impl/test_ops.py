@@ -26,10 +26,24 @@ def _sdpa64(q, k, v, is_causal, scale):
     return q, k, v, out, s.logsumexp(-1)
 
 
+def _in_memory(t: torch.Tensor, memory: str) -> torch.Tensor:
+    """``t`` as a view with the given memory: "contiguous"; "bshd", the transposed view of a
+    (batch, seq, heads, dim) tensor; "strided_head_dim", every other element of a buffer twice
+    as wide (``x[..., ::2]``), NaN between, so a kernel that ignores the stride reads NaN."""
+    if memory == "bshd":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if memory == "strided_head_dim":
+        return torch.stack([t, torch.full_like(t, float("nan"))], dim=-1)[..., 0]
+    return t
+
+
 @pytest.mark.parametrize("name", CPU_OPS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("heads_kv", [4, 2, 1])
-def test_forward_backward_match_float64_attention(name: str, is_causal: bool, heads_kv: int) -> None:
+@pytest.mark.parametrize("memory", ["contiguous", "bshd", "strided_head_dim"])
+def test_forward_backward_match_float64_attention(name: str, is_causal: bool, heads_kv: int, memory: str) -> None:
+    """Any strides: aten's CPU flash kernel reads a head dim of stride 2 as if it were 1 (torch
+    2.13), which gave Ulysses on one rank (no all-to-all to copy its inputs) wrong answers."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
     k = torch.randn(2, heads_kv, 6, 8, dtype=torch.float64)
@@ -37,9 +51,10 @@ def test_forward_backward_match_float64_attention(name: str, is_causal: bool, he
     grad = torch.randn(2, 4, 6, 8, dtype=torch.float64)
     op = ops.get_op(name)
     scale = 0.3
-    out, raw_lse = ops.call_forward(op, q, k, v, is_causal=is_causal, scale=scale)
+    qm, km, vm, gm = (_in_memory(t, memory) for t in (q, k, v, grad))
+    out, raw_lse = ops.call_forward(op, qm, km, vm, is_causal=is_causal, scale=scale)
     lse = normalize_lse(raw_lse, batch=2, heads=4, seq_q=6, layout=op.capabilities.lse_layout)
-    dq, dk, dv = ops.call_backward(op, grad, q, k, v, out, lse, is_causal=is_causal, scale=scale)
+    dq, dk, dv = ops.call_backward(op, gm, qm, km, vm, _in_memory(out, memory), lse, is_causal=is_causal, scale=scale)
     rq, rk, rv, rout, rlse = _sdpa64(q, k, v, is_causal, scale)
     rout.backward(grad)
     for got, want in ((out, rout), (lse, rlse), (dq, rq.grad), (dk, rk.grad), (dv, rv.grad)):
