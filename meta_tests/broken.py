@@ -168,6 +168,19 @@ class NoncontiguousMisread(RingAttention):
         return super().forward(cfg, misread(query), misread(key), misread(value))
 
 
+class HeadDimStrideIgnored(RingAttention):
+    """Inputs whose head dim has a stride other than 1 read as if it were 1 (what aten's CPU flash
+    kernel does in torch 2.13 with an ``x[..., ::2]`` view)."""
+
+    def forward(self, cfg, query, key, value):
+        def misread(t):
+            if t.stride(-1) == 1:
+                return t
+            return t.as_strided(t.shape, (*t.stride()[:-1], 1), t.storage_offset())
+
+        return super().forward(cfg, misread(query), misread(key), misread(value))
+
+
 # ------------------------------------------------------------------------ stale state, rotation
 
 
@@ -571,6 +584,9 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
            r"(partial of this float64 ring|float64 result) is a float32 number", _adapter("float64_computed_in_float32", Float64ComputedInFloat32())),
     Broken("noncontiguous_misread", "non-contiguous inputs passed to a kernel as if contiguous",
            r"wrong only with non-contiguous inputs", _adapter("noncontiguous_misread", NoncontiguousMisread())),
+    Broken("head_dim_stride_ignored", "inputs with a strided head dim passed to a kernel as if its stride were 1",
+           r"wrong only with a strided head dim", _adapter("head_dim_stride_ignored", HeadDimStrideIgnored()),
+           suites="suites/test_shapes.py"),
     Broken("backward_reuses_step0_kv", "stale per-step state: backward reuses step-0 keys/values",
            r"the backward used each rank's own key/value block at every ring step", _adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV())),
     Broken("wrong_neighbour", "rotation: sending to the wrong neighbour",

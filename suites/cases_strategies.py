@@ -18,7 +18,7 @@ import torch
 
 from conformance.implementation import load_implementation, load_op
 from reference.strategies import shard
-from suites.inputs import InputSpec, make_inputs
+from suites.inputs import InputSpec, in_memory, make_inputs
 
 __all__ = ["BAD_INPUTS", "MESH_DIMS", "StrategyCase", "strategy_bad_input_case", "strategy_case", "strategy_group"]
 
@@ -78,10 +78,7 @@ def strategy_group(ctx, strategy: str, mesh_shape: tuple[int, int]):
 
 def _local(t: torch.Tensor, case: StrategyCase, rank: int, device) -> torch.Tensor:
     local = shard(t, case.strategy, case.layout, case.mesh_shape, rank).contiguous().to(device)
-    if case.inputs.noncontiguous and local.dim() == 4:
-        # the shard a (batch, seq, heads, dim) model hands over: a transposed, non-contiguous view
-        local = local.transpose(1, 2).contiguous().transpose(1, 2)
-    return local
+    return in_memory(local, case.inputs) if local.dim() == 4 else local
 
 
 def strategy_case(ctx, case: StrategyCase) -> dict[str, Any]:

@@ -38,6 +38,9 @@ class InputSpec:
     seed: int = 0
     magnitude: float = 1.0  # scales query and key: 1e2 pushes logits far beyond exp overflow
     noncontiguous: bool = False  # local shards are transposed views of (batch, seq, heads, dim)
+    #: local shards are every other element of a buffer twice as wide on the head dim (``x[..., ::2]``,
+    #: NaN between): a kernel that reads the head dim as contiguous reads NaN
+    strided_head_dim: bool = False
     scale: float | None = None
     lse_grad: bool = False  # the loss also uses the LSE: grad_lse (batch, heads, seq_q) is drawn
     nan_in: str | None = None  # "query", "key" or "value": one element is NaN (see make_inputs)
@@ -92,12 +95,18 @@ def make_inputs(spec: InputSpec) -> Inputs:
     return inputs
 
 
-def _local(t: torch.Tensor, layout: str, world_size: int, rank: int, noncontiguous: bool, device) -> torch.Tensor:
-    local = shard(t, layout, world_size, rank, dim=2).to(device)
-    if noncontiguous:
+def _local(t: torch.Tensor, layout: str, world_size: int, rank: int, spec: InputSpec, device) -> torch.Tensor:
+    return in_memory(shard(t, layout, world_size, rank, dim=2).to(device), spec)
+
+
+def in_memory(local: torch.Tensor, spec: InputSpec) -> torch.Tensor:
+    """A (batch, heads, seq, dim) shard in the memory ``spec`` asks for (a view when not contiguous)."""
+    if spec.noncontiguous:
         # The shard a (batch, seq, heads, dim) model hands over: a transposed, non-contiguous view.
         local = local.transpose(1, 2).contiguous().transpose(1, 2)
         assert not local.is_contiguous() or min(local.shape[1], local.shape[2]) == 1
+    if spec.strided_head_dim:
+        local = torch.stack([local, torch.full_like(local, float("nan"))], dim=-1)[..., 0]
     return local
 
 
@@ -105,10 +114,10 @@ def local_inputs(spec: InputSpec, layout: str, world_size: int, rank: int, devic
     """This rank's shards; query/key/value are leaves that require grad."""
     g = make_inputs(spec)
     q, k, v = (
-        _local(t, layout, world_size, rank, spec.noncontiguous, device).detach().requires_grad_()
+        _local(t, layout, world_size, rank, spec, device).detach().requires_grad_()
         for t in (g.query, g.key, g.value)
     )
     grad_lse = None
     if g.grad_lse is not None:
         grad_lse = shard(g.grad_lse.unsqueeze(-1), layout, world_size, rank, dim=2).squeeze(-1).to(device)
-    return Inputs(q, k, v, _local(g.grad_out, layout, world_size, rank, spec.noncontiguous, device), grad_lse)
+    return Inputs(q, k, v, _local(g.grad_out, layout, world_size, rank, spec, device), grad_lse)

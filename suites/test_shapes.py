@@ -38,7 +38,13 @@ def _noncontiguous(config):
     for w, causal, rotate, dtype in itertools.product(world_sizes(config, at_least=2), (False, True), ROTATIONS, ("float32", "bfloat16")):
         inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype, noncontiguous=True)
         cases.append(RingCase(inputs, w, is_causal=causal, layout="head_tail", rotate_method=rotate))
-    return params(cases, id_extra=lambda c: ("bshd-views",))
+    # every other element of a wider buffer on the head dim (x[..., ::2]), W from 1: one rank
+    # has no collective that would copy its inputs before the kernel reads them
+    for w, causal, dtype in itertools.product(world_sizes(config), (False, True), ("float64", "float32")):
+        inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype,
+                           strided_head_dim=True)
+        cases.append(RingCase(inputs, w, is_causal=causal, layout="contiguous", rotate_method=ROTATIONS[w % 3]))
+    return params(cases, id_extra=lambda c: ("strided-head-dim" if c.inputs.strided_head_dim else "bshd-views",))
 
 
 def _large_logits(config):
@@ -87,9 +93,9 @@ def _strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def noncontiguous_problems(case: RingCase, results) -> list[str]:
-    """What every rank handed to ring_attention must be the (batch, seq, heads, dim) memory of a
-    model, seen as (batch, heads, seq, dim): the strides of that order, which are not the
-    contiguous ones. One line per tensor and rank that is not."""
+    """What every rank handed to ring_attention must be the memory the case asks for, not the
+    contiguous one: the (batch, seq, heads, dim) memory of a model seen as (batch, heads, seq,
+    dim), or a head dim of stride 2. One line per tensor and rank that is not."""
     spec, w = case.inputs, case.world_size
     local = {"query": (spec.batch, spec.heads, spec.seq_q // w, spec.head_dim),
              "key": (spec.batch, spec.heads_kv, spec.seq_kv // w, spec.head_dim),
@@ -97,10 +103,16 @@ def noncontiguous_problems(case: RingCase, results) -> list[str]:
     problems = []
     for rank, r in enumerate(results):
         for (name, shape), strides in zip(local.items(), r["input_strides"], strict=True):
-            bshd, contiguous = _strides(shape, (0, 2, 1, 3)), _strides(shape, (0, 1, 2, 3))
-            if tuple(strides) != bshd or bshd == contiguous:
+            contiguous = _strides(shape, (0, 1, 2, 3))
+            if spec.strided_head_dim:
+                want = tuple(2 * s for s in contiguous)
+                what = "head dim of stride 2"
+            else:
+                want = _strides(shape, (0, 2, 1, 3))
+                what = "(batch, seq, heads, dim) view"
+            if tuple(strides) != want or want == contiguous:
                 problems.append(f"rank {rank}: {name} {shape} passed with strides {tuple(strides)}, "
-                                f"expected the (batch, seq, heads, dim) view's {bshd} (contiguous: {contiguous})")
+                                f"expected the {what}'s {want} (contiguous: {contiguous})")
     return problems
 
 
@@ -112,13 +124,16 @@ def test_noncontiguous_inputs(ring, noncontig_case: RingCase) -> None:
     try:
         ring.check(case, results=results)
     except pytest.fail.Exception as failure:
-        contiguous = case.with_(inputs=case.inputs.with_(noncontiguous=False))
+        contiguous = case.with_(inputs=case.inputs.with_(noncontiguous=False, strided_head_dim=False))
         try:
             ring.check(contiguous)
         except pytest.fail.Exception:
             raise failure from None
+        what = ("a strided head dim (a kernel read it as if its stride were 1, as aten's CPU flash kernel does in "
+                "torch 2.13)" if case.inputs.strided_head_dim
+                else "non-contiguous inputs (it reads their memory as if contiguous, ignoring strides)")
         pytest.fail(f"{failure}\nThe same case with contiguous inputs passes: the implementation is wrong only with "
-                    "non-contiguous inputs (it reads their memory as if contiguous, ignoring strides)", pytrace=False)
+                    f"{what}", pytrace=False)
 
 
 def test_large_magnitude_logits(ring, large_case: RingCase) -> None:

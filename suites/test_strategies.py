@@ -109,6 +109,8 @@ def _matrix(config: pytest.Config) -> list:
             out.append(param(StrategyCase(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross"))
             nc = spec_for(mesh, "float32", "gqa", noncontiguous=True)
             out.append(param(StrategyCase(nc, strategy, mesh, is_causal=True, layout="head_tail"), "gqa", "noncontig"))
+            st = spec_for(mesh, "float64", "gqa", strided_head_dim=True)  # x[..., ::2] views, NaN between
+            out.append(param(StrategyCase(st, strategy, mesh, layout="contiguous", rotate_method="p2p"), "gqa", "strided"))
     return out
 
 
