@@ -182,7 +182,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
 
     from .compiled_masks import register_impl
 
-    impl_name = register_impl(impl, strategies)
+    impl_name = register_impl(impl, strategies, call_path)
 
     def ring_attention(query, key, value, **kwargs):
         return _ring_attention(impl, query, key, value, algorithms=strategies, impl_name=impl_name, **kwargs)

@@ -37,7 +37,7 @@ import ast
 import itertools
 import operator
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 import torch
@@ -48,20 +48,22 @@ from .sinks import sinks_problem, with_sinks
 
 __all__ = ["masked_ring_call", "register_impl", "saved_states"]
 
-#: name -> (a RingAttention variant, its head-parallel algorithms or None), as ring_impl.bind got them
-_IMPLS: dict[str, tuple[RingAttention, Mapping | None]] = {}
+#: name -> (a RingAttention variant, its head-parallel algorithms or None, the function that checks a
+#: call and returns its Path: ring_impl.api.call_path, handed over so this module does not import api)
+_IMPLS: dict[str, tuple[RingAttention, Mapping | None, Callable]] = {}
 #: handle -> (path, saved tensors, meta) of a forward whose backward has not been freed yet
 _SAVED: dict[int, tuple] = {}
 _HANDLES = itertools.count()
 
 
-def register_impl(impl: RingAttention, algorithms: Mapping | None = None) -> str:
-    """The name the ops find ``impl`` and ``algorithms`` by (``ring_impl.bind`` registers what it binds)."""
-    for name, (known, known_algorithms) in _IMPLS.items():
-        if known is impl and known_algorithms is algorithms:
+def register_impl(impl: RingAttention, algorithms: Mapping | None, call_path: Callable) -> str:
+    """The name the ops find ``impl``, ``algorithms`` and ``call_path`` by (``ring_impl.bind``
+    registers what it binds)."""
+    for name, (known, known_algorithms, known_call) in _IMPLS.items():
+        if known is impl and known_algorithms is algorithms and known_call is call_path:
             return name
     name = f"{type(impl).__module__}.{type(impl).__qualname__}#{len(_IMPLS)}"
-    _IMPLS[name] = (impl, algorithms)
+    _IMPLS[name] = (impl, algorithms, call_path)
     return name
 
 
@@ -220,10 +222,8 @@ def _drop(handle: int) -> None:
 @torch.library.custom_op("ring_impl::masked_ring", mutates_args=())
 def _masked_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
                  mask_tensors: list[torch.Tensor], call: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .api import call_path
-
     c = dict(_parse(call))
-    impl, algorithms = _IMPLS[c.pop("impl")]
+    impl, algorithms, call_path = _IMPLS[c.pop("impl")]
     mask = _rebuild(c.pop("mask"), mask_tensors)
     group = _group(c.pop("group"))
     c.pop("lse_used")
