@@ -98,7 +98,15 @@ def resolve_strategy_groups(strategy: str, group) -> StrategyGroups:
             raise ValueError(
                 f"strategy='hybrid' with a mapping needs exactly the keys 'ulysses' and 'ring', got {sorted(map(str, group))}"
             )
-        return StrategyGroups(resolve_group(group["ulysses"]), resolve_group(group["ring"]))
+        ulysses, ring = resolve_group(group["ulysses"]), resolve_group(group["ring"])
+        if not torch.compiler.is_compiling():  # (traced: the call's eager checks have run it)
+            shared = set(dist.get_process_group_ranks(ulysses)) & set(dist.get_process_group_ranks(ring))
+            if shared != {dist.get_rank()}:
+                raise ValueError(
+                    f"strategy='hybrid' with a mapping needs a 'ulysses' and a 'ring' group that cross only at this rank "
+                    f"(a row and a column of a mesh); these share ranks {sorted(shared)}"
+                )
+        return StrategyGroups(ulysses, ring)
     raise TypeError(
         f"strategy='hybrid' needs group= a 2-D DeviceMesh with dims 'ulysses' and 'ring' or a mapping "
         f"{{'ulysses': group, 'ring': group}}, not {type(group).__name__}"

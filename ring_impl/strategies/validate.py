@@ -88,7 +88,7 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
                 f"of {2 * u if strategy == 'ulysses' else 2 * r * u}"
             )
     if strategy == "ulysses":
-        if head_chunks != 1:
+        if type(head_chunks) is not int or head_chunks != 1:  # 1.0 and True are not the int 1
             return (
                 f"head_chunks={head_chunks!r} applies to the ring; strategy='ulysses' runs one kernel call per rank "
                 "on its slice of heads: leave head_chunks at 1"

@@ -101,6 +101,7 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
     ("ulysses", (4, 1), (1, 6, 8, 4), (1, 6, 8, 4), {}, "not divisible by the Ulysses degree 4"),
     ("ulysses", (2, 1), (1, 4, 5, 4), (1, 4, 5, 4), {"layout": "head_tail"}, "layout 'head_tail'"),
     ("ulysses", (2, 1), (1, 4, 8, 4), (1, 4, 8, 4), {"head_chunks": 2}, "head_chunks=2 applies to the ring"),
+    ("ulysses", (2, 1), (1, 4, 8, 4), (1, 4, 8, 4), {"head_chunks": 1.0}, "head_chunks=1.0 applies to the ring"),
     ("hybrid", (3, 2), (1, 6, 1, 4), (1, 6, 1, 4), {"layout": "head_tail"}, "row (U x local)"),
     ("hybrid", (4, 2), (1, 8, 8, 4), (1, 2, 8, 4), {"head_chunks": 2}, "1 key/value heads per rank"),
     ("hybrid", (2, 2), (1, 4, 8, 4), (1, 4, 8, 4), {"return_lse": "yes"}, "return_lse must be a bool"),
@@ -125,6 +126,8 @@ def _groups(ctx, kind: str) -> str:
         group = ctx.device_mesh((2, 2), ("a", "b"))
     elif kind == "mapping_keys":
         group = {"ulysses": ctx.group}
+    elif kind == "mapping_not_a_mesh":  # both groups every rank: an IndexError in the check table before
+        group = {"ulysses": ctx.group, "ring": ctx.group}
     elif kind == "flat_for_hybrid":
         group = ctx.group
     else:
@@ -136,7 +139,8 @@ def _groups(ctx, kind: str) -> str:
 
 
 @pytest.mark.parametrize("kind,words", [("unnamed_mesh", "dims named 'ulysses' and 'ring'"),
-                                        ("mapping_keys", "exactly the keys"), ("flat_for_hybrid", "2-D DeviceMesh")])
+                                        ("mapping_keys", "exactly the keys"), ("flat_for_hybrid", "2-D DeviceMesh"),
+                                        ("mapping_not_a_mesh", "cross only at this rank")])
 def test_hybrid_groups_are_checked(rank_pool, kind: str, words: str) -> None:
     outcomes = rank_pool(4).run_outcomes(_groups, kind)
     assert all(not o.ok and words in o.exc_message for o in outcomes), [(o.ok, o.exc_message) for o in outcomes]
