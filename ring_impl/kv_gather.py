@@ -181,8 +181,6 @@ class GatherPath:
         query, out, lse, ext = saved
         cfg, impl, plan = self.cfg, self.impl, self.plan
         (dk_dtype, dv_dtype), seq = meta
-        if grad_out is None:  # only the LSE reaches the loss
-            grad_out = torch.zeros_like(out)
         dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, plan.blocks)
         del ext
         d_rows = _rows_first(dext)  # extended rows in global order

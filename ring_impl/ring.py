@@ -318,8 +318,8 @@ class Path(Protocol):
         tensors (or None) the backward needs, ``meta`` anything else it needs."""
         ...
 
-    def backward(self, saved: tuple, meta, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):
-        """(dq, dk, dv) in the dtypes of query, key, value; ``grad_out`` None when only the LSE
+    def backward(self, saved: tuple, meta, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):
+        """(dq, dk, dv) in the dtypes of query, key, value; ``grad_out`` zeros when only the LSE
         reaches the loss, ``grad_lse`` None when the LSE is unused."""
         ...
 
@@ -337,8 +337,6 @@ class RingPath:
 
     def backward(self, saved, meta, grad_out, grad_lse):
         query, key, value, out, lse = saved
-        if grad_out is None:  # only the LSE reaches the loss
-            grad_out = torch.zeros_like(out)
         return heads.run_backward(self.impl, self.cfg, grad_out, query, key, value, out, lse, grad_lse)
 
 
@@ -355,6 +353,7 @@ class PathFunction(torch.autograd.Function):
         out, lse, saved, meta = path.forward(query, key, value)
         ctx.save_for_backward(*saved)
         ctx.path, ctx.meta = path, meta
+        ctx.out_like = (out.shape, out.dtype, out.device)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (eager)
         if not with_lse:
             ctx.mark_non_differentiable(lse)
@@ -363,6 +362,9 @@ class PathFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
+        if grad_out is None:  # only the LSE reaches the loss
+            shape, dtype, device = ctx.out_like
+            grad_out = torch.zeros(shape, dtype=dtype, device=device)
         dq, dk, dv = ctx.path.backward(ctx.saved_tensors, ctx.meta, grad_out, grad_lse)
         return dq, dk, dv, None, None
 

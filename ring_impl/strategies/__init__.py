@@ -13,7 +13,7 @@ all-to-all) and the hybrid (Ulysses inside each row of a 2-D mesh, the ring acro
 
 from __future__ import annotations
 
-from .api import DEFAULT_ALGORITHMS, strategy_attention, strategy_path
+from .api import DEFAULT_ALGORITHMS, strategy_path
 from .groups import DIM_NAMES, StrategyGroups, resolve_strategy_groups
 from .hybrid import Hybrid
 from .layout import STRATEGIES, mesh_coords, position_ranges, sequence_divisor, shard, unshard
@@ -33,7 +33,6 @@ __all__ = [
     "resolve_strategy_groups",
     "sequence_divisor",
     "shard",
-    "strategy_attention",
     "strategy_path",
     "strategy_schedule",
     "unshard",

@@ -8,8 +8,7 @@ import torch
 
 from ..masks import fold_causal, mask_code, masking_problem
 from ..ops import AttentionOp, resolve_scale_and_op
-from ..ring import PathFunction, RingAttention, RingConfig
-from ..sinks import with_sinks
+from ..ring import RingAttention, RingConfig
 from ..validate import InputError
 from .groups import resolve_strategy_groups
 from .hybrid import Hybrid
@@ -17,7 +16,7 @@ from .layout import STRATEGIES
 from .ulysses import HeadParallelConfig, HeadParallelPath, Ulysses
 from .validate import agree_on_mesh, strategy_problem
 
-__all__ = ["DEFAULT_ALGORITHMS", "strategy_attention", "strategy_path"]
+__all__ = ["DEFAULT_ALGORITHMS", "strategy_path"]
 
 #: The algorithm object of each head-parallel strategy (a variant replaces one, see ``bind``).
 DEFAULT_ALGORITHMS: Mapping[str, Ulysses] = {"ulysses": Ulysses(), "hybrid": Hybrid()}
@@ -87,14 +86,3 @@ def _masking_problem(query, key, mask, sinks, mesh_shape) -> str | None:
     if mask is None and sinks is None:
         return None
     return masking_problem(query, key, mask, sinks, world_size=mesh_shape[0] * mesh_shape[1])
-
-
-def strategy_attention(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None, strategy: str,
-                       query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, return_lse: bool = False,
-                       sinks=None, **kwargs):
-    """``ring_attention`` for ``strategy`` "ulysses" or "hybrid": :func:`strategy_path`, run."""
-    path = strategy_path(impl, algorithms, strategy, query, key, value, return_lse=return_lse, sinks=sinks, **kwargs)
-    out, lse = PathFunction.apply(query, key, value, path, path.cfg.return_lse)
-    if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out

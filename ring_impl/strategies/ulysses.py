@@ -226,8 +226,4 @@ class HeadParallelPath:
 
     def backward(self, saved, meta, grad_out, grad_lse):
         cfg, (key_dtype, heads_kv) = self.cfg, meta
-        if grad_out is None:  # only the LSE reaches the loss; saved[0] is the head-sharded query
-            q = saved[0]
-            grad_out = torch.zeros(q.shape[0], q.shape[1] * cfg.heads.size, q.shape[2] // cfg.heads.size, q.shape[3],
-                                   dtype=q.dtype, device=q.device)
         return self.algo.backward(cfg, grad_out, grad_lse if cfg.return_lse else None, saved, key_dtype, heads_kv)
