@@ -34,11 +34,13 @@ def get_rotate_method() -> str:
 
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
-    "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod (a Python "
-    "function the compiled graph cannot carry), an op given as an object, or mask values that are not plain "
-    "ints/bools/tensors: its plan is data (the mask on global positions) that a graph could only bake in and "
-    "serve stale. Built-in masks with an op name run in the graph, every strategy (ring_impl.compiled_masks). "
-    "Compile without fullgraph=True, or call such masked attention outside the compiled region"
+    "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod whose bit table "
+    "on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS or that does not return bool, a Mask subclass or an op given as an "
+    "object (Python the compiled graph cannot carry), or mask values that are not plain ints/bools/tensors: "
+    "its plan is data (the mask on global positions) that a graph could only bake in and serve stale. Built-in "
+    "masks and MaskMods (as a table of bits) with an op name run in the graph, every strategy "
+    "(ring_impl.compiled_masks). Compile without fullgraph=True, or call such masked attention outside the "
+    "compiled region"
 )
 
 
@@ -228,7 +230,9 @@ Args:
         do, with the kernel's causal flag when causal-shaped, else with the block's mask (ops
         declaring ``masks``; others run those blocks with the math op). Rows that see nothing
         give out 0, LSE -inf and zero gradients. Any head_chunks. Under torch.compile the
-        call runs eagerly inside the compiled region (a graph break; see MASKS_RUN_EAGERLY).
+        call runs in the graph as custom ops (a MaskMod evaluated into a table of bits on the
+        global grid: ring_impl.mask_table), or for what they cannot carry eagerly inside the
+        compiled region (a graph break; see MASKS_RUN_EAGERLY).
     halo: None (default): a mask that reaches at most a shard's length back and forward
         (Mask.reach(): a SlidingWindow, alone or with & Causal / Documents; ChunkedCausal),
         with layout "contiguous", equal local lengths and W >= 2, runs as a halo exchange

@@ -24,11 +24,19 @@ found in the plan cache) when the op runs, from the tensors it is given:
     be reused for another result. ``grad_lse`` is None when the LSE is not used (compiled graphs
     give zeros for an unused output's gradient; the eager backward would not see them).
 
-Runs in the graph: every built-in mask but :class:`~ring_impl.masks.MaskMod` (its function is
-Python that the op could only find by identity), with every strategy and path (the ring, the halo
-exchange, the sparse gather, Ulysses, the hybrid: :func:`ring_impl.api.call_path`), an op given by
-name, and any ``group=`` form (the ops find the process groups by name). Anything else runs
-eagerly inside the compiled region, a graph break (``MASKS_RUN_EAGERLY`` in :mod:`ring_impl.api`).
+Runs in the graph: every built-in mask, and a :class:`~ring_impl.masks.MaskMod` (a routed flex
+call's too), whose function the traced code runs on the global grid into a table of bits
+(:mod:`ring_impl.mask_table`: a function is Python the op could only find by identity, and a table
+is data), with every strategy and path (the ring, the halo exchange, the sparse gather, Ulysses,
+the hybrid: :func:`ring_impl.api.call_path`), an op given by name, and any ``group=`` form (the
+ops find the process groups by name). Anything else (a table over ``MAX_TABLE_BITS``, a Mask
+subclass, an op object) runs eagerly inside the compiled region, a graph break
+(``MASKS_RUN_EAGERLY`` in :mod:`ring_impl.api`).
+
+A MaskMod's table is evaluated before the op, on every rank: a function that raises there on some
+ranks only (data that differs between ranks) raises on those, while the others wait in the op's
+cross-rank check (eagerly the check catches it; compiled it cannot, as the failure is outside
+the op).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from functools import lru_cache
 
 import torch
 
-from .masks import And, Causal, ChunkedCausal, Documents, Full, Or, PrefixLM, SlidingWindow
+from .mask_table import VisibilityTable, pack_visibility
+from .masks import And, Causal, ChunkedCausal, Documents, Full, MaskMod, Or, PrefixLM, SlidingWindow
 from .ring import RingAttention
 from .sinks import sinks_problem, with_sinks
 
@@ -107,9 +116,11 @@ def _decode(x):
     return x
 
 
-def _structure(mask, tensors: list) -> str:
+def _structure(mask, tensors: list, grid: dict) -> str:
     """``mask``'s structure as a Python literal tuple; its tensors appended to ``tensors`` and
-    named by index. Exact types only: a subclass may see differently."""
+    named by index. Exact types only: a subclass may see differently. A ``MaskMod`` is evaluated
+    here, in the traced code, on the global grid ``grid`` (batch, heads, seq_q, seq_kv) into a
+    :class:`~ring_impl.mask_table.VisibilityTable` (:mod:`ring_impl.mask_table`)."""
     kind = type(mask)
     if kind is Full:
         return "('full',)"
@@ -132,8 +143,15 @@ def _structure(mask, tensors: list) -> str:
             else:
                 raise _NotLiteral("Documents ids that are not a tensor")
         return f"('documents', {ids[0]}, {ids[1]}, {_literal(mask.causal)})"
+    if kind is MaskMod:
+        bits = pack_visibility(mask, **grid)
+        if bits is None:
+            raise _NotLiteral("a MaskMod table over MAX_TABLE_BITS, or not bool")
+        tensors.append(bits)
+        return f"('table', {len(tensors) - 1}, {_literal(grid['seq_kv'])})"
     if kind is And or kind is Or:
-        return f"('{'and' if kind is And else 'or'}', {_structure(mask.a, tensors)}, {_structure(mask.b, tensors)})"
+        return (f"('{'and' if kind is And else 'or'}', {_structure(mask.a, tensors, grid)}, "
+                f"{_structure(mask.b, tensors, grid)})")
     raise _NotLiteral(kind.__name__)
 
 
@@ -152,6 +170,9 @@ def _rebuild(structure, tensors):
     if kind == "documents":
         ids, kv_ids, causal = args
         return Documents(tensors[ids], causal, None if kv_ids is None else tensors[kv_ids])
+    if kind == "table":
+        bits, seq_kv = args
+        return VisibilityTable(tensors[bits], seq_kv)
     a, b = (_rebuild(s, tensors) for s in args)
     return And(a, b) if kind == "and" else Or(a, b)
 
@@ -161,21 +182,30 @@ _OPTIONS = ("is_causal", "scale", "rotate_method", "op", "layout", "return_lse",
             "halo", "sparse_kv", "strategy")
 
 
-def _group_names(strategy, group) -> str:
+def _groups(strategy, group) -> tuple[str, int]:
     """The process groups of the call by name: ``('pg', name)`` for the ring and Ulysses, ``('mesh',
-    ulysses name, ring name)`` for the hybrid (any of its ``group=`` forms)."""
-    if strategy == "hybrid":
+    ulysses name, ring name)`` for the hybrid (any of its ``group=`` forms); and the number of
+    ranks the sequence is sharded over (the global length is that times the local one)."""
+    from .group import resolve_group
+
+    if strategy in ("hybrid", "ulysses"):
         from .strategies.groups import resolve_strategy_groups
 
         groups = resolve_strategy_groups(strategy, group)
-        return f"('mesh', {_literal(groups.ulysses.group_name)}, {_literal(groups.ring.group_name)})"
-    from .group import resolve_group
+        if strategy == "ulysses":
+            return f"('pg', {_literal(groups.ulysses.group_name)})", groups.ulysses.size()
+        names = f"('mesh', {_literal(groups.ulysses.group_name)}, {_literal(groups.ring.group_name)})"
+        return names, groups.ulysses.size() * groups.ring.size()
+    pg = resolve_group(group)
+    return f"('pg', {_literal(pg.group_name)})", pg.size()
 
-    if strategy == "ulysses":
-        from .strategies.groups import resolve_strategy_groups
 
-        return f"('pg', {_literal(resolve_strategy_groups(strategy, group).ulysses.group_name)})"
-    return f"('pg', {_literal(resolve_group(group).group_name)})"
+def _grid(query, key, world: int) -> dict:
+    """The global grid a MaskMod is evaluated on: batch, query heads and global lengths."""
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4):
+        raise _NotLiteral("inputs that are not 4-D tensors")  # the eager call says what is wrong
+    b, h, sq, skv = (operator.index(n) for n in (query.shape[0], query.shape[1], query.shape[2], key.shape[2]))
+    return {"batch": b, "heads": h, "seq_q": sq * world, "seq_kv": skv * world}
 
 
 def _group(names: tuple):
@@ -193,8 +223,10 @@ def masked_ring_call(impl_name: str, query, key, value, *, group=None, mask, sin
         return None  # an unknown keyword or strategy: the eager call says what is wrong
     tensors: list = []
     try:
-        fields = [f"'impl': {_literal(impl_name)}", f"'mask': {_structure(mask, tensors)}",
-                  f"'group': {_group_names(strategy, group)}", f"'strategy': {_literal(strategy)}",
+        names, world = _groups(strategy, group)
+        structure = _structure(mask, tensors, _grid(query, key, world) if _has_mask_mod(mask) else {})
+        fields = [f"'impl': {_literal(impl_name)}", f"'mask': {structure}",
+                  f"'group': {names}", f"'strategy': {_literal(strategy)}",
                   f"'return_lse': {_literal(return_lse)}",
                   f"'lse_used': {_literal(bool(return_lse) or sinks is not None)}"]
         fields += [f"'{name}': {_literal(value)}" for name, value in options.items()]
@@ -208,6 +240,12 @@ def masked_ring_call(impl_name: str, query, key, value, *, group=None, mask, sin
         # (Bad sinks: the op raises InputError on every rank before the sink term would run.)
         out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _has_mask_mod(mask) -> bool:
+    if type(mask) in (And, Or):
+        return _has_mask_mod(mask.a) or _has_mask_mod(mask.b)
+    return type(mask) is MaskMod
 
 
 @lru_cache(maxsize=256)

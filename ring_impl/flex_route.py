@@ -15,8 +15,9 @@ instead. Outside any route :func:`flex_attention` is flex attention itself.
 Not routed, each refused on every rank with the reason: a ``score_mod`` (the ring's kernels take
 visibility, not score changes), ``kernel_options`` (they tune flex's own kernel, which does not
 run), ``return_aux`` asking for max scores, and a block mask built for other lengths than the
-global ones. Under ``torch.compile`` the routed call runs eagerly inside the compiled region (a graph
-break: ``ring_impl.api.MASKS_RUN_EAGERLY``).
+global ones. Under ``torch.compile`` the routed call runs in the graph, ``fullgraph=True`` included:
+the mask_mod is traced and evaluated on the global grid into a table of bits
+(:mod:`ring_impl.mask_table`) that the ring's custom ops take (:mod:`ring_impl.compiled_masks`).
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     mask = MaskMod(block_mask.mask_mod) if problem is None and block_mask is not None else None
     want_lse = bool(return_lse) or (return_aux is not None and bool(getattr(return_aux, "lse", False)))
     op = route.op_for(query, scale, False) if isinstance(query, torch.Tensor) else route.op
-    result = api._ring_attention(
-        api._DEFAULT_IMPL, query, key, value, group=group, is_causal=False, scale=scale,
+    result = api.ring_attention(
+        query, key, value, group=group, is_causal=False, scale=scale,
         rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
         strategy=route.strategy, extra_problem=problem, mask=mask, return_lse=want_lse,
     )

@@ -61,7 +61,7 @@ def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tens
     (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols); ``masked``: as
     ``visible`` (batch or 1, heads or 1, rows, cols) says."""
     if kind == "masked" and visible is not None:
-        if not bool(flags.any()):  # the usual case; masked blocks run eagerly (under torch.compile too: a graph break)
+        if not bool(flags.any()):  # the usual case (masked blocks run eagerly; compiled, inside ring_impl::masked_ring)
             return flags.new_zeros((*flags.shape[:2], rows, *flags.shape[3:]))
         f = flags.to(torch.float32)
         seen = visible.to(torch.float32) @ (f if f.dim() == 4 else f.unsqueeze(-1))

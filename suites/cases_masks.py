@@ -37,11 +37,20 @@ MASK_NAMES = ("causal", "documents", "documents_full", "documents_with_gaps", "o
               "chunked_causal", "prefix_lm", "documents_window", "prefix_lm_window", "mask_mod")
 
 
-def per_head_window(b, h, q_idx, kv_idx):
+def per_head_window(step: int = 3):
     """A flex-style mask_mod that depends on the head, differently for every head: head 0
-    causal, head ``h > 0`` a causal window of ``3h`` keys back (a head evaluated under another
-    head's index, e.g. its index within a rank's slice of heads, shows)."""
-    return (kv_idx <= q_idx) & ((h == 0) | (kv_idx >= q_idx - 3 * h))
+    causal, head ``h > 0`` a causal window of ``step * h`` keys back (a head evaluated under
+    another head's index, e.g. its index within a rank's slice of heads, shows). It closes over
+    ``step`` as a tensor, as mask_mods close over documents' ids: compiled, that is data the
+    graph takes as an input, and :func:`other_mask_data` gives the same function over another
+    ``step``."""
+    steps = torch.tensor(step)
+
+    def per_head_window_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((h == 0) | (kv_idx >= q_idx - steps * h))
+
+    per_head_window_mod.step = step
+    return per_head_window_mod
 
 
 def documents(seq: int, lengths: list[int]) -> list[int]:
@@ -79,7 +88,7 @@ def mask_spec(name: str, seq: int) -> dict[str, Any]:
         # rows see on the next rank
         "prefix_lm_window": {"kind": "and", "masks": [{"kind": "prefix_lm", "prefix": seq // 2 + 2},
                                                       {"kind": "sliding_window", "left": max(1, seq // 12), "right": 2}]},
-        "mask_mod": {"kind": "mask_mod", "fn": per_head_window},
+        "mask_mod": {"kind": "mask_mod", "fn": per_head_window()},
     }
     return specs[name]
 
@@ -87,7 +96,8 @@ def mask_spec(name: str, seq: int) -> dict[str, Any]:
 def other_mask_data(data: dict[str, Any]) -> dict[str, Any]:
     """A mask of the same kinds as ``data`` (reference.masks' plain form) that sees differently:
     documents' boundaries one position later, windows, chunks and prefixes one wider, the first
-    part of an ``and``/``or`` changed; ``causal``, ``full`` and ``mask_mod`` stay as they are."""
+    part of an ``and``/``or`` changed, :func:`per_head_window` over a step one longer;
+    ``causal``, ``full`` and other ``mask_mod`` functions stay as they are."""
     kind = data["kind"]
     if kind == "document" and "doc_ids" in data:
         ids = list(data["doc_ids"])
@@ -100,6 +110,8 @@ def other_mask_data(data: dict[str, Any]) -> dict[str, Any]:
         return {**data, "prefix": data["prefix"] + 1}
     if kind in ("and", "or"):
         return {**data, "masks": [other_mask_data(data["masks"][0]), *data["masks"][1:]]}
+    if kind == "mask_mod" and hasattr(data["fn"], "step"):
+        return {**data, "fn": per_head_window(data["fn"].step + 1)}
     return data
 
 

@@ -95,13 +95,12 @@ def _compile_cases(config) -> list[MaskCase]:
     """The named masks under ``torch.compile(fullgraph=True)`` (capability ``compile``), each
     call after one with the same kind of mask and other data in the same compiled function
     (cases_masks.other_mask_data): a stale plan shows. Quick: ``aot_eager`` at W=2, the layout,
-    rotation, dtype and sinks cycled; nightly: ``inductor`` too, at W 2..4. ``mask_mod`` is left
-    out: a Python function has no form a compiled graph can take as data (ring_impl runs it
-    eagerly, a graph break that fullgraph=True refuses)."""
+    rotation, dtype and sinks cycled; nightly: ``inductor`` too, at W 2..4. ``mask_mod`` included:
+    its function closes over a tensor, which the warm-up call changes."""
     nightly = tier(config) == "nightly"
     sizes = world_sizes(config, at_least=2, at_most=4 if nightly else 2)
     backends = ("aot_eager", "inductor") if nightly else ("aot_eager",)
-    names = [n for n in MASK_NAMES if n != "mask_mod"]
+    names = list(MASK_NAMES)
     out = []
     for i, (name, w, backend) in enumerate(itertools.product(names, sizes, backends)):
         j, b = divmod(i, len(backends))  # cycled per (mask, W), turned per backend
@@ -135,8 +134,8 @@ def _strategy_cases(config) -> list[MaskCase]:
             out.append(MaskCase(spec, 4, layout=layout, rotate_method=ROTATIONS[(i // 2 + j) % 3], mask=name,
                                 sinks=(i + j) % 3 == 0, strategy=strategy, mesh_shape=mesh))
     # Under torch.compile(fullgraph=True) (capability compile): quick, one mask per strategy;
-    # nightly, every named mask but mask_mod (see _compile_cases), the strategy alternating.
-    names = [n for n in MASK_NAMES if n != "mask_mod"] if nightly else ["documents_window", "prefix_lm"]
+    # nightly, every named mask, the strategy alternating.
+    names = list(MASK_NAMES) if nightly else ["documents_window", "prefix_lm", "mask_mod"]
     for i, name in enumerate(names):
         strategy, mesh = STRATEGY_MESHES[i % 2]
         spec = InputSpec(batch=1, heads=4, heads_kv=2 if i % 3 else 4, seq_q=96, seq_kv=96, head_dim=16,

@@ -1,15 +1,17 @@
-"""Masks under ``torch.compile``. Built-in masks run in the graph as custom ops
-(``ring_impl.compiled_masks``), ``fullgraph=True`` included, with every strategy and path (ring,
-halo exchange, sparse gather, Ulysses, the hybrid); ``MaskMod`` runs eagerly inside the compiled
+"""Masks under ``torch.compile``. Built-in masks and ``MaskMod`` (as a table of bits on the global
+grid, ``ring_impl.mask_table``) run in the graph as custom ops (``ring_impl.compiled_masks``),
+``fullgraph=True`` included, with every strategy and path (ring, halo exchange, sparse gather,
+Ulysses, the hybrid); a MaskMod whose table would be too large runs eagerly inside the compiled
 region (a graph break, ``ring_impl.api.MASKS_RUN_EAGERLY``), with the code around it compiled.
 
 Judged against the same call run eagerly, bitwise: the code around the attention is exact
 (multiplications by powers of two), so any difference is the ring's. A second mask after the
 first compile must get its own plan (a graph that baked the first plan in would serve it stale):
-documents with other ids reuse the graph (the ids are a tensor input), a window of another width
-recompiles (dynamo guards on it). The saved state of the ops is freed with the graph, bad input
-still raises InputError on every rank, and ``fullgraph=True`` with a MaskMod fails on every rank
-naming why. The eager masked ring itself is judged against the float64 oracle in test_masks.py.
+documents with other ids reuse the graph (the ids are a tensor input, also when a MaskMod closes
+over them), a window of another width recompiles (dynamo guards on it). The saved state of the ops
+is freed with the graph, bad input still raises InputError on every rank (a MaskMod differing
+between ranks beyond the eager probe's positions included), and ``fullgraph=True`` with a
+MaskMod over the table limit fails on every rank naming why. The eager masked ring itself is judged against the float64 oracle in test_masks.py.
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ def _skip_other_impls(ring):
 
 
 def _mask(kind: str, variant: int):
-    from ring_impl.masks import Documents, SlidingWindow
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow
 
-    if kind == "documents":  # variant 1: other boundaries, crossing the shards differently
+    if kind in ("documents", "mask_mod"):  # variant 1: other boundaries, crossing the shards differently
         lengths = ([5, 1, 19, 7], [16, 3, 13])[variant]
-        return Documents(torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]))
+        ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+        if kind == "documents":
+            return Documents(ids)
+
+        def documents_per_head_window(b, h, q_idx, kv_idx):  # a new closure per call, over other ids
+            return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx) & ((h == 0) | (kv_idx >= q_idx - 3 * h))
+
+        return MaskMod(documents_per_head_window)
     return SlidingWindow((3, 9)[variant], 0)
 
 
@@ -63,6 +72,9 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
                                        rotate_method="alltoall", strategy=strategy, scale=0.25, **extra)
         return out * 0.5
 
+    # Ranks live across cases, and every case compiles this same code: a reset keeps dynamo's
+    # recompile limit (8 per code object) for this case's masks.
+    torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(attention, backend=counter, fullgraph=True)
     results = {}
@@ -86,6 +98,13 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
     ("window", "hybrid", "head_tail", "aot_eager", True, False),  # 4 ranks, a 2 x 2 mesh
     ("documents", "ring", "head_tail", "inductor", False, False),
     ("window", "ring", "contiguous", "inductor", False, False),
+    # A MaskMod (documents per head window, closing over the ids) as a table of bits
+    ("mask_mod", "ring", "head_tail", "aot_eager", True, False),
+    ("mask_mod", "ring", "contiguous", "aot_eager", False, True),  # the sparse gather
+    ("mask_mod", "ulysses", "contiguous", "aot_eager", False, False),  # heads split: global head indices
+    ("mask_mod", "hybrid", "head_tail", "aot_eager", False, False),
+    # (inductor without sinks: it fuses the sink term's exp/log with other rounding than eager's)
+    ("mask_mod", "ring", "head_tail", "inductor", False, False),
 ])
 def test_masked_attention_under_compile_equals_eager(ring, kind, strategy, layout, backend, with_sinks, sparse_kv) -> None:
     _skip_other_impls(ring)
@@ -95,9 +114,9 @@ def test_masked_attention_under_compile_equals_eager(ring, kind, strategy, layou
     names = ["out", "dq", "dk", "dv", "dsinks"]
     for rank, run in enumerate(runs):
         res = run["results"]
-        # In the graph (fullgraph=True compiled): the documents' ids are an input of the graph,
-        # a window's width a constant it was specialised on.
-        want = 1 if kind == "documents" else 2
+        # In the graph (fullgraph=True compiled): the documents' ids are an input of the graph
+        # (also closed over by a MaskMod), a window's width a constant it was specialised on.
+        want = 2 if kind == "window" else 1
         assert run["frames"] == want, f"rank {rank}: {run['frames']} compiled frames for two {kind} masks, expected {want}"
         assert run["saved"] == 0, f"rank {rank}: {run['saved']} saved states outlive their backward"
         for variant in (0, 1):
@@ -153,20 +172,28 @@ def _bad_input_compiled(ctx, case):
     import ring_impl
     from ring_impl.masks import Documents, SlidingWindow
 
+    local = SEQ // 2
     if case == "ids_of_wrong_length":
         mask = Documents(torch.zeros(SEQ + 3, dtype=torch.int64))
-    else:  # "mask_differs_between_ranks"
+    elif case == "mask_differs_between_ranks":
         mask = SlidingWindow(3 + ctx.rank)
-    q = torch.randn(1, HEADS, SEQ // 2, HEAD_DIM)
+    else:  # "mask_mod_differs_beyond_the_probe": equal on the first 64 positions, not at 90
+        from ring_impl.masks import MaskMod
+
+        local, odd = 48, 90 if ctx.rank == 1 else -1
+        mask = MaskMod(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx != odd))
+    q = torch.randn(1, HEADS, local, HEAD_DIM)
     fn = torch.compile(lambda q, mask: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
                        backend="aot_eager", fullgraph=True)
     fn(q, mask)
     return "no error"
 
 
-@pytest.mark.parametrize("case", ["ids_of_wrong_length", "mask_differs_between_ranks"])
+@pytest.mark.parametrize("case", ["ids_of_wrong_length", "mask_differs_between_ranks",
+                                  "mask_mod_differs_beyond_the_probe"])
 def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> None:
-    """The op runs the eager call's checks, the cross-rank agreement included."""
+    """The op runs the eager call's checks, the cross-rank agreement included: a MaskMod's table
+    is compared whole (eagerly only a probe of its first 64 positions is)."""
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_input_compiled, case, timeout=120.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
@@ -177,17 +204,25 @@ def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> Non
 
 def _fullgraph(ctx):
     import ring_impl
+    import ring_impl.mask_table as mask_table
     from ring_impl.masks import MaskMod
 
     q = torch.randn(1, 2, 8, 8)
     mask = MaskMod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
     fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
                        backend="eager", fullgraph=True)
-    fn(q)
+    limit = mask_table.MAX_TABLE_BITS
+    mask_table.MAX_TABLE_BITS = 16 * 16 - 1  # one bit short of this call's table
+    try:
+        fn(q)
+    finally:
+        mask_table.MAX_TABLE_BITS = limit
     return "no error"
 
 
 def test_fullgraph_names_why_a_mask_mod_breaks_the_graph(ring) -> None:
+    """A MaskMod whose table would exceed MAX_TABLE_BITS runs eagerly: fullgraph=True refuses it
+    on every rank, naming why."""
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_fullgraph, timeout=60.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
@@ -223,7 +258,7 @@ def _flex_compiled(ctx):
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     results = []
     with sdpa_routed_to_ring(ctx.group, layout="head_tail"):
-        for fn in (torch.compile(attention, backend=counter), attention):
+        for fn in (torch.compile(attention, backend=counter, fullgraph=True), attention):
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
             out = fn(*leaves)
             out.backward(dout)
@@ -232,10 +267,10 @@ def _flex_compiled(ctx):
 
 
 def test_routed_flex_call_under_compile_equals_eager(ring) -> None:
-    """``flex_attention(..., block_mask=)`` under context parallel, inside a compiled function:
-    routed to the masked ring, which runs eagerly in the compiled region."""
+    """``flex_attention(..., block_mask=)`` under context parallel, inside a function compiled with
+    ``fullgraph=True``: routed to the masked ring, its mask_mod evaluated in the graph."""
     _skip_other_impls(ring)
     for rank, run in enumerate(ring.rank_pool(2).run(_flex_compiled, timeout=240.0)):
-        assert run["frames"] >= 1, f"rank {rank}: torch.compile compiled no frame: nothing was under test"
+        assert run["frames"] == 1, f"rank {rank}: {run['frames']} compiled frames, expected one graph"
         for name, got, want in zip(("out", "dq", "dk", "dv"), run["compiled"], run["eager"]):
             assert torch.equal(got, want), f"rank {rank}: routed flex {name} compiled differs from eager"

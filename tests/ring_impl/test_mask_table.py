@@ -1,0 +1,89 @@
+"""``ring_impl.mask_table``: a mask packed into bits on the global grid (how a MaskMod enters a
+compiled graph) reads back exactly as the float64 oracle's visibility (``reference.masks``,
+written independently), for key lengths that are and are not multiples of 8, masks that depend
+on the batch or the head, any row chunking; its description changes with any single bit, it
+refuses a grid it was not built for, and a table over the limit is not built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference.masks import visibility as oracle_visibility
+
+
+def _per_batch_head(b, h, q_idx, kv_idx):
+    """Batch 1 sees nothing past position 5; head h sees h + 1 keys back, causally."""
+    return (kv_idx <= q_idx) & (kv_idx >= q_idx - h - 1) & ((b == 0) | (kv_idx <= 5))
+
+
+def _spec(name: str) -> dict:
+    return {
+        "causal": {"kind": "causal"},
+        "documents": {"kind": "document", "doc_ids": [0] * 5 + [1] + [2] * 9 + [-1] * 6, "causal": True},
+        "window": {"kind": "sliding_window", "left": 3, "right": 2},
+        "per_batch_head": {"kind": "mask_mod", "fn": _per_batch_head},
+    }[name]
+
+
+def _read_back(table, batch: int, heads: int, seq_q: int, seq_kv: int) -> torch.Tensor:
+    from ring_impl.masks import visibility
+
+    return visibility(table, torch.arange(seq_q), torch.arange(seq_kv), batch=batch, heads=heads).expand(
+        batch, heads, seq_q, seq_kv)
+
+
+# Key lengths that are not and are a multiple of 8 (the last byte padded); documents share one
+# sequence of 21 tokens.
+@pytest.mark.parametrize("name,seq_kv", [("causal", 21), ("causal", 24), ("documents", 21), ("window", 21),
+                                         ("window", 24), ("per_batch_head", 21), ("per_batch_head", 24)])
+@pytest.mark.parametrize("chunk_entries", [None, 8])  # one chunk; a row or less per chunk
+def test_table_reads_back_as_the_oracle(monkeypatch, name, seq_kv, chunk_entries) -> None:
+    import ring_impl.mask_table as mask_table
+    from ring_impl.mask_table import VisibilityTable, pack_visibility
+    from ring_impl.masks import from_spec
+
+    spec = _spec(name)
+    seq_q, batch, heads = 21, 2, 3
+    if chunk_entries is not None:
+        monkeypatch.setattr(mask_table, "CHUNK_ENTRIES", chunk_entries)
+    bits = pack_visibility(from_spec(spec), seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads)
+    assert bits.dtype == torch.uint8 and bits.shape[2:] == (seq_q, -(-seq_kv // 8)), bits.shape
+    # Only a mask that depends on the batch and head has those dims.
+    assert bits.shape[:2] == ((batch, heads) if name == "per_batch_head" else (1, 1)), bits.shape
+    table = VisibilityTable(bits, seq_kv)
+    assert table.check(seq_q, seq_kv) is None
+    got = _read_back(table, batch, heads, seq_q, seq_kv)
+    want = oracle_visibility(spec, seq_q, seq_kv, batch=batch, heads=heads)
+    assert torch.equal(got, want.expand_as(got)), (
+        f"{name}: {int((got != want).sum())} position pairs read back wrong, first at "
+        f"{(got != want).nonzero()[:1].tolist()}")
+    # Padding bits of the last byte are not seen.
+    if seq_kv % 8:
+        assert int(bits[..., -1].max()) < (1 << (seq_kv % 8)), "padding keys marked as seen"
+
+
+def test_description_follows_every_bit() -> None:
+    from ring_impl.mask_table import VisibilityTable, pack_visibility
+    from ring_impl.masks import Causal
+
+    bits = pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1)
+    same = VisibilityTable(bits.clone(), 16)
+    assert VisibilityTable(bits, 16).describe() == same.describe()
+    assert same.exact_digest, "a table's description covers all its data: plans may be cached by it"
+    for row, byte, bit in ((0, 0, 1), (15, 1, 7), (7, 0, 0)):
+        flipped = bits.clone()
+        flipped[0, 0, row, byte] ^= 1 << bit
+        assert VisibilityTable(flipped, 16).describe() != same.describe(), (row, byte, bit)
+
+
+def test_table_refuses_another_grid_and_the_limit_is_kept() -> None:
+    from ring_impl.mask_table import VisibilityTable, pack_visibility
+    from ring_impl.masks import Causal, mask_problem
+
+    bits = pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1)
+    problem = mask_problem(VisibilityTable(bits, 16), seq_q=32, seq_kv=32, batch=1, heads=1)
+    assert problem is not None and "global sequence" in problem, problem
+    assert "uint8" in VisibilityTable(bits.to(torch.int32), 16).check(16, 16)
+    assert pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16 - 1) is None
+    assert pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16) is not None
