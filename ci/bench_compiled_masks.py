@@ -15,8 +15,11 @@ ways in one process per rank, interleaved:
 ``graph_break``  ``torch.compile`` (inductor) with the masked call run eagerly inside the
                  compiled region, as before the ops (two graphs around a break).
 
-Masks: packed documents (one of S/2 and 8 of S/16, causal within each) under ``head_tail``, and
-a causal sliding window of 256 under ``contiguous`` (the halo exchange). Every way gets two
+Masks: packed documents (one of S/2 and 8 of S/16, causal within each) under ``head_tail``; the
+same documents as a ``MaskMod`` closing over the ids (``ids[q] == ids[kv] & kv <= q``, flex
+style), which in the graph is evaluated into a table of bits on the global grid
+(``ring_impl.mask_table``) and eagerly block by block; and a causal sliding window of 256 under
+``contiguous`` (the halo exchange). Every way gets two
 untimed calls (compiles, warms the plan cache), then ``--repeat`` timed repetitions; a
 repetition's time is the slowest rank's, and the fastest repetition is reported (the median is in
 the JSON). Only the ratios to ``eager`` within one run mean anything; nothing is asserted. Each
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ci.bench_common import median, run_world, write_rows
 
 WAYS = ("eager", "in_graph", "graph_break")
-MASKS = ("documents", "window")
+MASKS = ("documents", "mask_mod", "window")
 
 
 @dataclass
@@ -56,7 +59,7 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
 
     import ring_impl
     import ring_impl.compiled_masks as compiled_masks
-    from ring_impl.masks import Documents, SlidingWindow
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow
 
     b = Bench(**b_dict)
     hidden = b.heads * b.head_dim
@@ -74,6 +77,9 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
                                        rotate_method="alltoall")
         return wo(out.transpose(1, 2).reshape(1, -1, hidden))
 
+    # Every (seq, mask) is its own graph, for both compiled ways, all of one code object: more
+    # than dynamo's default 8 entries per code object.
+    torch._dynamo.config.recompile_limit = 64
     in_graph = torch.compile(block, fullgraph=True)
     broken = torch.compile(block)
     keep = compiled_masks.masked_ring_call
@@ -89,7 +95,12 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
     rows = []
     for seq in b.seqs:
         lengths = [seq // 2] + [seq // 16] * 8
-        masks = {"documents": (Documents(torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])), "head_tail"),
+        ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+
+        def same_document_causal(b_idx, h_idx, q_idx, kv_idx, ids=ids):
+            return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
+
+        masks = {"documents": (Documents(ids), "head_tail"), "mask_mod": (MaskMod(same_document_causal), "head_tail"),
                  "window": (SlidingWindow(b.window), "contiguous")}
         x_full = torch.randn(1, seq, hidden, generator=gen)
         dy_full = torch.randn(1, seq, hidden, generator=gen)
