@@ -53,6 +53,7 @@ from . import api, flex_route
 from .group import resolve_group
 from .layout import check_layout
 from .ops import AttentionOp, default_scale, get_op
+from .validate import InputError, routed_error
 
 __all__ = ["NEED_WEIGHTS_PROBLEM", "Route", "RouteMode", "active_route", "routed_sdpa", "routing", "sdpa_routed_to_ring"]
 
@@ -181,12 +182,15 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     op = route.op_for(query, scale, is_causal) if isinstance(query, torch.Tensor) else route.op
-    out = api._ring_attention(
-        api._DEFAULT_IMPL, query, key, value, group=route.mesh if route.mesh is not None else route.group,
-        is_causal=is_causal, scale=scale,
-        rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
-        strategy=route.strategy, extra_problem=problem,
-    )
+    try:
+        out = api._ring_attention(
+            api._DEFAULT_IMPL, query, key, value, group=route.mesh if route.mesh is not None else route.group,
+            is_causal=is_causal, scale=scale,
+            rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
+            strategy=route.strategy, extra_problem=problem,
+        )
+    except InputError as exc:  # (on every rank alike)
+        raise routed_error(exc, "scaled_dot_product_attention") from None
     return out.squeeze(0) if squeeze else out
 
 
@@ -195,10 +199,13 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
     agreement as a ring call, so a rank whose call did reach SDPA raises too instead of
     waiting in the ring."""
     anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
-    api._ring_attention(api._DEFAULT_IMPL, anchor, anchor, anchor, group=route.mesh if route.mesh is not None else route.group,
-                        layout=route.layout,
-                        rotate_method=route.rotate_method, head_chunks=route.head_chunks, strategy=route.strategy,
-                        extra_problem=problem)
+    try:
+        api._ring_attention(api._DEFAULT_IMPL, anchor, anchor, anchor,
+                            group=route.mesh if route.mesh is not None else route.group, layout=route.layout,
+                            rotate_method=route.rotate_method, head_chunks=route.head_chunks, strategy=route.strategy,
+                            extra_problem=problem)
+    except InputError as exc:
+        raise routed_error(exc, "multi_head_attention_forward") from None
     raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover
 
 

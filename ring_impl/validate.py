@@ -28,6 +28,7 @@ from .ops import AttentionOp
 from .transports import rotate_methods
 
 __all__ = ["SIGNATURE_FIELDS", "STRATEGIES", "STRATEGY_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes",
+           "routed_error",
            "local_problem", "signature", "strategy_codes", "strategy_disagreement"]
 
 #: Fields compared across ranks; each must be equal on every rank. (``op``: different kernels on
@@ -43,6 +44,13 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 class InputError(ValueError):
     """Bad input to ring attention; raised on every rank of the group."""
+
+
+def routed_error(exc: InputError, caller: str) -> InputError:
+    """``exc`` worded for a call the user made as ``caller`` (``scaled_dot_product_attention``,
+    ``flex_attention``), which a context-parallel route ran as ring attention: the message then
+    names the function the user called, not only the one that refused it."""
+    return InputError(f"{caller} under context parallel (run as ring attention): {exc}")
 
 
 #: The strategies (``strategy=``), in the order their codes use.

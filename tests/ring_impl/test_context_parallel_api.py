@@ -250,6 +250,28 @@ def test_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ring) -> No
     assert all(not o.ok for o in outcomes), summary
     assert "need_weights=False" in outcomes[0].exc_message, summary
     assert "rank 0 rejected their input" in outcomes[1].exc_message, summary
+    # Each names the function its rank called: rank 1's call reached SDPA.
+    assert outcomes[0].exc_message.startswith("multi_head_attention_forward under context parallel"), summary
+    assert outcomes[1].exc_message.startswith("scaled_dot_product_attention under context parallel"), summary
+
+
+def _sdpa_attn_mask_on_one_rank(ctx) -> str:
+    x = torch.randn(1, 2, 8 * ctx.world_size, 8)
+    mask = torch.ones(8, 8, dtype=torch.bool) if ctx.rank == 0 else None
+    with ring_impl.context_parallel(ctx.group, buffers=[x], buffer_seq_dims=[2]):
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+    return "no error"
+
+
+def test_sdpa_refusal_names_the_function_called(cp_ring) -> None:
+    """An SDPA call that context parallel cannot run is refused on every rank, in words about
+    scaled_dot_product_attention (the function the user called), not only ring_attention."""
+    outcomes = cp_ring.rank_pool(2).run_outcomes(_sdpa_attn_mask_on_one_rank, timeout=30.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    assert all(o.exc_message.startswith("scaled_dot_product_attention under context parallel") for o in outcomes), summary
+    assert "attn_mask is not supported" in outcomes[0].exc_message, summary
+    assert "rank 0 rejected their input" in outcomes[1].exc_message, summary
 
 
 class _Attention(torch.nn.Module):

@@ -123,6 +123,7 @@ def test_unsupported_flex_calls_raise_on_every_rank(ring, kind, pattern, culprit
     for rank, msg in enumerate(messages):
         want = pattern if culprit in (None, rank) else rf"rank {culprit} rejected their input"
         assert re.search(want, msg), f"rank {rank}: {msg}"
+        assert msg.startswith("InputError: flex_attention under context parallel"), f"rank {rank}: {msg}"
 
 
 def test_outside_a_route_it_is_flex_attention() -> None:
