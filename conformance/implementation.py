@@ -82,6 +82,7 @@ implementation (:data:`DEFAULT_IMPL_SPEC`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -316,8 +317,13 @@ def load_implementation(spec: str | None = None) -> Implementation:
     return _CACHE[given]
 
 
+@functools.cache
 def load_op(spec: str):
-    """An attention op object from ``package.module:object`` (``--op`` / ``RING_OP``) or a registered name."""
+    """An attention op object from ``package.module:object`` (``--op`` / ``RING_OP``) or a registered name.
+
+    One object per spec, registered under its ``name`` unless that name is taken: compiled,
+    ring_impl carries an op by its registered name (ring_impl.compiled_checks), and an op it
+    cannot name runs without the compiled cross-rank check the schedule declares."""
     from ring_impl import ops
 
     if ":" not in spec and "." not in spec:
@@ -328,4 +334,7 @@ def load_op(spec: str):
     missing = ops.missing_members(obj)
     if missing:
         raise ImplSpecError(f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the contract")
+    name = getattr(obj, "name", None)
+    if isinstance(name, str) and name not in ops.available_ops():
+        ops.register_op(obj)
     return obj

@@ -57,6 +57,13 @@ def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | 
             if result is not None:
                 return result
         return _masked_eagerly(impl, query, key, value, **kwargs)
+    if torch.compiler.is_compiling() and impl_name is not None:
+        # The cross-rank check as an op the graph keeps (ring_impl.compiled_checks).
+        from .compiled_checks import checked_call
+
+        result = checked_call(_attend, call_path, impl, impl_name, query, key, value, **kwargs)
+        if result is not None:
+            return result
     return _attend(impl, query, key, value, **kwargs)
 
 

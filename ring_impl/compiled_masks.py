@@ -55,7 +55,7 @@ from .masks import And, Causal, ChunkedCausal, Documents, Full, MaskMod, Or, Pre
 from .ring import RingAttention
 from .sinks import sinks_problem, with_sinks
 
-__all__ = ["masked_ring_call", "register_impl", "saved_states"]
+__all__ = ["describe_call", "masked_ring_call", "rebuild_call", "register_impl", "saved_states"]
 
 #: name -> (a RingAttention variant, its head-parallel algorithms or None, the function that checks a
 #: call and returns its Path: ring_impl.api.call_path, handed over so this module does not import api)
@@ -215,26 +215,65 @@ def _group(names: tuple):
     return resolve(names[1])
 
 
-def masked_ring_call(impl_name: str, query, key, value, *, group=None, mask, sinks=None, return_lse: bool = False,
-                     strategy: str = "ring", **options):
-    """``ring_attention(..., mask=mask)`` as the custom ops, for traced code; None when
-    something in the call cannot be carried (run it eagerly then)."""
+def describe_call(impl_name: str, query, key, *, group=None, mask=None, sinks=None, return_lse: bool = False,
+                  strategy: str = "ring", **options) -> tuple[str, list, int] | None:
+    """A ``ring_attention`` call as ``(call, mask_tensors, ranks)`` for the custom ops: the call's
+    description as a Python literal, the mask's tensors, and the number of ranks the sequence is
+    sharded over; None when something in it cannot be carried (the call then runs eagerly)."""
     if set(options) - set(_OPTIONS) or strategy not in ("ring", "ulysses", "hybrid"):
         return None  # an unknown keyword or strategy: the eager call says what is wrong
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        return None
     tensors: list = []
     try:
         names, world = _groups(strategy, group)
-        structure = _structure(mask, tensors, _grid(query, key, world) if _has_mask_mod(mask) else {})
+        structure = "None" if mask is None else _structure(
+            mask, tensors, _grid(query, key, world) if _has_mask_mod(mask) else {})
         fields = [f"'impl': {_literal(impl_name)}", f"'mask': {structure}",
                   f"'group': {names}", f"'strategy': {_literal(strategy)}",
                   f"'return_lse': {_literal(return_lse)}",
                   f"'lse_used': {_literal(bool(return_lse) or sinks is not None)}"]
-        fields += [f"'{name}': {_literal(value)}" for name, value in options.items()]
+        fields += [f"'{name}': {_op_literal(value) if name == 'op' else _literal(value)}"
+                   for name, value in options.items()]
     except _NotLiteral:
         return None
-    if sinks is not None and not isinstance(sinks, torch.Tensor):
+    return "{" + ", ".join(fields) + "}", tensors, world
+
+
+def _op_literal(op) -> str:
+    """``op=`` as a literal: a name as given, and an op object by the name it is registered under
+    (the registered object itself: the op finds that same object by name)."""
+    if op is None or isinstance(op, str):
+        return _literal(op)
+    from .ops import available_ops, get_op
+
+    name = getattr(op, "name", None)
+    if isinstance(name, str) and name in available_ops() and get_op(name) is op:
+        return _literal(name)
+    raise _NotLiteral(type(op).__name__)
+
+
+def rebuild_call(call: str, mask_tensors) -> tuple[Callable, RingAttention, dict]:
+    """What :func:`describe_call` described: ``(call_path, impl, kwargs)``, to run as
+    ``call_path(impl, query, key, value, sinks=sinks, **kwargs)`` (the eager call's checks and
+    path)."""
+    c = dict(_parse(call))
+    impl, algorithms, call_path = _IMPLS[c.pop("impl")]
+    structure = c.pop("mask")
+    c["mask"] = None if structure is None else _rebuild(structure, mask_tensors)
+    c["group"] = _group(c.pop("group"))
+    c["algorithms"] = algorithms
+    c.pop("lse_used")
+    return call_path, impl, c
+
+
+def masked_ring_call(impl_name: str, query, key, value, *, mask, sinks=None, return_lse: bool = False, **options):
+    """``ring_attention(..., mask=mask)`` as the custom ops, for traced code; None when
+    something in the call cannot be carried (run it eagerly then)."""
+    described = describe_call(impl_name, query, key, mask=mask, sinks=sinks, return_lse=return_lse, **options)
+    if described is None:
         return None
-    call = "{" + ", ".join(fields) + "}"
+    call, tensors, _ = described
     out, lse, _ = torch.ops.ring_impl.masked_ring(query, key, value, sinks, tensors, call)
     if sinks is not None and sinks_problem(sinks, query.shape[1]) is None:
         # (Bad sinks: the op raises InputError on every rank before the sink term would run.)
@@ -260,12 +299,8 @@ def _drop(handle: int) -> None:
 @torch.library.custom_op("ring_impl::masked_ring", mutates_args=())
 def _masked_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
                  mask_tensors: list[torch.Tensor], call: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    c = dict(_parse(call))
-    impl, algorithms, call_path = _IMPLS[c.pop("impl")]
-    mask = _rebuild(c.pop("mask"), mask_tensors)
-    group = _group(c.pop("group"))
-    c.pop("lse_used")
-    path = call_path(impl, query, key, value, group=group, mask=mask, sinks=sinks, algorithms=algorithms, **c)
+    call_path, impl, kwargs = rebuild_call(call, mask_tensors)
+    path = call_path(impl, query, key, value, sinks=sinks, **kwargs)
     out, lse, saved, meta = path.forward(query, key, value)
     # Fresh, dense outputs: a custom op's outputs may not alias its inputs, and the fake says dense.
     out_c = out.contiguous().clone() if _aliases(out, query, key, value) else out.contiguous()

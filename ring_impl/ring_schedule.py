@@ -38,8 +38,8 @@ def ring_schedule(world_size: int, rotate_method: str, *, batch: int, heads_kv: 
         elems = 2 * batch * heads_kv * seq_kv * head_dim
         kv = elems * dtype.itemsize
         dkv = elems * accumulation_dtype(dtype).itemsize
-        if not compiled:
-            fwd["all_reduce"] = {"calls": 1, "bytes": exchange_nbytes(world_size)}
+        # The cross-rank input check, eager and compiled (ring_impl.compiled_checks).
+        fwd["all_reduce"] = {"calls": 1, "bytes": exchange_nbytes(world_size)}
         ring = transport.schedule(world_size, kv_bytes=kv, dkv_bytes=dkv, compiled=compiled)
         for phase, into in (("forward", fwd), ("backward", bwd)):
             for kind, entry in ring.get(phase, {}).items():

@@ -20,8 +20,10 @@ the minimum of a ring.
 
 With ``head_chunks = c`` the ring runs ``c`` times over groups of heads (:mod:`ring_impl.heads`):
 every ring call count is multiplied by ``c`` and the bytes are unchanged (the chunks split
-``heads_kv``). Eager adds the forward's cross-rank input check: all_reduce, 1 call (see
-:mod:`ring_impl.validate`). ``W == 1`` issues no collective at all.
+``heads_kv``). Every call adds the forward's cross-rank input check: all_reduce, 1 call (see
+:mod:`ring_impl.validate`; compiled, the op of :mod:`ring_impl.compiled_checks`, left out only for
+a call that cannot carry it: an op object that is not registered by its name).
+``W == 1`` issues no collective at all.
 
 A call the halo exchange serves (``mask=`` and ``rank=`` given; :mod:`ring_impl.halo`) has no
 ring: with ``r = 2*batch*heads_kv*head_dim`` elements per packed key/value row, rank ``k``

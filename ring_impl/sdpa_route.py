@@ -183,8 +183,8 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     op = route.op_for(query, scale, is_causal) if isinstance(query, torch.Tensor) else route.op
     try:
-        out = api._ring_attention(
-            api._DEFAULT_IMPL, query, key, value, group=route.mesh if route.mesh is not None else route.group,
+        out = api.ring_attention(
+            query, key, value, group=route.mesh if route.mesh is not None else route.group,
             is_causal=is_causal, scale=scale,
             rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
             strategy=route.strategy, extra_problem=problem,
@@ -198,12 +198,16 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
     """Raise ``problem`` on every rank of the route's group, through the same cross-rank
     agreement as a ring call, so a rank whose call did reach SDPA raises too instead of
     waiting in the ring."""
+    if torch.compiler.is_compiling():
+        # Traced, the call below would become the refusing op of ring_impl.compiled_checks, whose
+        # output the module's own attention does not use: the graph would drop it. This rank
+        # raises alone, while tracing (ranks that reached SDPA are not told).
+        raise routed_error(InputError(f"ring_attention: {problem}"), "multi_head_attention_forward")
     anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
     try:
-        api._ring_attention(api._DEFAULT_IMPL, anchor, anchor, anchor,
-                            group=route.mesh if route.mesh is not None else route.group, layout=route.layout,
-                            rotate_method=route.rotate_method, head_chunks=route.head_chunks, strategy=route.strategy,
-                            extra_problem=problem)
+        api.ring_attention(anchor, anchor, anchor, group=route.mesh if route.mesh is not None else route.group,
+                           layout=route.layout, rotate_method=route.rotate_method, head_chunks=route.head_chunks,
+                           strategy=route.strategy, extra_problem=problem)
     except InputError as exc:
         raise routed_error(exc, "multi_head_attention_forward") from None
     raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover

@@ -27,9 +27,19 @@ from .layout import layout_divisor, layouts
 from .ops import AttentionOp
 from .transports import rotate_methods
 
-__all__ = ["SIGNATURE_FIELDS", "STRATEGIES", "STRATEGY_FIELDS", "InputError", "agree_across_ranks", "exchange_nbytes",
-           "routed_error",
-           "local_problem", "signature", "strategy_codes", "strategy_disagreement"]
+__all__ = [
+    "SIGNATURE_FIELDS",
+    "STRATEGIES",
+    "STRATEGY_FIELDS",
+    "InputError",
+    "agree_across_ranks",
+    "exchange_nbytes",
+    "local_problem",
+    "routed_error",
+    "signature",
+    "strategy_codes",
+    "strategy_disagreement",
+]
 
 #: Fields compared across ranks; each must be equal on every rank. (``op``: different kernels on
 #: different ranks would still give a valid result, but is always a mistake: rejected too.)

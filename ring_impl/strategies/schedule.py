@@ -16,8 +16,8 @@ backward   1 call, dO (+ dLSE): ``b*h*s_q*(d*it [+ acc])``;      U*s_kv``, witho
 =========  ===================================================  =================================================
 
 ``[+ acc]``: only with ``return_lse`` (the LSE and its gradient then travel with the output).
-The forward's input check adds ``all_reduce``: one call per mesh dim of size > 1 (eager only),
-each of :func:`.validate.exchange_nbytes` bytes. A rank's all-to-all bytes are the minimum for
+The forward's input check adds ``all_reduce``: one call per mesh dim of size > 1 (eager, and
+compiled through :mod:`ring_impl.compiled_checks`), each of :func:`.validate.exchange_nbytes` bytes. A rank's all-to-all bytes are the minimum for
 the two exchanges: every rank needs the whole sequence of its heads; only ``e > 1`` with
 ``heads_kv`` not dividing ``U`` sends a key/value head to a rank twice.
 """
@@ -78,7 +78,7 @@ def strategy_schedule(
     bwd: dict[str, dict[str, int]] = {}
     it, acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
     hkv = heads_kv * kv_replication(heads_kv, u)
-    if not compiled and exchange_calls((u, r)):
+    if exchange_calls((u, r)):  # the cross-rank input check, eager and compiled (ring_impl.compiled_checks)
         _add(fwd, "all_reduce", exchange_calls((u, r)), exchange_calls((u, r)) * exchange_nbytes(u * r))
     if u > 1:
         qkv = batch * (heads * seq_q + 2 * hkv * seq_kv) * head_dim * it
@@ -88,8 +88,7 @@ def strategy_schedule(
     if strategy == "hybrid" and r > 1:
         ring = ring_schedule(r, rotate_method, batch=batch, heads_kv=hkv // u, seq_kv=u * seq_kv, head_dim=head_dim,
                              dtype=dtype, compiled=bool(compiled), head_chunks=head_chunks)
-        if not compiled:
-            ring["forward"].pop("all_reduce", None)  # the hybrid checks its input once, on the mesh
+        ring["forward"].pop("all_reduce", None)  # the hybrid checks its input once, on the mesh
         for phase, into in (("forward", fwd), ("backward", bwd)):
             for kind, entry in ring[phase].items():
                 _add(into, kind, entry["calls"], entry["bytes"])

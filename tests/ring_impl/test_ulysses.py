@@ -76,7 +76,9 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
     }
     no_lse = strategy_schedule("ulysses", (4, 1), batch=2, heads=8, heads_kv=2, seq_q=4, seq_kv=4, head_dim=8,
                                dtype=torch.bfloat16, return_lse=False, compiled=True)
-    assert no_lse == {"forward": {"all_to_all": {"calls": 2, "bytes": q + kv + out}},
+    # compiled: the same, the cross-rank check included (ring_impl.compiled_checks)
+    assert no_lse == {"forward": {"all_reduce": {"calls": 1, "bytes": check_table},
+                                  "all_to_all": {"calls": 2, "bytes": q + kv + out}},
                       "backward": {"all_to_all": {"calls": 2, "bytes": out + q + kv}}}
     via_entry = collective_schedule(4, "alltoall", batch=2, heads_kv=2, seq_kv=4, head_dim=8, dtype=torch.bfloat16,
                                     strategy="ulysses", heads=8, seq_q=4)
