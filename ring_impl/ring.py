@@ -25,6 +25,7 @@ overrides (the project's meta-tests build deliberately broken rings this way).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,6 +81,10 @@ class RingAttention:
 
     def plan(self, cfg: RingConfig, seq_q: int, seq_kv: int) -> list[StepPlan]:
         g = cfg.group
+        # The steps' blocks are Python structure (which rows, which kernel call): traced with
+        # symbolic lengths (dynamic=True, or dynamo's automatic dynamic after a length change),
+        # the lengths are specialised, with a guard, so another length recompiles.
+        seq_q, seq_kv = operator.index(seq_q), operator.index(seq_kv)
         if cfg.mask is not None:
             return masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q, seq_kv=seq_kv,
                                batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], head_span=cfg.mask_heads)

@@ -32,6 +32,7 @@ meta-tests build deliberately broken strategies this way).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,9 @@ __all__ = ["HeadParallelConfig", "HeadParallelPath", "Ulysses", "kv_replication"
 
 
 def kv_replication(heads_kv: int, degree: int) -> int:
-    """How many times each key/value head is replicated before the all-to-all: ``U / gcd(heads_kv, U)``."""
+    """How many times each key/value head is replicated before the all-to-all: ``U / gcd(heads_kv, U)``.
+    (A head count traced as a symbol, under ``dynamic=True``, is specialised: the split is structure.)"""
+    heads_kv, degree = operator.index(heads_kv), operator.index(degree)
     return degree // math.gcd(heads_kv, degree)
 
 
