@@ -59,6 +59,12 @@ def failure_text(proc: subprocess.CompletedProcess, impl_name: str) -> str:
     return text.replace(impl_name, "<impl>")
 
 
+def _died_of_a_fatal_signal(text: str) -> bool:
+    """Whether the first failure is a rank process that died of a fatal signal (the harness's
+    RankCrashed with Python's fatal-error report), not a verdict on the implementation."""
+    return "RankCrashed" in text and "Fatal Python error" in text
+
+
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_suite_fails_on_broken_implementation(name: str) -> None:
     broken = BROKEN[name]
@@ -66,6 +72,13 @@ def test_suite_fails_on_broken_implementation(name: str) -> None:
     if broken.pending and proc.returncode == 0:
         pytest.xfail(f"{name} ({broken.bug_class}) is caught by {broken.pending}, which this tree lacks")
     text = failure_text(proc, name)
+    if proc.returncode == 1 and not re.search(broken.expect, text, re.IGNORECASE) and _died_of_a_fatal_signal(text):
+        # A rank process killed by a fatal signal inside the collective library (seen once on a
+        # loaded 2-core machine: a segfault in gloo's all_reduce, in a case the implementation
+        # had not yet got wrong) says nothing of the implementation, and -x stopped the run there:
+        # run once more. A second crash fails below, showing it.
+        proc = run_suites(f"{MODULES[name]}:{name}", "--report-dir", "none", suites=broken.suites)
+        text = failure_text(proc, name)
     assert proc.returncode == 1, (
         f"the suites did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     )
