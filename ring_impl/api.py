@@ -52,8 +52,7 @@ def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | 
         if impl_name is not None:
             from .compiled_masks import masked_ring_call
 
-            options = {k: v for k, v in kwargs.items() if k != "algorithms"}  # bound with impl_name
-            result = masked_ring_call(impl_name, query, key, value, **options)
+            result = masked_ring_call(impl_name, query, key, value, **kwargs)
             if result is not None:
                 return result
         return _masked_eagerly(impl, query, key, value, **kwargs)

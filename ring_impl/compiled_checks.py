@@ -45,9 +45,8 @@ def checked_call(attend, call_path, impl, impl_name: str, query, key, value, **k
     ``call_path``: ring_impl.api.call_path (handed over: this module does not import api)."""
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         return None
-    options = {k: v for k, v in kwargs.items() if k != "algorithms"}  # bound with impl_name
     sinks = kwargs.get("sinks")
-    described = describe_call(impl_name, query, key, **options)
+    described = describe_call(impl_name, query, key, **kwargs)
     if described is None or described[2] == 1:
         return None
     call = described[0]

@@ -219,7 +219,9 @@ def describe_call(impl_name: str, query, key, *, group=None, mask=None, sinks=No
                   strategy: str = "ring", **options) -> tuple[str, list, int] | None:
     """A ``ring_attention`` call as ``(call, mask_tensors, ranks)`` for the custom ops: the call's
     description as a Python literal, the mask's tensors, and the number of ranks the sequence is
-    sharded over; None when something in it cannot be carried (the call then runs eagerly)."""
+    sharded over; None when something in it cannot be carried (the call then runs eagerly).
+    ``algorithms`` is ignored: it is bound with ``impl_name``."""
+    options.pop("algorithms", None)
     if set(options) - set(_OPTIONS) or strategy not in ("ring", "ulysses", "hybrid"):
         return None  # an unknown keyword or strategy: the eager call says what is wrong
     if sinks is not None and not isinstance(sinks, torch.Tensor):
