@@ -15,7 +15,7 @@ from .ops import AttentionOp, resolve_scale_and_op
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .sinks import with_sinks
 from .transports import check_rotate_method
-from .validate import InputError, agree_across_ranks, local_problem
+from .validate import InputError, agree_across_ranks, local_problem, routed_error
 
 __all__ = ["bind", "get_rotate_method", "ring_attention", "set_rotate_method"]
 
@@ -74,11 +74,26 @@ def _attend(impl: RingAttention, query, key, value, *, return_lse: bool = False,
     return (out, lse) if return_lse else out
 
 
-def call_path(impl: RingAttention, query, key, value, *, strategy: str = "ring", algorithms=None, **kwargs) -> Path:
+def call_path(impl: RingAttention, query, key, value, *, strategy: str = "ring", algorithms=None,
+              routed_from: str | None = None, **kwargs) -> Path:
     """The :class:`ring_impl.ring.Path` serving a ``ring_attention`` call with these arguments
     (``ring_path`` for ``strategy="ring"``, ``ring_impl.strategies.strategy_path`` otherwise),
     checked on this rank and across the group. Its LSE is computed when ``return_lse`` or
-    ``sinks`` (the sink term needs it)."""
+    ``sinks`` (the sink term needs it).
+
+    ``routed_from``: the function the user called when a context-parallel route runs it as ring
+    attention (``"scaled_dot_product_attention"``, ``"flex_attention"``); refusals then name it
+    (:func:`ring_impl.validate.routed_error`). It is part of the call, so compiled calls, whose
+    checks raise from an op when the graph runs, word their refusals the same."""
+    if routed_from is None:
+        return _call_path(impl, query, key, value, strategy=strategy, algorithms=algorithms, **kwargs)
+    try:
+        return _call_path(impl, query, key, value, strategy=strategy, algorithms=algorithms, **kwargs)
+    except InputError as exc:  # (on every rank alike)
+        raise routed_error(exc, routed_from) from None
+
+
+def _call_path(impl: RingAttention, query, key, value, *, strategy: str, algorithms, **kwargs) -> Path:
     if strategy == "ring":
         return ring_path(impl, query, key, value, **kwargs)
     from .strategies import strategy_path

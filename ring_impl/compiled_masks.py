@@ -179,7 +179,7 @@ def _rebuild(structure, tensors):
 
 #: the options a call carries in its description besides tensors, mask, sinks and group
 _OPTIONS = ("is_causal", "scale", "rotate_method", "op", "layout", "return_lse", "head_chunks", "extra_problem",
-            "halo", "sparse_kv", "strategy")
+            "halo", "sparse_kv", "strategy", "routed_from")
 
 
 def _groups(strategy, group) -> tuple[str, int]:

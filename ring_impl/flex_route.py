@@ -26,7 +26,6 @@ import torch
 
 from . import api
 from .masks import MaskMod
-from .validate import InputError, routed_error
 
 __all__ = ["flex_attention", "flex_problem"]
 
@@ -93,14 +92,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     mask = MaskMod(block_mask.mask_mod) if problem is None and block_mask is not None else None
     want_lse = bool(return_lse) or (return_aux is not None and bool(getattr(return_aux, "lse", False)))
     op = route.op_for(query, scale, False) if isinstance(query, torch.Tensor) else route.op
-    try:
-        result = api.ring_attention(
-            query, key, value, group=group, is_causal=False, scale=scale,
-            rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
-            strategy=route.strategy, extra_problem=problem, mask=mask, return_lse=want_lse,
-        )
-    except InputError as exc:  # (on every rank alike)
-        raise routed_error(exc, "flex_attention") from None
+    result = api.ring_attention(  # refusals name the function called, compiled too (routed_from)
+        query, key, value, group=group, is_causal=False, scale=scale,
+        rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
+        strategy=route.strategy, extra_problem=problem, mask=mask, return_lse=want_lse, routed_from="flex_attention",
+    )
     if return_aux is not None:
         out, lse = result
         return out, _flex_module.AuxOutput(lse=lse if getattr(return_aux, "lse", False) else None, max_scores=None)

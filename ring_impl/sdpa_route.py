@@ -182,15 +182,12 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     op = route.op_for(query, scale, is_causal) if isinstance(query, torch.Tensor) else route.op
-    try:
-        out = api.ring_attention(
-            query, key, value, group=route.mesh if route.mesh is not None else route.group,
-            is_causal=is_causal, scale=scale,
-            rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
-            strategy=route.strategy, extra_problem=problem,
-        )
-    except InputError as exc:  # (on every rank alike)
-        raise routed_error(exc, "scaled_dot_product_attention") from None
+    out = api.ring_attention(  # refusals name the function called, compiled too (routed_from)
+        query, key, value, group=route.mesh if route.mesh is not None else route.group,
+        is_causal=is_causal, scale=scale,
+        rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
+        strategy=route.strategy, extra_problem=problem, routed_from="scaled_dot_product_attention",
+    )
     return out.squeeze(0) if squeeze else out
 
 
@@ -204,12 +201,9 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
         # raises alone, while tracing (ranks that reached SDPA are not told).
         raise routed_error(InputError(f"ring_attention: {problem}"), "multi_head_attention_forward")
     anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
-    try:
-        api.ring_attention(anchor, anchor, anchor, group=route.mesh if route.mesh is not None else route.group,
-                           layout=route.layout, rotate_method=route.rotate_method, head_chunks=route.head_chunks,
-                           strategy=route.strategy, extra_problem=problem)
-    except InputError as exc:
-        raise routed_error(exc, "multi_head_attention_forward") from None
+    api.ring_attention(anchor, anchor, anchor, group=route.mesh if route.mesh is not None else route.group,
+                       layout=route.layout, rotate_method=route.rotate_method, head_chunks=route.head_chunks,
+                       strategy=route.strategy, extra_problem=problem, routed_from="multi_head_attention_forward")
     raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover
 
 

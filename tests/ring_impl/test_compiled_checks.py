@@ -99,6 +99,8 @@ def test_compiled_routed_sdpa_refusal_reaches_every_rank(ring) -> None:
     to raise on rank 0 alone, while tracing, and leave rank 1 in its ring)."""
     _skip_other_impls(ring)
     runs = ring.rank_pool(2).run(_routed_sdpa_mask_on_one_rank, timeout=120.0)
-    assert "attn_mask is not supported" in runs[0]["bad"] and runs[0]["bad"].startswith("InputError"), runs[0]
-    assert "rank 0 rejected their input" in runs[1]["bad"] and runs[1]["bad"].startswith("InputError"), runs[1]
+    assert "attn_mask is not supported" in runs[0]["bad"], runs[0]
+    assert "rank 0 rejected their input" in runs[1]["bad"], runs[1]
+    # The refusal raises from the check op when the graph runs, and still names the function called.
+    assert all(r["bad"].startswith("InputError: scaled_dot_product_attention under context parallel") for r in runs), runs
     assert all(r["good_shape"] == (1, 2, LOCAL, HEAD_DIM) for r in runs), runs

@@ -85,7 +85,7 @@ def test_flex_call_under_a_route_matches_the_oracle(ring, world, layout, dtype, 
                      dtype=dtype, result_dtype=result_dtype, scales=scales[n])
 
 
-def _refused(ctx, kind):
+def _refused(ctx, kind, compiled):
     import torch.nn.attention.flex_attention as flex_module
 
     import ring_impl
@@ -101,9 +101,15 @@ def _refused(ctx, kind):
         kwargs["score_mod"] = lambda score, b, h, qi, ki: score * 2
     if kind == "kernel_options":
         kwargs["kernel_options"] = {"BLOCK_M": 64}
+    call = ring_impl.flex_attention
+    if compiled:  # the refusal then comes from the compiled check's op, when the graph runs
+        torch._dynamo.reset()
+        options, kwargs = kwargs, {}
+        call = torch.compile(lambda q, k, v: ring_impl.flex_attention(q, k, v, **options), backend="aot_eager",
+                             fullgraph=True)
     with sdpa_routed_to_ring(ctx.group, layout="contiguous"):
         try:
-            ring_impl.flex_attention(q, k, v, **kwargs)
+            call(q, k, v, **kwargs)
         except Exception as exc:  # the message is the result
             return f"{type(exc).__name__}: {exc}"
     return "no error"
@@ -114,12 +120,14 @@ def _refused(ctx, kind):
     ("kernel_options", r"kernel_options .* tune flex attention's own kernel", None),  # every rank
     ("local_block_mask", r"block_mask was built for .* global sequence is \(48, 48\)", 0),  # rank 0 only
 ])
-def test_unsupported_flex_calls_raise_on_every_rank(ring, kind, pattern, culprit) -> None:
-    """The rank with the bad call names the cause; the others raise too, naming that rank."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_unsupported_flex_calls_raise_on_every_rank(ring, kind, pattern, culprit, compiled) -> None:
+    """The rank with the bad call names the cause; the others raise too, naming that rank; and
+    every rank names the function called, compiled (fullgraph) as eagerly."""
     _skip_other_impls(ring)
     import re
 
-    messages = ring.rank_pool(2).run(_refused, kind, timeout=60.0)
+    messages = ring.rank_pool(2).run(_refused, kind, compiled, timeout=120.0)
     for rank, msg in enumerate(messages):
         want = pattern if culprit in (None, rank) else rf"rank {culprit} rejected their input"
         assert re.search(want, msg), f"rank {rank}: {msg}"
