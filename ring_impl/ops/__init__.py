@@ -25,8 +25,8 @@ from .contract import (
     default_scale,
     missing_members,
 )
-from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuFlashOp
-from .cuda import CudaCudnnOp, CudaEfficientOp, CudaFlashOp
+from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuEfficientMaskedLayoutOp, CpuFlashOp
+from .cuda import CudaCudnnOp, CudaEfficientMaskedOp, CudaEfficientOp, CudaFlashOp
 from .flex import FlexOp
 from .math import MathOp
 from .registry import available_ops, get_op, register_op, resolve_op, resolve_scale_and_op
@@ -37,8 +37,10 @@ __all__ = [
     "AttentionOp",
     "CpuCudnnLayoutOp",
     "CpuEfficientLayoutOp",
+    "CpuEfficientMaskedLayoutOp",
     "CpuFlashOp",
     "CudaCudnnOp",
+    "CudaEfficientMaskedOp",
     "CudaEfficientOp",
     "CudaFlashOp",
     "FlexOp",

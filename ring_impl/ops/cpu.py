@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .contract import OpCapabilities, accumulation_dtype
+from .cuda import BIAS_ALIGNMENT, additive_bias
 
-__all__ = ["CpuCudnnLayoutOp", "CpuEfficientLayoutOp", "CpuFlashOp"]
+__all__ = ["CpuCudnnLayoutOp", "CpuEfficientLayoutOp", "CpuEfficientMaskedLayoutOp", "CpuFlashOp"]
 
 
 class CpuFlashOp:
@@ -85,6 +88,48 @@ class CpuEfficientLayoutOp(CpuFlashOp):
         padded = _garbage_like((b, h, -(-sq // 32) * 32), lse.dtype, lse.device)
         padded[..., :sq] = lse
         return out, padded
+
+
+class CpuEfficientMaskedLayoutOp(CpuEfficientLayoutOp):
+    """CPU flash standing in for ``cuda_efficient_masked`` (ring_impl.ops.cuda): masked blocks get
+    the same additive bias (:func:`ring_impl.ops.cuda.additive_bias`), checked for the alignment
+    the memory-efficient kernel requires (it refuses a misaligned bias), and the LSE comes back
+    padded to a multiple of 32 with garbage in the padding. What it cannot emulate is the CUDA
+    kernel's own reading of the bias."""
+
+    name = "cpu_efficient_masked_layout"
+    capabilities = replace(CpuEfficientLayoutOp.capabilities, masks=True)
+
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+        if attn_mask is None:
+            return super().forward(query, key, value, is_causal=is_causal, scale=scale)
+        bias = _checked_bias(additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2])))
+        query, key, value = (_dense_head_dim(t) for t in (query, key, value))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=bias, scale=scale)
+        b, h, sq = lse.shape
+        padded = _garbage_like((b, h, -(-sq // 32) * 32), lse.dtype, lse.device)
+        padded[..., :sq] = lse
+        return out, padded
+
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
+        if attn_mask is None:
+            return super().backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+        bias = _checked_bias(additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2])))
+        acc = accumulation_dtype(query.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _dense_head_dim(grad_out.to(query.dtype)), _dense_head_dim(query), _dense_head_dim(key),
+            _dense_head_dim(value), _dense_head_dim(out.to(query.dtype)), lse.to(acc).contiguous(), 0.0, is_causal,
+            attn_mask=bias, scale=scale)
+
+
+def _checked_bias(bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` after the memory-efficient kernel's own check (every stride but the last a
+    multiple of BIAS_ALIGNMENT, the last 1), raising as the kernel does when it fails."""
+    if bias.stride(-1) != 1 or any(st % BIAS_ALIGNMENT for st in bias.stride()[:-1]):
+        raise RuntimeError(f"attention bias is not aligned: strides {bias.stride()} (want multiples of "
+                           f"{BIAS_ALIGNMENT}, the last 1)")
+    return bias
 
 
 class CpuCudnnLayoutOp(CpuFlashOp):

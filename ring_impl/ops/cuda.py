@@ -4,11 +4,13 @@ cuDNN attention (LSE with a trailing dim of 1). Exercised on GPU runners (``pyte
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .contract import OpCapabilities
 
-__all__ = ["CudaCudnnOp", "CudaEfficientOp", "CudaFlashOp"]
+__all__ = ["BIAS_ALIGNMENT", "CudaCudnnOp", "CudaEfficientMaskedOp", "CudaEfficientOp", "CudaFlashOp", "additive_bias"]
 
 
 # The backward kernels take their dense (non-varlen, unbiased) path only when the cumulative
@@ -152,6 +154,72 @@ class CudaCudnnOp:
             key.shape[2],
             0.0,
             is_causal,
+            scale=scale,
+        )
+        return dq, dk, dv
+
+
+#: The memory-efficient kernel reads an attention bias whose strides, all but the last (which
+#: must be 1), are multiples of this many elements (SDPA pads its masks the same way before
+#: calling it; 16 covers the 8 or 16 its kernels want per dtype).
+BIAS_ALIGNMENT = 16
+
+
+def additive_bias(visible: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A masked block's visibility as the memory-efficient kernel's additive bias.
+
+    visible: bool, broadcastable to ``shape`` = (batch, heads, rows, cols), True where a query
+    sees a key. Returns ``shape`` in ``dtype``: 0 where visible, -inf elsewhere, as a view of a
+    buffer whose rows are padded to :data:`BIAS_ALIGNMENT` elements (the padding is -inf and never
+    read), with batch and head dims broadcast (stride 0) where ``visible`` has size 1 there.
+    Rows that see nothing are all -inf: the kernel's result for them is overwritten by the ring
+    (out 0, LSE -inf) and its backward gets LSE 0 and a zero output gradient for them.
+    """
+    b, h, rows, cols = shape
+    v = visible if visible.dim() == 4 else visible.reshape(1, 1, *visible.shape[-2:])
+    padded_cols = -(-cols // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    buf = torch.full((v.shape[0], v.shape[1], rows, padded_cols), float("-inf"), dtype=dtype, device=v.device)
+    buf[..., :cols].masked_fill_(v.expand(v.shape[0], v.shape[1], rows, cols), 0.0)
+    return buf[..., :cols].expand(b, h, rows, cols)
+
+
+class CudaEfficientMaskedOp(CudaEfficientOp):
+    """:class:`CudaEfficientOp` that also runs masked blocks, with the block's visibility as the
+    kernel's additive bias (:func:`additive_bias`).
+
+    NOT YET RUN ON A GPU: written without one (the kernel calls are those of CudaEfficientOp,
+    which have run on an H100, plus the bias). Opt in with ``op="cuda_efficient_masked"``; ``auto``
+    does not pick it, and masked blocks of ``cuda_efficient`` run with the math op. Verify on a GPU
+    runner with ``pytest tests/ring_impl/test_cuda_kernels.py --device cuda`` and ``pytest
+    suites/test_masks.py --device cuda --op cuda_efficient_masked``. On CPU,
+    ``cpu_efficient_masked_layout`` (ring_impl.ops.cpu) emulates it: the same bias, the kernel's
+    alignment check and its padded LSE.
+    """
+
+    name = "cuda_efficient_masked"
+    capabilities = replace(CudaEfficientOp.capabilities, masks=True)
+
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+        if attn_mask is None:
+            return super().forward(query, key, value, is_causal=is_causal, scale=scale)
+        bias = additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2]))
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, 0.0, is_causal, scale=scale
+        )
+        return res[0], res[1]
+
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
+        if attn_mask is None:
+            return super().backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+        grad_out, query, key, value = _dense(grad_out.to(query.dtype), query, key, value)
+        out = out.to(query.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # as CudaEfficientOp.backward
+        b, h, sq = lse.shape
+        padded = lse.new_zeros(b, h, -(-sq // 32) * 32, dtype=torch.float32)
+        padded[..., :sq] = lse
+        bias = additive_bias(attn_mask, query.dtype, (b, h, sq, key.shape[2]))
+        seed = torch.zeros((), dtype=torch.int64, device=query.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, query, key, value, bias, out, padded, seed, seed, 0.0, [True, True, True, False], is_causal,
             scale=scale,
         )
         return dq, dk, dv

@@ -98,3 +98,45 @@ def test_declared_causal_scale_fault_matches_the_kernel(name, scale) -> None:
         f"{name}: causal scale {scale} gives {'finite' if finite else 'non-finite'} results but the kernel "
         f"declares causal_needs_positive_scale={op.capabilities.causal_needs_positive_scale}"
     )
+
+
+def _masked_reference(q, k, v, grad_out, visible, scale: float):
+    """float64 (out, lse, dQ, dK, dV) of softmax(q k^T scale) v with keys hidden where
+    ``visible`` is False; rows that see nothing are left out (the ring sets them itself)."""
+    q, k, v = (t.double().detach().requires_grad_(True) for t in (q, k, v))
+    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    live = visible.any(-1).expand(lse.shape)
+    p = torch.exp(s - torch.where(live, lse, 0.0).unsqueeze(-1))
+    out = p @ v
+    (out * grad_out.double() * live.unsqueeze(-1)).sum().backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad, live
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 6, 40, (1, 1)), (2, 4, 40, 6, (2, 4)), (1, 3, 64, 64, (1, 3)), (2, 2, 17, 33, (2, 1))])
+def test_masked_efficient_op_against_float64(shape) -> None:
+    """cuda_efficient_masked (written without a GPU) on masked blocks: the visibility as the
+    kernel's additive bias, key counts that are not multiples of the bias alignment, masks per
+    batch and head or broadcast, rows that see nothing (compared nowhere: the ring overwrites
+    them, and hands the backward LSE 0 and a zero output gradient there, as here)."""
+    b, h, sq, sk, (mb, mh) = shape
+    op = get_op("cuda_efficient_masked")
+    for dtype in _dtypes("cuda_efficient_masked"):
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        q, do = (torch.randn(b, h, sq, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        k, v = (torch.randn(b, h, sk, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        visible = torch.rand(mb, mh, sq, sk, device="cuda", generator=gen) < 0.5
+        visible[..., 1, :] = False  # a row that sees nothing
+        out, lse = op.forward(q, k, v, is_causal=False, scale=0.25, attn_mask=visible)
+        want_out, want_lse, *want_grads, live = _masked_reference(q, k, v, do, visible, 0.25)
+        lse = lse.reshape(b, h, -1)[..., :sq]
+        for what, got, want in (("out", out, want_out), ("lse", lse, want_lse)):
+            sel = live if what == "lse" else live.unsqueeze(-1).expand(want.shape)
+            err = float((got.double() - want)[sel].abs().max())
+            assert err < _bound(dtype), f"{dtype} {shape}: {what} err {err:.2e}"
+        ring_lse = torch.where(live, want_lse, 0.0).float()
+        grads = op.backward(do * live.unsqueeze(-1), q, k, v, want_out.to(dtype), ring_lse, is_causal=False, scale=0.25,
+                            attn_mask=visible)
+        for what, g, r in zip(("dq", "dk", "dv"), grads, want_grads):
+            err = float((g.double() - r).abs().max())
+            assert err < _bound(dtype), f"{dtype} {shape}: {what} err {err:.2e}"
