@@ -360,6 +360,7 @@ class PathFunction(torch.autograd.Function):
         ctx.path, ctx.meta = path, meta
         ctx.out_like = (out.shape, out.dtype, out.device)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (eager)
+        ctx.with_lse = with_lse
         if not with_lse:
             ctx.mark_non_differentiable(lse)
         return out, lse
@@ -370,6 +371,12 @@ class PathFunction(torch.autograd.Function):
         if grad_out is None:  # only the LSE reaches the loss
             shape, dtype, device = ctx.out_like
             grad_out = torch.zeros(shape, dtype=dtype, device=device)
+        if not ctx.with_lse:
+            # The caller dropped the LSE, so its gradient is zero; but a compiled graph hands
+            # zeros, not None, whatever mark_non_differentiable says, and a zero grad_lse would
+            # send kernels without an LSE gradient through the padded head dim of
+            # ring_impl.ops.calls._with_lse_grad (head_dim 64 computed as 72).
+            grad_lse = None
         dq, dk, dv = ctx.path.backward(ctx.saved_tensors, ctx.meta, grad_out, grad_lse)
         return dq, dk, dv, None, None
 

@@ -10,7 +10,8 @@ import torch
 
 from .contract import OpCapabilities
 
-__all__ = ["BIAS_ALIGNMENT", "CudaCudnnOp", "CudaEfficientMaskedOp", "CudaEfficientOp", "CudaFlashOp", "additive_bias"]
+__all__ = ["BIAS_ALIGNMENT", "CudaCudnnOp", "CudaEfficientMaskedOp", "CudaEfficientOp", "CudaFlashOp", "additive_bias",
+           "in_efficient_order"]
 
 
 # The backward kernels take their dense (non-varlen, unbiased) path only when the cumulative
@@ -24,6 +25,16 @@ def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Contiguous (batch, heads, seq, head_dim) tensors for a backward kernel: the ring hands
     merged outputs and received blocks in whatever memory order they were made in."""
     return tuple(t.contiguous() for t in tensors)
+
+
+def in_efficient_order(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (batch, heads, seq, head_dim) in ``dtype``, laid out in memory as the memory-efficient
+    backward reads it. The kernel reads ``out`` as (batch, seq, heads, head_dim)-contiguous whatever
+    its strides say (the row stride is taken as heads * head_dim), as its own forward returns it.
+    Measured on an H100, torch 2.11: a (batch, heads, seq, head_dim)-contiguous ``out`` gave
+    dQ/dK errors of order 1 (dV right). ``tests/ring_impl/test_kernel_memory_order.py`` holds
+    eager and compiled rings to it on CPU, with a kernel that reads memory the same way."""
+    return out.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
 
 
 class CudaFlashOp:
@@ -87,11 +98,7 @@ class CudaEfficientOp:
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
         grad_out, query, key, value = _dense(grad_out.to(query.dtype), query, key, value)
-        # The kernel reads `out` as (batch, seq, heads, head_dim)-contiguous whatever its strides
-        # say (the row stride is taken as heads * head_dim): give it that memory order, as its
-        # own forward returns it. Measured on an H100, torch 2.11: a (batch, heads, seq,
-        # head_dim)-contiguous out gave dQ/dK errors of order 1 (dV right).
-        out = out.to(query.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        out = in_efficient_order(out, query.dtype)
         b, h, sq = lse.shape
         # The kernel reads its LSE in its own padded layout; the padding is never read.
         padded = lse.new_zeros(b, h, -(-sq // 32) * 32, dtype=torch.float32)
@@ -212,7 +219,7 @@ class CudaEfficientMaskedOp(CudaEfficientOp):
         if attn_mask is None:
             return super().backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
         grad_out, query, key, value = _dense(grad_out.to(query.dtype), query, key, value)
-        out = out.to(query.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # as CudaEfficientOp.backward
+        out = in_efficient_order(out, query.dtype)
         b, h, sq = lse.shape
         padded = lse.new_zeros(b, h, -(-sq // 32) * 32, dtype=torch.float32)
         padded[..., :sq] = lse
