@@ -208,11 +208,18 @@ class Documents(Mask):
         return Documents(ids, causal)
 
     def _ids(self, kv: bool, device: torch.device) -> torch.Tensor:
+        """The ids as int64 on ``device``; a converted copy is kept while the ids are unchanged
+        (their storage and version counter: ids updated in place are converted again, never
+        served stale, as their description, which keys the plans, is computed afresh)."""
         src = self.kv_doc_ids if kv and self.kv_doc_ids is not None else self.doc_ids
-        key = (kv, device)
-        if key not in self._cache:
-            self._cache[key] = torch.as_tensor(src).to(device=device, dtype=torch.int64)
-        return self._cache[key]
+        if not isinstance(src, torch.Tensor):
+            return torch.as_tensor(src, dtype=torch.int64, device=device)
+        stamp = (src.data_ptr(), src._version)
+        kept = self._cache.get((kv, device))
+        if kept is None or kept[0] != stamp:
+            kept = (stamp, src.to(device=device, dtype=torch.int64))
+            self._cache[(kv, device)] = kept
+        return kept[1]
 
     def visible(self, b, h, q, kv):
         dq, dk = self._ids(False, q.device)[q], self._ids(True, kv.device)[kv]

@@ -301,3 +301,21 @@ def _check_hybrid(ring, name, spec, seq, layout, rotate, dtype, op, sinks, heads
         dsinks = sum(r["dsinks"] for r in results)
         assert_close(f"dsinks [hybrid {name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=4, dtype=dtype,
                      result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_documents_ids_updated_in_place_are_read_again(dtype) -> None:
+    """A Documents mask reused after its ids changed in place evaluates the new ids (its
+    description, which keys the plans and the cross-rank check, always hashed the new ones; an
+    int32 copy kept from the first call served the old ones)."""
+    from ring_impl.masks import Documents, visibility
+
+    ids = torch.tensor([0] * 8 + [1] * 8, dtype=dtype)
+    mask = Documents(ids, causal=False)
+    pos = torch.arange(16)
+    before, described = visibility(mask, pos, pos, batch=1, heads=1), mask.describe()
+    ids[:] = torch.tensor([0] * 4 + [1] * 12, dtype=dtype)
+    after = visibility(mask, pos, pos, batch=1, heads=1)
+    want = (ids.view(-1, 1) == ids.view(1, -1)).view(1, 1, 16, 16)
+    assert mask.describe() != described and not torch.equal(before, after)
+    assert torch.equal(after.expand_as(want), want)
