@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .heads import check_head_chunks
-from .layout import layout_divisor, layouts
+from .layout import layout_divisor, layout_runs, layouts
 from .ops import AttentionOp
 from .transports import rotate_methods
 
@@ -221,20 +221,44 @@ def _op_code(op: AttentionOp) -> int:
     return zlib.crc32(str(getattr(op, "name", type(op).__name__)).encode()) & 0x7FFFFFFF
 
 
+def layout_code(layout: str, world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0) -> int:
+    """31 bits for the cross-rank check: the layout's name and, for a ring over ``world_size``
+    ranks, the global positions every rank holds for local lengths ``seq_q``/``seq_kv``. So a
+    layout registered under one name with other positions on another rank disagrees (it would
+    pair wrong rows silently), and names registered in another order on another rank agree."""
+    text = layout
+    if world_size is not None:
+        runs = [layout_runs(layout, n * world_size, world_size, r) for n in (seq_q, seq_kv) for r in range(world_size)]
+        text += "|" + repr(runs)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def layout_names(world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0) -> dict[int, str]:
+    """:func:`layout_code` of every layout registered on this rank that can split these lengths."""
+    names = {}
+    for name in layouts():
+        try:
+            names[layout_code(name, world_size, seq_q, seq_kv)] = name
+        except ValueError:
+            continue
+    return names
+
+
 def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method: str, op: AttentionOp,
-              head_chunks: int, mask_code: int = 0) -> list[int]:
+              head_chunks: int, mask_code: int = 0, world_size: int | None = None) -> list[int]:
     """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
-    local problem)."""
+    local problem); ``world_size``: the ring's, whose layout positions are compared too
+    (:func:`layout_code`)."""
     b, h, sq, d = query.shape
     hkv, skv = key.shape[1], key.shape[2]
     return [
         b, h, hkv, sq, skv, d, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
-        _scale_code(scale), layouts().index(layout), rotate_methods().index(rotate_method), _op_code(op), head_chunks,
-        mask_code,
+        _scale_code(scale), layout_code(layout, world_size, sq, skv), rotate_methods().index(rotate_method),
+        _op_code(op), head_chunks, mask_code,
     ]
 
 
-def _shown(field: str, code: int, op_names: dict[int, str]) -> str:
+def _shown(field: str, code: int, op_names: dict[int, str], layout_names: dict[int, str]) -> str:
     """A field's integer code in words."""
     if field == "dtype":
         return str(_DTYPES[code]).removeprefix("torch.")
@@ -245,7 +269,10 @@ def _shown(field: str, code: int, op_names: dict[int, str]) -> str:
     if field == "scale":
         return f"{struct.unpack('<d', struct.pack('<q', code))[0]:.6g}"
     if field == "layout":
-        return repr(layouts()[code]) if 0 <= code < len(layouts()) else f"layout #{code}"
+        if code in layout_names:
+            return repr(layout_names[code])
+        return (f"layout #{code:#010x} (none registered here holds those positions: a name registered with other "
+                "runs on another rank?)")
     if field == "rotate_method":
         return repr(rotate_methods()[code])
     if field == "op":
@@ -267,15 +294,17 @@ def _ranks(ranks: list[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)
 
 
-def disagreement(table: list[list[int]], op_names: dict[int, str]) -> str | None:
-    """Which signature fields differ between the ranks' rows, in words, or None."""
+def disagreement(table: list[list[int]], op_names: dict[int, str], layout_names: dict[int, str]) -> str | None:
+    """Which signature fields differ between the ranks' rows, in words, or None; ``op_names`` and
+    ``layout_names`` name the codes this rank knows."""
     differing = []
     for i, field in enumerate(SIGNATURE_FIELDS):
         by_value: dict[int, list[int]] = {}
         for rank, row in enumerate(table):
             by_value.setdefault(row[i], []).append(rank)
         if len(by_value) > 1:
-            held = "; ".join(f"{_ranks(ranks)} {_shown(field, code, op_names)}" for code, ranks in by_value.items())
+            held = "; ".join(f"{_ranks(ranks)} {_shown(field, code, op_names, layout_names)}"
+                             for code, ranks in by_value.items())
             differing.append(f"{field} ({held})")
     if not differing:
         return None
@@ -299,7 +328,7 @@ def agree_across_ranks(
         assert op is not None and scale is not None
         table[rank * n + 1 : (rank + 1) * n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks, mask_code=mask_code,
+            head_chunks=head_chunks, mask_code=mask_code, world_size=world,
         ) + strategy_codes("ring", (1, world), return_lse)
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
@@ -317,6 +346,7 @@ def agree_across_ranks(
         )
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = 1 + len(SIGNATURE_FIELDS)
-    texts = [disagreement([row[1:base] for row in rows], op_names), strategy_disagreement([row[base:] for row in rows])]
+    names = layout_names(world, query.shape[2], key.shape[2])
+    texts = [disagreement([row[1:base] for row in rows], op_names, names), strategy_disagreement([row[base:] for row in rows])]
     if any(texts):
         raise InputError(f"ring_attention (rank {rank}): " + "; ".join(t for t in texts if t))

@@ -26,6 +26,7 @@ from ..validate import (
     _op_code,
     disagreement,
     exchange_nbytes,
+    layout_names,
     local_problem,
     signature,
     strategy_codes,
@@ -140,7 +141,7 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
         )
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = len(SIGNATURE_FIELDS) + 1
-    text = disagreement([rw[1:base] for rw in rows], op_names)
+    text = disagreement([rw[1:base] for rw in rows], op_names, layout_names())  # built-in layouts: by name
     extra = strategy_disagreement([rw[base:] for rw in rows])
     if extra:
         text = ((text + "; ") if text else "") + extra

@@ -37,13 +37,17 @@ def test_disagreement_says_which_rank_has_what(rank_pool, what: str) -> None:
 
 
 def test_disagreement_table_in_words() -> None:
+    from ring_impl.validate import layout_code, layout_names
+
     rows = [[0] * len(SIGNATURE_FIELDS) for _ in range(4)]
-    rows[3][SIGNATURE_FIELDS.index("layout")] = 1
-    assert disagreement(rows, {}) == (
+    for row in rows:
+        row[SIGNATURE_FIELDS.index("layout")] = layout_code("contiguous", 4, 8, 8)
+    rows[3][SIGNATURE_FIELDS.index("layout")] = layout_code("head_tail", 4, 8, 8)
+    assert disagreement(rows, {}, layout_names(4, 8, 8)) == (
         "ranks disagree on layout (ranks 0-2 'contiguous'; rank 3 'head_tail'); every rank must pass shards "
         "of equal shape and the same options"
     )
-    assert disagreement([rows[0], rows[0]], {}) is None
+    assert disagreement([rows[0], rows[0]], {}, {}) is None
 
 
 def _outside_the_group(ctx) -> str:

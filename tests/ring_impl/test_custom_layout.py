@@ -73,3 +73,43 @@ def test_registered_layout_runs_right(ring, rotate: str) -> None:
                              ("dk", ref.dk, base_k.grad), ("dv", ref.dv, base_v.grad)):
         got = ring_impl.unshard([r[name] for r in results], layout=layout)
         assert_close(f"{name} [{rotate}, layout {layout}]", got, want, base, world_size=WORLD)
+
+
+def _layout_registered_per_rank(ctx, kind: str):
+    import ring_impl
+    from ring_impl import Layout
+
+    def halves(order):
+        def runs(seq: int, world: int, rank: int):
+            n = seq // (2 * world)
+            return tuple(sorted((c * n, (c + 1) * n) for c in order(world, rank)))
+        return runs
+
+    straight = Layout("test_per_rank", halves(lambda w, r: (2 * r, 2 * r + 1)), lambda w: 2 * w)
+    mirrored = Layout("test_per_rank", halves(lambda w, r: (r, 2 * w - 1 - r)), lambda w: 2 * w)
+    other = Layout("test_per_rank_other", halves(lambda w, r: (r, 2 * w - 1 - r)), lambda w: 2 * w)
+    if kind == "other_positions":  # one name, other positions on the last rank
+        ring_impl.register_layout(mirrored if ctx.rank == ctx.world_size - 1 else straight, replace=True)
+    else:  # the same two layouts, registered in another order on the last rank
+        pair = [straight, other] if ctx.rank != ctx.world_size - 1 else [other, straight]
+        for layout in pair:
+            ring_impl.register_layout(layout, replace=True)
+    q = torch.randn(1, 2, 4, 8)
+    try:
+        ring_impl.ring_attention(q, q, q, group=ctx.group, is_causal=True, layout="test_per_rank", rotate_method="alltoall")
+        return "no error"
+    except ring_impl.InputError as exc:
+        return str(exc)
+
+
+def test_a_layout_name_with_other_positions_on_one_rank_is_refused_everywhere(ring) -> None:
+    """The cross-rank check compares the positions a layout gives every rank, not only its name:
+    the same name registered with other runs on one rank would pair wrong rows silently."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"register_layout is ring_impl's API; the implementation under test is {ring.impl.spec}")
+    messages = ring.rank_pool(2).run(_layout_registered_per_rank, "other_positions", timeout=60.0)
+    for rank, msg in enumerate(messages):
+        assert "ranks disagree on layout (rank 0 'test_per_rank'; rank 1 layout #" in msg or \
+            "ranks disagree on layout (rank 0 layout #" in msg, f"rank {rank}: {msg}"
+    # Registration order is not compared: the same layouts registered in another order agree.
+    assert ring.rank_pool(2).run(_layout_registered_per_rank, "other_order", timeout=60.0) == ["no error"] * 2
