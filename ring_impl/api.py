@@ -8,10 +8,12 @@ from collections.abc import Callable
 import torch
 
 from .group import RingGroup, resolve_group
-from .halo import HaloPath, halo_reach, halo_refusal
+from .halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
+from .heads import plan_chunks
 from .kv_gather import gather_path, gather_refusal
 from .masks import fold_causal, mask_code, masking_problem
 from .ops import AttentionOp, resolve_scale_and_op
+from .plan import plan_ahead
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .sinks import with_sinks
 from .transports import check_rotate_method
@@ -158,6 +160,21 @@ def ring_path(
             if reach is None and halo:
                 problem = (f"halo=True but the halo exchange cannot serve this call: {halo_refusal(folded, **where)}; "
                            "pass halo=None to fall back to the ring")
+    cfg = ahead = None
+    if problem is None:
+        cfg = RingConfig(
+            group=RingGroup.of(pg, query.device), is_causal=bool(is_causal), scale=effective_scale, layout=layout,
+            rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
+            mask_dims=(query.shape[0], query.shape[1]), plan_memo={},
+        )
+
+        def make_ahead() -> None:
+            nonlocal ahead
+            ahead = _path(impl, cfg, query, key, gather, reach, plan=True)
+
+        # A mask known only by evaluating it: the path is made and planned now, so a mask_mod
+        # that fails on this rank's positions is a problem every rank raises (plan_ahead).
+        problem = plan_ahead(make_ahead, folded)
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
@@ -168,23 +185,22 @@ def ring_path(
         )
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
-    assert op_obj is not None and effective_scale is not None
-    cfg = RingConfig(
-        group=RingGroup.of(pg, query.device),
-        is_causal=bool(is_causal),
-        scale=effective_scale,
-        layout=layout,
-        rotate_method=rotate_method,
-        op=op_obj,
-        head_chunks=head_chunks,
-        mask=folded,
-        mask_dims=(query.shape[0], query.shape[1]),
-    )
+    assert cfg is not None
+    return ahead if ahead is not None else _path(impl, cfg, query, key, gather, reach, plan=False)
 
+
+def _path(impl: RingAttention, cfg: RingConfig, query, key, gather: bool, reach, *, plan: bool) -> Path:
+    """The path serving a ring call: the sparse gather (planned when made), the halo exchange or
+    the ring; ``plan``: make the halo's or the ring's plan now too (kept in cfg.plan_memo)."""
     if gather:
         return gather_path(query, key, cfg, impl)
     if reach is not None:
+        if plan:
+            g = cfg.group
+            halo_blocks(cfg, query.shape[2], halo_rows(g.rank, g.world_size, *reach), query.device)
         return HaloPath(cfg, impl, reach)
+    if plan:
+        plan_chunks(impl, cfg, query.shape[1], key.shape[1], query.shape[2], key.shape[2])
     return RingPath(cfg, impl)
 
 

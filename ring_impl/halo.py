@@ -182,7 +182,7 @@ def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | N
         return visibility_blocks(vis, 0, r, device)
 
     key = ("halo", r, seq, h, cfg.mask_dims, cfg.mask_heads, str(device))
-    return cached_by_mask(cfg.mask, key, build)
+    return cached_by_mask(cfg.mask, key, build, memo=cfg.plan_memo)
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int = 2) -> torch.Tensor:

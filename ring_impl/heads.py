@@ -33,7 +33,7 @@ import torch
 from . import debug
 from .transports import after
 
-__all__ = ["check_head_chunks", "head_spans", "run_backward", "run_forward"]
+__all__ = ["check_head_chunks", "head_spans", "plan_chunks", "run_backward", "run_forward"]
 
 
 def check_head_chunks(head_chunks, heads_kv: int | None) -> str | None:
@@ -76,6 +76,14 @@ def _for_heads(cfg, heads: slice):
         return cfg
     base = cfg.mask_heads[0] if cfg.mask_heads is not None else 0
     return replace(cfg, mask_heads=(base + heads.start, base + heads.stop))
+
+
+def plan_chunks(impl, cfg, heads: int, heads_kv: int, seq_q: int, seq_kv: int) -> None:
+    """Make the plans :func:`run_forward` will ask ``impl`` for (one per head chunk), ahead of the
+    call: a mask known only by evaluating it keeps them in ``cfg.plan_memo``."""
+    spans = head_spans(heads, heads_kv, cfg.head_chunks)
+    for hq, _ in spans:
+        impl.plan(cfg if len(spans) == 1 else _for_heads(cfg, hq), seq_q, seq_kv)
 
 
 def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):

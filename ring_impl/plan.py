@@ -38,7 +38,8 @@ import torch
 
 from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "ring_plan", "step_blocks", "visibility_blocks"]
+__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "plan_ahead", "ring_plan", "step_blocks",
+           "visibility_blocks"]
 
 T = TypeVar("T")
 
@@ -162,7 +163,8 @@ def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int],
 
 
 def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, seq_kv: int, batch: int, heads: int,
-                device: torch.device | None = None, head_span: tuple[int, int] | None = None) -> list[StepPlan]:
+                device: torch.device | None = None, head_span: tuple[int, int] | None = None,
+                memo: dict | None = None) -> list[StepPlan]:
     """The plan of every ring step for ``rank`` under ``mask`` (ring_impl.masks, on global
     positions); ``seq_q``/``seq_kv`` are local lengths. Per step the kernel calls of
     :func:`ring_impl.tiling.split_visibility`: none (skipped, still rotated), or ``full``,
@@ -173,14 +175,15 @@ def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, se
     Costs one boolean (rows x cols) evaluation of the mask per step. Plans of masks whose
     digest covers all their data (:attr:`ring_impl.masks.Mask.exact_digest`: every built-in
     mask, not ``MaskMod``) are cached by digest and the layout's runs, so the forward, the
-    backward and every layer of a step share one."""
+    backward and every layer of a step share one; other plans are kept in ``memo`` (one call's,
+    see :func:`cached_by_mask`) when given."""
     check_layout(layout)
     device = torch.device(device or "cpu")
     q_runs = layout_runs(layout, seq_q * world_size, world_size, rank)
     kv_runs = tuple(layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size))
     args = (rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs)
     key = ("ring", rank, world_size, seq_q, seq_kv, batch, heads, str(device), head_span, q_runs, kv_runs)
-    return list(cached_by_mask(mask, key, lambda: _masked_plan(*args)))
+    return list(cached_by_mask(mask, key, lambda: _masked_plan(*args), memo=memo))
 
 
 _PLAN_CACHE: dict[tuple, tuple[Any, int]] = {}  # key -> (plan, bytes of visibility it holds)
@@ -191,12 +194,26 @@ _PLAN_ENTRY_BYTES = 16 << 20
 _PLAN_CACHE_BYTES = 256 << 20
 
 
-def cached_by_mask(mask, key: tuple, build: Callable[[], T]) -> T:
+def cached_by_mask(mask, key: tuple, build: Callable[[], T], memo: dict | None = None) -> T:
     """``build()``, cached by the mask's description and ``key`` (everything else the result
     depends on) when the description determines the mask (:attr:`ring_impl.masks.Mask.exact_digest`);
-    least recently used entries go first. Results are shared: never modify one."""
+    least recently used entries go first. Results are shared: never modify one.
+
+    Other masks (a ``MaskMod``, alone or combined) are known only by evaluating them: their
+    results are kept in ``memo``, one call's dict (``RingConfig.plan_memo``), when given. The
+    call builds them before its cross-rank check (:func:`plan_ahead`); its forward takes them
+    from there, and its backward too unless they hold more than ``_PLAN_ENTRY_BYTES`` of
+    visibility (then the forward's use drops them and the backward builds them again)."""
     if not getattr(mask, "exact_digest", False):
-        return build()
+        if memo is None:
+            return build()
+        if key not in memo:
+            memo[key] = build()
+            return memo[key]
+        kept = memo[key]
+        if _visibility_bytes(kept) > _PLAN_ENTRY_BYTES:
+            del memo[key]
+        return kept
     full = (mask.describe(), *key)
     hit = _PLAN_CACHE.pop(full, None)
     if hit is None:
@@ -214,7 +231,9 @@ def cached_by_mask(mask, key: tuple, build: Callable[[], T]) -> T:
 
 def _visibility_bytes(plan) -> int:
     """Bytes of the masked blocks' visibility a plan (StepPlans or Blocks, in tuples, or an
-    object with ``blocks``) holds."""
+    object with ``blocks``) holds; a visibility tensor's own bytes (Ulysses keeps one)."""
+    if isinstance(plan, torch.Tensor):
+        return plan.numel() * plan.element_size()
     items = plan if isinstance(plan, (tuple, list)) else (plan,)
     total = 0
     for item in items:
@@ -247,3 +266,23 @@ def visibility_blocks(vis: torch.Tensor, step: int, kv_rank: int, device: torch.
 
     calls = split_visibility(vis, call_cost=call_cost_for(device))
     return tuple(Block(step, kv_rank, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)
+
+
+def plan_ahead(build: Callable[[], Any], mask) -> str | None:
+    """Run ``build`` (a call's planning, which fills its ``plan_memo``) before the call's
+    cross-rank check when ``mask`` is known only by evaluating it; the problem, in words, when
+    evaluating it fails.
+
+    The check evaluates a mask on a strided grid of positions; a ``mask_mod`` that fails
+    elsewhere (an index out of range at one position) would otherwise fail while this rank plans
+    its first ring step, after its first collective, and leave the other ranks waiting. Planned
+    here, the failure is this rank's problem, and every rank raises InputError. Every position a
+    rank's kernels need is evaluated by its own plan, so a failure anywhere is some rank's."""
+    if mask is None or getattr(mask, "exact_digest", False):
+        return None
+    try:
+        build()
+    except Exception as exc:  # a mask that cannot be evaluated is bad input, not a crash
+        return (f"mask {type(mask).__name__} cannot be evaluated on the positions this rank attends "
+                f"({type(exc).__name__}: {exc})")
+    return None

@@ -26,7 +26,7 @@ overrides (the project's meta-tests build deliberately broken rings this way).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -61,6 +61,10 @@ class RingConfig:
     mask_dims: tuple[int, int] = (1, 1)
     #: the query heads [start, stop) of mask_dims this ring runs (a head chunk), or None: all
     mask_heads: tuple[int, int] | None = None
+    #: plans of a mask known only by evaluating it (a MaskMod, alone or combined), made for this
+    #: call before the cross-rank check (ring_impl.plan.plan_ahead) and kept for its forward
+    #: (and backward when small); None: no such plans kept
+    plan_memo: dict | None = field(default=None, compare=False, repr=False)
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
@@ -87,7 +91,8 @@ class RingAttention:
         seq_q, seq_kv = operator.index(seq_q), operator.index(seq_kv)
         if cfg.mask is not None:
             return masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q, seq_kv=seq_kv,
-                               batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], head_span=cfg.mask_heads)
+                               batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], head_span=cfg.mask_heads,
+                               memo=cfg.plan_memo)
         return ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q, seq_kv=seq_kv)
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -6,14 +6,16 @@ from collections.abc import Mapping
 
 import torch
 
+from ..heads import plan_chunks
 from ..masks import fold_causal, mask_code, masking_problem
 from ..ops import AttentionOp, resolve_scale_and_op
+from ..plan import plan_ahead
 from ..ring import RingAttention, RingConfig
 from ..validate import InputError
 from .groups import resolve_strategy_groups
 from .hybrid import Hybrid
 from .layout import STRATEGIES
-from .ulysses import HeadParallelConfig, HeadParallelPath, Ulysses
+from .ulysses import HeadParallelConfig, HeadParallelPath, Ulysses, kv_replication
 from .validate import agree_on_mesh, strategy_problem
 
 __all__ = ["DEFAULT_ALGORITHMS", "strategy_path"]
@@ -56,6 +58,21 @@ def strategy_path(
         strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale, layout=layout,
         rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
     ) or _masking_problem(query, key, mask, sinks, mesh_shape)
+    cfg = None
+    if problem is None:
+        folded = fold_causal(mask, is_causal)
+        ring_cfg = None
+        if strategy == "hybrid":
+            ring_cfg = _hybrid_ring_config(groups, query, folded, is_causal, effective_scale, layout, rotate_method,
+                                           op_obj, head_chunks)
+        cfg = HeadParallelConfig(heads=groups.head_group(query.device), is_causal=bool(is_causal),
+                                 scale=effective_scale, layout=layout, op=op_obj,
+                                 return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg, ring_impl=impl,
+                                 mask=folded if strategy == "ulysses" else None, plan_memo={})
+        # A mask known only by evaluating it is evaluated now, for what this rank will attend (the
+        # hybrid: its ring's plans; Ulysses: the mask for its heads), so one that fails there is a
+        # problem every rank raises (ring_impl.plan.plan_ahead).
+        problem = plan_ahead(lambda: _plan(algo, cfg, query, key, mesh_shape[0]), folded)
     if mesh_shape[0] * mesh_shape[1] > 1 and not torch.compiler.is_compiling():
         agree_on_mesh(problem, strategy, groups, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
                       rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
@@ -63,23 +80,31 @@ def strategy_path(
                       mask_code=mask_code(mask, sinks) if problem is None else 0)
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
-    assert op_obj is not None and effective_scale is not None
-    folded = fold_causal(mask, is_causal)
-    ring_cfg = None
-    head_group = groups.head_group(query.device)
-    if strategy == "hybrid":
-        # The mask goes to the ring across rows: a row's shard is the ring layout's over R ranks
-        # (positions global), its heads the query heads of this rank's slice of the U head slices
-        # (a mask that depends on the head is planned for those heads only).
-        per_rank = query.shape[1] // head_group.size
-        span = (head_group.rank * per_rank, (head_group.rank + 1) * per_rank)
-        ring_cfg = RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=effective_scale,
-                              layout=layout, rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks,
-                              mask=folded, mask_dims=(query.shape[0], query.shape[1]), mask_heads=span)
-    cfg = HeadParallelConfig(heads=head_group, is_causal=bool(is_causal), scale=effective_scale,
-                             layout=layout, op=op_obj, return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg,
-                             ring_impl=impl, mask=folded if strategy == "ulysses" else None)
+    assert cfg is not None
     return HeadParallelPath(cfg, algo)
+
+
+def _plan(algo, cfg: HeadParallelConfig, query, key, u: int) -> None:
+    """What the call's inner attention will evaluate of its mask, made now (kept in the configs'
+    plan memos): after the all-to-all a rank holds U x the local lengths for heads / U query heads."""
+    heads, seq_q, seq_kv = query.shape[1] // u, query.shape[2] * u, key.shape[2] * u
+    if cfg.ring is not None:
+        heads_kv = key.shape[1] * kv_replication(key.shape[1], u) // u
+        plan_chunks(cfg.ring_impl, cfg.ring, heads, heads_kv, seq_q, seq_kv)
+    else:
+        algo.visible_for(cfg, query.shape[0], heads, seq_q, seq_kv, query.device)
+
+
+def _hybrid_ring_config(groups, query, mask, is_causal, scale, layout, rotate_method, op, head_chunks) -> RingConfig:
+    """The hybrid's ring across rows (``mask`` with is_causal folded in). The mask goes to it: a row's shard is the ring layout's over
+    R ranks (positions global), its heads the query heads of this rank's slice of the U head
+    slices (a mask that depends on the head is planned for those heads only)."""
+    head_group = groups.head_group(query.device)
+    per_rank = query.shape[1] // head_group.size
+    span = (head_group.rank * per_rank, (head_group.rank + 1) * per_rank)
+    return RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=scale, layout=layout,
+                      rotate_method=rotate_method, op=op, head_chunks=head_chunks, mask=mask,
+                      mask_dims=(query.shape[0], query.shape[1]), mask_heads=span, plan_memo={})
 
 
 def _masking_problem(query, key, mask, sinks, mesh_shape) -> str | None:

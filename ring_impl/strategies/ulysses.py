@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,6 +72,8 @@ class HeadParallelConfig:
     ring_impl: RingAttention | None = None
     #: a ring_impl.masks.Mask on global positions (is_causal folded in), Ulysses only
     mask: object = None
+    #: the call's evaluations of a mask known only by evaluating it (ring_impl.plan.cached_by_mask)
+    plan_memo: dict | None = field(default=None, compare=False, repr=False)
 
 
 class Ulysses:
@@ -129,15 +131,28 @@ class Ulysses:
         query heads: (batch or 1, heads or 1, s_q, s_kv) bool, or None without a mask."""
         if cfg.mask is None:
             return None
+        return self.visible_for(cfg, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+
+    def visible_for(self, cfg: HeadParallelConfig, batch: int, heads: int, seq_q: int, seq_kv: int,
+                    device: torch.device) -> torch.Tensor:
+        """:meth:`visible` for ``heads`` gathered query heads and gathered lengths; one evaluation
+        per call (the forward's serves the backward; ring_impl.plan.cached_by_mask). Shared: never
+        modify the result."""
         from ..layout import permutation
         from ..masks import visibility
+        from ..plan import cached_by_mask
 
-        u, h = cfg.heads.size, q.shape[1]
-        pos_q, pos_kv = permutation(cfg.layout, q.shape[2], u), permutation(cfg.layout, k.shape[2], u)
-        vis = visibility(cfg.mask, pos_q, pos_kv, batch=q.shape[0], heads=h * u)
-        if vis.shape[1] > 1:  # a head-dependent mask: this rank's heads are slice rank of U
-            vis = vis[:, cfg.heads.rank * h:(cfg.heads.rank + 1) * h]
-        return vis.to(q.device)
+        u, rank = cfg.heads.size, cfg.heads.rank
+
+        def build() -> torch.Tensor:
+            pos_q, pos_kv = permutation(cfg.layout, seq_q, u), permutation(cfg.layout, seq_kv, u)
+            vis = visibility(cfg.mask, pos_q, pos_kv, batch=batch, heads=heads * u)
+            if vis.shape[1] > 1:  # a head-dependent mask: this rank's heads are slice rank of U
+                vis = vis[:, rank * heads:(rank + 1) * heads]
+            return vis.to(device)
+
+        key = ("ulysses", cfg.layout, u, rank, batch, heads, seq_q, seq_kv, str(device))
+        return cached_by_mask(cfg.mask, key, build, memo=cfg.plan_memo)
 
     def inner_forward(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(out in the input dtype, lse (b, h, s) in the accumulation dtype) of the gathered heads:

@@ -1,0 +1,107 @@
+"""A mask known only by evaluating it (a ``MaskMod``, alone or combined) is evaluated, before the
+cross-rank check, on every position the rank will attend (``ring_impl.plan.plan_ahead``).
+
+The check itself probes a strided grid of positions. A ``mask_mod`` failing elsewhere (one
+corrupt table entry) used to fail while one rank planned its first ring step, after its first
+collective: that rank raised a raw IndexError and the others waited for ever. Now every rank raises
+InputError, on every path (ring and its head chunks, halo exchange, sparse gather, Ulysses,
+hybrid), and the next call runs. The plans made ahead are the call's own: the forward uses them,
+and the backward evaluates nothing again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.implementation import DEFAULT_IMPL_SPEC
+
+SEQ_LOCAL = 16
+#: the one position whose table entry is corrupt: off the check's grid (0, 2, 4, ... at 32 tokens,
+#: 0, 4, 8, ... at 64), held by rank 0 under the contiguous layout
+BAD = 5
+
+
+def _skip_other_impls(ring):
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+
+
+def _call(ctx, how: str, corrupt: bool, counter: list | None = None):
+    import ring_impl
+    from ring_impl.masks import MaskMod, SlidingWindow
+
+    seq = SEQ_LOCAL * ctx.world_size
+    table = torch.arange(seq)
+    if corrupt:
+        table[BAD] = 10**6  # out of range for `seen`: an IndexError at query BAD only
+
+    seen = torch.ones(seq, dtype=torch.bool)
+
+    def fn(b, h, q_idx, kv_idx):
+        if counter is not None:
+            counter.append(int(q_idx.numel()))
+        return (kv_idx <= q_idx) & seen[table[q_idx]] & ((q_idx - kv_idx) % (2 + h) != 1)
+
+    mask = MaskMod(fn)
+    kwargs = {"group": ctx.group, "mask": mask, "layout": "contiguous", "rotate_method": "alltoall"}
+    if how == "head_chunks":
+        kwargs["head_chunks"] = 2
+    elif how == "halo":
+        kwargs.update(mask=mask & SlidingWindow(3), halo=True)
+    elif how == "sparse_kv":
+        kwargs["sparse_kv"] = True
+    elif how == "ulysses":
+        kwargs["strategy"] = "ulysses"
+    elif how == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs.update(strategy="hybrid", group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring")))
+    gen = torch.Generator().manual_seed(ctx.rank)
+    q, k, v = (torch.randn(1, 4, SEQ_LOCAL, 8, generator=gen).requires_grad_(True) for _ in range(3))
+    out = ring_impl.ring_attention(q, k, v, **kwargs)
+    forward_evaluations = None if counter is None else sum(counter)
+    out.sum().backward()
+    return {"forward": forward_evaluations, "all": None if counter is None else sum(counter),
+            "finite": bool(torch.isfinite(q.grad).all())}
+
+
+def _off_grid_failure_then_a_good_call(ctx, how: str):
+    from ring_impl import InputError
+
+    try:
+        _call(ctx, how, corrupt=True)
+        refused = "no error"
+    except InputError as exc:
+        refused = str(exc)
+    except Exception as exc:  # a raw error: the bug this file guards
+        refused = f"RAW {type(exc).__name__}: {exc}"
+    return {"refused": refused, "good": _call(ctx, how, corrupt=False)}
+
+
+@pytest.mark.parametrize("how,world", [("ring", 2), ("ring", 3), ("head_chunks", 2), ("halo", 2), ("sparse_kv", 2),
+                                       ("ulysses", 2), ("hybrid", 4)])
+def test_a_mask_mod_failing_off_the_probe_grid_raises_on_every_rank(ring, how, world) -> None:
+    _skip_other_impls(ring)
+    runs = ring.rank_pool(world).run(_off_grid_failure_then_a_good_call, how, timeout=120.0)
+    for rank, r in enumerate(runs):
+        msg = r["refused"]
+        assert "cannot be evaluated on the positions this rank attends (IndexError" in msg or \
+            "rejected their input" in msg, f"{how}, rank {rank}: {msg}"
+        assert r["good"]["finite"], f"{how}, rank {rank}: the good call after the refusal"
+    # The rank holding the corrupt position names it (the hybrid and Ulysses: every rank holding
+    # it after the all-to-all).
+    assert "cannot be evaluated" in runs[0]["refused"], runs[0]["refused"]
+
+
+def _evaluations(ctx, how: str):
+    return _call(ctx, how, corrupt=False, counter=[])
+
+
+@pytest.mark.parametrize("how", ["ring", "head_chunks", "ulysses"])
+def test_the_backward_evaluates_no_mask_again(ring, how) -> None:
+    """The plans made before the check serve the forward and the backward: the mask_mod's
+    evaluations all happen before the first collective's results are used, none in the backward."""
+    _skip_other_impls(ring)
+    for rank, r in enumerate(ring.rank_pool(2).run(_evaluations, how, timeout=120.0)):
+        assert r["forward"] > 0 and r["all"] == r["forward"], f"{how}, rank {rank}: {r}"
