@@ -113,3 +113,22 @@ def test_a_layout_name_with_other_positions_on_one_rank_is_refused_everywhere(ri
             "ranks disagree on layout (rank 0 layout #" in msg, f"rank {rank}: {msg}"
     # Registration order is not compared: the same layouts registered in another order agree.
     assert ring.rank_pool(2).run(_layout_registered_per_rank, "other_order", timeout=60.0) == ["no error"] * 2
+
+
+def _unsplittable_non_causal(ctx):
+    import ring_impl
+
+    ring_impl.register_layout(dealt_chunks(), replace=True)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)  # 8 global positions: not a multiple of 3W chunks
+    out = ring_impl.ring_attention(q, q, q, group=ctx.group, layout="test_dealt_chunks", rotate_method="alltoall",
+                                   op="math")
+    return bool(torch.isfinite(out).all())
+
+
+def test_the_layout_check_never_raises_before_its_collective(ring) -> None:
+    """A non-causal, unmasked call needs no positions, so it runs with a layout that cannot split
+    its lengths; comparing the layout's positions must not raise there (it would on some ranks
+    only, before the check's all-reduce, when lengths differ)."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"register_layout is ring_impl's API; the implementation under test is {ring.impl.spec}")
+    assert ring.rank_pool(2).run(_unsplittable_non_causal, timeout=60.0) == [True, True]
