@@ -23,13 +23,19 @@ class CpuFlashOp:
     capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True)
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+        mask = self.kernel_mask(attn_mask, query, key)
         query, key, value = (_dense_head_dim(t) for t in (query, key, value))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=_additive(attn_mask, query.dtype), scale=scale
+            query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale
         )
         return out, lse
 
+    def kernel_mask(self, visible: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+        """A masked block's bool visibility as the kernel's additive mask (None: no mask)."""
+        return _additive(visible, query.dtype)
+
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
+        mask = self.kernel_mask(attn_mask, query, key)
         acc = accumulation_dtype(query.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _dense_head_dim(grad_out.to(query.dtype)),
@@ -40,7 +46,7 @@ class CpuFlashOp:
             lse.to(acc).contiguous(),
             0.0,
             is_causal,
-            attn_mask=_additive(attn_mask, query.dtype),
+            attn_mask=mask,
             scale=scale,
         )
         return dq, dk, dv
@@ -82,8 +88,8 @@ class CpuEfficientLayoutOp(CpuFlashOp):
     name = "cpu_efficient_layout"
     capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs_padded32", causal_needs_positive_scale=True)
 
-    def forward(self, query, key, value, *, is_causal, scale):
-        out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale)
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+        out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
         b, h, sq = lse.shape
         padded = _garbage_like((b, h, -(-sq // 32) * 32), lse.dtype, lse.device)
         padded[..., :sq] = lse
@@ -100,27 +106,10 @@ class CpuEfficientMaskedLayoutOp(CpuEfficientLayoutOp):
     name = "cpu_efficient_masked_layout"
     capabilities = replace(CpuEfficientLayoutOp.capabilities, masks=True)
 
-    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
-        if attn_mask is None:
-            return super().forward(query, key, value, is_causal=is_causal, scale=scale)
-        bias = _checked_bias(additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2])))
-        query, key, value = (_dense_head_dim(t) for t in (query, key, value))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=bias, scale=scale)
-        b, h, sq = lse.shape
-        padded = _garbage_like((b, h, -(-sq // 32) * 32), lse.dtype, lse.device)
-        padded[..., :sq] = lse
-        return out, padded
-
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
-        if attn_mask is None:
-            return super().backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
-        bias = _checked_bias(additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2])))
-        acc = accumulation_dtype(query.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _dense_head_dim(grad_out.to(query.dtype)), _dense_head_dim(query), _dense_head_dim(key),
-            _dense_head_dim(value), _dense_head_dim(out.to(query.dtype)), lse.to(acc).contiguous(), 0.0, is_causal,
-            attn_mask=bias, scale=scale)
+    def kernel_mask(self, visible, query, key):
+        if visible is None:
+            return None
+        return _checked_bias(additive_bias(visible, query.dtype, (*query.shape[:3], key.shape[2])))
 
 
 def _checked_bias(bias: torch.Tensor) -> torch.Tensor:

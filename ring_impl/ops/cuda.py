@@ -90,26 +90,32 @@ class CudaEfficientOp:
         lse_layout="bhs_padded32",
     )
 
-    def forward(self, query, key, value, *, is_causal, scale):
+    # attn_mask= (a masked block's bool visibility) reaches these only through
+    # CudaEfficientMaskedOp, whose capabilities declare masks; this op's masked blocks run with
+    # the math op. Without a mask the kernels get an undefined bias (None).
+
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+        bias = None if attn_mask is None else additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2]))
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, None, True, 0.0, is_causal, scale=scale
+            query, key, value, bias, True, 0.0, is_causal, scale=scale
         )
         return res[0], res[1]
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
         grad_out, query, key, value = _dense(grad_out.to(query.dtype), query, key, value)
         out = in_efficient_order(out, query.dtype)
         b, h, sq = lse.shape
         # The kernel reads its LSE in its own padded layout; the padding is never read.
         padded = lse.new_zeros(b, h, -(-sq // 32) * 32, dtype=torch.float32)
         padded[..., :sq] = lse
+        bias = _UNDEFINED if attn_mask is None else additive_bias(attn_mask, query.dtype, (b, h, sq, key.shape[2]))
         seed = torch.zeros((), dtype=torch.int64, device=query.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad_out,
             query,
             key,
             value,
-            _UNDEFINED,
+            bias,
             out,
             padded,
             seed,
@@ -205,28 +211,3 @@ class CudaEfficientMaskedOp(CudaEfficientOp):
 
     name = "cuda_efficient_masked"
     capabilities = replace(CudaEfficientOp.capabilities, masks=True)
-
-    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
-        if attn_mask is None:
-            return super().forward(query, key, value, is_causal=is_causal, scale=scale)
-        bias = additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2]))
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, True, 0.0, is_causal, scale=scale
-        )
-        return res[0], res[1]
-
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
-        if attn_mask is None:
-            return super().backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
-        grad_out, query, key, value = _dense(grad_out.to(query.dtype), query, key, value)
-        out = in_efficient_order(out, query.dtype)
-        b, h, sq = lse.shape
-        padded = lse.new_zeros(b, h, -(-sq // 32) * 32, dtype=torch.float32)
-        padded[..., :sq] = lse
-        bias = additive_bias(attn_mask, query.dtype, (b, h, sq, key.shape[2]))
-        seed = torch.zeros((), dtype=torch.int64, device=query.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, query, key, value, bias, out, padded, seed, seed, 0.0, [True, True, True, False], is_causal,
-            scale=scale,
-        )
-        return dq, dk, dv
