@@ -61,11 +61,12 @@ def strategy_path(
     cfg = None
     if problem is None:
         folded = fold_causal(mask, is_causal)
+        head_group = groups.head_group(query.device)
         ring_cfg = None
         if strategy == "hybrid":
-            ring_cfg = _hybrid_ring_config(groups, query, folded, is_causal, effective_scale, layout, rotate_method,
-                                           op_obj, head_chunks)
-        cfg = HeadParallelConfig(heads=groups.head_group(query.device), is_causal=bool(is_causal),
+            ring_cfg = _hybrid_ring_config(groups, head_group, query, folded, is_causal, effective_scale, layout,
+                                           rotate_method, op_obj, head_chunks)
+        cfg = HeadParallelConfig(heads=head_group, is_causal=bool(is_causal),
                                  scale=effective_scale, layout=layout, op=op_obj,
                                  return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg, ring_impl=impl,
                                  mask=folded if strategy == "ulysses" else None, plan_memo={})
@@ -95,11 +96,11 @@ def _plan(algo, cfg: HeadParallelConfig, query, key, u: int) -> None:
         algo.visible_for(cfg, query.shape[0], heads, seq_q, seq_kv, query.device)
 
 
-def _hybrid_ring_config(groups, query, mask, is_causal, scale, layout, rotate_method, op, head_chunks) -> RingConfig:
-    """The hybrid's ring across rows (``mask`` with is_causal folded in). The mask goes to it: a row's shard is the ring layout's over
-    R ranks (positions global), its heads the query heads of this rank's slice of the U head
-    slices (a mask that depends on the head is planned for those heads only)."""
-    head_group = groups.head_group(query.device)
+def _hybrid_ring_config(groups, head_group, query, mask, is_causal, scale, layout, rotate_method, op,
+                        head_chunks) -> RingConfig:
+    """The hybrid's ring across rows, given ``mask`` with is_causal folded in. A row's shard is the
+    ring layout's over R ranks (positions global), its heads the query heads of this rank's slice
+    of the U head slices (a mask that depends on the head is planned for those heads only)."""
     per_rank = query.shape[1] // head_group.size
     span = (head_group.rank * per_rank, (head_group.rank + 1) * per_rank)
     return RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=scale, layout=layout,
