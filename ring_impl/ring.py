@@ -11,9 +11,11 @@ block a rank received but did not use, while its partner waits for it. Here ever
 the same collectives in the same order. With the final output and LSE, each block's gradient
 is exact (the FlashAttention backward): dQ stays local and accumulates; dK/dV accumulate in
 the accumulation dtype and travel with their block until they are back with its owner. The
-backward computes its own block (step 0) last, so that block's dK/dV lands in the accumulator
-that has just come home (``allgather`` at ``W >= 3``: first, overlapping its all-gather; see
-``backward``).
+backward's own block (step 0) needs no transfer, so it covers the two that nothing else does
+(:func:`backward_order`): an own step of several blocks is cut in two by kernel area, computed
+before step 1 (while step 1's block travels) and after the last step (while this rank's dK/dV
+accumulator travels home); an own step of one block goes last (``allgather`` at ``W >= 3``:
+first, overlapping its all-gather).
 
 Temporaries are released at the end of each step (``del``) rather than when the next step
 rebinds them, so a step's kernel never runs while the previous step's partial results are
@@ -266,8 +268,9 @@ class RingAttention:
         like = torch.empty((), dtype=acc, device=query.device).expand(kv_local.shape)  # the accumulators' kind
         del kv_local  # the rotation holds it as long as it needs it
         plans = self.plan(cfg, query.shape[2], key.shape[2])
-        # Step 0 (this rank's own block) is computed on key and value themselves, first or last as
-        # the transport says (own_block_first: the measurements are with each transport).
+        # Step 0 (this rank's own block) is computed on key and value themselves, around the other
+        # steps (backward_order): part first, while step 1's block travels, the rest last, while
+        # the accumulator travels home; one block first or last as the transport says.
         # What moves, per step s of the loop (ring transports; allgather has no key/value hops):
         #   block(s)         takes block s, passes it on (s < W-1) with the accumulator staged last
         #   step s computed  its dQ accumulates here; its dK/dV into the accumulator of block s,
@@ -276,8 +279,8 @@ class RingAttention:
         #   grads_home       after the loop: this rank's own accumulator, plus its step-0 part
         rotation.block(0)
         rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse)
-        order = plans if transport.own_block_first(cfg.group.world_size) else plans[1:] + plans[:1]
-        own = None  # this rank's contribution to its own block: added once that accumulator is home
+        order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
+        own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
             kv = rotation.block(plan.step) if plan.step else (key, value)
             finite = bool(plan.blocks) and rows_finite and self.all_finite(kv[0], kv[1])
@@ -297,7 +300,7 @@ class RingAttention:
                 contribution.append((block.kv_rows, dk, dv))
                 del dq, dk, dv
             if plan.step == 0:
-                own = contribution
+                own += contribution
             else:
                 grads = self.grads_arrived(cfg, link, plan.step, like)
                 _accumulate(grads, contribution)
@@ -307,6 +310,33 @@ class RingAttention:
         dkv = self.grads_home(cfg, link, like)
         _accumulate(dkv, own)
         return dq_acc.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype)
+
+
+def backward_order(plans: list[StepPlan], own_first: bool) -> list[StepPlan]:
+    """The order the backward computes ``plans`` (steps 0..W-1) in.
+
+    The own block (step 0) needs no transfer, so it is what covers the two transfers nothing else
+    can: the first key/value hop, which step 1 waits for, and the last dK/dV hop, which brings this
+    rank's own accumulator home. An own step of several blocks is cut in two by kernel area
+    (``Block.area``), the first part computed before step 1 and the rest after step W-1 (its dK/dV
+    kept until the accumulator is home). Measured on packed documents at W=2 (ci/bench_masks.py),
+    the first hop left exposed was 10-60 ms of a 0.31 s call. An own step of one block goes first
+    or last as the transport says (``own_first``). Every rank still posts the same transfers in the
+    same order: only where the compute sits between them changes."""
+    own, others = plans[0], plans[1:]
+    if not others:
+        return list(plans)
+    if len(own.blocks) < 2:
+        return list(plans) if own_first else [*others, own]
+    areas = [b.area for b in own.blocks]
+    half, done, cut = sum(areas) / 2, 0, 1
+    for i, a in enumerate(areas[:-1], start=1):  # the cut closest to half the area, both parts non-empty
+        done += a
+        if abs(done - half) <= abs(sum(areas[:cut]) - half):
+            cut = i
+    first = StepPlan(step=own.step, kv_rank=own.kv_rank, blocks=own.blocks[:cut])
+    last = StepPlan(step=own.step, kv_rank=own.kv_rank, blocks=own.blocks[cut:])
+    return [first, *others, last]
 
 
 def _accumulate(acc: torch.Tensor, contribution) -> None:
