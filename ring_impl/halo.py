@@ -190,15 +190,27 @@ def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int = 2) -> torch.Tensor:
 
 
 def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, ext: torch.Tensor,
-                     blocks: tuple[Block, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) in the accumulation dtype of ``query`` (batch, heads, seq, head_dim) against
-    the packed key/value rows ``ext`` (2, batch, heads_kv, rows, head_dim) that ``blocks`` index
-    (one kernel call each, through the ring's seams); rows no block covers: out 0, LSE -inf.
-    Shared by the paths without a ring (the halo here, ring_impl.kv_gather)."""
+                     blocks: tuple[Block, ...], *, finite: bool | None = None,
+                     into: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     result: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ``query`` (batch, heads, seq, head_dim) against the packed key/value rows
+    ``ext`` (2, batch, heads_kv, rows, head_dim) that ``blocks`` index (one kernel call each,
+    through the ring's seams); rows no block covers: out 0, LSE -inf. Shared by the paths without
+    a ring (the halo here, ring_impl.kv_gather).
+
+    ``finite``: whether every input the blocks read is finite (the NaN propagation is then
+    skipped); checked here on ``query`` and ``ext`` when None. ``into``: (out, lse) accumulators
+    in the accumulation dtype to merge into, instead of new ones. ``result``: out in the query's
+    dtype; else the accumulators themselves, to merge more blocks into (a call whose ``ext``
+    rows are not all there yet)."""
     acc = impl.accumulation_dtype(query.dtype)
-    out = torch.zeros(query.shape, dtype=acc, device=query.device)
-    lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
-    finite = bool(blocks) and impl.all_finite(query, ext)
+    if into is None:
+        out = torch.zeros(query.shape, dtype=acc, device=query.device)
+        lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
+    else:
+        out, lse = into
+    if finite is None:
+        finite = bool(blocks) and impl.all_finite(query, ext)
     for block in blocks:
         (q0, q1) = block.q_rows
         q, k, v = _rows(query, block.q_rows), _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
@@ -208,18 +220,24 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
         del q, k, v
         impl.merge(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
         del block_out, block_lse
-    return out.to(query.dtype), lse
+    return (out.to(query.dtype), lse) if result else (out, lse)
 
 
 def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, ext: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None,
-                      blocks: tuple[Block, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                      blocks: tuple[Block, ...], *, finite: bool | None = None,
+                      into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, d ext) in the accumulation dtype for :func:`extended_forward`'s call: ``out``/``lse``
-    as it returned them, ``grad_lse`` the LSE's gradient or None."""
+    as it returned them, ``grad_lse`` the LSE's gradient or None. ``finite`` as there (checked
+    here when None); ``into``: (dq, d ext) accumulators to add into, instead of new zeros."""
     acc = impl.accumulation_dtype(query.dtype)
-    dq = torch.zeros(query.shape, dtype=acc, device=query.device)
-    dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)
-    finite = bool(blocks) and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
+    if into is None:
+        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+        dkv = torch.zeros(ext.shape, dtype=acc, device=query.device)
+    else:
+        dq, dkv = into
+    if finite is None:
+        finite = bool(blocks) and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
     for block in blocks:
         (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
         extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}

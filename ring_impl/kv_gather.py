@@ -11,17 +11,20 @@ forward    from the mask on global positions (the layout's runs) every rank know
            queries see. One ``all_to_all_single`` (split sizes: those row counts) sends them;
            the rank's own rows and the received ones, ordered by global position, are one
            extended key/value block, cut by :mod:`ring_impl.tiling` into exact kernel calls as
-           a ring step's (a document split across ranks becomes one causal call again).
+           a ring step's (a document split across ranks becomes one causal call again). The
+           calls on the rank's own rows alone run while the rows travel, the rest after.
 backward   the kernel's backward on the same block (the received rows were kept from the
-           forward, not sent again); dQ stays; the received rows' dK/dV go home in one
-           ``all_to_all_single`` in the accumulation dtype (float32, float64 for float64: the
-           ring's accumulators), added to the owner's own rows before the cast to the input dtype.
+           forward, not sent again), the calls on received rows first; dQ stays; the received
+           rows' dK/dV go home in one ``all_to_all_single`` in the accumulation dtype (float32,
+           float64 for float64: the ring's accumulators) while the calls on own rows alone run,
+           and are added to the owner's own rows before the cast to the input dtype.
 
 Every rank calls both all-to-alls, with zero rows where it has nothing to send. Key/value bytes
 are the minimum of any exchange (each row a receiver's queries see, once); the ring's are
-``(W - 1) S`` rows per rank forward and again backward. What it costs: no overlap of transfer
-and compute (the ring's next block travels while a step computes) and the received rows held
-from forward to backward. :func:`gather_schedule` declares the collectives per rank.
+``(W - 1) S`` rows per rank forward and again backward. What it costs: the received rows held
+from forward to backward; a transfer is overlapped only by the calls on own rows (under a
+balanced layout, the documents whole on the rank). :func:`gather_schedule` declares the
+collectives per rank.
 
 Any layout, any mask (a head-dependent one: the union over heads travels), ``seq_q != seq_kv``
 when not causal, W >= 2. ``rotate_method`` and ``head_chunks`` do not apply (there is no ring).
@@ -65,13 +68,18 @@ class GatherPlan:
     (empty for itself). ``recv_counts[s]``: rows received from rank ``s`` (0 for itself), in
     rank order after this rank's own ``seq_kv`` rows in the extended block before ``order``.
     ``order``: the permutation putting [own rows | received rows] in global position order, or
-    None when they already are. ``blocks``: local query rows x extended rows.
+    None when they already are. ``blocks``: local query rows x extended rows, those on this
+    rank's own rows alone first (``own_blocks`` of them: computed while the rows travel).
+    ``own_at``/``received_at``: the extended rows that hold the own and the received rows.
     """
 
     send_rows: tuple[torch.Tensor, ...]
     recv_counts: tuple[int, ...]
     order: torch.Tensor | None
     blocks: tuple[Block, ...]
+    own_blocks: int = 0
+    own_at: torch.Tensor | None = None
+    received_at: torch.Tensor | None = None
 
     @property
     def send_counts(self) -> tuple[int, ...]:
@@ -111,9 +119,14 @@ def gather_plan(mask, *, rank: int, world_size: int, layout: str, seq_q: int, se
         order = torch.argsort(ext_pos, stable=True)
         identity = bool(torch.equal(order, torch.arange(order.numel())))
         vis = visibility(mask, q_pos[rank], ext_pos[order], batch=batch, heads=heads)
+        blocks = visibility_blocks(vis, 0, rank, device)
+        at = torch.argsort(order)  # [own | received] row -> its extended row
+        own_row = order < seq_kv  # extended row -> whether it is one of this rank's own
+        own = tuple(b for b in blocks if bool(own_row[b.kv_rows[0]:b.kv_rows[1]].all()))
+        remote = tuple(b for b in blocks if not bool(own_row[b.kv_rows[0]:b.kv_rows[1]].all()))
         return GatherPlan(send_rows=tuple(t.to(device) for t in send), recv_counts=tuple(int(t.numel()) for t in recv),
-                          order=None if identity else order.to(device),
-                          blocks=visibility_blocks(vis, 0, rank, device))
+                          order=None if identity else order.to(device), blocks=own + remote, own_blocks=len(own),
+                          own_at=at[:seq_kv].to(device), received_at=at[seq_kv:].to(device))
 
     # The layouts' runs, not only its name: a layout registered again under the same name is replanned.
     key = ("gather", rank, world_size, layout, seq_q, seq_kv, batch, heads, str(device),
@@ -136,16 +149,23 @@ def gather_schedule(plan: GatherPlan, *, world_size: int, batch: int, heads_kv: 
     }
 
 
-def _all_to_all(g, send: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
-    """Rows-first ``send`` (rows, ...) split by ``send_counts`` over the ranks; returns the rows
-    received, split by ``recv_counts``. Host copies on gloo with CUDA tensors."""
-    device = send.device
-    host = g.stage_on_host and device.type != "cpu"
-    buf = send.cpu() if host else send
-    out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=buf.device)
-    dist.all_to_all_single(out, buf.contiguous(), output_split_sizes=list(recv_counts),
-                           input_split_sizes=list(send_counts), group=g.pg)
-    return out.to(device) if host else out
+class _Exchange:
+    """An ``all_to_all_single`` in flight: rows-first ``send`` (rows, ...) split by ``send_counts``
+    over the ranks; :meth:`result` waits and returns the rows received, split by ``recv_counts``.
+    Host copies on gloo with CUDA tensors."""
+
+    def __init__(self, g, send: torch.Tensor, send_counts, recv_counts):
+        self._device = send.device
+        self._host = g.stage_on_host and self._device.type != "cpu"
+        self._send = (send.cpu() if self._host else send).contiguous()
+        self._out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self._send.device)
+        self._work = dist.all_to_all_single(self._out, self._send, output_split_sizes=list(recv_counts),
+                                            input_split_sizes=list(send_counts), group=g.pg, async_op=True)
+
+    def result(self) -> torch.Tensor:
+        self._work.wait()
+        self._send = None
+        return self._out.to(self._device) if self._host else self._out
 
 
 def _rows_first(kv: torch.Tensor) -> torch.Tensor:
@@ -167,33 +187,45 @@ class GatherPath:
         kv = impl.pack_kv(key, value)  # (2, batch, heads_kv, seq_kv, head_dim)
         rows = _rows_first(kv)
         send = rows.index_select(0, torch.cat(plan.send_rows)) if sum(plan.send_counts) else rows[:0]
-        received = _all_to_all(cfg.group, send, plan.send_counts, plan.recv_counts)  # (received, 2, b, hkv, d)
-        del send
-        ext_rows = torch.cat([rows, received]) if received.shape[0] else rows
-        if plan.order is not None:
-            ext_rows = ext_rows.index_select(0, plan.order)
-        ext = ext_rows.permute(1, 2, 3, 0, 4).contiguous()  # (2, batch, heads_kv, extended, head_dim)
-        del kv, rows, ext_rows
-        out, lse = extended_forward(impl, cfg, query, ext, plan.blocks)
-        return out, lse, (query, out, lse, ext), ((key.dtype, value.dtype), key.shape[2])
+        exchange = _Exchange(cfg.group, send, plan.send_counts, plan.recv_counts)
+        del send, rows
+        # The extended block (2, batch, heads_kv, extended, head_dim), rows in global order: the
+        # own rows now, the blocks on them alone computed while the received rows travel.
+        n_ext = key.shape[2] + sum(plan.recv_counts)
+        ext = kv.new_empty((*kv.shape[:3], n_ext, kv.shape[4]))
+        ext.index_copy_(3, plan.own_at, kv)
+        del kv
+        own, remote = plan.blocks[:plan.own_blocks], plan.blocks[plan.own_blocks:]
+        finite = impl.all_finite(query, key, value)
+        out, lse = extended_forward(impl, cfg, query, ext, own, finite=finite, result=False)
+        received = exchange.result()  # (received, 2, b, hkv, d)
+        if received.shape[0]:
+            ext.index_copy_(3, plan.received_at, received.permute(1, 2, 3, 0, 4))
+        finite = finite and impl.all_finite(received)
+        del received
+        out, lse = extended_forward(impl, cfg, query, ext, remote, finite=finite, into=(out, lse))
+        return out, lse, (query, out, lse, ext), (key.dtype, value.dtype)
 
     def backward(self, saved, meta, grad_out, grad_lse):
         query, out, lse, ext = saved
         cfg, impl, plan = self.cfg, self.impl, self.plan
-        (dk_dtype, dv_dtype), seq = meta
-        dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, plan.blocks)
+        dk_dtype, dv_dtype = meta
+        own, remote = plan.blocks[:plan.own_blocks], plan.blocks[plan.own_blocks:]
+        finite = impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
+        # The blocks on received rows first: their dK/dV go home while the own blocks compute.
+        dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite)
+        d_received = _rows_first(dext.index_select(3, plan.received_at))
+        exchange = _Exchange(cfg.group, d_received, plan.recv_counts, plan.send_counts)
+        del d_received
+        dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, own, finite=finite,
+                                       into=(dq, dext))
         del ext
-        d_rows = _rows_first(dext)  # extended rows in global order
-        if plan.order is not None:  # back to [own rows | received rows]
-            unordered = torch.empty_like(d_rows)
-            unordered.index_copy_(0, plan.order, d_rows)
-            d_rows = unordered
-        own = d_rows[:seq].contiguous()
-        # The received rows' dK/dV go home; this rank's rows that others saw come back.
-        back = _all_to_all(cfg.group, d_rows[seq:], plan.recv_counts, plan.send_counts)
+        d_own = _rows_first(dext.index_select(3, plan.own_at)).contiguous()  # (seq_kv, 2, b, hkv, d)
+        del dext
+        back = exchange.result()  # this rank's rows that others saw: their dK/dV
         if back.shape[0]:
-            own.index_add_(0, torch.cat(plan.send_rows), back)
-        dkv = own.permute(1, 2, 3, 0, 4)  # (2, batch, heads_kv, seq_kv, head_dim)
+            d_own.index_add_(0, torch.cat(plan.send_rows), back)
+        dkv = d_own.permute(1, 2, 3, 0, 4)  # (2, batch, heads_kv, seq_kv, head_dim)
         return dq.to(query.dtype), dkv[0].to(dk_dtype), dkv[1].to(dv_dtype)
 
 

@@ -61,24 +61,26 @@ def _layout(name: str, spec: dict, seq: int, world: int) -> str:
     return registered
 
 
-def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, sinks: bool):
+def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, sinks: bool, nan_keys: tuple[int, ...] = ()):
     gen = torch.Generator().manual_seed(seq + heads_kv)
     q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     k, v = (torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    for key in nan_keys:
+        k[:, :, key, 0] = float("nan")
     dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     glse = torch.randn(BATCH, HEADS, seq, generator=gen, dtype=torch.float64)
     s = torch.randn(HEADS, generator=gen, dtype=torch.float64).float() if sinks else None
     return q, k, v, dout, glse, s
 
 
-def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad):
+def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad, nan_keys=(), op=None):
     import ring_impl
     from harness.accounting import CollectiveLog
     from ring_impl.masks import from_spec
 
     spec = _spec(name, seq)
     layout = _layout(layout_name, spec, seq, ctx.world_size)
-    q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks)
+    q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks, nan_keys)
     q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
     glse = ring_impl.shard(glse.unsqueeze(-1), ctx.world_size, ctx.rank, layout=layout).squeeze(-1)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -87,7 +89,8 @@ def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad):
     with CollectiveLog() as log:
         with log.phase("forward"):
             out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), sinks=s, layout=layout,
-                                                op="math" if dtype == torch.float64 else "cpu_flash", return_lse=True,
+                                                op=NanHidingMath() if op == "nan_hiding" else op or (
+                                                    "math" if dtype == torch.float64 else "cpu_flash"), return_lse=True,
                                                 sparse_kv=True)
         with log.phase("backward"):
             loss = (out * dout).sum()
@@ -169,6 +172,110 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(ring, name, world, 
             f"rank {rank}: forward {log['forward']}, the minimum is {sent} rows [{label}]")
         assert log["backward"]["all_to_all"]["bytes"] == received * row * acc, (
             f"rank {rank}: backward {log['backward']}, the minimum is {received} rows of dK/dV [{label}]")
+
+
+class NanHidingMath:
+    """The math op with every NaN in its results replaced by 0 (as kernels do for some inputs):
+    whatever NaN a path returns, its own propagation (ring_impl.nonfinite) put there."""
+
+    def __new__(cls):
+        from ring_impl.ops.math import MathOp
+
+        class Hiding(MathOp):
+            def forward(self, *args, **kwargs):
+                return tuple(t.nan_to_num(0.0) for t in super().forward(*args, **kwargs))
+
+            def backward(self, *args, **kwargs):
+                return tuple(t.nan_to_num(0.0) for t in super().backward(*args, **kwargs))
+
+        return Hiding()
+
+
+@pytest.mark.parametrize("nan_keys", [(8,), (30,)], ids=["sent", "kept"])
+@pytest.mark.parametrize("op", ["math", "nan_hiding"])
+def test_a_nan_key_reaches_the_rows_that_see_it_whether_sent_or_kept(ring, op, nan_keys) -> None:
+    """NaN in a key under ``head_tail`` at W=2: key 8 (rank 0) is in a document that crosses to
+    rank 1, so it travels in the gather; key 30 (rank 1) stays in its rank's own document. Exactly
+    the rows that see one (the oracle's dependency rule) get NaN outputs and LSEs; gradients are
+    NaN wherever the oracle's are (a superset, as the ring's: ring_impl.nonfinite). The own rows'
+    kernel calls run while the gathered rows travel, so each part must carry its own NaN check:
+    with a kernel that hides NaN, only that check puts them there."""
+    _skip_other_impls(ring)
+    import ring_impl
+
+    seq = 48
+    results = ring.rank_pool(2).run(_run, "documents", seq, torch.float64, "head_tail", 2, False, False, nan_keys,
+                                    op, timeout=60.0)
+    q, k, v, dout, _, _ = _inputs(seq, torch.float64, 2, False, nan_keys)
+    vis = visibility(_spec("documents", seq), seq, seq, batch=BATCH, heads=HEADS)
+    ref = attention_grads(q, k, v, dout, visible=vis)
+    for n in ("out", "lse", "dq", "dk", "dv"):
+        got = ring_impl.unshard([r[n] for r in results], layout="head_tail")
+        want_nan = torch.isnan(getattr(ref, n))
+        assert bool(want_nan.any()), n
+        shown = f"{n}: NaN at {torch.isnan(got).nonzero().tolist()[:6]} vs oracle {want_nan.nonzero().tolist()[:6]}"
+        if n in ("out", "lse"):
+            assert torch.equal(torch.isnan(got), want_nan), shown
+        else:
+            assert bool(torch.isnan(got)[want_nan].all()), shown
+
+
+def _events(ctx):
+    """Each phase's events in order: "s" the gather's all-to-all posted, "w" waited for, "k" a
+    kernel call."""
+    import ring_impl
+    from ring_impl import kv_gather
+    from ring_impl.masks import from_spec
+    from ring_impl.ops.cpu import CpuFlashOp
+
+    events: list[str] = []
+
+    class Recording(CpuFlashOp):
+        def forward(self, *args, **kwargs):
+            events.append("k")
+            return super().forward(*args, **kwargs)
+
+        def backward(self, *args, **kwargs):
+            events.append("k")
+            return super().backward(*args, **kwargs)
+
+    seq = 256 * ctx.world_size
+    ids = (torch.arange(seq) // 40).tolist()  # documents of 40 tokens: whole on a rank, or split between two
+    q, k, v = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail").requires_grad_(True)
+               for t in torch.randn(3, 1, 2, seq, 8, generator=torch.Generator().manual_seed(0)))
+    saved = kv_gather._Exchange.__init__, kv_gather._Exchange.result
+
+    def record(original, event):
+        def method(self, *args, **kwargs):
+            events.append(event)
+            return original(self, *args, **kwargs)
+        return method
+
+    kv_gather._Exchange.__init__, kv_gather._Exchange.result = (record(f, e) for f, e in zip(saved, "sw"))
+    try:
+        out = ring_impl.ring_attention(q, k, v, group=ctx.group, layout="head_tail", sparse_kv=True, op=Recording(),
+                                       mask=from_spec({"kind": "document", "doc_ids": ids, "causal": True}))
+        forward = "".join(events)
+        events.clear()
+        out.sum().backward()
+    finally:
+        kv_gather._Exchange.__init__, kv_gather._Exchange.result = saved
+    return forward, "".join(events)
+
+
+def test_the_gather_computes_the_own_rows_while_its_transfers_travel(ring) -> None:
+    """Forward, the calls on a rank's own rows alone run between posting the all-to-all and
+    waiting for it; backward, between posting the received rows' dK/dV and waiting for this
+    rank's own (the transfers' only overlap: there is no ring)."""
+    _skip_other_impls(ring)
+    for rank, phases in enumerate(ring.rank_pool(2).run(_events, timeout=60.0)):
+        for phase, events in zip(("forward", "backward"), phases):
+            assert events.count("s") == 1 and events.count("w") == 1, f"rank {rank}, {phase}: {events}"
+            between = events[events.index("s"):events.index("w")]
+            assert "k" in between, f"rank {rank}, {phase}: no kernel call while the transfer travels: {events}"
+            # forward, the calls on received rows once they are there; backward, those first
+            rest = events[events.index("w"):] if phase == "forward" else events[:events.index("s")]
+            assert "k" in rest, f"rank {rank}, {phase}: no kernel call on the received rows: {events}"
 
 
 def test_sparse_gather_sends_a_fraction_of_the_ring_for_documents() -> None:
