@@ -33,10 +33,12 @@ ops find the process groups by name). Anything else (a table over ``MAX_TABLE_BI
 subclass, an op object) runs eagerly inside the compiled region, a graph break
 (``MASKS_RUN_EAGERLY`` in :mod:`ring_impl.api`).
 
-A MaskMod's table is evaluated before the op, on every rank: a function that raises there on some
-ranks only (data that differs between ranks) raises on those, while the others wait in the op's
-cross-rank check (eagerly the check catches it; compiled it cannot, as the failure is outside
-the op).
+A MaskMod's table is evaluated before the op, on every rank, in the graph: a function failing there
+on some ranks' data only (an index out of range, an integer divided by zero) is evaluated under
+:class:`~ring_impl.mask_table.EvaluationGuard`, whose flag the op's checks turn into InputError on
+every rank; raised in the graph, it would leave the other ranks waiting in the op's cross-rank
+check. Other failures of the function when the graph runs (an assertion of its own) are not
+caught so.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from functools import lru_cache
 
 import torch
 
-from .mask_table import VisibilityTable, pack_visibility
+from .mask_table import EvaluationGuard, VisibilityTable, pack_visibility
 from .masks import And, Causal, ChunkedCausal, Documents, Full, MaskMod, Or, PrefixLM, SlidingWindow
 from .ring import RingAttention
 from .sinks import sinks_problem, with_sinks
@@ -144,11 +146,14 @@ def _structure(mask, tensors: list, grid: dict) -> str:
                 raise _NotLiteral("Documents ids that are not a tensor")
         return f"('documents', {ids[0]}, {ids[1]}, {_literal(mask.causal)})"
     if kind is MaskMod:
-        bits = pack_visibility(mask, **grid)
+        # Evaluated under the guard: a function failing on this rank's data (an index out of
+        # range) must not raise in the graph, where the other ranks would wait in the op's check.
+        guard = EvaluationGuard()
+        bits = pack_visibility(mask, guard=guard, **grid)
         if bits is None:
             raise _NotLiteral("a MaskMod table over MAX_TABLE_BITS, or not bool")
-        tensors.append(bits)
-        return f"('table', {len(tensors) - 1}, {_literal(grid['seq_kv'])})"
+        tensors.extend((bits, guard.failed))
+        return f"('table', {len(tensors) - 2}, {_literal(grid['seq_kv'])}, {len(tensors) - 1})"
     if kind is And or kind is Or:
         return (f"('{'and' if kind is And else 'or'}', {_structure(mask.a, tensors, grid)}, "
                 f"{_structure(mask.b, tensors, grid)})")
@@ -171,8 +176,8 @@ def _rebuild(structure, tensors):
         ids, kv_ids, causal = args
         return Documents(tensors[ids], causal, None if kv_ids is None else tensors[kv_ids])
     if kind == "table":
-        bits, seq_kv = args
-        return VisibilityTable(tensors[bits], seq_kv)
+        bits, seq_kv, failed = args
+        return VisibilityTable(tensors[bits], seq_kv, tensors[failed])
     a, b = (_rebuild(s, tensors) for s in args)
     return And(a, b) if kind == "and" else Or(a, b)
 

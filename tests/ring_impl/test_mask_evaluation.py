@@ -105,3 +105,66 @@ def test_the_backward_evaluates_no_mask_again(ring, how) -> None:
     _skip_other_impls(ring)
     for rank, r in enumerate(ring.rank_pool(2).run(_evaluations, how, timeout=120.0)):
         assert r["forward"] > 0 and r["all"] == r["forward"], f"{how}, rank {rank}: {r}"
+
+
+# --- compiled: the MaskMod's table is evaluated in the graph -------------------------------------
+
+
+def _compiled_call(ctx, backend: str, failure: str, corrupt_ranks: tuple[int, ...]):
+    """A good compiled call, the same graph with data that fails on ``corrupt_ranks`` (an index
+    out of range, or an integer divided by zero, at query BAD only), then a good call again."""
+    import ring_impl
+    from ring_impl import InputError
+    from ring_impl.masks import MaskMod
+
+    seq = SEQ_LOCAL * ctx.world_size
+    seen = torch.ones(seq, dtype=torch.bool)
+
+    def mask_for(corrupt: bool) -> MaskMod:
+        table, divisor = torch.arange(seq), torch.ones(seq, dtype=torch.int64)
+        if corrupt and failure == "index":
+            table[BAD] = 10**6
+        if corrupt and failure == "division":
+            divisor[BAD] = 0
+
+        def fn(b, h, q_idx, kv_idx):  # a new closure per mask, over its own tensors (graph inputs)
+            return (kv_idx <= q_idx) & seen[table[q_idx]] & ((q_idx // divisor[q_idx] + h) % 3 != 2)
+
+        return MaskMod(fn)
+
+    step = torch.compile(lambda q, k, v, mask: ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask),
+                         backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(ctx.rank)
+
+    def run(corrupt: bool) -> bool:
+        q, k, v = (torch.randn(1, 4, SEQ_LOCAL, 8, generator=gen).requires_grad_(True) for _ in range(3))
+        step(q, k, v, mask_for(corrupt)).sum().backward()
+        return bool(torch.isfinite(q.grad).all())
+
+    first = run(False)
+    try:
+        run(ctx.rank in corrupt_ranks)
+        refused = "no error"
+    except InputError as exc:
+        refused = str(exc)
+    except Exception as exc:  # a raw error: the failure raised in the graph
+        refused = f"RAW {type(exc).__name__}: {exc}"
+    return {"first": first, "refused": refused, "after": run(False)}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("failure", ["index", "division"])
+@pytest.mark.parametrize("corrupt_ranks", [(1,), (0, 1)], ids=["one_rank", "every_rank"])
+def test_a_compiled_mask_mod_failing_on_some_ranks_data_raises_on_every_rank(ring, backend, failure,
+                                                                              corrupt_ranks) -> None:
+    """Compiled, the table is evaluated in the graph, where a failure raised on one rank's data
+    left the others waiting in the op's cross-rank check. Evaluated under
+    ring_impl.mask_table.EvaluationGuard, it is refused with InputError on every rank, and the
+    same graph then runs good data."""
+    _skip_other_impls(ring)
+    runs = ring.rank_pool(2).run(_compiled_call, backend, failure, corrupt_ranks, timeout=240.0)
+    for rank, r in enumerate(runs):
+        assert r["first"] and r["after"], f"rank {rank}: the good calls: {r}"
+        assert "rejected their input" in r["refused"] or "cannot be evaluated" in r["refused"], f"rank {rank}: {r}"
+    for rank in corrupt_ranks:
+        assert "an index out of range or an integer divided by zero" in runs[rank]["refused"], runs[rank]

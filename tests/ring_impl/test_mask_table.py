@@ -87,3 +87,59 @@ def test_table_refuses_another_grid_and_the_limit_is_kept() -> None:
     assert "uint8" in VisibilityTable(bits.to(torch.int32), 16).check(16, 16)
     assert pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16 - 1) is None
     assert pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16) is not None
+
+
+# --- EvaluationGuard: failures on data recorded, not raised ---------------------------------------
+
+_T = torch.arange(10) * 3
+_M = torch.arange(24).view(2, 3, 4)
+
+#: name -> a function of integer tensors (i, d) that fails on data: an index ``i`` outside its dim,
+#: or a zero divisor ``d``
+_FORMS = {
+    "getitem": lambda i, d: _T[i],
+    "getitem_tuple": lambda i, d: _M[:, i % 3, i % 4 + (i >= 100).long() * 100],  # the last dim fails
+    "getitem_ellipsis": lambda i, d: _M[..., i],
+    "getitem_none": lambda i, d: _M[None, i % 2 + (i >= 100).long() * 100, :, 0],
+    "index_select": lambda i, d: torch.index_select(_T, 0, i),
+    "method_index_select": lambda i, d: _T.index_select(0, i),
+    "gather": lambda i, d: torch.gather(_M[0], 1, i.view(1, -1).expand(3, -1) % 4 + (i >= 100).long() * 100),
+    "take": lambda i, d: torch.take(_M, i),
+    "floordiv": lambda i, d: i // d,
+    "rfloordiv": lambda i, d: 7 // d,
+    "mod": lambda i, d: i % d,
+    "remainder": lambda i, d: torch.remainder(i, d),
+    "fmod": lambda i, d: torch.fmod(i, d),
+    "div_floor": lambda i, d: torch.div(i, d, rounding_mode="floor"),
+}
+_FAILS_ON = {"getitem": "index", "getitem_tuple": "index", "getitem_ellipsis": "index", "getitem_none": "index",
+             "index_select": "index", "method_index_select": "index", "gather": "index", "take": "index"}
+
+
+def _guarded(form: str, i: torch.Tensor, d: torch.Tensor):
+    from ring_impl.mask_table import EvaluationGuard
+
+    guard = EvaluationGuard()
+    with guard:
+        out = _FORMS[form](i, d)
+    return out, guard.failed
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("form", sorted(_FORMS))
+def test_the_guard_records_a_failure_on_data_instead_of_raising(form, compiled) -> None:
+    """In range, the guarded result is the plain one and the flag stays clear; out of range (an
+    index 100, a divisor 0) the plain call raises, the guarded one does not and sets the flag,
+    also traced by dynamo with fullgraph=True (as the compiled masked call traces a MaskMod)."""
+    if compiled:
+        torch._dynamo.reset()  # a graph per form: not the recompile limit of one function
+    fn = torch.compile(_guarded, backend="eager", fullgraph=True) if compiled else _guarded
+    good_i, good_d = torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3])
+    out, failed = fn(form, good_i, good_d)
+    assert torch.equal(out, _FORMS[form](good_i, good_d)) and not bool(failed), (out, failed)
+    bad_i, bad_d = (torch.tensor([0, 100, 2]), good_d) if _FAILS_ON.get(form) == "index" else (
+        good_i, torch.tensor([1, 0, 3]))
+    with pytest.raises((IndexError, RuntimeError)):
+        _FORMS[form](bad_i, bad_d)
+    _, failed = fn(form, bad_i, bad_d)
+    assert bool(failed), f"{form}: the failure was not recorded"
