@@ -220,12 +220,11 @@ class GatherPath:
         dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, own, finite=finite,
                                        into=(dq, dext))
         del ext
-        d_own = _rows_first(dext.index_select(3, plan.own_at)).contiguous()  # (seq_kv, 2, b, hkv, d)
+        dkv = dext.index_select(3, plan.own_at)  # (2, batch, heads_kv, seq_kv, head_dim)
         del dext
-        back = exchange.result()  # this rank's rows that others saw: their dK/dV
+        back = exchange.result()  # this rank's rows that others saw: their dK/dV, rows first
         if back.shape[0]:
-            d_own.index_add_(0, torch.cat(plan.send_rows), back)
-        dkv = d_own.permute(1, 2, 3, 0, 4)  # (2, batch, heads_kv, seq_kv, head_dim)
+            dkv.index_add_(3, torch.cat(plan.send_rows), back.permute(1, 2, 3, 0, 4))
         return dq.to(query.dtype), dkv[0].to(dk_dtype), dkv[1].to(dv_dtype)
 
 
