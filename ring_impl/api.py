@@ -37,10 +37,10 @@ def get_rotate_method() -> str:
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
     "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod whose bit table "
-    "on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS or that does not return bool, a Mask subclass or an op given as an "
-    "object (Python the compiled graph cannot carry), or mask values that are not plain ints/bools/tensors: "
+    "on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS or that does not return bool, a Mask subclass "
+    "(Python the compiled graph cannot carry), or mask values that are not plain ints/bools/tensors: "
     "its plan is data (the mask on global positions) that a graph could only bake in and serve stale. Built-in "
-    "masks and MaskMods (as a table of bits) with an op name run in the graph, every strategy "
+    "masks and MaskMods (as a table of bits), with any op, run in the graph, every strategy "
     "(ring_impl.compiled_masks). Compile without fullgraph=True, or call such masked attention outside the "
     "compiled region"
 )

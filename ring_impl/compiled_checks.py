@@ -20,9 +20,10 @@ is a custom op the graph keeps, run when the graph runs:
 
 Cost: one all-reduce per call, as eagerly, and a copy of query, key and value: within noise of
 the call without them (0.98x-0.99x, W=2, causal, seq 2048 and 8192, inductor, forward and
-backward). A call that cannot be described (an op object not registered by its name, a value
-that is not a plain literal) or that does not give tensors is traced without the check, as
-before (``CHECK_LEFT_OUT``); so is a call on a single rank, which has nothing to agree on.
+backward). A call that cannot be described (a value that is not a plain literal) or that does not
+give tensors is traced without the check, as before (``CHECK_LEFT_OUT``); so is a call on a
+single rank, which has nothing to agree on. An op object is carried by a key this process maps
+back to it (``ring_impl.compiled_masks._op_literal``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .validate import InputError
 __all__ = ["CHECK_LEFT_OUT", "checked_call"]
 
 #: When a compiled call runs without the cross-rank check (each rank still refuses its own bad input).
-CHECK_LEFT_OUT = ("an op object not registered by its name, an option that is not a plain literal, inputs that are not tensors, "
+CHECK_LEFT_OUT = ("an option that is not a plain literal, inputs that are not tensors, "
                   "or a single rank")
 
 

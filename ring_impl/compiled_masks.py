@@ -28,10 +28,10 @@ Runs in the graph: every built-in mask, and a :class:`~ring_impl.masks.MaskMod` 
 call's too), whose function the traced code runs on the global grid into a table of bits
 (:mod:`ring_impl.mask_table`: a function is Python the op could only find by identity, and a table
 is data), with every strategy and path (the ring, the halo exchange, the sparse gather, Ulysses,
-the hybrid: :func:`ring_impl.api.call_path`), an op given by name, and any ``group=`` form (the
-ops find the process groups by name). Anything else (a table over ``MAX_TABLE_BITS``, a Mask
-subclass, an op object) runs eagerly inside the compiled region, a graph break
-(``MASKS_RUN_EAGERLY`` in :mod:`ring_impl.api`).
+the hybrid: :func:`ring_impl.api.call_path`), an op given by name or as an object (carried by a
+key this process maps back to it), and any ``group=`` form (the ops find the process groups by
+name). Anything else (a table over ``MAX_TABLE_BITS``, a Mask subclass) runs eagerly inside the
+compiled region, a graph break (``MASKS_RUN_EAGERLY`` in :mod:`ring_impl.api`).
 
 A MaskMod's table is evaluated before the op, on every rank, in the graph: a function failing there
 on some ranks' data only (an index out of range, an integer divided by zero) is evaluated under
@@ -247,9 +247,28 @@ def describe_call(impl_name: str, query, key, *, group=None, mask=None, sinks=No
     return "{" + ", ".join(fields) + "}", tensors, world
 
 
+#: op objects compiled calls were given that are not registered by their name, by a key unique
+#: in this process (type and id). Held for the process's life, so an id a graph names is never
+#: reused by another object.
+_OP_OBJECTS: dict[str, object] = {}
+_OP_OBJECT = "__op_object__"
+
+
+@torch._dynamo.assume_constant_result
+def _op_object_key(op) -> str:
+    """``op``'s key in :data:`_OP_OBJECTS`, stored there. Run for real while dynamo traces (a
+    store traced as a side effect would be replayed only after the graph, whose ops need the
+    object), its key a constant of the graph, guarded on the object: another object retraces and
+    gets its own key."""
+    key = f"{type(op).__module__}.{type(op).__qualname__}@{id(op):x}"
+    _OP_OBJECTS[key] = op
+    return key
+
+
 def _op_literal(op) -> str:
-    """``op=`` as a literal: a name as given, and an op object by the name it is registered under
-    (the registered object itself: the op finds that same object by name)."""
+    """``op=`` as a literal: a name as given; an op object by the name it is registered under (the
+    registered object itself: the op finds that same object by name), or else by its key in
+    :data:`_OP_OBJECTS`."""
     if op is None or isinstance(op, str):
         return _literal(op)
     from .ops import available_ops, get_op
@@ -257,7 +276,7 @@ def _op_literal(op) -> str:
     name = getattr(op, "name", None)
     if isinstance(name, str) and name in available_ops() and get_op(name) is op:
         return _literal(name)
-    raise _NotLiteral(type(op).__name__)
+    return f"({_literal(_OP_OBJECT)}, {_literal(_op_object_key(op))})"
 
 
 def rebuild_call(call: str, mask_tensors) -> tuple[Callable, RingAttention, dict]:
@@ -271,6 +290,9 @@ def rebuild_call(call: str, mask_tensors) -> tuple[Callable, RingAttention, dict
     c["group"] = _group(c.pop("group"))
     c["algorithms"] = algorithms
     c.pop("lse_used")
+    op = c.get("op")
+    if isinstance(op, tuple) and len(op) == 2 and op[0] == _OP_OBJECT:
+        c["op"] = _OP_OBJECTS[op[1]]
     return call_path, impl, c
 
 

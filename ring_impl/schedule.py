@@ -22,7 +22,7 @@ With ``head_chunks = c`` the ring runs ``c`` times over groups of heads (:mod:`r
 every ring call count is multiplied by ``c`` and the bytes are unchanged (the chunks split
 ``heads_kv``). Every call adds the forward's cross-rank input check: all_reduce, 1 call (see
 :mod:`ring_impl.validate`; compiled, the op of :mod:`ring_impl.compiled_checks`, left out only for
-a call that cannot carry it: an op object that is not registered by its name).
+a call that cannot carry it: an option that is not a plain literal).
 ``W == 1`` issues no collective at all.
 
 A call the halo exchange serves (``mask=`` and ``rank=`` given; :mod:`ring_impl.halo`) has no

@@ -19,7 +19,17 @@ def _skip_other_impls(ring):
         pytest.skip(f"the compiled check is ring_impl's; the implementation under test is {ring.impl.spec}")
 
 
-def _compiled_refusal(ctx, case: str) -> dict:
+def _unregistered_op():
+    """A CPU flash op object registered under no name (a vendor's kernel, say)."""
+    from ring_impl.ops.cpu import CpuFlashOp
+
+    class VendorFlash(CpuFlashOp):
+        name = "vendor_flash_unregistered"
+
+    return VendorFlash()
+
+
+def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
     import ring_impl
 
     torch._dynamo.reset()
@@ -37,9 +47,11 @@ def _compiled_refusal(ctx, case: str) -> dict:
     elif case == "ulysses_head_dim_differs":
         good["strategy"] = bad["strategy"] = "ulysses"
 
+    op = _unregistered_op() if op_kind == "object" else None
+
     def attention(q, k, v, layout, scale, strategy):
         return ring_impl.ring_attention(q, k, v, group=ctx.group, layout=layout, scale=scale, strategy=strategy,
-                                        rotate_method="alltoall") * 2.0
+                                        rotate_method="alltoall", op=op) * 2.0
 
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
     result: dict = {}
@@ -63,11 +75,15 @@ def _compiled_refusal(ctx, case: str) -> dict:
     ("scales_differ", None, r"ranks disagree on scale"),
     ("ulysses_head_dim_differs", None, r"head_dim"),
 ])
-def test_compiled_call_refuses_bad_input_on_every_rank(ring, case, culprit, pattern) -> None:
+@pytest.mark.parametrize("op_kind", ["name", "object"])
+def test_compiled_call_refuses_bad_input_on_every_rank(ring, case, culprit, pattern, op_kind) -> None:
+    """``op_kind="object"``: an op object registered under no name, carried to the check op by a
+    key (before, such a call was traced without the check, and a rank refusing its own input
+    left the others in their ring collectives)."""
     _skip_other_impls(ring)
     import re
 
-    for rank, run in enumerate(ring.rank_pool(2).run(_compiled_refusal, case, timeout=120.0)):
+    for rank, run in enumerate(ring.rank_pool(2).run(_compiled_refusal, case, op_kind, timeout=120.0)):
         msg = run["bad"]
         assert msg.startswith("InputError"), f"rank {rank}: {msg}"
         want = pattern if culprit in (None, rank) else rf"rank {culprit} rejected their input"
