@@ -65,21 +65,21 @@ class GatherPlan:
     """What one rank sends and receives, and its kernel calls.
 
     ``send_rows[t]``: this rank's local key/value rows (ascending) that rank ``t``'s queries see
-    (empty for itself). ``recv_counts[s]``: rows received from rank ``s`` (0 for itself), in
-    rank order after this rank's own ``seq_kv`` rows in the extended block before ``order``.
-    ``order``: the permutation putting [own rows | received rows] in global position order, or
-    None when they already are. ``blocks``: local query rows x extended rows, those on this
-    rank's own rows alone first (``own_blocks`` of them: computed while the rows travel).
-    ``own_at``/``received_at``: the extended rows that hold the own and the received rows.
+    (empty for itself); ``send_index`` all of them, in rank order (what the all-to-all sends).
+    ``recv_counts[s]``: rows received from rank ``s`` (0 for itself), in rank order.
+    The extended block holds this rank's own rows and the received ones in global position
+    order: ``own_at``/``received_at`` are the extended rows that hold them. ``blocks``: local
+    query rows x extended rows, those on this rank's own rows alone first (``own_blocks`` of
+    them: computed while the rows travel).
     """
 
     send_rows: tuple[torch.Tensor, ...]
+    send_index: torch.Tensor
     recv_counts: tuple[int, ...]
-    order: torch.Tensor | None
     blocks: tuple[Block, ...]
-    own_blocks: int = 0
-    own_at: torch.Tensor | None = None
-    received_at: torch.Tensor | None = None
+    own_blocks: int
+    own_at: torch.Tensor
+    received_at: torch.Tensor
 
     @property
     def send_counts(self) -> tuple[int, ...]:
@@ -116,17 +116,16 @@ def gather_plan(mask, *, rank: int, world_size: int, layout: str, seq_q: int, se
         recv = tuple(empty if s == rank else _seen_rows(mask, q_pos[rank], kv_pos[s], batch, heads)
                      for s in range(world_size))
         ext_pos = torch.cat([kv_pos[rank]] + [kv_pos[s][recv[s]] for s in range(world_size)])
-        order = torch.argsort(ext_pos, stable=True)
-        identity = bool(torch.equal(order, torch.arange(order.numel())))
+        order = torch.argsort(ext_pos, stable=True)  # extended row -> its [own | received] row
         vis = visibility(mask, q_pos[rank], ext_pos[order], batch=batch, heads=heads)
-        blocks = visibility_blocks(vis, 0, rank, device)
         at = torch.argsort(order)  # [own | received] row -> its extended row
         own_row = order < seq_kv  # extended row -> whether it is one of this rank's own
-        own = tuple(b for b in blocks if bool(own_row[b.kv_rows[0]:b.kv_rows[1]].all()))
-        remote = tuple(b for b in blocks if not bool(own_row[b.kv_rows[0]:b.kv_rows[1]].all()))
-        return GatherPlan(send_rows=tuple(t.to(device) for t in send), recv_counts=tuple(int(t.numel()) for t in recv),
-                          order=None if identity else order.to(device), blocks=own + remote, own_blocks=len(own),
-                          own_at=at[:seq_kv].to(device), received_at=at[seq_kv:].to(device))
+        own, remote = [], []
+        for b in visibility_blocks(vis, 0, rank, device):
+            (own if bool(own_row[b.kv_rows[0]:b.kv_rows[1]].all()) else remote).append(b)
+        return GatherPlan(send_rows=tuple(t.to(device) for t in send), send_index=torch.cat(send).to(device),
+                          recv_counts=tuple(int(t.numel()) for t in recv), blocks=(*own, *remote),
+                          own_blocks=len(own), own_at=at[:seq_kv].to(device), received_at=at[seq_kv:].to(device))
 
     # The layouts' runs, not only its name: a layout registered again under the same name is replanned.
     key = ("gather", rank, world_size, layout, seq_q, seq_kv, batch, heads, str(device),
@@ -186,7 +185,7 @@ class GatherPath:
         cfg, impl, plan = self.cfg, self.impl, self.plan
         kv = impl.pack_kv(key, value)  # (2, batch, heads_kv, seq_kv, head_dim)
         rows = _rows_first(kv)
-        send = rows.index_select(0, torch.cat(plan.send_rows)) if sum(plan.send_counts) else rows[:0]
+        send = rows.index_select(0, plan.send_index)
         exchange = _Exchange(cfg.group, send, plan.send_counts, plan.recv_counts)
         del send, rows
         # The extended block (2, batch, heads_kv, extended, head_dim), rows in global order: the
@@ -224,7 +223,7 @@ class GatherPath:
         del dext
         back = exchange.result()  # this rank's rows that others saw: their dK/dV, rows first
         if back.shape[0]:
-            dkv.index_add_(3, torch.cat(plan.send_rows), back.permute(1, 2, 3, 0, 4))
+            dkv.index_add_(3, plan.send_index, back.permute(1, 2, 3, 0, 4))
         return dq.to(query.dtype), dkv[0].to(dk_dtype), dkv[1].to(dv_dtype)
 
 

@@ -145,13 +145,15 @@ def pack_visibility(mask: Mask, *, seq_q: int, seq_kv: int, batch: int, heads: i
     Runs on the host; traceable by dynamo (a plain function of the positions). With ``guard``,
     the mask is evaluated under it (:class:`EvaluationGuard`: failures on data are recorded in
     ``guard.failed`` instead of raised)."""
+    evaluating = guard if guard is not None else contextlib.nullcontext()
+
     def seen_by(q, kv):
-        with guard if guard is not None else contextlib.nullcontext():
+        with evaluating:
             return visibility(mask, q, kv, batch=batch, heads=heads)
 
     qs, ks = torch.arange(seq_q), torch.arange(seq_kv)
     first = torch.zeros(1, 1, 1, 1, dtype=torch.int64)
-    with guard if guard is not None else contextlib.nullcontext():
+    with evaluating:
         if torch.as_tensor(mask.visible(first, first, first, first)).dtype != torch.bool:
             return None
     corner = seen_by(qs[:1], ks[:1])

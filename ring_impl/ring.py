@@ -27,6 +27,7 @@ overrides (the project's meta-tests build deliberately broken rings this way).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -328,12 +329,9 @@ def backward_order(plans: list[StepPlan], own_first: bool) -> list[StepPlan]:
         return list(plans)
     if len(own.blocks) < 2:
         return list(plans) if own_first else [*others, own]
-    areas = [b.area for b in own.blocks]
-    half, done, cut = sum(areas) / 2, 0, 1
-    for i, a in enumerate(areas[:-1], start=1):  # the cut closest to half the area, both parts non-empty
-        done += a
-        if abs(done - half) <= abs(sum(areas[:cut]) - half):
-            cut = i
+    done = list(itertools.accumulate(b.area for b in own.blocks))  # area of the first i + 1 blocks
+    # the cut closest to half the area, both parts non-empty (the later on a tie)
+    cut = min(reversed(range(1, len(done))), key=lambda i: abs(done[i - 1] - done[-1] / 2))
     first = StepPlan(step=own.step, kv_rank=own.kv_rank, blocks=own.blocks[:cut])
     last = StepPlan(step=own.step, kv_rank=own.kv_rank, blocks=own.blocks[cut:])
     return [first, *others, last]
