@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CALL_COST", "Call", "call_cost_for", "split_visibility"]
+__all__ = ["CALL_COST", "Call", "Segment", "call_cost_for", "row_runs", "row_segments", "segments_from_bounds",
+           "split_visibility"]
 
 #: Score entries one kernel call costs beyond its area on CPU (forward + backward through the
 #: ring: slicing, the kernel's fixed cost, NaN propagation, the merge): about a 64 x 64 block,
@@ -65,7 +66,10 @@ def call_cost_for(device: torch.device | str | None) -> int:
 
 
 @dataclass
-class _Segment:
+class Segment:
+    """Rows ``r0 .. r1 - 1`` of a visibility. ``regular``: each row sees one interval of keys,
+    row ``r0 + t`` sees ``[lo + t * dlo, hi + t * dhi)``, ``(dlo, dhi)`` one of ``_SLOPES``."""
+
     r0: int
     r1: int
     lo: int  # interval of row r0 (regular); column bounds of the rows (irregular)
@@ -88,19 +92,40 @@ def _cost(calls, call_cost: int) -> float:
     return sum(call_cost + _area(kind, r1 - r0, c1 - c0) for kind, (r0, r1), (c0, c1) in calls)
 
 
-def _segments(seen: torch.Tensor, every: torch.Tensor | None) -> list[_Segment]:
-    """Row segments of ``seen`` (rows, cols); ``every``: visible for every batch/head (None: same as seen)."""
+def row_runs(seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every run of visible keys of every row: ``(row, lo, hi)`` int64 tensors, the run being
+    keys ``lo .. hi - 1`` of flattened row ``row`` of ``seen`` (..., rows, cols), in row order
+    and, within a row, in key order. Found from the row's change points alone (one comparison
+    and one nonzero over the block, not a reduction per statistic)."""
+    cols = seen.shape[-1]
+    flat = seen.reshape(-1, cols)
+    edge = torch.zeros(flat.shape[0], 1, dtype=torch.bool, device=seen.device)
+    padded = torch.cat([edge, flat, edge], 1)
+    at = (padded[:, 1:] != padded[:, :-1]).nonzero()  # per row: start, end, start, end ...
+    pairs = at.view(-1, 2, 2)
+    return pairs[:, 0, 0], pairs[:, 0, 1], pairs[:, 1, 1]
+
+
+def row_segments(seen: torch.Tensor, every: torch.Tensor | None) -> list[Segment]:
+    """Row segments of ``seen`` (rows, cols), in row order, rows that see nothing left out;
+    ``every``: visible for every batch/head (None: same as seen); a row where the two differ is
+    irregular."""
     rows, cols = seen.shape
-    idx = torch.arange(cols, device=seen.device)
-    lo = torch.where(seen, idx, cols).amin(1)
-    hi = torch.where(seen, idx + 1, 0).amax(1)
-    any_row = seen.any(1)
-    ok = any_row & (seen.sum(1) == hi - lo)
+    row, lo, hi = row_runs(seen)
+    count = torch.bincount(row, minlength=rows)
+    first = torch.full((rows,), cols, dtype=torch.int64, device=seen.device).scatter_reduce(0, row, lo, "amin")
+    last = torch.zeros(rows, dtype=torch.int64, device=seen.device).scatter_reduce(0, row, hi, "amax")
+    ok = count == 1
     if every is not None:
         ok &= (seen == every).all(1)
-    lo_l, hi_l, ok_l, any_l = lo.tolist(), hi.tolist(), ok.tolist(), any_row.tolist()
-    segs: list[_Segment] = []
-    for r in range(rows):
+    return segments_from_bounds(first.tolist(), last.tolist(), ok.tolist(), (count > 0).tolist())
+
+
+def segments_from_bounds(lo_l: list[int], hi_l: list[int], ok_l: list[bool], any_l: list[bool]) -> list[Segment]:
+    """Row segments from each row's key bounds ``[lo, hi)``, whether the row sees exactly that
+    interval (``ok``) and anything at all (``any``)."""
+    segs: list[Segment] = []
+    for r in range(len(lo_l)):
         if not any_l[r]:
             continue
         a, b = lo_l[r], hi_l[r]
@@ -115,15 +140,15 @@ def _segments(seen: torch.Tensor, every: torch.Tensor | None) -> list[_Segment]:
                 if n > 1 and a == last.lo + last.dlo * n and b == last.hi + last.dhi * n:
                     last.r1, last.c1 = r + 1, b
                     continue
-            segs.append(_Segment(r, r + 1, a, b, True, c0=a, c1=b))
+            segs.append(Segment(r, r + 1, a, b, True, c0=a, c1=b))
         elif last is not None and not last.regular:
             last.r1, last.c0, last.c1 = r + 1, min(last.c0, a), max(last.c1, b)
         else:
-            segs.append(_Segment(r, r + 1, a, b, False, c0=a, c1=b))
+            segs.append(Segment(r, r + 1, a, b, False, c0=a, c1=b))
     return segs
 
 
-def _segment_calls(s: _Segment, seen: torch.Tensor, call_cost: int, tile: int) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+def _segment_calls(s: Segment, seen: torch.Tensor, call_cost: int, tile: int) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
     """The calls of one segment (masked ones without their visibility yet)."""
     n = s.r1 - s.r0
     if (s.regular and (s.dlo, s.dhi) == (0, 0)) or (n == 1 and s.regular):
@@ -181,7 +206,7 @@ def split_visibility(vis: torch.Tensor, *, call_cost: int = CALL_COST, tile: int
     docstring), in row order; none when nothing is visible."""
     seen = vis.any(0).any(0)
     every = None if vis.shape[0] * vis.shape[1] == 1 else vis.all(0).all(0)
-    segs = _segments(seen, every)
+    segs = row_segments(seen, every)
     if not segs:
         return []
     own = [_segment_calls(s, seen, call_cost, tile) for s in segs]

@@ -5,6 +5,8 @@
 - :mod:`.math`: a pure-torch op in every dtype (float64 included) and device.
 - :mod:`.cpu`: CPU flash attention and CPU emulations of the CUDA kernels' LSE layouts.
 - :mod:`.cuda`: FlashAttention-2, memory-efficient and cuDNN attention.
+- :mod:`.varlen`: FlashAttention-2's varlen kernel for every block, a masked block's runs of rows
+  packed as sequences (:mod:`.varlen_emulation` emulates the kernel on CPU).
 - :mod:`.flex`: flex attention's forward (masks as its ``mask_mod``) with the math op's backward.
 - :mod:`.registry`: names accepted by ``op=`` and the choice of ``op="auto"``.
 - :mod:`.calls`: calling an op (GQA adaptation, the LSE's gradient).
@@ -25,8 +27,20 @@ from .contract import (
     default_scale,
     missing_members,
 )
-from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuEfficientMaskedLayoutOp, CpuFlashOp
-from .cuda import CudaCudnnOp, CudaEfficientMaskedOp, CudaEfficientOp, CudaFlashOp
+from .cpu import (
+    CpuCudnnLayoutOp,
+    CpuEfficientLayoutOp,
+    CpuEfficientMaskedLayoutOp,
+    CpuFlashOp,
+    CpuFlashVarlenLayoutOp,
+)
+from .cuda import (
+    CudaCudnnOp,
+    CudaEfficientMaskedOp,
+    CudaEfficientOp,
+    CudaFlashOp,
+    CudaFlashVarlenOp,
+)
 from .flex import FlexOp
 from .math import MathOp
 from .registry import available_ops, get_op, register_op, resolve_op, resolve_scale_and_op
@@ -39,10 +53,12 @@ __all__ = [
     "CpuEfficientLayoutOp",
     "CpuEfficientMaskedLayoutOp",
     "CpuFlashOp",
+    "CpuFlashVarlenLayoutOp",
     "CudaCudnnOp",
     "CudaEfficientMaskedOp",
     "CudaEfficientOp",
     "CudaFlashOp",
+    "CudaFlashVarlenOp",
     "FlexOp",
     "MathOp",
     "OpCapabilities",

@@ -9,8 +9,10 @@ import torch
 
 from .contract import OpCapabilities, accumulation_dtype
 from .cuda import BIAS_ALIGNMENT, additive_bias
+from .varlen import VarlenOp
+from .varlen_emulation import emulated_varlen_backward, emulated_varlen_forward
 
-__all__ = ["CpuCudnnLayoutOp", "CpuEfficientLayoutOp", "CpuEfficientMaskedLayoutOp", "CpuFlashOp"]
+__all__ = ["CpuCudnnLayoutOp", "CpuEfficientLayoutOp", "CpuEfficientMaskedLayoutOp", "CpuFlashOp", "CpuFlashVarlenLayoutOp"]
 
 
 class CpuFlashOp:
@@ -130,3 +132,20 @@ class CpuCudnnLayoutOp(CpuFlashOp):
     def forward(self, query, key, value, *, is_causal, scale):
         out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale)
         return out, lse.unsqueeze(-1)
+
+
+class CpuFlashVarlenLayoutOp(VarlenOp):
+    """``cuda_flash_varlen`` (ring_impl.ops.cuda) on CPU: the same packing (:class:`VarlenOp`),
+    with FlashAttention-2's varlen kernel emulated (:mod:`ring_impl.ops.varlen_emulation`: its
+    argument checks and bottom-right windows, evaluated with the math op). What it cannot
+    emulate is the CUDA kernel's own arithmetic. Every dtype, so float64 rings check the
+    packing at 1e-12."""
+
+    name = "cpu_flash_varlen_layout"
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), gqa=True, masks=True)
+
+    def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):
+        return emulated_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window=window)
+
+    def kernel_backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window):
+        return emulated_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale, window=window)

@@ -9,9 +9,10 @@ from dataclasses import replace
 import torch
 
 from .contract import OpCapabilities
+from .varlen import VarlenOp
 
-__all__ = ["BIAS_ALIGNMENT", "CudaCudnnOp", "CudaEfficientMaskedOp", "CudaEfficientOp", "CudaFlashOp", "additive_bias",
-           "in_efficient_order"]
+__all__ = ["BIAS_ALIGNMENT", "CudaCudnnOp", "CudaEfficientMaskedOp", "CudaEfficientOp", "CudaFlashOp", "CudaFlashVarlenOp",
+           "additive_bias", "in_efficient_order"]
 
 
 # The backward kernels take their dense (non-varlen, unbiased) path only when the cumulative
@@ -211,3 +212,44 @@ class CudaEfficientMaskedOp(CudaEfficientOp):
 
     name = "cuda_efficient_masked"
     capabilities = replace(CudaEfficientOp.capabilities, masks=True)
+
+
+class CudaFlashVarlenOp(VarlenOp):
+    """FlashAttention-2's varlen kernel (``aten._flash_attention_forward`` / ``_backward`` with
+    cumulative lengths, as ``torch.nn.attention.varlen`` calls them): every block as packed
+    sequences, a masked block's runs of rows as one sequence each, so a block of many short
+    documents is one call computing only what its queries see (:mod:`ring_impl.ops.varlen`).
+
+    NOT YET RUN ON A GPU: written without one. Opt in with ``op="cuda_flash_varlen"``; ``auto``
+    does not pick it. Verify on a GPU runner with ``pytest tests/ring_impl/test_cuda_kernels.py
+    --device cuda -k varlen`` and ``pytest suites/test_masks.py --device cuda --op
+    cuda_flash_varlen``. On CPU, ``cpu_flash_varlen_layout`` (ring_impl.ops.cpu) runs the same
+    packing with the kernel emulated (:mod:`ring_impl.ops.varlen_emulation`).
+    """
+
+    name = "cuda_flash_varlen"
+    capabilities = OpCapabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16, torch.float16}),
+        head_dims=(8, 256),
+        head_dim_multiple=8,
+        gqa=True,
+        masks=True,
+    )
+
+    def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window == (-1, 0), False,
+            scale=scale, window_size_left=window[0], window_size_right=window[1],
+        )
+        return out, lse
+
+    def kernel_backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window):
+        # No dropout: the kernel reads neither the RNG state nor the unused tensor.
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, window == (-1, 0),
+            rng_state, unused, scale=scale, window_size_left=window[0], window_size_right=window[1],
+        )
+        return dq, dk, dv

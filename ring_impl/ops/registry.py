@@ -7,8 +7,20 @@ from dataclasses import dataclass, field
 import torch
 
 from .contract import AttentionOp, default_scale, missing_members
-from .cpu import CpuCudnnLayoutOp, CpuEfficientLayoutOp, CpuEfficientMaskedLayoutOp, CpuFlashOp
-from .cuda import CudaCudnnOp, CudaEfficientMaskedOp, CudaEfficientOp, CudaFlashOp
+from .cpu import (
+    CpuCudnnLayoutOp,
+    CpuEfficientLayoutOp,
+    CpuEfficientMaskedLayoutOp,
+    CpuFlashOp,
+    CpuFlashVarlenLayoutOp,
+)
+from .cuda import (
+    CudaCudnnOp,
+    CudaEfficientMaskedOp,
+    CudaEfficientOp,
+    CudaFlashOp,
+    CudaFlashVarlenOp,
+)
 from .flex import FlexOp
 from .math import MathOp
 
@@ -82,8 +94,9 @@ def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.
 
 
 
-for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuEfficientMaskedLayoutOp(), CpuCudnnLayoutOp(), CudaFlashOp(),
-            CudaEfficientOp(), CudaEfficientMaskedOp(), CudaCudnnOp(), FlexOp()):
+for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuEfficientMaskedLayoutOp(), CpuCudnnLayoutOp(),
+            CpuFlashVarlenLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaEfficientMaskedOp(), CudaFlashVarlenOp(),
+            CudaCudnnOp(), FlexOp()):
     register_op(_op)
 
 def resolve_scale_and_op(query, scale, op, is_causal) -> tuple[float | None, AttentionOp | None, str | None]:

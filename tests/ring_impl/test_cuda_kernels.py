@@ -11,6 +11,10 @@ Each check here is a fault seen on an H100 (torch 2.11) that the ring's suites f
 - FlashAttention and cuDNN return inf/NaN for causal attention with scale <= 0, which their
   capabilities declare (so ``op="auto"`` and routed SDPA calls avoid them there).
 
+Checks of ops written without a GPU, not yet run on one: the masked memory-efficient op
+(``cuda_efficient_masked``) and the varlen flash op (``cuda_flash_varlen``, the bottom-right
+window rule it packs by included).
+
 Run: ``pytest tests/ring_impl/test_cuda_kernels.py --device cuda`` on a CUDA machine.
 """
 
@@ -140,3 +144,74 @@ def test_masked_efficient_op_against_float64(shape) -> None:
         for what, g, r in zip(("dq", "dk", "dv"), grads, want_grads):
             err = float((g.double() - r).abs().max())
             assert err < _bound(dtype), f"{dtype} {shape}: {what} err {err:.2e}"
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (3, 0), (2, -1), (1, 2)])
+def test_varlen_kernel_windows_match_the_emulated_rule(window) -> None:
+    """The rule ring_impl.ops.varlen packs by, on the kernel itself: each sequence's window
+    aligned to its bottom right, sequences with more and with fewer queries than keys (the
+    emulator's ``varlen_visibility``). Rows that see nothing are compared nowhere."""
+    from ring_impl.ops.varlen_emulation import varlen_visibility
+
+    op = get_op("cuda_flash_varlen")
+    len_q, len_k = [5, 1, 12, 7], [9, 4, 12, 3]
+    cu_q = torch.tensor([0, *len_q], device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *len_k], device="cuda").cumsum(0).to(torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, do = (torch.randn(sum(len_q), 4, 16, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(sum(len_k), 2, 16, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    vis = varlen_visibility(cu_q, cu_k, window)
+    heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do)]
+    want_out, want_lse, *want_grads, live = _masked_reference(*heads_first[:3], heads_first[3], vis, 0.25)
+    out, lse = op.kernel_forward(q, k, v, cu_q, cu_k, max(len_q), max(len_k), scale=0.25, window=window)
+    got_out, got_lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+    for what, got, want in (("out", got_out, want_out), ("lse", got_lse, want_lse)):
+        sel = live if what == "lse" else live.unsqueeze(-1).expand(want.shape)
+        err = float((got.double() - want)[sel].abs().max())
+        assert err < _bound(torch.bfloat16), f"window {window}: {what} err {err:.2e}"
+    ring_out = torch.where(live.unsqueeze(-1), want_out, 0.0)[0].transpose(0, 1).to(torch.bfloat16).contiguous()
+    ring_lse = torch.where(live, want_lse, 0.0)[0].float().contiguous()
+    grads = op.kernel_backward(do * live[0].T.unsqueeze(-1), q, k, v, ring_out, ring_lse, cu_q, cu_k, max(len_q), max(len_k),
+                               scale=0.25, window=window)
+    dk_ref, dv_ref = (g.reshape(1, 2, 2, -1, 16).sum(2) for g in want_grads[1:])  # GQA: sum each kv head's group
+    for what, g, r in zip(("dq", "dk", "dv"), grads, (want_grads[0], dk_ref, dv_ref)):
+        err = float((g.transpose(0, 1).unsqueeze(0).double() - r).abs().max())
+        assert err < _bound(torch.bfloat16), f"window {window}: {what} err {err:.2e}"
+
+
+@pytest.mark.parametrize("mask", ["documents", "sink_and_window", "per_batch", "unmasked_causal"])
+def test_varlen_op_against_float64(mask) -> None:
+    """cuda_flash_varlen (written without a GPU) on blocks as the ring gives them: packed
+    documents, sink tokens with a window (two layers), a visibility per batch element, GQA, rows
+    that see nothing."""
+    b, h, hkv, s = 2, 4, 2, 96
+    op = get_op("cuda_flash_varlen")
+    i, j = torch.arange(s, device="cuda").view(-1, 1), torch.arange(s, device="cuda").view(1, -1)
+    doc = i * 7 // s
+    visible = {
+        "documents": ((doc == doc.T) & (j <= i)).view(1, 1, s, s),
+        "sink_and_window": ((j <= i) & ((j < 4) | (i - j < 9))).view(1, 1, s, s),
+        "per_batch": torch.stack([(doc == doc.T) & (j <= i), (j <= i) & (i - j < 5)]).unsqueeze(1),
+        "unmasked_causal": None,
+    }[mask]
+    if visible is not None:
+        visible = visible.clone()
+        visible[..., 10, :] = False
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, do = (torch.randn(b, h, s, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, hkv, s, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    ref_vis = visible if visible is not None else (j <= i).view(1, 1, s, s)
+    want_out, want_lse, *want_grads, live = _masked_reference(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do, ref_vis, 0.125)
+    out, lse = op.forward(q, k, v, is_causal=visible is None, scale=0.125, attn_mask=visible)
+    for what, got, want in (("out", out, want_out), ("lse", lse, want_lse)):
+        sel = live if what == "lse" else live.unsqueeze(-1).expand(want.shape)
+        err = float((got.double() - want)[sel].abs().max())
+        assert err < _bound(torch.bfloat16), f"{mask}: {what} err {err:.2e}"
+    ring_lse = torch.where(live, want_lse, 0.0).float()
+    grads = op.backward(do * live.unsqueeze(-1), q, k, v, want_out.to(torch.bfloat16), ring_lse, is_causal=visible is None,
+                        scale=0.125, attn_mask=visible)
+    dk_ref, dv_ref = (g.reshape(b, hkv, 2, s, 64).sum(2) for g in want_grads[1:])
+    for what, g, r in zip(("dq", "dk", "dv"), grads, (want_grads[0], dk_ref, dv_ref)):
+        err = float((g.double() - r).abs().max())
+        assert err < _bound(torch.bfloat16), f"{mask}: {what} err {err:.2e}"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
-from reference import attention_grads
-from reference.budget import assert_close, error_scales
+
+from .oracle import assert_ring_matches_oracle
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -68,21 +68,11 @@ def _skip_other_impls(ring):
 ])
 def test_flex_call_under_a_route_matches_the_oracle(ring, world, layout, dtype, via_module) -> None:
     _skip_other_impls(ring)
-    import ring_impl
-
     results = ring.rank_pool(world).run(_run, layout, dtype, via_module, timeout=120.0)
     assert all(r["restored"] for r in results), "flex_attention was not put back when the route ended"
     seq = DOC_IDS.numel()
-    q, k, v, dout = _inputs(seq, dtype)
-    vis = _oracle_visibility(seq)
-    ref = attention_grads(q, k, v, dout, visible=vis)
-    scales = error_scales(q, k, v, dout, visible=vis)
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
-        result_dtype = torch.float32 if n == "lse" and dtype != torch.float64 else dtype
-        want = getattr(ref, n)
-        assert_close(f"{n} [flex routed, W={world}, {layout}]", got, want, want.to(result_dtype), world_size=world,
-                     dtype=dtype, result_dtype=result_dtype, scales=scales[n])
+    assert_ring_matches_oracle(f"flex routed, W={world}, {layout}", results, _inputs(seq, dtype), _oracle_visibility(seq),
+                               layout=layout, world_size=world, dtype=dtype)
 
 
 def _refused(ctx, kind, compiled):

@@ -123,22 +123,13 @@ def _ring_with_the_emulation(ctx, dtype):
 def test_ring_with_the_emulated_masked_op_matches_the_oracle(ring, dtype) -> None:
     """The ring hands masked blocks to an op that declares masks and a padded LSE: out, LSE,
     dQ, dK, dV against the float64 oracle at W=2 (head_tail, GQA, a head-dependent mask)."""
-    import ring_impl
     from conformance.implementation import DEFAULT_IMPL_SPEC
-    from reference import attention_grads
-    from reference.budget import assert_close, error_scales
+
+    from .oracle import assert_ring_matches_oracle
 
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"the emulated op is ring_impl's; the implementation under test is {ring.impl.spec}")
     results = ring.rank_pool(2).run(_ring_with_the_emulation, dtype, timeout=120.0)
     assert all(r["masked"] > 0 for r in results), [r["masked"] for r in results]
-    q, k, v, dout = _inputs(dtype)
-    vis = _oracle_visibility()
-    ref = attention_grads(q, k, v, dout, visible=vis)
-    scales = error_scales(q, k, v, dout, visible=vis)
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout="head_tail").to(torch.float64)
-        result_dtype = torch.float32 if n == "lse" and dtype != torch.float64 else dtype
-        want = getattr(ref, n)
-        assert_close(f"{n} [cpu_efficient_masked_layout, W=2, head_tail]", got, want, want.to(result_dtype),
-                     world_size=2, dtype=dtype, result_dtype=result_dtype, scales=scales[n])
+    assert_ring_matches_oracle("cpu_efficient_masked_layout, W=2, head_tail", results, _inputs(dtype), _oracle_visibility(),
+                               layout="head_tail", world_size=2, dtype=dtype)
