@@ -70,8 +70,8 @@ class VarlenCall:
     flattened ``(batch * cols)`` keys, under ``window``.
 
     q_index, k_index: (total,) int64 on the device, or None for every row in order. Query rows
-    of one call (and of all calls of a plan) are disjoint; key rows may repeat (two runs seeing
-    the same keys), so key gradients are added, never copied.
+    of one call are distinct (a row is in one call per run of keys it sees: its layers); key
+    rows may repeat (two runs seeing the same keys), so gradients are added, never copied.
     cu_q, cu_k: (sequences + 1,) int32 on the device. max_q, max_k: the longest sequence.
     """
 
