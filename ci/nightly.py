@@ -46,6 +46,9 @@ def jobs(cuda: bool) -> list[Job]:
         Job("ring_impl-op-math", ("--op", "math", "--world-sizes", "1,2,4")),
         Job("ring_impl-op-efficient-layout", ("--op", "cpu_efficient_layout", "--world-sizes", "2,3,4")),
         Job("ring_impl-op-cudnn-layout", ("--op", "cpu_cudnn_layout", "--world-sizes", "2,3,4")),
+        # The CPU stand-ins of the masked CUDA ops: their bias and packing on every suite.
+        Job("ring_impl-op-efficient-masked-layout", ("--op", "cpu_efficient_masked_layout", "--world-sizes", "2,3,4")),
+        Job("ring_impl-op-flash-varlen-layout", ("--op", "cpu_flash_varlen_layout", "--world-sizes", "2,3,4")),
         Job("ring_impl-W5-8", ("--tier", "nightly", "--world-sizes", "5,6,7,8", "-k", "forward_backward or collectives")),
         Job("torch_cp-quick", ("--impl", torch_cp, "--vendor-file", str(ROOT / "ci" / "vendor" / "torch_cp.txt")), informational=True),
         Job("project-tests", ("--tier", "nightly"), paths=("tests", "meta_tests")),
@@ -56,6 +59,9 @@ def jobs(cuda: bool) -> list[Job]:
             Job("cuda-op-flash", ("--device", "cuda", "--op", "cuda_flash")),
             Job("cuda-op-efficient", ("--device", "cuda", "--op", "cuda_efficient")),
             Job("cuda-op-cudnn", ("--device", "cuda", "--op", "cudnn")),
+            # Written without a GPU: informational until a GPU run has them green.
+            Job("cuda-op-efficient-masked", ("--device", "cuda", "--op", "cuda_efficient_masked"), informational=True),
+            Job("cuda-op-flash-varlen", ("--device", "cuda", "--op", "cuda_flash_varlen"), informational=True),
             Job("cuda-torch_cp", ("--device", "cuda", "--impl", torch_cp), informational=True),
         ]
     return out

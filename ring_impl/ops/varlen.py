@@ -73,6 +73,7 @@ class VarlenCall:
     of one call are distinct (a row is in one call per run of keys it sees: its layers); key
     rows may repeat (two runs seeing the same keys), so gradients are added, never copied.
     cu_q, cu_k: (sequences + 1,) int32 on the device. max_q, max_k: the longest sequence.
+    layer: which run of its rows' keys the call holds (0: the first; later layers merge into it).
     """
 
     window: tuple[int, int]
@@ -82,6 +83,7 @@ class VarlenCall:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    layer: int = 0
 
     @property
     def sequences(self) -> int:
@@ -164,19 +166,19 @@ def varlen_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
             bounds.append(([0] * (nb * rows), [0] * (nb * rows), [False] * (nb * rows)))
         bounds[k][0][e_r], bounds[k][1][e_r], bounds[k][2][e_r] = a, b, True
     calls = []
-    for lo_k, hi_k, live_k in bounds:
+    for layer, (lo_k, hi_k, live_k) in enumerate(bounds):
         per_batch = [_runs(lo_k[e * rows:(e + 1) * rows], hi_k[e * rows:(e + 1) * rows], live_k[e * rows:(e + 1) * rows])
                      for e in range(nb)]
         groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
         for e in range(batch):
             for r0, r1, c0, c1, window in per_batch[e if nb > 1 else 0]:
                 groups.setdefault(window, []).append((e * rows + r0, e * rows + r1, e * cols + c0, e * cols + c1))
-        calls.extend(_call(window, runs, batch * rows, batch * cols, device) for window, runs in groups.items())
+        calls.extend(_call(window, runs, batch * rows, batch * cols, device, layer) for window, runs in groups.items())
     return VarlenPlan(tuple(calls), to_math.nonzero().flatten() if bool(to_math.any()) else None)
 
 
 def _call(window: tuple[int, int], runs: list[tuple[int, int, int, int]], q_total: int, k_total: int,
-          device: torch.device) -> VarlenCall:
+          device: torch.device, layer: int) -> VarlenCall:
     """One call of ``runs`` ((q0, q1, k0, k1) on the flattened rows) under ``window``."""
     q_rows, q_all = _index([(a, b) for a, b, _, _ in runs], q_total)
     k_rows, k_all = _index([(c, d) for _, _, c, d in runs], k_total)
@@ -187,7 +189,7 @@ def _call(window: tuple[int, int], runs: list[tuple[int, int, int, int]], q_tota
         window,
         None if q_all else torch.tensor(q_rows, dtype=torch.int64, device=device),
         None if k_all else torch.tensor(k_rows, dtype=torch.int64, device=device),
-        cu[:, 0].contiguous().to(device), cu[:, 1].contiguous().to(device), max(q_len), max(k_len),
+        cu[:, 0].contiguous().to(device), cu[:, 1].contiguous().to(device), max(q_len), max(k_len), layer,
     )
 
 
@@ -220,11 +222,22 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(b * s, h, d)
 
 
+def _write_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None, o: torch.Tensor,
+                l_: torch.Tensor) -> None:
+    """Write a call's (o (n, heads, d), l_ (heads, n)) into rows ``index`` of ``out`` / ``lse``."""
+    if index is None:
+        out.copy_(o)
+        lse.copy_(l_)
+    else:
+        out.index_copy_(0, index, o.to(out.dtype))
+        lse.index_copy_(1, index, l_.to(lse.dtype))
+
+
 def _merge_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None, o: torch.Tensor,
                 l_: torch.Tensor) -> None:
     """Merge a call's (o (n, heads, d), l_ (heads, n)) into rows ``index`` of ``out`` (rows,
     heads, d) / ``lse`` (heads, rows), in place: softmax over the union of the keys. A row not
-    computed before has LSE -inf and out 0, and takes the call's values exactly."""
+    computed before has LSE -inf and out 0, and takes the call's values."""
     old_o = out if index is None else out.index_select(0, index)
     old_l = lse if index is None else lse.index_select(1, index)
     new_l = torch.logaddexp(old_l, l_)
@@ -288,7 +301,10 @@ class VarlenOp:
         for c in plan.calls:
             o, l_ = self.kernel_forward(_take(q, c.q_index), _take(k, c.k_index), _take(v, c.k_index), c.cu_q, c.cu_k,
                                         c.max_q, c.max_k, scale=scale, window=c.window)
-            _merge_rows(out, lse, c.q_index, o.to(acc), l_.to(acc))
+            if c.layer == 0:  # the rows' first results: written, not merged
+                _write_rows(out, lse, c.q_index, o, l_)
+            else:
+                _merge_rows(out, lse, c.q_index, o.to(acc), l_.to(acc))
         out = out.view(b, rows, h, d).transpose(1, 2)
         lse = lse.view(h, b, rows).transpose(0, 1)
         if plan.math_rows is not None:

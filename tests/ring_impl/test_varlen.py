@@ -101,6 +101,17 @@ def _shown(plan, vis: torch.Tensor, batch: int) -> torch.Tensor:
         local = varlen_visibility(c.cu_q, c.cu_k, c.window).to(torch.int64)
         count.index_put_((qi.view(-1, 1).expand_as(local), ki.view(1, -1).expand_as(local)), local, accumulate=True)
     assert int(q_seen.max()) <= MAX_LAYERS, "a query row in more calls than layers"
+    # The forward writes layer 0 and merges later layers into it: each row once in layer 0 and
+    # before any later layer.
+    assert [c.layer for c in plan.calls] == sorted(c.layer for c in plan.calls), "calls out of layer order"
+    first = torch.zeros(batch * rows, dtype=torch.int64)
+    for c in plan.calls:
+        qi = torch.arange(batch * rows) if c.q_index is None else c.q_index
+        if c.layer == 0:
+            first[qi] += 1
+        else:
+            assert bool((first[qi] == 1).all()), f"a layer-{c.layer} row has no first-layer call"
+    assert int(first.max()) <= 1, "a row written by two first-layer calls"
     shown = torch.stack([count[e * rows:(e + 1) * rows, e * cols:(e + 1) * cols] for e in range(batch)])
     off_diagonal = count.sum() - shown.sum()
     assert int(off_diagonal) == 0, "a call shows a query another batch element's key"
