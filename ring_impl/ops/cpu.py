@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -74,10 +75,12 @@ def _garbage_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     """Plausible-looking but wrong LSE values, like uninitialised kernel memory.
 
     Finite and large, so an implementation that forgets to trim is caught by the numbers rather
-    than by a NaN check it might happen to have.
+    than by a NaN check it might happen to have. A fixed low-discrepancy sequence in [-1e4, 1e4)
+    rather than a seeded generator: dynamo cannot trace a Generator made inside the compiled
+    ring ("An opaque object was created in the middle of the program").
     """
-    gen = torch.Generator(device="cpu").manual_seed(0x5EED)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * 1e4).to(dtype=dtype, device=device)
+    n = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64, device=device).reshape(shape)
+    return ((n * 0.6180339887498949 + 0.5) % 1.0 * 2e4 - 1e4).to(dtype)
 
 
 class CpuEfficientLayoutOp(CpuFlashOp):
