@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..merge import merge_into
 from ..tiling import row_runs, segments_from_bounds
 from .contract import OpCapabilities, accumulation_dtype
 from .math import MathOp
@@ -200,11 +201,11 @@ _PLANS_KEPT = 256
 
 
 def _masked_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
-    hit = _PLANS.get(id(vis))
+    key = id(vis)
+    hit = _PLANS.get(key)
     if hit is not None and hit[0]() is vis and hit[1] == batch:
         return hit[2]
     plan = varlen_plan(vis, batch)
-    key = id(vis)
 
     def forget(ref: weakref.ref) -> None:  # the plan's index tensors go with their visibility
         if key in _PLANS and _PLANS[key][0] is ref:
@@ -222,32 +223,24 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(b * s, h, d)
 
 
-def _write_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None, o: torch.Tensor,
-                l_: torch.Tensor) -> None:
-    """Write a call's (o (n, heads, d), l_ (heads, n)) into rows ``index`` of ``out`` / ``lse``."""
+def _into_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None, o: torch.Tensor,
+               l_: torch.Tensor, *, merge: bool) -> None:
+    """A call's (o (n, heads, d), l_ (heads, n)) into rows ``index`` (None: all, in order) of
+    ``out`` (rows, heads, d) / ``lse`` (heads, rows): written (the rows' first layer) or merged
+    with what is there by LSE (:func:`ring_impl.merge.merge_into`, the ring's own merge)."""
+    if merge:
+        cur_o = out if index is None else out.index_select(0, index)
+        cur_l = lse if index is None else lse.index_select(1, index)
+        merge_into(cur_o.transpose(0, 1), cur_l, o.transpose(0, 1), l_)  # in place on the rows
+        if index is None:
+            return
+        o, l_ = cur_o, cur_l
     if index is None:
         out.copy_(o)
         lse.copy_(l_)
     else:
         out.index_copy_(0, index, o.to(out.dtype))
         lse.index_copy_(1, index, l_.to(lse.dtype))
-
-
-def _merge_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None, o: torch.Tensor,
-                l_: torch.Tensor) -> None:
-    """Merge a call's (o (n, heads, d), l_ (heads, n)) into rows ``index`` of ``out`` (rows,
-    heads, d) / ``lse`` (heads, rows), in place: softmax over the union of the keys. A row not
-    computed before has LSE -inf and out 0, and takes the call's values."""
-    old_o = out if index is None else out.index_select(0, index)
-    old_l = lse if index is None else lse.index_select(1, index)
-    new_l = torch.logaddexp(old_l, l_)
-    new_o = old_o * torch.exp(old_l - new_l).T.unsqueeze(-1) + o * torch.exp(l_ - new_l).T.unsqueeze(-1)
-    if index is None:
-        out.copy_(new_o)
-        lse.copy_(new_l)
-    else:
-        out.index_copy_(0, index, new_o)
-        lse.index_copy_(1, index, new_l)
 
 
 def _take(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -301,10 +294,7 @@ class VarlenOp:
         for c in plan.calls:
             o, l_ = self.kernel_forward(_take(q, c.q_index), _take(k, c.k_index), _take(v, c.k_index), c.cu_q, c.cu_k,
                                         c.max_q, c.max_k, scale=scale, window=c.window)
-            if c.layer == 0:  # the rows' first results: written, not merged
-                _write_rows(out, lse, c.q_index, o, l_)
-            else:
-                _merge_rows(out, lse, c.q_index, o.to(acc), l_.to(acc))
+            _into_rows(out, lse, c.q_index, o, l_, merge=c.layer > 0)
         out = out.view(b, rows, h, d).transpose(1, 2)
         lse = lse.view(h, b, rows).transpose(0, 1)
         if plan.math_rows is not None:

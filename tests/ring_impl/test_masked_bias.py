@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ring_impl.ops import MathOp, get_op
+from ring_impl.ops import get_op
 from ring_impl.ops.cpu import _checked_bias
 from ring_impl.ops.cuda import BIAS_ALIGNMENT, additive_bias
+
+from .oracle import assert_masked_op_matches_math, assert_ring_matches_oracle
 
 
 @pytest.mark.parametrize("shape,mask_dims", [((1, 2, 6, 40), (1, 1)), ((2, 4, 40, 6), (2, 4)), ((2, 2, 17, 33), (2, 1)),
@@ -51,21 +53,11 @@ def test_emulated_masked_efficient_op_equals_math(dtype, shape, mask_dims) -> No
     k, v = (torch.randn(b, h, sk, 8, dtype=dtype, generator=gen) for _ in range(2))
     visible = torch.rand(*mask_dims, sq, sk, generator=gen) < 0.5
     visible[..., 1, :] = False
-    op, math = get_op("cpu_efficient_masked_layout"), MathOp()
+    op = get_op("cpu_efficient_masked_layout")
     assert op.capabilities.masks and op.capabilities.lse_layout == "bhs_padded32"
-    out, lse = op.forward(q, k, v, is_causal=False, scale=0.3, attn_mask=visible)
-    want_out, want_lse = math.forward(q, k, v, is_causal=False, scale=0.3, attn_mask=visible)
-    live = visible.any(-1).expand(b, h, sq)
-    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    lse = assert_masked_op_matches_math(op, q, k, v, do, visible, scale=0.3,
+                                        tol=1e-12 if dtype == torch.float64 else 2e-6)
     assert lse.shape[-1] == -(-sq // 32) * 32
-    assert torch.allclose(out[live], want_out[live], atol=tol, rtol=0)
-    assert torch.allclose(lse[..., :sq][live], want_lse[live].to(lse.dtype), atol=tol, rtol=0)
-    ring_lse, ring_out = torch.where(live, want_lse, 0.0), torch.where(live.unsqueeze(-1), want_out, 0.0)  # as merged
-    grad_out = do * live.unsqueeze(-1)
-    got = op.backward(grad_out, q, k, v, ring_out, ring_lse, is_causal=False, scale=0.3, attn_mask=visible)
-    want = math.backward(grad_out, q, k, v, ring_out, ring_lse, is_causal=False, scale=0.3, attn_mask=visible)
-    for what, g, w in zip(("dq", "dk", "dv"), got, want):
-        assert torch.allclose(g, w, atol=tol, rtol=0), f"{what}: {(g - w).abs().max():.2e}"
 
 
 def test_auto_never_picks_the_unverified_op() -> None:
@@ -124,8 +116,6 @@ def test_ring_with_the_emulated_masked_op_matches_the_oracle(ring, dtype) -> Non
     """The ring hands masked blocks to an op that declares masks and a padded LSE: out, LSE,
     dQ, dK, dV against the float64 oracle at W=2 (head_tail, GQA, a head-dependent mask)."""
     from conformance.implementation import DEFAULT_IMPL_SPEC
-
-    from .oracle import assert_ring_matches_oracle
 
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"the emulated op is ring_impl's; the implementation under test is {ring.impl.spec}")
