@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
-from .ring import RingAttention, RingConfig
+from .ring import RingAttention, RingConfig, block_rows, row_views
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
 
@@ -185,10 +185,6 @@ def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | N
     return cached_by_mask(cfg.mask, key, build, memo=cfg.plan_memo)
 
 
-def _rows(t: torch.Tensor, rows: tuple[int, int], dim: int = 2) -> torch.Tensor:
-    return t.narrow(dim, rows[0], rows[1] - rows[0]).contiguous()
-
-
 def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, ext: torch.Tensor,
                      blocks: tuple[Block, ...], *, finite: bool | None = None,
                      into: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -211,9 +207,11 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
         out, lse = into
     if finite is None:
         finite = bool(blocks) and impl.all_finite(query, ext)
+    view = row_views(cfg.op)
     for block in blocks:
         (q0, q1) = block.q_rows
-        q, k, v = _rows(query, block.q_rows), _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
+        q, k, v = (block_rows(query, block.q_rows, view), block_rows(ext[0], block.kv_rows, view),
+                   block_rows(ext[1], block.kv_rows, view))
         block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
         if not finite:
             block_out, block_lse = impl.nonfinite_forward(block_out, block_lse, q, k, v, block)
@@ -238,11 +236,12 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
         dq, dkv = into
     if finite is None:
         finite = bool(blocks) and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
+    view = row_views(cfg.op)
     for block in blocks:
         (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
-        extra = {} if grad_lse is None else {"grad_lse": _rows(grad_lse, block.q_rows)}
-        do_, q_, o_, l_ = (_rows(t, block.q_rows) for t in (grad_out, query, out, lse))
-        k_, v_ = _rows(ext[0], block.kv_rows), _rows(ext[1], block.kv_rows)
+        extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
+        do_, q_, o_, l_ = (block_rows(t, block.q_rows, view) for t in (grad_out, query, out, lse))
+        k_, v_ = block_rows(ext[0], block.kv_rows, view), block_rows(ext[1], block.kv_rows, view)
         bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
         if not finite:
             bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block)

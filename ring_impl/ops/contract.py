@@ -18,6 +18,11 @@ head_dim)``. Ops that declare ``gqa=False`` always receive ``heads_kv == heads``
 :func:`ring_impl.ops.call_forward` / :func:`ring_impl.ops.call_backward` expand and reduce key/value heads for them, so only
 ``heads_kv`` heads ever travel around the ring.
 
+Memory order: the ring hands an op contiguous tensors, unless the op declares
+``capabilities.row_views``: then query/key/value/grad_out/out/LSE may be views of a range of rows
+(the sequence dim) of a larger tensor, with any batch, head and sequence strides and a unit
+head-dim stride, which saves a copy of every input of every kernel call.
+
 ``is_causal`` is top-left aligned as in ``torch.nn.functional.scaled_dot_product_attention``
 (query i sees key j iff j <= i); the ring only asks for it on blocks with ``seq_q == seq_k``.
 """
@@ -75,6 +80,10 @@ class OpCapabilities:
     #: (batch, heads, rows, cols), True where a query sees a key (a block of a masked step).
     #: Ops without it run masked blocks with the math op.
     masks: bool = False
+    #: forward and backward read strided views: rows [a, b) of the sequence dim of a larger
+    #: tensor (any batch/head/sequence strides, unit head-dim stride) instead of a contiguous copy.
+    #: An op whose kernel reads memory in a fixed order whatever the strides must not declare it.
+    row_views: bool = False
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                     scale: float | None = None, is_causal: bool = False) -> str | None:

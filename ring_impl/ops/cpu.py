@@ -23,7 +23,11 @@ class CpuFlashOp:
     """
 
     name = "cpu_flash"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True)
+    # row_views: the kernel honours every stride but the head dim's (_dense_head_dim); its outputs,
+    # LSE and gradients on row views were checked bit-identical to those on contiguous copies
+    # (tests/ring_impl/test_row_views.py)
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True,
+                                  row_views=True)
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
         mask = self.kernel_mask(attn_mask, query, key)

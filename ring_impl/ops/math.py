@@ -26,7 +26,8 @@ class MathOp:
     """
 
     name = "math"
-    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True, lse_grad=True, masks=True)
+    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True, lse_grad=True, masks=True,
+                                  row_views=True)  # einsum over any strides
 
     @staticmethod
     def _scores(query: torch.Tensor, key: torch.Tensor, is_causal: bool, scale: float,
