@@ -73,8 +73,9 @@ class RingConfig:
 def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> torch.Tensor:
     """Rows ``[start, stop)`` of the sequence dim (2) of ``t`` (batch, heads, seq[, head_dim]) as a
     kernel's input: a contiguous tensor, or with ``view`` (the op declares
-    ``capabilities.row_views``) a view with a unit stride on the last dim, which saves a copy per input per kernel call (3-8% of a packed-documents
-    call at W=2, where blocks are many and small)."""
+    ``capabilities.row_views``) a view with a unit stride on the last dim, which saves a copy per
+    input per kernel call (1-3% of a packed-documents call at W=2, where blocks are many and
+    small; ci/bench_masks.py)."""
     start, stop = rows
     part = t if start == 0 and stop == t.shape[2] else t.narrow(2, start, stop - start)
     if view and (part.stride(-1) == 1 or part.shape[-1] == 1):
