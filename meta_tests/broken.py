@@ -205,6 +205,16 @@ class BackwardReusesStepZeroKV(RingAttention):
             del self.kv_rotation
 
 
+class BackwardUsesBlockOutput(RingAttention):
+    """The backward's ``dO . O`` row term taken from each block's own partial output (saved per
+    step, as a per-step kernel call leaves it) instead of the merged output of all steps; the LSE
+    is the merged one."""
+
+    def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan, grad_lse=None):
+        own_out, _ = self.block_forward(cfg, q, k, v, plan)
+        return super().block_backward(cfg, grad_out, q, k, v, own_out.to(out.dtype), lse, plan, grad_lse)
+
+
 class WrongNeighbour(RingAttention):
     """Ring methods send each block to rank - 1 instead of rank + 1, while the steps still assume
     it came from rank - s: every step after the first computes with the wrong block."""
@@ -589,6 +599,8 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
            suites="suites/test_shapes.py"),
     Broken("backward_reuses_step0_kv", "stale per-step state: backward reuses step-0 keys/values",
            r"the backward used each rank's own key/value block at every ring step", _adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV())),
+    Broken("backward_uses_block_output", "backward: each chunk's own output instead of the merged output in the dO.O term",
+           r"each ring step's own partial output", _adapter("backward_uses_block_output", BackwardUsesBlockOutput())),
     Broken("wrong_neighbour", "rotation: sending to the wrong neighbour",
            r"used the key/value block of rank \d+ instead of rank \d+", _adapter("wrong_neighbour", WrongNeighbour())),
     Broken("grads_not_returned_home", "rotation: dK/dV not returned to the owning rank (last hop missing)",

@@ -659,9 +659,12 @@ def _block_grads(
     return dq, fold(dk), fold(dv)
 
 
-def _replay_backward(sim: RingSimulation, grad_out: Tensor, kv_source: Callable[[StepRecord], int]) -> dict[str, list[Tensor]]:
+def _replay_backward(sim: RingSimulation, grad_out: Tensor, kv_source: Callable[[StepRecord], int], *,
+                     step_output: bool = False) -> dict[str, list[Tensor]]:
     """Per-rank dq, dk, dv of a ring whose backward computes step ``rec`` with the key/value block
-    of rank ``kv_source(rec)`` (the contribution still goes to block ``rec.kv_rank``)."""
+    of rank ``kv_source(rec)`` (the contribution still goes to block ``rec.kv_rank``). With
+    ``step_output`` its ``dO . O`` row term takes the step's own partial output instead of the
+    merged one (the LSE stays the merged one)."""
     w = sim.world_size
     grads: dict[str, list[Tensor]] = {
         "dq": [torch.zeros_like(sim.query_shard(r)) for r in range(w)],
@@ -677,8 +680,9 @@ def _replay_backward(sim: RingSimulation, grad_out: Tensor, kv_source: Callable[
             if rec.kind == "skip":
                 continue
             src = kv_source(rec)
+            row_out = rec.partial_out.to(q.device) if step_output else out
             dq, dk, dv = _block_grads(q, sim.key_shard(src), sim.value_shard(src), rec.visible.to(q.device),
-                                      out, lse, dout, sim.scale)
+                                      row_out, lse, dout, sim.scale)
             grads["dq"][rank] += dq
             grads["dk"][rec.kv_rank] += dk
             grads["dv"][rec.kv_rank] += dv
@@ -715,6 +719,9 @@ def _backward_findings(
         if matches(own, names):
             return [Finding(0, None, "the backward used each rank's own key/value block at every ring step "
                                      "(the step-0 block reused): dq, dk and dv equal that replay")]
+        if matches(_replay_backward(sim, grad_out, lambda rec: rec.kv_rank, step_output=True), names):
+            return [Finding(0, None, "the backward took the dO.O row term from each ring step's own partial output "
+                                     "instead of the merged output of all steps: dq, dk and dv equal that replay")]
         if "dq" in grads_by_rank and not grad_bad.get("dq") and {"dk", "dv"} & set(grads_by_rank):
             truth = _replay_backward(sim, grad_out, lambda rec: rec.kv_rank)
             kv_names = [n for n in ("dk", "dv") if n in grads_by_rank]

@@ -128,3 +128,48 @@ def test_backward_bugs_are_named(layout: str) -> None:
     d = diagnose(sim, outs, grads_by_rank=short, grad_out=g)
     assert "dq matches on every rank, but rank r holds the dk/dv of rank r+1's block" in d.summary
     assert diagnose(sim, outs, grads_by_rank=right, grad_out=g).ok
+
+
+def _grads_with_step_outputs(sim, grad_out: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """dq, dk, dv of a ring whose backward takes each step's own partial output in the row term
+    ``D = rowsum(dO * O)``, written out here per step (softmax against the merged LSE) apart from
+    the diagnosis's replay. GQA: key/value heads repeated for their query groups, folded back."""
+    w = sim.world_size
+    grads = {"dq": [torch.zeros_like(sim.query_shard(r)) for r in range(w)],
+             "dk": [torch.zeros_like(sim.key_shard(r)) for r in range(w)],
+             "dv": [torch.zeros_like(sim.value_shard(r)) for r in range(w)]}
+    for rank in range(w):
+        q, (_, lse) = sim.query_shard(rank), sim.local_merge(rank)
+        do = shard(grad_out, sim.layout, w, rank)
+        group = q.shape[1] // sim.key_shard(0).shape[1]
+        for rec in sim.rank_steps(rank):
+            if rec.kind == "skip":
+                continue
+            k = sim.key_shard(rec.kv_rank).repeat_interleave(group, 1)
+            v = sim.value_shard(rec.kv_rank).repeat_interleave(group, 1)
+            s = torch.einsum("bhqd,bhkd->bhqk", q, k) * sim.scale
+            p = torch.exp(s - lse.unsqueeze(-1)) * rec.visible
+            d_step = torch.einsum("bhqd,bhqd->bhq", do, rec.partial_out).unsqueeze(-1)
+            ds = p * (torch.einsum("bhqd,bhkd->bhqk", do, v) - d_step)
+            grads["dq"][rank] += torch.einsum("bhqk,bhkd->bhqd", ds, k) * sim.scale
+            dk = torch.einsum("bhqk,bhqd->bhkd", ds, q) * sim.scale
+            dv = torch.einsum("bhqk,bhqd->bhkd", p, do)
+            b, h, n, d = dk.shape
+            grads["dk"][rec.kv_rank] += dk.reshape(b, h // group, group, n, d).sum(2)
+            grads["dv"][rec.kv_rank] += dv.reshape(b, h // group, group, n, d).sum(2)
+    return grads
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_with_each_steps_own_output_is_named(layout: str, causal: bool) -> None:
+    sim = make_sim(3, layout, causal)
+    g = torch.randn(sim.query.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    outs = [sim.local_out(r) for r in range(3)]
+    wrong = _grads_with_step_outputs(sim, g)
+    ref = attention_grads(sim.query, sim.key, sim.value, g, is_causal=causal, scale=sim.scale)._asdict()
+    assert max(float((wrong["dq"][r] - shard(ref["dq"], layout, 3, r)).abs().max()) for r in range(3)) > 1e-3
+    d = diagnose(sim, outs, grads_by_rank=wrong, grad_out=g)
+    assert "each ring step's own partial output instead of the merged output" in d.summary, d.summary
+    # dv does not read the row term: the replay must hold for it too, and a right dv alone is not the bug
+    assert all(torch.allclose(wrong["dv"][r], shard(ref["dv"], layout, 3, r), atol=1e-12) for r in range(3))
