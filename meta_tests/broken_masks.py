@@ -11,6 +11,8 @@
   once, equal shares, increasing order: its layout passes every layout check, the outputs are
   right) but deals the longest documents out first, filling rank 0, then rank 1, ...: one rank
   gets the long documents and most of the work.
+- ``tail_padding_attended``: the padding after the last document taken as one more document
+  (padding recognised only before or between documents): the padding tokens see each other.
 - ``backward_plans_balanced_layout_as_contiguous``: the forward runs a balancer's layout, the
   backward plans it as ``contiguous`` (a backward that knows the built-in layouts only). The
   forward's kernel calls are exactly right, so the balance suite (forward only) passes it.
@@ -116,6 +118,40 @@ class DocumentsAtLocalPositions(RingAttention):
         return super().plan(cfg, seq_q, seq_kv)
 
 
+# ------------------------------------------------------------------------ tail padding ignored
+
+
+@dataclass(frozen=True, eq=False)
+class _TailPaddingAsDocument(Mask):
+    """Documents whose padding after the last document is taken as one more document: padding
+    recognised only before or between documents (a check for ``-1`` that stops at the last
+    real token)."""
+
+    documents: Documents
+
+    def visible(self, b, h, q, kv):
+        ids = torch.as_tensor(self.documents.doc_ids).to(q.device).clone()
+        real = (ids >= 0).nonzero()
+        if real.numel():
+            last = int(real[-1])
+            ids[last + 1:] = int(ids.max()) + 1
+        dq, dk = ids[q], ids[kv]
+        seen = (dq == dk) & (dq >= 0)
+        return seen & (kv <= q) if self.documents.causal else seen
+
+    def describe(self) -> str:
+        return self.documents.describe()
+
+
+class TailPaddingAttended(RingAttention):
+    def plan(self, cfg, seq_q, seq_kv):
+        if cfg.mask is not None:
+            mask = _replace_in(cfg.mask, lambda m: _TailPaddingAsDocument(m)
+                               if isinstance(m, Documents) and m.kv_doc_ids is None else None)
+            cfg = replace(cfg, mask=mask)
+        return super().plan(cfg, seq_q, seq_kv)
+
+
 # ------------------------------------------------------------------------ a backward on the wrong layout
 
 
@@ -164,6 +200,9 @@ BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
            r"document boundaries taken from local positions", RingImplAdapter(DocumentsAtLocalPositions(),
                                                                               name="documents_at_local_positions"),
            suites="suites/test_balance.py"),
+    Broken("tail_padding_attended", "masks: tail padding ignored when detecting padding",
+           r"tail padding attended: the \d+ padding tokens after the last document see each other",
+           RingImplAdapter(TailPaddingAttended(), name="tail_padding_attended"), suites="suites/test_masks.py"),
     Broken("balancer_long_documents_on_one_rank", "balance: a correct per-document balancer that gives one rank most of the work",
            r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
            LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"), suites="suites/test_balance.py"),

@@ -15,6 +15,7 @@ LSE -inf, as the contract says, whatever the kernel returns there).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -317,6 +318,9 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
         if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):
+                named = _tail_padding_attended(case, g, results, pos)
+                if named:
+                    raise AssertionError(f"lse: {named} [{case.label}]")
                 raise AssertionError(
                     f"lse: rows that see no key must have LSE -inf and only they: {int((torch.isneginf(got) != nothing).sum())} "
                     f"rows differ [{case.label}]")
@@ -333,6 +337,63 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
                               scales=scales["dsinks"],
                               context=f"[{case.label}] (summed over ranks)"))
     return verdicts
+
+
+def _with_tail_padding_as_document(data: dict[str, Any]) -> dict[str, Any] | None:
+    """``data`` with the padding after the last document (ids -1 at the end of ``doc_ids``) taken
+    as one more document; None when no document mask in it has such padding."""
+    kind = data["kind"]
+    if kind in ("and", "or"):
+        parts = [_with_tail_padding_as_document(m) for m in data["masks"]]
+        if all(p is None for p in parts):
+            return None
+        return {**data, "masks": [m if p is None else p for m, p in zip(data["masks"], parts)]}
+    if kind != "document" or "doc_ids" not in data:
+        return None
+    ids = list(data["doc_ids"])
+    tail = len(ids)
+    while tail and ids[tail - 1] < 0:
+        tail -= 1
+    if tail == len(ids) or tail == 0:
+        return None
+    return {**data, "doc_ids": ids[:tail] + [max(ids[:tail]) + 1] * (len(ids) - tail)}
+
+
+def _tail_padding_attended(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
+    """Name the bug class 'tail padding ignored when detecting padding': the out and LSE are
+    those of a mask whose padding after the last document forms a document of its own (the
+    padding tokens see each other), or ""."""
+    from reference import attention
+
+    spec = case.inputs
+    altered = _with_tail_padding_as_document(case.mask_data())
+    if altered is None:
+        return ""
+    sinks = _sinks(spec) if case.sinks else None
+    vis = visibility(altered, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    wrong = attention(g.query, g.key, g.value, visible=vis, sinks=sinks, scale=spec.scale)
+    out = _unshard([r["out"] for r in results], pos).to(torch.float64)
+    lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
+    if not torch.equal(torch.isneginf(lse), torch.isneginf(wrong.lse)):
+        return ""
+    tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
+    seen = torch.isfinite(wrong.lse)
+    if float((out - wrong.out).abs().max()) > tol or float((lse - wrong.lse)[seen].abs().max()) > tol:
+        return ""
+    padding = max(len(ids) - len(list(itertools.dropwhile(lambda i: i < 0, reversed(ids))))
+                  for ids in (m["doc_ids"] for m in _document_parts(case.mask_data()) if "doc_ids" in m))
+    return (f"tail padding attended: the {padding} padding tokens after the last document see each other, as if "
+            "they were one more document (padding detected before or between documents only); padding tokens "
+            "see nothing and are seen by nothing, wherever they are")
+
+
+def _document_parts(data: dict[str, Any]):
+    """The ``document`` masks in ``data`` (inside ``and``/``or`` too)."""
+    if data["kind"] in ("and", "or"):
+        for m in data["masks"]:
+            yield from _document_parts(m)
+    elif data["kind"] == "document":
+        yield data
 
 
 def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:

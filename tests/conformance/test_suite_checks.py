@@ -25,3 +25,18 @@ def test_noncontiguous_check_fails_for_contiguous_inputs() -> None:
     # a view that is non-contiguous in another way is not the (batch, seq, heads, dim) memory either
     other = [{"input_strides": [tuple(torch.empty(2, 16, 8, 4).permute(0, 2, 1, 3)[:, :4].stride())] * 3}] * 2
     assert len(noncontiguous_problems(case, other)) == 6
+
+
+def test_tail_padding_taken_as_a_document_is_the_diagnosis_hypothesis() -> None:
+    """The mask the 'tail padding attended' diagnosis compares with: only the padding after the
+    last document becomes one more document; leading and in-between padding stay padding."""
+    from suites.cases_masks import _with_tail_padding_as_document
+
+    docs = {"kind": "document", "doc_ids": [-1, 0, 0, -1, 1, 1, -1, -1], "causal": True}
+    assert _with_tail_padding_as_document(docs)["doc_ids"] == [-1, 0, 0, -1, 1, 1, 2, 2]
+    assert _with_tail_padding_as_document({**docs, "doc_ids": [0, 0, -1, 1]}) is None  # no tail padding
+    assert _with_tail_padding_as_document({**docs, "doc_ids": [-1, -1]}) is None  # padding only: nothing to attend
+    window = {"kind": "sliding_window", "left": 2, "right": 0}
+    both = _with_tail_padding_as_document({"kind": "and", "masks": [window, docs]})
+    assert both == {"kind": "and", "masks": [window, {**docs, "doc_ids": [-1, 0, 0, -1, 1, 1, 2, 2]}]}
+    assert _with_tail_padding_as_document({"kind": "and", "masks": [window, {"kind": "causal"}]}) is None
