@@ -13,6 +13,8 @@
   gets the long documents and most of the work.
 - ``tail_padding_attended``: the padding after the last document taken as one more document
   (padding recognised only before or between documents): the padding tokens see each other.
+- ``odd_lengths_rounded_down``: documents rebuilt from their lengths rounded down to even: each
+  odd-length document loses its last token, later boundaries move, the freed tokens are padding.
 - ``backward_plans_balanced_layout_as_contiguous``: the forward runs a balancer's layout, the
   backward plans it as ``contiguous`` (a backward that knows the built-in layouts only). The
   forward's kernel calls are exactly right, so the balance suite (forward only) passes it.
@@ -152,6 +154,44 @@ class TailPaddingAttended(RingAttention):
         return super().plan(cfg, seq_q, seq_kv)
 
 
+# ------------------------------------------------------------------------ odd lengths rounded down
+
+
+@dataclass(frozen=True, eq=False)
+class _LengthsRoundedToEven(Mask):
+    """Documents rebuilt from their lengths rounded down to even (as a converter to a format
+    whose per-rank lengths must divide evenly might): each odd-length document loses its last
+    token, later boundaries move earlier, and the tokens freed at the end become padding."""
+
+    documents: Documents
+
+    def _ids(self, device) -> torch.Tensor:
+        ids = torch.as_tensor(self.documents.doc_ids)
+        values, counts = torch.unique_consecutive(ids, return_counts=True)
+        counts = torch.where(values >= 0, counts // 2 * 2, counts)
+        packed = torch.repeat_interleave(values, counts)
+        tail = torch.full((ids.numel() - packed.numel(),), -1, dtype=ids.dtype)
+        return torch.cat([packed, tail]).to(device)
+
+    def visible(self, b, h, q, kv):
+        ids = self._ids(q.device)
+        dq, dk = ids[q], ids[kv]
+        seen = (dq == dk) & (dq >= 0)
+        return seen & (kv <= q) if self.documents.causal else seen
+
+    def describe(self) -> str:
+        return self.documents.describe()
+
+
+class OddLengthsRoundedDown(RingAttention):
+    def plan(self, cfg, seq_q, seq_kv):
+        if cfg.mask is not None:
+            mask = _replace_in(cfg.mask, lambda m: _LengthsRoundedToEven(m)
+                               if isinstance(m, Documents) and m.kv_doc_ids is None else None)
+            cfg = replace(cfg, mask=mask)
+        return super().plan(cfg, seq_q, seq_kv)
+
+
 # ------------------------------------------------------------------------ a backward on the wrong layout
 
 
@@ -203,6 +243,9 @@ BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
     Broken("tail_padding_attended", "masks: tail padding ignored when detecting padding",
            r"tail padding attended: the \d+ padding tokens after the last document see each other",
            RingImplAdapter(TailPaddingAttended(), name="tail_padding_attended"), suites="suites/test_masks.py"),
+    Broken("odd_lengths_rounded_down", "masks: odd document lengths rounded down",
+           r"document lengths rounded down to even",
+           RingImplAdapter(OddLengthsRoundedDown(), name="odd_lengths_rounded_down"), suites="suites/test_masks.py"),
     Broken("balancer_long_documents_on_one_rank", "balance: a correct per-document balancer that gives one rank most of the work",
            r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
            LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"), suites="suites/test_balance.py"),

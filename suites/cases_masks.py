@@ -318,7 +318,7 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
         if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):
-                named = _tail_padding_attended(case, g, results, pos)
+                named = _tail_padding_attended(case, g, results, pos) or _lengths_rounded_down(case, g, results, pos)
                 if named:
                     raise AssertionError(f"lse: {named} [{case.label}]")
                 raise AssertionError(
@@ -359,26 +359,62 @@ def _with_tail_padding_as_document(data: dict[str, Any]) -> dict[str, Any] | Non
     return {**data, "doc_ids": ids[:tail] + [max(ids[:tail]) + 1] * (len(ids) - tail)}
 
 
+def _with_lengths_rounded_down(data: dict[str, Any], multiple: int = 2) -> dict[str, Any] | None:
+    """``data`` with every document's length rounded down to a multiple of ``multiple`` and the
+    documents packed again from the start (padding runs keep their length; what is freed at the
+    end becomes padding); None when no document mask in it changes."""
+    kind = data["kind"]
+    if kind in ("and", "or"):
+        parts = [_with_lengths_rounded_down(m, multiple) for m in data["masks"]]
+        if all(p is None for p in parts):
+            return None
+        return {**data, "masks": [m if p is None else p for m, p in zip(data["masks"], parts)]}
+    if kind != "document" or "doc_ids" not in data:
+        return None
+    ids = list(data["doc_ids"])
+    packed: list[int] = []
+    for doc, run in itertools.groupby(ids):
+        n = len(list(run))
+        packed += [doc] * (n if doc < 0 else n // multiple * multiple)
+    packed += [-1] * (len(ids) - len(packed))
+    return None if packed == ids else {**data, "doc_ids": packed}
+
+
+def _equals_attention_under(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor],
+                            data: dict[str, Any]) -> bool:
+    """Whether the ranks' out and LSE are attention under the mask ``data`` (plain form): rows
+    that see nothing exactly, the others within 1% of the largest output."""
+    from reference import attention
+
+    spec = case.inputs
+    vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    wrong = attention(g.query, g.key, g.value, visible=vis, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale)
+    out = _unshard([r["out"] for r in results], pos).to(torch.float64)
+    lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
+    if not torch.equal(torch.isneginf(lse), torch.isneginf(wrong.lse)):
+        return False
+    tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
+    seen = torch.isfinite(wrong.lse)
+    lse_err = (lse - wrong.lse).masked_fill(~seen, 0.0).abs().max()  # rows that see nothing: -inf on both sides
+    return float((out - wrong.out).abs().max()) <= tol and float(lse_err) <= tol
+
+
+def _lengths_rounded_down(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
+    """Name the bug class 'odd document lengths rounded down', or ""."""
+    altered = _with_lengths_rounded_down(case.mask_data())
+    if altered is None or not _equals_attention_under(case, g, results, pos, altered):
+        return ""
+    return ("document lengths rounded down to even: the out and LSE are those of the documents packed again with "
+            "each odd length one token shorter (boundaries after them shifted, the freed tokens at the end "
+            "padding); every token of a document of any length belongs to it")
+
+
 def _tail_padding_attended(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
     """Name the bug class 'tail padding ignored when detecting padding': the out and LSE are
     those of a mask whose padding after the last document forms a document of its own (the
     padding tokens see each other), or ""."""
-    from reference import attention
-
-    spec = case.inputs
     altered = _with_tail_padding_as_document(case.mask_data())
-    if altered is None:
-        return ""
-    sinks = _sinks(spec) if case.sinks else None
-    vis = visibility(altered, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    wrong = attention(g.query, g.key, g.value, visible=vis, sinks=sinks, scale=spec.scale)
-    out = _unshard([r["out"] for r in results], pos).to(torch.float64)
-    lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
-    if not torch.equal(torch.isneginf(lse), torch.isneginf(wrong.lse)):
-        return ""
-    tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
-    seen = torch.isfinite(wrong.lse)
-    if float((out - wrong.out).abs().max()) > tol or float((lse - wrong.lse)[seen].abs().max()) > tol:
+    if altered is None or not _equals_attention_under(case, g, results, pos, altered):
         return ""
     padding = max(len(ids) - len(list(itertools.dropwhile(lambda i: i < 0, reversed(ids))))
                   for ids in (m["doc_ids"] for m in _document_parts(case.mask_data()) if "doc_ids" in m))

@@ -40,3 +40,16 @@ def test_tail_padding_taken_as_a_document_is_the_diagnosis_hypothesis() -> None:
     both = _with_tail_padding_as_document({"kind": "and", "masks": [window, docs]})
     assert both == {"kind": "and", "masks": [window, {**docs, "doc_ids": [-1, 0, 0, -1, 1, 1, 2, 2]}]}
     assert _with_tail_padding_as_document({"kind": "and", "masks": [window, {"kind": "causal"}]}) is None
+
+
+def test_lengths_rounded_down_is_the_diagnosis_hypothesis() -> None:
+    """The mask the 'odd document lengths rounded down' diagnosis compares with: documents packed
+    again with even lengths from the start, padding runs kept, the freed tokens at the end padding."""
+    from suites.cases_masks import _with_lengths_rounded_down
+
+    docs = {"kind": "document", "doc_ids": [0, 0, 0, 1, -1, -1, 2, 2, 3, 3, 3], "causal": False}
+    # 0: 3 -> 2 tokens, 1: 1 -> 0, padding 2, 2: 2, 3: 3 -> 2; four tokens freed at the end
+    assert _with_lengths_rounded_down(docs)["doc_ids"] == [0, 0, -1, -1, 2, 2, 3, 3, -1, -1, -1]
+    assert _with_lengths_rounded_down({**docs, "doc_ids": [0, 0, -1, 1, 1]}) is None  # even lengths: unchanged
+    both = _with_lengths_rounded_down({"kind": "or", "masks": [{"kind": "causal"}, docs]})
+    assert both["masks"][1]["doc_ids"] == [0, 0, -1, -1, 2, 2, 3, 3, -1, -1, -1]
