@@ -120,23 +120,21 @@ class DocumentsAtLocalPositions(RingAttention):
         return super().plan(cfg, seq_q, seq_kv)
 
 
-# ------------------------------------------------------------------------ tail padding ignored
+# ------------------------------------------------------------------------ document ids rebuilt wrong
 
 
 @dataclass(frozen=True, eq=False)
-class _TailPaddingAsDocument(Mask):
-    """Documents whose padding after the last document is taken as one more document: padding
-    recognised only before or between documents (a check for ``-1`` that stops at the last
-    real token)."""
+class _RebuiltDocuments(Mask):
+    """Documents seen through ids :meth:`rebuilt` from the true ones (the bug), described as the
+    true documents (plans are cached by the description, as a real implementation's would be)."""
 
     documents: Documents
 
+    def rebuilt(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def visible(self, b, h, q, kv):
-        ids = torch.as_tensor(self.documents.doc_ids).to(q.device).clone()
-        real = (ids >= 0).nonzero()
-        if real.numel():
-            last = int(real[-1])
-            ids[last + 1:] = int(ids.max()) + 1
+        ids = self.rebuilt(torch.as_tensor(self.documents.doc_ids).clone()).to(q.device)
         dq, dk = ids[q], ids[kv]
         seen = (dq == dk) & (dq >= 0)
         return seen & (kv <= q) if self.documents.causal else seen
@@ -145,48 +143,39 @@ class _TailPaddingAsDocument(Mask):
         return self.documents.describe()
 
 
-class TailPaddingAttended(RingAttention):
-    def plan(self, cfg, seq_q, seq_kv):
-        if cfg.mask is not None:
-            mask = _replace_in(cfg.mask, lambda m: _TailPaddingAsDocument(m)
-                               if isinstance(m, Documents) and m.kv_doc_ids is None else None)
-            cfg = replace(cfg, mask=mask)
-        return super().plan(cfg, seq_q, seq_kv)
+class _TailPaddingAsDocument(_RebuiltDocuments):
+    """The padding after the last document taken as one more document: padding recognised only
+    before or between documents (a check for ``-1`` that stops at the last real token)."""
+
+    def rebuilt(self, ids):
+        real = (ids >= 0).nonzero()
+        if real.numel():
+            ids[int(real[-1]) + 1:] = int(ids.max()) + 1
+        return ids
 
 
-# ------------------------------------------------------------------------ odd lengths rounded down
-
-
-@dataclass(frozen=True, eq=False)
-class _LengthsRoundedToEven(Mask):
+class _LengthsRoundedToEven(_RebuiltDocuments):
     """Documents rebuilt from their lengths rounded down to even (as a converter to a format
     whose per-rank lengths must divide evenly might): each odd-length document loses its last
     token, later boundaries move earlier, and the tokens freed at the end become padding."""
 
-    documents: Documents
-
-    def _ids(self, device) -> torch.Tensor:
-        ids = torch.as_tensor(self.documents.doc_ids)
+    def rebuilt(self, ids):
         values, counts = torch.unique_consecutive(ids, return_counts=True)
         counts = torch.where(values >= 0, counts // 2 * 2, counts)
         packed = torch.repeat_interleave(values, counts)
-        tail = torch.full((ids.numel() - packed.numel(),), -1, dtype=ids.dtype)
-        return torch.cat([packed, tail]).to(device)
-
-    def visible(self, b, h, q, kv):
-        ids = self._ids(q.device)
-        dq, dk = ids[q], ids[kv]
-        seen = (dq == dk) & (dq >= 0)
-        return seen & (kv <= q) if self.documents.causal else seen
-
-    def describe(self) -> str:
-        return self.documents.describe()
+        return torch.cat([packed, torch.full((ids.numel() - packed.numel(),), -1, dtype=ids.dtype)])
 
 
-class OddLengthsRoundedDown(RingAttention):
+class _DocumentsRebuiltWrong(RingAttention):
+    """ring_impl with every document mask (one id sequence) seen through ``rebuilt``, a
+    :class:`_RebuiltDocuments` subclass."""
+
+    def __init__(self, rebuilt: type[_RebuiltDocuments]):
+        self.rebuilt = rebuilt
+
     def plan(self, cfg, seq_q, seq_kv):
         if cfg.mask is not None:
-            mask = _replace_in(cfg.mask, lambda m: _LengthsRoundedToEven(m)
+            mask = _replace_in(cfg.mask, lambda m: self.rebuilt(m)
                                if isinstance(m, Documents) and m.kv_doc_ids is None else None)
             cfg = replace(cfg, mask=mask)
         return super().plan(cfg, seq_q, seq_kv)
@@ -242,10 +231,10 @@ BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
            suites="suites/test_balance.py"),
     Broken("tail_padding_attended", "masks: tail padding ignored when detecting padding",
            r"tail padding attended: the \d+ padding tokens after the last document see each other",
-           RingImplAdapter(TailPaddingAttended(), name="tail_padding_attended"), suites="suites/test_masks.py"),
+           RingImplAdapter(_DocumentsRebuiltWrong(_TailPaddingAsDocument), name="tail_padding_attended"), suites="suites/test_masks.py"),
     Broken("odd_lengths_rounded_down", "masks: odd document lengths rounded down",
            r"document lengths rounded down to even",
-           RingImplAdapter(OddLengthsRoundedDown(), name="odd_lengths_rounded_down"), suites="suites/test_masks.py"),
+           RingImplAdapter(_DocumentsRebuiltWrong(_LengthsRoundedToEven), name="odd_lengths_rounded_down"), suites="suites/test_masks.py"),
     Broken("balancer_long_documents_on_one_rank", "balance: a correct per-document balancer that gives one rank most of the work",
            r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
            LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"), suites="suites/test_balance.py"),

@@ -339,45 +339,51 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
     return verdicts
 
 
-def _with_tail_padding_as_document(data: dict[str, Any]) -> dict[str, Any] | None:
-    """``data`` with the padding after the last document (ids -1 at the end of ``doc_ids``) taken
-    as one more document; None when no document mask in it has such padding."""
+def _with_document_ids(data: dict[str, Any], change) -> dict[str, Any] | None:
+    """``data`` (a plain mask) with the ``doc_ids`` of every document mask in it (inside
+    ``and``/``or`` too) replaced by ``change(ids)``; None when ``change`` returns None (no change)
+    for all of them."""
     kind = data["kind"]
     if kind in ("and", "or"):
-        parts = [_with_tail_padding_as_document(m) for m in data["masks"]]
+        parts = [_with_document_ids(m, change) for m in data["masks"]]
         if all(p is None for p in parts):
             return None
         return {**data, "masks": [m if p is None else p for m, p in zip(data["masks"], parts)]}
     if kind != "document" or "doc_ids" not in data:
         return None
-    ids = list(data["doc_ids"])
-    tail = len(ids)
-    while tail and ids[tail - 1] < 0:
-        tail -= 1
-    if tail == len(ids) or tail == 0:
-        return None
-    return {**data, "doc_ids": ids[:tail] + [max(ids[:tail]) + 1] * (len(ids) - tail)}
+    ids = change(list(data["doc_ids"]))
+    return None if ids is None else {**data, "doc_ids": ids}
+
+
+def _with_tail_padding_as_document(data: dict[str, Any]) -> dict[str, Any] | None:
+    """``data`` with the padding after the last document (ids -1 at the end of ``doc_ids``) taken
+    as one more document; None when no document mask in it has such padding."""
+
+    def change(ids: list[int]) -> list[int] | None:
+        tail = len(ids)
+        while tail and ids[tail - 1] < 0:
+            tail -= 1
+        if tail == len(ids) or tail == 0:
+            return None
+        return ids[:tail] + [max(ids[:tail]) + 1] * (len(ids) - tail)
+
+    return _with_document_ids(data, change)
 
 
 def _with_lengths_rounded_down(data: dict[str, Any], multiple: int = 2) -> dict[str, Any] | None:
     """``data`` with every document's length rounded down to a multiple of ``multiple`` and the
     documents packed again from the start (padding runs keep their length; what is freed at the
     end becomes padding); None when no document mask in it changes."""
-    kind = data["kind"]
-    if kind in ("and", "or"):
-        parts = [_with_lengths_rounded_down(m, multiple) for m in data["masks"]]
-        if all(p is None for p in parts):
-            return None
-        return {**data, "masks": [m if p is None else p for m, p in zip(data["masks"], parts)]}
-    if kind != "document" or "doc_ids" not in data:
-        return None
-    ids = list(data["doc_ids"])
-    packed: list[int] = []
-    for doc, run in itertools.groupby(ids):
-        n = len(list(run))
-        packed += [doc] * (n if doc < 0 else n // multiple * multiple)
-    packed += [-1] * (len(ids) - len(packed))
-    return None if packed == ids else {**data, "doc_ids": packed}
+
+    def change(ids: list[int]) -> list[int] | None:
+        packed: list[int] = []
+        for doc, run in itertools.groupby(ids):
+            n = len(list(run))
+            packed += [doc] * (n if doc < 0 else n // multiple * multiple)
+        packed += [-1] * (len(ids) - len(packed))
+        return None if packed == ids else packed
+
+    return _with_document_ids(data, change)
 
 
 def _equals_attention_under(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor],
