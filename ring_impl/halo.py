@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
-from .ring import RingAttention, RingConfig, block_rows, row_views
+from .ring import RingAttention, RingConfig, block_rows
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
 
@@ -207,7 +207,7 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
         out, lse = into
     if finite is None:
         finite = bool(blocks) and impl.all_finite(query, ext)
-    view = row_views(cfg.op)
+    view = cfg.op.capabilities.row_views
     for block in blocks:
         (q0, q1) = block.q_rows
         q, k, v = (block_rows(query, block.q_rows, view), block_rows(ext[0], block.kv_rows, view),
@@ -236,7 +236,7 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
         dq, dkv = into
     if finite is None:
         finite = bool(blocks) and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
-    view = row_views(cfg.op)
+    view = cfg.op.capabilities.row_views
     for block in blocks:
         (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
         extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}

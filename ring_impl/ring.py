@@ -83,12 +83,6 @@ def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> to
     return part.contiguous()
 
 
-def row_views(op) -> bool:
-    """Whether ``op`` takes row views (:attr:`~ring_impl.ops.contract.OpCapabilities.row_views`);
-    an op whose capabilities predate the field gets contiguous copies."""
-    return bool(getattr(op.capabilities, "row_views", False))
-
-
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` itself when it can be merged into in place (dtype ``dtype``, contiguous), else a copy."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype, memory_format=torch.contiguous_format)
@@ -224,7 +218,7 @@ class RingAttention:
         rotation = self.kv_rotation(cfg, self.pack_kv(key, value))
         recorder = debug.active_recorder()
         query_finite = self.all_finite(query)
-        view = row_views(cfg.op)
+        view = cfg.op.capabilities.row_views
         for plan in self.plan(cfg, sq, key.shape[2]):
             kv = rotation.block(plan.step)
             finite = bool(plan.blocks) and query_finite and self.all_finite(kv)
@@ -293,7 +287,7 @@ class RingAttention:
         #   grads_home       after the loop: this rank's own accumulator, plus its step-0 part
         rotation.block(0)
         rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse)
-        view = row_views(cfg.op)
+        view = cfg.op.capabilities.row_views
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:

@@ -355,17 +355,19 @@ def _with_document_ids(data: dict[str, Any], change) -> dict[str, Any] | None:
     return None if ids is None else {**data, "doc_ids": ids}
 
 
+def _tail_padding(ids: list[int]) -> int:
+    """How many padding tokens (-1) follow the last document; 0 with no document at all."""
+    n = len(ids) - len(list(itertools.dropwhile(lambda i: i < 0, reversed(ids))))
+    return 0 if n == len(ids) else n
+
+
 def _with_tail_padding_as_document(data: dict[str, Any]) -> dict[str, Any] | None:
     """``data`` with the padding after the last document (ids -1 at the end of ``doc_ids``) taken
     as one more document; None when no document mask in it has such padding."""
 
     def change(ids: list[int]) -> list[int] | None:
-        tail = len(ids)
-        while tail and ids[tail - 1] < 0:
-            tail -= 1
-        if tail == len(ids) or tail == 0:
-            return None
-        return ids[:tail] + [max(ids[:tail]) + 1] * (len(ids) - tail)
+        n = _tail_padding(ids)
+        return ids[:-n] + [max(ids[:-n]) + 1] * n if n else None
 
     return _with_document_ids(data, change)
 
@@ -422,8 +424,7 @@ def _tail_padding_attended(case: MaskCase, g, results: list[dict[str, Any]], pos
     altered = _with_tail_padding_as_document(case.mask_data())
     if altered is None or not _equals_attention_under(case, g, results, pos, altered):
         return ""
-    padding = max(len(ids) - len(list(itertools.dropwhile(lambda i: i < 0, reversed(ids))))
-                  for ids in (m["doc_ids"] for m in _document_parts(case.mask_data()) if "doc_ids" in m))
+    padding = max(_tail_padding(m["doc_ids"]) for m in _document_parts(case.mask_data()) if "doc_ids" in m)
     return (f"tail padding attended: the {padding} padding tokens after the last document see each other, as if "
             "they were one more document (padding detected before or between documents only); padding tokens "
             "see nothing and are seen by nothing, wherever they are")
