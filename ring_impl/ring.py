@@ -221,7 +221,7 @@ class RingAttention:
         view = cfg.op.capabilities.row_views
         for plan in self.plan(cfg, sq, key.shape[2]):
             kv = rotation.block(plan.step)
-            finite = bool(plan.blocks) and query_finite and self.all_finite(kv)
+            finite = len(plan.blocks) > 0 and query_finite and self.all_finite(kv)
             for block in plan.blocks:
                 q0, q1 = block.q_rows
                 q, k, v = (block_rows(query, block.q_rows, view), block_rows(kv[0], block.kv_rows, view),
@@ -292,7 +292,7 @@ class RingAttention:
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
             kv = rotation.block(plan.step) if plan.step else (key, value)
-            finite = bool(plan.blocks) and rows_finite and self.all_finite(kv[0], kv[1])
+            finite = len(plan.blocks) > 0 and rows_finite and self.all_finite(kv[0], kv[1])
             contribution = []  # (kv_rows, dk, dv) per block
             for block in plan.blocks:
                 q0, q1 = block.q_rows
@@ -387,6 +387,18 @@ class RingPath:
         return heads.run_backward(self.impl, self.cfg, grad_out, query, key, value, out, lse, grad_lse)
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+#: Dynamo before torch 2.12 hands a zero gradient to an ``autograd.Function`` output that is an
+#: intermediate the forward wrote in place or returned through a no-op ``.to()`` (the ring's
+#: merged accumulators are both): compiled, dQ/dK/dV came out wrong by O(1) on torch 2.11, eager
+#: right. Compiled calls there return copies (tests/ring_impl/test_compile_versions.py).
+_COPY_COMPILED_OUTPUTS = _release(torch.__version__) < (2, 12)
+
+
 class PathFunction(torch.autograd.Function):
     """A :class:`Path`'s out (and lse when asked for), both differentiable. The backward is
     first-order only (once_differentiable): with ``create_graph=True`` the gradients come back
@@ -398,6 +410,8 @@ class PathFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, path: Path, with_lse: bool):
         out, lse, saved, meta = path.forward(query, key, value)
+        if _COPY_COMPILED_OUTPUTS and torch.compiler.is_compiling():
+            out, lse = out.clone(), lse.clone()
         ctx.save_for_backward(*saved)
         ctx.path, ctx.meta = path, meta
         ctx.out_like = (out.shape, out.dtype, out.device)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from conformance.baseline import session_device, single_device_baseline
 from conformance.implementation import load_implementation
 from reference.budget import Verdict, check, error_scales
 from reference.layout import shard as oracle_shard
@@ -250,43 +251,20 @@ def _result_dtypes(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"out": dtype, "lse": lse, "dq": dtype, "dk": dtype, "dv": dtype, "dsinks": lse}
 
 
-@functools.lru_cache(maxsize=64)
 def _baseline(spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
-    """The same kernel on one device (CPU) with the whole sequence and the mask: the policy's B."""
-    from conformance.implementation import load_op
-    from ring_impl.lse import normalize_lse
-    from ring_impl.ops import call_backward, call_forward, default_scale, resolve_op
-    from ring_impl.sinks import with_sinks
+    """The same kernel on one device (the session's, conformance.baseline) with the whole sequence
+    and the mask: the policy's B."""
+    return _baseline_on(spec, mask, mask_json, sinks, op_spec, str(session_device()))
 
+
+@functools.lru_cache(maxsize=64)
+def _baseline_on(spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None,
+                 device_name: str) -> dict[str, torch.Tensor]:
     g = make_inputs(spec)
-    scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
-    op = resolve_op("auto", torch.device("cpu"), spec.torch_dtype, spec.head_dim) if op_spec in (None, "auto") else load_op(op_spec)
     data = json.loads(mask_json) if mask_json else mask_spec(mask, spec.seq_q)
     vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    masked_op = op if op.capabilities.masks else resolve_op("math", torch.device("cpu"), spec.torch_dtype, spec.head_dim)
-    out, raw = call_forward(op, g.query, g.key, g.value, is_causal=False, scale=scale, visible=vis)
-    lse = normalize_lse(raw, batch=spec.batch, heads=spec.heads, seq_q=spec.seq_q, layout=masked_op.capabilities.lse_layout)
-    dead = ~vis.any(-1).expand(spec.batch, spec.heads, spec.seq_q)
-    out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype), out)
-    lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype), lse)
-    grad_out, grad_lse, dsinks = g.grad_out, None, None
-    if sinks:  # the sink term on the kernel's result, and its gradients back into the kernel's backward
-        o, l_, s = out.detach().requires_grad_(), lse.detach().requires_grad_(), _sinks(spec).requires_grad_()
-        o2, l2 = with_sinks(o, l_, s)
-        o2.backward(g.grad_out)
-        out, lse, dsinks = o2.detach(), l2.detach(), s.grad
-        grad_out, grad_lse = o.grad.to(spec.torch_dtype), l_.grad
-    lse_in = torch.where(dead, torch.zeros((), dtype=lse.dtype), lse if not sinks else l_.detach())
-    out_in = out if not sinks else o.detach()
-    grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype), grad_out)
-    if grad_lse is not None:
-        grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype), grad_lse)
-    dq, dk, dv = call_backward(op, grad_out, g.query, g.key, g.value, out_in, lse_in, is_causal=False, scale=scale,
-                               grad_lse=grad_lse, visible=vis)
-    result = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    if dsinks is not None:
-        result["dsinks"] = dsinks
-    return result
+    return single_device_baseline(g.query, g.key, g.value, g.grad_out, op_spec=op_spec, scale=spec.scale,
+                                  visible=vis, sinks=_sinks(spec) if sinks else None)
 
 
 def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str | None = None) -> list[Verdict]:

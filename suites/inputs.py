@@ -110,7 +110,7 @@ def in_memory(local: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     return local
 
 
-def local_inputs(spec: InputSpec, layout: str, world_size: int, rank: int, device="cpu") -> Inputs:
+def local_inputs(spec: InputSpec, layout: str, world_size: int, rank: int, device: torch.device | str) -> Inputs:
     """This rank's shards; query/key/value are leaves that require grad."""
     g = make_inputs(spec)
     q, k, v = (

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from conformance.baseline import session_device, single_device_baseline
 from reference import layout as ref_layout
 from reference.attention import attention_grads
 from reference.budget import ErrorScale, Verdict, check, compute_dtype, error_scales
@@ -60,45 +61,17 @@ def scales_for(spec: InputSpec, is_causal: bool) -> dict[str, ErrorScale]:
     return error_scales(g.query, g.key, g.value, g.grad_out, visible=visible, scale=spec.scale, grad_lse=g.grad_lse)
 
 
-def _session_device() -> torch.device:
-    """The device of the session's ranks (``--device``): the baseline runs its kernel there."""
-    from harness.settings import current
-
-    device = current().device
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-
-
 def baseline_for(spec: InputSpec, is_causal: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
     """The same kernel, same dtype, on one device of the session's kind (the ranks' ``--device``)
-    and the whole sequence: the numerics policy's B, as CPU tensors."""
-    return _baseline_on(spec, is_causal, op_spec, str(_session_device()))
+    and the whole sequence: the numerics policy's B, as CPU tensors (conformance.baseline)."""
+    return _baseline_on(spec, is_causal, op_spec, str(session_device()))
 
 
 @functools.lru_cache(maxsize=128)
 def _baseline_on(spec: InputSpec, is_causal: bool, op_spec: str | None, device_name: str) -> dict[str, torch.Tensor]:
-    from conformance.implementation import load_op
-    from ring_impl.lse import normalize_lse
-    from ring_impl.ops import call_backward, call_forward, default_scale, resolve_op
-
-    device = torch.device(device_name)
     g = make_inputs(spec)
-    q, k, v, do = (t.to(device) for t in (g.query, g.key, g.value, g.grad_out))
-    grad_lse = None if g.grad_lse is None else g.grad_lse.to(device)
-    scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
-    if op_spec in (None, "auto"):
-        op = resolve_op("auto", device, spec.torch_dtype, spec.head_dim, scale=scale, is_causal=is_causal)
-    else:
-        op = load_op(op_spec)
-    why = op.capabilities.unsupported(device, spec.torch_dtype, spec.head_dim, scale=scale, is_causal=is_causal)
-    if why is not None:
-        raise ValueError(
-            f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: {why}; the case "
-            "asks for a kernel that does not run on the session's device (--device)"
-        )
-    out, raw_lse = call_forward(op, q, k, v, is_causal=is_causal, scale=scale)
-    lse = normalize_lse(raw_lse, batch=spec.batch, heads=spec.heads, seq_q=spec.seq_q, layout=op.capabilities.lse_layout)
-    dq, dk, dv = call_backward(op, do, q, k, v, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse)
-    return {name: t.detach().cpu() for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))}
+    return single_device_baseline(g.query, g.key, g.value, g.grad_out, op_spec=op_spec, is_causal=is_causal,
+                                  scale=spec.scale, grad_lse=g.grad_lse)
 
 
 def unshard_results(results: Sequence[dict[str, Any]], layout: str) -> dict[str, torch.Tensor | None]:

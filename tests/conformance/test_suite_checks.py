@@ -12,7 +12,7 @@ from suites.test_shapes import noncontiguous_problems
 def _strides(spec: InputSpec, world_size: int) -> list[dict]:
     """What each rank reports: the strides of the query, key and value it passed."""
     return [{"input_strides": [tuple(t.stride()) for t in (inp.query, inp.key, inp.value)]}
-            for inp in (local_inputs(spec, "head_tail", world_size, r) for r in range(world_size))]
+            for inp in (local_inputs(spec, "head_tail", world_size, r, "cpu") for r in range(world_size))]
 
 
 def test_noncontiguous_check_fails_for_contiguous_inputs() -> None:

@@ -1,0 +1,247 @@
+"""GPU benchmark: masked attention through the ring at W=1 against the kernels that express the
+mask in one call: packed causal documents and a causal sliding window.
+
+Run from the repository root on a CUDA machine (no install: ``PYTHONPATH=$PWD``)::
+
+    python ci/bench_cuda_masks.py                  # seq 16k (16 documents) and 64k (32 documents)
+    python ci/bench_cuda_masks.py --quick          # seq 16k only, fewer repetitions
+    python ci/bench_cuda_masks.py --json out.json  # also write the rows
+
+Rows, each forward + backward in bfloat16, batch 1, ``--heads`` heads, head_dim ``--head-dim``:
+
+``varlen``
+    FlashAttention-2's varlen kernel called directly (``aten._flash_attention_forward`` /
+    ``_backward`` with ``cu_seqlens``): every document in one call. The reference row (1.00x).
+``window``
+    FlashAttention-2 with ``window_size_left`` (the sliding-window reference).
+``flex``
+    ``flex_attention`` compiled, with a block mask of the same mask (created once, outside the
+    timing, as a model does once per batch).
+``ring:<op>``
+    ``ring_impl.ring_attention(..., mask=...)`` with that op on a one-rank NCCL group: the
+    ring's own cost over the kernel (plan, tiling, merges, checks).
+
+Each row is timed with CUDA events (median of ``--repeat`` after ``--warmup``), and one more call
+is profiled with ``torch.profiler``: kernel launches, host-device synchronisations (``cudaStreamSynchronize``,
+``cudaDeviceSynchronize``, ``cudaMemcpy`` to the host), the call's wall time and the GPU's busy
+time. A row that fails records its error instead of a time. Nothing here is a timed assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+#: (seq, documents) of the default run: the figures of the speed issue
+SHAPES = ((16384, 16), (65536, 32))
+RING_OPS = ("auto", "cuda_flash_varlen", "cuda_efficient_masked")
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def document_lengths(seq: int, documents: int, seed: int = 0) -> list[int]:
+    """``documents`` lognormal lengths (sigma 1) summing to ``seq``, each at least 1."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.exp(torch.randn(documents, generator=gen, dtype=torch.float64))
+    lengths = [max(1, int(x)) for x in (raw / raw.sum() * seq).tolist()]
+    lengths[-1] += seq - sum(lengths)
+    while lengths[-1] < 1:  # rounding took the last one below 1: take from the longest
+        i = max(range(len(lengths) - 1), key=lengths.__getitem__)
+        lengths[i] -= 1
+        lengths[-1] += 1
+    return lengths
+
+
+def _measure(fn, warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _profile(fn) -> dict[str, float]:
+    """Kernel launches, host syncs, wall and GPU-busy milliseconds of one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    launches = syncs = items = copies_to_host = 0
+    gpu_us = 0.0
+    for e in prof.events():
+        name = e.name
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:  # work on the GPU
+            gpu_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+            copies_to_host += "DtoH" in name
+        elif name in LAUNCH_EVENTS:
+            launches += 1
+        elif name in SYNC_EVENTS:
+            syncs += 1
+        elif name == "aten::_local_scalar_dense":  # .item(), bool(tensor), int(tensor) on device data
+            items += 1
+    return {"launches": launches, "syncs": syncs, "items": items, "copies_to_host": copies_to_host,
+            "profiled_wall_ms": wall, "gpu_busy_ms": gpu_us / 1e3}
+
+
+def _flash(q, k, v, do, *, cu=None, max_len=0, causal=True, window=None):
+    """FlashAttention-2 forward then backward, called directly. q/k/v/do (total, heads, d) with
+    ``cu`` (varlen) or (1, seq, heads, d) without."""
+    scale = q.shape[-1] ** -0.5
+    extra = {} if window is None else {"window_size_left": window, "window_size_right": 0}
+    seq = q.shape[0] if cu is not None else q.shape[1]
+    mq = max_len if cu is not None else seq
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, mq, mq, 0.0, causal, False, scale=scale, **extra)
+    torch.ops.aten._flash_attention_backward(do, q, k, v, out, lse, cu, cu, mq, mq, 0.0, causal, rng, unused,
+                                             scale=scale, **extra)
+
+
+def _write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex, warmup: int, repeat: int) -> None:
+    """Measure every row of one sequence length, appending to ``rows`` (and to ``--json``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ring_impl import ring_attention
+    from ring_impl.masks import Documents, SlidingWindow
+
+    h, d = args.heads, args.head_dim
+    lengths = document_lengths(seq, docs)
+    cu_list = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    thd = [torch.randn(seq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    bhsd = [t.transpose(0, 1).unsqueeze(0).contiguous() for t in thd]  # (1, h, seq, d)
+    doc_ids = torch.repeat_interleave(torch.arange(docs, device="cuda"), torch.tensor(lengths, device="cuda"))
+    window = args.window
+
+    def doc_mod(b, hh, qi, ki):
+        return (doc_ids[qi] == doc_ids[ki]) & (ki <= qi)
+
+    def window_mod(b, hh, qi, ki):
+        return (ki <= qi) & (ki >= qi - window)
+
+    def ring_fn(op, mask):
+        def run():
+            q, k, v = (t.detach().requires_grad_(True) for t in bhsd[:3])
+            out = ring_attention(q, k, v, mask=mask, **({} if op == "auto" else {"op": op}))
+            out.backward(bhsd[3])
+        return run
+
+    def flex_fn(block_mask):
+        def run():
+            q, k, v = (t.detach().requires_grad_(True) for t in bhsd[:3])
+            flex(q, k, v, block_mask=block_mask).backward(bhsd[3])
+        return run
+
+    bshd = [t.transpose(1, 2).contiguous() for t in bhsd]  # (1, seq, h, d) for the dense window call
+    families = {
+        "documents": [
+            ("varlen", lambda: _flash(*thd, cu=cu, max_len=max(lengths))),
+            ("flex", None),
+            *[(f"ring:{op}", ring_fn(op, Documents.from_cu_seqlens(cu_list, seq_len=seq)))
+              for op in args.ring_ops.split(",")],
+        ],
+        "window": [
+            ("window", lambda: _flash(*bshd, window=window)),
+            ("flex", None),
+            *[(f"ring:{op}", ring_fn(op, SlidingWindow(window, 0))) for op in ("auto", "cuda_flash_varlen")],
+        ],
+    }
+    for family, variants in families.items():
+        reference_ms = None
+        for row_name, fn in variants:
+            row = {"mask": family, "seq": seq, "documents": docs if family == "documents" else None, "row": row_name}
+            try:
+                if row_name == "flex":
+                    block_mask = create_block_mask(doc_mod if family == "documents" else window_mod, 1, 1, seq, seq,
+                                                   device="cuda")
+                    fn = flex_fn(block_mask)
+                ms = _measure(fn, warmup, repeat)
+                row.update(ms=ms, **_profile(fn))
+                if row_name == variants[0][0]:  # the kernel called directly: the reference of the family
+                    reference_ms = ms
+                row["ratio"] = ms / reference_ms if reference_ms else None
+            except Exception as exc:  # a row that cannot run says why; the others go on
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            rows.append(row)
+            if args.json:  # after every row: a run stopped early keeps what it measured
+                _write_json(args.json, {**header, "rows": rows})
+            if "error" in row:
+                print(f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: {row['error']} |||||||")
+            else:
+                busy = row["gpu_busy_ms"] / row["profiled_wall_ms"] if row["profiled_wall_ms"] else math.nan
+                print(f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | {row['ms']:.2f} | {row['ratio'] or math.nan:.2f}x "
+                      f"| {row['launches']} | {row['syncs']} | {row['items']} | {row['copies_to_host']} | {busy:.2f} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="seq 16k only, 1 warm-up, 3 repetitions")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--window", type=int, default=1024, help="sliding window (left) in tokens")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--ring-ops", default=",".join(RING_OPS))
+    parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cuda_masks: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    warmup, repeat = (1, 3) if args.quick else (args.warmup, args.repeat)
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.cuda.set_device(0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    flex = torch.compile(flex_attention)
+    header = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "dtype": "bfloat16", "heads": args.heads, "head_dim": args.head_dim, "window": args.window,
+              "warmup": warmup, "repeat": repeat}
+    print(f"# {header['device']}, torch {header['torch']}, CUDA {header['cuda']}; bfloat16, batch 1, {args.heads} heads, "
+          f"head_dim {args.head_dim}; forward + backward, median of {repeat} after {warmup} warm-up; ring at W=1 (NCCL)")
+    print("| mask | seq | docs | row | ms | / reference | launches | syncs | .item() | copies to host | GPU busy / wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows: list[dict] = []
+    for seq, docs in shapes:
+        _shape_rows(rows, seq, docs, args, header, flex, warmup, repeat)
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
