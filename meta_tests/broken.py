@@ -400,7 +400,7 @@ class NanHidden(RingAttention):
     def nonfinite_forward(self, out, lse, q, k, v, plan):
         return out, lse
 
-    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan):
+    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan, grad_lse=None):
         return dq, dk, dv
 
 
@@ -541,7 +541,8 @@ class Broken:
     this cause). ``pending``: the suite check that catches it when that check is not in this
     tree yet; the proof then reports the ring as an expected failure while the suites pass it.
     ``suites``: the suite path the proof runs (a broken API only fails the API suite; its ring
-    is correct, and running every other module first would only cost time).
+    is correct, and running every other module first would only cost time); ``select``: more
+    pytest arguments narrowing the run to the cases that exercise the bug (``("-k", "refilled")``).
     """
 
     name: str
@@ -550,6 +551,7 @@ class Broken:
     impl: object
     pending: str = ""
     suites: str = "suites"
+    select: tuple[str, ...] = ()
 
 
 def _adapter(name: str, ring: RingAttention) -> RingImplAdapter:

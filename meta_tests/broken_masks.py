@@ -15,6 +15,12 @@
   (padding recognised only before or between documents): the padding tokens see each other.
 - ``odd_lengths_rounded_down``: documents rebuilt from their lengths rounded down to even: each
   odd-length document loses its last token, later boundaries move, the freed tokens are padding.
+- ``stale_documents_after_refill``: document ids converted to int64 once and kept while their
+  storage and torch's version counter stay the same; ids refilled in place without moving the
+  counter (a numpy write into a ``from_numpy`` buffer) are served stale.
+- ``mask_mod_probed_at_the_start``: the ranks compare a ``MaskMod`` by its values on the first
+  64 positions at batch 0, head 0 only: ranks whose masks differ elsewhere each attend under
+  their own mask, with no error.
 - ``backward_plans_balanced_layout_as_contiguous``: the forward runs a balancer's layout, the
   backward plans it as ``contiguous`` (a backward that knows the built-in layouts only). The
   forward's kernel calls are exactly right, so the balance suite (forward only) passes it.
@@ -36,7 +42,7 @@ from meta_tests.broken import Broken
 from ring_impl import RingAttention
 from ring_impl.balance import document_spans
 from ring_impl.layout import Layout, layout_runs
-from ring_impl.masks import And, Documents, Mask, Or, SlidingWindow
+from ring_impl.masks import And, Documents, Mask, MaskMod, Or, SlidingWindow
 
 __all__ = ["BROKEN_MASKS"]
 
@@ -220,6 +226,50 @@ class LongDocumentsOnOneRank(RingImplAdapter):
         return name, [layout_runs(name, seq_len, world_size, r) for r in range(world_size)]
 
 
+# ------------------------------------------------------------------------ ids kept by their version counter
+
+
+def _stale_documents_ring():
+    """ring_attention behind a cache of converted document ids, kept while the ids' storage and
+    version counter are unchanged (writes torch does not see leave both as they were)."""
+    kept: dict[int, tuple[tuple[int, int], Documents]] = {}
+
+    def ring_attention(query, key, value, *, mask=None, **kwargs):
+        if isinstance(mask, Documents) and isinstance(mask.doc_ids, torch.Tensor) and mask.doc_ids.dtype != torch.int64:
+            stamp = (mask.doc_ids.data_ptr(), mask.doc_ids._version)
+            entry = kept.get(id(mask))
+            if entry is None or entry[0] != stamp:
+                entry = kept[id(mask)] = (stamp, Documents(mask.doc_ids.to(torch.int64), mask.causal, mask.kv_doc_ids))
+            mask = entry[1]
+        return ring_impl.ring_attention(query, key, value, mask=mask, **kwargs)
+
+    adapter = RingImplAdapter(name="stale_documents_after_refill")
+    adapter.ring_attention = ring_attention
+    return adapter
+
+
+# ------------------------------------------------------------------------ a mask_mod compared at its start only
+
+
+@dataclass(frozen=True)
+class _ProbedAtTheStart(MaskMod):
+    """A MaskMod whose ranks compare its values on the first 64 positions, batch 0, head 0."""
+
+    def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
+        return self.describe()
+
+
+def _probed_at_the_start_ring():
+    def ring_attention(query, key, value, *, mask=None, **kwargs):
+        if mask is not None:
+            mask = _replace_in(mask, lambda m: _ProbedAtTheStart(m.fn) if type(m) is MaskMod else None)
+        return ring_impl.ring_attention(query, key, value, mask=mask, **kwargs)
+
+    adapter = RingImplAdapter(name="mask_mod_probed_at_the_start")
+    adapter.ring_attention = ring_attention
+    return adapter
+
+
 BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
     Broken("window_off_by_one_at_block_edge", "masks: a window off by one at a block edge",
            r"sliding window off by one", RingImplAdapter(WindowOffByOneAtBlockEdge(),
@@ -238,6 +288,12 @@ BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
     Broken("balancer_long_documents_on_one_rank", "balance: a correct per-document balancer that gives one rank most of the work",
            r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
            LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"), suites="suites/test_balance.py"),
+    Broken("stale_documents_after_refill", "masks: document ids refilled in place served stale",
+           r"stale documents: the second call ran the documents its mask's ids held at the first call",
+           _stale_documents_ring(), suites="suites/test_masks.py", select=("-k", "refilled")),
+    Broken("mask_mod_probed_at_the_start", "masks: ranks whose mask_mods differ beyond a probe of their start run silently",
+           r"mask_mod_differs_\w+: no rank raised", _probed_at_the_start_ring(), suites="suites/test_bad_input.py",
+           select=("-k", "mask_mod")),
     Broken("backward_plans_balanced_layout_as_contiguous",
            "balance: the backward plans a balancer's layout as another (the forward is right)",
            r"the backward did not run the layout the forward ran",

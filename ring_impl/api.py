@@ -11,7 +11,7 @@ from .group import RingGroup, resolve_group
 from .halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
 from .heads import plan_chunks
 from .kv_gather import gather_path, gather_refusal
-from .masks import fold_causal, mask_code, masking_problem
+from .masks import fold_causal, mask_code, masking_problem, snapshot
 from .ops import AttentionOp, resolve_scale_and_op
 from .plan import plan_ahead
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
@@ -83,10 +83,16 @@ def call_path(impl: RingAttention, query, key, value, *, strategy: str = "ring",
     checked on this rank and across the group. Its LSE is computed when ``return_lse`` or
     ``sinks`` (the sink term needs it).
 
+    A ``mask`` holding tensors (``Documents``) is copied first (ring_impl.masks.snapshot): the
+    path plans with that copy, so what the caller writes into its ids later cannot reach a plan
+    or the plan cache's key.
+
     ``routed_from``: the function the user called when a context-parallel route runs it as ring
     attention (``"scaled_dot_product_attention"``, ``"flex_attention"``); refusals then name it
     (:func:`ring_impl.validate.routed_error`). It is part of the call, so compiled calls, whose
     checks raise from an op when the graph runs, word their refusals the same."""
+    if kwargs.get("mask") is not None and not torch.compiler.is_compiling():
+        kwargs["mask"] = snapshot(kwargs["mask"])
     if routed_from is None:
         return _call_path(impl, query, key, value, strategy=strategy, algorithms=algorithms, **kwargs)
     try:
@@ -180,7 +186,9 @@ def ring_path(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-            mask_code=_path_code(mask_code(mask, sinks), "gather" if gather else "halo" if reach is not None else "ring")
+            mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
+                                                         key.shape[2] * world), query.device),
+                                 "gather" if gather else "halo" if reach is not None else "ring")
             if problem is None else 0,
         )
     elif problem is not None:
@@ -227,6 +235,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         return _ring_attention(impl, query, key, value, algorithms=strategies, impl_name=impl_name, **kwargs)
 
     ring_attention.__doc__ = _ring_attention_doc
+    ring_attention.impl_name = impl_name  # how compiled calls name it (ring_impl.compiled_masks)
     return ring_attention
 
 

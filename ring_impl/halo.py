@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .nonfinite import finite_parts
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
 from .ring import RingAttention, RingConfig, block_rows
@@ -206,14 +207,16 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
     else:
         out, lse = into
     if finite is None:
-        finite = bool(blocks) and impl.all_finite(query, ext)
+        finite = len(blocks) > 0 and impl.all_finite(query, ext)
     view = cfg.op.capabilities.row_views
     for block in blocks:
         (q0, q1) = block.q_rows
         q, k, v = (block_rows(query, block.q_rows, view), block_rows(ext[0], block.kv_rows, view),
                    block_rows(ext[1], block.kv_rows, view))
-        block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
-        if not finite:
+        if finite:
+            block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
+        else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
+            block_out, block_lse = impl.block_forward(cfg, *finite_parts(q, k, v), block)
             block_out, block_lse = impl.nonfinite_forward(block_out, block_lse, q, k, v, block)
         del q, k, v
         impl.merge(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
@@ -235,16 +238,19 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
     else:
         dq, dkv = into
     if finite is None:
-        finite = bool(blocks) and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
+        finite = len(blocks) > 0 and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
     view = cfg.op.capabilities.row_views
     for block in blocks:
         (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
         extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
         do_, q_, o_, l_ = (block_rows(t, block.q_rows, view) for t in (grad_out, query, out, lse))
         k_, v_ = block_rows(ext[0], block.kv_rows, view), block_rows(ext[1], block.kv_rows, view)
-        bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
-        if not finite:
-            bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block)
+        if finite:
+            bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
+        else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
+            bq, bk, bv = impl.block_backward(cfg, *finite_parts(do_, q_, k_, v_, o_, l_), block,
+                                             **{n: finite_parts(t)[0] for n, t in extra.items()})
+            bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block, **extra)
         dq[:, :, q0:q1] += bq
         dkv[0, :, :, k0:k1] += bk
         dkv[1, :, :, k0:k1] += bv

@@ -31,9 +31,10 @@ mask bounded on both sides by less than a shard runs as a halo exchange (:mod:`r
 from __future__ import annotations
 
 import hashlib
+import operator
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,8 +53,23 @@ __all__ = [
     "mask_code",
     "mask_problem",
     "masking_problem",
+    "probe_grid",
+    "probe_text",
+    "snapshot",
     "visibility",
 ]
+
+
+def _plain_int(value):
+    """``value`` as a Python int when it is an integer of another kind (numpy's, a 0-d integer
+    tensor): the masks' parameters are plain values, compared and described as such. Anything
+    else (bool, float, None, a wrong type) stays as it is, for ``check`` to refuse."""
+    if isinstance(value, (bool, int)) or value is None or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 class Mask:
@@ -86,6 +102,17 @@ class Mask:
     def digest(self) -> int:
         """31 bits equal on ranks with equal masks (and, with overwhelming odds, only then)."""
         return zlib.crc32(self.describe().encode()) & 0x7FFFFFFF
+
+    def frozen(self) -> Mask:
+        """The mask with its data copied as it is now (:func:`snapshot`): masks of plain values
+        are their own snapshot; masks holding tensors copy them."""
+        return self
+
+    def agreement_text(self, batch: int, heads: int, seq_q: int, seq_kv: int, device=None) -> str:
+        """What the ranks of a call compare (the cross-rank check) for a call of these global
+        sizes: the description, which determines a built-in mask; a ``MaskMod`` adds its values
+        over the whole (batch, head, query, key) range (:func:`probe_text`)."""
+        return self.describe()
 
     def __and__(self, other: Mask) -> Mask:
         return And(self, other)
@@ -122,6 +149,10 @@ class SlidingWindow(Mask):
     left: int | None
     right: int | None = 0
 
+    def __post_init__(self):
+        object.__setattr__(self, "left", _plain_int(self.left))
+        object.__setattr__(self, "right", _plain_int(self.right))
+
     def visible(self, b, h, q, kv):
         seen = torch.ones_like(kv <= q)
         if self.left is not None:
@@ -147,6 +178,9 @@ class SlidingWindow(Mask):
 class ChunkedCausal(Mask):
     chunk: int
 
+    def __post_init__(self):
+        object.__setattr__(self, "chunk", _plain_int(self.chunk))
+
     def visible(self, b, h, q, kv):
         return (kv <= q) & (torch.div(kv, self.chunk, rounding_mode="floor") == torch.div(q, self.chunk, rounding_mode="floor"))
 
@@ -165,6 +199,9 @@ class ChunkedCausal(Mask):
 @dataclass(frozen=True)
 class PrefixLM(Mask):
     prefix: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "prefix", _plain_int(self.prefix))
 
     def visible(self, b, h, q, kv):
         return (kv <= q) | (kv < self.prefix)
@@ -192,12 +229,20 @@ class Documents(Mask):
     causal: bool = True
     kv_doc_ids: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    #: True for a snapshot (:meth:`frozen`): ids this object owns, that nobody else can write,
+    #: so their description and their per-device copies may be kept
+    _owned: bool = field(default=False, repr=False, compare=False)
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens, seq_len: int, causal: bool = True) -> Documents:
         """Documents from cumulative lengths ``[0, l0, l0 + l1, ...]``; tokens from the last
         entry to ``seq_len`` are padding."""
-        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).flatten()
+        raw = torch.as_tensor(cu_seqlens).flatten()
+        if raw.is_floating_point():  # (float64: the message shows the values given)
+            raw = torch.as_tensor(cu_seqlens, dtype=torch.float64).flatten()
+        if raw.is_complex() or (raw.is_floating_point() and not bool((raw == raw.round()).all())):
+            raise ValueError(f"cu_seqlens must be integers (cumulative document lengths), got {raw.tolist()}")
+        cu = raw.to(torch.int64)
         if cu.numel() < 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > seq_len:
             raise ValueError(
                 f"cu_seqlens must start at 0, not decrease and end at most at seq_len {seq_len}, got {cu.tolist()}"
@@ -207,19 +252,35 @@ class Documents(Mask):
             ids[a:b] = d
         return Documents(ids, causal)
 
+    def frozen(self) -> Documents:
+        """A snapshot: the ids copied (int64, on their device) into tensors only it holds.
+
+        A call plans with the snapshot it takes when it starts (:func:`snapshot`), so its plan
+        and the description that keys the plan cache come from the same data, whatever the
+        caller writes into its ids later (in place, through ``.data``, through a numpy buffer
+        the tensor shares, none of which a version counter sees)."""
+        if self._owned:
+            return self
+        tensors = [t for t in (self.doc_ids, self.kv_doc_ids) if t is not None]
+        if not all(isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()) and t.device.type != "meta"
+                   for t in tensors):
+            return self  # ids the checks refuse (on every rank, through the cross-rank agreement)
+
+        def copy(t):
+            return None if t is None else t.detach().to(dtype=torch.int64, copy=True)
+
+        return replace(self, doc_ids=copy(self.doc_ids), kv_doc_ids=copy(self.kv_doc_ids), _cache={}, _owned=True)
+
     def _ids(self, kv: bool, device: torch.device) -> torch.Tensor:
-        """The ids as int64 on ``device``; a converted copy is kept while the ids are unchanged
-        (their storage and version counter: ids updated in place are converted again, never
-        served stale, as their description, which keys the plans, is computed afresh)."""
+        """The ids as int64 on ``device``. A snapshot keeps its converted copies; ids held by the
+        caller are converted on every use (their data may change without a trace)."""
         src = self.kv_doc_ids if kv and self.kv_doc_ids is not None else self.doc_ids
-        if not isinstance(src, torch.Tensor):
-            return torch.as_tensor(src, dtype=torch.int64, device=device)
-        stamp = (src.data_ptr(), src._version)
+        if not self._owned:
+            return torch.as_tensor(src).to(device=device, dtype=torch.int64)
         kept = self._cache.get((kv, device))
-        if kept is None or kept[0] != stamp:
-            kept = (stamp, src.to(device=device, dtype=torch.int64))
-            self._cache[(kv, device)] = kept
-        return kept[1]
+        if kept is None:
+            kept = self._cache[(kv, device)] = src.to(device=device, dtype=torch.int64)
+        return kept
 
     def visible(self, b, h, q, kv):
         dq, dk = self._ids(False, q.device)[q], self._ids(True, kv.device)[kv]
@@ -232,6 +293,14 @@ class Documents(Mask):
         return None, (0 if self.causal else None)
 
     def describe(self) -> str:
+        if self._owned and "describe" in self._cache:
+            return self._cache["describe"]
+        text = self._describe()
+        if self._owned:
+            self._cache["describe"] = text
+        return text
+
+    def _describe(self) -> str:
         parts = [torch.as_tensor(self.doc_ids)]
         if self.kv_doc_ids is not None:
             parts.append(torch.as_tensor(self.kv_doc_ids))
@@ -248,9 +317,12 @@ class Documents(Mask):
             if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
                 return f"Documents.{name} must be a 1-D integer tensor of global positions, got {type(ids).__name__}" + (
                     f" of shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else "")
+            if ids.device.type == "meta":
+                return f"Documents.{name} is on the meta device, which holds no values: give the ids as a CPU (or the inputs' device) tensor"
             if ids.numel() != n:
                 return (f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} tokens "
                         "(local length x world size): give one id per global position")
+            ids = ids.to(torch.int64)  # (an unsigned dtype compares -1 as its largest value)
             real = ids[ids >= 0]
             if bool((ids < -1).any()):
                 return f"Documents.{name}: ids must be >= 0, or -1 for padding"
@@ -267,6 +339,14 @@ class Documents(Mask):
 class And(Mask):
     a: Mask
     b: Mask
+
+    def frozen(self) -> Mask:
+        a, b = self.a.frozen(), self.b.frozen()
+        return self if (a is self.a and b is self.b) else replace(self, a=a, b=b)
+
+    def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
+        return (f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
+                f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})")
 
     @property
     def exact_digest(self) -> bool:
@@ -291,6 +371,14 @@ class Or(Mask):
     a: Mask
     b: Mask
 
+    def frozen(self) -> Mask:
+        a, b = self.a.frozen(), self.b.frozen()
+        return self if (a is self.a and b is self.b) else replace(self, a=a, b=b)
+
+    def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
+        return (f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
+                f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})")
+
     @property
     def exact_digest(self) -> bool:
         return type(self) in _EXACT_TYPES and bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
@@ -312,15 +400,21 @@ class Or(Mask):
 @dataclass(frozen=True, eq=False)
 class MaskMod(Mask):
     """``fn(b, h, q_idx, kv_idx)`` as in flex attention, called once on broadcastable int64
-    tensors of shapes (B, 1, 1, 1), (1, H, 1, 1), (1, 1, rows, 1), (1, 1, 1, cols). Its digest
-    is its qualified name plus its values on a probe grid of the first 64 positions (fewer for a
-    fn that cannot take 64), batch 0, head 0 (a closure differing between ranks outside that
-    grid is not detected)."""
+    tensors of shapes (B, 1, 1, 1), (1, H, 1, 1), (1, 1, rows, 1), (1, 1, 1, cols).
+
+    Its description is its qualified name plus its values on the first 64 positions at batch 0,
+    head 0 (plans are never cached by it: a MaskMod is planned on every call). What the ranks
+    of a call compare (:meth:`agreement_text`) is its values over the call's whole range:
+    :func:`probe_text`."""
 
     fn: Callable
 
     def visible(self, b, h, q, kv):
         return self.fn(b, h, q, kv)
+
+    def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        return f"mask_mod({name},{probe_text(self.fn, batch, heads, seq_q, seq_kv, device)})"
 
     def describe(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
@@ -336,6 +430,75 @@ class MaskMod(Mask):
             bits = probe.to(torch.bool).expand(1, 1, size, size).contiguous().numpy().tobytes()
             return f"mask_mod({name},{size},{zlib.crc32(bits)})"
         return f"mask_mod({name},unprobed)"
+
+
+#: How many (batch, head, query, key) entries a MaskMod's cross-rank probe evaluates at most.
+PROBE_ENTRIES = 1 << 20
+#: In a sampled probe: the first and last positions of each sequence always, the rest drawn.
+PROBE_EDGE = 16
+
+
+def _probe_positions(n: int, take: int, gen: torch.Generator) -> torch.Tensor:
+    """``take`` of ``range(n)`` (all when n <= take): the first and last PROBE_EDGE, the rest drawn
+    uniformly without replacement from those between; sorted."""
+    if n <= take:
+        return torch.arange(n)
+    edge = min(PROBE_EDGE, take // 4)
+    middle = torch.arange(edge, n - edge)
+    drawn = middle[torch.randperm(middle.numel(), generator=gen)[: take - 2 * edge]]
+    return torch.cat([torch.arange(edge), drawn, torch.arange(n - edge, n)]).sort().values
+
+
+def probe_grid(batch: int, heads: int, seq_q: int, seq_kv: int) -> tuple[torch.Tensor, ...]:
+    """The (batch, head, query, key) indices a MaskMod's cross-rank probe evaluates, the same on
+    every rank: every entry when ``batch * heads * seq_q * seq_kv <= PROBE_ENTRIES``; else up to 8
+    batch rows, 16 heads and an equal number of query and key positions within that budget, drawn
+    by a generator seeded by the sizes alone (the first and last 16 positions always among them)."""
+    if batch * heads * seq_q * seq_kv <= PROBE_ENTRIES:
+        return torch.arange(batch), torch.arange(heads), torch.arange(seq_q), torch.arange(seq_kv)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{batch},{heads},{seq_q},{seq_kv}".encode()))
+    bs = _probe_positions(batch, 8, gen)
+    hs = _probe_positions(heads, 16, gen)
+    side = max(2, int((PROBE_ENTRIES / (bs.numel() * hs.numel())) ** 0.5))
+    return bs, hs, _probe_positions(seq_q, side, gen), _probe_positions(seq_kv, side, gen)
+
+
+def probe_text(fn, batch: int, heads: int, seq_q: int, seq_kv: int, device=None) -> str:
+    """A MaskMod's values on :func:`probe_grid`, as text the ranks of a call compare.
+
+    Power: when the call's whole grid has at most PROBE_ENTRIES (2^20) entries, every entry is
+    evaluated, so masks differing anywhere are told apart (up to a 32-bit checksum). Beyond, the
+    probe takes every batch row and head up to 8 and 16 (else 8 and 16 of them, the first and last
+    included) and m query and m key positions (m = sqrt(2^20 / (batches x heads)): 90 for 8 x 16,
+    512 for 1 x 4): the first and last 16 and the rest drawn uniformly. A difference on a
+    fraction f of the query rows (or key columns), at the probed batches and heads, is then found
+    with probability at least 1 - (1 - f)^(m - 32) (f = 5%: 95% at m = 90); one confined to a few
+    entries in the middle of a long sequence is likely missed. Evaluated on ``device`` (the
+    inputs'), else on the CPU."""
+    bs, hs, qs, ks = probe_grid(batch, heads, seq_q, seq_kv)
+    failure = "unprobed"
+    for where in dict.fromkeys([device, torch.device("cpu")]):
+        if where is None:
+            continue
+        try:
+            crc = 0
+            for start in range(0, qs.numel(), max(1, (1 << 18) // max(1, bs.numel() * hs.numel() * ks.numel()))):
+                rows = qs[start:start + max(1, (1 << 18) // max(1, bs.numel() * hs.numel() * ks.numel()))]
+                vis = torch.as_tensor(fn(bs.to(where).view(-1, 1, 1, 1), hs.to(where).view(1, -1, 1, 1),
+                                         rows.to(where).view(1, 1, -1, 1), ks.to(where).view(1, 1, 1, -1)))
+                bits = vis.to(torch.bool).expand(bs.numel(), hs.numel(), rows.numel(), ks.numel()).cpu()
+                crc = zlib.crc32(bits.contiguous().numpy().tobytes(), crc)
+            return f"{bs.numel()}x{hs.numel()}x{qs.numel()}x{ks.numel()}:{crc}"
+        except Exception as exc:  # a fn failing here fails the call's own checks, on every rank
+            failure = f"unprobed:{type(exc).__name__}"
+    return failure
+
+
+def snapshot(mask):
+    """The mask a call plans with: ``mask.frozen()`` (its tensors copied once, when the call
+    starts), so the plan and the description that keys the plan cache are made from the same
+    data; anything that is not a Mask is returned as it is, for the input checks to refuse."""
+    return mask.frozen() if isinstance(mask, Mask) else mask
 
 
 def fold_causal(mask: Mask | None, is_causal) -> Mask | None:
@@ -409,12 +572,18 @@ def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
     return problem or sinks_problem(sinks, h)
 
 
-def mask_code(mask, sinks) -> int:
+def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device=None) -> int:
     """31 bits for the cross-rank check: equal on ranks with equal masks and sinks; 0 for
-    neither (what every strategy's check sends then, so the texts agree on "no mask")."""
+    neither (what every strategy's check sends then, so the texts agree on "no mask").
+    ``dims``: the call's global (batch, heads, seq_q, seq_kv), over which a MaskMod is probed
+    (:meth:`Mask.agreement_text`); without them, the description."""
     if mask is None and sinks is None:
         return 0
-    parts = [mask.describe() if mask is not None else "-"]
+    if mask is None:
+        text = "-"
+    else:
+        text = mask.agreement_text(*dims, device) if dims is not None else mask.describe()
+    parts = [text]
     if sinks is not None:
         parts.append(str(zlib.crc32(sinks.detach().to(torch.float64).cpu().contiguous().numpy().tobytes())))
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF

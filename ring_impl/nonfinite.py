@@ -1,14 +1,20 @@
-"""NaN and inf in the inputs reach the outputs, whatever the local kernel does with them.
+"""NaN and inf in the inputs reach exactly the outputs they reach in exact arithmetic, whatever
+the local kernel does with them.
 
 Attention in exact arithmetic turns a non-finite input into NaN in everything that depends on
 it: a query row poisons its own output row and LSE; a key poisons the rows that see it; a value
 element poisons that feature of the rows that see it; in the backward, a poisoned row poisons
 its dQ row and the dK/dV rows of every key it sees. Kernels do not all honour this (the CPU
 flash kernel returns a query row holding NaN as out 0, LSE 0), and a ring must not hide a NaN
-its inputs carry. So every step's block result is passed through these masks, computed from
-the block's own inputs and its visibility (``"full"``, or top-left ``"causal"``): elementwise
-flags and a prefix ``any`` over keys (one reduction), O(seq * head_dim) per step against the kernel's
-O(seq^2 * head_dim), with no data-dependent branch (compiles into the graph).
+its inputs carry, nor spread one further: a kernel given a NaN at a key its mask hides (an
+additive mask adds -inf to a NaN score, which stays NaN) returns NaN for rows that never see it.
+So a block whose inputs are not all finite runs its kernel on :func:`finite_parts` of them
+(non-finite entries as 0) and its result is then passed through these masks, computed from the
+block's own inputs and its visibility (``"full"``, top-left ``"causal"``, or ``"masked"`` with
+the block's visibility): elementwise flags and a prefix ``any`` over keys (one reduction),
+O(seq * head_dim) per step against the kernel's O(seq^2 * head_dim), with no data-dependent
+branch (compiles into the graph). The rule is the float64 oracle's
+(``reference.attention.nonfinite_reach``): dependency through the visibility.
 
 Shapes: query/out/grad_out (batch, heads, rows, head_dim), lse (batch, heads, rows),
 key/value (batch, heads_kv, cols, head_dim); GQA: query head h reads key/value head
@@ -19,11 +25,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["poison_backward", "poison_forward"]
+__all__ = ["finite_parts", "poison_backward", "poison_forward"]
 
 
 def _bad(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t)
+
+
+def finite_parts(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors with their non-finite entries replaced by 0 (None stays None): what a block's
+    kernel runs on when its inputs are not all finite, so that it computes finite numbers
+    everywhere and the poison masks alone decide where NaN goes."""
+    return tuple(None if t is None else torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+                 for t in tensors)
 
 
 def _to_query_heads(flags: torch.Tensor, heads: int) -> torch.Tensor:
@@ -49,11 +63,12 @@ def _prefix_any(flags: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _suffix_any(flags: torch.Tensor, cols: int) -> torch.Tensor:
-    """(batch, heads, rows) flags -> (batch, heads, cols): col j has a flag among rows j..end."""
+    """(batch, heads, rows[, d]) flags -> (batch, heads, cols[, d]): col j has a flag among rows j..end."""
     rows = flags.shape[2]
-    pos = torch.arange(rows, device=flags.device)
+    trailing = [1] * (flags.dim() - 3)
+    pos = torch.arange(rows, device=flags.device).view(1, 1, rows, *trailing)
     last = torch.where(flags, pos, -1).amax(dim=2, keepdim=True)  # -1: no flagged row
-    return torch.arange(cols, device=flags.device).view(1, 1, cols) <= last
+    return torch.arange(cols, device=flags.device).view(1, 1, cols, *trailing) <= last
 
 
 def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,16 +88,20 @@ def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tens
 
 
 def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """For query-row flags (batch, heads, rows): whether each key is seen by a flagged row:
-    (batch, heads, cols). ``causal``: key j is seen by rows j..rows-1; ``masked``: as ``visible``."""
+    """For query-row flags (batch, heads, rows[, d]): whether each key is seen by a flagged row:
+    (batch, heads, cols[, d]). ``causal``: key j is seen by rows j..rows-1; ``masked``: as
+    ``visible``."""
     if kind == "masked" and visible is not None:
         if not bool(flags.any()):
-            return flags.new_zeros((*flags.shape[:2], cols))
-        seen = flags.to(torch.float32).unsqueeze(-2) @ visible.to(torch.float32)  # (b, h, 1, cols)
-        return (seen > 0).squeeze(-2)
+            return flags.new_zeros((*flags.shape[:2], cols, *flags.shape[3:]))
+        f = flags.to(torch.float32)
+        vt = visible.to(torch.float32).transpose(-2, -1)  # (b or 1, h or 1, cols, rows)
+        seen = vt @ (f if f.dim() == 4 else f.unsqueeze(-1))
+        return (seen > 0) if f.dim() == 4 else (seen > 0).squeeze(-1)
     if kind == "causal":
         return _suffix_any(flags, cols)
-    return flags.any(dim=2, keepdim=True).expand(*flags.shape[:2], cols)
+    seen = flags.any(dim=2, keepdim=True)
+    return seen.expand(*seen.shape[:2], cols, *seen.shape[3:])
 
 
 def poison_forward(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -100,19 +119,30 @@ def poison_forward(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, ke
 
 def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                    kind: str, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them.
+                    kind: str, visible: torch.Tensor | None = None,
+                    grad_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's (dq, dk, dv) with NaN exactly where a non-finite input reaches them.
 
-    A row is poisoned when its query, output, LSE or output gradient holds a non-finite value,
-    or a key/value it sees does; its dQ row is NaN and so are the dK/dV rows of every key it
-    sees (a superset of where float64 autograd puts NaN, never a subset).
+    ``out``/``lse`` are the call's merged output and LSE for the block's rows (a row that saw a
+    non-finite key or value anywhere carries it there). A row's probabilities are poisoned when
+    its query or LSE is non-finite or it sees a non-finite key here; its dS (and so its dQ row
+    and the dK rows of every key it sees) also when its output, output gradient or LSE gradient
+    is, or it sees a non-finite value here (dP = dO V^T). dV[j, d] = sum_i P_ij dO[i, d] is
+    poisoned only by the probabilities of the rows that see key j and by feature d of their
+    output gradients, never by a value.
     """
     heads, heads_kv, rows, cols = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
-    bad_kv = _to_query_heads(_bad(key).any(-1) | _bad(value).any(-1), heads)  # (b, h, cols)
-    row_bad = (
-        _bad(query).any(-1) | _bad(out).any(-1) | _bad(grad_out).any(-1) | _bad(lse) | _seen_by_rows(bad_kv, kind, rows, visible)
-    )
-    col_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
+    probs_bad = (_bad(query).any(-1) | _bad(lse)
+                 | _seen_by_rows(_to_query_heads(_bad(key).any(-1), heads), kind, rows, visible))  # (b, h, rows)
+    row_bad = (probs_bad | _bad(out).any(-1) | _bad(grad_out).any(-1)
+               | _seen_by_rows(_to_query_heads(_bad(value).any(-1), heads), kind, rows, visible))
+    if grad_lse is not None:
+        row_bad = row_bad | _bad(grad_lse)
+    if visible is not None:  # a row this block hides computes nothing here
+        sees = visible.any(-1).expand(row_bad.shape)
+        probs_bad, row_bad = probs_bad & sees, row_bad & sees
+    dk_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
+    dv_bad = _to_kv_heads(_seeing_cols(probs_bad.unsqueeze(-1) | _bad(grad_out), kind, cols, visible), heads_kv)
     nan = torch.full((), float("nan"), dtype=dq.dtype, device=dq.device)
-    return (torch.where(row_bad.unsqueeze(-1), nan, dq), torch.where(col_bad, nan.to(dk.dtype), dk),
-            torch.where(col_bad, nan.to(dv.dtype), dv))
+    return (torch.where(row_bad.unsqueeze(-1), nan, dq), torch.where(dk_bad, nan.to(dk.dtype), dk),
+            torch.where(dv_bad, nan.to(dv.dtype), dv))

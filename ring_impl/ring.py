@@ -39,7 +39,7 @@ from . import debug, heads
 from .group import RingGroup
 from .lse import normalize_lse
 from .merge import merge_into
-from .nonfinite import poison_backward, poison_forward
+from .nonfinite import finite_parts, poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
 from .plan import Block, StepPlan, masked_plan, ring_plan
 from .transports import Link, Transport, after, get_transport
@@ -148,13 +148,13 @@ class RingAttention:
         kernel did with it (ring_impl.nonfinite)."""
         return poison_forward(out, lse, q, k, v, plan.kind, None if plan.visible is None else plan.visible.to(q.device))
 
-    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block):
+    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block, grad_lse=None):
         """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them."""
         visible = None if plan.visible is None else plan.visible.to(q.device)
         if visible is not None:  # as block_backward: rows the block hides carry no LSE
             dead = ~visible.any(-1).expand(lse.shape)
             lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind, visible)
+        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind, visible, grad_lse=grad_lse)
 
     def all_finite(self, *tensors: torch.Tensor) -> bool:
         """Whether the NaN propagation can be skipped for blocks of these inputs: eager, on CPU
@@ -226,8 +226,10 @@ class RingAttention:
                 q0, q1 = block.q_rows
                 q, k, v = (block_rows(query, block.q_rows, view), block_rows(kv[0], block.kv_rows, view),
                            block_rows(kv[1], block.kv_rows, view))
-                block_out, block_lse = self.block_forward(cfg, q, k, v, block)
-                if not finite:
+                if finite:
+                    block_out, block_lse = self.block_forward(cfg, q, k, v, block)
+                else:  # the kernel on finite numbers, NaN put exactly where the inputs take it
+                    block_out, block_lse = self.block_forward(cfg, *finite_parts(q, k, v), block)
                     block_out, block_lse = self.nonfinite_forward(block_out, block_lse, q, k, v, block)
                 del q, k, v
                 if recorder is not None:
@@ -302,9 +304,12 @@ class RingAttention:
                         *(block_rows(t, block.kv_rows, view) for t in kv),
                         *(block_rows(t, block.q_rows, view) for t in (out, lse)))
                 do_, q_, k_, v_, o_, l_ = args
-                dq, dk, dv = self.block_backward(cfg, *args, block, **extra)
-                if not finite:
-                    dq, dk, dv = self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block)
+                if finite:
+                    dq, dk, dv = self.block_backward(cfg, *args, block, **extra)
+                else:  # the kernel on finite numbers, NaN put exactly where the inputs take it
+                    dq, dk, dv = self.block_backward(cfg, *finite_parts(*args), block,
+                                                     **{n: finite_parts(t)[0] for n, t in extra.items()})
+                    dq, dk, dv = self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block, **extra)
                 del args, do_, q_, k_, v_, o_, l_
                 dq_acc[:, :, q0:q1] += dq
                 contribution.append((block.kv_rows, dk, dv))

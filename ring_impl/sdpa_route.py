@@ -196,15 +196,51 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
     agreement as a ring call, so a rank whose call did reach SDPA raises too instead of
     waiting in the ring."""
     if torch.compiler.is_compiling():
-        # Traced, the call below would become the refusing op of ring_impl.compiled_checks, whose
-        # output the module's own attention does not use: the graph would drop it. This rank
-        # raises alone, while tracing (ranks that reached SDPA are not told).
+        # A call that could not be described for the refusing op (RouteMode.__torch_function__
+        # gives a described one the op): this rank raises alone, while tracing.
         raise routed_error(InputError(f"ring_attention: {problem}"), "multi_head_attention_forward")
     anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
     api.ring_attention(anchor, anchor, anchor, group=route.mesh if route.mesh is not None else route.group,
                        layout=route.layout, rotate_method=route.rotate_method, head_chunks=route.head_chunks,
                        strategy=route.strategy, extra_problem=problem, routed_from="multi_head_attention_forward")
     raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover
+
+
+def _mha_arg(args: tuple, kwargs: dict, name: str):
+    """``F.multi_head_attention_forward``'s argument ``name`` as the call gave it (or its default)."""
+    if name in kwargs:
+        return kwargs[name]
+    position = list(_MHA_PARAMS).index(name)
+    return args[position] if len(args) > position else _MHA_PARAMS[name].default
+
+
+def _weights_refused_in_graph(route: Route, args: tuple, kwargs: dict):
+    """A traced ``F.multi_head_attention_forward(..., need_weights=True)`` under a route, as the
+    refusing op of ring_impl.compiled_checks: (attn_output, attn_weights) of the shapes the call
+    would give, made by ``ring_impl::refuse``, which runs the call's checks with the weights
+    problem when the graph runs, so that every rank raises (the ranks that reached SDPA run the
+    same agreement in their ``ring_impl::agree`` op). The module returns the op's results, so no
+    compiler drops it. None when the call cannot be described (this rank raises alone then,
+    while tracing)."""
+    from . import compiled_checks  # noqa: F401  (registers ring_impl::refuse)
+    from .compiled_masks import describe_call
+
+    query, key = _mha_arg(args, kwargs, "query"), _mha_arg(args, kwargs, "key")
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() in (2, 3)):
+        return None
+    described = describe_call(api.ring_attention.impl_name, query, query,
+                              group=route.mesh if route.mesh is not None else route.group, layout=route.layout,
+                              rotate_method=route.rotate_method, head_chunks=route.head_chunks, strategy=route.strategy,
+                              extra_problem=NEED_WEIGHTS_PROBLEM, routed_from="multi_head_attention_forward")
+    if described is None:
+        return None
+    heads = int(_mha_arg(args, kwargs, "num_heads"))
+    lengths = [int(query.shape[0]), int(key.shape[0])]  # (L, S)
+    batch = [int(query.shape[1])] if query.dim() == 3 else []
+    per_head = [] if _mha_arg(args, kwargs, "average_attn_weights") else [heads]
+    out, weights = torch.ops.ring_impl.refuse(query, query, query, None, described[0], [int(n) for n in query.shape],
+                                              [*batch, *per_head, *lengths])
+    return out, weights.to(query.dtype)
 
 
 def _needs_weights(args: tuple, kwargs: dict) -> bool:
@@ -243,6 +279,10 @@ class RouteMode(TorchFunctionMode):
         if func is _BUILTIN_SDPA:
             return routed_sdpa(*args, **kwargs)
         if func is _MHA_FORWARD and route is not None:
+            if torch.compiler.is_compiling() and _needs_weights(args, kwargs):
+                refused = _weights_refused_in_graph(route, args, kwargs)
+                if refused is not None:
+                    return refused
             self.check_attention_weights(route, args, kwargs)
             return self.attention_forward(*args, **kwargs)
         return func(*args, **kwargs)

@@ -19,7 +19,7 @@ from conformance.implementation import load_implementation
 __all__ = ["BAD_INPUTS", "bad_input_case"]
 
 #: kind -> (what the error message must mention (regex, case-insensitive), needs)
-#: ``needs``: None, "context_parallel" (the SDPA route) or "cuda".
+#: ``needs``: None, "context_parallel" (the SDPA route), "cuda" or "mask_mod" (masks of that kind).
 BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "dtype_on_one_rank": (r"dtype", None),
     "device_mismatch": (r"device", "cuda"),
@@ -42,7 +42,32 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "nan_scale": (r"scale", None),
     "sdpa_attn_mask": (r"attn_mask|mask", "context_parallel"),
     "sdpa_dropout": (r"dropout", "context_parallel"),
+    # a mask_mod that differs on one rank only where a probe of its first positions, batch 0 and
+    # head 0 does not look: each rank would attend under its own mask
+    "mask_mod_differs_beyond_64": (r"mask", "mask_mod"),
+    "mask_mod_differs_at_head_1": (r"mask", "mask_mod"),
+    "mask_mod_differs_at_batch_1": (r"mask", "mask_mod"),
 }
+
+#: Where the last rank's mask_mod hides one more key, per kind (global positions; seq_q >= 96)
+_MASK_MOD_DIFFERENCE = {
+    "mask_mod_differs_beyond_64": lambda b, h, q, kv: (q == 90) & (kv == 70),
+    "mask_mod_differs_at_head_1": lambda b, h, q, kv: (h == 1) & (q == kv) & (q > 0),
+    "mask_mod_differs_at_batch_1": lambda b, h, q, kv: (b == 1) & (q == kv) & (q > 0),
+}
+
+
+def _differing_mask_mod(kind: str, last: bool):
+    """A causal mask_mod; on the last rank it also hides the entries of ``_MASK_MOD_DIFFERENCE[kind]``."""
+    from ring_impl.masks import MaskMod
+
+    hidden = _MASK_MOD_DIFFERENCE[kind]
+
+    def causal_mask_mod(b, h, q_idx, kv_idx):
+        seen = kv_idx <= q_idx
+        return seen & ~hidden(b, h, q_idx, kv_idx) if last else seen
+
+    return MaskMod(causal_mask_mod)
 
 
 def _qkv(ctx, batch=2, heads=4, heads_kv=4, seq=8, seq_kv=None, head_dim=16, dtype=torch.float32):
@@ -104,6 +129,9 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
 
         mesh = _mesh(ctx)
         q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]) for t in (q, k, v))
+    elif kind in _MASK_MOD_DIFFERENCE:
+        q, k, v = _qkv(ctx, seq=48)  # a global sequence of at least 96
+        kw["mask"] = _differing_mask_mod(kind, last)
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):

@@ -130,6 +130,10 @@ class MaskCase(RingCase):
     #: (suites.cases_strategies' groups, reference.strategies' layouts)
     strategy: str = "ring"
     mesh_shape: tuple[int, int] | None = None
+    #: a documents mask whose ids live in an int32 buffer the rank refills in place between two
+    #: calls (as a data pipeline refills a ``torch.from_numpy`` buffer: torch's version counter
+    #: does not move); the second call, on the same mask object, is judged
+    refill: bool = False
 
     @property
     def balancer(self) -> str | None:
@@ -143,8 +147,9 @@ class MaskCase(RingCase):
     def label(self) -> str:
         data = f", mask_data={self.mask_json}" if self.mask_json else ""
         mesh = f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}" if self.mesh_shape else ""
+        refill = ", ids refilled in place after a first call" if self.refill else ""
         return (RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
-                + f"{mesh}, mask={self.mask}, sinks={self.sinks}{data})")
+                + f"{mesh}, mask={self.mask}, sinks={self.sinks}{data}{refill})")
 
 
 def _sinks(spec: InputSpec) -> torch.Tensor:
@@ -200,6 +205,9 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
 
         kwargs["op"] = resolve_case_op(case, ctx.device)
     attention = impl.obj.ring_attention
+    if case.refill:
+        mask = _refilled_documents(attention, q, k, v, kwargs, case.mask_data())
+        kwargs["mask"] = mask
     if case.compile:
         # Ranks live across cases: a reset keeps dynamo's recompile limit for this case's masks.
         torch._dynamo.reset()
@@ -212,6 +220,24 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     out.backward(dout)
     return {"out": out.detach().cpu(), "lse": lse.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(),
             "dv": v.grad.cpu(), "dsinks": None if sinks is None else sinks.grad.cpu(), "runs": runs}
+
+
+def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[str, Any]):
+    """A documents mask over an int32 numpy buffer: one call with other ids (its result dropped),
+    then the buffer refilled in place with the case's ids (a numpy write, which torch's version
+    counter does not see). Returns the same mask object, now holding the case's ids."""
+    import numpy as np
+
+    from ring_impl.masks import Documents
+
+    if data["kind"] != "document" or "doc_ids" not in data:
+        raise ValueError(f"a refill case needs a plain documents mask with doc_ids, got kind {data['kind']!r}")
+    buffer = np.asarray(other_mask_data(data)["doc_ids"], dtype=np.int32)
+    mask = Documents(torch.from_numpy(buffer), bool(data.get("causal", True)))
+    with torch.no_grad():
+        attention(q, k, v, **{**kwargs, "mask": mask})
+    buffer[:] = np.asarray(data["doc_ids"], dtype=np.int32)
+    return mask
 
 
 def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -296,7 +322,8 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
         if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):
-                named = _tail_padding_attended(case, g, results, pos) or _lengths_rounded_down(case, g, results, pos)
+                named = (_stale_documents(case, g, results, pos) or _tail_padding_attended(case, g, results, pos)
+                         or _lengths_rounded_down(case, g, results, pos))
                 if named:
                     raise AssertionError(f"lse: {named} [{case.label}]")
                 raise AssertionError(
@@ -408,6 +435,16 @@ def _tail_padding_attended(case: MaskCase, g, results: list[dict[str, Any]], pos
             "see nothing and are seen by nothing, wherever they are")
 
 
+def _stale_documents(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
+    """Name the bug class 'stale documents after an in-place refill', or ""."""
+    if not case.refill or not _equals_attention_under(case, g, results, pos, other_mask_data(case.mask_data())):
+        return ""
+    return ("stale documents: the second call ran the documents its mask's ids held at the first call; the ids "
+            "were refilled in place (an int32 buffer written through numpy, which torch's version counter does "
+            "not see) and a plan or a converted copy of the ids was served again: a call must plan with the ids "
+            "as they are when it starts")
+
+
 def _document_parts(data: dict[str, Any]):
     """The ``document`` masks in ``data`` (inside ``and``/``or`` too)."""
     if data["kind"] in ("and", "or"):
@@ -437,6 +474,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
                 + (f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel whose causal path "
                    "returns NaN there (the CPU flash kernel): run such blocks with a mask or another kernel"
                    if spec.scale is not None and spec.scale <= 0 else ""))
+    stale = _stale_documents(case, g, results, pos)
+    if stale:
+        return stale
     if case.sinks:  # ranks whose rows are attention without the sink term
         plain = attention(g.query, g.key, g.value, visible=vis, scale=spec.scale).out
         tol = 1e-3 * max(1.0, float(ref.out.abs().max()))

@@ -35,6 +35,8 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
         ring.require("context_parallel", why="the SDPA route")
     if needs == "ops":
         ring.require("ops", "*", why="selecting an op by name")
+    if needs == "mask_mod":
+        ring.require("masks", "mask_mod", why="a mask_mod that differs between ranks")
     timeout = min(TIMEOUT_S, ring.timeout)
     try:
         outcomes = ring.rank_pool(w).run_outcomes(bad_input_case, ring.impl.spec, kind, timeout=timeout)

@@ -70,10 +70,24 @@ def _cases(config) -> list:
             seq = 24 * w
             spec = InputSpec(batch=1, heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16, dtype=dtype)
             out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0))
-    out += _strategy_cases(config) + _scale_cases(config) + _compile_cases(config)
+    out += _strategy_cases(config) + _scale_cases(config) + _compile_cases(config) + _refill_cases(config)
     return params(out, id_extra=lambda c: (*((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
                                            c.mask, *(("sinks",) if c.sinks else ()),
-                                           *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ())))
+                                           *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ()),
+                                           *(("refilled",) if c.refill else ())))
+
+
+def _refill_cases(config) -> list[MaskCase]:
+    """Documents whose ids live in an int32 buffer refilled in place between two calls on the
+    same mask object (cases_masks.MaskCase.refill): the second call must run the new documents,
+    whatever the implementation keeps between calls (converted ids, plans keyed by the ids'
+    description)."""
+    sizes = world_sizes(config, at_most=2)
+    out = []
+    for i, (w, name) in enumerate(itertools.product(sizes, ("documents", "documents_with_gaps"))):
+        spec = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float64")
+        out.append(MaskCase(spec, w, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3], mask=name, refill=True))
+    return out
 
 
 def _scale_cases(config) -> list[MaskCase]:

@@ -16,7 +16,15 @@ from __future__ import annotations
 from .api import DEFAULT_ALGORITHMS, strategy_path
 from .groups import DIM_NAMES, StrategyGroups, resolve_strategy_groups
 from .hybrid import Hybrid
-from .layout import STRATEGIES, mesh_coords, position_ranges, sequence_divisor, shard, unshard
+from .layout import (
+    STRATEGIES,
+    local_shard,
+    mesh_coords,
+    position_ranges,
+    sequence_divisor,
+    shard,
+    unshard,
+)
 from .schedule import strategy_schedule
 from .ulysses import Ulysses, kv_replication
 
@@ -28,6 +36,7 @@ __all__ = [
     "StrategyGroups",
     "Ulysses",
     "kv_replication",
+    "local_shard",
     "mesh_coords",
     "position_ranges",
     "resolve_strategy_groups",

@@ -78,11 +78,18 @@ def strategy_path(
         agree_on_mesh(problem, strategy, groups, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
                       rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
                       device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-                      mask_code=mask_code(mask, sinks) if problem is None else 0)
+                      mask_code=mask_code(mask, sinks, _global_dims(query, key, mesh_shape), query.device)
+                      if problem is None else 0)
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert cfg is not None
     return HeadParallelPath(cfg, algo)
+
+
+def _global_dims(query, key, mesh_shape) -> tuple[int, int, int, int]:
+    """(batch, heads, seq_q, seq_kv) of the call: the local sequence shards times the mesh size."""
+    n = mesh_shape[0] * mesh_shape[1]
+    return query.shape[0], query.shape[1], query.shape[2] * n, key.shape[2] * n
 
 
 def _plan(algo, cfg: HeadParallelConfig, query, key, u: int) -> None:

@@ -34,6 +34,7 @@ from ..validate import STRATEGIES  # one order: the cross-rank check's codes use
 __all__ = [
     "STRATEGIES",
     "check_strategy",
+    "local_shard",
     "mesh_coords",
     "position_ranges",
     "sequence_divisor",
@@ -122,6 +123,28 @@ def shard(tensor: torch.Tensor, *, strategy: str, layout: str, mesh_shape, coord
     ranges = position_ranges(strategy, layout, mesh_shape, coords, tensor.shape[dim])
     parts = [tensor.narrow(dim, a, b - a) for a, b in ranges]
     return (torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]).contiguous()
+
+
+def local_shard(tensor: torch.Tensor, group, *, strategy: str, layout: str, dim: int = 2) -> torch.Tensor:
+    """This rank's shard of a global tensor for a call with ``group=group``: the documented way to
+    shard for Ulysses and the hybrid. The rank's place is read from the groups the call will use
+    (its rank in the Ulysses group and in the ring group), never from its global rank: a hybrid
+    mesh's dims may be in either order (``("ring", "ulysses")`` or ``("ulysses", "ring")``) and
+    its ranks numbered either way, and a shard cut by global rank for the other order runs
+    without complaint and gives wrong attention (no rank can tell its shard was cut for another
+    place). ``strategy="ring"`` takes ``layout`` over the group's ranks."""
+    import torch.distributed as dist
+
+    from ..group import resolve_group
+    from .groups import resolve_strategy_groups
+
+    if strategy == "ring":
+        from ..layout import shard as ring_shard
+
+        pg = resolve_group(group)
+        return ring_shard(tensor, dist.get_world_size(pg), dist.get_rank(pg), layout=layout, dim=dim)
+    groups = resolve_strategy_groups(strategy, group)
+    return shard(tensor, strategy=strategy, layout=layout, mesh_shape=groups.shape, coords=groups.coords, dim=dim)
 
 
 def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 
 from ..layout import chunk_ids
 from ..lse import normalize_lse
-from ..nonfinite import poison_backward, poison_forward
+from ..nonfinite import finite_parts, poison_backward, poison_forward
 from ..ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
 from ..ring import RingAttention, RingConfig
 from .alltoall import heads_to_sequence, sequence_to_heads
@@ -161,7 +161,8 @@ class Ulysses:
         vis = self.visible(cfg, q, k)
         kind = "masked" if vis is not None else "causal" if cfg.is_causal else "full"
         causal = cfg.is_causal and vis is None
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=causal, scale=cfg.scale, visible=vis)
+        # The kernel on finite numbers; NaN goes exactly where the inputs take it (ring_impl.nonfinite).
+        out, lse = call_forward(cfg.op, *finite_parts(q, k, v), is_causal=causal, scale=cfg.scale, visible=vis)
         b, h, s, _ = q.shape
         op = block_op(cfg.op, is_causal=causal, scale=cfg.scale, visible=vis)  # the op that ran it
         lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=op.capabilities.lse_layout,
@@ -182,9 +183,10 @@ class Ulysses:
             grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), grad_out)
             if grad_lse is not None:
                 grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
-        dq, dk, dv = call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=cfg.is_causal and vis is None,
-                                   scale=cfg.scale, grad_lse=grad_lse, visible=vis)
-        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, kind, vis)
+        fq, fk, fv, fo, fl, fdo, fglse = finite_parts(q, k, v, out, lse, grad_out, grad_lse)
+        dq, dk, dv = call_backward(cfg.op, fdo, fq, fk, fv, fo, fl, is_causal=cfg.is_causal and vis is None,
+                                   scale=cfg.scale, grad_lse=fglse, visible=vis)
+        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, kind, vis, grad_lse=grad_lse)
 
     # ------------------------------------------------------------------ the algorithm
 

@@ -335,3 +335,28 @@ def test_tutorial_without_torchrun_says_how_to_launch_it() -> None:
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "torchrun --standalone --nproc-per-node=4" in lines[0], done.stderr
+
+
+def _compiled_mha_weights_on_one_rank(ctx) -> str:
+    torch._dynamo.reset()
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 8 * ctx.world_size, 8)
+
+    def forward(t):
+        return mha(t, t, t, need_weights=ctx.rank == 0)[0]
+
+    with ring_impl.context_parallel(ctx.group, buffers=[x], buffer_seq_dims=[1]):
+        torch.compile(forward, backend="aot_eager", fullgraph=True)(x)
+    return "no error"
+
+
+def test_compiled_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ring) -> None:
+    """Compiled, need_weights=True on rank 0 only: rank 0's graph holds the refusing op in place
+    of the module's attention, rank 1's the ring's agreement; when the graphs run, both raise
+    (no rank raises alone while tracing, leaving the other waiting)."""
+    outcomes = cp_ring.rank_pool(2).run_outcomes(_compiled_mha_weights_on_one_rank, timeout=120.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
+    assert all(not o.ok for o in outcomes), summary
+    assert all("InputError" in (o.exc_type or "") or "need_weights" in (o.exc_message or "") for o in outcomes), summary
+    assert "need_weights=False" in outcomes[0].exc_message, summary
+    assert "rank 0 rejected their input" in outcomes[1].exc_message, summary

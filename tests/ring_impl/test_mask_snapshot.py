@@ -1,0 +1,158 @@
+"""A call plans with the mask's data as it is when the call starts, whatever the caller writes
+into its ids afterwards or wrote before without torch seeing it.
+
+Document ids held in any integer dtype, in a ``torch.from_numpy`` buffer refilled through
+numpy, written through ``.data``, or a view of a larger buffer: the second call on the same
+``Documents`` runs the new documents, and a brand-new ``Documents`` of the new ids afterwards
+gets the new plan too (the plan cache is keyed by exactly the data its plans were built from).
+Judged against the float64 oracle (reference.masks, written apart from ring_impl.masks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conformance.implementation import DEFAULT_IMPL_SPEC
+from reference.attention import attention
+from reference.masks import visibility
+
+SEQ = 48  # global
+OLD = [0] * 10 + [1] * 14 + [2] * 20 + [-1] * 4
+NEW = [0] * 20 + [1] * 6 + [2] * 18 + [-1] * 4
+
+
+def _ids_for(dtype: str) -> tuple[list[int], list[int]]:
+    """(old, new) ids an array of ``dtype`` holds: an unsigned one has no -1, so its padding is one more document."""
+    if dtype.startswith("uint"):
+        return [3 if i < 0 else i for i in OLD], [3 if i < 0 else i for i in NEW]
+    return OLD, NEW
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(1, 2, SEQ, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+
+
+def _oracle(ids: list[int]) -> torch.Tensor:
+    q, k, v = _inputs()
+    vis = visibility({"kind": "document", "doc_ids": ids, "causal": True}, SEQ, SEQ)
+    return attention(q, k, v, visible=vis).out
+
+
+WRITES = ("numpy_refill", "data_copy", "view_of_larger_buffer", "copy_")
+
+
+def _holder(dtype: str, write: str):
+    """(ids tensor holding the old ids, a function writing the new ones into it in the way named by ``write``)."""
+    old, new = _ids_for(dtype)
+    if write == "numpy_refill":
+        buffer = np.asarray(old, dtype=dtype)
+        ids = torch.from_numpy(buffer)
+
+        def refill():
+            buffer[:] = np.asarray(new, dtype=dtype)
+    elif write == "view_of_larger_buffer":
+        buffer = np.zeros(2 * SEQ, dtype=dtype)
+        buffer[SEQ:] = np.asarray(old, dtype=dtype)
+        ids = torch.from_numpy(buffer)[SEQ:]
+
+        def refill():
+            buffer[SEQ:] = np.asarray(new, dtype=dtype)
+    else:
+        ids = torch.tensor(old, dtype=getattr(torch, dtype))
+
+        def refill():
+            target = ids.data if write == "data_copy" else ids
+            target.copy_(torch.tensor(new, dtype=ids.dtype))
+    return ids, refill
+
+
+def _calls(ctx, dtype: str, write: str) -> list[float]:
+    import ring_impl
+    from reference.layout import shard
+    from ring_impl.masks import Documents
+
+    q, k, v = (shard(t, "contiguous", ctx.world_size, ctx.rank, dim=2) for t in _inputs())
+    ids, refill = _holder(dtype, write)
+    mask = Documents(ids)
+    outs = [ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask)]
+    refill()
+    outs.append(ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask))
+    outs.append(ring_impl.ring_attention(q, k, v, group=ctx.group, mask=Documents(torch.tensor(_ids_for(dtype)[1]))))
+    return outs
+
+
+DTYPES = ("int8", "int16", "int32", "int64", "uint8")
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ids_written_between_calls_are_the_ids_the_next_call_runs(ring, dtype: str, write: str) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"a ring_impl property (its plan cache); the implementation under test is {ring.impl.spec}")
+    from reference.layout import unshard
+
+    runs = ring.rank_pool(2).run(_calls, dtype, write)
+    got = [unshard([r[i] for r in runs], "contiguous", dim=2) for i in range(3)]
+    old, new = (_oracle(ids) for ids in _ids_for(dtype))
+    assert float((got[0] - old).abs().max()) < 1e-12, "the first call does not run the documents its ids hold"
+    stale = float((got[1] - old).abs().max()) < 1e-12
+    assert float((got[1] - new).abs().max()) < 1e-12, (
+        f"{dtype} ids written by {write}: the second call on the same mask " +
+        ("ran the old documents (stale ids or plan)" if stale else "matches neither the old nor the new documents"))
+    assert float((got[2] - new).abs().max()) < 1e-12, (
+        f"{dtype} ids written by {write}: a new Documents of the new ids got another plan (the plan cache was "
+        "poisoned by the call after the write)")
+
+
+def test_a_snapshot_is_the_data_at_call_time() -> None:
+    from ring_impl.masks import Documents, SlidingWindow, snapshot
+
+    buffer = np.asarray(OLD, dtype=np.int32)
+    mask = Documents(torch.from_numpy(buffer)) & SlidingWindow(4)
+    frozen = snapshot(mask)
+    described = frozen.describe()
+    buffer[:] = np.asarray(NEW, dtype=np.int32)
+    assert frozen.describe() == described != mask.describe()
+    assert frozen.a.doc_ids.dtype == torch.int64 and frozen.a.doc_ids.tolist() == OLD
+    assert snapshot(frozen) is frozen and frozen.b is mask.b  # plain-valued masks are their own snapshot
+    q = torch.arange(SEQ)
+    assert torch.equal(frozen.visible(None, None, q.view(-1, 1), q.view(1, -1)),
+                       visibility({"kind": "and", "masks": [{"kind": "document", "doc_ids": OLD, "causal": True},
+                                                            {"kind": "sliding_window", "left": 4, "right": 0}]},
+                                  SEQ, SEQ)[0, 0])
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: __import__("ring_impl.masks", fromlist=["x"]).Documents.from_cu_seqlens([0, 10.7, 40.2], SEQ),
+     r"cu_seqlens must be integers .*10\.7"),
+    (lambda: __import__("ring_impl.masks", fromlist=["x"]).Documents.from_cu_seqlens(torch.tensor([0.0, 10.5]), SEQ),
+     r"cu_seqlens must be integers"),
+])
+def test_non_integer_lengths_are_refused_never_truncated(make, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_integral_lengths_of_any_kind_are_taken() -> None:
+    from ring_impl.masks import ChunkedCausal, Documents, PrefixLM, SlidingWindow
+
+    expected = Documents.from_cu_seqlens([0, 10, 40], SEQ).doc_ids
+    for cu in (np.array([0, 10, 40], dtype=np.int32), np.array([0.0, 10.0, 40.0]), torch.tensor([0, 10, 40], dtype=torch.int16)):
+        assert torch.equal(Documents.from_cu_seqlens(cu, SEQ).doc_ids, expected)
+    for mask in (SlidingWindow(np.int64(4), np.int32(0)), ChunkedCausal(np.int16(3)), PrefixLM(torch.tensor(2))):
+        assert mask.check(SEQ, SEQ) is None, mask
+        assert all(type(v) is int for v in vars(mask).values()), vars(mask)
+    assert SlidingWindow(np.int64(4)) == SlidingWindow(4) and SlidingWindow(np.int64(4)).describe() == "window(4,0)"
+    assert "must be an int" in SlidingWindow(4.0).check(SEQ, SEQ)
+    assert "must be an int" in SlidingWindow(True).check(SEQ, SEQ)
+
+
+def test_unsigned_ids_are_checked_as_their_values() -> None:
+    from ring_impl.masks import Documents
+
+    assert Documents(torch.tensor(OLD[:-4] + [0] * 4, dtype=torch.uint8)).check(SEQ, SEQ) is not None  # decreasing
+    assert Documents(torch.tensor(sorted(OLD[:-4]) + [2] * 4, dtype=torch.uint8)).check(SEQ, SEQ) is None
+    assert "meta device" in Documents(torch.zeros(SEQ, dtype=torch.int64, device="meta")).check(SEQ, SEQ)

@@ -1,0 +1,116 @@
+"""NaN reaches exactly the outputs and gradients it reaches in exact arithmetic, on every path.
+
+The oracle is the float64 reference's dependency rule (reference.attention.nonfinite_reach,
+written apart from ring_impl.nonfinite): row i depends on the keys and values it sees and
+nothing else; dV never depends on a value. Each case puts one NaN somewhere, runs ring_impl's
+forward and backward, and requires out, LSE, dQ, dK and dV to be non-finite exactly where the
+oracle's are: a NaN hidden fails, and so does one spread to entries that do not depend on it
+(a NaN value making a whole head's dV NaN; a NaN at a padding key that no query sees poisoning
+the rows of the kernel call it sits in).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.implementation import DEFAULT_IMPL_SPEC
+
+HEADS, HEADS_KV, DIM = 4, 2, 8
+
+
+def _documents(seq: int) -> list[int]:
+    """Three documents and padding in the middle and at the end."""
+    n = seq // 8
+    return [0] * (3 * n) + [-1] * n + [1] * (2 * n) + [2] * n + [-1] * (seq - 7 * n)
+
+
+#: name -> (world size, options of ring_attention, mask spec or None, where the NaN goes (tensor, position))
+CASES = {
+    "ring-causal-nan-value": (2, {"is_causal": True, "layout": "contiguous"}, None, ("value", (0, 0, 5, 3))),
+    "ring-head_tail-causal-nan-key": (2, {"is_causal": True, "layout": "head_tail"}, None, ("key", (1, 1, 9, 0))),
+    "ring-documents-nan-at-unseen-padding-key": (2, {"layout": "head_tail"}, "documents", ("key", (0, 0, None, 2))),
+    "ring-documents-nan-value": (2, {"layout": "contiguous"}, "documents", ("value", (0, 1, 2, 1))),
+    "ring-documents-nan-grad-out": (2, {"layout": "contiguous"}, "documents", ("grad_out", (0, 2, 4, 5))),
+    "halo-window-nan-key": (2, {"layout": "contiguous", "halo": True}, "window", ("key", (0, 0, 17, 4))),
+    "gather-documents-nan-value": (2, {"layout": "contiguous", "sparse_kv": True}, "documents", ("value", (1, 1, 20, 6))),
+    "ulysses-causal-nan-query": (2, {"is_causal": True, "strategy": "ulysses"}, None, ("query", (0, 3, 11, 2))),
+    "ulysses-documents-nan-value": (2, {"strategy": "ulysses"}, "documents", ("value", (0, 0, 3, 0))),
+    "hybrid-documents-nan-value": (4, {"strategy": "hybrid", "layout": "head_tail"}, "documents",
+                                   ("value", (1, 1, 26, 7))),
+}
+
+
+def _mask_spec(name: str | None, seq: int) -> dict | None:
+    if name == "documents":
+        return {"kind": "document", "doc_ids": _documents(seq), "causal": True}
+    if name == "window":
+        return {"kind": "sliding_window", "left": 3, "right": 0}
+    return None
+
+
+def _global(case: str):
+    """(q, k, v, grad_out) float64 with the case's NaN."""
+    w, _, _mask, (where, pos) = CASES[case]
+    seq = 16 * w
+    gen = torch.Generator().manual_seed(11)
+    t = {"query": torch.randn(2, HEADS, seq, DIM, generator=gen, dtype=torch.float64),
+         "key": torch.randn(2, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64),
+         "value": torch.randn(2, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64),
+         "grad_out": torch.randn(2, HEADS, seq, DIM, generator=gen, dtype=torch.float64)}
+    b, h, s, d = pos
+    if s is None:  # the first padding position after the documents: no query sees it
+        s = _documents(seq).index(-1)
+    t[where][b, h, s, d] = float("nan")
+    return t["query"], t["key"], t["value"], t["grad_out"]
+
+
+def _run(ctx, case: str) -> dict:
+    import ring_impl
+    from reference.attention import attention_grads
+    from reference.masks import visibility
+    from ring_impl.masks import from_spec
+    from ring_impl.strategies import local_shard
+
+    _w, options, mask_name, _ = CASES[case]
+    options = dict(options)
+    strategy = options.get("strategy", "ring")
+    layout = options.setdefault("layout", "contiguous")
+    group = ctx.device_mesh((2, 2), ("ring", "ulysses")) if strategy == "hybrid" else ctx.group
+    q, k, v, do = _global(case)
+    seq = q.shape[2]
+    spec = _mask_spec(mask_name, seq)
+    is_causal = options.pop("is_causal", False)
+    visible = visibility(spec, seq, seq) if spec else None
+    ref = attention_grads(q, k, v, do, is_causal=is_causal, visible=visible)
+
+    def mine(t):
+        return local_shard(t, group, strategy=strategy, layout=layout)
+
+    leaves = [mine(t).requires_grad_(True) for t in (q, k, v)]
+    out, lse = ring_impl.ring_attention(*leaves, group=group, is_causal=is_causal, return_lse=True,
+                                        mask=from_spec(spec) if spec else None, **options)
+    out.backward(mine(do))
+    got = {"out": out.detach(), "lse": lse.detach().unsqueeze(-1), "dq": leaves[0].grad, "dk": leaves[1].grad,
+           "dv": leaves[2].grad}
+    want = {"out": ref.out, "lse": ref.lse.unsqueeze(-1), "dq": ref.dq, "dk": ref.dk, "dv": ref.dv}
+    report = {}
+    for name in got:
+        expected_bad = ~torch.isfinite(mine(want[name]))
+        got_bad = ~torch.isfinite(got[name])
+        report[name] = (int((expected_bad & ~got_bad).sum()), int((got_bad & ~expected_bad).sum()),
+                        int(expected_bad.sum()))
+    return report
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nan_reaches_exactly_what_depends_on_it(ring, case: str) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"ring_impl's guarantee (suites/test_edge_values.py holds vendors to no hidden NaN); "
+                    f"the implementation under test is {ring.impl.spec}")
+    w = CASES[case][0]
+    for rank, report in enumerate(ring.rank_pool(w).run(_run, case)):
+        wrong = {name: counts for name, counts in report.items() if counts[0] or counts[1]}
+        assert not wrong, (f"{case}, rank {rank}: (hidden, spread, expected) non-finite entries per quantity: "
+                           f"{wrong}; all: {report}")
+    assert any(counts[2] for r in ring.rank_pool(w).run(_run, case) for counts in r.values()), "the case put no NaN anywhere"
