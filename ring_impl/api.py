@@ -37,7 +37,8 @@ def get_rotate_method() -> str:
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
     "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod whose bit table "
-    "on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS or that does not return bool, a Mask subclass "
+    "on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS, that does not return bool or whose function "
+    "asserts or raises (in the graph its failure would raise on its own rank only), a Mask subclass "
     "(Python the compiled graph cannot carry), or mask values that are not plain ints/bools/tensors: "
     "its plan is data (the mask on global positions) that a graph could only bake in and serve stale. Built-in "
     "masks and MaskMods (as a table of bits), with any op, run in the graph, every strategy "

@@ -44,8 +44,10 @@ caught so.
 from __future__ import annotations
 
 import ast
+import dis
 import itertools
 import operator
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from functools import lru_cache
@@ -118,6 +120,25 @@ def _decode(x):
     return x
 
 
+@torch._dynamo.assume_constant_result  # read for real while dynamo traces: a fact of the code, not the data
+def raises_itself(fn) -> bool:
+    """Whether ``fn``'s own code (its body and the functions defined in it; not what it calls)
+    holds an ``assert`` or a ``raise``: read from the bytecode, the same on every rank."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    if code is None:
+        return False
+    pending, seen = [code], set()
+    while pending:
+        c = pending.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        if any(i.opname in ("RAISE_VARARGS", "LOAD_ASSERTION_ERROR") for i in dis.get_instructions(c)):
+            return True
+        pending += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return False
+
+
 def _structure(mask, tensors: list, grid: dict) -> str:
     """``mask``'s structure as a Python literal tuple; its tensors appended to ``tensors`` and
     named by index. Exact types only: a subclass may see differently. A ``MaskMod`` is evaluated
@@ -146,6 +167,11 @@ def _structure(mask, tensors: list, grid: dict) -> str:
                 raise _NotLiteral("Documents ids that are not a tensor")
         return f"('documents', {ids[0]}, {ids[1]}, {_literal(mask.causal)})"
     if kind is MaskMod:
+        if raises_itself(mask.fn):
+            # An assert (or raise) on the data would fail in the graph on its own rank, while
+            # the others wait in the op's check: such a function is evaluated eagerly, where its
+            # failure is refused on every rank.
+            raise _NotLiteral("a MaskMod whose function asserts or raises")
         # Evaluated under the guard: a function failing on this rank's data (an index out of
         # range) must not raise in the graph, where the other ranks would wait in the op's check.
         guard = EvaluationGuard()

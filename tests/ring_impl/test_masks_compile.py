@@ -193,7 +193,7 @@ def _bad_input_compiled(ctx, case):
                                   "mask_mod_differs_beyond_the_probe"])
 def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> None:
     """The op runs the eager call's checks, the cross-rank agreement included: a MaskMod's table
-    is compared whole (eagerly only a probe of its first 64 positions is)."""
+    is compared whole (eagerly its values over the call's range: ring_impl.masks.probe_text)."""
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_input_compiled, case, timeout=120.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
@@ -229,6 +229,64 @@ def test_fullgraph_names_why_a_mask_mod_breaks_the_graph(ring) -> None:
     assert all(not o.ok for o in outcomes), summary
     assert all("runs eagerly inside torch.compile" in o.exc_message and "MaskMod" in o.exc_message
                for o in outcomes), summary
+
+
+def _asserting_mask_mod(ctx, fullgraph: bool):
+    """A mask_mod whose own assertion fails on rank 1's data only (its positions reach 31 there)."""
+    import ring_impl
+    from ring_impl.masks import MaskMod
+
+    limit = 64 if ctx.rank == 0 else 16
+
+    def checked_causal(b, h, q_idx, kv_idx):
+        assert (q_idx < limit).all(), "positions beyond the table"
+        return kv_idx <= q_idx
+
+    q = torch.randn(1, 2, 16, 8)
+    fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=MaskMod(checked_causal)),
+                       backend="aot_eager", fullgraph=fullgraph)
+    fn(q)
+    return "no error"
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_mask_mod_that_asserts_is_refused_on_every_rank(ring, fullgraph) -> None:
+    """In the graph a failing assertion would raise on its own rank while the others wait in the
+    op's check: a MaskMod whose code asserts or raises runs eagerly, its failure an InputError on
+    every rank (or, where the graph cannot break, a refusal naming why on every rank)."""
+    _skip_other_impls(ring)
+    outcomes = ring.rank_pool(2).run_outcomes(_asserting_mask_mod, fullgraph, timeout=120.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
+    assert all(not o.ok for o in outcomes), summary
+    assert all(o.exc_type.endswith("InputError") or "asserts or raises" in o.exc_message for o in outcomes), summary
+    assert any("positions beyond the table" in o.exc_message or "asserts or raises" in o.exc_message
+               for o in outcomes), summary
+
+
+def test_raises_itself_reads_the_code() -> None:
+    from ring_impl.compiled_masks import raises_itself
+
+    def plain(b, h, q, kv):
+        return kv <= q
+
+    def asserting(b, h, q, kv):
+        assert (q >= 0).all()
+        return kv <= q
+
+    def nested(b, h, q, kv):
+        def inner(x):
+            if (x < 0).any():
+                raise ValueError("negative")
+            return x
+        return inner(kv) <= q
+
+    class Callable:
+        def __call__(self, b, h, q, kv):
+            assert q.dim() == 4
+            return kv <= q
+
+    assert not raises_itself(plain) and not raises_itself(lambda b, h, q, kv: kv <= q)
+    assert raises_itself(asserting) and raises_itself(nested) and raises_itself(Callable())
 
 
 #: documents over 48 global positions, crossing the shard boundaries at W = 2
