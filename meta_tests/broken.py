@@ -542,7 +542,9 @@ class Broken:
     tree yet; the proof then reports the ring as an expected failure while the suites pass it.
     ``suites``: the suite path the proof runs (a broken API only fails the API suite; its ring
     is correct, and running every other module first would only cost time); ``select``: more
-    pytest arguments narrowing the run to the cases that exercise the bug (``("-k", "refilled")``).
+    pytest arguments narrowing the run to the cases that exercise the bug (``("-k", "refilled")``);
+    ``min_failures``: when set, the selected cases run to the end and at least this many must fail,
+    every one naming the bug (a bug class caught by one case only is one case from escaping).
     """
 
     name: str
@@ -552,6 +554,7 @@ class Broken:
     pending: str = ""
     suites: str = "suites"
     select: tuple[str, ...] = ()
+    min_failures: int = 0
 
 
 def _adapter(name: str, ring: RingAttention) -> RingImplAdapter:

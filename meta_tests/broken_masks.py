@@ -21,6 +21,9 @@
 - ``mask_mod_probed_at_the_start``: the ranks compare a ``MaskMod`` by its values on the first
   64 positions at batch 0, head 0 only: ranks whose masks differ elsewhere each attend under
   their own mask, with no error.
+- ``mask_evaluated_at_batch_0`` / ``mask_evaluated_at_head_0``: every ``MaskMod`` evaluated with
+  its batch (head) index 0, as ``create_block_mask(B=None)`` (``H=None``) builds a block mask.
+- ``window_right_side_dropped``: a ``SlidingWindow(left, right)`` planned as ``(left, 0)``.
 - ``backward_plans_balanced_layout_as_contiguous``: the forward runs a balancer's layout, the
   backward plans it as ``contiguous`` (a backward that knows the built-in layouts only). The
   forward's kernel calls are exactly right, so the balance suite (forward only) passes it.
@@ -248,6 +251,36 @@ def _stale_documents_ring():
     return adapter
 
 
+# ------------------------------------------------------------------------ a mask on the wrong axis
+
+
+class _MaskRewritten(RingAttention):
+    """ring_impl whose plans (forward and backward) see every node of the mask through ``swap``."""
+
+    def __init__(self, swap):
+        self.swap = swap
+
+    def plan(self, cfg, seq_q, seq_kv):
+        if cfg.mask is not None:
+            cfg = replace(cfg, mask=_replace_in(cfg.mask, self.swap))
+        return super().plan(cfg, seq_q, seq_kv)
+
+
+def _at_zero(which: str):
+    def swap(m):
+        if type(m) is not MaskMod:
+            return None
+        fn = m.fn
+        if which == "batch":
+            return MaskMod(lambda b, h, q, kv: fn(torch.zeros_like(b), h, q, kv))
+        return MaskMod(lambda b, h, q, kv: fn(b, torch.zeros_like(h), q, kv))
+    return swap
+
+
+def _right_dropped(m):
+    return SlidingWindow(m.left, 0) if type(m) is SlidingWindow and m.right else None
+
+
 # ------------------------------------------------------------------------ a mask_mod compared at its start only
 
 
@@ -294,6 +327,18 @@ BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
     Broken("mask_mod_probed_at_the_start", "masks: ranks whose mask_mods differ beyond a probe of their start run silently",
            r"mask_mod_differs_\w+: no rank raised", _probed_at_the_start_ring(), suites="suites/test_bad_input.py",
            select=("-k", "mask_mod")),
+    Broken("mask_evaluated_at_batch_0", "masks: a mask_mod evaluated at batch 0 for every batch row",
+           r"the mask was evaluated at batch 0 for every batch row",
+           RingImplAdapter(_MaskRewritten(_at_zero("batch")), name="mask_evaluated_at_batch_0"),
+           suites="suites/test_masks.py", select=("-k", "mask_mod_batch_head"), min_failures=3),
+    Broken("mask_evaluated_at_head_0", "masks: a mask_mod evaluated at head 0 for every head",
+           r"the mask was evaluated at head 0 for every head",
+           RingImplAdapter(_MaskRewritten(_at_zero("head")), name="mask_evaluated_at_head_0"),
+           suites="suites/test_masks.py", select=("-k", "mask_mod_batch_head"), min_failures=3),
+    Broken("window_right_side_dropped", "masks: a sliding window's right side dropped",
+           r"the sliding window's right side was dropped",
+           RingImplAdapter(_MaskRewritten(_right_dropped), name="window_right_side_dropped"),
+           suites="suites/test_masks.py", select=("-k", "window_wide or prefix_lm_window"), min_failures=3),
     Broken("backward_plans_balanced_layout_as_contiguous",
            "balance: the backward plans a balancer's layout as another (the forward is right)",
            r"the backward did not run the layout the forward ran",

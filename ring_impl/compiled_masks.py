@@ -124,7 +124,8 @@ def _decode(x):
 def raises_itself(fn) -> bool:
     """Whether ``fn``'s own code (its body and the functions defined in it; not what it calls)
     holds an ``assert`` or a ``raise``: read from the bytecode, the same on every rank."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    call = vars(type(fn)).get("__call__")  # a callable object's method (a function has its own code)
+    code = getattr(fn, "__code__", None) or getattr(call, "__code__", None)
     if code is None:
         return False
     pending, seen = [code], set()

@@ -36,7 +36,9 @@ __all__ = ["MASK_NAMES", "MaskCase", "diagnose_masked", "documents", "judge_mask
            "rank_positions"]
 
 MASK_NAMES = ("causal", "documents", "documents_full", "documents_with_gaps", "one_token_documents", "window_narrow", "window_wide",
-              "chunked_causal", "prefix_lm", "documents_window", "prefix_lm_window", "mask_mod")
+              "chunked_causal", "prefix_lm", "documents_window", "prefix_lm_window", "mask_mod", "mask_mod_batch_head")
+#: The named masks that differ between batch rows: their cases carry batch >= 2 (and heads >= 2).
+BATCH_DEPENDENT = frozenset({"mask_mod_batch_head"})
 
 
 def per_head_window(step: int = 3):
@@ -53,6 +55,31 @@ def per_head_window(step: int = 3):
 
     per_head_window_mod.step = step
     return per_head_window_mod
+
+
+def batch_head_window(step: int = 2):
+    """A flex-style mask_mod that differs for every (batch row, head): a causal window of
+    ``step * (1 + h + 2 b)`` keys back. A mask evaluated at batch 0 for every batch row (as
+    ``create_block_mask(B=None)`` does), or at head 0 for every head, shows on every row but the
+    first. Closes over ``step`` as a tensor (compiled: data, a graph input); as plain data
+    ``{"kind": "batch_head_window", "step": step}`` (:func:`materialized`)."""
+    steps = torch.tensor(step)
+
+    def batch_head_window_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= q_idx - steps * (1 + h + 2 * b))
+
+    batch_head_window_mod.step = step
+    return batch_head_window_mod
+
+
+def materialized(data: dict[str, Any]) -> dict[str, Any]:
+    """Plain mask data with every ``{"kind": "batch_head_window", "step": n}`` (the JSON form
+    drawn masks use) replaced by the ``mask_mod`` of :func:`batch_head_window`."""
+    if data["kind"] == "batch_head_window":
+        return {"kind": "mask_mod", "fn": batch_head_window(int(data["step"]))}
+    if data["kind"] in ("and", "or"):
+        return {**data, "masks": [materialized(m) for m in data["masks"]]}
+    return data
 
 
 def documents(seq: int, lengths: list[int]) -> list[int]:
@@ -91,6 +118,7 @@ def mask_spec(name: str, seq: int) -> dict[str, Any]:
         "prefix_lm_window": {"kind": "and", "masks": [{"kind": "prefix_lm", "prefix": seq // 2 + 2},
                                                       {"kind": "sliding_window", "left": max(1, seq // 12), "right": 2}]},
         "mask_mod": {"kind": "mask_mod", "fn": per_head_window()},
+        "mask_mod_batch_head": {"kind": "mask_mod", "fn": batch_head_window()},
     }
     return specs[name]
 
@@ -113,7 +141,8 @@ def other_mask_data(data: dict[str, Any]) -> dict[str, Any]:
     if kind in ("and", "or"):
         return {**data, "masks": [other_mask_data(data["masks"][0]), *data["masks"][1:]]}
     if kind == "mask_mod" and hasattr(data["fn"], "step"):
-        return {**data, "fn": per_head_window(data["fn"].step + 1)}
+        make = batch_head_window if data["fn"].__name__ == "batch_head_window_mod" else per_head_window
+        return {**data, "fn": make(data["fn"].step + 1)}
     return data
 
 
@@ -141,7 +170,7 @@ class MaskCase(RingCase):
 
     def mask_data(self) -> dict[str, Any]:
         """The mask's plain data (reference.masks) on the case's global sequence."""
-        return json.loads(self.mask_json) if self.mask_json else mask_spec(self.mask, self.inputs.seq_q)
+        return materialized(json.loads(self.mask_json)) if self.mask_json else mask_spec(self.mask, self.inputs.seq_q)
 
     @property
     def label(self) -> str:
@@ -287,7 +316,7 @@ def _baseline(spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: 
 def _baseline_on(spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None,
                  device_name: str) -> dict[str, torch.Tensor]:
     g = make_inputs(spec)
-    data = json.loads(mask_json) if mask_json else mask_spec(mask, spec.seq_q)
+    data = materialized(json.loads(mask_json)) if mask_json else mask_spec(mask, spec.seq_q)
     vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
     return single_device_baseline(g.query, g.key, g.value, g.grad_out, op_spec=op_spec, scale=spec.scale,
                                   visible=vis, sinks=_sinks(spec) if sinks else None)
@@ -323,7 +352,7 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):
                 named = (_stale_documents(case, g, results, pos) or _tail_padding_attended(case, g, results, pos)
-                         or _lengths_rounded_down(case, g, results, pos))
+                         or _lengths_rounded_down(case, g, results, pos) or _wrong_axis(case, g, results, pos))
                 if named:
                     raise AssertionError(f"lse: {named} [{case.label}]")
                 raise AssertionError(
@@ -445,6 +474,61 @@ def _stale_documents(case: MaskCase, g, results: list[dict[str, Any]], pos: list
             "as they are when it starts")
 
 
+def _rewritten(data: dict[str, Any], change) -> dict[str, Any]:
+    """``data`` with every leaf replaced by ``change(leaf)`` (a leaf it returns as it is stays)."""
+    if data["kind"] in ("and", "or"):
+        return {**data, "masks": [_rewritten(m, change) for m in data["masks"]]}
+    return change(data)
+
+
+def _at_index_zero(which: str):
+    """A leaf change: every mask_mod evaluated with its batch (``which="batch"``) or head index 0."""
+    def change(leaf: dict[str, Any]) -> dict[str, Any]:
+        if leaf["kind"] != "mask_mod":
+            return leaf
+        fn = leaf["fn"]
+        if which == "batch":
+            return {**leaf, "fn": lambda b, h, q, kv: fn(torch.zeros_like(b), h, q, kv)}
+        return {**leaf, "fn": lambda b, h, q, kv: fn(b, torch.zeros_like(h), q, kv)}
+    return change
+
+
+def _window_right_dropped(leaf: dict[str, Any]) -> dict[str, Any]:
+    if leaf["kind"] == "sliding_window" and leaf.get("right"):
+        return {**leaf, "right": 0}
+    return leaf
+
+
+#: (hypothesis, message): a mask evaluated on the wrong axis or cut short, which the output equals
+_AXIS_HYPOTHESES = (
+    (_at_index_zero("batch"),
+     "the mask was evaluated at batch 0 for every batch row (as create_block_mask(B=None) builds it): a mask_mod "
+     "that depends on the batch index must be evaluated at each row's own index"),
+    (_at_index_zero("head"),
+     "the mask was evaluated at head 0 for every head (as create_block_mask(H=None) builds it): a mask_mod that "
+     "depends on the head must be evaluated at each head's own index"),
+    (_window_right_dropped,
+     "the sliding window's right side was dropped: keys after the query that the window shows are missing "
+     "(SlidingWindow(left, right) shows q - left <= kv <= q + right)"),
+)
+
+
+def _wrong_axis(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
+    """Name a mask evaluated on the wrong axis (batch or head 0 for all) or a window missing its
+    right side, when the output is attention under that mask and that mask differs; or ""."""
+    spec = case.inputs
+    data = case.mask_data()
+    dims = dict(batch=spec.batch, heads=spec.heads)
+    true = visibility(data, spec.seq_q, spec.seq_kv, **dims)
+    for change, message in _AXIS_HYPOTHESES:
+        altered = _rewritten(data, change)
+        if torch.equal(visibility(altered, spec.seq_q, spec.seq_kv, **dims), true):
+            continue  # the same mask: says nothing
+        if _equals_attention_under(case, g, results, pos, altered):
+            return message
+    return ""
+
+
 def _document_parts(data: dict[str, Any]):
     """The ``document`` masks in ``data`` (inside ``and``/``or`` too)."""
     if data["kind"] in ("and", "or"):
@@ -474,9 +558,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
                 + (f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel whose causal path "
                    "returns NaN there (the CPU flash kernel): run such blocks with a mask or another kernel"
                    if spec.scale is not None and spec.scale <= 0 else ""))
-    stale = _stale_documents(case, g, results, pos)
-    if stale:
-        return stale
+    named = _stale_documents(case, g, results, pos) or _wrong_axis(case, g, results, pos)
+    if named:
+        return named
     if case.sinks:  # ranks whose rows are attention without the sink term
         plain = attention(g.query, g.key, g.value, visible=vis, scale=spec.scale).out
         tol = 1e-3 * max(1.0, float(ref.out.abs().max()))

@@ -1,7 +1,8 @@
 """Masks under context parallelism: packed documents (causal and full, uneven, crossing shard
 boundaries, one-token documents, padding), sliding windows narrower and wider than a shard,
 chunked causal, prefix-LM, documents combined with a window, a prefix with a window, a
-head-dependent mask_mod, and attention sinks; every rotation, both built-in layouts and the
+head-dependent mask_mod, a mask_mod that differs for every batch row and head (its cases carry
+two of each), and attention sinks; every rotation, both built-in layouts and the
 layouts the implementation's balancers build for the mask (``document_head_tail``,
 ``work_aware``: sharded and unsharded by the runs it returns), W 1..4 (nightly 5..8),
 float64/float32/bfloat16, GQA, softmax scales <= 0, and under ``torch.compile(fullgraph=True)``
@@ -12,7 +13,7 @@ nothing (out 0, LSE -inf).
 The named masks run under Ulysses and the hybrid too (capability ``strategies``), on the 4-rank
 meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks
 (documents of any lengths with padding anywhere, windows of any extents, chunked causal,
-prefix-LM, their ``and``/``or``) with any layout, balancer, rotation, world size, dtype, GQA and
+prefix-LM, a window differing per batch row and head, their ``and``/``or``) with any layout, balancer, rotation, world size, dtype, GQA and
 sinks, and judges each the same way.
 
 Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles),
@@ -33,6 +34,7 @@ from hypothesis import strategies as st
 from harness.pytest_plugin import settings_of
 from suites.cases_balance import BALANCER_LAYOUTS, require_balancer
 from suites.cases_masks import (
+    BATCH_DEPENDENT,
     MASK_NAMES,
     MaskCase,
     diagnose_masked,
@@ -51,7 +53,7 @@ KINDS = {"causal": {"causal"}, "documents": {"document"}, "documents_full": {"do
          "one_token_documents": {"document"}, "window_narrow": {"sliding_window"}, "window_wide": {"sliding_window"},
          "chunked_causal": {"chunked_causal"}, "prefix_lm": {"prefix_lm"}, "documents_window": {"and", "document", "sliding_window"},
          "prefix_lm_window": {"and", "prefix_lm", "sliding_window"},
-         "mask_mod": {"mask_mod"}}
+         "mask_mod": {"mask_mod"}, "mask_mod_batch_head": {"mask_mod"}}
 
 
 def _cases(config) -> list:
@@ -68,7 +70,8 @@ def _cases(config) -> list:
             rotate = ROTATIONS[(i // 3 + j) % 3]
             heads_kv = 2 if (i + j) % 2 else 4  # GQA on every other case
             seq = 24 * w
-            spec = InputSpec(batch=1, heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16, dtype=dtype)
+            spec = InputSpec(batch=_batch(name), heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16,
+                             dtype=dtype)
             out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0))
     out += _strategy_cases(config) + _scale_cases(config) + _compile_cases(config) + _refill_cases(config)
     return params(out, id_extra=lambda c: (*((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
@@ -88,6 +91,11 @@ def _refill_cases(config) -> list[MaskCase]:
         spec = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float64")
         out.append(MaskCase(spec, w, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3], mask=name, refill=True))
     return out
+
+
+def _batch(name: str) -> int:
+    """Batch rows of a named mask's cases: 2 where the mask differs between them."""
+    return 2 if name in BATCH_DEPENDENT else 1
 
 
 def _scale_cases(config) -> list[MaskCase]:
@@ -118,7 +126,7 @@ def _compile_cases(config) -> list[MaskCase]:
     out = []
     for i, (name, w, backend) in enumerate(itertools.product(names, sizes, backends)):
         j, b = divmod(i, len(backends))  # cycled per (mask, W), turned per backend
-        spec = InputSpec(batch=1, heads=4, heads_kv=2 if (j // 2 + b) % 2 else 4, seq_q=24 * w, seq_kv=24 * w,
+        spec = InputSpec(batch=_batch(name), heads=4, heads_kv=2 if (j // 2 + b) % 2 else 4, seq_q=24 * w, seq_kv=24 * w,
                          head_dim=16, dtype=("float32", "float64")[j % 2])
         out.append(MaskCase(spec, w, layout=LAYOUTS[(j + b) % 2], rotate_method=ROTATIONS[(j + b) % 3], mask=name,
                             sinks=(j + b) % 3 == 0, compile=backend))
@@ -143,16 +151,16 @@ def _strategy_cases(config) -> list[MaskCase]:
         layouts = LAYOUTS if nightly else (LAYOUTS[(i // 2 + i) % 2],)
         for j, layout in enumerate(layouts):
             dtype = dtypes[(i + j) % 3]
-            spec = InputSpec(batch=1, heads=4, heads_kv=2 if (i // 2 + j) % 2 else 4, seq_q=96, seq_kv=96, head_dim=16,
-                             dtype=dtype)
+            spec = InputSpec(batch=_batch(name), heads=4, heads_kv=2 if (i // 2 + j) % 2 else 4, seq_q=96, seq_kv=96,
+                             head_dim=16, dtype=dtype)
             out.append(MaskCase(spec, 4, layout=layout, rotate_method=ROTATIONS[(i // 2 + j) % 3], mask=name,
                                 sinks=(i + j) % 3 == 0, strategy=strategy, mesh_shape=mesh))
     # Under torch.compile(fullgraph=True) (capability compile): quick, one mask per strategy;
     # nightly, every named mask, the strategy alternating.
-    names = list(MASK_NAMES) if nightly else ["documents_window", "prefix_lm", "mask_mod"]
+    names = list(MASK_NAMES) if nightly else ["documents_window", "prefix_lm", "mask_mod", "mask_mod_batch_head"]
     for i, name in enumerate(names):
         strategy, mesh = STRATEGY_MESHES[i % 2]
-        spec = InputSpec(batch=1, heads=4, heads_kv=2 if i % 3 else 4, seq_q=96, seq_kv=96, head_dim=16,
+        spec = InputSpec(batch=_batch(name), heads=4, heads_kv=2 if i % 3 else 4, seq_q=96, seq_kv=96, head_dim=16,
                          dtype=dtypes[i % 2])
         out.append(MaskCase(spec, 4, layout=LAYOUTS[(i // 2) % 2], rotate_method=ROTATIONS[i % 3], mask=name,
                             sinks=i % 2 == 0, strategy=strategy, mesh_shape=mesh, compile="aot_eager"))
@@ -212,8 +220,9 @@ def _run_and_judge(ring, case: MaskCase) -> None:
 
 # ---------------------------------------------------------------------- drawn masks
 
-#: The leaf kinds the property draws (``and``/``or`` join two of them).
-_LEAVES = ("causal", "document", "sliding_window", "chunked_causal", "prefix_lm")
+#: The leaf kinds the property draws (``and``/``or`` join two of them); ``mask_mod``: a window
+#: that differs for every batch row and head (cases_masks.batch_head_window).
+_LEAVES = ("causal", "document", "sliding_window", "chunked_causal", "prefix_lm", "mask_mod")
 
 
 @st.composite
@@ -228,6 +237,8 @@ def _leaf(draw, seq: int, kinds: list[str]) -> dict:
         return {"kind": "chunked_causal", "chunk": draw(st.integers(1, seq + 1))}
     if kind == "prefix_lm":
         return {"kind": "prefix_lm", "prefix": draw(st.integers(0, seq))}
+    if kind == "mask_mod":  # plain data for the JSON of the case; MaskCase.mask_data makes the function
+        return {"kind": "batch_head_window", "step": draw(st.integers(1, max(1, seq // 4)))}
     return {"kind": "causal"}
 
 
@@ -263,10 +274,12 @@ def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
         # Per-document head-tail balances one set of documents: two different ones have no layout.
         second = [k for k in kinds if not (layout == "document_head_tail" and k == "document" == mask["kind"])]
         mask = {"kind": data.draw(st.sampled_from(joins), label="join"), "masks": [mask, data.draw(_leaf(seq, second))]}
-    heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
+    per_row = "batch_head_window" in json.dumps(mask)  # differs between batch rows and heads: 2 of each at least
+    heads_kv = 2 if per_row else data.draw(st.integers(1, 2), label="heads_kv")
     group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
     dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
-    spec = InputSpec(batch=data.draw(st.integers(1, 2), label="batch"), heads=heads_kv * group, heads_kv=heads_kv,
+    spec = InputSpec(batch=2 if per_row else data.draw(st.integers(1, 2), label="batch"), heads=heads_kv * group,
+                     heads_kv=heads_kv,
                      seq_q=seq, seq_kv=seq, head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
                      dtype=data.draw(st.sampled_from(dtypes), label="dtype"))
     rotate = data.draw(st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or list(ROTATIONS)),

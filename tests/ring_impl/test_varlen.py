@@ -262,8 +262,7 @@ def test_the_op_equals_the_math_op(dtype, shape, mask) -> None:
     gen = torch.Generator().manual_seed(1)
     q, do = (torch.randn(b, h, sq, 8, dtype=dtype, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, hkv, sk, 8, dtype=dtype, generator=gen) for _ in range(2))
-    lse = assert_masked_op_matches_math(get_op("cpu_flash_varlen_layout"), q, k, v, do, vis, scale=0.3,
-                                        tol=1e-12 if dtype == torch.float64 else 2e-6)
+    lse = assert_masked_op_matches_math(get_op("cpu_flash_varlen_layout"), q, k, v, do, vis, scale=0.3)
     assert lse.shape == (b, h, sq)
 
 
