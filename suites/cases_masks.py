@@ -558,7 +558,11 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
                 + (f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel whose causal path "
                    "returns NaN there (the CPU flash kernel): run such blocks with a mask or another kernel"
                    if spec.scale is not None and spec.scale <= 0 else ""))
-    named = _stale_documents(case, g, results, pos) or _wrong_axis(case, g, results, pos)
+    # On a head-parallel mesh a mask at each rank's own head index is the narrower cause (with one
+    # head per rank it is also "head 0 for every head"): named first.
+    named = (_stale_documents(case, g, results, pos)
+             or (_diagnose_head_parallel(case, g, vis, got, ref.out) if case.mesh_shape is not None else "")
+             or _wrong_axis(case, g, results, pos))
     if named:
         return named
     if case.sinks:  # ranks whose rows are attention without the sink term
