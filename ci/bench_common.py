@@ -37,6 +37,7 @@ __all__ = [
     "MEMORY_ENV",
     "ROOT",
     "PeakRss",
+    "cuda_median_ms",
     "load_average",
     "median",
     "run_world",
@@ -64,6 +65,25 @@ def write_rows(path: str, bench: dict[str, Any], rows: list[Any], t0: float) -> 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"bench": bench, "rows": rows, "platform": platform.platform()}, f, indent=2)
+
+
+def cuda_median_ms(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
+    """Median milliseconds of ``repeat`` calls of ``fn`` after ``warmup``, each timed with CUDA
+    events around it (the device's time for the call, the host's launches included)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
 
 
 def median(values: list[float]) -> float:

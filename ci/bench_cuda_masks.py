@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -43,6 +42,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from ci.bench_common import cuda_median_ms  # noqa: E402
 
 #: (seq, documents) of the default run: the figures of the speed issue
 SHAPES = ((16384, 16), (65536, 32))
@@ -62,21 +63,6 @@ def document_lengths(seq: int, documents: int, seed: int = 0) -> list[int]:
         lengths[i] -= 1
         lengths[-1] += 1
     return lengths
-
-
-def _measure(fn, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def _profile(fn) -> dict[str, float]:
@@ -185,7 +171,7 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
                     block_mask = create_block_mask(doc_mod if family == "documents" else window_mod, 1, 1, seq, seq,
                                                    device="cuda")
                     fn = flex_fn(block_mask)
-                ms = _measure(fn, warmup, repeat)
+                ms = cuda_median_ms(fn, warmup, repeat)
                 row.update(ms=ms, **_profile(fn))
                 if row_name == variants[0][0]:  # the kernel called directly: the reference of the family
                     reference_ms = ms

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from functools import partial
 
@@ -40,6 +39,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from ci.bench_common import cuda_median_ms  # noqa: E402
 
 OPS = ("cuda_flash", "cuda_efficient", "cudnn")
 
@@ -70,24 +71,14 @@ def _ring(name: str, q, k, v, do, causal: bool) -> None:
 
 def _measure(fn, warmup: int, repeat: int) -> tuple[float, int]:
     """(median milliseconds, peak bytes above the allocation before the call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
+    ms = cuda_median_ms(fn, warmup, repeat)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return statistics.median(times), peak
+    return ms, peak
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -336,7 +336,9 @@ class Documents(Mask):
 
 
 @dataclass(frozen=True)
-class And(Mask):
+class _Join(Mask):
+    """Two masks joined (:class:`And`, :class:`Or`): what the two share."""
+
     a: Mask
     b: Mask
 
@@ -352,6 +354,12 @@ class And(Mask):
     def exact_digest(self) -> bool:
         return type(self) in _EXACT_TYPES and bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
 
+    def check(self, seq_q, seq_kv):
+        return self.a.check(seq_q, seq_kv) or self.b.check(seq_q, seq_kv)
+
+
+@dataclass(frozen=True)
+class And(_Join):
     def visible(self, b, h, q, kv):
         return self.a.visible(b, h, q, kv) & self.b.visible(b, h, q, kv)
 
@@ -362,27 +370,9 @@ class And(Mask):
         (la, ra), (lb, rb) = self.a.reach(), self.b.reach()
         return _bound(min, la, lb), _bound(min, ra, rb)
 
-    def check(self, seq_q, seq_kv):
-        return self.a.check(seq_q, seq_kv) or self.b.check(seq_q, seq_kv)
-
 
 @dataclass(frozen=True)
-class Or(Mask):
-    a: Mask
-    b: Mask
-
-    def frozen(self) -> Mask:
-        a, b = self.a.frozen(), self.b.frozen()
-        return self if (a is self.a and b is self.b) else replace(self, a=a, b=b)
-
-    def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
-        return (f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
-                f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})")
-
-    @property
-    def exact_digest(self) -> bool:
-        return type(self) in _EXACT_TYPES and bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
-
+class Or(_Join):
     def visible(self, b, h, q, kv):
         return self.a.visible(b, h, q, kv) | self.b.visible(b, h, q, kv)
 
@@ -392,9 +382,6 @@ class Or(Mask):
     def reach(self):
         (la, ra), (lb, rb) = self.a.reach(), self.b.reach()
         return _bound(max, la, lb), _bound(max, ra, rb)
-
-    def check(self, seq_q, seq_kv):
-        return self.a.check(seq_q, seq_kv) or self.b.check(seq_q, seq_kv)
 
 
 @dataclass(frozen=True, eq=False)
