@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python ci/bench_strategies.py --quick     # a smaller grid, about 2 minutes on 2 cores
-    python ci/bench_strategies.py             # the README's grid
+    python ci/bench_strategies.py             # the grid in docs/benchmarks.md
 
 Forward + backward of ``ring_impl.ring_attention`` on CPU + gloo at W=4 (every rank a process
 with one intra-op thread) with ``strategy="ring"`` (``alltoall`` rotation; ``head_tail`` when

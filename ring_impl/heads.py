@@ -5,7 +5,7 @@ key/value heads and the query heads that attend to them, instead of one ring ove
 Everything a ring holds beyond its inputs and outputs then shrinks by ``c``: the key/value block
 in use and the one arriving, the dK/dV accumulators leaving and arriving, the kernel's step
 results (dQ, dK, dV) and the accumulators of the chunk. Measured with ``ci/bench_ring.py``
-(W=4, seq 16384, causal head_tail, alltoall): see the README's Benchmarks section.
+(W=4, seq 16384, causal head_tail, alltoall): see docs/benchmarks.md.
 
 What it costs: ``c`` times as many collectives, each ``1/c`` of the bytes (the bytes each rank
 sends are unchanged, still the minimum), and the first key/value hop of each chunk's backward
