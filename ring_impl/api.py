@@ -141,7 +141,7 @@ def ring_path(
     them on this rank and across the group (InputError on every rank for bad input)."""
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     pg = resolve_group(group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
     # through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)

@@ -12,8 +12,8 @@ So a block whose inputs are not all finite runs its kernel on :func:`finite_part
 (non-finite entries as 0) and its result is then passed through these masks, computed from the
 block's own inputs and its visibility, with no host sync (no branch on whether a flag is set: on
 a GPU every block takes this path, and a sync per masked tile cost a causal window of 1024 at
-16k tokens 960 syncs a call) (``"full"``, top-left ``"causal"``, or ``"masked"`` with
-the block's visibility): elementwise flags and a prefix ``any`` over keys (one reduction),
+16k tokens 960 syncs a call) (``"full"``, top-left ``"causal"``, ``"masked"`` with
+the block's visibility, or ``"ranges"`` with its rows' key ranges: a prefix count over the keys): elementwise flags and a prefix ``any`` over keys (one reduction),
 O(seq * head_dim) per step against the kernel's O(seq^2 * head_dim), with no data-dependent
 branch (compiles into the graph). The rule is the float64 oracle's
 (``reference.attention.nonfinite_reach``): dependency through the visibility.
@@ -73,10 +73,36 @@ def _suffix_any(flags: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.arange(cols, device=flags.device).view(1, 1, cols, *trailing) <= last
 
 
-def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+Bounds = tuple[torch.Tensor, torch.Tensor]
+
+
+def _ranges_seen(flags: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+    """For key flags (batch, heads, cols[, d]) and row ranges ``[lo, hi)`` (rows,): whether each
+    row's range holds a flag, (batch, heads, rows[, d]), from one prefix count over the keys."""
+    count = torch.cumsum(flags.to(torch.int32), dim=2)
+    count = torch.cat([torch.zeros_like(count.narrow(2, 0, 1)), count], dim=2)  # count[j]: flags in 0..j-1
+    lo, hi = bounds
+    return count.index_select(2, hi) > count.index_select(2, lo)
+
+
+def _ranges_seeing(flags: torch.Tensor, bounds: Bounds, cols: int) -> torch.Tensor:
+    """For row flags (batch, heads, rows[, d]) and row ranges ``[lo, hi)``: whether each key is in
+    the range of a flagged row, (batch, heads, cols[, d]), from one difference array."""
+    lo, hi = bounds
+    f = flags.to(torch.int32)
+    shape = list(f.shape)
+    shape[2] = cols + 1
+    diff = torch.zeros(shape, dtype=torch.int32, device=f.device).index_add_(2, lo, f).index_add_(2, hi, -f)
+    return torch.cumsum(diff, dim=2).narrow(2, 0, cols) > 0
+
+
+def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tensor | None = None,
+                  bounds: Bounds | None = None) -> torch.Tensor:
     """For key flags (batch, heads, cols[, d]): whether each query row sees a flagged key:
     (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols); ``masked``: as
-    ``visible`` (batch or 1, heads or 1, rows, cols) says."""
+    ``visible`` (batch or 1, heads or 1, rows, cols) says; ``ranges``: as ``bounds`` say."""
+    if kind == "ranges" and bounds is not None:
+        return _ranges_seen(flags, bounds)
     if kind == "masked" and visible is not None:
         f = flags.to(torch.float32)
         seen = visible.to(torch.float32) @ (f if f.dim() == 4 else f.unsqueeze(-1))
@@ -87,10 +113,13 @@ def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tens
     return seen.expand(*seen.shape[:2], rows, *seen.shape[3:])
 
 
-def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tensor | None = None,
+                 bounds: Bounds | None = None) -> torch.Tensor:
     """For query-row flags (batch, heads, rows[, d]): whether each key is seen by a flagged row:
     (batch, heads, cols[, d]). ``causal``: key j is seen by rows j..rows-1; ``masked``: as
-    ``visible``."""
+    ``visible``; ``ranges``: as ``bounds``."""
+    if kind == "ranges" and bounds is not None:
+        return _ranges_seeing(flags, bounds, cols)
     if kind == "masked" and visible is not None:
         f = flags.to(torch.float32)
         vt = visible.to(torch.float32).transpose(-2, -1)  # (b or 1, h or 1, cols, rows)
@@ -103,14 +132,15 @@ def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tenso
 
 
 def poison_forward(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, kind: str, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   value: torch.Tensor, kind: str, visible: torch.Tensor | None = None,
+                   bounds: Bounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's (out, lse) with NaN wherever a non-finite input reaches them (``visible``:
-    a masked block's visibility)."""
+    a masked block's visibility; ``bounds``: a ``ranges`` block's row ranges)."""
     heads, rows = query.shape[1], query.shape[2]
     bad_k = _to_query_heads(_bad(key).any(-1), heads)  # (b, h, cols)
     bad_v = _to_query_heads(_bad(value), heads)  # (b, h, cols, d)
-    row_bad = _bad(query).any(-1) | _seen_by_rows(bad_k, kind, rows, visible)  # (b, h, rows)
-    feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(bad_v, kind, rows, visible)  # (b, h, rows, d)
+    row_bad = _bad(query).any(-1) | _seen_by_rows(bad_k, kind, rows, visible, bounds)  # (b, h, rows)
+    feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(bad_v, kind, rows, visible, bounds)  # (b, h, rows, d)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     return torch.where(feature_bad, nan, out), torch.where(row_bad, nan.to(lse.dtype), lse)
 
@@ -118,7 +148,8 @@ def poison_forward(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, ke
 def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
                     kind: str, visible: torch.Tensor | None = None,
-                    grad_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    grad_lse: torch.Tensor | None = None,
+                    bounds: Bounds | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's (dq, dk, dv) with NaN exactly where a non-finite input reaches them.
 
     ``out``/``lse`` are the call's merged output and LSE for the block's rows (a row that saw a
@@ -131,16 +162,19 @@ def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query:
     """
     heads, heads_kv, rows, cols = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
     probs_bad = (_bad(query).any(-1) | _bad(lse)
-                 | _seen_by_rows(_to_query_heads(_bad(key).any(-1), heads), kind, rows, visible))  # (b, h, rows)
+                 | _seen_by_rows(_to_query_heads(_bad(key).any(-1), heads), kind, rows, visible, bounds))  # (b, h, rows)
     row_bad = (probs_bad | _bad(out).any(-1) | _bad(grad_out).any(-1)
-               | _seen_by_rows(_to_query_heads(_bad(value).any(-1), heads), kind, rows, visible))
+               | _seen_by_rows(_to_query_heads(_bad(value).any(-1), heads), kind, rows, visible, bounds))
     if grad_lse is not None:
         row_bad = row_bad | _bad(grad_lse)
-    if visible is not None:  # a row this block hides computes nothing here
+    if bounds is not None:  # a row this block hides computes nothing here
+        sees = (bounds[1] > bounds[0]).view(1, 1, -1).expand(row_bad.shape)
+        probs_bad, row_bad = probs_bad & sees, row_bad & sees
+    elif visible is not None:
         sees = visible.any(-1).expand(row_bad.shape)
         probs_bad, row_bad = probs_bad & sees, row_bad & sees
-    dk_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
-    dv_bad = _to_kv_heads(_seeing_cols(probs_bad.unsqueeze(-1) | _bad(grad_out), kind, cols, visible), heads_kv)
+    dk_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible, bounds), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
+    dv_bad = _to_kv_heads(_seeing_cols(probs_bad.unsqueeze(-1) | _bad(grad_out), kind, cols, visible, bounds), heads_kv)
     nan = torch.full((), float("nan"), dtype=dq.dtype, device=dq.device)
     return (torch.where(row_bad.unsqueeze(-1), nan, dq), torch.where(dk_bad, nan.to(dk.dtype), dk),
             torch.where(dv_bad, nan.to(dv.dtype), dv))

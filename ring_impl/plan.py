@@ -38,8 +38,8 @@ import torch
 
 from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "plan_ahead", "ring_plan", "step_blocks",
-           "visibility_blocks"]
+__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "plan_ahead", "range_blocks", "ring_plan",
+           "step_blocks", "visibility_blocks"]
 
 T = TypeVar("T")
 
@@ -48,8 +48,10 @@ T = TypeVar("T")
 class Block:
     """One kernel call of one step: local query rows ``q_rows`` x local key/value rows
     ``kv_rows`` (half-open ``(start, stop)`` ranges on the sequence dim), ``kind`` "full",
-    "causal" (top-left within the rectangle) or "masked" (``visible``: (batch or 1, heads or 1,
-    rows, cols) bool, True where a query sees a key; some rows may see nothing)."""
+    "causal" (top-left within the rectangle), "masked" (``visible``: (batch or 1, heads or 1,
+    rows, cols) bool, True where a query sees a key; some rows may see nothing) or "ranges"
+    (``bounds``: (lo, hi), (rows,) int64, row ``r`` of the rectangle sees its columns
+    ``lo[r] .. hi[r] - 1``, for every batch element and head; for ops that take row bounds)."""
 
     step: int
     kv_rank: int
@@ -57,6 +59,22 @@ class Block:
     q_rows: tuple[int, int]
     kv_rows: tuple[int, int]
     visible: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    #: device -> (visible, bounds) there: a cached plan's block is moved once per device, not
+    #: per call (a kernel keeps its own plan of the block by the tensor it is given)
+    _moved: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def masking_on(self, device: torch.device) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(visible, bounds)`` on ``device`` (None where the block has none)."""
+        if self.visible is None and self.bounds is None:
+            return None, None
+        key = str(device)
+        moved = self._moved.get(key)
+        if moved is None:
+            visible = None if self.visible is None else self.visible.to(device)
+            bounds = None if self.bounds is None else (self.bounds[0].to(device), self.bounds[1].to(device))
+            moved = self._moved[key] = (visible, bounds)
+        return moved
 
     @property
     def work(self) -> int:
@@ -66,13 +84,19 @@ class Block:
             return rows * cols
         if self.kind == "causal":
             return _triangle(rows, cols)
+        if self.kind == "ranges":
+            assert self.bounds is not None
+            return int((self.bounds[1] - self.bounds[0]).clamp(min=0).sum())
         assert self.visible is not None
         return int(self.visible.any(0).any(0).sum())
 
     @property
     def area(self) -> int:
-        """Score entries the kernel computes: the rectangle, or its top-left triangle for ``causal``."""
+        """Score entries the kernel computes: the rectangle, its top-left triangle for ``causal``,
+        the rows' ranges for ``ranges``."""
         rows, cols = self.q_rows[1] - self.q_rows[0], self.kv_rows[1] - self.kv_rows[0]
+        if self.kind == "ranges":
+            return self.work
         return _triangle(rows, cols) if self.kind == "causal" else rows * cols
 
     @property
@@ -164,7 +188,7 @@ def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int],
 
 def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, seq_kv: int, batch: int, heads: int,
                 device: torch.device | None = None, head_span: tuple[int, int] | None = None,
-                memo: dict | None = None) -> list[StepPlan]:
+                memo: dict | None = None, ranges: bool = False) -> list[StepPlan]:
     """The plan of every ring step for ``rank`` under ``mask`` (ring_impl.masks, on global
     positions); ``seq_q``/``seq_kv`` are local lengths. Per step the kernel calls of
     :func:`ring_impl.tiling.split_visibility`: none (skipped, still rotated), or ``full``,
@@ -176,13 +200,18 @@ def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, se
     digest covers all their data (:attr:`ring_impl.masks.Mask.exact_digest`: every built-in
     mask, not ``MaskMod``) are cached by digest and the layout's runs, so the forward, the
     backward and every layer of a step share one; other plans are kept in ``memo`` (one call's,
-    see :func:`cached_by_mask`) when given."""
+    see :func:`cached_by_mask`) when given.
+
+    ``ranges`` (the op takes row bounds, ``OpCapabilities.row_bounds``): a step whose mask is one
+    key range per query row (:mod:`ring_impl.row_bounds`: every built-in mask but unions) is one
+    block, ``full``, ``causal`` or ``ranges``, found from the mask's parameters in O(rows +
+    cols) without evaluating it per pair; other steps are cut as above."""
     check_layout(layout)
     device = torch.device(device or "cpu")
     q_runs = layout_runs(layout, seq_q * world_size, world_size, rank)
     kv_runs = tuple(layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size))
-    args = (rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs)
-    key = ("ring", rank, world_size, seq_q, seq_kv, batch, heads, str(device), head_span, q_runs, kv_runs)
+    args = (rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs, ranges)
+    key = ("ring", rank, world_size, seq_q, seq_kv, batch, heads, str(device), head_span, q_runs, kv_runs, ranges)
     return list(cached_by_mask(mask, key, lambda: _masked_plan(*args), memo=memo))
 
 
@@ -242,7 +271,8 @@ def _visibility_bytes(plan) -> int:
     return total
 
 
-def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs) -> tuple[StepPlan, ...]:
+def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs,
+                 ranges=False) -> tuple[StepPlan, ...]:
     from .masks import visibility
 
     def positions(runs: Runs) -> torch.Tensor:
@@ -252,6 +282,10 @@ def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, he
     plans = []
     for step in range(world_size):
         kv_rank = (rank - step) % world_size
+        blocks = range_blocks(mask, q_pos, positions(kv_runs[kv_rank]), step, kv_rank) if ranges else None
+        if blocks is not None:
+            plans.append(StepPlan(step, kv_rank, blocks))
+            continue
         vis = visibility(mask, q_pos, positions(kv_runs[kv_rank]), batch=batch, heads=heads)
         if head_span is not None and vis.shape[1] > 1:
             vis = vis[:, head_span[0]:head_span[1]]
@@ -266,6 +300,34 @@ def visibility_blocks(vis: torch.Tensor, step: int, kv_rank: int, device: torch.
 
     calls = split_visibility(vis, call_cost=call_cost_for(device))
     return tuple(Block(step, kv_rank, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)
+
+
+def range_blocks(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, step: int, kv_rank: int) -> tuple[Block, ...] | None:
+    """The one block of a step whose mask shows each query row one range of keys
+    (:func:`ring_impl.row_bounds.column_bounds`): none if no row sees anything, else the
+    rectangle trimmed to what some row sees, ``full`` or top-left ``causal`` when it is that,
+    else ``ranges`` with its rows' bounds. None when the mask has no such form."""
+    from .row_bounds import column_bounds
+
+    bounds = column_bounds(mask, q_pos, kv_pos)
+    if bounds is None:
+        return None
+    lo, hi = bounds
+    live = (hi > lo).nonzero().flatten()
+    if live.numel() == 0:
+        return ()
+    r0, r1 = int(live[0]), int(live[-1]) + 1
+    lo, hi = lo[r0:r1], hi[r0:r1]
+    seen = hi > lo
+    c0, c1 = int(lo[seen].min()), int(hi[seen].max())
+    lo, hi = torch.where(seen, lo - c0, 0), torch.where(seen, hi - c0, 0)
+    rows, cols = r1 - r0, c1 - c0
+    if bool(seen.all()) and bool((lo == 0).all()):
+        if bool((hi == cols).all()):
+            return (Block(step, kv_rank, "full", (r0, r1), (c0, c1)),)
+        if bool((hi == torch.arange(1, rows + 1, device=hi.device).clamp(max=cols)).all()):
+            return (Block(step, kv_rank, "causal", (r0, r1), (c0, c1)),)
+    return (Block(step, kv_rank, "ranges", (r0, r1), (c0, c1), bounds=(lo.contiguous(), hi.contiguous())),)
 
 
 def plan_ahead(build: Callable[[], Any], mask) -> str | None:

@@ -17,6 +17,10 @@ before step 1 (while step 1's block travels) and after the last step (while this
 accumulator travels home); an own step of one block goes last (``allgather`` at ``W >= 3``:
 first, overlapping its all-gather).
 
+One rank (W=1) holds the only key/value block: nothing is packed or rotated, the call's one
+block over every row is the output itself (in its dtype, no accumulator) and its gradients
+the gradients (:func:`_whole_block`), so the ring costs what its kernel costs.
+
 Temporaries are released at the end of each step (``del``) rather than when the next step
 rebinds them, so a step's kernel never runs while the previous step's partial results are
 still held: per-rank memory is the algorithm's, and falls like ``1/W``.
@@ -83,6 +87,14 @@ def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> to
     return part.contiguous()
 
 
+def _hidden_rows(visible: torch.Tensor | None, bounds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """(batch or 1, heads or 1, rows) bool: the rows a masked block hides completely; None for an
+    unmasked block."""
+    if bounds is not None:
+        return (bounds[0] >= bounds[1]).view(1, 1, -1)
+    return None if visible is None else ~visible.any(-1)
+
+
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` itself when it can be merged into in place (dtype ``dtype``, contiguous), else a copy."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype, memory_format=torch.contiguous_format)
@@ -100,7 +112,7 @@ class RingAttention:
         if cfg.mask is not None:
             return masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q, seq_kv=seq_kv,
                                batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], head_span=cfg.mask_heads,
-                               memo=cfg.plan_memo)
+                               memo=cfg.plan_memo, ranges=cfg.op.capabilities.row_bounds)
         return ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q, seq_kv=seq_kv)
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -113,14 +125,17 @@ class RingAttention:
 
     def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block):
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
-        visible = None if plan.visible is None else plan.visible.to(q.device)
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale, visible=visible)
+        visible, bounds = plan.masking_on(q.device)
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale, visible=visible,
+                                row_bounds=bounds)
         b, h, rows, _ = q.shape
-        op = block_op(cfg.op, is_causal=plan.is_causal, scale=cfg.scale, visible=visible)  # the op that ran it
+        op = cfg.op if bounds is not None and cfg.op.capabilities.row_bounds else block_op(
+            cfg.op, is_causal=plan.is_causal, scale=cfg.scale, visible=visible)  # the op that ran it
         lse = normalize_lse(lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout,
                             op_name=getattr(op, "name", "math"))
-        if visible is not None:  # rows the block hides completely: nothing (kernels return LSE 0 there)
-            dead = ~visible.any(-1).expand(b, h, rows)
+        dead = _hidden_rows(visible, bounds)
+        if dead is not None:  # rows the block hides completely: nothing (kernels return LSE 0 there)
+            dead = dead.expand(b, h, rows)
             out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
             lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse)
         return out, lse
@@ -129,32 +144,53 @@ class RingAttention:
         """One block's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads.
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
-        visible = None if plan.visible is None else plan.visible.to(q.device)
-        if visible is not None:
+        visible, bounds = plan.masking_on(q.device)
+        dead = _hidden_rows(visible, bounds)
+        if dead is not None:
             # Rows the block hides completely contribute nothing; their final LSE may be -inf
             # (rows that see nothing at all), which kernels would turn into NaN: a finite LSE and
             # a zero output gradient make their terms exactly 0.
             b, h, rows, _ = q.shape
-            dead = ~visible.any(-1).expand(b, h, rows)
+            dead = dead.expand(b, h, rows)
             lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
             grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), grad_out)
             if grad_lse is not None:
                 grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
         return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
-                             grad_lse=grad_lse, visible=visible)
+                             grad_lse=grad_lse, visible=visible, row_bounds=bounds)
 
     def nonfinite_forward(self, out, lse, q, k, v, plan: Block):
         """The block's (out, lse) with NaN wherever a non-finite input reaches them, whatever the
         kernel did with it (ring_impl.nonfinite)."""
-        return poison_forward(out, lse, q, k, v, plan.kind, None if plan.visible is None else plan.visible.to(q.device))
+        visible, bounds = plan.masking_on(q.device)
+        return poison_forward(out, lse, q, k, v, plan.kind, visible, bounds=bounds)
 
     def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block, grad_lse=None):
         """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them."""
-        visible = None if plan.visible is None else plan.visible.to(q.device)
-        if visible is not None:  # as block_backward: rows the block hides carry no LSE
-            dead = ~visible.any(-1).expand(lse.shape)
-            lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind, visible, grad_lse=grad_lse)
+        visible, bounds = plan.masking_on(q.device)
+        dead = _hidden_rows(visible, bounds)
+        if dead is not None:  # as block_backward: rows the block hides carry no LSE
+            lse = torch.where(dead.expand(lse.shape), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind, visible, grad_lse=grad_lse,
+                               bounds=bounds)
+
+    def block_grads(self, cfg: RingConfig, block: Block, grad_out, query, kv, out, lse, grad_lse, finite: bool):
+        """``(q_rows, dq, dk, dv)`` of one block of the backward: ``kv`` the step's (key, value),
+        the other tensors the call's whole local ones; ``finite``: every input the block reads is
+        finite (else the kernel runs on their finite parts and NaN goes where they reach)."""
+        view = cfg.op.capabilities.row_views
+        # grad_lse only when there is one: variants may override block_backward without it.
+        extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
+        args = (*(block_rows(t, block.q_rows, view) for t in (grad_out, query)),
+                *(block_rows(t, block.kv_rows, view) for t in kv),
+                *(block_rows(t, block.q_rows, view) for t in (out, lse)))
+        if finite:
+            return (block.q_rows, *self.block_backward(cfg, *args, block, **extra))
+        # the kernel on finite numbers, NaN put exactly where the inputs take it
+        do_, q_, k_, v_, o_, l_ = args
+        dq, dk, dv = self.block_backward(cfg, *finite_parts(*args), block,
+                                         **{n: finite_parts(t)[0] for n, t in extra.items()})
+        return (block.q_rows, *self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block, **extra))
 
     def all_finite(self, *tensors: torch.Tensor) -> bool:
         """Whether the NaN propagation can be skipped for blocks of these inputs: eager, on CPU
@@ -215,13 +251,16 @@ class RingAttention:
         acc = self.accumulation_dtype(query.dtype)
         out_acc: torch.Tensor | None = None
         lse_acc: torch.Tensor | None = None
-        rotation = self.kv_rotation(cfg, self.pack_kv(key, value))
+        # One rank: its own key and value are the only block, nothing travels (no packed copy)
+        alone = cfg.group.world_size == 1
+        rotation = None if alone else self.kv_rotation(cfg, self.pack_kv(key, value))
         recorder = debug.active_recorder()
         query_finite = self.all_finite(query)
         view = cfg.op.capabilities.row_views
-        for plan in self.plan(cfg, sq, key.shape[2]):
-            kv = rotation.block(plan.step)
-            finite = len(plan.blocks) > 0 and query_finite and self.all_finite(kv)
+        plans = self.plan(cfg, sq, key.shape[2])
+        for plan in plans:
+            kv = (key, value) if rotation is None else rotation.block(plan.step)
+            finite = len(plan.blocks) > 0 and query_finite and self.all_finite(kv[0], kv[1])
             for block in plan.blocks:
                 q0, q1 = block.q_rows
                 q, k, v = (block_rows(query, block.q_rows, view), block_rows(kv[0], block.kv_rows, view),
@@ -237,8 +276,10 @@ class RingAttention:
                 if out_acc is None and (q0, q1) == (0, sq):
                     # A first block over every local row (without a mask: step 0, every query
                     # sees itself or everything) becomes the accumulators, without a copy when
-                    # it already has their dtype and layout.
-                    out_acc = _as_accumulator(block_out, acc)
+                    # it already has their dtype and layout; the call's only block (one rank)
+                    # is the output itself, in its own dtype: nothing merges into it.
+                    only = len(plans) == 1 and len(plan.blocks) == 1
+                    out_acc = block_out if only else _as_accumulator(block_out, acc)
                     lse_acc = _as_accumulator(block_lse, acc)
                 else:
                     if out_acc is None or lse_acc is None:  # masks: start from "nothing seen"
@@ -259,6 +300,12 @@ class RingAttention:
         the LSE is not used. It enters every block's dS as ``P * grad_lse`` (d lse_i / d s_ij
         = p_ij), i.e. the row term ``rowsum(dO * O)`` becomes ``rowsum(dO * O) - grad_lse``.
         """
+        plans = self.plan(cfg, query.shape[2], key.shape[2])
+        whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
+        if whole is not None:  # one rank, one block: the kernel's gradients are the gradients
+            finite = self.rows_finite(query, out, grad_out, lse, grad_lse) and self.all_finite(key, value)
+            _, dq, dk, dv = self.block_grads(cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite)
+            return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
         acc = self.accumulation_dtype(query.dtype)
         dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
         kv_local = self.pack_kv(key, value)
@@ -277,7 +324,6 @@ class RingAttention:
         rotation = self.kv_rotation(cfg, kv_local, link)
         like = torch.empty((), dtype=acc, device=query.device).expand(kv_local.shape)  # the accumulators' kind
         del kv_local  # the rotation holds it as long as it needs it
-        plans = self.plan(cfg, query.shape[2], key.shape[2])
         # Step 0 (this rank's own block) is computed on key and value themselves, around the other
         # steps (backward_order): part first, while step 1's block travels, the rest last, while
         # the accumulator travels home; one block first or last as the transport says.
@@ -289,7 +335,6 @@ class RingAttention:
         #   grads_home       after the loop: this rank's own accumulator, plus its step-0 part
         rotation.block(0)
         rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse)
-        view = cfg.op.capabilities.row_views
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
@@ -297,20 +342,7 @@ class RingAttention:
             finite = len(plan.blocks) > 0 and rows_finite and self.all_finite(kv[0], kv[1])
             contribution = []  # (kv_rows, dk, dv) per block
             for block in plan.blocks:
-                q0, q1 = block.q_rows
-                # grad_lse only when there is one: variants may override block_backward without it.
-                extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
-                args = (*(block_rows(t, block.q_rows, view) for t in (grad_out, query)),
-                        *(block_rows(t, block.kv_rows, view) for t in kv),
-                        *(block_rows(t, block.q_rows, view) for t in (out, lse)))
-                do_, q_, k_, v_, o_, l_ = args
-                if finite:
-                    dq, dk, dv = self.block_backward(cfg, *args, block, **extra)
-                else:  # the kernel on finite numbers, NaN put exactly where the inputs take it
-                    dq, dk, dv = self.block_backward(cfg, *finite_parts(*args), block,
-                                                     **{n: finite_parts(t)[0] for n, t in extra.items()})
-                    dq, dk, dv = self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block, **extra)
-                del args, do_, q_, k_, v_, o_, l_
+                (q0, q1), dq, dk, dv = self.block_grads(cfg, block, grad_out, query, kv, out, lse, grad_lse, finite)
                 dq_acc[:, :, q0:q1] += dq
                 contribution.append((block.kv_rows, dk, dv))
                 del dq, dk, dv
@@ -325,6 +357,15 @@ class RingAttention:
         dkv = self.grads_home(cfg, link, like)
         _accumulate(dkv, own)
         return dq_acc.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype)
+
+
+def _whole_block(plans: list[StepPlan], world_size: int, seq_q: int, seq_kv: int) -> Block | None:
+    """The call's only block when one rank computes it as one kernel call over every query and
+    key row (its gradients then need no accumulator), else None."""
+    if world_size != 1 or len(plans) != 1 or len(plans[0].blocks) != 1:
+        return None
+    block = plans[0].blocks[0]
+    return block if block.q_rows == (0, seq_q) and block.kv_rows == (0, seq_kv) else None
 
 
 def backward_order(plans: list[StepPlan], own_first: bool) -> list[StepPlan]:

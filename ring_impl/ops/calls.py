@@ -7,6 +7,7 @@ import torch
 
 from .contract import AttentionOp, accumulation_dtype
 from .math import MathOp
+from .varlen import bounds_visible
 
 __all__ = ["block_op", "call_backward", "call_forward"]
 
@@ -39,16 +40,34 @@ def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: 
     return op
 
 
+def _bounded(op: AttentionOp, key: torch.Tensor, visible: torch.Tensor | None,
+             row_bounds: tuple[torch.Tensor, torch.Tensor] | None):
+    """(visible, row_bounds) as ``op`` takes them: the bounds as a dense visibility for an op that
+    does not declare ``row_bounds``."""
+    if row_bounds is not None and not op.capabilities.row_bounds:
+        return bounds_visible(*row_bounds, key.shape[2]), None
+    return visible, row_bounds
+
+
 def call_forward(
     op: AttentionOp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float,
-    visible: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None, row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``op.forward`` with key/value heads expanded only if the op lacks native GQA.
 
     visible: (batch or 1, heads or 1, rows, cols) bool for a masked block (True: the query sees
-    the key), run by the op when it declares ``masks``, else by the math op. Rows that see
-    nothing come back however the kernel leaves them: the caller sets them (out 0, LSE -inf).
+    the key), run by the op when it declares ``masks``, else by the math op. row_bounds: the
+    block's visibility as one key range per row (``OpCapabilities.row_bounds``), given to ops
+    that declare it and as ``visible`` to the others. Rows that see nothing come back however
+    the kernel leaves them: the caller sets them (out 0, LSE -inf).
     """
+    if row_bounds is not None:
+        visible, row_bounds = _bounded(op, key, visible, row_bounds)
+        if row_bounds is not None:
+            if not op.capabilities.gqa:
+                key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+            return op.forward(query, key, value, is_causal=is_causal, scale=scale,  # type: ignore[call-arg]
+                              row_bounds=row_bounds)
     op = block_op(op, is_causal=is_causal, scale=scale, visible=visible)
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
@@ -60,6 +79,7 @@ def call_forward(
 def _with_lse_grad(
     op: AttentionOp, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor, *, is_causal: bool, scale: float,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``op.backward`` with the LSE's gradient folded into ``out``, for kernels that take none.
 
@@ -70,11 +90,15 @@ def _with_lse_grad(
     to about its square precision) gives ``D' = D - g`` and leaves ``dP``, and the real
     columns of dQ, dK, dV, unchanged. Padded to a multiple of 8 columns (what fused kernels
     want); an op that cannot take the padded head dim runs the block with the math op.
+    ``row_bounds``: a ``ranges`` block's, handed to the op (row ranges do not change with the
+    head dim).
     """
     d = query.shape[-1]
     padded = -(-(d + 2) // 8) * 8
     if op.capabilities.unsupported(query.device, query.dtype, padded) is not None:
-        return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse)
+        mask = {} if row_bounds is None else {"attn_mask": bounds_visible(*row_bounds, key.shape[2])}
+        return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse,
+                              **mask)
     extra = padded - d
     acc = accumulation_dtype(query.dtype)
     g = -grad_lse.to(acc)
@@ -87,9 +111,10 @@ def _with_lse_grad(
         return torch.cat([t, *[c.to(t.dtype) for c in cols], zeros], dim=-1)
 
     ones = torch.ones_like(grad_lse, dtype=grad_out.dtype)
+    ranges = {} if row_bounds is None else {"row_bounds": row_bounds}
     dq, dk, dv = op.backward(
         pad(grad_out, [ones, ones]), pad(query), pad(key), pad(value), pad(out, [g_hi, g_lo]), lse,
-        is_causal=is_causal, scale=scale,
+        is_causal=is_causal, scale=scale, **ranges,
     )
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
@@ -107,14 +132,29 @@ def call_backward(
     scale: float,
     grad_lse: torch.Tensor | None = None,
     visible: torch.Tensor | None = None,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``op.backward`` with GQA expansion, returning dk/dv with ``heads_kv`` heads.
 
     grad_lse (batch, heads, seq_q) or None: the gradient reaching the LSE; given to ops that
     declare ``lse_grad``, folded into ``out`` for the others (:func:`_with_lse_grad`).
-    visible: as for :func:`call_forward` (rows that see nothing must come with a finite LSE and
-    a zero output gradient: the caller's job).
+    visible, row_bounds: as for :func:`call_forward` (rows that see nothing must come with a
+    finite LSE and a zero output gradient: the caller's job).
     """
+    if row_bounds is not None:
+        visible, row_bounds = _bounded(op, key, visible, row_bounds)
+        if row_bounds is not None:
+            heads_kv = key.shape[1]
+            if not op.capabilities.gqa:
+                key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+            if grad_lse is None or op.capabilities.lse_grad:
+                extra = {"grad_lse": grad_lse} if grad_lse is not None else {}
+                dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal,  # type: ignore[call-arg]
+                                         scale=scale, row_bounds=row_bounds, **extra)
+            else:
+                dq, dk, dv = _with_lse_grad(op, grad_out, query, key, value, out, lse, grad_lse, is_causal=is_causal,
+                                            scale=scale, row_bounds=row_bounds)
+            return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)
     op = block_op(op, is_causal=is_causal, scale=scale, visible=visible)
     if visible is not None:
         if grad_lse is not None and not op.capabilities.lse_grad:

@@ -80,6 +80,13 @@ class OpCapabilities:
     #: (batch, heads, rows, cols), True where a query sees a key (a block of a masked step).
     #: Ops without it run masked blocks with the math op.
     masks: bool = False
+    #: forward and backward take ``row_bounds=(lo, hi)``: (rows,) int64 tensors on the inputs'
+    #: device, query row ``r`` seeing key columns ``lo[r] .. hi[r] - 1`` for every batch element
+    #: and head (``lo >= hi``: none; the caller sets such rows). A kernel that packs rows by their
+    #: key ranges (varlen) runs a whole ring step of documents or a window in one call this way,
+    #: so the ring plans one block per step for it instead of a call per document
+    #: (ring_impl.row_bounds). Ops without it get the block as ``attn_mask``.
+    row_bounds: bool = False
     #: forward and backward read strided views: rows [a, b) of the sequence dim of a larger
     #: tensor (any batch/head/sequence strides, unit head-dim stride) instead of a contiguous copy.
     #: An op whose kernel reads memory in a fixed order whatever the strides must not declare it.

@@ -149,7 +149,7 @@ class CpuFlashVarlenLayoutOp(VarlenOp):
     packing at 1e-12."""
 
     name = "cpu_flash_varlen_layout"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), gqa=True, masks=True)
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), gqa=True, masks=True, row_bounds=True)
 
     def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):
         return emulated_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window=window)

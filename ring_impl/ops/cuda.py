@@ -235,6 +235,7 @@ class CudaFlashVarlenOp(VarlenOp):
         head_dim_multiple=8,
         gqa=True,
         masks=True,
+        row_bounds=True,
     )
 
     def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):

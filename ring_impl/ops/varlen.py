@@ -11,20 +11,22 @@ that is, causal and sliding-window masks are aligned to the *bottom right* of ea
 ``window = (left, right)`` per call; ``(-1, 0)`` is causal.
 
 A masked block of the ring (packed documents, sliding windows, chunks, prefix-LM and their
-intersections: :mod:`ring_impl.tiling`) shows most query rows one interval of keys, moving by a
-constant per row over runs of rows (tiling's :class:`~ring_impl.tiling.Segment`). Each run is
-exactly one varlen sequence, with ``[lo, hi)`` the interval of its first row and ``t = 0 .. n-1``
-its rows:
+intersections) shows most query rows one interval of keys, and consecutive rows form runs that
+are each exactly one varlen sequence (``_sequences``), rows ``t = 0 .. n-1`` of a run seeing
+``[lo_t, hi_t)``, its keys ``[lo_0, hi_{n-1})``:
 
-    row t sees              keys packed            window
-    [lo, hi)                [lo, hi)               (-1, -1)
-    [lo, hi + t)  causal    [lo, hi + n - 1)       (-1, 0)
-    [lo + t, hi + t) band   [lo, hi + n - 1)       (hi - lo - 1, 0)
+    run                                             window
+    every row the same interval                     (-1, -1)
+    hi grows by 1 per row, lo stays   (causal)      (-1, 0)
+    hi grows by 1; lo stays, then grows by 1        (w - 1, 0)
+      (a window of width w, its first rows clipped at the run's first key)
 
-(check the causal row: ``sk - sq = hi - lo - 1``, so row ``t`` sees up to key ``lo + hi - lo - 1 +
-t``). So a block holding many short documents is one kernel call that computes their visible
-entries only, where a bias kernel computes the whole rectangle. Runs are grouped by window, one
-call per window.
+(bottom-right: ``sk - sq = hi_0 - lo_0 - 1``, so row ``t`` sees up to key ``lo_0 + hi_0 - lo_0 - 1 +
+t``). A run that fits several windows (one row; a causal run no window cuts) joins one the
+others need, so a block of many short documents, or a window over documents, is one kernel
+call computing their visible entries only, where a bias kernel computes the whole rectangle.
+A block given as row bounds (``row_bounds=``, :mod:`ring_impl.row_bounds`) is planned from them
+in O(rows); one given as a visibility, from its rows' runs of keys.
 
 A row that sees several runs of keys (sink tokens and a window; prefix-LM with chunks) is in
 one *layer* per run: layer ``k`` is the ``k``-th run of every row, packed as above, and the
@@ -49,11 +51,12 @@ from dataclasses import dataclass
 import torch
 
 from ..merge import merge_into
-from ..tiling import row_runs, segments_from_bounds
+from ..tiling import row_runs
 from .contract import OpCapabilities, accumulation_dtype
 from .math import MathOp
 
-__all__ = ["MAX_LAYERS", "UNBOUNDED", "VarlenCall", "VarlenOp", "VarlenPlan", "dense_varlen_plan", "varlen_plan", "visible_of"]
+__all__ = ["MAX_LAYERS", "UNBOUNDED", "VarlenCall", "VarlenOp", "VarlenPlan", "bounds_varlen_plan", "bounds_visible",
+           "dense_varlen_plan", "varlen_plan", "visible_of"]
 
 #: A window side with no bound.
 UNBOUNDED = -1
@@ -122,18 +125,103 @@ def dense_varlen_plan(batch: int, rows: int, cols: int, is_causal: bool, device:
     return VarlenPlan((VarlenCall(window, None, None, cu_q, cu_k, rows, cols),), None)
 
 
-def _runs(lo: list[int], hi: list[int], live: list[bool]) -> list[tuple[int, int, int, int, tuple[int, int]]]:
-    """(r0, r1, c0, c1, window) per run of rows, row ``r`` seeing keys ``[lo[r], hi[r])`` where
-    ``live[r]``."""
+#: A run of rows as one varlen sequence: (r0, r1, c0, c1, window), rows ``[r0, r1)`` against keys
+#: ``[c0, c1)`` of the same flattened numbering, under ``window`` (bottom-right aligned).
+Run = tuple[int, int, int, int, tuple[int, int]]
+
+
+def _sequences(lo: list[int], hi: list[int], live: list[bool]) -> list[tuple[int, int, str, int]]:
+    """Rows cut into runs that are each one varlen sequence: ``(r0, r1, form, left)``, row ``r``
+    seeing keys ``[lo[r], hi[r])`` where ``live[r]``. A run's keys are ``[lo[r0], hi[r1 - 1])``.
+
+    ``full``    every row sees the same keys: window (-1, -1); one row alone fits any window
+                that shows it all (``single``).
+    ``causal``  ``hi`` grows by one per row and ``lo`` stays, then (a band of width ``w``) grows by
+                one per row too: ``lo[r] = max(lo[r0], hi[r] - w)``, which is FlashAttention's
+                bottom-right window ``(w - 1, 0)`` clipped at the sequence's first key; ``left``
+                is ``w - 1``, or -1 while ``lo`` never moves (then any left >= keys - 1 fits).
+    A sliding window's first rows (a growing prefix) and its band are one sequence, so a window,
+    with or without documents, is one call."""
+    runs: list[tuple[int, int, str, int]] = []
+    rows, r = len(lo), 0
+    while r < rows:
+        if not live[r]:
+            r += 1
+            continue
+        e, width = r + 1, None
+        while e < rows and live[e] and hi[e] == hi[e - 1] + 1:
+            if lo[e] == lo[e - 1]:
+                if width is not None:
+                    break  # a band whose start stops moving: another sequence
+            elif lo[e] == lo[e - 1] + 1:
+                if width is None:
+                    # Into the band only if it continues: a lone row whose keys end where the
+                    # next rows' start (a one-token document) is better a sequence of its own.
+                    if e + 1 < rows and live[e + 1] and hi[e + 1] == hi[e] + 1 and lo[e + 1] == lo[e]:
+                        break
+                    width = hi[e] - lo[e]
+            else:
+                break
+            e += 1
+        if e - r >= 2:
+            runs.append((r, e, "causal", -1 if width is None else width - 1))
+            r = e
+            continue
+        e = r + 1
+        while e < rows and live[e] and lo[e] == lo[r] and hi[e] == hi[r]:
+            e += 1
+        runs.append((r, e, "full" if e - r >= 2 else "single", -1))
+        r = e
+    return runs
+
+
+def _fits(form: str, left: int, keys: int, window: tuple[int, int]) -> bool:
+    """Whether a run (``_sequences``) of ``keys`` keys computes exactly under ``window``."""
+    wl, wr = window
+    if form == "full":
+        return window == (UNBOUNDED, UNBOUNDED)
+    if form == "single" and window == (UNBOUNDED, UNBOUNDED):
+        return True
+    if wr != 0:
+        return False
+    if form == "causal" and left >= 0:
+        return wl == left
+    return wl == UNBOUNDED or wl >= keys - 1  # the window never cuts these rows
+
+
+def _runs(per_element: list[tuple[list[int], list[int], list[bool]]]) -> list[list[Run]]:
+    """Each batch element's runs with their windows, chosen so the elements' runs share as few
+    windows (kernel calls) as exactness allows: runs that need one window fix it; the others
+    (a one-row run, a causal run the window never cuts) join a fixed window they fit, else
+    take causal (-1, 0)."""
+    found = [[(r0, r1, lo[r0], hi[r1 - 1], form, left) for r0, r1, form, left in _sequences(lo, hi, live)]
+             for lo, hi, live in per_element]
+
+    def fixed_windows() -> list[tuple[int, int]]:
+        return sorted({(UNBOUNDED, UNBOUNDED) if form == "full" else (left, 0)
+                       for runs in found for _, _, _, _, form, left in runs
+                       if form == "full" or (form == "causal" and left >= 0)})
+
+    fixed = fixed_windows()
+    diagonal = (0, 0)
+    if diagonal in fixed and any(not _fits(form, left, c1 - c0, diagonal)
+                                 for runs in found for _, _, c0, c1, form, left in runs):
+        # A band of width 1 (rows that each see one key: one-token documents side by side) is
+        # as cheap as one-row sequences, which fit any window: no call of its own.
+        found = [[run for r0, r1, c0, c1, form, left in runs
+                  for run in ([(r, r + 1, c0 + r - r0, c0 + r - r0 + 1, "single", -1) for r in range(r0, r1)]
+                              if (form, left) == ("causal", 0) else [(r0, r1, c0, c1, form, left)])]
+                 for runs in found]
+        fixed = fixed_windows()
     out = []
-    for s in segments_from_bounds(lo, hi, live, live):
-        n = s.r1 - s.r0
-        if n == 1 or (s.dlo, s.dhi) == (0, 0):
-            out.append((s.r0, s.r1, s.lo, s.hi, (UNBOUNDED, UNBOUNDED)))
-        elif (s.dlo, s.dhi) == (0, 1):
-            out.append((s.r0, s.r1, s.lo, s.hi + n - 1, (UNBOUNDED, 0)))
-        else:  # (1, 1): a band of width hi - lo
-            out.append((s.r0, s.r1, s.lo, s.hi + n - 1, (s.hi - s.lo - 1, 0)))
+    for runs in found:
+        chosen = []
+        for r0, r1, c0, c1, form, left in runs:
+            window = next((w for w in fixed if _fits(form, left, c1 - c0, w)), None)
+            if window is None:
+                window = (left, 0) if form == "causal" and left >= 0 else (UNBOUNDED, 0)
+            chosen.append((r0, r1, c0, c1, window))
+        out.append(chosen)
     return out
 
 
@@ -168,14 +256,30 @@ def varlen_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
         bounds[k][0][e_r], bounds[k][1][e_r], bounds[k][2][e_r] = a, b, True
     calls = []
     for layer, (lo_k, hi_k, live_k) in enumerate(bounds):
-        per_batch = [_runs(lo_k[e * rows:(e + 1) * rows], hi_k[e * rows:(e + 1) * rows], live_k[e * rows:(e + 1) * rows])
-                     for e in range(nb)]
-        groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-        for e in range(batch):
-            for r0, r1, c0, c1, window in per_batch[e if nb > 1 else 0]:
-                groups.setdefault(window, []).append((e * rows + r0, e * rows + r1, e * cols + c0, e * cols + c1))
-        calls.extend(_call(window, runs, batch * rows, batch * cols, device, layer) for window, runs in groups.items())
+        per_batch = _runs([(lo_k[e * rows:(e + 1) * rows], hi_k[e * rows:(e + 1) * rows], live_k[e * rows:(e + 1) * rows])
+                           for e in range(nb)])
+        calls.extend(_layer_calls(per_batch, batch, rows, cols, device, layer))
     return VarlenPlan(tuple(calls), to_math.nonzero().flatten() if bool(to_math.any()) else None)
+
+
+def _layer_calls(per_batch: list[list[Run]], batch: int, rows: int, cols: int, device: torch.device,
+                 layer: int) -> list[VarlenCall]:
+    """One call per window of one layer's runs (``per_batch``: each batch element's, or one list
+    that every element shares), rows and keys numbered over the flattened batch."""
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for e in range(batch):
+        for r0, r1, c0, c1, window in per_batch[e if len(per_batch) > 1 else 0]:
+            groups.setdefault(window, []).append((e * rows + r0, e * rows + r1, e * cols + c0, e * cols + c1))
+    return [_call(window, runs, batch * rows, batch * cols, device, layer) for window, runs in groups.items()]
+
+
+def bounds_varlen_plan(lo: torch.Tensor, hi: torch.Tensor, batch: int, cols: int) -> VarlenPlan:
+    """The varlen calls of a block whose query row ``r`` sees key columns ``[lo[r], hi[r])``
+    (``lo``, ``hi``: (rows,) int64, every batch element and head alike; ``lo >= hi``: nothing):
+    one call per window, built in O(rows) from the bounds, with no visibility tensor."""
+    lo_l, hi_l = lo.tolist(), hi.tolist()
+    live = [a < b for a, b in zip(lo_l, hi_l)]
+    return VarlenPlan(tuple(_layer_calls(_runs([(lo_l, hi_l, live)]), batch, len(lo_l), cols, lo.device, 0)), None)
 
 
 def _call(window: tuple[int, int], runs: list[tuple[int, int, int, int]], q_total: int, k_total: int,
@@ -200,21 +304,30 @@ _PLANS: OrderedDict[int, tuple[weakref.ref, int, VarlenPlan]] = OrderedDict()
 _PLANS_KEPT = 256
 
 
-def _masked_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
-    key = id(vis)
+def _kept_plan(held: torch.Tensor, batch: int, build) -> VarlenPlan:
+    """``build()``, kept as long as ``held`` (the block's visibility, or its row bounds' ``lo``:
+    a plan's blocks keep theirs for the whole call, forward and backward, and across calls
+    while the ring's plan is cached) lives."""
+    key = id(held)
     hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is vis and hit[1] == batch:
+    if hit is not None and hit[0]() is held and hit[1] == batch:
         return hit[2]
-    plan = varlen_plan(vis, batch)
+    plan = build()
 
-    def forget(ref: weakref.ref) -> None:  # the plan's index tensors go with their visibility
+    def forget(ref: weakref.ref) -> None:  # the plan's index tensors go with what they describe
         if key in _PLANS and _PLANS[key][0] is ref:
             del _PLANS[key]
 
-    _PLANS[key] = (weakref.ref(vis, forget), batch, plan)
+    _PLANS[key] = (weakref.ref(held, forget), batch, plan)
     while len(_PLANS) > _PLANS_KEPT:
         _PLANS.popitem(last=False)
     return plan
+
+
+def bounds_visible(lo: torch.Tensor, hi: torch.Tensor, cols: int) -> torch.Tensor:
+    """Row bounds as a (1, 1, rows, cols) visibility (for kernels that take a dense mask)."""
+    c = torch.arange(cols, device=lo.device)
+    return ((c >= lo.unsqueeze(-1)) & (c < hi.unsqueeze(-1))).view(1, 1, lo.numel(), cols)
 
 
 def _packed(t: torch.Tensor) -> torch.Tensor:
@@ -243,6 +356,11 @@ def _into_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None,
         lse.index_copy_(1, index, l_.to(lse.dtype))
 
 
+def _one_call(plan: VarlenPlan) -> bool:
+    """Whether the plan is one call holding every query row in order, and nothing else."""
+    return len(plan.calls) == 1 and plan.calls[0].q_index is None and plan.math_rows is None
+
+
 def _take(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return t.contiguous() if index is None else t.index_select(0, index)
 
@@ -269,26 +387,38 @@ class VarlenOp:
         """Packed as :meth:`kernel_forward`; lse (heads, total_q) -> dq, dk, dv packed."""
         raise NotImplementedError
 
-    def plan(self, query: torch.Tensor, key: torch.Tensor, *, is_causal: bool,
-             attn_mask: torch.Tensor | None) -> tuple[VarlenPlan, torch.Tensor | None]:
-        """The block's plan and its visibility (None: unmasked)."""
+    def plan(self, query: torch.Tensor, key: torch.Tensor, *, is_causal: bool, attn_mask: torch.Tensor | None,
+             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[VarlenPlan, torch.Tensor | None]:
+        """The block's plan and its visibility (None: unmasked, or given as ``row_bounds``)."""
         b, _, rows, _ = query.shape
         cols = key.shape[2]
+        if row_bounds is not None:
+            lo, hi = row_bounds
+            return _kept_plan(lo, b, lambda: bounds_varlen_plan(lo, hi, b, cols)), None
         vis = visible_of(attn_mask, is_causal, rows, cols, query.device)
         if vis is None:
             return dense_varlen_plan(b, rows, cols, is_causal, query.device), None
         # A causal block is given a fresh tensor here: planned per call, not kept.
-        return (_masked_plan(vis, b) if vis is attn_mask else varlen_plan(vis, b)), vis
+        return (_kept_plan(vis, b, lambda: varlen_plan(vis, b)) if vis is attn_mask else varlen_plan(vis, b)), vis
 
-    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
+    def forward(self, query, key, value, *, is_causal, scale, attn_mask=None, row_bounds=None):
+        if row_bounds is not None and scale <= 0:
+            attn_mask, row_bounds = bounds_visible(*row_bounds, key.shape[2]), None
         if scale <= 0:
             # Kernels of this family give NaN for masked entries with scale <= 0 (measured for
             # causal on an H100 with the dense flash kernel; varlen masks sequence edges too).
             return _MATH.forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
-        plan, vis = self.plan(query, key, is_causal=is_causal, attn_mask=attn_mask)
+        plan, vis = self.plan(query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds)
         b, h, rows, d = query.shape
         acc = accumulation_dtype(query.dtype)
         q, k, v = _packed(query), _packed(key), _packed(value)
+        if _one_call(plan):
+            # Every row in order in one call (a ring step of documents, a window): the kernel's
+            # output is the block's, with no accumulator in the accumulation dtype.
+            c = plan.calls[0]
+            o, l_ = self.kernel_forward(q, _take(k, c.k_index), _take(v, c.k_index), c.cu_q, c.cu_k, c.max_q, c.max_k,
+                                        scale=scale, window=c.window)
+            return o.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype), l_.to(acc).reshape(h, b, rows).transpose(0, 1)
         out = torch.zeros(b * rows, h, d, dtype=acc, device=query.device)
         lse = torch.full((h, b * rows), float("-inf"), dtype=acc, device=query.device)
         for c in plan.calls:
@@ -304,17 +434,26 @@ class VarlenOp:
             lse[:, :, r] = m_lse.to(acc)
         return out.to(query.dtype), lse
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None, row_bounds=None):
+        if row_bounds is not None and scale <= 0:
+            attn_mask, row_bounds = bounds_visible(*row_bounds, key.shape[2]), None
         if scale <= 0:
             return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
                                   attn_mask=attn_mask)
-        plan, vis = self.plan(query, key, is_causal=is_causal, attn_mask=attn_mask)
+        plan, vis = self.plan(query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds)
         b, h, rows, d = query.shape
         hkv, cols = key.shape[1], key.shape[2]
         acc = accumulation_dtype(query.dtype)
         do, o = _packed(grad_out.to(query.dtype)), _packed(out.to(query.dtype))
         q, k, v = _packed(query), _packed(key), _packed(value)
         lse_packed = lse.to(acc).transpose(0, 1).reshape(h, b * rows)
+        if _one_call(plan) and plan.calls[0].k_index is None:  # every row and key in order: no accumulators
+            c = plan.calls[0]
+            dq, dk, dv = self.kernel_backward(do, q, k, v, o, lse_packed.contiguous(), c.cu_q, c.cu_k, c.max_q, c.max_k,
+                                              scale=scale, window=c.window)
+            return (dq.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype),
+                    dk.reshape(b, cols, hkv, d).transpose(1, 2).to(key.dtype),
+                    dv.reshape(b, cols, hkv, d).transpose(1, 2).to(value.dtype))
         dq = torch.zeros(b * rows, h, d, dtype=acc, device=query.device)
         dk = torch.zeros(b * cols, hkv, d, dtype=acc, device=key.device)
         dv = torch.zeros_like(dk)

@@ -52,7 +52,7 @@ def strategy_path(
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
     groups = resolve_strategy_groups(strategy, group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None)
     mesh_shape = groups.shape
     problem = extra_problem or strategy_problem(
         strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale, layout=layout,

@@ -11,35 +11,25 @@ exact, not timings.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 
+from .counting import AtenOps
+
 SEQ = 2048
 
 
 def _syncs(ctx, case: str) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import ring_impl
     from ring_impl.masks import Documents, SlidingWindow
     from ring_impl.ring import RingAttention
 
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func.overloadpacket)] += 1
-            return func(*args, **(kwargs or {}))
-
     options = {
         "causal": dict(is_causal=True, op="cpu_efficient_layout"),
         "window": dict(mask=SlidingWindow(256, 0), op="cpu_efficient_layout"),
+        "window_varlen": dict(mask=SlidingWindow(256, 0), op="cpu_flash_varlen_layout"),
         # (the ids live on the CPU: the checks that read them read host memory)
         "documents": dict(mask=Documents.from_cu_seqlens([0, 100, 400, 401, 900, 1500, 2000], SEQ),
                           op="cpu_flash_varlen_layout"),
@@ -51,7 +41,7 @@ def _syncs(ctx, case: str) -> int:
     try:
         for _ in range(2):  # the second call is counted: plans are cached by then
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            with Reads() as reads:
+            with AtenOps() as reads:
                 ring_impl.ring_attention(*leaves, group=ctx.group, **options).backward(do)
     finally:
         RingAttention.all_finite = shortcut
@@ -59,7 +49,7 @@ def _syncs(ctx, case: str) -> int:
 
 
 #: case -> the most device-to-host reads a call may make (documents: the ids' checks, on the CPU)
-LIMITS = {"causal": 0, "window": 0, "documents": 2}
+LIMITS = {"causal": 0, "window": 0, "window_varlen": 0, "documents": 2}
 
 
 @pytest.mark.parametrize("case", sorted(LIMITS))

@@ -2,9 +2,10 @@
 exactness for any visibility, the op against the math op, and the ring through it against the
 float64 oracle.
 
-The CUDA op (``cuda_flash_varlen``) has not run on a GPU; its check is
-``tests/ring_impl/test_cuda_kernels.py -k varlen --device cuda``. Everything here runs the same
-packing with the kernel emulated (``cpu_flash_varlen_layout``).
+The CUDA op (``cuda_flash_varlen``) is checked on a GPU by
+``tests/ring_impl/test_cuda_kernels.py -k varlen --device cuda`` (``ci/gpu_check.py`` runs it).
+Everything here runs the same packing with the kernel emulated (``cpu_flash_varlen_layout``):
+given a visibility, or row bounds (one key range per row, ring_impl.row_bounds).
 """
 
 from __future__ import annotations
@@ -291,8 +292,9 @@ def test_a_packer_with_its_band_window_off_by_one_is_caught(monkeypatch) -> None
 
     original = varlen._runs
 
-    def slipped(*bounds):
-        return [(r0, r1, c0, c1, (w[0] + 1, w[1]) if w[0] >= 0 else w) for r0, r1, c0, c1, w in original(*bounds)]
+    def slipped(per_element):
+        return [[(r0, r1, c0, c1, (w[0] + 1, w[1]) if w[0] >= 0 else w) for r0, r1, c0, c1, w in runs]
+                for runs in original(per_element)]
 
     monkeypatch.setattr(varlen, "_runs", slipped)
     pos = torch.arange(48)
@@ -323,11 +325,18 @@ def test_the_plan_of_a_kept_visibility_is_made_once() -> None:
     assert kept not in varlen._PLANS, "a freed visibility's plan is still held"
 
 
-def test_auto_never_picks_the_unverified_op() -> None:
+def test_auto_picks_the_varlen_kernel_for_masked_calls_on_cuda_only() -> None:
+    """A masked call on CUDA runs a ring step in one varlen call; an unmasked one keeps the dense
+    flash kernel; dtypes varlen lacks and the CPU keep theirs."""
     from ring_impl.ops import resolve_op
 
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for dtype in (torch.float16, torch.bfloat16):
-        assert resolve_op("auto", torch.device("cuda"), dtype, 64).name != "cuda_flash_varlen"
+        assert resolve_op("auto", cuda, dtype, 64).name == "cuda_flash"
+        assert resolve_op("auto", cuda, dtype, 64, masked=True).name == "cuda_flash_varlen"
+    assert resolve_op("auto", cuda, torch.float32, 64, masked=True).name == "cuda_efficient"
+    assert resolve_op("auto", cuda, torch.bfloat16, 512, masked=True).name != "cuda_flash_varlen"  # head_dim > 256
+    assert resolve_op("auto", cpu, torch.bfloat16, 64, masked=True).name == "cpu_flash"
     assert isinstance(get_op("cuda_flash_varlen"), VarlenOp)
 
 
@@ -376,3 +385,53 @@ def test_ring_with_the_emulated_varlen_op_matches_the_oracle(ring, dtype, name, 
     pos = torch.arange(SEQ)
     assert_ring_matches_oracle(f"cpu_flash_varlen_layout, {name}, W=2, {layout}, {rotate}", results, _inputs(dtype),
                                visibility(_RING_MASKS[name](), pos, pos), layout=layout, world_size=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", sorted(set(_MASKS) - {"sink_and_window"}))
+def test_a_mask_of_key_ranges_is_one_call_per_window_it_needs(name: str) -> None:
+    """From a step's row bounds (ring_impl.row_bounds): documents (causal or not, one of a single
+    token), windows (their growing first rows and their band in one sequence), chunks and causal
+    are one call; prefix-LM is two (its full prefix and its causal rest need two windows). The
+    calls show exactly the mask's pairs."""
+    from ring_impl.ops.varlen import bounds_varlen_plan, bounds_visible
+    from ring_impl.row_bounds import column_bounds
+
+    s = 64
+    pos = torch.arange(s)
+    mask = _MASKS[name](s)
+    lo, hi = column_bounds(mask, pos, pos)
+    plan = bounds_varlen_plan(lo, hi, 2, s)
+    assert len(plan.calls) == (2 if name == "prefix" else 1), [c.window for c in plan.calls]
+    vis = visibility(mask, pos, pos)
+    assert torch.equal(bounds_visible(lo, hi, s), vis)
+    shown = _shown(plan, vis, 2)
+    assert int(shown.max()) <= 1 and torch.equal(shown.to(torch.bool), vis[0].expand(2, s, s))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_any_row_ranges_are_packed_exactly(data) -> None:
+    """Random row ranges (documents, windows, bands, one-key rows, empty rows side by side):
+    every visible pair shown once, nothing else."""
+    from ring_impl.ops.varlen import bounds_varlen_plan, bounds_visible
+
+    rows, cols = data.draw(st.integers(1, 30), label="rows"), data.draw(st.integers(1, 30), label="cols")
+    lo, hi = [], []
+    for _ in range(rows):
+        how = data.draw(st.sampled_from(["same", "grow", "slide", "jump", "empty"]), label="row")
+        a, b = (lo[-1], hi[-1]) if lo else (0, 1)
+        if how == "grow":
+            b += 1
+        elif how == "slide":
+            a, b = a + 1, b + 1
+        elif how in ("jump", "empty") or not lo:
+            a = data.draw(st.integers(0, cols), label="lo")
+            b = a if how == "empty" else data.draw(st.integers(a, cols), label="hi")
+        lo.append(min(a, cols))
+        hi.append(max(min(b, cols), min(a, cols)))
+    lo_t, hi_t = torch.tensor(lo), torch.tensor(hi)
+    vis = bounds_visible(lo_t, hi_t, cols)
+    batch = data.draw(st.integers(1, 2), label="batch")
+    shown = _shown(bounds_varlen_plan(lo_t, hi_t, batch, cols), vis, batch)
+    assert int(shown.max()) <= 1, "a pair is shown twice"
+    assert torch.equal(shown.to(torch.bool), vis[0].expand(batch, rows, cols)), "a pair shown that is hidden, or missed"
