@@ -273,9 +273,12 @@ Args:
     mask: a ring_impl.masks.Mask on *global* positions (Documents, SlidingWindow, ChunkedCausal,
         PrefixLM, MaskMod, combined with & and |; with is_causal=True it is intersected with
         causal), equal on every rank. Each ring step computes only the rows and columns some
-        query sees (skipped when none: the block is still rotated), unmasked when all of them
-        do, with the kernel's causal flag when causal-shaped, else with the block's mask (ops
-        declaring ``masks``; others run those blocks with the math op). Rows that see nothing
+        query sees (skipped when none: the block is still rotated). With an op taking row
+        bounds (``cuda_flash_varlen``, what op="auto" picks for a masked call on CUDA) a step
+        of a mask of key ranges (every built-in mask but a union) is one kernel call; otherwise
+        it is cut into calls, unmasked where every row sees all, with the kernel's causal flag
+        where causal-shaped, else with the block's mask (ops declaring ``masks``; others run
+        those blocks with the math op). Rows that see nothing
         give out 0, LSE -inf and zero gradients. Any head_chunks. Under torch.compile the
         call runs in the graph as custom ops (a MaskMod evaluated into a table of bits on the
         global grid: ring_impl.mask_table), or for what they cannot carry eagerly inside the
