@@ -36,7 +36,9 @@ never as passed. The summary (``gpu_check.json``, ``gpu_check.md`` under ``--out
 device, torch, CUDA and Python versions, per job and per suite module the tests collected,
 passed, failed, skipped (with reasons), not run, and the benchmark rows. Exit status: 0 when
 nothing failed and every test ran, 1 when a test failed, 3 when a job ran out of time, broke or
-left tests not run.
+left tests not run. The ``torch_cp-*`` jobs judge PyTorch's own context parallel (its public API
+runs only on CUDA): their failures are that implementation's verdict, listed apart, and never
+fail the check.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ ROOT = Path(__file__).resolve().parents[1]
 FIRST_SUITES = ("test_masks.py", "test_forward_backward.py", "test_strategies.py")
 
 
+TORCH_CP = "conformance.adapters.torch_cp:IMPLEMENTATION"
+#: the suites of PyTorch's context parallel verdict on CUDA (what its public API can be asked)
+TORCH_CP_SUITES = tuple(f"suites/{f}" for f in ("test_forward_backward.py", "test_shapes.py", "test_rotation.py",
+                                                 "test_edge_values.py", "test_collectives.py"))
+
+
 def suite_files() -> list[str]:
     files = sorted(p.name for p in (ROOT / "suites").glob("test_*.py"))
     ordered = [f for f in FIRST_SUITES if f in files] + [f for f in files if f not in FIRST_SUITES]
@@ -72,7 +80,7 @@ class Job:
     name: str
     argv: list[str]  # after "python -m pytest" for tests, or a script's argv
     workers: int = 0  # xdist workers (0: none)
-    kind: str = "tests"  # "tests" or "bench"
+    kind: str = "tests"  # "tests", "bench", or "verdict" (another implementation judged: reported, never failing the check)
     json_out: str | None = None  # a bench's JSON rows
     share: float = 1.0  # a bench's weight in the benchmarks' time
     sample: str | None = None  # GPU_CHECK_SAMPLE: the deterministic share of the tests run ("0/3")
@@ -106,6 +114,11 @@ def jobs(args) -> list[Job]:
         # the mask suite on the two CUDA kernels that take a mask in one call (their CPU emulations run in CI)
         *[Job(f"masks-{op}", ["suites/test_masks.py", *common, "--dist-backend", "gloo", "--world-sizes", "1,2",
                               "--op", op], workers=2) for op in ("cuda_efficient_masked", "cuda_flash_varlen")],
+        # PyTorch's public context_parallel API judged on CUDA (on CPU it cannot run): W=1 on NCCL,
+        # W=2 sharing the GPU over gloo; its failures are its verdict (docs/pytorch-cp.md)
+        *[Job(f"torch_cp-{tag}", [*TORCH_CP_SUITES, *common, *backend, "--world-sizes", w, "--impl", TORCH_CP],
+              workers=2, kind="verdict", sample="0/2")
+          for tag, backend, w in (("W1-nccl", w1_backend, "1"), ("W2-gloo", ["--dist-backend", "gloo"], "2"))],
     ]
     bench_jobs = [
         Job("bench-masks", ["ci/bench_cuda_masks.py", "--quick", "--json", str(out / "bench_cuda_masks.json")],
@@ -230,17 +243,22 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
                          not_run=max(0, job.collected - reported), sampled_out=job.sampled_out, sample=job.sample)
             skips = collections.Counter(r["reason"] for r in job.results if r["outcome"] == "skipped")
             entry["skip_reasons"] = dict(skips.most_common())
-            for r in job.results:
-                module = r["nodeid"].split("::")[0]
-                per_suite[module][r["outcome"]] += 1
-                if r["outcome"] == "failed":
-                    summary["failures"].append({"job": job.name, "nodeid": r["nodeid"], "reason": r["reason"]})
+            entry["kind"] = job.kind
+            if job.kind == "verdict":  # another implementation's verdict: its failures by test, apart
+                failed = collections.Counter(r["nodeid"].split("[")[0] for r in job.results if r["outcome"] == "failed")
+                summary.setdefault("verdicts", {})[job.name] = dict(failed.most_common())
+            else:
+                for r in job.results:
+                    module = r["nodeid"].split("::")[0]
+                    per_suite[module][r["outcome"]] += 1
+                    if r["outcome"] == "failed":
+                        summary["failures"].append({"job": job.name, "nodeid": r["nodeid"], "reason": r["reason"]})
         summary["jobs"].append(entry)
     summary["suites"] = {m: dict(c) for m, c in sorted(per_suite.items())}
     for counts in summary["suites"].values():
         counts["executed_on_cuda"] = counts.get("passed", 0) + counts.get("failed", 0) + counts.get("xfailed", 0) \
             + counts.get("xpassed", 0)
-    tests = [j for j in summary["jobs"] if "collected" in j]
+    tests = [j for j in summary["jobs"] if "collected" in j and j.get("kind") != "verdict"]
     summary["verdict"] = {
         "failed": sum(j["failed"] for j in tests),
         "not_run": sum(j["not_run"] for j in tests),
@@ -273,7 +291,8 @@ def markdown(summary: dict) -> str:
     for j in summary["jobs"]:
         if "collected" in j:
             sampled = f" ({j['sampled_out']}, share {j['sample']})" if j["sample"] else ""
-            lines.append(f"| {j['name']} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | {j['passed']} | "
+            name = f"{j['name']} (verdict)" if j.get("kind") == "verdict" else j["name"]
+            lines.append(f"| {name} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | {j['passed']} | "
                          f"{j['failed']} | {j['skipped']} | {j['not_run']} |")
         else:
             lines.append(f"| {j['name']} | {j['status']} | {j['wall_s']} | | | | | |")
@@ -282,6 +301,9 @@ def markdown(summary: dict) -> str:
     for module, c in summary["suites"].items():
         lines.append(f"| {module} | {c['executed_on_cuda']} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
                      f"{c.get('skipped', 0)} |")
+    for name, failed in summary.get("verdicts", {}).items():
+        lines += ["", f"## {name} (a verdict on another implementation; not counted above)", ""]
+        lines += [f"- {n} failed: `{test}`" for test, n in failed.items()] or ["- no failure"]
     if summary["failures"]:
         lines += ["", "## Failures", ""]
         for f in summary["failures"][:40]:
@@ -343,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, bench in enumerate(benches):  # one at a time: each needs the GPU to itself; its share of what is left
         share = bench.share / sum(b.share for b in benches[i:])
         run_phase([bench], time.monotonic() + (bench_end - time.monotonic()) * share, out)
-    run_phase([j for j in all_jobs if j.kind == "tests"], end, out)
+    run_phase([j for j in all_jobs if j.kind in ("tests", "verdict")], end, out)
     for job in all_jobs:
         read_results(job, out)
     summary = summarize(all_jobs, args, started, time.monotonic() - start)

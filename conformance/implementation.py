@@ -141,6 +141,7 @@ class Capabilities:
     ops: frozenset[str] | None = None  # op names accepted by op=; "*" accepts op objects too
     backward: bool | None = None
     lse: bool | None = None  # return_lse=True supported
+    lse_grad: bool | None = None  # the returned LSE is differentiable (a loss may use it)
     gqa: bool | None = None
     cross_attention: bool | None = None  # non-causal with seq_kv != seq_q
     compile: bool | None = None  # works under torch.compile(fullgraph=True)

@@ -42,6 +42,7 @@ def pytest_generate_tests(metafunc):
 
 def test_lse_gradient_matches_float64_autograd(ring, case: RingCase) -> None:
     ring.require("lse", why="the loss uses the returned LSE")
+    ring.require("lse_grad", why="the loss backpropagates through the returned LSE")
     case = ring.prepare(case)
     results = ring.run(case)
     detached = [rank for rank, r in enumerate(results) if not r["lse_requires_grad"]]

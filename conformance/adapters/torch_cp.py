@@ -59,7 +59,8 @@ and, in brackets, the same for single-process CPU flash in the same dtype):
   ``h`` to key/value head ``h // group`` itself (forward and backward), and PyTorch's ring moves
   only the ``heads_kv`` heads. On CUDA the adapter passes ``enable_gqa`` to SDPA.
 - cross attention (non-causal, seq_kv != seq_q, ``contiguous``): works.
-- LSE: returned (``return_lse=True``) in the kernel's LSE dtype.
+- LSE: returned (``return_lse=True``) in the kernel's LSE dtype, not differentiable: PyTorch's
+  ring backward takes no LSE gradient (declared, ``lse_grad=False``).
 - ``torch.compile(fullgraph=True)``: not supported. Dynamo stops in PyTorch's backward, which
   passes the kernel's ``out`` argument by keyword: ``Unsupported: Attempted to call op with
   non-contiguous `out=` tensor`` (aten._scaled_dot_product_flash_attention_for_cpu_backward).
@@ -282,6 +283,9 @@ class TorchContextParallel:
             ops=frozenset(),  # PyTorch picks its kernel; a vendor kernel cannot be plugged in
             backward=True,
             lse=True,
+            # PyTorch's ring backward takes no LSE gradient (_templated_ring_attention_backward
+            # has grad_out only) and its public SDPA returns no LSE: the LSE is an output only.
+            lse_grad=False,
             gqa=True,
             cross_attention=True,
             compile=False,
