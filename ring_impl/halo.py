@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .nonfinite import finite_parts
 from .ops import accumulation_dtype
-from .plan import Block, cached_by_mask, range_blocks, visibility_blocks
+from .plan import Block, cached_by_mask, mask_blocks
 from .ring import RingAttention, RingConfig, block_rows
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
@@ -171,23 +171,15 @@ def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | N
     rows, cut as a ring step's (:func:`ring_impl.tiling.split_visibility`: a window's band in
     tiles; for an op that takes row bounds, one ``ranges`` block; none when no query sees
     anything)."""
-    from .masks import visibility
-
     r = cfg.group.rank
+    ranges = cfg.op.capabilities.row_bounds
 
     def build() -> tuple[Block, ...]:
         q_pos = torch.arange(r * seq, (r + 1) * seq)
         kv_pos = torch.arange(r * seq - h.left, (r + 1) * seq + h.right)
-        if ranges:  # an op taking row bounds: the whole halo block in one call
-            blocks = range_blocks(cfg.mask, q_pos, kv_pos, 0, r)
-            if blocks is not None:
-                return blocks
-        vis = visibility(cfg.mask, q_pos, kv_pos, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1])
-        if cfg.mask_heads is not None and vis.shape[1] > 1:
-            vis = vis[:, cfg.mask_heads[0]:cfg.mask_heads[1]]
-        return visibility_blocks(vis, 0, r, device)
+        return mask_blocks(cfg.mask, q_pos, kv_pos, 0, r, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1],
+                           head_span=cfg.mask_heads, device=device, ranges=ranges)
 
-    ranges = cfg.op.capabilities.row_bounds
     key = ("halo", r, seq, h, cfg.mask_dims, cfg.mask_heads, str(device), ranges)
     return cached_by_mask(cfg.mask, key, build, memo=cfg.plan_memo)
 

@@ -38,8 +38,8 @@ import torch
 
 from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["Block", "StepPlan", "cached_by_mask", "masked_plan", "plan_ahead", "range_blocks", "ring_plan",
-           "step_blocks", "visibility_blocks"]
+__all__ = ["Block", "StepPlan", "cached_by_mask", "mask_blocks", "masked_plan", "plan_ahead", "range_blocks",
+           "ring_plan", "step_blocks", "visibility_blocks"]
 
 T = TypeVar("T")
 
@@ -273,8 +273,6 @@ def _visibility_bytes(plan) -> int:
 
 def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs,
                  ranges=False) -> tuple[StepPlan, ...]:
-    from .masks import visibility
-
     def positions(runs: Runs) -> torch.Tensor:
         return torch.cat([torch.arange(a, b, device=device) for a, b in runs])
 
@@ -282,15 +280,29 @@ def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, he
     plans = []
     for step in range(world_size):
         kv_rank = (rank - step) % world_size
-        blocks = range_blocks(mask, q_pos, positions(kv_runs[kv_rank]), step, kv_rank) if ranges else None
-        if blocks is not None:
-            plans.append(StepPlan(step, kv_rank, blocks))
-            continue
-        vis = visibility(mask, q_pos, positions(kv_runs[kv_rank]), batch=batch, heads=heads)
-        if head_span is not None and vis.shape[1] > 1:
-            vis = vis[:, head_span[0]:head_span[1]]
-        plans.append(StepPlan(step, kv_rank, visibility_blocks(vis, step, kv_rank, device)))
+        blocks = mask_blocks(mask, q_pos, positions(kv_runs[kv_rank]), step, kv_rank, batch=batch, heads=heads,
+                             head_span=head_span, device=device, ranges=ranges)
+        plans.append(StepPlan(step, kv_rank, blocks))
     return tuple(plans)
+
+
+def mask_blocks(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, step: int, kv_rank: int, *, batch: int, heads: int,
+                head_span: tuple[int, int] | None, device: torch.device | None, ranges: bool) -> tuple[Block, ...]:
+    """The blocks of one step (or the halo block) of ``mask`` between query positions ``q_pos``
+    and key positions ``kv_pos``: with ``ranges`` (an op taking row bounds), one block from
+    :func:`range_blocks` when the mask has that form; else the mask evaluated for ``batch``
+    and ``heads`` (the query heads ``head_span`` of them, when given) and cut by
+    :func:`visibility_blocks`."""
+    from .masks import visibility
+
+    if ranges:
+        blocks = range_blocks(mask, q_pos, kv_pos, step, kv_rank)
+        if blocks is not None:
+            return blocks
+    vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads)
+    if head_span is not None and vis.shape[1] > 1:
+        vis = vis[:, head_span[0]:head_span[1]]
+    return visibility_blocks(vis, step, kv_rank, device)
 
 
 def visibility_blocks(vis: torch.Tensor, step: int, kv_rank: int, device: torch.device | None) -> tuple[Block, ...]:

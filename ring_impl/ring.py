@@ -129,8 +129,8 @@ class RingAttention:
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale, visible=visible,
                                 row_bounds=bounds)
         b, h, rows, _ = q.shape
-        op = cfg.op if bounds is not None and cfg.op.capabilities.row_bounds else block_op(
-            cfg.op, is_causal=plan.is_causal, scale=cfg.scale, visible=visible)  # the op that ran it
+        op = block_op(cfg.op, is_causal=plan.is_causal, scale=cfg.scale, visible=visible,
+                      row_bounds=bounds)  # the op that ran it
         lse = normalize_lse(lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout,
                             op_name=getattr(op, "name", "math"))
         dead = _hidden_rows(visible, bounds)

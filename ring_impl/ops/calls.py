@@ -27,26 +27,31 @@ def _reduce_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
 
 
-def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: torch.Tensor | None = None) -> AttentionOp:
+def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: torch.Tensor | None = None,
+             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionOp:
     """The op that runs a block: ``op``, or the math op where ``op`` cannot run it: a masked
-    block ``op`` cannot mask, or a causal block with ``scale <= 0`` on an op whose causal kernel
-    returns NaN there (``causal_needs_positive_scale``). ``is_causal=True`` calls refuse or
-    reroute that case before any collective; a mask's causal tiles (ring_impl.tiling) reach it
-    here, since the tiler, not the caller, chose the causal kernel."""
-    if visible is not None and not op.capabilities.masks:
+    block ``op`` cannot mask (row bounds count as a mask for an op that does not take them), or
+    a causal block with ``scale <= 0`` on an op whose causal kernel returns NaN there
+    (``causal_needs_positive_scale``). ``is_causal=True`` calls refuse or reroute that case
+    before any collective; a mask's causal tiles (ring_impl.tiling) reach it here, since the
+    tiler, not the caller, chose the causal kernel."""
+    masked = visible is not None or (row_bounds is not None and not op.capabilities.row_bounds)
+    if masked and not op.capabilities.masks:
         return _MATH
     if is_causal and scale is not None and scale <= 0 and op.capabilities.causal_needs_positive_scale:
         return _MATH
     return op
 
 
-def _bounded(op: AttentionOp, key: torch.Tensor, visible: torch.Tensor | None,
-             row_bounds: tuple[torch.Tensor, torch.Tensor] | None):
-    """(visible, row_bounds) as ``op`` takes them: the bounds as a dense visibility for an op that
-    does not declare ``row_bounds``."""
-    if row_bounds is not None and not op.capabilities.row_bounds:
-        return bounds_visible(*row_bounds, key.shape[2]), None
-    return visible, row_bounds
+def _masking(op: AttentionOp, key: torch.Tensor, visible: torch.Tensor | None,
+             row_bounds: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
+    """The block's mask as ``op`` takes it: ``{"row_bounds": ...}`` for an op that declares them,
+    else ``{"attn_mask": ...}`` (the bounds as a dense visibility), ``{}`` for an unmasked block."""
+    if row_bounds is not None:
+        if op.capabilities.row_bounds:
+            return {"row_bounds": row_bounds}
+        return {"attn_mask": bounds_visible(*row_bounds, key.shape[2])}
+    return {} if visible is None else {"attn_mask": visible}
 
 
 def call_forward(
@@ -61,19 +66,11 @@ def call_forward(
     that declare it and as ``visible`` to the others. Rows that see nothing come back however
     the kernel leaves them: the caller sets them (out 0, LSE -inf).
     """
-    if row_bounds is not None:
-        visible, row_bounds = _bounded(op, key, visible, row_bounds)
-        if row_bounds is not None:
-            if not op.capabilities.gqa:
-                key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-            return op.forward(query, key, value, is_causal=is_causal, scale=scale,  # type: ignore[call-arg]
-                              row_bounds=row_bounds)
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible)
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds)
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-    if visible is not None:
-        return op.forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=visible)  # type: ignore[call-arg]
-    return op.forward(query, key, value, is_causal=is_causal, scale=scale)
+    return op.forward(query, key, value, is_causal=is_causal, scale=scale,  # type: ignore[call-arg]
+                      **_masking(op, key, visible, row_bounds))
 
 
 def _with_lse_grad(
@@ -141,39 +138,19 @@ def call_backward(
     visible, row_bounds: as for :func:`call_forward` (rows that see nothing must come with a
     finite LSE and a zero output gradient: the caller's job).
     """
-    if row_bounds is not None:
-        visible, row_bounds = _bounded(op, key, visible, row_bounds)
-        if row_bounds is not None:
-            heads_kv = key.shape[1]
-            if not op.capabilities.gqa:
-                key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-            if grad_lse is None or op.capabilities.lse_grad:
-                extra = {"grad_lse": grad_lse} if grad_lse is not None else {}
-                dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal,  # type: ignore[call-arg]
-                                         scale=scale, row_bounds=row_bounds, **extra)
-            else:
-                dq, dk, dv = _with_lse_grad(op, grad_out, query, key, value, out, lse, grad_lse, is_causal=is_causal,
-                                            scale=scale, row_bounds=row_bounds)
-            return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible)
-    if visible is not None:
-        if grad_lse is not None and not op.capabilities.lse_grad:
-            op = _MATH  # the LSE-gradient padding trick would need the mask padded too
-        heads_kv = key.shape[1]
-        if not op.capabilities.gqa:
-            key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-        extra = {"grad_lse": grad_lse} if grad_lse is not None else {}
-        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
-                                 attn_mask=visible, **extra)  # type: ignore[call-arg]
-        return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds)
+    mask = _masking(op, key, visible, row_bounds)
+    if "attn_mask" in mask and grad_lse is not None and not op.capabilities.lse_grad:
+        op = _MATH  # the LSE-gradient padding trick would need the mask padded too
     heads_kv = key.shape[1]
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
     if grad_lse is None:
-        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale)
+        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **mask)
     elif op.capabilities.lse_grad:
         dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
-                                 grad_lse=grad_lse)  # type: ignore[call-arg]
-    else:
-        dq, dk, dv = _with_lse_grad(op, grad_out, query, key, value, out, lse, grad_lse, is_causal=is_causal, scale=scale)
+                                 grad_lse=grad_lse, **mask)  # type: ignore[call-arg]
+    else:  # no mask, or row bounds (the padded head dim leaves them as they are)
+        dq, dk, dv = _with_lse_grad(op, grad_out, query, key, value, out, lse, grad_lse, is_causal=is_causal,
+                                    scale=scale, row_bounds=mask.get("row_bounds"))
     return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)

@@ -55,6 +55,6 @@ LIMITS = {"causal": 0, "window": 0, "window_varlen": 0, "documents": 2}
 @pytest.mark.parametrize("case", sorted(LIMITS))
 def test_no_host_sync_per_block(ring, case: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
+        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)")
     (syncs,) = ring.rank_pool(1).run(_syncs, case)
     assert syncs <= LIMITS[case], f"{case}: {syncs} host syncs in one call at W=1, at most {LIMITS[case]} allowed"

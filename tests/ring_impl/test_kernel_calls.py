@@ -60,7 +60,7 @@ def _counted_call(ctx, name: str, seq: int, layout: str):
 
 def _skip_other_impls(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
+        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)")
 
 
 @pytest.mark.parametrize("name", ["documents_16", "documents_64", "window", "documents_and_window"])
