@@ -8,7 +8,7 @@ Run from the repository root::
 Forward + backward of ``ring_impl.ring_attention(mask=SlidingWindow(window))`` (a causal window:
 ``window`` keys back, none forward) on CPU + gloo, every rank a process with one intra-op thread,
 ``contiguous`` layout, the CPU flash kernel, float32, batch 1, 8 heads (key/value heads too),
-head_dim 64: ``halo=None`` (the halo exchange, ring_impl.halo) against ``halo=False`` (the ring,
+head_dim 64: ``exchange="auto"`` (the halo exchange, ring_impl.halo) against ``exchange="ring"`` (the ring,
 ``p2p`` rotation, skipping the blocks the window does not reach but moving every block). One
 warm-up call at a small size, one untimed call per point that records the collectives, then
 ``--repeat`` repetitions with both paths interleaved; a
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ci.bench_common import median, run_world, write_rows
 
-PATHS = {"halo": None, "ring": False}
+PATHS = {"halo": "auto", "ring": "ring"}  # the exchange= each path is asked by
 
 
 @dataclass
@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
     torch.set_num_threads(1)
     results: dict = {}
 
-    def call(seq: int, window: int, halo, log: CollectiveLog | None) -> float:
+    def call(seq: int, window: int, exchange: str, log: CollectiveLog | None) -> float:
         gen = torch.Generator().manual_seed(seq)
         q, k, v, do = (ring_impl.shard(torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen), world, rank)
                        for _ in range(4))
@@ -72,26 +72,26 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
         t0 = time.perf_counter()
         if log is None:
             out = ring_impl.ring_attention(q, k, v, mask=SlidingWindow(window), op="cpu_flash", rotate_method="p2p",
-                                           halo=halo)
+                                           exchange=exchange)
             out.backward(do)
         else:
             with log:
                 with log.phase("forward"):
                     out = ring_impl.ring_attention(q, k, v, mask=SlidingWindow(window), op="cpu_flash",
-                                                   rotate_method="p2p", halo=halo)
+                                                   rotate_method="p2p", exchange=exchange)
                 with log.phase("backward"):
                     out.backward(do)
         return time.perf_counter() - t0
 
-    call(b.warmup_seq, min(b.windows), None, None)
-    call(b.warmup_seq, min(b.windows), False, None)
+    call(b.warmup_seq, min(b.windows), "auto", None)
+    call(b.warmup_seq, min(b.windows), "ring", None)
     for it in range(1 + b.repeat):  # the first pass records the collectives, untimed
         for seq, window in itertools.product(b.seqs, b.windows):
             point = results.setdefault(f"s{seq}-w{window}", {"seq": seq, "window": window, "sent": {},
                                                               **{p: [] for p in PATHS}})
-            for name, halo in PATHS.items():
+            for name, exchange in PATHS.items():
                 log = CollectiveLog() if it == 0 else None
-                elapsed = call(seq, window, halo, log)
+                elapsed = call(seq, window, exchange, log)
                 if log is None:
                     point[name].append(elapsed)
                 else:

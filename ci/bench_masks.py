@@ -27,7 +27,7 @@ documents
     computes). The CPU flash kernel does not skip tiles its mask hides, so the full-mask
     baseline computes every score of the S x S square while the ring computes only each step's
     trimmed rectangle: ratios against it favour the ring; the per-document one is the floor.
-    The work-aware layout also runs with ``sparse_kv=True`` (``ring_impl.kv_gather``: each rank
+    The work-aware layout also runs with ``exchange="gather"`` (``ring_impl.kv_gather``: each rank
     receives only the key/value rows its queries see, in one all-to-all, instead of the ring).
     Balance per layout: ``ring_impl.balance.rank_work`` (visible score entries per rank, the
     balancer's own measure), the *kernel area* per rank (the entries the kernel really computes:
@@ -46,7 +46,7 @@ window
     send ``bytes``, as ci/bench_ring.py counts them), against the halo minimum: forward
     ``window`` rows of key and value from the left neighbour; backward their dK/dV back in float32
     (the forward's halo rows kept; a path that sends them again exceeds it). ``--halo auto|on|off``
-    is passed to the window's ring as ``ring_attention(..., halo=None|True|False)``.
+    is passed to the window's ring as ``ring_attention(..., exchange="auto"|"halo"|"ring")``.
 
 Timing: one warm-up repetition at ``--warmup-seq`` (its own documents and layout; it also
 checks every configuration's output and dQ against the full-mask baseline), then ``--repeat``
@@ -309,7 +309,7 @@ def _ring_call(case: dict, c: dict, b: Bench, ring_op, halo: dict, log=None) -> 
 
     phase = log.phase if log is not None else (lambda name: contextlib.nullcontext())
     mask = case["docs"] if c["part"] == "documents" else case["window"]
-    extra = halo if c["part"] == "window" else {"sparse_kv": True} if c.get("sparse") else {}
+    extra = halo if c["part"] == "window" else {"exchange": "gather"} if c.get("sparse") else {}
     q, k, v, do = case["shards"][c["layout"]]
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     t0 = time.perf_counter()
@@ -332,8 +332,8 @@ def _bench_rank(rank: int, world: int, b_dict: dict) -> dict:
     b = Bench(**{k: tuple(v) if isinstance(v, list) else v for k, v in b_dict.items()})
     timer = KernelTimer()
     ring_op = _timed_ring_op(timer)
-    # --halo auto|on|off is ring_attention(halo=None|True|False)
-    halo = {"halo": {"auto": None, "on": True, "off": False}[b.halo]} if b.halo is not None else {}
+    # --halo auto|on|off is ring_attention(exchange="auto"|"halo"|"ring")
+    halo = {"exchange": {"auto": "auto", "on": "halo", "off": "ring"}[b.halo]} if b.halo is not None else {}
     cases = {False: _case(b, b.warmup_seq, rank, world, reference=True) if b.warmup else None,
              True: _case(b, b.seq, rank, world, reference=False)}
     configs = _configs(world, b)
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rotate", default=Bench.rotate, choices=("allgather", "alltoall", "p2p"),
                         help="Rotation method of the ring")
     parser.add_argument("--halo", choices=HALO_CHOICES,
-                        help="ring_attention(halo=None|True|False) for the window (default: not passed, i.e. None)")
+                        help="ring_attention(exchange='auto'|'halo'|'ring') for the window (default: not passed, i.e. None)")
     parser.add_argument("--out", default="reports/bench", help="Output directory for masks.json")
     args = parser.parse_args(argv)
 

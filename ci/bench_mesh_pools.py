@@ -5,7 +5,7 @@ each rank's resident memory (VmRSS, and PSS, which splits the pages the ranks sh
 forkserver they were forked from) right after the start and after the cases below, then per mesh
 shape: the first case that asks for the mesh (the mesh's process groups are created:
 :meth:`harness.RankContext.device_mesh`), the same case again (the mesh cached), and a tiny
-hybrid forward+backward (``ring_attention(strategy="hybrid")``, batch 1, 16 heads, local length
+hybrid forward+backward (``ring_attention(exchange="hybrid")``, batch 1, 16 heads, local length
 8, head_dim 8, float32). Times are wall-clock seconds on this machine, the median of ``--repeat``.
 
 Usage: ``python ci/bench_mesh_pools.py [--world-sizes 8,16] [--repeat 5] [--json PATH]``.
@@ -59,7 +59,7 @@ def hybrid_case(ctx, shape: tuple[int, int]) -> float:
     mesh = ctx.device_mesh((shape[1], shape[0]), ("ring", "ulysses"))
     q, k, v = (torch.randn(1, 16, 8, 8, requires_grad=True) for _ in range(3))
     t = time.perf_counter()
-    out = ring_impl.ring_attention(q, k, v, group=mesh, strategy="hybrid", is_causal=True, layout="head_tail",
+    out = ring_impl.ring_attention(q, k, v, group=mesh, exchange="hybrid", is_causal=True, layout="head_tail",
                                    rotate_method="alltoall")
     out.sum().backward()
     return time.perf_counter() - t

@@ -6,7 +6,7 @@ Run from the repository root::
     python ci/bench_strategies.py             # the grid in docs/benchmarks.md
 
 Forward + backward of ``ring_impl.ring_attention`` on CPU + gloo at W=4 (every rank a process
-with one intra-op thread) with ``strategy="ring"`` (``alltoall`` rotation; ``head_tail`` when
+with one intra-op thread) with ``exchange="ring"`` (``alltoall`` rotation; ``head_tail`` when
 causal), ``"ulysses"`` (U=4) and ``"hybrid"`` (a 2x2 mesh: Ulysses pairs of consecutive ranks,
 the ring across them), all on the CPU flash kernel, against one process running SDPA (the same
 kernel, ``SDPBackend.FLASH_ATTENTION``) on the full sequence with 4 threads. Over a grid of query
@@ -157,12 +157,12 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
                 t0 = time.perf_counter()
                 if rec is not None:
                     with rec:
-                        out = ring_impl.ring_attention(q, k, v, group=groups[s], strategy=s, is_causal=causal,
+                        out = ring_impl.ring_attention(q, k, v, group=groups[s], exchange=s, is_causal=causal,
                                                        layout=layout, rotate_method="alltoall")
                         rec.phase = "backward"
                         out.backward(local[s][3])
                 else:
-                    out = ring_impl.ring_attention(q, k, v, group=groups[s], strategy=s, is_causal=causal, layout=layout,
+                    out = ring_impl.ring_attention(q, k, v, group=groups[s], exchange=s, is_causal=causal, layout=layout,
                                                    rotate_method="alltoall")
                     out.backward(local[s][3])
                 elapsed = time.perf_counter() - t0

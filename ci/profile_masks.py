@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--layout", default="work_balanced", choices=["work_balanced", "head_tail", "contiguous"])
-    parser.add_argument("--sparse", action="store_true", help="ring_attention(sparse_kv=True): the sparse gather")
+    parser.add_argument("--sparse", action="store_true", help="ring_attention(exchange='gather'): the sparse gather")
     parser.add_argument("--calls", type=int, default=4, help="profiled calls (after 2 warm-up calls)")
     parser.add_argument("--top", type=int, default=35, help="functions printed")
     parser.add_argument("--callers", default="", help="a regex: also print who called the functions it matches")

@@ -4,9 +4,8 @@ Public API::
 
     ring_attention(query, key, value, *, group=None, is_causal=False, scale=None,
                    rotate_method=None, op=None, layout="contiguous", return_lse=False,
-                   head_chunks=1, strategy="ring",   # or "ulysses", "hybrid": ring_impl.strategies
-                   mask=None, sinks=None,            # ring_impl.masks on global positions; sink logits
-                   halo=None)                        # narrow masks as a halo exchange (ring_impl.halo)
+                   head_chunks=1, mask=None, sinks=None,  # masks on global positions; sink logits
+                   exchange="auto")                  # "ring", "halo", "gather", "ulysses", "hybrid"
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
     shard / unshard                    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .call import Call
 from .compiled_masks import describe_call, rebuild_call
 from .validate import InputError
 
@@ -40,28 +41,27 @@ CHECK_LEFT_OUT = ("an option that is not a plain literal, inputs that are not te
                   "or a single rank")
 
 
-def checked_call(attend, call_path, impl, impl_name: str, query, key, value, **kwargs):
-    """``attend(impl, query, key, value, **kwargs)`` (an unmasked ring_attention call, traced)
+def checked_call(attend, call_path, bound, query, key, value, call: Call):
+    """``attend(bound, call, query, key, value)`` (an unmasked ring_attention call, traced)
     behind the cross-rank check op; None when the call cannot carry it (see CHECK_LEFT_OUT).
     ``call_path``: ring_impl.api.call_path (handed over: this module does not import api)."""
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         return None
-    sinks = kwargs.get("sinks")
-    described = describe_call(impl_name, query, key, **kwargs)
+    described = describe_call(bound.name, query, key, call)
     if described is None or described[2] == 1:
         return None
-    call = described[0]
+    description = described[0]
     try:  # this rank's own checks, while tracing: InputError for bad input
-        call_path(impl, query, key, value, **kwargs)
+        call_path(bound.impl, bound.algorithms, call, query, key, value)
         refused = False
     except InputError:
         refused = True
     if refused:
         out_shape, lse_shape = _result_shapes(query, value)
-        out, lse = torch.ops.ring_impl.refuse(query, key, value, sinks, call, out_shape, lse_shape)
-        return (out, lse) if kwargs.get("return_lse") else out
-    q, k, v = torch.ops.ring_impl.agree(query, key, value, sinks, call)
-    return attend(impl, q, k, v, **kwargs)
+        out, lse = torch.ops.ring_impl.refuse(query, key, value, call.sinks, description, out_shape, lse_shape)
+        return (out, lse) if call.return_lse else out
+    q, k, v = torch.ops.ring_impl.agree(query, key, value, call.sinks, description)
+    return attend(bound, call, q, k, v)
 
 
 def _result_shapes(query, value) -> tuple[list[int], list[int]]:
@@ -74,8 +74,8 @@ def _result_shapes(query, value) -> tuple[list[int], list[int]]:
 
 
 def _run_checks(query, key, value, sinks, call) -> None:
-    call_path, impl, kwargs = rebuild_call(call, [])
-    call_path(impl, query, key, value, sinks=sinks, **kwargs)
+    call_path, impl, algorithms, described = rebuild_call(call, [], sinks)
+    call_path(impl, algorithms, described, query, key, value)
 
 
 @torch.library.custom_op("ring_impl::agree", mutates_args=())

@@ -54,6 +54,7 @@ from functools import lru_cache
 
 import torch
 
+from .call import Call
 from .mask_table import EvaluationGuard, VisibilityTable, pack_visibility
 from .masks import And, Causal, ChunkedCausal, Documents, Full, MaskMod, Or, PrefixLM, SlidingWindow
 from .ring import RingAttention
@@ -209,11 +210,6 @@ def _rebuild(structure, tensors):
     return And(a, b) if kind == "and" else Or(a, b)
 
 
-#: the options a call carries in its description besides tensors, mask, sinks and group
-_OPTIONS = ("is_causal", "scale", "rotate_method", "op", "layout", "return_lse", "head_chunks", "extra_problem",
-            "halo", "sparse_kv", "strategy", "routed_from")
-
-
 def _groups(strategy, group) -> tuple[str, int]:
     """The process groups of the call by name: ``('pg', name)`` for the ring and Ulysses, ``('mesh',
     ulysses name, ring name)`` for the hybrid (any of its ``group=`` forms); and the number of
@@ -247,28 +243,25 @@ def _group(names: tuple):
     return resolve(names[1])
 
 
-def describe_call(impl_name: str, query, key, *, group=None, mask=None, sinks=None, return_lse: bool = False,
-                  strategy: str = "ring", **options) -> tuple[str, list, int] | None:
-    """A ``ring_attention`` call as ``(call, mask_tensors, ranks)`` for the custom ops: the call's
-    description as a Python literal, the mask's tensors, and the number of ranks the sequence is
-    sharded over; None when something in it cannot be carried (the call then runs eagerly).
-    ``algorithms`` is ignored: it is bound with ``impl_name``."""
-    options.pop("algorithms", None)
-    if set(options) - set(_OPTIONS) or strategy not in ("ring", "ulysses", "hybrid"):
-        return None  # an unknown keyword or strategy: the eager call says what is wrong
-    if sinks is not None and not isinstance(sinks, torch.Tensor):
+def describe_call(impl_name: str, query, key, call: Call) -> tuple[str, list, int] | None:
+    """``call`` (a :class:`~ring_impl.call.Call`) on these tensors as ``(description,
+    mask_tensors, ranks)`` for the custom ops: the call as a Python literal (its options, the
+    mask's structure with its tensors replaced by indices into ``mask_tensors``, the process
+    groups by name), the mask's tensors, and the number of ranks the sequence is sharded over;
+    None when something in it cannot be carried (the call then runs eagerly, which says what is
+    wrong with it)."""
+    if call.sinks is not None and not isinstance(call.sinks, torch.Tensor):
         return None
     tensors: list = []
     try:
-        names, world = _groups(strategy, group)
+        names, world = _groups(call.strategy, call.group)
+        mask = call.mask
         structure = "None" if mask is None else _structure(
             mask, tensors, _grid(query, key, world) if _has_mask_mod(mask) else {})
-        fields = [f"'impl': {_literal(impl_name)}", f"'mask': {structure}",
-                  f"'group': {names}", f"'strategy': {_literal(strategy)}",
-                  f"'return_lse': {_literal(return_lse)}",
-                  f"'lse_used': {_literal(bool(return_lse) or sinks is not None)}"]
+        fields = [f"'impl': {_literal(impl_name)}", f"'mask': {structure}", f"'group': {names}",
+                  f"'lse_used': {_literal(call.lse_needed)}"]
         fields += [f"'{name}': {_op_literal(value) if name == 'op' else _literal(value)}"
-                   for name, value in options.items()]
+                   for name, value in call.options().items()]
     except _NotLiteral:
         return None
     return "{" + ", ".join(fields) + "}", tensors, world
@@ -306,35 +299,35 @@ def _op_literal(op) -> str:
     return f"({_literal(_OP_OBJECT)}, {_literal(_op_object_key(op))})"
 
 
-def rebuild_call(call: str, mask_tensors) -> tuple[Callable, RingAttention, dict]:
-    """What :func:`describe_call` described: ``(call_path, impl, kwargs)``, to run as
-    ``call_path(impl, query, key, value, sinks=sinks, **kwargs)`` (the eager call's checks and
-    path)."""
-    c = dict(_parse(call))
+def rebuild_call(description: str, mask_tensors, sinks) -> tuple[Callable, RingAttention, Mapping | None, Call]:
+    """What :func:`describe_call` described: ``(call_path, impl, algorithms, call)``, to run as
+    ``call_path(impl, algorithms, call, query, key, value)`` (the eager call's checks and path);
+    ``sinks``: the call's sink logits (an input of the op, not part of the description)."""
+    c = dict(_parse(description))
     impl, algorithms, call_path = _IMPLS[c.pop("impl")]
     structure = c.pop("mask")
-    c["mask"] = None if structure is None else _rebuild(structure, mask_tensors)
-    c["group"] = _group(c.pop("group"))
-    c["algorithms"] = algorithms
+    mask = None if structure is None else _rebuild(structure, mask_tensors)
+    group = _group(c.pop("group"))
     c.pop("lse_used")
     op = c.get("op")
     if isinstance(op, tuple) and len(op) == 2 and op[0] == _OP_OBJECT:
         c["op"] = _OP_OBJECTS[op[1]]
-    return call_path, impl, c
+    return call_path, impl, algorithms, Call(group=group, mask=mask, sinks=sinks, **c)
 
 
-def masked_ring_call(impl_name: str, query, key, value, *, mask, sinks=None, return_lse: bool = False, **options):
-    """``ring_attention(..., mask=mask)`` as the custom ops, for traced code; None when
+def masked_ring_call(impl_name: str, query, key, value, call: Call):
+    """``call`` (a masked ``ring_attention`` call) as the custom ops, for traced code; None when
     something in the call cannot be carried (run it eagerly then)."""
-    described = describe_call(impl_name, query, key, mask=mask, sinks=sinks, return_lse=return_lse, **options)
+    described = describe_call(impl_name, query, key, call)
     if described is None:
         return None
-    call, tensors, _ = described
-    out, lse, _ = torch.ops.ring_impl.masked_ring(query, key, value, sinks, tensors, call)
+    description, tensors, _ = described
+    sinks = call.sinks
+    out, lse, _ = torch.ops.ring_impl.masked_ring(query, key, value, sinks, tensors, description)
     if sinks is not None and sinks_problem(sinks, query.shape[1]) is None:
         # (Bad sinks: the op raises InputError on every rank before the sink term would run.)
         out, lse = with_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+    return (out, lse) if call.return_lse else out
 
 
 def _has_mask_mod(mask) -> bool:
@@ -355,8 +348,8 @@ def _drop(handle: int) -> None:
 @torch.library.custom_op("ring_impl::masked_ring", mutates_args=())
 def _masked_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
                  mask_tensors: list[torch.Tensor], call: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call_path, impl, kwargs = rebuild_call(call, mask_tensors)
-    path = call_path(impl, query, key, value, sinks=sinks, **kwargs)
+    call_path, impl, algorithms, described = rebuild_call(call, mask_tensors, sinks)
+    path = call_path(impl, algorithms, described, query, key, value)
     out, lse, saved, meta = path.forward(query, key, value)
     # Fresh, dense outputs: a custom op's outputs may not alias its inputs, and the fake says dense.
     out_c = out.contiguous().clone() if _aliases(out, query, key, value) else out.contiguous()
@@ -401,7 +394,8 @@ def _(query, key, value, sinks, mask_tensors, call):
     c = _parse(call)
     acc = _IMPLS[c["impl"]][0].accumulation_dtype(query.dtype)
     # A head-parallel strategy computes no LSE it is not asked for (an empty tensor).
-    lse_shape = query.shape[:3] if c["strategy"] == "ring" or c["lse_used"] else (0,)
+    ring = Call(exchange=c["exchange"]).strategy == "ring"
+    lse_shape = query.shape[:3] if ring or c["lse_used"] else (0,)
     # The handle lives on the host whatever the device: the backward reads it without a sync.
     return (query.new_empty(query.shape), query.new_empty(lse_shape, dtype=acc),
             torch.empty((), dtype=torch.int64, device="cpu"))

@@ -85,18 +85,16 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             kwargs["return_lse"] = True
         return _BUILTIN_FLEX(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                              enable_gqa=enable_gqa, kernel_options=kernel_options, **kwargs)
-    group = route.mesh if route.mesh is not None else route.group
     world = torch.distributed.get_world_size(route.group)
     problem = flex_problem(query, key, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
                            kernel_options=kernel_options, return_aux=return_aux, world_size=world)
     mask = MaskMod(block_mask.mask_mod) if problem is None and block_mask is not None else None
     want_lse = bool(return_lse) or (return_aux is not None and bool(getattr(return_aux, "lse", False)))
     op = route.op_for(query, scale, False) if isinstance(query, torch.Tensor) else route.op
-    result = api.ring_attention(  # refusals name the function called, compiled too (routed_from)
-        query, key, value, group=group, is_causal=False, scale=scale,
-        rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
-        strategy=route.strategy, extra_problem=problem, mask=mask, return_lse=want_lse, routed_from="flex_attention",
-    )
+    # Refusals name the function called, compiled too (routed_from).
+    call = route.call(scale=scale, op=op, mask=mask, return_lse=want_lse, problem=problem,
+                      routed_from="flex_attention")
+    result = api.attend(api.ring_attention.bound, call, query, key, value)
     if return_aux is not None:
         out, lse = result
         return out, _flex_module.AuxOutput(lse=lse if getattr(return_aux, "lse", False) else None, max_scores=None)

@@ -83,6 +83,7 @@ def collective_schedule(
     rank: int | None = None,
     halo: bool | None = None,
     sparse_kv: bool = False,
+    exchange: str | None = None,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
@@ -96,7 +97,11 @@ def collective_schedule(
     module docstring), which depend on ``rank`` (ValueError without it). Masks run eagerly only
     (ValueError with ``compiled=True``). ``sparse_kv=True`` (with ``mask``, ``rank`` and ``heads``
     when the mask depends on the head) declares the sparse gather's (ring_impl.kv_gather).
+    ``exchange`` (as given to ``ring_attention``, one of ring_impl.call.EXCHANGES) stands for
+    ``strategy``, ``halo`` and ``sparse_kv`` (ValueError when given with a contradicting one).
     """
+    if exchange is not None:
+        strategy, halo, sparse_kv = _exchange_options(exchange, strategy, halo, sparse_kv)
     if sparse_kv and world_size > 1:
         return _gather_schedule(world_size, rotate_method, mask=mask, is_causal=is_causal, layout=layout, rank=rank,
                                 batch=batch, heads=heads, heads_kv=heads_kv, seq_q=seq_q, seq_kv=seq_kv,
@@ -126,6 +131,20 @@ def collective_schedule(
             raise ValueError(f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}")
     return ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
                          dtype=dtype, compiled=compiled, head_chunks=head_chunks)
+
+
+def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | None, bool]:
+    """``exchange`` as the (strategy, halo, sparse_kv) the schedule reads; ValueError for an
+    unknown exchange or one the other keywords (at anything but their defaults) contradict."""
+    from .call import EXCHANGES, Call
+
+    if not isinstance(exchange, str) or exchange not in EXCHANGES:
+        raise ValueError(f"collective_schedule: unknown exchange {exchange!r}; expected one of {EXCHANGES}")
+    implied = (Call(exchange=exchange).strategy, {"ring": False, "halo": True}.get(exchange), exchange == "gather")
+    if (strategy, halo, sparse_kv) not in (("ring", None, False), implied):
+        raise ValueError(f"collective_schedule: exchange={exchange!r} contradicts strategy={strategy!r}, "
+                         f"halo={halo!r}, sparse_kv={sparse_kv!r}; pass exchange= alone")
+    return implied
 
 
 def _gather_schedule(world_size, rotate_method, *, mask, is_causal, layout, rank, batch, heads, heads_kv, seq_q, seq_kv,

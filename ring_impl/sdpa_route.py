@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import api, flex_route
+from .call import Call
 from .group import resolve_group
 from .layout import check_layout
 from .ops import AttentionOp, default_scale, get_op
@@ -103,6 +104,15 @@ class Route:
     mesh: object = field(default=None, compare=False, repr=False)
     kernel_ops: tuple[tuple[str, tuple[str, ...]], ...] = ()
     key: tuple = field(init=False, repr=False, compare=False)
+
+    def call(self, *, problem: str | None, routed_from: str, **options) -> Call:
+        """A routed call of ``routed_from`` as a ring_attention :class:`~ring_impl.call.Call` on
+        this route's group, layout, rotation, head chunks and strategy; ``problem``: the route's
+        own refusal of the call (raised on every rank by the call's cross-rank check)."""
+        return Call(group=self.mesh if self.mesh is not None else self.group, layout=self.layout,
+                    rotate_method=api.get_rotate_method() if self.rotate_method is None else self.rotate_method,
+                    head_chunks=self.head_chunks, exchange="auto" if self.strategy == "ring" else self.strategy,
+                    problem=problem, routed_from=routed_from, **options)
 
     def __post_init__(self) -> None:
         op_key = self.op if self.op is None or isinstance(self.op, str) else f"{type(self.op).__qualname__}@{id(self.op):x}"
@@ -182,12 +192,10 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     op = route.op_for(query, scale, is_causal) if isinstance(query, torch.Tensor) else route.op
-    out = api.ring_attention(  # refusals name the function called, compiled too (routed_from)
-        query, key, value, group=route.mesh if route.mesh is not None else route.group,
-        is_causal=is_causal, scale=scale,
-        rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,
-        strategy=route.strategy, extra_problem=problem, routed_from="scaled_dot_product_attention",
-    )
+    # Refusals name the function called, compiled too (routed_from).
+    call = route.call(is_causal=is_causal, scale=scale, op=op, problem=problem,
+                      routed_from="scaled_dot_product_attention")
+    out = api.attend(api.ring_attention.bound, call, query, key, value)
     return out.squeeze(0) if squeeze else out
 
 
@@ -200,9 +208,8 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
         # gives a described one the op): this rank raises alone, while tracing.
         raise routed_error(InputError(f"ring_attention: {problem}"), "multi_head_attention_forward")
     anchor = anchor if isinstance(anchor, torch.Tensor) else torch.empty(0)
-    api.ring_attention(anchor, anchor, anchor, group=route.mesh if route.mesh is not None else route.group,
-                       layout=route.layout, rotate_method=route.rotate_method, head_chunks=route.head_chunks,
-                       strategy=route.strategy, extra_problem=problem, routed_from="multi_head_attention_forward")
+    call = route.call(problem=problem, routed_from="multi_head_attention_forward")
+    api.attend(api.ring_attention.bound, call, anchor, anchor, anchor)
     raise AssertionError("unreachable: a ring call with a problem raises")  # pragma: no cover
 
 
@@ -228,10 +235,8 @@ def _weights_refused_in_graph(route: Route, args: tuple, kwargs: dict):
     query, key = _mha_arg(args, kwargs, "query"), _mha_arg(args, kwargs, "key")
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() in (2, 3)):
         return None
-    described = describe_call(api.ring_attention.impl_name, query, query,
-                              group=route.mesh if route.mesh is not None else route.group, layout=route.layout,
-                              rotate_method=route.rotate_method, head_chunks=route.head_chunks, strategy=route.strategy,
-                              extra_problem=NEED_WEIGHTS_PROBLEM, routed_from="multi_head_attention_forward")
+    call = route.call(problem=NEED_WEIGHTS_PROBLEM, routed_from="multi_head_attention_forward")
+    described = describe_call(api.ring_attention.impl_name, query, query, call)
     if described is None:
         return None
     heads = int(_mha_arg(args, kwargs, "num_heads"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import ring_impl
 from conformance.implementation import Capabilities
 from reference.masks import MASK_KINDS
@@ -32,13 +34,30 @@ CAPABILITIES = Capabilities(
 )
 
 
+def _protocol(ring_attention):
+    """``ring_attention`` taking the protocol's ``strategy=`` ("ring", "ulysses", "hybrid"): the
+    head-parallel strategies are ``ring_impl``'s ``exchange=`` values, and ``"ring"`` its default
+    (the ring, or the halo exchange where it serves the call). Anything else is passed on as
+    ``strategy=``, which ``ring_impl`` refuses on every rank."""
+
+    @functools.wraps(ring_attention)
+    def call(query, key, value, *, strategy=None, **options):
+        if strategy in ("ulysses", "hybrid"):
+            options["exchange"] = strategy
+        elif strategy is not None and strategy != "ring":
+            options["strategy"] = strategy
+        return ring_attention(query, key, value, **options)
+
+    return call
+
+
 class RingImplAdapter:
     """Wraps a :class:`ring_impl.RingAttention` (or a variant of it) for the suites."""
 
     def __init__(self, impl: ring_impl.RingAttention | None = None, name: str = "ring_impl"):
         self.name = name
         self.capabilities = CAPABILITIES
-        self.ring_attention = ring_impl.ring_attention if impl is None else ring_impl.bind(impl)
+        self.ring_attention = _protocol(ring_impl.ring_attention if impl is None else ring_impl.bind(impl))
         self.baseline_op = "auto"
         # The package whose context_parallel / context_parallel_unshard / ContextParallel are tested.
         self.api_module = "ring_impl"

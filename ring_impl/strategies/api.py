@@ -6,9 +6,10 @@ from collections.abc import Mapping
 
 import torch
 
+from ..call import Call
 from ..heads import plan_chunks
 from ..masks import fold_causal, mask_code, masking_problem
-from ..ops import AttentionOp, resolve_scale_and_op
+from ..ops import resolve_scale_and_op
 from ..plan import plan_ahead
 from ..ring import RingAttention, RingConfig
 from ..validate import InputError
@@ -24,38 +25,24 @@ __all__ = ["DEFAULT_ALGORITHMS", "strategy_path"]
 DEFAULT_ALGORITHMS: Mapping[str, Ulysses] = {"ulysses": Ulysses(), "hybrid": Hybrid()}
 
 
-def strategy_path(
-    impl: RingAttention,
-    algorithms: Mapping[str, Ulysses] | None,
-    strategy: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    group=None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    rotate_method: str,
-    op: str | AttentionOp | None = None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-    head_chunks: int = 1,
-    extra_problem: str | None = None,
-    mask=None,
-    sinks=None,
-):
-    """The :class:`~ring_impl.strategies.ulysses.HeadParallelPath` serving ``ring_attention`` with
-    ``strategy`` "ulysses" or "hybrid" (see ``ring_impl.ring_attention``), after checking the call
-    on this rank and across the mesh (InputError on every rank for bad input). Its LSE is
-    returned when ``return_lse`` or ``sinks`` (the sink term needs it)."""
+def strategy_path(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None, call: Call, query: torch.Tensor,
+                  key: torch.Tensor, value: torch.Tensor):
+    """The :class:`~ring_impl.strategies.ulysses.HeadParallelPath` serving ``call`` (exchange
+    "ulysses" or "hybrid", see ``ring_impl.ring_attention``), after checking it on this rank and
+    across the mesh (InputError on every rank for bad input). Its LSE is returned when
+    ``return_lse`` or ``sinks`` (the sink term needs it)."""
+    strategy = call.strategy
     if strategy not in ("ulysses", "hybrid"):
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    mask, sinks, layout, head_chunks = call.mask, call.sinks, call.layout, call.head_chunks
+    is_causal, rotate_method, return_lse = call.is_causal, call.rotate_method, call.return_lse
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
-    groups = resolve_strategy_groups(strategy, group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None)
+    groups = resolve_strategy_groups(strategy, call.group)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, call.scale, call.op, is_causal,
+                                                             masked=mask is not None)
     mesh_shape = groups.shape
-    problem = extra_problem or strategy_problem(
-        strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale, layout=layout,
+    problem = call.problem or strategy_problem(
+        strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=call.scale, layout=layout,
         rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
     ) or _masking_problem(query, key, mask, sinks, mesh_shape)
     cfg = None
@@ -68,7 +55,7 @@ def strategy_path(
                                            rotate_method, op_obj, head_chunks)
         cfg = HeadParallelConfig(heads=head_group, is_causal=bool(is_causal),
                                  scale=effective_scale, layout=layout, op=op_obj,
-                                 return_lse=bool(return_lse) or sinks is not None, ring=ring_cfg, ring_impl=impl,
+                                 return_lse=call.lse_needed, ring=ring_cfg, ring_impl=impl,
                                  mask=folded if strategy == "ulysses" else None, plan_memo={})
         # A mask known only by evaluating it is evaluated now, for what this rank will attend (the
         # hybrid: its ring's plans; Ulysses: the mask for its heads), so one that fails there is a

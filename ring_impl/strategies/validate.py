@@ -70,14 +70,14 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
             f"query heads ({heads}) are not divisible by the Ulysses degree {u}: each rank attends whole heads, "
             f"heads / {u} of them; use a Ulysses degree that divides {heads}"
             + (" (a smaller 'ulysses' mesh dim, the rest on 'ring')" if strategy == "hybrid" else
-               " (strategy='hybrid' with a smaller Ulysses degree, or strategy='ring')")
+               " (exchange='hybrid' with a smaller Ulysses degree, or exchange='ring')")
         )
     if not isinstance(layout, str) or layout not in LAYOUTS:
         from ..layout import layouts as registered_layouts
 
         if isinstance(layout, str) and layout in registered_layouts():
             return (f"layout {layout!r} is registered, but {strategy} runs the built-in layouts {LAYOUTS} only (its "
-                    "all-to-all reorders by them); use strategy='ring' for a registered layout")
+                    "all-to-all reorders by them); use exchange='ring' for a registered layout")
         return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail":
         # Ulysses: two equal chunks per rank; hybrid: the row's ring shard (U local pieces) holds two.
@@ -91,7 +91,7 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
     if strategy == "ulysses":
         if type(head_chunks) is not int or head_chunks != 1:  # 1.0 and True are not the int 1
             return (
-                f"head_chunks={head_chunks!r} applies to the ring; strategy='ulysses' runs one kernel call per rank "
+                f"head_chunks={head_chunks!r} applies to the ring; exchange='ulysses' runs one kernel call per rank "
                 "on its slice of heads: leave head_chunks at 1"
             )
         return None

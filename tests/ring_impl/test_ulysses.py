@@ -204,7 +204,7 @@ def test_loss_through_the_lse_only(ring) -> None:
 
 def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it() -> None:
     """Ulysses and the hybrid take the built-in layouts only; a registered one is refused as such,
-    not as unknown (ring_attention accepts it with strategy='ring')."""
+    not as unknown (ring_attention accepts it with exchange='ring')."""
     import ring_impl
     from ring_impl.ops import get_op
     from ring_impl.strategies.validate import strategy_problem
@@ -216,4 +216,4 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
         problem = strategy_problem(strategy, q, q, q, mesh_shape=mesh, is_causal=False, scale=None,
                                    layout="test_registered_for_ulysses", rotate_method="alltoall", op=get_op("math"),
                                    op_error=None, head_chunks=1, return_lse=False)
-        assert problem is not None and "is registered" in problem and "strategy='ring'" in problem, problem
+        assert problem is not None and "is registered" in problem and "exchange='ring'" in problem, problem

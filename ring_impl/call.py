@@ -1,0 +1,129 @@
+"""One ``ring_attention`` call, described once: the :class:`Call` every later stage takes.
+
+The user's arguments are read here and nowhere else: the exchange chosen (one ``exchange=``
+value, or the older ``strategy=``/``halo=``/``sparse_kv=`` keywords as aliases), the mask
+copied so the caller's later writes cannot reach a plan (:func:`ring_impl.masks.snapshot`), the
+default rotation filled in. A problem found in the arguments themselves (an unknown exchange,
+aliases that contradict each other) is kept in :attr:`Call.problem` rather than raised, so it is
+raised through the cross-rank agreement like any other bad input: on every rank together.
+
+The checks, the cross-rank agreement, the compiled call's description
+(:func:`ring_impl.compiled_masks.describe_call`) and the path take the Call; the path's own
+configuration (:class:`ring_impl.ring.RingConfig`) is built from it and the tensors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["EXCHANGES", "Call", "exchange_of"]
+
+#: ``exchange=`` values. ``"auto"``: the halo exchange where the mask is narrow enough
+#: (:func:`ring_impl.halo.halo_reach`), else the ring. ``"ring"``: the ring always. ``"halo"``:
+#: the halo exchange or an error saying why not. ``"gather"``: the sparse key/value gather
+#: (:mod:`ring_impl.kv_gather`). ``"ulysses"``, ``"hybrid"``: the head-parallel strategies
+#: (:mod:`ring_impl.strategies`).
+EXCHANGES = ("auto", "ring", "halo", "gather", "ulysses", "hybrid")
+
+#: The strategy each exchange belongs to: the first three exchanges and the gather are the ring's.
+_STRATEGY = {"auto": "ring", "ring": "ring", "halo": "ring", "gather": "ring", "ulysses": "ulysses",
+             "hybrid": "hybrid"}
+
+
+class Call(NamedTuple):
+    """A ``ring_attention`` call's options (everything but query, key and value), as given,
+    with the exchange resolved to one of :data:`EXCHANGES` and the rotation's default filled in.
+
+    ``problem``: what is wrong with the options themselves, or a route's own refusal (the SDPA
+    route's ``attn_mask``), raised on every rank by the cross-rank check. ``routed_from``: the
+    function the user called when a context-parallel route runs it as ring attention; refusals
+    name it (:func:`ring_impl.validate.routed_error`). A NamedTuple: immutable, and traced by
+    torch.compile as plain values.
+    """
+
+    group: Any = None
+    is_causal: bool = False
+    scale: float | None = None
+    rotate_method: str = "allgather"
+    op: Any = None
+    layout: str = "contiguous"
+    return_lse: bool = False
+    head_chunks: int = 1
+    mask: Any = None
+    sinks: torch.Tensor | None = None
+    exchange: str = "auto"
+    problem: str | None = None
+    routed_from: str | None = None
+
+    @property
+    def strategy(self) -> str:
+        """``"ring"`` (the ring, the halo exchange, the gather), ``"ulysses"`` or ``"hybrid"``;
+        an unknown exchange counts as the ring's, whose check then refuses it."""
+        return _STRATEGY.get(self.exchange, "ring") if isinstance(self.exchange, str) else "ring"
+
+    @property
+    def lse_needed(self) -> bool:
+        """Whether the path computes the LSE: asked for, or needed by the sink term."""
+        return bool(self.return_lse) or self.sinks is not None
+
+    def options(self) -> dict[str, Any]:
+        """The plain options (every field but group, mask and sinks), by name: what a compiled
+        call carries as a literal (:func:`ring_impl.compiled_masks.describe_call`)."""
+        skip = ("group", "mask", "sinks")
+        return {name: value for name, value in zip(self._fields, self, strict=True) if name not in skip}
+
+    def with_(self, **changes) -> Call:
+        return self._replace(**changes)
+
+
+def exchange_of(exchange, strategy, halo, sparse_kv) -> tuple[Any, str | None]:
+    """``(exchange, problem)`` from ``exchange=`` and its older aliases ``strategy=`` ("ring",
+    "ulysses", "hybrid"), ``halo=`` (None, True, False) and ``sparse_kv=`` (True, False), each
+    None when not given. An alias given warns (DeprecationWarning) and maps to its exchange;
+    aliases that contradict each other or ``exchange=`` give a problem (raised on every rank by
+    the cross-rank check), never a guess. Never raises."""
+    given = {name: value for name, value in (("strategy", strategy), ("halo", halo), ("sparse_kv", sparse_kv))
+             if value is not None}
+    if not given:
+        return exchange, _unknown(exchange)
+    if not torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn: eager calls warn)
+        warnings.warn(
+            "ring_attention: " + ", ".join(f"{k}=" for k in given) + " are deprecated; pass exchange= one of "
+            f"{EXCHANGES} (strategy='ulysses' -> exchange='ulysses', halo=True -> 'halo', halo=False -> "
+            "'ring', sparse_kv=True -> 'gather')", DeprecationWarning, stacklevel=3)
+    if halo is not None and not isinstance(halo, bool):
+        return exchange, f"halo must be None (automatic), True or False, got {halo!r}"
+    if sparse_kv is not None and not isinstance(sparse_kv, bool):
+        return exchange, f"sparse_kv must be True or False, got {sparse_kv!r}"
+    if strategy is not None and strategy not in ("ring", "ulysses", "hybrid"):
+        return exchange, f"unknown strategy {strategy!r}; expected one of ('ring', 'ulysses', 'hybrid')"
+    if strategy in ("ulysses", "hybrid"):
+        if halo:
+            return exchange, f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
+        if sparse_kv:
+            return exchange, f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False"
+        implied, fits = strategy, (strategy,)
+    elif sparse_kv:
+        if halo:
+            return exchange, "halo=True and sparse_kv=True ask for two different exchanges; pass one of them"
+        implied, fits = "gather", ("gather",)
+    elif halo is not None:
+        implied = "halo" if halo else "ring"
+        fits = (implied,)
+    else:  # strategy="ring" alone, or sparse_kv=False: any of the ring's exchanges
+        implied, fits = "auto", ("auto", "ring", "halo", "gather")
+    if exchange == "auto" or (exchange in fits and exchange != "auto"):
+        return (implied if exchange == "auto" else exchange), None
+    if _unknown(exchange) is not None:
+        return exchange, _unknown(exchange)
+    return exchange, (f"exchange={exchange!r} and " + ", ".join(f"{k}={v!r}" for k, v in given.items())
+                      + " ask for different exchanges; pass exchange= alone")
+
+
+def _unknown(exchange) -> str | None:
+    if isinstance(exchange, str) and exchange in EXCHANGES:
+        return None
+    return f"unknown exchange {exchange!r}; expected one of {EXCHANGES}"
