@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -15,6 +15,7 @@ from .heads import plan_chunks
 from .kv_gather import gather_path, gather_refusal
 from .masks import Mask, fold_causal, mask_code, masking_problem, snapshot
 from .ops import AttentionOp, resolve_scale_and_op
+from .packed import packed_problem, packed_result, packed_views, sequence_ranks
 from .plan import plan_ahead
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .sinks import with_sinks
@@ -87,6 +88,18 @@ def _traced(bound: Bound, call: Call, query, key, value):
         return _masked_eagerly(bound, call, query, key, value) if result is None else result
     result = checked_call(_eager, call_path, bound, query, key, value, call)
     return _eager(bound, call, query, key, value) if result is None else result
+
+
+def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens):
+    """A packed (THD) call as the 4-D call with its documents as the mask (ring_impl.packed);
+    a problem with the packed arguments is raised on every rank by the call's checks."""
+    world = sequence_ranks(call.strategy, call.group)
+    problem = call.problem or (None if world is None else packed_problem(query, key, value, cu_seqlens, world))
+    if problem is not None or world is None:  # the checks refuse it (or the group) on every rank
+        return attend(bound, call.with_(problem=problem), query, key, value)
+    q, k, v, mask = packed_views(query, key, value, cu_seqlens, call.mask, call.is_causal, world)
+    result = attend(bound, call.with_(mask=mask, is_causal=False), q, k, v)
+    return packed_result(result, call.return_lse)
 
 
 def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) -> Path:
@@ -223,6 +236,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         mask: Mask | None = None,
         sinks: torch.Tensor | None = None,
         exchange: str = "auto",
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
         strategy: str | None = None,
         halo: bool | None = None,
         sparse_kv: bool | None = None,
@@ -292,6 +306,14 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
                 across rows. Ulysses' and the hybrid's shards follow their layouts
                 (ring_impl.strategies.shard). The collectives of each:
                 collective_schedule(..., exchange=).
+            cu_seqlens: packed (THD) inputs, as FlashAttention's varlen functions take them:
+                query, key and value are (tokens_local, heads, head_dim), this rank's shard
+                (``ring_impl.shard(t, W, rank, layout=..., dim=0)``) of the global packed
+                sequence, and cu_seqlens (n_documents + 1,) the global cumulative document
+                lengths [0, l0, l0 + l1, ...], equal on every rank. Each token attends its own
+                document (causally with is_causal), intersected with ``mask`` if given; tokens
+                past cu_seqlens[-1] are padding. Returns (tokens_local, heads, head_dim) and the
+                LSE as (heads, tokens_local). See ring_impl.packed.
             strategy, halo, sparse_kv: deprecated aliases of ``exchange`` (strategy="ulysses"
                 -> "ulysses", halo=True -> "halo", halo=False -> "ring", sparse_kv=True ->
                 "gather"); a DeprecationWarning, and InputError when they contradict.
@@ -310,6 +332,8 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         call = Call(group=group, is_causal=is_causal, scale=scale, op=op, layout=layout, return_lse=return_lse,
                     rotate_method=get_rotate_method() if rotate_method is None else rotate_method,
                     head_chunks=head_chunks, mask=mask, sinks=sinks, exchange=exchange, problem=problem)
+        if cu_seqlens is not None:
+            return _packed(bound, call, query, key, value, cu_seqlens)
         if torch.compiler.is_compiling():  # attend(), inlined: one frame fewer to the kernel
             return _traced(bound, call, query, key, value)
         return _eager(bound, call, query, key, value)

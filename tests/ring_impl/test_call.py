@@ -18,7 +18,8 @@ from ring_impl.ops.cpu import CpuFlashOp
 
 #: Every keyword of ring_attention, in order: the signature tools, IDEs and help() show.
 PARAMETERS = ("query", "key", "value", "group", "is_causal", "scale", "rotate_method", "op", "layout",
-              "return_lse", "head_chunks", "mask", "sinks", "exchange", "strategy", "halo", "sparse_kv")
+              "return_lse", "head_chunks", "mask", "sinks", "exchange", "cu_seqlens", "strategy", "halo",
+              "sparse_kv")
 
 
 def test_the_signature_names_every_parameter_and_the_docstring_each() -> None:
