@@ -25,6 +25,14 @@ world size; register it with :func:`ring_impl.register_layout` on every rank, or
     of chunks, as every layout must); each rank's chunks stay in sequence order. For a causal
     mask it reproduces head-tail's balance; for packed documents of very different lengths it
     balances where head_tail cannot (a long document's tail is heavy wherever it lands).
+
+**One layout for several masks.** A model whose layers use different masks (sliding-window
+layers beside full causal ones, documents everywhere) shards its activations once: every layer
+sees the same layout. Every balancer here takes ``masks``: one mask, a sequence of masks, or a
+sequence of ``(mask, weight)`` pairs (weight: how many layers run that mask, or any relative
+cost), and balances their weighted sum of work: ``work_aware`` weighs each chunk by
+``sum(weight * area seen under the mask)``; ``document_head_tail`` needs the documents only (the
+masks must agree on them). :func:`rank_work` takes the same forms.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ __all__ = [
     "imbalance",
     "rank_work",
     "register_balanced_layout",
+    "weighted_masks",
     "work_balanced_layout",
 ]
 
@@ -53,13 +62,37 @@ __all__ = [
 BALANCERS = ("document_head_tail", "work_aware")
 
 
-def rank_work(layout: str, mask, seq_len: int, world_size: int, *, batch: int = 1, heads: int = 1) -> list[int]:
-    """Per rank, the score entries its ring steps compute under ``mask`` (global length
-    ``seq_len``, any registered layout)."""
+def weighted_masks(masks) -> list[tuple[object, float]]:
+    """``masks`` (one mask, a sequence of masks, or of ``(mask, weight)`` pairs) as ``(mask,
+    weight)`` pairs; ValueError for an empty sequence or a weight that is not a positive finite
+    number."""
+    from .masks import Mask
+
+    if isinstance(masks, Mask):
+        return [(masks, 1.0)]
+    if not isinstance(masks, Sequence) or isinstance(masks, (str, bytes)) or not masks:
+        raise ValueError(f"masks must be a Mask, or a non-empty sequence of masks or (mask, weight) pairs; "
+                         f"got {masks!r}")
+    pairs = []
+    for entry in masks:
+        mask, weight = entry if isinstance(entry, tuple) else (entry, 1.0)
+        if not isinstance(mask, Mask):
+            raise ValueError(f"masks: {mask!r} is not a ring_impl.masks.Mask")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            raise ValueError(f"masks: the weight of {mask.describe()} must be a positive number, got {weight!r}")
+        pairs.append((mask, float(weight)))
+    return pairs
+
+
+def rank_work(layout: str, masks, seq_len: int, world_size: int, *, batch: int = 1, heads: int = 1) -> list[float]:
+    """Per rank, the score entries its ring steps compute under ``masks`` (one mask, or their
+    weighted sum: :func:`weighted_masks`), global length ``seq_len``, any registered layout."""
     local = seq_len // world_size
     return [
-        sum(block.work for plan in masked_plan(r, world_size, layout=layout, mask=mask, seq_q=local, seq_kv=local,
-                                                batch=batch, heads=heads) for block in plan.blocks)
+        sum(weight * sum(block.work for plan in masked_plan(r, world_size, layout=layout, mask=mask, seq_q=local,
+                                                            seq_kv=local, batch=batch, heads=heads)
+                         for block in plan.blocks)
+            for mask, weight in weighted_masks(masks))
         for r in range(world_size)
     ]
 
@@ -70,20 +103,24 @@ def imbalance(work: Sequence[int]) -> float:
     return max(work) * len(work) / total if total else 1.0
 
 
-def work_balanced_layout(name: str, mask, seq_len: int, world_size: int, *, chunks_per_rank: int = 8) -> Layout:
+def work_balanced_layout(name: str, masks, seq_len: int, world_size: int, *, chunks_per_rank: int = 8) -> Layout:
     """A layout for sequences of exactly ``seq_len`` over ``world_size`` ranks that balances the
-    work of ``mask``; register it with :func:`ring_impl.register_layout` on every rank (equal
-    inputs give an equal layout)."""
+    work of ``masks`` (one mask, or the weighted sum of several: :func:`weighted_masks`); register
+    it with :func:`ring_impl.register_layout` on every rank (equal inputs give an equal layout)."""
     from .masks import visibility
 
+    pairs = weighted_masks(masks)
     pieces = chunks_per_rank * world_size
     if seq_len % pieces:
         raise ValueError(f"work_balanced_layout: seq_len {seq_len} is not a multiple of {pieces} "
                          f"({chunks_per_rank} chunks per rank x {world_size} ranks)")
     n = seq_len // pieces
     pos = torch.arange(seq_len)
-    seen = visibility(mask, pos, pos).any(0).any(0)  # (seq, seq)
-    weight = seen.reshape(pieces, n, seq_len).sum(dim=(1, 2)).tolist()
+    weight = [0.0] * pieces
+    for mask, w in pairs:
+        seen = visibility(mask, pos, pos).any(0).any(0)  # (seq, seq)
+        area = seen.reshape(pieces, n, seq_len).sum(dim=(1, 2)).tolist()
+        weight = [total + w * a for total, a in zip(weight, area, strict=True)]
     order = sorted(range(pieces), key=lambda c: (-weight[c], c))
     load, held = [0] * world_size, [[] for _ in range(world_size)]
     for c in order:
@@ -116,9 +153,12 @@ def document_spans(documents, seq_len: int) -> list[tuple[int, int]]:
 def _document_ids(documents, seq_len: int):
     from .masks import And, Documents, Mask, Or
 
-    if not isinstance(documents, Mask):
+    if isinstance(documents, Sequence) and documents and all(
+            isinstance(e, Mask) or (isinstance(e, tuple) and e and isinstance(e[0], Mask)) for e in documents):
+        documents = [m for m, _ in weighted_masks(documents)]  # several masks: their documents must agree
+    elif not isinstance(documents, Mask):
         return documents
-    stack, found = [documents], []
+    stack, found = (list(documents) if isinstance(documents, list) else [documents]), []
     while stack:
         m = stack.pop()
         if isinstance(m, Documents):
@@ -126,7 +166,7 @@ def _document_ids(documents, seq_len: int):
         elif isinstance(m, (And, Or)):
             stack += [m.b, m.a]
     if len(found) > 1 and any(not torch.equal(torch.as_tensor(f.doc_ids), torch.as_tensor(found[0].doc_ids)) for f in found):
-        raise ValueError("document_head_tail_layout: the mask combines different document ids; pass the ids to balance")
+        raise ValueError("document_head_tail_layout: the masks hold different document ids; pass the ids to balance")
     return found[0].doc_ids if found else None
 
 
@@ -177,7 +217,8 @@ def _check_built_for(name: str, seq_len: int, world_size: int, length: int, worl
 
 
 def balanced_layout(balancer: str, name: str, mask, seq_len: int, world_size: int) -> Layout:
-    """The layout balancer ``balancer`` (one of :data:`BALANCERS`) builds for ``mask``."""
+    """The layout balancer ``balancer`` (one of :data:`BALANCERS`) builds for ``mask`` (one mask,
+    or several, weighted: :func:`weighted_masks`)."""
     if balancer == "document_head_tail":
         return document_head_tail_layout(name, mask, seq_len, world_size)
     if balancer == "work_aware":
@@ -186,12 +227,14 @@ def balanced_layout(balancer: str, name: str, mask, seq_len: int, world_size: in
 
 
 def register_balanced_layout(balancer: str, mask, seq_len: int, world_size: int) -> tuple[str, list[Runs]]:
-    """Build and register ``balancer``'s layout for ``mask`` (on this process: call it on every
-    rank with equal arguments); returns its name, for ``layout=``, and every rank's runs.
+    """Build and register ``balancer``'s layout for ``mask`` (one mask, or several masks of one
+    model, weighted: :func:`weighted_masks`; on this process: call it on every rank with equal
+    arguments); returns its name, for ``layout=``, and every rank's runs.
 
-    The name is derived from the arguments (the mask's digest), so equal calls on every rank
-    agree on it and a repeated call replaces the layout with an equal one."""
-    digest = zlib.crc32(f"{balancer}|{mask.describe()}|{seq_len}|{world_size}".encode()) & 0xFFFFFFFF
+    The name is derived from the arguments (the masks' digests and weights), so equal calls on
+    every rank agree on it and a repeated call replaces the layout with an equal one."""
+    described = ";".join(f"{m.describe()}*{w!r}" for m, w in weighted_masks(mask))
+    digest = zlib.crc32(f"{balancer}|{described}|{seq_len}|{world_size}".encode()) & 0xFFFFFFFF
     name = f"{balancer}-{seq_len}x{world_size}-{digest:08x}"
     register_layout(balanced_layout(balancer, name, mask, seq_len, world_size), replace=True)
     return name, [layout_runs(name, seq_len, world_size, r) for r in range(world_size)]

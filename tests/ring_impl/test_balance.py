@@ -205,3 +205,106 @@ def test_ring_is_right_on_the_balanced_layouts(ring, rotate: str, balancer: str)
         got = ring_impl.unshard([r[name] for r in results], layout=layout)
         want = getattr(ref, name)
         assert_close(f"{name} [{balancer} layout, {rotate}]", got, want, want, world_size=world, scales=scales[name])
+
+
+def _model_masks(seq: int):
+    """A model's masks: packed documents in every layer, 3 of 4 layers a 64-token window too."""
+    from ring_impl.masks import Documents, SlidingWindow
+
+    first, second = seq * 600 // 1024, seq * 300 // 1024
+    docs = Documents(torch.tensor([0] * first + [1] * second + [2] * (seq - first - second)))
+    return docs, docs & SlidingWindow(64, 0)
+
+
+def test_one_layout_balances_a_model_of_several_masks() -> None:
+    """The layout balanced for the model (every layer's mask, weighted by its layers) gives the
+    model's work less imbalance than a layout balanced for any one of its masks, and the
+    built-in layouts."""
+    import ring_impl
+    from ring_impl.balance import imbalance, rank_work, work_balanced_layout
+
+    seq, world = 1024, 4
+    docs, window = _model_masks(seq)
+    model = [(docs, 1), (window, 3)]
+    layouts = {what: ring_impl.register_layout(work_balanced_layout(f"test_model_{what}", masks, seq, world),
+                                               replace=True).name
+               for what, masks in (("docs", docs), ("window", window), ("model", model))}
+    model_imbalance = {what: imbalance(rank_work(name, model, seq, world)) for what, name in layouts.items()}
+    for builtin in ("contiguous", "head_tail"):
+        model_imbalance[builtin] = imbalance(rank_work(builtin, model, seq, world))
+    assert model_imbalance["model"] <= 1.01, model_imbalance
+    assert all(model_imbalance["model"] < v for k, v in model_imbalance.items() if k != "model"), model_imbalance
+    # The weighted work is the sum of each mask's work times its layers.
+    name = layouts["model"]
+    assert rank_work(name, model, seq, world) == [a + 3 * b for a, b in zip(
+        rank_work(name, docs, seq, world), rank_work(name, window, seq, world), strict=True)]
+
+
+def test_several_masks_are_named_by_all_of_them_and_checked() -> None:
+    from ring_impl.balance import register_balanced_layout, weighted_masks
+    from ring_impl.masks import Causal, Documents, SlidingWindow
+
+    docs, window = _model_masks(256)
+    assert weighted_masks(docs) == [(docs, 1.0)]
+    assert weighted_masks([docs, (window, 3)]) == [(docs, 1.0), (window, 3.0)]
+    one, _ = register_balanced_layout("work_aware", [docs, (window, 3)], 256, 4)
+    other, _ = register_balanced_layout("work_aware", [docs, (window, 2)], 256, 4)
+    again, _ = register_balanced_layout("work_aware", [docs, (window, 3)], 256, 4)
+    assert one == again and one != other  # the weights are part of the layout's name
+    for bad, message in (([], "non-empty sequence"), ([(docs, 0)], "positive number"), (["causal"], "is not a"),
+                         ([(docs, float("nan"))], "positive number")):
+        with pytest.raises(ValueError, match=message):
+            weighted_masks(bad)
+    # document_head_tail balances documents: the masks must agree on them.
+    _, runs = register_balanced_layout("document_head_tail", [docs, (window, 3)], 256, 4)
+    _, alone = register_balanced_layout("document_head_tail", docs, 256, 4)
+    assert runs == alone
+    with pytest.raises(ValueError, match="different document ids"):
+        register_balanced_layout("document_head_tail", [docs, Documents(torch.arange(256) // 64)], 256, 4)
+    _, plain = register_balanced_layout("document_head_tail", [Causal(), SlidingWindow(8)], 256, 4)
+    assert plain == [((0, 32), (224, 256)), ((32, 64), (192, 224)), ((64, 96), (160, 192)), ((96, 160),)]
+
+
+def _model_run(ctx, seq: int, layout_masks):
+    import ring_impl
+    from ring_impl.balance import register_balanced_layout
+
+    layout, _ = register_balanced_layout("work_aware", layout_masks, seq, ctx.world_size)
+    docs, window = _model_masks(seq)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    results = {}
+    for what, mask in (("docs", docs), ("window", window)):  # two layers, one sharding
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = ring_impl.ring_attention(*leaves, group=ctx.group, mask=mask, layout=layout, op="math")
+        out.backward(dout)
+        results[what] = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    return layout, results
+
+
+def test_every_mask_of_the_model_is_right_on_its_one_layout(ring) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}")
+    import ring_impl
+    from ring_impl.balance import register_balanced_layout
+
+    seq, world = 256, 2
+    docs, window = _model_masks(seq)
+    runs = ring.rank_pool(world).run(_model_run, seq, [docs, (window, 3)], timeout=120.0)
+    layout, _ = register_balanced_layout("work_aware", [docs, (window, 3)], seq, world)
+    assert all(name == layout for name, _ in runs)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    ids = docs.doc_ids.tolist()
+    specs = {"docs": {"kind": "document", "doc_ids": ids, "causal": True},
+             "window": {"kind": "and", "masks": [{"kind": "document", "doc_ids": ids, "causal": True},
+                                                 {"kind": "sliding_window", "left": 64, "right": 0}]}}
+    for what, spec in specs.items():
+        vis = visibility(spec, seq, seq)
+        ref = attention_grads(q, k, v, dout, visible=vis)
+        scales = error_scales(q, k, v, dout, visible=vis)
+        for name in ("out", "dq", "dk", "dv"):
+            got = ring_impl.unshard([r[what][name] for _, r in runs], layout=layout)
+            assert_close(f"{name} [{what} on the model's layout]", got, getattr(ref, name), getattr(ref, name),
+                         world_size=world, scales=scales[name])
