@@ -14,6 +14,7 @@ from .kv_gather import gather_path, gather_refusal
 from .masks import fold_causal, mask_code, masking_problem, snapshot
 from .ops import AttentionOp, resolve_scale_and_op
 from .plan import plan_ahead
+from .score_mods import as_score_mod, score_mod_problem
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .sinks import with_sinks
 from .transports import check_rotate_method
@@ -47,10 +48,21 @@ MASKS_RUN_EAGERLY = (
 )
 
 
+#: Why a call with a score_mod leaves the compiled graph.
+SCORE_MODS_RUN_EAGERLY = (
+    "ring_attention(score_mod=...) runs eagerly inside torch.compile (a graph break): its blocks run on the "
+    "math op with the score_mod bound to each block's global positions, which the compiled ring does not "
+    "carry. Compile without fullgraph=True, or call it outside the compiled region"
+)
+
+
 def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | None = None, **kwargs):
     """``ring_attention``'s body. A masked call under torch.compile runs as custom ops in the
     graph (ring_impl.compiled_masks: the plan is made when the op runs, so a new mask is never
-    served an old plan) or, for what those cannot carry, eagerly (MASKS_RUN_EAGERLY)."""
+    served an old plan) or, for what those cannot carry, eagerly (MASKS_RUN_EAGERLY). A call
+    with a score_mod runs eagerly under torch.compile (SCORE_MODS_RUN_EAGERLY)."""
+    if kwargs.get("score_mod") is not None and torch.compiler.is_compiling():
+        return _scored_eagerly(impl, query, key, value, **kwargs)
     if kwargs.get("mask") is not None and torch.compiler.is_compiling():
         if impl_name is not None:
             from .compiled_masks import masked_ring_call
@@ -135,20 +147,24 @@ def ring_path(
     sinks=None,
     halo: bool | None = None,
     sparse_kv: bool = False,
+    score_mod=None,
 ) -> Path:
     """The :class:`ring_impl.ring.Path` (the ring, the halo exchange or the sparse gather) that
     serves a ``strategy="ring"`` call of ``ring_attention`` with these arguments, after checking
     them on this rank and across the group (InputError on every rank for bad input)."""
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     pg = resolve_group(group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None)
+    score_mod = as_score_mod(score_mod)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None,
+                                                             score_mod=score_mod is not None)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
     # through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)
     problem = extra_problem or local_problem(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
         op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
-    ) or masking_problem(query, key, mask, sinks, world_size=world)
+    ) or masking_problem(query, key, mask, sinks, world_size=world) or score_mod_problem(
+        score_mod, query, world_size=world, layout=layout, key=key, op=op_obj, halo=halo, sparse_kv=sparse_kv)
     folded = fold_causal(mask, is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
@@ -161,7 +177,7 @@ def ring_path(
             problem = ("halo=True and sparse_kv=True ask for two different exchanges; pass one of them" if halo
                        else gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy="ring"))
             gather = problem is None and world > 1
-        elif halo is not False and world > 1:
+        elif halo is not False and world > 1 and score_mod is None:  # a score_mod runs on the ring
             where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
             reach = halo_reach(folded, **where)
             if reach is None and halo:
@@ -172,7 +188,7 @@ def ring_path(
         cfg = RingConfig(
             group=RingGroup.of(pg, query.device), is_causal=bool(is_causal), scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
-            mask_dims=(query.shape[0], query.shape[1]), plan_memo={},
+            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, score_mod=score_mod,
         )
 
         def make_ahead() -> None:
@@ -188,7 +204,8 @@ def ring_path(
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
-                                                         key.shape[2] * world), query.device),
+                                                         key.shape[2] * world), query.device,
+                                           score_mod=score_mod),
                                  "gather" if gather else "halo" if reach is not None else "ring")
             if problem is None else 0,
         )
@@ -214,6 +231,7 @@ def _path(impl: RingAttention, cfg: RingConfig, query, key, gather: bool, reach,
 
 
 _masked_eagerly = torch._dynamo.disable(_attend, reason=MASKS_RUN_EAGERLY)
+_scored_eagerly = torch._dynamo.disable(_attend, reason=SCORE_MODS_RUN_EAGERLY)
 
 
 def _path_code(code: int, path: str) -> int:
@@ -303,6 +321,18 @@ Args:
         collective_schedule(..., mask=, rank=, sparse_kv=True).
     sinks: (heads,) per-head sink logits (a softmax term with no value), differentiable; each
         rank's gradient covers its own rows (reduce it over the group like any parameter's).
+    score_mod: a change of each scaled logit s = scale * q.k before the mask and the softmax, on
+        *global* positions, equal on every rank: ring_impl.score_mods.SoftCap(cap) (cap *
+        tanh(s / cap)), Alibi(slopes or heads) (s + slope[h] * (kv - q)), PostScaleBias(bias)
+        ((1|batch, 1|heads, seq_q, seq_kv) global), or a callable fn(score, b, h, q_idx, kv_idx)
+        in flex attention's convention (q_idx/kv_idx global positions, h the global query
+        head). Applied inside each ring step's block, before the merge; gradients flow to query,
+        key and value through it (not to slopes, bias or tensors a function closes over). Its
+        blocks run on an op declaring OpCapabilities.score_mod (op="auto": "math"; naming another
+        op raises InputError). The ring only (any rotation, layout, head_chunks, GQA, mask,
+        sinks): not the halo exchange or the sparse gather (a mask with a score_mod takes the
+        ring), not strategy "ulysses"/"hybrid" (InputError). Under torch.compile it runs
+        eagerly (a graph break, SCORE_MODS_RUN_EAGERLY).
 
 Returns:
     The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE

@@ -43,11 +43,17 @@ def strategy_path(
     extra_problem: str | None = None,
     mask=None,
     sinks=None,
+    score_mod=None,
 ):
     """The :class:`~ring_impl.strategies.ulysses.HeadParallelPath` serving ``ring_attention`` with
     ``strategy`` "ulysses" or "hybrid" (see ``ring_impl.ring_attention``), after checking the call
     on this rank and across the mesh (InputError on every rank for bad input). Its LSE is
-    returned when ``return_lse`` or ``sinks`` (the sink term needs it)."""
+    returned when ``return_lse`` or ``sinks`` (the sink term needs it). A ``score_mod`` is refused
+    (InputError on every rank, naming ``strategy="ring"``): the strategies' kernels take none."""
+    if score_mod is not None:
+        from ..score_mods import score_mod_problem
+
+        extra_problem = extra_problem or score_mod_problem(score_mod, query, world_size=1, strategy=strategy)
     if strategy not in ("ulysses", "hybrid"):
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
