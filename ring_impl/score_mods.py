@@ -53,6 +53,7 @@ __all__ = [
     "alibi_slopes",
     "as_score_mod",
     "block_scores",
+    "from_spec",
     "score_mod_code",
     "score_mod_problem",
 ]
@@ -89,6 +90,11 @@ class ScoreMod:
     def apply(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
               kv: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        """:meth:`apply`: a descriptor is a flex-style score_mod too, so an implementation that
+        takes only callables can run it."""
+        return self.apply(score, b, h, q_idx, kv_idx)
 
     def derivative(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
                    kv: torch.Tensor) -> torch.Tensor | None:
@@ -392,3 +398,19 @@ def block_scores(mod: ScoreMod, *, batch: int, heads: tuple[int, int], q_pos, kv
         _positions(q_pos, device).view(1, 1, -1, 1),
         _positions(kv_pos, device).view(1, 1, 1, -1),
     )
+
+
+def from_spec(spec) -> ScoreMod:
+    """A score_mod from the plain data the oracle reads (reference.score_mods): ``{"kind":
+    "softcap", "cap": c}``, ``{"kind": "alibi", "slopes": [...], "symmetric": bool}``, ``{"kind":
+    "bias", "bias": tensor}``, ``{"kind": "score_mod", "fn": f}``."""
+    kind = spec.get("kind")
+    if kind == "softcap":
+        return SoftCap(spec["cap"])
+    if kind == "alibi":
+        return Alibi(torch.as_tensor(spec["slopes"], dtype=torch.float64), bool(spec.get("symmetric", False)))
+    if kind == "bias":
+        return PostScaleBias(torch.as_tensor(spec["bias"]))
+    if kind == "score_mod":
+        return ScoreModFn(spec["fn"])
+    raise ValueError(f"unknown score_mod kind {kind!r}")
