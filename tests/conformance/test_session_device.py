@@ -61,6 +61,9 @@ BASELINES = {
     "mask suite": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "documents", "", False, PROBE_OP),
     "mask suite with sinks": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "window_narrow", "",
                                                                                                   True, PROBE_OP),
+    "score_mod suite": lambda: __import__("suites.cases_score_mods", fromlist=["x"])._baseline(
+        __import__("suites.cases_score_mods", fromlist=["x"]).ScoreModCase(SPEC, 1, score_mod="alibi", mask="documents",
+                                                                          sinks=True), PROBE_OP, "meta"),
 }
 
 
@@ -115,6 +118,13 @@ def _masked_case():
     return masked_case(MetaRank(), MaskCase(SPEC, 1, mask="documents", sinks=True, impl=PROBE_IMPL))
 
 
+def _scored_case():
+    from suites.cases_score_mods import ScoreModCase, scored_case
+
+    return scored_case(MetaRank(), ScoreModCase(SPEC, 1, score_mod="bias", mask="documents", sinks=True,
+                                                impl=PROBE_IMPL))
+
+
 def _strategy_case():
     from suites.cases_strategies import StrategyCase, strategy_case
 
@@ -131,6 +141,7 @@ RANK_FUNCTIONS = {
     "suites.cases.ring_case": _ring_case,
     "suites.cases.ring_case_twice": _ring_case_twice,
     "suites.cases_masks.masked_case": _masked_case,
+    "suites.cases_score_mods.scored_case": _scored_case,
     "suites.cases_strategies.strategy_case": _strategy_case,
     "suites.cases_balance.balance_case": _balance_case,
 }
