@@ -190,8 +190,11 @@ def judge_scored(case: ScoreModCase, results: list[dict[str, Any]], baseline_op:
         if name == "lse":  # rows that see nothing (a mask's, and no sink): -inf on both sides, compared as 0
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):
-                raise AssertionError(f"lse: rows that see no key must have LSE -inf and only they: "
-                                     f"{int((torch.isneginf(got) != nothing).sum())} rows differ [{case.label}]")
+                named = diagnose_scored(case, results)
+                if named:
+                    raise AssertionError(f"lse: {named} [{case.label}]")
+                raise AssertionError(f"lse: {int((torch.isneginf(got) != nothing).sum())} rows are -inf where the "
+                                     f"oracle's are not, or the reverse (-inf: the row sees nothing) [{case.label}]")
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
         verdicts.append(check(name, got, want, b, dtype=spec.torch_dtype,
                               result_dtype=lse_dtype if name == "lse" else spec.torch_dtype, scales=scales[name],
