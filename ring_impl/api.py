@@ -14,8 +14,8 @@ from .kv_gather import gather_path, gather_refusal
 from .masks import fold_causal, mask_code, masking_problem, snapshot
 from .ops import AttentionOp, resolve_scale_and_op
 from .plan import plan_ahead
-from .score_mods import as_score_mod, score_mod_problem
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
+from .score_mods import as_score_mod, score_mod_problem
 from .sinks import with_sinks
 from .transports import check_rotate_method
 from .validate import InputError, agree_across_ranks, local_problem, routed_error

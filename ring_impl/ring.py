@@ -41,11 +41,11 @@ from torch.autograd.function import once_differentiable
 
 from . import debug, heads
 from .group import RingGroup
+from .layout import layout_runs
 from .lse import normalize_lse
 from .merge import merge_into
 from .nonfinite import finite_parts, poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
-from .layout import layout_runs
 from .plan import Block, StepPlan, masked_plan, ring_plan, with_positions
 from .transports import Link, Transport, after, get_transport
 

@@ -21,7 +21,13 @@ import itertools
 
 import pytest
 
-from suites.cases_score_mods import SCORE_MOD_NAMES, ScoreModCase, diagnose_scored, judge_scored, scored_case
+from suites.cases_score_mods import (
+    SCORE_MOD_NAMES,
+    ScoreModCase,
+    diagnose_scored,
+    judge_scored,
+    scored_case,
+)
 from suites.inputs import InputSpec
 from suites.judge import format_failure
 from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes

@@ -44,7 +44,7 @@ class MathOp:
                 attn_mask: torch.Tensor | None = None, score_mod=None, raw: torch.Tensor | None = None) -> torch.Tensor:
         """The scaled scores (b, hkv, g, sq, sk), modified by ``score_mod`` (a
         ring_impl.score_mods.BlockScores, on the (b, heads, sq, sk) view), then masked."""
-        b, h, sq, d = query.shape
+        b, h, sq, _ = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         s = MathOp._raw_scores(query, key, scale) if raw is None else raw
         if score_mod is not None:

@@ -103,7 +103,7 @@ def test_math_op_backward_through_a_score_mod_is_autograd_of_its_forward() -> No
     """The explicit backward (dS carried back by d score_mod / d s) equals float64 autograd of the
     op's own forward, for a descriptor with its own derivative and for a callable (autograd)."""
     from ring_impl.ops import MathOp
-    from ring_impl.score_mods import SoftCap, ScoreModFn, block_scores
+    from ring_impl.score_mods import ScoreModFn, SoftCap, block_scores
 
     op = MathOp()
     q, k, v, dout, dlse = _inputs(12, batch=1)
