@@ -51,19 +51,38 @@ class ScoreModOnLocalPositions(RingAttention):
         plans = super().plan(cfg, seq_q, seq_kv)
         if cfg.score_mod is None:
             return plans
-        return [StepPlan(p.step, p.kv_rank, tuple(replace(b, q_pos=(b.q_rows,), kv_pos=(b.kv_rows,))
-                                                  for b in p.blocks)) for p in plans]
+        return [
+            StepPlan(
+                p.step,
+                p.kv_rank,
+                tuple(replace(b, q_pos=(b.q_rows,), kv_pos=(b.kv_rows,)) for b in p.blocks),
+            )
+            for p in plans
+        ]
 
 
-BROKEN_SCORE_MODS: dict[str, Broken] = {b.name: b for b in [
-    Broken("softcap_after_merge", "score_mod: soft-cap applied after the merge",
-           r"soft-cap applied after the merge",
-           RingImplAdapter(SoftCapAfterMerge(), name="softcap_after_merge"),
-           suites="suites/test_score_mods.py", select=("-k", "softcap"), min_failures=3),
-    Broken("alibi_on_local_positions", "score_mod: ALiBi on local instead of global positions",
-           r"alibi\w* on local instead of global positions",
-           RingImplAdapter(ScoreModOnLocalPositions(), name="alibi_on_local_positions"),
-           suites="suites/test_score_mods.py", select=("-k", "alibi and not W1"), min_failures=3),
-]}
+BROKEN_SCORE_MODS: dict[str, Broken] = {
+    b.name: b
+    for b in [
+        Broken(
+            "softcap_after_merge",
+            "score_mod: soft-cap applied after the merge",
+            r"soft-cap applied after the merge",
+            RingImplAdapter(SoftCapAfterMerge(), name="softcap_after_merge"),
+            suites="suites/test_score_mods.py",
+            select=("-k", "softcap"),
+            min_failures=3,
+        ),
+        Broken(
+            "alibi_on_local_positions",
+            "score_mod: ALiBi on local instead of global positions",
+            r"alibi\w* on local instead of global positions",
+            RingImplAdapter(ScoreModOnLocalPositions(), name="alibi_on_local_positions"),
+            suites="suites/test_score_mods.py",
+            select=("-k", "alibi and not W1"),
+            min_failures=3,
+        ),
+    ]
+}
 
 globals().update({name: b.impl for name, b in BROKEN_SCORE_MODS.items()})

@@ -29,8 +29,13 @@ __all__ = ["SCORE_MOD_KINDS", "apply_score_mod"]
 SCORE_MOD_KINDS = ("softcap", "alibi", "bias", "score_mod")
 
 
-def apply_score_mod(spec: Mapping[str, Any] | None, scores: Tensor, *, q_positions: Tensor | None = None,
-                    k_positions: Tensor | None = None) -> Tensor:
+def apply_score_mod(
+    spec: Mapping[str, Any] | None,
+    scores: Tensor,
+    *,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+) -> Tensor:
     """scores (batch, heads, seq_q, seq_k) float64 -> the modified scores (None: unchanged).
 
     q_positions / k_positions: the positions of the rows and columns (default 0..seq-1, the
@@ -42,8 +47,16 @@ def apply_score_mod(spec: Mapping[str, Any] | None, scores: Tensor, *, q_positio
     dev = scores.device
     b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
-    i = (torch.arange(seq_q) if q_positions is None else torch.as_tensor(q_positions)).to(dev).view(1, 1, -1, 1)
-    j = (torch.arange(seq_k) if k_positions is None else torch.as_tensor(k_positions)).to(dev).view(1, 1, 1, -1)
+    i = (
+        (torch.arange(seq_q) if q_positions is None else torch.as_tensor(q_positions))
+        .to(dev)
+        .view(1, 1, -1, 1)
+    )
+    j = (
+        (torch.arange(seq_k) if k_positions is None else torch.as_tensor(k_positions))
+        .to(dev)
+        .view(1, 1, 1, -1)
+    )
     kind = spec.get("kind")
     if kind == "softcap":
         cap = float(spec["cap"])
@@ -56,7 +69,9 @@ def apply_score_mod(spec: Mapping[str, Any] | None, scores: Tensor, *, q_positio
         return scores + slopes * (-dist.abs() if spec.get("symmetric", False) else dist)
     if kind == "bias":
         bias = torch.as_tensor(spec["bias"]).to(device=dev, dtype=torch.float64)
-        return scores + bias[:, :, i.flatten()][:, :, :, j.flatten()].expand(batch, heads, seq_q, seq_k)
+        return scores + bias[:, :, i.flatten()][:, :, :, j.flatten()].expand(
+            batch, heads, seq_q, seq_k
+        )
     if kind == "score_mod":
         out = torch.as_tensor(spec["fn"](scores, b, h, i, j))
         return out.to(torch.float64).expand(scores.shape)

@@ -63,6 +63,7 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     """(heads,) float64: the ALiBi paper's geometric slopes ``2^(-8 i / n)``, i = 1..n, for a
     power of two ``n``; otherwise those of the largest power of two below and every other slope
     of the next one (the reference implementation's rule, as in HuggingFace's)."""
+
     def power_of_two(n: int) -> list[float]:
         start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
         return [start ** (i + 1) for i in range(n)]
@@ -87,8 +88,14 @@ class ScoreMod:
     (``d apply / d score``, elementwise; None: 1), :meth:`check` for bad parameters (a message, or
     None) and :meth:`agreement_text` for the cross-rank check."""
 
-    def apply(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
-              kv: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self,
+        score: torch.Tensor,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def __call__(self, score, b, h, q_idx, kv_idx):
@@ -96,8 +103,14 @@ class ScoreMod:
         takes only callables can run it."""
         return self.apply(score, b, h, q_idx, kv_idx)
 
-    def derivative(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
-                   kv: torch.Tensor) -> torch.Tensor | None:
+    def derivative(
+        self,
+        score: torch.Tensor,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> torch.Tensor | None:
         return None
 
     def check(self, *, batch: int, heads: int, seq_q: int, seq_kv: int) -> str | None:
@@ -129,8 +142,11 @@ class SoftCap(ScoreMod):
         return 1 - torch.tanh(score / self.cap).square()
 
     def check(self, *, batch, heads, seq_q, seq_kv):
-        if isinstance(self.cap, bool) or not isinstance(self.cap, (int, float)) or not (
-                math.isfinite(self.cap) and self.cap > 0):
+        if (
+            isinstance(self.cap, bool)
+            or not isinstance(self.cap, (int, float))
+            or not (math.isfinite(self.cap) and self.cap > 0)
+        ):
             return f"SoftCap.cap must be a finite number > 0, got {self.cap!r}"
         return None
 
@@ -167,17 +183,29 @@ class Alibi(ScoreMod):
             return f"Alibi.slopes must be a (heads,) tensor or a head count, got {self.slopes!r}"
         if isinstance(self.slopes, int):
             if self.slopes != heads:
-                return (f"Alibi({self.slopes}) gives slopes for {self.slopes} heads but the call has {heads} "
-                        f"query heads: pass Alibi({heads}) or a ({heads},) tensor of slopes")
+                return (
+                    f"Alibi({self.slopes}) gives slopes for {self.slopes} heads but the call "
+                    f"has {heads} "
+                    f"query heads: pass Alibi({heads}) or a ({heads},) tensor of slopes"
+                )
             return None
         s = self.slopes
         if not isinstance(s, torch.Tensor) or not s.is_floating_point():
-            return (f"Alibi.slopes must be a floating (heads,) tensor or a head count, got {type(s).__name__}"
-                    + (f" of dtype {s.dtype}" if isinstance(s, torch.Tensor) else ""))
+            return (
+                "Alibi.slopes must be a floating (heads,) tensor or a head count, got "
+                f"{type(s).__name__}"
+                + (f" of dtype {s.dtype}" if isinstance(s, torch.Tensor) else "")
+            )
         if s.device.type == "meta":
-            return "Alibi.slopes are on the meta device, which holds no values: give them on the CPU or the inputs' device"
+            return (
+                "Alibi.slopes are on the meta device, which holds no values: give them on the "
+                "CPU or the inputs' device"
+            )
         if tuple(s.shape) != (heads,):
-            return f"Alibi.slopes must have shape ({heads},), one slope per query head, got {tuple(s.shape)}"
+            return (
+                f"Alibi.slopes must have shape ({heads},), one slope per query head, got "
+                f"{tuple(s.shape)}"
+            )
         if not bool(torch.isfinite(s).all()):
             return "Alibi.slopes must be finite"
         return None
@@ -188,7 +216,11 @@ class Alibi(ScoreMod):
 
     def spec(self) -> dict:
         s = alibi_slopes(self.slopes) if isinstance(self.slopes, int) else self.slopes
-        return {"kind": "alibi", "slopes": s.detach().to(torch.float64).cpu().tolist(), "symmetric": self.symmetric}
+        return {
+            "kind": "alibi",
+            "slopes": s.detach().to(torch.float64).cpu().tolist(),
+            "symmetric": self.symmetric,
+        }
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,13 +241,24 @@ class PostScaleBias(ScoreMod):
         t = self.bias
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return f"PostScaleBias.bias must be a floating tensor, got {type(t).__name__}" + (
-                f" of dtype {t.dtype}" if isinstance(t, torch.Tensor) else "")
+                f" of dtype {t.dtype}" if isinstance(t, torch.Tensor) else ""
+            )
         if t.device.type == "meta":
-            return "PostScaleBias.bias is on the meta device, which holds no values: give it on the CPU or the inputs' device"
-        if t.dim() != 4 or t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads) or tuple(t.shape[2:]) != (
-                seq_q, seq_kv):
-            return (f"PostScaleBias.bias must have shape (1 or {batch}, 1 or {heads}, {seq_q}, {seq_kv}): the global "
-                    f"sequence (local length x world size), got {tuple(t.shape)}")
+            return (
+                "PostScaleBias.bias is on the meta device, which holds no values: give it on the "
+                "CPU or the inputs' device"
+            )
+        if (
+            t.dim() != 4
+            or t.shape[0] not in (1, batch)
+            or t.shape[1] not in (1, heads)
+            or tuple(t.shape[2:]) != (seq_q, seq_kv)
+        ):
+            return (
+                f"PostScaleBias.bias must have shape (1 or {batch}, 1 or {heads}, {seq_q}, "
+                f"{seq_kv}): the global "
+                f"sequence (local length x world size), got {tuple(t.shape)}"
+            )
         return None
 
     def describe(self) -> str:
@@ -254,22 +297,35 @@ class ScoreModFn(ScoreMod):
     def check(self, *, batch, heads, seq_q, seq_kv):
         # Evaluated on the corners and a strided grid of the global positions: a function that
         # fails (an index out of range, a wrong shape) fails here on every rank alike.
-        qs = torch.unique(torch.cat([torch.arange(0, seq_q, max(1, seq_q // 16)), torch.tensor([seq_q - 1])]))
-        ks = torch.unique(torch.cat([torch.arange(0, seq_kv, max(1, seq_kv // 16)), torch.tensor([seq_kv - 1])]))
+        qs = torch.unique(
+            torch.cat([torch.arange(0, seq_q, max(1, seq_q // 16)), torch.tensor([seq_q - 1])])
+        )
+        ks = torch.unique(
+            torch.cat([torch.arange(0, seq_kv, max(1, seq_kv // 16)), torch.tensor([seq_kv - 1])])
+        )
         b = torch.arange(batch).view(-1, 1, 1, 1)
         h = torch.arange(heads).view(1, -1, 1, 1)
         score = torch.zeros(batch, heads, qs.numel(), ks.numel(), dtype=torch.float64)
         try:
             out = torch.as_tensor(self.fn(score, b, h, qs.view(1, 1, -1, 1), ks.view(1, 1, 1, -1)))
         except Exception as exc:  # bad input, not a crash
-            return f"score_mod {self._name()} cannot be evaluated on the global positions ({type(exc).__name__}: {exc})"
+            return (
+                f"score_mod {self._name()} cannot be evaluated on the global positions "
+                f"({type(exc).__name__}: {exc})"
+            )
         if not out.is_floating_point():
-            return f"score_mod {self._name()} returned {out.dtype}, not a floating tensor of the scores' shape"
+            return (
+                f"score_mod {self._name()} returned {out.dtype}, not a floating tensor of the "
+                "scores' shape"
+            )
         try:
             torch.broadcast_shapes(out.shape, score.shape)
         except RuntimeError:
-            return (f"score_mod {self._name()} returned shape {tuple(out.shape)}, which does not broadcast to the "
-                    f"scores' {tuple(score.shape)}")
+            return (
+                f"score_mod {self._name()} returned shape {tuple(out.shape)}, which does not "
+                "broadcast to the "
+                f"scores' {tuple(score.shape)}"
+            )
         return None
 
     def _name(self) -> str:
@@ -290,9 +346,16 @@ class ScoreModFn(ScoreMod):
         crc = 0
         try:
             for value in _PROBE_SCORES:
-                score = torch.full((bs.numel(), hs.numel(), qs.numel(), ks.numel()), value, dtype=torch.float64)
-                out = self.apply(score, bs.view(-1, 1, 1, 1), hs.view(1, -1, 1, 1), qs.view(1, 1, -1, 1),
-                                 ks.view(1, 1, 1, -1))
+                score = torch.full(
+                    (bs.numel(), hs.numel(), qs.numel(), ks.numel()), value, dtype=torch.float64
+                )
+                out = self.apply(
+                    score,
+                    bs.view(-1, 1, 1, 1),
+                    hs.view(1, -1, 1, 1),
+                    qs.view(1, 1, -1, 1),
+                    ks.view(1, 1, 1, -1),
+                )
                 crc = zlib.crc32(out.detach().cpu().contiguous().numpy().tobytes(), crc)
         except Exception as exc:  # the call's own checks report it, on every rank
             return f"{self.describe()}:unprobed:{type(exc).__name__}"
@@ -312,27 +375,59 @@ def as_score_mod(score_mod) -> ScoreMod | None:
     return score_mod
 
 
-def score_mod_problem(score_mod, query, *, world_size: int, key=None, layout: str = "contiguous", op=None,
-                      strategy: str = "ring", halo=None, sparse_kv=False) -> str | None:
+def score_mod_problem(
+    score_mod,
+    query,
+    *,
+    world_size: int,
+    key=None,
+    layout: str = "contiguous",
+    op=None,
+    strategy: str = "ring",
+    halo=None,
+    sparse_kv=False,
+) -> str | None:
     """What is wrong with ``score_mod=`` for a call on local shards (query (batch, heads,
-    seq_q_local, head_dim), key (batch, heads_kv, seq_kv_local, head_dim)), or None. Never raises."""
+    seq_q_local, head_dim), key (batch, heads_kv, seq_kv_local, head_dim)), or None. Never
+    raises."""
     if score_mod is None:
         return None
     if not isinstance(score_mod, ScoreMod):
-        return (f"score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx) or a ring_impl.score_mods "
-                f"descriptor (SoftCap, Alibi, PostScaleBias), got {type(score_mod).__name__}")
+        return (
+            "score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx) or a "
+            "ring_impl.score_mods "
+            f"descriptor (SoftCap, Alibi, PostScaleBias), got {type(score_mod).__name__}"
+        )
     if strategy != "ring":
-        return (f"score_mod runs with strategy='ring' only, got strategy={strategy!r} (the head-parallel "
-                "strategies' kernels take no score_mod): use strategy='ring'")
+        return (
+            f"score_mod runs with strategy='ring' only, got strategy={strategy!r} (the "
+            "head-parallel "
+            "strategies' kernels take no score_mod): use strategy='ring'"
+        )
     if halo is True:
-        return ("halo=True but the halo exchange takes no score_mod; pass halo=None (a masked call with a "
-                "score_mod runs on the ring)")
+        return (
+            "halo=True but the halo exchange takes no score_mod; pass halo=None (a masked "
+            "call with a "
+            "score_mod runs on the ring)"
+        )
     if sparse_kv is True:
-        return "sparse_kv=True but the sparse gather takes no score_mod; pass sparse_kv=False (the ring runs it)"
+        return (
+            "sparse_kv=True but the sparse gather takes no score_mod; pass sparse_kv=False (the "
+            "ring runs it)"
+        )
     if op is not None and not getattr(op.capabilities, "score_mod", False):
-        return (f"attention op {getattr(op, 'name', op)!r} cannot apply a score_mod (it does not declare "
-                "OpCapabilities.score_mod: a fused kernel computes no explicit scores); pass op='auto' or op='math'")
-    if not (isinstance(query, torch.Tensor) and query.dim() == 4 and isinstance(key, torch.Tensor) and key.dim() == 4):
+        return (
+            f"attention op {getattr(op, 'name', op)!r} cannot apply a score_mod (it does not "
+            "declare "
+            "OpCapabilities.score_mod: a fused kernel computes no explicit scores); pass "
+            "op='auto' or op='math'"
+        )
+    if not (
+        isinstance(query, torch.Tensor)
+        and query.dim() == 4
+        and isinstance(key, torch.Tensor)
+        and key.dim() == 4
+    ):
         return None  # the input checks report it
     b, h, sq, _ = query.shape
     skv = key.shape[2]
@@ -342,12 +437,16 @@ def score_mod_problem(score_mod, query, *, world_size: int, key=None, layout: st
         for n in {sq, skv}:  # the blocks' global positions come from the layout
             layout_runs(layout, n * world_size, world_size, 0)
     except Exception as exc:
-        return (f"score_mod reads global positions, but layout {layout!r} cannot place local length(s) "
-                f"{sq}/{skv} over {world_size} ranks ({exc})")
+        return (
+            f"score_mod reads global positions, but layout {layout!r} cannot place local length(s) "
+            f"{sq}/{skv} over {world_size} ranks ({exc})"
+        )
     try:
         return score_mod.check(batch=b, heads=h, seq_q=sq * world_size, seq_kv=skv * world_size)
     except Exception as exc:  # a descriptor that trips over its own data is bad input
-        return f"score_mod {type(score_mod).__name__} cannot be checked ({type(exc).__name__}: {exc})"
+        return (
+            f"score_mod {type(score_mod).__name__} cannot be checked ({type(exc).__name__}: {exc})"
+        )
 
 
 def score_mod_code(score_mod, dims: tuple[int, int, int, int], device=None) -> str:
@@ -386,8 +485,9 @@ def _positions(runs, device) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def block_scores(mod: ScoreMod, *, batch: int, heads: tuple[int, int], q_pos, kv_pos,
-                 device: torch.device) -> BlockScores:
+def block_scores(
+    mod: ScoreMod, *, batch: int, heads: tuple[int, int], q_pos, kv_pos, device: torch.device
+) -> BlockScores:
     """``mod`` bound to a block of ``batch`` rows, query heads ``[heads[0], heads[1])`` of the
     call, at global query positions ``q_pos`` and key positions ``kv_pos`` (runs ``((start,
     stop), ...)`` in the block's row order)."""
@@ -408,7 +508,9 @@ def from_spec(spec) -> ScoreMod:
     if kind == "softcap":
         return SoftCap(spec["cap"])
     if kind == "alibi":
-        return Alibi(torch.as_tensor(spec["slopes"], dtype=torch.float64), bool(spec.get("symmetric", False)))
+        return Alibi(
+            torch.as_tensor(spec["slopes"], dtype=torch.float64), bool(spec.get("symmetric", False))
+        )
     if kind == "bias":
         return PostScaleBias(torch.as_tensor(spec["bias"]))
     if kind == "score_mod":

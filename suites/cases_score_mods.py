@@ -26,7 +26,14 @@ from suites.cases import RingCase
 from suites.cases_masks import _sinks, _unshard, mask_spec
 from suites.inputs import InputSpec, make_inputs
 
-__all__ = ["SCORE_MOD_NAMES", "ScoreModCase", "diagnose_scored", "judge_scored", "score_mod_spec", "scored_case"]
+__all__ = [
+    "SCORE_MOD_NAMES",
+    "ScoreModCase",
+    "diagnose_scored",
+    "judge_scored",
+    "score_mod_spec",
+    "scored_case",
+]
 
 SCORE_MOD_NAMES = ("softcap", "alibi", "alibi_symmetric", "bias", "callable")
 
@@ -50,11 +57,19 @@ def score_mod_spec(name: str, spec: InputSpec) -> dict[str, Any]:
     if name == "softcap":  # a cap near the logits' size: the cap changes every row
         return {"kind": "softcap", "cap": 0.8}
     if name in ("alibi", "alibi_symmetric"):
-        return {"kind": "alibi", "slopes": _alibi_slopes(spec.heads), "symmetric": name == "alibi_symmetric"}
+        return {
+            "kind": "alibi",
+            "slopes": _alibi_slopes(spec.heads),
+            "symmetric": name == "alibi_symmetric",
+        }
     if name == "bias":  # per head, shared by the batch rows
         gen = torch.Generator().manual_seed(spec.seed + 7)
-        return {"kind": "bias", "bias": torch.randn(1, spec.heads, spec.seq_q, spec.seq_kv, generator=gen,
-                                                    dtype=torch.float64)}
+        return {
+            "kind": "bias",
+            "bias": torch.randn(
+                1, spec.heads, spec.seq_q, spec.seq_kv, generator=gen, dtype=torch.float64
+            ),
+        }
     if name == "callable":
         return {"kind": "score_mod", "fn": flex_style_mod}
     raise ValueError(f"unknown score_mod name {name!r}; expected one of {SCORE_MOD_NAMES}")
@@ -82,7 +97,10 @@ def oracle_data(data: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     inputs: the oracle takes them as given, as it takes the dtype-rounded query and key)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     if data["kind"] == "alibi":
-        return {**data, "slopes": torch.tensor(data["slopes"], dtype=acc).to(torch.float64).tolist()}
+        return {
+            **data,
+            "slopes": torch.tensor(data["slopes"], dtype=acc).to(torch.float64).tolist(),
+        }
     if data["kind"] == "bias":
         return {**data, "bias": data["bias"].to(acc).to(torch.float64)}
     return data
@@ -108,8 +126,10 @@ class ScoreModCase(RingCase):
     @property
     def label(self) -> str:
         mask = f", mask={self.mask}" if self.mask else ""
-        return (RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
-                + f", score_mod={self.score_mod}{mask}, sinks={self.sinks})")
+        return (
+            RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
+            + f", score_mod={self.score_mod}{mask}, sinks={self.sinks})"
+        )
 
 
 def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
@@ -118,12 +138,21 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     spec = case.inputs
     g = make_inputs(spec)
     w, r = ctx.world_size, ctx.rank
-    q, k, v = (oracle_shard(t, case.layout, w, r).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
+    q, k, v = (
+        oracle_shard(t, case.layout, w, r).to(ctx.device).requires_grad_()
+        for t in (g.query, g.key, g.value)
+    )
     dout = oracle_shard(g.grad_out, case.layout, w, r).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
-    kwargs: dict[str, Any] = dict(group=ctx.group, is_causal=case.is_causal, scale=spec.scale,
-                                  rotate_method=case.rotate_method, layout=case.layout, return_lse=True,
-                                  score_mod=implementation_score_mod(case.score_mod_data(), spec.torch_dtype))
+    kwargs: dict[str, Any] = dict(
+        group=ctx.group,
+        is_causal=case.is_causal,
+        scale=spec.scale,
+        rotate_method=case.rotate_method,
+        layout=case.layout,
+        return_lse=True,
+        score_mod=implementation_score_mod(case.score_mod_data(), spec.torch_dtype),
+    )
     if case.mask:
         from ring_impl.masks import from_spec
 
@@ -136,8 +165,14 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
         kwargs["op"] = resolve_case_op(case, ctx.device)
     out, lse = impl.obj.ring_attention(q, k, v, **kwargs)
     out.backward(dout)
-    return {"out": out.detach().cpu(), "lse": lse.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(),
-            "dv": v.grad.cpu(), "dsinks": None if sinks is None else sinks.grad.cpu()}
+    return {
+        "out": out.detach().cpu(),
+        "lse": lse.detach().cpu(),
+        "dq": q.grad.cpu(),
+        "dk": k.grad.cpu(),
+        "dv": v.grad.cpu(),
+        "dsinks": None if sinks is None else sinks.grad.cpu(),
+    }
 
 
 def _visible(case: ScoreModCase) -> torch.Tensor | None:
@@ -153,16 +188,29 @@ def _baseline(case: ScoreModCase, op_spec: str | None, device_name: str) -> dict
     """The policy's B: the same kernel (one taking a score_mod) on the whole sequence."""
     spec = case.inputs
     g = make_inputs(spec)
-    return single_device_baseline(g.query, g.key, g.value, g.grad_out, op_spec=op_spec, scale=spec.scale,
-                                  visible=_visible(case), sinks=_sinks(spec) if case.sinks else None,
-                                  score_mod=oracle_data(case.score_mod_data(), spec.torch_dtype))
+    return single_device_baseline(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        op_spec=op_spec,
+        scale=spec.scale,
+        visible=_visible(case),
+        sinks=_sinks(spec) if case.sinks else None,
+        score_mod=oracle_data(case.score_mod_data(), spec.torch_dtype),
+    )
 
 
 def _rank_positions(case: ScoreModCase) -> list[torch.Tensor]:
-    return [positions(case.layout, case.world_size, r, case.inputs.seq_q) for r in range(case.world_size)]
+    return [
+        positions(case.layout, case.world_size, r, case.inputs.seq_q)
+        for r in range(case.world_size)
+    ]
 
 
-def judge_scored(case: ScoreModCase, results: list[dict[str, Any]], baseline_op: str | None = None) -> list[Verdict]:
+def judge_scored(
+    case: ScoreModCase, results: list[dict[str, Any]], baseline_op: str | None = None
+) -> list[Verdict]:
     """Verdicts for out, lse, dq, dk, dv (and dsinks) against the float64 oracle with the same
     score_mod (and mask, sinks)."""
     from reference import attention_grads
@@ -172,10 +220,27 @@ def judge_scored(case: ScoreModCase, results: list[dict[str, Any]], baseline_op:
     vis = _visible(case)
     sinks = _sinks(spec) if case.sinks else None
     data = oracle_data(case.score_mod_data(), spec.torch_dtype)
-    ref = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, sinks=sinks, scale=spec.scale,
-                          score_mod=data)
-    scales = error_scales(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale, sinks=sinks,
-                          input_dtype=spec.torch_dtype, score_mod=data)
+    ref = attention_grads(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        visible=vis,
+        sinks=sinks,
+        scale=spec.scale,
+        score_mod=data,
+    )
+    scales = error_scales(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        visible=vis,
+        scale=spec.scale,
+        sinks=sinks,
+        input_dtype=spec.torch_dtype,
+        score_mod=data,
+    )
     base = _baseline(case, case.op or baseline_op, str(session_device()))
     pos = _rank_positions(case)
     lse_dtype = torch.float64 if spec.torch_dtype == torch.float64 else torch.float32
@@ -183,30 +248,59 @@ def judge_scored(case: ScoreModCase, results: list[dict[str, Any]], baseline_op:
     for name in ("out", "lse", "dq", "dk", "dv"):
         parts = [r.get(name) for r in results]
         if any(p is None for p in parts):
-            raise AssertionError(f"{name}: a rank returned no {name} (ring_attention with return_lse=True returns "
-                                 "(out, lse) and gradients for query, key, value)")
+            raise AssertionError(
+                f"{name}: a rank returned no {name} (ring_attention with return_lse=True returns "
+                "(out, lse) and gradients for query, key, value)"
+            )
         got = _unshard(parts, pos).to(torch.float64)
         want, b = getattr(ref, name), base[name].to(torch.float64)
-        if name == "lse":  # rows that see nothing (a mask's, and no sink): -inf on both sides, compared as 0
+        if (
+            name == "lse"
+        ):  # rows that see nothing (a mask's, and no sink): -inf on both sides, compared as 0
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):
                 named = diagnose_scored(case, results)
                 if named:
                     raise AssertionError(f"lse: {named} [{case.label}]")
-                raise AssertionError(f"lse: {int((torch.isneginf(got) != nothing).sum())} rows are -inf where the "
-                                     f"oracle's are not, or the reverse (-inf: the row sees nothing) [{case.label}]")
+                raise AssertionError(
+                    f"lse: {int((torch.isneginf(got) != nothing).sum())} rows are -inf where the "
+                    f"oracle's are not, or the reverse (-inf: the row sees nothing) [{case.label}]"
+                )
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        verdicts.append(check(name, got, want, b, dtype=spec.torch_dtype,
-                              result_dtype=lse_dtype if name == "lse" else spec.torch_dtype, scales=scales[name],
-                              world_size=w, context=f"[{case.label}]"))
+        verdicts.append(
+            check(
+                name,
+                got,
+                want,
+                b,
+                dtype=spec.torch_dtype,
+                result_dtype=lse_dtype if name == "lse" else spec.torch_dtype,
+                scales=scales[name],
+                world_size=w,
+                context=f"[{case.label}]",
+            )
+        )
     if case.sinks:
         parts = [r.get("dsinks") for r in results]
         if any(p is None for p in parts):
-            raise AssertionError("dsinks: a rank's sinks got no gradient (sinks must be differentiable)")
+            raise AssertionError(
+                "dsinks: a rank's sinks got no gradient (sinks must be differentiable)"
+            )
         got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
-        verdicts.append(check("dsinks", got, ref.dsinks, base["dsinks"].to(torch.float64), dtype=spec.torch_dtype,
-                              result_dtype=lse_dtype, world_size=w, roundings=spec.batch * spec.seq_q,
-                              scales=scales["dsinks"], context=f"[{case.label}] (summed over ranks)"))
+        verdicts.append(
+            check(
+                "dsinks",
+                got,
+                ref.dsinks,
+                base["dsinks"].to(torch.float64),
+                dtype=spec.torch_dtype,
+                result_dtype=lse_dtype,
+                world_size=w,
+                roundings=spec.batch * spec.seq_q,
+                scales=scales["dsinks"],
+                context=f"[{case.label}] (summed over ranks)",
+            )
+        )
     return verdicts
 
 
@@ -216,25 +310,37 @@ def _at_local_positions(data: dict[str, Any], local: torch.Tensor) -> dict[str, 
     from reference.score_mods import apply_score_mod
 
     def fn(score, b, h, i, j):
-        return apply_score_mod(data, score, q_positions=local[i.flatten()], k_positions=local[j.flatten()])
+        return apply_score_mod(
+            data, score, q_positions=local[i.flatten()], k_positions=local[j.flatten()]
+        )
 
     return {"kind": "score_mod", "fn": fn}
 
 
-def _equals(case: ScoreModCase, got_out: torch.Tensor, got_lse: torch.Tensor, data: dict[str, Any] | None) -> bool:
+def _equals(
+    case: ScoreModCase, got_out: torch.Tensor, got_lse: torch.Tensor, data: dict[str, Any] | None
+) -> bool:
     """Whether the ranks' out and LSE are attention under ``data`` (None: no score_mod): within
     1% of the largest output, the LSE within 1% of its largest."""
     from reference import attention
 
     spec = case.inputs
     g = make_inputs(spec)
-    wrong = attention(g.query, g.key, g.value, visible=_visible(case), sinks=_sinks(spec) if case.sinks else None,
-                      scale=spec.scale, score_mod=data)
+    wrong = attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=_visible(case),
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+        score_mod=data,
+    )
     tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
     seen = torch.isfinite(wrong.lse)
     lse_err = (got_lse - wrong.lse).masked_fill(~seen, 0.0).abs().max()
     return float((got_out - wrong.out).abs().max()) <= tol and float(lse_err) <= 1e-2 * max(
-        1.0, float(wrong.lse.masked_fill(~seen, 0.0).abs().max()))
+        1.0, float(wrong.lse.masked_fill(~seen, 0.0).abs().max())
+    )
 
 
 def diagnose_scored(case: ScoreModCase, results: list[dict[str, Any]]) -> str:
@@ -244,23 +350,31 @@ def diagnose_scored(case: ScoreModCase, results: list[dict[str, Any]]) -> str:
     out = _unshard([r["out"] for r in results], pos).to(torch.float64)
     lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
     data = oracle_data(case.score_mod_data(), spec.torch_dtype)
-    if _equals(case, out, lse, None) or (
-            data["kind"] == "softcap" and _out_without(case, out)):
-        return ("soft-cap applied after the merge (or not at all): the output is attention without the score_mod; "
-                "a score_mod changes each block's scores before that block's softmax statistics, inside every ring "
-                "step, so that the merge combines modified blocks (capping a merged LSE or output is not attention "
-                "with capped logits)" if data["kind"] == "softcap" else
-                "the score_mod was not applied: the output is attention without it; it must change each block's "
-                "scores inside every ring step, before the merge")
+    if _equals(case, out, lse, None) or (data["kind"] == "softcap" and _out_without(case, out)):
+        if data["kind"] != "softcap":
+            return (
+                "the score_mod was not applied: the output is attention without it; it must "
+                "change each block's scores inside every ring step, before the merge"
+            )
+        return (
+            "soft-cap applied after the merge (or not at all): the output is attention "
+            "without the score_mod; a score_mod changes each block's scores before that "
+            "block's softmax statistics, inside every ring step, so that the merge combines "
+            "modified blocks (capping a merged LSE or output is not attention with capped "
+            "logits)"
+        )
     if case.world_size > 1:
         local = torch.empty(spec.seq_q, dtype=torch.int64)
         for p in pos:
             local[p] = torch.arange(p.numel())
         if _equals(case, out, lse, _at_local_positions(data, local)):
-            return (f"{case.score_mod} on local instead of global positions: the output is attention with the "
-                    "score_mod evaluated at each rank's local row indices (0..seq_local-1 for queries and for the "
-                    "key/value block it holds); q_idx and kv_idx must be global token positions, the layout's, "
-                    "whatever the rank and the ring step")
+            return (
+                f"{case.score_mod} on local instead of global positions: the output is "
+                "attention with the score_mod evaluated at each rank's local row indices "
+                "(0..seq_local-1 for queries and for the key/value block it holds); q_idx and "
+                "kv_idx must be global token positions, the layout's, whatever the rank and "
+                "the ring step"
+            )
     return ""
 
 
@@ -271,6 +385,12 @@ def _out_without(case: ScoreModCase, out: torch.Tensor) -> bool:
 
     spec = case.inputs
     g = make_inputs(spec)
-    plain = attention(g.query, g.key, g.value, visible=_visible(case), sinks=_sinks(spec) if case.sinks else None,
-                      scale=spec.scale).out
+    plain = attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=_visible(case),
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+    ).out
     return float((out - plain).abs().max()) <= 1e-2 * max(1.0, float(plain.abs().max()))

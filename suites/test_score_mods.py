@@ -47,15 +47,39 @@ def _cases(config) -> list:
         chosen = dtypes if nightly else (dtypes[i % 3],)
         for j, dtype in enumerate(chosen):
             mask = _MASKS[(i + j) % 3]
-            if name == "alibi_symmetric" and mask:  # symmetric ALiBi is for attention that sees both ways
+            if (
+                name == "alibi_symmetric" and mask
+            ):  # symmetric ALiBi is for attention that sees both ways
                 mask = ""
-            spec = InputSpec(batch=2 if (i + j) % 4 == 1 else 1, heads=4, heads_kv=2 if (i + j) % 2 else 4,
-                             seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype=dtype)
-            out.append(ScoreModCase(spec, w, is_causal=mask == "causal", layout=layout,
-                                    rotate_method=ROTATIONS[(i // 2 + j) % 3], score_mod=name,
-                                    mask="" if mask == "causal" else mask, sinks=(i + j) % 5 == 0))
-    return params(out, id_extra=lambda c: (c.score_mod, *((c.mask,) if c.mask else ()),
-                                           *(("sinks",) if c.sinks else ())))
+            spec = InputSpec(
+                batch=2 if (i + j) % 4 == 1 else 1,
+                heads=4,
+                heads_kv=2 if (i + j) % 2 else 4,
+                seq_q=24 * w,
+                seq_kv=24 * w,
+                head_dim=16,
+                dtype=dtype,
+            )
+            out.append(
+                ScoreModCase(
+                    spec,
+                    w,
+                    is_causal=mask == "causal",
+                    layout=layout,
+                    rotate_method=ROTATIONS[(i // 2 + j) % 3],
+                    score_mod=name,
+                    mask="" if mask == "causal" else mask,
+                    sinks=(i + j) % 5 == 0,
+                )
+            )
+    return params(
+        out,
+        id_extra=lambda c: (
+            c.score_mod,
+            *((c.mask,) if c.mask else ()),
+            *(("sinks",) if c.sinks else ()),
+        ),
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -81,8 +105,11 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
         from ring_impl.ops import get_op
 
         if not getattr(get_op(op).capabilities, "score_mod", False):
-            pytest.skip(f"the session's op {op!r} declares no OpCapabilities.score_mod (a fused kernel computes no "
-                        "explicit scores); the score_mod cases run with --op math or without --op")
+            pytest.skip(
+                f"the session's op {op!r} declares no OpCapabilities.score_mod (a fused kernel "
+                "computes no "
+                "explicit scores); the score_mod cases run with --op math or without --op"
+            )
     ring.require_inputs(case, op)
     return case.with_(impl=ring.impl.spec, op=op)
 
@@ -93,10 +120,14 @@ def test_score_mod_matches_reference(ring, case: ScoreModCase) -> None:
     assert case.score_mod in SCORE_MOD_NAMES
     results = ring.rank_pool(case.world_size).run(scored_case, case, timeout=ring.timeout_for(case))
     try:
-        verdicts = judge_scored(case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None))
+        verdicts = judge_scored(
+            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
+        )
     except AssertionError as exc:  # a broken contract: no numbers to judge
         pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
     ring.record(case, verdicts)
     failed = [v for v in verdicts if not v.passed]
     if failed:
-        pytest.fail(format_failure(failed, diagnose_scored(case, results), ring.repro()), pytrace=False)
+        pytest.fail(
+            format_failure(failed, diagnose_scored(case, results), ring.repro()), pytrace=False
+        )

@@ -18,8 +18,11 @@ HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
 def _skip_other_impls(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"score_mod descriptors and refusals are ring_impl's API; the implementation under test is "
-                    f"{ring.impl.spec}")
+        pytest.skip(
+            "score_mod descriptors and refusals are ring_impl's API; the implementation under "
+            f"test is "
+            f"{ring.impl.spec}"
+        )
 
 
 def head_and_position_mod(score, b, h, q_idx, kv_idx):
@@ -35,9 +38,14 @@ def _mods(heads: int, seq: int):
     bias = torch.randn(2, 1, seq, seq, generator=gen, dtype=torch.float64)
     return {
         "softcap": (SoftCap(0.7), {"kind": "softcap", "cap": 0.7}),
-        "alibi": (Alibi(heads), {"kind": "alibi", "slopes": alibi_slopes(heads).tolist(), "symmetric": False}),
-        "alibi_steep": (Alibi(4 * alibi_slopes(heads), symmetric=True),
-                        {"kind": "alibi", "slopes": (4 * alibi_slopes(heads)).tolist(), "symmetric": True}),
+        "alibi": (
+            Alibi(heads),
+            {"kind": "alibi", "slopes": alibi_slopes(heads).tolist(), "symmetric": False},
+        ),
+        "alibi_steep": (
+            Alibi(4 * alibi_slopes(heads), symmetric=True),
+            {"kind": "alibi", "slopes": (4 * alibi_slopes(heads)).tolist(), "symmetric": True},
+        ),
         "bias": (PostScaleBias(bias), {"kind": "bias", "bias": bias}),
         "callable": (head_and_position_mod, {"kind": "score_mod", "fn": head_and_position_mod}),
     }
@@ -46,7 +54,10 @@ def _mods(heads: int, seq: int):
 def _inputs(seq: int, batch: int = 2):
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(batch, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(batch, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (
+        torch.randn(batch, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
+        for _ in range(2)
+    )
     dout = torch.randn(batch, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
     dlse = torch.randn(batch, HEADS, seq, generator=gen, dtype=torch.float64)
     return q, k, v, dout, dlse
@@ -56,25 +67,47 @@ def _run(ctx, name, seq, layout, rotate, head_chunks, is_causal):
     import ring_impl
 
     mod = _mods(HEADS, seq)[name][0]
-    q, k, v, dout, dlse = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(seq))
+    q, k, v, dout, dlse = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(seq)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, is_causal=is_causal, layout=layout,
-                                        rotate_method=rotate, head_chunks=head_chunks, return_lse=True,
-                                        score_mod=mod)
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        is_causal=is_causal,
+        layout=layout,
+        rotate_method=rotate,
+        head_chunks=head_chunks,
+        return_lse=True,
+        score_mod=mod,
+    )
     torch.autograd.backward([out, lse], [dout, dlse])
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-@pytest.mark.parametrize("name,world,layout,rotate,head_chunks,is_causal", [
-    ("softcap", 2, "head_tail", "p2p", 1, True),
-    ("alibi", 4, "contiguous", "alltoall", 2, True),  # head chunks: each chunk's slopes are its heads'
-    ("alibi_steep", 2, "contiguous", "allgather", 1, False),
-    ("bias", 3, "contiguous", "p2p", 1, False),
-    ("callable", 4, "head_tail", "allgather", 2, True),
-    ("callable", 2, "contiguous", "alltoall", 1, False),
-])
-def test_float64_ring_with_a_score_mod_matches_the_oracle(ring, name, world, layout, rotate, head_chunks,
-                                                          is_causal) -> None:
+@pytest.mark.parametrize(
+    "name,world,layout,rotate,head_chunks,is_causal",
+    [
+        ("softcap", 2, "head_tail", "p2p", 1, True),
+        (
+            "alibi",
+            4,
+            "contiguous",
+            "alltoall",
+            2,
+            True,
+        ),  # head chunks: each chunk's slopes are its heads'
+        ("alibi_steep", 2, "contiguous", "allgather", 1, False),
+        ("bias", 3, "contiguous", "p2p", 1, False),
+        ("callable", 4, "head_tail", "allgather", 2, True),
+        ("callable", 2, "contiguous", "alltoall", 1, False),
+    ],
+)
+def test_float64_ring_with_a_score_mod_matches_the_oracle(
+    ring, name, world, layout, rotate, head_chunks, is_causal
+) -> None:
     """out, LSE and dQ/dK/dV (the loss using the LSE too) in float64 against the oracle, to the
     numerics policy's float64 bounds (about 1e-12 relative)."""
     _skip_other_impls(ring)
@@ -83,7 +116,9 @@ def test_float64_ring_with_a_score_mod_matches_the_oracle(ring, name, world, lay
     from reference.budget import assert_close, error_scales
 
     seq = 24
-    results = ring.rank_pool(world).run(_run, name, seq, layout, rotate, head_chunks, is_causal, timeout=120.0)
+    results = ring.rank_pool(world).run(
+        _run, name, seq, layout, rotate, head_chunks, is_causal, timeout=120.0
+    )
     q, k, v, dout, dlse = _inputs(seq)
     data = _mods(HEADS, seq)[name][1]
     vis = torch.ones(seq, seq, dtype=torch.bool).tril() if is_causal else None
@@ -93,8 +128,16 @@ def test_float64_ring_with_a_score_mod_matches_the_oracle(ring, name, world, lay
     for n in ("out", "lse", "dq", "dk", "dv"):
         got = ring_impl.unshard([r[n] for r in results], layout=layout)
         want = getattr(ref, n)
-        assert_close(f"{n} [{name}, W={world}, {layout}, {rotate}, head_chunks={head_chunks}]", got, want, want,
-                     world_size=world, dtype=torch.float64, result_dtype=torch.float64, scales=scales[n])
+        assert_close(
+            f"{n} [{name}, W={world}, {layout}, {rotate}, head_chunks={head_chunks}]",
+            got,
+            want,
+            want,
+            world_size=world,
+            dtype=torch.float64,
+            result_dtype=torch.float64,
+            scales=scales[n],
+        )
         # the score_mod changed the result: a ring that ignored it would not pass the check above
         assert float((want - getattr(plain, n)).abs().max()) > 1e-3, f"{name} does not change {n}"
 
@@ -108,15 +151,34 @@ def test_math_op_backward_through_a_score_mod_is_autograd_of_its_forward() -> No
     op = MathOp()
     q, k, v, dout, dlse = _inputs(12, batch=1)
     for mod in (SoftCap(0.5), ScoreModFn(head_and_position_mod)):
-        scores = block_scores(mod, batch=1, heads=(0, HEADS), q_pos=((3, 9), (20, 26)), kv_pos=((0, 12),),
-                              device=q.device)
+        scores = block_scores(
+            mod,
+            batch=1,
+            heads=(0, HEADS),
+            q_pos=((3, 9), (20, 26)),
+            kv_pos=((0, 12),),
+            device=q.device,
+        )
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
         out, lse = op.forward(qq, kk, vv, is_causal=False, scale=0.4, score_mod=scores)
         torch.autograd.backward([out, lse], [dout, dlse])
-        dq, dk, dv = op.backward(dout, q, k, v, out.detach(), lse.detach(), is_causal=False, scale=0.4,
-                                 grad_lse=dlse, score_mod=scores)
+        dq, dk, dv = op.backward(
+            dout,
+            q,
+            k,
+            v,
+            out.detach(),
+            lse.detach(),
+            is_causal=False,
+            scale=0.4,
+            grad_lse=dlse,
+            score_mod=scores,
+        )
         for got, want in ((dq, qq.grad), (dk, kk.grad), (dv, vv.grad)):
-            assert torch.allclose(got, want, rtol=0, atol=1e-12), (type(mod).__name__, float((got - want).abs().max()))
+            assert torch.allclose(got, want, rtol=0, atol=1e-12), (
+                type(mod).__name__,
+                float((got - want).abs().max()),
+            )
 
 
 def test_alibi_slopes_are_the_papers() -> None:
@@ -124,9 +186,13 @@ def test_alibi_slopes_are_the_papers() -> None:
     the next (ALiBi's reference code)."""
     from ring_impl.score_mods import alibi_slopes
 
-    assert torch.equal(alibi_slopes(8), torch.tensor([2.0 ** -i for i in range(1, 9)], dtype=torch.float64))
-    want6 = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
-    assert torch.allclose(alibi_slopes(6), torch.tensor(want6, dtype=torch.float64), rtol=1e-15, atol=0)
+    assert torch.equal(
+        alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)], dtype=torch.float64)
+    )
+    want6 = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
+    assert torch.allclose(
+        alibi_slopes(6), torch.tensor(want6, dtype=torch.float64), rtol=1e-15, atol=0
+    )
 
 
 def test_auto_picks_an_op_that_takes_a_score_mod() -> None:
@@ -142,9 +208,17 @@ def test_descriptor_digests_tell_data_apart() -> None:
     from ring_impl.score_mods import Alibi, PostScaleBias, ScoreModFn, SoftCap
 
     dims = (1, 4, 16, 16)
-    texts = [SoftCap(30.0), SoftCap(30.000001), Alibi(4), Alibi(torch.ones(4)), Alibi(torch.ones(4), symmetric=True),
-             PostScaleBias(torch.zeros(1, 1, 16, 16)), PostScaleBias(torch.zeros(1, 1, 16, 16).index_fill(3, torch.tensor([9]), 1.0)),
-             ScoreModFn(head_and_position_mod), ScoreModFn(lambda s, b, h, q, kv: s * 2)]
+    texts = [
+        SoftCap(30.0),
+        SoftCap(30.000001),
+        Alibi(4),
+        Alibi(torch.ones(4)),
+        Alibi(torch.ones(4), symmetric=True),
+        PostScaleBias(torch.zeros(1, 1, 16, 16)),
+        PostScaleBias(torch.zeros(1, 1, 16, 16).index_fill(3, torch.tensor([9]), 1.0)),
+        ScoreModFn(head_and_position_mod),
+        ScoreModFn(lambda s, b, h, q, kv: s * 2),
+    ]
     codes = [m.agreement_text(*dims) for m in texts]
     assert len(set(codes)) == len(codes), codes
     assert SoftCap(30.0).agreement_text(*dims) == SoftCap(30.0).agreement_text(*dims)
@@ -180,15 +254,18 @@ def _refused(ctx, kind):
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern,culprit", [
-    ("fused_op", r"'cpu_flash' cannot apply a score_mod .* op='auto' or op='math'", None),
-    ("one_rank_only", r"ranks disagree on mask \(.*score_mod digest", None),
-    ("alibi_slopes", r"Alibi.slopes must have shape \(4,\)", 1),
-    ("fn_fails", r"score_mod .* cannot be evaluated on the global positions \(IndexError", 1),
-    ("halo", r"halo=True but the halo exchange takes no score_mod", None),
-    ("ulysses", r"score_mod runs with strategy='ring' only", None),
-    ("not_callable", r"score_mod must be a callable", None),
-])
+@pytest.mark.parametrize(
+    "kind,pattern,culprit",
+    [
+        ("fused_op", r"'cpu_flash' cannot apply a score_mod .* op='auto' or op='math'", None),
+        ("one_rank_only", r"ranks disagree on mask \(.*score_mod digest", None),
+        ("alibi_slopes", r"Alibi.slopes must have shape \(4,\)", 1),
+        ("fn_fails", r"score_mod .* cannot be evaluated on the global positions \(IndexError", 1),
+        ("halo", r"halo=True but the halo exchange takes no score_mod", None),
+        ("ulysses", r"score_mod runs with strategy='ring' only", None),
+        ("not_callable", r"score_mod must be a callable", None),
+    ],
+)
 def test_bad_score_mods_raise_on_every_rank(ring, kind, pattern, culprit) -> None:
     """The rank with the bad argument names it, the others raise naming that rank; none hangs."""
     _skip_other_impls(ring)
@@ -207,7 +284,12 @@ def _compiled(ctx, fullgraph):
     q, k, v, _, _ = (ring_impl.shard(t, ctx.world_size, ctx.rank) for t in _inputs(16, batch=1))
 
     def fn(q, k, v):
-        return ring_impl.ring_attention(q, k, v, group=ctx.group, is_causal=True, score_mod=SoftCap(0.5)) * 2
+        return (
+            ring_impl.ring_attention(
+                q, k, v, group=ctx.group, is_causal=True, score_mod=SoftCap(0.5)
+            )
+            * 2
+        )
 
     eager = fn(q, k, v)
     try:
@@ -225,7 +307,9 @@ def test_compiled_call_with_a_score_mod_runs_eagerly(ring) -> None:
     assert all(d == 0.0 for d in diffs), diffs
     errors = ring.rank_pool(2).run(_compiled, True, timeout=120.0)
     for msg in errors:
-        assert isinstance(msg, str) and "score_mod=...) runs eagerly inside torch.compile" in msg, msg
+        assert isinstance(msg, str) and "score_mod=...) runs eagerly inside torch.compile" in msg, (
+            msg
+        )
 
 
 def test_softcap_derivative() -> None:
