@@ -265,7 +265,8 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
 
 
 #: the score_mod section's configurations: (name, op, soft-cap or None)
-SCORE_MOD_CONFIGS = (("plain cpu_flash", "auto", None), ("plain math", "math", None), ("softcap math", "auto", 50.0))
+SCORE_MOD_CONFIGS = (("plain cpu_flash", "auto", None), ("plain math", "math", None),
+                     ("softcap math", "auto", 50.0))
 
 
 def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
@@ -283,8 +284,9 @@ def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
 
     def inputs(seq: int):
         gen = torch.Generator().manual_seed(0)
-        return [ring_impl.shard(torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype), world,
-                                rank, layout="head_tail") for _ in range(4)]
+        full = [torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype)
+                for _ in range(4)]
+        return [ring_impl.shard(t, world, rank, layout="head_tail") for t in full]
 
     warm, measured_inputs = inputs(b.warmup_seq), inputs(b.seq)
     times: dict[str, list[float]] = {name: [] for name, _, _ in SCORE_MOD_CONFIGS}
@@ -294,8 +296,9 @@ def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
             q, k, v = (t.detach().requires_grad_() for t in (q0, k0, v0))
             dist.barrier()
             t0 = time.perf_counter()
-            out = ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail", rotate_method="alltoall",
-                                           op=op, score_mod=None if cap is None else SoftCap(cap))
+            out = ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail",
+                                           rotate_method="alltoall", op=op,
+                                           score_mod=None if cap is None else SoftCap(cap))
             out.backward(do)
             if it >= b.warmup:
                 times[name].append(time.perf_counter() - t0)
@@ -316,13 +319,14 @@ def run_score_mod(b: Bench) -> list[dict]:
         row["softcap / plain math"] = row["softcap math"] / row["plain math"]
         row["softcap / plain cpu_flash"] = row["softcap math"] / row["plain cpu_flash"]
         rows.append(row)
-    print(f"\nscore_mod: forward+backward, causal head_tail, alltoall, {b.dtype}, batch {b.batch}, heads {b.heads}, "
-          f"head_dim {b.head_dim}, seq {b.seq}; slowest rank, fastest of {b.repeat}")
-    print(f"{'W':>2} {'plain cpu_flash s':>17} {'plain math s':>12} {'softcap s':>9} {'softcap/math':>12} "
-          f"{'softcap/cpu_flash':>17}")
+    print(f"\nscore_mod: forward+backward, causal head_tail, alltoall, {b.dtype}, batch {b.batch}, "
+          f"heads {b.heads}, head_dim {b.head_dim}, seq {b.seq}; slowest rank, fastest of {b.repeat}")
+    print(f"{'W':>2} {'plain cpu_flash s':>17} {'plain math s':>12} {'softcap s':>9} "
+          f"{'softcap/math':>12} {'softcap/cpu_flash':>17}")
     for r in rows:
-        print(f"{r['world']:>2} {r['plain cpu_flash']:>17.3f} {r['plain math']:>12.3f} {r['softcap math']:>9.3f} "
-              f"{r['softcap / plain math']:>12.2f} {r['softcap / plain cpu_flash']:>17.2f}")
+        print(f"{r['world']:>2} {r['plain cpu_flash']:>17.3f} {r['plain math']:>12.3f} "
+              f"{r['softcap math']:>9.3f} {r['softcap / plain math']:>12.2f} "
+              f"{r['softcap / plain cpu_flash']:>17.2f}")
     return rows
 
 
@@ -676,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-speed", action="store_true", help="Only the memory/time sweep")
     parser.add_argument("--skip-scaling", action="store_true", help="Only the speed, balance and traffic part")
     parser.add_argument("--score-mod", action="store_true",
-                        help="Only the score_mod section: a soft-capped call against the plain one, as ratios")
+                        help="Only the score_mod section: a soft-capped call against the plain "
+                             "one, as ratios")
     args = parser.parse_args(argv)
 
     b = Bench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, warmup=args.warmup,
@@ -708,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, "score_mod.json"), "w") as f:
             json.dump({"bench": asdict(b), "rows": rows, "platform": platform.platform(),
                        "load": load_average()}, f, indent=1, default=str)
-        print(f"\nwrote {args.out}/score_mod.json in {time.perf_counter() - t0:.0f} s; load average {load_average()}")
+        print(f"\nwrote {args.out}/score_mod.json in {time.perf_counter() - t0:.0f} s; "
+              f"load average {load_average()}")
         return 0
     if not PeakRss.supported():
         print("memory: /proc/self/clear_refs is not writable here; the memory sweep is skipped", file=sys.stderr)

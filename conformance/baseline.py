@@ -60,7 +60,8 @@ def single_device_baseline(
     when it declares ``masks``, else to the math op, exactly as the ring's masked blocks do);
     sinks (h,) logits; score_mod: plain data (reference.score_mods), applied on the whole
     sequence's positions by an op declaring ``OpCapabilities.score_mod`` (the math op where
-    the named one does not, as the ring's blocks). ``op_spec`` names the kernel (``None``/``"auto"``: the registered default
+    the named one does not, as the ring's blocks).
+    ``op_spec`` names the kernel (``None``/``"auto"``: the registered default
     for the device, dtype and call). A masked case on a kernel that takes no mask runs on the
     math op, and each element that sees something carries the larger of the math op's error and
     the kernel's own on the same inputs unmasked (the ring runs the mask's unmasked pieces on the
@@ -86,10 +87,11 @@ def single_device_baseline(
     if score_mod is not None:
         from ring_impl.score_mods import block_scores, from_spec
 
-        scores = block_scores(from_spec(score_mod), batch=batch, heads=(0, heads), q_pos=((0, seq_q),),
-                              kv_pos=((0, k.shape[2]),), device=device)
+        scores = block_scores(from_spec(score_mod), batch=batch, heads=(0, heads),
+                              q_pos=((0, seq_q),), kv_pos=((0, k.shape[2]),), device=device)
     if op_spec in (None, "auto"):
-        op = resolve_op("auto", device, dtype, head_dim, scale=scale, is_causal=is_causal, score_mod=scores is not None)
+        op = resolve_op("auto", device, dtype, head_dim, scale=scale, is_causal=is_causal,
+                        score_mod=scores is not None)
     else:
         op = load_op(op_spec)
     why = op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal)
@@ -100,7 +102,8 @@ def single_device_baseline(
         )
     # the op that runs the call (math for a mask or a score_mod the op cannot take)
     runner = block_op(op, is_causal=is_causal, scale=scale, visible=vis, score_mod=scores)
-    out, raw_lse = call_forward(op, q, k, v, is_causal=is_causal, scale=scale, visible=vis, score_mod=scores)
+    out, raw_lse = call_forward(op, q, k, v, is_causal=is_causal, scale=scale, visible=vis,
+                                score_mod=scores)
     lse = normalize_lse(raw_lse, batch=batch, heads=heads, seq_q=seq_q, layout=runner.capabilities.lse_layout)
     dead = None
     if vis is not None:  # rows that see nothing: out 0, LSE -inf, whatever the kernel left there

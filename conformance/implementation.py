@@ -164,7 +164,8 @@ class Capabilities:
     strategies: frozenset[str] | None = None  # "ring", "ulysses", "hybrid": ring_attention(strategy=...)
     masks: frozenset[str] | None = None  # mask kinds (reference.masks.MASK_KINDS) of ring_attention(mask=...)
     sinks: bool | None = None  # ring_attention(sinks=...): per-head sink logits, differentiable
-    score_mod: bool | None = None  # ring_attention(score_mod=...): flex-style score changes on global positions
+    #: ring_attention(score_mod=...): flex-style score changes on global positions
+    score_mod: bool | None = None
     balancers: frozenset[str] | None = None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
 
     @staticmethod

@@ -188,7 +188,7 @@ def masked_attention(
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
 
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (batch, heads, seq_q, seq_k)
-    if score_mod is not None:  # on the scaled scores, before the mask (global positions: the whole sequence)
+    if score_mod is not None:  # on the scaled scores, before the mask (positions: the whole sequence)
         from reference.score_mods import apply_score_mod
 
         scores = apply_score_mod(score_mod, scores)
@@ -242,7 +242,8 @@ def attention(
 
     query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
     value (batch, heads_kv, seq_k, head_dim_v) -> out (batch, heads, seq_q, head_dim_v),
-    lse (batch, heads, seq_q), both float64. visible / sinks / score_mod: as for masked_attention (e.g. a
+    lse (batch, heads, seq_q), both float64. visible / sinks / score_mod: as for masked_attention
+    (e.g. a
     mask spec's visibility from reference.masks). is_causal is top-left aligned (query i sees keys
     0..i), scale defaults to 1 / sqrt(head_dim). Callers pass the dtype-rounded inputs the
     kernel under test saw, so the only difference left is the kernel's arithmetic.
@@ -254,7 +255,8 @@ def attention(
         visible = causal_visibility(
             torch.arange(query.shape[-2], device=device), torch.arange(key.shape[-2], device=device)
         )
-    return masked_attention(query, key, value, visible, scale=scale, sinks=sinks, score_mod=score_mod)
+    return masked_attention(query, key, value, visible, scale=scale, sinks=sinks,
+                            score_mod=score_mod)
 
 
 def attention_grads(
@@ -292,7 +294,8 @@ def attention_grads(
     grad_out = _finite(grad_out.detach().to(torch.float64))
     with torch.enable_grad():
         # The gradients of finite copies, NaN where a non-finite input reaches (nonfinite_reach).
-        out, lse = masked_attention(_finite(q), _finite(k), _finite(v), visible, scale=scale, sinks=sk,
+        out, lse = masked_attention(_finite(q), _finite(k), _finite(v), visible, scale=scale,
+                                    sinks=sk,
                                     score_mod=score_mod)
         out = torch.where(reach["out"], torch.zeros_like(out), out)
         if grad_out.shape != out.shape:

@@ -50,9 +50,9 @@ MASKS_RUN_EAGERLY = (
 
 #: Why a call with a score_mod leaves the compiled graph.
 SCORE_MODS_RUN_EAGERLY = (
-    "ring_attention(score_mod=...) runs eagerly inside torch.compile (a graph break): its blocks run on the "
-    "math op with the score_mod bound to each block's global positions, which the compiled ring does not "
-    "carry. Compile without fullgraph=True, or call it outside the compiled region"
+    "ring_attention(score_mod=...) runs eagerly inside torch.compile (a graph break): its "
+    "blocks run on the math op with the score_mod bound to each block's global positions, "
+    "which the compiled ring does not carry. Compile without fullgraph=True, or call it outside the compiled region"
 )
 
 
@@ -155,8 +155,8 @@ def ring_path(
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     pg = resolve_group(group)
     score_mod = as_score_mod(score_mod)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None,
-                                                             score_mod=score_mod is not None)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(
+        query, scale, op, is_causal, masked=mask is not None, score_mod=score_mod is not None)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
     # through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)
@@ -164,7 +164,8 @@ def ring_path(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
         op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
     ) or masking_problem(query, key, mask, sinks, world_size=world) or score_mod_problem(
-        score_mod, query, world_size=world, layout=layout, key=key, op=op_obj, halo=halo, sparse_kv=sparse_kv)
+        score_mod, query, world_size=world, layout=layout, key=key, op=op_obj, halo=halo,
+        sparse_kv=sparse_kv)
     folded = fold_causal(mask, is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.kv_gather) serves the call

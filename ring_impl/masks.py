@@ -559,7 +559,8 @@ def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
     return problem or sinks_problem(sinks, h)
 
 
-def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device=None, score_mod=None) -> int:
+def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device=None,
+              score_mod=None) -> int:
     """31 bits for the cross-rank check: equal on ranks with equal masks, sinks and score_mods
     (ring_impl.score_mods); 0 for none of them (what every strategy's check sends then, so the
     texts agree on "no mask"). ``dims``: the call's global (batch, heads, seq_q, seq_kv), over
@@ -575,7 +576,8 @@ def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device
     if sinks is not None:
         parts.append(str(zlib.crc32(sinks.detach().to(torch.float64).cpu().contiguous().numpy().tobytes())))
     if score_mod is not None:
-        parts.append("score_mod:" + (score_mod.agreement_text(*dims, device) if dims is not None else score_mod.describe()))
+        text = score_mod.agreement_text(*dims, device) if dims is not None else score_mod.describe()
+        parts.append("score_mod:" + text)
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
 
 

@@ -124,15 +124,18 @@ def runs_rows(runs: Runs, rows: tuple[int, int]) -> Runs:
     return tuple(out)
 
 
-def with_positions(plans: list[StepPlan], q_runs: Runs, kv_runs: Callable[[int], Runs]) -> list[StepPlan]:
+def with_positions(plans: list[StepPlan], q_runs: Runs,
+                   kv_runs: Callable[[int], Runs]) -> list[StepPlan]:
     """``plans`` with every block's global positions set (``Block.q_pos``/``kv_pos``): query rows
     of the shard at ``q_runs``, key/value rows of the shard of ``kv_runs(kv_rank)``. New blocks:
     cached plans are shared, never changed."""
     from dataclasses import replace
 
-    return [StepPlan(p.step, p.kv_rank, tuple(
-        replace(b, q_pos=runs_rows(q_runs, b.q_rows), kv_pos=runs_rows(kv_runs(b.kv_rank), b.kv_rows))
-        for b in p.blocks)) for p in plans]
+    def placed(b: Block) -> Block:
+        return replace(b, q_pos=runs_rows(q_runs, b.q_rows),
+                       kv_pos=runs_rows(kv_runs(b.kv_rank), b.kv_rows))
+
+    return [StepPlan(p.step, p.kv_rank, tuple(placed(b) for b in p.blocks)) for p in plans]
 
 
 def _triangle(rows: int, cols: int) -> int:

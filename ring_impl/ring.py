@@ -114,12 +114,13 @@ class RingAttention:
         # the lengths are specialised, with a guard, so another length recompiles.
         seq_q, seq_kv = operator.index(seq_q), operator.index(seq_kv)
         if cfg.mask is not None:
-            plans = masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q, seq_kv=seq_kv,
-                                batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], head_span=cfg.mask_heads,
-                                memo=cfg.plan_memo, ranges=cfg.op.capabilities.row_bounds)
+            plans = masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q,
+                                seq_kv=seq_kv, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1],
+                                head_span=cfg.mask_heads, memo=cfg.plan_memo,
+                                ranges=cfg.op.capabilities.row_bounds)
         else:
-            plans = ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q,
-                              seq_kv=seq_kv)
+            plans = ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal,
+                              seq_q=seq_q, seq_kv=seq_kv)
         if cfg.score_mod is None:
             return plans
         # A score_mod reads each block's global positions (the layout's, never local rows).
@@ -135,8 +136,8 @@ class RingAttention:
         from .score_mods import block_scores
 
         h0 = cfg.mask_heads[0] if cfg.mask_heads is not None else 0
-        return block_scores(cfg.score_mod, batch=q.shape[0], heads=(h0, h0 + q.shape[1]), q_pos=plan.q_pos,
-                            kv_pos=plan.kv_pos, device=q.device)
+        return block_scores(cfg.score_mod, batch=q.shape[0], heads=(h0, h0 + q.shape[1]),
+                            q_pos=plan.q_pos, kv_pos=plan.kv_pos, device=q.device)
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Dtype of the output/LSE accumulators and of dQ/dK/dV in flight (float32, float64 for float64)."""

@@ -28,7 +28,8 @@ def _reduce_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
 
 
 def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: torch.Tensor | None = None,
-             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None, score_mod=None) -> AttentionOp:
+             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+             score_mod=None) -> AttentionOp:
     """The op that runs a block: ``op``, or the math op where ``op`` cannot run it: a masked
     block ``op`` cannot mask (row bounds count as a mask for an op that does not take them), or
     a causal block with ``scale <= 0`` on an op whose causal kernel returns NaN there
@@ -78,7 +79,8 @@ def call_forward(
     the kernel leaves them: the caller sets them (out 0, LSE -inf). score_mod: the block's
     ring_impl.score_mods.BlockScores, for ops declaring ``score_mod`` (else the math op runs it).
     """
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds, score_mod=score_mod)
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds,
+                  score_mod=score_mod)
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
     return op.forward(query, key, value, is_causal=is_causal, scale=scale,  # type: ignore[call-arg]
@@ -152,10 +154,12 @@ def call_backward(
     finite LSE and a zero output gradient: the caller's job). score_mod: as for
     :func:`call_forward`.
     """
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds, score_mod=score_mod)
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds,
+                  score_mod=score_mod)
     mask = _masking(op, key, visible, row_bounds)
-    if ("attn_mask" in mask or score_mod is not None) and grad_lse is not None and not op.capabilities.lse_grad:
-        op = _MATH  # the LSE-gradient padding trick would need the mask (or the score_mod) padded too
+    lse_grad_padded = grad_lse is not None and not op.capabilities.lse_grad
+    if ("attn_mask" in mask or score_mod is not None) and lse_grad_padded:
+        op = _MATH  # the LSE-gradient padding trick would need the mask (or score_mod) padded
     mask.update(_scoring(score_mod))
     heads_kv = key.shape[1]
     if not op.capabilities.gqa:

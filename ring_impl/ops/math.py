@@ -41,7 +41,8 @@ class MathOp:
 
     @staticmethod
     def _scores(query: torch.Tensor, key: torch.Tensor, is_causal: bool, scale: float,
-                attn_mask: torch.Tensor | None = None, score_mod=None, raw: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, score_mod=None,
+                raw: torch.Tensor | None = None) -> torch.Tensor:
         """The scaled scores (b, hkv, g, sq, sk), modified by ``score_mod`` (a
         ring_impl.score_mods.BlockScores, on the (b, heads, sq, sk) view), then masked."""
         b, h, sq, _ = query.shape
@@ -65,8 +66,8 @@ class MathOp:
         out = torch.einsum("bngqk,bnkd->bngqd", p, value.to(s.dtype))
         return out.reshape(b, h, sq, d).to(query.dtype), lse.reshape(b, h, sq)
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None, attn_mask=None,
-                 score_mod=None):
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None,
+                 attn_mask=None, score_mod=None):
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         g = h // hkv
@@ -83,7 +84,8 @@ class MathOp:
             delta = delta - grad_lse.to(acc).reshape(b, hkv, g, sq, 1)
         ds = p * (dp - delta)
         if score_mod is not None:  # back through the score_mod to the scaled scores (masked: ds 0)
-            ds = score_mod.grad(raw.reshape(b, h, sq, sk), ds.reshape(b, h, sq, sk)).reshape(b, hkv, g, sq, sk)
+            ds = score_mod.grad(raw.reshape(b, h, sq, sk), ds.reshape(b, h, sq, sk))
+            ds = ds.reshape(b, hkv, g, sq, sk)
         dq = torch.einsum("bngqk,bnkd->bngqd", ds, key.to(acc)) * scale
         dk = torch.einsum("bngqk,bngqd->bnkd", ds, query.to(acc).reshape(b, hkv, g, sq, d)) * scale
         return dq.reshape(b, h, sq, d).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

@@ -92,7 +92,8 @@ def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.
     call's scale and causality (routing around a kernel's known faults) and whether it has a mask
     or a score_mod."""
     if op is None or op == "auto":
-        return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal, masked=masked, score_mod=score_mod)
+        return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal, masked=masked,
+                        score_mod=score_mod)
     if isinstance(op, str):
         return get_op(op)
     missing = missing_members(op)
@@ -112,9 +113,11 @@ for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuEfficientMaskedLa
     register_op(_op)
 
 def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False,
-                         score_mod: bool = False) -> tuple[float | None, AttentionOp | None, str | None]:
+                         score_mod: bool = False
+                         ) -> tuple[float | None, AttentionOp | None, str | None]:
     """(the scale in effect, the op object, why the op cannot be resolved) for a call's
-    arguments (``masked``: the call has a mask; ``score_mod``: a score_mod); never raises (a bad argument is reported by the
+    arguments (``masked``: the call has a mask; ``score_mod``: a score_mod); never raises
+    (a bad argument is reported by the
     input checks on every rank)."""
     if not (isinstance(query, torch.Tensor) and query.dim() == 4):
         return None, None, None
@@ -125,7 +128,8 @@ def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False,
         effective_scale = float(scale)
     try:
         op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
-                            is_causal=is_causal is True or is_causal == 1, masked=masked, score_mod=score_mod)
+                            is_causal=is_causal is True or is_causal == 1, masked=masked,
+                            score_mod=score_mod)
     except (TypeError, ValueError) as exc:
         return effective_scale, None, str(exc)
     return effective_scale, op_obj, None

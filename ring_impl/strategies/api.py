@@ -53,7 +53,8 @@ def strategy_path(
     if score_mod is not None:
         from ..score_mods import score_mod_problem
 
-        extra_problem = extra_problem or score_mod_problem(score_mod, query, world_size=1, strategy=strategy)
+        extra_problem = extra_problem or score_mod_problem(score_mod, query, world_size=1,
+                                                           strategy=strategy)
     if strategy not in ("ulysses", "hybrid"):
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]

@@ -48,6 +48,13 @@ def meta_session():
         harness_settings.install(before)
 
 
+def _score_mod_baseline():
+    from suites.cases_score_mods import ScoreModCase, _baseline
+
+    case = ScoreModCase(SPEC, 1, score_mod="alibi", mask="documents", sinks=True)
+    return _baseline(case, PROBE_OP, "meta")
+
+
 def _probed(run) -> tuple[str, ...]:
     with pytest.raises(Probed) as info:
         run()
@@ -61,9 +68,7 @@ BASELINES = {
     "mask suite": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "documents", "", False, PROBE_OP),
     "mask suite with sinks": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "window_narrow", "",
                                                                                                   True, PROBE_OP),
-    "score_mod suite": lambda: __import__("suites.cases_score_mods", fromlist=["x"])._baseline(
-        __import__("suites.cases_score_mods", fromlist=["x"]).ScoreModCase(SPEC, 1, score_mod="alibi", mask="documents",
-                                                                          sinks=True), PROBE_OP, "meta"),
+    "score_mod suite": lambda: _score_mod_baseline(),
 }
 
 
@@ -121,8 +126,8 @@ def _masked_case():
 def _scored_case():
     from suites.cases_score_mods import ScoreModCase, scored_case
 
-    return scored_case(MetaRank(), ScoreModCase(SPEC, 1, score_mod="bias", mask="documents", sinks=True,
-                                                impl=PROBE_IMPL))
+    case = ScoreModCase(SPEC, 1, score_mod="bias", mask="documents", sinks=True, impl=PROBE_IMPL)
+    return scored_case(MetaRank(), case)
 
 
 def _strategy_case():
