@@ -398,12 +398,8 @@ def score_mod_problem(
             "ring_impl.score_mods "
             f"descriptor (SoftCap, Alibi, PostScaleBias), got {type(score_mod).__name__}"
         )
-    if strategy != "ring":
-        return (
-            f"score_mod runs with strategy='ring' only, got strategy={strategy!r} (the "
-            "head-parallel "
-            "strategies' kernels take no score_mod): use strategy='ring'"
-        )
+    if strategy not in ("ring", "ulysses", "hybrid"):
+        return None  # the strategy checks report it
     if halo is True:
         return (
             "halo=True but the halo exchange takes no score_mod; pass halo=None (a masked "
@@ -434,7 +430,7 @@ def score_mod_problem(
     try:
         from .layout import layout_runs
 
-        for n in {sq, skv}:  # the blocks' global positions come from the layout
+        for n in {sq, skv} if layout is not None else ():  # the ring's positions: the layout's
             layout_runs(layout, n * world_size, world_size, 0)
     except Exception as exc:
         return (

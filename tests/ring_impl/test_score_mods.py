@@ -243,8 +243,6 @@ def _refused(ctx, kind):
     elif kind == "halo":
         kwargs["halo"] = True
         kwargs["mask"] = ring_impl.masks.SlidingWindow(2)
-    elif kind == "ulysses":
-        kwargs["strategy"] = "ulysses"
     elif kind == "not_callable":
         kwargs["score_mod"] = 3.0
     try:
@@ -262,7 +260,6 @@ def _refused(ctx, kind):
         ("alibi_slopes", r"Alibi.slopes must have shape \(4,\)", 1),
         ("fn_fails", r"score_mod .* cannot be evaluated on the global positions \(IndexError", 1),
         ("halo", r"halo=True but the halo exchange takes no score_mod", None),
-        ("ulysses", r"score_mod runs with strategy='ring' only", None),
         ("not_callable", r"score_mod must be a callable", None),
     ],
 )
@@ -320,3 +317,74 @@ def test_softcap_derivative() -> None:
     (d,) = torch.autograd.grad(cap.apply(s, None, None, None, None).sum(), s)
     assert torch.allclose(cap.derivative(s.detach(), None, None, None, None), d, atol=1e-15)
     assert math.isclose(float(cap.apply(torch.tensor(1e9), None, None, None, None)), 1.5)
+
+
+def _strategy_run(ctx, strategy, mesh_shape, layout, name, is_causal):
+    import ring_impl
+    from reference.strategies import shard
+
+    seq = 32
+    group = (
+        ctx.device_mesh(mesh_shape[::-1], ("ring", "ulysses"))
+        if strategy == "hybrid"
+        else ctx.group
+    )
+    mod = _mods(HEADS, seq)[name][0]
+    q, k, v, dout, dlse = (shard(t, strategy, layout, mesh_shape, ctx.rank) for t in _inputs(seq))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=group,
+        strategy=strategy,
+        is_causal=is_causal,
+        layout=layout,
+        return_lse=True,
+        score_mod=mod,
+    )
+    torch.autograd.backward([out, lse], [dout, dlse])
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@pytest.mark.parametrize(
+    "strategy,mesh_shape,layout,name,is_causal",
+    [
+        ("ulysses", (4, 1), "head_tail", "alibi", True),  # each rank's heads: slice rank of 4
+        ("ulysses", (4, 1), "contiguous", "callable", False),
+        ("hybrid", (2, 2), "head_tail", "callable", True),
+        ("hybrid", (2, 2), "contiguous", "bias", False),
+    ],
+)
+def test_strategies_with_a_score_mod_match_the_oracle(
+    ring, strategy, mesh_shape, layout, name, is_causal
+) -> None:
+    """Ulysses (the gathered sequence's global positions, each rank's global head indices; 2
+    key/value heads replicated over 4 ranks) and the hybrid (its ring's blocks) in float64."""
+    _skip_other_impls(ring)
+    from reference import attention_grads
+    from reference.budget import assert_close, error_scales
+    from reference.strategies import unshard
+
+    seq = 32
+    results = ring.rank_pool(4).run(
+        _strategy_run, strategy, mesh_shape, layout, name, is_causal, timeout=120.0
+    )
+    q, k, v, dout, dlse = _inputs(seq)
+    data = _mods(HEADS, seq)[name][1]
+    vis = torch.ones(seq, seq, dtype=torch.bool).tril() if is_causal else None
+    ref = attention_grads(q, k, v, dout, visible=vis, grad_lse=dlse, score_mod=data)
+    scales = error_scales(q, k, v, dout, visible=vis, grad_lse=dlse, score_mod=data)
+    for n in ("out", "lse", "dq", "dk", "dv"):
+        got = unshard([r[n] for r in results], strategy, layout, mesh_shape)
+        want = getattr(ref, n)
+        assert_close(
+            f"{n} [{strategy} {mesh_shape}, {layout}, {name}]",
+            got,
+            want,
+            want,
+            world_size=4,
+            dtype=torch.float64,
+            result_dtype=torch.float64,
+            scales=scales[n],
+        )
