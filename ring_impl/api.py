@@ -330,10 +330,10 @@ Args:
         head). Applied inside each ring step's block, before the merge; gradients flow to query,
         key and value through it (not to slopes, bias or tensors a function closes over). Its
         blocks run on an op declaring OpCapabilities.score_mod (op="auto": "math"; naming another
-        op raises InputError). The ring only (any rotation, layout, head_chunks, GQA, mask,
-        sinks): not the halo exchange or the sparse gather (a mask with a score_mod takes the
-        ring), not strategy "ulysses"/"hybrid" (InputError). Under torch.compile it runs
-        eagerly (a graph break, SCORE_MODS_RUN_EAGERLY).
+        op raises InputError). The ring (any rotation, layout, head_chunks, GQA, mask, sinks),
+        Ulysses and the hybrid; not the halo exchange or the sparse gather (a mask with a
+        score_mod takes the ring; halo=True / sparse_kv=True raise InputError). Under
+        torch.compile it runs eagerly (a graph break, SCORE_MODS_RUN_EAGERLY).
 
 Returns:
     The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE

@@ -22,6 +22,7 @@ from reference.budget import Verdict, check, error_scales
 from reference.layout import positions
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
+from reference.strategies import kv_blocks
 from suites.cases import RingCase
 from suites.cases_masks import _sinks, _unshard, mask_spec
 from suites.inputs import InputSpec, make_inputs
@@ -114,6 +115,10 @@ class ScoreModCase(RingCase):
     score_mod: str = "softcap"
     mask: str = ""
     sinks: bool = False
+    #: "ring", or "ulysses" / "hybrid" on a (U, R) mesh of world_size = U * R ranks
+    #: (suites.cases_strategies' groups, reference.strategies' layouts)
+    strategy: str = "ring"
+    mesh_shape: tuple[int, int] | None = None
 
     def score_mod_data(self) -> dict[str, Any]:
         return score_mod_spec(self.score_mod, self.inputs)
@@ -126,6 +131,8 @@ class ScoreModCase(RingCase):
     @property
     def label(self) -> str:
         mask = f", mask={self.mask}" if self.mask else ""
+        if self.mesh_shape is not None:
+            mask += f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
         return (
             RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
             + f", score_mod={self.score_mod}{mask}, sinks={self.sinks})"
@@ -134,18 +141,29 @@ class ScoreModCase(RingCase):
 
 def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
+    group = ctx.group
+    w, r = ctx.world_size, ctx.rank
+    if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
+        from reference.strategies import shard as strategy_shard
+        from suites.cases_strategies import strategy_group
+
+        group = strategy_group(ctx, case.strategy, case.mesh_shape)
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return strategy_shard(t, case.strategy, case.layout, case.mesh_shape, r).contiguous()
+    else:
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return oracle_shard(t, case.layout, w, r)
+
     impl = load_implementation(case.impl)
     spec = case.inputs
     g = make_inputs(spec)
-    w, r = ctx.world_size, ctx.rank
-    q, k, v = (
-        oracle_shard(t, case.layout, w, r).to(ctx.device).requires_grad_()
-        for t in (g.query, g.key, g.value)
-    )
-    dout = oracle_shard(g.grad_out, case.layout, w, r).to(ctx.device)
+    q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
+    dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
     kwargs: dict[str, Any] = dict(
-        group=ctx.group,
+        group=group,
         is_causal=case.is_causal,
         scale=spec.scale,
         rotate_method=case.rotate_method,
@@ -157,6 +175,8 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
         from ring_impl.masks import from_spec
 
         kwargs["mask"] = from_spec(mask_spec(case.mask, spec.seq_q))
+    if case.mesh_shape is not None:
+        kwargs["strategy"] = case.strategy
     if sinks is not None:
         kwargs["sinks"] = sinks
     if case.op is not None:
@@ -202,6 +222,13 @@ def _baseline(case: ScoreModCase, op_spec: str | None, device_name: str) -> dict
 
 
 def _rank_positions(case: ScoreModCase) -> list[torch.Tensor]:
+    if case.mesh_shape is not None:
+        from reference.strategies import positions as strategy_positions
+
+        return [
+            strategy_positions(case.strategy, case.layout, case.mesh_shape, r, case.inputs.seq_q)
+            for r in range(case.world_size)
+        ]
     return [
         positions(case.layout, case.world_size, r, case.inputs.seq_q)
         for r in range(case.world_size)
@@ -244,6 +271,9 @@ def judge_scored(
     base = _baseline(case, case.op or baseline_op, str(session_device()))
     pos = _rank_positions(case)
     lse_dtype = torch.float64 if spec.torch_dtype == torch.float64 else torch.float32
+    # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel sees
+    # the whole sequence; the hybrid merges its ring's R).
+    blocks = w if case.mesh_shape is None else kv_blocks(case.strategy, case.mesh_shape)
     verdicts = []
     for name in ("out", "lse", "dq", "dk", "dv"):
         parts = [r.get(name) for r in results]
@@ -276,7 +306,7 @@ def judge_scored(
                 dtype=spec.torch_dtype,
                 result_dtype=lse_dtype if name == "lse" else spec.torch_dtype,
                 scales=scales[name],
-                world_size=w,
+                world_size=blocks,
                 context=f"[{case.label}]",
             )
         )
@@ -363,7 +393,7 @@ def diagnose_scored(case: ScoreModCase, results: list[dict[str, Any]]) -> str:
             "modified blocks (capping a merged LSE or output is not attention with capped "
             "logits)"
         )
-    if case.world_size > 1:
+    if case.world_size > 1 and case.mesh_shape is None:
         local = torch.empty(spec.seq_q, dtype=torch.int64)
         for p in pos:
             local[p] = torch.arange(p.numel())

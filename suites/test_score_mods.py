@@ -3,7 +3,8 @@ symmetric, slopes on the distance of *global* positions), a post-scale bias on t
 sequence and a flex-style ``score_mod(score, b, h, q_idx, kv_idx)`` reading the score, the head
 and both positions; alone, with ``is_causal`` and with a mask of the mask suite, with sinks;
 every rotation, both built-in layouts, W 1, 2 and 4 (nightly: every enabled world size and
-dtype), float64/float32/bfloat16, GQA. Judged against the float64 oracle with the same
+dtype), float64/float32/bfloat16, GQA; ALiBi and the function under Ulysses and the hybrid on
+the 4-rank meshes (capability ``strategies``). Judged against the float64 oracle with the same
 score_mod (reference.score_mods, written apart from ring_impl) by the numerics policy, the
 baseline being the same kernel with the score_mod on one device.
 
@@ -21,6 +22,7 @@ import itertools
 
 import pytest
 
+from harness.pytest_plugin import settings_of
 from suites.cases_score_mods import (
     SCORE_MOD_NAMES,
     ScoreModCase,
@@ -72,14 +74,55 @@ def _cases(config) -> list:
                     sinks=(i + j) % 5 == 0,
                 )
             )
+    out += _strategy_cases(config)
     return params(
         out,
         id_extra=lambda c: (
+            *((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
             c.score_mod,
             *((c.mask,) if c.mask else ()),
             *(("sinks",) if c.sinks else ()),
         ),
     )
+
+
+#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/test_strategies.py's).
+STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
+
+
+def _strategy_cases(config) -> list[ScoreModCase]:
+    """ALiBi (slopes of each rank's global heads) and the flex-style function (the head and both
+    positions) under Ulysses and the hybrid on 4 ranks, GQA with fewer key/value heads than the
+    Ulysses degree; the layout, causality and dtype turned per case."""
+    if 4 not in settings_of(config).mesh_world_sizes:
+        return []
+    out = []
+    for i, ((strategy, mesh), name) in enumerate(
+        itertools.product(STRATEGY_MESHES, ("alibi", "callable"))
+    ):
+        spec = InputSpec(
+            batch=1,
+            heads=4,
+            heads_kv=2,
+            seq_q=64,
+            seq_kv=64,
+            head_dim=16,
+            dtype=("float64", "float32")[i % 2],
+        )
+        out.append(
+            ScoreModCase(
+                spec,
+                4,
+                is_causal=i % 3 != 1,
+                layout=LAYOUTS[(i // 2 + i) % 2],
+                rotate_method=ROTATIONS[i % 3],
+                score_mod=name,
+                strategy=strategy,
+                mesh_shape=mesh,
+                sinks=i == 2,
+            )
+        )
+    return out
 
 
 def pytest_generate_tests(metafunc):
@@ -98,6 +141,8 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
             ring.require("masks", kind, why=f"mask {case.mask!r}")
     if case.sinks:
         ring.require("sinks")
+    if case.mesh_shape is not None:
+        ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
     ring.require("layouts", case.layout)
     ring.require("rotate_methods", case.rotate_method)
     ring.require("backward")
