@@ -6,7 +6,8 @@ Public API::
                    rotate_method=None, op=None, layout="contiguous", return_lse=False,
                    head_chunks=1, strategy="ring",   # or "ulysses", "hybrid": ring_impl.strategies
                    mask=None, sinks=None,            # ring_impl.masks on global positions; sink logits
-                   halo=None)                        # narrow masks as a halo exchange (ring_impl.halo)
+                   halo=None,                        # narrow masks as a halo exchange (ring_impl.halo)
+                   score_mod=None)                   # soft-cap, ALiBi, bias, flex-style fn (ring_impl.score_mods)
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
     shard / unshard                    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
@@ -18,7 +19,7 @@ Public API::
 
 from __future__ import annotations
 
-from . import masks
+from . import masks, score_mods
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
 from .flex_route import flex_attention
@@ -59,6 +60,7 @@ __all__ = [
     "register_transport",
     "ring_attention",
     "rotate_methods",
+    "score_mods",
     "set_rotate_method",
     "shard",
     "unshard",
