@@ -320,7 +320,8 @@ def run_score_mod(b: Bench) -> list[dict]:
         row["softcap / plain cpu_flash"] = row["softcap math"] / row["plain cpu_flash"]
         rows.append(row)
     print(f"\nscore_mod: forward+backward, causal head_tail, alltoall, {b.dtype}, batch {b.batch}, "
-          f"heads {b.heads}, head_dim {b.head_dim}, seq {b.seq}; slowest rank, fastest of {b.repeat}")
+          f"heads {b.heads}, head_dim {b.head_dim}, seq {b.seq}; slowest rank, "
+          f"fastest of {b.repeat}")
     print(f"{'W':>2} {'plain cpu_flash s':>17} {'plain math s':>12} {'softcap s':>9} "
           f"{'softcap/math':>12} {'softcap/cpu_flash':>17}")
     for r in rows:

@@ -7,7 +7,7 @@ Public API::
                    head_chunks=1, strategy="ring",   # or "ulysses", "hybrid": ring_impl.strategies
                    mask=None, sinks=None,            # ring_impl.masks on global positions; sink logits
                    halo=None,                        # narrow masks as a halo exchange (ring_impl.halo)
-                   score_mod=None)                   # soft-cap, ALiBi, bias, flex-style fn (ring_impl.score_mods)
+                   score_mod=None)                   # soft-cap, ALiBi, bias, fn: ring_impl.score_mods
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
     shard / unshard                    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)

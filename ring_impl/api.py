@@ -52,7 +52,8 @@ MASKS_RUN_EAGERLY = (
 SCORE_MODS_RUN_EAGERLY = (
     "ring_attention(score_mod=...) runs eagerly inside torch.compile (a graph break): its "
     "blocks run on the math op with the score_mod bound to each block's global positions, "
-    "which the compiled ring does not carry. Compile without fullgraph=True, or call it outside the compiled region"
+    "which the compiled ring does not carry. Compile without fullgraph=True, or call it outside "
+    "the compiled region"
 )
 
 

@@ -44,8 +44,8 @@ def flex_problem(query, key, *, score_mod, block_mask, enable_gqa, kernel_option
 
     query (batch, heads, seq_local, head_dim), key (batch, heads_kv, seq_kv_local, head_dim)."""
     if score_mod is not None:
-        return ("score_mod is not supported under context parallel's flex route; express visibility as "
-                "the block_mask's mask_mod, and call ring_impl.ring_attention(..., score_mod=fn, "
+        return ("score_mod is not supported under context parallel's flex route; express "
+                "visibility as the block_mask's mask_mod, and call ring_impl.ring_attention(..., score_mod=fn, "
                 "mask=ring_impl.masks.MaskMod(mask_mod)) on the shards for a score_mod")
     if kernel_options:
         return (f"kernel_options {sorted(kernel_options)} tune flex attention's own kernel, which does not run "

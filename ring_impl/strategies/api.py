@@ -88,8 +88,8 @@ def strategy_path(
         agree_on_mesh(problem, strategy, groups, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
                       rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
                       device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-                      mask_code=mask_code(mask, sinks, _global_dims(query, key, mesh_shape), query.device,
-                                          score_mod=score_mod)
+                      mask_code=mask_code(mask, sinks, _global_dims(query, key, mesh_shape),
+                                          query.device, score_mod=score_mod)
                       if problem is None else 0)
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
