@@ -188,7 +188,7 @@ def masked_attention(
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
 
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (batch, heads, seq_q, seq_k)
-    if score_mod is not None:  # on the scaled scores, before the mask (the whole sequence's positions)
+    if score_mod is not None:  # the scaled scores, before the mask; the whole sequence's positions
         from reference.score_mods import apply_score_mod
 
         scores = apply_score_mod(score_mod, scores)
