@@ -54,6 +54,14 @@ traffic
     minimum of a ring: forward ``(W-1) kv``, backward ``(W-1) (kv + dkv)`` (every other rank's
     key/value must arrive once per pass, and every block's partial dK/dV, in float32, must reach
     its owner once). The declared ``ring_impl.collective_schedule`` is compared exactly.
+score_mod (``--score-mod``: this section alone)
+    forward + backward of the ring with ``score_mod=ring_impl.score_mods.SoftCap(50.0)``
+    (Gemma 2's attention soft-cap) against the plain call, causal ``head_tail``, at each world
+    size: the plain call on the same kernel (``op="math"``: what a score_mod runs on, the one
+    built-in op that takes one) and on the kernel ``op="auto"`` picks without a score_mod (CPU
+    flash). Ratios: softcap / plain math (the cost of modifying the scores) and softcap / plain
+    CPU flash (the cost of a score_mod call against an unmodified one). Interleaved repetitions,
+    the slowest rank's time, the fastest repetition reported.
 """
 
 from __future__ import annotations
@@ -254,6 +262,73 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
             if log is not None:
                 res["traffic"] = log.summary()
     return results
+
+
+#: the score_mod section's configurations: (name, op, soft-cap or None)
+SCORE_MOD_CONFIGS = (("plain cpu_flash", "auto", None), ("plain math", "math", None),
+                     ("softcap math", "auto", 50.0))
+
+
+def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
+    """Seconds (forward + backward, from a common barrier) of each SCORE_MOD_CONFIGS entry, per
+    repetition, on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    import ring_impl
+    from ring_impl.score_mods import SoftCap
+
+    b = Bench(**b_dict)
+    torch.set_num_threads(1)
+    dtype = getattr(torch, b.dtype)
+
+    def inputs(seq: int):
+        gen = torch.Generator().manual_seed(0)
+        full = [torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype)
+                for _ in range(4)]
+        return [ring_impl.shard(t, world, rank, layout="head_tail") for t in full]
+
+    warm, measured_inputs = inputs(b.warmup_seq), inputs(b.seq)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in SCORE_MOD_CONFIGS}
+    for it in range(b.warmup + b.repeat):
+        q0, k0, v0, do = measured_inputs if it >= b.warmup else warm
+        for name, op, cap in SCORE_MOD_CONFIGS:
+            q, k, v = (t.detach().requires_grad_() for t in (q0, k0, v0))
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail",
+                                           rotate_method="alltoall", op=op,
+                                           score_mod=None if cap is None else SoftCap(cap))
+            out.backward(do)
+            if it >= b.warmup:
+                times[name].append(time.perf_counter() - t0)
+            del out, q, k, v
+    return times
+
+
+def run_score_mod(b: Bench) -> list[dict]:
+    """One row per world size: each configuration's time (slowest rank, fastest repetition) and
+    the ratios of the soft-capped call to the plain ones."""
+    rows = []
+    for world in b.world_sizes:
+        per_rank = run_world(world, _score_mod_rank, asdict(b), timeout=3600)
+        row: dict[str, Any] = {"world": world}
+        for name, _, _ in SCORE_MOD_CONFIGS:
+            slowest = [max(r[name][i] for r in per_rank) for i in range(b.repeat)]
+            row[name], row[f"{name} median"] = min(slowest), median(slowest)
+        row["softcap / plain math"] = row["softcap math"] / row["plain math"]
+        row["softcap / plain cpu_flash"] = row["softcap math"] / row["plain cpu_flash"]
+        rows.append(row)
+    print(f"\nscore_mod: forward+backward, causal head_tail, alltoall, {b.dtype}, batch {b.batch}, "
+          f"heads {b.heads}, head_dim {b.head_dim}, seq {b.seq}; slowest rank, "
+          f"fastest of {b.repeat}")
+    print(f"{'W':>2} {'plain cpu_flash s':>17} {'plain math s':>12} {'softcap s':>9} "
+          f"{'softcap/math':>12} {'softcap/cpu_flash':>17}")
+    for r in rows:
+        print(f"{r['world']:>2} {r['plain cpu_flash']:>17.3f} {r['plain math']:>12.3f} "
+              f"{r['softcap math']:>9.3f} {r['softcap / plain math']:>12.2f} "
+              f"{r['softcap / plain cpu_flash']:>17.2f}")
+    return rows
 
 
 def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
@@ -605,6 +680,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Measure nothing: print the tables and aims of an earlier run's bench.json again")
     parser.add_argument("--skip-speed", action="store_true", help="Only the memory/time sweep")
     parser.add_argument("--skip-scaling", action="store_true", help="Only the speed, balance and traffic part")
+    parser.add_argument("--score-mod", action="store_true",
+                        help="Only the score_mod section: a soft-capped call against the plain "
+                             "one, as ratios")
     args = parser.parse_args(argv)
 
     b = Bench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, warmup=args.warmup,
@@ -628,6 +706,16 @@ def main(argv: list[str] | None = None) -> int:
         fields = {"lean_head_chunks": 0, **saved["bench"]}  # runs from before the lean configurations had none
         b = Bench(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
         print_report(b, _analysis(b, saved["speed_raw"], saved["scaling_raw"]), saved["env"])
+        return 0
+    if args.score_mod:
+        t0 = time.perf_counter()
+        rows = run_score_mod(b)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "score_mod.json"), "w") as f:
+            json.dump({"bench": asdict(b), "rows": rows, "platform": platform.platform(),
+                       "load": load_average()}, f, indent=1, default=str)
+        print(f"\nwrote {args.out}/score_mod.json in {time.perf_counter() - t0:.0f} s; "
+              f"load average {load_average()}")
         return 0
     if not PeakRss.supported():
         print("memory: /proc/self/clear_refs is not writable here; the memory sweep is skipped", file=sys.stderr)

@@ -51,13 +51,17 @@ def single_device_baseline(
     grad_lse: torch.Tensor | None = None,
     visible: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    score_mod: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """The policy's B: one call of the op over the whole sequence on the session's device.
 
     query (b, h, sq, d), key/value (b, hkv, skv, d), grad_out like query, grad_lse (b, h, sq) or
     None; visible (b or 1, h or 1, sq, skv) bool for a masked case (a masked call goes to the op
     when it declares ``masks``, else to the math op, exactly as the ring's masked blocks do);
-    sinks (h,) logits. ``op_spec`` names the kernel (``None``/``"auto"``: the registered default
+    sinks (h,) logits; score_mod: plain data (reference.score_mods), applied on the whole
+    sequence's positions by an op declaring ``OpCapabilities.score_mod`` (the math op where
+    the named one does not, as the ring's blocks).
+    ``op_spec`` names the kernel (``None``/``"auto"``: the registered default
     for the device, dtype and call). A masked case on a kernel that takes no mask runs on the
     math op, and each element that sees something carries the larger of the math op's error and
     the kernel's own on the same inputs unmasked (the ring runs the mask's unmasked pieces on the
@@ -79,8 +83,15 @@ def single_device_baseline(
     batch, heads, seq_q, head_dim = q.shape
     dtype = q.dtype
     scale = scale if scale is not None else default_scale(head_dim)
+    scores = None
+    if score_mod is not None:
+        from ring_impl.score_mods import block_scores, from_spec
+
+        scores = block_scores(from_spec(score_mod), batch=batch, heads=(0, heads),
+                              q_pos=((0, seq_q),), kv_pos=((0, k.shape[2]),), device=device)
     if op_spec in (None, "auto"):
-        op = resolve_op("auto", device, dtype, head_dim, scale=scale, is_causal=is_causal)
+        op = resolve_op("auto", device, dtype, head_dim, scale=scale, is_causal=is_causal,
+                        score_mod=scores is not None)
     else:
         op = load_op(op_spec)
     why = op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal)
@@ -89,8 +100,10 @@ def single_device_baseline(
             f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: {why}; the case "
             "asks for a kernel that does not run on the session's device (--device)"
         )
-    runner = block_op(op, is_causal=is_causal, scale=scale, visible=vis)  # the op that runs the call (math for a mask op cannot take)
-    out, raw_lse = call_forward(op, q, k, v, is_causal=is_causal, scale=scale, visible=vis)
+    # the op that runs the call (math for a mask or a score_mod the op cannot take)
+    runner = block_op(op, is_causal=is_causal, scale=scale, visible=vis, score_mod=scores)
+    out, raw_lse = call_forward(op, q, k, v, is_causal=is_causal, scale=scale, visible=vis,
+                                score_mod=scores)
     lse = normalize_lse(raw_lse, batch=batch, heads=heads, seq_q=seq_q, layout=runner.capabilities.lse_layout)
     dead = None
     if vis is not None:  # rows that see nothing: out 0, LSE -inf, whatever the kernel left there
@@ -112,12 +125,12 @@ def single_device_baseline(
         if glse is not None:
             glse = torch.where(dead, torch.zeros((), dtype=glse.dtype, device=device), glse)
     dq, dk, dv = call_backward(op, do, q, k, v, kernel_out, kernel_lse, is_causal=is_causal, scale=scale,
-                               grad_lse=glse, visible=vis)
+                               grad_lse=glse, visible=vis, score_mod=scores)
     result = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     if dsinks is not None:
         result["dsinks"] = dsinks
     result = {name: t.detach().cpu() for name, t in result.items()}
-    if vis is not None and runner is not op:
+    if vis is not None and runner is not op and scores is None:
         # (the caller's grad_out: `do` was zeroed on rows that see nothing, and moved through the sinks)
         result = _with_the_kernels_own_error(result, op, q, k, v, to_session_device(grad_out)[0], vis, sinks,
                                              scale=scale, grad_lse=grad_lse)

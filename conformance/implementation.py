@@ -51,6 +51,18 @@ tensors evaluates it; built from the plain-data spec of :mod:`reference.masks`),
 ``sinks.grad``. Rows that see nothing must come back as out 0, LSE -inf (the sink logit with
 sinks), zero gradients.
 
+``score_mod`` (capability ``score_mod``) is passed to ``ring_attention`` by the score_mod suite
+(``suites/test_score_mods.py``): a callable ``score_mod(score, b, h, q_idx, kv_idx)`` in flex
+attention's convention, called on broadcastable tensors (score (B, H, rows, cols), b (B, 1, 1,
+1), h (1, H, 1, 1), q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, cols)) and returning the modified
+scores; ``q_idx``/``kv_idx`` are *global* token positions and ``h`` the global query head. It
+changes the scaled logit ``scale * q . k`` before the mask and the softmax, inside each ring
+step's block (before the merge). The built-in kinds (:data:`reference.score_mods.SCORE_MOD_KINDS`:
+soft-capping, ALiBi, a post-scale bias) come as :mod:`ring_impl.score_mods` descriptors, which are
+such callables too and carry their data as fields (``SoftCap.cap``, ``Alibi.slopes``/``symmetric``,
+``PostScaleBias.bias``); any callable is one kind, ``score_mod``. Gradients must reach query, key
+and value through it.
+
 ``balanced_layout(balancer, mask, seq_len, world_size)``
     (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``
     (head_tail per packed document) and ``"work_aware"`` (chunks dealt by their work under the
@@ -152,6 +164,8 @@ class Capabilities:
     strategies: frozenset[str] | None = None  # "ring", "ulysses", "hybrid": ring_attention(strategy=...)
     masks: frozenset[str] | None = None  # mask kinds (reference.masks.MASK_KINDS) of ring_attention(mask=...)
     sinks: bool | None = None  # ring_attention(sinks=...): per-head sink logits, differentiable
+    #: ring_attention(score_mod=...): flex-style score changes on global positions
+    score_mod: bool | None = None
     balancers: frozenset[str] | None = None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
 
     @staticmethod

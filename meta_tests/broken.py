@@ -21,7 +21,6 @@ import torch
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
 from ring_impl import RingAttention, collective_schedule, debug
-from ring_impl.api import _ring_attention
 from ring_impl.ops import call_backward, call_forward, default_scale
 from ring_impl.plan import Block
 
@@ -361,7 +360,7 @@ class RaisesOnOneRankOnly:
                                 rotate_method=rotate_method, op=op_obj, op_error=op_error, return_lse=return_lse)
         if problem is not None:
             raise ValueError(f"ring_attention: {problem}")
-        return _ring_attention(_DEFAULT, query, key, value, group=group, is_causal=is_causal, scale=scale,
+        return _RING(query, key, value, group=group, is_causal=is_causal, scale=scale,
                                rotate_method=rotate_method, op=op, layout=layout, return_lse=return_lse)
 
 
@@ -372,7 +371,7 @@ class ValueGradientDropped:
     """value is detached inside the call: no gradient reaches it."""
 
     def __call__(self, query, key, value, **kwargs):
-        return _ring_attention(_DEFAULT, query, key, value.detach(), **kwargs)
+        return _RING(query, key, value.detach(), **kwargs)
 
 
 class GraphBreakInLoop(RingAttention):
@@ -428,22 +427,23 @@ class ScaleNotAgreed:
         from ring_impl.ops import default_scale, resolve_op
 
         if scale is None or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            return _ring_attention(_DEFAULT, query, key, value, scale=scale, op=op, **kwargs)  # checked as usual
+            return _RING(query, key, value, scale=scale, op=op, **kwargs)  # checked as usual
         inner = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=scale,
                            is_causal=bool(kwargs.get("is_causal", False)))
         own = _OwnScaleOp(inner, float(scale)) if float(scale) != default_scale(query.shape[-1]) else inner
-        return _ring_attention(_DEFAULT, query, key, value, op=own, **kwargs)
+        return _RING(query, key, value, op=own, **kwargs)
 
 
 class LseNotDifferentiable:
     """The LSE returned detached: a loss that uses it gets no gradient through it."""
 
     def __call__(self, query, key, value, *, return_lse=False, **kwargs):
-        res = _ring_attention(_DEFAULT, query, key, value, return_lse=return_lse, **kwargs)
+        res = _RING(query, key, value, return_lse=return_lse, **kwargs)
         return (res[0], res[1].detach()) if return_lse else res
 
 
 _DEFAULT = RingAttention()
+_RING = ring_impl.bind(_DEFAULT)  # ring_impl's ring_attention, a variant's own binding
 
 
 # ------------------------------------------------------------------------ contracts of the result
@@ -451,7 +451,7 @@ _DEFAULT = RingAttention()
 
 def _lse_in_base_2(query, key, value, **kwargs):
     """The LSE returned in base 2 (a kernel's log2 LSE passed on as if natural)."""
-    res = _ring_attention(_DEFAULT, query, key, value, **kwargs)
+    res = _RING(query, key, value, **kwargs)
     if not kwargs.get("return_lse"):
         return res
     out, lse = res
@@ -460,7 +460,7 @@ def _lse_in_base_2(query, key, value, **kwargs):
 
 def _float32_output_for_half(query, key, value, **kwargs):
     """bfloat16/float16 inputs, float32 output (the accumulator returned without the final cast)."""
-    res = _ring_attention(_DEFAULT, query, key, value, **kwargs)
+    res = _RING(query, key, value, **kwargs)
     out, lse = res if kwargs.get("return_lse") else (res, None)
     if query.dtype in (torch.bfloat16, torch.float16):
         out = out.float()
@@ -469,7 +469,7 @@ def _float32_output_for_half(query, key, value, **kwargs):
 
 def _lse_offset_in_bf16(query, key, value, **kwargs):
     """bfloat16 inputs: the LSE 4e-3 too large (below a bfloat16 floor, far above float32's)."""
-    res = _ring_attention(_DEFAULT, query, key, value, **kwargs)
+    res = _RING(query, key, value, **kwargs)
     if not kwargs.get("return_lse") or query.dtype != torch.bfloat16:
         return res
     out, lse = res

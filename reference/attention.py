@@ -164,6 +164,7 @@ def masked_attention(
     *,
     scale: float | None = None,
     sinks: Tensor | None = None,
+    score_mod: dict | None = None,
 ) -> AttentionOutput:
     """Attention in float64 with an arbitrary visibility mask and optional attention sinks.
 
@@ -171,7 +172,8 @@ def masked_attention(
     value (batch, heads_kv, seq_k, head_dim_v); visible: bool (seq_q, seq_k) or broadcastable
     to (batch, heads, seq_q, seq_k), None = all visible; sinks: (heads,) logits of one extra
     softmax term per head that every row sees and that has no value (its probability mass is
-    taken from the keys and goes nowhere), None = no sink.
+    taken from the keys and goes nowhere), None = no sink; score_mod: a plain-data score change
+    (reference.score_mods) applied to the scaled scores before the mask, None = none.
     Returns out (batch, heads, seq_q, head_dim_v) and lse (batch, heads, seq_q), float64; the LSE
     includes the sink term. A row that sees no key gets out 0 and lse -inf (the neutral element
     of the LSE merge), or lse = its sink logit with a sink.
@@ -186,6 +188,10 @@ def masked_attention(
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
 
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (batch, heads, seq_q, seq_k)
+    if score_mod is not None:  # the scaled scores, before the mask; the whole sequence's positions
+        from reference.score_mods import apply_score_mod
+
+        scores = apply_score_mod(score_mod, scores)
     if visible is not None:
         try:
             ok = visible.dtype == torch.bool and torch.broadcast_shapes(visible.shape, scores.shape) == scores.shape
@@ -230,12 +236,14 @@ def attention(
     scale: float | None = None,
     visible: Tensor | None = None,
     sinks: Tensor | None = None,
+    score_mod: dict | None = None,
 ) -> AttentionOutput:
     """Float64 attention with LSE, whatever the input dtype (inputs are upcast exactly).
 
     query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
     value (batch, heads_kv, seq_k, head_dim_v) -> out (batch, heads, seq_q, head_dim_v),
-    lse (batch, heads, seq_q), both float64. visible / sinks: as for masked_attention (e.g. a
+    lse (batch, heads, seq_q), both float64. visible / sinks / score_mod: as for masked_attention
+    (e.g. a
     mask spec's visibility from reference.masks). is_causal is top-left aligned (query i sees keys
     0..i), scale defaults to 1 / sqrt(head_dim). Callers pass the dtype-rounded inputs the
     kernel under test saw, so the only difference left is the kernel's arithmetic.
@@ -247,7 +255,8 @@ def attention(
         visible = causal_visibility(
             torch.arange(query.shape[-2], device=device), torch.arange(key.shape[-2], device=device)
         )
-    return masked_attention(query, key, value, visible, scale=scale, sinks=sinks)
+    return masked_attention(query, key, value, visible, scale=scale, sinks=sinks,
+                            score_mod=score_mod)
 
 
 def attention_grads(
@@ -261,14 +270,15 @@ def attention_grads(
     grad_lse: Tensor | None = None,
     visible: Tensor | None = None,
     sinks: Tensor | None = None,
+    score_mod: dict | None = None,
 ) -> ReferenceResult:
     """Forward and float64 autograd gradients of `attention` for the loss
     (out * grad_out).sum() + (lse * grad_lse).sum().
 
     query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim),
     value (batch, heads_kv, seq_k, head_dim_v), grad_out (batch, heads, seq_q, head_dim_v),
-    grad_lse (batch, heads, seq_q) or None (the LSE is not part of the loss); visible / sinks as
-    for masked_attention.
+    grad_lse (batch, heads, seq_q) or None (the LSE is not part of the loss); visible / sinks /
+    score_mod as for masked_attention.
     Returns out, lse, dq (shape of query), dk (shape of key: heads_kv heads, GQA groups summed),
     dv (shape of value), dsinks ((heads,), with sinks), all float64.
     """
@@ -284,7 +294,9 @@ def attention_grads(
     grad_out = _finite(grad_out.detach().to(torch.float64))
     with torch.enable_grad():
         # The gradients of finite copies, NaN where a non-finite input reaches (nonfinite_reach).
-        out, lse = masked_attention(_finite(q), _finite(k), _finite(v), visible, scale=scale, sinks=sk)
+        out, lse = masked_attention(_finite(q), _finite(k), _finite(v), visible, scale=scale,
+                                    sinks=sk,
+                                    score_mod=score_mod)
         out = torch.where(reach["out"], torch.zeros_like(out), out)
         if grad_out.shape != out.shape:
             raise ValueError(

@@ -227,6 +227,7 @@ def error_scales(
     grad_lse: Tensor | None = None,
     sinks: Tensor | None = None,
     input_dtype: torch.dtype | None = None,
+    score_mod: dict | None = None,
 ) -> dict[str, ErrorScale]:
     """M, A and C of out, lse (and dq, dk, dv when grad_out is given; dsinks too with
     ``sinks``), computed in float64.
@@ -247,6 +248,11 @@ def error_scales(
     the result dtype's (float32; float64 for float64) roundoff: ``2 u(input) / u(result)``. A
     and C: the terms at their own magnitude, C weighted by ``|lse_i|`` (sigma_i comes from the
     merged LSE).
+
+    score_mod (reference.score_mods' plain data, or None): the magnitudes are those of the
+    modified problem: P and the LSE from the modified scores, and dS (of the modified scores)
+    carried back to the scaled scores by ``|d score_mod / d s|`` (1 for ALiBi and a bias, at most
+    1 for the soft-cap), as the backward carries its roundings.
     """
     from reference.attention import default_scale, expand_kv_heads
 
@@ -257,6 +263,16 @@ def error_scales(
     terms = _Terms(key.shape[1])
 
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    chain = None  # |d score_mod / d s| per score entry
+    if score_mod is not None:
+        from reference.score_mods import apply_score_mod
+
+        raw = s.detach().requires_grad_(True)
+        with torch.enable_grad():
+            modified = apply_score_mod(score_mod, raw)
+            (d,) = torch.autograd.grad(modified.sum(), raw, allow_unused=True)
+        chain = torch.zeros_like(s) if d is None else d.abs()
+        s = modified.detach()
     vis = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device) if visible is None else visible.to(s.device)
     s = s.masked_fill(~vis, -math.inf)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf for rows that see nothing
@@ -288,6 +304,8 @@ def error_scales(
     # D = rowsum(dO * O) carries the same conditioning (C of out, |lse_i| * P|V|).
     d_conditioning = (do.abs() * out_m[0]).sum(-1, keepdim=True)
     ds_c = abs(scale) * pk * (dp_minus_d + d_conditioning)
+    if chain is not None:  # dS of the modified scores, carried back to the scaled ones
+        ds_m, ds_a, ds_c = ds_m * chain, ds_a * chain, ds_c * chain
     scales["dq"] = _scale(terms.rows(ds_m, k), terms.rows(ds_a, k), terms.rows(ds_c, k))
     scales["dk"] = _scale(terms.cols(ds_m, q), terms.cols(ds_a, q), terms.cols(ds_c, q))
     dv_m = terms.cols(p, do)

@@ -5,7 +5,8 @@ Public API::
     ring_attention(query, key, value, *, group=None, is_causal=False, scale=None,
                    rotate_method=None, op=None, layout="contiguous", return_lse=False,
                    head_chunks=1, mask=None, sinks=None,  # masks on global positions; sink logits
-                   exchange="auto")                  # "ring", "halo", "gather", "ulysses", "hybrid"
+                   score_mod=None,                   # soft-cap, ALiBi, bias, fn: ring_impl.score_mods
+                   exchange="auto", cu_seqlens=None) # "ring", "halo", "gather", "ulysses", "hybrid"; THD
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
     shard / unshard                    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
@@ -17,7 +18,7 @@ Public API::
 
 from __future__ import annotations
 
-from . import masks
+from . import masks, score_mods
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
 from .flex_route import flex_attention
@@ -58,6 +59,7 @@ __all__ = [
     "register_transport",
     "ring_attention",
     "rotate_methods",
+    "score_mods",
     "set_rotate_method",
     "shard",
     "unshard",

@@ -18,6 +18,7 @@ from .ops import AttentionOp, resolve_scale_and_op
 from .packed import packed_problem, packed_result, packed_views, sequence_ranks
 from .plan import plan_ahead
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
+from .score_mods import as_score_mod, score_mod_problem
 from .sinks import with_sinks
 from .transports import check_rotate_method
 from .validate import InputError, agree_across_ranks, local_problem, routed_error
@@ -36,6 +37,14 @@ def set_rotate_method(rotate_method: str) -> None:
 def get_rotate_method() -> str:
     return _DEFAULT_ROTATE[0]
 
+
+#: Why a call with a score_mod leaves the compiled graph.
+SCORE_MODS_RUN_EAGERLY = (
+    "ring_attention(score_mod=...) runs eagerly inside torch.compile (a graph break): its "
+    "blocks run on the math op with the score_mod bound to each block's global positions, "
+    "which the compiled ring does not carry. Compile without fullgraph=True, or call it outside "
+    "the compiled region"
+)
 
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
@@ -79,9 +88,13 @@ def _traced(bound: Bound, call: Call, query, key, value):
     """A call inside torch.compile. Masked: custom ops in the graph (ring_impl.compiled_masks: the
     plan is made when the op runs, so a new mask is never served an old plan) or, for what those
     cannot carry, eagerly (MASKS_RUN_EAGERLY). Unmasked: traced, behind the cross-rank check as
-    an op the graph keeps (ring_impl.compiled_checks)."""
+    an op the graph keeps (ring_impl.compiled_checks). With a score_mod: eagerly
+    (SCORE_MODS_RUN_EAGERLY)."""
     from .compiled_checks import checked_call
     from .compiled_masks import masked_ring_call
+
+    if call.score_mod is not None:
+        return _scored_eagerly(bound, call, query, key, value)
 
     if call.mask is not None:
         result = masked_ring_call(bound.name, query, key, value, call)
@@ -131,9 +144,17 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
     serves ``call`` (an exchange of the ring's: "auto", "ring", "halo", "gather"), after checking
     it on this rank and across the group (InputError on every rank for bad input)."""
     mask, sinks, layout, head_chunks = call.mask, call.sinks, call.layout, call.head_chunks
-    pg = resolve_group(call.group)
+    try:
+        pg = resolve_group(call.group)
+    except (TypeError, ValueError):
+        if call.problem is None:
+            raise
+        # The options' own problem (an unknown exchange beside a hybrid's 2-D mesh) is the cause:
+        # every rank given the same options raises it here.
+        raise InputError(f"ring_attention: {call.problem}") from None
+    score_mod = as_score_mod(call.score_mod)
     effective_scale, op_obj, op_error = resolve_scale_and_op(query, call.scale, call.op, call.is_causal,
-                                                             masked=mask is not None)
+                                                             masked=mask is not None, score_mod=score_mod is not None)
     # call.problem: the options' own (an unknown exchange) or a route's (the SDPA route's
     # attn_mask), raised through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)
@@ -141,7 +162,8 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         query, key, value, is_causal=call.is_causal, scale=call.scale, layout=layout,
         rotate_method=call.rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks,
         return_lse=call.return_lse, world_size=world,
-    ) or masking_problem(query, key, mask, sinks, world_size=world)
+    ) or masking_problem(query, key, mask, sinks, world_size=world) or score_mod_problem(
+        score_mod, query, world_size=world, layout=layout, key=key, op=op_obj, exchange=call.exchange)
     folded = fold_causal(mask, call.is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
@@ -149,7 +171,7 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         if call.exchange == "gather":
             problem = gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy="ring")
             gather = problem is None and world > 1
-        elif call.exchange != "ring" and world > 1:
+        elif call.exchange != "ring" and world > 1 and score_mod is None:  # a score_mod runs on the ring
             where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
             reach = halo_reach(folded, **where)
             if reach is None and call.exchange == "halo":
@@ -160,7 +182,7 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         cfg = RingConfig(
             group=RingGroup.of(pg, query.device), is_causal=bool(call.is_causal), scale=effective_scale,
             layout=layout, rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
-            mask_dims=(query.shape[0], query.shape[1]), plan_memo={},
+            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, score_mod=score_mod,
         )
 
         def make_ahead() -> None:
@@ -176,7 +198,8 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
             rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=call.return_lse,
             group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
-                                                         key.shape[2] * world), query.device),
+                                                         key.shape[2] * world), query.device,
+                                           score_mod=score_mod),
                                  "gather" if gather else "halo" if reach is not None else "ring")
             if problem is None else 0,
         )
@@ -202,6 +225,7 @@ def _path(impl: RingAttention, cfg: RingConfig, query, key, gather: bool, reach,
 
 
 _masked_eagerly = torch._dynamo.disable(_eager, reason=MASKS_RUN_EAGERLY)
+_scored_eagerly = torch._dynamo.disable(_eager, reason=SCORE_MODS_RUN_EAGERLY)
 
 
 def _path_code(code: int, path: str) -> int:
@@ -235,6 +259,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         head_chunks: int = 1,
         mask: Mask | None = None,
         sinks: torch.Tensor | None = None,
+        score_mod=None,
         exchange: str = "auto",
         cu_seqlens: torch.Tensor | Sequence[int] | None = None,
         strategy: str | None = None,
@@ -286,6 +311,19 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
             sinks: (heads,) per-head sink logits (a softmax term with no value),
                 differentiable; each rank's gradient covers its own rows (reduce it over the
                 group like any parameter's).
+            score_mod: a change of each scaled logit s = scale * q.k before the mask and the
+                softmax, on *global* positions, equal on every rank:
+                ring_impl.score_mods.SoftCap(cap) (cap * tanh(s / cap)), Alibi(slopes or heads)
+                (s + slope[h] * (kv - q)), PostScaleBias(bias) ((1|batch, 1|heads, seq_q,
+                seq_kv) global), or a callable fn(score, b, h, q_idx, kv_idx) in flex
+                attention's convention (q_idx/kv_idx global positions, h the global query head).
+                Applied inside each ring step's block, before the merge; gradients flow to
+                query, key and value through it (not to slopes, bias or tensors a function
+                closes over). Its blocks run on an op declaring OpCapabilities.score_mod
+                (op="auto": "math"; naming another op raises InputError). Exchanges "auto"
+                (which then takes the ring), "ring", "ulysses", "hybrid"; "halo" and "gather"
+                raise InputError. Under torch.compile it runs eagerly (a graph break,
+                SCORE_MODS_RUN_EAGERLY).
             exchange: how key/value rows reach the queries that see them (ring_impl.call).
                 "auto" (default): the halo exchange where it can serve the call, else the ring.
                 "ring": key/value blocks go around the ring (``rotate_method``, any layout,
@@ -331,7 +369,8 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         exchange, problem = exchange_of(exchange, strategy, halo, sparse_kv)
         call = Call(group=group, is_causal=is_causal, scale=scale, op=op, layout=layout, return_lse=return_lse,
                     rotate_method=get_rotate_method() if rotate_method is None else rotate_method,
-                    head_chunks=head_chunks, mask=mask, sinks=sinks, exchange=exchange, problem=problem)
+                        head_chunks=head_chunks, mask=mask, sinks=sinks, score_mod=score_mod, exchange=exchange,
+                    problem=problem)
         if cu_seqlens is not None:
             return _packed(bound, call, query, key, value, cu_seqlens)
         if torch.compiler.is_compiling():  # attend(), inlined: one frame fewer to the kernel

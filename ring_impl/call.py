@@ -54,6 +54,7 @@ class Call(NamedTuple):
     head_chunks: int = 1
     mask: Any = None
     sinks: torch.Tensor | None = None
+    score_mod: Any = None
     exchange: str = "auto"
     problem: str | None = None
     routed_from: str | None = None
@@ -70,9 +71,10 @@ class Call(NamedTuple):
         return bool(self.return_lse) or self.sinks is not None
 
     def options(self) -> dict[str, Any]:
-        """The plain options (every field but group, mask and sinks), by name: what a compiled
-        call carries as a literal (:func:`ring_impl.compiled_masks.describe_call`)."""
-        skip = ("group", "mask", "sinks")
+        """The plain options (every field but group, mask, sinks and score_mod), by name: what
+        a compiled call carries as a literal (:func:`ring_impl.compiled_masks.describe_call`; a
+        call with a score_mod runs eagerly)."""
+        skip = ("group", "mask", "sinks", "score_mod")
         return {name: value for name, value in zip(self._fields, self, strict=True) if name not in skip}
 
     def with_(self, **changes) -> Call:

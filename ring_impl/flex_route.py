@@ -12,8 +12,9 @@ What is routed: ``torch.nn.attention.flex_attention.flex_attention`` as looked u
 and :func:`flex_attention` of this module, which callers holding an early reference can call
 instead. Outside any route :func:`flex_attention` is flex attention itself.
 
-Not routed, each refused on every rank with the reason: a ``score_mod`` (the ring's kernels take
-visibility, not score changes), ``kernel_options`` (they tune flex's own kernel, which does not
+Not routed, each refused on every rank with the reason: a ``score_mod`` (``ring_attention(...,
+score_mod=)`` takes one, on the math op and eagerly under torch.compile, where this route runs
+fullgraph), ``kernel_options`` (they tune flex's own kernel, which does not
 run), ``return_aux`` asking for max scores, and a block mask built for other lengths than the
 global ones. Under ``torch.compile`` the routed call runs in the graph, ``fullgraph=True`` included:
 the mask_mod is traced and evaluated on the global grid into a table of bits
@@ -43,8 +44,9 @@ def flex_problem(query, key, *, score_mod, block_mask, enable_gqa, kernel_option
 
     query (batch, heads, seq_local, head_dim), key (batch, heads_kv, seq_kv_local, head_dim)."""
     if score_mod is not None:
-        return ("score_mod is not supported under context parallel (the ring's kernels take a mask, not "
-                "score changes); express visibility as the block_mask's mask_mod")
+        return ("score_mod is not supported under context parallel's flex route; express "
+                "visibility as the block_mask's mask_mod, and call ring_impl.ring_attention(..., score_mod=fn, "
+                "mask=ring_impl.masks.MaskMod(mask_mod)) on the shards for a score_mod")
     if kernel_options:
         return (f"kernel_options {sorted(kernel_options)} tune flex attention's own kernel, which does not run "
                 "under context parallel (the ring runs its kernels); drop them")

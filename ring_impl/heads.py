@@ -71,8 +71,9 @@ def _keys_after(key: torch.Tensor, heads: slice, token: torch.Tensor | None) -> 
 
 def _for_heads(cfg, heads: slice):
     """The config of the ring over query heads ``heads`` (of the ring's own, which start at head
-    ``cfg.mask_heads[0]`` of the mask's when the ring runs a slice of them: the hybrid's)."""
-    if cfg.mask is None:
+    ``cfg.mask_heads[0]`` of the mask's when the ring runs a slice of them: the hybrid's). A
+    score_mod reads the same global head indices (ALiBi's slope of each head)."""
+    if cfg.mask is None and getattr(cfg, "score_mod", None) is None:
         return cfg
     base = cfg.mask_heads[0] if cfg.mask_heads is not None else 0
     return replace(cfg, mask_heads=(base + heads.start, base + heads.stop))

@@ -559,12 +559,14 @@ def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
     return problem or sinks_problem(sinks, h)
 
 
-def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device=None) -> int:
-    """31 bits for the cross-rank check: equal on ranks with equal masks and sinks; 0 for
-    neither (what every strategy's check sends then, so the texts agree on "no mask").
-    ``dims``: the call's global (batch, heads, seq_q, seq_kv), over which a MaskMod is probed
-    (:meth:`Mask.agreement_text`); without them, the description."""
-    if mask is None and sinks is None:
+def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device=None,
+              score_mod=None) -> int:
+    """31 bits for the cross-rank check: equal on ranks with equal masks, sinks and score_mods
+    (ring_impl.score_mods); 0 for none of them (what every strategy's check sends then, so the
+    texts agree on "no mask"). ``dims``: the call's global (batch, heads, seq_q, seq_kv), over
+    which a MaskMod or a score_mod function is probed (:meth:`Mask.agreement_text`); without
+    them, the description."""
+    if mask is None and sinks is None and score_mod is None:
         return 0
     if mask is None:
         text = "-"
@@ -573,6 +575,9 @@ def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device
     parts = [text]
     if sinks is not None:
         parts.append(str(zlib.crc32(sinks.detach().to(torch.float64).cpu().contiguous().numpy().tobytes())))
+    if score_mod is not None:
+        text = score_mod.agreement_text(*dims, device) if dims is not None else score_mod.describe()
+        parts.append("score_mod:" + text)
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
 
 

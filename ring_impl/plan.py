@@ -39,7 +39,7 @@ import torch
 from .layout import Runs, check_layout, layout_runs
 
 __all__ = ["Block", "StepPlan", "cached_by_mask", "mask_blocks", "masked_plan", "plan_ahead", "range_blocks",
-           "ring_plan", "step_blocks", "visibility_blocks"]
+           "ring_plan", "runs_rows", "step_blocks", "visibility_blocks", "with_positions"]
 
 T = TypeVar("T")
 
@@ -60,6 +60,10 @@ class Block:
     kv_rows: tuple[int, int]
     visible: torch.Tensor | None = field(default=None, compare=False, repr=False)
     bounds: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    #: the global positions of the block's query rows and key/value rows, as runs ``((start,
+    #: stop), ...)`` in row order; set for a call with a score_mod (:func:`with_positions`)
+    q_pos: Runs | None = field(default=None, compare=False, repr=False)
+    kv_pos: Runs | None = field(default=None, compare=False, repr=False)
     #: device -> (visible, bounds) there: a cached plan's block is moved once per device, not
     #: per call (a kernel keeps its own plan of the block by the tensor it is given)
     _moved: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -106,6 +110,32 @@ class Block:
     @property
     def skipped(self) -> bool:  # a block is never empty; kept so a block reads like a step plan
         return False
+
+
+def runs_rows(runs: Runs, rows: tuple[int, int]) -> Runs:
+    """The runs of global positions of local rows ``[start, stop)`` of a shard at ``runs``."""
+    start, stop = rows
+    out, row = [], 0
+    for a, b in runs:
+        lo, hi = max(start, row), min(stop, row + b - a)
+        if lo < hi:
+            out.append((a + lo - row, a + hi - row))
+        row += b - a
+    return tuple(out)
+
+
+def with_positions(plans: list[StepPlan], q_runs: Runs,
+                   kv_runs: Callable[[int], Runs]) -> list[StepPlan]:
+    """``plans`` with every block's global positions set (``Block.q_pos``/``kv_pos``): query rows
+    of the shard at ``q_runs``, key/value rows of the shard of ``kv_runs(kv_rank)``. New blocks:
+    cached plans are shared, never changed."""
+    from dataclasses import replace
+
+    def placed(b: Block) -> Block:
+        return replace(b, q_pos=runs_rows(q_runs, b.q_rows),
+                       kv_pos=runs_rows(kv_runs(b.kv_rank), b.kv_rows))
+
+    return [StepPlan(p.step, p.kv_rank, tuple(placed(b) for b in p.blocks)) for p in plans]
 
 
 def _triangle(rows: int, cols: int) -> int:

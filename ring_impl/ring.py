@@ -41,11 +41,12 @@ from torch.autograd.function import once_differentiable
 
 from . import debug, heads
 from .group import RingGroup
+from .layout import layout_runs
 from .lse import normalize_lse
 from .merge import merge_into
 from .nonfinite import finite_parts, poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
-from .plan import Block, StepPlan, masked_plan, ring_plan
+from .plan import Block, StepPlan, masked_plan, ring_plan, with_positions
 from .transports import Link, Transport, after, get_transport
 
 __all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath"]
@@ -72,6 +73,9 @@ class RingConfig:
     #: call before the cross-rank check (ring_impl.plan.plan_ahead) and kept for its forward
     #: (and backward when small); None: no such plans kept
     plan_memo: dict | None = field(default=None, compare=False, repr=False)
+    #: a ring_impl.score_mods.ScoreMod on global positions, or None; its blocks run on an op
+    #: declaring OpCapabilities.score_mod, each with the global positions and heads of its rows
+    score_mod: object = None
 
 
 def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> torch.Tensor:
@@ -110,10 +114,30 @@ class RingAttention:
         # the lengths are specialised, with a guard, so another length recompiles.
         seq_q, seq_kv = operator.index(seq_q), operator.index(seq_kv)
         if cfg.mask is not None:
-            return masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q, seq_kv=seq_kv,
-                               batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], head_span=cfg.mask_heads,
-                               memo=cfg.plan_memo, ranges=cfg.op.capabilities.row_bounds)
-        return ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal, seq_q=seq_q, seq_kv=seq_kv)
+            plans = masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q,
+                                seq_kv=seq_kv, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1],
+                                head_span=cfg.mask_heads, memo=cfg.plan_memo,
+                                ranges=cfg.op.capabilities.row_bounds)
+        else:
+            plans = ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal,
+                              seq_q=seq_q, seq_kv=seq_kv)
+        if cfg.score_mod is None:
+            return plans
+        # A score_mod reads each block's global positions (the layout's, never local rows).
+        w = g.world_size
+        return with_positions(plans, layout_runs(cfg.layout, seq_q * w, w, g.rank),
+                              lambda r: layout_runs(cfg.layout, seq_kv * w, w, r))
+
+    def block_scores(self, cfg: RingConfig, q: torch.Tensor, plan: Block):
+        """The call's score_mod bound to one block (ring_impl.score_mods.BlockScores: the global
+        positions of its rows and columns, the global indices of its query heads), or None."""
+        if cfg.score_mod is None:
+            return None
+        from .score_mods import block_scores
+
+        h0 = cfg.mask_heads[0] if cfg.mask_heads is not None else 0
+        return block_scores(cfg.score_mod, batch=q.shape[0], heads=(h0, h0 + q.shape[1]),
+                            q_pos=plan.q_pos, kv_pos=plan.kv_pos, device=q.device)
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Dtype of the output/LSE accumulators and of dQ/dK/dV in flight (float32, float64 for float64)."""
@@ -126,11 +150,12 @@ class RingAttention:
     def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block):
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
         visible, bounds = plan.masking_on(q.device)
+        scores = self.block_scores(cfg, q, plan)
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale, visible=visible,
-                                row_bounds=bounds)
+                                row_bounds=bounds, score_mod=scores)
         b, h, rows, _ = q.shape
         op = block_op(cfg.op, is_causal=plan.is_causal, scale=cfg.scale, visible=visible,
-                      row_bounds=bounds)  # the op that ran it
+                      row_bounds=bounds, score_mod=scores)  # the op that ran it
         lse = normalize_lse(lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout,
                             op_name=getattr(op, "name", "math"))
         dead = _hidden_rows(visible, bounds)
@@ -157,7 +182,8 @@ class RingAttention:
             if grad_lse is not None:
                 grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
         return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
-                             grad_lse=grad_lse, visible=visible, row_bounds=bounds)
+                             grad_lse=grad_lse, visible=visible, row_bounds=bounds,
+                             score_mod=self.block_scores(cfg, q, plan))
 
     def nonfinite_forward(self, out, lse, q, k, v, plan: Block):
         """The block's (out, lse) with NaN wherever a non-finite input reaches them, whatever the

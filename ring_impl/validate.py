@@ -283,7 +283,9 @@ def _shown(field: str, code: int, op_names: dict[int, str], layout_names: dict[i
     if field == "op":
         return repr(op_names.get(code, f"op #{code}"))
     if field == "mask":
-        return "no mask or sinks" if code == 0 else f"mask/sinks digest {code:#010x}"
+        if code == 0:
+            return "no mask, sinks or score_mod"
+        return f"mask/sinks/score_mod digest {code:#010x}"
     return str(code)
 
 

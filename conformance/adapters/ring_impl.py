@@ -30,6 +30,7 @@ CAPABILITIES = Capabilities(
     strategies=frozenset(ring_impl.STRATEGIES),
     masks=frozenset(MASK_KINDS),
     sinks=True,
+    score_mod=True,
     balancers=frozenset(BALANCERS),
 )
 

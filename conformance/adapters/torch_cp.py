@@ -296,6 +296,7 @@ class TorchContextParallel:
             strategies=frozenset({"ring"}),  # its ring only: no Ulysses or hybrid
             masks=frozenset(),  # only through flex attention on CUDA
             sinks=False,
+            score_mod=False,  # PyTorch's ring runs SDPA kernels, which take no score_mod
             balancers=frozenset(),  # head_tail is PyTorch's only load balancer
         )
         self.baseline_op = "auto"

@@ -460,6 +460,7 @@ class FlashRing:
         strategies=frozenset({"ring"}),
         masks=frozenset(),
         sinks=False,
+        score_mod=False,
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

@@ -327,6 +327,7 @@ class MathRing:
         strategies=frozenset({"ring"}),
         masks=frozenset(),
         sinks=False,
+        score_mod=False,
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

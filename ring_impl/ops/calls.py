@@ -28,19 +28,30 @@ def _reduce_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
 
 
 def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: torch.Tensor | None = None,
-             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionOp:
+             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+             score_mod=None) -> AttentionOp:
     """The op that runs a block: ``op``, or the math op where ``op`` cannot run it: a masked
     block ``op`` cannot mask (row bounds count as a mask for an op that does not take them), or
     a causal block with ``scale <= 0`` on an op whose causal kernel returns NaN there
     (``causal_needs_positive_scale``). ``is_causal=True`` calls refuse or reroute that case
     before any collective; a mask's causal tiles (ring_impl.tiling) reach it here, since the
-    tiler, not the caller, chose the causal kernel."""
+    tiler, not the caller, chose the causal kernel. A block with a ``score_mod`` on an op
+    without ``OpCapabilities.score_mod`` (the calls' checks refuse an op so named; this covers
+    ops a variant hands over) runs on the math op too."""
+    if score_mod is not None and not getattr(op.capabilities, "score_mod", False):
+        return _MATH
     masked = visible is not None or (row_bounds is not None and not op.capabilities.row_bounds)
     if masked and not op.capabilities.masks:
         return _MATH
     if is_causal and scale is not None and scale <= 0 and op.capabilities.causal_needs_positive_scale:
         return _MATH
     return op
+
+
+def _scoring(score_mod) -> dict:
+    """``{"score_mod": ...}`` for a block with one, else ``{}`` (ops without the capability
+    never see the keyword)."""
+    return {} if score_mod is None else {"score_mod": score_mod}
 
 
 def _masking(op: AttentionOp, key: torch.Tensor, visible: torch.Tensor | None,
@@ -57,6 +68,7 @@ def _masking(op: AttentionOp, key: torch.Tensor, visible: torch.Tensor | None,
 def call_forward(
     op: AttentionOp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float,
     visible: torch.Tensor | None = None, row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    score_mod=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``op.forward`` with key/value heads expanded only if the op lacks native GQA.
 
@@ -64,13 +76,15 @@ def call_forward(
     the key), run by the op when it declares ``masks``, else by the math op. row_bounds: the
     block's visibility as one key range per row (``OpCapabilities.row_bounds``), given to ops
     that declare it and as ``visible`` to the others. Rows that see nothing come back however
-    the kernel leaves them: the caller sets them (out 0, LSE -inf).
+    the kernel leaves them: the caller sets them (out 0, LSE -inf). score_mod: the block's
+    ring_impl.score_mods.BlockScores, for ops declaring ``score_mod`` (else the math op runs it).
     """
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds)
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds,
+                  score_mod=score_mod)
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
     return op.forward(query, key, value, is_causal=is_causal, scale=scale,  # type: ignore[call-arg]
-                      **_masking(op, key, visible, row_bounds))
+                      **_masking(op, key, visible, row_bounds), **_scoring(score_mod))
 
 
 def _with_lse_grad(
@@ -130,18 +144,23 @@ def call_backward(
     grad_lse: torch.Tensor | None = None,
     visible: torch.Tensor | None = None,
     row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    score_mod=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``op.backward`` with GQA expansion, returning dk/dv with ``heads_kv`` heads.
 
     grad_lse (batch, heads, seq_q) or None: the gradient reaching the LSE; given to ops that
     declare ``lse_grad``, folded into ``out`` for the others (:func:`_with_lse_grad`).
     visible, row_bounds: as for :func:`call_forward` (rows that see nothing must come with a
-    finite LSE and a zero output gradient: the caller's job).
+    finite LSE and a zero output gradient: the caller's job). score_mod: as for
+    :func:`call_forward`.
     """
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds)
+    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds,
+                  score_mod=score_mod)
     mask = _masking(op, key, visible, row_bounds)
-    if "attn_mask" in mask and grad_lse is not None and not op.capabilities.lse_grad:
-        op = _MATH  # the LSE-gradient padding trick would need the mask padded too
+    lse_grad_padded = grad_lse is not None and not op.capabilities.lse_grad
+    if ("attn_mask" in mask or score_mod is not None) and lse_grad_padded:
+        op = _MATH  # the LSE-gradient padding trick would need the mask (or score_mod) padded
+    mask.update(_scoring(score_mod))
     heads_kv = key.shape[1]
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])

@@ -91,6 +91,14 @@ class OpCapabilities:
     #: tensor (any batch/head/sequence strides, unit head-dim stride) instead of a contiguous copy.
     #: An op whose kernel reads memory in a fixed order whatever the strides must not declare it.
     row_views: bool = False
+    #: forward and backward take ``score_mod=``: a :class:`ring_impl.score_mods.BlockScores`
+    #: (the call's score_mod bound to the block's global positions and heads), applied to the
+    #: scaled scores before the mask and the softmax (``score_mod.apply(s)``, s (batch, heads,
+    #: rows, cols)), and in the backward the gradient reaching the modified scores taken back
+    #: through it (``score_mod.grad(s, ds)``). The fused kernels compute no explicit scores and
+    #: cannot; ``op="auto"`` picks an op with it for a call with a score_mod, and a call naming
+    #: an op without it is refused (InputError on every rank).
+    score_mod: bool = False
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                     scale: float | None = None, is_causal: bool = False) -> str | None:

@@ -64,12 +64,16 @@ def get_op(name: str) -> AttentionOp:
 
 
 def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: float | None = None,
-             is_causal: bool = False, masked: bool = False) -> AttentionOp:
+             is_causal: bool = False, masked: bool = False, score_mod: bool = False) -> AttentionOp:
     """The fastest registered op that supports the call; ``math`` where no fused kernel does
     (float64 on CUDA, or a fused kernel's known fault such as cpu_flash's causal scale <= 0).
     A masked call on CUDA takes the varlen kernel first: it runs a ring step of documents, a
     window or any other mask of key ranges in one call (``OpCapabilities.row_bounds``), where
-    the dense kernels take one call per document and the math op for the rest."""
+    the dense kernels take one call per document and the math op for the rest. A call with a
+    score_mod takes the math op (the one built-in op with ``OpCapabilities.score_mod``: the
+    fused kernels compute no explicit scores to modify)."""
+    if score_mod:
+        return get_op("math")
     if device.type == "cpu":
         candidates: tuple[str, ...] = ("cpu_flash",)
     else:
@@ -82,11 +86,14 @@ def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: 
 
 
 def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-               scale: float | None = None, is_causal: bool = False, masked: bool = False) -> AttentionOp:
+               scale: float | None = None, is_causal: bool = False, masked: bool = False,
+               score_mod: bool = False) -> AttentionOp:
     """Turn the ``op=`` argument into an op object; "auto"/None picks by device, dtype, the
-    call's scale and causality (routing around a kernel's known faults) and whether it has a mask."""
+    call's scale and causality (routing around a kernel's known faults) and whether it has a mask
+    or a score_mod."""
     if op is None or op == "auto":
-        return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal, masked=masked)
+        return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal, masked=masked,
+                        score_mod=score_mod)
     if isinstance(op, str):
         return get_op(op)
     missing = missing_members(op)
@@ -105,9 +112,12 @@ for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuEfficientMaskedLa
             CudaCudnnOp(), FlexOp()):
     register_op(_op)
 
-def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False) -> tuple[float | None, AttentionOp | None, str | None]:
+def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False,
+                         score_mod: bool = False
+                         ) -> tuple[float | None, AttentionOp | None, str | None]:
     """(the scale in effect, the op object, why the op cannot be resolved) for a call's
-    arguments (``masked``: the call has a mask); never raises (a bad argument is reported by the
+    arguments (``masked``: the call has a mask; ``score_mod``: a score_mod); never raises
+    (a bad argument is reported by the
     input checks on every rank)."""
     if not (isinstance(query, torch.Tensor) and query.dim() == 4):
         return None, None, None
@@ -118,7 +128,8 @@ def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False) -> t
         effective_scale = float(scale)
     try:
         op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
-                            is_causal=is_causal is True or is_causal == 1, masked=masked)
+                            is_causal=is_causal is True or is_causal == 1, masked=masked,
+                            score_mod=score_mod)
     except (TypeError, ValueError) as exc:
         return effective_scale, None, str(exc)
     return effective_scale, op_obj, None

@@ -74,6 +74,9 @@ class HeadParallelConfig:
     mask: object = None
     #: the call's evaluations of a mask known only by evaluating it (ring_impl.plan.cached_by_mask)
     plan_memo: dict | None = field(default=None, compare=False, repr=False)
+    #: a ring_impl.score_mods.ScoreMod on global positions and heads, Ulysses only (the hybrid's
+    #: ring carries its own in ``ring``)
+    score_mod: object = None
 
 
 class Ulysses:
@@ -154,6 +157,27 @@ class Ulysses:
         key = ("ulysses", cfg.layout, u, rank, batch, heads, seq_q, seq_kv, str(device))
         return cached_by_mask(cfg.mask, key, build, memo=cfg.plan_memo)
 
+    def scores(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor):
+        """The call's score_mod bound to the gathered sequence (ring_impl.score_mods.BlockScores):
+        the global positions of the gathered rows (the layout's over the group, or the sequence
+        order when :meth:`gathered_order` reorders them) and the global indices of this rank's
+        query heads (slice ``rank`` of ``U``); None without a score_mod."""
+        if cfg.score_mod is None:
+            return None
+        from ..layout import permutation
+        from ..score_mods import block_scores
+
+        u, rank, h = cfg.heads.size, cfg.heads.rank, q.shape[1]
+        ordered = self.gathered_order(cfg) is not None
+
+        def runs(n: int):
+            if ordered:
+                return ((0, n),)
+            return tuple((int(p), int(p) + 1) for p in permutation(cfg.layout, n, u).tolist())
+
+        return block_scores(cfg.score_mod, batch=q.shape[0], heads=(rank * h, (rank + 1) * h),
+                            q_pos=runs(q.shape[2]), kv_pos=runs(k.shape[2]), device=q.device)
+
     def inner_forward(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(out in the input dtype, lse (b, h, s) in the accumulation dtype) of the gathered heads:
         the local kernel on the whole sequence (with the mask: rows that see nothing give out 0,
@@ -162,9 +186,12 @@ class Ulysses:
         kind = "masked" if vis is not None else "causal" if cfg.is_causal else "full"
         causal = cfg.is_causal and vis is None
         # The kernel on finite numbers; NaN goes exactly where the inputs take it (ring_impl.nonfinite).
-        out, lse = call_forward(cfg.op, *finite_parts(q, k, v), is_causal=causal, scale=cfg.scale, visible=vis)
+        scores = self.scores(cfg, q, k)
+        out, lse = call_forward(cfg.op, *finite_parts(q, k, v), is_causal=causal, scale=cfg.scale,
+                                visible=vis, score_mod=scores)
         b, h, s, _ = q.shape
-        op = block_op(cfg.op, is_causal=causal, scale=cfg.scale, visible=vis)  # the op that ran it
+        op = block_op(cfg.op, is_causal=causal, scale=cfg.scale, visible=vis,
+                      score_mod=scores)  # the op that ran it
         lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=op.capabilities.lse_layout,
                             op_name=getattr(op, "name", "math"))
         if vis is not None:
@@ -185,7 +212,8 @@ class Ulysses:
                 grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
         fq, fk, fv, fo, fl, fdo, fglse = finite_parts(q, k, v, out, lse, grad_out, grad_lse)
         dq, dk, dv = call_backward(cfg.op, fdo, fq, fk, fv, fo, fl, is_causal=cfg.is_causal and vis is None,
-                                   scale=cfg.scale, grad_lse=fglse, visible=vis)
+                                   scale=cfg.scale, grad_lse=fglse, visible=vis,
+                                   score_mod=self.scores(cfg, q, k))
         return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, kind, vis, grad_lse=grad_lse)
 
     # ------------------------------------------------------------------ the algorithm

@@ -25,6 +25,7 @@ class MinimalRing:
         strategies=frozenset({"ring"}),
         masks=frozenset(),
         sinks=False,
+        score_mod=False,
     )
 
     @staticmethod

@@ -48,6 +48,13 @@ def meta_session():
         harness_settings.install(before)
 
 
+def _score_mod_baseline():
+    from suites.cases_score_mods import ScoreModCase, _baseline
+
+    case = ScoreModCase(SPEC, 1, score_mod="alibi", mask="documents", sinks=True)
+    return _baseline(case, PROBE_OP, "meta")
+
+
 def _probed(run) -> tuple[str, ...]:
     with pytest.raises(Probed) as info:
         run()
@@ -61,6 +68,7 @@ BASELINES = {
     "mask suite": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "documents", "", False, PROBE_OP),
     "mask suite with sinks": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "window_narrow", "",
                                                                                                   True, PROBE_OP),
+    "score_mod suite": lambda: _score_mod_baseline(),
 }
 
 
@@ -115,6 +123,13 @@ def _masked_case():
     return masked_case(MetaRank(), MaskCase(SPEC, 1, mask="documents", sinks=True, impl=PROBE_IMPL))
 
 
+def _scored_case():
+    from suites.cases_score_mods import ScoreModCase, scored_case
+
+    case = ScoreModCase(SPEC, 1, score_mod="bias", mask="documents", sinks=True, impl=PROBE_IMPL)
+    return scored_case(MetaRank(), case)
+
+
 def _strategy_case():
     from suites.cases_strategies import StrategyCase, strategy_case
 
@@ -131,6 +146,7 @@ RANK_FUNCTIONS = {
     "suites.cases.ring_case": _ring_case,
     "suites.cases.ring_case_twice": _ring_case_twice,
     "suites.cases_masks.masked_case": _masked_case,
+    "suites.cases_score_mods.scored_case": _scored_case,
     "suites.cases_strategies.strategy_case": _strategy_case,
     "suites.cases_balance.balance_case": _balance_case,
 }

@@ -1,0 +1,426 @@
+"""Cases of the score_mod suite: a ring case with a score_mod (by name, on global positions),
+optionally a mask (``is_causal`` or a named mask of the mask suite) and sinks; the rank function,
+the judge and the diagnosis.
+
+A score_mod's plain data (reference.score_mods) is built from its name on both sides: the
+oracle reads the data, the implementation gets a callable in flex attention's convention (the
+ring_impl descriptor for the built-in kinds, which is such a callable with its data as fields:
+conformance/implementation.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conformance.baseline import session_device, single_device_baseline
+from conformance.implementation import load_implementation
+from reference.budget import Verdict, check, error_scales
+from reference.layout import positions
+from reference.layout import shard as oracle_shard
+from reference.masks import visibility
+from reference.strategies import kv_blocks
+from suites.cases import RingCase
+from suites.cases_masks import _sinks, _unshard, mask_spec
+from suites.inputs import InputSpec, make_inputs
+
+__all__ = [
+    "SCORE_MOD_NAMES",
+    "ScoreModCase",
+    "diagnose_scored",
+    "judge_scored",
+    "score_mod_spec",
+    "scored_case",
+]
+
+SCORE_MOD_NAMES = ("softcap", "alibi", "alibi_symmetric", "bias", "callable")
+
+
+def flex_style_mod(score, b, h, q_idx, kv_idx):
+    """A flex-style score_mod reading the score, the head and both global positions: a per-head
+    temperature, a term of the query's position and a clipped distance penalty."""
+    dist = (q_idx - kv_idx).abs().clamp(max=16).to(score.dtype)
+    return score * (1 + 0.2 * h) + 0.3 * torch.sin(0.37 * q_idx.to(score.dtype)) - 0.05 * dist
+
+
+def _alibi_slopes(heads: int) -> list[float]:
+    """The ALiBi paper's geometric slopes for a power-of-two head count, times 4 so that the
+    distances of a short test sequence move the softmax (the slopes are data, any values do)."""
+    return [4 * 2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)]
+
+
+def score_mod_spec(name: str, spec: InputSpec) -> dict[str, Any]:
+    """The plain-data score_mod (reference.score_mods) called ``name`` for the inputs ``spec``
+    (global lengths, heads, batch)."""
+    if name == "softcap":  # a cap near the logits' size: the cap changes every row
+        return {"kind": "softcap", "cap": 0.8}
+    if name in ("alibi", "alibi_symmetric"):
+        return {
+            "kind": "alibi",
+            "slopes": _alibi_slopes(spec.heads),
+            "symmetric": name == "alibi_symmetric",
+        }
+    if name == "bias":  # per head, shared by the batch rows
+        gen = torch.Generator().manual_seed(spec.seed + 7)
+        return {
+            "kind": "bias",
+            "bias": torch.randn(
+                1, spec.heads, spec.seq_q, spec.seq_kv, generator=gen, dtype=torch.float64
+            ),
+        }
+    if name == "callable":
+        return {"kind": "score_mod", "fn": flex_style_mod}
+    raise ValueError(f"unknown score_mod name {name!r}; expected one of {SCORE_MOD_NAMES}")
+
+
+def implementation_score_mod(data: dict[str, Any], dtype: torch.dtype):
+    """What the implementation gets for ``data``: the ring_impl descriptor (a flex-style callable
+    carrying its data) for the built-in kinds, the function itself for ``score_mod``. Tensors in
+    the input dtype's accumulation dtype (float64 for float64, else float32)."""
+    from ring_impl.score_mods import Alibi, PostScaleBias, SoftCap
+
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    kind = data["kind"]
+    if kind == "softcap":
+        return SoftCap(data["cap"])
+    if kind == "alibi":
+        return Alibi(torch.tensor(data["slopes"], dtype=acc), bool(data["symmetric"]))
+    if kind == "bias":
+        return PostScaleBias(data["bias"].to(acc))
+    return data["fn"]
+
+
+def oracle_data(data: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """``data`` with its tensors rounded as the implementation gets them (its constants are
+    inputs: the oracle takes them as given, as it takes the dtype-rounded query and key)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    if data["kind"] == "alibi":
+        return {
+            **data,
+            "slopes": torch.tensor(data["slopes"], dtype=acc).to(torch.float64).tolist(),
+        }
+    if data["kind"] == "bias":
+        return {**data, "bias": data["bias"].to(acc).to(torch.float64)}
+    return data
+
+
+@dataclass(frozen=True)
+class ScoreModCase(RingCase):
+    """``score_mod``: a name of :data:`SCORE_MOD_NAMES`; ``mask``: a named mask of the mask suite
+    (suites.cases_masks.MASK_NAMES) or "" (``is_causal`` alone, or none)."""
+
+    score_mod: str = "softcap"
+    mask: str = ""
+    sinks: bool = False
+    #: "ring", or "ulysses" / "hybrid" on a (U, R) mesh of world_size = U * R ranks
+    #: (suites.cases_strategies' groups, reference.strategies' layouts)
+    strategy: str = "ring"
+    mesh_shape: tuple[int, int] | None = None
+
+    def score_mod_data(self) -> dict[str, Any]:
+        return score_mod_spec(self.score_mod, self.inputs)
+
+    def mask_data(self) -> dict[str, Any] | None:
+        if self.mask:
+            return mask_spec(self.mask, self.inputs.seq_q)
+        return {"kind": "causal"} if self.is_causal else None
+
+    @property
+    def label(self) -> str:
+        mask = f", mask={self.mask}" if self.mask else ""
+        if self.mesh_shape is not None:
+            mask += f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
+        return (
+            RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
+            + f", score_mod={self.score_mod}{mask}, sinks={self.sinks})"
+        )
+
+
+def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
+    """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
+    group = ctx.group
+    w, r = ctx.world_size, ctx.rank
+    if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
+        from reference.strategies import shard as strategy_shard
+        from suites.cases_strategies import strategy_group
+
+        group = strategy_group(ctx, case.strategy, case.mesh_shape)
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return strategy_shard(t, case.strategy, case.layout, case.mesh_shape, r).contiguous()
+    else:
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return oracle_shard(t, case.layout, w, r)
+
+    impl = load_implementation(case.impl)
+    spec = case.inputs
+    g = make_inputs(spec)
+    q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
+    dout = shard(g.grad_out).to(ctx.device)
+    sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
+    kwargs: dict[str, Any] = dict(
+        group=group,
+        is_causal=case.is_causal,
+        scale=spec.scale,
+        rotate_method=case.rotate_method,
+        layout=case.layout,
+        return_lse=True,
+        score_mod=implementation_score_mod(case.score_mod_data(), spec.torch_dtype),
+    )
+    if case.mask:
+        from ring_impl.masks import from_spec
+
+        kwargs["mask"] = from_spec(mask_spec(case.mask, spec.seq_q))
+    if case.mesh_shape is not None:
+        kwargs["strategy"] = case.strategy
+    if sinks is not None:
+        kwargs["sinks"] = sinks
+    if case.op is not None:
+        from suites.cases import resolve_case_op
+
+        kwargs["op"] = resolve_case_op(case, ctx.device)
+    out, lse = impl.obj.ring_attention(q, k, v, **kwargs)
+    out.backward(dout)
+    return {
+        "out": out.detach().cpu(),
+        "lse": lse.detach().cpu(),
+        "dq": q.grad.cpu(),
+        "dk": k.grad.cpu(),
+        "dv": v.grad.cpu(),
+        "dsinks": None if sinks is None else sinks.grad.cpu(),
+    }
+
+
+def _visible(case: ScoreModCase) -> torch.Tensor | None:
+    data = case.mask_data()
+    if data is None:
+        return None
+    spec = case.inputs
+    return visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+
+
+@functools.lru_cache(maxsize=32)
+def _baseline(case: ScoreModCase, op_spec: str | None, device_name: str) -> dict[str, torch.Tensor]:
+    """The policy's B: the same kernel (one taking a score_mod) on the whole sequence."""
+    spec = case.inputs
+    g = make_inputs(spec)
+    return single_device_baseline(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        op_spec=op_spec,
+        scale=spec.scale,
+        visible=_visible(case),
+        sinks=_sinks(spec) if case.sinks else None,
+        score_mod=oracle_data(case.score_mod_data(), spec.torch_dtype),
+    )
+
+
+def _rank_positions(case: ScoreModCase) -> list[torch.Tensor]:
+    if case.mesh_shape is not None:
+        from reference.strategies import positions as strategy_positions
+
+        return [
+            strategy_positions(case.strategy, case.layout, case.mesh_shape, r, case.inputs.seq_q)
+            for r in range(case.world_size)
+        ]
+    return [
+        positions(case.layout, case.world_size, r, case.inputs.seq_q)
+        for r in range(case.world_size)
+    ]
+
+
+def judge_scored(
+    case: ScoreModCase, results: list[dict[str, Any]], baseline_op: str | None = None
+) -> list[Verdict]:
+    """Verdicts for out, lse, dq, dk, dv (and dsinks) against the float64 oracle with the same
+    score_mod (and mask, sinks)."""
+    from reference import attention_grads
+
+    spec, w = case.inputs, case.world_size
+    g = make_inputs(spec)
+    vis = _visible(case)
+    sinks = _sinks(spec) if case.sinks else None
+    data = oracle_data(case.score_mod_data(), spec.torch_dtype)
+    ref = attention_grads(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        visible=vis,
+        sinks=sinks,
+        scale=spec.scale,
+        score_mod=data,
+    )
+    scales = error_scales(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        visible=vis,
+        scale=spec.scale,
+        sinks=sinks,
+        input_dtype=spec.torch_dtype,
+        score_mod=data,
+    )
+    base = _baseline(case, case.op or baseline_op, str(session_device()))
+    pos = _rank_positions(case)
+    lse_dtype = torch.float64 if spec.torch_dtype == torch.float64 else torch.float32
+    # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel sees
+    # the whole sequence; the hybrid merges its ring's R).
+    blocks = w if case.mesh_shape is None else kv_blocks(case.strategy, case.mesh_shape)
+    verdicts = []
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        parts = [r.get(name) for r in results]
+        if any(p is None for p in parts):
+            raise AssertionError(
+                f"{name}: a rank returned no {name} (ring_attention with return_lse=True returns "
+                "(out, lse) and gradients for query, key, value)"
+            )
+        got = _unshard(parts, pos).to(torch.float64)
+        want, b = getattr(ref, name), base[name].to(torch.float64)
+        if (
+            name == "lse"
+        ):  # rows that see nothing (a mask's, and no sink): -inf on both sides, compared as 0
+            nothing = torch.isneginf(want)
+            if not torch.equal(torch.isneginf(got), nothing):
+                named = diagnose_scored(case, results)
+                if named:
+                    raise AssertionError(f"lse: {named} [{case.label}]")
+                raise AssertionError(
+                    f"lse: {int((torch.isneginf(got) != nothing).sum())} rows are -inf where the "
+                    f"oracle's are not, or the reverse (-inf: the row sees nothing) [{case.label}]"
+                )
+            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
+        verdicts.append(
+            check(
+                name,
+                got,
+                want,
+                b,
+                dtype=spec.torch_dtype,
+                result_dtype=lse_dtype if name == "lse" else spec.torch_dtype,
+                scales=scales[name],
+                world_size=blocks,
+                context=f"[{case.label}]",
+            )
+        )
+    if case.sinks:
+        parts = [r.get("dsinks") for r in results]
+        if any(p is None for p in parts):
+            raise AssertionError(
+                "dsinks: a rank's sinks got no gradient (sinks must be differentiable)"
+            )
+        got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
+        verdicts.append(
+            check(
+                "dsinks",
+                got,
+                ref.dsinks,
+                base["dsinks"].to(torch.float64),
+                dtype=spec.torch_dtype,
+                result_dtype=lse_dtype,
+                world_size=w,
+                roundings=spec.batch * spec.seq_q,
+                scales=scales["dsinks"],
+                context=f"[{case.label}] (summed over ranks)",
+            )
+        )
+    return verdicts
+
+
+def _at_local_positions(data: dict[str, Any], local: torch.Tensor) -> dict[str, Any]:
+    """``data`` evaluated with every global position replaced by its row index within its rank's
+    shard (``local``: global position -> local row)."""
+    from reference.score_mods import apply_score_mod
+
+    def fn(score, b, h, i, j):
+        return apply_score_mod(
+            data, score, q_positions=local[i.flatten()], k_positions=local[j.flatten()]
+        )
+
+    return {"kind": "score_mod", "fn": fn}
+
+
+def _equals(
+    case: ScoreModCase, got_out: torch.Tensor, got_lse: torch.Tensor, data: dict[str, Any] | None
+) -> bool:
+    """Whether the ranks' out and LSE are attention under ``data`` (None: no score_mod): within
+    1% of the largest output, the LSE within 1% of its largest."""
+    from reference import attention
+
+    spec = case.inputs
+    g = make_inputs(spec)
+    wrong = attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=_visible(case),
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+        score_mod=data,
+    )
+    tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
+    seen = torch.isfinite(wrong.lse)
+    lse_err = (got_lse - wrong.lse).masked_fill(~seen, 0.0).abs().max()
+    return float((got_out - wrong.out).abs().max()) <= tol and float(lse_err) <= 1e-2 * max(
+        1.0, float(wrong.lse.masked_fill(~seen, 0.0).abs().max())
+    )
+
+
+def diagnose_scored(case: ScoreModCase, results: list[dict[str, Any]]) -> str:
+    """Name the score_mod bug class the output points at, or ""."""
+    spec = case.inputs
+    pos = _rank_positions(case)
+    out = _unshard([r["out"] for r in results], pos).to(torch.float64)
+    lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
+    data = oracle_data(case.score_mod_data(), spec.torch_dtype)
+    if _equals(case, out, lse, None) or (data["kind"] == "softcap" and _out_without(case, out)):
+        if data["kind"] != "softcap":
+            return (
+                "the score_mod was not applied: the output is attention without it; it must "
+                "change each block's scores inside every ring step, before the merge"
+            )
+        return (
+            "soft-cap applied after the merge (or not at all): the output is attention "
+            "without the score_mod; a score_mod changes each block's scores before that "
+            "block's softmax statistics, inside every ring step, so that the merge combines "
+            "modified blocks (capping a merged LSE or output is not attention with capped "
+            "logits)"
+        )
+    if case.world_size > 1 and case.mesh_shape is None:
+        local = torch.empty(spec.seq_q, dtype=torch.int64)
+        for p in pos:
+            local[p] = torch.arange(p.numel())
+        if _equals(case, out, lse, _at_local_positions(data, local)):
+            return (
+                f"{case.score_mod} on local instead of global positions: the output is "
+                "attention with the score_mod evaluated at each rank's local row indices "
+                "(0..seq_local-1 for queries and for the key/value block it holds); q_idx and "
+                "kv_idx must be global token positions, the layout's, whatever the rank and "
+                "the ring step"
+            )
+    return ""
+
+
+def _out_without(case: ScoreModCase, out: torch.Tensor) -> bool:
+    """Whether the output alone is attention without the score_mod (the LSE may have been
+    changed after the merge)."""
+    from reference import attention
+
+    spec = case.inputs
+    g = make_inputs(spec)
+    plain = attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=_visible(case),
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+    ).out
+    return float((out - plain).abs().max()) <= 1e-2 * max(1.0, float(plain.abs().max()))

@@ -1,0 +1,178 @@
+"""Score modifications under context parallelism: logit soft-capping (Gemma), ALiBi (signed and
+symmetric, slopes on the distance of *global* positions), a post-scale bias on the global
+sequence and a flex-style ``score_mod(score, b, h, q_idx, kv_idx)`` reading the score, the head
+and both positions; alone, with ``is_causal`` and with a mask of the mask suite, with sinks;
+every rotation, both built-in layouts, W 1, 2 and 4 (nightly: every enabled world size and
+dtype), float64/float32/bfloat16, GQA; ALiBi and the function under Ulysses and the hybrid on
+the 4-rank meshes (capability ``strategies``). Judged against the float64 oracle with the same
+score_mod (reference.score_mods, written apart from ring_impl) by the numerics policy, the
+baseline being the same kernel with the score_mod on one device.
+
+Failures name the bug classes the output points at: a soft-cap (any score_mod) not applied in
+the blocks (the output is attention without it: applied after the merge, or not at all), a
+score_mod evaluated at local row indices instead of global positions.
+
+Capability ``score_mod`` (undeclared claims it); ``lse`` (the LSE is judged), ``masks`` and
+``sinks`` for the cases that use them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from harness.pytest_plugin import settings_of
+from suites.cases_score_mods import (
+    SCORE_MOD_NAMES,
+    ScoreModCase,
+    diagnose_scored,
+    judge_scored,
+    scored_case,
+)
+from suites.inputs import InputSpec
+from suites.judge import format_failure
+from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
+from suites.runner import case_properties
+
+#: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
+#: documents and a window (masked blocks, rows that see nothing).
+_MASKS = ("", "causal", "documents_window")
+
+
+def _cases(config) -> list:
+    nightly = tier(config) == "nightly"
+    sizes = world_sizes(config) if nightly else world_sizes(config, at_most=4)
+    dtypes = ("float64", "float32", "bfloat16")
+    out = []
+    for i, (name, w, layout) in enumerate(itertools.product(SCORE_MOD_NAMES, sizes, LAYOUTS)):
+        chosen = dtypes if nightly else (dtypes[i % 3],)
+        for j, dtype in enumerate(chosen):
+            mask = _MASKS[(i + j) % 3]
+            if (
+                name == "alibi_symmetric" and mask
+            ):  # symmetric ALiBi is for attention that sees both ways
+                mask = ""
+            spec = InputSpec(
+                batch=2 if (i + j) % 4 == 1 else 1,
+                heads=4,
+                heads_kv=2 if (i + j) % 2 else 4,
+                seq_q=24 * w,
+                seq_kv=24 * w,
+                head_dim=16,
+                dtype=dtype,
+            )
+            out.append(
+                ScoreModCase(
+                    spec,
+                    w,
+                    is_causal=mask == "causal",
+                    layout=layout,
+                    rotate_method=ROTATIONS[(i // 2 + j) % 3],
+                    score_mod=name,
+                    mask="" if mask == "causal" else mask,
+                    sinks=(i + j) % 5 == 0,
+                )
+            )
+    out += _strategy_cases(config)
+    return params(
+        out,
+        id_extra=lambda c: (
+            *((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
+            c.score_mod,
+            *((c.mask,) if c.mask else ()),
+            *(("sinks",) if c.sinks else ()),
+        ),
+    )
+
+
+#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/test_strategies.py's).
+STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
+
+
+def _strategy_cases(config) -> list[ScoreModCase]:
+    """ALiBi (slopes of each rank's global heads) and the flex-style function (the head and both
+    positions) under Ulysses and the hybrid on 4 ranks, GQA with fewer key/value heads than the
+    Ulysses degree; the layout, causality and dtype turned per case."""
+    if 4 not in settings_of(config).mesh_world_sizes:
+        return []
+    out = []
+    for i, ((strategy, mesh), name) in enumerate(
+        itertools.product(STRATEGY_MESHES, ("alibi", "callable"))
+    ):
+        spec = InputSpec(
+            batch=1,
+            heads=4,
+            heads_kv=2,
+            seq_q=64,
+            seq_kv=64,
+            head_dim=16,
+            dtype=("float64", "float32")[i % 2],
+        )
+        out.append(
+            ScoreModCase(
+                spec,
+                4,
+                is_causal=i % 3 != 1,
+                layout=LAYOUTS[(i // 2 + i) % 2],
+                rotate_method=ROTATIONS[i % 3],
+                score_mod=name,
+                strategy=strategy,
+                mesh_shape=mesh,
+                sinks=i == 2,
+            )
+        )
+    return out
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", _cases(metafunc.config))
+
+
+def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
+    __tracebackhide__ = True
+    op = case.op if case.op is not None else ring.op_spec
+    ring.request.node.user_properties.append(("ring_case", case_properties(case.with_(op=op))))
+    ring.require("score_mod", why=f"score_mod {case.score_mod!r}")
+    ring.require("lse", why="the LSE of the modified scores is part of the contract")
+    if case.mask:
+        for kind in ("and", "document", "sliding_window"):
+            ring.require("masks", kind, why=f"mask {case.mask!r}")
+    if case.sinks:
+        ring.require("sinks")
+    if case.mesh_shape is not None:
+        ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
+    ring.require("layouts", case.layout)
+    ring.require("rotate_methods", case.rotate_method)
+    ring.require("backward")
+    if isinstance(op, str) and ":" not in op and op != "auto":
+        from ring_impl.ops import get_op
+
+        if not getattr(get_op(op).capabilities, "score_mod", False):
+            pytest.skip(
+                f"the session's op {op!r} declares no OpCapabilities.score_mod (a fused kernel "
+                "computes no "
+                "explicit scores); the score_mod cases run with --op math or without --op"
+            )
+    ring.require_inputs(case, op)
+    return case.with_(impl=ring.impl.spec, op=op)
+
+
+def test_score_mod_matches_reference(ring, case: ScoreModCase) -> None:
+    """out, LSE, dQ, dK, dV (and dSinks) with the score_mod against the float64 oracle."""
+    case = _prepare(ring, case)
+    assert case.score_mod in SCORE_MOD_NAMES
+    results = ring.rank_pool(case.world_size).run(scored_case, case, timeout=ring.timeout_for(case))
+    try:
+        verdicts = judge_scored(
+            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
+        )
+    except AssertionError as exc:  # a broken contract: no numbers to judge
+        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
+    ring.record(case, verdicts)
+    failed = [v for v in verdicts if not v.passed]
+    if failed:
+        pytest.fail(
+            format_failure(failed, diagnose_scored(case, results), ring.repro()), pytrace=False
+        )
