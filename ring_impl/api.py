@@ -12,6 +12,7 @@ from .halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
 from .heads import plan_chunks
 from .kv_gather import gather_path, gather_refusal
 from .masks import fold_causal, mask_code, masking_problem, snapshot
+from .max_logit import max_logit_problem
 from .ops import AttentionOp, resolve_scale_and_op
 from .plan import plan_ahead
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
@@ -47,10 +48,20 @@ MASKS_RUN_EAGERLY = (
 )
 
 
+#: Why a call with return_max_logit=True leaves the compiled graph.
+MAX_LOGIT_RUNS_EAGERLY = (
+    "ring_attention(return_max_logit=True) runs eagerly inside torch.compile (a graph break): its "
+    "max logit is a third output of the ring's forward and an all-reduce the compiled ring does not carry. "
+    "Compile without fullgraph=True, or ask for the max logit outside the compiled region"
+)
+
+
 def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | None = None, **kwargs):
     """``ring_attention``'s body. A masked call under torch.compile runs as custom ops in the
     graph (ring_impl.compiled_masks: the plan is made when the op runs, so a new mask is never
     served an old plan) or, for what those cannot carry, eagerly (MASKS_RUN_EAGERLY)."""
+    if kwargs.get("return_max_logit") and torch.compiler.is_compiling():
+        return _max_logit_eagerly(impl, query, key, value, **kwargs)
     if kwargs.get("mask") is not None and torch.compiler.is_compiling():
         if impl_name is not None:
             from .compiled_masks import masked_ring_call
@@ -69,12 +80,15 @@ def _ring_attention(impl: RingAttention, query, key, value, *, impl_name: str | 
     return _attend(impl, query, key, value, **kwargs)
 
 
-def _attend(impl: RingAttention, query, key, value, *, return_lse: bool = False, sinks=None, **kwargs):
+def _attend(impl: RingAttention, query, key, value, *, return_lse: bool = False, sinks=None,
+            return_max_logit: bool = False, **kwargs):
+    if return_max_logit is not False:  # passed on only when asked: other paths take no such keyword
+        kwargs["return_max_logit"] = return_max_logit
     path = call_path(impl, query, key, value, return_lse=return_lse, sinks=sinks, **kwargs)
-    out, lse = PathFunction.apply(query, key, value, path, bool(return_lse) or sinks is not None)
+    out, lse, *max_logit = PathFunction.apply(query, key, value, path, bool(return_lse) or sinks is not None)
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+    return (out, *((lse,) if return_lse else ()), *max_logit) if return_lse or max_logit else out
 
 
 def call_path(impl: RingAttention, query, key, value, *, strategy: str = "ring", algorithms=None,
@@ -108,6 +122,9 @@ def _call_path(impl: RingAttention, query, key, value, *, strategy: str, algorit
     from .strategies import strategy_path
 
     extra_problem, halo, sparse_kv = kwargs.pop("extra_problem", None), kwargs.pop("halo", None), kwargs.pop("sparse_kv", False)
+    if kwargs.pop("return_max_logit", False) is not False:
+        extra_problem = extra_problem or (f"return_max_logit runs with strategy='ring' only (strategy={strategy!r} "
+                                          "does not compute it); pass strategy='ring'")
     if halo is not None and halo is not False:
         extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
     if sparse_kv is not False:
@@ -135,6 +152,7 @@ def ring_path(
     sinks=None,
     halo: bool | None = None,
     sparse_kv: bool = False,
+    return_max_logit: bool = False,
 ) -> Path:
     """The :class:`ring_impl.ring.Path` (the ring, the halo exchange or the sparse gather) that
     serves a ``strategy="ring"`` call of ``ring_attention`` with these arguments, after checking
@@ -149,6 +167,8 @@ def ring_path(
         query, key, value, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method,
         op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse, world_size=world,
     ) or masking_problem(query, key, mask, sinks, world_size=world)
+    if problem is None:
+        problem = max_logit_problem(return_max_logit, halo=halo, sparse_kv=sparse_kv)
     folded = fold_causal(mask, is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
@@ -161,7 +181,7 @@ def ring_path(
             problem = ("halo=True and sparse_kv=True ask for two different exchanges; pass one of them" if halo
                        else gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy="ring"))
             gather = problem is None and world > 1
-        elif halo is not False and world > 1:
+        elif halo is not False and world > 1 and not return_max_logit:  # (only the ring computes it)
             where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
             reach = halo_reach(folded, **where)
             if reach is None and halo:
@@ -172,7 +192,7 @@ def ring_path(
         cfg = RingConfig(
             group=RingGroup.of(pg, query.device), is_causal=bool(is_causal), scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
-            mask_dims=(query.shape[0], query.shape[1]), plan_memo={},
+            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, max_logit=bool(return_max_logit),
         )
 
         def make_ahead() -> None:
@@ -186,6 +206,7 @@ def ring_path(
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
+            return_max_logit=bool(return_max_logit) if problem is None else False,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
                                                          key.shape[2] * world), query.device),
@@ -214,6 +235,7 @@ def _path(impl: RingAttention, cfg: RingConfig, query, key, gather: bool, reach,
 
 
 _masked_eagerly = torch._dynamo.disable(_attend, reason=MASKS_RUN_EAGERLY)
+_max_logit_eagerly = torch._dynamo.disable(_attend, reason=MAX_LOGIT_RUNS_EAGERLY)
 
 
 def _path_code(code: int, path: str) -> int:
@@ -303,10 +325,24 @@ Args:
         collective_schedule(..., mask=, rank=, sparse_kv=True).
     sinks: (heads,) per-head sink logits (a softmax term with no value), differentiable; each
         rank's gradient covers its own rows (reduce it over the group like any parameter's).
+    return_max_logit: also return the per-head maximum attention logit (what QK-clip optimisers
+        such as MuonClip read; TransformerEngine's return_max_logit): (heads,), float32
+        (float64 for float64 inputs), the maximum over the batch, every query row on every rank
+        and every key that row sees under causality and the mask of ``scale * q . k`` (before
+        the softmax; sink logits are not logits of keys and are left out), equal on every rank
+        (one all-reduce MAX at the end of the forward). -inf for a head that sees nothing; NaN
+        where a NaN input reaches a logit some row sees. Detached: not differentiable.
+        Computed per ring step from the step's query and key blocks (one extra block matmul per
+        kernel call, in row slices), nothing of it without the flag. The ring only (every
+        rotation, layout, op, head_chunks, GQA, mask; a mask the halo exchange would serve
+        runs on the ring); halo=True, sparse_kv=True and strategy="ulysses"/"hybrid" raise
+        InputError on every rank. Under torch.compile it runs eagerly (a graph break; see
+        MAX_LOGIT_RUNS_EAGERLY). Its all-reduce: collective_schedule(..., return_max_logit=True).
 
 Returns:
-    The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE
-    when ``return_lse``.
+    The local output (batch, heads, seq_q_local, head_dim) in the input dtype, then the LSE
+    when ``return_lse``, then the max logit (heads,) when ``return_max_logit``: ``out``,
+    ``(out, lse)``, ``(out, max_logit)`` or ``(out, lse, max_logit)``.
 
 Raises:
     InputError (a ValueError) on every rank, before any ring collective, for bad input on
