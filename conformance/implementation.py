@@ -51,6 +51,16 @@ tensors evaluates it; built from the plain-data spec of :mod:`reference.masks`),
 ``sinks.grad``. Rows that see nothing must come back as out 0, LSE -inf (the sink logit with
 sinks), zero gradients.
 
+``return_max_logit`` (capability ``max_logit``) is passed to ``ring_attention`` by the max-logit
+suite (``suites/test_max_logit.py``): with ``return_max_logit=True`` it returns ``(out,
+max_logit)`` (``(out, lse, max_logit)`` with ``return_lse=True``), ``max_logit`` a (heads,)
+tensor in float32 (float64 for float64 inputs), not requiring grad, equal on every rank: per
+head the largest ``scale * q . k`` over the batch, every query row on every rank and every key
+that row sees under causality and the mask (sinks are no keys' logits), -inf for a head that
+sees nothing, NaN where a NaN input reaches a visible logit (what QK-clip optimisers read;
+TransformerEngine's ``return_max_logit``). With ``collective_schedule`` claimed, the suite also
+asks ``collective_schedule(..., heads=, return_max_logit=True)`` for the call's collectives.
+
 ``balanced_layout(balancer, mask, seq_len, world_size)``
     (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``
     (head_tail per packed document) and ``"work_aware"`` (chunks dealt by their work under the
@@ -153,6 +163,7 @@ class Capabilities:
     masks: frozenset[str] | None = None  # mask kinds (reference.masks.MASK_KINDS) of ring_attention(mask=...)
     sinks: bool | None = None  # ring_attention(sinks=...): per-head sink logits, differentiable
     balancers: frozenset[str] | None = None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
+    max_logit: bool | None = None  # ring_attention(return_max_logit=True): the per-head max logit
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

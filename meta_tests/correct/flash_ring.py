@@ -460,6 +460,7 @@ class FlashRing:
         strategies=frozenset({"ring"}),
         masks=frozenset(),
         sinks=False,
+        max_logit=False,  # returns no max logit (ring_attention takes no return_max_logit)
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)
