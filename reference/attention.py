@@ -329,11 +329,16 @@ def max_logit(
     is_causal as for :func:`attention`. ``dtype``: the dtype the scores are formed in (float64,
     the oracle; the suites' single-device baseline passes the kernels' compute dtype).
     """
-    if query.dim() != 4 or key.dim() != 4 or query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
-        raise ValueError(f"max_logit expects query (batch, heads, seq_q, d) and key (batch, heads_kv, seq_k, d); "
-                         f"got {tuple(query.shape)} and {tuple(key.shape)}")
+    if query.dim() != 4 or key.dim() != 4 or query.shape[::3] != key.shape[::3]:
+        raise ValueError(
+            "max_logit expects query (batch, heads, seq_q, d) and key (batch, heads_kv, seq_k, d); "
+            f"got {tuple(query.shape)} and {tuple(key.shape)}"
+        )
     if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]}) for GQA")
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]}) "
+            "for GQA"
+        )
     q = query.detach().to(dtype)
     k = expand_kv_heads(key.detach().to(dtype), q.shape[1])
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)

@@ -336,10 +336,13 @@ def max_logit_scale(query: Tensor, key: Tensor, *, scale: float | None = None,
     """
     from reference.attention import default_scale, expand_kv_heads
 
-    q = torch.nan_to_num(query.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
-    k = expand_kv_heads(torch.nan_to_num(key.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs(),
-                        q.shape[1])
-    s = abs(default_scale(q.shape[-1]) if scale is None else float(scale)) * (q @ k.transpose(-2, -1))
+    def finite_abs(t: Tensor) -> Tensor:
+        return torch.nan_to_num(t.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
+
+    q = finite_abs(query)
+    k = expand_kv_heads(finite_abs(key), q.shape[1])
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    s = abs(scale) * (q @ k.transpose(-2, -1))
     if visible is not None:
         s = s.masked_fill(~visible.to(s.device).expand_as(s), 0.0)
     m = s.amax(dim=(0, 2, 3)) if s.numel() else torch.zeros(q.shape[1], dtype=torch.float64)

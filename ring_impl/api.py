@@ -51,7 +51,8 @@ MASKS_RUN_EAGERLY = (
 #: Why a call with return_max_logit=True leaves the compiled graph.
 MAX_LOGIT_RUNS_EAGERLY = (
     "ring_attention(return_max_logit=True) runs eagerly inside torch.compile (a graph break): its "
-    "max logit is a third output of the ring's forward and an all-reduce the compiled ring does not carry. "
+    "max logit is a third output of the ring's forward and an all-reduce the compiled ring does "
+    "not carry. "
     "Compile without fullgraph=True, or ask for the max logit outside the compiled region"
 )
 
@@ -85,7 +86,8 @@ def _attend(impl: RingAttention, query, key, value, *, return_lse: bool = False,
     if return_max_logit is not False:  # passed on only when asked: other paths take no such keyword
         kwargs["return_max_logit"] = return_max_logit
     path = call_path(impl, query, key, value, return_lse=return_lse, sinks=sinks, **kwargs)
-    out, lse, *max_logit = PathFunction.apply(query, key, value, path, bool(return_lse) or sinks is not None)
+    with_lse = bool(return_lse) or sinks is not None
+    out, lse, *max_logit = PathFunction.apply(query, key, value, path, with_lse)
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
     return (out, *((lse,) if return_lse else ()), *max_logit) if return_lse or max_logit else out
@@ -123,8 +125,9 @@ def _call_path(impl: RingAttention, query, key, value, *, strategy: str, algorit
 
     extra_problem, halo, sparse_kv = kwargs.pop("extra_problem", None), kwargs.pop("halo", None), kwargs.pop("sparse_kv", False)
     if kwargs.pop("return_max_logit", False) is not False:
-        extra_problem = extra_problem or (f"return_max_logit runs with strategy='ring' only (strategy={strategy!r} "
-                                          "does not compute it); pass strategy='ring'")
+        extra_problem = extra_problem or (
+            f"return_max_logit runs with strategy='ring' only (strategy={strategy!r} does not "
+            "compute it); pass strategy='ring'")
     if halo is not None and halo is not False:
         extra_problem = extra_problem or f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
     if sparse_kv is not False:
@@ -181,7 +184,7 @@ def ring_path(
             problem = ("halo=True and sparse_kv=True ask for two different exchanges; pass one of them" if halo
                        else gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy="ring"))
             gather = problem is None and world > 1
-        elif halo is not False and world > 1 and not return_max_logit:  # (only the ring computes it)
+        elif halo is not False and world > 1 and not return_max_logit:  # (only the ring has it)
             where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
             reach = halo_reach(folded, **where)
             if reach is None and halo:
@@ -192,7 +195,8 @@ def ring_path(
         cfg = RingConfig(
             group=RingGroup.of(pg, query.device), is_causal=bool(is_causal), scale=effective_scale, layout=layout,
             rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
-            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, max_logit=bool(return_max_logit),
+            mask_dims=(query.shape[0], query.shape[1]), plan_memo={},
+            max_logit=bool(return_max_logit),
         )
 
         def make_ahead() -> None:

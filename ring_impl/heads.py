@@ -99,8 +99,8 @@ def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.
     first_record = len(recorder.records) if recorder is not None else 0
     token: torch.Tensor | None = None
     for hq, hkv in spans:
-        out_c, lse_c, *max_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq), _keys_after(key, hkv, token),
-                                            _chunk(value, hkv))
+        out_c, lse_c, *max_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq),
+                                            _keys_after(key, hkv, token), _chunk(value, hkv))
         if out is None or lse is None:
             out = query.new_empty(query.shape, dtype=out_c.dtype)
             lse = lse_c.new_empty(query.shape[:3])

@@ -30,9 +30,16 @@ __all__ = ["block_max_logit", "max_logit_problem", "reduce_max_logit"]
 _SLICE_ENTRIES = 1 << 22
 
 
-def block_max_logit(q: torch.Tensor, k: torch.Tensor, *, scale: float, kind: str,
-                    visible: torch.Tensor | None = None, bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    dtype: torch.dtype) -> torch.Tensor:
+def block_max_logit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    kind: str,
+    visible: torch.Tensor | None = None,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """(heads,) in ``dtype``: the largest ``scale * q_i . k_j`` over the (i, j) the block shows.
 
     q (batch, heads, rows, head_dim), k (batch, heads_kv, cols, head_dim) (GQA: query head ``h``
@@ -76,7 +83,9 @@ def _seen(kind: str, r0: int, r1: int, cols: int, visible, bounds, device) -> to
     raise ValueError(f"block kind {kind!r} has no max-logit rule")
 
 
-def reduce_max_logit(local: torch.Tensor, pg: dist.ProcessGroup, *, stage_on_host: bool = False) -> torch.Tensor:
+def reduce_max_logit(
+    local: torch.Tensor, pg: dist.ProcessGroup, *, stage_on_host: bool = False
+) -> torch.Tensor:
     """The group's maximum of every rank's ``local`` (heads,), in one all-reduce (MAX).
 
     A collective's MAX need not carry NaN (gloo's takes ``max(a, b)``, which drops a NaN in
@@ -87,7 +96,11 @@ def reduce_max_logit(local: torch.Tensor, pg: dist.ProcessGroup, *, stage_on_hos
     staged = packed.cpu() if stage_on_host else packed
     dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=pg)
     packed = staged.to(local.device) if stage_on_host else staged
-    return torch.where(packed[1] > 0, torch.full((), float("nan"), dtype=local.dtype, device=local.device), packed[0])
+    return torch.where(
+        packed[1] > 0,
+        torch.full((), float("nan"), dtype=local.dtype, device=local.device),
+        packed[0],
+    )
 
 
 def max_logit_problem(return_max_logit, *, halo, sparse_kv) -> str | None:
@@ -96,11 +109,16 @@ def max_logit_problem(return_max_logit, *, halo, sparse_kv) -> str | None:
     if return_max_logit is False:
         return None
     if not isinstance(return_max_logit, bool):
-        return f"return_max_logit must be a bool, got {return_max_logit!r} ({type(return_max_logit).__name__})"
+        kind = type(return_max_logit).__name__
+        return f"return_max_logit must be a bool, got {return_max_logit!r} ({kind})"
     if halo is True:
-        return ("return_max_logit=True runs on the ring only, and halo=True asks for the halo exchange; pass "
-                "halo=None (the ring then serves the call)")
+        return (
+            "return_max_logit=True runs on the ring only, and halo=True asks for the halo "
+            "exchange; pass halo=None (the ring then serves the call)"
+        )
     if sparse_kv is True:
-        return ("return_max_logit=True runs on the ring only, and sparse_kv=True asks for the sparse gather; pass "
-                "sparse_kv=False")
+        return (
+            "return_max_logit=True runs on the ring only, and sparse_kv=True asks for the sparse "
+            "gather; pass sparse_kv=False"
+        )
     return None

@@ -162,12 +162,13 @@ class RingAttention:
         return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
                              grad_lse=grad_lse, visible=visible, row_bounds=bounds)
 
-    def block_max_logit(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, plan: Block) -> torch.Tensor:
+    def block_max_logit(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor,
+                        plan: Block) -> torch.Tensor:
         """(heads,) the largest scaled logit the block's queries see, in the accumulation dtype
         (ring_impl.max_logit: -inf for a head that sees nothing, NaN where a NaN reaches)."""
         visible, bounds = plan.masking_on(q.device)
-        return block_max_logit(q, k, scale=cfg.scale, kind=plan.kind, visible=visible, bounds=bounds,
-                               dtype=self.accumulation_dtype(q.dtype))
+        return block_max_logit(q, k, scale=cfg.scale, kind=plan.kind, visible=visible,
+                               bounds=bounds, dtype=self.accumulation_dtype(q.dtype))
 
     def reduce_max_logit(self, cfg: RingConfig, local: torch.Tensor) -> torch.Tensor:
         """The group's per-head maximum of every rank's ``local`` (heads,): one all-reduce."""
@@ -278,7 +279,9 @@ class RingAttention:
         view = cfg.op.capabilities.row_views
         plans = self.plan(cfg, sq, key.shape[2])
         # the running maximum over every step's blocks (a head nothing is seen of stays -inf)
-        max_logit = torch.full((query.shape[1],), float("-inf"), dtype=acc, device=query.device) if cfg.max_logit else None
+        max_logit = None
+        if cfg.max_logit:
+            max_logit = torch.full((query.shape[1],), float("-inf"), dtype=acc, device=query.device)
         for plan in plans:
             kv = (key, value) if rotation is None else rotation.block(plan.step)
             finite = len(plan.blocks) > 0 and query_finite and self.all_finite(kv[0], kv[1])

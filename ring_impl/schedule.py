@@ -108,19 +108,20 @@ def collective_schedule(
     ValueError with another strategy, ``sparse_kv`` or ``halo=True``, which refuse it).
     """
     if not isinstance(return_max_logit, bool):
-        raise ValueError(f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}")
+        raise ValueError(
+            f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}")
     if return_max_logit:
         if strategy != "ring" or sparse_kv or halo is True:
-            raise ValueError("collective_schedule: return_max_logit=True runs on the ring only (strategy='ring', "
-                             "sparse_kv=False, halo None or False)")
+            raise ValueError("collective_schedule: return_max_logit=True runs on the ring only "
+                             "(strategy='ring', sparse_kv=False, halo None or False)")
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"collective_schedule: return_max_logit=True needs heads= (query heads, an int >= 1), "
-                             f"got {heads!r}")
-        # Under torch.compile such a call runs eagerly (ring_impl.api.MAX_LOGIT_RUNS_EAGERLY): its schedule is eager.
-        ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
-                      dtype=dtype, compiled=compiled, head_chunks=head_chunks)  # (its checks of the arguments)
-        schedule = collective_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv,
-                                       head_dim=head_dim, dtype=dtype, compiled=False, head_chunks=head_chunks)
+            raise ValueError("collective_schedule: return_max_logit=True needs heads= (query "
+                             f"heads, an int >= 1), got {heads!r}")
+        sizes = dict(batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype,
+                     head_chunks=head_chunks)
+        ring_schedule(world_size, rotate_method, compiled=compiled, **sizes)  # (checks arguments)
+        # Under torch.compile the call runs eagerly (ring_impl.api.MAX_LOGIT_RUNS_EAGERLY).
+        schedule = collective_schedule(world_size, rotate_method, compiled=False, **sizes)
         if world_size > 1:
             entry = schedule["forward"].setdefault("all_reduce", {"calls": 0, "bytes": 0})
             entry["calls"] += 1

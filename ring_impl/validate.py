@@ -72,12 +72,14 @@ STRATEGIES = ("ring", "ulysses", "hybrid")
 STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse", "return_max_logit")
 
 
-def strategy_codes(strategy: str, mesh_shape: tuple[int, int], return_lse, return_max_logit=False) -> list[int]:
+def strategy_codes(strategy: str, mesh_shape: tuple[int, int], return_lse,
+                   return_max_logit=False) -> list[int]:
     """A row's :data:`STRATEGY_FIELDS`. The ring compares no ``return_lse`` (nothing of the LSE
     travels): 0. ``return_max_logit`` adds the ring's all-reduce of the max logit: ranks that
     disagree on it would pair it with another collective."""
     lse = int(bool(return_lse)) if strategy != "ring" else 0
-    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse, int(bool(return_max_logit))]
+    max_logit = int(bool(return_max_logit))
+    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse, max_logit]
 
 
 def strategy_disagreement(codes: list[list[int]]) -> str | None:
@@ -91,7 +93,8 @@ def strategy_disagreement(codes: list[list[int]]) -> str | None:
         for r, row in enumerate(codes):
             values.setdefault(row[i], []).append(r)
         if len(values) > 1:
-            shown = {"strategy": lambda c: repr(STRATEGIES[c]), "return_lse": lambda c: str(bool(c)),
+            shown = {"strategy": lambda c: repr(STRATEGIES[c]),
+                     "return_lse": lambda c: str(bool(c)),
                      "return_max_logit": lambda c: str(bool(c))}.get(field, str)
             differing.append(f"{field} (" + "; ".join(f"ranks {ranks} {shown(c)}" for c, ranks in values.items()) + ")")
     if not differing:

@@ -55,10 +55,19 @@ def max_logit_case(ctx, case: MaxLogitCase) -> dict[str, Any]:
     spec = case.inputs
     g = make_inputs(spec)
     w, r = ctx.world_size, ctx.rank
-    q, k, v = (shard(t, case.layout, w, r, dim=2).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
-    kwargs: dict[str, Any] = dict(group=ctx.group, is_causal=case.is_causal, scale=spec.scale,
-                                  rotate_method=case.rotate_method, layout=case.layout, return_lse=case.return_lse,
-                                  return_max_logit=True)
+    q, k, v = (
+        shard(t, case.layout, w, r, dim=2).to(ctx.device).requires_grad_()
+        for t in (g.query, g.key, g.value)
+    )
+    kwargs: dict[str, Any] = dict(
+        group=ctx.group,
+        is_causal=case.is_causal,
+        scale=spec.scale,
+        rotate_method=case.rotate_method,
+        layout=case.layout,
+        return_lse=case.return_lse,
+        return_max_logit=True,
+    )
     if case.mask is not None:
         kwargs["mask"] = from_spec(mask_spec(case.mask, spec.seq_q))
     if case.sinks:
@@ -91,7 +100,13 @@ def _visible(case: MaxLogitCase) -> torch.Tensor | None:
     """(batch or 1, heads or 1, seq_q, seq_kv) bool of the case's mask or causality; None: all."""
     spec = case.inputs
     if case.mask is not None:
-        return visibility(mask_spec(case.mask, spec.seq_q), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+        return visibility(
+            mask_spec(case.mask, spec.seq_q),
+            spec.seq_q,
+            spec.seq_kv,
+            batch=spec.batch,
+            heads=spec.heads,
+        )
     if case.is_causal:
         return torch.ones(spec.seq_q, spec.seq_kv, dtype=torch.bool).tril()
     return None
@@ -106,33 +121,53 @@ def judge_max_logit(case: MaxLogitCase, results: list[dict[str, Any]]) -> list[V
     acc = compute_dtype(spec.torch_dtype)
     for rank, res in enumerate(results):
         assert res["returned"] == want and res["max_logit"] is not None, (
-            f"contract: with return_max_logit=True (return_lse={case.return_lse}) ring_attention must return {want} "
-            f"tensors, the max logit last; rank {rank} returned {res['returned']} [{case.label}]")
+            f"contract: with return_max_logit=True (return_lse={case.return_lse}) ring_attention "
+            f"must return {want} tensors, the max logit last; rank {rank} returned "
+            f"{res['returned']} [{case.label}]"
+        )
         ml = res["max_logit"]
         assert tuple(ml.shape) == (spec.heads,), (
             f"contract: max_logit must have shape (heads,) = ({spec.heads},), rank {rank} returned "
-            f"{tuple(ml.shape)} [{case.label}]")
+            f"{tuple(ml.shape)} [{case.label}]"
+        )
         assert ml.dtype == acc, (
-            f"contract: max_logit must be {str(acc).removeprefix('torch.')} for {spec.dtype} inputs, rank {rank} "
-            f"returned {str(ml.dtype).removeprefix('torch.')} [{case.label}]")
+            f"contract: max_logit must be {str(acc).removeprefix('torch.')} for {spec.dtype} "
+            f"inputs, rank {rank} returned {str(ml.dtype).removeprefix('torch.')} [{case.label}]"
+        )
         assert not res["requires_grad"], (
-            f"contract: max_logit is a statistic, not differentiable (requires_grad False); rank {rank} returned one "
-            f"that requires grad [{case.label}]")
+            f"contract: max_logit is a statistic, not differentiable (requires_grad False); "
+            f"rank {rank} returned one that requires grad [{case.label}]"
+        )
         assert res["dq"] is not False, (
-            f"the output's backward gave no dq on rank {rank} beside return_max_logit=True [{case.label}]")
+            f"the output's backward gave no dq on rank {rank} beside return_max_logit=True "
+            f"[{case.label}]"
+        )
     first = results[0]["max_logit"]
     differ = [r for r, res in enumerate(results) if not _same(res["max_logit"], first)]
     assert not differ, (
         f"max_logit differs between ranks (rank 0 {first.tolist()}, "
         + ", ".join(f"rank {r} {results[r]['max_logit'].tolist()}" for r in differ)
-        + f"): every rank must return the group's maximum. {diagnose_unreduced(case, results)} [{case.label}]")
+        + "): every rank must return the group's maximum. "
+        + f"{diagnose_unreduced(case, results)} [{case.label}]"
+    )
     g = make_inputs(spec)
     vis = _visible(case)
     ref = oracle_max_logit(g.query, g.key, scale=spec.scale, visible=vis)
     base = oracle_max_logit(g.query, g.key, scale=spec.scale, visible=vis, dtype=acc)
     scales = max_logit_scale(g.query, g.key, scale=spec.scale, visible=vis)
-    return [check("max_logit", first, ref, base, dtype=spec.torch_dtype, result_dtype=acc, scales=scales,
-                  roundings=spec.head_dim + 1, context=f"[{case.label}]")]
+    return [
+        check(
+            "max_logit",
+            first,
+            ref,
+            base,
+            dtype=spec.torch_dtype,
+            result_dtype=acc,
+            scales=scales,
+            roundings=spec.head_dim + 1,
+            context=f"[{case.label}]",
+        )
+    ]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -162,8 +197,10 @@ def diagnose_unreduced(case: MaxLogitCase, results: list[dict[str, Any]]) -> str
     w = case.world_size
     own = [_rank_max(case, r, list(range(w))) for r in range(w)]
     if all(_close(res["max_logit"], own[r]) for r, res in enumerate(results)):
-        return ("Each rank returned the maximum over its own query rows only: the per-rank maxima were not "
-                "reduced over the group (one all-reduce MAX is missing).")
+        return (
+            "Each rank returned the maximum over its own query rows only: the per-rank maxima "
+            "were not reduced over the group (one all-reduce MAX is missing)."
+        )
     return ""
 
 
@@ -175,12 +212,17 @@ def diagnose_max_logit(case: MaxLogitCase, results: list[dict[str, Any]]) -> str
     if w > 1:
         last = torch.stack([_rank_max(case, r, [(r + 1) % w]) for r in range(w)]).amax(0)
         if _close(got, last):
-            return ("the max logit equals the maximum over the last ring step's blocks only (rank r's queries and "
-                    "the keys of rank r + 1): the running maximum across ring steps was not kept")
+            return (
+                "the max logit equals the maximum over the last ring step's blocks only (rank "
+                "r's queries and the keys of rank r + 1): the running maximum across ring steps "
+                "was not kept"
+            )
     spec = case.inputs
     g = make_inputs(spec)
     unmasked = oracle_max_logit(g.query, g.key, scale=spec.scale)
     if _visible(case) is not None and _close(got, unmasked):
-        return ("the max logit equals the maximum over every key, masked or not: masked-out (or causally "
-                "hidden) entries were not excluded")
+        return (
+            "the max logit equals the maximum over every key, masked or not: masked-out (or "
+            "causally hidden) entries were not excluded"
+        )
     return f"no known pattern (returned {[fmt_err(float(x)) for x in got]})"

@@ -25,7 +25,9 @@ from ring_impl.max_logit import block_max_logit, max_logit_problem
 
 def _ring_impl_only(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"these are ring_impl's own tests; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"these are ring_impl's own tests; the implementation under test is {ring.impl.spec}"
+        )
 
 
 # ------------------------------------------------------------------------------ one block
@@ -33,24 +35,40 @@ def _ring_impl_only(ring) -> None:
 
 @pytest.mark.parametrize("kind", ["full", "causal", "ranges", "masked"])
 @pytest.mark.parametrize("slice_entries", [1 << 22, 7])  # 7: a few rows per slice
-def test_block_max_logit_sees_what_the_block_shows(kind: str, slice_entries: int, monkeypatch) -> None:
+def test_block_max_logit_sees_what_the_block_shows(
+    kind: str, slice_entries: int, monkeypatch
+) -> None:
     monkeypatch.setattr(max_logit_module, "_SLICE_ENTRIES", slice_entries)
     gen = torch.Generator().manual_seed(1)
     b, h, hkv, rows, cols, d = 2, 4, 2, 5, 6, 8
     q = torch.randn(b, h, rows, d, generator=gen, dtype=torch.float64)
     k = torch.randn(b, hkv, cols, d, generator=gen, dtype=torch.float64)
     r, c = torch.arange(rows).view(-1, 1), torch.arange(cols).view(1, -1)
-    lo, hi = torch.tensor([0, 2, 1, 3, 6]), torch.tensor([1, 4, 6, 3, 6])  # rows 3 and 4 see nothing
+    lo, hi = (
+        torch.tensor([0, 2, 1, 3, 6]),
+        torch.tensor([1, 4, 6, 3, 6]),
+    )  # rows 3 and 4 see nothing
     visible = torch.rand(1, h, rows, cols, generator=gen) > 0.5
-    vis = {"full": None, "causal": c <= r, "ranges": (c >= lo.view(-1, 1)) & (c < hi.view(-1, 1)),
-           "masked": visible}[kind]
-    got = block_max_logit(q, k, scale=0.3, kind=kind, visible=visible if kind == "masked" else None,
-                          bounds=(lo, hi) if kind == "ranges" else None, dtype=torch.float64)
+    vis = {
+        "full": None,
+        "causal": c <= r,
+        "ranges": (c >= lo.view(-1, 1)) & (c < hi.view(-1, 1)),
+        "masked": visible,
+    }[kind]
+    got = block_max_logit(
+        q,
+        k,
+        scale=0.3,
+        kind=kind,
+        visible=visible if kind == "masked" else None,
+        bounds=(lo, hi) if kind == "ranges" else None,
+        dtype=torch.float64,
+    )
     want = oracle_max_logit(q, k, scale=0.3, visible=vis)
     torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
 
 
-def test_block_max_logit_is_minus_inf_for_a_head_that_sees_nothing_and_nan_where_a_nan_reaches() -> None:
+def test_block_max_logit_is_minus_inf_for_a_blind_head_and_nan_where_a_nan_reaches() -> None:
     q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
     visible = torch.ones(1, 2, 3, 3, dtype=torch.bool)
     visible[:, 1] = False  # head 1 sees nothing
@@ -76,31 +94,49 @@ def test_max_logit_problem_names_the_exchange() -> None:
 
 def test_schedule_adds_one_all_reduce_of_the_heads_and_their_nan_flags() -> None:
     kw = dict(batch=2, heads_kv=2, seq_kv=8, head_dim=16)
-    for w, method, dtype, chunks in [(2, "p2p", torch.bfloat16, 1), (4, "allgather", torch.float64, 2),
-                                     (3, "alltoall", torch.float32, 2)]:
+    for w, method, dtype, chunks in [
+        (2, "p2p", torch.bfloat16, 1),
+        (4, "allgather", torch.float64, 2),
+        (3, "alltoall", torch.float32, 2),
+    ]:
         plain = collective_schedule(w, method, dtype=dtype, head_chunks=chunks, **kw)
-        with_max = collective_schedule(w, method, dtype=dtype, head_chunks=chunks, heads=6, return_max_logit=True, **kw)
+        with_max = collective_schedule(
+            w, method, dtype=dtype, head_chunks=chunks, heads=6, return_max_logit=True, **kw
+        )
         acc = 8 if dtype == torch.float64 else 4
-        assert with_max["forward"]["all_reduce"] == {"calls": plain["forward"]["all_reduce"]["calls"] + 1,
-                                                     "bytes": plain["forward"]["all_reduce"]["bytes"] + 2 * 6 * acc}
+        assert with_max["forward"]["all_reduce"] == {
+            "calls": plain["forward"]["all_reduce"]["calls"] + 1,
+            "bytes": plain["forward"]["all_reduce"]["bytes"] + 2 * 6 * acc,
+        }
         assert {k: v for k, v in with_max["forward"].items() if k != "all_reduce"} == {
-            k: v for k, v in plain["forward"].items() if k != "all_reduce"}
+            k: v for k, v in plain["forward"].items() if k != "all_reduce"
+        }
         assert with_max["backward"] == plain["backward"]
     # compiled, the call runs eagerly: the eager schedule
-    assert collective_schedule(3, "p2p", dtype=torch.float32, heads=2, return_max_logit=True, compiled=True, **kw) == \
-        collective_schedule(3, "p2p", dtype=torch.float32, heads=2, return_max_logit=True, **kw)
-    assert collective_schedule(1, "p2p", dtype=torch.float32, heads=2, return_max_logit=True, **kw) == \
-        {"forward": {}, "backward": {}}
+    assert collective_schedule(
+        3, "p2p", dtype=torch.float32, heads=2, return_max_logit=True, compiled=True, **kw
+    ) == collective_schedule(3, "p2p", dtype=torch.float32, heads=2, return_max_logit=True, **kw)
+    assert collective_schedule(
+        1, "p2p", dtype=torch.float32, heads=2, return_max_logit=True, **kw
+    ) == {"forward": {}, "backward": {}}
 
 
-@pytest.mark.parametrize("extra,match", [({}, "needs heads="), ({"heads": 4, "strategy": "ulysses"}, "ring only"),
-                                         ({"heads": 4, "sparse_kv": True}, "ring only"),
-                                         ({"heads": 4, "halo": True}, "ring only"),
-                                         ({"heads": 4, "return_max_logit": 1}, "must be a bool")])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({}, "needs heads="),
+        ({"heads": 4, "strategy": "ulysses"}, "ring only"),
+        ({"heads": 4, "sparse_kv": True}, "ring only"),
+        ({"heads": 4, "halo": True}, "ring only"),
+        ({"heads": 4, "return_max_logit": 1}, "must be a bool"),
+    ],
+)
 def test_schedule_refuses_what_cannot_return_it(extra: dict, match: str) -> None:
     kwargs = {"return_max_logit": True, **extra}
     with pytest.raises(ValueError, match=match):
-        collective_schedule(2, "p2p", batch=1, heads_kv=2, seq_kv=8, head_dim=4, dtype=torch.float32, **kwargs)
+        collective_schedule(
+            2, "p2p", batch=1, heads_kv=2, seq_kv=8, head_dim=4, dtype=torch.float32, **kwargs
+        )
 
 
 # ------------------------------------------------------------------------------ on the ring
@@ -108,8 +144,10 @@ def test_schedule_refuses_what_cannot_return_it(extra: dict, match: str) -> None
 
 def _inputs(seq: int, dtype=torch.float64, heads: int = 4, heads_kv: int = 2, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(2, n, seq, 8, generator=gen, dtype=torch.float64).to(dtype)
-                 for n in (heads, heads_kv, heads_kv))
+    return tuple(
+        torch.randn(2, n, seq, 8, generator=gen, dtype=torch.float64).to(dtype)
+        for n in (heads, heads_kv, heads_kv)
+    )
 
 
 def _head_one_blind(b, h, q_idx, kv_idx):
@@ -117,7 +155,9 @@ def _head_one_blind(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (h != 1) & (kv_idx > 0)
 
 
-def _ring_values(ctx, seq: int, layout: str, rotate: str, chunks: int, masked: bool, nan: str | None):
+def _ring_values(
+    ctx, seq: int, layout: str, rotate: str, chunks: int, masked: bool, nan: str | None
+):
     """Every max-logit call form on this rank: (max_logit, out, lse, dq) of return_lse on and off,
     and the out/dq of the same call without the max logit."""
     import ring_impl
@@ -129,47 +169,99 @@ def _ring_values(ctx, seq: int, layout: str, rotate: str, chunks: int, masked: b
     w, r = ctx.world_size, ctx.rank
     ql, kl, vl = (shard(t, layout, w, r, dim=2).requires_grad_() for t in (q, k, v))
     mask = MaskMod(_head_one_blind) if masked else None
-    common = dict(group=ctx.group, layout=layout, rotate_method=rotate, head_chunks=chunks, mask=mask,
-                  is_causal=not masked)
-    out, lse, ml = ring_impl.ring_attention(ql, kl, vl, return_lse=True, return_max_logit=True, **common)
+    common = dict(
+        group=ctx.group,
+        layout=layout,
+        rotate_method=rotate,
+        head_chunks=chunks,
+        mask=mask,
+        is_causal=not masked,
+    )
+    out, lse, ml = ring_impl.ring_attention(
+        ql, kl, vl, return_lse=True, return_max_logit=True, **common
+    )
     out2, ml2 = ring_impl.ring_attention(ql, kl, vl, return_max_logit=True, **common)
     (out * 1.5).sum().backward()
     dq = ql.grad.clone()
     ql.grad = None
     plain = ring_impl.ring_attention(ql, kl, vl, **common)
     (plain * 1.5).sum().backward()
-    return {"ml": ml, "ml2": ml2, "grad": (ml.requires_grad, ml2.requires_grad, lse.requires_grad),
-            "out": out.detach(), "out2": out2.detach(), "plain": plain.detach(), "dq": dq, "dq_plain": ql.grad}
+    return {
+        "ml": ml,
+        "ml2": ml2,
+        "grad": (ml.requires_grad, ml2.requires_grad, lse.requires_grad),
+        "out": out.detach(),
+        "out2": out2.detach(),
+        "plain": plain.detach(),
+        "dq": dq,
+        "dq_plain": ql.grad,
+    }
 
 
-@pytest.mark.parametrize("world,layout,rotate,chunks,masked,nan", [
-    (2, "head_tail", "p2p", 2, False, False),
-    (3, "contiguous", "alltoall", 2, True, False),
-    (3, "head_tail", "allgather", 1, True, True),  # a NaN in a key no row sees: no NaN
-    (2, "contiguous", "p2p", 2, False, True),  # a NaN in a key every row sees: NaN on every rank
-    (1, "contiguous", "allgather", 2, True, False),
-])
-def test_ring_max_logit_matches_the_oracle(ring, world, layout, rotate, chunks, masked, nan) -> None:
+@pytest.mark.parametrize(
+    "world,layout,rotate,chunks,masked,nan",
+    [
+        (2, "head_tail", "p2p", 2, False, False),
+        (3, "contiguous", "alltoall", 2, True, False),
+        (3, "head_tail", "allgather", 1, True, True),  # a NaN in a key no row sees: no NaN
+        (
+            2,
+            "contiguous",
+            "p2p",
+            2,
+            False,
+            True,
+        ),  # a NaN in a key every row sees: NaN on every rank
+        (1, "contiguous", "allgather", 2, True, False),
+    ],
+)
+def test_ring_max_logit_matches_the_oracle(
+    ring, world, layout, rotate, chunks, masked, nan
+) -> None:
     _ring_impl_only(ring)
     seq = 8 * world
-    results = ring.rank_pool(world).run(_ring_values, seq, layout, rotate, chunks, masked, nan, timeout=60.0)
+    results = ring.rank_pool(world).run(
+        _ring_values, seq, layout, rotate, chunks, masked, nan, timeout=60.0
+    )
     q, k, _ = _inputs(seq)
     if nan:
         k[0, 0, 0, 0] = math.nan
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    vis = causal & (torch.arange(4) != 1).view(1, -1, 1, 1) & (torch.arange(seq) > 0) if masked else causal
+    vis = (
+        causal & (torch.arange(4) != 1).view(1, -1, 1, 1) & (torch.arange(seq) > 0)
+        if masked
+        else causal
+    )
     want = oracle_max_logit(q, k, visible=vis)
     if masked:
         assert want[1] == -math.inf  # head 1 sees nothing
-    assert bool(torch.isnan(want[:2]).all()) == (nan and not masked) and not torch.isnan(want[2:]).any()
+    assert (
+        bool(torch.isnan(want[:2]).all()) == (nan and not masked)
+        and not torch.isnan(want[2:]).any()
+    )
     for rank, res in enumerate(results):
-        torch.testing.assert_close(res["ml"], want, rtol=1e-13, atol=0, equal_nan=True,
-                                   msg=lambda m, rank=rank: f"rank {rank}: {m}")
-        assert res["ml"].dtype == torch.float64 and res["grad"] == (False, False, True), (rank, res["grad"])
-        assert torch.equal(res["ml2"], res["ml"]) or torch.allclose(res["ml2"], res["ml"], equal_nan=True)
+        torch.testing.assert_close(
+            res["ml"],
+            want,
+            rtol=1e-13,
+            atol=0,
+            equal_nan=True,
+            msg=lambda m, rank=rank: f"rank {rank}: {m}",
+        )
+        assert res["ml"].dtype == torch.float64 and res["grad"] == (False, False, True), (
+            rank,
+            res["grad"],
+        )
+        assert torch.equal(res["ml2"], res["ml"]) or torch.allclose(
+            res["ml2"], res["ml"], equal_nan=True
+        )
         for got, name in ((res["out"], "out with lse"), (res["out2"], "out without lse")):
-            assert torch.allclose(got, res["plain"], equal_nan=True), f"rank {rank}: {name} differs from the plain call"
-        assert torch.allclose(res["dq"], res["dq_plain"], equal_nan=True), f"rank {rank}: dq differs"
+            assert torch.allclose(got, res["plain"], equal_nan=True), (
+                f"rank {rank}: {name} differs from the plain call"
+            )
+        assert torch.allclose(res["dq"], res["dq_plain"], equal_nan=True), (
+            f"rank {rank}: dq differs"
+        )
 
 
 def _compiled(ctx, backend: str):
@@ -179,8 +271,9 @@ def _compiled(ctx, backend: str):
     ql, kl, vl = (shard(t, "head_tail", ctx.world_size, ctx.rank, dim=2) for t in (q, k, v))
 
     def fn(q, k, v):
-        return ring_impl.ring_attention(q, k, v, group=ctx.group, is_causal=True, layout="head_tail",
-                                        return_max_logit=True)
+        return ring_impl.ring_attention(
+            q, k, v, group=ctx.group, is_causal=True, layout="head_tail", return_max_logit=True
+        )
 
     torch._dynamo.reset()
     out_c, ml_c = torch.compile(fn, backend=backend)(ql, kl, vl)
@@ -190,7 +283,9 @@ def _compiled(ctx, backend: str):
 
 def test_under_compile_it_runs_eagerly(ring) -> None:
     _ring_impl_only(ring)
-    for rank, (out_c, ml_c, out_e, ml_e) in enumerate(ring.rank_pool(2).run(_compiled, "aot_eager", timeout=120.0)):
+    for rank, (out_c, ml_c, out_e, ml_e) in enumerate(
+        ring.rank_pool(2).run(_compiled, "aot_eager", timeout=120.0)
+    ):
         assert torch.equal(ml_c, ml_e), f"rank {rank}: compiled {ml_c}, eager {ml_e}"
         torch.testing.assert_close(out_c, out_e, rtol=1e-6, atol=1e-6)
 
@@ -203,8 +298,15 @@ def _halo_window(ctx):
     q, k, v = _inputs(8 * ctx.world_size)
     ql, kl, vl = (shard(t, "contiguous", ctx.world_size, ctx.rank, dim=2) for t in (q, k, v))
     with CollectiveLog() as log, log.phase("forward"):
-        out, ml = ring_impl.ring_attention(ql, kl, vl, group=ctx.group, mask=SlidingWindow(2, 0), rotate_method="p2p",
-                                           return_max_logit=True)
+        out, ml = ring_impl.ring_attention(
+            ql,
+            kl,
+            vl,
+            group=ctx.group,
+            mask=SlidingWindow(2, 0),
+            rotate_method="p2p",
+            return_max_logit=True,
+        )
     return out, ml, log.summary()
 
 
@@ -218,15 +320,29 @@ def test_a_call_the_halo_would_serve_runs_on_the_ring(ring) -> None:
     i = torch.arange(seq)
     vis = (i.view(1, -1) <= i.view(-1, 1)) & (i.view(1, -1) >= i.view(-1, 1) - 2)
     want = oracle_max_logit(q, k, visible=vis)
-    declared = collective_schedule(world, "p2p", batch=2, heads_kv=2, seq_kv=8, head_dim=8, dtype=torch.float64,
-                                   heads=4, mask=SlidingWindow(2, 0), return_max_logit=True)
+    declared = collective_schedule(
+        world,
+        "p2p",
+        batch=2,
+        heads_kv=2,
+        seq_kv=8,
+        head_dim=8,
+        dtype=torch.float64,
+        heads=4,
+        mask=SlidingWindow(2, 0),
+        return_max_logit=True,
+    )
     out = unshard([r[0] for r in results], "contiguous", dim=2)
     from reference.attention import attention
 
     torch.testing.assert_close(out, attention(q, k, v, visible=vis).out, rtol=1e-12, atol=1e-12)
     for rank, (_, ml, summary) in enumerate(results):
         torch.testing.assert_close(ml, want, rtol=1e-13, atol=0)
-        assert summary["forward"] == declared["forward"], (rank, summary["forward"], declared["forward"])
+        assert summary["forward"] == declared["forward"], (
+            rank,
+            summary["forward"],
+            declared["forward"],
+        )
 
 
 def _bad(ctx, kind: str):
@@ -235,19 +351,27 @@ def _bad(ctx, kind: str):
 
     q, k, v = _inputs(8 * ctx.world_size)
     ql, kl, vl = (shard(t, "contiguous", ctx.world_size, ctx.rank, dim=2) for t in (q, k, v))
-    kwargs = {"not_bool": {"return_max_logit": "yes"},
-              "halo": {"return_max_logit": True, "mask": SlidingWindow(2, 0), "halo": True},
-              "sparse": {"return_max_logit": True, "mask": SlidingWindow(2, 0), "sparse_kv": True},
-              "ulysses": {"return_max_logit": True, "strategy": "ulysses"},
-              "differ": {"return_max_logit": ctx.rank == 0}}[kind]
+    kwargs = {
+        "not_bool": {"return_max_logit": "yes"},
+        "halo": {"return_max_logit": True, "mask": SlidingWindow(2, 0), "halo": True},
+        "sparse": {"return_max_logit": True, "mask": SlidingWindow(2, 0), "sparse_kv": True},
+        "ulysses": {"return_max_logit": True, "strategy": "ulysses"},
+        "differ": {"return_max_logit": ctx.rank == 0},
+    }[kind]
     ring_impl.ring_attention(ql, kl, vl, group=ctx.group, **kwargs)
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern", [
-    ("not_bool", "return_max_logit must be a bool"), ("halo", "pass halo=None"), ("sparse", "pass sparse_kv=False"),
-    ("ulysses", "strategy='ring' only"), ("differ", "return_max_logit (ranks [0] True; ranks [1] False)"),
-])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("not_bool", "return_max_logit must be a bool"),
+        ("halo", "pass halo=None"),
+        ("sparse", "pass sparse_kv=False"),
+        ("ulysses", "strategy='ring' only"),
+        ("differ", "return_max_logit (ranks [0] True; ranks [1] False)"),
+    ],
+)
 def test_bad_max_logit_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
     _ring_impl_only(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
