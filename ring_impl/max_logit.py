@@ -13,9 +13,12 @@ Attention kernels do not return it and it cannot be recovered from the LSE (the 
 only: ``max <= lse``), so the ring computes it per ring step from the step's query and key
 blocks, one block matmul per kernel call of the step's plan (:mod:`ring_impl.plan`: skipped
 steps, trimmed rows and columns and masked-out entries are excluded as the kernel excludes
-them), in the accumulation dtype (float32; float64 for float64), and keeps the running maximum
-across steps. The group agrees with one ``all_reduce`` (MAX) at the end of the forward. Nothing
-of this runs without ``return_max_logit``.
+them), in the accumulation dtype (float32; float64 for float64), in row slices of at most
+``_SLICE_ENTRIES`` scores, and keeps the running maximum across steps. A causal block's slice
+computes only the columns its rows can see; the scale multiplies the (heads,) result, not every
+score (``max(scale * s)`` is ``scale * max(s)`` for a positive scale and ``scale * min(s)`` for a
+negative one, exactly: rounding is monotone). The group agrees with one ``all_reduce`` (MAX) at
+the end of the forward. Nothing of this runs without ``return_max_logit``.
 """
 
 from __future__ import annotations
@@ -51,35 +54,49 @@ def block_max_logit(
     b, h, rows, d = q.shape
     hkv, cols = k.shape[1], k.shape[2]
     group = h // hkv
-    kk = k.to(dtype).unsqueeze(2)  # (b, hkv, 1, cols, d)
+    kt = k.to(dtype).transpose(-2, -1)  # (b, hkv, d, cols)
+    # max(scale * s) is scale * max(s) for scale > 0 and scale * min(s) for scale < 0, exactly
+    # (rounding is monotone): the scale multiplies (heads,) values, not every score.
+    sign = 1.0 if scale > 0 else -1.0 if scale < 0 else 0.0
     best = torch.full((h,), float("-inf"), dtype=dtype, device=q.device)
     step = max(1, _SLICE_ENTRIES // max(1, b * h * cols))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        qs = q[:, :, r0:r1].to(dtype).reshape(b, hkv, group, r1 - r0, d)
-        s = (qs @ kk.transpose(-2, -1)).reshape(b, h, r1 - r0, cols) * scale
-        seen = _seen(kind, r0, r1, cols, visible, bounds, q.device)
-        if seen is not None:
-            s = torch.where(seen, s, torch.full((), float("-inf"), dtype=dtype, device=q.device))
+        # causal: these rows see no column from r1 on, and every column before r0
+        c1 = min(cols, r1) if kind == "causal" else cols
+        # a key/value head's query heads stacked on the rows: one plain batched matmul
+        qs = q[:, :, r0:r1].to(dtype).reshape(b, hkv, group * (r1 - r0), d)
+        s = (qs @ kt[..., :c1]).view(b, h, r1 - r0, c1)
+        if sign < 0:
+            s.neg_()
+        elif sign == 0:
+            s.mul_(0.0)  # 0 where finite, NaN where a score is NaN or infinite
+        _hide(s, kind, r0, r1, visible, bounds)
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
-    return best
+    return best if sign == 0 else best * scale if sign > 0 else best.neg() * scale
 
 
-def _seen(kind: str, r0: int, r1: int, cols: int, visible, bounds, device) -> torch.Tensor | None:
-    """Rows [r0, r1) of the block's visibility, broadcastable to (batch, heads, rows, cols); None
-    for a full block."""
+def _hide(s: torch.Tensor, kind: str, r0: int, r1: int, visible, bounds) -> None:
+    """Set -inf in ``s`` (batch, heads, r1 - r0, cols), the block's rows [r0, r1), where they see
+    nothing; a full block hides nothing."""
     if kind == "full":
-        return None
-    col = torch.arange(cols, device=device)
-    if kind == "causal":
-        return col.view(1, -1) <= torch.arange(r0, r1, device=device).view(-1, 1)
+        return
+    device, cols = s.device, s.shape[-1]
+    if kind == "causal":  # row t sees columns 0..t: only columns r0.. can be hidden
+        if cols > r0 + 1:
+            tri = torch.ones(r1 - r0, cols - r0, dtype=torch.bool, device=device).triu(1)
+            s[..., r0:].masked_fill_(tri, float("-inf"))
+        return
     if kind == "ranges":
         assert bounds is not None
+        col = torch.arange(cols, device=device).view(1, -1)
         lo, hi = bounds[0][r0:r1].view(-1, 1), bounds[1][r0:r1].view(-1, 1)
-        return (col.view(1, -1) >= lo) & (col.view(1, -1) < hi)
+        s.masked_fill_((col < lo) | (col >= hi), float("-inf"))
+        return
     if kind == "masked":
         assert visible is not None
-        return visible[:, :, r0:r1]
+        s.masked_fill_(~visible[:, :, r0:r1], float("-inf"))
+        return
     raise ValueError(f"block kind {kind!r} has no max-logit rule")
 
 

@@ -7,10 +7,10 @@ different blocks on every rank), float64/float32/bfloat16, GQA, ``return_lse`` o
 (nightly up to 8); the named masks of the mask suite (documents, windows, chunked causal,
 prefix-LM, a head-dependent mask_mod, rows that see nothing, a window the halo exchange would
 serve), with sinks on some (no part of the max logit); a NaN in a key and in a query (the heads it
-reaches are NaN, on every rank). Every rank must return the same (heads,) tensor in the compute
-dtype, without a gradient; the output's backward still runs. With ``collective_schedule``
-claimed, the collectives of a call are asserted against ``collective_schedule(...,
-return_max_logit=True)``.
+reaches are NaN, on every rank); softmax scales <= 0. Every rank must return the same (heads,)
+tensor in the compute dtype, without a gradient; the output's backward still runs. With
+``collective_schedule`` claimed, the collectives of a call are asserted against
+``collective_schedule(..., return_max_logit=True)``.
 
 Capability ``max_logit`` (undeclared: claimed); the mask cases also need ``masks`` (their kinds)
 and ``sinks``.
@@ -112,6 +112,19 @@ def _cases(config) -> list[MaxLogitCase]:
                 rotate_method=ROTATIONS[i % 3],
             )
         )
+    # softmax scales <= 0 (a negative temperature is legitimate): the largest logit is then
+    # the scale times the smallest score
+    for i, (w, scale) in enumerate(
+        itertools.product(world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0))
+    ):
+        spec = InputSpec(
+            batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, scale=scale
+        )
+        out.append(
+            MaxLogitCase(
+                spec, w, is_causal=True, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3]
+            )
+        )
     return out
 
 
@@ -142,6 +155,7 @@ def _id(c: MaxLogitCase) -> tuple[str, ...]:
         *((c.mask,) if c.mask else ()),
         *(("sinks",) if c.sinks else ()),
         *((f"nan_{c.inputs.nan_in}",) if c.inputs.nan_in else ()),
+        *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ()),
         *(("lse",) if c.return_lse else ()),
         f"hkv{c.inputs.heads_kv}",
     )

@@ -301,8 +301,8 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
     return (out, lse) if return_lse else out
 
 
-def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False,
-                        heads=None, return_max_logit=False, **_):
+def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype,
+                        compiled=False, heads=None, return_max_logit=False, **_):
     """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
 
     kv = 2*batch*heads_kv*seq_kv*head_dim elements in the input dtype, dkv the same elements in
@@ -321,7 +321,8 @@ def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, h
     extra = heads * _acc(dtype).itemsize if return_max_logit else 0
     fwd = {"all_gather": {"calls": 1 + bool(return_max_logit), "bytes": check_bytes() + extra}}
     if rotate_method == "allgather":
-        fwd["all_gather"] = {"calls": 2 + bool(return_max_logit), "bytes": check_bytes() + kv + extra}
+        fwd["all_gather"] = {"calls": 2 + bool(return_max_logit),
+                             "bytes": check_bytes() + kv + extra}
         return {"forward": fwd, "backward": {"all_to_all": {"calls": 1, "bytes": w * dkv}}}
     kinds = ("send", "recv") if rotate_method == "p2p" else ("all_to_all",)
     for kind in kinds:

@@ -35,19 +35,20 @@ def _ring_impl_only(ring) -> None:
 
 @pytest.mark.parametrize("kind", ["full", "causal", "ranges", "masked"])
 @pytest.mark.parametrize("slice_entries", [1 << 22, 7])  # 7: a few rows per slice
+@pytest.mark.parametrize("scale", [0.3, -0.7, 0.0])  # a negative scale takes the minimum score
+@pytest.mark.parametrize("rows,cols", [(5, 6), (7, 3)])
 def test_block_max_logit_sees_what_the_block_shows(
-    kind: str, slice_entries: int, monkeypatch
+    kind: str, slice_entries: int, scale: float, rows: int, cols: int, monkeypatch
 ) -> None:
     monkeypatch.setattr(max_logit_module, "_SLICE_ENTRIES", slice_entries)
     gen = torch.Generator().manual_seed(1)
-    b, h, hkv, rows, cols, d = 2, 4, 2, 5, 6, 8
+    b, h, hkv, d = 2, 4, 2, 8
     q = torch.randn(b, h, rows, d, generator=gen, dtype=torch.float64)
     k = torch.randn(b, hkv, cols, d, generator=gen, dtype=torch.float64)
     r, c = torch.arange(rows).view(-1, 1), torch.arange(cols).view(1, -1)
-    lo, hi = (
-        torch.tensor([0, 2, 1, 3, 6]),
-        torch.tensor([1, 4, 6, 3, 6]),
-    )  # rows 3 and 4 see nothing
+    lo = torch.randint(0, cols + 1, (rows,), generator=gen)
+    hi = torch.maximum(lo, torch.randint(0, cols + 1, (rows,), generator=gen))
+    hi[-1] = lo[-1]  # the last row sees nothing
     visible = torch.rand(1, h, rows, cols, generator=gen) > 0.5
     vis = {
         "full": None,
@@ -58,13 +59,13 @@ def test_block_max_logit_sees_what_the_block_shows(
     got = block_max_logit(
         q,
         k,
-        scale=0.3,
+        scale=scale,
         kind=kind,
         visible=visible if kind == "masked" else None,
         bounds=(lo, hi) if kind == "ranges" else None,
         dtype=torch.float64,
     )
-    want = oracle_max_logit(q, k, scale=0.3, visible=vis)
+    want = oracle_max_logit(q, k, scale=scale, visible=vis)
     torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
 
 
