@@ -63,6 +63,16 @@ such callables too and carry their data as fields (``SoftCap.cap``, ``Alibi.slop
 ``PostScaleBias.bias``); any callable is one kind, ``score_mod``. Gradients must reach query, key
 and value through it.
 
+``return_max_logit`` (capability ``max_logit``) is passed to ``ring_attention`` by the max-logit
+suite (``suites/test_max_logit.py``): with ``return_max_logit=True`` it returns ``(out,
+max_logit)`` (``(out, lse, max_logit)`` with ``return_lse=True``), ``max_logit`` a (heads,)
+tensor in float32 (float64 for float64 inputs), not requiring grad, equal on every rank: per
+head the largest ``scale * q . k`` over the batch, every query row on every rank and every key
+that row sees under causality and the mask (sinks are no keys' logits), -inf for a head that
+sees nothing, NaN where a NaN input reaches a visible logit (what QK-clip optimisers read;
+TransformerEngine's ``return_max_logit``). With ``collective_schedule`` claimed, the suite also
+asks ``collective_schedule(..., heads=, return_max_logit=True)`` for the call's collectives.
+
 ``balanced_layout(balancer, mask, seq_len, world_size)``
     (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``
     (head_tail per packed document) and ``"work_aware"`` (chunks dealt by their work under the
@@ -167,6 +177,7 @@ class Capabilities:
     #: ring_attention(score_mod=...): flex-style score changes on global positions
     score_mod: bool | None = None
     balancers: frozenset[str] | None = None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
+    max_logit: bool | None = None  # ring_attention(return_max_logit=True): the per-head max logit
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

@@ -499,6 +499,29 @@ class DeclaresNothing:
         return RingImplAdapter.balanced_layout(balancer, mask, seq_len, world_size)
 
 
+# ------------------------------------------------------------------------ max logit
+
+
+class MaxLogitLastStepOnly(RingAttention):
+    """The max logit taken from the last ring step's blocks only: a per-step value returned as
+    if it held for all steps, instead of a running maximum across them."""
+
+    def block_max_logit(self, cfg, q, k, plan):
+        found = super().block_max_logit(cfg, q, k, plan)
+        if plan.step != cfg.group.world_size - 1:
+            return torch.full_like(found, float("-inf"))
+        return found
+
+
+class MaxLogitNotReduced(RingAttention):
+    """Each rank returns the max logit of its own query rows: the all-reduce over the group is
+    missing (the collective is still issued, so the schedule holds and no rank waits)."""
+
+    def reduce_max_logit(self, cfg, local):
+        super().reduce_max_logit(cfg, local.clone())
+        return local
+
+
 # ------------------------------------------------------------------------ registry
 
 
@@ -634,6 +657,16 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
     Broken("masked_rows_keep_kernel_lse", "masks: a row the mask hides completely merged with the kernel's LSE 0",
            r"rows that see no key must have LSE -inf|rows a masked block hides must merge as nothing", _adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
            suites="suites/test_masks.py"),
+    Broken("max_logit_last_step_only",
+           "stale per-step state: the max logit of the last ring step returned as the call's",
+           r"running maximum across ring steps\s+was not kept",
+           _adapter("max_logit_last_step_only", MaxLogitLastStepOnly()),
+           suites="suites/test_max_logit.py"),
+    Broken("max_logit_not_reduced",
+           "max logit: each rank's own maximum returned, not reduced over the group",
+           r"per-rank maxima\s+were not reduced over the group",
+           _adapter("max_logit_not_reduced", MaxLogitNotReduced()),
+           suites="suites/test_max_logit.py"),
     Broken("sinks_dropped_on_one_rank", "sinks: the sink term applied on some ranks only",
            r"the sinks were not applied on those ranks", _wrapped("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
            suites="suites/test_masks.py"),

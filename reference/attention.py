@@ -33,6 +33,7 @@ __all__ = [
     "default_scale",
     "expand_kv_heads",
     "masked_attention",
+    "max_logit",
     "nonfinite_reach",
 ]
 
@@ -318,3 +319,48 @@ def attention_grads(
     out, lse = torch.where(reach["out"], nan, out.detach()), torch.where(reach["lse"], nan, lse.detach())
     dq, dk, dv = (torch.where(reach[n], nan, g) for n, g in (("dq", dq), ("dk", dk), ("dv", dv)))
     return ReferenceResult(out, lse, dq, dk, dv, dsinks)
+
+
+def max_logit(
+    query: Tensor,
+    key: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    visible: Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """The per-head maximum attention logit: (heads,), the largest ``scale * q_i . k_j`` of the
+    full score matrix over the batch, every query row and every key that row sees (the maximum of
+    the masked scores before the softmax; what QK-clip optimisers read). A head whose rows see
+    nothing gets -inf; a NaN that reaches a visible score (a NaN in that query row or key)
+    makes its head's maximum NaN, one in a key nobody sees does not. Sinks are no keys' logits
+    and play no part.
+
+    query (batch, heads, seq_q, head_dim), key (batch, heads_kv, seq_k, head_dim); visible /
+    is_causal as for :func:`attention`. ``dtype``: the dtype the scores are formed in (float64,
+    the oracle; the suites' single-device baseline passes the kernels' compute dtype).
+    """
+    if query.dim() != 4 or key.dim() != 4 or query.shape[::3] != key.shape[::3]:
+        raise ValueError(
+            "max_logit expects query (batch, heads, seq_q, d) and key (batch, heads_kv, seq_k, d); "
+            f"got {tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]}) "
+            "for GQA"
+        )
+    q = query.detach().to(dtype)
+    k = expand_kv_heads(key.detach().to(dtype), q.shape[1])
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (batch, heads, seq_q, seq_k)
+    if is_causal:
+        if visible is not None:
+            raise ValueError("pass either is_causal=True or visible (a causal mask spec), not both")
+        visible = causal_visibility(torch.arange(q.shape[-2]), torch.arange(k.shape[-2]))
+    if visible is not None:
+        scores = scores.masked_fill(~visible.to(scores.device).expand_as(scores), -math.inf)
+    if scores.shape[2] == 0 or scores.shape[3] == 0:
+        return torch.full((q.shape[1],), -math.inf, dtype=dtype)
+    return scores.amax(dim=(0, 2, 3))

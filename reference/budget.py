@@ -104,6 +104,7 @@ __all__ = [
     "compute_dtype",
     "error_scales",
     "floors",
+    "max_logit_scale",
     "tolerance_for",
     "unit_roundoff",
 ]
@@ -332,6 +333,39 @@ def _sink_scale(sinks: Tensor, lse: Tensor, o: Tensor, do: Tensor, g: Tensor | N
         return t.sum(dim=(0, 2)), t.square().sum(dim=(0, 2)).sqrt()
 
     return _scale(per_head(weight * t_out + t_g), per_head(t_out + t_g), per_head(cond * (t_out + t_g)))
+
+
+def max_logit_scale(query: Tensor, key: Tensor, *, scale: float | None = None,
+                    visible: Tensor | None = None) -> ErrorScale:
+    """M (= A; C = 0) of the per-head max logit (heads,), in float64 from the inputs.
+
+    The max logit is one logit per head, ``scale * q_i . k_j``, formed in the compute dtype like
+    the kernel's own scores: a dot product of ``head_dim`` products summed, then scaled, each
+    step one rounding relative to at most ``|scale| sum_d |q_id| |k_jd|`` (the dot product's
+    error bound, gamma_(d+1) times that sum). ``max`` moves by no more than the largest move of
+    an element it takes the maximum of (``|max a - max b| <= max |a - b|``), so M of a head is
+    that sum's maximum over the visible pairs (i, j) (0 for a head that sees nothing, whose
+    -inf must be met exactly). Judged with ``roundings = head_dim + 1`` in the compute dtype
+    (result dtype the compute dtype): the floor is then that bound, whatever order a ring's
+    block matmul sums in. No LSE is involved: no conditioning term.
+
+    query (b, h, sq, d), key (b, hkv, sk, d); visible: bool broadcastable to (b, h, sq, sk), None:
+    every key. Non-finite inputs count as 0 here (where they reach, the max is NaN on both sides).
+    """
+    from reference.attention import default_scale, expand_kv_heads
+
+    def finite_abs(t: Tensor) -> Tensor:
+        return torch.nan_to_num(t.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
+
+    q = finite_abs(query)
+    k = expand_kv_heads(finite_abs(key), q.shape[1])
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    s = abs(scale) * (q @ k.transpose(-2, -1))
+    if visible is not None:
+        s = s.masked_fill(~visible.to(s.device).expand_as(s), 0.0)
+    m = s.amax(dim=(0, 2, 3)) if s.numel() else torch.zeros(q.shape[1], dtype=torch.float64)
+    zero = torch.zeros_like(m)
+    return ErrorScale(m, m, zero, m, m, zero)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from .halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
 from .heads import plan_chunks
 from .kv_gather import gather_path, gather_refusal
 from .masks import Mask, fold_causal, mask_code, masking_problem, snapshot
+from .max_logit import max_logit_problem
 from .ops import AttentionOp, resolve_scale_and_op
 from .packed import packed_problem, packed_result, packed_views, sequence_ranks
 from .plan import plan_ahead
@@ -37,6 +38,13 @@ def set_rotate_method(rotate_method: str) -> None:
 def get_rotate_method() -> str:
     return _DEFAULT_ROTATE[0]
 
+
+#: Why a call with return_max_logit=True leaves the compiled graph.
+MAX_LOGIT_RUNS_EAGERLY = (
+    "ring_attention(return_max_logit=True) runs eagerly inside torch.compile (a graph break): its "
+    "max logit is a third output of the ring's forward and an all-reduce the compiled ring does "
+    "not carry. Compile without fullgraph=True, or ask for the max logit outside the compiled region"
+)
 
 #: Why a call with a score_mod leaves the compiled graph.
 SCORE_MODS_RUN_EAGERLY = (
@@ -78,10 +86,12 @@ def attend(bound: Bound, call: Call, query, key, value):
 
 def _eager(bound: Bound, call: Call, query, key, value):
     path = call_path(bound.impl, bound.algorithms, call, query, key, value)
-    out, lse = PathFunction.apply(query, key, value, path, call.lse_needed)
+    out, lse, *max_logit = PathFunction.apply(query, key, value, path, call.lse_needed)
     if call.sinks is not None:
         out, lse = with_sinks(out, lse, call.sinks)
-    return (out, lse) if call.return_lse else out
+    if call.return_lse or max_logit:  # (out, lse), (out, max_logit) or (out, lse, max_logit)
+        return (out, *((lse,) if call.return_lse else ()), *max_logit)
+    return out
 
 
 def _traced(bound: Bound, call: Call, query, key, value):
@@ -95,6 +105,8 @@ def _traced(bound: Bound, call: Call, query, key, value):
 
     if call.score_mod is not None:
         return _scored_eagerly(bound, call, query, key, value)
+    if call.return_max_logit is not False:
+        return _max_logit_eagerly(bound, call, query, key, value)
 
     if call.mask is not None:
         result = masked_ring_call(bound.name, query, key, value, call)
@@ -112,7 +124,7 @@ def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens):
         return attend(bound, call.with_(problem=problem), query, key, value)
     q, k, v, mask = packed_views(query, key, value, cu_seqlens, call.mask, call.is_causal, world)
     result = attend(bound, call.with_(mask=mask, is_causal=False), q, k, v)
-    return packed_result(result, call.return_lse)
+    return packed_result(result, call.return_lse, call.return_max_logit is True)
 
 
 def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) -> Path:
@@ -163,7 +175,9 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         rotate_method=call.rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks,
         return_lse=call.return_lse, world_size=world,
     ) or masking_problem(query, key, mask, sinks, world_size=world) or score_mod_problem(
-        score_mod, query, world_size=world, layout=layout, key=key, op=op_obj, exchange=call.exchange)
+        score_mod, query, world_size=world, layout=layout, key=key, op=op_obj, exchange=call.exchange,
+    ) or max_logit_problem(call.return_max_logit, exchange=call.exchange)
+    max_logit = call.return_max_logit is True
     folded = fold_causal(mask, call.is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
@@ -171,7 +185,7 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         if call.exchange == "gather":
             problem = gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy="ring")
             gather = problem is None and world > 1
-        elif call.exchange != "ring" and world > 1 and score_mod is None:  # a score_mod runs on the ring
+        elif call.exchange != "ring" and world > 1 and score_mod is None and not max_logit:  # (the ring's only)
             where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
             reach = halo_reach(folded, **where)
             if reach is None and call.exchange == "halo":
@@ -182,7 +196,7 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         cfg = RingConfig(
             group=RingGroup.of(pg, query.device), is_causal=bool(call.is_causal), scale=effective_scale,
             layout=layout, rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
-            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, score_mod=score_mod,
+            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, score_mod=score_mod, max_logit=max_logit,
         )
 
         def make_ahead() -> None:
@@ -196,7 +210,7 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         agree_across_ranks(
             problem, query, key, is_causal=call.is_causal, scale=effective_scale, layout=layout,
             rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=call.return_lse,
-            group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            return_max_logit=max_logit if problem is None else False, group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
                                                          key.shape[2] * world), query.device,
                                            score_mod=score_mod),
@@ -226,6 +240,7 @@ def _path(impl: RingAttention, cfg: RingConfig, query, key, gather: bool, reach,
 
 _masked_eagerly = torch._dynamo.disable(_eager, reason=MASKS_RUN_EAGERLY)
 _scored_eagerly = torch._dynamo.disable(_eager, reason=SCORE_MODS_RUN_EAGERLY)
+_max_logit_eagerly = torch._dynamo.disable(_eager, reason=MAX_LOGIT_RUNS_EAGERLY)
 
 
 def _path_code(code: int, path: str) -> int:
@@ -256,6 +271,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         op: str | AttentionOp | None = None,
         layout: str = "contiguous",
         return_lse: bool = False,
+        return_max_logit: bool = False,
         head_chunks: int = 1,
         mask: Mask | None = None,
         sinks: torch.Tensor | None = None,
@@ -289,6 +305,20 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
                 for float64 inputs); differentiable like the output (its gradient enters the
                 backward's row term). NaN/inf in the inputs give NaN wherever they reach (see
                 ring_impl.nonfinite).
+            return_max_logit: also return the per-head maximum attention logit (what QK-clip
+                optimisers such as MuonClip read; TransformerEngine's return_max_logit):
+                (heads,), float32 (float64 for float64 inputs), the maximum over the batch,
+                every query row on every rank and every key that row sees under causality and
+                the mask of ``scale * q . k`` (before the softmax; sink logits are not logits
+                of keys and are left out), equal on every rank (one all-reduce MAX at the end
+                of the forward). -inf for a head that sees nothing; NaN where a NaN input
+                reaches a logit some row sees. Detached: not differentiable. Computed per ring
+                step from the step's query and key blocks (one extra block matmul per kernel
+                call), nothing of it without the flag. The ring only (every rotation, layout,
+                op, head_chunks, GQA, mask; "auto" takes the ring); exchanges "halo", "gather",
+                "ulysses" and "hybrid" raise InputError on every rank. Under torch.compile it
+                runs eagerly (MAX_LOGIT_RUNS_EAGERLY). Its all-reduce:
+                collective_schedule(..., return_max_logit=True).
             head_chunks: run the ring this many times, each over a group of key/value heads
                 (and their query heads), one after another (1 <= head_chunks <= heads_kv). The
                 key/value blocks and dK/dV accumulators in flight and the kernel's per-step
@@ -357,8 +387,9 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
                 "gather"); a DeprecationWarning, and InputError when they contradict.
 
         Returns:
-            The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the
-            LSE when ``return_lse``.
+            The local output (batch, heads, seq_q_local, head_dim) in the input dtype, then the
+            LSE when ``return_lse``, then the max logit (heads,) when ``return_max_logit``:
+            ``out``, ``(out, lse)``, ``(out, max_logit)`` or ``(out, lse, max_logit)``.
 
         Raises:
             InputError (a ValueError) on every rank, before any ring collective, for bad input
@@ -368,6 +399,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         """
         exchange, problem = exchange_of(exchange, strategy, halo, sparse_kv)
         call = Call(group=group, is_causal=is_causal, scale=scale, op=op, layout=layout, return_lse=return_lse,
+                    return_max_logit=return_max_logit,
                     rotate_method=get_rotate_method() if rotate_method is None else rotate_method,
                         head_chunks=head_chunks, mask=mask, sinks=sinks, score_mod=score_mod, exchange=exchange,
                     problem=problem)

@@ -51,6 +51,7 @@ class Call(NamedTuple):
     op: Any = None
     layout: str = "contiguous"
     return_lse: bool = False
+    return_max_logit: bool = False
     head_chunks: int = 1
     mask: Any = None
     sinks: torch.Tensor | None = None

@@ -88,27 +88,33 @@ def plan_chunks(impl, cfg, heads: int, heads_kv: int, seq_q: int, seq_kv: int) -
 
 
 def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    """``impl.forward`` over ``cfg.head_chunks`` head groups: (out, lse) as one ring call's."""
+    """``impl.forward`` over ``cfg.head_chunks`` head groups: (out, lse) as one ring call's, and
+    with ``cfg.max_logit`` the local max logit (heads,) third, each chunk's heads from its ring."""
     spans = head_spans(query.shape[1], key.shape[1], cfg.head_chunks)
     if len(spans) == 1:
         return impl.forward(cfg, query, key, value)
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    max_logit: torch.Tensor | None = None
     recorder = debug.active_recorder()
     first_record = len(recorder.records) if recorder is not None else 0
     token: torch.Tensor | None = None
     for hq, hkv in spans:
-        out_c, lse_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv))
+        out_c, lse_c, *max_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq),
+                                            _keys_after(key, hkv, token), _chunk(value, hkv))
         if out is None or lse is None:
             out = query.new_empty(query.shape, dtype=out_c.dtype)
             lse = lse_c.new_empty(query.shape[:3])
+            max_logit = lse_c.new_empty(query.shape[1:2]) if max_c else None
         out[:, hq] = out_c
         lse[:, hq] = lse_c
+        if max_logit is not None:
+            max_logit[hq] = max_c[0]
         token = out_c
-        del out_c, lse_c
+        del out_c, lse_c, max_c
     if recorder is not None:
         debug.join_head_chunks(recorder, first_record, len(spans))
-    return out, lse
+    return (out, lse) if max_logit is None else (out, lse, max_logit)
 
 
 def run_backward(impl, cfg, grad_out, query, key, value, out, lse, grad_lse=None):

@@ -103,9 +103,11 @@ def packed_views(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     return q, k, v, documents if mask is None else documents & mask
 
 
-def packed_result(result, return_lse: bool):
+def packed_result(result, return_lse: bool, return_max_logit: bool = False):
     """The 4-D call's result in the packed layout: out ``(tokens_local, heads, head_dim_v)``, LSE
-    ``(heads, tokens_local)``."""
-    out, lse = result if return_lse else (result, None)
-    out = out.squeeze(0).transpose(0, 1).contiguous()
-    return (out, lse.squeeze(0)) if return_lse else out
+    ``(heads, tokens_local)``; the max logit ``(heads,)`` as it is."""
+    parts = list(result) if return_lse or return_max_logit else [result]
+    parts[0] = parts[0].squeeze(0).transpose(0, 1).contiguous()
+    if return_lse:
+        parts[1] = parts[1].squeeze(0)
+    return tuple(parts) if len(parts) > 1 else parts[0]

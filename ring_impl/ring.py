@@ -43,6 +43,7 @@ from . import debug, heads
 from .group import RingGroup
 from .layout import layout_runs
 from .lse import normalize_lse
+from .max_logit import block_max_logit, reduce_max_logit
 from .merge import merge_into
 from .nonfinite import finite_parts, poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
@@ -76,6 +77,8 @@ class RingConfig:
     #: a ring_impl.score_mods.ScoreMod on global positions, or None; its blocks run on an op
     #: declaring OpCapabilities.score_mod, each with the global positions and heads of its rows
     score_mod: object = None
+    #: also compute the per-head maximum logit (ring_impl.max_logit): the forward returns it third
+    max_logit: bool = False
 
 
 def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> torch.Tensor:
@@ -185,6 +188,21 @@ class RingAttention:
                              grad_lse=grad_lse, visible=visible, row_bounds=bounds,
                              score_mod=self.block_scores(cfg, q, plan))
 
+    def block_max_logit(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor,
+                        plan: Block) -> torch.Tensor:
+        """(heads,) the largest scaled logit the block's queries see, in the accumulation dtype
+        (ring_impl.max_logit: -inf for a head that sees nothing, NaN where a NaN reaches)."""
+        visible, bounds = plan.masking_on(q.device)
+        return block_max_logit(q, k, scale=cfg.scale, kind=plan.kind, visible=visible,
+                               bounds=bounds, dtype=self.accumulation_dtype(q.dtype))
+
+    def reduce_max_logit(self, cfg: RingConfig, local: torch.Tensor) -> torch.Tensor:
+        """The group's per-head maximum of every rank's ``local`` (heads,): one all-reduce."""
+        g = cfg.group
+        if g.world_size == 1:
+            return local
+        return reduce_max_logit(local, g.pg, stage_on_host=g.stage_on_host)
+
     def nonfinite_forward(self, out, lse, q, k, v, plan: Block):
         """The block's (out, lse) with NaN wherever a non-finite input reaches them, whatever the
         kernel did with it (ring_impl.nonfinite)."""
@@ -269,7 +287,9 @@ class RingAttention:
         merge_into(out_acc, lse_acc, block_out, block_lse)
 
     def forward(self, cfg: RingConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        """Local (out in the input dtype, lse in the accumulation dtype) of this rank's queries.
+        """Local (out in the input dtype, lse in the accumulation dtype) of this rank's queries;
+        with ``cfg.max_logit`` also this rank's max logit (heads,) in the accumulation dtype, the
+        maximum over every ring step's blocks (not yet reduced over the group).
 
         query (batch, heads, seq_q, head_dim); key/value (batch, heads_kv, seq_kv, head_dim).
         """
@@ -284,6 +304,10 @@ class RingAttention:
         query_finite = self.all_finite(query)
         view = cfg.op.capabilities.row_views
         plans = self.plan(cfg, sq, key.shape[2])
+        # the running maximum over every step's blocks (a head nothing is seen of stays -inf)
+        max_logit = None
+        if cfg.max_logit:
+            max_logit = torch.full((query.shape[1],), float("-inf"), dtype=acc, device=query.device)
         for plan in plans:
             kv = (key, value) if rotation is None else rotation.block(plan.step)
             finite = len(plan.blocks) > 0 and query_finite and self.all_finite(kv[0], kv[1])
@@ -296,6 +320,8 @@ class RingAttention:
                 else:  # the kernel on finite numbers, NaN put exactly where the inputs take it
                     block_out, block_lse = self.block_forward(cfg, *finite_parts(q, k, v), block)
                     block_out, block_lse = self.nonfinite_forward(block_out, block_lse, q, k, v, block)
+                if max_logit is not None:  # from the block's own q and k: NaN goes where it reaches
+                    max_logit = torch.maximum(max_logit, self.block_max_logit(cfg, q, k, block))
                 del q, k, v
                 if recorder is not None:
                     recorder.add(cfg.group.rank, block, block_out, block_lse)
@@ -317,6 +343,8 @@ class RingAttention:
         if out_acc is None or lse_acc is None:  # a mask that hides everything from this rank's rows
             out_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
             lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
+        if max_logit is not None:
+            return out_acc.to(query.dtype), lse_acc, max_logit
         return out_acc.to(query.dtype), lse_acc
 
     def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse=None):
@@ -434,7 +462,9 @@ class Path(Protocol):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """(out in the input dtype, lse in the accumulation dtype, saved, meta): ``saved`` the
-        tensors (or None) the backward needs, ``meta`` anything else it needs."""
+        tensors (or None) the backward needs, ``meta`` anything else it needs. A path serving a
+        call with ``return_max_logit`` (the ring's, ``RingConfig.max_logit``) returns the group's
+        max logit (heads,) fifth."""
         ...
 
     def backward(self, saved: tuple, meta, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):
@@ -451,6 +481,10 @@ class RingPath:
     impl: RingAttention
 
     def forward(self, query, key, value):
+        if self.cfg.max_logit:
+            out, lse, local = heads.run_forward(self.impl, self.cfg, query, key, value)
+            max_logit = self.impl.reduce_max_logit(self.cfg, local)
+            return out, lse, (query, key, value, out, lse), None, max_logit
         if self.cfg.head_chunks == 1:  # one ring over every head: straight to it (a frame fewer)
             out, lse = self.impl.forward(self.cfg, query, key, value)
         else:
@@ -484,7 +518,7 @@ class PathFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, path: Path, with_lse: bool):
-        out, lse, saved, meta = path.forward(query, key, value)
+        out, lse, saved, meta, *max_logit = path.forward(query, key, value)
         if _COPY_COMPILED_OUTPUTS and torch.compiler.is_compiling():
             out, lse = out.clone(), lse.clone()
         ctx.save_for_backward(*saved)
@@ -494,11 +528,14 @@ class PathFunction(torch.autograd.Function):
         ctx.with_lse = with_lse
         if not with_lse:
             ctx.mark_non_differentiable(lse)
+        if max_logit:  # a third output, never differentiable (a statistic for the optimiser)
+            ctx.mark_non_differentiable(max_logit[0])
+            return out, lse, max_logit[0]
         return out, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, grad_lse, _grad_max_logit=None):
         if grad_out is None:  # only the LSE reaches the loss
             shape, dtype, device = ctx.out_like
             grad_out = torch.zeros(shape, dtype=dtype, device=device)

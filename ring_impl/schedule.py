@@ -25,6 +25,12 @@ every ring call count is multiplied by ``c`` and the bytes are unchanged (the ch
 a call that cannot carry it: an option that is not a plain literal).
 ``W == 1`` issues no collective at all.
 
+A call with ``return_max_logit=True`` (the ring only; ``heads`` given) adds one ``all_reduce`` to
+the forward: the max logits of every query head with a NaN flag each, ``2 * heads * acc`` bytes
+(``acc`` = 4, or 8 for float64; :func:`ring_impl.max_logit.reduce_max_logit`), once per call
+whatever ``head_chunks``. A mask the halo exchange would serve then runs on the ring; under
+``torch.compile`` the call runs eagerly, so ``compiled=True`` declares the eager ring's.
+
 A call the halo exchange serves (``mask=`` and ``rank=`` given; :mod:`ring_impl.halo`) has no
 ring: with ``r = 2*batch*heads_kv*head_dim`` elements per packed key/value row, rank ``k``
 receives ``l_k`` rows from rank ``k-1`` and ``r_k`` from rank ``k+1`` (the mask's reach, 0 past
@@ -55,6 +61,7 @@ import torch
 
 from .halo import halo_reach, halo_refusal, halo_schedule
 from .masks import fold_causal
+from .ops import accumulation_dtype
 from .ring_schedule import Schedule, ring_schedule
 from .strategies.schedule import strategy_schedule
 
@@ -83,6 +90,7 @@ def collective_schedule(
     rank: int | None = None,
     halo: bool | None = None,
     sparse_kv: bool = False,
+    return_max_logit: bool = False,
     exchange: str | None = None,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
@@ -99,9 +107,31 @@ def collective_schedule(
     when the mask depends on the head) declares the sparse gather's (ring_impl.kv_gather).
     ``exchange`` (as given to ``ring_attention``, one of ring_impl.call.EXCHANGES) stands for
     ``strategy``, ``halo`` and ``sparse_kv`` (ValueError when given with a contradicting one).
+    ``return_max_logit=True`` (with ``heads``) adds the max logit's all-reduce (the ring only;
+    ValueError with another strategy, ``sparse_kv`` or ``halo=True``, which refuse it).
     """
     if exchange is not None:
         strategy, halo, sparse_kv = _exchange_options(exchange, strategy, halo, sparse_kv)
+    if not isinstance(return_max_logit, bool):
+        raise ValueError(
+            f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}")
+    if return_max_logit:
+        if strategy != "ring" or sparse_kv or halo is True:
+            raise ValueError("collective_schedule: return_max_logit=True runs on the ring only "
+                             "(strategy='ring', sparse_kv=False, halo None or False)")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError("collective_schedule: return_max_logit=True needs heads= (query "
+                             f"heads, an int >= 1), got {heads!r}")
+        sizes = dict(batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype,
+                     head_chunks=head_chunks)
+        ring_schedule(world_size, rotate_method, compiled=compiled, **sizes)  # (checks arguments)
+        # Under torch.compile the call runs eagerly (ring_impl.api.MAX_LOGIT_RUNS_EAGERLY).
+        schedule = collective_schedule(world_size, rotate_method, compiled=False, **sizes)
+        if world_size > 1:
+            entry = schedule["forward"].setdefault("all_reduce", {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += 2 * heads * accumulation_dtype(dtype).itemsize
+        return schedule
     if sparse_kv and world_size > 1:
         return _gather_schedule(world_size, rotate_method, mask=mask, is_causal=is_causal, layout=layout, rank=rank,
                                 batch=batch, heads=heads, heads_kv=heads_kv, seq_q=seq_q, seq_kv=seq_kv,

@@ -69,14 +69,17 @@ STRATEGIES = ("ring", "ulysses", "hybrid")
 #: check carries them too (strategy "ring", a 1 x W mesh), so ranks that disagree on
 #: ``strategy=`` exchange tables of one size and all raise, instead of pairing a ring rank's
 #: all-reduce with a head-parallel rank's of another size.
-STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse")
+STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse", "return_max_logit")
 
 
-def strategy_codes(strategy: str, mesh_shape: tuple[int, int], return_lse) -> list[int]:
+def strategy_codes(strategy: str, mesh_shape: tuple[int, int], return_lse,
+                   return_max_logit=False) -> list[int]:
     """A row's :data:`STRATEGY_FIELDS`. The ring compares no ``return_lse`` (nothing of the LSE
-    travels): 0."""
+    travels): 0. ``return_max_logit`` adds the ring's all-reduce of the max logit: ranks that
+    disagree on it would pair it with another collective."""
     lse = int(bool(return_lse)) if strategy != "ring" else 0
-    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse]
+    max_logit = int(bool(return_max_logit))
+    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse, max_logit]
 
 
 def strategy_disagreement(codes: list[list[int]]) -> str | None:
@@ -90,7 +93,9 @@ def strategy_disagreement(codes: list[list[int]]) -> str | None:
         for r, row in enumerate(codes):
             values.setdefault(row[i], []).append(r)
         if len(values) > 1:
-            shown = {"strategy": lambda c: repr(STRATEGIES[c]), "return_lse": lambda c: str(bool(c))}.get(field, str)
+            shown = {"strategy": lambda c: repr(STRATEGIES[c]),
+                     "return_lse": lambda c: str(bool(c)),
+                     "return_max_logit": lambda c: str(bool(c))}.get(field, str)
             differing.append(f"{field} (" + "; ".join(f"ranks {ranks} {shown(c)}" for c, ranks in values.items()) + ")")
     if not differing:
         return None
@@ -324,6 +329,7 @@ def disagreement(table: list[list[int]], op_names: dict[int, str], layout_names:
 def agree_across_ranks(
     problem: str | None, query, key, *, is_causal, scale: float | None, layout, rotate_method, op: AttentionOp | None,
     head_chunks=1, return_lse=False, group: dist.ProcessGroup, device: torch.device, mask_code: int = 0,
+    return_max_logit: bool = False,
 ) -> None:
     """Raise InputError on every rank if any rank has a problem or the ranks disagree."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -336,7 +342,7 @@ def agree_across_ranks(
         table[rank * n + 1 : (rank + 1) * n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
             head_chunks=head_chunks, mask_code=mask_code, world_size=world,
-        ) + strategy_codes("ring", (1, world), return_lse)
+        ) + strategy_codes("ring", (1, world), return_lse, return_max_logit)
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
     vec = vec if staged else vec.to(device)

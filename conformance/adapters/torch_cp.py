@@ -68,8 +68,9 @@ and, in brackets, the same for single-process CPU flash in the same dtype):
   leaves the others waiting in a collective. Declared lacking (``input_errors=False``).
 - ``p2p`` rotation, attention ops other than its own kernel (``ops=frozenset()``), a
   ``context_parallel`` API that runs on CPU (``context_parallel=False``, no ``api_module``),
-  per-step partials (``record_steps=False``): not in PyTorch; declared lacking, so those cases
-  are N/A (anything left undeclared would be claimed and tested).
+  per-step partials (``record_steps=False``), the per-head max logit (``max_logit=False``: its ring
+  returns none): not in PyTorch; declared lacking, so those cases are N/A (anything left
+  undeclared would be claimed and tested).
 
 Collective schedule (counted with :class:`harness.accounting.CollectiveLog`; equal to
 :meth:`TorchContextParallel.collective_schedule` for W = 1, 2, 4): forward ``allgather``: one
@@ -298,6 +299,7 @@ class TorchContextParallel:
             sinks=False,
             score_mod=False,  # PyTorch's ring runs SDPA kernels, which take no score_mod
             balancers=frozenset(),  # head_tail is PyTorch's only load balancer
+            max_logit=False,  # its ring returns no max logit (and SDPA has no such output)
         )
         self.baseline_op = "auto"
 

@@ -461,6 +461,7 @@ class FlashRing:
         masks=frozenset(),
         sinks=False,
         score_mod=False,
+        max_logit=False,  # returns no max logit (ring_attention takes no return_max_logit)
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

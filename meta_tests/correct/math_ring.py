@@ -18,6 +18,11 @@ Rotations (every rank issues the same collectives in the same order, whatever it
 A block no query of this rank sees (causal) is not computed; a block some queries see is
 computed with the mask from global positions.
 
+The max logit (``return_max_logit=True``): each computed block's masked scores give their
+per-head maximum, kept as a running maximum over the steps (``torch.maximum``, which keeps a
+NaN); the ranks' maxima are all-gathered and their maximum taken (``amax``, which keeps a NaN
+too): one ``all_gather`` of ``heads`` accumulation-dtype values.
+
 NaN in the inputs flows through the arithmetic itself (±inf inputs are made NaN first): a NaN score makes the row's running max,
 sum and accumulator NaN, and the row is told apart from a row that saw no key by its running max
 (still -inf only there). In backward, masked entries of P and dS are set to 0 rather than left to
@@ -163,7 +168,8 @@ def _record(setup: RingSetup, step: int, kv_rank: int, s: torch.Tensor, v: torch
 
 class _MathRingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, setup: RingSetup, is_causal: bool, layout: str, method: str):
+    def forward(ctx, query, key, value, setup: RingSetup, is_causal: bool, layout: str, method: str,
+                with_max_logit: bool = False):
         acc = _acc(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
@@ -176,6 +182,7 @@ class _MathRingFn(torch.autograd.Function):
             all_gather(gathered.view(-1), kv.contiguous().view(-1), group=setup.group)
         hop = _Hop(setup, method)
         state = _Online(q5)
+        best = torch.full((h,), float("-inf"), dtype=acc) if with_max_logit else None
         for step in range(w):
             kv_rank = (r - step) % w
             block = gathered[kv_rank] if gathered is not None else kv
@@ -183,6 +190,8 @@ class _MathRingFn(torch.autograd.Function):
             if kind != "skip":
                 k, v = _widen(block[0], acc), _widen(block[1], acc)
                 s = _scores(q5, k, setup.scale, visible)
+                if best is not None:  # s (b, hkv, g, sq, sk): head kv * g + j
+                    best = torch.maximum(best, s.amax(dim=(0, 3, 4)).reshape(h))
                 state.add(s, v)
                 if recording():
                     _record(setup, step, kv_rank, s, v)
@@ -194,10 +203,17 @@ class _MathRingFn(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, lse, gathered if gathered is not None else torch.empty(0))
         ctx.setup, ctx.is_causal, ctx.layout, ctx.method = setup, is_causal, layout, method
         ctx.gathered = gathered is not None
-        return out, lse
+        if best is None:
+            return out, lse
+        if w > 1:
+            every = torch.empty((w, h), dtype=acc)
+            all_gather(every.view(-1), best, group=setup.group)
+            best = every.amax(0)
+        ctx.mark_non_differentiable(best)
+        return out, lse, best
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, grad_lse, _grad_max_logit=None):
         query, key, value, out, lse, gathered = ctx.saved_tensors
         setup, is_causal, layout, method = ctx.setup, ctx.is_causal, ctx.layout, ctx.method
         acc = _acc(query.dtype)
@@ -260,31 +276,38 @@ class _MathRingFn(torch.autograd.Function):
                     # The accumulator travels with its block; after W hops it is back with its owner.
                     dkv = hop(dkv)
         dq = dq5.reshape(b, h, sq, d).to(query.dtype)
-        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None
+        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None
 
 
 def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None, op=None,
-                   layout="contiguous", return_lse=False):
+                   layout="contiguous", return_lse=False, return_max_logit=False):
     """Ring attention over ``group``; differentiable in query, key and value (and through the LSE).
 
     query (batch, heads, seq_q_local, head_dim), key/value (batch, heads_kv, seq_kv_local,
     head_dim), sharded on dim 2 in ``layout``. Returns the local output (input dtype) and, with
-    ``return_lse``, the LSE (batch, heads, seq_q_local) in float32 (float64 for float64).
+    ``return_lse``, the LSE (batch, heads, seq_q_local) in float32 (float64 for float64), and
+    with ``return_max_logit`` the group's per-head max logit (heads,) last, in the same dtype.
     """
     rotate_method = "p2p" if rotate_method is None else rotate_method
     setup = check_inputs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
                          rotate_method=rotate_method, rotate_methods=ROTATE_METHODS,
                          op_problem=None if op is None else f"op={op!r} given, but math_ring always runs its own "
                          "kernel per step (capabilities.ops is empty); leave op=None")
+    if return_max_logit:
+        out, lse, max_logit = _MathRingFn.apply(query, key, value, setup, bool(is_causal), layout,
+                                                rotate_method, True)
+        return (out, lse, max_logit) if return_lse else (out, max_logit)
     out, lse = _MathRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method)
     return (out, lse) if return_lse else out
 
 
-def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False, **_):
+def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype,
+                        compiled=False, heads=None, return_max_logit=False, **_):
     """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
 
     kv = 2*batch*heads_kv*seq_kv*head_dim elements in the input dtype, dkv the same elements in
-    the accumulation dtype. Forward adds the input check's all-gather. W = 1 issues nothing.
+    the accumulation dtype. Forward adds the input check's all-gather, and with
+    ``return_max_logit`` an all-gather of ``heads`` maxima. W = 1 issues nothing.
     """
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}")
@@ -295,9 +318,11 @@ def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, h
         return {"forward": {}, "backward": {}}
     elems = 2 * batch * heads_kv * seq_kv * head_dim
     kv, dkv = elems * dtype.itemsize, elems * _acc(dtype).itemsize
-    fwd = {"all_gather": {"calls": 1, "bytes": check_bytes()}}
+    extra = heads * _acc(dtype).itemsize if return_max_logit else 0
+    fwd = {"all_gather": {"calls": 1 + bool(return_max_logit), "bytes": check_bytes() + extra}}
     if rotate_method == "allgather":
-        fwd["all_gather"] = {"calls": 2, "bytes": check_bytes() + kv}
+        fwd["all_gather"] = {"calls": 2 + bool(return_max_logit),
+                             "bytes": check_bytes() + kv + extra}
         return {"forward": fwd, "backward": {"all_to_all": {"calls": 1, "bytes": w * dkv}}}
     kinds = ("send", "recv") if rotate_method == "p2p" else ("all_to_all",)
     for kind in kinds:

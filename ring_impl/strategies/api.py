@@ -47,7 +47,10 @@ def strategy_path(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None,
                                                              masked=mask is not None,
                                                              score_mod=score_mod is not None)
     mesh_shape = groups.shape
-    problem = call.problem or strategy_problem(
+    problem = call.problem or (
+        None if call.return_max_logit is False else
+        f"return_max_logit runs on the ring only (exchange={strategy!r} does not compute it); pass "
+        "exchange='auto'") or strategy_problem(
         strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=call.scale, layout=layout,
         rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
     ) or _masking_problem(query, key, mask, sinks, mesh_shape) or score_mod_problem(

@@ -18,7 +18,7 @@ from ring_impl.ops.cpu import CpuFlashOp
 
 #: Every keyword of ring_attention, in order: the signature tools, IDEs and help() show.
 PARAMETERS = ("query", "key", "value", "group", "is_causal", "scale", "rotate_method", "op", "layout",
-              "return_lse", "head_chunks", "mask", "sinks", "score_mod", "exchange", "cu_seqlens", "strategy", "halo",
+              "return_lse", "return_max_logit", "head_chunks", "mask", "sinks", "score_mod", "exchange", "cu_seqlens", "strategy", "halo",
               "sparse_kv")
 
 

@@ -1,0 +1,248 @@
+"""The per-head maximum attention logit (``ring_attention(..., return_max_logit=True)``), what
+QK-clip optimisers (MuonClip) read: against the float64 oracle on the global score matrix
+(reference.attention.max_logit), by the numerics policy (reference.budget.max_logit_scale).
+
+Non-causal and causal, every rotation, both layouts (the causal head_tail layout skips and trims
+different blocks on every rank), float64/float32/bfloat16, GQA, ``return_lse`` on and off, W 1..4
+(nightly up to 8); the named masks of the mask suite (documents, windows, chunked causal,
+prefix-LM, a head-dependent mask_mod, rows that see nothing, a window the halo exchange would
+serve), with sinks on some (no part of the max logit); a NaN in a key and in a query (the heads it
+reaches are NaN, on every rank); softmax scales <= 0. Every rank must return the same (heads,)
+tensor in the compute dtype, without a gradient; the output's backward still runs. With
+``collective_schedule`` claimed, the collectives of a call are asserted against
+``collective_schedule(..., return_max_logit=True)``.
+
+Capability ``max_logit`` (undeclared: claimed); the mask cases also need ``masks`` (their kinds)
+and ``sinks``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
+from suites.inputs import InputSpec
+from suites.judge import format_failure
+from suites.matrix import DTYPES, LAYOUTS, ROTATIONS, params, tier, world_sizes
+
+#: Named masks of the mask suite run here (suites.cases_masks.mask_spec) and the mask kinds each
+#: uses: documents with padding between them (rows that see nothing), a narrow window (the halo
+#: exchange's kind), a prefix with a window, per-head windows, chunked causal.
+KINDS = {
+    "documents_with_gaps": {"document"},
+    "window_narrow": {"sliding_window"},
+    "prefix_lm_window": {"and", "prefix_lm", "sliding_window"},
+    "mask_mod": {"mask_mod"},
+    "chunked_causal": {"chunked_causal"},
+}
+MASKS = tuple(KINDS)
+
+
+def _cases(config) -> list[MaxLogitCase]:
+    nightly = tier(config) == "nightly"
+    dtypes = DTYPES[:3]
+    out = []
+    for i, (w, causal, layout) in enumerate(
+        itertools.product(world_sizes(config), (False, True), LAYOUTS)
+    ):
+        for j, dtype in enumerate(dtypes if nightly else (dtypes[i % 3],)):
+            heads_kv = 2 if (i + j) % 2 else 4
+            spec = InputSpec(
+                batch=2,
+                heads=4,
+                heads_kv=heads_kv,
+                seq_q=8 * w,
+                seq_kv=8 * w,
+                head_dim=16,
+                dtype=dtype,
+            )
+            out.append(
+                MaxLogitCase(
+                    spec,
+                    w,
+                    is_causal=causal,
+                    layout=layout,
+                    rotate_method=ROTATIONS[(i + j) % 3],
+                    return_lse=(i + j) % 2 == 0,
+                )
+            )
+    for i, (name, w) in enumerate(
+        itertools.product(MASKS, world_sizes(config, at_least=2, at_most=None if nightly else 3))
+    ):
+        spec = InputSpec(
+            batch=1,
+            heads=4,
+            heads_kv=2 if i % 2 else 4,
+            seq_q=24 * w,
+            seq_kv=24 * w,
+            head_dim=16,
+            dtype=dtypes[i % 3],
+        )
+        out.append(
+            MaxLogitCase(
+                spec,
+                w,
+                layout=LAYOUTS[i % 2] if name != "window_narrow" else "contiguous",
+                rotate_method=ROTATIONS[i % 3],
+                mask=name,
+                sinks=i % 3 == 0,
+            )
+        )
+    for i, (w, where) in enumerate(
+        itertools.product(world_sizes(config, at_least=2, at_most=3), ("key", "query"))
+    ):
+        spec = InputSpec(
+            batch=2,
+            heads=4,
+            heads_kv=2,
+            seq_q=8 * w,
+            seq_kv=8 * w,
+            head_dim=16,
+            dtype="float32",
+            nan_in=where,
+        )
+        out.append(
+            MaxLogitCase(
+                spec,
+                w,
+                is_causal=where == "key",
+                layout=LAYOUTS[i % 2],
+                rotate_method=ROTATIONS[i % 3],
+            )
+        )
+    # softmax scales <= 0 (a negative temperature is legitimate): the largest logit is then
+    # the scale times the smallest score
+    for i, (w, scale) in enumerate(
+        itertools.product(world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0))
+    ):
+        spec = InputSpec(
+            batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, scale=scale
+        )
+        out.append(
+            MaxLogitCase(
+                spec, w, is_causal=True, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3]
+            )
+        )
+    return out
+
+
+def _accounted(config) -> list[MaxLogitCase]:
+    out = []
+    for i, (w, rotate) in enumerate(
+        itertools.product(world_sizes(config, at_least=2, at_most=4), ROTATIONS)
+    ):
+        spec = InputSpec(
+            batch=2,
+            heads=4,
+            heads_kv=2,
+            seq_q=8 * w,
+            seq_kv=8 * w,
+            head_dim=16,
+            dtype=("float32", "float64")[i % 2],
+        )
+        out.append(
+            MaxLogitCase(
+                spec, w, is_causal=True, layout=LAYOUTS[i % 2], rotate_method=rotate, account=True
+            )
+        )
+    return out
+
+
+def _id(c: MaxLogitCase) -> tuple[str, ...]:
+    return (
+        *((c.mask,) if c.mask else ()),
+        *(("sinks",) if c.sinks else ()),
+        *((f"nan_{c.inputs.nan_in}",) if c.inputs.nan_in else ()),
+        *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ()),
+        *(("lse",) if c.return_lse else ()),
+        f"hkv{c.inputs.heads_kv}",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        cases = (
+            _accounted(metafunc.config)
+            if "accounted" in metafunc.function.__name__
+            else _cases(metafunc.config)
+        )
+        metafunc.parametrize("case", params(cases, id_extra=_id))
+
+
+def _prepare(ring, case: MaxLogitCase) -> MaxLogitCase:
+    __tracebackhide__ = True
+    ring.require("max_logit", why="ring_attention(return_max_logit=True)")
+    if case.mask is not None:
+        for kind in sorted(KINDS[case.mask]):
+            ring.require("masks", kind, why=f"mask {case.mask!r}")
+    if case.sinks:
+        ring.require("sinks")
+    return ring.prepare(case)
+
+
+def _run_and_judge(ring, case: MaxLogitCase) -> list[dict]:
+    __tracebackhide__ = True
+    results = ring.run(case, max_logit_case)
+    try:
+        verdicts = judge_max_logit(case, results)
+    except AssertionError as exc:  # a broken contract: no numbers to judge
+        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
+    ring.record(case, verdicts)
+    failed = [v for v in verdicts if not v.passed]
+    if failed:
+        pytest.fail(
+            format_failure(failed, diagnose_max_logit(case, results), ring.repro()), pytrace=False
+        )
+    return results
+
+
+def test_max_logit_matches_reference(ring, case: MaxLogitCase) -> None:
+    """The group's per-head max logit against the float64 oracle, the same on every rank."""
+    _run_and_judge(ring, _prepare(ring, case))
+
+
+def test_max_logit_collectives_accounted(ring, case: MaxLogitCase) -> None:
+    """A call with return_max_logit=True issues exactly the collectives of
+    collective_schedule(..., return_max_logit=True)."""
+    case = _prepare(ring, case)
+    schedule = ring.protocol(
+        "collective_schedule", why="the max logit's collectives are asserted against it"
+    )
+    spec = case.inputs
+    expected = schedule(
+        case.world_size,
+        case.rotate_method,
+        batch=spec.batch,
+        heads_kv=spec.heads_kv,
+        seq_kv=spec.seq_kv // case.world_size,
+        head_dim=spec.head_dim,
+        dtype=spec.torch_dtype,
+        compiled=False,
+        heads=spec.heads,
+        seq_q=spec.seq_q // case.world_size,
+        return_max_logit=True,
+    )
+    results = _run_and_judge(ring, case)
+    problems = []
+    for rank, r in enumerate(results):
+        for phase in sorted(set(expected) | set(r["collectives"])):
+            exp, act = expected.get(phase, {}), r["collectives"].get(phase, {})
+            for kind in sorted(set(exp) | set(act)):
+                e, a = (
+                    exp.get(kind, {"calls": 0, "bytes": 0}),
+                    act.get(kind, {"calls": 0, "bytes": 0}),
+                )
+                if e != a:
+                    problems.append(
+                        f"rank {rank}: {phase}/{kind}: declared {e['calls']} calls, "
+                        f"{e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
+                    )
+    if problems:
+        pytest.fail(
+            f"collectives differ from the declared schedule [{case.label}]:\n"
+            + "\n".join(problems)
+            + f"\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
