@@ -130,6 +130,13 @@ def _scored_case():
     return scored_case(MetaRank(), case)
 
 
+def _max_logit_case():
+    from suites.cases_max_logit import MaxLogitCase, max_logit_case
+
+    case = MaxLogitCase(SPEC, 1, mask="documents", sinks=True, impl=PROBE_IMPL)
+    return max_logit_case(MetaRank(), case)
+
+
 def _strategy_case():
     from suites.cases_strategies import StrategyCase, strategy_case
 
@@ -147,6 +154,7 @@ RANK_FUNCTIONS = {
     "suites.cases.ring_case_twice": _ring_case_twice,
     "suites.cases_masks.masked_case": _masked_case,
     "suites.cases_score_mods.scored_case": _scored_case,
+    "suites.cases_max_logit.max_logit_case": _max_logit_case,
     "suites.cases_strategies.strategy_case": _strategy_case,
     "suites.cases_balance.balance_case": _balance_case,
 }
