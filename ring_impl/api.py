@@ -141,7 +141,8 @@ def ring_path(
     them on this rank and across the group (InputError on every rank for bad input)."""
     rotate_method = get_rotate_method() if rotate_method is None else rotate_method
     pg = resolve_group(group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None,
+                                                             value=value)
     # extra_problem: a caller's own rejection (the SDPA route's attn_mask, dropout), raised
     # through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)
@@ -185,7 +186,7 @@ def ring_path(
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
             problem, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
-            rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg,
+            rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse, group=pg, value=value,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
                                                          key.shape[2] * world), query.device),

@@ -91,7 +91,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                            kernel_options=kernel_options, return_aux=return_aux, world_size=world)
     mask = MaskMod(block_mask.mask_mod) if problem is None and block_mask is not None else None
     want_lse = bool(return_lse) or (return_aux is not None and bool(getattr(return_aux, "lse", False)))
-    op = route.op_for(query, scale, False) if isinstance(query, torch.Tensor) else route.op
+    op = route.op_for(query, scale, False, value) if isinstance(query, torch.Tensor) else route.op
     result = api.ring_attention(  # refusals name the function called, compiled too (routed_from)
         query, key, value, group=group, is_causal=False, scale=scale,
         rotate_method=route.rotate_method, op=op, layout=route.layout, head_chunks=route.head_chunks,

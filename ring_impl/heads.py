@@ -99,7 +99,7 @@ def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.
     for hq, hkv in spans:
         out_c, lse_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv))
         if out is None or lse is None:
-            out = query.new_empty(query.shape, dtype=out_c.dtype)
+            out = query.new_empty((*query.shape[:3], value.shape[-1]), dtype=out_c.dtype)
             lse = lse_c.new_empty(query.shape[:3])
         out[:, hq] = out_c
         lse[:, hq] = lse_c

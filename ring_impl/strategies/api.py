@@ -52,7 +52,8 @@ def strategy_path(
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
     groups = resolve_strategy_groups(strategy, group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(query, scale, op, is_causal, masked=mask is not None,
+                                                             value=value)
     mesh_shape = groups.shape
     problem = extra_problem or strategy_problem(
         strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale, layout=layout,
@@ -79,7 +80,7 @@ def strategy_path(
                       rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
                       device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
                       mask_code=mask_code(mask, sinks, _global_dims(query, key, mesh_shape), query.device)
-                      if problem is None else 0)
+                      if problem is None else 0, value=value)
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert cfg is not None
