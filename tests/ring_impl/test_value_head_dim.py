@@ -356,3 +356,45 @@ def test_schedule_counts_value_bytes_with_its_own_head_dim() -> None:
     qkv = 2 * ((4 * 8 + 2 * 8) * 24 + 2 * 8 * 8) * 2
     out = 2 * 4 * 8 * 8 * 2
     assert u["forward"]["all_to_all"]["bytes"] == qkv + out
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+def _compiled_vs_eager(ctx, masked: bool, strategy: str):
+    import ring_impl
+    from ring_impl.masks import SlidingWindow
+
+    torch._dynamo.reset()
+    w, r = ctx.world_size, ctx.rank
+    q, k, v, dout, _ = _inputs(SHARD * w, torch.float64, 2, D_QK_WIDE, D_V_NARROW, seed=5)
+    q, k, v, dout = (ring_impl.shard(t, w, r) for t in (q, k, v, dout))
+    kwargs = {"group": ctx.group, "is_causal": True, "rotate_method": "alltoall", "strategy": strategy}
+    if masked:
+        kwargs["mask"] = SlidingWindow(5, 0)
+        if strategy == "ring":
+            kwargs["halo"] = False  # the ring's masked custom op, not the halo's
+
+    def attention(q, k, v):
+        return ring_impl.ring_attention(q, k, v, **kwargs)
+
+    grads = []
+    for fn in (torch.compile(attention, backend="aot_eager", fullgraph=True), attention):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout)
+        grads.append([out.detach(), *(t.grad for t in leaves)])
+    return grads
+
+
+@pytest.mark.parametrize("masked,strategy", [(False, "ring"), (True, "ring"), (True, "ulysses")])
+def test_compiled_calls_with_a_value_head_dim_equal_eager(ring, masked, strategy) -> None:
+    """fullgraph=True: the ring's autograd Function, the masked ring's custom op (whose fake
+    output takes value's head dim) and Ulysses give eager's output and gradients."""
+    _skip_other_impl(ring)
+    for rank, (compiled, eager) in enumerate(ring.rank_pool(2).run(_compiled_vs_eager, masked, strategy,
+                                                                     timeout=300.0)):
+        assert compiled[0].shape == (BATCH, HEADS, SHARD, D_V_NARROW), compiled[0].shape
+        for name, c, e in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
+            assert c.shape == e.shape, (name, c.shape, e.shape)
+            torch.testing.assert_close(c, e, rtol=1e-12, atol=1e-12, msg=lambda m, n=name, r=rank: f"{n}, rank {r}: {m}")
