@@ -245,8 +245,10 @@ _ring_attention_doc = """Ring attention over a process group; differentiable in 
 
 Args:
     query: this rank's shard (batch, heads, seq_q_local, head_dim), sharded on dim 2 in ``layout``.
-    key, value: (batch, heads_kv, seq_kv_local, head_dim); heads % heads_kv == 0 (GQA: only
-        heads_kv heads travel). Non-causal attention may have seq_kv_local != seq_q_local.
+    key, value: (batch, heads_kv, seq_kv_local, head_dim) and (..., head_dim_v); heads %
+        heads_kv == 0 (GQA: only heads_kv heads travel). Non-causal attention may have
+        seq_kv_local != seq_q_local. head_dim_v != head_dim (multi-head latent attention) runs on
+        ops declaring OpCapabilities.value_head_dim ("auto" picks one; others are refused).
     group: a ProcessGroup or 1-D DeviceMesh (default: the default process group); for
         ``strategy="hybrid"`` a 2-D DeviceMesh with dims named "ulysses" and "ring", or a
         mapping {"ulysses": group, "ring": group}.
@@ -306,7 +308,7 @@ Args:
         rank's gradient covers its own rows (reduce it over the group like any parameter's).
 
 Returns:
-    The local output (batch, heads, seq_q_local, head_dim) in the input dtype, and the LSE
+    The local output (batch, heads, seq_q_local, head_dim_v) in the input dtype, and the LSE
     when ``return_lse``.
 
 Raises:
