@@ -367,7 +367,7 @@ class RaisesOnOneRankOnly:
         rotate_method = rotate_method or get_rotate_method()
         op_obj, op_error = None, None
         try:
-            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1])
+            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], head_dim_v=value.shape[-1])
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
             op_error = str(exc)
         problem = local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
@@ -443,7 +443,7 @@ class ScaleNotAgreed:
         if scale is None or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             return _ring_attention(_DEFAULT, query, key, value, scale=scale, op=op, **kwargs)  # checked as usual
         inner = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=scale,
-                           is_causal=bool(kwargs.get("is_causal", False)))
+                           is_causal=bool(kwargs.get("is_causal", False)), head_dim_v=value.shape[-1])
         own = _OwnScaleOp(inner, float(scale)) if float(scale) != default_scale(query.shape[-1]) else inner
         return _ring_attention(_DEFAULT, query, key, value, op=own, **kwargs)
 
