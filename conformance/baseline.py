@@ -55,7 +55,8 @@ def single_device_baseline(
 ) -> dict[str, torch.Tensor]:
     """The policy's B: one call of the op over the whole sequence on the session's device.
 
-    query (b, h, sq, d), key/value (b, hkv, skv, d), grad_out like query, grad_lse (b, h, sq) or
+    query (b, h, sq, d), key (b, hkv, skv, d), value (b, hkv, skv, dv), grad_out (b, h, sq, dv)
+    (``dv``: value's head dim, which may differ from ``d``), grad_lse (b, h, sq) or
     None; visible (b or 1, h or 1, sq, skv) bool for a masked case (a masked call goes to the op
     when it declares ``masks``, else to the math op, exactly as the ring's masked blocks do);
     sinks (h,) logits; score_mod: plain data (reference.score_mods), applied on the whole
@@ -83,6 +84,7 @@ def single_device_baseline(
     batch, heads, seq_q, head_dim = q.shape
     dtype = q.dtype
     scale = scale if scale is not None else default_scale(head_dim)
+    head_dim_v = v.shape[-1]
     scores = None
     if score_mod is not None:
         from ring_impl.score_mods import block_scores, from_spec
@@ -91,10 +93,10 @@ def single_device_baseline(
                               q_pos=((0, seq_q),), kv_pos=((0, k.shape[2]),), device=device)
     if op_spec in (None, "auto"):
         op = resolve_op("auto", device, dtype, head_dim, scale=scale, is_causal=is_causal,
-                        score_mod=scores is not None)
+                        score_mod=scores is not None, head_dim_v=head_dim_v)
     else:
         op = load_op(op_spec)
-    why = op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal)
+    why = op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal, head_dim_v=head_dim_v)
     if why is not None:
         raise ValueError(
             f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: {why}; the case "

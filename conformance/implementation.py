@@ -20,7 +20,8 @@ The other pieces of the protocol, each claimed unless its capability field is ``
 ``collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled)``
     (capability ``collective_schedule``) ``{phase: {kind: {"calls": n, "bytes": b}}}`` for one
     forward and one backward call, in the accounting convention of :mod:`harness.accounting`;
-    the suite asserts it exactly on every rank.
+    the suite asserts it exactly on every rank. Cases whose value has its own head dim (capability
+    ``value_head_dim``) also pass ``head_dim_v=``.
 ``record_steps()``
     (capability ``record_steps``) a context manager yielding an object with ``records`` (see
     :mod:`ring_impl.debug`): the per-step partials that ``test_causal_layouts`` compares with
@@ -90,6 +91,14 @@ asks ``collective_schedule(..., heads=, return_max_logit=True)`` for the call's 
 (``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
 ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
 shards follow :mod:`reference.strategies`' layouts. Undeclared claims all three.
+
+``value_head_dim`` (capability ``value_head_dim``): ``value`` may have a head dim ``head_dim_v``
+other than query's and key's (DeepSeek's multi-head latent attention): value ``(batch,
+heads_kv, seq_local, head_dim_v)``, the output and its gradient ``(batch, heads, seq_local,
+head_dim_v)``, dQ/dK of query's and key's shape. ``suites/test_forward_backward.py`` runs such
+cases across rotations, layouts and world sizes (``test_value_head_dim``) and
+``suites/test_collectives.py`` asserts ``collective_schedule(..., head_dim_v=)`` when the
+schedule is claimed too.
 
 ``op`` is passed to ``ring_attention`` when a case runs a given kernel (``--op``, the LSE-layout
 cases, the work-counting cases): as an op object (:class:`ring_impl.ops.AttentionOp`), which needs
@@ -166,6 +175,7 @@ class Capabilities:
     lse_grad: bool | None = None  # the returned LSE is differentiable (a loss may use it)
     gqa: bool | None = None
     cross_attention: bool | None = None  # non-causal with seq_kv != seq_q
+    value_head_dim: bool | None = None  # value's head dim differs from query's/key's (MLA: d_v != d_qk)
     compile: bool | None = None  # works under torch.compile(fullgraph=True)
     input_errors: bool | None = None  # raises on every rank for bad input, never hangs
     context_parallel: bool | None = None  # offers context_parallel / ContextParallel (needs api_module)

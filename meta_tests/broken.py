@@ -204,6 +204,19 @@ class BackwardReusesStepZeroKV(RingAttention):
             del self.kv_rotation
 
 
+class ValueBufferSizedByKey(RingAttention):
+    """The key/value buffer that travels sized by key's head dim, as if value's were the same
+    (d_v assumed equal to d_qk): value's columns past d_qk dropped, or zeros where d_v < d_qk.
+    Equal head dims, and one rank (nothing packed), run as ring_impl does."""
+
+    def pack_kv(self, key, value):
+        buf = key.new_zeros((2, *key.shape))
+        buf[0] = key
+        n = min(key.shape[-1], value.shape[-1])
+        buf[1, ..., :n] = value[..., :n]
+        return buf
+
+
 class BackwardUsesBlockOutput(RingAttention):
     """The backward's ``dO . O`` row term taken from each block's own partial output (saved per
     step, as a per-step kernel call leaves it) instead of the merged output of all steps; the LSE
@@ -353,7 +366,7 @@ class RaisesOnOneRankOnly:
         rotate_method = rotate_method or get_rotate_method()
         op_obj, op_error = None, None
         try:
-            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1])
+            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], head_dim_v=value.shape[-1])
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
             op_error = str(exc)
         problem = local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
@@ -429,7 +442,7 @@ class ScaleNotAgreed:
         if scale is None or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             return _RING(query, key, value, scale=scale, op=op, **kwargs)  # checked as usual
         inner = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=scale,
-                           is_causal=bool(kwargs.get("is_causal", False)))
+                           is_causal=bool(kwargs.get("is_causal", False)), head_dim_v=value.shape[-1])
         own = _OwnScaleOp(inner, float(scale)) if float(scale) != default_scale(query.shape[-1]) else inner
         return _RING(query, key, value, op=own, **kwargs)
 
@@ -629,6 +642,9 @@ BROKEN: dict[str, Broken] = {b.name: b for b in [
            r"the backward used each rank's own key/value block at every ring step", _adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV())),
     Broken("backward_uses_block_output", "backward: each chunk's own output instead of the merged output in the dO.O term",
            r"each ring step's own partial output", _adapter("backward_uses_block_output", BackwardUsesBlockOutput())),
+    Broken("value_buffer_sized_by_key", "MLA: d_v assumed equal to d_qk in a buffer",
+           r"wrong only when d_v != d_qk", _adapter("value_buffer_sized_by_key", ValueBufferSizedByKey()),
+           suites="suites/test_forward_backward.py", select=("-k", "value_head_dim")),
     Broken("wrong_neighbour", "rotation: sending to the wrong neighbour",
            r"used the key/value block of rank \d+ instead of rank \d+", _adapter("wrong_neighbour", WrongNeighbour())),
     Broken("grads_not_returned_home", "rotation: dK/dV not returned to the owning rank (last hop missing)",

@@ -166,7 +166,8 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         raise InputError(f"ring_attention: {call.problem}") from None
     score_mod = as_score_mod(call.score_mod)
     effective_scale, op_obj, op_error = resolve_scale_and_op(query, call.scale, call.op, call.is_causal,
-                                                             masked=mask is not None, score_mod=score_mod is not None)
+                                                             masked=mask is not None, score_mod=score_mod is not None,
+                                                             value=value)
     # call.problem: the options' own (an unknown exchange) or a route's (the SDPA route's
     # attn_mask), raised through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)
@@ -210,7 +211,7 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         agree_across_ranks(
             problem, query, key, is_causal=call.is_causal, scale=effective_scale, layout=layout,
             rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=call.return_lse,
-            return_max_logit=max_logit if problem is None else False, group=pg, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            return_max_logit=max_logit if problem is None else False, group=pg, value=value, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
                                                          key.shape[2] * world), query.device,
                                            score_mod=score_mod),
@@ -287,9 +288,11 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         Args:
             query: this rank's shard (batch, heads, seq_q_local, head_dim), sharded on dim 2 in
                 ``layout``.
-            key, value: (batch, heads_kv, seq_kv_local, head_dim); heads % heads_kv == 0 (GQA:
-                only heads_kv heads travel). Non-causal attention may have seq_kv_local !=
-                seq_q_local.
+            key, value: (batch, heads_kv, seq_kv_local, head_dim) and (..., head_dim_v); heads %
+                heads_kv == 0 (GQA: only heads_kv heads travel). Non-causal attention may have
+                seq_kv_local != seq_q_local. head_dim_v != head_dim (multi-head latent
+                attention) runs on ops declaring OpCapabilities.value_head_dim ("auto" picks
+                one; others are refused).
             group: a ProcessGroup or 1-D DeviceMesh (default: the default process group); for
                 ``exchange="hybrid"`` a 2-D DeviceMesh with dims named "ulysses" and "ring", or a
                 mapping {"ulysses": group, "ring": group}.
@@ -387,7 +390,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
                 "gather"); a DeprecationWarning, and InputError when they contradict.
 
         Returns:
-            The local output (batch, heads, seq_q_local, head_dim) in the input dtype, then the
+            The local output (batch, heads, seq_q_local, head_dim_v) in the input dtype, then the
             LSE when ``return_lse``, then the max logit (heads,) when ``return_max_logit``:
             ``out``, ``(out, lse)``, ``(out, max_logit)`` or ``(out, lse, max_logit)``.
 

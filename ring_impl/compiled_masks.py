@@ -397,7 +397,7 @@ def _(query, key, value, sinks, mask_tensors, call):
     ring = Call(exchange=c["exchange"]).strategy == "ring"
     lse_shape = query.shape[:3] if ring or c["lse_used"] else (0,)
     # The handle lives on the host whatever the device: the backward reads it without a sync.
-    return (query.new_empty(query.shape), query.new_empty(lse_shape, dtype=acc),
+    return (query.new_empty((*query.shape[:3], value.shape[-1])), query.new_empty(lse_shape, dtype=acc),
             torch.empty((), dtype=torch.int64, device="cpu"))
 
 
@@ -434,7 +434,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse, _grad_handle):
     query, key, value, out, lse, handle = ctx.saved_tensors
     if grad_out is None:
-        grad_out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        grad_out = torch.zeros(out.shape, dtype=query.dtype, device=query.device)
     grad_lse = grad_lse if ctx.lse_used else None
     dq, dk, dv = torch.ops.ring_impl.masked_ring_backward(grad_out, grad_lse, query, key, value, out, lse, handle)
     return dq, dk, dv, None, [None] * ctx.n_tensors, None

@@ -92,7 +92,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                            kernel_options=kernel_options, return_aux=return_aux, world_size=world)
     mask = MaskMod(block_mask.mask_mod) if problem is None and block_mask is not None else None
     want_lse = bool(return_lse) or (return_aux is not None and bool(getattr(return_aux, "lse", False)))
-    op = route.op_for(query, scale, False) if isinstance(query, torch.Tensor) else route.op
+    op = route.op_for(query, scale, False, value) if isinstance(query, torch.Tensor) else route.op
     # Refusals name the function called, compiled too (routed_from).
     call = route.call(scale=scale, op=op, mask=mask, return_lse=want_lse, problem=problem,
                       routed_from="flex_attention")

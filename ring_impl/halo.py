@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .nonfinite import finite_parts
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, mask_blocks
-from .ring import RingAttention, RingConfig, block_rows
+from .ring import RingAttention, RingConfig, block_rows, split_kv
 from .transports.link import stage_on_host
 from .validate import exchange_nbytes
 
@@ -103,15 +103,17 @@ def halo_rows(rank: int, world_size: int, left: int, right: int) -> HaloRows:
 
 
 def halo_schedule(world_size: int, rank: int, left: int, right: int, *, batch: int, heads_kv: int, head_dim: int,
-                  dtype: torch.dtype) -> dict[str, dict[str, dict[str, int]]]:
+                  dtype: torch.dtype, head_dim_v: int | None = None) -> dict[str, dict[str, dict[str, int]]]:
     """The collectives of one halo call on ``rank`` (forward and backward), eager.
 
     Forward: the input check's all_reduce; a ``send`` per neighbour that needs this rank's rows
     (their key/value, input dtype) and a ``recv`` per halo. Backward: the reverse: a ``send`` per
     halo (its dK/dV, accumulation dtype) and a ``recv`` per neighbour's part of this rank's rows.
+    ``head_dim_v``: value's head dim (None: ``head_dim``).
     """
     h = halo_rows(rank, world_size, left, right)
-    row = 2 * batch * heads_kv * head_dim  # elements of one packed key/value row
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    row = batch * heads_kv * (head_dim + head_dim_v)  # elements of one packed key/value row
     kv, acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
 
     def entry(rows: tuple[int, int], itemsize: int) -> dict[str, int] | None:
@@ -157,13 +159,14 @@ def _exchange(g, to_prev: torch.Tensor | None, to_next: torch.Tensor | None,
 
 
 def _shape(t: torch.Tensor, rows: int) -> torch.Size | None:
-    """The shape of ``rows`` rows of a packed (2, batch, heads_kv, seq, head_dim) tensor, or None."""
-    return None if rows == 0 else torch.Size((*t.shape[:3], rows, t.shape[4]))
+    """The shape of ``rows`` rows of a packed key/value tensor (ring_impl.ring.split_kv: the
+    sequence is dim -2), or None."""
+    return None if rows == 0 else torch.Size((*t.shape[:-2], rows, t.shape[-1]))
 
 
 def _extended(kv: torch.Tensor, from_prev: torch.Tensor | None, from_next: torch.Tensor | None) -> torch.Tensor:
     parts = [p for p in (from_prev, kv, from_next) if p is not None]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
 
 
 def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | None = None) -> tuple[Block, ...]:
@@ -189,7 +192,7 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
                      into: tuple[torch.Tensor, torch.Tensor] | None = None,
                      result: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``query`` (batch, heads, seq, head_dim) against the packed key/value rows
-    ``ext`` (2, batch, heads_kv, rows, head_dim) that ``blocks`` index (one kernel call each,
+    ``ext`` (RingAttention.pack_kv's shape, ``rows`` on dim -2) that ``blocks`` index (one kernel call each,
     through the ring's seams); rows no block covers: out 0, LSE -inf. Shared by the paths without
     a ring (the halo here, ring_impl.kv_gather).
 
@@ -199,8 +202,9 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
     dtype; else the accumulators themselves, to merge more blocks into (a call whose ``ext``
     rows are not all there yet)."""
     acc = impl.accumulation_dtype(query.dtype)
+    ext_k, ext_v = split_kv(ext, query.shape[-1])
     if into is None:
-        out = torch.zeros(query.shape, dtype=acc, device=query.device)
+        out = torch.zeros((*query.shape[:3], ext_v.shape[-1]), dtype=acc, device=query.device)
         lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
     else:
         out, lse = into
@@ -209,8 +213,8 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
     view = cfg.op.capabilities.row_views
     for block in blocks:
         (q0, q1) = block.q_rows
-        q, k, v = (block_rows(query, block.q_rows, view), block_rows(ext[0], block.kv_rows, view),
-                   block_rows(ext[1], block.kv_rows, view))
+        q, k, v = (block_rows(query, block.q_rows, view), block_rows(ext_k, block.kv_rows, view),
+                   block_rows(ext_v, block.kv_rows, view))
         if finite:
             block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
         else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
@@ -238,11 +242,12 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
     if finite is None:
         finite = len(blocks) > 0 and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
     view = cfg.op.capabilities.row_views
+    (ext_k, ext_v), (dext_k, dext_v) = split_kv(ext, query.shape[-1]), split_kv(dkv, query.shape[-1])
     for block in blocks:
         (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
         extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
         do_, q_, o_, l_ = (block_rows(t, block.q_rows, view) for t in (grad_out, query, out, lse))
-        k_, v_ = block_rows(ext[0], block.kv_rows, view), block_rows(ext[1], block.kv_rows, view)
+        k_, v_ = block_rows(ext_k, block.kv_rows, view), block_rows(ext_v, block.kv_rows, view)
         if finite:
             bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
         else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
@@ -250,8 +255,8 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
                                              **{n: finite_parts(t)[0] for n, t in extra.items()})
             bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block, **extra)
         dq[:, :, q0:q1] += bq
-        dkv[0, :, :, k0:k1] += bk
-        dkv[1, :, :, k0:k1] += bv
+        dext_k[:, :, k0:k1] += bk
+        dext_v[:, :, k0:k1] += bv
     return dq, dkv
 
 
@@ -268,9 +273,9 @@ class HaloPath:
         cfg, impl = self.cfg, self.impl
         g, seq = cfg.group, query.shape[2]
         h = halo_rows(g.rank, g.world_size, *self.reach)
-        kv = impl.pack_kv(key, value)  # (2, batch, heads_kv, seq, head_dim)
+        kv = impl.pack_kv(key, value)  # rows on dim -2 (ring_impl.ring.split_kv)
         from_prev, from_next = _exchange(
-            g, kv[:, :, :, :h.to_prev] if h.to_prev else None, kv[:, :, :, seq - h.to_next:] if h.to_next else None,
+            g, kv[..., :h.to_prev, :] if h.to_prev else None, kv[..., seq - h.to_next:, :] if h.to_next else None,
             _shape(kv, h.left), _shape(kv, h.right), kv)
         ext = _extended(kv, from_prev, from_next)
         del kv
@@ -286,12 +291,13 @@ class HaloPath:
         dq, dkv = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, blocks)  # [left | local | right]
         del ext
         # The halos' dK/dV go home; this rank's rows that its neighbours saw come back.
-        to_prev = dkv[:, :, :, :h.left] if h.left else None
-        to_next = dkv[:, :, :, h.left + seq:] if h.right else None
+        to_prev = dkv[..., :h.left, :] if h.left else None
+        to_next = dkv[..., h.left + seq:, :] if h.right else None
         back_prev, back_next = _exchange(cfg.group, to_prev, to_next, _shape(dkv, h.to_prev), _shape(dkv, h.to_next), dkv)
-        local = dkv[:, :, :, h.left:h.left + seq]
+        local = dkv[..., h.left:h.left + seq, :]
         if back_prev is not None:
-            local[:, :, :, :h.to_prev] += back_prev
+            local[..., :h.to_prev, :] += back_prev
         if back_next is not None:
-            local[:, :, :, seq - h.to_next:] += back_next
-        return dq.to(query.dtype), local[0].to(key.dtype), local[1].to(value.dtype)
+            local[..., seq - h.to_next:, :] += back_next
+        dk, dv = split_kv(local, key.shape[-1])
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

@@ -103,7 +103,7 @@ def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.
         out_c, lse_c, *max_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq),
                                             _keys_after(key, hkv, token), _chunk(value, hkv))
         if out is None or lse is None:
-            out = query.new_empty(query.shape, dtype=out_c.dtype)
+            out = query.new_empty((*query.shape[:3], value.shape[-1]), dtype=out_c.dtype)
             lse = lse_c.new_empty(query.shape[:3])
             max_logit = lse_c.new_empty(query.shape[1:2]) if max_c else None
         out[:, hq] = out_c

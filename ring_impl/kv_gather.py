@@ -43,7 +43,7 @@ from .halo import extended_backward, extended_forward
 from .layout import layout_runs
 from .ops import accumulation_dtype
 from .plan import Block, cached_by_mask, visibility_blocks
-from .ring import RingAttention, RingConfig
+from .ring import RingAttention, RingConfig, split_kv
 from .validate import exchange_nbytes
 
 __all__ = ["GatherPath", "GatherPlan", "gather_path", "gather_plan", "gather_refusal", "gather_schedule"]
@@ -134,12 +134,12 @@ def gather_plan(mask, *, rank: int, world_size: int, layout: str, seq_q: int, se
 
 
 def gather_schedule(plan: GatherPlan, *, world_size: int, batch: int, heads_kv: int, head_dim: int,
-                    dtype: torch.dtype) -> dict[str, dict[str, dict[str, int]]]:
+                    dtype: torch.dtype, head_dim_v: int | None = None) -> dict[str, dict[str, dict[str, int]]]:
     """The collectives of one sparse-gather call on the rank ``plan`` is for, eager: forward,
     the input check's all_reduce and one all_to_all whose input is the rows sent (packed key and
     value, input dtype); backward, one all_to_all whose input is the received rows' dK/dV
-    (accumulation dtype)."""
-    row = 2 * batch * heads_kv * head_dim
+    (accumulation dtype). ``head_dim_v``: value's head dim (None: ``head_dim``)."""
+    row = batch * heads_kv * (head_dim + (head_dim if head_dim_v is None else head_dim_v))
     sent, received = sum(plan.send_counts), sum(plan.recv_counts)
     return {
         "forward": {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)},
@@ -168,8 +168,9 @@ class _Exchange:
 
 
 def _rows_first(kv: torch.Tensor) -> torch.Tensor:
-    """(2, batch, heads_kv, rows, head_dim) viewed rows first: (rows, 2, batch, heads_kv, head_dim)."""
-    return kv.permute(3, 0, 1, 2, 4)
+    """A packed key/value tensor (rows on dim -2, ring_impl.ring.split_kv) viewed rows first:
+    (rows, 2, batch, heads_kv, head_dim) or (rows, batch, heads_kv, head_dim + head_dim_v)."""
+    return kv.movedim(-2, 0)
 
 
 @dataclass(frozen=True)
@@ -183,48 +184,50 @@ class GatherPath:
 
     def forward(self, query, key, value):
         cfg, impl, plan = self.cfg, self.impl, self.plan
-        kv = impl.pack_kv(key, value)  # (2, batch, heads_kv, seq_kv, head_dim)
+        kv = impl.pack_kv(key, value)  # rows on dim -2 (ring_impl.ring.split_kv)
         rows = _rows_first(kv)
         send = rows.index_select(0, plan.send_index)
         exchange = _Exchange(cfg.group, send, plan.send_counts, plan.recv_counts)
         del send, rows
-        # The extended block (2, batch, heads_kv, extended, head_dim), rows in global order: the
-        # own rows now, the blocks on them alone computed while the received rows travel.
+        # The extended block (kv's shape with ``extended`` rows), rows in global order: the own
+        # rows now, the blocks on them alone computed while the received rows travel.
         n_ext = key.shape[2] + sum(plan.recv_counts)
-        ext = kv.new_empty((*kv.shape[:3], n_ext, kv.shape[4]))
-        ext.index_copy_(3, plan.own_at, kv)
+        ext = kv.new_empty((*kv.shape[:-2], n_ext, kv.shape[-1]))
+        ext.index_copy_(ext.dim() - 2, plan.own_at, kv)
         del kv
         own, remote = plan.blocks[:plan.own_blocks], plan.blocks[plan.own_blocks:]
         finite = impl.all_finite(query, key, value)
         out, lse = extended_forward(impl, cfg, query, ext, own, finite=finite, result=False)
-        received = exchange.result()  # (received, 2, b, hkv, d)
+        received = exchange.result()  # rows first (_rows_first)
         if received.shape[0]:
-            ext.index_copy_(3, plan.received_at, received.permute(1, 2, 3, 0, 4))
+            ext.index_copy_(ext.dim() - 2, plan.received_at, received.movedim(0, -2))
         finite = finite and impl.all_finite(received)
         del received
         out, lse = extended_forward(impl, cfg, query, ext, remote, finite=finite, into=(out, lse))
-        return out, lse, (query, out, lse, ext), (key.dtype, value.dtype)
+        return out, lse, (query, out, lse, ext), (key.dtype, value.dtype, key.shape[-1])
 
     def backward(self, saved, meta, grad_out, grad_lse):
         query, out, lse, ext = saved
         cfg, impl, plan = self.cfg, self.impl, self.plan
-        dk_dtype, dv_dtype = meta
+        dk_dtype, dv_dtype, head_dim = meta
         own, remote = plan.blocks[:plan.own_blocks], plan.blocks[plan.own_blocks:]
         finite = impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
         # The blocks on received rows first: their dK/dV go home while the own blocks compute.
         dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite)
-        d_received = _rows_first(dext.index_select(3, plan.received_at))
+        rows = dext.dim() - 2
+        d_received = _rows_first(dext.index_select(rows, plan.received_at))
         exchange = _Exchange(cfg.group, d_received, plan.recv_counts, plan.send_counts)
         del d_received
         dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, own, finite=finite,
                                        into=(dq, dext))
         del ext
-        dkv = dext.index_select(3, plan.own_at)  # (2, batch, heads_kv, seq_kv, head_dim)
+        dkv = dext.index_select(rows, plan.own_at)  # pack_kv's shape, seq_kv rows
         del dext
         back = exchange.result()  # this rank's rows that others saw: their dK/dV, rows first
         if back.shape[0]:
-            dkv.index_add_(3, plan.send_index, back.permute(1, 2, 3, 0, 4))
-        return dq.to(query.dtype), dkv[0].to(dk_dtype), dkv[1].to(dv_dtype)
+            dkv.index_add_(rows, plan.send_index, back.movedim(0, -2))
+        dk, dv = split_kv(dkv, head_dim)
+        return dq.to(query.dtype), dk.to(dk_dtype), dv.to(dv_dtype)
 
 
 def gather_path(query, key, cfg: RingConfig, impl: RingAttention) -> GatherPath:

@@ -50,7 +50,7 @@ from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_
 from .plan import Block, StepPlan, masked_plan, ring_plan, with_positions
 from .transports import Link, Transport, after, get_transport
 
-__all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath"]
+__all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath", "split_kv"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,17 @@ def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> to
     if view and (part.stride(-1) == 1 or part.shape[-1] == 1):
         return part
     return part.contiguous()
+
+
+def split_kv(kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key, value) views of a packed key/value tensor (:meth:`RingAttention.pack_kv`, or a block
+    or accumulator of its shape): ``kv[0]``, ``kv[1]`` of a stacked ``(2, batch, heads_kv, seq,
+    head_dim)``; the first ``head_dim`` columns and the rest of a ``(batch, heads_kv, seq,
+    head_dim + head_dim_v)`` (value's head dim differs from key's). The sequence is dim -2 of
+    either, which is how the paths that slice rows (the halo exchange, the sparse gather) index it."""
+    if kv.dim() == 5:
+        return kv[0], kv[1]
+    return kv[..., :head_dim], kv[..., head_dim:]
 
 
 def _hidden_rows(visible: torch.Tensor | None, bounds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
@@ -147,8 +158,14 @@ class RingAttention:
         return accumulation_dtype(dtype)
 
     def pack_kv(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Key and value in one contiguous buffer (2, batch, heads_kv, seq_kv, head_dim): one transfer per hop."""
-        return torch.stack([key, value])
+        """Key and value in one contiguous buffer, one transfer per hop: (2, batch, heads_kv,
+        seq_kv, head_dim) when their head dims agree; (batch, heads_kv, seq_kv, head_dim +
+        head_dim_v) side by side on the last dim when value's differs (multi-head latent
+        attention), so no byte of padding travels. :func:`split_kv` takes either apart; stacked,
+        each half is contiguous, so a kernel gets it without a copy."""
+        if key.shape[-1] == value.shape[-1]:
+            return torch.stack([key, value])
+        return torch.cat([key, value], dim=-1)
 
     def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block):
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
@@ -291,9 +308,11 @@ class RingAttention:
         with ``cfg.max_logit`` also this rank's max logit (heads,) in the accumulation dtype, the
         maximum over every ring step's blocks (not yet reduced over the group).
 
-        query (batch, heads, seq_q, head_dim); key/value (batch, heads_kv, seq_kv, head_dim).
+        query (batch, heads, seq_q, head_dim); key (batch, heads_kv, seq_kv, head_dim); value
+        (batch, heads_kv, seq_kv, head_dim_v); out (batch, heads, seq_q, head_dim_v).
         """
-        sq = query.shape[2]
+        sq, d = query.shape[2], key.shape[-1]
+        out_shape = (*query.shape[:3], value.shape[-1])
         acc = self.accumulation_dtype(query.dtype)
         out_acc: torch.Tensor | None = None
         lse_acc: torch.Tensor | None = None
@@ -309,7 +328,7 @@ class RingAttention:
         if cfg.max_logit:
             max_logit = torch.full((query.shape[1],), float("-inf"), dtype=acc, device=query.device)
         for plan in plans:
-            kv = (key, value) if rotation is None else rotation.block(plan.step)
+            kv = (key, value) if rotation is None else split_kv(rotation.block(plan.step), d)
             finite = len(plan.blocks) > 0 and query_finite and self.all_finite(kv[0], kv[1])
             for block in plan.blocks:
                 q0, q1 = block.q_rows
@@ -335,20 +354,21 @@ class RingAttention:
                     lse_acc = _as_accumulator(block_lse, acc)
                 else:
                     if out_acc is None or lse_acc is None:  # masks: start from "nothing seen"
-                        out_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
+                        out_acc = torch.zeros(out_shape, dtype=acc, device=query.device)
                         lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
                     self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
                 del block_out, block_lse  # not held through the next block's kernel
             del kv
         if out_acc is None or lse_acc is None:  # a mask that hides everything from this rank's rows
-            out_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
+            out_acc = torch.zeros(out_shape, dtype=acc, device=query.device)
             lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
         if max_logit is not None:
             return out_acc.to(query.dtype), lse_acc, max_logit
         return out_acc.to(query.dtype), lse_acc
 
     def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse=None):
-        """(dq, dk, dv) in the input dtype; shapes as query, key, value.
+        """(dq, dk, dv) in the input dtype; shapes as query, key, value (grad_out and out:
+        (batch, heads, seq_q, head_dim_v)).
 
         grad_lse: the gradient reaching the returned LSE (batch, heads, seq_q), or None when
         the LSE is not used. It enters every block's dS as ``P * grad_lse`` (d lse_i / d s_ij
@@ -392,7 +412,7 @@ class RingAttention:
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
-            kv = rotation.block(plan.step) if plan.step else (key, value)
+            kv = split_kv(rotation.block(plan.step), key.shape[-1]) if plan.step else (key, value)
             finite = len(plan.blocks) > 0 and rows_finite and self.all_finite(kv[0], kv[1])
             contribution = []  # (kv_rows, dk, dv) per block
             for block in plan.blocks:
@@ -404,13 +424,13 @@ class RingAttention:
                 own += contribution
             else:
                 grads = self.grads_arrived(cfg, link, plan.step, like)
-                _accumulate(grads, contribution)
+                _accumulate(split_kv(grads, key.shape[-1]), contribution)
                 self.pass_grads(cfg, link, plan.step, grads)
                 del grads
             del kv, contribution  # not held through the next step's kernel
-        dkv = self.grads_home(cfg, link, like)
-        _accumulate(dkv, own)
-        return dq_acc.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype)
+        dk, dv = split_kv(self.grads_home(cfg, link, like), key.shape[-1])
+        _accumulate((dk, dv), own)
+        return dq_acc.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
 def _whole_block(plans: list[StepPlan], world_size: int, seq_q: int, seq_kv: int) -> Block | None:
@@ -446,12 +466,13 @@ def backward_order(plans: list[StepPlan], own_first: bool) -> list[StepPlan]:
     return [first, *others, last]
 
 
-def _accumulate(acc: torch.Tensor, contribution) -> None:
-    """Add one step's [(kv_rows, dk, dv), ...] per block to a packed (2, batch, heads_kv, seq_kv,
-    head_dim) accumulator."""
+def _accumulate(acc: tuple[torch.Tensor, torch.Tensor], contribution) -> None:
+    """Add one step's [(kv_rows, dk, dv), ...] per block to the (dK, dV) views of a packed
+    accumulator (:func:`split_kv`)."""
+    acc_k, acc_v = acc
     for (k0, k1), dk, dv in contribution or ():
-        acc[0, :, :, k0:k1] += dk
-        acc[1, :, :, k0:k1] += dv
+        acc_k[:, :, k0:k1] += dk
+        acc_v[:, :, k0:k1] += dv
 
 
 class Path(Protocol):

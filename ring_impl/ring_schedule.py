@@ -17,11 +17,15 @@ Schedule = dict[str, dict[str, dict[str, int]]]
 
 
 def ring_schedule(world_size: int, rotate_method: str, *, batch: int, heads_kv: int, seq_kv: int, head_dim: int,
-                  dtype: torch.dtype, compiled: bool = False, head_chunks: int = 1) -> Schedule:
+                  dtype: torch.dtype, compiled: bool = False, head_chunks: int = 1,
+                  head_dim_v: int | None = None) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` of one ring call (forward and backward);
-    ValueError for sizes that are not ints >= 1 or a dtype that is not floating point."""
+    ``head_dim_v``: value's head dim (None: ``head_dim``). ValueError for sizes that are not
+    ints >= 1 or a dtype that is not floating point."""
     transport = get_transport(rotate_method)
-    sizes = {"world_size": world_size, "batch": batch, "heads_kv": heads_kv, "seq_kv": seq_kv, "head_dim": head_dim}
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    sizes = {"world_size": world_size, "batch": batch, "heads_kv": heads_kv, "seq_kv": seq_kv, "head_dim": head_dim,
+             "head_dim_v": head_dim_v}
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"collective_schedule: {name} must be an int >= 1, got {value!r}")
@@ -35,7 +39,7 @@ def ring_schedule(world_size: int, rotate_method: str, *, batch: int, heads_kv: 
     fwd: dict[str, dict[str, int]] = {}
     bwd: dict[str, dict[str, int]] = {}
     if world_size > 1:
-        elems = 2 * batch * heads_kv * seq_kv * head_dim
+        elems = batch * heads_kv * seq_kv * (head_dim + head_dim_v)
         kv = elems * dtype.itemsize
         dkv = elems * accumulation_dtype(dtype).itemsize
         # The cross-rank input check, eager and compiled (ring_impl.compiled_checks).

@@ -3,8 +3,9 @@
 Per phase (forward, backward) and collective kind, the calls and bytes one rank issues for one
 call of ``ring_attention`` and its backward. The ring's collectives come from the transport
 (``rotate_method``; each declares its own in :mod:`ring_impl.transports`), with packed key/value
-bytes ``kv = 2*batch*heads_kv*seq_kv*head_dim*itemsize`` and dK/dV accumulator bytes ``dkv`` (the
-same elements in the accumulation dtype, float32 or float64):
+bytes ``kv = batch*heads_kv*seq_kv*(head_dim + head_dim_v)*itemsize`` (``head_dim_v``: value's
+head dim, ``head_dim`` unless given) and dK/dV accumulator bytes ``dkv`` (the same elements in
+the accumulation dtype, float32 or float64):
 
 ============  ==========================================  =============================================
 method        forward                                     backward
@@ -32,7 +33,7 @@ whatever ``head_chunks``. A mask the halo exchange would serve then runs on the 
 ``torch.compile`` the call runs eagerly, so ``compiled=True`` declares the eager ring's.
 
 A call the halo exchange serves (``mask=`` and ``rank=`` given; :mod:`ring_impl.halo`) has no
-ring: with ``r = 2*batch*heads_kv*head_dim`` elements per packed key/value row, rank ``k``
+ring: with ``r = batch*heads_kv*(head_dim + head_dim_v)`` elements per packed key/value row, rank ``k``
 receives ``l_k`` rows from rank ``k-1`` and ``r_k`` from rank ``k+1`` (the mask's reach, 0 past
 the ends of the sequence) and sends ``a_k`` of its first rows to ``k-1`` and ``b_k`` of its last
 to ``k+1`` (:func:`ring_impl.halo.halo_rows`):
@@ -92,11 +93,13 @@ def collective_schedule(
     sparse_kv: bool = False,
     return_max_logit: bool = False,
     exchange: str | None = None,
+    head_dim_v: int | None = None,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
-    ``seq_kv`` is the local key/value length per rank. Sizes must be ints >= 1 and ``dtype`` a
-    floating-point dtype (ValueError otherwise). ``strategy="ulysses"`` / ``"hybrid"`` also take
+    ``seq_kv`` is the local key/value length per rank; ``head_dim_v`` value's head dim (None:
+    ``head_dim``; multi-head latent attention has its own), which sizes the value, output and
+    dV bytes. Sizes must be ints >= 1 and ``dtype`` a floating-point dtype (ValueError otherwise). ``strategy="ulysses"`` / ``"hybrid"`` also take
     ``mesh_shape`` (ulysses degree, ring degree; product ``world_size``), ``heads``, ``seq_q``
     (local) and ``return_lse``: see :mod:`ring_impl.strategies.schedule`.
 
@@ -136,7 +139,7 @@ def collective_schedule(
         return _gather_schedule(world_size, rotate_method, mask=mask, is_causal=is_causal, layout=layout, rank=rank,
                                 batch=batch, heads=heads, heads_kv=heads_kv, seq_q=seq_q, seq_kv=seq_kv,
                                 head_dim=head_dim, dtype=dtype, compiled=compiled, strategy=strategy,
-                                head_chunks=head_chunks)
+                                head_chunks=head_chunks, head_dim_v=head_dim_v)
     if strategy != "ring":
         mesh_shape = (world_size, 1) if mesh_shape is None and strategy == "ulysses" else mesh_shape
         if mesh_shape is None or heads is None or seq_q is None:
@@ -145,7 +148,7 @@ def collective_schedule(
             raise ValueError(f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} ranks")
         return strategy_schedule(strategy, (mesh_shape[0], mesh_shape[1]), rotate_method, batch=batch, heads=heads, heads_kv=heads_kv,
                                  seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
-                                 head_chunks=head_chunks, return_lse=return_lse)
+                                 head_chunks=head_chunks, return_lse=return_lse, head_dim_v=head_dim_v)
     if mask is not None and halo is not False and world_size > 1 and strategy == "ring":
         folded = fold_causal(mask, is_causal)
         seq_q = seq_kv if seq_q is None else seq_q
@@ -153,14 +156,15 @@ def collective_schedule(
         if refusal is None:
             _check_per_rank_path("this call takes the halo exchange, whose collectives differ between the end ranks "
                                  "and the others", world_size, rotate_method, rank=rank, compiled=compiled, batch=batch,
-                                 heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype)
+                                 heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, head_dim_v=head_dim_v)
             reach = halo_reach(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
             assert reach is not None
-            return halo_schedule(world_size, rank, *reach, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
+            return halo_schedule(world_size, rank, *reach, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+                                 head_dim_v=head_dim_v)
         if halo:
             raise ValueError(f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}")
     return ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
-                         dtype=dtype, compiled=compiled, head_chunks=head_chunks)
+                         dtype=dtype, compiled=compiled, head_chunks=head_chunks, head_dim_v=head_dim_v)
 
 
 def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | None, bool]:
@@ -178,7 +182,7 @@ def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | 
 
 
 def _gather_schedule(world_size, rotate_method, *, mask, is_causal, layout, rank, batch, heads, heads_kv, seq_q, seq_kv,
-                     head_dim, dtype, compiled, strategy, head_chunks) -> Schedule:
+                     head_dim, dtype, compiled, strategy, head_chunks, head_dim_v) -> Schedule:
     """The sparse gather's collectives on ``rank`` (ring_impl.kv_gather.gather_schedule)."""
     from .kv_gather import gather_plan, gather_refusal, gather_schedule
 
@@ -186,18 +190,22 @@ def _gather_schedule(world_size, rotate_method, *, mask, is_causal, layout, rank
     if refusal is not None:
         raise ValueError(f"collective_schedule: {refusal}")
     _check_per_rank_path("the sparse gather's collectives differ between ranks", world_size, rotate_method, rank=rank,
-                         compiled=compiled, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype)
+                         compiled=compiled, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype,
+                         head_dim_v=head_dim_v)
     plan = gather_plan(fold_causal(mask, is_causal), rank=rank, world_size=world_size, layout=layout, seq_q=seq_kv if seq_q is None else seq_q,
                        seq_kv=seq_kv, batch=batch, heads=heads or 1)
-    return gather_schedule(plan, world_size=world_size, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
+    return gather_schedule(plan, world_size=world_size, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+                           head_dim_v=head_dim_v)
 
 
 def _check_per_rank_path(why_rank: str, world_size: int, rotate_method: str, *, rank, compiled: bool, batch: int,
-                         heads_kv: int, seq_kv: int, head_dim: int, dtype: torch.dtype) -> None:
+                         heads_kv: int, seq_kv: int, head_dim: int, dtype: torch.dtype,
+                         head_dim_v: int | None = None) -> None:
     """The checks of a masked path whose collectives depend on the rank (the halo exchange, the
     sparse gather): eager only, ``rank`` given, and the sizes as the ring checks them."""
     if compiled:
         raise ValueError("collective_schedule: mask= runs eagerly only (compiled=False)")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"collective_schedule: {why_rank}: pass rank= (0 <= rank < {world_size}), got {rank!r}")
-    ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype)
+    ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype,
+                  head_dim_v=head_dim_v)

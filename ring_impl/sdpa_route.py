@@ -119,18 +119,21 @@ class Route:
         object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key,
                                          self.head_chunks, self.strategy, *self.kernel_ops))
 
-    def op_for(self, query: torch.Tensor, scale: float | None, is_causal: bool) -> str | AttentionOp:
+    def op_for(self, query: torch.Tensor, scale: float | None, is_causal: bool,
+               value: torch.Tensor | None = None) -> str | AttentionOp:
         """The op a routed call on ``query`` runs: the route's own, else the first enabled SDPA
-        backend's op that takes the call (float64 on CUDA goes to ``math`` as SDPA sends it),
-        else the first one, whose input check then says why it cannot."""
+        backend's op that takes the call (float64 on CUDA goes to ``math`` as SDPA sends it; a
+        ``value`` whose head dim differs from query's to a backend that takes it), else the
+        first one, whose input check then says why it cannot."""
         if self.op is not None:
             return self.op
         names = next((names for kind, names in self.kernel_ops if kind == query.device.type), ())
         effective = default_scale(query.shape[-1]) if scale is None else (
             float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None)
         for name in names:
-            why = get_op(name).capabilities.unsupported(query.device, query.dtype, query.shape[-1],
-                                                        scale=effective, is_causal=bool(is_causal))
+            why = get_op(name).capabilities.unsupported(
+                query.device, query.dtype, query.shape[-1], scale=effective, is_causal=bool(is_causal),
+                head_dim_v=value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None)
             if why is None:
                 return name
         return names[0] if names else "auto"
@@ -191,7 +194,7 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
     if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    op = route.op_for(query, scale, is_causal) if isinstance(query, torch.Tensor) else route.op
+    op = route.op_for(query, scale, is_causal, value) if isinstance(query, torch.Tensor) else route.op
     # Refusals name the function called, compiled too (routed_from).
     call = route.call(is_causal=is_causal, scale=scale, op=op, problem=problem,
                       routed_from="scaled_dot_product_attention")

@@ -44,8 +44,8 @@ __all__ = [
 #: Fields compared across ranks; each must be equal on every rank. (``op``: different kernels on
 #: different ranks would still give a valid result, but is always a mistake: rejected too.)
 SIGNATURE_FIELDS = (
-    "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "device", "is_causal", "scale", "layout",
-    "rotate_method", "op", "head_chunks", "mask",
+    "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "head_dim_v", "dtype", "device", "is_causal", "scale",
+    "layout", "rotate_method", "op", "head_chunks", "mask",
 )
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -164,18 +164,20 @@ def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method
         return f"query/key/value devices differ: {query.device}, {key.device}, {value.device}"
     if query.device.type not in _DEVICE_TYPES:
         return f"device {query.device} is not supported; use one of {_DEVICE_TYPES}"
-    if key.shape != value.shape:
-        return f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}"
+    if key.shape[:3] != value.shape[:3]:
+        return (f"key and value shapes differ before the head dim: {tuple(key.shape)} vs {tuple(value.shape)}; "
+                "they must agree on (batch, heads_kv, seq_kv_local) (value's head dim may differ)")
     b, h, sq, d = query.shape
     bk, hkv, skv, dk = key.shape
+    dv = value.shape[-1]
     if b != bk:
         return f"batch differs: query has {b}, key/value have {bk}"
     if d != dk:
-        return f"head_dim differs: query has {d}, key/value have {dk}"
+        return f"head_dim differs: query has {d}, key has {dk}; query and key must share it (value's may differ)"
     if hkv == 0 or h % hkv:
         return f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query attention"
-    if min(b, h, sq, skv, d) == 0:
-        return f"empty input: query {tuple(query.shape)}, key/value {tuple(key.shape)}"
+    if min(b, h, sq, skv, d, dv) == 0:
+        return f"empty input: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     if not _is_bool(is_causal):
         return f"is_causal must be a bool, got {is_causal!r} ({type(is_causal).__name__})"
     if not _is_bool(return_lse):
@@ -211,9 +213,12 @@ def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method
     if op is None:
         return "no attention op resolved"
     effective_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    why = op.capabilities.unsupported(query.device, query.dtype, d, scale=effective_scale, is_causal=bool(is_causal))
+    why = op.capabilities.unsupported(query.device, query.dtype, d, scale=effective_scale, is_causal=bool(is_causal),
+                                      head_dim_v=dv)
     if why is not None:
-        return f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}; choose another op="
+        hint = (" (op='auto' picks one that takes value's head dim; ring_impl.available_ops() lists them all)"
+                if dv != d and not getattr(op.capabilities, "value_head_dim", False) else "")
+        return f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}; choose another op={hint}"
     return None
 
 
@@ -255,14 +260,15 @@ def layout_names(world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0)
 
 
 def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method: str, op: AttentionOp,
-              head_chunks: int, mask_code: int = 0, world_size: int | None = None) -> list[int]:
+              head_chunks: int, mask_code: int = 0, world_size: int | None = None, value=None) -> list[int]:
     """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
     local problem); ``world_size``: the ring's, whose layout positions are compared too
-    (:func:`layout_code`)."""
+    (:func:`layout_code`); ``value``: the call's (its head dim; None: key's)."""
     b, h, sq, d = query.shape
     hkv, skv = key.shape[1], key.shape[2]
+    dv = key.shape[-1] if value is None else value.shape[-1]
     return [
-        b, h, hkv, sq, skv, d, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
+        b, h, hkv, sq, skv, d, dv, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
         _scale_code(scale), layout_code(layout, world_size, sq, skv), rotate_methods().index(rotate_method),
         _op_code(op), head_chunks, mask_code,
     ]
@@ -330,8 +336,10 @@ def agree_across_ranks(
     problem: str | None, query, key, *, is_causal, scale: float | None, layout, rotate_method, op: AttentionOp | None,
     head_chunks=1, return_lse=False, group: dist.ProcessGroup, device: torch.device, mask_code: int = 0,
     return_max_logit: bool = False,
+    value=None,
 ) -> None:
-    """Raise InputError on every rank if any rank has a problem or the ranks disagree."""
+    """Raise InputError on every rank if any rank has a problem or the ranks disagree
+    (``value``: the call's, whose head dim is compared; None: key's)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS)
     table = [0] * (world * n)
@@ -341,7 +349,7 @@ def agree_across_ranks(
         assert op is not None and scale is not None
         table[rank * n + 1 : (rank + 1) * n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks, mask_code=mask_code, world_size=world,
+            head_chunks=head_chunks, mask_code=mask_code, world_size=world, value=value,
         ) + strategy_codes("ring", (1, world), return_lse, return_max_logit)
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"

@@ -44,9 +44,11 @@ class RingCase:
 
     @property
     def label(self) -> str:
+        s = self.inputs
+        dims = "" if s.head_dim_v is None else f", head_dim={s.head_dim}, head_dim_v={s.head_dim_v}"
         return (
-            f"ring_attention(W={self.world_size}, {self.inputs.dtype}, causal={self.is_causal}, "
-            f"rotate={self.rotate_method}, layout={self.layout}, op={self.op or 'default'})"
+            f"ring_attention(W={self.world_size}, {s.dtype}, causal={self.is_causal}, "
+            f"rotate={self.rotate_method}, layout={self.layout}, op={self.op or 'default'}{dims})"
         )
 
 
@@ -96,14 +98,15 @@ def resolve_case_op(case: RingCase, device: torch.device):
     from ring_impl.ops import resolve_op
 
     if case.op is None:
-        return resolve_op("auto", device, case.inputs.torch_dtype, case.inputs.head_dim)
+        return resolve_op("auto", device, case.inputs.torch_dtype, case.inputs.head_dim,
+                          head_dim_v=case.inputs.value_head_dim)
     return load_op(case.op)
 
 
 def ring_case(ctx, case: RingCase) -> dict[str, Any]:
     """Run the case on this rank; return the local results as CPU tensors.
 
-    Keys: ``out`` (b, h, sq_local, d), ``lse`` (b, h, sq_local) or None, ``dq``/``dk``/``dv``
+    Keys: ``out`` (b, h, sq_local, dv), ``lse`` (b, h, sq_local) or None, ``dq``/``dk``/``dv``
     (None without backward), ``collectives`` ({phase: {kind: {calls, bytes}}}) or None,
     ``records`` (per-step partials) or None, ``work`` (int) or None, ``input_strides``,
     ``lse_requires_grad`` (whether the returned LSE carries a gradient).

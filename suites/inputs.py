@@ -35,6 +35,10 @@ class InputSpec:
     seq_kv: int = 16
     head_dim: int = 16
     dtype: str = "float32"
+    #: value's head dim (out's and grad_out's too); None: ``head_dim``. Another value is multi-head
+    #: latent attention's (d_v != d_qk), which an implementation claims unless it declares
+    #: ``capabilities.value_head_dim=False``
+    head_dim_v: int | None = None
     seed: int = 0
     magnitude: float = 1.0  # scales query and key: 1e2 pushes logits far beyond exp overflow
     noncontiguous: bool = False  # local shards are transposed views of (batch, seq, heads, dim)
@@ -49,14 +53,20 @@ class InputSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def value_head_dim(self) -> int:
+        """Value's head dim: ``head_dim_v``, or ``head_dim`` when it is None."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
     def with_(self, **changes) -> InputSpec:
         return replace(self, **changes)
 
 
 @dataclass(frozen=True)
 class Inputs:
-    """Global tensors: query (b, h, sq, d), key/value (b, hkv, skv, d), grad_out (b, h, sq, d),
-    grad_lse (b, h, sq) when the spec's loss uses the LSE, else None."""
+    """Global tensors: query (b, h, sq, d), key (b, hkv, skv, d), value (b, hkv, skv, dv),
+    grad_out (b, h, sq, dv) (``dv``: the spec's value head dim), grad_lse (b, h, sq) when the
+    spec's loss uses the LSE, else None."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -80,12 +90,12 @@ def make_inputs(spec: InputSpec) -> Inputs:
     def draw(*shape: int, magnitude: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, dtype=torch.float64) * magnitude).to(spec.torch_dtype)
 
-    b, h, hkv, d = spec.batch, spec.heads, spec.heads_kv, spec.head_dim
+    b, h, hkv, d, dv = spec.batch, spec.heads, spec.heads_kv, spec.head_dim, spec.value_head_dim
     inputs = Inputs(
         query=draw(b, h, spec.seq_q, d, magnitude=spec.magnitude),
         key=draw(b, hkv, spec.seq_kv, d, magnitude=spec.magnitude),
-        value=draw(b, hkv, spec.seq_kv, d),
-        grad_out=draw(b, h, spec.seq_q, d),
+        value=draw(b, hkv, spec.seq_kv, dv),
+        grad_out=draw(b, h, spec.seq_q, dv),
         grad_lse=draw(b, h, spec.seq_q) if spec.lse_grad else None,
     )
     if spec.nan_in is not None:

@@ -92,8 +92,8 @@ def unshard_results(results: Sequence[dict[str, Any]], layout: str) -> dict[str,
 def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> list[str]:
     """What each rank returned against the protocol's contract (conformance/implementation.py).
 
-    Per rank: out has the input dtype and the local query's shape (batch, heads, seq_q_local,
-    head_dim); the LSE is float32 (float64 for float64 inputs) of shape (batch, heads,
+    Per rank: out has the input dtype and the shape (batch, heads, seq_q_local, head_dim_v)
+    (value's head dim); the LSE is float32 (float64 for float64 inputs) of shape (batch, heads,
     seq_q_local); dq, dk, dv have the dtype and shape of query, key and value.
     """
     spec = case.inputs
@@ -101,13 +101,14 @@ def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> li
     in_dtype = spec.torch_dtype
     sq, skv = spec.seq_q // w, spec.seq_kv // w
     q_shape = (spec.batch, spec.heads, sq, spec.head_dim)
-    kv_shape = (spec.batch, spec.heads_kv, skv, spec.head_dim)
+    k_shape = (spec.batch, spec.heads_kv, skv, spec.head_dim)
+    v_shape = (spec.batch, spec.heads_kv, skv, spec.value_head_dim)
     expected = {
-        "out": (in_dtype, q_shape, "the input dtype"),
+        "out": (in_dtype, (*q_shape[:3], spec.value_head_dim), "the input dtype"),
         "lse": (compute_dtype(in_dtype), q_shape[:3], "float32 (float64 for float64 inputs)"),
         "dq": (in_dtype, q_shape, "the dtype of query"),
-        "dk": (in_dtype, kv_shape, "the dtype of key"),
-        "dv": (in_dtype, kv_shape, "the dtype of value"),
+        "dk": (in_dtype, k_shape, "the dtype of key"),
+        "dv": (in_dtype, v_shape, "the dtype of value"),
     }
     problems = []
     for rank, r in enumerate(results):

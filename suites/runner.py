@@ -135,6 +135,8 @@ class RingRunner:
             self.require("gqa", why="key/value with fewer heads than query")
         if spec.seq_q != spec.seq_kv:
             self.require("cross_attention", why="key/value length differs from query length")
+        if spec.value_head_dim != spec.head_dim:
+            self.require("value_head_dim", why="value's head dim differs from query's and key's")
         if getattr(case, "compile", None):
             self.require("compile")
         if op is not None:
@@ -157,7 +159,7 @@ class RingRunner:
         device = torch.device(self.request.getfixturevalue("device"))
         scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
         why = get_op(op).capabilities.unsupported(device, spec.torch_dtype, spec.head_dim, scale=scale,
-                                                   is_causal=case.is_causal)
+                                                   is_causal=case.is_causal, head_dim_v=spec.value_head_dim)
         if why is not None:
             pytest.skip(f"kernel {op!r} cannot run this case on {device}: {why} (the kernel's own limit; "
                         "other dtypes of this test run it)")
@@ -245,7 +247,7 @@ def case_properties(case) -> dict[str, Any]:
         "world_size": case.world_size, "dtype": s.dtype, "is_causal": case.is_causal, "layout": case.layout,
         "rotate_method": case.rotate_method, "op": case.op, "compile": case.compile,
         "batch": s.batch, "heads": s.heads, "heads_kv": s.heads_kv, "seq_q": s.seq_q, "seq_kv": s.seq_kv,
-        "head_dim": s.head_dim,
+        "head_dim": s.head_dim, "head_dim_v": s.value_head_dim,
     }
 
 

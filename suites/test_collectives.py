@@ -26,7 +26,14 @@ def pytest_generate_tests(metafunc):
     ):
         inputs = InputSpec(batch=2, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype)
         cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True))
-    metafunc.parametrize("case", params(cases, id_extra=lambda c: (f"hkv{c.inputs.heads_kv}",)))
+    # value's own head dim (capability value_head_dim): its bytes move at d_v, not at d_qk
+    for i, (w, rotate) in enumerate(itertools.product(world_sizes(metafunc.config, at_least=2), ROTATIONS)):
+        inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, head_dim_v=(8, 40)[i % 2],
+                           dtype="bfloat16")
+        cases.append(RingCase(inputs, w, is_causal=bool(i % 2), layout=LAYOUTS[i % 2], rotate_method=rotate,
+                              account=True))
+    metafunc.parametrize("case", params(cases, id_extra=lambda c: (
+        f"hkv{c.inputs.heads_kv}", *(() if c.inputs.head_dim_v is None else (f"dv{c.inputs.head_dim_v}",)))))
 
 
 def _diff(expected: dict, actual: dict) -> list[str]:
@@ -45,9 +52,12 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
     # N/A only with capabilities.collective_schedule=False; claimed but missing fails.
     schedule = ring.protocol("collective_schedule", why="the collectives of every rank are asserted against it")
     spec = case.inputs
+    # head_dim_v only where value's head dim differs (a schedule without the keyword serves the rest)
+    value_dim = {} if spec.head_dim_v is None else {"head_dim_v": spec.head_dim_v}
     expected = schedule(
         case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv,
         seq_kv=spec.seq_kv // case.world_size, head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False,
+        **value_dim,
     )
     results = ring.run(case)
     # The result first: a ring that computes wrongly is reported for that, not for its traffic.

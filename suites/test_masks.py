@@ -73,9 +73,12 @@ def _cases(config) -> list:
             spec = InputSpec(batch=_batch(name), heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16,
                              dtype=dtype)
             out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0))
-    out += _strategy_cases(config) + _scale_cases(config) + _compile_cases(config) + _refill_cases(config)
+    out += (_strategy_cases(config) + _scale_cases(config) + _compile_cases(config) + _refill_cases(config)
+            + _value_head_dim_cases(config))
     return params(out, id_extra=lambda c: (*((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
                                            c.mask, *(("sinks",) if c.sinks else ()),
+                                           *((f"d{c.inputs.head_dim}-dv{c.inputs.head_dim_v}",)
+                                             if c.inputs.head_dim_v is not None else ()),
                                            *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ()),
                                            *(("refilled",) if c.refill else ())))
 
@@ -90,6 +93,26 @@ def _refill_cases(config) -> list[MaskCase]:
     for i, (w, name) in enumerate(itertools.product(sizes, ("documents", "documents_with_gaps"))):
         spec = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float64")
         out.append(MaskCase(spec, w, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3], mask=name, refill=True))
+    return out
+
+
+def _value_head_dim_cases(config) -> list[MaskCase]:
+    """Masks with value's own head dim (capability value_head_dim; multi-head latent attention):
+    documents on the ring with sinks, a window the halo exchange serves (contiguous), and under
+    Ulysses and the hybrid on 4 ranks; value wider and narrower than query and key."""
+    out = []
+    for i, w in enumerate(world_sizes(config, at_least=2, at_most=4)):
+        for j, (name, layout) in enumerate((("documents", "head_tail"), ("window_narrow", "contiguous"))):
+            d, dv = ((16, 24), (24, 8))[(i + j) % 2]
+            spec = InputSpec(batch=1, heads=4, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=d, head_dim_v=dv,
+                             dtype=("float64", "float32")[(i + j) % 2])
+            out.append(MaskCase(spec, w, layout=layout, rotate_method=ROTATIONS[(i + j) % 3], mask=name, sinks=j == 0))
+    if 4 in settings_of(config).mesh_world_sizes:
+        for i, (strategy, mesh) in enumerate(STRATEGY_MESHES):
+            spec = InputSpec(batch=1, heads=4, heads_kv=2, seq_q=96, seq_kv=96, head_dim=16, head_dim_v=(24, 8)[i % 2],
+                             dtype="float64")
+            out.append(MaskCase(spec, 4, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3], mask="documents_window",
+                                sinks=i % 2 == 1, strategy=strategy, mesh_shape=mesh))
     return out
 
 

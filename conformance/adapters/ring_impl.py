@@ -22,6 +22,7 @@ CAPABILITIES = Capabilities(
     lse=True,
     gqa=True,
     cross_attention=True,
+    value_head_dim=True,
     compile=True,
     input_errors=True,
     context_parallel=True,

@@ -59,6 +59,8 @@ and, in brackets, the same for single-process CPU flash in the same dtype):
   ``h`` to key/value head ``h // group`` itself (forward and backward), and PyTorch's ring moves
   only the ``heads_kv`` heads. On CUDA the adapter passes ``enable_gqa`` to SDPA.
 - cross attention (non-causal, seq_kv != seq_q, ``contiguous``): works.
+- a value head dim other than query's (multi-head latent attention): its CPU kernel raises "Q/K/V
+  should have the same head size" (declared, ``value_head_dim=False``).
 - LSE: returned (``return_lse=True``) in the kernel's LSE dtype, not differentiable: PyTorch's
   ring backward takes no LSE gradient (declared, ``lse_grad=False``).
 - ``torch.compile(fullgraph=True)``: not supported. Dynamo stops in PyTorch's backward, which
@@ -289,6 +291,9 @@ class TorchContextParallel:
             lse_grad=False,
             gqa=True,
             cross_attention=True,
+            # Its CPU kernel (aten's CPU flash attention, torch 2.13) raises "Q/K/V should have the
+            # same head size" for a value head dim of its own, on one rank and on the ring alike
+            value_head_dim=False,
             compile=False,
             input_errors=False,
             context_parallel=False,  # no api_module: PyTorch's API does not run on CPU

@@ -454,6 +454,7 @@ class FlashRing:
         lse=True,
         gqa=True,
         cross_attention=True,
+        value_head_dim=False,  # the CPU flash kernel needs value's head dim equal to query's
         compile=False,
         input_errors=True,
         context_parallel=False,

@@ -346,6 +346,7 @@ class MathRing:
         lse=True,
         gqa=True,
         cross_attention=True,
+        value_head_dim=False,  # its hops carry key and value stacked: one head dim
         compile=False,
         input_errors=True,
         context_parallel=False,

@@ -102,32 +102,36 @@ def _with_lse_grad(
     columns of dQ, dK, dV, unchanged. Padded to a multiple of 8 columns (what fused kernels
     want); an op that cannot take the padded head dim runs the block with the math op.
     ``row_bounds``: a ``ranges`` block's, handed to the op (row ranges do not change with the
-    head dim).
+    head dim). The columns go on value's side (value, out, grad_out); query and key get zero
+    columns too only when their head dim equals value's (kernels that need them equal), else
+    they stay as they are (an op declaring ``value_head_dim``).
     """
-    d = query.shape[-1]
-    padded = -(-(d + 2) // 8) * 8
-    if op.capabilities.unsupported(query.device, query.dtype, padded) is not None:
+    d, d_v = query.shape[-1], value.shape[-1]
+    padded = -(-(d_v + 2) // 8) * 8
+    padded_qk = padded if d == d_v else d
+    if op.capabilities.unsupported(query.device, query.dtype, padded_qk, head_dim_v=padded) is not None:
         mask = {} if row_bounds is None else {"attn_mask": bounds_visible(*row_bounds, key.shape[2])}
         return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse,
                               **mask)
-    extra = padded - d
     acc = accumulation_dtype(query.dtype)
     g = -grad_lse.to(acc)
     g_hi = g.to(query.dtype)
     g_lo = (g - g_hi.to(acc)).to(query.dtype)
 
-    def pad(t: torch.Tensor, fill: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def pad(t: torch.Tensor, to: int, fill: list[torch.Tensor] | None = None) -> torch.Tensor:
         cols = [c.unsqueeze(-1) for c in fill or []]
-        zeros = t.new_zeros(*t.shape[:-1], extra - len(cols))
+        if to == t.shape[-1]:
+            return t
+        zeros = t.new_zeros(*t.shape[:-1], to - t.shape[-1] - len(cols))
         return torch.cat([t, *[c.to(t.dtype) for c in cols], zeros], dim=-1)
 
     ones = torch.ones_like(grad_lse, dtype=grad_out.dtype)
     ranges = {} if row_bounds is None else {"row_bounds": row_bounds}
     dq, dk, dv = op.backward(
-        pad(grad_out, [ones, ones]), pad(query), pad(key), pad(value), pad(out, [g_hi, g_lo]), lse,
-        is_causal=is_causal, scale=scale, **ranges,
+        pad(grad_out, padded, [ones, ones]), pad(query, padded_qk), pad(key, padded_qk), pad(value, padded),
+        pad(out, padded, [g_hi, g_lo]), lse, is_causal=is_causal, scale=scale, **ranges,
     )
-    return dq[..., :d], dk[..., :d], dv[..., :d]
+    return dq[..., :d], dk[..., :d], dv[..., :d_v]
 
 
 def call_backward(

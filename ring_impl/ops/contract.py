@@ -13,8 +13,11 @@ layout for the log-sum-exp (LSE) the merge depends on. An :class:`AttentionOp` h
   ``capabilities.lse_grad`` also takes ``grad_lse`` (the gradient reaching the LSE, or None);
   for the others :func:`ring_impl.ops.call_backward` folds it into ``out`` (see there).
 
-Shapes: query ``(batch, heads, seq_q, head_dim)``, key/value ``(batch, heads_kv, seq_k,
-head_dim)``. Ops that declare ``gqa=False`` always receive ``heads_kv == heads``; the ring's
+Shapes: query ``(batch, heads, seq_q, head_dim)``, key ``(batch, heads_kv, seq_k, head_dim)``,
+value ``(batch, heads_kv, seq_k, head_dim_v)``, out and grad_out ``(batch, heads, seq_q,
+head_dim_v)``. ``head_dim_v`` differs from ``head_dim`` (DeepSeek's multi-head latent attention)
+only for ops that declare ``capabilities.value_head_dim``. Ops that declare ``gqa=False``
+always receive ``heads_kv == heads``; the ring's
 :func:`ring_impl.ops.call_forward` / :func:`ring_impl.ops.call_backward` expand and reduce key/value heads for them, so only
 ``heads_kv`` heads ever travel around the ring.
 
@@ -99,10 +102,23 @@ class OpCapabilities:
     #: cannot; ``op="auto"`` picks an op with it for a call with a score_mod, and a call naming
     #: an op without it is refused (InputError on every rank).
     score_mod: bool = False
+    #: value (and so out, grad_out, dV) may have a head dim ``head_dim_v`` other than query's and
+    #: key's (multi-head latent attention); ``head_dims`` and ``head_dim_multiple`` bound both.
+    #: Ops without it only ever get ``head_dim_v == head_dim``.
+    value_head_dim: bool = False
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-                    scale: float | None = None, is_causal: bool = False) -> str | None:
-        """Return why (device, dtype, head_dim[, scale, is_causal]) is unsupported, or None."""
+                    scale: float | None = None, is_causal: bool = False,
+                    head_dim_v: int | None = None) -> str | None:
+        """Return why (device, dtype, head_dim[, scale, is_causal, head_dim_v]) is unsupported,
+        or None. ``head_dim_v``: value's head dim (None: ``head_dim``)."""
+        if head_dim_v is not None and head_dim_v != head_dim:
+            if not self.value_head_dim:
+                return (f"value head_dim {head_dim_v} differs from query/key head_dim {head_dim} "
+                        "(the kernel needs them equal; capabilities.value_head_dim)")
+            why = self.unsupported(device, dtype, head_dim_v, scale=scale, is_causal=is_causal)
+            if why is not None:
+                return f"value {why}"
         if device.type not in self.devices:
             return f"device {device.type!r} not in {sorted(self.devices)}"
         if dtype not in self.dtypes:

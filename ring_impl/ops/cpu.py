@@ -25,7 +25,8 @@ class CpuFlashOp:
     name = "cpu_flash"
     # row_views: the kernel honours every stride but the head dim's (_dense_head_dim); its outputs,
     # LSE and gradients on row views were checked bit-identical to those on contiguous copies
-    # (tests/ring_impl/test_row_views.py)
+    # (tests/ring_impl/test_row_views.py). No value_head_dim: the kernel (torch 2.13) raises "Q/K/V
+    # should have the same head size"
     capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True,
                                   row_views=True)
 
@@ -149,6 +150,7 @@ class CpuFlashVarlenLayoutOp(VarlenOp):
     packing at 1e-12."""
 
     name = "cpu_flash_varlen_layout"
+    # No value_head_dim, as the kernel it emulates (FlashAttention-2 needs one head dim)
     capabilities = OpCapabilities(devices=frozenset({"cpu"}), gqa=True, masks=True, row_bounds=True)
 
     def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):

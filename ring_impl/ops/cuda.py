@@ -39,7 +39,8 @@ def in_efficient_order(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class CudaFlashOp:
-    """``aten._scaled_dot_product_flash_attention`` (FlashAttention-2): bf16/fp16, LSE bhs."""
+    """``aten._scaled_dot_product_flash_attention`` (FlashAttention-2): bf16/fp16, LSE bhs; one
+    head dim for query, key and value (no ``value_head_dim``: SDPA's check_head_dim_size_flash)."""
 
     name = "cuda_flash"
     capabilities = OpCapabilities(
@@ -89,6 +90,9 @@ class CudaEfficientOp:
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
         lse_layout="bhs_padded32",
+        # The kernel takes value's own head dim (SDPA's check_head_dim_size_mem_efficient asks
+        # query and key to agree, value only to be aligned); not yet run with one on a GPU here.
+        value_head_dim=True,
     )
 
     # attn_mask= (a masked block's bool visibility) reaches these only through
@@ -130,7 +134,8 @@ class CudaEfficientOp:
 
 
 class CudaCudnnOp:
-    """``aten._scaled_dot_product_cudnn_attention``: LSE (batch, heads, seq_q, 1)."""
+    """``aten._scaled_dot_product_cudnn_attention``: LSE (batch, heads, seq_q, 1). No
+    ``value_head_dim``: not run here with a value head dim of its own."""
 
     name = "cudnn"
     capabilities = OpCapabilities(

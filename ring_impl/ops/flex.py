@@ -40,7 +40,8 @@ which would evaluate the mask once more (+33 ms causal, +70 ms band on the 1024 
 Capabilities, as measured: float64, float32, bfloat16 and float16 (float64 computed in float64,
 the others in float32 with the probabilities rounded to the input dtype before ``@ value``, as
 flex does); any head dim (flex only checks that query and key agree; 1..1024 checked); any
-sequence lengths; native GQA (``enable_gqa``). Devices: CPU only; the same code would run
+sequence lengths; a value head dim other than query's (``value_head_dim``); native GQA
+(``enable_gqa``). Devices: CPU only; the same code would run
 flex's dense implementation on CUDA, but nothing here ran on a GPU.
 """
 
@@ -131,7 +132,8 @@ def flex_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
 @flex_forward.register_fake
 def _(query, key, value, attn_mask, is_causal, scale):
     b, h, sq, _ = query.shape
-    return query.new_empty(query.shape), query.new_empty((b, h, sq), dtype=accumulation_dtype(query.dtype))
+    return (query.new_empty((b, h, sq, value.shape[-1])),
+            query.new_empty((b, h, sq), dtype=accumulation_dtype(query.dtype)))
 
 
 class FlexOp:
@@ -143,10 +145,11 @@ class FlexOp:
     """
 
     name = "flex"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), dtypes=ALL_DTYPES, gqa=True, lse_grad=True, masks=True)
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), dtypes=ALL_DTYPES, gqa=True, lse_grad=True, masks=True,
+                                  value_head_dim=True)
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
-        """out (batch, heads, seq_q, head_dim) in the input dtype, LSE (batch, heads, seq_q) in
+        """out (batch, heads, seq_q, head_dim_v) in the input dtype, LSE (batch, heads, seq_q) in
         natural log, float32 (float64 for float64). Rows that see no key come back with out 0
         and LSE -inf (flex's safe softmax), never NaN."""
         # detach: flex refuses CPU inputs that require grad, and the op has no autograd: the

@@ -28,7 +28,8 @@ class MathOp:
     name = "math"
     capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True, lse_grad=True, masks=True,
                                   row_views=True,  # einsum over any strides
-                                  score_mod=True)  # the scores are explicit
+                                  score_mod=True,  # the scores are explicit
+                                  value_head_dim=True)
 
     @staticmethod
     def _raw_scores(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
@@ -59,24 +60,24 @@ class MathOp:
         return s  # (b, hkv, g, sq, sk)
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None, score_mod=None):
-        b, h, sq, d = query.shape
+        b, h, sq, _ = query.shape
         s = self._scores(query, key, is_causal, scale, attn_mask, score_mod)
         lse = torch.logsumexp(s, dim=-1)  # (b, hkv, g, sq)
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.einsum("bngqk,bnkd->bngqd", p, value.to(s.dtype))
-        return out.reshape(b, h, sq, d).to(query.dtype), lse.reshape(b, h, sq)
+        return out.reshape(b, h, sq, value.shape[-1]).to(query.dtype), lse.reshape(b, h, sq)
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None,
                  attn_mask=None, score_mod=None):
         b, h, sq, d = query.shape
-        hkv, sk = key.shape[1], key.shape[2]
+        hkv, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
         g = h // hkv
         raw = self._raw_scores(query, key, scale) if score_mod is not None else None
         s = self._scores(query, key, is_causal, scale, attn_mask, score_mod, raw)
         acc = s.dtype
         p = torch.exp(s - lse.to(acc).reshape(b, hkv, g, sq, 1))
-        do = grad_out.to(acc).reshape(b, hkv, g, sq, d)
-        o = out.to(acc).reshape(b, hkv, g, sq, d)
+        do = grad_out.to(acc).reshape(b, hkv, g, sq, dv)
+        o = out.to(acc).reshape(b, hkv, g, sq, dv)
         dv = torch.einsum("bngqk,bngqd->bnkd", p, do)
         dp = torch.einsum("bngqd,bnkd->bngqk", do, value.to(acc))
         delta = (do * o).sum(-1, keepdim=True)  # rowsum(dO * O) of the *final* output

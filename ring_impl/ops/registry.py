@@ -64,9 +64,11 @@ def get_op(name: str) -> AttentionOp:
 
 
 def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: float | None = None,
-             is_causal: bool = False, masked: bool = False, score_mod: bool = False) -> AttentionOp:
+             is_causal: bool = False, masked: bool = False, score_mod: bool = False,
+             head_dim_v: int | None = None) -> AttentionOp:
     """The fastest registered op that supports the call; ``math`` where no fused kernel does
-    (float64 on CUDA, or a fused kernel's known fault such as cpu_flash's causal scale <= 0).
+    (float64 on CUDA, a value head dim other than query's on CPU, or a fused kernel's known fault
+    such as cpu_flash's causal scale <= 0).
     A masked call on CUDA takes the varlen kernel first: it runs a ring step of documents, a
     window or any other mask of key ranges in one call (``OpCapabilities.row_bounds``), where
     the dense kernels take one call per document and the math op for the rest. A call with a
@@ -80,20 +82,22 @@ def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: 
         candidates = ("cuda_flash_varlen", "cuda_flash", "cuda_efficient") if masked else ("cuda_flash", "cuda_efficient")
     for name in candidates:
         op = get_op(name)
-        if op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal) is None:
+        if op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal,
+                                       head_dim_v=head_dim_v) is None:
             return op
     return get_op("math")
 
 
 def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                scale: float | None = None, is_causal: bool = False, masked: bool = False,
-               score_mod: bool = False) -> AttentionOp:
+               score_mod: bool = False, head_dim_v: int | None = None) -> AttentionOp:
     """Turn the ``op=`` argument into an op object; "auto"/None picks by device, dtype, the
-    call's scale and causality (routing around a kernel's known faults) and whether it has a mask
-    or a score_mod."""
+    call's scale and causality (routing around a kernel's known faults), whether it has a mask
+    or a score_mod, and value's head dim (``head_dim_v``, None: ``head_dim``;
+    OpCapabilities.value_head_dim)."""
     if op is None or op == "auto":
         return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal, masked=masked,
-                        score_mod=score_mod)
+                        score_mod=score_mod, head_dim_v=head_dim_v)
     if isinstance(op, str):
         return get_op(op)
     missing = missing_members(op)
@@ -113,12 +117,12 @@ for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuEfficientMaskedLa
     register_op(_op)
 
 def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False,
-                         score_mod: bool = False
+                         score_mod: bool = False, value=None
                          ) -> tuple[float | None, AttentionOp | None, str | None]:
     """(the scale in effect, the op object, why the op cannot be resolved) for a call's
-    arguments (``masked``: the call has a mask; ``score_mod``: a score_mod); never raises
-    (a bad argument is reported by the
-    input checks on every rank)."""
+    arguments (``masked``: the call has a mask; ``score_mod``: a score_mod; ``value``: the
+    call's, whose head dim "auto" picks a kernel for); never raises (a bad argument is reported
+    by the input checks on every rank)."""
     if not (isinstance(query, torch.Tensor) and query.dim() == 4):
         return None, None, None
     effective_scale: float | None = None
@@ -127,9 +131,10 @@ def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False,
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
         effective_scale = float(scale)
     try:
+        head_dim_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 4 else None
         op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
                             is_causal=is_causal is True or is_causal == 1, masked=masked,
-                            score_mod=score_mod)
+                            score_mod=score_mod, head_dim_v=head_dim_v)
     except (TypeError, ValueError) as exc:
         return effective_scale, None, str(exc)
     return effective_scale, op_obj, None

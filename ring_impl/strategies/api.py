@@ -45,7 +45,7 @@ def strategy_path(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None,
     groups = resolve_strategy_groups(strategy, call.group)
     effective_scale, op_obj, op_error = resolve_scale_and_op(query, call.scale, call.op, is_causal,
                                                              masked=mask is not None,
-                                                             score_mod=score_mod is not None)
+                                                             score_mod=score_mod is not None, value=value)
     mesh_shape = groups.shape
     problem = call.problem or (
         None if call.return_max_logit is False else
@@ -79,7 +79,7 @@ def strategy_path(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None,
                       device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
                       mask_code=mask_code(mask, sinks, _global_dims(query, key, mesh_shape),
                                           query.device, score_mod=score_mod)
-                      if problem is None else 0)
+                      if problem is None else 0, value=value)
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert cfg is not None

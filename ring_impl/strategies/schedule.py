@@ -9,13 +9,15 @@ see :mod:`.ulysses`), and ``U`` the Ulysses degree:
 =========  ===================================================  =================================================
 phase      all_to_all over the Ulysses group (U > 1)            the ring over the ring group (hybrid, R > 1)
 =========  ===================================================  =================================================
-forward    1 call, q + k + v: ``b*(h*s_q + 2*hkv'*s_kv)*d*it``;  ``ring_impl.collective_schedule(R, ...)`` of the
-           1 call, out (+ LSE): ``b*h*s_q*(d*it [+ acc])``       ring shard: ``heads_kv = hkv'/U``, ``seq_kv =
-backward   1 call, dO (+ dLSE): ``b*h*s_q*(d*it [+ acc])``;      U*s_kv``, without its input check
+forward    1 call, q + k + v:                                   ``ring_impl.collective_schedule(R, ...)`` of the
+           ``b*((h*s_q + hkv'*s_kv)*d + hkv'*s_kv*dv)*it``;     ring shard: ``heads_kv = hkv'/U``, ``seq_kv =
+           1 call, out (+ LSE): ``b*h*s_q*(dv*it [+ acc])``      U*s_kv``, without its input check
+backward   1 call, dO (+ dLSE): ``b*h*s_q*(dv*it [+ acc])``;
            1 call, dQ + dK + dV: as the forward's first
 =========  ===================================================  =================================================
 
-``[+ acc]``: only with ``return_lse`` (the LSE and its gradient then travel with the output).
+``d``: query's and key's head dim, ``dv``: value's (``head_dim_v``, default ``d``). ``[+ acc]``:
+only with ``return_lse`` (the LSE and its gradient then travel with the output).
 The forward's input check adds ``all_reduce``: one call per mesh dim of size > 1 (eager, and
 compiled through :mod:`ring_impl.compiled_checks`), each of :func:`.validate.exchange_nbytes` bytes. A rank's all-to-all bytes are the minimum for
 the two exchanges: every rank needs the whole sequence of its heads; only ``e > 1`` with
@@ -58,14 +60,18 @@ def strategy_schedule(
     compiled: bool = False,
     head_chunks: int = 1,
     return_lse: bool = True,
+    head_dim_v: int | None = None,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` of one forward and one backward call of
     ``strategy`` ("ulysses" on a ``(U, 1)`` mesh, "hybrid" on ``(U, R)``); ``seq_q``/``seq_kv``
-    are local lengths. ValueError for bad sizes."""
+    are local lengths; ``head_dim_v`` value's head dim (None: ``head_dim``). ValueError for bad
+    sizes."""
     check_strategy(strategy)
     if strategy == "ring":
         raise ValueError("strategy_schedule: use ring_impl.collective_schedule for the ring")
-    sizes = {"batch": batch, "heads": heads, "heads_kv": heads_kv, "seq_q": seq_q, "seq_kv": seq_kv, "head_dim": head_dim}
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    sizes = {"batch": batch, "heads": heads, "heads_kv": heads_kv, "seq_q": seq_q, "seq_kv": seq_kv, "head_dim": head_dim,
+             "head_dim_v": head_dim_v}
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"strategy_schedule: {name} must be an int >= 1, got {value!r}")
@@ -81,13 +87,13 @@ def strategy_schedule(
     if exchange_calls((u, r)):  # the cross-rank input check, eager and compiled (ring_impl.compiled_checks)
         _add(fwd, "all_reduce", exchange_calls((u, r)), exchange_calls((u, r)) * exchange_nbytes(u * r))
     if u > 1:
-        qkv = batch * (heads * seq_q + 2 * hkv * seq_kv) * head_dim * it
-        back = batch * heads * seq_q * (head_dim * it + (acc if return_lse else 0))
+        qkv = batch * ((heads * seq_q + hkv * seq_kv) * head_dim + hkv * seq_kv * head_dim_v) * it
+        back = batch * heads * seq_q * (head_dim_v * it + (acc if return_lse else 0))
         _add(fwd, "all_to_all", 2, qkv + back)
         _add(bwd, "all_to_all", 2, back + qkv)
     if strategy == "hybrid" and r > 1:
         ring = ring_schedule(r, rotate_method, batch=batch, heads_kv=hkv // u, seq_kv=u * seq_kv, head_dim=head_dim,
-                             dtype=dtype, compiled=bool(compiled), head_chunks=head_chunks)
+                             dtype=dtype, compiled=bool(compiled), head_chunks=head_chunks, head_dim_v=head_dim_v)
         ring["forward"].pop("all_reduce", None)  # the hybrid checks its input once, on the mesh
         for phase, into in (("forward", fwd), ("backward", bwd)):
             for kind, entry in ring[phase].items():

@@ -104,10 +104,11 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
 
 def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, query, key, *, is_causal, scale,
                   layout, rotate_method, op: AttentionOp | None, head_chunks, return_lse, device: torch.device,
-                  mask_code: int = 0) -> None:
+                  mask_code: int = 0, value=None) -> None:
     """Raise InputError on every rank of the mesh if any rank has a problem or the ranks disagree.
 
-    Rows of the table are mesh ranks (``r * U + u``)."""
+    Rows of the table are mesh ranks (``r * U + u``); ``value``: the call's (its head dim is
+    compared; None: key's)."""
     mesh_shape, mesh_rank = groups.shape, groups.mesh_rank
     size = mesh_shape[0] * mesh_shape[1]
     n = 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS)
@@ -119,7 +120,7 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
         assert op is not None and scale is not None
         table[row + 1: row + n] = signature(
             query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks, mask_code=mask_code,
+            head_chunks=head_chunks, mask_code=mask_code, value=value,
         ) + strategy_codes(strategy, mesh_shape, return_lse)
     vec = torch.tensor(table, dtype=torch.int64)
     for pg in (groups.ulysses, groups.ring):

@@ -12,8 +12,9 @@ Each check here is a fault seen on an H100 (torch 2.11) that the ring's suites f
   capabilities declare (so ``op="auto"`` and routed SDPA calls avoid them there).
 
 Checks of ops written without a GPU, not yet run on one: the masked memory-efficient op
-(``cuda_efficient_masked``) and the varlen flash op (``cuda_flash_varlen``, the bottom-right
-window rule it packs by included).
+(``cuda_efficient_masked``), the varlen flash op (``cuda_flash_varlen``, the bottom-right
+window rule it packs by included) and the memory-efficient kernels' value head dim of its own
+(``OpCapabilities.value_head_dim``).
 
 Run: ``pytest tests/ring_impl/test_cuda_kernels.py --device cuda`` on a CUDA machine.
 """
@@ -215,3 +216,28 @@ def test_varlen_op_against_float64(mask) -> None:
     for what, g, r in zip(("dq", "dk", "dv"), grads, (want_grads[0], dk_ref, dv_ref)):
         err = float((g.double() - r).abs().max())
         assert err < _bound(torch.bfloat16), f"{mask}: {what} err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", [n for n in (*CUDA_OPS, "cuda_efficient_masked") if get_op(n).capabilities.value_head_dim])
+@pytest.mark.parametrize("d,dv", [(16, 24), (24, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_value_head_dim_where_declared(name, d, dv, causal) -> None:
+    """A kernel declaring ``value_head_dim`` (NOT YET RUN ON A GPU: declared from SDPA's
+    check_head_dim_size_mem_efficient) takes value with its own head dim, key and value as views
+    of the ring's packed buffer (side by side on the last dim)."""
+    op = get_op(name)
+    for dtype in _dtypes(name):
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        q = torch.randn(1, 2, 40, d, device="cuda", dtype=dtype, generator=gen)
+        packed = torch.randn(1, 2, 40, d + dv, device="cuda", dtype=dtype, generator=gen)
+        k, v = packed[..., :d].contiguous(), packed[..., d:].contiguous()
+        do = torch.randn(1, 2, 40, dv, device="cuda", dtype=dtype, generator=gen)
+        out, lse = op.forward(q, k, v, is_causal=causal, scale=0.25)
+        assert out.shape == (1, 2, 40, dv)
+        lse = lse.reshape(1, 2, -1)[..., :40]
+        ref = _reference(q, k, v, do, 0.25, causal)
+        grads = op.backward(do, q, k, v, out, lse, is_causal=causal, scale=0.25)
+        for what, g, r in zip(("dq", "dk", "dv"), grads, ref):
+            assert g.shape == r.shape, (what, g.shape, r.shape)
+            err = float((g.double() - r).abs().max())
+            assert err < _bound(dtype), f"{name} {dtype} d={d} dv={dv} causal={causal}: {what} err {err:.2e}"
