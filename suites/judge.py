@@ -126,6 +126,17 @@ def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> li
     return problems
 
 
+def detached_lse(case: RingCase, results: Sequence[dict[str, Any]]) -> str | None:
+    """For a case whose loss uses the returned LSE: which ranks returned an LSE that does not
+    require grad while query, key and value do (a loss through it backpropagates as if it were
+    not there), in words; None when every rank's does."""
+    detached = [rank for rank, r in enumerate(results) if not r.get("lse_requires_grad", True)]
+    if not detached:
+        return None
+    return (f"the LSE returned on rank(s) {detached} does not require grad while query, key and value do: a loss "
+            f"that uses it backpropagates as if it were not there [{case.label}]")
+
+
 def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
     """Verdicts for every quantity the case produced; AssertionError for a broken contract."""
     __tracebackhide__ = True

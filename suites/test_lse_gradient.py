@@ -15,6 +15,7 @@ import pytest
 
 from suites.cases import RingCase
 from suites.inputs import InputSpec
+from suites.judge import detached_lse
 from suites.matrix import LAYOUTS, ROTATIONS, params, session_ops, tier, world_sizes
 
 
@@ -45,11 +46,7 @@ def test_lse_gradient_matches_float64_autograd(ring, case: RingCase) -> None:
     ring.require("lse_grad", why="the loss backpropagates through the returned LSE")
     case = ring.prepare(case)
     results = ring.run(case)
-    detached = [rank for rank, r in enumerate(results) if not r["lse_requires_grad"]]
+    detached = detached_lse(case, results)
     if detached:
-        pytest.fail(
-            f"the LSE returned on rank(s) {detached} does not require grad while query, key and value do: a loss "
-            f"that uses it backpropagates as if it were not there [{case.label}]\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
+        pytest.fail(f"{detached}\nrepro: {ring.repro()}", pytrace=False)
     ring.check(case, results=results)

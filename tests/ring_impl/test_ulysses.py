@@ -69,7 +69,7 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
     got = strategy_schedule("ulysses", (4, 1), batch=2, heads=8, heads_kv=2, seq_q=4, seq_kv=4, head_dim=8,
                             dtype=torch.bfloat16, return_lse=True)
     q, kv, out, lse = 2 * 8 * 4 * 8 * 2, 2 * (2 * 4 * 4 * 8 * 2), 2 * 8 * 4 * 8 * 2, 2 * 8 * 4 * 4
-    check_table = 8 * 4 * 21  # int64 rows of 4 ranks: flag, 16 ring fields (the mask digest last), 4 strategy fields
+    check_table = 8 * 4 * 22  # int64 rows of 4 ranks: flag, 16 ring fields (the mask digest last), 5 strategy fields
     assert got == {
         "forward": {"all_reduce": {"calls": 1, "bytes": check_table}, "all_to_all": {"calls": 2, "bytes": q + kv + out + lse}},
         "backward": {"all_to_all": {"calls": 2, "bytes": out + lse + q + kv}},
@@ -96,7 +96,7 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
         for kind in ("send", "recv"):
             assert hybrid[phase][kind] == ring[phase][kind]
     # one check over the mesh: an all-reduce per mesh dim, each over the 6-rank table
-    assert hybrid["forward"]["all_reduce"] == {"calls": 2, "bytes": 2 * 8 * 6 * 21}
+    assert hybrid["forward"]["all_reduce"] == {"calls": 2, "bytes": 2 * 8 * 6 * 22}
 
 
 @pytest.mark.parametrize("strategy,mesh,shape_q,shape_kv,extra,words", [
