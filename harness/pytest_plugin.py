@@ -223,6 +223,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("gpu") and settings.device != "cuda":
             item.add_marker(pytest.mark.skip(
                 reason="needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"))
+        if item.get_closest_marker("compile") and settings.launcher == "simulated":
+            item.add_marker(pytest.mark.skip(
+                reason="uses torch.compile, which cannot run on the simulated world's rank threads (dynamo is not "
+                       "thread-safe): run it with --launcher pool (the default)"))
         marker = item.get_closest_marker("world_size")
         n = marker_world_size(marker)
         if n is not None:
