@@ -16,17 +16,19 @@ rank that is about to wait while no rank can run any more (every unfinished rank
 something no rank will send) aborts the case, naming what every rank waits for.
 
 What it serves: the functional collectives (``torch.ops._c10d_functional``: all_gather_into_tensor,
-all_to_all_single, all_reduce, reduce_scatter_tensor, broadcast) through the Python
-``ProcessGroup`` methods PyTorch's trampolines call, and eager ``torch.distributed`` calls
-(all_reduce, all_gather, all_to_all, broadcast, barrier, isend/irecv and batch_isend_irecv,
-new_group and DeviceMesh over the world). Eager calls on a Python process group never reach the
+all_to_all_single, all_reduce, broadcast) through the Python ``ProcessGroup`` methods PyTorch's
+trampolines call, and eager ``torch.distributed`` calls (all_reduce, all_gather, all_to_all,
+broadcast, barrier, reduce_scatter, isend/irecv and batch_isend_irecv, new_group and DeviceMesh
+over the world). Eager calls on a Python process group never reach the
 dispatcher, where :class:`harness.accounting.CollectiveLog` listens: the group reports them to
 the rank's active logs itself, with the arguments of the c10d op a native backend would run.
 Functional collectives reach the dispatcher already, and a log is off its own thread's mode stack
 while the op it intercepted runs, so nothing is counted twice.
 
 A collective whose kind or size differs between ranks (a native backend hangs or corrupts
-memory) raises on every member, naming each rank's call.
+memory) raises on every member, naming each rank's call. Not served: the functional
+reduce_scatter_tensor (its C++ path calls a ProcessGroup method Python cannot override) and the
+functional point-to-point ops; both fail with "No backend type associated with device type cpu".
 """
 
 from __future__ import annotations
