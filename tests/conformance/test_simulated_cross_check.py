@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import get_pool
-from harness.simulated import simulated_pool
+from harness.simulated import shutdown_simulated_pools, simulated_pool
 from suites.cases import RingCase, ring_case
 from suites.cases_masks import MaskCase, judge_masked, masked_case
 from suites.cases_strategies import StrategyCase, strategy_case
@@ -19,22 +19,74 @@ from suites.judge_strategies import judge_strategy
 
 
 def _spec(w: int, dtype: str, heads_kv: int = 2) -> InputSpec:
-    return InputSpec(batch=1, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype, seed=w)
+    return InputSpec(
+        batch=1,
+        heads=4,
+        heads_kv=heads_kv,
+        seq_q=8 * w,
+        seq_kv=8 * w,
+        head_dim=16,
+        dtype=dtype,
+        seed=w,
+    )
 
 
 CASES = [
-    pytest.param(2, RingCase(_spec(2, "float32"), 2, is_causal=True, layout="head_tail", rotate_method="p2p",
-                             account=True), id="W2-f32-causal-p2p-head_tail"),
-    pytest.param(4, RingCase(_spec(4, "bfloat16", 4), 4, layout="contiguous", rotate_method="alltoall",
-                             account=True), id="W4-bf16-full-alltoall-contiguous"),
-    pytest.param(4, RingCase(_spec(4, "float64"), 4, is_causal=True, layout="contiguous",
-                             rotate_method="allgather", account=True), id="W4-f64-causal-allgather-contiguous"),
-    pytest.param(4, MaskCase(InputSpec(batch=1, heads=4, heads_kv=2, seq_q=96, seq_kv=96, head_dim=16, seed=7), 4,
-                             layout="work_aware", rotate_method="p2p", mask="documents_window", sinks=True),
-                 id="W4-f32-documents_window-work_aware-p2p-sinks"),
-    pytest.param(4, StrategyCase(InputSpec(batch=2, heads=12, heads_kv=2, seq_q=32, seq_kv=32, head_dim=8, seed=3),
-                                 "hybrid", (2, 2), is_causal=True, layout="head_tail", rotate_method="alltoall"),
-                 id="W4-f32-hybrid-2x2-causal-head_tail-gqa"),
+    pytest.param(
+        2,
+        RingCase(
+            _spec(2, "float32"),
+            2,
+            is_causal=True,
+            layout="head_tail",
+            rotate_method="p2p",
+            account=True,
+        ),
+        id="W2-f32-causal-p2p-head_tail",
+    ),
+    pytest.param(
+        4,
+        RingCase(
+            _spec(4, "bfloat16", 4), 4, layout="contiguous", rotate_method="alltoall", account=True
+        ),
+        id="W4-bf16-full-alltoall-contiguous",
+    ),
+    pytest.param(
+        4,
+        RingCase(
+            _spec(4, "float64"),
+            4,
+            is_causal=True,
+            layout="contiguous",
+            rotate_method="allgather",
+            account=True,
+        ),
+        id="W4-f64-causal-allgather-contiguous",
+    ),
+    pytest.param(
+        4,
+        MaskCase(
+            InputSpec(batch=1, heads=4, heads_kv=2, seq_q=96, seq_kv=96, head_dim=16, seed=7),
+            4,
+            layout="work_aware",
+            rotate_method="p2p",
+            mask="documents_window",
+            sinks=True,
+        ),
+        id="W4-f32-documents_window-work_aware-p2p-sinks",
+    ),
+    pytest.param(
+        4,
+        StrategyCase(
+            InputSpec(batch=2, heads=12, heads_kv=2, seq_q=32, seq_kv=32, head_dim=8, seed=3),
+            "hybrid",
+            (2, 2),
+            is_causal=True,
+            layout="head_tail",
+            rotate_method="alltoall",
+        ),
+        id="W4-f32-hybrid-2x2-causal-head_tail-gqa",
+    ),
 ]
 RUN = {RingCase: ring_case, MaskCase: masked_case, StrategyCase: strategy_case}
 JUDGE = {RingCase: judge, MaskCase: judge_masked, StrategyCase: judge_strategy}
@@ -42,7 +94,9 @@ JUDGE = {RingCase: judge, MaskCase: judge_masked, StrategyCase: judge_strategy}
 
 def _same(a, b, where: str) -> None:
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), (
+            f"{where} differs"
+        )
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
         for k in a:
@@ -55,6 +109,14 @@ def _same(a, b, where: str) -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _simulated_pools_end_with_the_module():
+    """The simulated world swaps in per-thread torch.distributed state while a pool lives: leave
+    the process as the other tests of this worker expect it."""
+    yield
+    shutdown_simulated_pools()
+
 @pytest.mark.parametrize(("w", "case"), CASES)
 def test_simulated_world_equals_the_process_pool(w: int, case) -> None:
     fn = RUN[type(case)]
@@ -62,5 +124,7 @@ def test_simulated_world_equals_the_process_pool(w: int, case) -> None:
     real = get_pool(w, backend="gloo", device="cpu").run(fn, case, timeout=120)
     _same(simulated, real, "results")
     verdicts = [JUDGE[type(case)](case, results) for results in (simulated, real)]
-    assert [(v.name, v.passed, v.max_err) for v in verdicts[0]] == [(v.name, v.passed, v.max_err) for v in verdicts[1]]
+    assert [(v.name, v.passed, v.max_err) for v in verdicts[0]] == [
+        (v.name, v.passed, v.max_err) for v in verdicts[1]
+    ]
     assert verdicts[0] and all(v.passed for v in verdicts[0])

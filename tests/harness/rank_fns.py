@@ -242,19 +242,24 @@ def collectives_round(ctx: RankContext) -> dict[str, Any]:
         x = torch.full((2,), float(r + 1))
         dist.all_reduce(x, group=ctx.group)
         gathered = fc.all_gather_single(torch.tensor([float(r)]), 0, ctx.group).wait()
-        to_all = fc.all_to_all_single(torch.arange(w, dtype=torch.float64) + 10 * r, None, None, ctx.group).wait()
+        send = torch.arange(w, dtype=torch.float64) + 10 * r
+        to_all = fc.all_to_all_single(send, None, None, ctx.group).wait()
         eager = [torch.zeros(1) for _ in range(w)]
         dist.all_gather(eager, torch.tensor([float(r * r)]), group=ctx.group)
         b = torch.tensor([float(r)])
         dist.broadcast(b, src=w - 1, group=ctx.group)
         recv = torch.zeros(3)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % w),
-                                        dist.P2POp(dist.irecv, recv, (r - 1) % w)])
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % w),
+            dist.P2POp(dist.irecv, recv, (r - 1) % w),
+        ])
         for work in works:
             work.wait()
-    return {"all_reduce": x.tolist(), "all_gather": gathered.tolist(), "all_to_all": to_all.tolist(),
-            "eager_all_gather": [t.item() for t in eager], "broadcast": b.item(), "recv": recv.tolist(),
-            "collectives": log.summary()}
+    return {
+        "all_reduce": x.tolist(), "all_gather": gathered.tolist(), "all_to_all": to_all.tolist(),
+        "eager_all_gather": [t.item() for t in eager], "broadcast": b.item(), "recv": recv.tolist(),
+        "collectives": log.summary(),
+    }
 
 
 def mesh_groups(ctx: RankContext, shape: tuple[int, int]) -> dict[str, Any]:

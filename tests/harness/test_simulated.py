@@ -9,9 +9,16 @@ import pytest
 
 from harness import CaseTimeout, RankError, get_pool
 from harness.errors import ABORTED, ERROR
-from harness.simulated import simulated_pool
+from harness.simulated import shutdown_simulated_pools, simulated_pool
 from tests.harness import rank_fns
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _simulated_pools_end_with_the_module():
+    """The simulated world swaps in per-thread torch.distributed state while a pool lives: leave
+    the process as the other tests of this worker expect it."""
+    yield
+    shutdown_simulated_pools()
 
 @pytest.mark.parametrize("w", [2, 3])
 def test_collectives_equal_a_gloo_pool(w: int) -> None:
