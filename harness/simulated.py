@@ -303,13 +303,17 @@ class SimulatedPool(Pool):
             "computing); the next case starts a fresh one"
         )
         _forget(self)
+        self.shutdown(wait=False)
         return "the simulated pool was retired; the next case starts a fresh one"
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the rank threads (``wait``: join them; a retired pool's may be stuck) and, with
+        the last simulated pool, restore torch.distributed's process-wide state."""
         for q in self._jobs:
             q.put(None)
-        for t in self._threads:
-            t.join(5.0)
+        if wait:
+            for t in self._threads:
+                t.join(5.0)
         if self._installed:
             self._installed = False
             _uninstall()

@@ -10,8 +10,9 @@ tensors' own dtype in rank order).
 
 Why one rank at a time: ranks are threads, so Python state that a real rank keeps per process
 (module caches, the global random generators) is shared. With the baton, a rank's code between
-two collectives runs without another rank interleaving, each rank keeps its own generator states
-across hand-overs (saved and restored as the baton passes), and a deadlock is seen at once: a
+two collectives runs without another rank interleaving, each rank keeps its own torch and Python
+generator states across hand-overs (saved and restored as the baton passes; numpy's is shared),
+and a deadlock is seen at once: a
 rank that is about to wait while no rank can run any more (every unfinished rank waits for
 something no rank will send) aborts the case, naming what every rank waits for.
 
@@ -456,7 +457,8 @@ class SimGroup(dist.ProcessGroup):
                     i0, i1 = ins[src][dst], ins[src][dst + 1]
                     if o1 - o0 != i1 - i0:
                         got, sent = o1 - o0, i1 - i0
-                        raise ValueError(f"rank {dst} expects {got} rows from rank {src}, which sends {sent}")
+                        why = f"rank {dst} expects {got} rows from rank {src}, which sends {sent}"
+                        raise ValueError(why)
                     if o1 > o0:
                         data[dst][0][o0:o1].detach().copy_(data[src][1][i0:i1])
 
