@@ -120,12 +120,21 @@ class SimWorld:
         """The rank's case is over: give the baton up (and see whether the others can go on)."""
         self._active.discard(rank)
         self._rng.pop(rank, None)
+        if self.aborted:
+            self._abort(self.aborted)
         self._check_progress()
         self.baton.release()
 
     def abort(self, why: str) -> None:
-        with self.baton:
-            self._abort(why)
+        """Abort the case from outside the ranks (the pool's timeout). A rank may be computing
+        with the baton held: then the flag alone is set, and the ranks see it as they wait."""
+        if not self.aborted:
+            self.aborted = why
+        if self.baton.acquire(timeout=1.0):
+            try:
+                self._abort(why)
+            finally:
+                self.baton.release()
 
     def _abort(self, why: str) -> None:
         if not self.aborted:
@@ -160,6 +169,8 @@ class SimWorld:
         rank = _local.rank
         if ready():
             return
+        if self.aborted:
+            self._abort(self.aborted)  # wake the ranks an outside abort could not reach
         self._waiting[rank] = (ready, what)
         self._save_rng(rank)
         try:

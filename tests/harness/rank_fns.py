@@ -272,3 +272,12 @@ def mesh_groups(ctx: RankContext, shape: tuple[int, int]) -> dict[str, Any]:
         dist.all_reduce(x, group=pg)
         out[name] = (dist.get_process_group_ranks(pg), x.item())
     return out
+
+
+def compute_past_the_timeout_on_rank0(ctx: RankContext, seconds: float) -> float:
+    """Rank 0 computes (here: sleeps) past the case timeout before a collective."""
+    if ctx.rank == 0:
+        time.sleep(seconds)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ctx.group)
+    return float(x.item())

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from harness import CaseTimeout, RankError, get_pool
-from harness.errors import ABORTED, ERROR
+from harness.errors import ABORTED, ERROR, TIMEOUT
 from harness.simulated import shutdown_simulated_pools, simulated_pool
 from tests.harness import rank_fns
 
@@ -76,3 +76,15 @@ def test_each_rank_keeps_its_own_generator_state() -> None:
     """As in a process: every rank seeded alike draws the same numbers whatever the others drew."""
     results = simulated_pool(3).run(rank_fns.draw_random, seed=11)
     assert results[0] == results[1] == results[2]
+
+
+def test_a_case_past_its_timeout_fails_with_stacks_and_the_next_gets_a_fresh_pool() -> None:
+    pool = simulated_pool(2)
+    start = time.monotonic()
+    with pytest.raises(CaseTimeout) as info:
+        pool.run(rank_fns.compute_past_the_timeout_on_rank0, 4.0, timeout=1.0)
+    assert time.monotonic() - start < 3.5  # the pytest side does not wait for the stuck rank
+    assert info.value.outcomes[0].status == TIMEOUT
+    assert "compute_past_the_timeout_on_rank0" in info.value.outcomes[0].stack
+    assert simulated_pool(2) is not pool
+    assert simulated_pool(2).run(rank_fns.all_reduce_sum, 1) == [3.0, 3.0]
