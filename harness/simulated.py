@@ -101,12 +101,14 @@ class SimulatedPool(Pool):
                 "use --launcher pool for --device cuda"
             )
         import torch
+        import torch.distributed as dist
 
         from harness.simulated_group import BACKEND, SimWorld
 
         self.world_size, self.backend, self.device = world_size, BACKEND, device
         self.cases_run = 0
         self._world = SimWorld(world_size)
+        self._store = dist.HashStore()
         self._jobs: list[Queue] = [Queue() for _ in range(world_size)]
         self._results: Queue = Queue()
         self._broken = ""
@@ -143,11 +145,10 @@ class SimulatedPool(Pool):
 
         world = self._world
         try:
-            world.bind(
-                rank
-            )  # the ranks join without the baton: init rendezvouses through the store
+            # The ranks join without the baton: init rendezvouses through the store.
+            world.bind(rank)
             dist.init_process_group(
-                BACKEND, rank=rank, world_size=self.world_size, store=self._store()
+                BACKEND, rank=rank, world_size=self.world_size, store=self._store
             )
             ctx = _SimContext(
                 rank=rank,
@@ -173,14 +174,6 @@ class SimulatedPool(Pool):
             dist.destroy_process_group()
         except Exception:
             pass
-
-    def _store(self):
-        with self._lock:
-            if not hasattr(self, "_hash_store"):
-                import torch.distributed as dist
-
-                self._hash_store = dist.HashStore()
-            return self._hash_store
 
     @staticmethod
     def _run_one(
