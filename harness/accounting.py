@@ -152,12 +152,18 @@ class CollectiveLog(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         if func.namespace in _COLLECTIVE_NAMESPACES:
-            found = classify(func._schema.name, tuple(args))
-            if found:
-                with self._lock:
-                    for kind, nbytes, peer in found:
-                        self.calls.append(CollectiveCall(self._phase, kind, str(func), nbytes, peer))
+            self.note(func._schema.name, tuple(args), op=str(func))
         return func(*args, **(kwargs or {}))
+
+    def note(self, op_name: str, args: tuple[Any, ...], *, op: str = "") -> None:
+        """Record one call of the c10d op ``op_name`` (e.g. ``"c10d::allreduce_"``) with the
+        op's arguments. The dispatcher path above uses it; so does a process group written in
+        Python (harness.simulated_group), whose eager calls never reach the dispatcher."""
+        found = classify(op_name, args)
+        if found:
+            with self._lock:
+                for kind, nbytes, peer in found:
+                    self.calls.append(CollectiveCall(self._phase, kind, op or op_name, nbytes, peer))
 
     def summary(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{phase: {kind: {"calls": n, "bytes": b}}}`` as plain, picklable data."""

@@ -5,7 +5,10 @@ A launcher is a way to get a :class:`~harness.launch.Pool` for (world size, back
 ``pool``
     rank processes started and owned by this process (:mod:`harness.pool`), cached per key;
 ``torchrun``
-    this process is one rank of a torchrun job (:mod:`harness.torchrun`).
+    this process is one rank of a torchrun job (:mod:`harness.torchrun`);
+``simulated``
+    every rank a thread of this process, collectives exact (:mod:`harness.simulated`): world
+    sizes up to 64 and beyond on one machine, CPU only, no torch.compile.
 
 ``--launcher`` (``RING_LAUNCHER``, :mod:`harness.settings`) names the session's; ``auto`` means
 torchrun when the torchrun environment is present, else pool. A new launcher is a module with a
@@ -18,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness import pool, rank_start, torchrun
+from harness import pool, rank_start, simulated, torchrun
 from harness.launch import Pool
 from harness.settings import current, default_backend
 
@@ -40,6 +43,7 @@ class Launcher:
 LAUNCHERS: dict[str, Launcher] = {
     "pool": Launcher("pool", pool.rank_pool, pool.shutdown_rank_pools, rank_start.warm_up),
     "torchrun": Launcher("torchrun", torchrun.get_torchrun_pool, torchrun.shutdown_torchrun_pool),
+    "simulated": Launcher("simulated", simulated.simulated_pool, simulated.shutdown_simulated_pools),
 }
 
 

@@ -11,7 +11,9 @@ is not given. Harness settings themselves are declared in :data:`harness.setting
 
 Markers: ``quick`` (a case of the quick tier), ``nightly`` (a case only the nightly tier has;
 skipped unless ``--tier nightly``), ``gpu`` (skipped unless ``--device cuda``), ``compile``
-(compiles with torch.compile: its case timeout is ``--compile-timeout``), ``world_size(n)`` or
+(compiles with torch.compile: its case timeout is ``--compile-timeout``; skipped on the simulated
+launcher), ``process_state`` (changes process-wide state on every rank; skipped on the simulated
+launcher), ``world_size(n)`` or
 ``world_size(n=N)`` (skipped unless n is enabled; ``-m "world_size(n=2)"`` selects by it). Every
 skip says why and how to enable the test. Any test may apply them; the conformance suites'
 plugins apply them to every suite case.
@@ -58,6 +60,9 @@ MARKERS = {
     "gpu": "needs CUDA; skipped unless run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)",
     "compile": "uses torch.compile; its case timeout is --compile-timeout (a cold inductor cache compiles on every rank); "
                "leave these out with -m 'not compile'",
+    "process_state": "changes process-wide state on every rank (patches a module attribute such "
+                     "as F.scaled_dot_product_attention): needs a process per rank; skipped on "
+                     "--launcher simulated",
     "world_size(n)": "needs world size n; skipped unless n is in --world-sizes (RING_WORLD_SIZES); "
                      "suite cases carry world_size(n=N): select with -m 'world_size(n=2)'",
 }
@@ -223,12 +228,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("gpu") and settings.device != "cuda":
             item.add_marker(pytest.mark.skip(
                 reason="needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"))
+        if settings.launcher == "simulated":
+            _skip_what_threads_cannot_run(item)
         marker = item.get_closest_marker("world_size")
         n = marker_world_size(marker)
         if n is not None:
             reason = world_size_skip_reason(n, settings)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _skip_what_threads_cannot_run(item: pytest.Item) -> None:
+    """On the simulated launcher (ranks are threads of one process): skip what needs a process
+    per rank, saying why and how to run it."""
+    how = "run it with --launcher pool (the default)"
+    if item.get_closest_marker("compile"):
+        item.add_marker(pytest.mark.skip(
+            reason=f"uses torch.compile, which cannot run on the simulated world's rank threads "
+                   f"(dynamo is not thread-safe): {how}"))
+    elif item.get_closest_marker("process_state"):
+        item.add_marker(pytest.mark.skip(
+            reason=f"changes process-wide state on every rank, which the simulated world's rank "
+                   f"threads share: {how}"))
 
 
 def marker_world_size(marker: pytest.Mark | None) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 TIERS = ("quick", "nightly")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
-LAUNCHERS = ("auto", "pool", "torchrun")
+LAUNCHERS = ("auto", "pool", "torchrun", "simulated")
 RANK_STARTS = ("forkserver", "spawn")
 DEFAULT_WORLD_SIZES = {"quick": (1, 2, 3, 4), "nightly": (1, 2, 3, 4, 5, 6, 7, 8)}
 #: World sizes of the suites over 2-D meshes when --world-sizes is not given: their mesh shapes
@@ -139,7 +139,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "launcher", "--launcher", "RING_LAUNCHER",
-        "How ranks are launched: pool (rank processes per pytest worker), torchrun (this pytest is one torchrun rank) or auto (torchrun when its environment is present)",
+        "How ranks are launched: pool (rank processes per pytest worker), torchrun (this pytest is one torchrun rank), "
+        "simulated (every rank a thread of this process, exact collectives: W up to 64 on CPU, no torch.compile) "
+        "or auto (torchrun when its environment is present)",
         _parse_choice(LAUNCHERS), "auto", LAUNCHERS,
     ),
     OptionSpec(

@@ -26,6 +26,9 @@ from suites import cases_api
 from suites.checkout import ROOT, checkout_file
 from suites.matrix import tier, world_sizes
 
+# context_parallel patches F.scaled_dot_product_attention, a module attribute of the rank's process.
+pytestmark = pytest.mark.process_state
+
 #: Seconds a compiled case may take: each rank compiles the graphs itself (the harness's hang
 #: timeout stays the session's --case-timeout elsewhere). A cold inductor cache on 2 CPU cores
 #: takes minutes.

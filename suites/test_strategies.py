@@ -3,8 +3,9 @@ declared collectives, torch.compile and bad input on every rank.
 
 Parametrized over strategy and mesh shape ``U x R`` (ulysses degree x ring degree): quick W=4
 (``ulysses`` 4; ``hybrid`` 4x1, 2x2, 1x4) and W=6 (``ulysses`` 6; ``hybrid`` 2x3, 3x2); nightly
-adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8). The world sizes are the session's mesh world sizes
-(``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given). Key/value heads:
+adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8); ``--world-sizes 32,64`` (the simulated tier,
+``--launcher simulated``) W=32 (8x4, 4x8) and W=64 (8x8). The world sizes are the session's mesh
+world sizes (``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given). Key/value heads:
 as many as the query heads (MHA), fewer than the Ulysses degree (GQA, each head replicated; a
 replication order error shows only with two or more of them), one (MQA). Causal and not, both
 layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring (cycled over the quick
@@ -42,6 +43,9 @@ MESHES: dict[int, list[tuple[str, tuple[int, int]]]] = {
     6: [("ulysses", (6, 1)), ("hybrid", (2, 3)), ("hybrid", (3, 2))],
     8: [("hybrid", (8, 1)), ("hybrid", (2, 4)), ("hybrid", (4, 2))],
     16: [("hybrid", (4, 4)), ("hybrid", (2, 8))],
+    # Only when asked for (--world-sizes 32,64): the simulated tier (--launcher simulated).
+    32: [("hybrid", (8, 4)), ("hybrid", (4, 8))],
+    64: [("hybrid", (8, 8))],
 }
 #: (layout, causal): non-causal head_tail only where the matrix is full (nightly).
 LAYOUT_CAUSAL = (("contiguous", False), ("contiguous", True), ("head_tail", True))
@@ -61,11 +65,12 @@ def heads_of(u: int) -> tuple[int, dict[str, int]]:
 
 
 def spec_for(mesh: tuple[int, int], dtype: str, kv: str, **changes: Any) -> InputSpec:
-    """Tiny global inputs: local length 4U (a multiple of U and even), batch 2 (packing mixes
-    batches if it is wrong), head_dim 8."""
+    """Tiny global inputs: local length 4U (a multiple of U and even; 2U from W=32 on, where the
+    float64 oracle of the global sequence is what costs), batch 2 (packing mixes batches if it is
+    wrong), head_dim 8."""
     u, r = mesh
     heads, kvs = heads_of(u)
-    seq = 4 * u * u * r
+    seq = (4 if u * r <= 16 else 2) * u * u * r
     return InputSpec(batch=2, heads=heads, heads_kv=kvs[kv], seq_q=seq, seq_kv=seq, head_dim=8, dtype=dtype).with_(**changes)
 
 

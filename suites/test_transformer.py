@@ -10,6 +10,9 @@ from reference.budget import assert_verdict, check
 from suites import cases_api
 from suites.matrix import world_sizes
 
+# context_parallel patches F.scaled_dot_product_attention, a module attribute of the rank's process.
+pytestmark = pytest.mark.process_state
+
 
 def pytest_generate_tests(metafunc):
     if "w" in metafunc.fixturenames:

@@ -207,3 +207,77 @@ def segfault_on(ctx: RankContext, bad_rank: int) -> float:
 
         faulthandler._sigsegv()  # type: ignore[attr-defined]
     return all_reduce_sum(ctx, 1)
+
+
+def skip_all_reduce_on_rank0(ctx: RankContext) -> float:
+    """Every rank but 0 joins an all_reduce: a deadlock (a real backend hangs)."""
+    x = torch.ones(2)
+    if ctx.rank != 0:
+        dist.all_reduce(x, group=ctx.group)
+    return float(x.sum())
+
+
+def raise_on_rank1_then_all_reduce(ctx: RankContext) -> float:
+    """Rank 1 raises before an all_reduce the others wait in."""
+    if ctx.rank == 1:
+        raise ValueError("rank 1 rejects its input")
+    x = torch.ones(2)
+    dist.all_reduce(x, group=ctx.group)
+    return float(x.sum())
+
+
+def mismatched_collectives(ctx: RankContext) -> None:
+    """Rank 0 all-gathers while the others all-reduce, as their first collective."""
+    x = torch.ones(2)
+    if ctx.rank == 0:
+        fc.all_gather_single(x, 0, ctx.group).wait()
+    else:
+        dist.all_reduce(x, group=ctx.group)
+
+
+def collectives_round(ctx: RankContext) -> dict[str, Any]:
+    """One of each collective and a p2p ring hop, eager and functional, counted."""
+    w, r = ctx.world_size, ctx.rank
+    with CollectiveLog() as log:
+        x = torch.full((2,), float(r + 1))
+        dist.all_reduce(x, group=ctx.group)
+        gathered = fc.all_gather_single(torch.tensor([float(r)]), 0, ctx.group).wait()
+        send = torch.arange(w, dtype=torch.float64) + 10 * r
+        to_all = fc.all_to_all_single(send, None, None, ctx.group).wait()
+        eager = [torch.zeros(1) for _ in range(w)]
+        dist.all_gather(eager, torch.tensor([float(r * r)]), group=ctx.group)
+        b = torch.tensor([float(r)])
+        dist.broadcast(b, src=w - 1, group=ctx.group)
+        recv = torch.zeros(3)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % w),
+            dist.P2POp(dist.irecv, recv, (r - 1) % w),
+        ])
+        for work in works:
+            work.wait()
+    return {
+        "all_reduce": x.tolist(), "all_gather": gathered.tolist(), "all_to_all": to_all.tolist(),
+        "eager_all_gather": [t.item() for t in eager], "broadcast": b.item(), "recv": recv.tolist(),
+        "collectives": log.summary(),
+    }
+
+
+def mesh_groups(ctx: RankContext, shape: tuple[int, int]) -> dict[str, Any]:
+    """Ranks of this rank's groups along each dim of a 2-D mesh, and a sum along each."""
+    mesh = ctx.device_mesh(shape, ("a", "b"))
+    out: dict[str, Any] = {}
+    for name in ("a", "b"):
+        pg = mesh.get_group(name)
+        x = torch.tensor([float(ctx.rank)])
+        dist.all_reduce(x, group=pg)
+        out[name] = (dist.get_process_group_ranks(pg), x.item())
+    return out
+
+
+def compute_past_the_timeout_on_rank0(ctx: RankContext, seconds: float) -> float:
+    """Rank 0 computes (here: sleeps) past the case timeout before a collective."""
+    if ctx.rank == 0:
+        time.sleep(seconds)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ctx.group)
+    return float(x.item())
