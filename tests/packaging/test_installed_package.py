@@ -90,7 +90,7 @@ except pytest.skip.Exception as exc:
 print(json.dumps({{"files": {{m.__name__: m.__file__ for m in ({", ".join(PACKAGES)})}}, "skipped": skipped}}))
 """
 
-SELECTION = ("test_forward_backward and (W2-f32-causal-alltoall or W2-f64-causal-alltoall-contiguous)"
+SELECTION = ("test_forward_backward_match_reference and (W2-f32-causal-alltoall or W2-f64-causal-alltoall-contiguous)"
              " or test_collectives and W2-f32-causal-alltoall-contiguous")
 FAILING_CASE = "test_forward_backward_match_reference[W2-f32-causal-alltoall-contiguous]"
 
@@ -179,7 +179,7 @@ def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path
     # 5. a failure's repro command, run as printed from the same directory, fails the same way
     failing = _run([str(python), "-m", "pytest", "--pyargs", "suites", "-p", "no:cacheprovider", "-p", "no:xdist",
                     "--impl", "acme.ring:BROKEN", "--world-sizes", "2", "--report-dir", "none",
-                    "-k", f"test_forward_backward and {FAILING_CASE.split('[')[1].rstrip(']')}"],
+                    "-k", f"test_forward_backward_match_reference and {FAILING_CASE.split('[')[1].rstrip(']')}"],
                    cwd=work, env=env, timeout=300)
     assert failing.returncode == 1, failing.stdout[-3000:] + failing.stderr[-2000:]
     line = re.search(r"^repro: (.*)$", failing.stdout, re.M)
