@@ -5,7 +5,10 @@ with the oracle's layout of the strategy (:mod:`reference.strategies`), is judge
 :func:`reference.budget.check` against the float64 reference and the single-device baseline of
 the same kernel. ``world_size`` of the policy is the number of key/value blocks a row's result
 merges: the ring degree R (Ulysses' kernel sees the whole sequence: 1). A failure is diagnosed
-by replaying the strategies' known bugs in float64 (:func:`reference.strategies.diagnose_strategy`).
+by replaying the strategies' known bugs in float64 (:func:`reference.strategies.diagnose_strategy`)
+and by matching the output's heads against the reference's (:func:`heads_permutation`: the head
+slices put back in the wrong order); an LSE returned in the head-sharded layout is named as such
+(:func:`lse_layout_problem`) before the shape contract.
 """
 
 from __future__ import annotations
