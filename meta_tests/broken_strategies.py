@@ -18,7 +18,7 @@ from meta_tests.broken import Broken
 from ring_impl import RingAttention, bind
 from ring_impl.ops import accumulation_dtype
 from ring_impl.strategies import Hybrid, Ulysses
-from ring_impl.strategies.alltoall import _exchange, _pack, _unpack
+from ring_impl.strategies.alltoall import _exchange, _pack, _unpack, _widest_first
 
 __all__ = ["BROKEN_STRATEGIES"]
 
@@ -38,6 +38,43 @@ class HeadsAndSequenceSwapped:
             b, h, s, f = t.shape
             out.append(r.reshape(u, b, h // u, s, f).permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, f))
         return out
+
+
+class HeadsInterleavedBack:
+    """The heads-to-sequence all-to-all puts the received head slices back interleaved: the
+    ``(U, h/U)`` head index read as ``(h/U, U)`` (a reshape without the transpose), so output head
+    ``i * U + j`` holds head ``j * h/U + i``. Every part goes back that way (the output, the LSE,
+    the gradients): one shared helper."""
+
+    def to_sequence(self, parts, g):
+        if g.size == 1:
+            return list(parts)
+        u = g.size
+        order = _widest_first(parts)
+        staged = [parts[i].unflatten(2, (u, -1)).permute(2, 0, 1, 3, 4) for i in order]
+        rows, layout = _pack(staged, g)
+        out = [None] * len(parts)
+        for i, r in zip(order, _unpack(_exchange(rows, g), layout)):
+            b, hu, us, f = parts[i].shape
+            # the bug: (h/U, U) where the head index is (U, h/U)
+            r = r.reshape(u, b, hu, us // u, f).permute(1, 2, 0, 3, 4)
+            out[i] = r.reshape(b, u * hu, us // u, f)
+        return out
+
+
+class LseLeftInHeadShards:
+    """The output goes back through the heads-to-sequence all-to-all, the LSE does not: it is
+    returned as the inner attention produced it, the rank's head slice over its Ulysses group's
+    whole sequence, ``(batch, heads/U, U * seq_local)``."""
+
+    def forward(self, cfg, query, key, value):
+        if not cfg.return_lse:
+            return super().forward(cfg, query, key, value)  # type: ignore[misc]
+        out, _, saved = super().forward(cfg, query, key, value)  # type: ignore[misc]
+        order = self.gathered_order(cfg)  # type: ignore[attr-defined]
+        lse_h = self._permute(saved[4].unsqueeze(-1), order, inverse=True)  # type: ignore[attr-defined]
+        lse_h = lse_h.squeeze(-1)
+        return out, lse_h, saved
 
 
 class KVHeadsTiled:
@@ -117,6 +154,15 @@ def _adapter(name: str, bug: type) -> RingImplAdapter:
 BROKEN_STRATEGIES: dict[str, Broken] = {b.name: b for b in [
     Broken("heads_sequence_swapped", "Ulysses/hybrid: all-to-all on the wrong dimension after a transpose",
            r"heads and sequence swapped in the all-to-all", _adapter("heads_sequence_swapped", HeadsAndSequenceSwapped),
+           suites="suites/test_strategies.py"),
+    Broken("out_heads_interleaved",
+           "Ulysses/hybrid: head slices put back in the wrong order after the output all-to-all",
+           r"output's heads are permuted", _adapter("out_heads_interleaved", HeadsInterleavedBack),
+           suites="suites/test_strategies.py"),
+    Broken("lse_in_head_shards",
+           "Ulysses/hybrid: the LSE returned in the head-sharded layout, not the sequence shard",
+           r"LSE is returned in the head-sharded layout",
+           _adapter("lse_in_head_shards", LseLeftInHeadShards),
            suites="suites/test_strategies.py"),
     Broken("kv_heads_wrong_order", "Ulysses/hybrid: key/value heads fewer than the degree replicated in the wrong order",
            r"key/value heads replicated in the wrong order", _adapter("kv_heads_wrong_order", KVHeadsTiled),

@@ -41,12 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 MIN_PASSED = {"quick": 500, "nightly": 1100}
 
 
-def run_suites(impl: str, tier: str, junit: Path, timeout: float) -> subprocess.CompletedProcess:
-    """``pytest suites`` at ``tier`` (its default world sizes) against ``impl`` in a fresh process."""
+def run_suites(impl: str, tier: str, junit: Path, timeout: float,
+               path: str = "suites") -> subprocess.CompletedProcess:
+    """``pytest <path>`` (every suite by default) at ``tier`` (its default world sizes) against
+    ``impl`` in a fresh process."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}  # the tier's defaults, not ours
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "pytest", "suites", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    cmd = [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
            "--impl", impl, "--tier", tier, "--report-dir", "none", f"--junitxml={junit}"]
     return run_tree(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -123,6 +125,41 @@ def test_correct_ring_passes_the_suites(name: str, tmp_path: Path, pytestconfig:
             f"{name}: suites/{module}.py executed no case, and not because the ring declares it lacks a "
             f"capability: {dict(counts)}"
         )
+
+
+# ---------------------------------------------------------------------------- strategies
+
+#: Strategy cases a correct head-parallel implementation must pass at the least, per tier.
+#: Measured at the quick tier's defaults (W 4 and 6, 285 cases): gather_strategies passes 201;
+#: 84 are N/A (compile, bad input on every rank, the collective schedule, op objects). The
+#: nightly matrix holds the quick one's meshes and more: its minimum is the quick one's.
+MIN_STRATEGY_PASSED = {"quick": 150, "nightly": 150}
+
+
+def test_correct_strategies_pass_the_strategy_suite(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    """gather_strategies (meta_tests/correct/gather_strategies.py: every rank all-gathers the
+    key/value sequence and attends its own rows; no all-to-all, no ring_impl) passes the whole
+    strategy suite of this session's tier with no failure."""
+    impl = "meta_tests.correct.gather_strategies:IMPLEMENTATION"
+    tier = settings_of(pytestconfig).tier
+    junit = tmp_path / "junit.xml"
+    proc = run_suites(impl, tier, junit, timeout=1200 if tier == "quick" else 3600,
+                      path="suites/test_strategies.py")
+    tail = f"\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    assert junit.exists(), f"pytest suites/test_strategies.py --impl {impl} wrote no JUnit report{tail}"
+    totals = sum(outcomes_by_module(junit).values(), Counter())
+    figures = (f"{totals['passed']} passed, {totals['failed']} failed, {totals['error']} errors, "
+               f"{totals['n/a']} N/A, {totals['skipped']} skipped")
+    assert totals["failed"] == 0 and totals["error"] == 0, (
+        f"the strategy suite failed a correct implementation (gather_strategies): {figures}{tail}")
+    assert proc.returncode == 0, f"pytest exited {proc.returncode} ({figures}){tail}"
+    reasons = [key[1] for key in totals if isinstance(key, tuple)]
+    caps = load_implementation(impl).capabilities
+    assert not totals["skipped"] and not undeclared_lacks(reasons, caps), (
+        f"gather_strategies: cases skipped, or N/A for a capability it does not declare lacking: {dict(totals)}")
+    least = MIN_STRATEGY_PASSED[tier]
+    assert totals["passed"] >= least, (
+        f"gather_strategies: only {figures} at tier {tier}; at least {least} must pass{tail}")
 
 
 # ---------------------------------------------------------------------------- LSE gradient

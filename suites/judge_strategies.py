@@ -5,7 +5,10 @@ with the oracle's layout of the strategy (:mod:`reference.strategies`), is judge
 :func:`reference.budget.check` against the float64 reference and the single-device baseline of
 the same kernel. ``world_size`` of the policy is the number of key/value blocks a row's result
 merges: the ring degree R (Ulysses' kernel sees the whole sequence: 1). A failure is diagnosed
-by replaying the strategies' known bugs in float64 (:func:`reference.strategies.diagnose_strategy`).
+by replaying the strategies' known bugs in float64 (:func:`reference.strategies.diagnose_strategy`)
+and by matching the output's heads against the reference's (:func:`heads_permutation`: the head
+slices put back in the wrong order); an LSE returned in the head-sharded layout is named as such
+(:func:`lse_layout_problem`) before the shape contract.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from suites.cases_strategies import StrategyCase
 from suites.inputs import make_inputs
 from suites.judge import QUANTITIES, baseline_for, contract_violations, reference_for, scales_for
 
-__all__ = ["diagnose_strategy_case", "judge_strategy", "unshard_strategy_results", "worst_location"]
+__all__ = ["diagnose_strategy_case", "heads_permutation", "judge_strategy", "lse_layout_problem",
+           "unshard_strategy_results", "worst_location"]
 
 
 def unshard_strategy_results(case: StrategyCase, results: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor | None]:
@@ -49,6 +53,27 @@ def worst_location(case: StrategyCase, verdict: Verdict) -> str:
     return f"{verdict.name}: worst element on mesh rank {rank} (ulysses {rank % u}, ring {rank // u}) at local {local}"
 
 
+def lse_layout_problem(case: StrategyCase, results: Sequence[dict[str, Any]]) -> str | None:
+    """In words, when the ranks returned the LSE in the head-sharded layout of the inner
+    attention, ``(batch, heads/U, U * seq_local)`` (the rank's head slice over its Ulysses
+    group's sequence), instead of the sequence shard ``(batch, heads, seq_local)``; else None."""
+    u = case.mesh_shape[0]
+    spec = case.inputs
+    sq = spec.seq_q // case.world_size
+    if u == 1 or spec.heads % u:
+        return None
+    head_shard = (spec.batch, spec.heads // u, u * sq)
+    ranks = [rank for rank, r in enumerate(results)
+             if r.get("lse") is not None and tuple(r["lse"].shape) == head_shard]
+    if not ranks:
+        return None
+    return (f"the LSE is returned in the head-sharded layout {head_shard} = (batch, heads/U, "
+            f"U * seq_local) on rank(s) {ranks}: the rank's {spec.heads // u} heads over its Ulysses "
+            f"group's whole sequence, as the inner attention produced it, not the sequence shard "
+            f"{(spec.batch, spec.heads, sq)}; send the LSE back through the heads-to-sequence "
+            "all-to-all with the output")
+
+
 def judge_strategy(case: StrategyCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
     """Verdicts for every quantity; AssertionError for a missing result or a broken contract."""
     __tracebackhide__ = True
@@ -60,6 +85,9 @@ def judge_strategy(case: StrategyCase, results: Sequence[dict[str, Any]], *, bas
             f"that input [{case.label}]"
         )
     broken = contract_violations(case, results)  # type: ignore[arg-type]
+    layout_problem = lse_layout_problem(case, results)
+    if layout_problem:
+        broken = [layout_problem, *broken]
     if broken:
         raise AssertionError("\n".join([*broken, f"[{case.label}]"]))
     spec = case.inputs
@@ -92,5 +120,34 @@ def diagnose_strategy_case(case: StrategyCase, results: Sequence[dict[str, Any]]
             g.query, g.key, g.value, got["out"], strategy=case.strategy, layout=case.layout,
             mesh_shape=case.mesh_shape, is_causal=case.is_causal, scale=case.inputs.scale, tolerance=tolerance,
         ))
+    if got["out"] is not None and tolerance is not None:
+        ref_out = reference_for(case.inputs, case.is_causal)["out"]
+        permuted = heads_permutation(got["out"], ref_out, tolerance)
+        if permuted:
+            lines.insert(0, permuted)
     lines += [worst_location(case, v) for v in verdicts if not v.passed]
     return "; ".join(line for line in lines if line)
+
+
+def heads_permutation(observed: torch.Tensor, ref: torch.Tensor, tolerance: float) -> str | None:
+    """In words, when every head of the global output ``observed`` (batch, heads, seq, d) equals
+    (within ``tolerance``) the reference's attention of one other head, each head used once: the
+    head slices went back in the wrong order (a head offset or reshape wrong after the output
+    all-to-all); None when the heads are in place or no such permutation explains the output."""
+    heads = ref.shape[1]
+    x, r = observed.detach().double(), ref.detach().double()
+    holds = []
+    for i in range(heads):
+        err = torch.stack([(x[:, i] - r[:, j]).abs().nan_to_num(float("inf")).amax()
+                           for j in range(heads)])
+        j = int(err.argmin())
+        if float(err[j]) > tolerance:
+            return None
+        holds.append(j)
+    if sorted(holds) != list(range(heads)) or holds == list(range(heads)):
+        return None
+    moved = [f"{i} <- {j}" for i, j in enumerate(holds) if i != j]
+    shown = ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
+    return (f"the output's heads are permuted: head i holds head j's attention (i <- j: {shown}); "
+            "every head's result is right but in the wrong place: the head slices went back in the "
+            "wrong order (or at the wrong head offset) after the output all-to-all")

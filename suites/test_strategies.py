@@ -14,7 +14,9 @@ lengths and non-contiguous inputs.
 
 Numerics: :mod:`suites.judge_strategies` (the policy of every ring case; ``world_size`` = the
 ring degree). A failure names the replayed strategy bug it matches (local attention only,
-key/value heads in the wrong order, the all-to-all on the wrong dim, the head_tail reorder missing).
+key/value heads in the wrong order, the all-to-all on the wrong dim, the head_tail reorder missing),
+an output whose heads are permuted (head i holds head j's attention), and an LSE returned in the
+head-sharded layout instead of the sequence shard.
 """
 
 from __future__ import annotations
