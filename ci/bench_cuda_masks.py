@@ -20,6 +20,9 @@ Rows, each forward + backward in bfloat16, batch 1, ``--heads`` heads, head_dim 
 ``ring:<op>``
     ``ring_impl.ring_attention(..., mask=...)`` with that op on a one-rank NCCL group: the
     ring's own cost over the kernel (plan, tiling, merges, checks).
+``ring-thd:auto``
+    the packed call, ``ring_attention(q, k, v, is_causal=True, cu_seqlens=...)`` on the
+    ``(tokens, heads, head_dim)`` tensors the varlen row takes.
 
 Each row is timed with CUDA events (median of ``--repeat`` after ``--warmup``), and one more call
 is profiled with ``torch.profiler``: kernel launches, host-device synchronisations (``cudaStreamSynchronize``,
@@ -65,8 +68,9 @@ def document_lengths(seq: int, documents: int, seed: int = 0) -> list[int]:
     return lengths
 
 
-def _profile(fn) -> dict[str, float]:
-    """Kernel launches, host syncs, wall and GPU-busy milliseconds of one call."""
+def _profile(fn, table_path: str | None = None) -> dict[str, float]:
+    """Kernel launches, host syncs, wall and GPU-busy milliseconds of one call; with
+    ``table_path``, the profiler's operator table (by count and by host time) written there."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -88,6 +92,12 @@ def _profile(fn) -> dict[str, float]:
             syncs += 1
         elif name == "aten::_local_scalar_dense":  # .item(), bool(tensor), int(tensor) on device data
             items += 1
+    if table_path:
+        os.makedirs(os.path.dirname(os.path.abspath(table_path)), exist_ok=True)
+        averages = prof.key_averages()
+        with open(table_path, "w") as f:
+            f.write(averages.table(sort_by="count", row_limit=40) + "\n")
+            f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
     return {"launches": launches, "syncs": syncs, "items": items, "copies_to_host": copies_to_host,
             "profiled_wall_ms": wall, "gpu_busy_ms": gpu_us / 1e3}
 
@@ -142,6 +152,12 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
             out.backward(bhsd[3])
         return run
 
+    def thd_ring_fn():
+        def run():  # the packed (THD) call: the documents as cu_seqlens, no mask object
+            q, k, v = (t.detach().requires_grad_(True) for t in thd[:3])
+            ring_attention(q, k, v, is_causal=True, cu_seqlens=cu_list).backward(thd[3])
+        return run
+
     def flex_fn(block_mask):
         def run():
             q, k, v = (t.detach().requires_grad_(True) for t in bhsd[:3])
@@ -155,6 +171,7 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
             ("flex", None),
             *[(f"ring:{op}", ring_fn(op, Documents.from_cu_seqlens(cu_list, seq_len=seq)))
               for op in args.ring_ops.split(",")],
+            ("ring-thd:auto", thd_ring_fn()),
         ],
         "window": [
             ("window", lambda: _flash(*bshd, window=window)),
@@ -172,7 +189,9 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
                                                    device="cuda")
                     fn = flex_fn(block_mask)
                 ms = cuda_median_ms(fn, warmup, repeat)
-                row.update(ms=ms, **_profile(fn))
+                table = (os.path.join(args.profile_dir, f"{family}-{seq}-{row_name.replace(':', '-')}.txt")
+                         if args.profile_dir else None)
+                row.update(ms=ms, **_profile(fn, table))
                 if row_name == variants[0][0]:  # the kernel called directly: the reference of the family
                     reference_ms = ms
                 row["ratio"] = ms / reference_ms if reference_ms else None
@@ -199,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--ring-ops", default=",".join(RING_OPS))
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--profile-dir", default=None, help="write each row's profiler table here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cuda_masks: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)

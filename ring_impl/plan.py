@@ -64,8 +64,9 @@ class Block:
     #: stop), ...)`` in row order; set for a call with a score_mod (:func:`with_positions`)
     q_pos: Runs | None = field(default=None, compare=False, repr=False)
     kv_pos: Runs | None = field(default=None, compare=False, repr=False)
-    #: device -> (visible, bounds) there: a cached plan's block is moved once per device, not
-    #: per call (a kernel keeps its own plan of the block by the tensor it is given)
+    #: device -> (visible, bounds) there, ("hidden", device) -> its hidden rows: a cached plan's
+    #: block is moved once per device, not per call (a kernel keeps its own plan of the block by
+    #: the tensor it is given)
     _moved: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def masking_on(self, device: torch.device) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -79,6 +80,18 @@ class Block:
             bounds = None if self.bounds is None else (self.bounds[0].to(device), self.bounds[1].to(device))
             moved = self._moved[key] = (visible, bounds)
         return moved
+
+    def hidden_rows_on(self, device: torch.device) -> torch.Tensor | None:
+        """(batch or 1, heads or 1, rows) bool on ``device``: the rows the block hides completely;
+        None when it hides none (decided once per block on the plan's own tensors, so a call on a
+        device reads nothing back for it)."""
+        if self.visible is None and self.bounds is None:
+            return None
+        key = ("hidden", str(device))
+        if key not in self._moved:
+            hidden = (self.bounds[0] >= self.bounds[1]).view(1, 1, -1) if self.bounds is not None else ~self.visible.any(-1)
+            self._moved[key] = hidden.to(device) if bool(hidden.any()) else None
+        return self._moved[key]
 
     @property
     def work(self) -> int:

@@ -105,14 +105,6 @@ def split_kv(kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tenso
     return kv[..., :head_dim], kv[..., head_dim:]
 
 
-def _hidden_rows(visible: torch.Tensor | None, bounds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
-    """(batch or 1, heads or 1, rows) bool: the rows a masked block hides completely; None for an
-    unmasked block."""
-    if bounds is not None:
-        return (bounds[0] >= bounds[1]).view(1, 1, -1)
-    return None if visible is None else ~visible.any(-1)
-
-
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` itself when it can be merged into in place (dtype ``dtype``, contiguous), else a copy."""
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype, memory_format=torch.contiguous_format)
@@ -178,7 +170,7 @@ class RingAttention:
                       row_bounds=bounds, score_mod=scores)  # the op that ran it
         lse = normalize_lse(lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout,
                             op_name=getattr(op, "name", "math"))
-        dead = _hidden_rows(visible, bounds)
+        dead = plan.hidden_rows_on(q.device)
         if dead is not None:  # rows the block hides completely: nothing (kernels return LSE 0 there)
             dead = dead.expand(b, h, rows)
             out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
@@ -190,7 +182,7 @@ class RingAttention:
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
         visible, bounds = plan.masking_on(q.device)
-        dead = _hidden_rows(visible, bounds)
+        dead = plan.hidden_rows_on(q.device)
         if dead is not None:
             # Rows the block hides completely contribute nothing; their final LSE may be -inf
             # (rows that see nothing at all), which kernels would turn into NaN: a finite LSE and
@@ -229,7 +221,7 @@ class RingAttention:
     def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block, grad_lse=None):
         """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them."""
         visible, bounds = plan.masking_on(q.device)
-        dead = _hidden_rows(visible, bounds)
+        dead = plan.hidden_rows_on(q.device)
         if dead is not None:  # as block_backward: rows the block hides carry no LSE
             lse = torch.where(dead.expand(lse.shape), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
         return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind, visible, grad_lse=grad_lse,
@@ -253,22 +245,35 @@ class RingAttention:
                                          **{n: finite_parts(t)[0] for n, t in extra.items()})
         return (block.q_rows, *self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block, **extra))
 
-    def all_finite(self, *tensors: torch.Tensor) -> bool:
-        """Whether the NaN propagation can be skipped for blocks of these inputs: eager, on CPU
-        (where the check costs no device sync), and every element finite (the propagation only
-        ever adds NaN where a non-finite input reaches; with none it changes nothing). Under
-        compile and on GPUs the blocks always go through it, with no data-dependent branch."""
-        if torch.compiler.is_compiling() or any(t.device.type != "cpu" for t in tensors):
+    def all_finite(self, *tensors: torch.Tensor, once: bool = False) -> bool:
+        """Whether the NaN propagation can be skipped for blocks of these inputs: every element
+        finite (the propagation only ever adds NaN where a non-finite input reaches; with none it
+        changes nothing), read where reading costs nothing (:meth:`reads_are_free`: on CPU) or,
+        with ``once``, where the caller decides for a whole direction of a call with one read
+        (a one-rank call on a GPU: one device sync instead of the propagation's passes over every
+        block). Otherwise, and under compile, False: the blocks go through the propagation, with
+        no data-dependent branch."""
+        if torch.compiler.is_compiling():
             return False
-        # A sum is NaN/inf when any element is, and 40x faster than isfinite(t).all(); a finite
-        # tensor whose sum overflows only loses the shortcut.
-        return all(bool(torch.isfinite(t.sum())) for t in tensors)
+        if not (once or self.reads_are_free(tensors)):
+            return False
+        # A sum is NaN/inf when any element is (inf - inf too), and 40x faster than
+        # isfinite(t).all(); finite tensors whose sums overflow only lose the shortcut. The sums
+        # added up on the device: one read.
+        total = tensors[0].sum()
+        for t in tensors[1:]:
+            total = total + t.sum()
+        return bool(torch.isfinite(total))
 
-    def rows_finite(self, query, out, grad_out, lse, grad_lse=None) -> bool:
-        """:meth:`all_finite` of a backward's row inputs; LSE -inf (rows that see nothing) counts
-        as finite, since the propagation treats it as nothing seen too."""
-        return self.all_finite(query, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0)) and (
-            grad_lse is None or self.all_finite(grad_lse))
+    def reads_are_free(self, tensors) -> bool:
+        """Whether reading a flag of these tensors on the host costs no device sync (on CPU)."""
+        return all(t.device.type == "cpu" for t in tensors)
+
+    def rows_finite(self, query, out, grad_out, lse, grad_lse=None, *others: torch.Tensor, once: bool = False) -> bool:
+        """:meth:`all_finite` of a backward's row inputs (and ``others``); LSE -inf (rows that see
+        nothing) counts as finite, since the propagation treats it as nothing seen too."""
+        rows = (query, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0))
+        return self.all_finite(*rows, *(() if grad_lse is None else (grad_lse,)), *others, once=once)
 
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
@@ -320,7 +325,8 @@ class RingAttention:
         alone = cfg.group.world_size == 1
         rotation = None if alone else self.kv_rotation(cfg, self.pack_kv(key, value))
         recorder = debug.active_recorder()
-        query_finite = self.all_finite(query)
+        # One rank decides once for its call (one read); else per step, where reads are free.
+        query_finite = self.all_finite(query, key, value, once=True) if alone else self.all_finite(query)
         view = cfg.op.capabilities.row_views
         plans = self.plan(cfg, sq, key.shape[2])
         # the running maximum over every step's blocks (a head nothing is seen of stays -inf)
@@ -329,7 +335,7 @@ class RingAttention:
             max_logit = torch.full((query.shape[1],), float("-inf"), dtype=acc, device=query.device)
         for plan in plans:
             kv = (key, value) if rotation is None else split_kv(rotation.block(plan.step), d)
-            finite = len(plan.blocks) > 0 and query_finite and self.all_finite(kv[0], kv[1])
+            finite = len(plan.blocks) > 0 and query_finite and (alone or self.all_finite(kv[0], kv[1]))
             for block in plan.blocks:
                 q0, q1 = block.q_rows
                 q, k, v = (block_rows(query, block.q_rows, view), block_rows(kv[0], block.kv_rows, view),
@@ -377,7 +383,7 @@ class RingAttention:
         plans = self.plan(cfg, query.shape[2], key.shape[2])
         whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
         if whole is not None:  # one rank, one block: the kernel's gradients are the gradients
-            finite = self.rows_finite(query, out, grad_out, lse, grad_lse) and self.all_finite(key, value)
+            finite = self.rows_finite(query, out, grad_out, lse, grad_lse, key, value, once=True)
             _, dq, dk, dv = self.block_grads(cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite)
             return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
         acc = self.accumulation_dtype(query.dtype)
@@ -408,12 +414,14 @@ class RingAttention:
         #   pass_grads       stages that accumulator for the next hop (flushes it at s = W-1: home)
         #   grads_home       after the loop: this rank's own accumulator, plus its step-0 part
         rotation.block(0)
-        rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse)
+        alone = cfg.group.world_size == 1
+        # as the forward: one rank decides once for its call, else per step where reads are free
+        rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse, *((key, value) if alone else ()), once=alone)
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
             kv = split_kv(rotation.block(plan.step), key.shape[-1]) if plan.step else (key, value)
-            finite = len(plan.blocks) > 0 and rows_finite and self.all_finite(kv[0], kv[1])
+            finite = len(plan.blocks) > 0 and rows_finite and (alone or self.all_finite(kv[0], kv[1]))
             contribution = []  # (kv_rows, dk, dv) per block
             for block in plan.blocks:
                 (q0, q1), dq, dk, dv = self.block_grads(cfg, block, grad_out, query, kv, out, lse, grad_lse, finite)

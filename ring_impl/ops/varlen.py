@@ -333,7 +333,8 @@ def bounds_visible(lo: torch.Tensor, hi: torch.Tensor, cols: int) -> torch.Tenso
 def _packed(t: torch.Tensor) -> torch.Tensor:
     """(batch, heads, seq, head_dim) -> (batch * seq, heads, head_dim), head dim contiguous."""
     b, h, s, d = t.shape
-    return t.transpose(1, 2).reshape(b * s, h, d)
+    packed = t.transpose(1, 2).reshape(b * s, h, d)  # a view for one batch element
+    return packed if packed.stride(-1) == 1 else packed.contiguous()
 
 
 def _into_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None, o: torch.Tensor,
@@ -362,7 +363,9 @@ def _one_call(plan: VarlenPlan) -> bool:
 
 
 def _take(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    return t.contiguous() if index is None else t.index_select(0, index)
+    """Rows ``index`` of packed ``t`` (a copy), or ``t`` itself for every row: the kernel takes
+    strided rows and heads as long as the head dim is contiguous, as ``_packed``'s views are."""
+    return t if index is None else t.index_select(0, index)
 
 
 class VarlenOp:
