@@ -7,7 +7,9 @@ Run from the repository root on a CUDA machine (no install: ``PYTHONPATH=$PWD``)
     python ci/bench_cuda_masks.py --quick          # seq 16k only, fewer repetitions
     python ci/bench_cuda_masks.py --json out.json  # also write the rows
 
-Rows, each forward + backward in bfloat16, batch 1, ``--heads`` heads, head_dim ``--head-dim``:
+Rows, each forward + backward in bfloat16, batch 1, ``--heads`` heads, head_dim ``--head-dim``,
+the tensors stored ``(1, seq, heads, head_dim)`` as a model's projections make them (the flex
+and ring rows take ``(1, heads, seq, head_dim)`` views of them, as SDPA callers do):
 
 ``varlen``
     FlashAttention-2's varlen kernel called directly (``aten._flash_attention_forward`` /
@@ -135,7 +137,10 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
     cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     thd = [torch.randn(seq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
-    bhsd = [t.transpose(0, 1).unsqueeze(0).contiguous() for t in thd]  # (1, h, seq, d)
+    # (1, h, seq, d) views of (1, seq, h, d) storage, as a model's projections make them
+    # (``proj(x).view(b, s, h, d).transpose(1, 2)``); the leaves are the (1, seq, h, d) tensors
+    bshd = [t.unsqueeze(0) for t in thd]
+    bhsd = [t.transpose(1, 2) for t in bshd]
     doc_ids = torch.repeat_interleave(torch.arange(docs, device="cuda"), torch.tensor(lengths, device="cuda"))
     window = args.window
 
@@ -147,8 +152,9 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
 
     def ring_fn(op, mask):
         def run():
-            q, k, v = (t.detach().requires_grad_(True) for t in bhsd[:3])
-            out = ring_attention(q, k, v, mask=mask, **({} if op == "auto" else {"op": op}))
+            q, k, v = (t.detach().requires_grad_(True) for t in bshd[:3])
+            out = ring_attention(*(t.transpose(1, 2) for t in (q, k, v)), mask=mask,
+                                 **({} if op == "auto" else {"op": op}))
             out.backward(bhsd[3])
         return run
 
@@ -160,11 +166,10 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
 
     def flex_fn(block_mask):
         def run():
-            q, k, v = (t.detach().requires_grad_(True) for t in bhsd[:3])
-            flex(q, k, v, block_mask=block_mask).backward(bhsd[3])
+            q, k, v = (t.detach().requires_grad_(True) for t in bshd[:3])
+            flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask).backward(bhsd[3])
         return run
 
-    bshd = [t.transpose(1, 2).contiguous() for t in bhsd]  # (1, seq, h, d) for the dense window call
     families = {
         "documents": [
             ("varlen", lambda: _flash(*thd, cu=cu, max_len=max(lengths))),

@@ -20,6 +20,7 @@ Returns ``(tokens_local, heads, head_dim_v)`` (contiguous) and, with ``return_ls
 
 from __future__ import annotations
 
+import collections
 import itertools
 import numbers
 from collections.abc import Sequence
@@ -95,12 +96,38 @@ def packed_views(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     cu = torch.as_tensor(cu_seqlens)
     total = query.shape[0] * world
+    if torch.compiler.is_compiling():  # cu_seqlens are data in a graph: no values to key a memo by
+        documents = _documents(cu, total, bool(is_causal))
+    else:
+        documents = _memo_documents(tuple(cu.tolist()), total, bool(is_causal))
+    return q, k, v, documents if mask is None else documents & mask
+
+
+def _documents(cu: torch.Tensor, total: int, causal: bool) -> Documents:
+    """The documents of cumulative lengths ``cu`` over ``total`` global tokens (the call then runs
+    with is_causal=False: ``causal`` is the documents')."""
     positions = torch.arange(total, device=cu.device)
     # Document d holds positions [cu[d], cu[d + 1]); positions from cu[-1] on are padding (-1).
     ids = torch.searchsorted(cu[1:].to(torch.int64), positions, right=True)
     ids = torch.where(positions < cu[-1], ids, torch.full_like(ids, -1))
-    documents = Documents(ids, bool(is_causal))  # (the call then runs with is_causal=False)
-    return q, k, v, documents if mask is None else documents & mask
+    return Documents(ids, causal)
+
+
+#: (cu_seqlens values, total tokens, causal) -> the snapshot of their documents, most recent last:
+#: a model's layers (and its steps over one batch) share one, its ids, checks and plans made once
+_MEMO: collections.OrderedDict[tuple, Documents] = collections.OrderedDict()
+_MEMO_KEPT = 64
+
+
+def _memo_documents(cu: tuple[int, ...], total: int, causal: bool) -> Documents:
+    key = (cu, total, causal)
+    documents = _MEMO.get(key)
+    if documents is None:
+        documents = _MEMO[key] = _documents(torch.tensor(cu, dtype=torch.int64), total, causal).frozen()
+        while len(_MEMO) > _MEMO_KEPT:
+            _MEMO.popitem(last=False)
+    _MEMO.move_to_end(key)
+    return documents
 
 
 def packed_result(result, return_lse: bool, return_max_logit: bool = False):

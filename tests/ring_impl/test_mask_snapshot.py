@@ -125,6 +125,40 @@ def test_a_snapshot_is_the_data_at_call_time() -> None:
                                   SEQ, SEQ)[0, 0])
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_unchanged_ids_reuse_their_snapshot_and_changed_ones_never_do(dtype: str) -> None:
+    """Calls on ids that did not change share one snapshot (its ids, checks and description made
+    once); a write of any kind (in place, through numpy) gets a new snapshot of the new values."""
+    from ring_impl.masks import Documents, snapshot
+
+    buffer = np.asarray(OLD, dtype=dtype)
+    mask = Documents(torch.from_numpy(buffer))
+    first = snapshot(mask)
+    assert snapshot(mask) is first, "unchanged ids made a second snapshot"
+    buffer[:] = np.asarray(NEW, dtype=dtype)  # unseen by torch's version counter
+    second = snapshot(mask)
+    assert second is not first and second.doc_ids.tolist() == NEW and first.doc_ids.tolist() == OLD
+    assert second.describe() != first.describe()
+    mask.doc_ids[0] = 1  # in place, through torch
+    third = snapshot(mask)
+    assert third is not second and third.doc_ids.tolist() == [1, *NEW[1:]]
+    buffer[:] = np.asarray(NEW, dtype=dtype)  # back to the values of the second: equal values, equal plans
+    assert snapshot(mask).doc_ids.tolist() == NEW
+
+
+def test_packed_calls_share_the_documents_of_equal_cu_seqlens() -> None:
+    """THD calls with equal cu_seqlens (a model's layers) share one snapshot of their documents."""
+    from ring_impl.packed import packed_views
+
+    q = torch.zeros(SEQ, 2, 8)
+    cu = [0, 10, 24, 44]
+    *_, a = packed_views(q, q, q, cu, None, True, world=1)
+    *_, b = packed_views(q, q, q, torch.tensor(cu, dtype=torch.int32), None, True, world=1)
+    *_, c = packed_views(q, q, q, [0, 10, 25, 44], None, True, world=1)
+    assert a is b and c is not a
+    assert a.doc_ids.tolist() == [0] * 10 + [1] * 14 + [2] * 20 + [-1] * 4
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda: __import__("ring_impl.masks", fromlist=["x"]).Documents.from_cu_seqlens([0, 10.7, 40.2], SEQ),
      r"cu_seqlens must be integers .*10\.7"),
