@@ -197,7 +197,7 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         cfg = RingConfig(
             group=RingGroup.of(pg, query.device), is_causal=bool(call.is_causal), scale=effective_scale,
             layout=layout, rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
-            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, score_mod=score_mod, max_logit=max_logit,
+            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, verdicts={}, score_mod=score_mod, max_logit=max_logit,
         )
 
         def make_ahead() -> None:

@@ -10,9 +10,9 @@ its inputs carry, nor spread one further: a kernel given a NaN at a key its mask
 additive mask adds -inf to a NaN score, which stays NaN) returns NaN for rows that never see it.
 So a block whose inputs are not all finite runs its kernel on :func:`finite_parts` of them
 (non-finite entries as 0) and its result is then passed through these masks, computed from the
-block's own inputs and its visibility, with no host sync (no branch on whether a flag is set: on
-a GPU every block takes this path, and a sync per masked tile cost a causal window of 1024 at
-16k tokens 960 syncs a call) (``"full"``, top-left ``"causal"``, ``"masked"`` with
+block's own inputs and its visibility, with no host sync (no branch on whether a flag is set:
+the ring reads a flag only where that is free, on CPU, or once per direction of a one-rank call;
+on a GPU every block of a multi-rank call takes this path) (``"full"``, top-left ``"causal"``, ``"masked"`` with
 the block's visibility, or ``"ranges"`` with its rows' key ranges: a prefix count over the keys): elementwise flags and a prefix ``any`` over keys (one reduction),
 O(seq * head_dim) per step against the kernel's O(seq^2 * head_dim), with no data-dependent
 branch (compiles into the graph). The rule is the float64 oracle's

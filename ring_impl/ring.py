@@ -79,6 +79,9 @@ class RingConfig:
     score_mod: object = None
     #: also compute the per-head maximum logit (ring_impl.max_logit): the forward returns it third
     max_logit: bool = False
+    #: one call's dict where a one-rank forward keeps what it read of its inputs (whether all
+    #: are finite) for its backward, which then reads only the gradients; None: nothing kept
+    verdicts: dict | None = field(default=None, compare=False, repr=False)
 
 
 def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> torch.Tensor:
@@ -275,6 +278,19 @@ class RingAttention:
         rows = (query, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0))
         return self.all_finite(*rows, *(() if grad_lse is None else (grad_lse,)), *others, once=once)
 
+    def alone_finite(self, cfg: RingConfig, query, key, value, out, lse, grad_out, grad_lse=None) -> bool:
+        """A one-rank backward's decision, with one read at most: what its forward read of query,
+        key and value (``cfg.verdicts``), then the gradients and the LSE only (out is finite
+        when they are: a convex combination of finite values), or everything when the forward
+        kept nothing."""
+        known = cfg.verdicts.get("inputs_finite") if cfg.verdicts is not None and cfg.head_chunks == 1 else None
+        if known is None:
+            return self.rows_finite(query, out, grad_out, lse, grad_lse, key, value, once=True)
+        if not known:
+            return False
+        lse = lse.masked_fill(torch.isneginf(lse), 0.0)
+        return self.all_finite(grad_out, lse, *(() if grad_lse is None else (grad_lse,)), once=True)
+
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
         return get_transport(cfg.rotate_method)
@@ -326,7 +342,12 @@ class RingAttention:
         rotation = None if alone else self.kv_rotation(cfg, self.pack_kv(key, value))
         recorder = debug.active_recorder()
         # One rank decides once for its call (one read); else per step, where reads are free.
-        query_finite = self.all_finite(query, key, value, once=True) if alone else self.all_finite(query)
+        if alone:
+            query_finite = self.all_finite(query, key, value, once=True)
+            if cfg.verdicts is not None and cfg.head_chunks == 1:  # (head chunks: each its own)
+                cfg.verdicts["inputs_finite"] = query_finite
+        else:
+            query_finite = self.all_finite(query)
         view = cfg.op.capabilities.row_views
         plans = self.plan(cfg, sq, key.shape[2])
         # the running maximum over every step's blocks (a head nothing is seen of stays -inf)
@@ -383,7 +404,7 @@ class RingAttention:
         plans = self.plan(cfg, query.shape[2], key.shape[2])
         whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
         if whole is not None:  # one rank, one block: the kernel's gradients are the gradients
-            finite = self.rows_finite(query, out, grad_out, lse, grad_lse, key, value, once=True)
+            finite = self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse)
             _, dq, dk, dv = self.block_grads(cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite)
             return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
         acc = self.accumulation_dtype(query.dtype)
@@ -416,7 +437,8 @@ class RingAttention:
         rotation.block(0)
         alone = cfg.group.world_size == 1
         # as the forward: one rank decides once for its call, else per step where reads are free
-        rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse, *((key, value) if alone else ()), once=alone)
+        rows_finite = (self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse) if alone
+                       else self.rows_finite(query, out, grad_out, lse, grad_lse))
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:

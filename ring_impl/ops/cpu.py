@@ -151,7 +151,8 @@ class CpuFlashVarlenLayoutOp(VarlenOp):
 
     name = "cpu_flash_varlen_layout"
     # No value_head_dim, as the kernel it emulates (FlashAttention-2 needs one head dim)
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), gqa=True, masks=True, row_bounds=True)
+    capabilities = OpCapabilities(devices=frozenset({"cpu"}), gqa=True, masks=True, row_bounds=True,
+                                  row_views=True)  # as cuda_flash_varlen: its packing takes views
 
     def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):
         return emulated_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window=window)

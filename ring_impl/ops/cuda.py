@@ -241,6 +241,11 @@ class CudaFlashVarlenOp(VarlenOp):
         gqa=True,
         masks=True,
         row_bounds=True,
+        # Every tensor reaches the kernel through the packing (ring_impl.ops.varlen._packed,
+        # _take): (tokens, heads, head_dim) with a dense head dim, as the kernel reads it (row
+        # and head strides of any size: the packed views of (batch, heads, seq)-contiguous
+        # rows ran the suites on an H200); the LSE is copied dense.
+        row_views=True,
     )
 
     def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):

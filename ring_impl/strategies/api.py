@@ -112,7 +112,7 @@ def _hybrid_ring_config(groups, head_group, query, mask, is_causal, scale, layou
     span = (head_group.rank * per_rank, (head_group.rank + 1) * per_rank)
     return RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=scale, layout=layout,
                       rotate_method=rotate_method, op=op, head_chunks=head_chunks, mask=mask,
-                      mask_dims=(query.shape[0], query.shape[1]), mask_heads=span, plan_memo={},
+                      mask_dims=(query.shape[0], query.shape[1]), mask_heads=span, plan_memo={}, verdicts={},
                       score_mod=score_mod)
 
 

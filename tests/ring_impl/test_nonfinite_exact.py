@@ -38,6 +38,15 @@ CASES = {
     "ulysses-documents-nan-value": (2, {"strategy": "ulysses"}, "documents", ("value", (0, 0, 3, 0))),
     "hybrid-documents-nan-value": (4, {"strategy": "hybrid", "layout": "head_tail"}, "documents",
                                    ("value", (1, 1, 26, 7))),
+    # one rank decides once per direction: its forward's read serves its backward
+    "one-rank-documents-nan-grad-out": (1, {}, "documents", ("grad_out", (0, 2, 4, 5))),
+    "one-rank-causal-nan-key": (1, {"is_causal": True}, None, ("key", (1, 1, 9, 0))),
+    "one-rank-documents-nan-at-unseen-padding-key": (1, {}, "documents", ("key", (0, 0, None, 2))),
+    "one-rank-head-chunks-nan-value": (1, {"is_causal": True, "head_chunks": 2}, None, ("value", (0, 1, 5, 3))),
+    "one-rank-varlen-documents-nan-value": (1, {"op": "cpu_flash_varlen_layout"}, "documents",
+                                            ("value", (0, 1, 2, 1))),
+    "one-rank-varlen-window-nan-grad-out": (1, {"op": "cpu_flash_varlen_layout"}, "window",
+                                            ("grad_out", (1, 3, 7, 0))),
 }
 
 

@@ -3,9 +3,10 @@
 A masked call runs many small kernel calls (packed documents at W=2: about 19 blocks a
 direction per rank), and each used to copy every input into a contiguous tensor: query, key and
 value forward, six tensors backward. An op declaring ``capabilities.row_views`` (CPU flash, the
-math op) now reads views; every other op (the CUDA kernels, a vendor's, the CPU emulations of
-CUDA kernels, one of which reads memory in a fixed order on the GPU) still gets contiguous
-copies. Checked here: the kernels give the same bits on views as on copies, and the ring, the
+math op, the varlen ops, whose packing hands the kernel (tokens, heads, head_dim) views with a
+dense head dim) reads views; every other op (the dense CUDA kernels, a vendor's, the CPU
+emulations of dense CUDA kernels, one of which reads memory in a fixed order on the GPU) still
+gets contiguous copies. Checked here: the kernels give the same bits on views as on copies, and the ring, the
 halo exchange and the sparse gather hand views exactly to the ops that declare them, with the
 same results either way.
 """
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
-from ring_impl.ops.cpu import CpuFlashOp
+from ring_impl.ops.cpu import CpuFlashOp, CpuFlashVarlenLayoutOp
 from ring_impl.ops.math import MathOp
 from ring_impl.ring import block_rows
 
@@ -46,7 +47,8 @@ def test_block_rows_views_only_when_asked_and_the_last_dim_is_dense() -> None:
     assert torch.equal(block_rows(lse, (3, 9), view=True), lse[:, :, 3:9])
 
 
-@pytest.mark.parametrize("op", [CpuFlashOp(), MathOp()], ids=lambda op: op.name if hasattr(op, "name") else "math")
+@pytest.mark.parametrize("op", [CpuFlashOp(), MathOp(), CpuFlashVarlenLayoutOp()],
+                         ids=lambda op: op.name if hasattr(op, "name") else "math")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", ["full", "causal", "masked"])
 def test_kernels_give_the_same_bits_on_row_views(op, dtype, kind) -> None:
@@ -84,8 +86,7 @@ def test_ops_that_do_not_declare_views_keep_contiguous_inputs() -> None:
     from ring_impl.ops import cpu, cuda
 
     for cls in (cpu.CpuEfficientLayoutOp, cpu.CpuEfficientMaskedLayoutOp, cpu.CpuCudnnLayoutOp,
-                cpu.CpuFlashVarlenLayoutOp, cuda.CudaFlashOp, cuda.CudaEfficientOp, cuda.CudaCudnnOp,
-                cuda.CudaEfficientMaskedOp, cuda.CudaFlashVarlenOp):
+                cuda.CudaFlashOp, cuda.CudaEfficientOp, cuda.CudaCudnnOp, cuda.CudaEfficientMaskedOp):
         assert not cls.capabilities.row_views, f"{cls.__name__} declares row_views"
 
 
