@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["EXCHANGES", "Call", "exchange_of"]
+__all__ = ["EXCHANGES", "Call", "exchange_of", "strategy_of"]
 
 #: ``exchange=`` values. ``"auto"``: the halo exchange where the mask is narrow enough
 #: (:func:`ring_impl.halo.halo_reach`), else the ring. ``"ring"``: the ring always. ``"halo"``:
@@ -31,6 +31,12 @@ EXCHANGES = ("auto", "ring", "halo", "gather", "ulysses", "hybrid")
 #: The strategy each exchange belongs to: the first three exchanges and the gather are the ring's.
 _STRATEGY = {"auto": "ring", "ring": "ring", "halo": "ring", "gather": "ring", "ulysses": "ulysses",
              "hybrid": "hybrid"}
+
+
+def strategy_of(exchange) -> str:
+    """``"ring"`` (the ring, the halo exchange, the gather), ``"ulysses"`` or ``"hybrid"``; an
+    unknown exchange counts as the ring's, whose check then refuses it."""
+    return _STRATEGY.get(exchange, "ring") if isinstance(exchange, str) else "ring"
 
 
 class Call(NamedTuple):
@@ -62,9 +68,8 @@ class Call(NamedTuple):
 
     @property
     def strategy(self) -> str:
-        """``"ring"`` (the ring, the halo exchange, the gather), ``"ulysses"`` or ``"hybrid"``;
-        an unknown exchange counts as the ring's, whose check then refuses it."""
-        return _STRATEGY.get(self.exchange, "ring") if isinstance(self.exchange, str) else "ring"
+        """The exchange's strategy (:func:`strategy_of`)."""
+        return strategy_of(self.exchange)
 
     @property
     def lse_needed(self) -> bool:

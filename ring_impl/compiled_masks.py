@@ -54,7 +54,7 @@ from functools import lru_cache
 
 import torch
 
-from .call import Call
+from .call import Call, strategy_of
 from .mask_table import EvaluationGuard, VisibilityTable, pack_visibility
 from .masks import And, Causal, ChunkedCausal, Documents, Full, MaskMod, Or, PrefixLM, SlidingWindow
 from .ring import RingAttention
@@ -394,7 +394,7 @@ def _(query, key, value, sinks, mask_tensors, call):
     c = _parse(call)
     acc = _IMPLS[c["impl"]][0].accumulation_dtype(query.dtype)
     # A head-parallel strategy computes no LSE it is not asked for (an empty tensor).
-    ring = Call(exchange=c["exchange"]).strategy == "ring"
+    ring = strategy_of(c["exchange"]) == "ring"
     lse_shape = query.shape[:3] if ring or c["lse_used"] else (0,)
     # The handle lives on the host whatever the device: the backward reads it without a sync.
     return (query.new_empty((*query.shape[:3], value.shape[-1])), query.new_empty(lse_shape, dtype=acc),

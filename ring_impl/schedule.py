@@ -170,11 +170,11 @@ def collective_schedule(
 def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | None, bool]:
     """``exchange`` as the (strategy, halo, sparse_kv) the schedule reads; ValueError for an
     unknown exchange or one the other keywords (at anything but their defaults) contradict."""
-    from .call import EXCHANGES, Call
+    from .call import EXCHANGES, strategy_of
 
     if not isinstance(exchange, str) or exchange not in EXCHANGES:
         raise ValueError(f"collective_schedule: unknown exchange {exchange!r}; expected one of {EXCHANGES}")
-    implied = (Call(exchange=exchange).strategy, {"ring": False, "halo": True}.get(exchange), exchange == "gather")
+    implied = (strategy_of(exchange), {"ring": False, "halo": True}.get(exchange), exchange == "gather")
     if (strategy, halo, sparse_kv) not in (("ring", None, False), implied):
         raise ValueError(f"collective_schedule: exchange={exchange!r} contradicts strategy={strategy!r}, "
                          f"halo={halo!r}, sparse_kv={sparse_kv!r}; pass exchange= alone")
