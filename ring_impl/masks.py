@@ -555,6 +555,38 @@ def mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> st
         return None
     if not isinstance(mask, Mask):
         return f"mask must be a ring_impl.masks.Mask (Causal, Documents, SlidingWindow, ..., MaskMod), got {type(mask).__name__}"
+    if not _settled(mask):
+        return _mask_problem(mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads)
+    # A mask its description determines has the same problem whenever it is described alike:
+    # found once per (description, sizes), as its plans are (a model's layers, its steps)
+    try:
+        key = (mask.describe(), seq_q, seq_kv, batch, heads)
+    except Exception:  # (described when it is checked, below)
+        return _mask_problem(mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads)
+    if key not in _PROBLEMS:
+        _PROBLEMS[key] = _mask_problem(mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads)
+        while len(_PROBLEMS) > _PROBLEMS_KEPT:
+            _PROBLEMS.pop(next(iter(_PROBLEMS)))
+    return _PROBLEMS[key]
+
+
+def _settled(mask) -> bool:
+    """Whether the description of ``mask`` determines it and its problems: built-in masks of
+    plain values, snapshots of documents (ids this module owns and has checked as they are), and
+    ``&``/``|`` of them. Not ids the caller holds (their dtype is not in the description)."""
+    if type(mask) in (And, Or):
+        return _settled(mask.a) and _settled(mask.b)
+    if type(mask) is Documents:
+        return mask._owned
+    return type(mask) in (Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM)
+
+
+#: (description, seq_q, seq_kv, batch, heads) -> problem of masks its description determines
+_PROBLEMS: dict[tuple, str | None] = {}
+_PROBLEMS_KEPT = 256
+
+
+def _mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> str | None:
     try:
         problem = mask.check(seq_q, seq_kv)
         if problem is not None:

@@ -146,6 +146,20 @@ def test_unchanged_ids_reuse_their_snapshot_and_changed_ones_never_do(dtype: str
     assert snapshot(mask).doc_ids.tolist() == NEW
 
 
+def test_a_problem_found_once_belongs_to_its_mask_alone() -> None:
+    """Problems are kept by description for masks it determines; float ids with the values of
+    accepted int ids describe alike and must still be refused."""
+    from ring_impl.masks import Documents, SlidingWindow, mask_problem, snapshot
+
+    sizes = dict(seq_q=SEQ, seq_kv=SEQ, batch=1, heads=1)
+    good = snapshot(Documents(torch.tensor(OLD)) & SlidingWindow(4))
+    assert mask_problem(good, **sizes) is None
+    assert mask_problem(good, **sizes) is None  # (kept)
+    bad = snapshot(Documents(torch.tensor(OLD, dtype=torch.float32)) & SlidingWindow(4))
+    assert "integer" in (mask_problem(bad, **sizes) or "")
+    assert "entries" in (mask_problem(good, **{**sizes, "seq_q": SEQ * 2}) or "")
+
+
 def test_packed_calls_share_the_documents_of_equal_cu_seqlens() -> None:
     """THD calls with equal cu_seqlens (a model's layers) share one snapshot of their documents."""
     from ring_impl.packed import packed_views
