@@ -341,15 +341,16 @@ class RingAttention:
         alone = cfg.group.world_size == 1
         rotation = None if alone else self.kv_rotation(cfg, self.pack_kv(key, value))
         recorder = debug.active_recorder()
-        # One rank decides once for its call (one read); else per step, where reads are free.
+        view = cfg.op.capabilities.row_views
+        plans = self.plan(cfg, sq, key.shape[2])
+        # One rank decides once for its call (one read, after the host's own preparation, so the
+        # device waits for the launch as briefly as it can); else per step, where reads are free.
         if alone:
             query_finite = self.all_finite(query, key, value, once=True)
             if cfg.verdicts is not None and cfg.head_chunks == 1:  # (head chunks: each its own)
                 cfg.verdicts["inputs_finite"] = query_finite
         else:
             query_finite = self.all_finite(query)
-        view = cfg.op.capabilities.row_views
-        plans = self.plan(cfg, sq, key.shape[2])
         # the running maximum over every step's blocks (a head nothing is seen of stays -inf)
         max_logit = None
         if cfg.max_logit:
