@@ -11,10 +11,12 @@ own torch, the project from the checkout)::
 
 What runs, in two phases:
 
-1. The benchmarks alone on the GPU (timings need a quiet device): ``ci/bench_cuda_masks.py
-   --quick`` (packed documents and a sliding window: the ring against FlashAttention's varlen and
-   window calls and compiled flex) and ``ci/bench_cuda_ops.py --quick`` (the unmasked kernels
-   through the ring at W=1). At most ``--bench-budget`` seconds.
+1. The benchmarks alone on the GPU (timings need a quiet device): ``ci/bench_cuda_masks.py``
+   (packed documents and a sliding window at 16k and 64k tokens: the ring against
+   FlashAttention's varlen and window calls and compiled flex; each row's profiler table under
+   ``--out``/profiles) and ``ci/bench_cuda_ops.py --seqs 16384,65536`` (the unmasked kernels
+   through the ring at W=1): about 45 and 30 s on an H200; ``--quick-bench`` runs their
+   ``--quick`` forms. At most ``--bench-budget`` seconds.
 2. The test jobs side by side, each a pytest process with its own xdist workers: the CUDA kernel
    contracts and the compiled-gradient test; the suites' quick tier with ``--device cuda`` at
    W=1 on NCCL and at W=2, 3, 4 on gloo (one GPU: NCCL refuses two ranks on one device), one job
@@ -120,10 +122,12 @@ def jobs(args) -> list[Job]:
               workers=2, kind="verdict", sample="0/2")
           for tag, backend, w in (("W1-nccl", w1_backend, "1"), ("W2-gloo", ["--dist-backend", "gloo"], "2"))],
     ]
+    masks_args = ["--quick"] if args.quick_bench else ["--profile-dir", str(out / "profiles")]
+    ops_args = ["--quick"] if args.quick_bench else ["--seqs", "16384,65536"]
     bench_jobs = [
-        Job("bench-masks", ["ci/bench_cuda_masks.py", "--quick", "--json", str(out / "bench_cuda_masks.json")],
+        Job("bench-masks", ["ci/bench_cuda_masks.py", *masks_args, "--json", str(out / "bench_cuda_masks.json")],
             kind="bench", json_out=str(out / "bench_cuda_masks.json"), share=3.0),
-        Job("bench-ops", ["ci/bench_cuda_ops.py", "--quick", "--json", str(out / "bench_cuda_ops.json")],
+        Job("bench-ops", ["ci/bench_cuda_ops.py", *ops_args, "--json", str(out / "bench_cuda_ops.json")],
             kind="bench", json_out=str(out / "bench_cuda_ops.json")),
     ]
     return ([] if args.no_bench else bench_jobs) + test_jobs
@@ -337,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-w4", default="0/6", help="share of the W=4 suite cases run, i/m (default 0/6: a sixth)")
     parser.add_argument("--bench-budget", type=float, default=120.0, help="seconds for the benchmarks (default 120)")
     parser.add_argument("--no-bench", action="store_true", help="skip the benchmarks")
+    parser.add_argument("--quick-bench", action="store_true",
+                        help="the benchmarks' --quick forms (seq 16k / 4k-8k only, fewer repetitions)")
     parser.add_argument("--only", default=None, help="comma-separated job names to run (see --list)")
     parser.add_argument("--out", default="reports/gpu", help="directory for the logs and the summary")
     parser.add_argument("--list", action="store_true", help="print the jobs and exit")

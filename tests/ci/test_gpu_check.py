@@ -24,7 +24,7 @@ def _lines(path: Path, records: list[dict]) -> None:
 
 
 def test_a_stopped_job_reports_what_it_did_not_run(tmp_path: Path) -> None:
-    args = argparse.Namespace(out=str(tmp_path), device="cpu", no_bench=True, budget=60.0, sample_w3="0/2",
+    args = argparse.Namespace(out=str(tmp_path), device="cpu", no_bench=True, quick_bench=False, budget=60.0, sample_w3="0/2",
                               sample_w4="0/4")
     jobs = {j.name: j for j in gpu_check.jobs(args)}
     done, stopped = jobs["kernels"], jobs["suites-W4-gloo"]
@@ -61,7 +61,7 @@ def test_a_stopped_job_reports_what_it_did_not_run(tmp_path: Path) -> None:
 
 
 def test_a_job_that_breaks_is_not_a_pass(tmp_path: Path) -> None:
-    args = argparse.Namespace(out=str(tmp_path), device="cpu", no_bench=True, budget=60.0, sample_w3="0/2",
+    args = argparse.Namespace(out=str(tmp_path), device="cpu", no_bench=True, quick_bench=False, budget=60.0, sample_w3="0/2",
                               sample_w4="0/4")
     job = next(j for j in gpu_check.jobs(args) if j.name == "kernels")
     job.status, job.rc = "finished", 4  # pytest's usage error: nothing ran
