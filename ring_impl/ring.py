@@ -347,7 +347,8 @@ class RingAttention:
         # device waits for the launch as briefly as it can); else per step, where reads are free.
         if alone:
             query_finite = self.all_finite(query, key, value, once=True)
-            if cfg.verdicts is not None and cfg.head_chunks == 1:  # (head chunks: each its own)
+            # (head chunks: each its own; compiled: nothing is read, nothing kept)
+            if cfg.verdicts is not None and cfg.head_chunks == 1 and not torch.compiler.is_compiling():
                 cfg.verdicts["inputs_finite"] = query_finite
         else:
             query_finite = self.all_finite(query)
