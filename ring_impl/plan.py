@@ -90,7 +90,10 @@ class Block:
         key = ("hidden", str(device))
         if key not in self._moved:
             hidden = (self.bounds[0] >= self.bounds[1]).view(1, 1, -1) if self.bounds is not None else ~self.visible.any(-1)
-            self._moved[key] = hidden.to(device) if bool(hidden.any()) else None
+            # (read on the host when the plan lives there; a plan on a device keeps its rows,
+            # as reading them would be a sync)
+            on_host = hidden.device.type == "cpu"
+            self._moved[key] = None if on_host and not bool(hidden.any()) else hidden.to(device)
         return self._moved[key]
 
     @property
