@@ -4,4 +4,9 @@ Kept thin on purpose; the plugins live in their packages. An installed package r
 modules through ``pytest11`` entry points named after them, so pytest loads each once either way.
 """
 
-pytest_plugins = ["harness.pytest_plugin", "conformance.plugin", "conformance.reporting", "suites.runner"]
+pytest_plugins = [
+    "harness.pytest_plugin",
+    "conformance.plugin",
+    "conformance.reporting",
+    "suites.runner",
+]

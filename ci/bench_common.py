@@ -160,8 +160,15 @@ def run_world(
     """
     from harness.pool import RankPool
 
-    pool = RankPool(world_size, "gloo", "cpu", rank_threads=threads, rank_start="spawn", env=env,
-                    case_timeout=timeout)
+    pool = RankPool(
+        world_size,
+        "gloo",
+        "cpu",
+        rank_threads=threads,
+        rank_start="spawn",
+        env=env,
+        case_timeout=timeout,
+    )
     try:
         return pool.run(_call, fn, args, timeout=timeout)
     finally:

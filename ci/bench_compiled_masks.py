@@ -73,8 +73,14 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
         def heads(t):  # (1, s, hidden) -> (1, heads, s, head_dim)
             return t.view(1, -1, b.heads, b.head_dim).transpose(1, 2)
 
-        out = ring_impl.ring_attention(heads(wq(x)), heads(wk(x)), heads(wv(x)), mask=mask, layout=layout,
-                                       rotate_method="alltoall")
+        out = ring_impl.ring_attention(
+            heads(wq(x)),
+            heads(wk(x)),
+            heads(wv(x)),
+            mask=mask,
+            layout=layout,
+            rotate_method="alltoall",
+        )
         return wo(out.transpose(1, 2).reshape(1, -1, hidden))
 
     # Every (seq, mask) is its own graph, for both compiled ways, all of one code object: more
@@ -100,8 +106,11 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
         def same_document_causal(b_idx, h_idx, q_idx, kv_idx, ids=ids):
             return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
 
-        masks = {"documents": (Documents(ids), "head_tail"), "mask_mod": (MaskMod(same_document_causal), "head_tail"),
-                 "window": (SlidingWindow(b.window), "contiguous")}
+        masks = {
+            "documents": (Documents(ids), "head_tail"),
+            "mask_mod": (MaskMod(same_document_causal), "head_tail"),
+            "window": (SlidingWindow(b.window), "contiguous"),
+        }
         x_full = torch.randn(1, seq, hidden, generator=gen)
         dy_full = torch.randn(1, seq, hidden, generator=gen)
         for name, (mask, layout) in masks.items():
@@ -128,8 +137,19 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
                 for way, fn in ways.items():
                     times[way].append(step(fn)[0])
             for way in ways:
-                diff = max(float((a - e).abs().max()) for a, e in zip(results[way], results["eager"]))
-                rows.append({"seq": seq, "mask": name, "way": way, "rank": rank, "times": times[way], "max_diff": diff})
+                diff = max(
+                    float((a - e).abs().max()) for a, e in zip(results[way], results["eager"])
+                )
+                rows.append(
+                    {
+                        "seq": seq,
+                        "mask": name,
+                        "way": way,
+                        "rank": rank,
+                        "times": times[way],
+                        "max_diff": diff,
+                    }
+                )
     return rows
 
 
@@ -139,23 +159,37 @@ def analyse(b: Bench, per_rank: list[list[dict]]) -> list[dict]:
     for i, row in enumerate(per_rank[0]):
         ranks = [rows[i] for rows in per_rank]
         slowest = [max(ts) for ts in zip(*(r["times"] for r in ranks))]
-        out.append({"seq": row["seq"], "mask": row["mask"], "way": row["way"], "best_s": min(slowest),
-                    "median_s": median(slowest), "max_diff": max(r["max_diff"] for r in ranks)})
+        out.append(
+            {
+                "seq": row["seq"],
+                "mask": row["mask"],
+                "way": row["way"],
+                "best_s": min(slowest),
+                "median_s": median(slowest),
+                "max_diff": max(r["max_diff"] for r in ranks),
+            }
+        )
     return out
 
 
 def print_report(b: Bench, rows: list[dict]) -> None:
-    print(f"W={b.world}, batch 1, {b.heads} heads, head_dim {b.head_dim}, float32, fastest of {b.repeat} "
-          f"(slowest rank), {b.cores} cores")
-    print("| seq | mask | eager s | in_graph / eager | graph_break / eager | max diff vs eager (in_graph, graph_break) |")
+    print(
+        f"W={b.world}, batch 1, {b.heads} heads, head_dim {b.head_dim}, float32, fastest of {b.repeat} "
+        f"(slowest rank), {b.cores} cores"
+    )
+    print(
+        "| seq | mask | eager s | in_graph / eager | graph_break / eager | max diff vs eager (in_graph, graph_break) |"
+    )
     print("|---|---|---|---|---|---|")
     for seq in b.seqs:
         for mask in MASKS:
             by_way = {r["way"]: r for r in rows if r["seq"] == seq and r["mask"] == mask}
             e = by_way["eager"]["best_s"]
-            print(f"| {seq} | {mask} | {e:.3f} | {by_way['in_graph']['best_s'] / e:.3f}x | "
-                  f"{by_way['graph_break']['best_s'] / e:.3f}x | "
-                  f"{by_way['in_graph']['max_diff']:.1e}, {by_way['graph_break']['max_diff']:.1e} |")
+            print(
+                f"| {seq} | {mask} | {e:.3f} | {by_way['in_graph']['best_s'] / e:.3f}x | "
+                f"{by_way['graph_break']['best_s'] / e:.3f}x | "
+                f"{by_way['in_graph']['max_diff']:.1e}, {by_way['graph_break']['max_diff']:.1e} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

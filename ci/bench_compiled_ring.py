@@ -55,20 +55,33 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
     torch._dynamo.config.recompile_limit = 64
 
     def attend(q, k, v):
-        return ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail", rotate_method="alltoall")
+        return ring_impl.ring_attention(
+            q, k, v, is_causal=True, layout="head_tail", rotate_method="alltoall"
+        )
 
     def attend_lse_used(q, k, v):
-        out, lse = ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail", rotate_method="alltoall",
-                                            return_lse=True)
+        out, lse = ring_impl.ring_attention(
+            q, k, v, is_causal=True, layout="head_tail", rotate_method="alltoall", return_lse=True
+        )
         return out + 0 * lse.sum()
 
     rows = []
     for head_dim in b.head_dims:
         gen = torch.Generator().manual_seed(0)
-        q, k, v, do = (ring_impl.shard(torch.randn(1, b.heads, b.seq, head_dim, generator=gen), world, rank,
-                                       layout="head_tail") for _ in range(4))
-        ways = {"eager": attend, "compiled": torch.compile(attend, fullgraph=True),
-                "compiled_lse_used": torch.compile(attend_lse_used, fullgraph=True)}
+        q, k, v, do = (
+            ring_impl.shard(
+                torch.randn(1, b.heads, b.seq, head_dim, generator=gen),
+                world,
+                rank,
+                layout="head_tail",
+            )
+            for _ in range(4)
+        )
+        ways = {
+            "eager": attend,
+            "compiled": torch.compile(attend, fullgraph=True),
+            "compiled_lse_used": torch.compile(attend_lse_used, fullgraph=True),
+        }
 
         for fn in ways.values():
             _step(fn, q, k, v, do)
@@ -99,9 +112,14 @@ def analyse(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         best = {name: min(ts) for name, ts in row["times"].items()}
-        out.append({"head_dim": row["head_dim"], **{f"{n}_s": best[n] for n in WAYS},
-                    **{f"{n}_median_s": median(row["times"][n]) for n in WAYS},
-                    **{f"{n}_vs_eager": best[n] / best["eager"] for n in WAYS[1:]}})
+        out.append(
+            {
+                "head_dim": row["head_dim"],
+                **{f"{n}_s": best[n] for n in WAYS},
+                **{f"{n}_median_s": median(row["times"][n]) for n in WAYS},
+                **{f"{n}_vs_eager": best[n] / best["eager"] for n in WAYS[1:]},
+            }
+        )
     return out
 
 
@@ -114,12 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(repeat=args.repeat, head_dims=(64,) if args.quick else Bench.head_dims)
     t0 = time.perf_counter()
     rows = analyse(run_world(b.world, _rank, asdict(b), timeout=3600)[0])
-    print(f"W={b.world}, seq {b.seq}, {b.heads} heads, causal head_tail alltoall, inductor, fastest of {b.repeat}\n")
+    print(
+        f"W={b.world}, seq {b.seq}, {b.heads} heads, causal head_tail alltoall, inductor, fastest of {b.repeat}\n"
+    )
     print("| head_dim | eager s | compiled / eager | compiled, LSE used at weight 0 / eager |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['head_dim']} | {r['eager_s']:.3f} | {r['compiled_vs_eager']:.3f}x | "
-              f"{r['compiled_lse_used_vs_eager']:.3f}x |")
+        print(
+            f"| {r['head_dim']} | {r['eager_s']:.3f} | {r['compiled_vs_eager']:.3f}x | "
+            f"{r['compiled_lse_used_vs_eager']:.3f}x |"
+        )
     write_rows(args.out, asdict(b), rows, t0)
     return 0
 

@@ -92,7 +92,9 @@ def _profile(fn, table_path: str | None = None) -> dict[str, float]:
             launches += 1
         elif name in SYNC_EVENTS:
             syncs += 1
-        elif name == "aten::_local_scalar_dense":  # .item(), bool(tensor), int(tensor) on device data
+        elif (
+            name == "aten::_local_scalar_dense"
+        ):  # .item(), bool(tensor), int(tensor) on device data
             items += 1
     if table_path:
         os.makedirs(os.path.dirname(os.path.abspath(table_path)), exist_ok=True)
@@ -100,8 +102,14 @@ def _profile(fn, table_path: str | None = None) -> dict[str, float]:
         with open(table_path, "w") as f:
             f.write(averages.table(sort_by="count", row_limit=40) + "\n")
             f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
-    return {"launches": launches, "syncs": syncs, "items": items, "copies_to_host": copies_to_host,
-            "profiled_wall_ms": wall, "gpu_busy_ms": gpu_us / 1e3}
+    return {
+        "launches": launches,
+        "syncs": syncs,
+        "items": items,
+        "copies_to_host": copies_to_host,
+        "profiled_wall_ms": wall,
+        "gpu_busy_ms": gpu_us / 1e3,
+    }
 
 
 def _flash(q, k, v, do, *, cu=None, max_len=0, causal=True, window=None):
@@ -112,9 +120,11 @@ def _flash(q, k, v, do, *, cu=None, max_len=0, causal=True, window=None):
     seq = q.shape[0] if cu is not None else q.shape[1]
     mq = max_len if cu is not None else seq
     out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, mq, mq, 0.0, causal, False, scale=scale, **extra)
-    torch.ops.aten._flash_attention_backward(do, q, k, v, out, lse, cu, cu, mq, mq, 0.0, causal, rng, unused,
-                                             scale=scale, **extra)
+        q, k, v, cu, cu, mq, mq, 0.0, causal, False, scale=scale, **extra
+    )
+    torch.ops.aten._flash_attention_backward(
+        do, q, k, v, out, lse, cu, cu, mq, mq, 0.0, causal, rng, unused, scale=scale, **extra
+    )
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -124,7 +134,9 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex, warmup: int, repeat: int) -> None:
+def _shape_rows(
+    rows: list[dict], seq: int, docs: int, args, header: dict, flex, warmup: int, repeat: int
+) -> None:
     """Measure every row of one sequence length, appending to ``rows`` (and to ``--json``)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -136,12 +148,16 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
     cu_list = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    thd = [torch.randn(seq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    thd = [
+        torch.randn(seq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)
+    ]
     # (1, h, seq, d) views of (1, seq, h, d) storage, as a model's projections make them
     # (``proj(x).view(b, s, h, d).transpose(1, 2)``); the leaves are the (1, seq, h, d) tensors
     bshd = [t.unsqueeze(0) for t in thd]
     bhsd = [t.transpose(1, 2) for t in bshd]
-    doc_ids = torch.repeat_interleave(torch.arange(docs, device="cuda"), torch.tensor(lengths, device="cuda"))
+    doc_ids = torch.repeat_interleave(
+        torch.arange(docs, device="cuda"), torch.tensor(lengths, device="cuda")
+    )
     window = args.window
 
     def doc_mod(b, hh, qi, ki):
@@ -153,51 +169,80 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
     def ring_fn(op, mask):
         def run():
             q, k, v = (t.detach().requires_grad_(True) for t in bshd[:3])
-            out = ring_attention(*(t.transpose(1, 2) for t in (q, k, v)), mask=mask,
-                                 **({} if op == "auto" else {"op": op}))
+            out = ring_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)),
+                mask=mask,
+                **({} if op == "auto" else {"op": op}),
+            )
             out.backward(bhsd[3])
+
         return run
 
     def thd_ring_fn():
         def run():  # the packed (THD) call: the documents as cu_seqlens, no mask object
             q, k, v = (t.detach().requires_grad_(True) for t in thd[:3])
             ring_attention(q, k, v, is_causal=True, cu_seqlens=cu_list).backward(thd[3])
+
         return run
 
     def flex_fn(block_mask):
         def run():
             q, k, v = (t.detach().requires_grad_(True) for t in bshd[:3])
             flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask).backward(bhsd[3])
+
         return run
 
     families = {
         "documents": [
             ("varlen", lambda: _flash(*thd, cu=cu, max_len=max(lengths))),
             ("flex", None),
-            *[(f"ring:{op}", ring_fn(op, Documents.from_cu_seqlens(cu_list, seq_len=seq)))
-              for op in args.ring_ops.split(",")],
+            *[
+                (f"ring:{op}", ring_fn(op, Documents.from_cu_seqlens(cu_list, seq_len=seq)))
+                for op in args.ring_ops.split(",")
+            ],
             ("ring-thd:auto", thd_ring_fn()),
         ],
         "window": [
             ("window", lambda: _flash(*bshd, window=window)),
             ("flex", None),
-            *[(f"ring:{op}", ring_fn(op, SlidingWindow(window, 0))) for op in ("auto", "cuda_flash_varlen")],
+            *[
+                (f"ring:{op}", ring_fn(op, SlidingWindow(window, 0)))
+                for op in ("auto", "cuda_flash_varlen")
+            ],
         ],
     }
     for family, variants in families.items():
         reference_ms = None
         for row_name, fn in variants:
-            row = {"mask": family, "seq": seq, "documents": docs if family == "documents" else None, "row": row_name}
+            row = {
+                "mask": family,
+                "seq": seq,
+                "documents": docs if family == "documents" else None,
+                "row": row_name,
+            }
             try:
                 if row_name == "flex":
-                    block_mask = create_block_mask(doc_mod if family == "documents" else window_mod, 1, 1, seq, seq,
-                                                   device="cuda")
+                    block_mask = create_block_mask(
+                        doc_mod if family == "documents" else window_mod,
+                        1,
+                        1,
+                        seq,
+                        seq,
+                        device="cuda",
+                    )
                     fn = flex_fn(block_mask)
                 ms = cuda_median_ms(fn, warmup, repeat)
-                table = (os.path.join(args.profile_dir, f"{family}-{seq}-{row_name.replace(':', '-')}.txt")
-                         if args.profile_dir else None)
+                table = (
+                    os.path.join(
+                        args.profile_dir, f"{family}-{seq}-{row_name.replace(':', '-')}.txt"
+                    )
+                    if args.profile_dir
+                    else None
+                )
                 row.update(ms=ms, **_profile(fn, table))
-                if row_name == variants[0][0]:  # the kernel called directly: the reference of the family
+                if (
+                    row_name == variants[0][0]
+                ):  # the kernel called directly: the reference of the family
                     reference_ms = ms
                 row["ratio"] = ms / reference_ms if reference_ms else None
             except Exception as exc:  # a row that cannot run says why; the others go on
@@ -206,16 +251,27 @@ def _shape_rows(rows: list[dict], seq: int, docs: int, args, header: dict, flex,
             if args.json:  # after every row: a run stopped early keeps what it measured
                 _write_json(args.json, {**header, "rows": rows})
             if "error" in row:
-                print(f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: {row['error']} |||||||")
+                print(
+                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: {row['error']} |||||||"
+                )
             else:
-                busy = row["gpu_busy_ms"] / row["profiled_wall_ms"] if row["profiled_wall_ms"] else math.nan
-                print(f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | {row['ms']:.2f} | {row['ratio'] or math.nan:.2f}x "
-                      f"| {row['launches']} | {row['syncs']} | {row['items']} | {row['copies_to_host']} | {busy:.2f} |", flush=True)
+                busy = (
+                    row["gpu_busy_ms"] / row["profiled_wall_ms"]
+                    if row["profiled_wall_ms"]
+                    else math.nan
+                )
+                print(
+                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | {row['ms']:.2f} | {row['ratio'] or math.nan:.2f}x "
+                    f"| {row['launches']} | {row['syncs']} | {row['items']} | {row['copies_to_host']} | {busy:.2f} |",
+                    flush=True,
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seq 16k only, 1 warm-up, 3 repetitions")
+    parser.add_argument(
+        "--quick", action="store_true", help="seq 16k only, 1 warm-up, 3 repetitions"
+    )
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--window", type=int, default=1024, help="sliding window (left) in tokens")
@@ -226,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-dir", default=None, help="write each row's profiler table here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_cuda_masks: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        print(
+            "bench_cuda_masks: needs a CUDA GPU (torch.cuda.is_available() is False)",
+            file=sys.stderr,
+        )
         return 2
     shapes = SHAPES[:1] if args.quick else SHAPES
     warmup, repeat = (1, 3) if args.quick else (args.warmup, args.repeat)
@@ -239,12 +298,24 @@ def main(argv: list[str] | None = None) -> int:
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     flex = torch.compile(flex_attention)
-    header = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "dtype": "bfloat16", "heads": args.heads, "head_dim": args.head_dim, "window": args.window,
-              "warmup": warmup, "repeat": repeat}
-    print(f"# {header['device']}, torch {header['torch']}, CUDA {header['cuda']}; bfloat16, batch 1, {args.heads} heads, "
-          f"head_dim {args.head_dim}; forward + backward, median of {repeat} after {warmup} warm-up; ring at W=1 (NCCL)")
-    print("| mask | seq | docs | row | ms | / reference | launches | syncs | .item() | copies to host | GPU busy / wall |")
+    header = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dtype": "bfloat16",
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "window": args.window,
+        "warmup": warmup,
+        "repeat": repeat,
+    }
+    print(
+        f"# {header['device']}, torch {header['torch']}, CUDA {header['cuda']}; bfloat16, batch 1, {args.heads} heads, "
+        f"head_dim {args.head_dim}; forward + backward, median of {repeat} after {warmup} warm-up; ring at W=1 (NCCL)"
+    )
+    print(
+        "| mask | seq | docs | row | ms | / reference | launches | syncs | .item() | copies to host | GPU busy / wall |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows: list[dict] = []
     for seq, docs in shapes:

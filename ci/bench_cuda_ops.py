@@ -48,7 +48,9 @@ OPS = ("cuda_flash", "cuda_efficient", "cudnn")
 def _inputs(seq: int, heads: int, head_dim: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = (1, heads, seq, head_dim)
-    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    q, k, v, do = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)
+    )
     return q, k, v, do
 
 
@@ -84,7 +86,9 @@ def _measure(fn, warmup: int, repeat: int) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="seq 4k and 8k only")
-    parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 16k-128k)")
+    parser.add_argument(
+        "--seqs", default=None, help="comma-separated sequence lengths (default 16k-128k)"
+    )
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -93,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_cuda_ops: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        print(
+            "bench_cuda_ops: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr
+        )
         return 2
-    seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else (
-        [4096, 8192] if args.quick else [16384, 32768, 65536, 131072])
+    seqs = (
+        [int(s) for s in args.seqs.split(",")]
+        if args.seqs
+        else ([4096, 8192] if args.quick else [16384, 32768, 65536, 131072])
+    )
 
     from ring_impl.ops import get_op
 
@@ -105,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     device = torch.cuda.get_device_name(0)
-    print(f"# {device}, torch {torch.__version__}, CUDA {torch.version.cuda}; bfloat16, batch 1, "
-          f"{args.heads} heads, head_dim {args.head_dim}; median of {args.repeat} after {args.warmup} warm-up")
-    print("| op | seq | causal | bare ms | ring W=1 ms | ring / bare | bare peak MiB | ring peak MiB | ring / bare |")
+    print(
+        f"# {device}, torch {torch.__version__}, CUDA {torch.version.cuda}; bfloat16, batch 1, "
+        f"{args.heads} heads, head_dim {args.head_dim}; median of {args.repeat} after {args.warmup} warm-up"
+    )
+    print(
+        "| op | seq | causal | bare ms | ring W=1 ms | ring / bare | bare peak MiB | ring peak MiB | ring / bare |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.ops.split(","):
@@ -116,20 +129,36 @@ def main(argv: list[str] | None = None) -> int:
             for causal in (False, True):
                 inputs = _inputs(seq, args.heads, args.head_dim)
                 try:
-                    bare_ms, bare_peak = _measure(partial(_bare, op, *inputs, causal), args.warmup, args.repeat)
-                    ring_ms, ring_peak = _measure(partial(_ring, name, *inputs, causal), args.warmup, args.repeat)
+                    bare_ms, bare_peak = _measure(
+                        partial(_bare, op, *inputs, causal), args.warmup, args.repeat
+                    )
+                    ring_ms, ring_peak = _measure(
+                        partial(_ring, name, *inputs, causal), args.warmup, args.repeat
+                    )
                 except torch.cuda.OutOfMemoryError as e:
-                    print(f"| {name} | {seq} | {causal} | out of memory: {str(e).splitlines()[0]} |||||||")
+                    print(
+                        f"| {name} | {seq} | {causal} | out of memory: {str(e).splitlines()[0]} |||||||"
+                    )
                     continue
                 finally:
                     inputs = None
                     torch.cuda.empty_cache()
-                row = dict(op=name, seq=seq, causal=causal, bare_ms=bare_ms, ring_ms=ring_ms,
-                           bare_peak_mib=bare_peak / 2**20, ring_peak_mib=ring_peak / 2**20)
+                row = dict(
+                    op=name,
+                    seq=seq,
+                    causal=causal,
+                    bare_ms=bare_ms,
+                    ring_ms=ring_ms,
+                    bare_peak_mib=bare_peak / 2**20,
+                    ring_peak_mib=ring_peak / 2**20,
+                )
                 rows.append(row)
-                print(f"| {name} | {seq} | {causal} | {bare_ms:.2f} | {ring_ms:.2f} | {ring_ms / bare_ms:.3f} "
-                      f"| {row['bare_peak_mib']:.0f} | {row['ring_peak_mib']:.0f} "
-                      f"| {ring_peak / max(bare_peak, 1):.2f} |", flush=True)
+                print(
+                    f"| {name} | {seq} | {causal} | {bare_ms:.2f} | {ring_ms:.2f} | {ring_ms / bare_ms:.3f} "
+                    f"| {row['bare_peak_mib']:.0f} | {row['ring_peak_mib']:.0f} "
+                    f"| {ring_peak / max(bare_peak, 1):.2f} |",
+                    flush=True,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -65,20 +65,38 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
 
     def call(seq: int, window: int, exchange: str, log: CollectiveLog | None) -> float:
         gen = torch.Generator().manual_seed(seq)
-        q, k, v, do = (ring_impl.shard(torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen), world, rank)
-                       for _ in range(4))
+        q, k, v, do = (
+            ring_impl.shard(
+                torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen), world, rank
+            )
+            for _ in range(4)
+        )
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         dist.barrier()
         t0 = time.perf_counter()
         if log is None:
-            out = ring_impl.ring_attention(q, k, v, mask=SlidingWindow(window), op="cpu_flash", rotate_method="p2p",
-                                           exchange=exchange)
+            out = ring_impl.ring_attention(
+                q,
+                k,
+                v,
+                mask=SlidingWindow(window),
+                op="cpu_flash",
+                rotate_method="p2p",
+                exchange=exchange,
+            )
             out.backward(do)
         else:
             with log:
                 with log.phase("forward"):
-                    out = ring_impl.ring_attention(q, k, v, mask=SlidingWindow(window), op="cpu_flash",
-                                                   rotate_method="p2p", exchange=exchange)
+                    out = ring_impl.ring_attention(
+                        q,
+                        k,
+                        v,
+                        mask=SlidingWindow(window),
+                        op="cpu_flash",
+                        rotate_method="p2p",
+                        exchange=exchange,
+                    )
                 with log.phase("backward"):
                     out.backward(do)
         return time.perf_counter() - t0
@@ -87,8 +105,10 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
     call(b.warmup_seq, min(b.windows), "ring", None)
     for it in range(1 + b.repeat):  # the first pass records the collectives, untimed
         for seq, window in itertools.product(b.seqs, b.windows):
-            point = results.setdefault(f"s{seq}-w{window}", {"seq": seq, "window": window, "sent": {},
-                                                              **{p: [] for p in PATHS}})
+            point = results.setdefault(
+                f"s{seq}-w{window}",
+                {"seq": seq, "window": window, "sent": {}, **{p: [] for p in PATHS}},
+            )
             for name, exchange in PATHS.items():
                 log = CollectiveLog() if it == 0 else None
                 elapsed = call(seq, window, exchange, log)
@@ -96,8 +116,12 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
                     point[name].append(elapsed)
                 else:
                     summary = log.summary()
-                    point["sent"][name] = {ph: sum(e["bytes"] for kind, e in summary.get(ph, {}).items() if kind == "send")
-                                           for ph in ("forward", "backward")}
+                    point["sent"][name] = {
+                        ph: sum(
+                            e["bytes"] for kind, e in summary.get(ph, {}).items() if kind == "send"
+                        )
+                        for ph in ("forward", "backward")
+                    }
     return results
 
 
@@ -116,7 +140,10 @@ def analyse(b: Bench, world: int, per_rank: list[dict]) -> list[dict]:
         for name in PATHS:
             slowest = [max(pr[key][name][i] for pr in per_rank) for i in range(b.repeat)]
             row[name], row[f"{name}_median"] = min(slowest), median(slowest)
-            sent = {ph: sum(pr[key]["sent"][name][ph] for pr in per_rank) for ph in ("forward", "backward")}
+            sent = {
+                ph: sum(pr[key]["sent"][name][ph] for pr in per_rank)
+                for ph in ("forward", "backward")
+            }
             row[f"{name}_sent"] = sent
             row[f"{name}_sent_ratio"] = {ph: sent[ph] / mins[ph] for ph in sent}
         row["halo_over_ring"] = row["halo"] / row["ring"]
@@ -125,16 +152,22 @@ def analyse(b: Bench, world: int, per_rank: list[dict]) -> list[dict]:
 
 
 def print_report(b: Bench, rows: list[dict]) -> None:
-    print(f"\n{b.cores} cores, one thread per rank; float32, batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}; "
-          f"causal window; time = forward+backward of the slowest rank, fastest of {b.repeat}")
-    print(f"\n{'W':>2} {'seq':>6} {'window':>6} {'ring s':>7} {'halo s':>7} {'halo/ring':>9}   "
-          f"{'sent MiB ring':>13} {'sent MiB halo':>13}   halo sent / minimum (fwd, bwd)")
+    print(
+        f"\n{b.cores} cores, one thread per rank; float32, batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}; "
+        f"causal window; time = forward+backward of the slowest rank, fastest of {b.repeat}"
+    )
+    print(
+        f"\n{'W':>2} {'seq':>6} {'window':>6} {'ring s':>7} {'halo s':>7} {'halo/ring':>9}   "
+        f"{'sent MiB ring':>13} {'sent MiB halo':>13}   halo sent / minimum (fwd, bwd)"
+    )
     for r in rows:
         mib = {p: (r[f"{p}_sent"]["forward"] + r[f"{p}_sent"]["backward"]) / 2**20 for p in PATHS}
         ratio = r["halo_sent_ratio"]
-        print(f"{r['world']:>2} {r['seq']:>6} {r['window']:>6} {r['ring']:>7.3f} {r['halo']:>7.3f} "
-              f"{r['halo_over_ring']:>9.2f}   {mib['ring']:>13.2f} {mib['halo']:>13.3f}   "
-              f"{ratio['forward']:.2f}, {ratio['backward']:.2f}")
+        print(
+            f"{r['world']:>2} {r['seq']:>6} {r['window']:>6} {r['ring']:>7.3f} {r['halo']:>7.3f} "
+            f"{r['halo_over_ring']:>9.2f}   {mib['ring']:>13.2f} {mib['halo']:>13.3f}   "
+            f"{ratio['forward']:.2f}, {ratio['backward']:.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,19 +146,35 @@ if __name__ == "__main__":
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "RING_")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "RING_"))
+        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     return env
 
 
 def _timed(command: list[str], cwd: Path, timeout: float) -> float:
     began = time.perf_counter()
-    result = run_tree(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
+    result = run_tree(
+        command,
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     elapsed = time.perf_counter() - began
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-4000:]}"
+        )
     return elapsed
 
 
@@ -176,10 +192,25 @@ def _command(kind: str, directory: Path, n: int) -> list[str]:
         return [sys.executable, str(path)]
     if kind == "harness+pytest":
         path = _write(directory, f"test_bench_{n}.py", PYTEST_FILE.format(body=body, n=n))
-        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "harness.pytest_plugin",
-                "--rootdir", str(directory), str(path)]
+        return [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "harness.pytest_plugin",
+            "--rootdir",
+            str(directory),
+            str(path),
+        ]
     if kind == "MultiProcessTestCase":
-        path = _write(directory, f"bench_mptc_{n}.py", MULTIPROCESS_TESTCASE.format(body_indented=indented, n=n))
+        path = _write(
+            directory,
+            f"bench_mptc_{n}.py",
+            MULTIPROCESS_TESTCASE.format(body_indented=indented, n=n),
+        )
         return [sys.executable, str(path)]
     if kind == "MultiProcContinuousTest":
         path = _write(directory, f"bench_cont_{n}.py", CONTINUOUS_TEST.format(body=body, n=n))
@@ -187,7 +218,9 @@ def _command(kind: str, directory: Path, n: int) -> list[str]:
     raise ValueError(kind)
 
 
-def measure_subprocess(kind: str, n_small: int, n_large: int, repeat: int, timeout: float) -> dict[str, Any]:
+def measure_subprocess(
+    kind: str, n_small: int, n_large: int, repeat: int, timeout: float
+) -> dict[str, Any]:
     """Wall time of fresh processes running n_small and n_large cases; slope and intercept.
 
     Each size runs ``repeat`` times, alternating, and the minimum is kept: on a shared machine
@@ -205,9 +238,14 @@ def measure_subprocess(kind: str, n_small: int, n_large: int, repeat: int, timeo
     t_small, t_large = min(smalls), min(larges)
     per_case = (t_large - t_small) / (n_large - n_small)
     return {
-        "n_small": n_small, "n_large": n_large, "repeat": repeat,
-        "wall_small_s": [round(t, 3) for t in smalls], "wall_large_s": [round(t, 3) for t in larges],
-        "per_case_s": per_case, "startup_s": t_small - n_small * per_case, "first_case_wall_s": t_small,
+        "n_small": n_small,
+        "n_large": n_large,
+        "repeat": repeat,
+        "wall_small_s": [round(t, 3) for t in smalls],
+        "wall_large_s": [round(t, 3) for t in larges],
+        "per_case_s": per_case,
+        "startup_s": t_small - n_small * per_case,
+        "first_case_wall_s": t_small,
     }
 
 
@@ -260,10 +298,22 @@ def _available(module: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=str(REPO_ROOT / "reports" / "bench_harness.json"),
-                        help="Where to write the figures as JSON")
-    parser.add_argument("--quick", action="store_true", help="Fewer cases and one repeat (a smoke run, noisier figures)")
-    parser.add_argument("--repeat", type=int, default=3, help="Runs per suite size; the minimum wall time is kept (default 3)")
+    parser.add_argument(
+        "--json",
+        default=str(REPO_ROOT / "reports" / "bench_harness.json"),
+        help="Where to write the figures as JSON",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="Fewer cases and one repeat (a smoke run, noisier figures)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="Runs per suite size; the minimum wall time is kept (default 3)",
+    )
     args = parser.parse_args(argv)
 
     scale = 0.2 if args.quick else 1.0
@@ -275,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, Any] = {
         "case": "2 ranks, gloo, CPU: all_reduce(torch.ones(1)) and check the sum",
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
     }
     import torch
 
@@ -283,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     have_expecttest = _available("expecttest")
     for kind, (n_small, n_large) in plans.items():
         if kind.startswith("MultiProc") and not have_expecttest:
-            results[kind] = {"unavailable": "torch.testing._internal needs expecttest: pip install expecttest"}
+            results[kind] = {
+                "unavailable": "torch.testing._internal needs expecttest: pip install expecttest"
+            }
             print(f"{kind}: unavailable (pip install expecttest)", flush=True)
             continue
         print(f"{kind}: timing {n_small} and {n_large} cases in fresh processes ...", flush=True)
@@ -298,29 +354,47 @@ def main(argv: list[str] | None = None) -> int:
         if "unavailable" in r:
             rows.append((kind, "n/a", "n/a", r["unavailable"]))
         else:
-            rows.append((kind, f"{r['per_case_s'] * 1e3:10.2f}", f"{r['startup_s']:7.2f}",
-                         f"T({r['n_small']})={min(r['wall_small_s']):.2f}s T({r['n_large']})={min(r['wall_large_s']):.2f}s"))
+            rows.append(
+                (
+                    kind,
+                    f"{r['per_case_s'] * 1e3:10.2f}",
+                    f"{r['startup_s']:7.2f}",
+                    f"T({r['n_small']})={min(r['wall_small_s']):.2f}s T({r['n_large']})={min(r['wall_large_s']):.2f}s",
+                )
+            )
     ip = results["harness_in_process"]
     print()
-    print(f"{'harness':26s} {'per case ms':>12s} {'start-up s':>11s}  raw (min wall time of each suite size)")
+    print(
+        f"{'harness':26s} {'per case ms':>12s} {'start-up s':>11s}  raw (min wall time of each suite size)"
+    )
     for kind, per_case, startup, raw in rows:
         print(f"{kind:26s} {per_case:>12s} {startup:>11s}  {raw}")
     print()
-    print(f"harness in-process: pool start {ip['pool_start_cold_s']:.2f} s cold "
-          f"(forkserver imports torch), {ip['pool_start_warm_forkserver_s'] * 1e3:.0f} ms with the forkserver warm; "
-          f"per case median {ip['per_case_median_s'] * 1e3:.2f} ms, mean {ip['per_case_mean_s'] * 1e3:.2f} ms, "
-          f"p90 {ip['per_case_p90_s'] * 1e3:.2f} ms over {ip['cases']} cases")
+    print(
+        f"harness in-process: pool start {ip['pool_start_cold_s']:.2f} s cold "
+        f"(forkserver imports torch), {ip['pool_start_warm_forkserver_s'] * 1e3:.0f} ms with the forkserver warm; "
+        f"per case median {ip['per_case_median_s'] * 1e3:.2f} ms, mean {ip['per_case_mean_s'] * 1e3:.2f} ms, "
+        f"p90 {ip['per_case_p90_s'] * 1e3:.2f} ms over {ip['cases']} cases"
+    )
     mptc = results.get("MultiProcessTestCase", {})
     cont = results.get("MultiProcContinuousTest", {})
     if "per_case_s" in mptc:
-        results["speedup_per_case_vs_MultiProcessTestCase"] = mptc["per_case_s"] / ip["per_case_median_s"]
-        print(f"per-case speed-up vs MultiProcessTestCase: {results['speedup_per_case_vs_MultiProcessTestCase']:.0f}x")
+        results["speedup_per_case_vs_MultiProcessTestCase"] = (
+            mptc["per_case_s"] / ip["per_case_median_s"]
+        )
+        print(
+            f"per-case speed-up vs MultiProcessTestCase: {results['speedup_per_case_vs_MultiProcessTestCase']:.0f}x"
+        )
     if "startup_s" in cont:
         results["startup_vs_MultiProcContinuousTest_s"] = {
-            "harness": results["harness"]["startup_s"], "continuous": cont["startup_s"]}
-        print(f"start-up: harness {results['harness']['startup_s']:.2f} s vs MultiProcContinuousTest "
-              f"{cont['startup_s']:.2f} s (fresh process, torch import included); one-case suite: "
-              f"{results['harness']['first_case_wall_s']:.2f} s vs {cont['first_case_wall_s']:.2f} s")
+            "harness": results["harness"]["startup_s"],
+            "continuous": cont["startup_s"],
+        }
+        print(
+            f"start-up: harness {results['harness']['startup_s']:.2f} s vs MultiProcContinuousTest "
+            f"{cont['startup_s']:.2f} s (fresh process, torch import included); one-case suite: "
+            f"{results['harness']['first_case_wall_s']:.2f} s vs {cont['first_case_wall_s']:.2f} s"
+        )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -92,6 +92,8 @@ DOC_RUNS = (("work_balanced", True), *((layout, False) for layout in DOC_LAYOUTS
 
 def doc_run_name(layout: str, sparse: bool) -> str:
     return f"docs ring {layout}" + (" sparse_kv" if sparse else "")
+
+
 HALO_CHOICES = ("auto", "on", "off")
 AIM_TIME = 1.15
 AIM_WORK = 1.05
@@ -129,7 +131,9 @@ def document_lengths(b: Bench, seq: int) -> list[int]:
     rest = seq - long_len
     lengths: list[int] = []
     while sum(lengths) < rest:
-        n = max(16, int(b.doc_median * math.exp(b.doc_sigma * float(torch.randn((), generator=gen)))))
+        n = max(
+            16, int(b.doc_median * math.exp(b.doc_sigma * float(torch.randn((), generator=gen))))
+        )
         lengths.append(min(n, rest - sum(lengths)))
     at = int(torch.randint(0, len(lengths) + 1, (), generator=gen))
     lengths.insert(at, long_len)
@@ -156,8 +160,10 @@ def register_balanced(b: Bench, docs, seq: int, world: int) -> str:
     from ring_impl.balance import work_balanced_layout
 
     name = balanced_layout_name(seq, world)
-    ring_impl.register_layout(work_balanced_layout(name, docs, seq, world, chunks_per_rank=b.chunks_per_rank),
-                              replace=True)
+    ring_impl.register_layout(
+        work_balanced_layout(name, docs, seq, world, chunks_per_rank=b.chunks_per_rank),
+        replace=True,
+    )
     return name
 
 
@@ -187,7 +193,9 @@ def _single_masked(case: dict, mask) -> tuple[float, float, tuple]:
     vis = visibility(mask, pos, pos)
     out, lse = call_forward(op, q, k, v, is_causal=False, scale=scale, visible=vis)
     t1 = time.perf_counter()
-    dq, _dk, _dv = call_backward(op, do, q, k, v, out, lse, is_causal=False, scale=scale, visible=vis)
+    dq, _dk, _dv = call_backward(
+        op, do, q, k, v, out, lse, is_causal=False, scale=scale, visible=vis
+    )
     t2 = time.perf_counter()
     return t2 - t0, t1 - t0, (out, dq)
 
@@ -210,7 +218,8 @@ def _single_documents(case: dict) -> tuple[float, float, tuple]:
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     for (a, b), (qs, ks, vs, o, lse) in zip(case["spans"], parts):
         dq[:, :, a:b], dk[:, :, a:b], dv[:, :, a:b] = call_backward(
-            op, do[:, :, a:b].contiguous(), qs, ks, vs, o, lse, is_causal=True, scale=scale)
+            op, do[:, :, a:b].contiguous(), qs, ks, vs, o, lse, is_causal=True, scale=scale
+        )
     t2 = time.perf_counter()
     return t2 - t0, t1 - t0, (out, dq)
 
@@ -232,14 +241,35 @@ def _single_banded(case: dict, window: int) -> tuple[float, float, tuple]:
         b, c = min(seq, a + window), max(0, a - window)
         vis = visibility(mask, torch.arange(a, b), torch.arange(c, b))
         qs, ks, vs = q[:, :, a:b].contiguous(), k[:, :, c:b].contiguous(), v[:, :, c:b].contiguous()
-        tiles.append((a, b, c, vis, qs, ks, vs, *call_forward(op, qs, ks, vs, is_causal=False, scale=scale, visible=vis)))
+        tiles.append(
+            (
+                a,
+                b,
+                c,
+                vis,
+                qs,
+                ks,
+                vs,
+                *call_forward(op, qs, ks, vs, is_causal=False, scale=scale, visible=vis),
+            )
+        )
     out = torch.cat([t[7] for t in tiles], dim=2)
     t1 = time.perf_counter()
     dq = torch.empty_like(q)
     dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (k, v))
     for a, b, c, vis, qs, ks, vs, o, lse in tiles:
-        dq_, dk_, dv_ = call_backward(op, do[:, :, a:b].contiguous(), qs, ks, vs, o, lse, is_causal=False,
-                                      scale=scale, visible=vis)
+        dq_, dk_, dv_ = call_backward(
+            op,
+            do[:, :, a:b].contiguous(),
+            qs,
+            ks,
+            vs,
+            o,
+            lse,
+            is_causal=False,
+            scale=scale,
+            visible=vis,
+        )
         dq[:, :, a:b] = dq_
         dk[:, :, c:b] += dk_
         dv[:, :, c:b] += dv_
@@ -253,19 +283,56 @@ def _configs(world: int, b: Bench) -> list[dict[str, Any]]:
     threads = [world] + ([b.cores] if world > b.cores else [])
     out: list[dict[str, Any]] = []
     for t in threads:
-        out.append({"name": f"docs single full-mask {t}t", "part": "documents", "impl": "single", "fn": "masked",
-                    "threads": t})
-        out.append({"name": f"docs single per-document {t}t", "part": "documents", "impl": "single",
-                    "fn": "documents", "threads": t})
+        out.append(
+            {
+                "name": f"docs single full-mask {t}t",
+                "part": "documents",
+                "impl": "single",
+                "fn": "masked",
+                "threads": t,
+            }
+        )
+        out.append(
+            {
+                "name": f"docs single per-document {t}t",
+                "part": "documents",
+                "impl": "single",
+                "fn": "documents",
+                "threads": t,
+            }
+        )
     for layout, sparse in DOC_RUNS:
-        out.append({"name": doc_run_name(layout, sparse), "part": "documents", "impl": "ring", "layout": layout,
-                    "sparse": sparse})
+        out.append(
+            {
+                "name": doc_run_name(layout, sparse),
+                "part": "documents",
+                "impl": "ring",
+                "layout": layout,
+                "sparse": sparse,
+            }
+        )
     for t in threads:
-        out.append({"name": f"window single full-mask {t}t", "part": "window", "impl": "single", "fn": "masked",
-                    "threads": t})
-        out.append({"name": f"window single banded {t}t", "part": "window", "impl": "single", "fn": "banded",
-                    "threads": t})
-    out.append({"name": "window ring contiguous", "part": "window", "impl": "ring", "layout": "contiguous"})
+        out.append(
+            {
+                "name": f"window single full-mask {t}t",
+                "part": "window",
+                "impl": "single",
+                "fn": "masked",
+                "threads": t,
+            }
+        )
+        out.append(
+            {
+                "name": f"window single banded {t}t",
+                "part": "window",
+                "impl": "single",
+                "fn": "banded",
+                "threads": t,
+            }
+        )
+    out.append(
+        {"name": "window ring contiguous", "part": "window", "impl": "ring", "layout": "contiguous"}
+    )
     return out
 
 
@@ -279,16 +346,33 @@ def _case(b: Bench, seq: int, rank: int, world: int, reference: bool) -> dict:
 
     dtype = getattr(torch, b.dtype)
     gen = torch.Generator().manual_seed(0)
-    full = [torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype) for _ in range(4)]
+    full = [
+        torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype) for _ in range(4)
+    ]
     docs, spans = documents(b, seq)
-    layouts = {"work_balanced": register_balanced(b, docs, seq, world), "head_tail": "head_tail",
-               "contiguous": "contiguous"}
-    case = {"seq": seq, "full": full, "docs": docs, "spans": spans, "window": SlidingWindow(b.window),
-            "layouts": layouts, "scale": b.head_dim ** -0.5,
-            "shards": {name: [ring_impl.shard(t, world, rank, layout=real) for t in full] for name, real in layouts.items()}}
+    layouts = {
+        "work_balanced": register_balanced(b, docs, seq, world),
+        "head_tail": "head_tail",
+        "contiguous": "contiguous",
+    }
+    case = {
+        "seq": seq,
+        "full": full,
+        "docs": docs,
+        "spans": spans,
+        "window": SlidingWindow(b.window),
+        "layouts": layouts,
+        "scale": b.head_dim**-0.5,
+        "shards": {
+            name: [ring_impl.shard(t, world, rank, layout=real) for t in full]
+            for name, real in layouts.items()
+        },
+    }
     if reference:
-        case["reference"] = {part: _single_masked(case, case[mask])[2]
-                             for part, mask in (("documents", "docs"), ("window", "window"))}
+        case["reference"] = {
+            part: _single_masked(case, case[mask])[2]
+            for part, mask in (("documents", "docs"), ("window", "window"))
+        }
     return case
 
 
@@ -298,7 +382,9 @@ def _error(case: dict, part: str, out, dq, world: int, rank: int, layout: str | 
 
     ref_out, ref_dq = case["reference"][part]
     if layout is not None:
-        ref_out, ref_dq = (ring_impl.shard(t, world, rank, layout=layout) for t in (ref_out, ref_dq))
+        ref_out, ref_dq = (
+            ring_impl.shard(t, world, rank, layout=layout) for t in (ref_out, ref_dq)
+        )
     return max(float((out - ref_out).abs().max()), float((dq - ref_dq).abs().max()))
 
 
@@ -314,8 +400,17 @@ def _ring_call(case: dict, c: dict, b: Bench, ring_op, halo: dict, log=None) -> 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     t0 = time.perf_counter()
     with phase("forward"):
-        out = ring_impl.ring_attention(q, k, v, mask=mask, layout=case["layouts"][c["layout"]],
-                                       rotate_method=b.rotate, op=ring_op, scale=case["scale"], **extra)
+        out = ring_impl.ring_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            layout=case["layouts"][c["layout"]],
+            rotate_method=b.rotate,
+            op=ring_op,
+            scale=case["scale"],
+            **extra,
+        )
     t1 = time.perf_counter()
     with phase("backward"):
         out.backward(do)
@@ -333,12 +428,26 @@ def _bench_rank(rank: int, world: int, b_dict: dict) -> dict:
     timer = KernelTimer()
     ring_op = _timed_ring_op(timer)
     # --halo auto|on|off is ring_attention(exchange="auto"|"halo"|"ring")
-    halo = {"exchange": {"auto": "auto", "on": "halo", "off": "ring"}[b.halo]} if b.halo is not None else {}
-    cases = {False: _case(b, b.warmup_seq, rank, world, reference=True) if b.warmup else None,
-             True: _case(b, b.seq, rank, world, reference=False)}
+    halo = (
+        {"exchange": {"auto": "auto", "on": "halo", "off": "ring"}[b.halo]}
+        if b.halo is not None
+        else {}
+    )
+    cases = {
+        False: _case(b, b.warmup_seq, rank, world, reference=True) if b.warmup else None,
+        True: _case(b, b.seq, rank, world, reference=False),
+    }
     configs = _configs(world, b)
     results: dict[str, dict[str, Any]] = {
-        c["name"]: {"config": c, "elapsed": [], "forward": [], "kernel": [], "cpu": [], "traffic": None, "error": None}
+        c["name"]: {
+            "config": c,
+            "elapsed": [],
+            "forward": [],
+            "kernel": [],
+            "cpu": [],
+            "traffic": None,
+            "error": None,
+        }
         for c in configs
     }
     for it in range(b.warmup + b.repeat):
@@ -352,7 +461,9 @@ def _bench_rank(rank: int, world: int, b_dict: dict) -> dict:
                     torch.set_num_threads(c["threads"])
                     cpu0 = time.process_time()
                     if c["fn"] == "masked":
-                        elapsed, fwd, (out, dq) = _single_masked(case, case["docs" if c["part"] == "documents" else "window"])
+                        elapsed, fwd, (out, dq) = _single_masked(
+                            case, case["docs" if c["part"] == "documents" else "window"]
+                        )
                     elif c["fn"] == "documents":
                         elapsed, fwd, (out, dq) = _single_documents(case)
                     else:
@@ -378,7 +489,9 @@ def _bench_rank(rank: int, world: int, b_dict: dict) -> dict:
                 res["forward"].append(call["forward"])
                 res["kernel"].append(timer.total)
             else:
-                res["error"] = _error(case, c["part"], call["out"], q.grad, world, rank, case["layouts"][c["layout"]])
+                res["error"] = _error(
+                    case, c["part"], call["out"], q.grad, world, rank, case["layouts"][c["layout"]]
+                )
             del call, q
     # The window's collectives, recorded in one more call at the measured size, untimed: the
     # log's dispatch mode sees every op, which costs noticeably on the masked path's many small ops.
@@ -405,29 +518,54 @@ def run(b: Bench) -> dict:
         rows: dict[str, Any] = {}
         for name, r0 in per_rank[0]["results"].items():
             c = r0["config"]
-            errors = [p["results"][name]["error"] for p in per_rank if p["results"][name]["error"] is not None]
+            errors = [
+                p["results"][name]["error"]
+                for p in per_rank
+                if p["results"][name]["error"] is not None
+            ]
             if c["impl"] == "single":
                 times = r0["elapsed"]
-                rows[name] = {"config": c, "time": min(times), "time_median": median(times), "times": times,
-                              "forward": min(r0["forward"]), "cpu": min(r0["cpu"]), "error": max(errors, default=None)}
+                rows[name] = {
+                    "config": c,
+                    "time": min(times),
+                    "time_median": median(times),
+                    "times": times,
+                    "forward": min(r0["forward"]),
+                    "cpu": min(r0["cpu"]),
+                    "error": max(errors, default=None),
+                }
                 continue
             reps = len(r0["elapsed"])
             slowest = [max(p["results"][name]["elapsed"][i] for p in per_rank) for i in range(reps)]
             rows[name] = {
-                "config": c, "time": min(slowest), "time_median": median(slowest), "times": slowest,
-                "cpu": min(sum(p["results"][name]["cpu"][i] for p in per_rank) for i in range(reps)),
+                "config": c,
+                "time": min(slowest),
+                "time_median": median(slowest),
+                "times": slowest,
+                "cpu": min(
+                    sum(p["results"][name]["cpu"][i] for p in per_rank) for i in range(reps)
+                ),
                 "cpu_per_rank": [min(p["results"][name]["cpu"]) for p in per_rank],
-                "forward": min(max(p["results"][name]["forward"][i] for p in per_rank) for i in range(reps)),
+                "forward": min(
+                    max(p["results"][name]["forward"][i] for p in per_rank) for i in range(reps)
+                ),
                 # Per rank the least disturbed repetition, as for the time.
                 "kernel_per_rank": [min(p["results"][name]["kernel"]) for p in per_rank],
-                "outside_kernel_per_rank": [min(e - k for e, k in zip(p["results"][name]["elapsed"],
-                                                                      p["results"][name]["kernel"]))
-                                            for p in per_rank],
+                "outside_kernel_per_rank": [
+                    min(
+                        e - k
+                        for e, k in zip(p["results"][name]["elapsed"], p["results"][name]["kernel"])
+                    )
+                    for p in per_rank
+                ],
                 "traffic_per_rank": [p["results"][name]["traffic"] for p in per_rank],
                 "error": max(errors, default=None),
             }
-        report[str(world)] = {"rows": rows, "halo_passed": per_rank[0]["halo_passed"],
-                              "wall_s": time.perf_counter() - t0}
+        report[str(world)] = {
+            "rows": rows,
+            "halo_passed": per_rank[0]["halo_passed"],
+            "wall_s": time.perf_counter() - t0,
+        }
         print(f"  W={world}: {time.perf_counter() - t0:.0f} s", flush=True)
     return report
 
@@ -444,11 +582,22 @@ def kernel_area(layout: str, mask, seq: int, world: int, sparse: bool = False) -
         if sparse:
             from ring_impl.kv_gather import gather_plan
 
-            plan = gather_plan(mask, rank=r, world_size=world, layout=layout, seq_q=local, seq_kv=local, batch=1, heads=1)
+            plan = gather_plan(
+                mask,
+                rank=r,
+                world_size=world,
+                layout=layout,
+                seq_q=local,
+                seq_kv=local,
+                batch=1,
+                heads=1,
+            )
             area.append(sum(blk.area for blk in plan.blocks))
             continue
         total = 0
-        for plan in masked_plan(r, world, layout=layout, mask=mask, seq_q=local, seq_kv=local, batch=1, heads=1):
+        for plan in masked_plan(
+            r, world, layout=layout, mask=mask, seq_q=local, seq_kv=local, batch=1, heads=1
+        ):
             total += sum(blk.area for blk in plan.blocks)
         area.append(total)
     return area
@@ -470,8 +619,11 @@ def analyse(b: Bench, raw: dict) -> dict:
     for w, entry in raw.items():
         world = int(w)
         rows = entry["rows"]
-        layouts = {"work_balanced": register_balanced(b, docs, b.seq, world), "head_tail": "head_tail",
-                   "contiguous": "contiguous"}
+        layouts = {
+            "work_balanced": register_balanced(b, docs, b.seq, world),
+            "head_tail": "head_tail",
+            "contiguous": "contiguous",
+        }
 
         def single(part: str, fn: str, threads: int = world, rows: dict = rows) -> float:
             return rows[f"{part} single {fn} {threads}t"]["time"]
@@ -479,15 +631,32 @@ def analyse(b: Bench, raw: dict) -> dict:
         for name, r in rows.items():
             c = r["config"]
             if c["impl"] == "single":
-                out["singles"].append({"W": world, "name": name, "threads": c["threads"], "time_s": r["time"],
-                                       "median_s": r["time_median"], "forward_s": r["forward"], "cpu_s": r["cpu"],
-                                       "max_err_vs_full_mask": r["error"]})
-        best = {(part, fn): min(single(part, fn, t) for t in {world, min(world, b.cores)})
-                for part, fn in (("docs", "full-mask"), ("docs", "per-document"), ("window", "full-mask"),
-                                 ("window", "banded"))}
+                out["singles"].append(
+                    {
+                        "W": world,
+                        "name": name,
+                        "threads": c["threads"],
+                        "time_s": r["time"],
+                        "median_s": r["time_median"],
+                        "forward_s": r["forward"],
+                        "cpu_s": r["cpu"],
+                        "max_err_vs_full_mask": r["error"],
+                    }
+                )
+        best = {
+            (part, fn): min(single(part, fn, t) for t in {world, min(world, b.cores)})
+            for part, fn in (
+                ("docs", "full-mask"),
+                ("docs", "per-document"),
+                ("window", "full-mask"),
+                ("window", "banded"),
+            )
+        }
         # The process CPU seconds of the single per-document run (all its threads), the least of
         # its thread counts: the baseline of the core-per-rank estimate below.
-        single_cpu = min(rows[f"docs single per-document {t}t"]["cpu"] for t in {world, min(world, b.cores)})
+        single_cpu = min(
+            rows[f"docs single per-document {t}t"]["cpu"] for t in {world, min(world, b.cores)}
+        )
         for layout, sparse in DOC_RUNS:
             r = rows[doc_run_name(layout, sparse)]
             # Core-per-rank estimate: the slowest rank's CPU seconds (its kernels, its Python and its
@@ -499,42 +668,67 @@ def analyse(b: Bench, raw: dict) -> dict:
             estimate = max(cpu_ranks) / (single_cpu / world) if cpu_ranks else None
             work = rank_work(layouts[layout], docs, b.seq, world)
             area = kernel_area(layouts[layout], docs, b.seq, world, sparse)
-            out["documents"].append({
-                "W": world, "layout": layout + (" + sparse_kv" if sparse else ""), "sparse_kv": sparse,
-                "time_s": r["time"], "median_s": r["time_median"],
-                "forward_s": r["forward"],
-                "vs_single_full_mask": r["time"] / single("docs", "full-mask"),
-                "vs_single_full_mask_best_threads": r["time"] / best[("docs", "full-mask")],
-                "vs_single_per_document": r["time"] / single("docs", "per-document"),
-                "vs_single_per_document_best_threads": r["time"] / best[("docs", "per-document")],
-                "median_vs_single_full_mask": r["time_median"] / rows[f"docs single full-mask {world}t"]["time_median"],
-                "cpu_s": r["cpu"], "cpu_vs_single_full_mask": r["cpu"] / rows[f"docs single full-mask {world}t"]["cpu"],
-                "cpu_s_per_rank": cpu_ranks, "core_per_rank_estimate_vs_single_per_document": estimate,
-                "work_per_rank": work, "work_max_over_mean": _max_over_mean(work),
-                "kernel_area_per_rank": area, "kernel_area_max_over_mean": _max_over_mean(area),
-                "kernel_area_sum_over_s2": sum(area) / b.seq ** 2, "visible_over_s2": sum(work) / b.seq ** 2,
-                "kernel_s_per_rank": r["kernel_per_rank"], "kernel_s_max_over_mean": _max_over_mean(r["kernel_per_rank"]),
-                "outside_kernel_s": max(r["outside_kernel_per_rank"]),
-                "max_err_vs_full_mask": r["error"],
-            })
+            out["documents"].append(
+                {
+                    "W": world,
+                    "layout": layout + (" + sparse_kv" if sparse else ""),
+                    "sparse_kv": sparse,
+                    "time_s": r["time"],
+                    "median_s": r["time_median"],
+                    "forward_s": r["forward"],
+                    "vs_single_full_mask": r["time"] / single("docs", "full-mask"),
+                    "vs_single_full_mask_best_threads": r["time"] / best[("docs", "full-mask")],
+                    "vs_single_per_document": r["time"] / single("docs", "per-document"),
+                    "vs_single_per_document_best_threads": r["time"]
+                    / best[("docs", "per-document")],
+                    "median_vs_single_full_mask": r["time_median"]
+                    / rows[f"docs single full-mask {world}t"]["time_median"],
+                    "cpu_s": r["cpu"],
+                    "cpu_vs_single_full_mask": r["cpu"]
+                    / rows[f"docs single full-mask {world}t"]["cpu"],
+                    "cpu_s_per_rank": cpu_ranks,
+                    "core_per_rank_estimate_vs_single_per_document": estimate,
+                    "work_per_rank": work,
+                    "work_max_over_mean": _max_over_mean(work),
+                    "kernel_area_per_rank": area,
+                    "kernel_area_max_over_mean": _max_over_mean(area),
+                    "kernel_area_sum_over_s2": sum(area) / b.seq**2,
+                    "visible_over_s2": sum(work) / b.seq**2,
+                    "kernel_s_per_rank": r["kernel_per_rank"],
+                    "kernel_s_max_over_mean": _max_over_mean(r["kernel_per_rank"]),
+                    "outside_kernel_s": max(r["outside_kernel_per_rank"]),
+                    "max_err_vs_full_mask": r["error"],
+                }
+            )
         r = rows["window ring contiguous"]
         kv_row = 2 * b.batch * b.heads * b.head_dim * itemsize
         dkv_row = 2 * b.batch * b.heads * b.head_dim * 4
         minimum = {"forward": b.window * kv_row, "backward": b.window * dkv_row}
         sent = [_sent_bytes(t, world, gloo=False) for t in r["traffic_per_rank"]]
-        row = {"W": world, "shard": b.seq // world, "window": b.window, "halo": entry.get("halo_passed"),
-               "time_s": r["time"], "median_s": r["time_median"],
-               "vs_single_full_mask": r["time"] / single("window", "full-mask"),
-               "vs_single_full_mask_best_threads": r["time"] / best[("window", "full-mask")],
-               "vs_single_banded": r["time"] / single("window", "banded"),
-               "vs_single_banded_best_threads": r["time"] / best[("window", "banded")],
-               "cpu_s": r["cpu"], "cpu_vs_single_full_mask": r["cpu"] / rows[f"window single full-mask {world}t"]["cpu"],
-               "cpu_vs_single_banded": r["cpu"] / rows[f"window single banded {world}t"]["cpu"],
-               "kernel_s_per_rank": r["kernel_per_rank"],
-               "kernel_area_per_rank": kernel_area("contiguous", SlidingWindow(b.window), b.seq, world),
-               "max_err_vs_full_mask": r["error"],
-               "calls": {p: {k: e["calls"] for k, e in r["traffic_per_rank"][0].get(p, {}).items()}
-                         for p in ("forward", "backward")}}
+        row = {
+            "W": world,
+            "shard": b.seq // world,
+            "window": b.window,
+            "halo": entry.get("halo_passed"),
+            "time_s": r["time"],
+            "median_s": r["time_median"],
+            "vs_single_full_mask": r["time"] / single("window", "full-mask"),
+            "vs_single_full_mask_best_threads": r["time"] / best[("window", "full-mask")],
+            "vs_single_banded": r["time"] / single("window", "banded"),
+            "vs_single_banded_best_threads": r["time"] / best[("window", "banded")],
+            "cpu_s": r["cpu"],
+            "cpu_vs_single_full_mask": r["cpu"] / rows[f"window single full-mask {world}t"]["cpu"],
+            "cpu_vs_single_banded": r["cpu"] / rows[f"window single banded {world}t"]["cpu"],
+            "kernel_s_per_rank": r["kernel_per_rank"],
+            "kernel_area_per_rank": kernel_area(
+                "contiguous", SlidingWindow(b.window), b.seq, world
+            ),
+            "max_err_vs_full_mask": r["error"],
+            "calls": {
+                p: {k: e["calls"] for k, e in r["traffic_per_rank"][0].get(p, {}).items()}
+                for p in ("forward", "backward")
+            },
+        }
         for p in ("forward", "backward"):
             row[f"{p}_sent_bytes"] = max(s[p] for s in sent)
             row[f"{p}_minimum_bytes"] = minimum[p]
@@ -543,31 +737,58 @@ def analyse(b: Bench, raw: dict) -> dict:
     for d in out["documents"]:
         if d["layout"].startswith("work_balanced"):
             how = "sparse gather" if d["sparse_kv"] else "ring"
-            out["aims"].append({"aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single full-mask "
-                                       f"({d['W']} threads)",
-                                "measured": f"{d['vs_single_full_mask']:.2f}x", "met": d["vs_single_full_mask"] <= AIM_TIME})
-            out["aims"].append({"aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single per-document "
-                                       f"(the varlen floor; against the faster of {d['W']} and {b.cores} threads)",
-                                "measured": f"{d['vs_single_per_document_best_threads']:.2f}x",
-                                "met": d["vs_single_per_document_best_threads"] <= AIM_TIME})
+            out["aims"].append(
+                {
+                    "aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single full-mask "
+                    f"({d['W']} threads)",
+                    "measured": f"{d['vs_single_full_mask']:.2f}x",
+                    "met": d["vs_single_full_mask"] <= AIM_TIME,
+                }
+            )
+            out["aims"].append(
+                {
+                    "aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single per-document "
+                    f"(the varlen floor; against the faster of {d['W']} and {b.cores} threads)",
+                    "measured": f"{d['vs_single_per_document_best_threads']:.2f}x",
+                    "met": d["vs_single_per_document_best_threads"] <= AIM_TIME,
+                }
+            )
             if d["core_per_rank_estimate_vs_single_per_document"] is not None:
                 est = d["core_per_rank_estimate_vs_single_per_document"]
-                out["aims"].append({"aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single "
-                                           "per-document, ESTIMATE for a core per rank (slowest rank's CPU s / "
-                                           f"(single's CPU s / {d['W']}))",
-                                    "measured": f"{est:.2f}x", "met": est <= AIM_TIME})
+                out["aims"].append(
+                    {
+                        "aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single "
+                        "per-document, ESTIMATE for a core per rank (slowest rank's CPU s / "
+                        f"(single's CPU s / {d['W']}))",
+                        "measured": f"{est:.2f}x",
+                        "met": est <= AIM_TIME,
+                    }
+                )
             if d["sparse_kv"]:
                 continue  # the same layout's balance: once
-            out["aims"].append({"aim": f"W={d['W']} documents, work-aware layout: rank_work max/mean <= {AIM_WORK}",
-                                "measured": f"{d['work_max_over_mean']:.3f}", "met": d["work_max_over_mean"] <= AIM_WORK})
+            out["aims"].append(
+                {
+                    "aim": f"W={d['W']} documents, work-aware layout: rank_work max/mean <= {AIM_WORK}",
+                    "measured": f"{d['work_max_over_mean']:.3f}",
+                    "met": d["work_max_over_mean"] <= AIM_WORK,
+                }
+            )
     for w in out["window"]:
-        out["aims"].append({"aim": f"W={w['W']} window {b.window}: ring <= {AIM_TIME}x single banded (against the faster of "
-                                   f"{w['W']} and {b.cores} threads)",
-                            "measured": f"{w['vs_single_banded_best_threads']:.2f}x",
-                            "met": w["vs_single_banded_best_threads"] <= AIM_TIME})
-        out["aims"].append({"aim": f"W={w['W']} window {b.window}: bytes sent = halo minimum (forward, backward)",
-                            "measured": f"{w['forward_ratio']:.2f}x, {w['backward_ratio']:.2f}x",
-                            "met": w["forward_ratio"] <= 1.0 and w["backward_ratio"] <= 1.0})
+        out["aims"].append(
+            {
+                "aim": f"W={w['W']} window {b.window}: ring <= {AIM_TIME}x single banded (against the faster of "
+                f"{w['W']} and {b.cores} threads)",
+                "measured": f"{w['vs_single_banded_best_threads']:.2f}x",
+                "met": w["vs_single_banded_best_threads"] <= AIM_TIME,
+            }
+        )
+        out["aims"].append(
+            {
+                "aim": f"W={w['W']} window {b.window}: bytes sent = halo minimum (forward, backward)",
+                "measured": f"{w['forward_ratio']:.2f}x, {w['backward_ratio']:.2f}x",
+                "met": w["forward_ratio"] <= 1.0 and w["backward_ratio"] <= 1.0,
+            }
+        )
     return out
 
 
@@ -591,76 +812,209 @@ def _ratio_or_blank(x: float | None) -> str:
 
 def print_report(b: Bench, a: dict, env: dict, lengths: list[int]) -> None:
     long_len = max(lengths)
-    at = sum(lengths[:lengths.index(long_len)])
+    at = sum(lengths[: lengths.index(long_len)])
     short = sorted(n for n in lengths if n != long_len)
-    print(f"\nmasks benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, seq {b.seq}, "
-          f"rotate {b.rotate}; torch {env['torch']}, {env['cores']} cores, load {env['load_before']} -> {env['load_after']}")
+    print(
+        f"\nmasks benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, seq {b.seq}, "
+        f"rotate {b.rotate}; torch {env['torch']}, {env['cores']} cores, load {env['load_before']} -> {env['load_after']}"
+    )
     visible = a["documents"][0]["visible_over_s2"] if a["documents"] else float("nan")
-    print(f"documents: {len(lengths)} ({len(short)} lognormal, median {short[len(short) // 2]}, "
-          f"{short[0]}..{short[-1]} tokens, and one of {long_len} at {at}): visible score entries {visible:.3f} "
-          f"of S^2; window {b.window}")
-    print(f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations interleaved; "
-          "time = slowest rank, forward + backward, fastest repetition (median beside it)\n")
-    print("single process (rank 0, the CPU flash kernel; err = max |x - full-mask| of out and dQ at the warm-up size)\n")
-    print(markdown(["W", "configuration", "threads", "time s", "median s", "fwd s", "CPU s", "err"],
-                   [[s["W"], s["name"], s["threads"], f"{s['time_s']:.3f}", f"{s['median_s']:.3f}",
-                     f"{s['forward_s']:.3f}", f"{s['cpu_s']:.2f}", _err(s["max_err_vs_full_mask"])] for s in a["singles"]]))
-    print("\ndocuments: ring / single process (W threads; 'best thr' = against the faster of W and "
-          f"{b.cores} threads; CPU = process CPU seconds, summed over ranks, fastest repetition; core-per-rank "
-          "est. = the slowest rank's CPU s / (the single per-document run's CPU s / W): what a rank with a core "
-          "of its own would take, waits left out), balance as max/mean over ranks\n")
-    print(markdown(
-        ["W", "layout", "time s", "median s", "x full-mask", "x full-mask best thr", "x per-doc", "x per-doc best thr",
-         "CPU s", "CPU x full-mask", "CPU s per rank", "core-per-rank est. x per-doc",
-         "rank_work max/mean", "kernel area max/mean", "kernel area sum / S^2", "kernel s max/mean", "kernel s per rank", "outside kernel s",
-         "err"],
-        [[d["W"], d["layout"], f"{d['time_s']:.3f}", f"{d['median_s']:.3f}", f"{d['vs_single_full_mask']:.2f}",
-          f"{d['vs_single_full_mask_best_threads']:.2f}", f"{d['vs_single_per_document']:.2f}",
-          f"{d['vs_single_per_document_best_threads']:.2f}", f"{d['cpu_s']:.2f}", f"{d['cpu_vs_single_full_mask']:.2f}",
-          _ratios(d.get("cpu_s_per_rank") or []),
-          _ratio_or_blank(d.get("core_per_rank_estimate_vs_single_per_document")),
-          f"{d['work_max_over_mean']:.3f}",
-          f"{d['kernel_area_max_over_mean']:.3f}", f"{d['kernel_area_sum_over_s2']:.3f}",
-          f"{d['kernel_s_max_over_mean']:.3f}",
-          _ratios(d["kernel_s_per_rank"]), f"{d['outside_kernel_s']:.3f}", _err(d["max_err_vs_full_mask"])]
-         for d in a["documents"]]))
-    print(f"\nwindow {b.window}, contiguous: ring / single process, bytes each rank sends (max over ranks) "
-          "against the halo minimum\n")
-    print(markdown(
-        ["W", "shard", "halo=", "time s", "median s", "x full-mask", "x banded", "x banded best thr", "CPU s",
-         "CPU x full-mask", "CPU x banded",
-         "kernel s per rank", "fwd sent B", "fwd min B", "fwd x min", "bwd sent B", "bwd min B", "bwd x min", "err"],
-        [[w["W"], w["shard"], w["halo"] or "-", f"{w['time_s']:.3f}", f"{w['median_s']:.3f}",
-          f"{w['vs_single_full_mask']:.2f}", f"{w['vs_single_banded']:.2f}", f"{w['vs_single_banded_best_threads']:.2f}",
-          f"{w['cpu_s']:.2f}", f"{w['cpu_vs_single_full_mask']:.2f}", f"{w['cpu_vs_single_banded']:.2f}",
-          _ratios(w["kernel_s_per_rank"]), w["forward_sent_bytes"], w["forward_minimum_bytes"],
-          f"{w['forward_ratio']:.1f}", w["backward_sent_bytes"], w["backward_minimum_bytes"],
-          f"{w['backward_ratio']:.1f}", _err(w["max_err_vs_full_mask"])] for w in a["window"]]))
+    print(
+        f"documents: {len(lengths)} ({len(short)} lognormal, median {short[len(short) // 2]}, "
+        f"{short[0]}..{short[-1]} tokens, and one of {long_len} at {at}): visible score entries {visible:.3f} "
+        f"of S^2; window {b.window}"
+    )
+    print(
+        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations interleaved; "
+        "time = slowest rank, forward + backward, fastest repetition (median beside it)\n"
+    )
+    print(
+        "single process (rank 0, the CPU flash kernel; err = max |x - full-mask| of out and dQ at the warm-up size)\n"
+    )
+    print(
+        markdown(
+            ["W", "configuration", "threads", "time s", "median s", "fwd s", "CPU s", "err"],
+            [
+                [
+                    s["W"],
+                    s["name"],
+                    s["threads"],
+                    f"{s['time_s']:.3f}",
+                    f"{s['median_s']:.3f}",
+                    f"{s['forward_s']:.3f}",
+                    f"{s['cpu_s']:.2f}",
+                    _err(s["max_err_vs_full_mask"]),
+                ]
+                for s in a["singles"]
+            ],
+        )
+    )
+    print(
+        "\ndocuments: ring / single process (W threads; 'best thr' = against the faster of W and "
+        f"{b.cores} threads; CPU = process CPU seconds, summed over ranks, fastest repetition; core-per-rank "
+        "est. = the slowest rank's CPU s / (the single per-document run's CPU s / W): what a rank with a core "
+        "of its own would take, waits left out), balance as max/mean over ranks\n"
+    )
+    print(
+        markdown(
+            [
+                "W",
+                "layout",
+                "time s",
+                "median s",
+                "x full-mask",
+                "x full-mask best thr",
+                "x per-doc",
+                "x per-doc best thr",
+                "CPU s",
+                "CPU x full-mask",
+                "CPU s per rank",
+                "core-per-rank est. x per-doc",
+                "rank_work max/mean",
+                "kernel area max/mean",
+                "kernel area sum / S^2",
+                "kernel s max/mean",
+                "kernel s per rank",
+                "outside kernel s",
+                "err",
+            ],
+            [
+                [
+                    d["W"],
+                    d["layout"],
+                    f"{d['time_s']:.3f}",
+                    f"{d['median_s']:.3f}",
+                    f"{d['vs_single_full_mask']:.2f}",
+                    f"{d['vs_single_full_mask_best_threads']:.2f}",
+                    f"{d['vs_single_per_document']:.2f}",
+                    f"{d['vs_single_per_document_best_threads']:.2f}",
+                    f"{d['cpu_s']:.2f}",
+                    f"{d['cpu_vs_single_full_mask']:.2f}",
+                    _ratios(d.get("cpu_s_per_rank") or []),
+                    _ratio_or_blank(d.get("core_per_rank_estimate_vs_single_per_document")),
+                    f"{d['work_max_over_mean']:.3f}",
+                    f"{d['kernel_area_max_over_mean']:.3f}",
+                    f"{d['kernel_area_sum_over_s2']:.3f}",
+                    f"{d['kernel_s_max_over_mean']:.3f}",
+                    _ratios(d["kernel_s_per_rank"]),
+                    f"{d['outside_kernel_s']:.3f}",
+                    _err(d["max_err_vs_full_mask"]),
+                ]
+                for d in a["documents"]
+            ],
+        )
+    )
+    print(
+        f"\nwindow {b.window}, contiguous: ring / single process, bytes each rank sends (max over ranks) "
+        "against the halo minimum\n"
+    )
+    print(
+        markdown(
+            [
+                "W",
+                "shard",
+                "halo=",
+                "time s",
+                "median s",
+                "x full-mask",
+                "x banded",
+                "x banded best thr",
+                "CPU s",
+                "CPU x full-mask",
+                "CPU x banded",
+                "kernel s per rank",
+                "fwd sent B",
+                "fwd min B",
+                "fwd x min",
+                "bwd sent B",
+                "bwd min B",
+                "bwd x min",
+                "err",
+            ],
+            [
+                [
+                    w["W"],
+                    w["shard"],
+                    w["halo"] or "-",
+                    f"{w['time_s']:.3f}",
+                    f"{w['median_s']:.3f}",
+                    f"{w['vs_single_full_mask']:.2f}",
+                    f"{w['vs_single_banded']:.2f}",
+                    f"{w['vs_single_banded_best_threads']:.2f}",
+                    f"{w['cpu_s']:.2f}",
+                    f"{w['cpu_vs_single_full_mask']:.2f}",
+                    f"{w['cpu_vs_single_banded']:.2f}",
+                    _ratios(w["kernel_s_per_rank"]),
+                    w["forward_sent_bytes"],
+                    w["forward_minimum_bytes"],
+                    f"{w['forward_ratio']:.1f}",
+                    w["backward_sent_bytes"],
+                    w["backward_minimum_bytes"],
+                    f"{w['backward_ratio']:.1f}",
+                    _err(w["max_err_vs_full_mask"]),
+                ]
+                for w in a["window"]
+            ],
+        )
+    )
     print("\naims of issue 15\n")
-    print(markdown(["aim", "measured", ""], [[x["aim"], x["measured"], "met" if x["met"] else "NOT met"]
-                                             for x in a["aims"]]))
+    print(
+        markdown(
+            ["aim", "measured", ""],
+            [[x["aim"], x["measured"], "met" if x["met"] else "NOT met"] for x in a["aims"]],
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Masked ring attention benchmark: packed documents and a sliding window")
-    parser.add_argument("--quick", action="store_true", help="Sequence 4096 (warm-up 1024), 2 repetitions")
+    parser = argparse.ArgumentParser(
+        description="Masked ring attention benchmark: packed documents and a sliding window"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="Sequence 4096 (warm-up 1024), 2 repetitions"
+    )
     parser.add_argument("--seq", type=int, help="Global sequence length (default 8192)")
     parser.add_argument("--world-sizes", type=int, nargs="+", help="World sizes (default 2 4)")
-    parser.add_argument("--repeat", type=int,
-                        help="Measured repetitions; the fastest is reported, the median beside it (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="Warm-up repetitions at the warm-up size (0: none, no checks)")
-    parser.add_argument("--warmup-seq", type=int, help="Sequence length of the warm-up (default 2048)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        help="Measured repetitions; the fastest is reported, the median beside it (default 3)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="Warm-up repetitions at the warm-up size (0: none, no checks)",
+    )
+    parser.add_argument(
+        "--warmup-seq", type=int, help="Sequence length of the warm-up (default 2048)"
+    )
     parser.add_argument("--heads", type=int, default=Bench.heads)
     parser.add_argument("--head-dim", type=int, default=Bench.head_dim)
-    parser.add_argument("--window", type=int, default=Bench.window, help="Sliding window (left) in tokens")
-    parser.add_argument("--rotate", default=Bench.rotate, choices=("allgather", "alltoall", "p2p"),
-                        help="Rotation method of the ring")
-    parser.add_argument("--halo", choices=HALO_CHOICES,
-                        help="ring_attention(exchange='auto'|'halo'|'ring') for the window (default: not passed, i.e. None)")
+    parser.add_argument(
+        "--window", type=int, default=Bench.window, help="Sliding window (left) in tokens"
+    )
+    parser.add_argument(
+        "--rotate",
+        default=Bench.rotate,
+        choices=("allgather", "alltoall", "p2p"),
+        help="Rotation method of the ring",
+    )
+    parser.add_argument(
+        "--halo",
+        choices=HALO_CHOICES,
+        help="ring_attention(exchange='auto'|'halo'|'ring') for the window (default: not passed, i.e. None)",
+    )
     parser.add_argument("--out", default="reports/bench", help="Output directory for masks.json")
     args = parser.parse_args(argv)
 
-    b = Bench(heads=args.heads, head_dim=args.head_dim, warmup=args.warmup, window=args.window, rotate=args.rotate)
+    b = Bench(
+        heads=args.heads,
+        head_dim=args.head_dim,
+        warmup=args.warmup,
+        window=args.window,
+        rotate=args.rotate,
+    )
     if args.quick:
         b.seq, b.warmup_seq, b.repeat = 4096, 1024, 2
     b.seq = args.seq or b.seq
@@ -672,14 +1026,22 @@ def main(argv: list[str] | None = None) -> int:
         for seq in (b.seq, b.warmup_seq):
             unit = b.chunks_per_rank * world
             if seq % unit:
-                parser.error(f"--seq/--warmup-seq {seq} must be a multiple of {unit} at W={world} "
-                             f"(the work-aware layout cuts {b.chunks_per_rank} chunks per rank)")
+                parser.error(
+                    f"--seq/--warmup-seq {seq} must be a multiple of {unit} at W={world} "
+                    f"(the work-aware layout cuts {b.chunks_per_rank} chunks per rank)"
+                )
     if args.halo is not None:
         b.halo = args.halo
     import torch
 
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cores": b.cores,
-           "machine": platform.machine(), "load_before": load_average(), "argv": sys.argv[1:]}
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cores": b.cores,
+        "machine": platform.machine(),
+        "load_before": load_average(),
+        "argv": sys.argv[1:],
+    }
     t0 = time.perf_counter()
     raw = run(b)
     env["load_after"] = load_average()
@@ -690,8 +1052,18 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "masks.json")
     with open(path, "w") as f:
-        json.dump({"bench": asdict(b), "env": env, "document_lengths": lengths, "analysis": analysis, "raw": raw},
-                  f, indent=1, default=str)
+        json.dump(
+            {
+                "bench": asdict(b),
+                "env": env,
+                "document_lengths": lengths,
+                "analysis": analysis,
+                "raw": raw,
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     print(f"\nwrote {path} in {env['wall_s']:.0f} s")
     return 0
 

@@ -41,8 +41,13 @@ def memory(pids: list[int]) -> dict[str, float]:
     """Resident and proportional set sizes of the ranks, MiB: min, median, max (RSS) and the PSS sum."""
     rss = [_kib(p, "VmRSS", "status") / 1024 for p in pids]
     pss = [_kib(p, "Pss", "smaps_rollup") / 1024 for p in pids]
-    return {"rss_min": min(rss), "rss_median": statistics.median(rss), "rss_max": max(rss),
-            "pss_median": statistics.median(pss), "pss_total": sum(pss)}
+    return {
+        "rss_min": min(rss),
+        "rss_median": statistics.median(rss),
+        "rss_max": max(rss),
+        "pss_median": statistics.median(pss),
+        "pss_total": sum(pss),
+    }
 
 
 def mesh_case(ctx, shape: tuple[int, int]) -> float:
@@ -59,8 +64,16 @@ def hybrid_case(ctx, shape: tuple[int, int]) -> float:
     mesh = ctx.device_mesh((shape[1], shape[0]), ("ring", "ulysses"))
     q, k, v = (torch.randn(1, 16, 8, 8, requires_grad=True) for _ in range(3))
     t = time.perf_counter()
-    out = ring_impl.ring_attention(q, k, v, group=mesh, exchange="hybrid", is_causal=True, layout="head_tail",
-                                   rotate_method="alltoall")
+    out = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=mesh,
+        exchange="hybrid",
+        is_causal=True,
+        layout="head_tail",
+        rotate_method="alltoall",
+    )
     out.sum().backward()
     return time.perf_counter() - t
 
@@ -87,12 +100,24 @@ def measure(world_size: int, repeat: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             pool.run(hybrid_case, shape, timeout=300)
             hybrid.append(time.perf_counter() - t0)
-        rows.append({"shape": f"{shape[0]}x{shape[1]}", "mesh_create_s": first, "cached_case_s": statistics.median(cached_runs),
-                     "hybrid_case_s": statistics.median(hybrid)})
+        rows.append(
+            {
+                "shape": f"{shape[0]}x{shape[1]}",
+                "mesh_create_s": first,
+                "cached_case_s": statistics.median(cached_runs),
+                "hybrid_case_s": statistics.median(hybrid),
+            }
+        )
     after_cases = memory(pool.pids)
     shutdown_all_pools()
-    return {"world_size": world_size, "start_s": statistics.median(starts), "start_all_s": starts,
-            "memory_after_start_mib": after_start, "memory_after_cases_mib": after_cases, "meshes": rows}
+    return {
+        "world_size": world_size,
+        "start_s": statistics.median(starts),
+        "start_all_s": starts,
+        "memory_after_start_mib": after_start,
+        "memory_after_cases_mib": after_cases,
+        "meshes": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,14 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpus: {os.cpu_count()}, load average at the end: {os.getloadavg()[0]:.1f}")
     for r in results:
         m0, m1 = r["memory_after_start_mib"], r["memory_after_cases_mib"]
-        print(f"W={r['world_size']}: pool start {r['start_s']:.2f} s (median; runs: {', '.join(f'{s:.2f}' for s in r['start_all_s'])}: "
-              "a first run in the process includes the forkserver's torch import); "
-              f"per rank after start RSS {m0['rss_median']:.0f} MiB (min {m0['rss_min']:.0f}, max {m0['rss_max']:.0f}), "
-              f"PSS {m0['pss_median']:.0f} MiB (all ranks {m0['pss_total']:.0f}); after the cases RSS {m1['rss_median']:.0f} "
-              f"MiB (max {m1['rss_max']:.0f}), PSS {m1['pss_median']:.0f} MiB (all ranks {m1['pss_total']:.0f})")
+        print(
+            f"W={r['world_size']}: pool start {r['start_s']:.2f} s (median; runs: {', '.join(f'{s:.2f}' for s in r['start_all_s'])}: "
+            "a first run in the process includes the forkserver's torch import); "
+            f"per rank after start RSS {m0['rss_median']:.0f} MiB (min {m0['rss_min']:.0f}, max {m0['rss_max']:.0f}), "
+            f"PSS {m0['pss_median']:.0f} MiB (all ranks {m0['pss_total']:.0f}); after the cases RSS {m1['rss_median']:.0f} "
+            f"MiB (max {m1['rss_max']:.0f}), PSS {m1['pss_median']:.0f} MiB (all ranks {m1['pss_total']:.0f})"
+        )
         for row in r["meshes"]:
-            print(f"  mesh {row['shape']} (ulysses x ring): first case (creates the mesh) {row['mesh_create_s']:.2f} s, "
-                  f"the same case again {row['cached_case_s'] * 1e3:.1f} ms, tiny hybrid fwd+bwd {row['hybrid_case_s'] * 1e3:.0f} ms")
+            print(
+                f"  mesh {row['shape']} (ulysses x ring): first case (creates the mesh) {row['mesh_create_s']:.2f} s, "
+                f"the same case again {row['cached_case_s'] * 1e3:.1f} ms, tiny hybrid fwd+bwd {row['hybrid_case_s'] * 1e3:.0f} ms"
+            )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

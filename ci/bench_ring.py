@@ -152,20 +152,52 @@ def _configs(world: int, b: Bench) -> list[dict[str, Any]]:
     threads = [world] + ([b.cores] if world > b.cores else [])
     for causal in (False, True):
         for t in threads:
-            out.append({"name": f"sdpa {'causal' if causal else 'full'} {t}t", "impl": "sdpa", "causal": causal,
-                        "layout": "-", "rotate": "-", "threads": t})
+            out.append(
+                {
+                    "name": f"sdpa {'causal' if causal else 'full'} {t}t",
+                    "impl": "sdpa",
+                    "causal": causal,
+                    "layout": "-",
+                    "rotate": "-",
+                    "threads": t,
+                }
+            )
     for causal, layout in VARIANTS:
         kind = "causal" if causal else "full"
         for rot in b.ring_rotations:
-            out.append({"name": f"ring {kind} {layout} {rot}", "impl": "ring", "causal": causal, "layout": layout,
-                        "rotate": rot, "threads": 1})
+            out.append(
+                {
+                    "name": f"ring {kind} {layout} {rot}",
+                    "impl": "ring",
+                    "causal": causal,
+                    "layout": layout,
+                    "rotate": rot,
+                    "threads": 1,
+                }
+            )
         for rot in b.lean_rotations if b.lean_head_chunks > 1 else ():
-            out.append({"name": f"ring {kind} {layout} {rot}{_hc(b.lean_head_chunks)}", "impl": "ring",
-                        "causal": causal, "layout": layout, "rotate": rot, "threads": 1,
-                        "head_chunks": b.lean_head_chunks})
+            out.append(
+                {
+                    "name": f"ring {kind} {layout} {rot}{_hc(b.lean_head_chunks)}",
+                    "impl": "ring",
+                    "causal": causal,
+                    "layout": layout,
+                    "rotate": rot,
+                    "threads": 1,
+                    "head_chunks": b.lean_head_chunks,
+                }
+            )
         for rot in b.torch_rotations:
-            out.append({"name": f"torch {kind} {layout} {rot}", "impl": "torch", "causal": causal, "layout": layout,
-                        "rotate": rot, "threads": 1})
+            out.append(
+                {
+                    "name": f"torch {kind} {layout} {rot}",
+                    "impl": "torch",
+                    "causal": causal,
+                    "layout": layout,
+                    "rotate": rot,
+                    "threads": 1,
+                }
+            )
     return out
 
 
@@ -201,14 +233,27 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
 
     def inputs(seq: int):
         gen = torch.Generator().manual_seed(0)
-        full = [torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype) for _ in range(4)]
-        return full, {layout: [ring_impl.shard(t, world, rank, layout=layout) for t in full] for layout in ring_impl.LAYOUTS}
+        full = [
+            torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype)
+            for _ in range(4)
+        ]
+        return full, {
+            layout: [ring_impl.shard(t, world, rank, layout=layout) for t in full]
+            for layout in ring_impl.LAYOUTS
+        }
 
     warm = inputs(b.warmup_seq)
     measured_inputs = inputs(b.seq)
     configs = _configs(world, b)
     results: dict[str, dict[str, Any]] = {
-        c["name"]: {"config": c, "elapsed": [], "forward": [], "compute": [], "cpu": [], "traffic": None}
+        c["name"]: {
+            "config": c,
+            "elapsed": [],
+            "forward": [],
+            "compute": [],
+            "cpu": [],
+            "traffic": None,
+        }
         for c in configs
     }
     for it in range(b.warmup + b.repeat):
@@ -242,12 +287,25 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
                 t0 = time.perf_counter()
                 with phase("forward"):
                     if c["impl"] == "ring":
-                        out = ring_impl.ring_attention(q, k, v, is_causal=c["causal"], layout=c["layout"],
-                                                       rotate_method=c["rotate"], op=ring_op,
-                                                       head_chunks=c.get("head_chunks", 1))
+                        out = ring_impl.ring_attention(
+                            q,
+                            k,
+                            v,
+                            is_causal=c["causal"],
+                            layout=c["layout"],
+                            rotate_method=c["rotate"],
+                            op=ring_op,
+                            head_chunks=c.get("head_chunks", 1),
+                        )
                     else:
-                        out = torch_cp.IMPLEMENTATION.ring_attention(q, k, v, is_causal=c["causal"], layout=c["layout"],
-                                                                     rotate_method=c["rotate"])
+                        out = torch_cp.IMPLEMENTATION.ring_attention(
+                            q,
+                            k,
+                            v,
+                            is_causal=c["causal"],
+                            layout=c["layout"],
+                            rotate_method=c["rotate"],
+                        )
                 t1 = time.perf_counter()
                 with phase("backward"):
                     out.backward(do)
@@ -265,8 +323,11 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
 
 
 #: the score_mod section's configurations: (name, op, soft-cap or None)
-SCORE_MOD_CONFIGS = (("plain cpu_flash", "auto", None), ("plain math", "math", None),
-                     ("softcap math", "auto", 50.0))
+SCORE_MOD_CONFIGS = (
+    ("plain cpu_flash", "auto", None),
+    ("plain math", "math", None),
+    ("softcap math", "auto", 50.0),
+)
 
 
 def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
@@ -284,8 +345,10 @@ def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
 
     def inputs(seq: int):
         gen = torch.Generator().manual_seed(0)
-        full = [torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype)
-                for _ in range(4)]
+        full = [
+            torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype)
+            for _ in range(4)
+        ]
         return [ring_impl.shard(t, world, rank, layout="head_tail") for t in full]
 
     warm, measured_inputs = inputs(b.warmup_seq), inputs(b.seq)
@@ -296,9 +359,16 @@ def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
             q, k, v = (t.detach().requires_grad_() for t in (q0, k0, v0))
             dist.barrier()
             t0 = time.perf_counter()
-            out = ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail",
-                                           rotate_method="alltoall", op=op,
-                                           score_mod=None if cap is None else SoftCap(cap))
+            out = ring_impl.ring_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                layout="head_tail",
+                rotate_method="alltoall",
+                op=op,
+                score_mod=None if cap is None else SoftCap(cap),
+            )
             out.backward(do)
             if it >= b.warmup:
                 times[name].append(time.perf_counter() - t0)
@@ -319,15 +389,21 @@ def run_score_mod(b: Bench) -> list[dict]:
         row["softcap / plain math"] = row["softcap math"] / row["plain math"]
         row["softcap / plain cpu_flash"] = row["softcap math"] / row["plain cpu_flash"]
         rows.append(row)
-    print(f"\nscore_mod: forward+backward, causal head_tail, alltoall, {b.dtype}, batch {b.batch}, "
-          f"heads {b.heads}, head_dim {b.head_dim}, seq {b.seq}; slowest rank, "
-          f"fastest of {b.repeat}")
-    print(f"{'W':>2} {'plain cpu_flash s':>17} {'plain math s':>12} {'softcap s':>9} "
-          f"{'softcap/math':>12} {'softcap/cpu_flash':>17}")
+    print(
+        f"\nscore_mod: forward+backward, causal head_tail, alltoall, {b.dtype}, batch {b.batch}, "
+        f"heads {b.heads}, head_dim {b.head_dim}, seq {b.seq}; slowest rank, "
+        f"fastest of {b.repeat}"
+    )
+    print(
+        f"{'W':>2} {'plain cpu_flash s':>17} {'plain math s':>12} {'softcap s':>9} "
+        f"{'softcap/math':>12} {'softcap/cpu_flash':>17}"
+    )
     for r in rows:
-        print(f"{r['world']:>2} {r['plain cpu_flash']:>17.3f} {r['plain math']:>12.3f} "
-              f"{r['softcap math']:>9.3f} {r['softcap / plain math']:>12.2f} "
-              f"{r['softcap / plain cpu_flash']:>17.2f}")
+        print(
+            f"{r['world']:>2} {r['plain cpu_flash']:>17.3f} {r['plain math']:>12.3f} "
+            f"{r['softcap math']:>9.3f} {r['softcap / plain math']:>12.2f} "
+            f"{r['softcap / plain cpu_flash']:>17.2f}"
+        )
     return rows
 
 
@@ -346,17 +422,30 @@ def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
     else:
         configs = [{"name": f"ring {r}", "impl": "ring", "rotate": r} for r in b.scaling_rotations]
         if b.lean_head_chunks > 1:
-            configs += [{"name": f"ring {r}{_hc(b.lean_head_chunks)}", "impl": "ring", "rotate": r,
-                         "head_chunks": b.lean_head_chunks} for r in b.scaling_rotations]
-        configs += [{"name": f"torch {r}", "impl": "torch", "rotate": r} for r in b.scaling_rotations
-                    if r in TORCH_ROTATIONS]
+            configs += [
+                {
+                    "name": f"ring {r}{_hc(b.lean_head_chunks)}",
+                    "impl": "ring",
+                    "rotate": r,
+                    "head_chunks": b.lean_head_chunks,
+                }
+                for r in b.scaling_rotations
+            ]
+        configs += [
+            {"name": f"torch {r}", "impl": "torch", "rotate": r}
+            for r in b.scaling_rotations
+            if r in TORCH_ROTATIONS
+        ]
     out: dict[str, Any] = {}
     for c in configs:
         for size in (min(1024, seq), seq):  # a small warm-up call, then the measured one
             local = size // world
             mem.reset()
             gen = torch.Generator().manual_seed(rank)
-            q, k, v, do = (torch.randn(b.batch, b.heads, local, b.head_dim, generator=gen, dtype=dtype) for _ in range(4))
+            q, k, v, do = (
+                torch.randn(b.batch, b.heads, local, b.head_dim, generator=gen, dtype=dtype)
+                for _ in range(4)
+            )
             inputs = mem.peak()
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             if world > 1:
@@ -368,8 +457,14 @@ def _scaling_rank(rank: int, world: int, b_dict: dict, seq: int) -> dict:
                 torch.set_num_threads(1)
             else:
                 extra = {"head_chunks": c["head_chunks"]} if "head_chunks" in c else {}
-                fn = ring_impl.ring_attention if c["impl"] == "ring" else torch_cp.IMPLEMENTATION.ring_attention
-                o = fn(q, k, v, is_causal=True, layout="head_tail", rotate_method=c["rotate"], **extra)
+                fn = (
+                    ring_impl.ring_attention
+                    if c["impl"] == "ring"
+                    else torch_cp.IMPLEMENTATION.ring_attention
+                )
+                o = fn(
+                    q, k, v, is_causal=True, layout="head_tail", rotate_method=c["rotate"], **extra
+                )
                 o.backward(do)
                 del o
             elapsed = time.perf_counter() - t0
@@ -425,20 +520,31 @@ def run_speed(b: Bench) -> dict:
             c = per_rank[0][name]["config"]
             if c["impl"] == "sdpa":
                 times = per_rank[0][name]["elapsed"]
-                rows[name] = {"config": c, "time": min(times), "time_median": median(times), "times": times,
-                              "forward": min(per_rank[0][name]["forward"]),
-                              "cpu": median(per_rank[0][name]["cpu"])}
+                rows[name] = {
+                    "config": c,
+                    "time": min(times),
+                    "time_median": median(times),
+                    "times": times,
+                    "forward": min(per_rank[0][name]["forward"]),
+                    "cpu": median(per_rank[0][name]["cpu"]),
+                }
                 continue
             reps = len(per_rank[0][name]["elapsed"])
-            slowest = [max(per_rank[r][name]["elapsed"][i] for r in range(world)) for i in range(reps)]
+            slowest = [
+                max(per_rank[r][name]["elapsed"][i] for r in range(world)) for i in range(reps)
+            ]
             rows[name] = {
                 "config": c,
                 "time": min(slowest),
                 "time_median": median(slowest),
                 "times": slowest,
-                "forward": min(max(per_rank[r][name]["forward"][i] for r in range(world)) for i in range(reps)),
+                "forward": min(
+                    max(per_rank[r][name]["forward"][i] for r in range(world)) for i in range(reps)
+                ),
                 "compute_per_rank": [median(per_rank[r][name]["compute"]) for r in range(world)],
-                "cpu": median([sum(per_rank[r][name]["cpu"][i] for r in range(world)) for i in range(reps)]),
+                "cpu": median(
+                    [sum(per_rank[r][name]["cpu"][i] for r in range(world)) for i in range(reps)]
+                ),
                 "elapsed_per_rank": [median(per_rank[r][name]["elapsed"]) for r in range(world)],
                 "traffic_per_rank": [per_rank[r][name]["traffic"] for r in range(world)],
             }
@@ -478,16 +584,34 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
     for w, entry in speed.items():
         world = int(w)
         rows = entry["rows"]
-        sdpa = {c: rows[f"sdpa {'causal' if c else 'full'} {world}t"]["time"] for c in (False, True)}
-        sdpa_cpu = {c: rows[f"sdpa {'causal' if c else 'full'} {world}t"]["cpu"] for c in (False, True)}
-        sdpa_median = {c: rows[f"sdpa {'causal' if c else 'full'} {world}t"]["time_median"] for c in (False, True)}
+        sdpa = {
+            c: rows[f"sdpa {'causal' if c else 'full'} {world}t"]["time"] for c in (False, True)
+        }
+        sdpa_cpu = {
+            c: rows[f"sdpa {'causal' if c else 'full'} {world}t"]["cpu"] for c in (False, True)
+        }
+        sdpa_median = {
+            c: rows[f"sdpa {'causal' if c else 'full'} {world}t"]["time_median"]
+            for c in (False, True)
+        }
         for name, r in rows.items():
             c = r["config"]
-            row = {"W": world, "name": name, "impl": c["impl"], "causal": c["causal"], "layout": c["layout"],
-                   "rotate": c["rotate"], "threads": c["threads"], "time_s": r["time"], "forward_s": r["forward"],
-                   "median_s": r["time_median"], "vs_sdpa": r["time"] / sdpa[c["causal"]],
-                   "median_vs_sdpa": r["time_median"] / sdpa_median[c["causal"]], "cpu_s": r["cpu"],
-                   "cpu_vs_sdpa": r["cpu"] / sdpa_cpu[c["causal"]]}
+            row = {
+                "W": world,
+                "name": name,
+                "impl": c["impl"],
+                "causal": c["causal"],
+                "layout": c["layout"],
+                "rotate": c["rotate"],
+                "threads": c["threads"],
+                "time_s": r["time"],
+                "forward_s": r["forward"],
+                "median_s": r["time_median"],
+                "vs_sdpa": r["time"] / sdpa[c["causal"]],
+                "median_vs_sdpa": r["time_median"] / sdpa_median[c["causal"]],
+                "cpu_s": r["cpu"],
+                "cpu_vs_sdpa": r["cpu"] / sdpa_cpu[c["causal"]],
+            }
             if c["impl"] != "sdpa":
                 # Seconds outside the attention kernel (rotation, merge, accumulation, waiting),
                 # the slowest rank's: the part a ring implementation controls, free of the
@@ -495,21 +619,38 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
                 row["overhead_s"] = _outside_kernel(r)
             if c["impl"] == "ring":
                 kind = "causal" if c["causal"] else "full"
-                torch_rows = {rot: rows[f"torch {kind} {c['layout']} {rot}"] for rot in b.torch_rotations}
+                torch_rows = {
+                    rot: rows[f"torch {kind} {c['layout']} {rot}"] for rot in b.torch_rotations
+                }
                 torch_times = {rot: t["time"] for rot, t in torch_rows.items()}
                 same = torch_times.get(c["rotate"])
                 row["vs_torch_same_rotation"] = r["time"] / same if same else None
-                row["vs_torch_best"] = r["time"] / min(torch_times.values()) if torch_times else None
+                row["vs_torch_best"] = (
+                    r["time"] / min(torch_times.values()) if torch_times else None
+                )
                 torch_overheads = {rot: _outside_kernel(t) for rot, t in torch_rows.items()}
-                row["torch_overhead_s"] = torch_overheads.get(c["rotate"], min(torch_overheads.values(), default=None))
+                row["torch_overhead_s"] = torch_overheads.get(
+                    c["rotate"], min(torch_overheads.values(), default=None)
+                )
             out["speed"].append(row)
             if c["impl"] in ("ring", "torch") and c["causal"]:
                 comp = r["compute_per_rank"]
-                out["balance"].append({"W": world, "impl": c["impl"], "layout": c["layout"], "rotate": c["rotate"],
-                                       "head_chunks": c.get("head_chunks", 1),
-                                       "compute_per_rank_s": comp,
-                                       "max_over_mean": max(comp) / (sum(comp) / len(comp))})
-            if c["impl"] in ("ring", "torch") and c["layout"] in ("contiguous",) and not c["causal"]:
+                out["balance"].append(
+                    {
+                        "W": world,
+                        "impl": c["impl"],
+                        "layout": c["layout"],
+                        "rotate": c["rotate"],
+                        "head_chunks": c.get("head_chunks", 1),
+                        "compute_per_rank_s": comp,
+                        "max_over_mean": max(comp) / (sum(comp) / len(comp)),
+                    }
+                )
+            if (
+                c["impl"] in ("ring", "torch")
+                and c["layout"] in ("contiguous",)
+                and not c["causal"]
+            ):
                 local = b.seq // world
                 kv = 2 * b.batch * b.heads * local * b.head_dim * itemsize
                 dkv = 2 * b.batch * b.heads * local * b.head_dim * 4
@@ -519,32 +660,55 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
                 wire = [_sent_bytes(t, world, gloo=True) for t in traffic]
                 declared_ok = None
                 if c["impl"] == "ring":
-                    declared = ring_impl.collective_schedule(world, c["rotate"], batch=b.batch, heads_kv=b.heads,
-                                                             seq_kv=local, head_dim=b.head_dim,
-                                                             dtype=getattr(torch, b.dtype),
-                                                             head_chunks=c.get("head_chunks", 1))
-                    declared_ok = all({p: t.get(p, {}) for p in ("forward", "backward")} == declared for t in traffic)
+                    declared = ring_impl.collective_schedule(
+                        world,
+                        c["rotate"],
+                        batch=b.batch,
+                        heads_kv=b.heads,
+                        seq_kv=local,
+                        head_dim=b.head_dim,
+                        dtype=getattr(torch, b.dtype),
+                        head_chunks=c.get("head_chunks", 1),
+                    )
+                    declared_ok = all(
+                        {p: t.get(p, {}) for p in ("forward", "backward")} == declared
+                        for t in traffic
+                    )
                 for phase in ("forward", "backward"):
-                    out["traffic"].append({
-                        "W": world, "impl": c["impl"], "rotate": c["rotate"], "phase": phase,
-                        "head_chunks": c.get("head_chunks", 1),
-                        "calls": {k: e["calls"] for k, e in traffic[0].get(phase, {}).items()},
-                        "sent_bytes": max(s[phase] for s in sent), "gloo_wire_bytes": max(s[phase] for s in wire),
-                        "minimum_bytes": minimum[phase],
-                        "ratio": max(s[phase] for s in sent) / minimum[phase],
-                        "gloo_ratio": max(s[phase] for s in wire) / minimum[phase],
-                        "control_bytes": _control_bytes(traffic[0]) if phase == "forward" else 0,
-                        "declared_equals_measured": declared_ok,
-                    })
+                    out["traffic"].append(
+                        {
+                            "W": world,
+                            "impl": c["impl"],
+                            "rotate": c["rotate"],
+                            "phase": phase,
+                            "head_chunks": c.get("head_chunks", 1),
+                            "calls": {k: e["calls"] for k, e in traffic[0].get(phase, {}).items()},
+                            "sent_bytes": max(s[phase] for s in sent),
+                            "gloo_wire_bytes": max(s[phase] for s in wire),
+                            "minimum_bytes": minimum[phase],
+                            "ratio": max(s[phase] for s in sent) / minimum[phase],
+                            "gloo_ratio": max(s[phase] for s in wire) / minimum[phase],
+                            "control_bytes": _control_bytes(traffic[0])
+                            if phase == "forward"
+                            else 0,
+                            "declared_equals_measured": declared_ok,
+                        }
+                    )
     for seq, entries in scaling.items():
         single = entries.get("W=1 sdpa")
         for name, e in entries.items():
             peak = max(e["peak_per_rank"])
-            out["memory"].append({
-                "seq": int(seq), "name": name, "W": e["world"], "peak_per_rank_MiB": peak / MiB,
-                "inputs_MiB": max(e["inputs_per_rank"]) / MiB,
-                "vs_single": peak / max(single["peak_per_rank"]) if single else None, "time_s": e["time"],
-            })
+            out["memory"].append(
+                {
+                    "seq": int(seq),
+                    "name": name,
+                    "W": e["world"],
+                    "peak_per_rank_MiB": peak / MiB,
+                    "inputs_MiB": max(e["inputs_per_rank"]) / MiB,
+                    "vs_single": peak / max(single["peak_per_rank"]) if single else None,
+                    "time_s": e["time"],
+                }
+            )
     out["aims"] = _aims(b, out)
     return out
 
@@ -559,75 +723,196 @@ def _aims(b: Bench, a: dict) -> list[dict]:
     speed = {(r["W"], r["name"]): r for r in a["speed"]}
     for world in b.world_sizes:
         for rot in b.ring_rotations:
-            lean = [_hc(b.lean_head_chunks)] if rot in b.lean_rotations and b.lean_head_chunks > 1 else []
+            lean = (
+                [_hc(b.lean_head_chunks)]
+                if rot in b.lean_rotations and b.lean_head_chunks > 1
+                else []
+            )
             for suffix in ["", *lean]:
                 for kind, bound in (("full contiguous", 1.15), ("causal head_tail", 1.25)):
                     r = speed[(world, f"ring {kind} {rot}{suffix}")]
                     what = "non-causal" if kind.startswith("full") else "causal head_tail"
-                    aims.append({"aim": f"W={world} {rot}{suffix}: {what} ring <= {bound}x SDPA ({world} threads)",
-                                 "measured": f"{r['vs_sdpa']:.2f}x", "met": r["vs_sdpa"] <= bound})
+                    aims.append(
+                        {
+                            "aim": f"W={world} {rot}{suffix}: {what} ring <= {bound}x SDPA ({world} threads)",
+                            "measured": f"{r['vs_sdpa']:.2f}x",
+                            "met": r["vs_sdpa"] <= bound,
+                        }
+                    )
             nc = speed[(world, f"ring full contiguous {rot}")]
             ht = speed[(world, f"ring causal head_tail {rot}")]
             for r in (nc, ht, speed[(world, f"ring causal contiguous {rot}")]):
                 if r["vs_torch_best"] is None:  # PyTorch's ring was not run (--rotations)
                     continue
-                key = "vs_torch_same_rotation" if r["vs_torch_same_rotation"] is not None else "vs_torch_best"
+                key = (
+                    "vs_torch_same_rotation"
+                    if r["vs_torch_same_rotation"] is not None
+                    else "vs_torch_best"
+                )
                 label = "same rotation" if key == "vs_torch_same_rotation" else "its best rotation"
-                aims.append({"aim": f"W={world} {r['name']} <= PyTorch's ring ({label})",
-                             "measured": f"{r[key]:.2f}x", "met": r[key] <= 1.0})
+                aims.append(
+                    {
+                        "aim": f"W={world} {r['name']} <= PyTorch's ring ({label})",
+                        "measured": f"{r[key]:.2f}x",
+                        "met": r[key] <= 1.0,
+                    }
+                )
                 if r["torch_overhead_s"] is not None:
-                    aims.append({"aim": f"W={world} {r['name']}: seconds outside the kernel <= PyTorch's ({label})",
-                                 "measured": f"{r['overhead_s']:.3f} vs {r['torch_overhead_s']:.3f}",
-                                 "met": r["overhead_s"] <= r["torch_overhead_s"]})
+                    aims.append(
+                        {
+                            "aim": f"W={world} {r['name']}: seconds outside the kernel <= PyTorch's ({label})",
+                            "measured": f"{r['overhead_s']:.3f} vs {r['torch_overhead_s']:.3f}",
+                            "met": r["overhead_s"] <= r["torch_overhead_s"],
+                        }
+                    )
     longest = max((m["seq"] for m in a["memory"]), default=None)
     for m in a["memory"]:
         if m["seq"] == longest and m["W"] == 4 and m["vs_single"] is not None:
-            aims.append({"aim": f"seq={longest} {m['name']}: per-rank peak <= 0.35x single-process",
-                         "measured": f"{m['vs_single']:.2f}x", "met": m["vs_single"] <= 0.35})
+            aims.append(
+                {
+                    "aim": f"seq={longest} {m['name']}: per-rank peak <= 0.35x single-process",
+                    "measured": f"{m['vs_single']:.2f}x",
+                    "met": m["vs_single"] <= 0.35,
+                }
+            )
     for t in a["traffic"]:
         if t["impl"] == "ring":
-            aims.append({"aim": f"W={t['W']} ring {t['rotate']}{_hc(t['head_chunks'])} {t['phase']}: traffic = minimum",
-                         "measured": f"{t['ratio']:.2f}x (gloo wire {t['gloo_ratio']:.2f}x)",
-                         "met": abs(t["ratio"] - 1.0) < 1e-9})
+            aims.append(
+                {
+                    "aim": f"W={t['W']} ring {t['rotate']}{_hc(t['head_chunks'])} {t['phase']}: traffic = minimum",
+                    "measured": f"{t['ratio']:.2f}x (gloo wire {t['gloo_ratio']:.2f}x)",
+                    "met": abs(t["ratio"] - 1.0) < 1e-9,
+                }
+            )
     return aims
 
 
 def print_report(b: Bench, a: dict, env: dict) -> None:
     from tabulate import tabulate
 
-    print(f"\nring attention benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, "
-          f"seq {b.seq}; torch {env['torch']}, {env['cores']} cores, load {env['load_before']} -> {env['load_after']}")
-    print(f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations interleaved; "
-          "time = slowest rank, forward + backward;\n'time' is the fastest repetition (the one least disturbed by "
-          "other processes), 'median' the median; CPU = process CPU seconds summed over ranks (median)\n")
-    rows = [[r["W"], r["name"], r["threads"], f"{r['time_s']:.3f}", f"{r['forward_s']:.3f}", f"{r['vs_sdpa']:.2f}",
-             "" if r.get("vs_torch_same_rotation") is None else f"{r['vs_torch_same_rotation']:.2f}",
-             "" if r.get("vs_torch_best") is None else f"{r['vs_torch_best']:.2f}",
-             f"{r['median_s']:.3f}", f"{r['median_vs_sdpa']:.2f}",
-             "" if r.get("overhead_s") is None else f"{r['overhead_s']:.3f}",
-             f"{r['cpu_s']:.2f}", f"{r['cpu_vs_sdpa']:.2f}"] for r in a["speed"]]
-    print(tabulate(rows, headers=["W", "configuration", "thr", "time s", "fwd s", "x SDPA", "x torch same rot",
-                                  "x torch best", "median s", "median x SDPA", "outside kernel s", "CPU s",
-                                  "CPU x SDPA"]))
+    print(
+        f"\nring attention benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, "
+        f"seq {b.seq}; torch {env['torch']}, {env['cores']} cores, load {env['load_before']} -> {env['load_after']}"
+    )
+    print(
+        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations interleaved; "
+        "time = slowest rank, forward + backward;\n'time' is the fastest repetition (the one least disturbed by "
+        "other processes), 'median' the median; CPU = process CPU seconds summed over ranks (median)\n"
+    )
+    rows = [
+        [
+            r["W"],
+            r["name"],
+            r["threads"],
+            f"{r['time_s']:.3f}",
+            f"{r['forward_s']:.3f}",
+            f"{r['vs_sdpa']:.2f}",
+            "" if r.get("vs_torch_same_rotation") is None else f"{r['vs_torch_same_rotation']:.2f}",
+            "" if r.get("vs_torch_best") is None else f"{r['vs_torch_best']:.2f}",
+            f"{r['median_s']:.3f}",
+            f"{r['median_vs_sdpa']:.2f}",
+            "" if r.get("overhead_s") is None else f"{r['overhead_s']:.3f}",
+            f"{r['cpu_s']:.2f}",
+            f"{r['cpu_vs_sdpa']:.2f}",
+        ]
+        for r in a["speed"]
+    ]
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "W",
+                "configuration",
+                "thr",
+                "time s",
+                "fwd s",
+                "x SDPA",
+                "x torch same rot",
+                "x torch best",
+                "median s",
+                "median x SDPA",
+                "outside kernel s",
+                "CPU s",
+                "CPU x SDPA",
+            ],
+        )
+    )
     print("\nbalance: per-rank seconds in the attention kernel, causal")
-    rows = [[r["W"], r["impl"], r["layout"], r["rotate"] + _hc(r["head_chunks"]),
-             " ".join(f"{x:.2f}" for x in r["compute_per_rank_s"]),
-             f"{r['max_over_mean']:.2f}"] for r in a["balance"] if r["rotate"] in ("allgather", "alltoall")]
-    print(tabulate(rows, headers=["W", "impl", "layout", "rotate", "kernel s per rank", "max/mean"]))
+    rows = [
+        [
+            r["W"],
+            r["impl"],
+            r["layout"],
+            r["rotate"] + _hc(r["head_chunks"]),
+            " ".join(f"{x:.2f}" for x in r["compute_per_rank_s"]),
+            f"{r['max_over_mean']:.2f}",
+        ]
+        for r in a["balance"]
+        if r["rotate"] in ("allgather", "alltoall")
+    ]
+    print(
+        tabulate(rows, headers=["W", "impl", "layout", "rotate", "kernel s per rank", "max/mean"])
+    )
     print("\nmemory: per-rank peak RSS of forward + backward (inputs included), causal head_tail")
-    rows = [[m["seq"], m["name"], f"{m['peak_per_rank_MiB']:.1f}", f"{m['inputs_MiB']:.1f}",
-             "" if m["vs_single"] is None else f"{m['vs_single']:.2f}", f"{m['time_s']:.2f}"] for m in a["memory"]]
-    print(tabulate(rows, headers=["seq", "configuration", "peak MiB/rank", "inputs MiB", "x single", "time s"]))
+    rows = [
+        [
+            m["seq"],
+            m["name"],
+            f"{m['peak_per_rank_MiB']:.1f}",
+            f"{m['inputs_MiB']:.1f}",
+            "" if m["vs_single"] is None else f"{m['vs_single']:.2f}",
+            f"{m['time_s']:.2f}",
+        ]
+        for m in a["memory"]
+    ]
+    print(
+        tabulate(
+            rows,
+            headers=["seq", "configuration", "peak MiB/rank", "inputs MiB", "x single", "time s"],
+        )
+    )
     print("\ntraffic: bytes each rank sends (non-causal; causal issues the same collectives)")
-    rows = [[t["W"], t["impl"], t["rotate"] + _hc(t["head_chunks"]), t["phase"], " ".join(f"{k}:{v}" for k, v in t["calls"].items()),
-             t["sent_bytes"], t["minimum_bytes"], f"{t['ratio']:.2f}", f"{t['gloo_ratio']:.2f}",
-             "" if t["declared_equals_measured"] is None else ("yes" if t["declared_equals_measured"] else "NO")]
-            for t in a["traffic"]]
-    print(tabulate(rows, headers=["W", "impl", "rotate", "phase", "calls", "sent B", "minimum B", "x min",
-                                  "x min (gloo wire)", "declared = measured"]))
+    rows = [
+        [
+            t["W"],
+            t["impl"],
+            t["rotate"] + _hc(t["head_chunks"]),
+            t["phase"],
+            " ".join(f"{k}:{v}" for k, v in t["calls"].items()),
+            t["sent_bytes"],
+            t["minimum_bytes"],
+            f"{t['ratio']:.2f}",
+            f"{t['gloo_ratio']:.2f}",
+            ""
+            if t["declared_equals_measured"] is None
+            else ("yes" if t["declared_equals_measured"] else "NO"),
+        ]
+        for t in a["traffic"]
+    ]
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "W",
+                "impl",
+                "rotate",
+                "phase",
+                "calls",
+                "sent B",
+                "minimum B",
+                "x min",
+                "x min (gloo wire)",
+                "declared = measured",
+            ],
+        )
+    )
     print("\naims of issue 8")
-    print(tabulate([[x["aim"], x["measured"], "met" if x["met"] else "NOT met"] for x in a["aims"]],
-                   headers=["aim", "measured", ""]))
+    print(
+        tabulate(
+            [[x["aim"], x["measured"], "met" if x["met"] else "NOT met"] for x in a["aims"]],
+            headers=["aim", "measured", ""],
+        )
+    )
 
 
 def plot(a: dict, path: str) -> None:
@@ -646,8 +931,10 @@ def plot(a: dict, path: str) -> None:
         style = "-" if "ring" in name else ("--" if "torch" in name else ":")
         ax_t.plot(xs, [p[1] for p in pts], style, marker="o", label=name)
         ax_m.plot(xs, [p[2] for p in pts], style, marker="o", label=name)
-    for ax, title, ylabel in ((ax_t, "forward + backward time (causal, head_tail)", "seconds (slowest rank)"),
-                              (ax_m, "peak memory per rank (inputs included)", "MiB")):
+    for ax, title, ylabel in (
+        (ax_t, "forward + backward time (causal, head_tail)", "seconds (slowest rank)"),
+        (ax_m, "peak memory per rank (inputs included)", "MiB"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length")
@@ -660,33 +947,75 @@ def plot(a: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Ring attention benchmark: speed, balance, memory and traffic")
-    parser.add_argument("--quick", action="store_true", help="Small sizes for a run of a few minutes")
-    parser.add_argument("--seq", type=int, help="Global sequence length of the speed benchmark (default 8192)")
+    parser = argparse.ArgumentParser(
+        description="Ring attention benchmark: speed, balance, memory and traffic"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="Small sizes for a run of a few minutes"
+    )
+    parser.add_argument(
+        "--seq", type=int, help="Global sequence length of the speed benchmark (default 8192)"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    parser.add_argument("--world-sizes", type=int, nargs="+", help="World sizes of the speed benchmark (default 2 4)")
-    parser.add_argument("--repeat", type=int, help="Measured repetitions; the fastest is reported, the median beside it (default 3)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"]
+    )
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        help="World sizes of the speed benchmark (default 2 4)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        help="Measured repetitions; the fastest is reported, the median beside it (default 3)",
+    )
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--scaling-seqs", type=int, nargs="*", help="Sequence lengths of the memory/time sweep")
-    parser.add_argument("--out", default="reports/bench", help="Output directory for bench.json and bench.png")
-    parser.add_argument("--rotations", nargs="+", choices=RING_ROTATIONS,
-                        help="Rotation methods of the speed benchmark (default: all; PyTorch's ring runs those it has)")
-    parser.add_argument("--lean-head-chunks", type=int, default=Bench.lean_head_chunks,
-                        help="head_chunks of the memory-lean ring configurations (0: leave them out)")
-    parser.add_argument("--analyse", metavar="BENCH_JSON",
-                        help="Measure nothing: print the tables and aims of an earlier run's bench.json again")
+    parser.add_argument(
+        "--scaling-seqs", type=int, nargs="*", help="Sequence lengths of the memory/time sweep"
+    )
+    parser.add_argument(
+        "--out", default="reports/bench", help="Output directory for bench.json and bench.png"
+    )
+    parser.add_argument(
+        "--rotations",
+        nargs="+",
+        choices=RING_ROTATIONS,
+        help="Rotation methods of the speed benchmark (default: all; PyTorch's ring runs those it has)",
+    )
+    parser.add_argument(
+        "--lean-head-chunks",
+        type=int,
+        default=Bench.lean_head_chunks,
+        help="head_chunks of the memory-lean ring configurations (0: leave them out)",
+    )
+    parser.add_argument(
+        "--analyse",
+        metavar="BENCH_JSON",
+        help="Measure nothing: print the tables and aims of an earlier run's bench.json again",
+    )
     parser.add_argument("--skip-speed", action="store_true", help="Only the memory/time sweep")
-    parser.add_argument("--skip-scaling", action="store_true", help="Only the speed, balance and traffic part")
-    parser.add_argument("--score-mod", action="store_true",
-                        help="Only the score_mod section: a soft-capped call against the plain "
-                             "one, as ratios")
+    parser.add_argument(
+        "--skip-scaling", action="store_true", help="Only the speed, balance and traffic part"
+    )
+    parser.add_argument(
+        "--score-mod",
+        action="store_true",
+        help="Only the score_mod section: a soft-capped call against the plain one, as ratios",
+    )
     args = parser.parse_args(argv)
 
-    b = Bench(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, warmup=args.warmup,
-              lean_head_chunks=args.lean_head_chunks)
+    b = Bench(
+        batch=args.batch,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        warmup=args.warmup,
+        lean_head_chunks=args.lean_head_chunks,
+    )
     if args.quick:
         b.seq, b.warmup_seq, b.repeat, b.scaling_seqs = 2048, 512, 2, (1024, 2048, 4096)
     b.seq = args.seq or b.seq
@@ -703,7 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.analyse:
         with open(args.analyse) as f:
             saved = json.load(f)
-        fields = {"lean_head_chunks": 0, **saved["bench"]}  # runs from before the lean configurations had none
+        fields = {
+            "lean_head_chunks": 0,
+            **saved["bench"],
+        }  # runs from before the lean configurations had none
         b = Bench(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
         print_report(b, _analysis(b, saved["speed_raw"], saved["scaling_raw"]), saved["env"])
         return 0
@@ -712,18 +1044,38 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_score_mod(b)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "score_mod.json"), "w") as f:
-            json.dump({"bench": asdict(b), "rows": rows, "platform": platform.platform(),
-                       "load": load_average()}, f, indent=1, default=str)
-        print(f"\nwrote {args.out}/score_mod.json in {time.perf_counter() - t0:.0f} s; "
-              f"load average {load_average()}")
+            json.dump(
+                {
+                    "bench": asdict(b),
+                    "rows": rows,
+                    "platform": platform.platform(),
+                    "load": load_average(),
+                },
+                f,
+                indent=1,
+                default=str,
+            )
+        print(
+            f"\nwrote {args.out}/score_mod.json in {time.perf_counter() - t0:.0f} s; "
+            f"load average {load_average()}"
+        )
         return 0
     if not PeakRss.supported():
-        print("memory: /proc/self/clear_refs is not writable here; the memory sweep is skipped", file=sys.stderr)
+        print(
+            "memory: /proc/self/clear_refs is not writable here; the memory sweep is skipped",
+            file=sys.stderr,
+        )
         args.skip_scaling = True
     import torch
 
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cores": b.cores,
-           "machine": platform.machine(), "load_before": load_average(), "argv": sys.argv[1:]}
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cores": b.cores,
+        "machine": platform.machine(),
+        "load_before": load_average(),
+        "argv": sys.argv[1:],
+    }
     t0 = time.perf_counter()
     speed = {} if args.skip_speed else run_speed(b)
     scaling = {} if args.skip_scaling else run_scaling(b)
@@ -733,12 +1085,25 @@ def main(argv: list[str] | None = None) -> int:
     print_report(b, analysis, env)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"bench": asdict(b), "env": env, "analysis": analysis, "speed_raw": speed, "scaling_raw": scaling},
-                  f, indent=1, default=str)
+        json.dump(
+            {
+                "bench": asdict(b),
+                "env": env,
+                "analysis": analysis,
+                "speed_raw": speed,
+                "scaling_raw": scaling,
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     if analysis["memory"]:
         plot(analysis, os.path.join(args.out, "bench.png"))
-    print(f"\nwrote {args.out}/bench.json" + (f" and {args.out}/bench.png" if analysis["memory"] else "")
-          + f" in {env['wall_s']:.0f} s")
+    print(
+        f"\nwrote {args.out}/bench.json"
+        + (f" and {args.out}/bench.png" if analysis["memory"] else "")
+        + f" in {env['wall_s']:.0f} s"
+    )
     return 0
 
 

@@ -89,10 +89,17 @@ def _sent_recorder():
                 x, size = args[0], args[1]
                 self.sent[self.phase] += (size - 1) * x.numel() * x.element_size()
             elif name.startswith("c10d::allreduce") or name == "_c10d_functional::all_reduce":
-                self.control += args[0][0].numel() * args[0][0].element_size() if isinstance(args[0], list) else \
-                    args[0].numel() * args[0].element_size()
-            elif name.startswith(("c10d::", "_c10d_functional::")) and not name.endswith(("wait_tensor",)):
-                raise RuntimeError(f"bench_strategies: collective {name} is not counted; extend _sent_recorder")
+                self.control += (
+                    args[0][0].numel() * args[0][0].element_size()
+                    if isinstance(args[0], list)
+                    else args[0].numel() * args[0].element_size()
+                )
+            elif name.startswith(("c10d::", "_c10d_functional::")) and not name.endswith(
+                ("wait_tensor",)
+            ):
+                raise RuntimeError(
+                    f"bench_strategies: collective {name} is not counted; extend _sent_recorder"
+                )
             return func(*args, **(kwargs or {}))
 
     return Sent()
@@ -129,8 +136,13 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
         gen = torch.Generator().manual_seed(0)
         full = [torch.randn(b.batch, heads, seq, b.head_dim, generator=gen) for _ in range(4)]
         layout = "head_tail" if causal else "contiguous"
-        local = {s: [shard(t, strategy=s, layout=layout, mesh_shape=shapes[s], coords=coords[s]) for t in full]
-                 for s in STRATEGIES}
+        local = {
+            s: [
+                shard(t, strategy=s, layout=layout, mesh_shape=shapes[s], coords=coords[s])
+                for t in full
+            ]
+            for s in STRATEGIES
+        }
         return full, local, layout
 
     points = list(itertools.product(b.heads, b.seqs, (False, True)))
@@ -140,8 +152,18 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
         for heads, seq, causal in points:
             full, local, layout = inputs(heads, seq if measured else b.warmup_seq, causal)
             key = f"h{heads}-s{seq}-{'causal' if causal else 'full'}"
-            point = results.setdefault(key, {"heads": heads, "seq": seq, "causal": causal, "sdpa": [],
-                                             **{s: [] for s in STRATEGIES}, "sent": {}, "control": {}})
+            point = results.setdefault(
+                key,
+                {
+                    "heads": heads,
+                    "seq": seq,
+                    "causal": causal,
+                    "sdpa": [],
+                    **{s: [] for s in STRATEGIES},
+                    "sent": {},
+                    "control": {},
+                },
+            )
             dist.barrier()
             if rank == 0:
                 torch.set_num_threads(world)
@@ -157,13 +179,29 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
                 t0 = time.perf_counter()
                 if rec is not None:
                     with rec:
-                        out = ring_impl.ring_attention(q, k, v, group=groups[s], exchange=s, is_causal=causal,
-                                                       layout=layout, rotate_method="alltoall")
+                        out = ring_impl.ring_attention(
+                            q,
+                            k,
+                            v,
+                            group=groups[s],
+                            exchange=s,
+                            is_causal=causal,
+                            layout=layout,
+                            rotate_method="alltoall",
+                        )
                         rec.phase = "backward"
                         out.backward(local[s][3])
                 else:
-                    out = ring_impl.ring_attention(q, k, v, group=groups[s], exchange=s, is_causal=causal, layout=layout,
-                                                   rotate_method="alltoall")
+                    out = ring_impl.ring_attention(
+                        q,
+                        k,
+                        v,
+                        group=groups[s],
+                        exchange=s,
+                        is_causal=causal,
+                        layout=layout,
+                        rotate_method="alltoall",
+                    )
                     out.backward(local[s][3])
                 elapsed = time.perf_counter() - t0
                 del out, q, k, v
@@ -182,7 +220,10 @@ def minimum_sent(strategy: str, b: Bench, heads: int, seq: int) -> dict[str, int
         return {"forward": (w - 1) * 2 * n, "backward": (w - 1) * 4 * n}
     u, r = (w, 1) if strategy == "ulysses" else b.mesh
     a2a = {"forward": (u - 1) * 4 * n // u, "backward": (u - 1) * 4 * n // u}
-    return {"forward": a2a["forward"] + (r - 1) * 2 * n, "backward": a2a["backward"] + (r - 1) * 4 * n}
+    return {
+        "forward": a2a["forward"] + (r - 1) * 2 * n,
+        "backward": a2a["backward"] + (r - 1) * 4 * n,
+    }
 
 
 def analyse(b: Bench, per_rank: list[dict]) -> list[dict]:
@@ -198,8 +239,10 @@ def analyse(b: Bench, per_rank: list[dict]) -> list[dict]:
             mins = minimum_sent(s, b, point["heads"], point["seq"])
             sent = [pr[key]["sent"][s] for pr in per_rank]
             row[f"{s}_bytes"] = {ph: max(x[ph] for x in sent) for ph in ("forward", "backward")}
-            row[f"{s}_bytes_ratio"] = {ph: (max(x[ph] for x in sent) / mins[ph]) if mins[ph] else 1.0
-                                       for ph in ("forward", "backward")}
+            row[f"{s}_bytes_ratio"] = {
+                ph: (max(x[ph] for x in sent) / mins[ph]) if mins[ph] else 1.0
+                for ph in ("forward", "backward")
+            }
             row[f"{s}_control"] = max(pr[key]["control"][s] for pr in per_rank)
         row["winner"] = min(STRATEGIES, key=lambda s: row[s])
         rows.append(row)
@@ -207,26 +250,45 @@ def analyse(b: Bench, per_rank: list[dict]) -> list[dict]:
 
 
 def print_report(b: Bench, rows: list[dict]) -> None:
-    print(f"\nW={b.world} on {b.cores} cores; float32, batch {b.batch}, head_dim {b.head_dim}, key/value heads = heads; "
-          f"time = forward+backward of the slowest rank, fastest of {b.repeat}; SDPA: one process, {b.world} threads")
-    print(f"\n{'heads':>5} {'seq':>6} {'causal':>6} {'SDPA s':>7} " + " ".join(f"{s + ' / SDPA':>15}" for s in STRATEGIES)
-          + f" {'fastest':>8}")
+    print(
+        f"\nW={b.world} on {b.cores} cores; float32, batch {b.batch}, head_dim {b.head_dim}, key/value heads = heads; "
+        f"time = forward+backward of the slowest rank, fastest of {b.repeat}; SDPA: one process, {b.world} threads"
+    )
+    print(
+        f"\n{'heads':>5} {'seq':>6} {'causal':>6} {'SDPA s':>7} "
+        + " ".join(f"{s + ' / SDPA':>15}" for s in STRATEGIES)
+        + f" {'fastest':>8}"
+    )
     for row in rows:
-        print(f"{row['heads']:>5} {row['seq']:>6} {row['causal']!s:>6} {row['sdpa']:>7.3f} "
-              + " ".join(f"{row[s + '_ratio']:>9.2f}x {row[s]:>4.2f}" for s in STRATEGIES) + f" {row['winner']:>8}")
-    print("\nbytes sent per rank / the strategy's minimum (forward, backward); MiB sent in forward + backward")
+        print(
+            f"{row['heads']:>5} {row['seq']:>6} {row['causal']!s:>6} {row['sdpa']:>7.3f} "
+            + " ".join(f"{row[s + '_ratio']:>9.2f}x {row[s]:>4.2f}" for s in STRATEGIES)
+            + f" {row['winner']:>8}"
+        )
+    print(
+        "\nbytes sent per rank / the strategy's minimum (forward, backward); MiB sent in forward + backward"
+    )
     for row in rows:
         parts = []
         for s in STRATEGIES:
             r, by = row[f"{s}_bytes_ratio"], row[f"{s}_bytes"]
-            parts.append(f"{s} {r['forward']:.2f} {r['backward']:.2f} ({(by['forward'] + by['backward']) / 2**20:.1f} MiB)")
-        print(f"  h{row['heads']} s{row['seq']} {'causal' if row['causal'] else 'full  '}: " + "; ".join(parts))
+            parts.append(
+                f"{s} {r['forward']:.2f} {r['backward']:.2f} ({(by['forward'] + by['backward']) / 2**20:.1f} MiB)"
+            )
+        print(
+            f"  h{row['heads']} s{row['seq']} {'causal' if row['causal'] else 'full  '}: "
+            + "; ".join(parts)
+        )
     ctrl = sorted({row[f"{s}_control"] for row in rows for s in STRATEGIES})
     print(f"\ninput check all-reduce bytes per rank and call: {ctrl}")
     print("\ncrossover (fastest strategy):")
     for heads in b.heads:
         for causal in (False, True):
-            line = [f"{row['seq']}: {row['winner']}" for row in rows if row["heads"] == heads and row["causal"] == causal]
+            line = [
+                f"{row['seq']}: {row['winner']}"
+                for row in rows
+                if row["heads"] == heads and row["causal"] == causal
+            ]
             print(f"  heads {heads:>3}, {'causal' if causal else 'full  '}: " + ", ".join(line))
 
 

@@ -86,21 +86,28 @@ def cases(world_size: int, with_compile: bool) -> list[Case]:
         out.append(Case("float64", False, "head_tail", rotate, kv_factor=2))
         out.append(Case("float32", False, "contiguous", rotate, kv_factor=2))
     for op in ("math", "cpu_efficient_layout", "cpu_cudnn_layout"):
-        out.append(Case("float64" if op == "math" else "float32", True, "head_tail", "alltoall", op=op))
+        out.append(
+            Case("float64" if op == "math" else "float32", True, "head_tail", "alltoall", op=op)
+        )
         out.append(Case("float32", True, "contiguous", "p2p", heads=4, heads_kv=2, op=op))
     if with_compile:
         for backend in ("aot_eager", "inductor"):
             for rotate in ("allgather", "alltoall", "p2p"):
                 out.append(Case("float32", True, "head_tail", rotate, compile=backend))
-            out.append(Case("float64", False, "contiguous", "alltoall", heads_kv=2, compile=backend))
+            out.append(
+                Case("float64", False, "contiguous", "alltoall", heads_kv=2, compile=backend)
+            )
             out.append(Case("float32", True, "contiguous", "allgather", compile=backend))
     return out
 
 
 def declared(case: Case, caps) -> bool:
     """True if the implementation's capabilities cover the case (undeclared ones are N/A)."""
-    checks = [caps.declares("layouts", case.layout), caps.declares("rotate_methods", case.rotate),
-              caps.declares("dtypes", case.dtype)]
+    checks = [
+        caps.declares("layouts", case.layout),
+        caps.declares("rotate_methods", case.rotate),
+        caps.declares("dtypes", case.dtype),
+    ]
     if case.heads_kv != case.heads:
         checks.append(caps.declares("gqa"))
     if case.kv_factor != 1:
@@ -116,19 +123,44 @@ def ring_case_of(case: Case, world_size: int, impl: Implementation) -> RingCase:
     """The suites' description of ``case`` at ``world_size``: 8 query rows per layout chunk,
     batch 2, head_dim 16, inputs drawn from seed 1234."""
     seq = 2 * world_size * 8
-    inputs = InputSpec(batch=2, heads=case.heads, heads_kv=case.heads_kv, seq_q=seq, seq_kv=seq * case.kv_factor,
-                       head_dim=16, dtype=case.dtype, seed=1234)
-    return RingCase(inputs, world_size, is_causal=case.is_causal, layout=case.layout, rotate_method=case.rotate,
-                    op=None if case.op == "auto" else case.op, impl=impl.spec,
-                    return_lse=impl.capabilities.claims("lse"), compile=case.compile, account=not case.compile)
+    inputs = InputSpec(
+        batch=2,
+        heads=case.heads,
+        heads_kv=case.heads_kv,
+        seq_q=seq,
+        seq_kv=seq * case.kv_factor,
+        head_dim=16,
+        dtype=case.dtype,
+        seed=1234,
+    )
+    return RingCase(
+        inputs,
+        world_size,
+        is_causal=case.is_causal,
+        layout=case.layout,
+        rotate_method=case.rotate,
+        op=None if case.op == "auto" else case.op,
+        impl=impl.spec,
+        return_lse=impl.capabilities.claims("lse"),
+        compile=case.compile,
+        account=not case.compile,
+    )
 
 
-def schedule_problems(impl: Implementation, case: RingCase, results: list[dict[str, Any]]) -> list[str]:
+def schedule_problems(
+    impl: Implementation, case: RingCase, results: list[dict[str, Any]]
+) -> list[str]:
     """Every rank's recorded collectives against the implementation's declared schedule."""
     spec = case.inputs
     schedule = impl.obj.collective_schedule(
-        case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size, head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False,
+        case.world_size,
+        case.rotate_method,
+        batch=spec.batch,
+        heads_kv=spec.heads_kv,
+        seq_kv=spec.seq_kv // case.world_size,
+        head_dim=spec.head_dim,
+        dtype=spec.torch_dtype,
+        compiled=False,
     )
     declared = {phase: schedule.get(phase, {}) for phase in ("forward", "backward")}
     problems = []
@@ -150,15 +182,21 @@ class Outcome:
     schedule: str = ""  # "schedule ok" when the collectives matched the declared schedule
 
     def line(self) -> str:
-        text = " ".join([*(f"{name}={err:.1e}({base:.1e})" for name, (err, base) in self.errors.items()),
-                         self.schedule]).strip()
+        text = " ".join(
+            [
+                *(f"{name}={err:.1e}({base:.1e})" for name, (err, base) in self.errors.items()),
+                self.schedule,
+            ]
+        ).strip()
         return "\n    ".join([text, *self.problems]).strip()
 
 
 def check_case(pool: Pool, impl: Implementation, case: RingCase) -> Outcome:
     """Run ``case`` on every rank of ``pool`` and judge it as the suites do."""
     try:
-        results = pool.run(ring_case, case, timeout=current().timeout_for(compiles=bool(case.compile)))
+        results = pool.run(
+            ring_case, case, timeout=current().timeout_for(compiles=bool(case.compile))
+        )
     except CaseFailure as exc:
         first = exc.failed[0]
         message = (first.exc_message.strip().splitlines() or [""])[0]
@@ -178,13 +216,24 @@ def check_case(pool: Pool, impl: Implementation, case: RingCase) -> Outcome:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Distributed correctness check of ring attention against float64")
+    parser = argparse.ArgumentParser(
+        description="Distributed correctness check of ring attention against float64"
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--compile", action="store_true", help="Also check torch.compile with aot_eager and inductor")
-    parser.add_argument("--impl", default=None, help="Implementation spec (default: ring_impl's adapter)")
-    parser.add_argument("--undeclared", action="store_true",
-                        help="Also run the cases the implementation's capabilities do not declare (compile "
-                             "excepted: a compile failure on one rank can leave the others waiting)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="Also check torch.compile with aot_eager and inductor",
+    )
+    parser.add_argument(
+        "--impl", default=None, help="Implementation spec (default: ring_impl's adapter)"
+    )
+    parser.add_argument(
+        "--undeclared",
+        action="store_true",
+        help="Also run the cases the implementation's capabilities do not declare (compile "
+        "excepted: a compile failure on one rank can leave the others waiting)",
+    )
     args = parser.parse_args(argv)
     impl = load_implementation(args.impl)
     caps = impl.capabilities
@@ -192,18 +241,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for w in args.world_sizes:
             t0 = time.perf_counter()
-            case_list = [c for c in cases(w, args.compile)
-                         if declared(c, caps) or (args.undeclared and not c.compile)]
+            case_list = [
+                c
+                for c in cases(w, args.compile)
+                if declared(c, caps) or (args.undeclared and not c.compile)
+            ]
             pool = get_pool(w, backend="gloo", device="cpu")
             worst = 0.0
             for case in case_list:
                 outcome = check_case(pool, impl, ring_case_of(case, w, impl))
                 mark = "" if declared(case, caps) else " [undeclared]"
-                print(f"W={w} {outcome.status:5s} {case.label:55s} {outcome.line()}{mark}", flush=True)
+                print(
+                    f"W={w} {outcome.status:5s} {case.label:55s} {outcome.line()}{mark}", flush=True
+                )
                 failures += outcome.status != "ok" and not mark
                 if case.dtype == "float64" and outcome.errors:
                     worst = max(worst, *(err for err, _ in outcome.errors.values()))
-            print(f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst float64 error {worst:.2e}")
+            print(
+                f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst float64 error {worst:.2e}"
+            )
     finally:
         shutdown_all_pools()
     print("FAILED" if failures else "all cases pass", f"({failures} failing)")

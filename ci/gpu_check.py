@@ -67,8 +67,16 @@ FIRST_SUITES = ("test_masks.py", "test_forward_backward.py", "test_strategies.py
 
 TORCH_CP = "conformance.adapters.torch_cp:IMPLEMENTATION"
 #: the suites of PyTorch's context parallel verdict on CUDA (what its public API can be asked)
-TORCH_CP_SUITES = tuple(f"suites/{f}" for f in ("test_forward_backward.py", "test_shapes.py", "test_rotation.py",
-                                                 "test_edge_values.py", "test_collectives.py"))
+TORCH_CP_SUITES = tuple(
+    f"suites/{f}"
+    for f in (
+        "test_forward_backward.py",
+        "test_shapes.py",
+        "test_rotation.py",
+        "test_edge_values.py",
+        "test_collectives.py",
+    )
+)
 
 
 def suite_files() -> list[str]:
@@ -99,36 +107,104 @@ class Job:
 def jobs(args) -> list[Job]:
     out = Path(args.out)
     w1_backend = ["--dist-backend", "nccl" if args.device == "cuda" else "gloo"]
-    common = ["--device", args.device, "-p", "gpu_check_results", "-p", "no:cacheprovider", "-q", "-rfEs",
-              "--report-dir", "none"]
+    common = [
+        "--device",
+        args.device,
+        "-p",
+        "gpu_check_results",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfEs",
+        "--report-dir",
+        "none",
+    ]
     suites = suite_files()
     test_jobs = [
-        Job("kernels", ["tests/ring_impl/test_cuda_kernels.py", "tests/ring_impl/test_compile_versions.py",
-                        "tests/conformance/test_session_device.py", *common, "-p", "no:xdist"]),
-        Job("suites-W1-nccl", [*suites, *common, *w1_backend, "--world-sizes", "1", "-m", "not compile"], workers=3),
-        Job("suites-W2-gloo", [*suites, *common, "--dist-backend", "gloo", "--world-sizes", "2", "-m", "not compile"],
-            workers=4),
-        Job("suites-W3-gloo", [*suites, *common, "--dist-backend", "gloo", "--world-sizes", "3", "-m", "not compile"],
-            workers=3, sample=args.sample_w3),
-        Job("suites-W4-gloo", [*suites, *common, "--dist-backend", "gloo", "--world-sizes", "4", "-m", "not compile"],
-            workers=3, sample=args.sample_w4),
+        Job(
+            "kernels",
+            [
+                "tests/ring_impl/test_cuda_kernels.py",
+                "tests/ring_impl/test_compile_versions.py",
+                "tests/conformance/test_session_device.py",
+                *common,
+                "-p",
+                "no:xdist",
+            ],
+        ),
+        Job(
+            "suites-W1-nccl",
+            [*suites, *common, *w1_backend, "--world-sizes", "1", "-m", "not compile"],
+            workers=3,
+        ),
+        Job(
+            "suites-W2-gloo",
+            [*suites, *common, "--dist-backend", "gloo", "--world-sizes", "2", "-m", "not compile"],
+            workers=4,
+        ),
+        Job(
+            "suites-W3-gloo",
+            [*suites, *common, "--dist-backend", "gloo", "--world-sizes", "3", "-m", "not compile"],
+            workers=3,
+            sample=args.sample_w3,
+        ),
+        Job(
+            "suites-W4-gloo",
+            [*suites, *common, "--dist-backend", "gloo", "--world-sizes", "4", "-m", "not compile"],
+            workers=3,
+            sample=args.sample_w4,
+        ),
         Job("compile", [*suites, *common, "--dist-backend", "gloo", "-m", "compile"], workers=3),
         # the mask suite on the two CUDA kernels that take a mask in one call (their CPU emulations run in CI)
-        *[Job(f"masks-{op}", ["suites/test_masks.py", *common, "--dist-backend", "gloo", "--world-sizes", "1,2",
-                              "--op", op], workers=2) for op in ("cuda_efficient_masked", "cuda_flash_varlen")],
+        *[
+            Job(
+                f"masks-{op}",
+                [
+                    "suites/test_masks.py",
+                    *common,
+                    "--dist-backend",
+                    "gloo",
+                    "--world-sizes",
+                    "1,2",
+                    "--op",
+                    op,
+                ],
+                workers=2,
+            )
+            for op in ("cuda_efficient_masked", "cuda_flash_varlen")
+        ],
         # PyTorch's public context_parallel API judged on CUDA (on CPU it cannot run): W=1 on NCCL,
         # W=2 sharing the GPU over gloo; its failures are its verdict (docs/pytorch-cp.md)
-        *[Job(f"torch_cp-{tag}", [*TORCH_CP_SUITES, *common, *backend, "--world-sizes", w, "--impl", TORCH_CP],
-              workers=2, kind="verdict", sample="0/2")
-          for tag, backend, w in (("W1-nccl", w1_backend, "1"), ("W2-gloo", ["--dist-backend", "gloo"], "2"))],
+        *[
+            Job(
+                f"torch_cp-{tag}",
+                [*TORCH_CP_SUITES, *common, *backend, "--world-sizes", w, "--impl", TORCH_CP],
+                workers=2,
+                kind="verdict",
+                sample="0/2",
+            )
+            for tag, backend, w in (
+                ("W1-nccl", w1_backend, "1"),
+                ("W2-gloo", ["--dist-backend", "gloo"], "2"),
+            )
+        ],
     ]
     masks_args = ["--quick"] if args.quick_bench else ["--profile-dir", str(out / "profiles")]
     ops_args = ["--quick"] if args.quick_bench else ["--seqs", "16384,65536"]
     bench_jobs = [
-        Job("bench-masks", ["ci/bench_cuda_masks.py", *masks_args, "--json", str(out / "bench_cuda_masks.json")],
-            kind="bench", json_out=str(out / "bench_cuda_masks.json"), share=3.0),
-        Job("bench-ops", ["ci/bench_cuda_ops.py", *ops_args, "--json", str(out / "bench_cuda_ops.json")],
-            kind="bench", json_out=str(out / "bench_cuda_ops.json")),
+        Job(
+            "bench-masks",
+            ["ci/bench_cuda_masks.py", *masks_args, "--json", str(out / "bench_cuda_masks.json")],
+            kind="bench",
+            json_out=str(out / "bench_cuda_masks.json"),
+            share=3.0,
+        ),
+        Job(
+            "bench-ops",
+            ["ci/bench_cuda_ops.py", *ops_args, "--json", str(out / "bench_cuda_ops.json")],
+            kind="bench",
+            json_out=str(out / "bench_cuda_ops.json"),
+        ),
     ]
     return ([] if args.no_bench else bench_jobs) + test_jobs
 
@@ -142,11 +218,19 @@ def _command(job: Job) -> list[str]:
 
 def _env(results: Path, sample: str | None = None) -> dict[str, str]:
     # (not an xdist worker's or a test's variables: a check started from inside pytest is a fresh run)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))
+    }
     env.pop("GPU_CHECK_SAMPLE", None)
     if sample:
         env["GPU_CHECK_SAMPLE"] = sample
-    paths = [str(ROOT), str(ROOT / "ci"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [
+        str(ROOT),
+        str(ROOT / "ci"),
+        *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["GPU_CHECK_RESULTS"] = str(results)
     env["PYTHONUNBUFFERED"] = "1"
@@ -163,8 +247,18 @@ def run_phase(phase: list[Job], deadline: float, out: Path) -> None:
         log = out / f"{job.name}.log"
         job.log = str(log)
         handle = open(log, "w")
-        procs[job.name] = (subprocess.Popen(_command(job), cwd=ROOT, env=_env(results, job.sample), stdout=handle,
-                                            stderr=subprocess.STDOUT, start_new_session=True), handle, time.monotonic())
+        procs[job.name] = (
+            subprocess.Popen(
+                _command(job),
+                cwd=ROOT,
+                env=_env(results, job.sample),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            ),
+            handle,
+            time.monotonic(),
+        )
         job.status = "running"
         print(f"[gpu_check] started {job.name}: {' '.join(_command(job)[1:])}", flush=True)
     pending = dict(procs)
@@ -173,14 +267,25 @@ def run_phase(phase: list[Job], deadline: float, out: Path) -> None:
         for name, (proc, handle, start) in list(pending.items()):
             if proc.poll() is not None:
                 job = next(j for j in phase if j.name == name)
-                job.rc, job.wall_s, job.status = proc.returncode, time.monotonic() - start, "finished"
+                job.rc, job.wall_s, job.status = (
+                    proc.returncode,
+                    time.monotonic() - start,
+                    "finished",
+                )
                 handle.close()
                 del pending[name]
-                print(f"[gpu_check] {name} finished: rc {proc.returncode} after {job.wall_s:.0f} s", flush=True)
+                print(
+                    f"[gpu_check] {name} finished: rc {proc.returncode} after {job.wall_s:.0f} s",
+                    flush=True,
+                )
     for name, (proc, handle, start) in pending.items():  # out of time: stop the whole process group
         job = next(j for j in phase if j.name == name)
         _stop(proc)
-        job.rc, job.wall_s, job.status = proc.returncode, time.monotonic() - start, "stopped at the deadline"
+        job.rc, job.wall_s, job.status = (
+            proc.returncode,
+            time.monotonic() - start,
+            "stopped at the deadline",
+        )
         handle.close()
         print(f"[gpu_check] {name} stopped at the deadline after {job.wall_s:.0f} s", flush=True)
 
@@ -214,7 +319,9 @@ def read_results(job: Job, out: Path) -> None:
             job.sampled_out = int(record["sampled_out"])
         elif record.get("nodeid"):
             prior = finals.get(record["nodeid"])
-            if prior is None or record["outcome"] == "failed":  # a teardown failure after a pass counts
+            if (
+                prior is None or record["outcome"] == "failed"
+            ):  # a teardown failure after a pass counts
                 finals[record["nodeid"]] = record
     job.results = list(finals.values())
 
@@ -224,14 +331,28 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     summary: dict = {
-        "started": started, "elapsed_s": round(elapsed, 1), "budget_s": args.budget,
-        "device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "command": " ".join(["python", "ci/gpu_check.py", *sys.argv[1:]]),
-        "jobs": [], "suites": {}, "benchmarks": {}, "failures": [],
+        "started": started,
+        "elapsed_s": round(elapsed, 1),
+        "budget_s": args.budget,
+        "device": device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": " ".join(["python", "ci/gpu_check.py", *sys.argv[1:]]),
+        "jobs": [],
+        "suites": {},
+        "benchmarks": {},
+        "failures": [],
     }
     per_suite: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for job in all_jobs:
-        entry = {"name": job.name, "status": job.status, "rc": job.rc, "wall_s": round(job.wall_s, 1), "log": job.log}
+        entry = {
+            "name": job.name,
+            "status": job.status,
+            "rc": job.rc,
+            "wall_s": round(job.wall_s, 1),
+            "log": job.log,
+        }
         if job.kind == "bench":
             rows = None
             if job.json_out and os.path.exists(job.json_out):
@@ -242,26 +363,45 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
         else:
             counts = collections.Counter(r["outcome"] for r in job.results)
             reported = sum(counts.values())
-            entry.update(collected=job.collected, **{k: counts.get(k, 0) for k in
-                                                       ("passed", "failed", "skipped", "xfailed", "xpassed")},
-                         not_run=max(0, job.collected - reported), sampled_out=job.sampled_out, sample=job.sample)
-            skips = collections.Counter(r["reason"] for r in job.results if r["outcome"] == "skipped")
+            entry.update(
+                collected=job.collected,
+                **{
+                    k: counts.get(k, 0)
+                    for k in ("passed", "failed", "skipped", "xfailed", "xpassed")
+                },
+                not_run=max(0, job.collected - reported),
+                sampled_out=job.sampled_out,
+                sample=job.sample,
+            )
+            skips = collections.Counter(
+                r["reason"] for r in job.results if r["outcome"] == "skipped"
+            )
             entry["skip_reasons"] = dict(skips.most_common())
             entry["kind"] = job.kind
-            if job.kind == "verdict":  # another implementation's verdict: its failures by test, apart
-                failed = collections.Counter(r["nodeid"].split("[")[0] for r in job.results if r["outcome"] == "failed")
+            if (
+                job.kind == "verdict"
+            ):  # another implementation's verdict: its failures by test, apart
+                failed = collections.Counter(
+                    r["nodeid"].split("[")[0] for r in job.results if r["outcome"] == "failed"
+                )
                 summary.setdefault("verdicts", {})[job.name] = dict(failed.most_common())
             else:
                 for r in job.results:
                     module = r["nodeid"].split("::")[0]
                     per_suite[module][r["outcome"]] += 1
                     if r["outcome"] == "failed":
-                        summary["failures"].append({"job": job.name, "nodeid": r["nodeid"], "reason": r["reason"]})
+                        summary["failures"].append(
+                            {"job": job.name, "nodeid": r["nodeid"], "reason": r["reason"]}
+                        )
         summary["jobs"].append(entry)
     summary["suites"] = {m: dict(c) for m, c in sorted(per_suite.items())}
     for counts in summary["suites"].values():
-        counts["executed_on_cuda"] = counts.get("passed", 0) + counts.get("failed", 0) + counts.get("xfailed", 0) \
+        counts["executed_on_cuda"] = (
+            counts.get("passed", 0)
+            + counts.get("failed", 0)
+            + counts.get("xfailed", 0)
             + counts.get("xpassed", 0)
+        )
     tests = [j for j in summary["jobs"] if "collected" in j and j.get("kind") != "verdict"]
     summary["verdict"] = {
         "failed": sum(j["failed"] for j in tests),
@@ -270,7 +410,9 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
         "jobs_out_of_time": [j["name"] for j in summary["jobs"] if j["status"] != "finished"],
         "jobs_without_results": [j["name"] for j in tests if j["collected"] == 0],
         # pytest's status 0: all passed, 1: some failed; anything else is a run that broke (see its log)
-        "jobs_broken": [j["name"] for j in tests if j["status"] == "finished" and j["rc"] not in (0, 1)],
+        "jobs_broken": [
+            j["name"] for j in tests if j["status"] == "finished" and j["rc"] not in (0, 1)
+        ],
     }
     return summary
 
@@ -283,8 +425,16 @@ def markdown(summary: dict) -> str:
         f"Started {summary['started']}, {summary['elapsed_s']} s of a {summary['budget_s']} s budget: "
         f"**{v['failed']} failed, {v['not_run']} not run** ({v['sampled_out']} more left out by sampling)"
         + (f"; out of time: {', '.join(v['jobs_out_of_time'])}" if v["jobs_out_of_time"] else "")
-        + (f"; no results from: {', '.join(v['jobs_without_results'])}" if v["jobs_without_results"] else "")
-        + (f"; broken runs (exit status other than 0 or 1): {', '.join(v['jobs_broken'])}" if v["jobs_broken"] else "")
+        + (
+            f"; no results from: {', '.join(v['jobs_without_results'])}"
+            if v["jobs_without_results"]
+            else ""
+        )
+        + (
+            f"; broken runs (exit status other than 0 or 1): {', '.join(v['jobs_broken'])}"
+            if v["jobs_broken"]
+            else ""
+        )
         + ".",
         "",
         f"Command: `{summary['command']}`",
@@ -296,29 +446,46 @@ def markdown(summary: dict) -> str:
         if "collected" in j:
             sampled = f" ({j['sampled_out']}, share {j['sample']})" if j["sample"] else ""
             name = f"{j['name']} (verdict)" if j.get("kind") == "verdict" else j["name"]
-            lines.append(f"| {name} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | {j['passed']} | "
-                         f"{j['failed']} | {j['skipped']} | {j['not_run']} |")
+            lines.append(
+                f"| {name} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | {j['passed']} | "
+                f"{j['failed']} | {j['skipped']} | {j['not_run']} |"
+            )
         else:
             lines.append(f"| {j['name']} | {j['status']} | {j['wall_s']} | | | | | |")
-    lines += ["", "Per suite module (all jobs): cases executed on CUDA, and their outcomes", "",
-              "| module | executed on CUDA | passed | failed | skipped |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Per suite module (all jobs): cases executed on CUDA, and their outcomes",
+        "",
+        "| module | executed on CUDA | passed | failed | skipped |",
+        "|---|---|---|---|---|",
+    ]
     for module, c in summary["suites"].items():
-        lines.append(f"| {module} | {c['executed_on_cuda']} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
-                     f"{c.get('skipped', 0)} |")
+        lines.append(
+            f"| {module} | {c['executed_on_cuda']} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
+            f"{c.get('skipped', 0)} |"
+        )
     for name, failed in summary.get("verdicts", {}).items():
         lines += ["", f"## {name} (a verdict on another implementation; not counted above)", ""]
         lines += [f"- {n} failed: `{test}`" for test, n in failed.items()] or ["- no failure"]
     if summary["failures"]:
         lines += ["", "## Failures", ""]
         for f in summary["failures"][:40]:
-            lines += [f"- `{f['nodeid']}` ({f['job']})", "", "  ```", *("  " + x for x in f["reason"].splitlines()[:8]),
-                      "  ```"]
+            lines += [
+                f"- `{f['nodeid']}` ({f['job']})",
+                "",
+                "  ```",
+                *("  " + x for x in f["reason"].splitlines()[:8]),
+                "  ```",
+            ]
     skip_reasons: collections.Counter = collections.Counter()
     for j in summary["jobs"]:
         skip_reasons.update(j.get("skip_reasons", {}))
     if skip_reasons:
         lines += ["", "## Skip reasons", "", "| count | reason |", "|---|---|"]
-        lines += [f"| {n} | {r.splitlines()[0][:200] if r else '(none)'} |" for r, n in skip_reasons.most_common(25)]
+        lines += [
+            f"| {n} | {r.splitlines()[0][:200] if r else '(none)'} |"
+            for r, n in skip_reasons.most_common(25)
+        ]
     for name, rows in summary["benchmarks"].items():
         lines += ["", f"## {name}", ""]
         if not rows:
@@ -329,25 +496,51 @@ def markdown(summary: dict) -> str:
             keys = [k for k in body[0] if k not in ("error",)]
             lines += ["| " + " | ".join(keys) + " | error |", "|" + "---|" * (len(keys) + 1)]
             for r in body:
-                cells = [f"{r.get(k):.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
+                cells = [
+                    f"{r.get(k):.3g}" if isinstance(r.get(k), float) else str(r.get(k, ""))
+                    for k in keys
+                ]
                 lines.append("| " + " | ".join(cells) + f" | {r.get('error', '')} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=510.0, help="seconds for everything (default 510)")
-    parser.add_argument("--sample-w3", default="0/3", help="share of the W=3 suite cases run, i/m (default 0/3: a third)")
-    parser.add_argument("--sample-w4", default="0/6", help="share of the W=4 suite cases run, i/m (default 0/6: a sixth)")
-    parser.add_argument("--bench-budget", type=float, default=120.0, help="seconds for the benchmarks (default 120)")
+    parser.add_argument(
+        "--budget", type=float, default=510.0, help="seconds for everything (default 510)"
+    )
+    parser.add_argument(
+        "--sample-w3",
+        default="0/3",
+        help="share of the W=3 suite cases run, i/m (default 0/3: a third)",
+    )
+    parser.add_argument(
+        "--sample-w4",
+        default="0/6",
+        help="share of the W=4 suite cases run, i/m (default 0/6: a sixth)",
+    )
+    parser.add_argument(
+        "--bench-budget", type=float, default=120.0, help="seconds for the benchmarks (default 120)"
+    )
     parser.add_argument("--no-bench", action="store_true", help="skip the benchmarks")
-    parser.add_argument("--quick-bench", action="store_true",
-                        help="the benchmarks' --quick forms (seq 16k / 4k-8k only, fewer repetitions)")
-    parser.add_argument("--only", default=None, help="comma-separated job names to run (see --list)")
-    parser.add_argument("--out", default="reports/gpu", help="directory for the logs and the summary")
+    parser.add_argument(
+        "--quick-bench",
+        action="store_true",
+        help="the benchmarks' --quick forms (seq 16k / 4k-8k only, fewer repetitions)",
+    )
+    parser.add_argument(
+        "--only", default=None, help="comma-separated job names to run (see --list)"
+    )
+    parser.add_argument(
+        "--out", default="reports/gpu", help="directory for the logs and the summary"
+    )
     parser.add_argument("--list", action="store_true", help="print the jobs and exit")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="the suites' --device (cpu: a rehearsal of the check on a machine without a GPU)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="the suites' --device (cpu: a rehearsal of the check on a machine without a GPU)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     args.out = str(out)
@@ -356,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.only.split(","))
         unknown = wanted - {j.name for j in all_jobs}
         if unknown:
-            parser.error(f"--only: no job named {sorted(unknown)}; jobs: {[j.name for j in all_jobs]}")
+            parser.error(
+                f"--only: no job named {sorted(unknown)}; jobs: {[j.name for j in all_jobs]}"
+            )
         all_jobs = [j for j in all_jobs if j.name in wanted]
     if args.list:
         for job in all_jobs:
@@ -368,7 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     end = start + args.budget - 20.0  # room for the stop and the summary
     benches = [j for j in all_jobs if j.kind == "bench"]
     bench_end = min(end, start + args.bench_budget)
-    for i, bench in enumerate(benches):  # one at a time: each needs the GPU to itself; its share of what is left
+    for i, bench in enumerate(
+        benches
+    ):  # one at a time: each needs the GPU to itself; its share of what is left
         share = bench.share / sum(b.share for b in benches[i:])
         run_phase([bench], time.monotonic() + (bench_end - time.monotonic()) * share, out)
     run_phase([j for j in all_jobs if j.kind in ("tests", "verdict")], end, out)
@@ -381,7 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     if summary["verdict"]["failed"]:
         return 1
     v = summary["verdict"]
-    return 3 if v["jobs_out_of_time"] or v["jobs_without_results"] or v["jobs_broken"] or v["not_run"] else 0
+    return (
+        3
+        if v["jobs_out_of_time"] or v["jobs_without_results"] or v["jobs_broken"] or v["not_run"]
+        else 0
+    )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_collection_finish(session) -> None:
-    if not hasattr(session.config, "workerinput") and session.items:  # without xdist: this process collected
+    if (
+        not hasattr(session.config, "workerinput") and session.items
+    ):  # without xdist: this process collected
         _write({"collected": len(session.items)})
 
 
@@ -74,12 +76,22 @@ def pytest_xdist_node_collection_finished(node, ids) -> None:
 def pytest_runtest_logreport(report) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # an xdist worker: its controller writes the line
-    final = report.when == "call" or (report.when == "setup" and not report.passed) or \
-        (report.when == "teardown" and report.failed)
+    final = (
+        report.when == "call"
+        or (report.when == "setup" and not report.passed)
+        or (report.when == "teardown" and report.failed)
+    )
     if not final:
         return
     outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
     if hasattr(report, "wasxfail") and report.passed:
         outcome = "xpassed"
-    _write({"nodeid": report.nodeid, "when": report.when, "outcome": outcome, "duration": round(report.duration, 3),
-            "reason": "" if report.passed else _reason(report)})
+    _write(
+        {
+            "nodeid": report.nodeid,
+            "when": report.when,
+            "outcome": outcome,
+            "duration": round(report.duration, 3),
+            "reason": "" if report.passed else _reason(report),
+        }
+    )

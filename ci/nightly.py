@@ -44,18 +44,34 @@ class Job:
 #: (every rotation, both layouts, causal, its steps, collectives, balance and the balancers'
 #: work), masks with the balancers, Ulysses and the hybrid, at world sizes the process pool does
 #: not run. No torch.compile (dynamo is not thread-safe); a case may take minutes at W=64.
-SIMULATED = ("--launcher", "simulated", "--tier", "nightly", "--case-timeout", "900", "-m", "not compile")
-SIMULATED_CASES = ("forward_backward or collectives or causal_layouts or rotation or test_balance "
-                   "or masked_attention_matches or strategy_matches or strategy_collectives")
+SIMULATED = (
+    "--launcher",
+    "simulated",
+    "--tier",
+    "nightly",
+    "--case-timeout",
+    "900",
+    "-m",
+    "not compile",
+)
+SIMULATED_CASES = (
+    "forward_backward or collectives or causal_layouts or rotation or test_balance "
+    "or masked_attention_matches or strategy_matches or strategy_collectives"
+)
 #: From W=32 on: float16 left out, the float64 ring cases and the masks in float32 only (each
 #: case costs W^2 ring steps, and a float64 oracle of the whole sequence).
-SIMULATED_LARGE = (f"({SIMULATED_CASES}) and not -f16- and not (forward_backward and -f64-) "
-                   "and not (masked_attention and (-f64- or -bf16-))")
+SIMULATED_LARGE = (
+    f"({SIMULATED_CASES}) and not -f16- and not (forward_backward and -f64-) "
+    "and not (masked_attention and (-f64- or -bf16-))"
+)
 
 
 def simulated_jobs() -> list[Job]:
     return [
-        Job("ring_impl-simulated-W8-16", (*SIMULATED, "--world-sizes", "8,16", "-k", SIMULATED_CASES)),
+        Job(
+            "ring_impl-simulated-W8-16",
+            (*SIMULATED, "--world-sizes", "8,16", "-k", SIMULATED_CASES),
+        ),
         Job("ring_impl-simulated-W32", (*SIMULATED, "--world-sizes", "32", "-k", SIMULATED_LARGE)),
         Job("ring_impl-simulated-W64", (*SIMULATED, "--world-sizes", "64", "-k", SIMULATED_LARGE)),
     ]
@@ -66,13 +82,36 @@ def jobs(cuda: bool) -> list[Job]:
     out = [
         Job("ring_impl-nightly", ("--tier", "nightly")),
         Job("ring_impl-op-math", ("--op", "math", "--world-sizes", "1,2,4")),
-        Job("ring_impl-op-efficient-layout", ("--op", "cpu_efficient_layout", "--world-sizes", "2,3,4")),
+        Job(
+            "ring_impl-op-efficient-layout",
+            ("--op", "cpu_efficient_layout", "--world-sizes", "2,3,4"),
+        ),
         Job("ring_impl-op-cudnn-layout", ("--op", "cpu_cudnn_layout", "--world-sizes", "2,3,4")),
         # The CPU stand-ins of the masked CUDA ops: their bias and packing on every suite.
-        Job("ring_impl-op-efficient-masked-layout", ("--op", "cpu_efficient_masked_layout", "--world-sizes", "2,3,4")),
-        Job("ring_impl-op-flash-varlen-layout", ("--op", "cpu_flash_varlen_layout", "--world-sizes", "2,3,4")),
-        Job("ring_impl-W5-8", ("--tier", "nightly", "--world-sizes", "5,6,7,8", "-k", "forward_backward or collectives")),
-        Job("torch_cp-quick", ("--impl", torch_cp, "--vendor-file", str(ROOT / "ci" / "vendor" / "torch_cp.txt")), informational=True),
+        Job(
+            "ring_impl-op-efficient-masked-layout",
+            ("--op", "cpu_efficient_masked_layout", "--world-sizes", "2,3,4"),
+        ),
+        Job(
+            "ring_impl-op-flash-varlen-layout",
+            ("--op", "cpu_flash_varlen_layout", "--world-sizes", "2,3,4"),
+        ),
+        Job(
+            "ring_impl-W5-8",
+            (
+                "--tier",
+                "nightly",
+                "--world-sizes",
+                "5,6,7,8",
+                "-k",
+                "forward_backward or collectives",
+            ),
+        ),
+        Job(
+            "torch_cp-quick",
+            ("--impl", torch_cp, "--vendor-file", str(ROOT / "ci" / "vendor" / "torch_cp.txt")),
+            informational=True,
+        ),
         Job("project-tests", ("--tier", "nightly"), paths=("tests", "meta_tests")),
         *simulated_jobs(),
     ]
@@ -83,8 +122,16 @@ def jobs(cuda: bool) -> list[Job]:
             Job("cuda-op-efficient", ("--device", "cuda", "--op", "cuda_efficient")),
             Job("cuda-op-cudnn", ("--device", "cuda", "--op", "cudnn")),
             # Written without a GPU: informational until a GPU run has them green.
-            Job("cuda-op-efficient-masked", ("--device", "cuda", "--op", "cuda_efficient_masked"), informational=True),
-            Job("cuda-op-flash-varlen", ("--device", "cuda", "--op", "cuda_flash_varlen"), informational=True),
+            Job(
+                "cuda-op-efficient-masked",
+                ("--device", "cuda", "--op", "cuda_efficient_masked"),
+                informational=True,
+            ),
+            Job(
+                "cuda-op-flash-varlen",
+                ("--device", "cuda", "--op", "cuda_flash_varlen"),
+                informational=True,
+            ),
             Job("cuda-torch_cp", ("--device", "cuda", "--impl", torch_cp), informational=True),
         ]
     return out
@@ -93,8 +140,21 @@ def jobs(cuda: bool) -> list[Job]:
 def run_job(job: Job, out: Path, extra: list[str], workers: str) -> dict:
     job_dir = out / job.name
     job_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pytest", *job.paths, "-n", workers, "-q", "-p", "no:cacheprovider",
-           "--report-dir", str(job_dir), *job.args, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *job.paths,
+        "-n",
+        workers,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--report-dir",
+        str(job_dir),
+        *job.args,
+        *extra,
+    ]
     env = {**os.environ, **job.env}
     started = time.time()
     with open(job_dir / "pytest.log", "w") as log:
@@ -114,14 +174,19 @@ def run_job(job: Job, out: Path, extra: list[str], workers: str) -> dict:
 
 
 def summary_markdown(results: list[dict]) -> str:
-    lines = ["## Nightly conformance matrix", "",
-             "| job | exit | score (passes only) | failed | xfailed | xpassed | N/A | skipped | time |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Nightly conformance matrix",
+        "",
+        "| job | exit | score (passes only) | failed | xfailed | xpassed | N/A | skipped | time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         score = f"{r['score']['passed']}/{r['score']['total']}" if r.get("score") else "-"
         counts = r.get("counts") or {}
         exit_text = f"{r['exit_code']}" + (" (informational)" if r["informational"] else "")
-        shown = " | ".join(str(counts.get(k, "-")) for k in ("failed", "xfailed", "xpassed", "n/a", "skipped"))
+        shown = " | ".join(
+            str(counts.get(k, "-")) for k in ("failed", "xfailed", "xpassed", "n/a", "skipped")
+        )
         lines.append(f"| {r['job']} | {exit_text} | {score} | {shown} | {r['seconds']} s |")
     return "\n".join(lines) + "\n"
 
@@ -133,11 +198,19 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "reports" / "nightly"), help="Directory for job reports and the summary")
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "reports" / "nightly"),
+        help="Directory for job reports and the summary",
+    )
     parser.add_argument("--only", nargs="*", default=None, help="Run only these jobs")
     parser.add_argument("--list", action="store_true", help="List the jobs and exit")
-    parser.add_argument("--workers", default="auto", help="pytest-xdist workers per job (default auto)")
-    parser.add_argument("--cuda", choices=("auto", "yes", "no"), default="auto", help="Include CUDA jobs")
+    parser.add_argument(
+        "--workers", default="auto", help="pytest-xdist workers per job (default auto)"
+    )
+    parser.add_argument(
+        "--cuda", choices=("auto", "yes", "no"), default="auto", help="Include CUDA jobs"
+    )
     args = parser.parse_args(argv)
 
     cuda = args.cuda == "yes"
@@ -153,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         selected = [j for j in selected if j.name in args.only]
     if args.list:
         for j in selected:
-            print(f"{j.name:32s} pytest {' '.join(j.paths)} {' '.join(j.args)}{'  [informational]' if j.informational else ''}")
+            print(
+                f"{j.name:32s} pytest {' '.join(j.paths)} {' '.join(j.args)}{'  [informational]' if j.informational else ''}"
+            )
         return 0
 
     out = Path(args.out)
@@ -163,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(selected)}] {job.name} ...", flush=True)
         r = run_job(job, out, extra, args.workers)
         score = f"{r['score']['passed']}/{r['score']['total']}" if r.get("score") else "no report"
-        print(f"[{i}/{len(selected)}] {job.name}: exit {r['exit_code']}, {score}, {r['seconds']} s (log: {r['log']})", flush=True)
+        print(
+            f"[{i}/{len(selected)}] {job.name}: exit {r['exit_code']}, {score}, {r['seconds']} s (log: {r['log']})",
+            flush=True,
+        )
         results.append(r)
     (out / "summary.json").write_text(json.dumps(results, indent=1))
     markdown = summary_markdown(results)

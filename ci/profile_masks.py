@@ -54,9 +54,11 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         stats.sort_stats("tottime").print_stats(args.top)
         if args.callers:
             stats.print_callers(args.callers)
-        print(f"rank 0, W={args.world}, layout {args.layout}{' + sparse_kv' if args.sparse else ''}, seq {args.seq}: "
-              f"{args.calls} calls, wall s {[round(t, 3) for t in walls]}; profile in main-thread CPU seconds "
-              f"(divide by {args.calls} for one call)")
+        print(
+            f"rank 0, W={args.world}, layout {args.layout}{' + sparse_kv' if args.sparse else ''}, seq {args.seq}: "
+            f"{args.calls} calls, wall s {[round(t, 3) for t in walls]}; profile in main-thread CPU seconds "
+            f"(divide by {args.calls} for one call)"
+        )
         print(out.getvalue())
     dist.destroy_process_group()
 
@@ -65,11 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--layout", default="work_balanced", choices=["work_balanced", "head_tail", "contiguous"])
-    parser.add_argument("--sparse", action="store_true", help="ring_attention(exchange='gather'): the sparse gather")
-    parser.add_argument("--calls", type=int, default=4, help="profiled calls (after 2 warm-up calls)")
+    parser.add_argument(
+        "--layout", default="work_balanced", choices=["work_balanced", "head_tail", "contiguous"]
+    )
+    parser.add_argument(
+        "--sparse", action="store_true", help="ring_attention(exchange='gather'): the sparse gather"
+    )
+    parser.add_argument(
+        "--calls", type=int, default=4, help="profiled calls (after 2 warm-up calls)"
+    )
     parser.add_argument("--top", type=int, default=35, help="functions printed")
-    parser.add_argument("--callers", default="", help="a regex: also print who called the functions it matches")
+    parser.add_argument(
+        "--callers", default="", help="a regex: also print who called the functions it matches"
+    )
     args = parser.parse_args(argv)
     import socket
 

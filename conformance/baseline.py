@@ -80,7 +80,9 @@ def single_device_baseline(
     from ring_impl.ops.calls import block_op
 
     device = session_device()
-    q, k, v, do, glse, vis, s = to_session_device(query, key, value, grad_out, grad_lse, visible, sinks)
+    q, k, v, do, glse, vis, s = to_session_device(
+        query, key, value, grad_out, grad_lse, visible, sinks
+    )
     batch, heads, seq_q, head_dim = q.shape
     dtype = q.dtype
     scale = scale if scale is not None else default_scale(head_dim)
@@ -89,14 +91,30 @@ def single_device_baseline(
     if score_mod is not None:
         from ring_impl.score_mods import block_scores, from_spec
 
-        scores = block_scores(from_spec(score_mod), batch=batch, heads=(0, heads),
-                              q_pos=((0, seq_q),), kv_pos=((0, k.shape[2]),), device=device)
+        scores = block_scores(
+            from_spec(score_mod),
+            batch=batch,
+            heads=(0, heads),
+            q_pos=((0, seq_q),),
+            kv_pos=((0, k.shape[2]),),
+            device=device,
+        )
     if op_spec in (None, "auto"):
-        op = resolve_op("auto", device, dtype, head_dim, scale=scale, is_causal=is_causal,
-                        score_mod=scores is not None, head_dim_v=head_dim_v)
+        op = resolve_op(
+            "auto",
+            device,
+            dtype,
+            head_dim,
+            scale=scale,
+            is_causal=is_causal,
+            score_mod=scores is not None,
+            head_dim_v=head_dim_v,
+        )
     else:
         op = load_op(op_spec)
-    why = op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal, head_dim_v=head_dim_v)
+    why = op.capabilities.unsupported(
+        device, dtype, head_dim, scale=scale, is_causal=is_causal, head_dim_v=head_dim_v
+    )
     if why is not None:
         raise ValueError(
             f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: {why}; the case "
@@ -104,38 +122,75 @@ def single_device_baseline(
         )
     # the op that runs the call (math for a mask or a score_mod the op cannot take)
     runner = block_op(op, is_causal=is_causal, scale=scale, visible=vis, score_mod=scores)
-    out, raw_lse = call_forward(op, q, k, v, is_causal=is_causal, scale=scale, visible=vis,
-                                score_mod=scores)
-    lse = normalize_lse(raw_lse, batch=batch, heads=heads, seq_q=seq_q, layout=runner.capabilities.lse_layout)
+    out, raw_lse = call_forward(
+        op, q, k, v, is_causal=is_causal, scale=scale, visible=vis, score_mod=scores
+    )
+    lse = normalize_lse(
+        raw_lse, batch=batch, heads=heads, seq_q=seq_q, layout=runner.capabilities.lse_layout
+    )
     dead = None
     if vis is not None:  # rows that see nothing: out 0, LSE -inf, whatever the kernel left there
         dead = ~vis.any(-1).expand(batch, heads, seq_q)
         out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=device), out)
         lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype, device=device), lse)
     kernel_out, kernel_lse, dsinks = out, lse, None
-    if s is not None:  # the sink term on the kernel's result, and its gradients back into the kernel's backward
+    if (
+        s is not None
+    ):  # the sink term on the kernel's result, and its gradients back into the kernel's backward
         from ring_impl.sinks import with_sinks
 
-        o, l_, s = out.detach().requires_grad_(), lse.detach().requires_grad_(), s.detach().requires_grad_()
+        o, l_, s = (
+            out.detach().requires_grad_(),
+            lse.detach().requires_grad_(),
+            s.detach().requires_grad_(),
+        )
         o2, l2 = with_sinks(o, l_, s)
-        torch.autograd.backward([o2, l2], [do, glse] if glse is not None else [do, torch.zeros_like(l2)])
+        torch.autograd.backward(
+            [o2, l2], [do, glse] if glse is not None else [do, torch.zeros_like(l2)]
+        )
         out, lse, dsinks = o2.detach(), l2.detach(), s.grad
         do, glse = o.grad.to(dtype), l_.grad
-    if dead is not None:  # the backward of rows that see nothing: no gradient, and an LSE the kernel can take
-        kernel_lse = torch.where(dead, torch.zeros((), dtype=kernel_lse.dtype, device=device), kernel_lse)
+    if (
+        dead is not None
+    ):  # the backward of rows that see nothing: no gradient, and an LSE the kernel can take
+        kernel_lse = torch.where(
+            dead, torch.zeros((), dtype=kernel_lse.dtype, device=device), kernel_lse
+        )
         do = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=do.dtype, device=device), do)
         if glse is not None:
             glse = torch.where(dead, torch.zeros((), dtype=glse.dtype, device=device), glse)
-    dq, dk, dv = call_backward(op, do, q, k, v, kernel_out, kernel_lse, is_causal=is_causal, scale=scale,
-                               grad_lse=glse, visible=vis, score_mod=scores)
+    dq, dk, dv = call_backward(
+        op,
+        do,
+        q,
+        k,
+        v,
+        kernel_out,
+        kernel_lse,
+        is_causal=is_causal,
+        scale=scale,
+        grad_lse=glse,
+        visible=vis,
+        score_mod=scores,
+    )
     result = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     if dsinks is not None:
         result["dsinks"] = dsinks
     result = {name: t.detach().cpu() for name, t in result.items()}
     if vis is not None and runner is not op and scores is None:
         # (the caller's grad_out: `do` was zeroed on rows that see nothing, and moved through the sinks)
-        result = _with_the_kernels_own_error(result, op, q, k, v, to_session_device(grad_out)[0], vis, sinks,
-                                             scale=scale, grad_lse=grad_lse)
+        result = _with_the_kernels_own_error(
+            result,
+            op,
+            q,
+            k,
+            v,
+            to_session_device(grad_out)[0],
+            vis,
+            sinks,
+            scale=scale,
+            grad_lse=grad_lse,
+        )
     return result
 
 
@@ -152,21 +207,40 @@ def _with_the_kernels_own_error(result, op, q, k, v, do, vis, sinks, *, scale, g
     batch, heads, seq_q, _ = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     out, raw = call_forward(op, q, k, v, is_causal=False, scale=scale)
-    lse = normalize_lse(raw, batch=batch, heads=heads, seq_q=seq_q, layout=op.capabilities.lse_layout)
+    lse = normalize_lse(
+        raw, batch=batch, heads=heads, seq_q=seq_q, layout=op.capabilities.lse_layout
+    )
     dq, dk, dv = call_backward(op, do, q, k, v, out, lse, is_causal=False, scale=scale)
     kernel = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     cpu = [t.detach().cpu() for t in (q, k, v, do)]
     vis = vis.cpu()
-    masked_ref = attention_grads(*cpu, scale=scale, visible=vis, grad_lse=grad_lse,
-                                 sinks=None if sinks is None else sinks.detach().cpu())
+    masked_ref = attention_grads(
+        *cpu,
+        scale=scale,
+        visible=vis,
+        grad_lse=grad_lse,
+        sinks=None if sinks is None else sinks.detach().cpu(),
+    )
     kernel_ref = attention_grads(*cpu, scale=scale)
     full = vis.expand(batch, heads, seq_q, seq_kv)
     rows = full.any(-1)  # (b, h, sq): rows that see a key
-    keys = full.any(-2).reshape(batch, heads_kv, heads // heads_kv, seq_kv).any(2)  # (b, hkv, skv): keys seen
-    seen = {"out": rows.unsqueeze(-1), "lse": rows, "dq": rows.unsqueeze(-1), "dk": keys.unsqueeze(-1),
-            "dv": keys.unsqueeze(-1)}
+    keys = (
+        full.any(-2).reshape(batch, heads_kv, heads // heads_kv, seq_kv).any(2)
+    )  # (b, hkv, skv): keys seen
+    seen = {
+        "out": rows.unsqueeze(-1),
+        "lse": rows,
+        "dq": rows.unsqueeze(-1),
+        "dk": keys.unsqueeze(-1),
+        "dv": keys.unsqueeze(-1),
+    }
     both = dict(result)
     for name, where in seen.items():
-        both[name] = baseline_error_of_both(result[name], getattr(masked_ref, name), kernel[name].detach().cpu(),
-                                            getattr(kernel_ref, name), where)
+        both[name] = baseline_error_of_both(
+            result[name],
+            getattr(masked_ref, name),
+            kernel[name].detach().cpu(),
+            getattr(kernel_ref, name),
+            where,
+        )
     return both

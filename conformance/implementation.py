@@ -175,18 +175,28 @@ class Capabilities:
     lse_grad: bool | None = None  # the returned LSE is differentiable (a loss may use it)
     gqa: bool | None = None
     cross_attention: bool | None = None  # non-causal with seq_kv != seq_q
-    value_head_dim: bool | None = None  # value's head dim differs from query's/key's (MLA: d_v != d_qk)
+    value_head_dim: bool | None = (
+        None  # value's head dim differs from query's/key's (MLA: d_v != d_qk)
+    )
     compile: bool | None = None  # works under torch.compile(fullgraph=True)
     input_errors: bool | None = None  # raises on every rank for bad input, never hangs
-    context_parallel: bool | None = None  # offers context_parallel / ContextParallel (needs api_module)
+    context_parallel: bool | None = (
+        None  # offers context_parallel / ContextParallel (needs api_module)
+    )
     collective_schedule: bool | None = None  # has collective_schedule(...), asserted exactly
     record_steps: bool | None = None  # has record_steps(), per-step partials
-    strategies: frozenset[str] | None = None  # "ring", "ulysses", "hybrid": ring_attention(strategy=...)
-    masks: frozenset[str] | None = None  # mask kinds (reference.masks.MASK_KINDS) of ring_attention(mask=...)
+    strategies: frozenset[str] | None = (
+        None  # "ring", "ulysses", "hybrid": ring_attention(strategy=...)
+    )
+    masks: frozenset[str] | None = (
+        None  # mask kinds (reference.masks.MASK_KINDS) of ring_attention(mask=...)
+    )
     sinks: bool | None = None  # ring_attention(sinks=...): per-head sink logits, differentiable
     #: ring_attention(score_mod=...): flex-style score changes on global positions
     score_mod: bool | None = None
-    balancers: frozenset[str] | None = None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
+    balancers: frozenset[str] | None = (
+        None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
+    )
     max_logit: bool | None = None  # ring_attention(return_max_logit=True): the per-head max logit
 
     @staticmethod
@@ -200,10 +210,16 @@ class Capabilities:
             known = {f.name for f in dataclasses.fields(Capabilities)}
             unknown = sorted(set(raw) - known)
             if unknown:
-                raise ImplSpecError(f"capabilities has unknown fields {unknown}; known fields: {sorted(known)}")
-            fields: dict[str, Any] = {k: frozenset(v) if isinstance(v, (list, tuple, set)) else v for k, v in raw.items()}
+                raise ImplSpecError(
+                    f"capabilities has unknown fields {unknown}; known fields: {sorted(known)}"
+                )
+            fields: dict[str, Any] = {
+                k: frozenset(v) if isinstance(v, (list, tuple, set)) else v for k, v in raw.items()
+            }
             return Capabilities(**fields)
-        raise ImplSpecError(f"capabilities must be a conformance.Capabilities or a dict, not {type(raw).__name__}")
+        raise ImplSpecError(
+            f"capabilities must be a conformance.Capabilities or a dict, not {type(raw).__name__}"
+        )
 
     def declares(self, name: str, value: Any = True) -> bool | None:
         """What the field says: True/False if declared (contains/equals value), None if undeclared.
@@ -256,7 +272,9 @@ class Implementation:
         if not self.capabilities.claims(capability):
             return ""
         value = getattr(self.obj, attr, None)
-        present = isinstance(value, str) and bool(value) if attr == "api_module" else callable(value)
+        present = (
+            isinstance(value, str) and bool(value) if attr == "api_module" else callable(value)
+        )
         if present:
             return ""
         if value is None:
@@ -274,7 +292,9 @@ class Implementation:
         if problem:
             raise ProtocolError(problem)
         if not self.capabilities.claims(capability):
-            raise ProtocolError(f"{self.name} {self.capabilities.lacking(capability)}: nothing to call")
+            raise ProtocolError(
+                f"{self.name} {self.capabilities.lacking(capability)}: nothing to call"
+            )
         return getattr(self.obj, PROTOCOL_ATTRIBUTES[capability])
 
     def api_module(self) -> ModuleType:
@@ -289,7 +309,9 @@ class Implementation:
         try:
             module = importlib.import_module(name)
         except ImportError as exc:
-            raise ProtocolError(f"{self.name}: api_module {name!r} cannot be imported ({exc}); make it importable or fix api_module") from exc
+            raise ProtocolError(
+                f"{self.name}: api_module {name!r} cannot be imported ({exc}); make it importable or fix api_module"
+            ) from exc
         lacking = [a for a in CONTEXT_PARALLEL_API if not hasattr(module, a)]
         if lacking:
             raise ProtocolError(
@@ -305,7 +327,9 @@ class Implementation:
 def _import_object(spec: str, what: str, option: str, env: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name:
-        raise ImplSpecError(f"{option}={spec!r}: expected 'package.module:object' or 'package.module' (or set {env})")
+        raise ImplSpecError(
+            f"{option}={spec!r}: expected 'package.module:object' or 'package.module' (or set {env})"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -369,7 +393,9 @@ def load_op(spec: str):
         obj = obj()
     missing = ops.missing_members(obj)
     if missing:
-        raise ImplSpecError(f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the contract")
+        raise ImplSpecError(
+            f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the contract"
+        )
     name = getattr(obj, "name", None)
     if isinstance(name, str) and name not in ops.available_ops():
         ops.register_op(obj)

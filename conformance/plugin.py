@@ -93,10 +93,20 @@ def report_suite_id(report: pytest.TestReport) -> str | None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    add_ring_option(parser, "--impl", env="RING_IMPL", metavar="MODULE:OBJECT",
-                    help="Implementation under test (default: ring_impl's adapter; 'ring_impl' names it too)")
-    add_ring_option(parser, "--op", env="RING_OP", metavar="NAME|MODULE:OBJECT",
-                    help="Attention op (local kernel) to run inside the implementation")
+    add_ring_option(
+        parser,
+        "--impl",
+        env="RING_IMPL",
+        metavar="MODULE:OBJECT",
+        help="Implementation under test (default: ring_impl's adapter; 'ring_impl' names it too)",
+    )
+    add_ring_option(
+        parser,
+        "--op",
+        env="RING_OP",
+        metavar="NAME|MODULE:OBJECT",
+        help="Attention op (local kernel) to run inside the implementation",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -122,8 +132,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
-    if report.skipped and isinstance(report.longrepr, tuple) and str(report.longrepr[2]).startswith(
-        ("Skipped: " + NA_PREFIX, NA_PREFIX)
+    if (
+        report.skipped
+        and isinstance(report.longrepr, tuple)
+        and str(report.longrepr[2]).startswith(("Skipped: " + NA_PREFIX, NA_PREFIX))
     ):
         return "n/a", "N", "N/A"
     return None
@@ -149,10 +161,17 @@ class _ParametrizeRecorder:
         return getattr(self._metafunc, name)
 
     def parametrize(self, argnames, argvalues, *args: Any, **kwargs: Any) -> None:
-        names = [n.strip() for n in argnames.split(",")] if isinstance(argnames, str) else list(argnames)
+        names = (
+            [n.strip() for n in argnames.split(",")]
+            if isinstance(argnames, str)
+            else list(argnames)
+        )
         for value in argvalues:
-            values = value.values if hasattr(value, "values") and hasattr(value, "marks") else (
-                (value,) if len(names) == 1 else tuple(value))
+            values = (
+                value.values
+                if hasattr(value, "values") and hasattr(value, "marks")
+                else ((value,) if len(names) == 1 else tuple(value))
+            )
             for name, v in zip(names, values):
                 self.values.setdefault(name, []).append(v)
 
@@ -160,7 +179,9 @@ class _ParametrizeRecorder:
 def quick_tier_settings(settings):
     """The settings under which the quick tier would generate its cases in this session: the
     quick tier and its world sizes (the session's, where given explicitly)."""
-    sizes = settings.world_sizes if "world_sizes" in settings.sources else DEFAULT_WORLD_SIZES["quick"]
+    sizes = (
+        settings.world_sizes if "world_sizes" in settings.sources else DEFAULT_WORLD_SIZES["quick"]
+    )
     return settings.with_(tier="quick", world_sizes=tuple(sizes))
 
 
@@ -198,7 +219,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if settings.tier != "quick":
             generated = quick_values.get(item.nodeid.split("[", 1)[0])
             if generated is not None:
-                quick = all(params[name] in values for name, values in generated.items() if name in params)
+                quick = all(
+                    params[name] in values for name, values in generated.items() if name in params
+                )
         item.add_marker(pytest.mark.quick if quick else pytest.mark.nightly)
 
 

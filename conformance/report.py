@@ -29,11 +29,26 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["OUTCOMES", "CaseRecord", "Report", "build_report", "render_markdown", "render_terminal", "to_json"]
+__all__ = [
+    "OUTCOMES",
+    "CaseRecord",
+    "Report",
+    "build_report",
+    "render_markdown",
+    "render_terminal",
+    "to_json",
+]
 
 OUTCOMES = ("passed", "failed", "n/a", "skipped", "xfailed", "xpassed")
 #: The cell text of each outcome.
-STATES = {"passed": "pass", "failed": "FAIL", "xpassed": "XPASS", "xfailed": "xfail", "n/a": "N/A", "skipped": "skip"}
+STATES = {
+    "passed": "pass",
+    "failed": "FAIL",
+    "xpassed": "XPASS",
+    "xfailed": "xfail",
+    "n/a": "N/A",
+    "skipped": "skip",
+}
 #: Outcomes of a case that ran (a verdict was reached); N/A and skipped cases did not.
 EXECUTED = ("passed", "failed", "xfailed", "xpassed")
 DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "any")
@@ -92,7 +107,9 @@ class Cell:
     @property
     def status(self) -> str:
         c = self.counts
-        present = [o for o in STATES if c.get(o)]  # most telling first: xpassed, xfailed, n/a, skipped
+        present = [
+            o for o in STATES if c.get(o)
+        ]  # most telling first: xpassed, xfailed, n/a, skipped
         if c.get("failed"):
             return "FAIL"
         if len(present) == 1:
@@ -102,7 +119,11 @@ class Cell:
         return "+".join(STATES[o] for o in present)
 
     def text(self) -> str:
-        ratio = "" if self.worst_ratio is None else (" inf" if math.isinf(self.worst_ratio) else f" {self.worst_ratio:.2g}")
+        ratio = (
+            ""
+            if self.worst_ratio is None
+            else (" inf" if math.isinf(self.worst_ratio) else f" {self.worst_ratio:.2g}")
+        )
         return self.status + ratio
 
 
@@ -147,7 +168,9 @@ class Report:
         return sorted(keys, key=lambda k: (k[0], order.get(k[1], 99), k[1]))
 
 
-def build_report(implementation: str, header: dict[str, Any], records: Sequence[CaseRecord]) -> Report:
+def build_report(
+    implementation: str, header: dict[str, Any], records: Sequence[CaseRecord]
+) -> Report:
     return Report(implementation, header, sorted(records, key=lambda r: r.nodeid))
 
 
@@ -160,7 +183,14 @@ def _table(report: Report) -> tuple[list[str], list[list[str]]]:
         row_cells = matrix[(cap, rot)]
         recs = [r for r in report.records if r.capability == cap and r.rotation == rot]
         passed, total = report.score(recs)
-        body.append([cap, rot, *[row_cells[d].text() if d in row_cells else "" for d in dtypes], f"{passed}/{total}"])
+        body.append(
+            [
+                cap,
+                rot,
+                *[row_cells[d].text() if d in row_cells else "" for d in dtypes],
+                f"{passed}/{total}",
+            ]
+        )
     return head, body
 
 
@@ -174,9 +204,11 @@ def _summary_line(report: Report) -> str:
     )
 
 
-LEGEND = ("cell: pass, FAIL, xfail (expected failure), XPASS (unexpected pass), N/A (declared lacking), skip, "
-          "'part p/n' (p of n passed, the rest in other states) or the states of a cell without passes joined by '+'; "
-          "then the worst error ratio max|X-R| / (max|B-R| + floor/k): a case passes its max bound when the ratio <= k")
+LEGEND = (
+    "cell: pass, FAIL, xfail (expected failure), XPASS (unexpected pass), N/A (declared lacking), skip, "
+    "'part p/n' (p of n passed, the rest in other states) or the states of a cell without passes joined by '+'; "
+    "then the worst error ratio max|X-R| / (max|B-R| + floor/k): a case passes its max bound when the ratio <= k"
+)
 
 
 def render_terminal(report: Report) -> str:
@@ -190,7 +222,12 @@ def render_markdown(report: Report) -> str:
     from tabulate import tabulate
 
     head, body = _table(report)
-    lines = [f"## Ring attention conformance: {report.implementation}", "", f"**{_summary_line(report)}**", ""]
+    lines = [
+        f"## Ring attention conformance: {report.implementation}",
+        "",
+        f"**{_summary_line(report)}**",
+        "",
+    ]
     lines += [f"- {k}: `{v}`" for k, v in report.header.items()]
     lines += ["", tabulate(body, head, tablefmt="github"), "", LEGEND, ""]
     failed = [r for r in report.records if r.outcome in ("failed", "xpassed")]

@@ -56,7 +56,13 @@ from conformance.report import (
 )
 from harness.pytest_plugin import add_ring_option, ring_environment_lines, ring_option, settings_of
 
-__all__ = ["VendorEntry", "VendorFileWarning", "check_report_dir", "nothing_executed", "parse_vendor_file"]
+__all__ = [
+    "VendorEntry",
+    "VendorFileWarning",
+    "check_report_dir",
+    "nothing_executed",
+    "parse_vendor_file",
+]
 
 
 class VendorFileWarning(UserWarning):
@@ -75,7 +81,11 @@ def parse_vendor_file(path: str | os.PathLike[str]) -> list[VendorEntry]:
     """Parse a vendor expectation file; raises ValueError naming the line and the fix."""
     entries = []
     for n, raw in enumerate(Path(path).read_text().splitlines(), start=1):
-        text = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith(("xfail", "skip")) else raw.strip()
+        text = (
+            raw.split("#", 1)[0].strip()
+            if not raw.lstrip().startswith(("xfail", "skip"))
+            else raw.strip()
+        )
         if not text or text.startswith("#"):
             continue
         parts = text.split(None, 2)
@@ -88,10 +98,20 @@ def parse_vendor_file(path: str | os.PathLike[str]) -> list[VendorEntry]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    add_ring_option(parser, "--report-dir", env="RING_REPORT_DIR", metavar="DIR",
-                    help="Directory for conformance.json/.md/.xml ('none' to write nothing; default reports)")
-    add_ring_option(parser, "--vendor-file", env="RING_VENDOR_FILE", metavar="PATH",
-                    help="Vendor expectations: lines of '<xfail|skip> <test-id prefix> <reason>'")
+    add_ring_option(
+        parser,
+        "--report-dir",
+        env="RING_REPORT_DIR",
+        metavar="DIR",
+        help="Directory for conformance.json/.md/.xml ('none' to write nothing; default reports)",
+    )
+    add_ring_option(
+        parser,
+        "--vendor-file",
+        env="RING_VENDOR_FILE",
+        metavar="PATH",
+        help="Vendor expectations: lines of '<xfail|skip> <test-id prefix> <reason>'",
+    )
 
 
 _VENDOR = pytest.StashKey[list]()
@@ -116,7 +136,9 @@ def check_report_dir(out: Path) -> None:
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"{str(out)!r} cannot be created: {str(probe)!r} is a file, not a directory; {fix}")
+        raise ValueError(
+            f"{str(out)!r} cannot be created: {str(probe)!r} is a file, not a directory; {fix}"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         what = "is" if probe == out.absolute() else f"would be created in {str(probe)!r}, which is"
         raise ValueError(f"{str(out)!r} {what} not writable; {fix}")
@@ -130,7 +152,9 @@ def pytest_configure(config: pytest.Config) -> None:
         try:
             config.stash[_VENDOR] = parse_vendor_file(vendor)
         except OSError as exc:
-            raise pytest.UsageError(f"--vendor-file/RING_VENDOR_FILE: cannot read {vendor!r}: {exc}") from None
+            raise pytest.UsageError(
+                f"--vendor-file/RING_VENDOR_FILE: cannot read {vendor!r}: {exc}"
+            ) from None
         except ValueError as exc:
             raise pytest.UsageError(f"--vendor-file/RING_VENDOR_FILE: {exc}") from None
     torchrun_rank = int(os.environ.get("RANK", "0")) if "LOCAL_RANK" in os.environ else 0
@@ -158,13 +182,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if test_id.startswith(e.prefix):
                 used.add(e)
                 reason = f"vendor file line {e.line}: {e.reason}"
-                item.add_marker(pytest.mark.xfail(reason=reason, strict=True) if e.kind == "xfail" else pytest.mark.skip(reason=reason))
+                item.add_marker(
+                    pytest.mark.xfail(reason=reason, strict=True)
+                    if e.kind == "xfail"
+                    else pytest.mark.skip(reason=reason)
+                )
                 break
     for e in entries:
         if e not in used:
-            warnings.warn(VendorFileWarning(
-                f"vendor file line {e.line}: '{e.kind} {e.prefix}' matches no collected test; fix the prefix or drop the line"
-            ), stacklevel=1)
+            warnings.warn(
+                VendorFileWarning(
+                    f"vendor file line {e.line}: '{e.kind} {e.prefix}' matches no collected test; fix the prefix or drop the line"
+                ),
+                stacklevel=1,
+            )
 
 
 def nothing_executed(counts: dict[str, int], deselected: int = 0) -> str:
@@ -178,19 +209,29 @@ def nothing_executed(counts: dict[str, int], deselected: int = 0) -> str:
     if executed or not (reported or deselected):
         return ""
     na, skipped = counts.get("n/a", 0), counts.get("skipped", 0)
-    parts = [f"{na} N/A", f"{skipped} skipped"] + ([f"{deselected} deselected by -k/-m"] if deselected else [])
+    parts = [f"{na} N/A", f"{skipped} skipped"] + (
+        [f"{deselected} deselected by -k/-m"] if deselected else []
+    )
     why = []
     if na:
-        why.append("N/A: the implementation declares it lacks what those cases need (capabilities set to False, "
-                   "or sets without the value); undeclared capabilities are claimed and tested")
+        why.append(
+            "N/A: the implementation declares it lacks what those cases need (capabilities set to False, "
+            "or sets without the value); undeclared capabilities are claimed and tested"
+        )
     if skipped:
-        why.append("skipped: see the skip reasons (pytest -rs); a world size, tier or device that is not enabled, "
-                   "or vendor-file skips")
+        why.append(
+            "skipped: see the skip reasons (pytest -rs); a world size, tier or device that is not enabled, "
+            "or vendor-file skips"
+        )
     if deselected:
-        why.append("deselected: the -k/-m expression left no suite case (suite cases carry the markers quick, "
-                   "nightly, compile, world_size(n=N); nightly cases exist only with --tier nightly)")
-    return (f"no conformance case was executed; of {reported + deselected} suite cases {', '.join(parts)}. "
-            "A run that tests nothing is not a pass. " + "; ".join(why) + ".")
+        why.append(
+            "deselected: the -k/-m expression left no suite case (suite cases carry the markers quick, "
+            "nightly, compile, world_size(n=N); nightly cases exist only with --tier nightly)"
+        )
+    return (
+        f"no conformance case was executed; of {reported + deselected} suite cases {', '.join(parts)}. "
+        "A run that tests nothing is not a pass. " + "; ".join(why) + "."
+    )
 
 
 def _outcome(report: pytest.TestReport) -> str:
@@ -209,7 +250,9 @@ class ConformanceReporter:
         self.config, self.out = config, out
         self.records: dict[str, CaseRecord] = {}
         self.started = time.time()
-        self.deselected = 0  # suite cases -k/-m deselected (seen without xdist; workers keep theirs)
+        self.deselected = (
+            0  # suite cases -k/-m deselected (seen without xdist; workers keep theirs)
+        )
         self.collected_other = False  # a test that is not a suite case was selected
         self.vacuous = ""
 
@@ -225,19 +268,27 @@ class ConformanceReporter:
             self.collected_other = True
             return
         outcome = _outcome(report)
-        decisive = report.when == "call" or (report.when == "setup" and outcome != "passed") or (
-            report.when == "teardown" and outcome == "failed"
+        decisive = (
+            report.when == "call"
+            or (report.when == "setup" and outcome != "passed")
+            or (report.when == "teardown" and outcome == "failed")
         )
         prev = self.records.get(test_id)
         if not decisive or (prev is not None and prev.outcome == "failed"):
             return  # a teardown error after a failed call keeps the call's message
-        module = test_id.split("::", 1)[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
+        module = (
+            test_id.split("::", 1)[0].rsplit("/", 1)[-1].removeprefix("test_").removesuffix(".py")
+        )
         properties: list[tuple[str, Any]] = list(report.user_properties)
         cases = [v for k, v in properties if k == "ring_case"]
         verdicts = [v for k, vs in properties if k == "ring_verdicts" for v in vs]
         # A test may run several cases (rotation agreement, hypothesis examples): keep the
         # parameters they share; the others become "any".
-        params = {k: v for k, v in cases[0].items() if all(c.get(k) == v for c in cases)} if cases else {}
+        params = (
+            {k: v for k, v in cases[0].items() if all(c.get(k) == v for c in cases)}
+            if cases
+            else {}
+        )
         message = ""
         if outcome == "failed":
             message = str(report.longrepr)[-2000:] if report.longrepr else ""
@@ -246,7 +297,13 @@ class ConformanceReporter:
         elif outcome in ("n/a", "skipped") and isinstance(report.longrepr, tuple):
             message = str(report.longrepr[2]).removeprefix("Skipped: ")
         self.records[test_id] = CaseRecord(
-            test_id, outcome, module, params, verdicts, report.duration, message,
+            test_id,
+            outcome,
+            module,
+            params,
+            verdicts,
+            report.duration,
+            message,
         )
 
     def header(self) -> dict[str, str]:
@@ -273,11 +330,15 @@ class ConformanceReporter:
         if not self.records:
             return None
         impl = self.config.stash.get(_IMPL_KEY, None)
-        return build_report(impl.name if impl is not None else "?", self.header(), list(self.records.values()))
+        return build_report(
+            impl.name if impl is not None else "?", self.header(), list(self.records.values())
+        )
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if self.vacuous:
-            terminalreporter.section("ring attention conformance: nothing tested", red=True, bold=True)
+            terminalreporter.section(
+                "ring attention conformance: nothing tested", red=True, bold=True
+            )
             terminalreporter.write_line(self.vacuous, red=True)
         report = self.report()
         if report is None:

@@ -31,17 +31,25 @@ def context_parallel_sdpa_example(world_size: int, rank: int) -> None:
         world_size=world_size,
         rank=rank,
     )
-    device_mesh = init_device_mesh(device_type=device_type, mesh_shape=(world_size,), mesh_dim_names=("cp",))
+    device_mesh = init_device_mesh(
+        device_type=device_type, mesh_shape=(world_size,), mesh_dim_names=("cp",)
+    )
 
     batch = 8
     nheads = 8
     qkv_len = 64
     dim = 32
     backend = SDPBackend.FLASH_ATTENTION
-    dtype = torch.bfloat16 if backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION) else torch.float32
+    dtype = (
+        torch.bfloat16
+        if backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+        else torch.float32
+    )
 
     qkv = [
-        torch.rand((batch, nheads, qkv_len, dim), dtype=dtype, requires_grad=True, device=device_type)
+        torch.rand(
+            (batch, nheads, qkv_len, dim), dtype=dtype, requires_grad=True, device=device_type
+        )
         for _ in range(3)
     ]
     # specify the SDPBackend to use
@@ -66,8 +74,10 @@ def context_parallel_sdpa_example(world_size: int, rank: int) -> None:
         atol=(1e-08 if dtype == torch.float32 else 1e-03 * world_size),
     ), f"max difference {(cp_out.float() - out.float()).abs().max().item():.3e}"
     if rank == 0:
-        print(f"context parallel SDPA on {world_size} ranks matches single-process SDPA "
-              f"(max difference {(cp_out.float() - out.float()).abs().max().item():.1e})")
+        print(
+            f"context parallel SDPA on {world_size} ranks matches single-process SDPA "
+            f"(max difference {(cp_out.float() - out.float()).abs().max().item():.1e})"
+        )
 
 
 LAUNCH = "torchrun --standalone --nproc-per-node=4 examples/context_parallel_tutorial.py"
@@ -75,7 +85,9 @@ LAUNCH = "torchrun --standalone --nproc-per-node=4 examples/context_parallel_tut
 if __name__ == "__main__":
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         # Started without a launcher: there are no other ranks to rendezvous with.
-        sys.exit(f"context_parallel_tutorial.py runs one process per rank; launch it with: {LAUNCH}")
+        sys.exit(
+            f"context_parallel_tutorial.py runs one process per rank; launch it with: {LAUNCH}"
+        )
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
 

@@ -36,7 +36,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DEFAULT_PHASE = "default"
-KINDS = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broadcast", "send", "recv", "barrier")
+KINDS = (
+    "all_gather",
+    "all_to_all",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "send",
+    "recv",
+    "barrier",
+)
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 _IGNORED = frozenset({"wait_tensor", "_wrap_tensor_autograd", "check_for_nan"})
@@ -111,9 +120,14 @@ def classify(op_name: str, args: tuple[Any, ...]) -> list[tuple[str, int, int | 
         return []
     if namespace != "c10d" and name == "batch_p2p_ops":
         op_list, peer_list, _tags, tensors = args[0], args[1], args[2], args[3]
-        return [("send" if op == "isend" else "recv" if op == "irecv" else f"other:{op_name}.{op}",
-                 _nbytes(tensor), int(peer))
-                for op, peer, tensor in zip(op_list, peer_list, tensors, strict=False)]
+        return [
+            (
+                "send" if op == "isend" else "recv" if op == "irecv" else f"other:{op_name}.{op}",
+                _nbytes(tensor),
+                int(peer),
+            )
+            for op, peer, tensor in zip(op_list, peer_list, tensors, strict=False)
+        ]
     table = _EAGER if namespace == "c10d" else _FUNCTIONAL
     if name not in table:
         return [(f"other:{op_name}", 0, None)]
@@ -149,8 +163,13 @@ class CollectiveLog(TorchDispatchMode):
         finally:
             self._phase = previous
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if func.namespace in _COLLECTIVE_NAMESPACES:
             self.note(func._schema.name, tuple(args), op=str(func))
         return func(*args, **(kwargs or {}))
@@ -163,7 +182,9 @@ class CollectiveLog(TorchDispatchMode):
         if found:
             with self._lock:
                 for kind, nbytes, peer in found:
-                    self.calls.append(CollectiveCall(self._phase, kind, op or op_name, nbytes, peer))
+                    self.calls.append(
+                        CollectiveCall(self._phase, kind, op or op_name, nbytes, peer)
+                    )
 
     def summary(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{phase: {kind: {"calls": n, "bytes": b}}}`` as plain, picklable data."""

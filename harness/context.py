@@ -39,7 +39,9 @@ class RankContext:
         if key not in self._groups:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._groups[key] = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(dim_names))
+            self._groups[key] = init_device_mesh(
+                self.device.type, tuple(shape), mesh_dim_names=tuple(dim_names)
+            )
         return self._groups[key]
 
     def subgroup(self, ranks: tuple[int, ...]) -> Any:

@@ -123,8 +123,11 @@ def dist_backends() -> list[str]:
     if not dist.is_available():
         return ["torch.distributed unavailable"]
     found = []
-    for name, check in (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available),
-                        ("mpi", dist.is_mpi_available)):
+    for name, check in (
+        ("gloo", dist.is_gloo_available),
+        ("nccl", dist.is_nccl_available),
+        ("mpi", dist.is_mpi_available),
+    ):
         try:
             ok = bool(check())
         except Exception:

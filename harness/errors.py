@@ -61,7 +61,9 @@ class RankOutcome:
         if self.traceback:
             parts.append(self.traceback.rstrip())
         if self.stack:
-            parts.append("Python stack of every thread (most recent call first):\n" + self.stack.rstrip())
+            parts.append(
+                "Python stack of every thread (most recent call first):\n" + self.stack.rstrip()
+            )
         if self.output:
             parts.append("last output of the rank:\n" + self.output.rstrip())
         return "\n".join(parts) if parts else "(no traceback or stack available)"

@@ -41,8 +41,14 @@ class Pool(ABC):
         """Process ids of the ranks this pool drives (torchrun: this process only)."""
 
     @abstractmethod
-    def _execute(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                 timeout: float | None, seed: int) -> tuple[list[RankOutcome], CaseFailure | None]:
+    def _execute(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        seed: int,
+    ) -> tuple[list[RankOutcome], CaseFailure | None]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank: each rank's outcome (index = rank) and
         the failure they amount to, or None when every rank returned."""
 
@@ -50,8 +56,14 @@ class Pool(ABC):
     def shutdown(self) -> None:
         """Stop the ranks and release what the pool holds; safe to call more than once."""
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            seed: int = 0, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the values, index = rank.
 
         Raises :class:`RankError`, :class:`RankCrashed` or :class:`CaseTimeout` (all
@@ -63,8 +75,14 @@ class Pool(ABC):
             raise failure
         return [o.value for o in outcomes]
 
-    def run_outcomes(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-                     seed: int = 0, **kwargs: Any) -> list[RankOutcome]:
+    def run_outcomes(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> list[RankOutcome]:
         """Run like :meth:`run` but return every rank's :class:`RankOutcome`, raised or not.
 
         For tests that expect ranks to raise. A rank that died or a case that timed out still
@@ -85,8 +103,16 @@ def case_label(fallback: str) -> str:
     return fallback
 
 
-def case_failure(pool: Pool, label: str, fn_name: str, outcomes: list[RankOutcome], *, timeout: float,
-                 note: str = "", headline: str = "") -> CaseFailure | None:
+def case_failure(
+    pool: Pool,
+    label: str,
+    fn_name: str,
+    outcomes: list[RankOutcome],
+    *,
+    timeout: float,
+    note: str = "",
+    headline: str = "",
+) -> CaseFailure | None:
     """The failure that ``outcomes`` amount to (None when every rank returned).
 
     A rank that died makes it :class:`RankCrashed`; else a rank that raised :class:`RankError`;
@@ -103,5 +129,13 @@ def case_failure(pool: Pool, label: str, fn_name: str, outcomes: list[RankOutcom
         cls, default = RankError, "a rank raised"
     else:
         cls, default = CaseTimeout, f"did not finish within {timeout:g} s"
-    return cls(case=label, fn_name=fn_name, world_size=pool.world_size, backend=pool.backend,
-               device=pool.device, outcomes=outcomes, note=note, headline=headline or default)
+    return cls(
+        case=label,
+        fn_name=fn_name,
+        world_size=pool.world_size,
+        backend=pool.backend,
+        device=pool.device,
+        outcomes=outcomes,
+        note=note,
+        headline=headline or default,
+    )

@@ -43,7 +43,9 @@ class Launcher:
 LAUNCHERS: dict[str, Launcher] = {
     "pool": Launcher("pool", pool.rank_pool, pool.shutdown_rank_pools, rank_start.warm_up),
     "torchrun": Launcher("torchrun", torchrun.get_torchrun_pool, torchrun.shutdown_torchrun_pool),
-    "simulated": Launcher("simulated", simulated.simulated_pool, simulated.shutdown_simulated_pools),
+    "simulated": Launcher(
+        "simulated", simulated.simulated_pool, simulated.shutdown_simulated_pools
+    ),
 }
 
 
@@ -60,7 +62,9 @@ def get_pool(world_size: int, backend: str | None = None, device: str | None = N
     """
     settings = current()
     device = device or settings.device
-    backend = backend or (settings.backend if device == settings.device else default_backend(device))
+    backend = backend or (
+        settings.backend if device == settings.device else default_backend(device)
+    )
     return LAUNCHERS[settings.launcher].get(world_size, backend, device)
 
 

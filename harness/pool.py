@@ -89,7 +89,7 @@ def _remove_stale_tmp_dirs() -> None:
     except OSError:
         return
     for name in names:
-        owner = name[len(_TMP_PREFIX):].split("-", 1)[0] if name.startswith(_TMP_PREFIX) else ""
+        owner = name[len(_TMP_PREFIX) :].split("-", 1)[0] if name.startswith(_TMP_PREFIX) else ""
         if owner.isdigit() and not pid_alive(int(owner)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
@@ -144,7 +144,9 @@ class RankPool(Pool):
         if backend == "nccl" and device != "cuda":
             raise ValueError("backend 'nccl' needs device 'cuda'; use backend 'gloo' for CPU ranks")
         if rank_start is not None and rank_start not in RANK_STARTS:
-            raise ValueError(f"rank_start must be one of {', '.join(RANK_STARTS)}, got {rank_start!r}")
+            raise ValueError(
+                f"rank_start must be one of {', '.join(RANK_STARTS)}, got {rank_start!r}"
+            )
         self.world_size = world_size
         self.backend = backend
         self.device = device
@@ -185,8 +187,10 @@ class RankPool(Pool):
 
     def _paths(self, rank: int) -> tuple[str, str]:
         assert self._tmp_dir is not None
-        return (os.path.join(self._tmp_dir, f"rank{rank}.log"),
-                os.path.join(self._tmp_dir, f"rank{rank}.stack"))
+        return (
+            os.path.join(self._tmp_dir, f"rank{rank}.log"),
+            os.path.join(self._tmp_dir, f"rank{rank}.stack"),
+        )
 
     def start(self) -> None:
         """Start the rank processes and wait until they formed their process group."""
@@ -209,19 +213,32 @@ class RankPool(Pool):
         self._tmp_dir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-w{self.world_size}-")
         store_path = os.path.join(self._tmp_dir, "store")
         threads = self.rank_threads or current().rank_threads
-        spawned_env = _environ(self.env) if method == "spawn" and self.env else contextlib.nullcontext()
+        spawned_env = (
+            _environ(self.env) if method == "spawn" and self.env else contextlib.nullcontext()
+        )
         with spawned_env:
             for rank in range(self.world_size):
                 log_path, stack_path = self._paths(rank)
                 boot = RankBoot(
-                    rank=rank, world_size=self.world_size, backend=self.backend,
-                    device=self.rank_devices[rank], store_path=store_path, owner_pid=os.getpid(),
-                    env=rank_env(rank, self.world_size, self.env), sys_path=list(sys.path), cwd=os.getcwd(),
-                    rank_threads=threads, stack_path=stack_path, log_path=log_path,
-                    tmp_dir=self._tmp_dir, pg_timeout_s=_PG_TIMEOUT_S,
+                    rank=rank,
+                    world_size=self.world_size,
+                    backend=self.backend,
+                    device=self.rank_devices[rank],
+                    store_path=store_path,
+                    owner_pid=os.getpid(),
+                    env=rank_env(rank, self.world_size, self.env),
+                    sys_path=list(sys.path),
+                    cwd=os.getcwd(),
+                    rank_threads=threads,
+                    stack_path=stack_path,
+                    log_path=log_path,
+                    tmp_dir=self._tmp_dir,
+                    pg_timeout_s=_PG_TIMEOUT_S,
                 )
                 parent_end, child_end = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=main, args=(child_end, boot), name=f"ring-rank{rank}", daemon=True)
+                proc = ctx.Process(
+                    target=main, args=(child_end, boot), name=f"ring-rank{rank}", daemon=True
+                )
                 proc.start()
                 child_end.close()
                 self._procs.append(proc)
@@ -238,26 +255,49 @@ class RankPool(Pool):
             return self._crashed(rank, "died while starting")
         if message[0] == "hello":
             return RankOutcome(rank, True, status=OK)
-        return RankOutcome(rank, False, None, "harness.RankStartError", "could not join the process group",
-                           message[3], status=ERROR)
+        return RankOutcome(
+            rank,
+            False,
+            None,
+            "harness.RankStartError",
+            "could not join the process group",
+            message[3],
+            status=ERROR,
+        )
 
     def _wait_for_hello(self) -> None:
         """Wait until every rank joined the process group; on failure kill them all and raise."""
         grace = self.grace if self.grace is not None else current().grace
-        gathered = gather(self.world_size, lambda rank: [self._conns[rank]], self._receive_hello,
-                          timeout=self.start_timeout, grace=grace)
+        gathered = gather(
+            self.world_size,
+            lambda rank: [self._conns[rank]],
+            self._receive_hello,
+            timeout=self.start_timeout,
+            grace=grace,
+        )
         if not gathered.unfinished and not gathered.failed:
             return
         outcomes = gathered.outcomes
         for rank in gathered.unfinished:
             if not gathered.failed:
-                outcomes[rank] = RankOutcome(rank, False, None, "harness.RankStartTimeout",
-                                             f"had not joined the process group after {self.start_timeout:g} s",
-                                             status=TIMEOUT)
+                outcomes[rank] = RankOutcome(
+                    rank,
+                    False,
+                    None,
+                    "harness.RankStartTimeout",
+                    f"had not joined the process group after {self.start_timeout:g} s",
+                    status=TIMEOUT,
+                )
             else:
-                outcomes[rank] = RankOutcome(rank, False, None, "harness.RankStartAborted",
-                                             f"was still joining the process group {grace:g} s after "
-                                             "another rank failed to start", status=ABORTED)
+                outcomes[rank] = RankOutcome(
+                    rank,
+                    False,
+                    None,
+                    "harness.RankStartAborted",
+                    f"was still joining the process group {grace:g} s after "
+                    "another rank failed to start",
+                    status=ABORTED,
+                )
         stacks = self._dump_stacks(gathered.unfinished)
         self._kill()
         for rank, outcome in outcomes.items():
@@ -266,8 +306,11 @@ class RankPool(Pool):
                 outcome.output = self._output.tail(rank)
         self._remove_tmp_dir()
         raise PoolStartError(
-            case="pool start", fn_name="harness.rank_main.main", world_size=self.world_size,
-            backend=self.backend, device=self.device,
+            case="pool start",
+            fn_name="harness.rank_main.main",
+            world_size=self.world_size,
+            backend=self.backend,
+            device=self.device,
             outcomes=[outcomes[r] for r in range(self.world_size)],
             note="the rank processes were killed; the next case will try to start them again",
         )
@@ -312,10 +355,18 @@ class RankPool(Pool):
 
     # ------------------------------------------------------------------ cases
 
-    def _execute(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                 timeout: float | None, seed: int) -> tuple[list[RankOutcome], CaseFailure | None]:
+    def _execute(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        seed: int,
+    ) -> tuple[list[RankOutcome], CaseFailure | None]:
         fn_name = wire.qualified_name(fn)
-        timeout = float(timeout if timeout is not None else (self.case_timeout or current().case_timeout))
+        timeout = float(
+            timeout if timeout is not None else (self.case_timeout or current().case_timeout)
+        )
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         grace = min(self.grace if self.grace is not None else current().grace, timeout)
@@ -335,9 +386,15 @@ class RankPool(Pool):
                     self.start()
                 except PoolStartError as exc:
                     raise PoolStartError(
-                        case=label, fn_name=fn_name, world_size=self.world_size, backend=self.backend,
-                        device=self.device, outcomes=exc.outcomes, note=exc.note,
-                        headline="the ranks could not be (re)started for this case") from None
+                        case=label,
+                        fn_name=fn_name,
+                        world_size=self.world_size,
+                        backend=self.backend,
+                        device=self.device,
+                        outcomes=exc.outcomes,
+                        note=exc.note,
+                        headline="the ranks could not be (re)started for this case",
+                    ) from None
             message = wire.dumps(("case", case_id, int(seed), label, inner))
             try:
                 for conn in self._conns:
@@ -355,7 +412,9 @@ class RankPool(Pool):
             self._output.forward(outcomes)
         return outcomes, case_failure(self, label, fn_name, outcomes, timeout=timeout, note=note)
 
-    def _collect(self, case_id: int, timeout: float, grace: float) -> tuple[dict[int, RankOutcome], str]:
+    def _collect(
+        self, case_id: int, timeout: float, grace: float
+    ) -> tuple[dict[int, RankOutcome], str]:
         """Gather every rank's result; deal with hangs and crashes. Returns the outcomes by rank
         and a note for reports (what was done with the pool)."""
 
@@ -366,8 +425,13 @@ class RankPool(Pool):
                 return self._crashed(rank, "died while running the case")
             return self._receive(rank, case_id)
 
-        gathered = gather(self.world_size, lambda rank: [self._conns[rank], self._procs[rank].sentinel],
-                          receive, timeout=timeout, grace=grace)
+        gathered = gather(
+            self.world_size,
+            lambda rank: [self._conns[rank], self._procs[rank].sentinel],
+            receive,
+            timeout=timeout,
+            grace=grace,
+        )
         results = gathered.outcomes
         crashed = any(o.status == CRASHED for o in results.values())
         if gathered.unfinished:
@@ -378,22 +442,39 @@ class RankPool(Pool):
                     text = f"had not finished when the {timeout:g} s case timeout ran out"
                     status = TIMEOUT
                 else:
-                    text = (f"was still running {grace:g} s after rank {first} failed "
-                            f"(blocked in a collective rank {first} never joined?)")
+                    text = (
+                        f"was still running {grace:g} s after rank {first} failed "
+                        f"(blocked in a collective rank {first} never joined?)"
+                    )
                     status = ABORTED
-                results[rank] = RankOutcome(rank, False, None, f"harness.{status.title()}", text,
-                                            status=status, stack=stacks.get(rank, ""))
+                results[rank] = RankOutcome(
+                    rank,
+                    False,
+                    None,
+                    f"harness.{status.title()}",
+                    text,
+                    status=status,
+                    stack=stacks.get(rank, ""),
+                )
         if gathered.unfinished or crashed:
             self._output.attach(results)
             self._kill()
-            return results, "the pool's rank processes were killed; the next case starts a fresh pool"
+            return (
+                results,
+                "the pool's rank processes were killed; the next case starts a fresh pool",
+            )
         if gathered.failed:
             if self._probe(case_id):
-                return results, "every rank reported and a probe all_reduce passed: the pool is kept"
+                return (
+                    results,
+                    "every rank reported and a probe all_reduce passed: the pool is kept",
+                )
             self._output.attach(results)
             self._kill()
-            return results, ("the process group failed a probe all_reduce after the case; "
-                             "the pool was killed and will be rebuilt")
+            return results, (
+                "the process group failed a probe all_reduce after the case; "
+                "the pool was killed and will be rebuilt"
+            )
         return results, ""
 
     def _receive(self, rank: int, case_id: int) -> RankOutcome | None:
@@ -405,21 +486,34 @@ class RankPool(Pool):
             return None  # a late reply to an earlier request: not this case's
         _, _, _, ok, value_bytes, exc_type, exc_message, tb, duration = message
         if not ok:
-            return RankOutcome(rank, False, None, exc_type, exc_message, tb, status=ERROR,
-                               duration_s=duration)
+            return RankOutcome(
+                rank, False, None, exc_type, exc_message, tb, status=ERROR, duration_s=duration
+            )
         try:
             value = wire.loads(value_bytes)
         except Exception as exc:
-            return RankOutcome(rank, False, None, "harness.UnpicklableResult",
-                               f"the rank's return value cannot be unpickled in the pytest process: {exc}",
-                               status=ERROR, duration_s=duration)
+            return RankOutcome(
+                rank,
+                False,
+                None,
+                "harness.UnpicklableResult",
+                f"the rank's return value cannot be unpickled in the pytest process: {exc}",
+                status=ERROR,
+                duration_s=duration,
+            )
         return RankOutcome(rank, True, value, status=OK, duration_s=duration)
 
     def _crashed(self, rank: int, what: str) -> RankOutcome:
         proc = self._procs[rank]
         proc.join(1.0)
-        return RankOutcome(rank, False, None, "harness.RankCrashed",
-                           f"(pid {proc.pid}) {what}: {signal_name(proc.exitcode)}", status=CRASHED)
+        return RankOutcome(
+            rank,
+            False,
+            None,
+            "harness.RankCrashed",
+            f"(pid {proc.pid}) {what}: {signal_name(proc.exitcode)}",
+            status=CRASHED,
+        )
 
     def _probe(self, case_id: int) -> bool:
         """One all_reduce on every rank after a case some ranks failed: does the group still agree?"""
@@ -439,15 +533,25 @@ class RankPool(Pool):
                 return None
             return RankOutcome(rank, bool(reply[3]), status=OK if reply[3] else ERROR)
 
-        gathered = gather(self.world_size, lambda rank: [self._conns[rank]], receive,
-                          timeout=_PROBE_TIMEOUT_S, grace=0.0)
+        gathered = gather(
+            self.world_size,
+            lambda rank: [self._conns[rank]],
+            receive,
+            timeout=_PROBE_TIMEOUT_S,
+            grace=0.0,
+        )
         return not gathered.unfinished and not gathered.failed
 
     def _dump_stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         if self._tmp_dir is None:
             return {}
-        return dump_stacks({rank: (self._pids[rank], self._paths(rank)[1])
-                            for rank in ranks if rank < len(self._pids)})
+        return dump_stacks(
+            {
+                rank: (self._pids[rank], self._paths(rank)[1])
+                for rank in ranks
+                if rank < len(self._pids)
+            }
+        )
 
 
 # ---------------------------------------------------------------------- the pools of this process

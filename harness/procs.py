@@ -200,7 +200,14 @@ def _kill_all(pids: Sequence[int], sig: int) -> None:
 
 # Signals a command under the supervisor starts with in their default disposition: an ignored
 # or blocked signal survives exec, and the owner (an xdist worker, say) may have either.
-_RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE, signal.SIGCHLD)
+_RESET_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGPIPE,
+    signal.SIGCHLD,
+)
 _WATCHED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -208,7 +215,13 @@ class _Supervisor:
     """The process that runs one command as a tree (runs as ``python procs.py --supervise``)."""
 
     def __init__(self, status_fd: int, owner: int, linger: float, grace: float, argv: list[str]):
-        self.status_fd, self.owner, self.linger, self.grace, self.argv = status_fd, owner, linger, grace, argv
+        self.status_fd, self.owner, self.linger, self.grace, self.argv = (
+            status_fd,
+            owner,
+            linger,
+            grace,
+            argv,
+        )
         self.me = os.getpid()
         self.child = 0
         self.status: int | None = None  # the command's wait status
@@ -257,13 +270,16 @@ class _Supervisor:
     def run(self) -> int:
         """Run the command and look after its tree; the command's wait status."""
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        os.set_inheritable(self.status_fd, False)  # the tree must not hold the owner's status stream
+        os.set_inheritable(
+            self.status_fd, False
+        )  # the tree must not hold the owner's status stream
         signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
         if os.getppid() != self.owner:
             return 1 << 8  # the owner died before we started: start nothing
         try:
-            self.child = os.posix_spawnp(self.argv[0], self.argv, dict(os.environ), setsigmask=(),
-                                         setsigdef=_RESET_SIGNALS)
+            self.child = os.posix_spawnp(
+                self.argv[0], self.argv, dict(os.environ), setsigmask=(), setsigdef=_RESET_SIGNALS
+            )
         except OSError as exc:
             os.write(2, f"process tree: cannot start {self.argv[0]!r}: {exc}\n".encode())
             self.report("exit 127")
@@ -332,7 +348,9 @@ class ProcessTree:
     ``grace``: seconds between SIGTERM and SIGKILL when the tree is killed.
     """
 
-    def __init__(self, argv: Sequence[str], *, linger: float = 0.0, grace: float = 2.0, **popen_kwargs: Any):
+    def __init__(
+        self, argv: Sequence[str], *, linger: float = 0.0, grace: float = 2.0, **popen_kwargs: Any
+    ):
         self.argv = list(argv)
         self.grace = grace
         self.leftovers: list[int] = []
@@ -345,8 +363,19 @@ class ProcessTree:
         read_fd, write_fd = os.pipe()
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), "--supervise", str(write_fd),
-                 str(os.getpid()), repr(float(linger)), repr(float(grace)), "--", *self.argv],
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    os.path.abspath(__file__),
+                    "--supervise",
+                    str(write_fd),
+                    str(os.getpid()),
+                    repr(float(linger)),
+                    repr(float(grace)),
+                    "--",
+                    *self.argv,
+                ],
                 pass_fds=(write_fd,),
                 start_new_session=True,  # the terminal's Ctrl-C reaches the owner, which kills the tree
                 **popen_kwargs,
@@ -400,7 +429,9 @@ class ProcessTree:
     def pid(self) -> int:
         """The command's pid (not the supervisor's)."""
         if not self._poll_until(lambda: self._pid is not None, 60.0) or self._pid is None:
-            raise RuntimeError(f"process tree: {self.argv[0]!r} did not start (supervisor {signal_name(self._popen.poll())})")
+            raise RuntimeError(
+                f"process tree: {self.argv[0]!r} did not start (supervisor {signal_name(self._popen.poll())})"
+            )
         return self._pid
 
     @property
@@ -464,8 +495,16 @@ class ProcessTree:
         self.close()
 
 
-def run_tree(argv: Sequence[str], *, timeout: float | None = None, input: Any = None, check: bool = False,
-             capture_output: bool = False, linger: float = 0.0, **popen_kwargs: Any) -> subprocess.CompletedProcess:
+def run_tree(
+    argv: Sequence[str],
+    *,
+    timeout: float | None = None,
+    input: Any = None,
+    check: bool = False,
+    capture_output: bool = False,
+    linger: float = 0.0,
+    **popen_kwargs: Any,
+) -> subprocess.CompletedProcess:
     """:func:`subprocess.run` for a command that may start processes of its own: the whole tree
     is killed on a timeout, an exception or KeyboardInterrupt, and the call returns only once
     every process of the tree is gone (descendants left by the command are killed after
@@ -480,7 +519,9 @@ def run_tree(argv: Sequence[str], *, timeout: float | None = None, input: Any = 
         except subprocess.TimeoutExpired:
             tree.kill()
             out, err = tree._popen.communicate()
-            raise subprocess.TimeoutExpired(list(argv), timeout or 0.0, output=out, stderr=err) from None
+            raise subprocess.TimeoutExpired(
+                list(argv), timeout or 0.0, output=out, stderr=err
+            ) from None
         code = tree.returncode
     assert code is not None
     if check and code:

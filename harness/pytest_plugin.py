@@ -54,17 +54,17 @@ _FLAGS: dict[str, str] = {}
 
 MARKERS = {
     "quick": "a case of the quick tier (the default tier, minutes on 2 CPU cores: every suite case of a default run, "
-             "and those of --tier nightly that the quick tier runs too); select with -m quick",
+    "and those of --tier nightly that the quick tier runs too); select with -m quick",
     "nightly": "a case only the nightly tier has (full matrix, slow); collected with --tier nightly (RING_TIER=nightly), "
-               "skipped otherwise; select with -m nightly",
+    "skipped otherwise; select with -m nightly",
     "gpu": "needs CUDA; skipped unless run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)",
     "compile": "uses torch.compile; its case timeout is --compile-timeout (a cold inductor cache compiles on every rank); "
-               "leave these out with -m 'not compile'",
+    "leave these out with -m 'not compile'",
     "process_state": "changes process-wide state on every rank (patches a module attribute such "
-                     "as F.scaled_dot_product_attention): needs a process per rank; skipped on "
-                     "--launcher simulated",
+    "as F.scaled_dot_product_attention): needs a process per rank; skipped on "
+    "--launcher simulated",
     "world_size(n)": "needs world size n; skipped unless n is in --world-sizes (RING_WORLD_SIZES); "
-                     "suite cases carry world_size(n=N): select with -m 'world_size(n=2)'",
+    "suite cases carry world_size(n=N): select with -m 'world_size(n=2)'",
 }
 
 HYPOTHESIS_PROFILES = {"dev": 20, "ci": 10, "nightly": 100}
@@ -72,8 +72,10 @@ HYPOTHESIS_PROFILES = {"dev": 20, "ci": 10, "nightly": 100}
 
 # ---------------------------------------------------------------------- options
 
-def add_ring_option(parser: pytest.Parser, flag: str, *, env: str, help: str,
-                    dest: str | None = None, **kwargs: Any) -> None:
+
+def add_ring_option(
+    parser: pytest.Parser, flag: str, *, env: str, help: str, dest: str | None = None, **kwargs: Any
+) -> None:
     """Register ``flag`` in the "ring attention" group with ``env`` as its fallback variable.
 
     The option's default is ``None`` so :func:`ring_option` can tell "not given" from a value.
@@ -120,8 +122,14 @@ def repro_command(config: pytest.Config, nodeid: str, *extra: str) -> str:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     for spec in OPTIONS:
-        add_ring_option(parser, spec.flag, env=spec.env, help=spec.help, dest=f"ring_{spec.dest}",
-                        metavar=spec.shown_as)
+        add_ring_option(
+            parser,
+            spec.flag,
+            env=spec.env,
+            help=spec.help,
+            dest=f"ring_{spec.dest}",
+            metavar=spec.shown_as,
+        )
 
 
 def resolve_settings(config: pytest.Config) -> HarnessSettings:
@@ -162,6 +170,7 @@ def settings_of(config: pytest.Config) -> HarnessSettings:
 
 # ---------------------------------------------------------------------- configure
 
+
 def register_hypothesis_profiles() -> None:
     """Profiles dev / ci / nightly: derandomized (every rank and worker draws the same examples),
     no deadline (distributed cases vary in time), no example database (no cross-run state)."""
@@ -182,7 +191,9 @@ def register_hypothesis_profiles() -> None:
         )
 
 
-def default_hypothesis_profile(settings: HarnessSettings, env: dict[str, str] | os._Environ[str]) -> str:
+def default_hypothesis_profile(
+    settings: HarnessSettings, env: dict[str, str] | os._Environ[str]
+) -> str:
     if settings.tier == "nightly":
         return "nightly"
     return "ci" if env.get("CI", "").lower() not in ("", "0", "false", "no") else "dev"
@@ -219,15 +230,22 @@ def _quiet_torchrun_ranks(config: pytest.Config, settings: HarnessSettings) -> N
 
 # ---------------------------------------------------------------------- collection
 
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     settings = settings_of(config)
     for item in items:
         if item.get_closest_marker("nightly") and settings.tier != "nightly":
-            item.add_marker(pytest.mark.skip(
-                reason="nightly tier only: run with --tier nightly (or RING_TIER=nightly)"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="nightly tier only: run with --tier nightly (or RING_TIER=nightly)"
+                )
+            )
         if item.get_closest_marker("gpu") and settings.device != "cuda":
-            item.add_marker(pytest.mark.skip(
-                reason="needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"
+                )
+            )
         if settings.launcher == "simulated":
             _skip_what_threads_cannot_run(item)
         marker = item.get_closest_marker("world_size")
@@ -243,13 +261,19 @@ def _skip_what_threads_cannot_run(item: pytest.Item) -> None:
     per rank, saying why and how to run it."""
     how = "run it with --launcher pool (the default)"
     if item.get_closest_marker("compile"):
-        item.add_marker(pytest.mark.skip(
-            reason=f"uses torch.compile, which cannot run on the simulated world's rank threads "
-                   f"(dynamo is not thread-safe): {how}"))
+        item.add_marker(
+            pytest.mark.skip(
+                reason=f"uses torch.compile, which cannot run on the simulated world's rank threads "
+                f"(dynamo is not thread-safe): {how}"
+            )
+        )
     elif item.get_closest_marker("process_state"):
-        item.add_marker(pytest.mark.skip(
-            reason=f"changes process-wide state on every rank, which the simulated world's rank "
-                   f"threads share: {how}"))
+        item.add_marker(
+            pytest.mark.skip(
+                reason=f"changes process-wide state on every rank, which the simulated world's rank "
+                f"threads share: {how}"
+            )
+        )
 
 
 def marker_world_size(marker: pytest.Mark | None) -> int | None:
@@ -266,16 +290,20 @@ def world_size_skip_reason(world_size: int, settings: HarnessSettings) -> str:
     if settings.launcher == "torchrun":
         launched = int(os.environ.get("WORLD_SIZE", "0"))
         if world_size != launched:
-            return (f"needs world_size {world_size} but torchrun launched {launched} ranks: "
-                    f"launch torchrun with {world_size} ranks in total to run it")
+            return (
+                f"needs world_size {world_size} but torchrun launched {launched} ranks: "
+                f"launch torchrun with {world_size} ranks in total to run it"
+            )
         return ""
     if not settings.runs_world_size(world_size):
         enabled = ",".join(map(str, settings.world_sizes))
         wider = ",".join(map(str, sorted({*settings.world_sizes, world_size})))
         mesh = ",".join(map(str, settings.mesh_world_sizes))
-        return (f"world_size {world_size} not enabled (world sizes: {enabled}): "
-                f"add it with --world-sizes {wider} (or RING_WORLD_SIZES), or use --tier nightly"
-                + (f" (suites over 2-D meshes run {mesh})" if mesh != enabled else ""))
+        return (
+            f"world_size {world_size} not enabled (world sizes: {enabled}): "
+            f"add it with --world-sizes {wider} (or RING_WORLD_SIZES), or use --tier nightly"
+            + (f" (suites over 2-D meshes run {mesh})" if mesh != enabled else "")
+        )
     return ""
 
 
@@ -286,6 +314,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 # ---------------------------------------------------------------------- fixtures
+
 
 @pytest.fixture(scope="session")
 def harness_settings(pytestconfig: pytest.Config) -> HarnessSettings:
@@ -316,7 +345,9 @@ def tier(harness_settings: HarnessSettings) -> str:
 @pytest.fixture
 def case_timeout(request: pytest.FixtureRequest, harness_settings: HarnessSettings) -> float:
     """This test's case timeout in seconds (``--compile-timeout`` bound for a test marked ``compile``)."""
-    return harness_settings.timeout_for(compiles=request.node.get_closest_marker("compile") is not None)
+    return harness_settings.timeout_for(
+        compiles=request.node.get_closest_marker("compile") is not None
+    )
 
 
 @pytest.fixture(scope="session")
@@ -340,6 +371,7 @@ def rank_pool(harness_settings: HarnessSettings) -> Callable[..., Pool]:
 
 
 # ---------------------------------------------------------------------- report
+
 
 def _version(module: str) -> str:
     try:
@@ -372,8 +404,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         pass
     lines.extend(ring_environment_lines())
     if settings.launcher == "torchrun":
-        lines.append(f"torchrun: rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} "
-                     "(rank 0 reports every rank's failures)")
+        lines.append(
+            f"torchrun: rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} "
+            "(rank 0 reports every rank's failures)"
+        )
     return lines
 
 
@@ -392,6 +426,7 @@ def ring_environment_lines(env: dict[str, str] | os._Environ[str] | None = None)
 
 
 # ---------------------------------------------------------------------- teardown
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutdown_all_pools()

@@ -123,7 +123,8 @@ def _init_rank(boot: RankBoot) -> tuple[RankContext, dict[str, Any]]:
         if torch.cuda._is_in_bad_fork():
             raise RuntimeError(
                 "CUDA was initialised in the process this rank was forked from, so it cannot be "
-                "used here; start ranks with --rank-start spawn (RING_RANK_START=spawn)")
+                "used here; start ranks with --rank-start spawn (RING_RANK_START=spawn)"
+            )
         torch.cuda.set_device(device)
     store = dist.FileStore(boot.store_path, boot.world_size)
     kwargs: dict[str, Any] = {}
@@ -154,24 +155,41 @@ def _run_case(ctx: RankContext, seed: int, label: str, inner: bytes) -> tuple[An
     try:
         fn, args, kwargs = wire.loads(inner)
     except BaseException as exc:
-        return (False, b"", wire.exception_type_name(exc),
-                f"could not unpickle the case on rank {ctx.rank} (is the function's module importable "
-                f"from the rank's sys.path?): {exc}",
-                traceback.format_exc(), time.perf_counter() - start)
+        return (
+            False,
+            b"",
+            wire.exception_type_name(exc),
+            f"could not unpickle the case on rank {ctx.rank} (is the function's module importable "
+            f"from the rank's sys.path?): {exc}",
+            traceback.format_exc(),
+            time.perf_counter() - start,
+        )
     ctx.case, ctx.seed = label, seed
     seed_everything(seed)
     try:
         value = fn(ctx, *args, **kwargs)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the rank lives on
         tb = traceback.format_exc()
-        return (False, b"", wire.exception_type_name(exc), str(exc), tb, time.perf_counter() - start)
+        return (
+            False,
+            b"",
+            wire.exception_type_name(exc),
+            str(exc),
+            tb,
+            time.perf_counter() - start,
+        )
     try:
         value_bytes = wire.dumps_to_host(value)
     except BaseException as exc:
-        return (False, b"", "harness.UnpicklableResult",
-                f"{wire.qualified_name(fn)} returned a value that cannot be pickled "
-                f"({type(value).__name__}): {exc}; return plain data or tensors",
-                traceback.format_exc(), time.perf_counter() - start)
+        return (
+            False,
+            b"",
+            "harness.UnpicklableResult",
+            f"{wire.qualified_name(fn)} returned a value that cannot be pickled "
+            f"({type(value).__name__}): {exc}; return plain data or tensors",
+            traceback.format_exc(),
+            time.perf_counter() - start,
+        )
     return (True, value_bytes, "", "", "", time.perf_counter() - start)
 
 
@@ -198,16 +216,26 @@ def main(conn: Any, boot: RankBoot) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
     faulthandler.enable(file=sys.stderr, all_threads=True)
     threading.Thread(
-        target=_watchdog, args=(conn.fileno(), boot.owner_pid, os.getppid()),
-        name="harness-watchdog", daemon=True,
+        target=_watchdog,
+        args=(conn.fileno(), boot.owner_pid, os.getppid()),
+        name="harness-watchdog",
+        daemon=True,
     ).start()
 
     try:
         ctx, info = _init_rank(boot)
     except BaseException as exc:
         _flush_output()
-        conn.send_bytes(wire.dumps(("start_error", boot.rank, os.getpid(),
-                                    f"{wire.exception_type_name(exc)}: {exc}\n{traceback.format_exc()}")))
+        conn.send_bytes(
+            wire.dumps(
+                (
+                    "start_error",
+                    boot.rank,
+                    os.getpid(),
+                    f"{wire.exception_type_name(exc)}: {exc}\n{traceback.format_exc()}",
+                )
+            )
+        )
         os._exit(EXIT_START_FAILED)
     conn.send_bytes(wire.dumps(("hello", boot.rank, os.getpid(), info)))
 

@@ -63,4 +63,6 @@ class RankOutput:
                 outcome.output = text[-OUTPUT_TAIL_CHARS:]
             if text:
                 prefix = f"[rank {outcome.rank}] "
-                sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+                sys.stderr.write(
+                    "".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n"))
+                )

@@ -20,8 +20,14 @@ __all__ = ["FORKSERVER_PRELOAD", "mp_context", "rank_env", "warm_up"]
 # Modules the forkserver imports once so every rank (and every rebuilt rank) starts with them
 # loaded. torch._dynamo is imported by the first TorchDispatchMode (CollectiveLog) or
 # torch.compile a rank runs: about 2 s of CPU per rank otherwise.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "harness.rank_main",
-                      "harness.accounting"]
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "numpy",
+    "harness.rank_main",
+    "harness.accounting",
+]
 
 
 def mp_context(method: str | None = None) -> BaseContext:
@@ -77,7 +83,12 @@ def rank_env(rank: int, world_size: int, extra: dict[str, str] | None = None) ->
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
         env.pop(key, None)  # a rank is not a torchrun rank, whatever launched pytest
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("PYTEST_CURRENT_TEST", None)
     return env

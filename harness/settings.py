@@ -102,52 +102,88 @@ def _parse_positive_int(raw: str) -> int:
 
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
-        "world_sizes", "--world-sizes", "RING_WORLD_SIZES",
+        "world_sizes",
+        "--world-sizes",
+        "RING_WORLD_SIZES",
         "Comma-separated world sizes to run (default 1,2,3,4; nightly tier 1..8; suites over 2-D meshes: 4,6; nightly 4,6,8,16)",
-        _parse_world_sizes, "1,2,4", metavar="N[,N...]",
+        _parse_world_sizes,
+        "1,2,4",
+        metavar="N[,N...]",
     ),
     OptionSpec(
-        "device", "--device", "RING_DEVICE",
+        "device",
+        "--device",
+        "RING_DEVICE",
         "Device the ranks compute on: cpu or cuda (default cpu)",
-        _parse_choice(DEVICES), "cpu", DEVICES,
+        _parse_choice(DEVICES),
+        "cpu",
+        DEVICES,
     ),
     OptionSpec(
-        "dist_backend", "--dist-backend", "RING_DIST_BACKEND",
+        "dist_backend",
+        "--dist-backend",
+        "RING_DIST_BACKEND",
         "torch.distributed backend: gloo or nccl (default gloo on cpu, nccl on cuda)",
-        _parse_choice(BACKENDS), "gloo", BACKENDS,
+        _parse_choice(BACKENDS),
+        "gloo",
+        BACKENDS,
     ),
     OptionSpec(
-        "case_timeout", "--case-timeout", "RING_CASE_TIMEOUT",
+        "case_timeout",
+        "--case-timeout",
+        "RING_CASE_TIMEOUT",
         "Seconds a distributed case may take before its ranks' stacks are dumped and the pool is rebuilt (default 60)",
-        _parse_positive_float, "60", metavar="SECONDS",
+        _parse_positive_float,
+        "60",
+        metavar="SECONDS",
     ),
     OptionSpec(
-        "compile_timeout", "--compile-timeout", "RING_COMPILE_TIMEOUT",
+        "compile_timeout",
+        "--compile-timeout",
+        "RING_COMPILE_TIMEOUT",
         "Seconds a case that compiles (marked compile, or a ring case with a torch.compile backend) may take; "
         "covers a cold inductor cache compiling on every rank at once (default 600; the larger of this and --case-timeout applies)",
-        _parse_positive_float, "600", metavar="SECONDS",
+        _parse_positive_float,
+        "600",
+        metavar="SECONDS",
     ),
     OptionSpec(
-        "tier", "--tier", "RING_TIER",
+        "tier",
+        "--tier",
+        "RING_TIER",
         "Test tier: quick (default) or nightly (full matrix, world sizes up to 8, more examples)",
-        _parse_choice(TIERS), "quick", TIERS,
+        _parse_choice(TIERS),
+        "quick",
+        TIERS,
     ),
     OptionSpec(
-        "rank_threads", "--rank-threads", "RING_RANK_THREADS",
+        "rank_threads",
+        "--rank-threads",
+        "RING_RANK_THREADS",
         "torch intra-op threads per CPU rank (default 1, so -n auto does not oversubscribe)",
-        _parse_positive_int, "1", metavar="N",
+        _parse_positive_int,
+        "1",
+        metavar="N",
     ),
     OptionSpec(
-        "launcher", "--launcher", "RING_LAUNCHER",
+        "launcher",
+        "--launcher",
+        "RING_LAUNCHER",
         "How ranks are launched: pool (rank processes per pytest worker), torchrun (this pytest is one torchrun rank), "
         "simulated (every rank a thread of this process, exact collectives: W up to 64 on CPU, no torch.compile) "
         "or auto (torchrun when its environment is present)",
-        _parse_choice(LAUNCHERS), "auto", LAUNCHERS,
+        _parse_choice(LAUNCHERS),
+        "auto",
+        LAUNCHERS,
     ),
     OptionSpec(
-        "rank_start", "--rank-start", "RING_RANK_START",
+        "rank_start",
+        "--rank-start",
+        "RING_RANK_START",
         "How pool ranks start: forkserver (default; forked from a server that imported torch once, fast) or spawn (fresh interpreters: slow, for debugging a forkserver problem)",
-        _parse_choice(RANK_STARTS), "spawn", RANK_STARTS,
+        _parse_choice(RANK_STARTS),
+        "spawn",
+        RANK_STARTS,
     ),
 )
 
@@ -175,7 +211,11 @@ class HarnessSettings:
     def mesh_world_sizes(self) -> tuple[int, ...]:
         """World sizes of the suites over 2-D meshes: ``world_sizes`` when given explicitly
         (option or variable), else the tier's :data:`DEFAULT_MESH_WORLD_SIZES`."""
-        return self.world_sizes if "world_sizes" in self.sources else DEFAULT_MESH_WORLD_SIZES[self.tier]
+        return (
+            self.world_sizes
+            if "world_sizes" in self.sources
+            else DEFAULT_MESH_WORLD_SIZES[self.tier]
+        )
 
     def runs_world_size(self, world_size: int) -> bool:
         """Whether a case of ``world_size`` ranks runs in this session."""

@@ -49,5 +49,7 @@ def dump_stacks(ranks: Mapping[int, tuple[int, str]]) -> dict[int, str]:
         except OSError:
             stacks[rank] = ""
         if not stacks[rank]:
-            stacks[rank] = f"(the rank did not dump its stack within {DUMP_TIMEOUT_S:g} s of SIGUSR1)"
+            stacks[rank] = (
+                f"(the rank did not dump its stack within {DUMP_TIMEOUT_S:g} s of SIGUSR1)"
+            )
     return stacks

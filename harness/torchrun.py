@@ -53,7 +53,9 @@ class TorchrunPool(Pool):
         self.rank, self.world_size, self.local_rank = torchrun_rank()
         self.backend = backend
         self.device = device
-        torch_device = torch.device("cuda", self.local_rank) if device == "cuda" else torch.device("cpu")
+        torch_device = (
+            torch.device("cuda", self.local_rank) if device == "cuda" else torch.device("cpu")
+        )
         if device == "cuda":
             torch.cuda.set_device(torch_device)
         else:
@@ -64,8 +66,13 @@ class TorchrunPool(Pool):
         # Outcomes travel on their own gloo group: a case that left the main group's collectives
         # out of step (a skipped collective) must not corrupt the verdict exchange.
         self._control = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
-        self.ctx = RankContext(rank=self.rank, world_size=self.world_size, group=dist.group.WORLD,
-                               device=torch_device, backend=backend)
+        self.ctx = RankContext(
+            rank=self.rank,
+            world_size=self.world_size,
+            group=dist.group.WORLD,
+            device=torch_device,
+            backend=backend,
+        )
         self.cases_run = 0
 
     @property
@@ -73,8 +80,14 @@ class TorchrunPool(Pool):
         """Only this rank's process is known here; the others live on their own hosts."""
         return [os.getpid()]
 
-    def _execute(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                 timeout: float | None, seed: int) -> tuple[list[RankOutcome], CaseFailure | None]:
+    def _execute(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        seed: int,
+    ) -> tuple[list[RankOutcome], CaseFailure | None]:
         """Run ``fn(ctx, *args, **kwargs)`` here, in lockstep with the other torchrun ranks, and
         share every rank's outcome with every rank."""
         import torch
@@ -102,27 +115,64 @@ class TorchrunPool(Pool):
                 torch.set_grad_enabled(True)
             gathered: list[Any] = [None] * self.world_size
             try:
-                dist.all_gather_object(gathered, (*mine, time.perf_counter() - start), group=self._control)
+                dist.all_gather_object(
+                    gathered, (*mine, time.perf_counter() - start), group=self._control
+                )
             except Exception as exc:
-                outcome = RankOutcome(self.rank, False, None, "harness.RankCrashed",
-                                      f"could not exchange results with the other ranks ({exc}); "
-                                      "a peer died or hung (its stack is on its stderr)", status=CRASHED)
-                outcomes = [outcome if r == self.rank else
-                            RankOutcome(r, False, None, "harness.Unknown", "did not report", status=CRASHED)
-                            for r in range(self.world_size)]
-                return outcomes, case_failure(self, label, fn_name, outcomes, timeout=timeout,
-                                              headline="a torchrun rank stopped answering")
+                outcome = RankOutcome(
+                    self.rank,
+                    False,
+                    None,
+                    "harness.RankCrashed",
+                    f"could not exchange results with the other ranks ({exc}); "
+                    "a peer died or hung (its stack is on its stderr)",
+                    status=CRASHED,
+                )
+                outcomes = [
+                    outcome
+                    if r == self.rank
+                    else RankOutcome(
+                        r, False, None, "harness.Unknown", "did not report", status=CRASHED
+                    )
+                    for r in range(self.world_size)
+                ]
+                return outcomes, case_failure(
+                    self,
+                    label,
+                    fn_name,
+                    outcomes,
+                    timeout=timeout,
+                    headline="a torchrun rank stopped answering",
+                )
         finally:
             faulthandler.cancel_dump_traceback_later()
         outcomes = []
         for rank, (ok, value_bytes, exc_type, exc_message, tb, duration) in enumerate(gathered):
             if ok:
-                outcomes.append(RankOutcome(rank, True, wire.loads(value_bytes), status=OK, duration_s=duration))
+                outcomes.append(
+                    RankOutcome(rank, True, wire.loads(value_bytes), status=OK, duration_s=duration)
+                )
             else:
-                outcomes.append(RankOutcome(rank, False, None, exc_type, exc_message, tb,
-                                            status=ERROR, duration_s=duration))
-        return outcomes, case_failure(self, label, fn_name, outcomes, timeout=timeout,
-                                      note=f"reported by torchrun rank {self.rank} of {self.world_size}")
+                outcomes.append(
+                    RankOutcome(
+                        rank,
+                        False,
+                        None,
+                        exc_type,
+                        exc_message,
+                        tb,
+                        status=ERROR,
+                        duration_s=duration,
+                    )
+                )
+        return outcomes, case_failure(
+            self,
+            label,
+            fn_name,
+            outcomes,
+            timeout=timeout,
+            note=f"reported by torchrun rank {self.rank} of {self.world_size}",
+        )
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -42,7 +42,11 @@ class _HostPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         torch = _torch_if_loaded()
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+        if (
+            torch is not None
+            and isinstance(obj, torch.Tensor)
+            and obj.device.type not in ("cpu", "meta")
+        ):
             return obj.detach().cpu().__reduce_ex__(PROTOCOL)
         return NotImplemented
 

@@ -39,8 +39,10 @@ class SkippedStepComputed(RingAttention):
     """Causal, contiguous: a key/value block from a later rank is computed in full, not skipped."""
 
     def plan(self, cfg, seq_q, seq_kv):
-        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: p.blocks or (
-            Block(p.step, p.kv_rank, "full", (0, seq_q), (0, seq_kv)),))
+        return _with_blocks(
+            super().plan(cfg, seq_q, seq_kv),
+            lambda p: p.blocks or (Block(p.step, p.kv_rank, "full", (0, seq_q), (0, seq_kv)),),
+        )
 
 
 class NeededStepSkipped(RingAttention):
@@ -48,15 +50,25 @@ class NeededStepSkipped(RingAttention):
 
     def plan(self, cfg, seq_q, seq_kv):
         last = cfg.group.world_size - 1
-        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: () if p.step == last and last > 0 else p.blocks)
+        return _with_blocks(
+            super().plan(cfg, seq_q, seq_kv),
+            lambda p: () if p.step == last and last > 0 else p.blocks,
+        )
 
 
 class CausalMaskOnFullStep(RingAttention):
     """Steps after the first are computed with the causal mask, as if every block were diagonal."""
 
     def plan(self, cfg, seq_q, seq_kv):
-        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: (
-            replace(b, kind="causal") if b.kind == "full" and p.step > 0 and seq_q == seq_kv else b for b in p.blocks))
+        return _with_blocks(
+            super().plan(cfg, seq_q, seq_kv),
+            lambda p: (
+                replace(b, kind="causal")
+                if b.kind == "full" and p.step > 0 and seq_q == seq_kv
+                else b
+                for b in p.blocks
+            ),
+        )
 
 
 class HeadTailWrongPairing(RingAttention):
@@ -64,8 +76,13 @@ class HeadTailWrongPairing(RingAttention):
 
     def plan(self, cfg, seq_q, seq_kv):
         n = seq_kv // 2
-        return _with_blocks(super().plan(cfg, seq_q, seq_kv), lambda p: (
-            replace(b, kv_rows=(n, 2 * n)) if b.kv_rows == (0, n) and b.kind == "full" else b for b in p.blocks))
+        return _with_blocks(
+            super().plan(cfg, seq_q, seq_kv),
+            lambda p: (
+                replace(b, kv_rows=(n, 2 * n)) if b.kv_rows == (0, n) and b.kind == "full" else b
+                for b in p.blocks
+            ),
+        )
 
 
 class LoadBalanceAssumesCausal(RingAttention):
@@ -84,7 +101,9 @@ class PaddedLseTrimmedFromTheEnd(RingAttention):
     """Memory-efficient layout: keeps the *last* seq_q LSE entries, garbage padding included."""
 
     def block_forward(self, cfg, q, k, v, plan):
-        if plan.visible is not None:  # masked blocks as ring_impl runs them: the bug is the LSE layout only
+        if (
+            plan.visible is not None
+        ):  # masked blocks as ring_impl runs them: the bug is the LSE layout only
             return super().block_forward(cfg, q, k, v, plan)
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
         rows = q.shape[2]
@@ -99,7 +118,9 @@ class CudnnLseMisread(RingAttention):
     """cuDNN layout (b, h, s, 1) read as if it were (b, s, h)."""
 
     def block_forward(self, cfg, q, k, v, plan):
-        if plan.visible is not None:  # masked blocks as ring_impl runs them: the bug is the LSE layout only
+        if (
+            plan.visible is not None
+        ):  # masked blocks as ring_impl runs them: the bug is the LSE layout only
             return super().block_forward(cfg, q, k, v, plan)
         out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
         b, h, s, _ = q.shape
@@ -119,7 +140,10 @@ class NaiveExpMerge(RingAttention):
     def merge(self, out_acc, lse_acc, block_out, block_lse):
         a, b = torch.exp(lse_acc), torch.exp(block_lse.to(lse_acc.dtype))
         total = a + b
-        out_acc.copy_((a.unsqueeze(-1) * out_acc + b.unsqueeze(-1) * block_out.to(out_acc.dtype)) / total.unsqueeze(-1))
+        out_acc.copy_(
+            (a.unsqueeze(-1) * out_acc + b.unsqueeze(-1) * block_out.to(out_acc.dtype))
+            / total.unsqueeze(-1)
+        )
         lse_acc.copy_(torch.log(total))
 
 
@@ -134,7 +158,9 @@ class GradCastToBf16(RingAttention):
     """dQ/dK/dV cast to a hard-coded bfloat16 on the way out, whatever the input dtype."""
 
     def backward(self, cfg, *args, **kwargs):
-        return tuple(g.to(torch.bfloat16).to(g.dtype) for g in super().backward(cfg, *args, **kwargs))
+        return tuple(
+            g.to(torch.bfloat16).to(g.dtype) for g in super().backward(cfg, *args, **kwargs)
+        )
 
 
 class Float64ComputedInFloat32(RingAttention):
@@ -149,8 +175,17 @@ class Float64ComputedInFloat32(RingAttention):
     def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan, grad_lse=None):
         if q.dtype == torch.float64:
             grad_lse = None if grad_lse is None else grad_lse.float()
-            grads = super().block_backward(cfg, grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse.float(),
-                                           plan, grad_lse)
+            grads = super().block_backward(
+                cfg,
+                grad_out.float(),
+                q.float(),
+                k.float(),
+                v.float(),
+                out.float(),
+                lse.float(),
+                plan,
+                grad_lse,
+            )
             return tuple(g.double() for g in grads)
         return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan, grad_lse)
 
@@ -197,7 +232,9 @@ class BackwardReusesStepZeroKV(RingAttention):
                 self.inner.block(step)  # keep the transfers, so no rank waits in vain
                 return self.kv
 
-        self.kv_rotation = lambda cfg, kv, link=None: Stale(RingAttention.kv_rotation(impl, cfg, kv, link), kv)  # type: ignore[method-assign]
+        self.kv_rotation = lambda cfg, kv, link=None: Stale(
+            RingAttention.kv_rotation(impl, cfg, kv, link), kv
+        )  # type: ignore[method-assign]
         try:
             return super().backward(cfg, grad_out, query, key, value, out, lse, grad_lse)
         finally:
@@ -224,7 +261,9 @@ class BackwardUsesBlockOutput(RingAttention):
 
     def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan, grad_lse=None):
         own_out, _ = self.block_forward(cfg, q, k, v, plan)
-        return super().block_backward(cfg, grad_out, q, k, v, own_out.to(out.dtype), lse, plan, grad_lse)
+        return super().block_backward(
+            cfg, grad_out, q, k, v, own_out.to(out.dtype), lse, plan, grad_lse
+        )
 
 
 class WrongNeighbour(RingAttention):
@@ -267,7 +306,11 @@ class _BackwardsRing:
         return torch.ops._c10d_functional.all_to_all_single(flat, recv, send, g.group_name)
 
     def block(self, step):
-        current = self.kv if step == 0 else torch.ops._c10d_functional.wait_tensor(self.pending).view(self.kv.shape)
+        current = (
+            self.kv
+            if step == 0
+            else torch.ops._c10d_functional.wait_tensor(self.pending).view(self.kv.shape)
+        )
         if step < self.g.world_size - 1:
             self.pending = self._shift(current)
         return current
@@ -319,10 +362,24 @@ class GqaHeadsTiledOnLaterSteps(RingAttention):
     def block_backward(self, cfg, grad_out, q, k, v, out, lse, plan, grad_lse=None):
         hkv = k.shape[1]
         if plan.step > 0 and hkv != q.shape[1]:
-            dq, dk, dv = call_backward(cfg.op, grad_out, q, self._tile(k, q.shape[1]), self._tile(v, q.shape[1]), out, lse,
-                                       is_causal=plan.is_causal, scale=cfg.scale, grad_lse=grad_lse)
+            dq, dk, dv = call_backward(
+                cfg.op,
+                grad_out,
+                q,
+                self._tile(k, q.shape[1]),
+                self._tile(v, q.shape[1]),
+                out,
+                lse,
+                is_causal=plan.is_causal,
+                scale=cfg.scale,
+                grad_lse=grad_lse,
+            )
             b, h, s, d = dk.shape
-            return dq, dk.reshape(b, h // hkv, hkv, s, d).sum(1), dv.reshape(b, h // hkv, hkv, s, d).sum(1)
+            return (
+                dq,
+                dk.reshape(b, h // hkv, hkv, s, d).sum(1),
+                dv.reshape(b, h // hkv, hkv, s, d).sum(1),
+            )
         return super().block_backward(cfg, grad_out, q, k, v, out, lse, plan, grad_lse)
 
 
@@ -336,7 +393,11 @@ class LastRankSkipsGradHop(RingAttention):
     @staticmethod
     def _skips(cfg, step) -> bool:
         g = cfg.group
-        return g.rank == g.world_size - 1 and step == g.world_size - 1 and cfg.rotate_method != "allgather"
+        return (
+            g.rank == g.world_size - 1
+            and step == g.world_size - 1
+            and cfg.rotate_method != "allgather"
+        )
 
     def pass_grads(self, cfg, link, step, acc):
         if self._skips(cfg, step):
@@ -357,8 +418,20 @@ class RaisesOnOneRankOnly:
     cross-rank agreement: a problem on one rank only leaves the others blocked in the first
     ring collective."""
 
-    def __call__(self, query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None,
-                 op=None, layout="contiguous", return_lse=False):
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        *,
+        group=None,
+        is_causal=False,
+        scale=None,
+        rotate_method=None,
+        op=None,
+        layout="contiguous",
+        return_lse=False,
+    ):
         from ring_impl.api import get_rotate_method
         from ring_impl.ops import resolve_op
         from ring_impl.validate import local_problem
@@ -366,15 +439,37 @@ class RaisesOnOneRankOnly:
         rotate_method = rotate_method or get_rotate_method()
         op_obj, op_error = None, None
         try:
-            op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], head_dim_v=value.shape[-1])
+            op_obj = resolve_op(
+                op, query.device, query.dtype, query.shape[-1], head_dim_v=value.shape[-1]
+            )
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
             op_error = str(exc)
-        problem = local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
-                                rotate_method=rotate_method, op=op_obj, op_error=op_error, return_lse=return_lse)
+        problem = local_problem(
+            query,
+            key,
+            value,
+            is_causal=is_causal,
+            scale=scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op_obj,
+            op_error=op_error,
+            return_lse=return_lse,
+        )
         if problem is not None:
             raise ValueError(f"ring_attention: {problem}")
-        return _RING(query, key, value, group=group, is_causal=is_causal, scale=scale,
-                               rotate_method=rotate_method, op=op, layout=layout, return_lse=return_lse)
+        return _RING(
+            query,
+            key,
+            value,
+            group=group,
+            is_causal=is_causal,
+            scale=scale,
+            rotate_method=rotate_method,
+            op=op,
+            layout=layout,
+            return_lse=return_lse,
+        )
 
 
 # ------------------------------------------------------------------------ autograd, compile
@@ -427,7 +522,9 @@ class _OwnScaleOp:
         return self.inner.forward(query, key, value, is_causal=is_causal, scale=self.scale)
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, **kwargs):
-        return self.inner.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=self.scale, **kwargs)
+        return self.inner.backward(
+            grad_out, query, key, value, out, lse, is_causal=is_causal, scale=self.scale, **kwargs
+        )
 
 
 class ScaleNotAgreed:
@@ -441,9 +538,20 @@ class ScaleNotAgreed:
 
         if scale is None or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             return _RING(query, key, value, scale=scale, op=op, **kwargs)  # checked as usual
-        inner = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=scale,
-                           is_causal=bool(kwargs.get("is_causal", False)), head_dim_v=value.shape[-1])
-        own = _OwnScaleOp(inner, float(scale)) if float(scale) != default_scale(query.shape[-1]) else inner
+        inner = resolve_op(
+            op,
+            query.device,
+            query.dtype,
+            query.shape[-1],
+            scale=scale,
+            is_causal=bool(kwargs.get("is_causal", False)),
+            head_dim_v=value.shape[-1],
+        )
+        own = (
+            _OwnScaleOp(inner, float(scale))
+            if float(scale) != default_scale(query.shape[-1])
+            else inner
+        )
         return _RING(query, key, value, op=own, **kwargs)
 
 
@@ -548,12 +656,20 @@ class MaskedRowsKeepKernelLse(RingAttention):
     def block_forward(self, cfg, q, k, v, plan):
         if plan.visible is None:
             return super().block_forward(cfg, q, k, v, plan)
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=False, scale=cfg.scale, visible=plan.visible)
+        out, lse = call_forward(
+            cfg.op, q, k, v, is_causal=False, scale=cfg.scale, visible=plan.visible
+        )
         dead = ~plan.visible.any(-1).expand(lse.shape)
-        return out, torch.where(dead, torch.zeros((), dtype=lse.dtype), lse.to(torch.float32 if lse.dtype != torch.float64 else lse.dtype))
+        return out, torch.where(
+            dead,
+            torch.zeros((), dtype=lse.dtype),
+            lse.to(torch.float32 if lse.dtype != torch.float64 else lse.dtype),
+        )
 
 
-def _sinks_dropped_on_last_rank(query, key, value, *, group=None, sinks=None, return_lse=False, **kwargs):
+def _sinks_dropped_on_last_rank(
+    query, key, value, *, group=None, sinks=None, return_lse=False, **kwargs
+):
     """The sink term applied on every rank but the last (its copy of the logits never used)."""
     import torch.distributed as dist
 
@@ -603,90 +719,228 @@ def _wrapped(name: str, fn) -> RingImplAdapter:
     return adapter
 
 
-BROKEN: dict[str, Broken] = {b.name: b for b in [
-    Broken("nan_hidden", "NaN in the inputs hidden by a kernel that drops it",
-           r"the NaN was hidden", _adapter("nan_hidden", NanHidden())),
-    Broken("scale_not_agreed", "per-rank option disagreement: scale not part of the cross-rank check",
-           r"scale_differs_between_ranks: no rank raised", _wrapped("scale_not_agreed", ScaleNotAgreed())),
-    Broken("lse_not_differentiable", "autograd: the LSE returned without a gradient",
-           r"does not require grad while query, key and value do", _wrapped("lse_not_differentiable", LseNotDifferentiable())),
-    Broken("skipped_step_computed", "causal: a step computed that must be skipped",
-           r"computed, but no query of this rank sees any key of that block", _adapter("skipped_step_computed", SkippedStepComputed())),
-    Broken("needed_step_skipped", "causal: a step skipped that was needed",
-           r"skipped, but \d+ query-key pairs are visible", _adapter("needed_step_skipped", NeededStepSkipped())),
-    Broken("causal_mask_on_full_step", "causal: a step computed with the wrong mask",
-           r"computed with a causal \(diagonal\) mask, though this block is full", _adapter("causal_mask_on_full_step", CausalMaskOnFullStep())),
-    Broken("head_tail_wrong_pairing", "head_tail: wrong chunk pairing",
-           r"wrong key/value chunk of the head_tail pair", _adapter("head_tail_wrong_pairing", HeadTailWrongPairing())),
-    Broken("load_balance_assumes_causal", "head_tail: load balancing used with non-causal attention",
-           r"causal mask of these positions, though attention is not causal", _adapter("load_balance_assumes_causal", LoadBalanceAssumesCausal())),
-    Broken("padded_lse_untrimmed", "LSE: memory-efficient padding not trimmed",
-           r"(?s)^(?=.*cpu_efficient_layout).*its LSE does not: the kernel's LSE was misread", _adapter("padded_lse_untrimmed", PaddedLseTrimmedFromTheEnd())),
-    Broken("cudnn_lse_misread", "LSE: cuDNN trailing-dim layout misread",
-           r"(?s)^(?=.*cpu_cudnn_layout).*its LSE does not: the kernel's LSE was misread", _adapter("cudnn_lse_misread", CudnnLseMisread())),
-    Broken("naive_exp_merge", "unstable merge: exp of large LSE overflows",
-           r"an exp of the LSE \(or of raw scores\) overflowed", _adapter("naive_exp_merge", NaiveExpMerge())),
-    Broken("partials_in_input_dtype", "accumulation dtype: partials kept in bf16/fp16",
-           r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank [-\d, ]+: every value of the float32 result is a bfloat16 number",
-           _adapter("partials_in_input_dtype", PartialsInInputDtype())),
-    Broken("grad_cast_to_bf16", "accumulation dtype: gradient cast to a hard-coded dtype",
-           r"d[qkv] on rank [-\d, ]+: every value of the float64 result is a bfloat16 number", _adapter("grad_cast_to_bf16", GradCastToBf16())),
-    Broken("float64_computed_in_float32", "accumulation dtype: float64 silently computed in float32",
-           r"(partial of this float64 ring|float64 result) is a float32 number", _adapter("float64_computed_in_float32", Float64ComputedInFloat32())),
-    Broken("noncontiguous_misread", "non-contiguous inputs passed to a kernel as if contiguous",
-           r"wrong only with non-contiguous inputs", _adapter("noncontiguous_misread", NoncontiguousMisread())),
-    Broken("head_dim_stride_ignored", "inputs with a strided head dim passed to a kernel as if its stride were 1",
-           r"wrong only with a strided head dim", _adapter("head_dim_stride_ignored", HeadDimStrideIgnored()),
-           suites="suites/test_shapes.py"),
-    Broken("backward_reuses_step0_kv", "stale per-step state: backward reuses step-0 keys/values",
-           r"the backward used each rank's own key/value block at every ring step", _adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV())),
-    Broken("backward_uses_block_output", "backward: each chunk's own output instead of the merged output in the dO.O term",
-           r"each ring step's own partial output", _adapter("backward_uses_block_output", BackwardUsesBlockOutput())),
-    Broken("value_buffer_sized_by_key", "MLA: d_v assumed equal to d_qk in a buffer",
-           r"wrong only when d_v != d_qk", _adapter("value_buffer_sized_by_key", ValueBufferSizedByKey()),
-           suites="suites/test_forward_backward.py", select=("-k", "value_head_dim")),
-    Broken("wrong_neighbour", "rotation: sending to the wrong neighbour",
-           r"used the key/value block of rank \d+ instead of rank \d+", _adapter("wrong_neighbour", WrongNeighbour())),
-    Broken("grads_not_returned_home", "rotation: dK/dV not returned to the owning rank (last hop missing)",
-           r"dq matches on every rank, but [^\n]*dK/dV accumulators", _adapter("grads_not_returned_home", GradsNotReturnedHome())),
-    Broken("scale_dropped_after_step0", "scale not passed through to every step",
-           r"used scale -?[\d.]+ instead of -?[\d.]+", _adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero())),
-    Broken("gqa_heads_tiled", "GQA head mapping wrong for some steps",
-           r"tiled the key/value heads", _adapter("gqa_heads_tiled", GqaHeadsTiledOnLaterSteps())),
-    Broken("last_rank_skips_grad_hop", "hang: a collective skipped on one rank only",
-           r"did not finish within [\d.]+ s|collectives differ from the declared schedule", _adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop())),
-    Broken("raises_on_one_rank_only", "hang: an exception on one rank leaving the others blocked",
-           r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others waiting",
-           _wrapped("raises_on_one_rank_only", RaisesOnOneRankOnly())),
-    Broken("value_gradient_dropped", "autograd: gradients not flowing to inputs that need them",
-           r"no result for dv\[rank=\d+\]|gradient did not reach", _wrapped("value_gradient_dropped", ValueGradientDropped())),
-    Broken("graph_break_in_loop", "torch.compile: graph break in the ring loop",
-           r"fails only under torch\.compile", _adapter("graph_break_in_loop", GraphBreakInLoop())),
-    Broken("wrong_only_when_compiled", "torch.compile: wrong results only when compiled",
-           r"wrong only when compiled", _adapter("wrong_only_when_compiled", WrongOnlyWhenCompiled())),
-    Broken("declares_nothing_lse_base_2", "undeclared capabilities: an implementation that declares nothing, with a bug",
-           r"is in base 2, the contract", DeclaresNothing("declares_nothing_lse_base_2", _lse_in_base_2)),
-    Broken("float32_output_for_half", "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
-           r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype", _wrapped("float32_output_for_half", _float32_output_for_half)),
-    Broken("lse_offset_in_bf16", "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
-           r"lse is shifted by a constant on every row", _wrapped("lse_offset_in_bf16", _lse_offset_in_bf16)),
-    Broken("masked_rows_keep_kernel_lse", "masks: a row the mask hides completely merged with the kernel's LSE 0",
-           r"rows that see no key must have LSE -inf|rows a masked block hides must merge as nothing", _adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
-           suites="suites/test_masks.py"),
-    Broken("max_logit_last_step_only",
-           "stale per-step state: the max logit of the last ring step returned as the call's",
-           r"running maximum across ring steps\s+was not kept",
-           _adapter("max_logit_last_step_only", MaxLogitLastStepOnly()),
-           suites="suites/test_max_logit.py"),
-    Broken("max_logit_not_reduced",
-           "max logit: each rank's own maximum returned, not reduced over the group",
-           r"per-rank maxima\s+were not reduced over the group",
-           _adapter("max_logit_not_reduced", MaxLogitNotReduced()),
-           suites="suites/test_max_logit.py"),
-    Broken("sinks_dropped_on_one_rank", "sinks: the sink term applied on some ranks only",
-           r"the sinks were not applied on those ranks", _wrapped("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
-           suites="suites/test_masks.py"),
-]}
+BROKEN: dict[str, Broken] = {
+    b.name: b
+    for b in [
+        Broken(
+            "nan_hidden",
+            "NaN in the inputs hidden by a kernel that drops it",
+            r"the NaN was hidden",
+            _adapter("nan_hidden", NanHidden()),
+        ),
+        Broken(
+            "scale_not_agreed",
+            "per-rank option disagreement: scale not part of the cross-rank check",
+            r"scale_differs_between_ranks: no rank raised",
+            _wrapped("scale_not_agreed", ScaleNotAgreed()),
+        ),
+        Broken(
+            "lse_not_differentiable",
+            "autograd: the LSE returned without a gradient",
+            r"does not require grad while query, key and value do",
+            _wrapped("lse_not_differentiable", LseNotDifferentiable()),
+        ),
+        Broken(
+            "skipped_step_computed",
+            "causal: a step computed that must be skipped",
+            r"computed, but no query of this rank sees any key of that block",
+            _adapter("skipped_step_computed", SkippedStepComputed()),
+        ),
+        Broken(
+            "needed_step_skipped",
+            "causal: a step skipped that was needed",
+            r"skipped, but \d+ query-key pairs are visible",
+            _adapter("needed_step_skipped", NeededStepSkipped()),
+        ),
+        Broken(
+            "causal_mask_on_full_step",
+            "causal: a step computed with the wrong mask",
+            r"computed with a causal \(diagonal\) mask, though this block is full",
+            _adapter("causal_mask_on_full_step", CausalMaskOnFullStep()),
+        ),
+        Broken(
+            "head_tail_wrong_pairing",
+            "head_tail: wrong chunk pairing",
+            r"wrong key/value chunk of the head_tail pair",
+            _adapter("head_tail_wrong_pairing", HeadTailWrongPairing()),
+        ),
+        Broken(
+            "load_balance_assumes_causal",
+            "head_tail: load balancing used with non-causal attention",
+            r"causal mask of these positions, though attention is not causal",
+            _adapter("load_balance_assumes_causal", LoadBalanceAssumesCausal()),
+        ),
+        Broken(
+            "padded_lse_untrimmed",
+            "LSE: memory-efficient padding not trimmed",
+            r"(?s)^(?=.*cpu_efficient_layout).*its LSE does not: the kernel's LSE was misread",
+            _adapter("padded_lse_untrimmed", PaddedLseTrimmedFromTheEnd()),
+        ),
+        Broken(
+            "cudnn_lse_misread",
+            "LSE: cuDNN trailing-dim layout misread",
+            r"(?s)^(?=.*cpu_cudnn_layout).*its LSE does not: the kernel's LSE was misread",
+            _adapter("cudnn_lse_misread", CudnnLseMisread()),
+        ),
+        Broken(
+            "naive_exp_merge",
+            "unstable merge: exp of large LSE overflows",
+            r"an exp of the LSE \(or of raw scores\) overflowed",
+            _adapter("naive_exp_merge", NaiveExpMerge()),
+        ),
+        Broken(
+            "partials_in_input_dtype",
+            "accumulation dtype: partials kept in bf16/fp16",
+            r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank [-\d, ]+: every value of the float32 result is a bfloat16 number",
+            _adapter("partials_in_input_dtype", PartialsInInputDtype()),
+        ),
+        Broken(
+            "grad_cast_to_bf16",
+            "accumulation dtype: gradient cast to a hard-coded dtype",
+            r"d[qkv] on rank [-\d, ]+: every value of the float64 result is a bfloat16 number",
+            _adapter("grad_cast_to_bf16", GradCastToBf16()),
+        ),
+        Broken(
+            "float64_computed_in_float32",
+            "accumulation dtype: float64 silently computed in float32",
+            r"(partial of this float64 ring|float64 result) is a float32 number",
+            _adapter("float64_computed_in_float32", Float64ComputedInFloat32()),
+        ),
+        Broken(
+            "noncontiguous_misread",
+            "non-contiguous inputs passed to a kernel as if contiguous",
+            r"wrong only with non-contiguous inputs",
+            _adapter("noncontiguous_misread", NoncontiguousMisread()),
+        ),
+        Broken(
+            "head_dim_stride_ignored",
+            "inputs with a strided head dim passed to a kernel as if its stride were 1",
+            r"wrong only with a strided head dim",
+            _adapter("head_dim_stride_ignored", HeadDimStrideIgnored()),
+            suites="suites/test_shapes.py",
+        ),
+        Broken(
+            "backward_reuses_step0_kv",
+            "stale per-step state: backward reuses step-0 keys/values",
+            r"the backward used each rank's own key/value block at every ring step",
+            _adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV()),
+        ),
+        Broken(
+            "backward_uses_block_output",
+            "backward: each chunk's own output instead of the merged output in the dO.O term",
+            r"each ring step's own partial output",
+            _adapter("backward_uses_block_output", BackwardUsesBlockOutput()),
+        ),
+        Broken(
+            "value_buffer_sized_by_key",
+            "MLA: d_v assumed equal to d_qk in a buffer",
+            r"wrong only when d_v != d_qk",
+            _adapter("value_buffer_sized_by_key", ValueBufferSizedByKey()),
+            suites="suites/test_forward_backward.py",
+            select=("-k", "value_head_dim"),
+        ),
+        Broken(
+            "wrong_neighbour",
+            "rotation: sending to the wrong neighbour",
+            r"used the key/value block of rank \d+ instead of rank \d+",
+            _adapter("wrong_neighbour", WrongNeighbour()),
+        ),
+        Broken(
+            "grads_not_returned_home",
+            "rotation: dK/dV not returned to the owning rank (last hop missing)",
+            r"dq matches on every rank, but [^\n]*dK/dV accumulators",
+            _adapter("grads_not_returned_home", GradsNotReturnedHome()),
+        ),
+        Broken(
+            "scale_dropped_after_step0",
+            "scale not passed through to every step",
+            r"used scale -?[\d.]+ instead of -?[\d.]+",
+            _adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero()),
+        ),
+        Broken(
+            "gqa_heads_tiled",
+            "GQA head mapping wrong for some steps",
+            r"tiled the key/value heads",
+            _adapter("gqa_heads_tiled", GqaHeadsTiledOnLaterSteps()),
+        ),
+        Broken(
+            "last_rank_skips_grad_hop",
+            "hang: a collective skipped on one rank only",
+            r"did not finish within [\d.]+ s|collectives differ from the declared schedule",
+            _adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop()),
+        ),
+        Broken(
+            "raises_on_one_rank_only",
+            "hang: an exception on one rank leaving the others blocked",
+            r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others waiting",
+            _wrapped("raises_on_one_rank_only", RaisesOnOneRankOnly()),
+        ),
+        Broken(
+            "value_gradient_dropped",
+            "autograd: gradients not flowing to inputs that need them",
+            r"no result for dv\[rank=\d+\]|gradient did not reach",
+            _wrapped("value_gradient_dropped", ValueGradientDropped()),
+        ),
+        Broken(
+            "graph_break_in_loop",
+            "torch.compile: graph break in the ring loop",
+            r"fails only under torch\.compile",
+            _adapter("graph_break_in_loop", GraphBreakInLoop()),
+        ),
+        Broken(
+            "wrong_only_when_compiled",
+            "torch.compile: wrong results only when compiled",
+            r"wrong only when compiled",
+            _adapter("wrong_only_when_compiled", WrongOnlyWhenCompiled()),
+        ),
+        Broken(
+            "declares_nothing_lse_base_2",
+            "undeclared capabilities: an implementation that declares nothing, with a bug",
+            r"is in base 2, the contract",
+            DeclaresNothing("declares_nothing_lse_base_2", _lse_in_base_2),
+        ),
+        Broken(
+            "float32_output_for_half",
+            "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
+            r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype",
+            _wrapped("float32_output_for_half", _float32_output_for_half),
+        ),
+        Broken(
+            "lse_offset_in_bf16",
+            "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
+            r"lse is shifted by a constant on every row",
+            _wrapped("lse_offset_in_bf16", _lse_offset_in_bf16),
+        ),
+        Broken(
+            "masked_rows_keep_kernel_lse",
+            "masks: a row the mask hides completely merged with the kernel's LSE 0",
+            r"rows that see no key must have LSE -inf|rows a masked block hides must merge as nothing",
+            _adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
+            suites="suites/test_masks.py",
+        ),
+        Broken(
+            "max_logit_last_step_only",
+            "stale per-step state: the max logit of the last ring step returned as the call's",
+            r"running maximum across ring steps\s+was not kept",
+            _adapter("max_logit_last_step_only", MaxLogitLastStepOnly()),
+            suites="suites/test_max_logit.py",
+        ),
+        Broken(
+            "max_logit_not_reduced",
+            "max logit: each rank's own maximum returned, not reduced over the group",
+            r"per-rank maxima\s+were not reduced over the group",
+            _adapter("max_logit_not_reduced", MaxLogitNotReduced()),
+            suites="suites/test_max_logit.py",
+        ),
+        Broken(
+            "sinks_dropped_on_one_rank",
+            "sinks: the sink term applied on some ranks only",
+            r"the sinks were not applied on those ranks",
+            _wrapped("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
+            suites="suites/test_masks.py",
+        ),
+    ]
+}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken:<name>.
 globals().update({name: b.impl for name, b in BROKEN.items()})

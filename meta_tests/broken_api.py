@@ -140,19 +140,44 @@ class _GradLeftShardShaped(ShardedBuffers):
 # ------------------------------------------------------------------------ assembly
 
 
-def _api(name: str, *, sharding=ShardedBuffers, route_ctx=sdpa_route.routing, style=ContextParallel):
+def _api(
+    name: str, *, sharding=ShardedBuffers, route_ctx=sdpa_route.routing, style=ContextParallel
+):
     """A module offering the context-parallel API with the given parts."""
 
-    def context_parallel(mesh, *, buffers=None, buffer_seq_dims=None, no_restore_buffers=None, layout=None,
-                         rotate_method=None, op=None, head_chunks=1):
-        return sharded_and_routed(sharding, route_ctx, mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims,
-                                     no_restore_buffers=no_restore_buffers, layout=layout,
-                                     rotate_method=rotate_method, op=op, head_chunks=head_chunks)
+    def context_parallel(
+        mesh,
+        *,
+        buffers=None,
+        buffer_seq_dims=None,
+        no_restore_buffers=None,
+        layout=None,
+        rotate_method=None,
+        op=None,
+        head_chunks=1,
+    ):
+        return sharded_and_routed(
+            sharding,
+            route_ctx,
+            mesh,
+            buffers=buffers,
+            buffer_seq_dims=buffer_seq_dims,
+            no_restore_buffers=no_restore_buffers,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op,
+            head_chunks=head_chunks,
+        )
 
     if route_ctx is not sdpa_route.routing:
-        style = type(f"{style.__name__}With{name.title().replace('_', '')}", (style,),
-                     {"route_ctx": staticmethod(route_ctx)})
-    module = types.ModuleType(f"{__name__}.{name}", f"ring_impl's context-parallel API with one bug: {name}")
+        style = type(
+            f"{style.__name__}With{name.title().replace('_', '')}",
+            (style,),
+            {"route_ctx": staticmethod(route_ctx)},
+        )
+    module = types.ModuleType(
+        f"{__name__}.{name}", f"ring_impl's context-parallel API with one bug: {name}"
+    )
     module.context_parallel = context_parallel  # type: ignore[attr-defined]
     module.context_parallel_unshard = context_parallel_unshard  # type: ignore[attr-defined]
     module.ContextParallel = style  # type: ignore[attr-defined]
@@ -168,31 +193,56 @@ def _implementation(name: str, api: types.ModuleType) -> RingImplAdapter:
 
 
 def _broken(name: str, bug_class: str, expect: str, **parts) -> Broken:
-    return Broken(name, bug_class, expect, _implementation(name, _api(name, **parts)),
-                  suites="suites/test_context_parallel.py")
+    return Broken(
+        name,
+        bug_class,
+        expect,
+        _implementation(name, _api(name, **parts)),
+        suites="suites/test_context_parallel.py",
+    )
 
 
-BROKEN_API: dict[str, Broken] = {b.name: b for b in [
-    _broken("routing_lost_under_compile",
+BROKEN_API: dict[str, Broken] = {
+    b.name: b
+    for b in [
+        _broken(
+            "routing_lost_under_compile",
             "silent fallback: a parallelised module compiled with torch.compile attends to the local shard",
-            r"compiled parallelized module: ContextParallel then torch\.compile", style=RoutingInvisibleToCompile),
-    _broken("compiled_sdpa_fails",
+            r"compiled parallelized module: ContextParallel then torch\.compile",
+            style=RoutingInvisibleToCompile,
+        ),
+        _broken(
+            "compiled_sdpa_fails",
             "torch.compile: SDPA compiled inside context_parallel fails (the route is not a function)",
-            r"function calling SDPA inside context_parallel failed", route_ctx=_routing_through_an_object),
-    _broken("mha_weights_path_local",
+            r"function calling SDPA inside context_parallel failed",
+            route_ctx=_routing_through_an_object,
+        ),
+        _broken(
+            "mha_weights_path_local",
             "silent fallback: nn.MultiheadAttention's default need_weights=True path attends to the local shard",
-            r"MultiheadAttention with need_weights=True \(its default\)", route_ctx=_routing_allowing_weights),
-    _broken("buffers_sharded_per_listing",
+            r"MultiheadAttention with need_weights=True \(its default\)",
+            route_ctx=_routing_allowing_weights,
+        ),
+        _broken(
+            "buffers_sharded_per_listing",
             "buffers: a tensor listed more than once is sharded once per listing",
-            r"sharded once per listing", sharding=_ShardedPerListing),
-    _broken("nesting_shards_again",
+            r"sharded once per listing",
+            sharding=_ShardedPerListing,
+        ),
+        _broken(
+            "nesting_shards_again",
             "buffers: nested context_parallel shards a buffer again",
             r"nested context_parallel over a buffer the outer one already sharded sharded it again",
-            sharding=_NestingShardsAgain),
-    _broken("grad_left_shard_shaped",
+            sharding=_NestingShardsAgain,
+        ),
+        _broken(
+            "grad_left_shard_shaped",
             "buffers: a Parameter buffer keeps a shard-shaped .grad after the context",
-            r"shard-shaped \.grad left behind", sharding=_GradLeftShardShaped),
-]}
+            r"shard-shaped \.grad left behind",
+            sharding=_GradLeftShardShaped,
+        ),
+    ]
+}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_api:<name>.
 globals().update({name: b.impl for name, b in BROKEN_API.items()})

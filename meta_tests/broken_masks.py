@@ -89,8 +89,14 @@ class WindowOffByOneAtBlockEdge(RingAttention):
             edge = torch.zeros(seq_kv * cfg.group.world_size, dtype=torch.bool)
             for runs in _all_runs(cfg, seq_kv):
                 edge[[a for a, _ in runs]] = True
-            mask = _replace_in(cfg.mask, lambda m: _WindowPastBlockEdge(m, edge)
-                               if isinstance(m, SlidingWindow) and m.left is not None else None)
+            mask = _replace_in(
+                cfg.mask,
+                lambda m: (
+                    _WindowPastBlockEdge(m, edge)
+                    if isinstance(m, SlidingWindow) and m.left is not None
+                    else None
+                ),
+            )
             cfg = replace(cfg, mask=mask)
         return super().plan(cfg, seq_q, seq_kv)
 
@@ -123,8 +129,14 @@ class DocumentsAtLocalPositions(RingAttention):
             for runs in _all_runs(cfg, seq_kv):
                 held = torch.cat([torch.arange(a, b) for a, b in runs])
                 local[held] = torch.arange(held.numel())
-            mask = _replace_in(cfg.mask, lambda m: _DocumentsAtLocalIndex(m, local)
-                               if isinstance(m, Documents) and m.kv_doc_ids is None else None)
+            mask = _replace_in(
+                cfg.mask,
+                lambda m: (
+                    _DocumentsAtLocalIndex(m, local)
+                    if isinstance(m, Documents) and m.kv_doc_ids is None
+                    else None
+                ),
+            )
             cfg = replace(cfg, mask=mask)
         return super().plan(cfg, seq_q, seq_kv)
 
@@ -159,7 +171,7 @@ class _TailPaddingAsDocument(_RebuiltDocuments):
     def rebuilt(self, ids):
         real = (ids >= 0).nonzero()
         if real.numel():
-            ids[int(real[-1]) + 1:] = int(ids.max()) + 1
+            ids[int(real[-1]) + 1 :] = int(ids.max()) + 1
         return ids
 
 
@@ -184,8 +196,12 @@ class _DocumentsRebuiltWrong(RingAttention):
 
     def plan(self, cfg, seq_q, seq_kv):
         if cfg.mask is not None:
-            mask = _replace_in(cfg.mask, lambda m: self.rebuilt(m)
-                               if isinstance(m, Documents) and m.kv_doc_ids is None else None)
+            mask = _replace_in(
+                cfg.mask,
+                lambda m: (
+                    self.rebuilt(m) if isinstance(m, Documents) and m.kv_doc_ids is None else None
+                ),
+            )
             cfg = replace(cfg, mask=mask)
         return super().plan(cfg, seq_q, seq_kv)
 
@@ -221,11 +237,16 @@ def _longest_first_runs(mask, seq_len: int, world_size: int) -> list[tuple[tuple
 
 class LongDocumentsOnOneRank(RingImplAdapter):
     def balanced_layout(self, balancer, mask, seq_len, world_size):
-        if balancer != "work_aware" or len(document_spans(mask, seq_len)) < 2:  # right without documents
+        if (
+            balancer != "work_aware" or len(document_spans(mask, seq_len)) < 2
+        ):  # right without documents
             return super().balanced_layout(balancer, mask, seq_len, world_size)
         per_rank = _longest_first_runs(mask, seq_len, world_size)
         name = f"longest_first-{seq_len}x{world_size}-{mask.digest():08x}"
-        ring_impl.register_layout(Layout(name, lambda length, world, rank: per_rank[rank], lambda world: world), replace=True)
+        ring_impl.register_layout(
+            Layout(name, lambda length, world, rank: per_rank[rank], lambda world: world),
+            replace=True,
+        )
         return name, [layout_runs(name, seq_len, world_size, r) for r in range(world_size)]
 
 
@@ -238,11 +259,18 @@ def _stale_documents_ring():
     kept: dict[int, tuple[tuple[int, int], Documents]] = {}
 
     def ring_attention(query, key, value, *, mask=None, **kwargs):
-        if isinstance(mask, Documents) and isinstance(mask.doc_ids, torch.Tensor) and mask.doc_ids.dtype != torch.int64:
+        if (
+            isinstance(mask, Documents)
+            and isinstance(mask.doc_ids, torch.Tensor)
+            and mask.doc_ids.dtype != torch.int64
+        ):
             stamp = (mask.doc_ids.data_ptr(), mask.doc_ids._version)
             entry = kept.get(id(mask))
             if entry is None or entry[0] != stamp:
-                entry = kept[id(mask)] = (stamp, Documents(mask.doc_ids.to(torch.int64), mask.causal, mask.kv_doc_ids))
+                entry = kept[id(mask)] = (
+                    stamp,
+                    Documents(mask.doc_ids.to(torch.int64), mask.causal, mask.kv_doc_ids),
+                )
             mask = entry[1]
         return ring_impl.ring_attention(query, key, value, mask=mask, **kwargs)
 
@@ -274,6 +302,7 @@ def _at_zero(which: str):
         if which == "batch":
             return MaskMod(lambda b, h, q, kv: fn(torch.zeros_like(b), h, q, kv))
         return MaskMod(lambda b, h, q, kv: fn(b, torch.zeros_like(h), q, kv))
+
     return swap
 
 
@@ -295,7 +324,9 @@ class _ProbedAtTheStart(MaskMod):
 def _probed_at_the_start_ring():
     def ring_attention(query, key, value, *, mask=None, **kwargs):
         if mask is not None:
-            mask = _replace_in(mask, lambda m: _ProbedAtTheStart(m.fn) if type(m) is MaskMod else None)
+            mask = _replace_in(
+                mask, lambda m: _ProbedAtTheStart(m.fn) if type(m) is MaskMod else None
+            )
         return ring_impl.ring_attention(query, key, value, mask=mask, **kwargs)
 
     adapter = RingImplAdapter(name="mask_mod_probed_at_the_start")
@@ -303,48 +334,103 @@ def _probed_at_the_start_ring():
     return adapter
 
 
-BROKEN_MASKS: dict[str, Broken] = {b.name: b for b in [
-    Broken("window_off_by_one_at_block_edge", "masks: a window off by one at a block edge",
-           r"sliding window off by one", RingImplAdapter(WindowOffByOneAtBlockEdge(),
-                                                                         name="window_off_by_one_at_block_edge"),
-           suites="suites/test_balance.py"),
-    Broken("documents_at_local_positions", "masks: document boundaries computed from local instead of global positions",
-           r"document boundaries taken from local positions", RingImplAdapter(DocumentsAtLocalPositions(),
-                                                                              name="documents_at_local_positions"),
-           suites="suites/test_balance.py"),
-    Broken("tail_padding_attended", "masks: tail padding ignored when detecting padding",
-           r"tail padding attended: the \d+ padding tokens after the last document see each other",
-           RingImplAdapter(_DocumentsRebuiltWrong(_TailPaddingAsDocument), name="tail_padding_attended"), suites="suites/test_masks.py"),
-    Broken("odd_lengths_rounded_down", "masks: odd document lengths rounded down",
-           r"document lengths rounded down to even",
-           RingImplAdapter(_DocumentsRebuiltWrong(_LengthsRoundedToEven), name="odd_lengths_rounded_down"), suites="suites/test_masks.py"),
-    Broken("balancer_long_documents_on_one_rank", "balance: a correct per-document balancer that gives one rank most of the work",
-           r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
-           LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"), suites="suites/test_balance.py"),
-    Broken("stale_documents_after_refill", "masks: document ids refilled in place served stale",
-           r"stale documents: the second call ran the documents its mask's ids held at the first call",
-           _stale_documents_ring(), suites="suites/test_masks.py", select=("-k", "refilled")),
-    Broken("mask_mod_probed_at_the_start", "masks: ranks whose mask_mods differ beyond a probe of their start run silently",
-           r"mask_mod_differs_\w+: no rank raised", _probed_at_the_start_ring(), suites="suites/test_bad_input.py",
-           select=("-k", "mask_mod")),
-    Broken("mask_evaluated_at_batch_0", "masks: a mask_mod evaluated at batch 0 for every batch row",
-           r"the mask was evaluated at batch 0 for every batch row",
-           RingImplAdapter(_MaskRewritten(_at_zero("batch")), name="mask_evaluated_at_batch_0"),
-           suites="suites/test_masks.py", select=("-k", "mask_mod_batch_head"), min_failures=3),
-    Broken("mask_evaluated_at_head_0", "masks: a mask_mod evaluated at head 0 for every head",
-           r"the mask was evaluated at head 0 for every head",
-           RingImplAdapter(_MaskRewritten(_at_zero("head")), name="mask_evaluated_at_head_0"),
-           suites="suites/test_masks.py", select=("-k", "mask_mod_batch_head"), min_failures=3),
-    Broken("window_right_side_dropped", "masks: a sliding window's right side dropped",
-           r"the sliding window's right side was dropped",
-           RingImplAdapter(_MaskRewritten(_right_dropped), name="window_right_side_dropped"),
-           suites="suites/test_masks.py", select=("-k", "window_wide or prefix_lm_window"), min_failures=3),
-    Broken("backward_plans_balanced_layout_as_contiguous",
-           "balance: the backward plans a balancer's layout as another (the forward is right)",
-           r"the backward did not run the layout the forward ran",
-           RingImplAdapter(BackwardPlansBalancedLayoutAsContiguous(), name="backward_plans_balanced_layout_as_contiguous"),
-           suites="suites/test_masks.py"),
-]}
+BROKEN_MASKS: dict[str, Broken] = {
+    b.name: b
+    for b in [
+        Broken(
+            "window_off_by_one_at_block_edge",
+            "masks: a window off by one at a block edge",
+            r"sliding window off by one",
+            RingImplAdapter(WindowOffByOneAtBlockEdge(), name="window_off_by_one_at_block_edge"),
+            suites="suites/test_balance.py",
+        ),
+        Broken(
+            "documents_at_local_positions",
+            "masks: document boundaries computed from local instead of global positions",
+            r"document boundaries taken from local positions",
+            RingImplAdapter(DocumentsAtLocalPositions(), name="documents_at_local_positions"),
+            suites="suites/test_balance.py",
+        ),
+        Broken(
+            "tail_padding_attended",
+            "masks: tail padding ignored when detecting padding",
+            r"tail padding attended: the \d+ padding tokens after the last document see each other",
+            RingImplAdapter(
+                _DocumentsRebuiltWrong(_TailPaddingAsDocument), name="tail_padding_attended"
+            ),
+            suites="suites/test_masks.py",
+        ),
+        Broken(
+            "odd_lengths_rounded_down",
+            "masks: odd document lengths rounded down",
+            r"document lengths rounded down to even",
+            RingImplAdapter(
+                _DocumentsRebuiltWrong(_LengthsRoundedToEven), name="odd_lengths_rounded_down"
+            ),
+            suites="suites/test_masks.py",
+        ),
+        Broken(
+            "balancer_long_documents_on_one_rank",
+            "balance: a correct per-document balancer that gives one rank most of the work",
+            r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
+            LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"),
+            suites="suites/test_balance.py",
+        ),
+        Broken(
+            "stale_documents_after_refill",
+            "masks: document ids refilled in place served stale",
+            r"stale documents: the second call ran the documents its mask's ids held at the first call",
+            _stale_documents_ring(),
+            suites="suites/test_masks.py",
+            select=("-k", "refilled"),
+        ),
+        Broken(
+            "mask_mod_probed_at_the_start",
+            "masks: ranks whose mask_mods differ beyond a probe of their start run silently",
+            r"mask_mod_differs_\w+: no rank raised",
+            _probed_at_the_start_ring(),
+            suites="suites/test_bad_input.py",
+            select=("-k", "mask_mod"),
+        ),
+        Broken(
+            "mask_evaluated_at_batch_0",
+            "masks: a mask_mod evaluated at batch 0 for every batch row",
+            r"the mask was evaluated at batch 0 for every batch row",
+            RingImplAdapter(_MaskRewritten(_at_zero("batch")), name="mask_evaluated_at_batch_0"),
+            suites="suites/test_masks.py",
+            select=("-k", "mask_mod_batch_head"),
+            min_failures=3,
+        ),
+        Broken(
+            "mask_evaluated_at_head_0",
+            "masks: a mask_mod evaluated at head 0 for every head",
+            r"the mask was evaluated at head 0 for every head",
+            RingImplAdapter(_MaskRewritten(_at_zero("head")), name="mask_evaluated_at_head_0"),
+            suites="suites/test_masks.py",
+            select=("-k", "mask_mod_batch_head"),
+            min_failures=3,
+        ),
+        Broken(
+            "window_right_side_dropped",
+            "masks: a sliding window's right side dropped",
+            r"the sliding window's right side was dropped",
+            RingImplAdapter(_MaskRewritten(_right_dropped), name="window_right_side_dropped"),
+            suites="suites/test_masks.py",
+            select=("-k", "window_wide or prefix_lm_window"),
+            min_failures=3,
+        ),
+        Broken(
+            "backward_plans_balanced_layout_as_contiguous",
+            "balance: the backward plans a balancer's layout as another (the forward is right)",
+            r"the backward did not run the layout the forward ran",
+            RingImplAdapter(
+                BackwardPlansBalancedLayoutAsContiguous(),
+                name="backward_plans_balanced_layout_as_contiguous",
+            ),
+            suites="suites/test_masks.py",
+        ),
+    ]
+}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_masks:<name>.
 globals().update({name: b.impl for name, b in BROKEN_MASKS.items()})

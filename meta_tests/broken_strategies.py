@@ -31,12 +31,17 @@ class HeadsAndSequenceSwapped:
         if g.size == 1:
             return list(parts)
         u = g.size
-        staged = [t.reshape(t.shape[0], t.shape[1], u, t.shape[2] // u, t.shape[3]).permute(2, 0, 1, 3, 4) for t in parts]
+        staged = [
+            t.reshape(t.shape[0], t.shape[1], u, t.shape[2] // u, t.shape[3]).permute(2, 0, 1, 3, 4)
+            for t in parts
+        ]
         rows, layout = _pack(staged, g)
         out = []
         for t, r in zip(parts, _unpack(_exchange(rows, g), layout)):
             b, h, s, f = t.shape
-            out.append(r.reshape(u, b, h // u, s, f).permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, f))
+            out.append(
+                r.reshape(u, b, h // u, s, f).permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, f)
+            )
         return out
 
 
@@ -127,7 +132,10 @@ class MaskAtLocalHeadIndex:
         if cfg.mask is None:
             return None
         u, h = cfg.heads.size, q.shape[1]
-        pos_q, pos_kv = permutation(cfg.layout, q.shape[2], u), permutation(cfg.layout, k.shape[2], u)
+        pos_q, pos_kv = (
+            permutation(cfg.layout, q.shape[2], u),
+            permutation(cfg.layout, k.shape[2], u),
+        )
         vis = visibility(cfg.mask, pos_q, pos_kv, batch=q.shape[0], heads=h * u)
         return (vis[:, :h] if vis.shape[1] > 1 else vis).to(q.device)
 
@@ -141,8 +149,10 @@ class MaskAtLocalHeadIndex:
 
 def _strategies(bug: type) -> dict[str, Ulysses]:
     """The bug applied to both head-parallel strategies (where it has a seam in them)."""
-    return {"ulysses": type(f"{bug.__name__}Ulysses", (bug, Ulysses), {})(),
-            "hybrid": type(f"{bug.__name__}Hybrid", (bug, Hybrid), {})()}
+    return {
+        "ulysses": type(f"{bug.__name__}Ulysses", (bug, Ulysses), {})(),
+        "hybrid": type(f"{bug.__name__}Hybrid", (bug, Hybrid), {})(),
+    }
 
 
 def _adapter(name: str, bug: type) -> RingImplAdapter:
@@ -151,33 +161,60 @@ def _adapter(name: str, bug: type) -> RingImplAdapter:
     return adapter
 
 
-BROKEN_STRATEGIES: dict[str, Broken] = {b.name: b for b in [
-    Broken("heads_sequence_swapped", "Ulysses/hybrid: all-to-all on the wrong dimension after a transpose",
-           r"heads and sequence swapped in the all-to-all", _adapter("heads_sequence_swapped", HeadsAndSequenceSwapped),
-           suites="suites/test_strategies.py"),
-    Broken("out_heads_interleaved",
-           "Ulysses/hybrid: head slices put back in the wrong order after the output all-to-all",
-           r"output's heads are permuted", _adapter("out_heads_interleaved", HeadsInterleavedBack),
-           suites="suites/test_strategies.py"),
-    Broken("lse_in_head_shards",
-           "Ulysses/hybrid: the LSE returned in the head-sharded layout, not the sequence shard",
-           r"LSE is returned in the head-sharded layout",
-           _adapter("lse_in_head_shards", LseLeftInHeadShards),
-           suites="suites/test_strategies.py"),
-    Broken("kv_heads_wrong_order", "Ulysses/hybrid: key/value heads fewer than the degree replicated in the wrong order",
-           r"key/value heads replicated in the wrong order", _adapter("kv_heads_wrong_order", KVHeadsTiled),
-           suites="suites/test_strategies.py"),
-    Broken("hybrid_without_head_tail_reorder", "hybrid: the ring dimension missing the load-balancing reorder",
-           r"head_tail reorder is missing", _adapter("hybrid_without_head_tail_reorder", RingDimWithoutReorder),
-           suites="suites/test_strategies.py"),
-    Broken("local_attention_only", "silent fallback: a strategy that runs local attention only",
-           r"local attention, context parallelism silently off", _adapter("local_attention_only", LocalOnly),
-           suites="suites/test_strategies.py"),
-    Broken("mask_at_local_head_index", "Ulysses/hybrid: a head-dependent mask evaluated at the rank's own head index",
-           r"mask evaluated at each rank's own head index", _adapter("mask_at_local_head_index", MaskAtLocalHeadIndex),
-           suites="suites/test_masks.py"),
-]}
+BROKEN_STRATEGIES: dict[str, Broken] = {
+    b.name: b
+    for b in [
+        Broken(
+            "heads_sequence_swapped",
+            "Ulysses/hybrid: all-to-all on the wrong dimension after a transpose",
+            r"heads and sequence swapped in the all-to-all",
+            _adapter("heads_sequence_swapped", HeadsAndSequenceSwapped),
+            suites="suites/test_strategies.py",
+        ),
+        Broken(
+            "out_heads_interleaved",
+            "Ulysses/hybrid: head slices put back in the wrong order after the output all-to-all",
+            r"output's heads are permuted",
+            _adapter("out_heads_interleaved", HeadsInterleavedBack),
+            suites="suites/test_strategies.py",
+        ),
+        Broken(
+            "lse_in_head_shards",
+            "Ulysses/hybrid: the LSE returned in the head-sharded layout, not the sequence shard",
+            r"LSE is returned in the head-sharded layout",
+            _adapter("lse_in_head_shards", LseLeftInHeadShards),
+            suites="suites/test_strategies.py",
+        ),
+        Broken(
+            "kv_heads_wrong_order",
+            "Ulysses/hybrid: key/value heads fewer than the degree replicated in the wrong order",
+            r"key/value heads replicated in the wrong order",
+            _adapter("kv_heads_wrong_order", KVHeadsTiled),
+            suites="suites/test_strategies.py",
+        ),
+        Broken(
+            "hybrid_without_head_tail_reorder",
+            "hybrid: the ring dimension missing the load-balancing reorder",
+            r"head_tail reorder is missing",
+            _adapter("hybrid_without_head_tail_reorder", RingDimWithoutReorder),
+            suites="suites/test_strategies.py",
+        ),
+        Broken(
+            "local_attention_only",
+            "silent fallback: a strategy that runs local attention only",
+            r"local attention, context parallelism silently off",
+            _adapter("local_attention_only", LocalOnly),
+            suites="suites/test_strategies.py",
+        ),
+        Broken(
+            "mask_at_local_head_index",
+            "Ulysses/hybrid: a head-dependent mask evaluated at the rank's own head index",
+            r"mask evaluated at each rank's own head index",
+            _adapter("mask_at_local_head_index", MaskAtLocalHeadIndex),
+            suites="suites/test_masks.py",
+        ),
+    ]
+}
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_strategies:<name>.
 globals().update({name: b.impl for name, b in BROKEN_STRATEGIES.items()})
-

@@ -41,15 +41,35 @@ ROOT = Path(__file__).resolve().parents[1]
 MIN_PASSED = {"quick": 500, "nightly": 1100}
 
 
-def run_suites(impl: str, tier: str, junit: Path, timeout: float,
-               path: str = "suites") -> subprocess.CompletedProcess:
+def run_suites(
+    impl: str, tier: str, junit: Path, timeout: float, path: str = "suites"
+) -> subprocess.CompletedProcess:
     """``pytest <path>`` (every suite by default) at ``tier`` (its default world sizes) against
     ``impl`` in a fresh process."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}  # the tier's defaults, not ours
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))
+    }  # the tier's defaults, not ours
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "--impl", impl, "--tier", tier, "--report-dir", "none", f"--junitxml={junit}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        path,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "--impl",
+        impl,
+        "--tier",
+        tier,
+        "--report-dir",
+        "none",
+        f"--junitxml={junit}",
+    ]
     return run_tree(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -89,7 +109,9 @@ def undeclared_lacks(reasons: list[str], caps: Capabilities) -> list[str]:
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
-def test_correct_ring_passes_the_suites(name: str, tmp_path: Path, pytestconfig: pytest.Config) -> None:
+def test_correct_ring_passes_the_suites(
+    name: str, tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
     """The whole tier this session runs (quick by default, nightly with ``--tier nightly``)."""
     impl = f"meta_tests.correct:{name}"
     tier = settings_of(pytestconfig).tier
@@ -98,18 +120,26 @@ def test_correct_ring_passes_the_suites(name: str, tmp_path: Path, pytestconfig:
     proc = run_suites(impl, tier, junit, timeout=1200 if tier == "quick" else 3600)
     wall = time.monotonic() - started
     tail = f"\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    assert junit.exists(), f"pytest suites --impl {impl} wrote no JUnit report (exit {proc.returncode}){tail}"
+    assert junit.exists(), (
+        f"pytest suites --impl {impl} wrote no JUnit report (exit {proc.returncode}){tail}"
+    )
     modules = outcomes_by_module(junit)
     totals = sum(modules.values(), Counter())
-    figures = (f"{totals['passed']} passed, {totals['failed']} failed, {totals['error']} errors, "
-               f"{totals['n/a']} N/A, {totals['skipped']} skipped in {wall:.0f} s")
+    figures = (
+        f"{totals['passed']} passed, {totals['failed']} failed, {totals['error']} errors, "
+        f"{totals['n/a']} N/A, {totals['skipped']} skipped in {wall:.0f} s"
+    )
     assert totals["failed"] == 0 and totals["error"] == 0, (
         f"the suites failed a correct ring ({name}): {figures}; either the ring has a bug or the suite judges a "
         f"correct result wrongly{tail}"
     )
-    assert proc.returncode == 0, f"pytest suites --impl {impl} exited {proc.returncode} ({figures}){tail}"
+    assert proc.returncode == 0, (
+        f"pytest suites --impl {impl} exited {proc.returncode} ({figures}){tail}"
+    )
     least = MIN_PASSED[tier]
-    assert totals["passed"] >= least, f"{name}: only {figures} at tier {tier}; at least {least} cases must pass{tail}"
+    assert totals["passed"] >= least, (
+        f"{name}: only {figures} at tier {tier}; at least {least} cases must pass{tail}"
+    )
 
     suite_modules = sorted(p.stem for p in (ROOT / "suites").glob("test_*.py"))
     caps = load_implementation(impl).capabilities
@@ -136,30 +166,44 @@ def test_correct_ring_passes_the_suites(name: str, tmp_path: Path, pytestconfig:
 MIN_STRATEGY_PASSED = {"quick": 150, "nightly": 150}
 
 
-def test_correct_strategies_pass_the_strategy_suite(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+def test_correct_strategies_pass_the_strategy_suite(
+    tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
     """gather_strategies (meta_tests/correct/gather_strategies.py: every rank all-gathers the
     key/value sequence and attends its own rows; no all-to-all, no ring_impl) passes the whole
     strategy suite of this session's tier with no failure."""
     impl = "meta_tests.correct.gather_strategies:IMPLEMENTATION"
     tier = settings_of(pytestconfig).tier
     junit = tmp_path / "junit.xml"
-    proc = run_suites(impl, tier, junit, timeout=1200 if tier == "quick" else 3600,
-                      path="suites/test_strategies.py")
+    proc = run_suites(
+        impl,
+        tier,
+        junit,
+        timeout=1200 if tier == "quick" else 3600,
+        path="suites/test_strategies.py",
+    )
     tail = f"\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    assert junit.exists(), f"pytest suites/test_strategies.py --impl {impl} wrote no JUnit report{tail}"
+    assert junit.exists(), (
+        f"pytest suites/test_strategies.py --impl {impl} wrote no JUnit report{tail}"
+    )
     totals = sum(outcomes_by_module(junit).values(), Counter())
-    figures = (f"{totals['passed']} passed, {totals['failed']} failed, {totals['error']} errors, "
-               f"{totals['n/a']} N/A, {totals['skipped']} skipped")
+    figures = (
+        f"{totals['passed']} passed, {totals['failed']} failed, {totals['error']} errors, "
+        f"{totals['n/a']} N/A, {totals['skipped']} skipped"
+    )
     assert totals["failed"] == 0 and totals["error"] == 0, (
-        f"the strategy suite failed a correct implementation (gather_strategies): {figures}{tail}")
+        f"the strategy suite failed a correct implementation (gather_strategies): {figures}{tail}"
+    )
     assert proc.returncode == 0, f"pytest exited {proc.returncode} ({figures}){tail}"
     reasons = [key[1] for key in totals if isinstance(key, tuple)]
     caps = load_implementation(impl).capabilities
     assert not totals["skipped"] and not undeclared_lacks(reasons, caps), (
-        f"gather_strategies: cases skipped, or N/A for a capability it does not declare lacking: {dict(totals)}")
+        f"gather_strategies: cases skipped, or N/A for a capability it does not declare lacking: {dict(totals)}"
+    )
     least = MIN_STRATEGY_PASSED[tier]
     assert totals["passed"] >= least, (
-        f"gather_strategies: only {figures} at tier {tier}; at least {least} must pass{tail}")
+        f"gather_strategies: only {figures} at tier {tier}; at least {least} must pass{tail}"
+    )
 
 
 # ---------------------------------------------------------------------------- LSE gradient
@@ -168,12 +212,21 @@ def test_correct_strategies_pass_the_strategy_suite(tmp_path: Path, pytestconfig
 def _global_inputs(seed: int, heads: int, heads_kv: int, seq: int, head_dim: int):
     gen = torch.Generator().manual_seed(seed)
     b = 2
-    return [torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in (
-        (b, heads, seq, head_dim), (b, heads_kv, seq, head_dim), (b, heads_kv, seq, head_dim),
-        (b, heads, seq, head_dim), (b, heads, seq))]
+    return [
+        torch.randn(*shape, generator=gen, dtype=torch.float64)
+        for shape in (
+            (b, heads, seq, head_dim),
+            (b, heads_kv, seq, head_dim),
+            (b, heads_kv, seq, head_dim),
+            (b, heads, seq, head_dim),
+            (b, heads, seq),
+        )
+    ]
 
 
-def lse_gradient_case(ctx, impl: str, layout: str, is_causal: bool, rotate_method: str, shape: tuple) -> dict:
+def lse_gradient_case(
+    ctx, impl: str, layout: str, is_causal: bool, rotate_method: str, shape: tuple
+) -> dict:
     """Rank side: loss = sum(out * dO) + sum(lse * dLSE) on this rank's shard; local dQ/dK/dV."""
     from reference.layout import shard
 
@@ -181,7 +234,15 @@ def lse_gradient_case(ctx, impl: str, layout: str, is_causal: bool, rotate_metho
     local = [shard(t, layout, ctx.world_size, ctx.rank, dim=2) for t in (q, k, v, d_out, d_lse)]
     q, k, v = (t.clone().requires_grad_() for t in local[:3])
     out, lse = load_implementation(impl).obj.ring_attention(
-        q, k, v, group=ctx.group, is_causal=is_causal, layout=layout, rotate_method=rotate_method, return_lse=True)
+        q,
+        k,
+        v,
+        group=ctx.group,
+        is_causal=is_causal,
+        layout=layout,
+        rotate_method=rotate_method,
+        return_lse=True,
+    )
     ((out * local[3]).sum() + (lse * local[4]).sum()).backward()
     return {"dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -198,23 +259,49 @@ def test_lse_gradient_matches_float64_autograd(rank_pool, name: str, world_size:
     pool = rank_pool(world_size)
     for layout in ("contiguous", "head_tail"):
         for is_causal in (False, True):
-            q, k, v, d_out, d_lse = (t.requires_grad_(i < 3) for i, t in enumerate(_global_inputs(*shape)))
+            q, k, v, d_out, d_lse = (
+                t.requires_grad_(i < 3) for i, t in enumerate(_global_inputs(*shape))
+            )
             group = q.shape[1] // k.shape[1]
             scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / shape[-1] ** 0.5
             if is_causal:
-                scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+                scores = scores.masked_fill(
+                    torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf")
+                )
             lse = scores.logsumexp(-1)
             out = torch.softmax(scores, -1) @ v.repeat_interleave(group, 1)
-            ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v))))
+            ref = dict(
+                zip(
+                    ("dq", "dk", "dv"),
+                    torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v)),
+                )
+            )
             # The policy's floors from the terms' magnitudes: a float64 gradient is a sum whose
             # terms can be far larger than the result, so a few roundings of them exceed a floor
             # taken from the result's own size.
-            visible = causal_visibility(torch.arange(shape[3]), torch.arange(shape[3])) if is_causal else None
-            scales = error_scales(q.detach(), k.detach(), v.detach(), d_out, visible=visible, grad_lse=d_lse)
+            visible = (
+                causal_visibility(torch.arange(shape[3]), torch.arange(shape[3]))
+                if is_causal
+                else None
+            )
+            scales = error_scales(
+                q.detach(), k.detach(), v.detach(), d_out, visible=visible, grad_lse=d_lse
+            )
             for rotate_method in ("allgather", "alltoall", "p2p"):
                 results = pool.run(lse_gradient_case, impl, layout, is_causal, rotate_method, shape)
                 context = f"[{name}, W={world_size}, {layout}, causal={is_causal}, {rotate_method}]"
                 for grad in ("dq", "dk", "dv"):
                     got = unshard([r[grad] for r in results], layout)
-                    assert_verdict(check(grad, got, ref[grad], ref[grad], dtype=torch.float64, scales=scales[grad],
-                                         layout=layout, world_size=world_size, context=context))
+                    assert_verdict(
+                        check(
+                            grad,
+                            got,
+                            ref[grad],
+                            ref[grad],
+                            dtype=torch.float64,
+                            scales=scales[grad],
+                            layout=layout,
+                            world_size=world_size,
+                            context=context,
+                        )
+                    )

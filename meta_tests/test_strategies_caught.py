@@ -21,7 +21,9 @@ EVERY_BROKEN = {**BROKEN_RINGS, **BROKEN_API, **BROKEN_STRATEGIES}
 @pytest.mark.parametrize("name", sorted(BROKEN_STRATEGIES))
 def test_strategy_suite_fails_on_broken_strategy(name: str) -> None:
     broken = BROKEN_STRATEGIES[name]
-    proc = run_suites(f"meta_tests.broken_strategies:{name}", "--report-dir", "none", suites=broken.suites)
+    proc = run_suites(
+        f"meta_tests.broken_strategies:{name}", "--report-dir", "none", suites=broken.suites
+    )
     text = failure_text(proc, name).replace(f"meta_tests.broken_strategies:{name}", "<impl>")
     assert proc.returncode == 1, (
         f"the strategy suite did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n"
@@ -31,7 +33,11 @@ def test_strategy_suite_fails_on_broken_strategy(name: str) -> None:
         f"the strategy suite failed on {name!r} ({broken.bug_class}) but the failure does not name the cause "
         f"(no match for /{broken.expect}/):\n{text[-4000:]}"
     )
-    others = {o.name: o.expect for o in EVERY_BROKEN.values() if o.name != name and re.search(o.expect, text, re.IGNORECASE)}
+    others = {
+        o.name: o.expect
+        for o in EVERY_BROKEN.values()
+        if o.name != name and re.search(o.expect, text, re.IGNORECASE)
+    }
     assert not others, (
         f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of {sorted(others)}; the message must "
         f"tell these causes apart\n{text[-4000:]}"

@@ -31,18 +31,40 @@ from meta_tests.broken_score_mods import BROKEN_SCORE_MODS
 #: and rings with mask and load-balance bugs.
 BROKEN = {**BROKEN_RINGS, **BROKEN_API, **BROKEN_MASKS, **BROKEN_SCORE_MODS}
 #: The module that holds each broken implementation.
-MODULES = {**dict.fromkeys(BROKEN_RINGS, "meta_tests.broken"), **dict.fromkeys(BROKEN_API, "meta_tests.broken_api"),
-           **dict.fromkeys(BROKEN_MASKS, "meta_tests.broken_masks"),
-           **dict.fromkeys(BROKEN_SCORE_MODS, "meta_tests.broken_score_mods")}
+MODULES = {
+    **dict.fromkeys(BROKEN_RINGS, "meta_tests.broken"),
+    **dict.fromkeys(BROKEN_API, "meta_tests.broken_api"),
+    **dict.fromkeys(BROKEN_MASKS, "meta_tests.broken_masks"),
+    **dict.fromkeys(BROKEN_SCORE_MODS, "meta_tests.broken_score_mods"),
+}
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_suites(impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True, suites: str = "suites") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}
+def run_suites(
+    impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True, suites: str = "suites"
+) -> subprocess.CompletedProcess:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "pytest", suites, *(["-x"] if exitfirst else []), "-q", "-p", "no:cacheprovider",
-           "--impl", impl, "--case-timeout", "20", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        suites,
+        *(["-x"] if exitfirst else []),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--impl",
+        impl,
+        "--case-timeout",
+        "20",
+        *extra,
+    ]
     if "-n" not in extra:
         cmd += ["-p", "no:xdist"]
     return run_tree(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -73,16 +95,26 @@ def test_suite_fails_on_broken_implementation(name: str) -> None:
     if broken.min_failures:
         _caught_by_several(name, broken)
         return
-    proc = run_suites(f"{MODULES[name]}:{name}", "--report-dir", "none", *broken.select, suites=broken.suites)
+    proc = run_suites(
+        f"{MODULES[name]}:{name}", "--report-dir", "none", *broken.select, suites=broken.suites
+    )
     if broken.pending and proc.returncode == 0:
-        pytest.xfail(f"{name} ({broken.bug_class}) is caught by {broken.pending}, which this tree lacks")
+        pytest.xfail(
+            f"{name} ({broken.bug_class}) is caught by {broken.pending}, which this tree lacks"
+        )
     text = failure_text(proc, name)
-    if proc.returncode == 1 and not re.search(broken.expect, text, re.IGNORECASE) and _died_of_a_fatal_signal(text):
+    if (
+        proc.returncode == 1
+        and not re.search(broken.expect, text, re.IGNORECASE)
+        and _died_of_a_fatal_signal(text)
+    ):
         # A rank process killed by a fatal signal inside the collective library (seen once on a
         # loaded 2-core machine: a segfault in gloo's all_reduce, in a case the implementation
         # had not yet got wrong) says nothing of the implementation, and -x stopped the run there:
         # run once more. A second crash fails below, showing it.
-        proc = run_suites(f"{MODULES[name]}:{name}", "--report-dir", "none", *broken.select, suites=broken.suites)
+        proc = run_suites(
+            f"{MODULES[name]}:{name}", "--report-dir", "none", *broken.select, suites=broken.suites
+        )
         text = failure_text(proc, name)
     assert proc.returncode == 1, (
         f"the suites did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
@@ -91,7 +123,11 @@ def test_suite_fails_on_broken_implementation(name: str) -> None:
         f"the suites failed on {name!r} ({broken.bug_class}) but the failure does not name the cause "
         f"(no match for /{broken.expect}/):\n{text[-4000:]}"
     )
-    others = {o.name: o.expect for o in BROKEN.values() if o.name != name and re.search(o.expect, text, re.IGNORECASE)}
+    others = {
+        o.name: o.expect
+        for o in BROKEN.values()
+        if o.name != name and re.search(o.expect, text, re.IGNORECASE)
+    }
     assert not others, (
         f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of {sorted(others)}: "
         f"{others}; the message must tell these causes apart\n{text[-4000:]}"
@@ -101,32 +137,66 @@ def test_suite_fails_on_broken_implementation(name: str) -> None:
 def _caught_by_several(name: str, broken) -> None:
     """The selected cases all run: at least ``broken.min_failures`` fail, each failure names the
     bug, and none names another bug's."""
-    proc = run_suites(f"{MODULES[name]}:{name}", "--report-dir", "none", "-n", "2", *broken.select,
-                      suites=broken.suites, exitfirst=False, timeout=900)
+    proc = run_suites(
+        f"{MODULES[name]}:{name}",
+        "--report-dir",
+        "none",
+        "-n",
+        "2",
+        *broken.select,
+        suites=broken.suites,
+        exitfirst=False,
+        timeout=900,
+    )
     assert proc.returncode == 1, (
-        f"the suites did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n{proc.stdout[-4000:]}")
+        f"the suites did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n{proc.stdout[-4000:]}"
+    )
     failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.MULTILINE)
     assert len(failed) >= broken.min_failures, (
-        f"{name!r} ({broken.bug_class}) failed {len(failed)} case(s), fewer than {broken.min_failures}: {failed}")
+        f"{name!r} ({broken.bug_class}) failed {len(failed)} case(s), fewer than {broken.min_failures}: {failed}"
+    )
     text = failure_text(proc, name)
-    sections = [part for part in re.split(r"^_{3,} .* _{3,}$", text, flags=re.MULTILINE)[1:] if part.strip()]
-    unnamed = [part.strip().splitlines()[0] for part in sections if not re.search(broken.expect, part, re.IGNORECASE)]
-    assert not unnamed, f"failures on {name!r} that do not name the cause /{broken.expect}/: {unnamed[:5]}"
-    others = {o.name: o.expect for o in BROKEN.values() if o.name != name and re.search(o.expect, text, re.IGNORECASE)}
+    sections = [
+        part for part in re.split(r"^_{3,} .* _{3,}$", text, flags=re.MULTILINE)[1:] if part.strip()
+    ]
+    unnamed = [
+        part.strip().splitlines()[0]
+        for part in sections
+        if not re.search(broken.expect, part, re.IGNORECASE)
+    ]
+    assert not unnamed, (
+        f"failures on {name!r} that do not name the cause /{broken.expect}/: {unnamed[:5]}"
+    )
+    others = {
+        o.name: o.expect
+        for o in BROKEN.values()
+        if o.name != name and re.search(o.expect, text, re.IGNORECASE)
+    }
     assert not others, f"the failures on {name!r} also match the patterns of {sorted(others)}"
 
 
 def test_implementation_that_declares_nothing_is_tested_on_everything(tmp_path: Path) -> None:
     """The control of declares_nothing_lse_base_2: no capabilities, every protocol piece, a
     correct ring. Every case of the quick tier runs (none N/A) and passes."""
-    proc = run_suites("meta_tests.broken:DECLARES_NOTHING_CORRECT", "-n", "2", "--report-dir", str(tmp_path),
-                      timeout=1200, exitfirst=False)
+    proc = run_suites(
+        "meta_tests.broken:DECLARES_NOTHING_CORRECT",
+        "-n",
+        "2",
+        "--report-dir",
+        str(tmp_path),
+        timeout=1200,
+        exitfirst=False,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     doc = json.loads((tmp_path / "conformance.json").read_text())
     assert doc["counts"]["failed"] == 0, doc["counts"]
-    not_run = [(c["nodeid"], c["outcome"], c["message"]) for c in doc["cases"] if c["outcome"] != "passed"]
+    not_run = [
+        (c["nodeid"], c["outcome"], c["message"]) for c in doc["cases"] if c["outcome"] != "passed"
+    ]
     # What remains is about this machine (no CUDA) or the tutorial script, which imports ring_impl
     # itself and so runs for the default implementation only; never about what is claimed.
-    unexpected = [c for c in not_run if not ("CUDA" in c[2] or "test_tutorial_script_under_torchrun" in c[0])]
+    unexpected = [
+        c for c in not_run if not ("CUDA" in c[2] or "test_tutorial_script_under_torchrun" in c[0])
+    ]
     assert not unexpected, unexpected
     assert doc["score"]["passed"] == doc["score"]["total"] - len(not_run) > 700, doc["score"]

@@ -122,7 +122,11 @@ def nonfinite_reach(
     every row that sees j and on feature d of their output gradients.
     """
     q, k, v = query, expand_kv_heads(key, query.shape[1]), expand_kv_heads(value, query.shape[1])
-    vis = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.float64) if visible is None else visible.to(torch.float64)
+    vis = (
+        torch.ones(q.shape[-2], k.shape[-2], dtype=torch.float64)
+        if visible is None
+        else visible.to(torch.float64)
+    )
     vis = vis.to(q.device)
 
     def seen(flags: Tensor) -> Tensor:  # flags over keys (b, h, sk[, d]) -> does row i see one
@@ -195,7 +199,10 @@ def masked_attention(
         scores = apply_score_mod(score_mod, scores)
     if visible is not None:
         try:
-            ok = visible.dtype == torch.bool and torch.broadcast_shapes(visible.shape, scores.shape) == scores.shape
+            ok = (
+                visible.dtype == torch.bool
+                and torch.broadcast_shapes(visible.shape, scores.shape) == scores.shape
+            )
         except RuntimeError:
             ok = False
         if not ok:
@@ -207,7 +214,9 @@ def masked_attention(
     sink = None
     if sinks is not None:
         if sinks.shape != (q.shape[1],):
-            raise ValueError(f"sinks must have shape (heads,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+            raise ValueError(
+                f"sinks must have shape (heads,) = ({q.shape[1]},), got {tuple(sinks.shape)}"
+            )
         sink = sinks.to(torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
 
     # Subtracting the row max keeps exp() in range for any logit size (scores of 1e4 and more).
@@ -256,8 +265,9 @@ def attention(
         visible = causal_visibility(
             torch.arange(query.shape[-2], device=device), torch.arange(key.shape[-2], device=device)
         )
-    return masked_attention(query, key, value, visible, scale=scale, sinks=sinks,
-                            score_mod=score_mod)
+    return masked_attention(
+        query, key, value, visible, scale=scale, sinks=sinks, score_mod=score_mod
+    )
 
 
 def attention_grads(
@@ -295,9 +305,9 @@ def attention_grads(
     grad_out = _finite(grad_out.detach().to(torch.float64))
     with torch.enable_grad():
         # The gradients of finite copies, NaN where a non-finite input reaches (nonfinite_reach).
-        out, lse = masked_attention(_finite(q), _finite(k), _finite(v), visible, scale=scale,
-                                    sinks=sk,
-                                    score_mod=score_mod)
+        out, lse = masked_attention(
+            _finite(q), _finite(k), _finite(v), visible, scale=scale, sinks=sk, score_mod=score_mod
+        )
         out = torch.where(reach["out"], torch.zeros_like(out), out)
         if grad_out.shape != out.shape:
             raise ValueError(
@@ -307,16 +317,26 @@ def attention_grads(
         loss = (out * grad_out).sum()
         if grad_lse is not None:
             if grad_lse.shape != lse.shape:
-                raise ValueError(f"grad_lse has shape {tuple(grad_lse.shape)}, expected the LSE's {tuple(lse.shape)}")
+                raise ValueError(
+                    f"grad_lse has shape {tuple(grad_lse.shape)}, expected the LSE's {tuple(lse.shape)}"
+                )
             # Rows that see nothing have LSE -inf and no gradient: keep 0 * -inf out of the loss.
             used = torch.isfinite(lse) & ~reach["lse"]
-            loss = loss + torch.where(used, lse, torch.zeros_like(lse)).mul(_finite(grad_lse.to(torch.float64))).sum()
+            loss = (
+                loss
+                + torch.where(used, lse, torch.zeros_like(lse))
+                .mul(_finite(grad_lse.to(torch.float64)))
+                .sum()
+            )
         inputs = (q, k, v) if sk is None else (q, k, v, sk)
         grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     dq, dk, dv = grads[:3]
     dsinks = None if sk is None else (grads[3] if grads[3] is not None else torch.zeros_like(sk))
     nan = torch.full((), math.nan, dtype=torch.float64)
-    out, lse = torch.where(reach["out"], nan, out.detach()), torch.where(reach["lse"], nan, lse.detach())
+    out, lse = (
+        torch.where(reach["out"], nan, out.detach()),
+        torch.where(reach["lse"], nan, lse.detach()),
+    )
     dq, dk, dv = (torch.where(reach[n], nan, g) for n, g in (("dq", dq), ("dk", dk), ("dv", dv)))
     return ReferenceResult(out, lse, dq, dk, dv, dsinks)
 

@@ -155,7 +155,9 @@ def tolerance_for(dtype: torch.dtype) -> Tolerance:
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     if dtype not in UNIT_ROUNDOFF:
-        raise ValueError(f"no unit roundoff for dtype {dtype}; known: {sorted(map(str, UNIT_ROUNDOFF))}")
+        raise ValueError(
+            f"no unit roundoff for dtype {dtype}; known: {sorted(map(str, UNIT_ROUNDOFF))}"
+        )
     return UNIT_ROUNDOFF[dtype]
 
 
@@ -209,11 +211,15 @@ class _Terms:
     def cols(self, weight: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
         """Sums over queries for each key row (GQA groups summed): weight^T @ |x|, ..."""
         wt = weight.transpose(-2, -1)
-        return (_reduce_heads(wt @ x.abs(), self.heads_kv),
-                torch.sqrt(_reduce_heads(wt.square() @ x.square(), self.heads_kv)))
+        return (
+            _reduce_heads(wt @ x.abs(), self.heads_kv),
+            torch.sqrt(_reduce_heads(wt.square() @ x.square(), self.heads_kv)),
+        )
 
 
-def _scale(m: tuple[Tensor, Tensor], a: tuple[Tensor, Tensor], c: tuple[Tensor, Tensor]) -> ErrorScale:
+def _scale(
+    m: tuple[Tensor, Tensor], a: tuple[Tensor, Tensor], c: tuple[Tensor, Tensor]
+) -> ErrorScale:
     return ErrorScale(m[0], a[0], c[0], m[1], a[1], c[1])
 
 
@@ -274,7 +280,11 @@ def error_scales(
             (d,) = torch.autograd.grad(modified.sum(), raw, allow_unused=True)
         chain = torch.zeros_like(s) if d is None else d.abs()
         s = modified.detach()
-    vis = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device) if visible is None else visible.to(s.device)
+    vis = (
+        torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
+        if visible is None
+        else visible.to(s.device)
+    )
     s = s.masked_fill(~vis, -math.inf)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf for rows that see nothing
     seen = torch.isfinite(lse)
@@ -296,11 +306,17 @@ def error_scales(
     delta = (do * o).sum(-1, keepdim=True)  # D_i = rowsum(dO * O)
     d_magnitude = (do.abs() * o.abs()).sum(-1, keepdim=True)  # D from the rounded output O
     if grad_lse is not None:
-        g = torch.where(seen, grad_lse.detach().to(torch.float64).unsqueeze(-1), torch.zeros_like(lse0))
+        g = torch.where(
+            seen, grad_lse.detach().to(torch.float64).unsqueeze(-1), torch.zeros_like(lse0)
+        )
         delta, d_magnitude = delta - g, d_magnitude + g.abs()
     dp_minus_d = (do @ v.transpose(-2, -1) - delta).abs()
-    ds_m = abs(scale) * p * (dp_minus_d + d_magnitude)  # dS = P o (dP - D) as returned, with D's rounding
-    ds_a = abs(scale) * p * (do.abs() @ v.abs().transpose(-2, -1) + d_magnitude)  # dP, D at their own size
+    ds_m = (
+        abs(scale) * p * (dp_minus_d + d_magnitude)
+    )  # dS = P o (dP - D) as returned, with D's rounding
+    ds_a = (
+        abs(scale) * p * (do.abs() @ v.abs().transpose(-2, -1) + d_magnitude)
+    )  # dP, D at their own size
     # dS's change when every p_ij moves by u * kappa_i, directly and through D: the output O in
     # D = rowsum(dO * O) carries the same conditioning (C of out, |lse_i| * P|V|).
     d_conditioning = (do.abs() * out_m[0]).sum(-1, keepdim=True)
@@ -312,11 +328,15 @@ def error_scales(
     dv_m = terms.cols(p, do)
     scales["dv"] = _scale(dv_m, dv_m, terms.cols(pk, do))
     if sinks is not None:
-        scales["dsinks"] = _sink_scale(sinks, lse, o, do, None if grad_lse is None else g, input_dtype or query.dtype)
+        scales["dsinks"] = _sink_scale(
+            sinks, lse, o, do, None if grad_lse is None else g, input_dtype or query.dtype
+        )
     return scales
 
 
-def _sink_scale(sinks: Tensor, lse: Tensor, o: Tensor, do: Tensor, g: Tensor | None, input_dtype: torch.dtype) -> ErrorScale:
+def _sink_scale(
+    sinks: Tensor, lse: Tensor, o: Tensor, do: Tensor, g: Tensor | None, input_dtype: torch.dtype
+) -> ErrorScale:
     """M, A, C of dsinks (heads,) (see :func:`error_scales`). lse (b, h, sq, 1) and o (b, h, sq, d)
     without the sink; do, g: the gradients reaching the output and LSE with it."""
     sk = sinks.detach().to(torch.float64).view(1, -1, 1)
@@ -332,11 +352,14 @@ def _sink_scale(sinks: Tensor, lse: Tensor, o: Tensor, do: Tensor, g: Tensor | N
     def per_head(t: Tensor) -> tuple[Tensor, Tensor]:
         return t.sum(dim=(0, 2)), t.square().sum(dim=(0, 2)).sqrt()
 
-    return _scale(per_head(weight * t_out + t_g), per_head(t_out + t_g), per_head(cond * (t_out + t_g)))
+    return _scale(
+        per_head(weight * t_out + t_g), per_head(t_out + t_g), per_head(cond * (t_out + t_g))
+    )
 
 
-def max_logit_scale(query: Tensor, key: Tensor, *, scale: float | None = None,
-                    visible: Tensor | None = None) -> ErrorScale:
+def max_logit_scale(
+    query: Tensor, key: Tensor, *, scale: float | None = None, visible: Tensor | None = None
+) -> ErrorScale:
     """M (= A; C = 0) of the per-head max logit (heads,), in float64 from the inputs.
 
     The max logit is one logit per head, ``scale * q_i . k_j``, formed in the compute dtype like
@@ -397,7 +420,9 @@ def floors(
     if scale.magnitude.numel() == 0:
         return Floors(0.0, 0.0)
     worst = u_x * scale.magnitude + n * u_c * (scale.compute + scale.conditioning)
-    typical = u_x * scale.magnitude_rss + math.sqrt(n) * u_c * (scale.compute_rss + scale.conditioning_rss)
+    typical = u_x * scale.magnitude_rss + math.sqrt(n) * u_c * (
+        scale.compute_rss + scale.conditioning_rss
+    )
     return Floors(float(worst.max()), float(typical.mean()))
 
 
@@ -498,7 +523,9 @@ def check(
     out_dtype = result_dtype or in_dtype
     tol = tolerance_for(in_dtype)
     if scales is not None and tuple(scales.magnitude.shape) != tuple(ref.shape):
-        raise ValueError(f"{name}: scales of shape {tuple(scales.magnitude.shape)} for a result of shape {tuple(ref.shape)}")
+        raise ValueError(
+            f"{name}: scales of shape {tuple(scales.magnitude.shape)} for a result of shape {tuple(ref.shape)}"
+        )
     n = roundings if roundings is not None else (world_size or 1) + 1
     fl = floors(scales, ref, result_dtype=out_dtype, input_dtype=in_dtype, roundings=n)
     err, base_err = abs_error(x, ref), abs_error(base, ref)
@@ -545,8 +572,21 @@ def check(
         )
     message = "; ".join(parts) + (f" {context}" if context else "")
     return Verdict(
-        name, passed, max_err, mean_err, base_max, base_mean, ratio, tol.k, fl.max_floor, worst, rank, step,
-        message, fl.mean_floor, mean_ratio,
+        name,
+        passed,
+        max_err,
+        mean_err,
+        base_max,
+        base_mean,
+        ratio,
+        tol.k,
+        fl.max_floor,
+        worst,
+        rank,
+        step,
+        message,
+        fl.mean_floor,
+        mean_ratio,
     )
 
 
@@ -564,8 +604,9 @@ def assert_close(name: str, x: Tensor, ref: Tensor, base: Tensor, **kwargs: obje
     return assert_verdict(check(name, x, ref, base, **kwargs))  # type: ignore[arg-type]
 
 
-def baseline_error_of_both(masked: Tensor, reference: Tensor, kernel: Tensor, kernel_reference: Tensor,
-                           seen: Tensor) -> Tensor:
+def baseline_error_of_both(
+    masked: Tensor, reference: Tensor, kernel: Tensor, kernel_reference: Tensor, seen: Tensor
+) -> Tensor:
     """A baseline whose error is, per element, the larger of two runs' errors (the section
     "The baseline of a masked case whose kernel takes no mask").
 
@@ -584,4 +625,3 @@ def baseline_error_of_both(masked: Tensor, reference: Tensor, kernel: Tensor, ke
     sign = torch.where(m >= r, 1.0, -1.0).to(torch.float64)
     both = r + sign * error
     return torch.where(torch.isfinite(m) & torch.isfinite(both), both, m)
-

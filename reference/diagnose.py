@@ -123,7 +123,9 @@ _NARROWER = {
 _MIN_VALUES_FOR_DTYPE = 16
 
 
-def narrowest_dtype(t: Tensor, ref: Tensor | None = None, *, wider: torch.dtype | None = None) -> torch.dtype | None:
+def narrowest_dtype(
+    t: Tensor, ref: Tensor | None = None, *, wider: torch.dtype | None = None
+) -> torch.dtype | None:
     """The narrowest dtype (bfloat16, float16, float32) narrower than ``wider`` (default
     ``t.dtype``: the dtype the values should have been computed in) in which every finite nonzero
     value of ``t`` is exactly representable, or None.
@@ -158,7 +160,9 @@ def _step_hypotheses(sim: RingSimulation, rec: StepRecord) -> list[tuple[str, Te
     mask = rec.visible
     hyps: list[tuple[str, Tensor, Tensor]] = []
 
-    def add(what: str, key: Tensor, value: Tensor, visible: Tensor | None, scale: float = sim.scale) -> None:
+    def add(
+        what: str, key: Tensor, value: Tensor, visible: Tensor | None, scale: float = sim.scale
+    ) -> None:
         out, lse = masked_attention(q, key, value, visible, scale=scale)
         hyps.append((what, out, lse))
 
@@ -167,8 +171,13 @@ def _step_hypotheses(sim: RingSimulation, rec: StepRecord) -> list[tuple[str, Te
     if not sim.is_causal and sim.query.shape[2] == sim.key.shape[2]:
         causal = causal_visibility(sim.q_positions(rec.rank), sim.k_positions(rec.kv_rank))
         if not torch.equal(causal, mask):
-            add("computed with the causal mask of these positions, though attention is not causal "
-                "(the step plan or load balancing assumed is_causal=True)", k, v, causal)
+            add(
+                "computed with the causal mask of these positions, though attention is not causal "
+                "(the step plan or load balancing assumed is_causal=True)",
+                k,
+                v,
+                causal,
+            )
     if mask.shape[0] == mask.shape[1]:
         tril = lower_triangular(mask.shape[0])
         if not torch.equal(mask, tril):
@@ -177,19 +186,32 @@ def _step_hypotheses(sim: RingSimulation, rec: StepRecord) -> list[tuple[str, Te
     n = k.shape[2] // 2
     if sim.layout == "head_tail" and n and k.shape[2] == 2 * n:
         swap = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)])
-        add("paired the queries with the wrong key/value chunk of the head_tail pair (head and tail "
-            "chunks swapped)", k[..., swap, :], v[..., swap, :], mask)
+        add(
+            "paired the queries with the wrong key/value chunk of the head_tail pair (head and tail "
+            "chunks swapped)",
+            k[..., swap, :],
+            v[..., swap, :],
+            mask,
+        )
     for other in range(sim.world_size):
         if other != rec.kv_rank:
-            add(f"used the key/value block of rank {other} instead of rank {rec.kv_rank}",
-                sim.key_shard(other), sim.value_shard(other), mask)
+            add(
+                f"used the key/value block of rank {other} instead of rank {rec.kv_rank}",
+                sim.key_shard(other),
+                sim.value_shard(other),
+                mask,
+            )
     for c in sorted({1.0, default_scale(q.shape[-1]), sim.scale**2} - {sim.scale}):
         add(f"used scale {c:.6g} instead of {sim.scale:.6g}", k, v, mask, c)
     heads, heads_kv = q.shape[1], k.shape[1]
     if heads_kv not in (heads, 1):
         tiled = k.repeat(1, heads // heads_kv, 1, 1), v.repeat(1, heads // heads_kv, 1, 1)
-        add(f"tiled the key/value heads (query head h read key/value head h % {heads_kv}, not "
-            f"h // {heads // heads_kv})", *tiled, mask)
+        add(
+            f"tiled the key/value heads (query head h read key/value head h % {heads_kv}, not "
+            f"h // {heads // heads_kv})",
+            *tiled,
+            mask,
+        )
     return hyps
 
 
@@ -293,7 +315,9 @@ def compare_records(
     return sorted(findings, key=lambda f: (f.step if f.step is not None else math.inf, f.rank))
 
 
-def _partial_errors(out: Tensor, lse: Tensor, want_out: Tensor, want_lse: Tensor) -> tuple[Tensor, Tensor]:
+def _partial_errors(
+    out: Tensor, lse: Tensor, want_out: Tensor, want_lse: Tensor
+) -> tuple[Tensor, Tensor]:
     """Per-element |out - want_out| and per-row |lse - want_lse|; a row that sees no key on both
     sides (lse -inf, out 0) has error 0, one that sees keys on one side only an infinite one."""
     empty = lse <= EMPTY_LSE
@@ -301,7 +325,9 @@ def _partial_errors(out: Tensor, lse: Tensor, want_out: Tensor, want_lse: Tensor
     return abs_error(out, want_out), abs_error(lse, want_lse)
 
 
-def explain_partial(sim: RingSimulation, rec: StepRecord, out: Tensor, lse: Tensor, step_rel: float) -> str:
+def explain_partial(
+    sim: RingSimulation, rec: StepRecord, out: Tensor, lse: Tensor, step_rel: float
+) -> str:
     """The replayed bug that reproduces a step's observed partial within the step tolerance
     ("" if none does). out (batch, heads, rows, head_dim_v), lse (batch, heads, rows)."""
     out_tol, lse_tol = _atol(rec.partial_out, step_rel), _atol(rec.partial_lse, step_rel)
@@ -312,13 +338,20 @@ def explain_partial(sim: RingSimulation, rec: StepRecord, out: Tensor, lse: Tens
     # Checked after the replays: a block of one key gives the same output at any scale.
     out_err, lse_err = _partial_errors(out, lse, rec.partial_out, rec.partial_lse)
     if float(out_err.max()) <= out_tol and float(lse_err.max()) > lse_tol:
-        return ("the partial output matches but its LSE does not: the kernel's LSE was misread "
-                "(padding not trimmed, a trailing dim, or the wrong layout)")
+        return (
+            "the partial output matches but its LSE does not: the kernel's LSE was misread "
+            "(padding not trimmed, a trailing dim, or the wrong layout)"
+        )
     return ""
 
 
 def _compare_partial(
-    sim: RingSimulation, rec: StepRecord, out: Tensor, lse: Tensor, step_rel: float, raw_outs: list[Tensor],
+    sim: RingSimulation,
+    rec: StepRecord,
+    out: Tensor,
+    lse: Tensor,
+    step_rel: float,
+    raw_outs: list[Tensor],
     dtype: torch.dtype,
 ) -> Finding | None:
     """Judge one assembled partial (out (batch, heads, rows, head_dim_v), lse (batch, heads,
@@ -344,10 +377,14 @@ def _compare_partial(
     rows = sorted(
         {int(i) for i in ((out_err.amax(-1) > out_tol) | (lse_err > lse_tol)).nonzero()[:, 2]}
     )
-    narrow = next((d for d in (narrowest_dtype(o, wider=dtype) for o in raw_outs) if d is not None), None)
+    narrow = next(
+        (d for d in (narrowest_dtype(o, wider=dtype) for o in raw_outs) if d is not None), None
+    )
     if narrow is not None:
-        why = (f"every value of the recorded partial of this {_dtype_name(dtype)} ring is a "
-               f"{_dtype_name(narrow)} number: the step was computed in {_dtype_name(narrow)}")
+        why = (
+            f"every value of the recorded partial of this {_dtype_name(dtype)} ring is a "
+            f"{_dtype_name(narrow)} number: the step was computed in {_dtype_name(narrow)}"
+        )
     else:
         why = explain_partial(sim, rec, out, lse, step_rel)
     return Finding(
@@ -515,7 +552,9 @@ def diagnose(
         findings += _lse_form_findings(sim, lse_by_rank, dtype)
     if any(grad_bad.values()) and grads_by_rank is not None and grad_out is not None:
         forward_ok = not findings and not bad_rows and out_by_rank is not None
-        findings += _backward_findings(sim, grads_by_rank, grad_out, grad_errs, grad_bad, forward_ok, findings)
+        findings += _backward_findings(
+            sim, grads_by_rank, grad_out, grad_errs, grad_bad, forward_ok, findings
+        )
 
     findings.sort(key=lambda f: (f.step if f.step is not None else math.inf, f.rank))
     ok = not findings and not bad_rows and not any(grad_bad.values())
@@ -563,8 +602,10 @@ def _dtype_findings(
             continue
         narrow, own = hits[0][1], _dtype_name(wider)
         ranks = _ranges([r for r, d in hits if d == narrow])
-        what = (f"{name} on rank {ranks}: every value of the {own} result is a {_dtype_name(narrow)} number: "
-                f"{name} was computed, accumulated or cast in {_dtype_name(narrow)} on its way")
+        what = (
+            f"{name} on rank {ranks}: every value of the {own} result is a {_dtype_name(narrow)} number: "
+            f"{name} was computed, accumulated or cast in {_dtype_name(narrow)} on its way"
+        )
         if name == "lse":
             what += " (the LSE's contract is float32, float64 for float64 inputs)"
         found.append(Finding(hits[0][0], None, what))
@@ -593,14 +634,23 @@ def _overflow_findings(
             continue
         reach = float(ref_lse[bad & torch.isfinite(ref_lse)].abs().max())
         if reach > limit:
-            found.append(Finding(rank, None, (
-                f"rank {rank}: NaN/inf on rows whose LSE reaches {reach:.3g}, beyond log(max {dtype}) = "
-                f"{limit:.1f}: an exp of the LSE (or of raw scores) overflowed; merge in the stable form "
-                "(subtract the running maximum, or use logsigmoid)")))
+            found.append(
+                Finding(
+                    rank,
+                    None,
+                    (
+                        f"rank {rank}: NaN/inf on rows whose LSE reaches {reach:.3g}, beyond log(max {dtype}) = "
+                        f"{limit:.1f}: an exp of the LSE (or of raw scores) overflowed; merge in the stable form "
+                        "(subtract the running maximum, or use logsigmoid)"
+                    ),
+                )
+            )
     return found
 
 
-def _lse_form_findings(sim: RingSimulation, lse_by_rank: Sequence[Tensor], dtype: torch.dtype) -> list[Finding]:
+def _lse_form_findings(
+    sim: RingSimulation, lse_by_rank: Sequence[Tensor], dtype: torch.dtype
+) -> list[Finding]:
     """An LSE in base 2 (the natural one divided by ln 2), or shifted by one constant on every
     row. Judged with the float32 step tolerance for bfloat16/float16 runs: the LSE is float32."""
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -623,18 +673,39 @@ def _lse_form_findings(sim: RingSimulation, lse_by_rank: Sequence[Tensor], dtype
             shifts[rank] = float(err.mean())
     found = []
     if base2:
-        found.append(Finding(base2[0], None, (
-            f"lse on rank {_ranges(base2)} is the natural-log LSE divided by ln 2: it is in base 2, the "
-            "contract (and every merge) is base e")))
+        found.append(
+            Finding(
+                base2[0],
+                None,
+                (
+                    f"lse on rank {_ranges(base2)} is the natural-log LSE divided by ln 2: it is in base 2, the "
+                    "contract (and every merge) is base e"
+                ),
+            )
+        )
     if shifts:
         shown = ", ".join(f"{fmt_err(v)} on rank {r}" for r, v in shifts.items())
-        found.append(Finding(min(shifts), None, (
-            f"lse is shifted by a constant on every row ({shown}): an offset added to the LSE")))
+        found.append(
+            Finding(
+                min(shifts),
+                None,
+                (
+                    f"lse is shifted by a constant on every row ({shown}): an offset added to the LSE"
+                ),
+            )
+        )
     return found
 
 
 def _block_grads(
-    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """float64 (dq, dk, dv) contribution of one (query shard, key/value block) pair to the
     gradient of the whole attention, given the final out and lse of the query rows.
@@ -659,8 +730,13 @@ def _block_grads(
     return dq, fold(dk), fold(dv)
 
 
-def _replay_backward(sim: RingSimulation, grad_out: Tensor, kv_source: Callable[[StepRecord], int], *,
-                     step_output: bool = False) -> dict[str, list[Tensor]]:
+def _replay_backward(
+    sim: RingSimulation,
+    grad_out: Tensor,
+    kv_source: Callable[[StepRecord], int],
+    *,
+    step_output: bool = False,
+) -> dict[str, list[Tensor]]:
     """Per-rank dq, dk, dv of a ring whose backward computes step ``rec`` with the key/value block
     of rank ``kv_source(rec)`` (the contribution still goes to block ``rec.kv_rank``). With
     ``step_output`` its ``dO . O`` row term takes the step's own partial output instead of the
@@ -681,8 +757,16 @@ def _replay_backward(sim: RingSimulation, grad_out: Tensor, kv_source: Callable[
                 continue
             src = kv_source(rec)
             row_out = rec.partial_out.to(q.device) if step_output else out
-            dq, dk, dv = _block_grads(q, sim.key_shard(src), sim.value_shard(src), rec.visible.to(q.device),
-                                      row_out, lse, dout, sim.scale)
+            dq, dk, dv = _block_grads(
+                q,
+                sim.key_shard(src),
+                sim.value_shard(src),
+                rec.visible.to(q.device),
+                row_out,
+                lse,
+                dout,
+                sim.scale,
+            )
             grads["dq"][rank] += dq
             grads["dk"][rec.kv_rank] += dk
             grads["dv"][rec.kv_rank] += dv
@@ -700,7 +784,9 @@ def _backward_findings(
 ) -> list[Finding]:
     """Explain wrong gradients by a replayed backward bug; say the backward is at fault when the
     forward matched and nothing explains them."""
-    if any("every value of the" in f.what and f.what.startswith(("dq", "dk", "dv")) for f in earlier):
+    if any(
+        "every value of the" in f.what and f.what.startswith(("dq", "dk", "dv")) for f in earlier
+    ):
         return []  # already explained by the dtype the gradients went through
     w = sim.world_size
 
@@ -709,7 +795,10 @@ def _backward_findings(
             for r in range(w):
                 tol = grad_errs[name][r][1]
                 got = grads_by_rank[name][r]
-                if float(abs_error(got.to(observed[name][r].device), observed[name][r]).max()) > tol:
+                if (
+                    float(abs_error(got.to(observed[name][r].device), observed[name][r]).max())
+                    > tol
+                ):
                     return False
         return True
 
@@ -717,27 +806,61 @@ def _backward_findings(
     if w > 1 and forward_ok:
         own = _replay_backward(sim, grad_out, lambda rec: rec.rank)
         if matches(own, names):
-            return [Finding(0, None, "the backward used each rank's own key/value block at every ring step "
-                                     "(the step-0 block reused): dq, dk and dv equal that replay")]
-        if matches(_replay_backward(sim, grad_out, lambda rec: rec.kv_rank, step_output=True), names):
-            return [Finding(0, None, "the backward took the dO.O row term from each ring step's own partial output "
-                                     "instead of the merged output of all steps: dq, dk and dv equal that replay")]
+            return [
+                Finding(
+                    0,
+                    None,
+                    "the backward used each rank's own key/value block at every ring step "
+                    "(the step-0 block reused): dq, dk and dv equal that replay",
+                )
+            ]
+        if matches(
+            _replay_backward(sim, grad_out, lambda rec: rec.kv_rank, step_output=True), names
+        ):
+            return [
+                Finding(
+                    0,
+                    None,
+                    "the backward took the dO.O row term from each ring step's own partial output "
+                    "instead of the merged output of all steps: dq, dk and dv equal that replay",
+                )
+            ]
         if "dq" in grads_by_rank and not grad_bad.get("dq") and {"dk", "dv"} & set(grads_by_rank):
             truth = _replay_backward(sim, grad_out, lambda rec: rec.kv_rank)
             kv_names = [n for n in ("dk", "dv") if n in grads_by_rank]
             for t in range(1, w):
                 shifted = {n: [truth[n][(r + t) % w] for r in range(w)] for n in kv_names}
                 if matches(shifted, kv_names):
-                    return [Finding(0, None, (
-                        f"dq matches on every rank, but rank r holds the dk/dv of rank r+{t}'s block: the dK/dV "
-                        f"accumulators stopped {t} hop(s) short of their owners (the return hop is missing)"))]
-            return [Finding(0, None, (
-                "dq matches on every rank, but dk/dv do not: the dK/dV accumulators did not reach their owners "
-                "complete (a missing, extra or misrouted hop of the gradient ring)"))]
+                    return [
+                        Finding(
+                            0,
+                            None,
+                            (
+                                f"dq matches on every rank, but rank r holds the dk/dv of rank r+{t}'s block: the dK/dV "
+                                f"accumulators stopped {t} hop(s) short of their owners (the return hop is missing)"
+                            ),
+                        )
+                    ]
+            return [
+                Finding(
+                    0,
+                    None,
+                    (
+                        "dq matches on every rank, but dk/dv do not: the dK/dV accumulators did not reach their owners "
+                        "complete (a missing, extra or misrouted hop of the gradient ring)"
+                    ),
+                )
+            ]
     if forward_ok:
         wrong = ", ".join(n for n in names if grad_bad.get(n))
-        return [Finding(0, None, f"the forward matches the simulation on every rank but {wrong} do not: "
-                                 "the backward is at fault (its blocks, masks or the routing of dK/dV)")]
+        return [
+            Finding(
+                0,
+                None,
+                f"the forward matches the simulation on every rank but {wrong} do not: "
+                "the backward is at fault (its blocks, masks or the routing of dK/dV)",
+            )
+        ]
     return []
 
 

@@ -36,7 +36,17 @@ from torch import Tensor
 
 __all__ = ["MASK_KINDS", "document_ids", "visibility"]
 
-MASK_KINDS = ("full", "causal", "document", "sliding_window", "chunked_causal", "prefix_lm", "and", "or", "mask_mod")
+MASK_KINDS = (
+    "full",
+    "causal",
+    "document",
+    "sliding_window",
+    "chunked_causal",
+    "prefix_lm",
+    "and",
+    "or",
+    "mask_mod",
+)
 
 
 def document_ids(spec: Mapping[str, Any], seq_len: int) -> Tensor:
@@ -44,11 +54,20 @@ def document_ids(spec: Mapping[str, Any], seq_len: int) -> Tensor:
     if "doc_ids" in spec:
         ids = torch.as_tensor(spec["doc_ids"], dtype=torch.int64)
         if ids.shape != (seq_len,):
-            raise ValueError(f"document mask: doc_ids has shape {tuple(ids.shape)}, expected ({seq_len},)")
+            raise ValueError(
+                f"document mask: doc_ids has shape {tuple(ids.shape)}, expected ({seq_len},)"
+            )
         return ids
     bounds = [int(x) for x in spec["cu_seqlens"]]
-    if not bounds or bounds[0] != 0 or any(b < a for a, b in itertools.pairwise(bounds)) or bounds[-1] > seq_len:
-        raise ValueError(f"document mask: cu_seqlens {bounds} must start at 0, not decrease and end <= {seq_len}")
+    if (
+        not bounds
+        or bounds[0] != 0
+        or any(b < a for a, b in itertools.pairwise(bounds))
+        or bounds[-1] > seq_len
+    ):
+        raise ValueError(
+            f"document mask: cu_seqlens {bounds} must start at 0, not decrease and end <= {seq_len}"
+        )
     ids = torch.full((seq_len,), -1, dtype=torch.int64)
     for doc, (a, b) in enumerate(itertools.pairwise(bounds)):
         ids[a:b] = doc
@@ -110,8 +129,16 @@ def visibility(
     q_positions / k_positions: the global positions of the rows and columns (default 0..seq-1);
     pass a rank's positions to get its local block of the global mask.
     """
-    q = torch.arange(seq_q) if q_positions is None else torch.as_tensor(q_positions, dtype=torch.int64)
-    k = torch.arange(seq_k) if k_positions is None else torch.as_tensor(k_positions, dtype=torch.int64)
+    q = (
+        torch.arange(seq_q)
+        if q_positions is None
+        else torch.as_tensor(q_positions, dtype=torch.int64)
+    )
+    k = (
+        torch.arange(seq_k)
+        if k_positions is None
+        else torch.as_tensor(k_positions, dtype=torch.int64)
+    )
     b = torch.arange(batch).view(-1, 1, 1, 1)
     h = torch.arange(heads).view(1, -1, 1, 1)
     seen = _visible(spec or {"kind": "full"}, q.view(1, 1, -1, 1), k.view(1, 1, 1, -1), b, h)

@@ -78,7 +78,9 @@ def kv_blocks(strategy: str, mesh_shape: tuple[int, int]) -> int:
     return _check(strategy, mesh_shape)[1]
 
 
-def positions(strategy: str, layout: str, mesh_shape: tuple[int, int], rank: int, seq_len: int) -> Tensor:
+def positions(
+    strategy: str, layout: str, mesh_shape: tuple[int, int], rank: int, seq_len: int
+) -> Tensor:
     """(seq_len // (U*R),) int64: the global positions mesh rank ``rank`` holds, in local order."""
     u_size, r_size = _check(strategy, mesh_shape)
     u, r = rank % u_size, rank // u_size
@@ -86,34 +88,50 @@ def positions(strategy: str, layout: str, mesh_shape: tuple[int, int], rank: int
         return ring_layout.positions(layout, u_size, u, seq_len)
     row = ring_layout.positions(layout, r_size, r, seq_len)
     if len(row) % u_size:
-        raise ValueError(f"a row's shard of {len(row)} positions does not split into {u_size} equal pieces; pad the sequence")
+        raise ValueError(
+            f"a row's shard of {len(row)} positions does not split into {u_size} equal pieces; pad the sequence"
+        )
     n = len(row) // u_size
-    return row[u * n:(u + 1) * n]
+    return row[u * n : (u + 1) * n]
 
 
-def shard(t: Tensor, strategy: str, layout: str, mesh_shape: tuple[int, int], rank: int, dim: int = 2) -> Tensor:
+def shard(
+    t: Tensor, strategy: str, layout: str, mesh_shape: tuple[int, int], rank: int, dim: int = 2
+) -> Tensor:
     """Mesh rank ``rank``'s shard of global ``t`` along ``dim`` (a new tensor)."""
-    return t.index_select(dim, positions(strategy, layout, mesh_shape, rank, t.shape[dim]).to(t.device))
+    return t.index_select(
+        dim, positions(strategy, layout, mesh_shape, rank, t.shape[dim]).to(t.device)
+    )
 
 
-def unshard(shards: Sequence[Tensor], strategy: str, layout: str, mesh_shape: tuple[int, int], dim: int = 2) -> Tensor:
+def unshard(
+    shards: Sequence[Tensor], strategy: str, layout: str, mesh_shape: tuple[int, int], dim: int = 2
+) -> Tensor:
     """Inverse of :func:`shard`: ``shards[mesh_rank]``; differentiable."""
     if len(shards) != mesh_shape[0] * mesh_shape[1]:
         raise ValueError(f"{len(shards)} shards for a {mesh_shape[0]}x{mesh_shape[1]} mesh")
     seq_len = sum(s.shape[dim] for s in shards)
-    order = torch.cat([positions(strategy, layout, mesh_shape, m, seq_len) for m in range(len(shards))])
+    order = torch.cat(
+        [positions(strategy, layout, mesh_shape, m, seq_len) for m in range(len(shards))]
+    )
     return torch.cat(list(shards), dim=dim).index_select(dim, order.argsort().to(shards[0].device))
 
 
-def locate(index: Sequence[int], strategy: str, layout: str, mesh_shape: tuple[int, int], seq_len: int,
-           dim: int = 2) -> tuple[int, tuple[int, ...]]:
+def locate(
+    index: Sequence[int],
+    strategy: str,
+    layout: str,
+    mesh_shape: tuple[int, int],
+    seq_len: int,
+    dim: int = 2,
+) -> tuple[int, tuple[int, ...]]:
     """(mesh rank, index into its shard) of an index into the global tensor."""
     index = tuple(int(i) for i in index)
     dim %= len(index)
     for m in range(mesh_shape[0] * mesh_shape[1]):
         hit = (positions(strategy, layout, mesh_shape, m, seq_len) == index[dim]).nonzero()
         if len(hit):
-            return m, (*index[:dim], int(hit[0, 0]), *index[dim + 1:])
+            return m, (*index[:dim], int(hit[0, 0]), *index[dim + 1 :])
     raise ValueError(f"position {index[dim]} is outside a sequence of length {seq_len}")
 
 
@@ -151,20 +169,35 @@ class HybridSimulation:
         u, row = rank % u_size, rank // u_size
         full = self.row_out(row)
         n = full.shape[2] // u_size
-        return full[:, :, u * n:(u + 1) * n]
+        return full[:, :, u * n : (u + 1) * n]
 
     @property
     def out(self) -> Tensor:
-        return unshard([self.local_out(m) for m in range(self.mesh_shape[0] * self.mesh_shape[1])], "hybrid",
-                       self.layout, self.mesh_shape)
+        return unshard(
+            [self.local_out(m) for m in range(self.mesh_shape[0] * self.mesh_shape[1])],
+            "hybrid",
+            self.layout,
+            self.mesh_shape,
+        )
 
     def work_per_row(self) -> list[int]:
         """Visible score entries each row computes, summed over head slices' rings (per batch and head)."""
-        return [sum(ring.work_per_rank()[row] for ring in self.rings) for row in range(self.mesh_shape[1])]
+        return [
+            sum(ring.work_per_rank()[row] for ring in self.rings)
+            for row in range(self.mesh_shape[1])
+        ]
 
 
-def simulate_hybrid(query: Tensor, key: Tensor, value: Tensor, *, mesh_shape: tuple[int, int], layout: str,
-                    is_causal: bool = False, scale: float | None = None) -> HybridSimulation:
+def simulate_hybrid(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mesh_shape: tuple[int, int],
+    layout: str,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> HybridSimulation:
     """Simulate the hybrid on global inputs in float64 (see the module docstring).
 
     query (batch, heads, seq_q, head_dim), key/value (batch, heads_kv, seq_k, head_dim); heads
@@ -180,17 +213,37 @@ def simulate_hybrid(query: Tensor, key: Tensor, value: Tensor, *, mesh_shape: tu
     for u in range(u_size):
         hs = list(range(u * heads // u_size, (u + 1) * heads // u_size))
         kv_heads = torch.tensor([h // group for h in hs])
-        rings.append(simulate_ring(query[:, hs], key.index_select(1, kv_heads), value.index_select(1, kv_heads),
-                                   world_size=r_size, layout=layout, is_causal=is_causal, scale=scale))
+        rings.append(
+            simulate_ring(
+                query[:, hs],
+                key.index_select(1, kv_heads),
+                value.index_select(1, kv_heads),
+                world_size=r_size,
+                layout=layout,
+                is_causal=is_causal,
+                scale=scale,
+            )
+        )
     return HybridSimulation(query, key, value, (u_size, r_size), layout, is_causal, rings)
 
 
 # ---------------------------------------------------------------------------- replay
 
 
-def replay_head_parallel(query: Tensor, key: Tensor, value: Tensor, *, strategy: str, layout: str,
-                         mesh_shape: tuple[int, int], is_causal: bool, scale: float | None = None,
-                         kv_order: str = "interleave", split: str = "heads", assumed_layout: str | None = None) -> Tensor:
+def replay_head_parallel(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    strategy: str,
+    layout: str,
+    mesh_shape: tuple[int, int],
+    is_causal: bool,
+    scale: float | None = None,
+    kv_order: str = "interleave",
+    split: str = "heads",
+    assumed_layout: str | None = None,
+) -> Tensor:
     """The global float64 output of Ulysses or the hybrid, replayed rank by rank.
 
     kv_order: "interleave" (key/value head i's replicas next to each other, correct) or "tile"
@@ -213,27 +266,39 @@ def replay_head_parallel(query: Tensor, key: Tensor, value: Tensor, *, strategy:
         for t in parts:
             n_heads, s = t.shape[1] // u_size, t.shape[2]
             if split == "heads":
-                pieces.append(t[:, j * n_heads:(j + 1) * n_heads])
+                pieces.append(t[:, j * n_heads : (j + 1) * n_heads])
             else:
                 if s % u_size:
                     raise ValueError("a sequence split needs local lengths divisible by the degree")
-                piece = t[:, :, j * s // u_size:(j + 1) * s // u_size].contiguous()
+                piece = t[:, :, j * s // u_size : (j + 1) * s // u_size].contiguous()
                 pieces.append(piece.reshape(t.shape[0], n_heads, s, t.shape[3]))
         return torch.cat(pieces, dim=2)
 
     ranks = range(u_size * r_size)
-    local = {name: [shard(t, strategy, layout, (u_size, r_size), m) for m in ranks]
-             for name, t in (("q", q64), ("k", k64), ("v", v64))}
+    local = {
+        name: [shard(t, strategy, layout, (u_size, r_size), m) for m in ranks]
+        for name, t in (("q", q64), ("k", k64), ("v", v64))
+    }
     local["k"] = [expand(t) for t in local["k"]]
     local["v"] = [expand(t) for t in local["v"]]
 
     def row_positions(r: int, seq: int) -> Tensor:
-        return torch.cat([positions(strategy, assumed, (u_size, r_size), r * u_size + i, seq) for i in range(u_size)])
+        return torch.cat(
+            [
+                positions(strategy, assumed, (u_size, r_size), r * u_size + i, seq)
+                for i in range(u_size)
+            ]
+        )
 
     outs: dict[tuple[int, int], Tensor] = {}
     for j in range(u_size):
-        rows = {name: [to_heads([local[name][r * u_size + i] for i in range(u_size)], j) for r in range(r_size)]
-                for name in ("q", "k", "v")}
+        rows = {
+            name: [
+                to_heads([local[name][r * u_size + i] for i in range(u_size)], j)
+                for r in range(r_size)
+            ]
+            for name in ("q", "k", "v")
+        }
         k_all, v_all = torch.cat(rows["k"], dim=2), torch.cat(rows["v"], dim=2)
         k_pos = torch.cat([row_positions(r, seq_k) for r in range(r_size)])
         for r in range(r_size):
@@ -243,64 +308,118 @@ def replay_head_parallel(query: Tensor, key: Tensor, value: Tensor, *, strategy:
     for m in ranks:
         u, r = m % u_size, m // u_size
         s = seq_q // (u_size * r_size)
-        shards.append(torch.cat([outs[(j, r)][:, :, u * s:(u + 1) * s] for j in range(u_size)], dim=1))
+        shards.append(
+            torch.cat([outs[(j, r)][:, :, u * s : (u + 1) * s] for j in range(u_size)], dim=1)
+        )
     return unshard(shards, strategy, layout, (u_size, r_size))
 
 
-def _local_only(query: Tensor, key: Tensor, value: Tensor, *, strategy: str, layout: str, mesh_shape: tuple[int, int],
-                is_causal: bool, scale: float | None) -> Tensor:
+def _local_only(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    strategy: str,
+    layout: str,
+    mesh_shape: tuple[int, int],
+    is_causal: bool,
+    scale: float | None,
+) -> Tensor:
     """Every rank attending to its own shard only (the kernel's top-left causal mask on it)."""
     n = mesh_shape[0] * mesh_shape[1]
-    outs = [attention(*(shard(t.detach().to(torch.float64), strategy, layout, mesh_shape, m) for t in (query, key, value)),
-                      is_causal=is_causal, scale=scale).out for m in range(n)]
+    outs = [
+        attention(
+            *(
+                shard(t.detach().to(torch.float64), strategy, layout, mesh_shape, m)
+                for t in (query, key, value)
+            ),
+            is_causal=is_causal,
+            scale=scale,
+        ).out
+        for m in range(n)
+    ]
     return unshard(outs, strategy, layout, mesh_shape)
 
 
-def _hypotheses(query, key, value, *, strategy, layout, mesh_shape, is_causal, scale) -> list[tuple[str, Tensor]]:
+def _hypotheses(
+    query, key, value, *, strategy, layout, mesh_shape, is_causal, scale
+) -> list[tuple[str, Tensor]]:
     u_size, r_size = mesh_shape
     heads, heads_kv = query.shape[1], key.shape[1]
-    common = dict(strategy=strategy, layout=layout, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale)
-    found: list[tuple[str, Tensor]] = [(
-        "every rank attended only to its own sequence shard: local attention, context parallelism silently off",
-        _local_only(query, key, value, **common),
-    )]
+    common = dict(
+        strategy=strategy, layout=layout, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale
+    )
+    found: list[tuple[str, Tensor]] = [
+        (
+            "every rank attended only to its own sequence shard: local attention, context parallelism silently off",
+            _local_only(query, key, value, **common),
+        )
+    ]
     e = u_size // math.gcd(heads_kv, u_size) if strategy != "ring" else 1
     if e > 1:
         g = heads // heads_kv
         g_rep = heads // (heads_kv * e)
-        found.append((
-            f"key/value heads replicated in the wrong order for the Ulysses degree {u_size}: each head copied {e} times as a "
-            f"block (repeat), so query head h read key/value head (h // {g_rep}) % {heads_kv}, not h // {g} "
-            "(repeat_interleave)",
-            replay_head_parallel(query, key, value, kv_order="tile", **common),
-        ))
+        found.append(
+            (
+                f"key/value heads replicated in the wrong order for the Ulysses degree {u_size}: each head copied {e} times as a "
+                f"block (repeat), so query head h read key/value head (h // {g_rep}) % {heads_kv}, not h // {g} "
+                "(repeat_interleave)",
+                replay_head_parallel(query, key, value, kv_order="tile", **common),
+            )
+        )
     if strategy != "ring" and u_size > 1 and (query.shape[2] // (u_size * r_size)) % u_size == 0:
-        found.append((
-            "the sequence-to-heads all-to-all split the sequence dim where it must split heads (heads and sequence "
-            "swapped in the all-to-all)",
-            replay_head_parallel(query, key, value, split="sequence", **common),
-        ))
-    if is_causal and layout == "head_tail" and ((strategy == "hybrid" and r_size > 1) or (strategy == "ulysses" and u_size > 1)):
-        where = "the hybrid's ring dimension ran the contiguous causal plan" if strategy == "hybrid" else \
-            "Ulysses attended the gathered chunks in rank order"
-        found.append((
-            f"{where} on head_tail shards: the head_tail reorder is missing",
-            replay_head_parallel(query, key, value, assumed_layout="contiguous", **common),
-        ))
+        found.append(
+            (
+                "the sequence-to-heads all-to-all split the sequence dim where it must split heads (heads and sequence "
+                "swapped in the all-to-all)",
+                replay_head_parallel(query, key, value, split="sequence", **common),
+            )
+        )
+    if (
+        is_causal
+        and layout == "head_tail"
+        and ((strategy == "hybrid" and r_size > 1) or (strategy == "ulysses" and u_size > 1))
+    ):
+        where = (
+            "the hybrid's ring dimension ran the contiguous causal plan"
+            if strategy == "hybrid"
+            else "Ulysses attended the gathered chunks in rank order"
+        )
+        found.append(
+            (
+                f"{where} on head_tail shards: the head_tail reorder is missing",
+                replay_head_parallel(query, key, value, assumed_layout="contiguous", **common),
+            )
+        )
     return found
 
 
-def diagnose_strategy(query: Tensor, key: Tensor, value: Tensor, observed_out: Tensor, *, strategy: str, layout: str,
-                      mesh_shape: tuple[int, int], is_causal: bool, scale: float | None = None,
-                      tolerance: float | None = None) -> str:
+def diagnose_strategy(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    observed_out: Tensor,
+    *,
+    strategy: str,
+    layout: str,
+    mesh_shape: tuple[int, int],
+    is_causal: bool,
+    scale: float | None = None,
+    tolerance: float | None = None,
+) -> str:
     """A paragraph on a failed result of ``strategy``: where it is wrong (rows, head slices,
     mesh ranks) and the replayed bug that reproduces it, if one does.
 
     observed_out: the global output (unsharded with this layout); tolerance: the error above
     which an element counts as wrong (default: 1e-3 of the output's magnitude)."""
     u_size, r_size = _check(strategy, mesh_shape)
-    ref = attention(query.detach().to(torch.float64), key.detach().to(torch.float64),
-                    value.detach().to(torch.float64), is_causal=is_causal, scale=scale).out
+    ref = attention(
+        query.detach().to(torch.float64),
+        key.detach().to(torch.float64),
+        value.detach().to(torch.float64),
+        is_causal=is_causal,
+        scale=scale,
+    ).out
     err = abs_error(observed_out, ref)
     actual = float(err.max())
     tol = tolerance if tolerance is not None else 1e-3 * max(1.0, float(ref.abs().max()))
@@ -316,11 +435,26 @@ def diagnose_strategy(query: Tensor, key: Tensor, value: Tensor, observed_out: T
     if not wrong:
         where = f"no element is off by more than {fmt_err(tol)}"
     else:
-        parts = [f"mesh rank {m} (ulysses {m % u_size}, ring {m // u_size}) on head slices {s}" for m, s in wrong[:6]]
-        where = f"wrong (> {fmt_err(tol)}) at " + "; ".join(parts) + (f"; and {len(wrong) - 6} more ranks" if len(wrong) > 6 else "")
+        parts = [
+            f"mesh rank {m} (ulysses {m % u_size}, ring {m // u_size}) on head slices {s}"
+            for m, s in wrong[:6]
+        ]
+        where = (
+            f"wrong (> {fmt_err(tol)}) at "
+            + "; ".join(parts)
+            + (f"; and {len(wrong) - 6} more ranks" if len(wrong) > 6 else "")
+        )
     scored = []
-    for what, predicted in _hypotheses(query, key, value, strategy=strategy, layout=layout, mesh_shape=mesh_shape,
-                                       is_causal=is_causal, scale=scale):
+    for what, predicted in _hypotheses(
+        query,
+        key,
+        value,
+        strategy=strategy,
+        layout=layout,
+        mesh_shape=mesh_shape,
+        is_causal=is_causal,
+        scale=scale,
+    ):
         if float((predicted - ref).abs().max()) <= tol:
             continue  # this bug would not change the result here: it cannot explain a failure
         scored.append((float(abs_error(observed_out, predicted).max()), what))

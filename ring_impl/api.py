@@ -119,7 +119,9 @@ def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens):
     """A packed (THD) call as the 4-D call with its documents as the mask (ring_impl.packed);
     a problem with the packed arguments is raised on every rank by the call's checks."""
     world = sequence_ranks(call.strategy, call.group)
-    problem = call.problem or (None if world is None else packed_problem(query, key, value, cu_seqlens, world))
+    problem = call.problem or (
+        None if world is None else packed_problem(query, key, value, cu_seqlens, world)
+    )
     if problem is not None or world is None:  # the checks refuse it (or the group) on every rank
         return attend(bound, call.with_(problem=problem), query, key, value)
     q, k, v, mask = packed_views(query, key, value, cu_seqlens, call.mask, call.is_causal, world)
@@ -151,7 +153,9 @@ def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) ->
         raise routed_error(exc, call.routed_from) from None
 
 
-def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Path:
+def ring_path(
+    impl: RingAttention, call: Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> Path:
     """The :class:`ring_impl.ring.Path` (the ring, the halo exchange or the sparse gather) that
     serves ``call`` (an exchange of the ring's: "auto", "ring", "halo", "gather"), after checking
     it on this rank and across the group (InputError on every rank for bad input)."""
@@ -165,39 +169,87 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         # every rank given the same options raises it here.
         raise InputError(f"ring_attention: {call.problem}") from None
     score_mod = as_score_mod(call.score_mod)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, call.scale, call.op, call.is_causal,
-                                                             masked=mask is not None, score_mod=score_mod is not None,
-                                                             value=value)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(
+        query,
+        call.scale,
+        call.op,
+        call.is_causal,
+        masked=mask is not None,
+        score_mod=score_mod is not None,
+        value=value,
+    )
     # call.problem: the options' own (an unknown exchange) or a route's (the SDPA route's
     # attn_mask), raised through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)
-    problem = call.problem or local_problem(
-        query, key, value, is_causal=call.is_causal, scale=call.scale, layout=layout,
-        rotate_method=call.rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks,
-        return_lse=call.return_lse, world_size=world,
-    ) or masking_problem(query, key, mask, sinks, world_size=world) or score_mod_problem(
-        score_mod, query, world_size=world, layout=layout, key=key, op=op_obj, exchange=call.exchange,
-    ) or max_logit_problem(call.return_max_logit, exchange=call.exchange)
+    problem = (
+        call.problem
+        or local_problem(
+            query,
+            key,
+            value,
+            is_causal=call.is_causal,
+            scale=call.scale,
+            layout=layout,
+            rotate_method=call.rotate_method,
+            op=op_obj,
+            op_error=op_error,
+            head_chunks=head_chunks,
+            return_lse=call.return_lse,
+            world_size=world,
+        )
+        or masking_problem(query, key, mask, sinks, world_size=world)
+        or score_mod_problem(
+            score_mod,
+            query,
+            world_size=world,
+            layout=layout,
+            key=key,
+            op=op_obj,
+            exchange=call.exchange,
+        )
+        or max_logit_problem(call.return_max_logit, exchange=call.exchange)
+    )
     max_logit = call.return_max_logit is True
     folded = fold_causal(mask, call.is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
     if problem is None:
         if call.exchange == "gather":
-            problem = gather_refusal(mask, world_size=world, head_chunks=head_chunks, strategy="ring")
+            problem = gather_refusal(
+                mask, world_size=world, head_chunks=head_chunks, strategy="ring"
+            )
             gather = problem is None and world > 1
-        elif call.exchange != "ring" and world > 1 and score_mod is None and not max_logit:  # (the ring's only)
-            where = {"layout": layout, "world_size": world, "seq_q": query.shape[2], "seq_kv": key.shape[2]}
+        elif (
+            call.exchange != "ring" and world > 1 and score_mod is None and not max_logit
+        ):  # (the ring's only)
+            where = {
+                "layout": layout,
+                "world_size": world,
+                "seq_q": query.shape[2],
+                "seq_kv": key.shape[2],
+            }
             reach = halo_reach(folded, **where)
             if reach is None and call.exchange == "halo":
-                problem = (f"exchange='halo' but the halo exchange cannot serve this call: "
-                           f"{halo_refusal(folded, **where)}; pass exchange='auto' to fall back to the ring")
+                problem = (
+                    f"exchange='halo' but the halo exchange cannot serve this call: "
+                    f"{halo_refusal(folded, **where)}; pass exchange='auto' to fall back to the ring"
+                )
     cfg = ahead = None
     if problem is None:
         cfg = RingConfig(
-            group=RingGroup.of(pg, query.device), is_causal=bool(call.is_causal), scale=effective_scale,
-            layout=layout, rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, mask=folded,
-            mask_dims=(query.shape[0], query.shape[1]), plan_memo={}, verdicts={}, score_mod=score_mod, max_logit=max_logit,
+            group=RingGroup.of(pg, query.device),
+            is_causal=bool(call.is_causal),
+            scale=effective_scale,
+            layout=layout,
+            rotate_method=call.rotate_method,
+            op=op_obj,
+            head_chunks=head_chunks,
+            mask=folded,
+            mask_dims=(query.shape[0], query.shape[1]),
+            plan_memo={},
+            verdicts={},
+            score_mod=score_mod,
+            max_logit=max_logit,
         )
 
         def make_ahead() -> None:
@@ -209,14 +261,32 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
         problem = plan_ahead(make_ahead, folded)
     if world > 1 and not torch.compiler.is_compiling():
         agree_across_ranks(
-            problem, query, key, is_causal=call.is_causal, scale=effective_scale, layout=layout,
-            rotate_method=call.rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=call.return_lse,
-            return_max_logit=max_logit if problem is None else False, group=pg, value=value, device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-            mask_code=_path_code(mask_code(mask, sinks, (query.shape[0], query.shape[1], query.shape[2] * world,
-                                                         key.shape[2] * world), query.device,
-                                           score_mod=score_mod),
-                                 "gather" if gather else "halo" if reach is not None else "ring")
-            if problem is None else 0,
+            problem,
+            query,
+            key,
+            is_causal=call.is_causal,
+            scale=effective_scale,
+            layout=layout,
+            rotate_method=call.rotate_method,
+            op=op_obj,
+            head_chunks=head_chunks,
+            return_lse=call.return_lse,
+            return_max_logit=max_logit if problem is None else False,
+            group=pg,
+            value=value,
+            device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            mask_code=_path_code(
+                mask_code(
+                    mask,
+                    sinks,
+                    (query.shape[0], query.shape[1], query.shape[2] * world, key.shape[2] * world),
+                    query.device,
+                    score_mod=score_mod,
+                ),
+                "gather" if gather else "halo" if reach is not None else "ring",
+            )
+            if problem is None
+            else 0,
         )
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
@@ -224,7 +294,9 @@ def ring_path(impl: RingAttention, call: Call, query: torch.Tensor, key: torch.T
     return ahead if ahead is not None else _path(impl, cfg, query, key, gather, reach, plan=False)
 
 
-def _path(impl: RingAttention, cfg: RingConfig, query, key, gather: bool, reach, *, plan: bool) -> Path:
+def _path(
+    impl: RingAttention, cfg: RingConfig, query, key, gather: bool, reach, *, plan: bool
+) -> Path:
     """The path serving a ring call: the sparse gather (planned when made), the halo exchange or
     the ring; ``plan``: make the halo's or the ring's plan now too (kept in cfg.plan_memo)."""
     if gather:
@@ -401,11 +473,22 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
             carry no graph, and differentiating them again raises on every rank.
         """
         exchange, problem = exchange_of(exchange, strategy, halo, sparse_kv)
-        call = Call(group=group, is_causal=is_causal, scale=scale, op=op, layout=layout, return_lse=return_lse,
-                    return_max_logit=return_max_logit,
-                    rotate_method=get_rotate_method() if rotate_method is None else rotate_method,
-                        head_chunks=head_chunks, mask=mask, sinks=sinks, score_mod=score_mod, exchange=exchange,
-                    problem=problem)
+        call = Call(
+            group=group,
+            is_causal=is_causal,
+            scale=scale,
+            op=op,
+            layout=layout,
+            return_lse=return_lse,
+            return_max_logit=return_max_logit,
+            rotate_method=get_rotate_method() if rotate_method is None else rotate_method,
+            head_chunks=head_chunks,
+            mask=mask,
+            sinks=sinks,
+            score_mod=score_mod,
+            exchange=exchange,
+            problem=problem,
+        )
         if cu_seqlens is not None:
             return _packed(bound, call, query, key, value, cu_seqlens)
         if torch.compiler.is_compiling():  # attend(), inlined: one frame fewer to the kernel

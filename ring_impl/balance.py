@@ -71,28 +71,52 @@ def weighted_masks(masks) -> list[tuple[object, float]]:
     if isinstance(masks, Mask):
         return [(masks, 1.0)]
     if not isinstance(masks, Sequence) or isinstance(masks, (str, bytes)) or not masks:
-        raise ValueError(f"masks must be a Mask, or a non-empty sequence of masks or (mask, weight) pairs; "
-                         f"got {masks!r}")
+        raise ValueError(
+            f"masks must be a Mask, or a non-empty sequence of masks or (mask, weight) pairs; "
+            f"got {masks!r}"
+        )
     pairs = []
     for entry in masks:
         mask, weight = entry if isinstance(entry, tuple) else (entry, 1.0)
         if not isinstance(mask, Mask):
             raise ValueError(f"masks: {mask!r} is not a ring_impl.masks.Mask")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
-            raise ValueError(f"masks: the weight of {mask.describe()} must be a positive number, got {weight!r}")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not 0 < weight < float("inf")
+        ):
+            raise ValueError(
+                f"masks: the weight of {mask.describe()} must be a positive number, got {weight!r}"
+            )
         pairs.append((mask, float(weight)))
     return pairs
 
 
-def rank_work(layout: str, masks, seq_len: int, world_size: int, *, batch: int = 1, heads: int = 1) -> list[float]:
+def rank_work(
+    layout: str, masks, seq_len: int, world_size: int, *, batch: int = 1, heads: int = 1
+) -> list[float]:
     """Per rank, the score entries its ring steps compute under ``masks`` (one mask, or their
     weighted sum: :func:`weighted_masks`), global length ``seq_len``, any registered layout."""
     local = seq_len // world_size
     return [
-        sum(weight * sum(block.work for plan in masked_plan(r, world_size, layout=layout, mask=mask, seq_q=local,
-                                                            seq_kv=local, batch=batch, heads=heads)
-                         for block in plan.blocks)
-            for mask, weight in weighted_masks(masks))
+        sum(
+            weight
+            * sum(
+                block.work
+                for plan in masked_plan(
+                    r,
+                    world_size,
+                    layout=layout,
+                    mask=mask,
+                    seq_q=local,
+                    seq_kv=local,
+                    batch=batch,
+                    heads=heads,
+                )
+                for block in plan.blocks
+            )
+            for mask, weight in weighted_masks(masks)
+        )
         for r in range(world_size)
     ]
 
@@ -103,7 +127,9 @@ def imbalance(work: Sequence[int]) -> float:
     return max(work) * len(work) / total if total else 1.0
 
 
-def work_balanced_layout(name: str, masks, seq_len: int, world_size: int, *, chunks_per_rank: int = 8) -> Layout:
+def work_balanced_layout(
+    name: str, masks, seq_len: int, world_size: int, *, chunks_per_rank: int = 8
+) -> Layout:
     """A layout for sequences of exactly ``seq_len`` over ``world_size`` ranks that balances the
     work of ``masks`` (one mask, or the weighted sum of several: :func:`weighted_masks`); register
     it with :func:`ring_impl.register_layout` on every rank (equal inputs give an equal layout)."""
@@ -112,8 +138,10 @@ def work_balanced_layout(name: str, masks, seq_len: int, world_size: int, *, chu
     pairs = weighted_masks(masks)
     pieces = chunks_per_rank * world_size
     if seq_len % pieces:
-        raise ValueError(f"work_balanced_layout: seq_len {seq_len} is not a multiple of {pieces} "
-                         f"({chunks_per_rank} chunks per rank x {world_size} ranks)")
+        raise ValueError(
+            f"work_balanced_layout: seq_len {seq_len} is not a multiple of {pieces} "
+            f"({chunks_per_rank} chunks per rank x {world_size} ranks)"
+        )
     n = seq_len // pieces
     pos = torch.arange(seq_len)
     weight = [0.0] * pieces
@@ -124,7 +152,10 @@ def work_balanced_layout(name: str, masks, seq_len: int, world_size: int, *, chu
     order = sorted(range(pieces), key=lambda c: (-weight[c], c))
     load, held = [0] * world_size, [[] for _ in range(world_size)]
     for c in order:
-        r = min((r for r in range(world_size) if len(held[r]) < chunks_per_rank), key=lambda r: (load[r], r))
+        r = min(
+            (r for r in range(world_size) if len(held[r]) < chunks_per_rank),
+            key=lambda r: (load[r], r),
+        )
         held[r].append(c)
         load[r] += weight[c]
     assignment = [tuple(sorted(h)) for h in held]
@@ -145,7 +176,9 @@ def document_spans(documents, seq_len: int) -> list[tuple[int, int]]:
         return [(0, seq_len)] if seq_len else []
     ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
     if ids.numel() != seq_len:
-        raise ValueError(f"document ids have {ids.numel()} entries but the sequence has {seq_len} tokens")
+        raise ValueError(
+            f"document ids have {ids.numel()} entries but the sequence has {seq_len} tokens"
+        )
     starts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist()]
     return [(a, b) for a, b in zip(starts, [*starts[1:], seq_len]) if b > a]
 
@@ -153,9 +186,17 @@ def document_spans(documents, seq_len: int) -> list[tuple[int, int]]:
 def _document_ids(documents, seq_len: int):
     from .masks import And, Documents, Mask, Or
 
-    if isinstance(documents, Sequence) and documents and all(
-            isinstance(e, Mask) or (isinstance(e, tuple) and e and isinstance(e[0], Mask)) for e in documents):
-        documents = [m for m, _ in weighted_masks(documents)]  # several masks: their documents must agree
+    if (
+        isinstance(documents, Sequence)
+        and documents
+        and all(
+            isinstance(e, Mask) or (isinstance(e, tuple) and e and isinstance(e[0], Mask))
+            for e in documents
+        )
+    ):
+        documents = [
+            m for m, _ in weighted_masks(documents)
+        ]  # several masks: their documents must agree
     elif not isinstance(documents, Mask):
         return documents
     stack, found = (list(documents) if isinstance(documents, list) else [documents]), []
@@ -165,8 +206,13 @@ def _document_ids(documents, seq_len: int):
             found.append(m)
         elif isinstance(m, (And, Or)):
             stack += [m.b, m.a]
-    if len(found) > 1 and any(not torch.equal(torch.as_tensor(f.doc_ids), torch.as_tensor(found[0].doc_ids)) for f in found):
-        raise ValueError("document_head_tail_layout: the masks hold different document ids; pass the ids to balance")
+    if len(found) > 1 and any(
+        not torch.equal(torch.as_tensor(f.doc_ids), torch.as_tensor(found[0].doc_ids))
+        for f in found
+    ):
+        raise ValueError(
+            "document_head_tail_layout: the masks hold different document ids; pass the ids to balance"
+        )
     return found[0].doc_ids if found else None
 
 
@@ -186,7 +232,9 @@ def document_head_tail_runs(spans: Sequence[tuple[int, int]], world_size: int) -
         for chunk, size in enumerate(sizes):
             if size:
                 runs = held[chunk if chunk < w else 2 * w - 1 - chunk]
-                if runs and runs[-1][1] == start:  # continues the rank's last run (rank 0 across documents)
+                if (
+                    runs and runs[-1][1] == start
+                ):  # continues the rank's last run (rank 0 across documents)
                     runs[-1] = (runs[-1][0], start + size)
                 else:
                     runs.append((start, start + size))
@@ -199,8 +247,10 @@ def document_head_tail_layout(name: str, documents, seq_len: int, world_size: in
     per-position document ids) for sequences of exactly ``seq_len`` over ``world_size`` ranks;
     ``seq_len`` must be a multiple of ``world_size``. Register it on every rank."""
     if world_size < 1 or seq_len % world_size:
-        raise ValueError(f"document_head_tail_layout: seq_len {seq_len} is not a multiple of world_size {world_size}; "
-                         "pad the sequence")
+        raise ValueError(
+            f"document_head_tail_layout: seq_len {seq_len} is not a multiple of world_size {world_size}; "
+            "pad the sequence"
+        )
     per_rank = document_head_tail_runs(document_spans(documents, seq_len), world_size)
 
     def runs(length: int, world: int, rank: int) -> Runs:
@@ -212,8 +262,10 @@ def document_head_tail_layout(name: str, documents, seq_len: int, world_size: in
 
 def _check_built_for(name: str, seq_len: int, world_size: int, length: int, world: int) -> None:
     if (length, world) != (seq_len, world_size):
-        raise ValueError(f"layout {name!r} was balanced for {seq_len} tokens over {world_size} ranks, "
-                         f"not {length} over {world}; build one for this sequence")
+        raise ValueError(
+            f"layout {name!r} was balanced for {seq_len} tokens over {world_size} ranks, "
+            f"not {length} over {world}; build one for this sequence"
+        )
 
 
 def balanced_layout(balancer: str, name: str, mask, seq_len: int, world_size: int) -> Layout:
@@ -226,7 +278,9 @@ def balanced_layout(balancer: str, name: str, mask, seq_len: int, world_size: in
     raise ValueError(f"unknown balancer {balancer!r}; expected one of {BALANCERS}")
 
 
-def register_balanced_layout(balancer: str, mask, seq_len: int, world_size: int) -> tuple[str, list[Runs]]:
+def register_balanced_layout(
+    balancer: str, mask, seq_len: int, world_size: int
+) -> tuple[str, list[Runs]]:
     """Build and register ``balancer``'s layout for ``mask`` (one mask, or several masks of one
     model, weighted: :func:`weighted_masks`; on this process: call it on every rank with equal
     arguments); returns its name, for ``layout=``, and every rank's runs.

@@ -29,8 +29,14 @@ __all__ = ["EXCHANGES", "Call", "exchange_of", "strategy_of"]
 EXCHANGES = ("auto", "ring", "halo", "gather", "ulysses", "hybrid")
 
 #: The strategy each exchange belongs to: the first three exchanges and the gather are the ring's.
-_STRATEGY = {"auto": "ring", "ring": "ring", "halo": "ring", "gather": "ring", "ulysses": "ulysses",
-             "hybrid": "hybrid"}
+_STRATEGY = {
+    "auto": "ring",
+    "ring": "ring",
+    "halo": "ring",
+    "gather": "ring",
+    "ulysses": "ulysses",
+    "hybrid": "hybrid",
+}
 
 
 def strategy_of(exchange) -> str:
@@ -81,7 +87,9 @@ class Call(NamedTuple):
         a compiled call carries as a literal (:func:`ring_impl.compiled_masks.describe_call`; a
         call with a score_mod runs eagerly)."""
         skip = ("group", "mask", "sinks", "score_mod")
-        return {name: value for name, value in zip(self._fields, self, strict=True) if name not in skip}
+        return {
+            name: value for name, value in zip(self._fields, self, strict=True) if name not in skip
+        }
 
     def with_(self, **changes) -> Call:
         return self._replace(**changes)
@@ -93,30 +101,47 @@ def exchange_of(exchange, strategy, halo, sparse_kv) -> tuple[Any, str | None]:
     None when not given. An alias given warns (DeprecationWarning) and maps to its exchange;
     aliases that contradict each other or ``exchange=`` give a problem (raised on every rank by
     the cross-rank check), never a guess. Never raises."""
-    given = {name: value for name, value in (("strategy", strategy), ("halo", halo), ("sparse_kv", sparse_kv))
-             if value is not None}
+    given = {
+        name: value
+        for name, value in (("strategy", strategy), ("halo", halo), ("sparse_kv", sparse_kv))
+        if value is not None
+    }
     if not given:
         return exchange, _unknown(exchange)
     if not torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn: eager calls warn)
         warnings.warn(
-            "ring_attention: " + ", ".join(f"{k}=" for k in given) + " are deprecated; pass exchange= one of "
+            "ring_attention: "
+            + ", ".join(f"{k}=" for k in given)
+            + " are deprecated; pass exchange= one of "
             f"{EXCHANGES} (strategy='ulysses' -> exchange='ulysses', halo=True -> 'halo', halo=False -> "
-            "'ring', sparse_kv=True -> 'gather')", DeprecationWarning, stacklevel=3)
+            "'ring', sparse_kv=True -> 'gather')",
+            DeprecationWarning,
+            stacklevel=3,
+        )
     if halo is not None and not isinstance(halo, bool):
         return exchange, f"halo must be None (automatic), True or False, got {halo!r}"
     if sparse_kv is not None and not isinstance(sparse_kv, bool):
         return exchange, f"sparse_kv must be True or False, got {sparse_kv!r}"
     if strategy is not None and strategy not in ("ring", "ulysses", "hybrid"):
-        return exchange, f"unknown strategy {strategy!r}; expected one of ('ring', 'ulysses', 'hybrid')"
+        return (
+            exchange,
+            f"unknown strategy {strategy!r}; expected one of ('ring', 'ulysses', 'hybrid')",
+        )
     if strategy in ("ulysses", "hybrid"):
         if halo:
             return exchange, f"halo={halo!r} runs with strategy='ring' only; pass halo=None"
         if sparse_kv:
-            return exchange, f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False"
+            return (
+                exchange,
+                f"sparse_kv={sparse_kv!r} runs with strategy='ring' only; pass sparse_kv=False",
+            )
         implied, fits = strategy, (strategy,)
     elif sparse_kv:
         if halo:
-            return exchange, "halo=True and sparse_kv=True ask for two different exchanges; pass one of them"
+            return (
+                exchange,
+                "halo=True and sparse_kv=True ask for two different exchanges; pass one of them",
+            )
         implied, fits = "gather", ("gather",)
     elif halo is not None:
         implied = "halo" if halo else "ring"
@@ -127,8 +152,11 @@ def exchange_of(exchange, strategy, halo, sparse_kv) -> tuple[Any, str | None]:
         return (implied if exchange == "auto" else exchange), None
     if _unknown(exchange) is not None:
         return exchange, _unknown(exchange)
-    return exchange, (f"exchange={exchange!r} and " + ", ".join(f"{k}={v!r}" for k, v in given.items())
-                      + " ask for different exchanges; pass exchange= alone")
+    return exchange, (
+        f"exchange={exchange!r} and "
+        + ", ".join(f"{k}={v!r}" for k, v in given.items())
+        + " ask for different exchanges; pass exchange= alone"
+    )
 
 
 def _unknown(exchange) -> str | None:

@@ -37,8 +37,9 @@ from .validate import InputError
 __all__ = ["CHECK_LEFT_OUT", "checked_call"]
 
 #: When a compiled call runs without the cross-rank check (each rank still refuses its own bad input).
-CHECK_LEFT_OUT = ("an option that is not a plain literal, inputs that are not tensors, "
-                  "or a single rank")
+CHECK_LEFT_OUT = (
+    "an option that is not a plain literal, inputs that are not tensors, or a single rank"
+)
 
 
 def checked_call(attend, call_path, bound, query, key, value, call: Call):
@@ -58,7 +59,9 @@ def checked_call(attend, call_path, bound, query, key, value, call: Call):
         refused = True
     if refused:
         out_shape, lse_shape = _result_shapes(query, value)
-        out, lse = torch.ops.ring_impl.refuse(query, key, value, call.sinks, description, out_shape, lse_shape)
+        out, lse = torch.ops.ring_impl.refuse(
+            query, key, value, call.sinks, description, out_shape, lse_shape
+        )
         return (out, lse) if call.return_lse else out
     q, k, v = torch.ops.ring_impl.agree(query, key, value, call.sinks, description)
     return attend(bound, call, q, k, v)
@@ -79,8 +82,13 @@ def _run_checks(query, key, value, sinks, call) -> None:
 
 
 @torch.library.custom_op("ring_impl::agree", mutates_args=())
-def _agree(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
-           call: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _agree(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor | None,
+    call: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _run_checks(query, key, value, sinks, call)
     return query.clone(), key.clone(), value.clone()
 
@@ -98,12 +106,20 @@ _agree.register_autograd(_agree_backward)
 
 
 @torch.library.custom_op("ring_impl::refuse", mutates_args=())
-def _refuse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None, call: str,
-            out_shape: list[int], lse_shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _refuse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor | None,
+    call: str,
+    out_shape: list[int],
+    lse_shape: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
     _run_checks(query, key, value, sinks, call)  # raises InputError on every rank
     raise InputError(  # pragma: no cover - the traced checks refused what the same checks accept
         "ring_attention: the compiled call's input was refused while tracing but passes its checks when run; "
-        "please report this with the call's arguments")
+        "please report this with the call's arguments"
+    )
 
 
 @_refuse.register_fake

@@ -125,7 +125,9 @@ def _decode(x):
 def raises_itself(fn) -> bool:
     """Whether ``fn``'s own code (its body and the functions defined in it; not what it calls)
     holds an ``assert`` or a ``raise``: read from the bytecode, the same on every rank."""
-    call = vars(type(fn)).get("__call__")  # a callable object's method (a function has its own code)
+    call = vars(type(fn)).get(
+        "__call__"
+    )  # a callable object's method (a function has its own code)
     code = getattr(fn, "__code__", None) or getattr(call, "__code__", None)
     if code is None:
         return False
@@ -135,7 +137,9 @@ def raises_itself(fn) -> bool:
         if id(c) in seen:
             continue
         seen.add(id(c))
-        if any(i.opname in ("RAISE_VARARGS", "LOAD_ASSERTION_ERROR") for i in dis.get_instructions(c)):
+        if any(
+            i.opname in ("RAISE_VARARGS", "LOAD_ASSERTION_ERROR") for i in dis.get_instructions(c)
+        ):
             return True
         pending += [k for k in c.co_consts if isinstance(k, types.CodeType)]
     return False
@@ -183,8 +187,10 @@ def _structure(mask, tensors: list, grid: dict) -> str:
         tensors.extend((bits, guard.failed))
         return f"('table', {len(tensors) - 2}, {_literal(grid['seq_kv'])}, {len(tensors) - 1})"
     if kind is And or kind is Or:
-        return (f"('{'and' if kind is And else 'or'}', {_structure(mask.a, tensors, grid)}, "
-                f"{_structure(mask.b, tensors, grid)})")
+        return (
+            f"('{'and' if kind is And else 'or'}', {_structure(mask.a, tensors, grid)}, "
+            f"{_structure(mask.b, tensors, grid)})"
+        )
     raise _NotLiteral(kind.__name__)
 
 
@@ -222,7 +228,9 @@ def _groups(strategy, group) -> tuple[str, int]:
         groups = resolve_strategy_groups(strategy, group)
         if strategy == "ulysses":
             return f"('pg', {_literal(groups.ulysses.group_name)})", groups.ulysses.size()
-        names = f"('mesh', {_literal(groups.ulysses.group_name)}, {_literal(groups.ring.group_name)})"
+        names = (
+            f"('mesh', {_literal(groups.ulysses.group_name)}, {_literal(groups.ring.group_name)})"
+        )
         return names, groups.ulysses.size() * groups.ring.size()
     pg = resolve_group(group)
     return f"('pg', {_literal(pg.group_name)})", pg.size()
@@ -230,9 +238,16 @@ def _groups(strategy, group) -> tuple[str, int]:
 
 def _grid(query, key, world: int) -> dict:
     """The global grid a MaskMod is evaluated on: batch, query heads and global lengths."""
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4):
+    if not (
+        isinstance(query, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and query.dim() == 4
+        and key.dim() == 4
+    ):
         raise _NotLiteral("inputs that are not 4-D tensors")  # the eager call says what is wrong
-    b, h, sq, skv = (operator.index(n) for n in (query.shape[0], query.shape[1], query.shape[2], key.shape[2]))
+    b, h, sq, skv = (
+        operator.index(n) for n in (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    )
     return {"batch": b, "heads": h, "seq_q": sq * world, "seq_kv": skv * world}
 
 
@@ -256,12 +271,21 @@ def describe_call(impl_name: str, query, key, call: Call) -> tuple[str, list, in
     try:
         names, world = _groups(call.strategy, call.group)
         mask = call.mask
-        structure = "None" if mask is None else _structure(
-            mask, tensors, _grid(query, key, world) if _has_mask_mod(mask) else {})
-        fields = [f"'impl': {_literal(impl_name)}", f"'mask': {structure}", f"'group': {names}",
-                  f"'lse_used': {_literal(call.lse_needed)}"]
-        fields += [f"'{name}': {_op_literal(value) if name == 'op' else _literal(value)}"
-                   for name, value in call.options().items()]
+        structure = (
+            "None"
+            if mask is None
+            else _structure(mask, tensors, _grid(query, key, world) if _has_mask_mod(mask) else {})
+        )
+        fields = [
+            f"'impl': {_literal(impl_name)}",
+            f"'mask': {structure}",
+            f"'group': {names}",
+            f"'lse_used': {_literal(call.lse_needed)}",
+        ]
+        fields += [
+            f"'{name}': {_op_literal(value) if name == 'op' else _literal(value)}"
+            for name, value in call.options().items()
+        ]
     except _NotLiteral:
         return None
     return "{" + ", ".join(fields) + "}", tensors, world
@@ -299,7 +323,9 @@ def _op_literal(op) -> str:
     return f"({_literal(_OP_OBJECT)}, {_literal(_op_object_key(op))})"
 
 
-def rebuild_call(description: str, mask_tensors, sinks) -> tuple[Callable, RingAttention, Mapping | None, Call]:
+def rebuild_call(
+    description: str, mask_tensors, sinks
+) -> tuple[Callable, RingAttention, Mapping | None, Call]:
     """What :func:`describe_call` described: ``(call_path, impl, algorithms, call)``, to run as
     ``call_path(impl, algorithms, call, query, key, value)`` (the eager call's checks and path);
     ``sinks``: the call's sink logits (an input of the op, not part of the description)."""
@@ -346,8 +372,14 @@ def _drop(handle: int) -> None:
 
 
 @torch.library.custom_op("ring_impl::masked_ring", mutates_args=())
-def _masked_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
-                 mask_tensors: list[torch.Tensor], call: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _masked_ring(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor | None,
+    mask_tensors: list[torch.Tensor],
+    call: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call_path, impl, algorithms, described = rebuild_call(call, mask_tensors, sinks)
     path = call_path(impl, algorithms, described, query, key, value)
     out, lse, saved, meta = path.forward(query, key, value)
@@ -386,7 +418,10 @@ def _unstash(kept: tuple, graph: tuple) -> tuple:
 
 
 def _aliases(t: torch.Tensor, *others: torch.Tensor) -> bool:
-    return any(o is not None and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others)
+    return any(
+        o is not None and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
+        for o in others
+    )
 
 
 @_masked_ring.register_fake
@@ -397,25 +432,45 @@ def _(query, key, value, sinks, mask_tensors, call):
     ring = strategy_of(c["exchange"]) == "ring"
     lse_shape = query.shape[:3] if ring or c["lse_used"] else (0,)
     # The handle lives on the host whatever the device: the backward reads it without a sync.
-    return (query.new_empty((*query.shape[:3], value.shape[-1])), query.new_empty(lse_shape, dtype=acc),
-            torch.empty((), dtype=torch.int64, device="cpu"))
+    return (
+        query.new_empty((*query.shape[:3], value.shape[-1])),
+        query.new_empty(lse_shape, dtype=acc),
+        torch.empty((), dtype=torch.int64, device="cpu"),
+    )
 
 
 @torch.library.custom_op("ring_impl::masked_ring_backward", mutates_args=())
-def _masked_ring_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor,
-                          key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                          handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _masked_ring_backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    handle: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     entry = _SAVED.get(int(handle))
     if entry is None:
-        raise RuntimeError("ring_impl::masked_ring_backward: the forward's saved state is gone (its graph was freed); "
-                           "pass retain_graph=True to the first backward to run another")
+        raise RuntimeError(
+            "ring_impl::masked_ring_backward: the forward's saved state is gone (its graph was freed); "
+            "pass retain_graph=True to the first backward to run another"
+        )
     path, kept, meta = entry
     saved = _unstash(kept, (query, key, value, out, lse))
-    dq, dk, dv = path.backward(saved, meta, grad_out.contiguous(), None if grad_lse is None else grad_lse.contiguous())
+    dq, dk, dv = path.backward(
+        saved, meta, grad_out.contiguous(), None if grad_lse is None else grad_lse.contiguous()
+    )
     grads: list[torch.Tensor] = []
-    for g in (dq, dk, dv):  # dK and dV are often two halves of one buffer: the op's outputs may not share
+    for g in (
+        dq,
+        dk,
+        dv,
+    ):  # dK and dV are often two halves of one buffer: the op's outputs may not share
         g = g.contiguous()
-        grads.append(g.clone() if _aliases(g, grad_out, grad_lse, query, key, value, out, lse, *grads) else g)
+        grads.append(
+            g.clone() if _aliases(g, grad_out, grad_lse, query, key, value, out, lse, *grads) else g
+        )
     return tuple(grads)
 
 
@@ -436,7 +491,9 @@ def _backward(ctx, grad_out, grad_lse, _grad_handle):
     if grad_out is None:
         grad_out = torch.zeros(out.shape, dtype=query.dtype, device=query.device)
     grad_lse = grad_lse if ctx.lse_used else None
-    dq, dk, dv = torch.ops.ring_impl.masked_ring_backward(grad_out, grad_lse, query, key, value, out, lse, handle)
+    dq, dk, dv = torch.ops.ring_impl.masked_ring_backward(
+        grad_out, grad_lse, query, key, value, out, lse, handle
+    )
     return dq, dk, dv, None, [None] * ctx.n_tensors, None
 
 

@@ -82,7 +82,9 @@ def check_options(*, layout, rotate_method, op, head_chunks, strategy="ring") ->
     positive int; strategy: "ring" or "ulysses".
     """
     if not isinstance(strategy, str) or strategy not in CP_STRATEGIES:
-        return f"unknown strategy {strategy!r}; context parallel routes SDPA to one of {CP_STRATEGIES}"
+        return (
+            f"unknown strategy {strategy!r}; context parallel routes SDPA to one of {CP_STRATEGIES}"
+        )
     try:
         check_layout(layout)
         if rotate_method is not None:
@@ -90,7 +92,9 @@ def check_options(*, layout, rotate_method, op, head_chunks, strategy="ring") ->
         if isinstance(op, str) and op != "auto":
             get_op(op)
         elif op is not None and not isinstance(op, str):
-            resolve_op(op, torch.device("cpu"), torch.float32, 1)  # checks the op object's interface
+            resolve_op(
+                op, torch.device("cpu"), torch.float32, 1
+            )  # checks the op object's interface
     except (TypeError, ValueError) as exc:
         return str(exc)
     return check_head_chunks(head_chunks, None)
@@ -107,7 +111,9 @@ class ShardedBuffers:
         self.group, self.layout = group, layout
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.problem: str | None = None
-        self.entries: list[tuple[torch.Tensor, int, bool]] = []  # (buffer, seq dim, restore on exit)
+        self.entries: list[
+            tuple[torch.Tensor, int, bool]
+        ] = []  # (buffer, seq dim, restore on exit)
         self.originals: list[torch.Tensor | None] = []
         self.entry_grads: list[torch.Tensor | None] = []
         try:
@@ -115,10 +121,14 @@ class ShardedBuffers:
         except ContextParallelError as exc:
             self.problem = str(exc)
 
-    def _distinct(self, buffers: list, dims: list, keep: list) -> list[tuple[torch.Tensor, int, bool]]:
+    def _distinct(
+        self, buffers: list, dims: list, keep: list
+    ) -> list[tuple[torch.Tensor, int, bool]]:
         """One entry per distinct buffer; raises ContextParallelError for bad buffers."""
         if len(buffers) != len(dims):
-            raise ContextParallelError(f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one sequence dim per buffer")
+            raise ContextParallelError(
+                f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one sequence dim per buffer"
+            )
         divisor = layout_divisor(self.layout, self.world)
         entries: list[tuple[torch.Tensor, int, bool]] = []
         for i, (b, d) in enumerate(zip(buffers, dims)):
@@ -127,7 +137,9 @@ class ShardedBuffers:
             if isinstance(d, bool) or not isinstance(d, int):
                 raise ContextParallelError(f"buffer_seq_dims[{i}] must be an int, got {d!r}")
             if not -b.dim() <= d < b.dim():
-                raise ContextParallelError(f"buffer_seq_dims[{i}]={d} is out of range for a {b.dim()}-D buffer")
+                raise ContextParallelError(
+                    f"buffer_seq_dims[{i}]={d} is out of range for a {b.dim()}-D buffer"
+                )
             d %= b.dim()
             earlier = self._listed_before(entries, b)
             if earlier is not None:
@@ -150,11 +162,15 @@ class ShardedBuffers:
             entries.append((b, d, all(k is not b for k in keep)))
         for k in keep:
             if all(k is not b for b in buffers):
-                raise ContextParallelError("every tensor in no_restore_buffers must also be in buffers")
+                raise ContextParallelError(
+                    "every tensor in no_restore_buffers must also be in buffers"
+                )
         return entries
 
     @staticmethod
-    def _listed_before(entries: list[tuple[torch.Tensor, int, bool]], b: torch.Tensor) -> tuple | None:
+    def _listed_before(
+        entries: list[tuple[torch.Tensor, int, bool]], b: torch.Tensor
+    ) -> tuple | None:
         """The entry of ``b`` if it is already listed (the same tensor object), else None."""
         return next((e for e in entries if e[0] is b), None)
 
@@ -205,10 +221,14 @@ class ShardedBuffers:
         Every rank issues the same collectives: the ranks first agree on which buffers got a
         gradient on any rank (a rank without one contributes zeros).
         """
-        candidates = [i for i, (b, _, restore) in enumerate(self.entries) if restore and self._tracks_grad(b)]
+        candidates = [
+            i for i, (b, _, restore) in enumerate(self.entries) if restore and self._tracks_grad(b)
+        ]
         if not candidates:
             return
-        have = torch.tensor([int(shard_grads[i] is not None) for i in candidates], dtype=torch.int64)
+        have = torch.tensor(
+            [int(shard_grads[i] is not None) for i in candidates], dtype=torch.int64
+        )
         device = self.entries[candidates[0]][0].device
         if self.world > 1:
             have = have.to(_collective_device(self.group, device))
@@ -219,8 +239,11 @@ class ShardedBuffers:
             b, d, _ = self.entries[i]
             local = shard_grads[i]
             if local is None:
-                local = torch.zeros(shard(b.detach(), self.world, self.rank, layout=self.layout, dim=d).shape,
-                                    dtype=b.dtype, device=b.device)
+                local = torch.zeros(
+                    shard(b.detach(), self.world, self.rank, layout=self.layout, dim=d).shape,
+                    dtype=b.dtype,
+                    device=b.device,
+                )
             full = local if self.world == 1 else _gather_global(local, d, self.group, self.layout)
             b.grad = full if b.grad is None else b.grad + full
 
@@ -230,7 +253,9 @@ def _collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.
     return torch.device("cpu") if str(dist.get_backend(group)).lower() == "gloo" else device
 
 
-def _gather_global(local: torch.Tensor, dim: int, group: dist.ProcessGroup, layout: str) -> torch.Tensor:
+def _gather_global(
+    local: torch.Tensor, dim: int, group: dist.ProcessGroup, layout: str
+) -> torch.Tensor:
     """The global tensor from every rank's ``local`` shard (no autograd)."""
     world = dist.get_world_size(group)
     staged = local.detach().movedim(dim, 0).contiguous()
@@ -308,20 +333,44 @@ def context_parallel(
         arguments on any rank.
     """
     return sharded_and_routed(
-        ShardedBuffers, routing, mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims,
-        no_restore_buffers=no_restore_buffers, layout=layout, rotate_method=rotate_method, op=op,
-        head_chunks=head_chunks, strategy=strategy,
+        ShardedBuffers,
+        routing,
+        mesh,
+        buffers=buffers,
+        buffer_seq_dims=buffer_seq_dims,
+        no_restore_buffers=no_restore_buffers,
+        layout=layout,
+        rotate_method=rotate_method,
+        op=op,
+        head_chunks=head_chunks,
+        strategy=strategy,
     )
 
 
 @contextlib.contextmanager
-def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffers, buffer_seq_dims,
-                       no_restore_buffers, layout, rotate_method, op, head_chunks,
-                       strategy: str = "ring") -> Iterator[None]:
+def sharded_and_routed(
+    sharding: type[ShardedBuffers],
+    route_ctx,
+    mesh,
+    *,
+    buffers,
+    buffer_seq_dims,
+    no_restore_buffers,
+    layout,
+    rotate_method,
+    op,
+    head_chunks,
+    strategy: str = "ring",
+) -> Iterator[None]:
     """``context_parallel`` with its two parts given: the buffer handling and the routing."""
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
-    problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks,
-                            strategy=strategy)
+    problem = check_options(
+        layout=layout,
+        rotate_method=rotate_method,
+        op=op,
+        head_chunks=head_chunks,
+        strategy=strategy,
+    )
     # The ranks agree over a group that depends on the mesh alone, not on the options they may
     # disagree on: a rank with a bad option still joins the all-reduce the others wait in.
     agree_group = agreement_group(mesh)
@@ -338,7 +387,9 @@ def sharded_and_routed(sharding: type[ShardedBuffers], route_ctx, mesh, *, buffe
     assert sharded is not None
     try:
         sharded.shard()
-        with route_ctx(Route(group, layout, rotate_method, op, head_chunks, strategy, mesh=route_mesh)):
+        with route_ctx(
+            Route(group, layout, rotate_method, op, head_chunks, strategy, mesh=route_mesh)
+        ):
             yield
     except BaseException:
         sharded.restore(normal_exit=False)
@@ -378,19 +429,27 @@ def cp_sharding(mesh, layout: str, strategy: str):
 
 
 def context_parallel_unshard(
-    mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], *, layout: str | None = None,
+    mesh,
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    *,
+    layout: str | None = None,
     strategy: str = "ring",
 ) -> list[torch.Tensor]:
     """Global tensors from the local shards (differentiable: gradients go back to the shards)."""
     import torch.distributed._functional_collectives as funcol
 
     # all_gather_single_autograd is the newer name (torch >= 2.10); the older one warns there.
-    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    gather = (
+        getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    )
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
     check_layout(layout)
     group, layout, _ = cp_sharding(mesh, layout, strategy)
     if len(buffers) != len(seq_dims):
-        raise ValueError(f"context_parallel_unshard: {len(buffers)} buffers but {len(seq_dims)} seq_dims")
+        raise ValueError(
+            f"context_parallel_unshard: {len(buffers)} buffers but {len(seq_dims)} seq_dims"
+        )
     world = dist.get_world_size(group)
     divisor = layout_divisor(layout, world)
     # gloo's functional collectives do not take CUDA tensors (the process dies): gather host copies,

@@ -47,14 +47,24 @@ def join_head_chunks(rec: StepRecorder, start: int, chunks: int) -> None:
     tail = rec.records[start:]
     per_chunk = len(tail) // chunks
     if per_chunk * chunks != len(tail):
-        raise RuntimeError(f"join_head_chunks: {len(tail)} records do not split into {chunks} equal chunks")
+        raise RuntimeError(
+            f"join_head_chunks: {len(tail)} records do not split into {chunks} equal chunks"
+        )
     groups = [tail[i * per_chunk : (i + 1) * per_chunk] for i in range(chunks)]
     joined = []
     for parts in zip(*groups):
         first = parts[0]
-        assert all((p["rank"], p["step"], p["q_rows"]) == (first["rank"], first["step"], first["q_rows"]) for p in parts)
-        joined.append({**first, "out": torch.cat([p["out"] for p in parts], dim=1),
-                       "lse": torch.cat([p["lse"] for p in parts], dim=1)})
+        assert all(
+            (p["rank"], p["step"], p["q_rows"]) == (first["rank"], first["step"], first["q_rows"])
+            for p in parts
+        )
+        joined.append(
+            {
+                **first,
+                "out": torch.cat([p["out"] for p in parts], dim=1),
+                "lse": torch.cat([p["lse"] for p in parts], dim=1),
+            }
+        )
     rec.records[start:] = joined
 
 

@@ -39,38 +39,66 @@ except ImportError:  # pragma: no cover - torch without flex attention
     _BUILTIN_FLEX = None
 
 
-def flex_problem(query, key, *, score_mod, block_mask, enable_gqa, kernel_options, return_aux, world_size: int) -> str | None:
+def flex_problem(
+    query, key, *, score_mod, block_mask, enable_gqa, kernel_options, return_aux, world_size: int
+) -> str | None:
     """Why a flex-attention call on local shards cannot run as ring attention, or None.
 
     query (batch, heads, seq_local, head_dim), key (batch, heads_kv, seq_kv_local, head_dim)."""
     if score_mod is not None:
-        return ("score_mod is not supported under context parallel's flex route; express "
-                "visibility as the block_mask's mask_mod, and call ring_impl.ring_attention(..., score_mod=fn, "
-                "mask=ring_impl.masks.MaskMod(mask_mod)) on the shards for a score_mod")
+        return (
+            "score_mod is not supported under context parallel's flex route; express "
+            "visibility as the block_mask's mask_mod, and call ring_impl.ring_attention(..., score_mod=fn, "
+            "mask=ring_impl.masks.MaskMod(mask_mod)) on the shards for a score_mod"
+        )
     if kernel_options:
-        return (f"kernel_options {sorted(kernel_options)} tune flex attention's own kernel, which does not run "
-                "under context parallel (the ring runs its kernels); drop them")
+        return (
+            f"kernel_options {sorted(kernel_options)} tune flex attention's own kernel, which does not run "
+            "under context parallel (the ring runs its kernels); drop them"
+        )
     if return_aux is not None and getattr(return_aux, "max_scores", False):
-        return "return_aux with max_scores is not supported under context parallel (only the LSE is)"
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4):
+        return (
+            "return_aux with max_scores is not supported under context parallel (only the LSE is)"
+        )
+    if not (
+        isinstance(query, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and query.dim() == 4
+        and key.dim() == 4
+    ):
         return None  # the ring's input checks report shape problems
     if query.shape[1] != key.shape[1] and not enable_gqa:
-        return (f"query has {query.shape[1]} heads but key/value have {key.shape[1]}; pass enable_gqa=True "
-                "for grouped-query attention")
+        return (
+            f"query has {query.shape[1]} heads but key/value have {key.shape[1]}; pass enable_gqa=True "
+            "for grouped-query attention"
+        )
     if block_mask is not None:
         want = (query.shape[2] * world_size, key.shape[2] * world_size)
         got = tuple(int(n) for n in getattr(block_mask, "seq_lengths", ()))
         if got != want:
-            return (f"block_mask was built for (query, key) lengths {got}, but the global sequence is {want} "
-                    f"({world_size} ranks x local lengths): build it on the global sequence, "
-                    f"create_block_mask(mask_mod, B, H, {want[0]}, {want[1]})")
+            return (
+                f"block_mask was built for (query, key) lengths {got}, but the global sequence is {want} "
+                f"({world_size} ranks x local lengths): build it on the global sequence, "
+                f"create_block_mask(mask_mod, B, H, {want[0]}, {want[1]})"
+            )
         if getattr(block_mask, "mask_mod", None) is None:
             return "block_mask has no mask_mod: build it with create_block_mask(mask_mod, ...)"
     return None
 
 
-def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                   return_lse=False, kernel_options=None, *, return_aux=None):
+def flex_attention(
+    query,
+    key,
+    value,
+    score_mod=None,
+    block_mask=None,
+    scale=None,
+    enable_gqa=False,
+    return_lse=False,
+    kernel_options=None,
+    *,
+    return_aux=None,
+):
     """``torch.nn.attention.flex_attention.flex_attention``; ring attention while a route is active.
 
     query (batch, heads, seq_local, head_dim), key/value (batch, heads_kv, seq_local, head_dim),
@@ -81,25 +109,54 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     route = _active_route()
     if route is None:
         if _BUILTIN_FLEX is None:
-            raise RuntimeError("flex_attention needs torch.nn.attention.flex_attention (torch >= 2.5)")
+            raise RuntimeError(
+                "flex_attention needs torch.nn.attention.flex_attention (torch >= 2.5)"
+            )
         kwargs = {} if return_aux is None else {"return_aux": return_aux}
         if return_lse:
             kwargs["return_lse"] = True
-        return _BUILTIN_FLEX(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                             enable_gqa=enable_gqa, kernel_options=kernel_options, **kwargs)
+        return _BUILTIN_FLEX(
+            query,
+            key,
+            value,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            kernel_options=kernel_options,
+            **kwargs,
+        )
     world = torch.distributed.get_world_size(route.group)
-    problem = flex_problem(query, key, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
-                           kernel_options=kernel_options, return_aux=return_aux, world_size=world)
+    problem = flex_problem(
+        query,
+        key,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        enable_gqa=enable_gqa,
+        kernel_options=kernel_options,
+        return_aux=return_aux,
+        world_size=world,
+    )
     mask = MaskMod(block_mask.mask_mod) if problem is None and block_mask is not None else None
-    want_lse = bool(return_lse) or (return_aux is not None and bool(getattr(return_aux, "lse", False)))
+    want_lse = bool(return_lse) or (
+        return_aux is not None and bool(getattr(return_aux, "lse", False))
+    )
     op = route.op_for(query, scale, False, value) if isinstance(query, torch.Tensor) else route.op
     # Refusals name the function called, compiled too (routed_from).
-    call = route.call(scale=scale, op=op, mask=mask, return_lse=want_lse, problem=problem,
-                      routed_from="flex_attention")
+    call = route.call(
+        scale=scale,
+        op=op,
+        mask=mask,
+        return_lse=want_lse,
+        problem=problem,
+        routed_from="flex_attention",
+    )
     result = api.attend(api.ring_attention.bound, call, query, key, value)
     if return_aux is not None:
         out, lse = result
-        return out, _flex_module.AuxOutput(lse=lse if getattr(return_aux, "lse", False) else None, max_scores=None)
+        return out, _flex_module.AuxOutput(
+            lse=lse if getattr(return_aux, "lse", False) else None, max_scores=None
+        )
     return result
 
 

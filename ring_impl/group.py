@@ -36,7 +36,9 @@ def resolve_group(group) -> dist.ProcessGroup:
             "process group passed as group= (new_group returns GroupMember.NON_GROUP_MEMBER on the ranks it leaves "
             "out): call ring_attention only on the group's member ranks"
         )
-    raise TypeError(f"group must be None, a ProcessGroup or a 1-D DeviceMesh, not {type(group).__name__}")
+    raise TypeError(
+        f"group must be None, a ProcessGroup or a 1-D DeviceMesh, not {type(group).__name__}"
+    )
 
 
 @dataclass(frozen=True)

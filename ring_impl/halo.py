@@ -58,8 +58,10 @@ def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int)
         if mask is None:
             return "there is no mask: every query sees every shard"
         if layout != "contiguous":
-            return (f"layout {layout!r} holds positions that are not one run per rank; the halo path needs "
-                    "layout='contiguous'")
+            return (
+                f"layout {layout!r} holds positions that are not one run per rank; the halo path needs "
+                "layout='contiguous'"
+            )
         if seq_q != seq_kv:
             return f"local query and key/value lengths differ ({seq_q} and {seq_kv}); the halo path needs them equal"
         left, right = mask.reach()
@@ -69,16 +71,23 @@ def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int)
             if isinstance(n, bool) or not isinstance(n, int):
                 return f"mask {mask.describe()}: reach() gave {n!r}, not an int"
         if max(left, right) > seq_kv:
-            return (f"mask {mask.describe()} reaches {left} keys back and {right} forward, more than a shard "
-                    f"({seq_kv} tokens): queries need keys beyond the neighbours; the ring serves it")
+            return (
+                f"mask {mask.describe()} reaches {left} keys back and {right} forward, more than a shard "
+                f"({seq_kv} tokens): queries need keys beyond the neighbours; the ring serves it"
+            )
     except Exception as exc:  # a user's Mask whose reach fails is served by the ring
         return f"mask reach could not be read ({type(exc).__name__}: {exc})"
     return None
 
 
-def halo_reach(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int) -> tuple[int, int] | None:
+def halo_reach(
+    mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int
+) -> tuple[int, int] | None:
     """``(left, right)`` rows (clamped at 0) when the halo path can serve the call, else None."""
-    if halo_refusal(mask, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv) is not None:
+    if (
+        halo_refusal(mask, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
+        is not None
+    ):
         return None
     left, right = mask.reach()
     return max(0, left), max(0, right)
@@ -98,12 +107,26 @@ class HaloRows:
 
 def halo_rows(rank: int, world_size: int, left: int, right: int) -> HaloRows:
     first, last = rank == 0, rank == world_size - 1
-    return HaloRows(left=0 if first else left, right=0 if last else right,
-                    to_prev=0 if first else right, to_next=0 if last else left)
+    return HaloRows(
+        left=0 if first else left,
+        right=0 if last else right,
+        to_prev=0 if first else right,
+        to_next=0 if last else left,
+    )
 
 
-def halo_schedule(world_size: int, rank: int, left: int, right: int, *, batch: int, heads_kv: int, head_dim: int,
-                  dtype: torch.dtype, head_dim_v: int | None = None) -> dict[str, dict[str, dict[str, int]]]:
+def halo_schedule(
+    world_size: int,
+    rank: int,
+    left: int,
+    right: int,
+    *,
+    batch: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    head_dim_v: int | None = None,
+) -> dict[str, dict[str, dict[str, int]]]:
     """The collectives of one halo call on ``rank`` (forward and backward), eager.
 
     Forward: the input check's all_reduce; a ``send`` per neighbour that needs this rank's rows
@@ -120,20 +143,30 @@ def halo_schedule(world_size: int, rank: int, left: int, right: int, *, batch: i
         calls = sum(1 for n in rows if n)
         return {"calls": calls, "bytes": row * sum(rows) * itemsize} if calls else None
 
-    out: dict[str, dict[str, dict[str, int]]] = {"forward": {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)}},
-                                                 "backward": {}}
-    for phase, kind, rows, itemsize in (("forward", "send", (h.to_prev, h.to_next), kv),
-                                        ("forward", "recv", (h.left, h.right), kv),
-                                        ("backward", "send", (h.left, h.right), acc),
-                                        ("backward", "recv", (h.to_prev, h.to_next), acc)):
+    out: dict[str, dict[str, dict[str, int]]] = {
+        "forward": {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)}},
+        "backward": {},
+    }
+    for phase, kind, rows, itemsize in (
+        ("forward", "send", (h.to_prev, h.to_next), kv),
+        ("forward", "recv", (h.left, h.right), kv),
+        ("backward", "send", (h.left, h.right), acc),
+        ("backward", "recv", (h.to_prev, h.to_next), acc),
+    ):
         e = entry(rows, itemsize)
         if e is not None:
             out[phase][kind] = e
     return out
 
 
-def _exchange(g, to_prev: torch.Tensor | None, to_next: torch.Tensor | None,
-              from_prev: torch.Size | None, from_next: torch.Size | None, like: torch.Tensor):
+def _exchange(
+    g,
+    to_prev: torch.Tensor | None,
+    to_next: torch.Tensor | None,
+    from_prev: torch.Size | None,
+    from_next: torch.Size | None,
+    like: torch.Tensor,
+):
     """Send ``to_prev`` to rank - 1 and ``to_next`` to rank + 1, receive tensors of the shapes
     ``from_prev`` / ``from_next`` (dtype and device of ``like``); None: nothing that way. One
     batched isend/irecv; returns (received from rank - 1, received from rank + 1)."""
@@ -164,12 +197,16 @@ def _shape(t: torch.Tensor, rows: int) -> torch.Size | None:
     return None if rows == 0 else torch.Size((*t.shape[:-2], rows, t.shape[-1]))
 
 
-def _extended(kv: torch.Tensor, from_prev: torch.Tensor | None, from_next: torch.Tensor | None) -> torch.Tensor:
+def _extended(
+    kv: torch.Tensor, from_prev: torch.Tensor | None, from_next: torch.Tensor | None
+) -> torch.Tensor:
     parts = [p for p in (from_prev, kv, from_next) if p is not None]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
 
 
-def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | None = None) -> tuple[Block, ...]:
+def halo_blocks(
+    cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | None = None
+) -> tuple[Block, ...]:
     """The kernel calls of a halo call: local query rows x [left halo | local | right halo]
     rows, cut as a ring step's (:func:`ring_impl.tiling.split_visibility`: a window's band in
     tiles; for an op that takes row bounds, one ``ranges`` block; none when no query sees
@@ -180,17 +217,34 @@ def halo_blocks(cfg: RingConfig, seq: int, h: HaloRows, device: torch.device | N
     def build() -> tuple[Block, ...]:
         q_pos = torch.arange(r * seq, (r + 1) * seq)
         kv_pos = torch.arange(r * seq - h.left, (r + 1) * seq + h.right)
-        return mask_blocks(cfg.mask, q_pos, kv_pos, 0, r, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1],
-                           head_span=cfg.mask_heads, device=device, ranges=ranges)
+        return mask_blocks(
+            cfg.mask,
+            q_pos,
+            kv_pos,
+            0,
+            r,
+            batch=cfg.mask_dims[0],
+            heads=cfg.mask_dims[1],
+            head_span=cfg.mask_heads,
+            device=device,
+            ranges=ranges,
+        )
 
     key = ("halo", r, seq, h, cfg.mask_dims, cfg.mask_heads, str(device), ranges)
     return cached_by_mask(cfg.mask, key, build, memo=cfg.plan_memo)
 
 
-def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, ext: torch.Tensor,
-                     blocks: tuple[Block, ...], *, finite: bool | None = None,
-                     into: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     result: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def extended_forward(
+    impl: RingAttention,
+    cfg: RingConfig,
+    query: torch.Tensor,
+    ext: torch.Tensor,
+    blocks: tuple[Block, ...],
+    *,
+    finite: bool | None = None,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    result: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``query`` (batch, heads, seq, head_dim) against the packed key/value rows
     ``ext`` (RingAttention.pack_kv's shape, ``rows`` on dim -2) that ``blocks`` index (one kernel call each,
     through the ring's seams); rows no block covers: out 0, LSE -inf. Shared by the paths without
@@ -213,8 +267,11 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
     view = cfg.op.capabilities.row_views
     for block in blocks:
         (q0, q1) = block.q_rows
-        q, k, v = (block_rows(query, block.q_rows, view), block_rows(ext_k, block.kv_rows, view),
-                   block_rows(ext_v, block.kv_rows, view))
+        q, k, v = (
+            block_rows(query, block.q_rows, view),
+            block_rows(ext_k, block.kv_rows, view),
+            block_rows(ext_v, block.kv_rows, view),
+        )
         if finite:
             block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
         else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
@@ -226,10 +283,20 @@ def extended_forward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, 
     return (out.to(query.dtype), lse) if result else (out, lse)
 
 
-def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor, ext: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None,
-                      blocks: tuple[Block, ...], *, finite: bool | None = None,
-                      into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def extended_backward(
+    impl: RingAttention,
+    cfg: RingConfig,
+    query: torch.Tensor,
+    ext: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    blocks: tuple[Block, ...],
+    *,
+    finite: bool | None = None,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, d ext) in the accumulation dtype for :func:`extended_forward`'s call: ``out``/``lse``
     as it returned them, ``grad_lse`` the LSE's gradient or None. ``finite`` as there (checked
     here when None); ``into``: (dq, d ext) accumulators to add into, instead of new zeros."""
@@ -240,9 +307,16 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
     else:
         dq, dkv = into
     if finite is None:
-        finite = len(blocks) > 0 and impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
+        finite = (
+            len(blocks) > 0
+            and impl.rows_finite(query, out, grad_out, lse, grad_lse)
+            and impl.all_finite(ext)
+        )
     view = cfg.op.capabilities.row_views
-    (ext_k, ext_v), (dext_k, dext_v) = split_kv(ext, query.shape[-1]), split_kv(dkv, query.shape[-1])
+    (ext_k, ext_v), (dext_k, dext_v) = (
+        split_kv(ext, query.shape[-1]),
+        split_kv(dkv, query.shape[-1]),
+    )
     for block in blocks:
         (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
         extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
@@ -251,9 +325,15 @@ def extended_backward(impl: RingAttention, cfg: RingConfig, query: torch.Tensor,
         if finite:
             bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
         else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
-            bq, bk, bv = impl.block_backward(cfg, *finite_parts(do_, q_, k_, v_, o_, l_), block,
-                                             **{n: finite_parts(t)[0] for n, t in extra.items()})
-            bq, bk, bv = impl.nonfinite_backward(bq, bk, bv, q_, k_, v_, o_, l_, do_, block, **extra)
+            bq, bk, bv = impl.block_backward(
+                cfg,
+                *finite_parts(do_, q_, k_, v_, o_, l_),
+                block,
+                **{n: finite_parts(t)[0] for n, t in extra.items()},
+            )
+            bq, bk, bv = impl.nonfinite_backward(
+                bq, bk, bv, q_, k_, v_, o_, l_, do_, block, **extra
+            )
         dq[:, :, q0:q1] += bq
         dext_k[:, :, k0:k1] += bk
         dext_v[:, :, k0:k1] += bv
@@ -275,8 +355,13 @@ class HaloPath:
         h = halo_rows(g.rank, g.world_size, *self.reach)
         kv = impl.pack_kv(key, value)  # rows on dim -2 (ring_impl.ring.split_kv)
         from_prev, from_next = _exchange(
-            g, kv[..., :h.to_prev, :] if h.to_prev else None, kv[..., seq - h.to_next:, :] if h.to_next else None,
-            _shape(kv, h.left), _shape(kv, h.right), kv)
+            g,
+            kv[..., : h.to_prev, :] if h.to_prev else None,
+            kv[..., seq - h.to_next :, :] if h.to_next else None,
+            _shape(kv, h.left),
+            _shape(kv, h.right),
+            kv,
+        )
         ext = _extended(kv, from_prev, from_next)
         del kv
         blocks = halo_blocks(cfg, seq, h, query.device)
@@ -288,16 +373,20 @@ class HaloPath:
         (cfg, impl), (h, blocks) = (self.cfg, self.impl), meta
         seq = query.shape[2]
         ext = _extended(impl.pack_kv(key, value), from_prev, from_next)
-        dq, dkv = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, blocks)  # [left | local | right]
+        dq, dkv = extended_backward(
+            impl, cfg, query, ext, out, lse, grad_out, grad_lse, blocks
+        )  # [left | local | right]
         del ext
         # The halos' dK/dV go home; this rank's rows that its neighbours saw come back.
-        to_prev = dkv[..., :h.left, :] if h.left else None
-        to_next = dkv[..., h.left + seq:, :] if h.right else None
-        back_prev, back_next = _exchange(cfg.group, to_prev, to_next, _shape(dkv, h.to_prev), _shape(dkv, h.to_next), dkv)
-        local = dkv[..., h.left:h.left + seq, :]
+        to_prev = dkv[..., : h.left, :] if h.left else None
+        to_next = dkv[..., h.left + seq :, :] if h.right else None
+        back_prev, back_next = _exchange(
+            cfg.group, to_prev, to_next, _shape(dkv, h.to_prev), _shape(dkv, h.to_next), dkv
+        )
+        local = dkv[..., h.left : h.left + seq, :]
         if back_prev is not None:
-            local[..., :h.to_prev, :] += back_prev
+            local[..., : h.to_prev, :] += back_prev
         if back_next is not None:
-            local[..., seq - h.to_next:, :] += back_next
+            local[..., seq - h.to_next :, :] += back_next
         dk, dv = split_kv(local, key.shape[-1])
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

@@ -100,8 +100,9 @@ def run_forward(impl, cfg, query: torch.Tensor, key: torch.Tensor, value: torch.
     first_record = len(recorder.records) if recorder is not None else 0
     token: torch.Tensor | None = None
     for hq, hkv in spans:
-        out_c, lse_c, *max_c = impl.forward(_for_heads(cfg, hq), _chunk(query, hq),
-                                            _keys_after(key, hkv, token), _chunk(value, hkv))
+        out_c, lse_c, *max_c = impl.forward(
+            _for_heads(cfg, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv)
+        )
         if out is None or lse is None:
             out = query.new_empty((*query.shape[:3], value.shape[-1]), dtype=out_c.dtype)
             lse = lse_c.new_empty(query.shape[:3])
@@ -135,8 +136,14 @@ def run_backward(impl, cfg, grad_out, query, key, value, out, lse, grad_lse=None
     token: torch.Tensor | None = None
     for hq, hkv in spans:
         dq_c, dk_c, dv_c = impl.backward(
-            _for_heads(cfg, hq), _chunk(grad_out, hq), _chunk(query, hq), _keys_after(key, hkv, token), _chunk(value, hkv),
-            _chunk(out, hq), _chunk(lse, hq), **lse_grad(hq),
+            _for_heads(cfg, hq),
+            _chunk(grad_out, hq),
+            _chunk(query, hq),
+            _keys_after(key, hkv, token),
+            _chunk(value, hkv),
+            _chunk(out, hq),
+            _chunk(lse, hq),
+            **lse_grad(hq),
         )
         dq[:, hq], dk[:, hkv], dv[:, hkv] = dq_c, dk_c, dv_c
         token = dv_c  # the chunk's last result: its dK/dV came home with its ring's last hop

@@ -46,7 +46,14 @@ from .plan import Block, cached_by_mask, visibility_blocks
 from .ring import RingAttention, RingConfig, split_kv
 from .validate import exchange_nbytes
 
-__all__ = ["GatherPath", "GatherPlan", "gather_path", "gather_plan", "gather_refusal", "gather_schedule"]
+__all__ = [
+    "GatherPath",
+    "GatherPlan",
+    "gather_path",
+    "gather_plan",
+    "gather_refusal",
+    "gather_schedule",
+]
 
 
 def gather_refusal(mask, *, world_size: int, head_chunks: int, strategy: str) -> str | None:
@@ -87,10 +94,14 @@ class GatherPlan:
 
 
 def _positions(layout: str, length: int, world_size: int, rank: int) -> torch.Tensor:
-    return torch.cat([torch.arange(a, b) for a, b in layout_runs(layout, length * world_size, world_size, rank)])
+    return torch.cat(
+        [torch.arange(a, b) for a, b in layout_runs(layout, length * world_size, world_size, rank)]
+    )
 
 
-def _seen_rows(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+def _seen_rows(
+    mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int
+) -> torch.Tensor:
     """Local indices (ascending) of the keys at ``kv_pos`` that some query at ``q_pos`` sees,
     for some batch entry and head."""
     from .masks import visibility
@@ -99,8 +110,18 @@ def _seen_rows(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, head
     return vis.any(-2).flatten(0, 1).any(0).nonzero().flatten()
 
 
-def gather_plan(mask, *, rank: int, world_size: int, layout: str, seq_q: int, seq_kv: int, batch: int, heads: int,
-                device: torch.device | None = None) -> GatherPlan:
+def gather_plan(
+    mask,
+    *,
+    rank: int,
+    world_size: int,
+    layout: str,
+    seq_q: int,
+    seq_kv: int,
+    batch: int,
+    heads: int,
+    device: torch.device | None = None,
+) -> GatherPlan:
     """The :class:`GatherPlan` of ``rank`` (``seq_q``/``seq_kv``: local lengths). Costs ``2W - 1``
     mask evaluations of a shard against a shard; cached by mask digest as the ring's plans are."""
     device = torch.device(device or "cpu")
@@ -111,10 +132,14 @@ def gather_plan(mask, *, rank: int, world_size: int, layout: str, seq_q: int, se
         q_pos = [_positions(layout, seq_q, world_size, r) for r in range(world_size)]
         kv_pos = [_positions(layout, seq_kv, world_size, r) for r in range(world_size)]
         empty = torch.zeros(0, dtype=torch.int64)
-        send = tuple(empty if t == rank else _seen_rows(mask, q_pos[t], kv_pos[rank], batch, heads)
-                     for t in range(world_size))
-        recv = tuple(empty if s == rank else _seen_rows(mask, q_pos[rank], kv_pos[s], batch, heads)
-                     for s in range(world_size))
+        send = tuple(
+            empty if t == rank else _seen_rows(mask, q_pos[t], kv_pos[rank], batch, heads)
+            for t in range(world_size)
+        )
+        recv = tuple(
+            empty if s == rank else _seen_rows(mask, q_pos[rank], kv_pos[s], batch, heads)
+            for s in range(world_size)
+        )
         ext_pos = torch.cat([kv_pos[rank]] + [kv_pos[s][recv[s]] for s in range(world_size)])
         order = torch.argsort(ext_pos, stable=True)  # extended row -> its [own | received] row
         vis = visibility(mask, q_pos[rank], ext_pos[order], batch=batch, heads=heads)
@@ -122,19 +147,46 @@ def gather_plan(mask, *, rank: int, world_size: int, layout: str, seq_q: int, se
         own_row = order < seq_kv  # extended row -> whether it is one of this rank's own
         own, remote = [], []
         for b in visibility_blocks(vis, 0, rank, device):
-            (own if bool(own_row[b.kv_rows[0]:b.kv_rows[1]].all()) else remote).append(b)
-        return GatherPlan(send_rows=tuple(t.to(device) for t in send), send_index=torch.cat(send).to(device),
-                          recv_counts=tuple(int(t.numel()) for t in recv), blocks=(*own, *remote),
-                          own_blocks=len(own), own_at=at[:seq_kv].to(device), received_at=at[seq_kv:].to(device))
+            (own if bool(own_row[b.kv_rows[0] : b.kv_rows[1]].all()) else remote).append(b)
+        return GatherPlan(
+            send_rows=tuple(t.to(device) for t in send),
+            send_index=torch.cat(send).to(device),
+            recv_counts=tuple(int(t.numel()) for t in recv),
+            blocks=(*own, *remote),
+            own_blocks=len(own),
+            own_at=at[:seq_kv].to(device),
+            received_at=at[seq_kv:].to(device),
+        )
 
     # The layouts' runs, not only its name: a layout registered again under the same name is replanned.
-    key = ("gather", rank, world_size, layout, seq_q, seq_kv, batch, heads, str(device),
-           *(tuple(layout_runs(layout, n * world_size, world_size, r) for r in range(world_size)) for n in (seq_q, seq_kv)))
+    key = (
+        "gather",
+        rank,
+        world_size,
+        layout,
+        seq_q,
+        seq_kv,
+        batch,
+        heads,
+        str(device),
+        *(
+            tuple(layout_runs(layout, n * world_size, world_size, r) for r in range(world_size))
+            for n in (seq_q, seq_kv)
+        ),
+    )
     return cached_by_mask(mask, key, build)
 
 
-def gather_schedule(plan: GatherPlan, *, world_size: int, batch: int, heads_kv: int, head_dim: int,
-                    dtype: torch.dtype, head_dim_v: int | None = None) -> dict[str, dict[str, dict[str, int]]]:
+def gather_schedule(
+    plan: GatherPlan,
+    *,
+    world_size: int,
+    batch: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    head_dim_v: int | None = None,
+) -> dict[str, dict[str, dict[str, int]]]:
     """The collectives of one sparse-gather call on the rank ``plan`` is for, eager: forward,
     the input check's all_reduce and one all_to_all whose input is the rows sent (packed key and
     value, input dtype); backward, one all_to_all whose input is the received rows' dK/dV
@@ -142,9 +194,13 @@ def gather_schedule(plan: GatherPlan, *, world_size: int, batch: int, heads_kv: 
     row = batch * heads_kv * (head_dim + (head_dim if head_dim_v is None else head_dim_v))
     sent, received = sum(plan.send_counts), sum(plan.recv_counts)
     return {
-        "forward": {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)},
-                    "all_to_all": {"calls": 1, "bytes": sent * row * dtype.itemsize}},
-        "backward": {"all_to_all": {"calls": 1, "bytes": received * row * accumulation_dtype(dtype).itemsize}},
+        "forward": {
+            "all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)},
+            "all_to_all": {"calls": 1, "bytes": sent * row * dtype.itemsize},
+        },
+        "backward": {
+            "all_to_all": {"calls": 1, "bytes": received * row * accumulation_dtype(dtype).itemsize}
+        },
     }
 
 
@@ -157,9 +213,17 @@ class _Exchange:
         self._device = send.device
         self._host = g.stage_on_host and self._device.type != "cpu"
         self._send = (send.cpu() if self._host else send).contiguous()
-        self._out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self._send.device)
-        self._work = dist.all_to_all_single(self._out, self._send, output_split_sizes=list(recv_counts),
-                                            input_split_sizes=list(send_counts), group=g.pg, async_op=True)
+        self._out = torch.empty(
+            (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self._send.device
+        )
+        self._work = dist.all_to_all_single(
+            self._out,
+            self._send,
+            output_split_sizes=list(recv_counts),
+            input_split_sizes=list(send_counts),
+            group=g.pg,
+            async_op=True,
+        )
 
     def result(self) -> torch.Tensor:
         self._work.wait()
@@ -195,7 +259,7 @@ class GatherPath:
         ext = kv.new_empty((*kv.shape[:-2], n_ext, kv.shape[-1]))
         ext.index_copy_(ext.dim() - 2, plan.own_at, kv)
         del kv
-        own, remote = plan.blocks[:plan.own_blocks], plan.blocks[plan.own_blocks:]
+        own, remote = plan.blocks[: plan.own_blocks], plan.blocks[plan.own_blocks :]
         finite = impl.all_finite(query, key, value)
         out, lse = extended_forward(impl, cfg, query, ext, own, finite=finite, result=False)
         received = exchange.result()  # rows first (_rows_first)
@@ -210,16 +274,19 @@ class GatherPath:
         query, out, lse, ext = saved
         cfg, impl, plan = self.cfg, self.impl, self.plan
         dk_dtype, dv_dtype, head_dim = meta
-        own, remote = plan.blocks[:plan.own_blocks], plan.blocks[plan.own_blocks:]
+        own, remote = plan.blocks[: plan.own_blocks], plan.blocks[plan.own_blocks :]
         finite = impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
         # The blocks on received rows first: their dK/dV go home while the own blocks compute.
-        dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite)
+        dq, dext = extended_backward(
+            impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite
+        )
         rows = dext.dim() - 2
         d_received = _rows_first(dext.index_select(rows, plan.received_at))
         exchange = _Exchange(cfg.group, d_received, plan.recv_counts, plan.send_counts)
         del d_received
-        dq, dext = extended_backward(impl, cfg, query, ext, out, lse, grad_out, grad_lse, own, finite=finite,
-                                       into=(dq, dext))
+        dq, dext = extended_backward(
+            impl, cfg, query, ext, out, lse, grad_out, grad_lse, own, finite=finite, into=(dq, dext)
+        )
         del ext
         dkv = dext.index_select(rows, plan.own_at)  # pack_kv's shape, seq_kv rows
         del dext
@@ -233,6 +300,15 @@ class GatherPath:
 def gather_path(query, key, cfg: RingConfig, impl: RingAttention) -> GatherPath:
     """The sparse gather's :class:`GatherPath` for a validated masked config (its plan for these shapes)."""
     g = cfg.group
-    plan = gather_plan(cfg.mask, rank=g.rank, world_size=g.world_size, layout=cfg.layout, seq_q=query.shape[2],
-                       seq_kv=key.shape[2], batch=cfg.mask_dims[0], heads=cfg.mask_dims[1], device=query.device)
+    plan = gather_plan(
+        cfg.mask,
+        rank=g.rank,
+        world_size=g.world_size,
+        layout=cfg.layout,
+        seq_q=query.shape[2],
+        seq_kv=key.shape[2],
+        batch=cfg.mask_dims[0],
+        heads=cfg.mask_dims[1],
+        device=query.device,
+    )
     return GatherPath(cfg, impl, plan)

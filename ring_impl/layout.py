@@ -68,7 +68,9 @@ class Layout:
     chunks: Callable[[int, int], tuple[int, ...]] | None = None
 
 
-def chunked_layout(name: str, pieces: Callable[[int], int], chunks: Callable[[int, int], tuple[int, ...]]) -> Layout:
+def chunked_layout(
+    name: str, pieces: Callable[[int], int], chunks: Callable[[int, int], tuple[int, ...]]
+) -> Layout:
     """A layout that cuts the sequence into ``pieces(W)`` equal chunks and gives rank ``r`` the
     chunks ``chunks(W, r)`` (in increasing order)."""
 
@@ -85,7 +87,9 @@ _REGISTRY: dict[str, Layout] = {}
 def register_layout(layout: Layout, *, replace: bool = False) -> Layout:
     """Make ``layout`` selectable as ``layout=layout.name`` (register it on every rank)."""
     if layout.name in _REGISTRY and not replace:
-        raise ValueError(f"register_layout: a layout named {layout.name!r} is already registered; pass replace=True")
+        raise ValueError(
+            f"register_layout: a layout named {layout.name!r} is already registered; pass replace=True"
+        )
     _REGISTRY[layout.name] = layout
     for cached in (layout_runs, _rank_runs, _check_cover):
         cached.cache_clear()
@@ -145,10 +149,14 @@ def _rank_runs(layout: str, seq_len: int, world_size: int, rank: int) -> Runs:
     runs = tuple((int(a), int(b)) for a, b in lay.runs(seq_len, world_size, rank) if b > a)
     held = sum(b - a for a, b in runs)
     if held != seq_len // world_size:
-        raise ValueError(f"layout {layout!r} gives rank {rank} {held} positions of {seq_len}; every rank holds {seq_len // world_size}")
+        raise ValueError(
+            f"layout {layout!r} gives rank {rank} {held} positions of {seq_len}; every rank holds {seq_len // world_size}"
+        )
     for (_, stop), (start, _) in pairwise(runs):
         if start < stop:
-            raise ValueError(f"layout {layout!r}: rank {rank}'s positions do not increase along its local order ({runs})")
+            raise ValueError(
+                f"layout {layout!r}: rank {rank}'s positions do not increase along its local order ({runs})"
+            )
     return runs
 
 
@@ -156,9 +164,13 @@ def _rank_runs(layout: str, seq_len: int, world_size: int, rank: int) -> Runs:
 def _check_cover(layout: str, seq_len: int, world_size: int) -> None:
     """Every position in ``[0, seq_len)`` held by exactly one rank."""
     end = 0
-    for a, b in sorted(run for r in range(world_size) for run in _rank_runs(layout, seq_len, world_size, r)):
+    for a, b in sorted(
+        run for r in range(world_size) for run in _rank_runs(layout, seq_len, world_size, r)
+    ):
         if a != end:
-            raise ValueError(f"layout {layout!r}: position {min(a, end)} of {seq_len} is held by no rank or by two")
+            raise ValueError(
+                f"layout {layout!r}: position {min(a, end)} of {seq_len} is held by no rank or by two"
+            )
         end = b
     if end != seq_len:
         raise ValueError(f"layout {layout!r}: positions {end}..{seq_len - 1} are held by no rank")
@@ -166,25 +178,37 @@ def _check_cover(layout: str, seq_len: int, world_size: int) -> None:
 
 def permutation(layout: str, seq_len: int, world_size: int) -> torch.Tensor:
     """(seq_len,) int64: the global position of each element of ``cat(shards)`` (rank 0 first)."""
-    return torch.cat([
-        torch.arange(a, b) for r in range(world_size) for a, b in layout_runs(layout, seq_len, world_size, r)
-    ])
+    return torch.cat(
+        [
+            torch.arange(a, b)
+            for r in range(world_size)
+            for a, b in layout_runs(layout, seq_len, world_size, r)
+        ]
+    )
 
 
 def _check_world(world_size, rank: int | None, what: str) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{what}: world_size must be an int >= 1, got {world_size!r}")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
-        raise ValueError(f"{what}: rank must be an int in [0, {world_size}) for world_size {world_size}, got {rank!r}")
+    if rank is not None and (
+        isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size
+    ):
+        raise ValueError(
+            f"{what}: rank must be an int in [0, {world_size}) for world_size {world_size}, got {rank!r}"
+        )
 
 
 def _check_dim(tensor: torch.Tensor, dim: int, what: str) -> int:
     if not -tensor.dim() <= dim < tensor.dim():
-        raise ValueError(f"{what}: dim {dim} is out of range for a {tensor.dim()}-D tensor of shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{what}: dim {dim} is out of range for a {tensor.dim()}-D tensor of shape {tuple(tensor.shape)}"
+        )
     return dim % tensor.dim()
 
 
-def shard(tensor: torch.Tensor, world_size: int, rank: int, *, layout: str = "contiguous", dim: int = 2) -> torch.Tensor:
+def shard(
+    tensor: torch.Tensor, world_size: int, rank: int, *, layout: str = "contiguous", dim: int = 2
+) -> torch.Tensor:
     """This rank's shard of a global tensor, sequence on ``dim``; a contiguous copy.
 
     (batch, heads, S, head_dim) -> (batch, heads, S / W, head_dim) for the default ``dim=2``.
@@ -202,7 +226,12 @@ def shard(tensor: torch.Tensor, world_size: int, rank: int, *, layout: str = "co
     return torch.cat(parts, dim=dim).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
 
-def unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], *, layout: str = "contiguous", dim: int = 2) -> torch.Tensor:
+def unshard(
+    shards: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    *,
+    layout: str = "contiguous",
+    dim: int = 2,
+) -> torch.Tensor:
     """The global tensor from every rank's shard (``shards[r]`` from rank ``r``); differentiable.
 
     Every shard must have the same shape (every layout gives every rank the same length) and a
@@ -224,7 +253,9 @@ def unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], *, layout: st
     try:
         per_rank = [layout_runs(layout, seq_len, world_size, r) for r in range(world_size)]
     except ValueError as exc:
-        raise ValueError(f"unshard: {world_size} shards of length {shapes[0][dim]} on dim {dim}: {exc}") from None
+        raise ValueError(
+            f"unshard: {world_size} shards of length {shapes[0][dim]} on dim {dim}: {exc}"
+        ) from None
     pieces: list[tuple[int, torch.Tensor]] = []
     for s, runs in zip(shards, per_rank):
         offset = 0

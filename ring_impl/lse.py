@@ -13,7 +13,9 @@ import torch
 __all__ = ["normalize_lse"]
 
 
-def normalize_lse(lse: torch.Tensor, *, batch: int, heads: int, seq_q: int, layout: str, op_name: str = "op") -> torch.Tensor:
+def normalize_lse(
+    lse: torch.Tensor, *, batch: int, heads: int, seq_q: int, layout: str, op_name: str = "op"
+) -> torch.Tensor:
     """Return the LSE as a contiguous ``(batch, heads, seq_q)`` tensor.
 
     Args:
@@ -27,7 +29,9 @@ def normalize_lse(lse: torch.Tensor, *, batch: int, heads: int, seq_q: int, layo
     elif layout == "bhs1":
         expected = (batch, heads, seq_q, 1)
     else:
-        raise ValueError(f"{op_name}: unknown LSE layout {layout!r}; expected one of bhs, bhs_padded32, bhs1")
+        raise ValueError(
+            f"{op_name}: unknown LSE layout {layout!r}; expected one of bhs, bhs_padded32, bhs1"
+        )
     if tuple(lse.shape) != expected:
         raise RuntimeError(
             f"{op_name} returned LSE of shape {tuple(lse.shape)} but declares layout {layout!r}, "

@@ -38,7 +38,13 @@ from torch.overrides import TorchFunctionMode
 
 from .masks import Mask, visibility
 
-__all__ = ["CHUNK_ENTRIES", "MAX_TABLE_BITS", "EvaluationGuard", "VisibilityTable", "pack_visibility"]
+__all__ = [
+    "CHUNK_ENTRIES",
+    "MAX_TABLE_BITS",
+    "EvaluationGuard",
+    "VisibilityTable",
+    "pack_visibility",
+]
 
 #: the largest table built (bits, batch and head dims included): 2**30 bits is 128 MiB, 32768 x
 #: 32768 positions for a function of the positions alone
@@ -51,8 +57,12 @@ _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, torch.Tensor) and not x.dtype.is_floating_point and not x.dtype.is_complex \
+    return (
+        isinstance(x, torch.Tensor)
+        and not x.dtype.is_floating_point
+        and not x.dtype.is_complex
         and x.dtype != torch.bool
+    )
 
 
 def _in_range(index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +81,18 @@ def _index_width(x) -> int:
 
 #: integer divisions, the divisor second (tuples, not a dict: dynamo guards a dict lookup of a
 #: function key in a way that fails on the frame that made it, torch 2.13)
-_DIVISIONS = (torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.__floordiv__, torch.remainder,
-              torch.Tensor.remainder, torch.Tensor.__mod__, torch.fmod, torch.Tensor.fmod, torch.div, torch.Tensor.div)
+_DIVISIONS = (
+    torch.floor_divide,
+    torch.Tensor.floor_divide,
+    torch.Tensor.__floordiv__,
+    torch.remainder,
+    torch.Tensor.remainder,
+    torch.Tensor.__mod__,
+    torch.fmod,
+    torch.Tensor.fmod,
+    torch.div,
+    torch.Tensor.div,
+)
 #: the same with the divisor first
 _REVERSED_DIVISIONS = (torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__)
 
@@ -99,7 +119,9 @@ class EvaluationGuard(TorchFunctionMode):
             t, index = args
             items = index if isinstance(index, tuple) else (index,)
             if any(_is_int(x) for x in items):
-                rest = t.dim() - sum(_index_width(x) for x in items)  # the dims an Ellipsis stands for
+                rest = t.dim() - sum(
+                    _index_width(x) for x in items
+                )  # the dims an Ellipsis stands for
                 dim, fixed = 0, []
                 for x in items:
                     if _is_int(x) and dim < t.dim():
@@ -109,7 +131,12 @@ class EvaluationGuard(TorchFunctionMode):
                     dim += rest if x is Ellipsis else _index_width(x)
                 index = tuple(fixed) if isinstance(index, tuple) else fixed[0]
             return func(t, index)
-        if func in (torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather):
+        if func in (
+            torch.index_select,
+            torch.Tensor.index_select,
+            torch.gather,
+            torch.Tensor.gather,
+        ):
             t, dim, index, *more = args
             if _is_int(index):
                 index, bad = _in_range(index, t.shape[dim])
@@ -122,8 +149,13 @@ class EvaluationGuard(TorchFunctionMode):
                 self._note(bad)
             return func(t, index)
         at = 1 if func in _DIVISIONS else 0 if func in _REVERSED_DIVISIONS else None
-        if at is not None and len(args) == 2 and (func not in (torch.div, torch.Tensor.div)
-                                                  or kwargs.get("rounding_mode") is not None):
+        if (
+            at is not None
+            and len(args) == 2
+            and (
+                func not in (torch.div, torch.Tensor.div) or kwargs.get("rounding_mode") is not None
+            )
+        ):
             divisor, dividend = args[at], args[1 - at]
             if _is_int(divisor) and (isinstance(dividend, int) or _is_int(dividend)):
                 zero = divisor == 0
@@ -133,8 +165,16 @@ class EvaluationGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def pack_visibility(mask: Mask, *, seq_q: int, seq_kv: int, batch: int, heads: int,
-                    max_bits: int | None = None, guard: EvaluationGuard | None = None) -> torch.Tensor | None:
+def pack_visibility(
+    mask: Mask,
+    *,
+    seq_q: int,
+    seq_kv: int,
+    batch: int,
+    heads: int,
+    max_bits: int | None = None,
+    guard: EvaluationGuard | None = None,
+) -> torch.Tensor | None:
     """``mask`` on every global position pair, packed: (batch or 1, heads or 1, seq_q,
     ceil(seq_kv / 8)) uint8, bit ``j % 8`` (least significant first) of byte ``j // 8`` of a row
     set when its query sees key ``j``; None when that would exceed ``max_bits`` bits (default
@@ -207,18 +247,24 @@ class VisibilityTable(Mask):
         if "describe" not in self._cache:
             data = self.bits.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
             digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-            self._cache["describe"] = f"table({'x'.join(map(str, self.bits.shape))},{self.seq_kv},{digest})"
+            self._cache["describe"] = (
+                f"table({'x'.join(map(str, self.bits.shape))},{self.seq_kv},{digest})"
+            )
         return self._cache["describe"]
 
     def check(self, seq_q, seq_kv):
         if self.failed is not None and bool(self.failed):
-            return ("mask MaskMod cannot be evaluated on the positions this rank attends (an index out of range or an "
-                    "integer divided by zero on this rank's data, found where the compiled graph evaluated its table)")
+            return (
+                "mask MaskMod cannot be evaluated on the positions this rank attends (an index out of range or an "
+                "integer divided by zero on this rank's data, found where the compiled graph evaluated its table)"
+            )
         t = self.bits
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype != torch.uint8:
             return "VisibilityTable.bits must be a 4-D uint8 tensor (batch or 1, heads or 1, seq_q, ceil(seq_kv / 8))"
         want = (seq_q, -(-seq_kv // 8))
         if (t.shape[2], t.shape[3]) != want or self.seq_kv != seq_kv:
-            return (f"VisibilityTable covers {t.shape[2]} x {self.seq_kv} positions but the global sequence is "
-                    f"{seq_q} x {seq_kv}: build it on the global sequence")
+            return (
+                f"VisibilityTable covers {t.shape[2]} x {self.seq_kv} positions but the global sequence is "
+                f"{seq_q} x {seq_kv}: build it on the global sequence"
+            )
         return None

@@ -76,7 +76,9 @@ class Mask:
     """Base of the masks: ``visible`` on broadcastable position tensors, ``digest`` for the
     cross-rank check, ``check`` for bad parameters (a message, or None)."""
 
-    def visible(self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def visible(
+        self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -182,7 +184,10 @@ class ChunkedCausal(Mask):
         object.__setattr__(self, "chunk", _plain_int(self.chunk))
 
     def visible(self, b, h, q, kv):
-        return (kv <= q) & (torch.div(kv, self.chunk, rounding_mode="floor") == torch.div(q, self.chunk, rounding_mode="floor"))
+        return (kv <= q) & (
+            torch.div(kv, self.chunk, rounding_mode="floor")
+            == torch.div(q, self.chunk, rounding_mode="floor")
+        )
 
     def describe(self) -> str:
         return f"chunked_causal({self.chunk})"
@@ -241,9 +246,16 @@ class Documents(Mask):
         if raw.is_floating_point():  # (float64: the message shows the values given)
             raw = torch.as_tensor(cu_seqlens, dtype=torch.float64).flatten()
         if raw.is_complex() or (raw.is_floating_point() and not bool((raw == raw.round()).all())):
-            raise ValueError(f"cu_seqlens must be integers (cumulative document lengths), got {raw.tolist()}")
+            raise ValueError(
+                f"cu_seqlens must be integers (cumulative document lengths), got {raw.tolist()}"
+            )
         cu = raw.to(torch.int64)
-        if cu.numel() < 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > seq_len:
+        if (
+            cu.numel() < 1
+            or int(cu[0]) != 0
+            or bool((cu[1:] < cu[:-1]).any())
+            or int(cu[-1]) > seq_len
+        ):
             raise ValueError(
                 f"cu_seqlens must start at 0, not decrease and end at most at seq_len {seq_len}, got {cu.tolist()}"
             )
@@ -262,23 +274,39 @@ class Documents(Mask):
         if self._owned:
             return self
         tensors = [t for t in (self.doc_ids, self.kv_doc_ids) if t is not None]
-        if not all(isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()) and t.device.type != "meta"
-                   for t in tensors):
+        if not all(
+            isinstance(t, torch.Tensor)
+            and not (t.is_floating_point() or t.is_complex())
+            and t.device.type != "meta"
+            for t in tensors
+        ):
             return self  # ids the checks refuse (on every rank, through the cross-rank agreement)
 
         # The last snapshot serves again while the ids equal the copy kept of them (one compare
         # per call instead of a copy, a hash and the checks of a new snapshot); the kept copy is
         # this object's own, so no write to the caller's ids can reach it.
         last = self._cache.get("snapshot")
-        if last is not None and len(last[0]) == len(tensors) and all(map(_same_values, tensors, last[0])):
+        if (
+            last is not None
+            and len(last[0]) == len(tensors)
+            and all(map(_same_values, tensors, last[0]))
+        ):
             return last[1]
 
         def copy(t):
             return None if t is None else t.detach().to(dtype=torch.int64, copy=True)
 
-        snap = replace(self, doc_ids=copy(self.doc_ids), kv_doc_ids=copy(self.kv_doc_ids), _cache={}, _owned=True)
-        kept = [u if t.dtype == torch.int64 else t.detach().clone()
-                for t, u in zip(tensors, [x for x in (snap.doc_ids, snap.kv_doc_ids) if x is not None])]
+        snap = replace(
+            self,
+            doc_ids=copy(self.doc_ids),
+            kv_doc_ids=copy(self.kv_doc_ids),
+            _cache={},
+            _owned=True,
+        )
+        kept = [
+            u if t.dtype == torch.int64 else t.detach().clone()
+            for t, u in zip(tensors, [x for x in (snap.doc_ids, snap.kv_doc_ids) if x is not None])
+        ]
         self._cache["snapshot"] = (kept, snap)
         return snap
 
@@ -317,8 +345,10 @@ class Documents(Mask):
             parts.append(torch.as_tensor(self.kv_doc_ids))
         # 128 bits of the ids: plans are cached by this description, so two documents layouts
         # must not share one by chance (a 32-bit checksum would, over a long run).
-        crcs = ",".join(f"{t.numel()}:{hashlib.blake2b(t.to(torch.int64).contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()}"
-                        for t in parts)
+        crcs = ",".join(
+            f"{t.numel()}:{hashlib.blake2b(t.to(torch.int64).contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()}"
+            for t in parts
+        )
         return f"documents({'causal' if self.causal else 'full'},{crcs})"
 
     def check(self, seq_q, seq_kv):
@@ -330,17 +360,33 @@ class Documents(Mask):
         return self._cache[key]
 
     def _check(self, seq_q, seq_kv):
-        for name, ids, n in (("doc_ids", self.doc_ids, seq_q), ("kv_doc_ids", self.kv_doc_ids, seq_kv)):
+        for name, ids, n in (
+            ("doc_ids", self.doc_ids, seq_q),
+            ("kv_doc_ids", self.kv_doc_ids, seq_kv),
+        ):
             if ids is None:
                 continue
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-                return f"Documents.{name} must be a 1-D integer tensor of global positions, got {type(ids).__name__}" + (
-                    f" of shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else "")
+            if (
+                not isinstance(ids, torch.Tensor)
+                or ids.dim() != 1
+                or ids.is_floating_point()
+                or ids.is_complex()
+            ):
+                return (
+                    f"Documents.{name} must be a 1-D integer tensor of global positions, got {type(ids).__name__}"
+                    + (
+                        f" of shape {tuple(ids.shape)}, dtype {ids.dtype}"
+                        if isinstance(ids, torch.Tensor)
+                        else ""
+                    )
+                )
             if ids.device.type == "meta":
                 return f"Documents.{name} is on the meta device, which holds no values: give the ids as a CPU (or the inputs' device) tensor"
             if ids.numel() != n:
-                return (f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} tokens "
-                        "(local length x world size): give one id per global position")
+                return (
+                    f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} tokens "
+                    "(local length x world size): give one id per global position"
+                )
             ids = ids.to(torch.int64)  # (an unsigned dtype compares -1 as its largest value)
             real = ids[ids >= 0]
             if bool((ids < -1).any()):
@@ -348,7 +394,9 @@ class Documents(Mask):
             if real.numel() > 1 and bool((real[1:] < real[:-1]).any()):
                 return f"Documents.{name} decrease along the sequence; packed documents are numbered in order"
         if self.kv_doc_ids is None and seq_q != seq_kv:
-            return "Documents on query and key/value sequences of different lengths needs kv_doc_ids"
+            return (
+                "Documents on query and key/value sequences of different lengths needs kv_doc_ids"
+            )
         if not isinstance(self.causal, bool):
             return f"Documents.causal must be a bool, got {self.causal!r}"
         return None
@@ -366,12 +414,16 @@ class _Join(Mask):
         return self if (a is self.a and b is self.b) else replace(self, a=a, b=b)
 
     def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
-        return (f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
-                f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})")
+        return (
+            f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
+            f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})"
+        )
 
     @property
     def exact_digest(self) -> bool:
-        return type(self) in _EXACT_TYPES and bool(getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False))
+        return type(self) in _EXACT_TYPES and bool(
+            getattr(self.a, "exact_digest", False) and getattr(self.b, "exact_digest", False)
+        )
 
     def check(self, seq_q, seq_kv):
         return self.a.check(seq_q, seq_kv) or self.b.check(seq_q, seq_kv)
@@ -430,7 +482,9 @@ class MaskMod(Mask):
         for size in (64, 32, 16, 8, 4, 2, 1):
             n = torch.arange(size)
             try:
-                probe = torch.as_tensor(self.fn(zero, zero, n.view(1, 1, -1, 1), n.view(1, 1, 1, -1)))
+                probe = torch.as_tensor(
+                    self.fn(zero, zero, n.view(1, 1, -1, 1), n.view(1, 1, 1, -1))
+                )
             except (IndexError, RuntimeError, ValueError):
                 continue
             bits = probe.to(torch.bool).expand(1, 1, size, size).contiguous().numpy().tobytes()
@@ -488,11 +542,26 @@ def probe_text(fn, batch: int, heads: int, seq_q: int, seq_kv: int, device=None)
             continue
         try:
             crc = 0
-            for start in range(0, qs.numel(), max(1, (1 << 18) // max(1, bs.numel() * hs.numel() * ks.numel()))):
-                rows = qs[start:start + max(1, (1 << 18) // max(1, bs.numel() * hs.numel() * ks.numel()))]
-                vis = torch.as_tensor(fn(bs.to(where).view(-1, 1, 1, 1), hs.to(where).view(1, -1, 1, 1),
-                                         rows.to(where).view(1, 1, -1, 1), ks.to(where).view(1, 1, 1, -1)))
-                bits = vis.to(torch.bool).expand(bs.numel(), hs.numel(), rows.numel(), ks.numel()).cpu()
+            for start in range(
+                0, qs.numel(), max(1, (1 << 18) // max(1, bs.numel() * hs.numel() * ks.numel()))
+            ):
+                rows = qs[
+                    start : start
+                    + max(1, (1 << 18) // max(1, bs.numel() * hs.numel() * ks.numel()))
+                ]
+                vis = torch.as_tensor(
+                    fn(
+                        bs.to(where).view(-1, 1, 1, 1),
+                        hs.to(where).view(1, -1, 1, 1),
+                        rows.to(where).view(1, 1, -1, 1),
+                        ks.to(where).view(1, 1, 1, -1),
+                    )
+                )
+                bits = (
+                    vis.to(torch.bool)
+                    .expand(bs.numel(), hs.numel(), rows.numel(), ks.numel())
+                    .cpu()
+                )
                 crc = zlib.crc32(bits.contiguous().numpy().tobytes(), crc)
             return f"{bs.numel()}x{hs.numel()}x{qs.numel()}x{ks.numel()}:{crc}"
         except Exception as exc:  # a fn failing here fails the call's own checks, on every rank
@@ -502,7 +571,12 @@ def probe_text(fn, batch: int, heads: int, seq_q: int, seq_kv: int, device=None)
 
 def _same_values(t: torch.Tensor, kept: torch.Tensor) -> bool:
     """Whether ``t`` holds what ``kept`` does: dtype, shape, device and every value."""
-    return t.dtype == kept.dtype and t.shape == kept.shape and t.device == kept.device and torch.equal(t, kept)
+    return (
+        t.dtype == kept.dtype
+        and t.shape == kept.shape
+        and t.device == kept.device
+        and torch.equal(t, kept)
+    )
 
 
 def snapshot(mask):
@@ -532,7 +606,9 @@ def _bound(pick, a: int | None, b: int | None) -> int | None:
     return None
 
 
-def visibility(mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+def visibility(
+    mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, batch: int = 1, heads: int = 1
+) -> torch.Tensor:
     """(batch or 1, heads or 1, len(q_pos), len(kv_pos)) bool: what each query position sees."""
     dev = q_pos.device
     b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
@@ -593,8 +669,12 @@ def _mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> s
             return problem
         # Evaluated on every position pair's corners and a strided grid: a mask_mod that fails
         # (index out of range, wrong shape or dtype) fails here on every rank alike.
-        qs = torch.unique(torch.cat([torch.arange(0, seq_q, max(1, seq_q // 16)), torch.tensor([seq_q - 1])]))
-        ks = torch.unique(torch.cat([torch.arange(0, seq_kv, max(1, seq_kv // 16)), torch.tensor([seq_kv - 1])]))
+        qs = torch.unique(
+            torch.cat([torch.arange(0, seq_q, max(1, seq_q // 16)), torch.tensor([seq_q - 1])])
+        )
+        ks = torch.unique(
+            torch.cat([torch.arange(0, seq_kv, max(1, seq_kv // 16)), torch.tensor([seq_kv - 1])])
+        )
         visibility(mask, qs, ks, batch=batch, heads=heads)
         mask.digest()
     except Exception as exc:  # a mask that cannot be evaluated is bad input, not a crash
@@ -608,15 +688,23 @@ def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
 
     if mask is None and sinks is None:
         return None
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4):
+    if not (
+        isinstance(query, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and query.dim() == 4
+        and key.dim() == 4
+    ):
         return None  # the shape problem is reported by the input checks
     b, h, sq, _ = query.shape
-    problem = mask_problem(mask, seq_q=sq * world_size, seq_kv=key.shape[2] * world_size, batch=b, heads=h)
+    problem = mask_problem(
+        mask, seq_q=sq * world_size, seq_kv=key.shape[2] * world_size, batch=b, heads=h
+    )
     return problem or sinks_problem(sinks, h)
 
 
-def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device=None,
-              score_mod=None) -> int:
+def mask_code(
+    mask, sinks, dims: tuple[int, int, int, int] | None = None, device=None, score_mod=None
+) -> int:
     """31 bits for the cross-rank check: equal on ranks with equal masks, sinks and score_mods
     (ring_impl.score_mods); 0 for none of them (what every strategy's check sends then, so the
     texts agree on "no mask"). ``dims``: the call's global (batch, heads, seq_q, seq_kv), over
@@ -630,7 +718,9 @@ def mask_code(mask, sinks, dims: tuple[int, int, int, int] | None = None, device
         text = mask.agreement_text(*dims, device) if dims is not None else mask.describe()
     parts = [text]
     if sinks is not None:
-        parts.append(str(zlib.crc32(sinks.detach().to(torch.float64).cpu().contiguous().numpy().tobytes())))
+        parts.append(
+            str(zlib.crc32(sinks.detach().to(torch.float64).cpu().contiguous().numpy().tobytes()))
+        )
     if score_mod is not None:
         text = score_mod.agreement_text(*dims, device) if dims is not None else score_mod.describe()
         parts.append("score_mod:" + text)

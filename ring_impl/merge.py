@@ -27,7 +27,9 @@ import torch
 __all__ = ["merge_into"]
 
 
-def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Merge one block's partial result into the running accumulators, in place.
 
     Args:

@@ -38,8 +38,12 @@ def finite_parts(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ..
     """The tensors with their non-finite entries replaced by 0 (None stays None): what a block's
     kernel runs on when its inputs are not all finite, so that it computes finite numbers
     everywhere and the poison masks alone decide where NaN goes."""
-    return tuple(None if t is None else torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
-                 for t in tensors)
+    return tuple(
+        None
+        if t is None
+        else torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+        for t in tensors
+    )
 
 
 def _to_query_heads(flags: torch.Tensor, heads: int) -> torch.Tensor:
@@ -51,7 +55,11 @@ def _to_query_heads(flags: torch.Tensor, heads: int) -> torch.Tensor:
 def _to_kv_heads(flags: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """(batch, heads, ...) -> (batch, heads_kv, ...): any over each GQA group."""
     b, h = flags.shape[:2]
-    return flags if h == heads_kv else flags.reshape(b, heads_kv, h // heads_kv, *flags.shape[2:]).any(2)
+    return (
+        flags
+        if h == heads_kv
+        else flags.reshape(b, heads_kv, h // heads_kv, *flags.shape[2:]).any(2)
+    )
 
 
 def _prefix_any(flags: torch.Tensor, rows: int) -> torch.Tensor:
@@ -59,7 +67,9 @@ def _prefix_any(flags: torch.Tensor, rows: int) -> torch.Tensor:
     0..i. A row index against the first flag's index: a reduction, not a scan (cummax on CUDA
     also writes int64 indices for every element)."""
     cols = flags.shape[2]
-    first = torch.where(flags.any(dim=2, keepdim=True), flags.to(torch.uint8).argmax(dim=2, keepdim=True), cols)
+    first = torch.where(
+        flags.any(dim=2, keepdim=True), flags.to(torch.uint8).argmax(dim=2, keepdim=True), cols
+    )
     pos = torch.arange(rows, device=flags.device).view(1, 1, rows, *([1] * (flags.dim() - 3)))
     return pos >= first
 
@@ -80,7 +90,9 @@ def _ranges_seen(flags: torch.Tensor, bounds: Bounds) -> torch.Tensor:
     """For key flags (batch, heads, cols[, d]) and row ranges ``[lo, hi)`` (rows,): whether each
     row's range holds a flag, (batch, heads, rows[, d]), from one prefix count over the keys."""
     count = torch.cumsum(flags.to(torch.int32), dim=2)
-    count = torch.cat([torch.zeros_like(count.narrow(2, 0, 1)), count], dim=2)  # count[j]: flags in 0..j-1
+    count = torch.cat(
+        [torch.zeros_like(count.narrow(2, 0, 1)), count], dim=2
+    )  # count[j]: flags in 0..j-1
     lo, hi = bounds
     return count.index_select(2, hi) > count.index_select(2, lo)
 
@@ -92,12 +104,21 @@ def _ranges_seeing(flags: torch.Tensor, bounds: Bounds, cols: int) -> torch.Tens
     f = flags.to(torch.int32)
     shape = list(f.shape)
     shape[2] = cols + 1
-    diff = torch.zeros(shape, dtype=torch.int32, device=f.device).index_add_(2, lo, f).index_add_(2, hi, -f)
+    diff = (
+        torch.zeros(shape, dtype=torch.int32, device=f.device)
+        .index_add_(2, lo, f)
+        .index_add_(2, hi, -f)
+    )
     return torch.cumsum(diff, dim=2).narrow(2, 0, cols) > 0
 
 
-def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tensor | None = None,
-                  bounds: Bounds | None = None) -> torch.Tensor:
+def _seen_by_rows(
+    flags: torch.Tensor,
+    kind: str,
+    rows: int,
+    visible: torch.Tensor | None = None,
+    bounds: Bounds | None = None,
+) -> torch.Tensor:
     """For key flags (batch, heads, cols[, d]): whether each query row sees a flagged key:
     (batch, heads, rows[, d]). ``causal``: row i sees keys 0..i (rows == cols); ``masked``: as
     ``visible`` (batch or 1, heads or 1, rows, cols) says; ``ranges``: as ``bounds`` say."""
@@ -113,8 +134,13 @@ def _seen_by_rows(flags: torch.Tensor, kind: str, rows: int, visible: torch.Tens
     return seen.expand(*seen.shape[:2], rows, *seen.shape[3:])
 
 
-def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tensor | None = None,
-                 bounds: Bounds | None = None) -> torch.Tensor:
+def _seeing_cols(
+    flags: torch.Tensor,
+    kind: str,
+    cols: int,
+    visible: torch.Tensor | None = None,
+    bounds: Bounds | None = None,
+) -> torch.Tensor:
     """For query-row flags (batch, heads, rows[, d]): whether each key is seen by a flagged row:
     (batch, heads, cols[, d]). ``causal``: key j is seen by rows j..rows-1; ``masked``: as
     ``visible``; ``ranges``: as ``bounds``."""
@@ -131,25 +157,46 @@ def _seeing_cols(flags: torch.Tensor, kind: str, cols: int, visible: torch.Tenso
     return seen.expand(*seen.shape[:2], cols, *seen.shape[3:])
 
 
-def poison_forward(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, kind: str, visible: torch.Tensor | None = None,
-                   bounds: Bounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def poison_forward(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kind: str,
+    visible: torch.Tensor | None = None,
+    bounds: Bounds | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's (out, lse) with NaN wherever a non-finite input reaches them (``visible``:
     a masked block's visibility; ``bounds``: a ``ranges`` block's row ranges)."""
     heads, rows = query.shape[1], query.shape[2]
     bad_k = _to_query_heads(_bad(key).any(-1), heads)  # (b, h, cols)
     bad_v = _to_query_heads(_bad(value), heads)  # (b, h, cols, d)
-    row_bad = _bad(query).any(-1) | _seen_by_rows(bad_k, kind, rows, visible, bounds)  # (b, h, rows)
-    feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(bad_v, kind, rows, visible, bounds)  # (b, h, rows, d)
+    row_bad = _bad(query).any(-1) | _seen_by_rows(
+        bad_k, kind, rows, visible, bounds
+    )  # (b, h, rows)
+    feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(
+        bad_v, kind, rows, visible, bounds
+    )  # (b, h, rows, d)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     return torch.where(feature_bad, nan, out), torch.where(row_bad, nan.to(lse.dtype), lse)
 
 
-def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                    kind: str, visible: torch.Tensor | None = None,
-                    grad_lse: torch.Tensor | None = None,
-                    bounds: Bounds | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def poison_backward(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    kind: str,
+    visible: torch.Tensor | None = None,
+    grad_lse: torch.Tensor | None = None,
+    bounds: Bounds | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's (dq, dk, dv) with NaN exactly where a non-finite input reaches them.
 
     ``out``/``lse`` are the call's merged output and LSE for the block's rows (a row that saw a
@@ -161,10 +208,17 @@ def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query:
     output gradients, never by a value.
     """
     heads, heads_kv, rows, cols = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
-    probs_bad = (_bad(query).any(-1) | _bad(lse)
-                 | _seen_by_rows(_to_query_heads(_bad(key).any(-1), heads), kind, rows, visible, bounds))  # (b, h, rows)
-    row_bad = (probs_bad | _bad(out).any(-1) | _bad(grad_out).any(-1)
-               | _seen_by_rows(_to_query_heads(_bad(value).any(-1), heads), kind, rows, visible, bounds))
+    probs_bad = (
+        _bad(query).any(-1)
+        | _bad(lse)
+        | _seen_by_rows(_to_query_heads(_bad(key).any(-1), heads), kind, rows, visible, bounds)
+    )  # (b, h, rows)
+    row_bad = (
+        probs_bad
+        | _bad(out).any(-1)
+        | _bad(grad_out).any(-1)
+        | _seen_by_rows(_to_query_heads(_bad(value).any(-1), heads), kind, rows, visible, bounds)
+    )
     if grad_lse is not None:
         row_bad = row_bad | _bad(grad_lse)
     if bounds is not None:  # a row this block hides computes nothing here
@@ -173,8 +227,16 @@ def poison_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query:
     elif visible is not None:
         sees = visible.any(-1).expand(row_bad.shape)
         probs_bad, row_bad = probs_bad & sees, row_bad & sees
-    dk_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible, bounds), heads_kv).unsqueeze(-1)  # (b, hkv, cols, 1)
-    dv_bad = _to_kv_heads(_seeing_cols(probs_bad.unsqueeze(-1) | _bad(grad_out), kind, cols, visible, bounds), heads_kv)
+    dk_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible, bounds), heads_kv).unsqueeze(
+        -1
+    )  # (b, hkv, cols, 1)
+    dv_bad = _to_kv_heads(
+        _seeing_cols(probs_bad.unsqueeze(-1) | _bad(grad_out), kind, cols, visible, bounds),
+        heads_kv,
+    )
     nan = torch.full((), float("nan"), dtype=dq.dtype, device=dq.device)
-    return (torch.where(row_bad.unsqueeze(-1), nan, dq), torch.where(dk_bad, nan.to(dk.dtype), dk),
-            torch.where(dv_bad, nan.to(dv.dtype), dv))
+    return (
+        torch.where(row_bad.unsqueeze(-1), nan, dq),
+        torch.where(dk_bad, nan.to(dk.dtype), dk),
+        torch.where(dv_bad, nan.to(dv.dtype), dv),
+    )

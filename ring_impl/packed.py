@@ -63,33 +63,58 @@ def _problem(query, key, value, cu_seqlens, world: int | None) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            return (f"with cu_seqlens, {name} must be packed (tokens_local, heads, head_dim), got {shape}; "
-                    "pass 4-D (batch, heads, seq_local, head_dim) tensors without cu_seqlens")
+            return (
+                f"with cu_seqlens, {name} must be packed (tokens_local, heads, head_dim), got {shape}; "
+                "pass 4-D (batch, heads, seq_local, head_dim) tensors without cu_seqlens"
+            )
     if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
-        return (f"with cu_seqlens, key and value hold the query's tokens (self-attention over packed documents), "
-                f"got query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]} tokens; for cross "
-                "attention pass 4-D tensors and Documents(doc_ids, kv_doc_ids=...)")
+        return (
+            f"with cu_seqlens, key and value hold the query's tokens (self-attention over packed documents), "
+            f"got query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]} tokens; for cross "
+            "attention pass 4-D tensors and Documents(doc_ids, kv_doc_ids=...)"
+        )
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
-                or cu_seqlens.dtype == torch.bool:
+        if (
+            cu_seqlens.dim() != 1
+            or cu_seqlens.is_floating_point()
+            or cu_seqlens.is_complex()
+            or cu_seqlens.dtype == torch.bool
+        ):
             return f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
         if torch.compiler.is_compiling():
-            return None  # its values are data: the documents they make are checked when the call runs
+            return (
+                None  # its values are data: the documents they make are checked when the call runs
+            )
         values = cu_seqlens.tolist()
-    elif isinstance(cu_seqlens, Sequence) and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens):
+    elif isinstance(cu_seqlens, Sequence) and all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens
+    ):
         values = [int(x) for x in cu_seqlens]
     else:
         return f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {cu_seqlens!r}"
     total = None if world is None else query.shape[0] * world
-    if not values or values[0] != 0 or any(b < a for a, b in itertools.pairwise(values)) or (
-            total is not None and values[-1] > total):
-        return (f"cu_seqlens must start at 0, not decrease and end at most at the global token count "
-                f"{total} (tokens_local {query.shape[0]} x {world} ranks), got {values}")
+    if (
+        not values
+        or values[0] != 0
+        or any(b < a for a, b in itertools.pairwise(values))
+        or (total is not None and values[-1] > total)
+    ):
+        return (
+            f"cu_seqlens must start at 0, not decrease and end at most at the global token count "
+            f"{total} (tokens_local {query.shape[0]} x {world} ranks), got {values}"
+        )
     return None
 
 
-def packed_views(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens, mask, is_causal: bool,
-                 world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+def packed_views(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens,
+    mask,
+    is_causal: bool,
+    world: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """The 4-D call of a packed one: ``(1, heads, tokens_local, head_dim)`` views of query, key
     and value (gradients flow back through them) and the documents of ``cu_seqlens`` on the
     global packed sequence as the mask (``& mask`` when one is given)."""
@@ -123,7 +148,9 @@ def _memo_documents(cu: tuple[int, ...], total: int, causal: bool) -> Documents:
     key = (cu, total, causal)
     documents = _MEMO.get(key)
     if documents is None:
-        documents = _MEMO[key] = _documents(torch.tensor(cu, dtype=torch.int64), total, causal).frozen()
+        documents = _MEMO[key] = _documents(
+            torch.tensor(cu, dtype=torch.int64), total, causal
+        ).frozen()
         while len(_MEMO) > _MEMO_KEPT:
             _MEMO.popitem(last=False)
     _MEMO.move_to_end(key)

@@ -57,14 +57,31 @@ class ContextParallel(ParallelStyle):
         strategy: "ring" (default) or "ulysses" (see ``ring_attention``).
     """
 
-    def __init__(self, *, layout: str = DEFAULT_CP_LAYOUT, rotate_method: str | None = None,
-                 op: str | AttentionOp | None = None, head_chunks: int = 1, strategy: str = "ring"):
+    def __init__(
+        self,
+        *,
+        layout: str = DEFAULT_CP_LAYOUT,
+        rotate_method: str | None = None,
+        op: str | AttentionOp | None = None,
+        head_chunks: int = 1,
+        strategy: str = "ring",
+    ):
         super().__init__()
-        problem = check_options(layout=layout, rotate_method=rotate_method, op=op, head_chunks=head_chunks,
-                                strategy=strategy)
+        problem = check_options(
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op,
+            head_chunks=head_chunks,
+            strategy=strategy,
+        )
         if problem is not None:
             raise ContextParallelError(f"ContextParallel: {problem}")
-        self.layout, self.rotate_method, self.op, self.head_chunks = layout, rotate_method, op, head_chunks
+        self.layout, self.rotate_method, self.op, self.head_chunks = (
+            layout,
+            rotate_method,
+            op,
+            head_chunks,
+        )
         self.strategy = strategy
 
     #: The routing context entered around each forward (see ring_impl.sdpa_route).
@@ -74,7 +91,15 @@ class ContextParallel(ParallelStyle):
         """The forward pre-hook that enters the routing and the forward hook that leaves it."""
         # One route object per module: compiled code guards on the route's fields, which stay equal.
         group, _, mesh = cp_sharding(device_mesh, self.layout, self.strategy)
-        route = Route(group, self.layout, self.rotate_method, self.op, self.head_chunks, self.strategy, mesh=mesh)
+        route = Route(
+            group,
+            self.layout,
+            self.rotate_method,
+            self.op,
+            self.head_chunks,
+            self.strategy,
+            mesh=mesh,
+        )
         active: list = []
 
         def enter(mod, args):

@@ -38,8 +38,20 @@ import torch
 
 from .layout import Runs, check_layout, layout_runs
 
-__all__ = ["Block", "StepPlan", "cached_by_mask", "mask_blocks", "masked_plan", "plan_ahead", "range_blocks",
-           "ring_plan", "runs_rows", "step_blocks", "visibility_blocks", "with_positions"]
+__all__ = [
+    "Block",
+    "StepPlan",
+    "cached_by_mask",
+    "mask_blocks",
+    "masked_plan",
+    "plan_ahead",
+    "range_blocks",
+    "ring_plan",
+    "runs_rows",
+    "step_blocks",
+    "visibility_blocks",
+    "with_positions",
+]
 
 T = TypeVar("T")
 
@@ -59,7 +71,9 @@ class Block:
     q_rows: tuple[int, int]
     kv_rows: tuple[int, int]
     visible: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    bounds: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
     #: the global positions of the block's query rows and key/value rows, as runs ``((start,
     #: stop), ...)`` in row order; set for a call with a score_mod (:func:`with_positions`)
     q_pos: Runs | None = field(default=None, compare=False, repr=False)
@@ -69,7 +83,9 @@ class Block:
     #: the tensor it is given)
     _moved: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
-    def masking_on(self, device: torch.device) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    def masking_on(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """``(visible, bounds)`` on ``device`` (None where the block has none)."""
         if self.visible is None and self.bounds is None:
             return None, None
@@ -77,7 +93,11 @@ class Block:
         moved = self._moved.get(key)
         if moved is None:
             visible = None if self.visible is None else self.visible.to(device)
-            bounds = None if self.bounds is None else (self.bounds[0].to(device), self.bounds[1].to(device))
+            bounds = (
+                None
+                if self.bounds is None
+                else (self.bounds[0].to(device), self.bounds[1].to(device))
+            )
             moved = self._moved[key] = (visible, bounds)
         return moved
 
@@ -89,7 +109,11 @@ class Block:
             return None
         key = ("hidden", str(device))
         if key not in self._moved:
-            hidden = (self.bounds[0] >= self.bounds[1]).view(1, 1, -1) if self.bounds is not None else ~self.visible.any(-1)
+            hidden = (
+                (self.bounds[0] >= self.bounds[1]).view(1, 1, -1)
+                if self.bounds is not None
+                else ~self.visible.any(-1)
+            )
             # (read on the host when the plan lives there; a plan on a device keeps its rows,
             # as reading them would be a sync)
             on_host = hidden.device.type == "cpu"
@@ -140,16 +164,18 @@ def runs_rows(runs: Runs, rows: tuple[int, int]) -> Runs:
     return tuple(out)
 
 
-def with_positions(plans: list[StepPlan], q_runs: Runs,
-                   kv_runs: Callable[[int], Runs]) -> list[StepPlan]:
+def with_positions(
+    plans: list[StepPlan], q_runs: Runs, kv_runs: Callable[[int], Runs]
+) -> list[StepPlan]:
     """``plans`` with every block's global positions set (``Block.q_pos``/``kv_pos``): query rows
     of the shard at ``q_runs``, key/value rows of the shard of ``kv_runs(kv_rank)``. New blocks:
     cached plans are shared, never changed."""
     from dataclasses import replace
 
     def placed(b: Block) -> Block:
-        return replace(b, q_pos=runs_rows(q_runs, b.q_rows),
-                       kv_pos=runs_rows(kv_runs(b.kv_rank), b.kv_rows))
+        return replace(
+            b, q_pos=runs_rows(q_runs, b.q_rows), kv_pos=runs_rows(kv_runs(b.kv_rank), b.kv_rows)
+        )
 
     return [StepPlan(p.step, p.kv_rank, tuple(placed(b) for b in p.blocks)) for p in plans]
 
@@ -174,20 +200,24 @@ class StepPlan:
 
     @property
     def kind(self) -> str:
-        """"skip", the single block's kind, or "blocks" for a step of several blocks."""
+        """ "skip", the single block's kind, or "blocks" for a step of several blocks."""
         if not self.blocks:
             return "skip"
         return self.blocks[0].kind if len(self.blocks) == 1 else "blocks"
 
 
-def ring_plan(rank: int, world_size: int, *, layout: str, is_causal: bool, seq_q: int, seq_kv: int) -> list[StepPlan]:
+def ring_plan(
+    rank: int, world_size: int, *, layout: str, is_causal: bool, seq_q: int, seq_kv: int
+) -> list[StepPlan]:
     """The plan of every ring step for ``rank``; ``seq_q``/``seq_kv`` are local lengths."""
     check_layout(layout)
     return list(_ring_plan(rank, world_size, layout, bool(is_causal), seq_q, seq_kv))
 
 
 @lru_cache(maxsize=512)
-def _ring_plan(rank: int, world_size: int, layout: str, is_causal: bool, seq_q: int, seq_kv: int) -> tuple[StepPlan, ...]:
+def _ring_plan(
+    rank: int, world_size: int, layout: str, is_causal: bool, seq_q: int, seq_kv: int
+) -> tuple[StepPlan, ...]:
     plans = []
     q_runs = layout_runs(layout, seq_q * world_size, world_size, rank) if is_causal else ()
     for step in range(world_size):
@@ -196,7 +226,9 @@ def _ring_plan(rank: int, world_size: int, layout: str, is_causal: bool, seq_q: 
             blocks = (Block(step, kv_rank, "full", (0, seq_q), (0, seq_kv)),)
         else:
             kv_runs = layout_runs(layout, seq_kv * world_size, world_size, kv_rank)
-            blocks = tuple(Block(step, kv_rank, kind, q, kv) for kind, q, kv in step_blocks(q_runs, kv_runs))
+            blocks = tuple(
+                Block(step, kv_rank, kind, q, kv) for kind, q, kv in step_blocks(q_runs, kv_runs)
+            )
         plans.append(StepPlan(step, kv_rank, blocks))
     return tuple(plans)
 
@@ -215,7 +247,12 @@ def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int],
             c0 = sum(min(max(x - a + 1, 0), b - a) for a, b in kv_runs)
             r0, r1 = row + x - qa, row + y - qa
             last = pieces[-1] if pieces else None
-            if last is not None and last[1] == r0 and last[3] == slope and last[2] + slope * (r0 - last[0]) == c0:
+            if (
+                last is not None
+                and last[1] == r0
+                and last[3] == slope
+                and last[2] + slope * (r0 - last[0]) == c0
+            ):
                 last[1] = r1  # continues the previous piece
             else:
                 pieces.append([r0, r1, c0, slope])
@@ -232,9 +269,21 @@ def step_blocks(q_runs: Runs, kv_runs: Runs) -> list[tuple[str, tuple[int, int],
     return blocks
 
 
-def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, seq_kv: int, batch: int, heads: int,
-                device: torch.device | None = None, head_span: tuple[int, int] | None = None,
-                memo: dict | None = None, ranges: bool = False) -> list[StepPlan]:
+def masked_plan(
+    rank: int,
+    world_size: int,
+    *,
+    layout: str,
+    mask,
+    seq_q: int,
+    seq_kv: int,
+    batch: int,
+    heads: int,
+    device: torch.device | None = None,
+    head_span: tuple[int, int] | None = None,
+    memo: dict | None = None,
+    ranges: bool = False,
+) -> list[StepPlan]:
     """The plan of every ring step for ``rank`` under ``mask`` (ring_impl.masks, on global
     positions); ``seq_q``/``seq_kv`` are local lengths. Per step the kernel calls of
     :func:`ring_impl.tiling.split_visibility`: none (skipped, still rotated), or ``full``,
@@ -255,9 +304,37 @@ def masked_plan(rank: int, world_size: int, *, layout: str, mask, seq_q: int, se
     check_layout(layout)
     device = torch.device(device or "cpu")
     q_runs = layout_runs(layout, seq_q * world_size, world_size, rank)
-    kv_runs = tuple(layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size))
-    args = (rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs, ranges)
-    key = ("ring", rank, world_size, seq_q, seq_kv, batch, heads, str(device), head_span, q_runs, kv_runs, ranges)
+    kv_runs = tuple(
+        layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size)
+    )
+    args = (
+        rank,
+        world_size,
+        mask,
+        seq_q,
+        seq_kv,
+        batch,
+        heads,
+        device,
+        head_span,
+        q_runs,
+        kv_runs,
+        ranges,
+    )
+    key = (
+        "ring",
+        rank,
+        world_size,
+        seq_q,
+        seq_kv,
+        batch,
+        heads,
+        str(device),
+        head_span,
+        q_runs,
+        kv_runs,
+        ranges,
+    )
     return list(cached_by_mask(mask, key, lambda: _masked_plan(*args), memo=memo))
 
 
@@ -297,8 +374,10 @@ def cached_by_mask(mask, key: tuple, build: Callable[[], T], memo: dict | None =
         if held > _PLAN_ENTRY_BYTES:
             return plan
         hit = (plan, held)
-        while _PLAN_CACHE and (len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE
-                               or sum(b for _, b in _PLAN_CACHE.values()) + held > _PLAN_CACHE_BYTES):
+        while _PLAN_CACHE and (
+            len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE
+            or sum(b for _, b in _PLAN_CACHE.values()) + held > _PLAN_CACHE_BYTES
+        ):
             _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
     _PLAN_CACHE[full] = hit  # most recently used last
     return hit[0]
@@ -313,12 +392,26 @@ def _visibility_bytes(plan) -> int:
     total = 0
     for item in items:
         blocks = item.blocks if hasattr(item, "blocks") else (item,)
-        total += sum(b.visible.numel() * b.visible.element_size() for b in blocks if b.visible is not None)
+        total += sum(
+            b.visible.numel() * b.visible.element_size() for b in blocks if b.visible is not None
+        )
     return total
 
 
-def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, head_span, q_runs, kv_runs,
-                 ranges=False) -> tuple[StepPlan, ...]:
+def _masked_plan(
+    rank,
+    world_size,
+    mask,
+    seq_q,
+    seq_kv,
+    batch,
+    heads,
+    device,
+    head_span,
+    q_runs,
+    kv_runs,
+    ranges=False,
+) -> tuple[StepPlan, ...]:
     def positions(runs: Runs) -> torch.Tensor:
         return torch.cat([torch.arange(a, b, device=device) for a, b in runs])
 
@@ -326,14 +419,35 @@ def _masked_plan(rank, world_size, mask, seq_q, seq_kv, batch, heads, device, he
     plans = []
     for step in range(world_size):
         kv_rank = (rank - step) % world_size
-        blocks = mask_blocks(mask, q_pos, positions(kv_runs[kv_rank]), step, kv_rank, batch=batch, heads=heads,
-                             head_span=head_span, device=device, ranges=ranges)
+        blocks = mask_blocks(
+            mask,
+            q_pos,
+            positions(kv_runs[kv_rank]),
+            step,
+            kv_rank,
+            batch=batch,
+            heads=heads,
+            head_span=head_span,
+            device=device,
+            ranges=ranges,
+        )
         plans.append(StepPlan(step, kv_rank, blocks))
     return tuple(plans)
 
 
-def mask_blocks(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, step: int, kv_rank: int, *, batch: int, heads: int,
-                head_span: tuple[int, int] | None, device: torch.device | None, ranges: bool) -> tuple[Block, ...]:
+def mask_blocks(
+    mask,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    step: int,
+    kv_rank: int,
+    *,
+    batch: int,
+    heads: int,
+    head_span: tuple[int, int] | None,
+    device: torch.device | None,
+    ranges: bool,
+) -> tuple[Block, ...]:
     """The blocks of one step (or the halo block) of ``mask`` between query positions ``q_pos``
     and key positions ``kv_pos``: with ``ranges`` (an op taking row bounds), one block from
     :func:`range_blocks` when the mask has that form; else the mask evaluated for ``batch``
@@ -347,20 +461,26 @@ def mask_blocks(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, step: int, kv_r
             return blocks
     vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads)
     if head_span is not None and vis.shape[1] > 1:
-        vis = vis[:, head_span[0]:head_span[1]]
+        vis = vis[:, head_span[0] : head_span[1]]
     return visibility_blocks(vis, step, kv_rank, device)
 
 
-def visibility_blocks(vis: torch.Tensor, step: int, kv_rank: int, device: torch.device | None) -> tuple[Block, ...]:
+def visibility_blocks(
+    vis: torch.Tensor, step: int, kv_rank: int, device: torch.device | None
+) -> tuple[Block, ...]:
     """The blocks of one step whose visibility is ``vis`` (batch or 1, heads or 1, rows, cols):
     :func:`ring_impl.tiling.split_visibility`'s calls, at the per-call cost of ``device``."""
     from .tiling import call_cost_for, split_visibility
 
     calls = split_visibility(vis, call_cost=call_cost_for(device))
-    return tuple(Block(step, kv_rank, kind, rows, cols, visible=box) for kind, rows, cols, box in calls)
+    return tuple(
+        Block(step, kv_rank, kind, rows, cols, visible=box) for kind, rows, cols, box in calls
+    )
 
 
-def range_blocks(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, step: int, kv_rank: int) -> tuple[Block, ...] | None:
+def range_blocks(
+    mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, step: int, kv_rank: int
+) -> tuple[Block, ...] | None:
     """The one block of a step whose mask shows each query row one range of keys
     (:func:`ring_impl.row_bounds.column_bounds`): none if no row sees anything, else the
     rectangle trimmed to what some row sees, ``full`` or top-left ``causal`` when it is that,
@@ -385,7 +505,11 @@ def range_blocks(mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, step: int, kv_
             return (Block(step, kv_rank, "full", (r0, r1), (c0, c1)),)
         if bool((hi == torch.arange(1, rows + 1, device=hi.device).clamp(max=cols)).all()):
             return (Block(step, kv_rank, "causal", (r0, r1), (c0, c1)),)
-    return (Block(step, kv_rank, "ranges", (r0, r1), (c0, c1), bounds=(lo.contiguous(), hi.contiguous())),)
+    return (
+        Block(
+            step, kv_rank, "ranges", (r0, r1), (c0, c1), bounds=(lo.contiguous(), hi.contiguous())
+        ),
+    )
 
 
 def plan_ahead(build: Callable[[], Any], mask) -> str | None:
@@ -403,6 +527,8 @@ def plan_ahead(build: Callable[[], Any], mask) -> str | None:
     try:
         build()
     except Exception as exc:  # a mask that cannot be evaluated is bad input, not a crash
-        return (f"mask {type(mask).__name__} cannot be evaluated on the positions this rank attends "
-                f"({type(exc).__name__}: {exc})")
+        return (
+            f"mask {type(mask).__name__} cannot be evaluated on the positions this rank attends "
+            f"({type(exc).__name__}: {exc})"
+        )
     return None

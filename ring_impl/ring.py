@@ -110,7 +110,11 @@ def split_kv(kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` itself when it can be merged into in place (dtype ``dtype``, contiguous), else a copy."""
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype, memory_format=torch.contiguous_format)
+    return (
+        t
+        if t.dtype == dtype and t.is_contiguous()
+        else t.to(dtype, memory_format=torch.contiguous_format)
+    )
 
 
 class RingAttention:
@@ -123,19 +127,37 @@ class RingAttention:
         # the lengths are specialised, with a guard, so another length recompiles.
         seq_q, seq_kv = operator.index(seq_q), operator.index(seq_kv)
         if cfg.mask is not None:
-            plans = masked_plan(g.rank, g.world_size, layout=cfg.layout, mask=cfg.mask, seq_q=seq_q,
-                                seq_kv=seq_kv, batch=cfg.mask_dims[0], heads=cfg.mask_dims[1],
-                                head_span=cfg.mask_heads, memo=cfg.plan_memo,
-                                ranges=cfg.op.capabilities.row_bounds)
+            plans = masked_plan(
+                g.rank,
+                g.world_size,
+                layout=cfg.layout,
+                mask=cfg.mask,
+                seq_q=seq_q,
+                seq_kv=seq_kv,
+                batch=cfg.mask_dims[0],
+                heads=cfg.mask_dims[1],
+                head_span=cfg.mask_heads,
+                memo=cfg.plan_memo,
+                ranges=cfg.op.capabilities.row_bounds,
+            )
         else:
-            plans = ring_plan(g.rank, g.world_size, layout=cfg.layout, is_causal=cfg.is_causal,
-                              seq_q=seq_q, seq_kv=seq_kv)
+            plans = ring_plan(
+                g.rank,
+                g.world_size,
+                layout=cfg.layout,
+                is_causal=cfg.is_causal,
+                seq_q=seq_q,
+                seq_kv=seq_kv,
+            )
         if cfg.score_mod is None:
             return plans
         # A score_mod reads each block's global positions (the layout's, never local rows).
         w = g.world_size
-        return with_positions(plans, layout_runs(cfg.layout, seq_q * w, w, g.rank),
-                              lambda r: layout_runs(cfg.layout, seq_kv * w, w, r))
+        return with_positions(
+            plans,
+            layout_runs(cfg.layout, seq_q * w, w, g.rank),
+            lambda r: layout_runs(cfg.layout, seq_kv * w, w, r),
+        )
 
     def block_scores(self, cfg: RingConfig, q: torch.Tensor, plan: Block):
         """The call's score_mod bound to one block (ring_impl.score_mods.BlockScores: the global
@@ -145,8 +167,14 @@ class RingAttention:
         from .score_mods import block_scores
 
         h0 = cfg.mask_heads[0] if cfg.mask_heads is not None else 0
-        return block_scores(cfg.score_mod, batch=q.shape[0], heads=(h0, h0 + q.shape[1]),
-                            q_pos=plan.q_pos, kv_pos=plan.kv_pos, device=q.device)
+        return block_scores(
+            cfg.score_mod,
+            batch=q.shape[0],
+            heads=(h0, h0 + q.shape[1]),
+            q_pos=plan.q_pos,
+            kv_pos=plan.kv_pos,
+            device=q.device,
+        )
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Dtype of the output/LSE accumulators and of dQ/dK/dV in flight (float32, float64 for float64)."""
@@ -162,25 +190,56 @@ class RingAttention:
             return torch.stack([key, value])
         return torch.cat([key, value], dim=-1)
 
-    def block_forward(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block):
+    def block_forward(
+        self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Block
+    ):
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
         visible, bounds = plan.masking_on(q.device)
         scores = self.block_scores(cfg, q, plan)
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale, visible=visible,
-                                row_bounds=bounds, score_mod=scores)
+        out, lse = call_forward(
+            cfg.op,
+            q,
+            k,
+            v,
+            is_causal=plan.is_causal,
+            scale=cfg.scale,
+            visible=visible,
+            row_bounds=bounds,
+            score_mod=scores,
+        )
         b, h, rows, _ = q.shape
-        op = block_op(cfg.op, is_causal=plan.is_causal, scale=cfg.scale, visible=visible,
-                      row_bounds=bounds, score_mod=scores)  # the op that ran it
-        lse = normalize_lse(lse, batch=b, heads=h, seq_q=rows, layout=op.capabilities.lse_layout,
-                            op_name=getattr(op, "name", "math"))
+        op = block_op(
+            cfg.op,
+            is_causal=plan.is_causal,
+            scale=cfg.scale,
+            visible=visible,
+            row_bounds=bounds,
+            score_mod=scores,
+        )  # the op that ran it
+        lse = normalize_lse(
+            lse,
+            batch=b,
+            heads=h,
+            seq_q=rows,
+            layout=op.capabilities.lse_layout,
+            op_name=getattr(op, "name", "math"),
+        )
         dead = plan.hidden_rows_on(q.device)
-        if dead is not None:  # rows the block hides completely: nothing (kernels return LSE 0 there)
+        if (
+            dead is not None
+        ):  # rows the block hides completely: nothing (kernels return LSE 0 there)
             dead = dead.expand(b, h, rows)
-            out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
-            lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse)
+            out = torch.where(
+                dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out
+            )
+            lse = torch.where(
+                dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse
+            )
         return out, lse
 
-    def block_backward(self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: Block, grad_lse=None):
+    def block_backward(
+        self, cfg: RingConfig, grad_out, q, k, v, out, lse, plan: Block, grad_lse=None
+    ):
         """One block's (dq, dk, dv) for the planned rows, dk/dv with heads_kv heads.
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
@@ -193,20 +252,46 @@ class RingAttention:
             b, h, rows, _ = q.shape
             dead = dead.expand(b, h, rows)
             lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-            grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), grad_out)
+            grad_out = torch.where(
+                dead.unsqueeze(-1),
+                torch.zeros((), dtype=grad_out.dtype, device=grad_out.device),
+                grad_out,
+            )
             if grad_lse is not None:
-                grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
-        return call_backward(cfg.op, grad_out, q, k, v, out, lse, is_causal=plan.is_causal, scale=cfg.scale,
-                             grad_lse=grad_lse, visible=visible, row_bounds=bounds,
-                             score_mod=self.block_scores(cfg, q, plan))
+                grad_lse = torch.where(
+                    dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse
+                )
+        return call_backward(
+            cfg.op,
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            is_causal=plan.is_causal,
+            scale=cfg.scale,
+            grad_lse=grad_lse,
+            visible=visible,
+            row_bounds=bounds,
+            score_mod=self.block_scores(cfg, q, plan),
+        )
 
-    def block_max_logit(self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor,
-                        plan: Block) -> torch.Tensor:
+    def block_max_logit(
+        self, cfg: RingConfig, q: torch.Tensor, k: torch.Tensor, plan: Block
+    ) -> torch.Tensor:
         """(heads,) the largest scaled logit the block's queries see, in the accumulation dtype
         (ring_impl.max_logit: -inf for a head that sees nothing, NaN where a NaN reaches)."""
         visible, bounds = plan.masking_on(q.device)
-        return block_max_logit(q, k, scale=cfg.scale, kind=plan.kind, visible=visible,
-                               bounds=bounds, dtype=self.accumulation_dtype(q.dtype))
+        return block_max_logit(
+            q,
+            k,
+            scale=cfg.scale,
+            kind=plan.kind,
+            visible=visible,
+            bounds=bounds,
+            dtype=self.accumulation_dtype(q.dtype),
+        )
 
     def reduce_max_logit(self, cfg: RingConfig, local: torch.Tensor) -> torch.Tensor:
         """The group's per-head maximum of every rank's ``local`` (heads,): one all-reduce."""
@@ -221,32 +306,57 @@ class RingAttention:
         visible, bounds = plan.masking_on(q.device)
         return poison_forward(out, lse, q, k, v, plan.kind, visible, bounds=bounds)
 
-    def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block, grad_lse=None):
+    def nonfinite_backward(
+        self, dq, dk, dv, q, k, v, out, lse, grad_out, plan: Block, grad_lse=None
+    ):
         """The block's (dq, dk, dv) with NaN wherever a non-finite input reaches them."""
         visible, bounds = plan.masking_on(q.device)
         dead = plan.hidden_rows_on(q.device)
         if dead is not None:  # as block_backward: rows the block hides carry no LSE
-            lse = torch.where(dead.expand(lse.shape), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, plan.kind, visible, grad_lse=grad_lse,
-                               bounds=bounds)
+            lse = torch.where(
+                dead.expand(lse.shape), torch.zeros((), dtype=lse.dtype, device=lse.device), lse
+            )
+        return poison_backward(
+            dq,
+            dk,
+            dv,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_out,
+            plan.kind,
+            visible,
+            grad_lse=grad_lse,
+            bounds=bounds,
+        )
 
-    def block_grads(self, cfg: RingConfig, block: Block, grad_out, query, kv, out, lse, grad_lse, finite: bool):
+    def block_grads(
+        self, cfg: RingConfig, block: Block, grad_out, query, kv, out, lse, grad_lse, finite: bool
+    ):
         """``(q_rows, dq, dk, dv)`` of one block of the backward: ``kv`` the step's (key, value),
         the other tensors the call's whole local ones; ``finite``: every input the block reads is
         finite (else the kernel runs on their finite parts and NaN goes where they reach)."""
         view = cfg.op.capabilities.row_views
         # grad_lse only when there is one: variants may override block_backward without it.
         extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
-        args = (*(block_rows(t, block.q_rows, view) for t in (grad_out, query)),
-                *(block_rows(t, block.kv_rows, view) for t in kv),
-                *(block_rows(t, block.q_rows, view) for t in (out, lse)))
+        args = (
+            *(block_rows(t, block.q_rows, view) for t in (grad_out, query)),
+            *(block_rows(t, block.kv_rows, view) for t in kv),
+            *(block_rows(t, block.q_rows, view) for t in (out, lse)),
+        )
         if finite:
             return (block.q_rows, *self.block_backward(cfg, *args, block, **extra))
         # the kernel on finite numbers, NaN put exactly where the inputs take it
         do_, q_, k_, v_, o_, l_ = args
-        dq, dk, dv = self.block_backward(cfg, *finite_parts(*args), block,
-                                         **{n: finite_parts(t)[0] for n, t in extra.items()})
-        return (block.q_rows, *self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block, **extra))
+        dq, dk, dv = self.block_backward(
+            cfg, *finite_parts(*args), block, **{n: finite_parts(t)[0] for n, t in extra.items()}
+        )
+        return (
+            block.q_rows,
+            *self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block, **extra),
+        )
 
     def all_finite(self, *tensors: torch.Tensor, once: bool = False) -> bool:
         """Whether the NaN propagation can be skipped for blocks of these inputs: every element
@@ -272,18 +382,28 @@ class RingAttention:
         """Whether reading a flag of these tensors on the host costs no device sync (on CPU)."""
         return all(t.device.type == "cpu" for t in tensors)
 
-    def rows_finite(self, query, out, grad_out, lse, grad_lse=None, *others: torch.Tensor, once: bool = False) -> bool:
+    def rows_finite(
+        self, query, out, grad_out, lse, grad_lse=None, *others: torch.Tensor, once: bool = False
+    ) -> bool:
         """:meth:`all_finite` of a backward's row inputs (and ``others``); LSE -inf (rows that see
         nothing) counts as finite, since the propagation treats it as nothing seen too."""
         rows = (query, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0))
-        return self.all_finite(*rows, *(() if grad_lse is None else (grad_lse,)), *others, once=once)
+        return self.all_finite(
+            *rows, *(() if grad_lse is None else (grad_lse,)), *others, once=once
+        )
 
-    def alone_finite(self, cfg: RingConfig, query, key, value, out, lse, grad_out, grad_lse=None) -> bool:
+    def alone_finite(
+        self, cfg: RingConfig, query, key, value, out, lse, grad_out, grad_lse=None
+    ) -> bool:
         """A one-rank backward's decision, with one read at most: what its forward read of query,
         key and value (``cfg.verdicts``), then the gradients and the LSE only (out is finite
         when they are: a convex combination of finite values), or everything when the forward
         kept nothing."""
-        known = cfg.verdicts.get("inputs_finite") if cfg.verdicts is not None and cfg.head_chunks == 1 else None
+        known = (
+            cfg.verdicts.get("inputs_finite")
+            if cfg.verdicts is not None and cfg.head_chunks == 1
+            else None
+        )
         if known is None:
             return self.rows_finite(query, out, grad_out, lse, grad_lse, key, value, once=True)
         if not known:
@@ -305,10 +425,16 @@ class RingAttention:
     # collects one contribution per rank and reaches the owner with the hop after step W - 1,
     # where the owner's own (step 0) contribution is added. Three seams, in the order they run:
 
-    def grads_arrived(self, cfg: RingConfig, link: Link, step: int, like: torch.Tensor) -> torch.Tensor:
+    def grads_arrived(
+        self, cfg: RingConfig, link: Link, step: int, like: torch.Tensor
+    ) -> torch.Tensor:
         """The accumulator of step ``step``'s block: zeros at step 1, else the one the last hop
         brought (``like``: zeros of its shape and dtype, made when needed)."""
-        return torch.zeros(like.shape, dtype=like.dtype, device=like.device) if step == 1 else link.take("grad")
+        return (
+            torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+            if step == 1
+            else link.take("grad")
+        )
 
     def pass_grads(self, cfg: RingConfig, link: Link, step: int, acc: torch.Tensor) -> None:
         """Send the accumulator on to rank + 1: with the next key/value hop when the transport's
@@ -319,9 +445,19 @@ class RingAttention:
 
     def grads_home(self, cfg: RingConfig, link: Link, like: torch.Tensor) -> torch.Tensor:
         """This rank's own block's accumulator, home after its last hop."""
-        return link.take("grad") if cfg.group.world_size > 1 else torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        return (
+            link.take("grad")
+            if cfg.group.world_size > 1
+            else torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        )
 
-    def merge(self, out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    def merge(
+        self,
+        out_acc: torch.Tensor,
+        lse_acc: torch.Tensor,
+        block_out: torch.Tensor,
+        block_lse: torch.Tensor,
+    ) -> None:
         merge_into(out_acc, lse_acc, block_out, block_lse)
 
     def forward(self, cfg: RingConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -348,7 +484,11 @@ class RingAttention:
         if alone:
             query_finite = self.all_finite(query, key, value, once=True)
             # (head chunks: each its own; compiled: nothing is read, nothing kept)
-            if cfg.verdicts is not None and cfg.head_chunks == 1 and not torch.compiler.is_compiling():
+            if (
+                cfg.verdicts is not None
+                and cfg.head_chunks == 1
+                and not torch.compiler.is_compiling()
+            ):
                 cfg.verdicts["inputs_finite"] = query_finite
         else:
             query_finite = self.all_finite(query)
@@ -358,16 +498,23 @@ class RingAttention:
             max_logit = torch.full((query.shape[1],), float("-inf"), dtype=acc, device=query.device)
         for plan in plans:
             kv = (key, value) if rotation is None else split_kv(rotation.block(plan.step), d)
-            finite = len(plan.blocks) > 0 and query_finite and (alone or self.all_finite(kv[0], kv[1]))
+            finite = (
+                len(plan.blocks) > 0 and query_finite and (alone or self.all_finite(kv[0], kv[1]))
+            )
             for block in plan.blocks:
                 q0, q1 = block.q_rows
-                q, k, v = (block_rows(query, block.q_rows, view), block_rows(kv[0], block.kv_rows, view),
-                           block_rows(kv[1], block.kv_rows, view))
+                q, k, v = (
+                    block_rows(query, block.q_rows, view),
+                    block_rows(kv[0], block.kv_rows, view),
+                    block_rows(kv[1], block.kv_rows, view),
+                )
                 if finite:
                     block_out, block_lse = self.block_forward(cfg, q, k, v, block)
                 else:  # the kernel on finite numbers, NaN put exactly where the inputs take it
                     block_out, block_lse = self.block_forward(cfg, *finite_parts(q, k, v), block)
-                    block_out, block_lse = self.nonfinite_forward(block_out, block_lse, q, k, v, block)
+                    block_out, block_lse = self.nonfinite_forward(
+                        block_out, block_lse, q, k, v, block
+                    )
                 if max_logit is not None:  # from the block's own q and k: NaN goes where it reaches
                     max_logit = torch.maximum(max_logit, self.block_max_logit(cfg, q, k, block))
                 del q, k, v
@@ -384,7 +531,9 @@ class RingAttention:
                 else:
                     if out_acc is None or lse_acc is None:  # masks: start from "nothing seen"
                         out_acc = torch.zeros(out_shape, dtype=acc, device=query.device)
-                        lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
+                        lse_acc = torch.full(
+                            query.shape[:3], float("-inf"), dtype=acc, device=query.device
+                        )
                     self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
                 del block_out, block_lse  # not held through the next block's kernel
             del kv
@@ -407,7 +556,9 @@ class RingAttention:
         whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
         if whole is not None:  # one rank, one block: the kernel's gradients are the gradients
             finite = self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse)
-            _, dq, dk, dv = self.block_grads(cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite)
+            _, dq, dk, dv = self.block_grads(
+                cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite
+            )
             return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
         acc = self.accumulation_dtype(query.dtype)
         dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
@@ -425,7 +576,9 @@ class RingAttention:
         transport = self.transport(cfg)
         link = Link(cfg.group, transport.grad_hop)
         rotation = self.kv_rotation(cfg, kv_local, link)
-        like = torch.empty((), dtype=acc, device=query.device).expand(kv_local.shape)  # the accumulators' kind
+        like = torch.empty((), dtype=acc, device=query.device).expand(
+            kv_local.shape
+        )  # the accumulators' kind
         del kv_local  # the rotation holds it as long as it needs it
         # Step 0 (this rank's own block) is computed on key and value themselves, around the other
         # steps (backward_order): part first, while step 1's block travels, the rest last, while
@@ -439,16 +592,23 @@ class RingAttention:
         rotation.block(0)
         alone = cfg.group.world_size == 1
         # as the forward: one rank decides once for its call, else per step where reads are free
-        rows_finite = (self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse) if alone
-                       else self.rows_finite(query, out, grad_out, lse, grad_lse))
+        rows_finite = (
+            self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse)
+            if alone
+            else self.rows_finite(query, out, grad_out, lse, grad_lse)
+        )
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
             kv = split_kv(rotation.block(plan.step), key.shape[-1]) if plan.step else (key, value)
-            finite = len(plan.blocks) > 0 and rows_finite and (alone or self.all_finite(kv[0], kv[1]))
+            finite = (
+                len(plan.blocks) > 0 and rows_finite and (alone or self.all_finite(kv[0], kv[1]))
+            )
             contribution = []  # (kv_rows, dk, dv) per block
             for block in plan.blocks:
-                (q0, q1), dq, dk, dv = self.block_grads(cfg, block, grad_out, query, kv, out, lse, grad_lse, finite)
+                (q0, q1), dq, dk, dv = self.block_grads(
+                    cfg, block, grad_out, query, kv, out, lse, grad_lse, finite
+                )
                 dq_acc[:, :, q0:q1] += dq
                 contribution.append((block.kv_rows, dk, dv))
                 del dq, dk, dv
@@ -546,7 +706,9 @@ class RingPath:
 
     def backward(self, saved, meta, grad_out, grad_lse):
         query, key, value, out, lse = saved
-        return heads.run_backward(self.impl, self.cfg, grad_out, query, key, value, out, lse, grad_lse)
+        return heads.run_backward(
+            self.impl, self.cfg, grad_out, query, key, value, out, lse, grad_lse
+        )
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -600,4 +762,3 @@ class PathFunction(torch.autograd.Function):
             grad_lse = None
         dq, dk, dv = ctx.path.backward(ctx.saved_tensors, ctx.meta, grad_out, grad_lse)
         return dq, dk, dv, None, None
-

@@ -16,21 +16,39 @@ __all__ = ["Schedule", "ring_schedule"]
 Schedule = dict[str, dict[str, dict[str, int]]]
 
 
-def ring_schedule(world_size: int, rotate_method: str, *, batch: int, heads_kv: int, seq_kv: int, head_dim: int,
-                  dtype: torch.dtype, compiled: bool = False, head_chunks: int = 1,
-                  head_dim_v: int | None = None) -> Schedule:
+def ring_schedule(
+    world_size: int,
+    rotate_method: str,
+    *,
+    batch: int,
+    heads_kv: int,
+    seq_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    compiled: bool = False,
+    head_chunks: int = 1,
+    head_dim_v: int | None = None,
+) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` of one ring call (forward and backward);
     ``head_dim_v``: value's head dim (None: ``head_dim``). ValueError for sizes that are not
     ints >= 1 or a dtype that is not floating point."""
     transport = get_transport(rotate_method)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    sizes = {"world_size": world_size, "batch": batch, "heads_kv": heads_kv, "seq_kv": seq_kv, "head_dim": head_dim,
-             "head_dim_v": head_dim_v}
+    sizes = {
+        "world_size": world_size,
+        "batch": batch,
+        "heads_kv": heads_kv,
+        "seq_kv": seq_kv,
+        "head_dim": head_dim,
+        "head_dim_v": head_dim_v,
+    }
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"collective_schedule: {name} must be an int >= 1, got {value!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"collective_schedule: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        raise ValueError(
+            f"collective_schedule: dtype must be a floating-point torch.dtype, got {dtype!r}"
+        )
     if not isinstance(compiled, bool):
         raise ValueError(f"collective_schedule: compiled must be a bool, got {compiled!r}")
     problem = check_head_chunks(head_chunks, heads_kv)

@@ -30,7 +30,9 @@ __all__ = ["column_bounds", "key_bounds"]
 _FAR = 1 << 62
 
 
-def key_bounds(mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def key_bounds(
+    mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(lo, hi)``: query ``q_pos[r]`` sees exactly the keys at positions ``p`` with
     ``lo[r] <= p < hi[r]`` among ``kv_pos`` (``lo >= hi``: none); None when ``mask`` is not one
     interval per row that this module can state from its parameters."""
@@ -38,7 +40,9 @@ def key_bounds(mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> tuple[t
     return None if rule is None else rule(mask, q_pos.to(torch.int64), kv_pos.to(torch.int64))
 
 
-def column_bounds(mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def column_bounds(
+    mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`key_bounds` as local key columns: query row ``r`` sees columns ``lo[r] .. hi[r] - 1``
     of ``kv_pos`` (``lo == hi``: none). None also when ``kv_pos`` does not increase strictly
     (a range of positions would then not be a range of columns)."""
@@ -86,7 +90,9 @@ def _documents(mask: Documents, q, kv):
     if ids.numel() > 1 and not bool((ids[1:] >= ids[:-1]).all()):
         return None
     first = torch.searchsorted(ids, q_ids.contiguous(), side="left")
-    last = torch.searchsorted(ids, q_ids.contiguous(), side="right")  # one past the document's last key
+    last = torch.searchsorted(
+        ids, q_ids.contiguous(), side="right"
+    )  # one past the document's last key
     present = (last > first) & (q_ids >= 0)
     if ids.numel() > 0:
         # A document's keys are one range of columns when its first and last are as many
@@ -113,5 +119,12 @@ def _and(mask: And, q, kv):
     return torch.maximum(a[0], b[0]), torch.minimum(a[1], b[1])
 
 
-_RULES = {Full: _full, Causal: _causal, SlidingWindow: _window, ChunkedCausal: _chunked, PrefixLM: _prefix,
-          Documents: _documents, And: _and}
+_RULES = {
+    Full: _full,
+    Causal: _causal,
+    SlidingWindow: _window,
+    ChunkedCausal: _chunked,
+    PrefixLM: _prefix,
+    Documents: _documents,
+    And: _and,
+}

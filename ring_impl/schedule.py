@@ -117,16 +117,27 @@ def collective_schedule(
         strategy, halo, sparse_kv = _exchange_options(exchange, strategy, halo, sparse_kv)
     if not isinstance(return_max_logit, bool):
         raise ValueError(
-            f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}")
+            f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}"
+        )
     if return_max_logit:
         if strategy != "ring" or sparse_kv or halo is True:
-            raise ValueError("collective_schedule: return_max_logit=True runs on the ring only "
-                             "(strategy='ring', sparse_kv=False, halo None or False)")
+            raise ValueError(
+                "collective_schedule: return_max_logit=True runs on the ring only "
+                "(strategy='ring', sparse_kv=False, halo None or False)"
+            )
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError("collective_schedule: return_max_logit=True needs heads= (query "
-                             f"heads, an int >= 1), got {heads!r}")
-        sizes = dict(batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype,
-                     head_chunks=head_chunks)
+            raise ValueError(
+                "collective_schedule: return_max_logit=True needs heads= (query "
+                f"heads, an int >= 1), got {heads!r}"
+            )
+        sizes = dict(
+            batch=batch,
+            heads_kv=heads_kv,
+            seq_kv=seq_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+            head_chunks=head_chunks,
+        )
         ring_schedule(world_size, rotate_method, compiled=compiled, **sizes)  # (checks arguments)
         # Under torch.compile the call runs eagerly (ring_impl.api.MAX_LOGIT_RUNS_EAGERLY).
         schedule = collective_schedule(world_size, rotate_method, compiled=False, **sizes)
@@ -136,35 +147,102 @@ def collective_schedule(
             entry["bytes"] += 2 * heads * accumulation_dtype(dtype).itemsize
         return schedule
     if sparse_kv and world_size > 1:
-        return _gather_schedule(world_size, rotate_method, mask=mask, is_causal=is_causal, layout=layout, rank=rank,
-                                batch=batch, heads=heads, heads_kv=heads_kv, seq_q=seq_q, seq_kv=seq_kv,
-                                head_dim=head_dim, dtype=dtype, compiled=compiled, strategy=strategy,
-                                head_chunks=head_chunks, head_dim_v=head_dim_v)
+        return _gather_schedule(
+            world_size,
+            rotate_method,
+            mask=mask,
+            is_causal=is_causal,
+            layout=layout,
+            rank=rank,
+            batch=batch,
+            heads=heads,
+            heads_kv=heads_kv,
+            seq_q=seq_q,
+            seq_kv=seq_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+            compiled=compiled,
+            strategy=strategy,
+            head_chunks=head_chunks,
+            head_dim_v=head_dim_v,
+        )
     if strategy != "ring":
         mesh_shape = (world_size, 1) if mesh_shape is None and strategy == "ulysses" else mesh_shape
         if mesh_shape is None or heads is None or seq_q is None:
-            raise ValueError(f"collective_schedule: strategy {strategy!r} needs mesh_shape, heads and seq_q")
+            raise ValueError(
+                f"collective_schedule: strategy {strategy!r} needs mesh_shape, heads and seq_q"
+            )
         if mesh_shape[0] * mesh_shape[1] != world_size:
-            raise ValueError(f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} ranks")
-        return strategy_schedule(strategy, (mesh_shape[0], mesh_shape[1]), rotate_method, batch=batch, heads=heads, heads_kv=heads_kv,
-                                 seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, compiled=compiled,
-                                 head_chunks=head_chunks, return_lse=return_lse, head_dim_v=head_dim_v)
+            raise ValueError(
+                f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} ranks"
+            )
+        return strategy_schedule(
+            strategy,
+            (mesh_shape[0], mesh_shape[1]),
+            rotate_method,
+            batch=batch,
+            heads=heads,
+            heads_kv=heads_kv,
+            seq_q=seq_q,
+            seq_kv=seq_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+            compiled=compiled,
+            head_chunks=head_chunks,
+            return_lse=return_lse,
+            head_dim_v=head_dim_v,
+        )
     if mask is not None and halo is not False and world_size > 1 and strategy == "ring":
         folded = fold_causal(mask, is_causal)
         seq_q = seq_kv if seq_q is None else seq_q
-        refusal = halo_refusal(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
+        refusal = halo_refusal(
+            folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv
+        )
         if refusal is None:
-            _check_per_rank_path("this call takes the halo exchange, whose collectives differ between the end ranks "
-                                 "and the others", world_size, rotate_method, rank=rank, compiled=compiled, batch=batch,
-                                 heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype, head_dim_v=head_dim_v)
-            reach = halo_reach(folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv)
+            _check_per_rank_path(
+                "this call takes the halo exchange, whose collectives differ between the end ranks "
+                "and the others",
+                world_size,
+                rotate_method,
+                rank=rank,
+                compiled=compiled,
+                batch=batch,
+                heads_kv=heads_kv,
+                seq_kv=seq_kv,
+                head_dim=head_dim,
+                dtype=dtype,
+                head_dim_v=head_dim_v,
+            )
+            reach = halo_reach(
+                folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv
+            )
             assert reach is not None
-            return halo_schedule(world_size, rank, *reach, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
-                                 head_dim_v=head_dim_v)
+            return halo_schedule(
+                world_size,
+                rank,
+                *reach,
+                batch=batch,
+                heads_kv=heads_kv,
+                head_dim=head_dim,
+                dtype=dtype,
+                head_dim_v=head_dim_v,
+            )
         if halo:
-            raise ValueError(f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}")
-    return ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim,
-                         dtype=dtype, compiled=compiled, head_chunks=head_chunks, head_dim_v=head_dim_v)
+            raise ValueError(
+                f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}"
+            )
+    return ring_schedule(
+        world_size,
+        rotate_method,
+        batch=batch,
+        heads_kv=heads_kv,
+        seq_kv=seq_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        compiled=compiled,
+        head_chunks=head_chunks,
+        head_dim_v=head_dim_v,
+    )
 
 
 def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | None, bool]:
@@ -173,39 +251,113 @@ def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | 
     from .call import EXCHANGES, strategy_of
 
     if not isinstance(exchange, str) or exchange not in EXCHANGES:
-        raise ValueError(f"collective_schedule: unknown exchange {exchange!r}; expected one of {EXCHANGES}")
-    implied = (strategy_of(exchange), {"ring": False, "halo": True}.get(exchange), exchange == "gather")
+        raise ValueError(
+            f"collective_schedule: unknown exchange {exchange!r}; expected one of {EXCHANGES}"
+        )
+    implied = (
+        strategy_of(exchange),
+        {"ring": False, "halo": True}.get(exchange),
+        exchange == "gather",
+    )
     if (strategy, halo, sparse_kv) not in (("ring", None, False), implied):
-        raise ValueError(f"collective_schedule: exchange={exchange!r} contradicts strategy={strategy!r}, "
-                         f"halo={halo!r}, sparse_kv={sparse_kv!r}; pass exchange= alone")
+        raise ValueError(
+            f"collective_schedule: exchange={exchange!r} contradicts strategy={strategy!r}, "
+            f"halo={halo!r}, sparse_kv={sparse_kv!r}; pass exchange= alone"
+        )
     return implied
 
 
-def _gather_schedule(world_size, rotate_method, *, mask, is_causal, layout, rank, batch, heads, heads_kv, seq_q, seq_kv,
-                     head_dim, dtype, compiled, strategy, head_chunks, head_dim_v) -> Schedule:
+def _gather_schedule(
+    world_size,
+    rotate_method,
+    *,
+    mask,
+    is_causal,
+    layout,
+    rank,
+    batch,
+    heads,
+    heads_kv,
+    seq_q,
+    seq_kv,
+    head_dim,
+    dtype,
+    compiled,
+    strategy,
+    head_chunks,
+    head_dim_v,
+) -> Schedule:
     """The sparse gather's collectives on ``rank`` (ring_impl.kv_gather.gather_schedule)."""
     from .kv_gather import gather_plan, gather_refusal, gather_schedule
 
-    refusal = gather_refusal(mask, world_size=world_size, head_chunks=head_chunks, strategy=strategy)
+    refusal = gather_refusal(
+        mask, world_size=world_size, head_chunks=head_chunks, strategy=strategy
+    )
     if refusal is not None:
         raise ValueError(f"collective_schedule: {refusal}")
-    _check_per_rank_path("the sparse gather's collectives differ between ranks", world_size, rotate_method, rank=rank,
-                         compiled=compiled, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype,
-                         head_dim_v=head_dim_v)
-    plan = gather_plan(fold_causal(mask, is_causal), rank=rank, world_size=world_size, layout=layout, seq_q=seq_kv if seq_q is None else seq_q,
-                       seq_kv=seq_kv, batch=batch, heads=heads or 1)
-    return gather_schedule(plan, world_size=world_size, batch=batch, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
-                           head_dim_v=head_dim_v)
+    _check_per_rank_path(
+        "the sparse gather's collectives differ between ranks",
+        world_size,
+        rotate_method,
+        rank=rank,
+        compiled=compiled,
+        batch=batch,
+        heads_kv=heads_kv,
+        seq_kv=seq_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        head_dim_v=head_dim_v,
+    )
+    plan = gather_plan(
+        fold_causal(mask, is_causal),
+        rank=rank,
+        world_size=world_size,
+        layout=layout,
+        seq_q=seq_kv if seq_q is None else seq_q,
+        seq_kv=seq_kv,
+        batch=batch,
+        heads=heads or 1,
+    )
+    return gather_schedule(
+        plan,
+        world_size=world_size,
+        batch=batch,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        head_dim_v=head_dim_v,
+    )
 
 
-def _check_per_rank_path(why_rank: str, world_size: int, rotate_method: str, *, rank, compiled: bool, batch: int,
-                         heads_kv: int, seq_kv: int, head_dim: int, dtype: torch.dtype,
-                         head_dim_v: int | None = None) -> None:
+def _check_per_rank_path(
+    why_rank: str,
+    world_size: int,
+    rotate_method: str,
+    *,
+    rank,
+    compiled: bool,
+    batch: int,
+    heads_kv: int,
+    seq_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    head_dim_v: int | None = None,
+) -> None:
     """The checks of a masked path whose collectives depend on the rank (the halo exchange, the
     sparse gather): eager only, ``rank`` given, and the sizes as the ring checks them."""
     if compiled:
         raise ValueError("collective_schedule: mask= runs eagerly only (compiled=False)")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"collective_schedule: {why_rank}: pass rank= (0 <= rank < {world_size}), got {rank!r}")
-    ring_schedule(world_size, rotate_method, batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype,
-                  head_dim_v=head_dim_v)
+        raise ValueError(
+            f"collective_schedule: {why_rank}: pass rank= (0 <= rank < {world_size}), got {rank!r}"
+        )
+    ring_schedule(
+        world_size,
+        rotate_method,
+        batch=batch,
+        heads_kv=heads_kv,
+        seq_kv=seq_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        head_dim_v=head_dim_v,
+    )

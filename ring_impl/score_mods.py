@@ -400,11 +400,15 @@ def score_mod_problem(
     if strategy not in ("ring", "ulysses", "hybrid"):
         return None  # the strategy checks report it
     if exchange == "halo":
-        return ("exchange='halo' but the halo exchange takes no score_mod; pass exchange='auto' (a "
-                "masked call with a score_mod runs on the ring)")
+        return (
+            "exchange='halo' but the halo exchange takes no score_mod; pass exchange='auto' (a "
+            "masked call with a score_mod runs on the ring)"
+        )
     if exchange == "gather":
-        return ("exchange='gather' but the sparse gather takes no score_mod; pass exchange='auto' "
-                "(the ring runs it)")
+        return (
+            "exchange='gather' but the sparse gather takes no score_mod; pass exchange='auto' "
+            "(the ring runs it)"
+        )
     if op is not None and not getattr(op.capabilities, "score_mod", False):
         return (
             f"attention op {getattr(op, 'name', op)!r} cannot apply a score_mod (it does not "

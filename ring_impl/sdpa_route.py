@@ -56,7 +56,15 @@ from .layout import check_layout
 from .ops import AttentionOp, default_scale, get_op
 from .validate import InputError, routed_error
 
-__all__ = ["NEED_WEIGHTS_PROBLEM", "Route", "RouteMode", "active_route", "routed_sdpa", "routing", "sdpa_routed_to_ring"]
+__all__ = [
+    "NEED_WEIGHTS_PROBLEM",
+    "Route",
+    "RouteMode",
+    "active_route",
+    "routed_sdpa",
+    "routing",
+    "sdpa_routed_to_ring",
+]
 
 _BUILTIN_SDPA = torch._C._nn.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
@@ -68,7 +76,10 @@ _NEED_WEIGHTS_DEFAULT = _MHA_PARAMS["need_weights"].default
 # guards, and caches the result keyed by that graph alone), but inlines this copy like any
 # Python function: the routed SDPA call inside, and so the ring, become part of dynamo's graph.
 _MHA_FORWARD_INLINED = FunctionType(
-    _MHA_FORWARD.__code__, _MHA_FORWARD.__globals__, _MHA_FORWARD.__name__, _MHA_FORWARD.__defaults__,
+    _MHA_FORWARD.__code__,
+    _MHA_FORWARD.__globals__,
+    _MHA_FORWARD.__name__,
+    _MHA_FORWARD.__defaults__,
     _MHA_FORWARD.__closure__,
 )
 _MHA_FORWARD_INLINED.__kwdefaults__ = _MHA_FORWARD.__kwdefaults__
@@ -109,18 +120,46 @@ class Route:
         """A routed call of ``routed_from`` as a ring_attention :class:`~ring_impl.call.Call` on
         this route's group, layout, rotation, head chunks and strategy; ``problem``: the route's
         own refusal of the call (raised on every rank by the call's cross-rank check)."""
-        return Call(group=self.mesh if self.mesh is not None else self.group, layout=self.layout,
-                    rotate_method=api.get_rotate_method() if self.rotate_method is None else self.rotate_method,
-                    head_chunks=self.head_chunks, exchange="auto" if self.strategy == "ring" else self.strategy,
-                    problem=problem, routed_from=routed_from, **options)
+        return Call(
+            group=self.mesh if self.mesh is not None else self.group,
+            layout=self.layout,
+            rotate_method=api.get_rotate_method()
+            if self.rotate_method is None
+            else self.rotate_method,
+            head_chunks=self.head_chunks,
+            exchange="auto" if self.strategy == "ring" else self.strategy,
+            problem=problem,
+            routed_from=routed_from,
+            **options,
+        )
 
     def __post_init__(self) -> None:
-        op_key = self.op if self.op is None or isinstance(self.op, str) else f"{type(self.op).__qualname__}@{id(self.op):x}"
-        object.__setattr__(self, "key", (self.group.group_name, self.layout, self.rotate_method, op_key,
-                                         self.head_chunks, self.strategy, *self.kernel_ops))
+        op_key = (
+            self.op
+            if self.op is None or isinstance(self.op, str)
+            else f"{type(self.op).__qualname__}@{id(self.op):x}"
+        )
+        object.__setattr__(
+            self,
+            "key",
+            (
+                self.group.group_name,
+                self.layout,
+                self.rotate_method,
+                op_key,
+                self.head_chunks,
+                self.strategy,
+                *self.kernel_ops,
+            ),
+        )
 
-    def op_for(self, query: torch.Tensor, scale: float | None, is_causal: bool,
-               value: torch.Tensor | None = None) -> str | AttentionOp:
+    def op_for(
+        self,
+        query: torch.Tensor,
+        scale: float | None,
+        is_causal: bool,
+        value: torch.Tensor | None = None,
+    ) -> str | AttentionOp:
         """The op a routed call on ``query`` runs: the route's own, else the first enabled SDPA
         backend's op that takes the call (float64 on CUDA goes to ``math`` as SDPA sends it; a
         ``value`` whose head dim differs from query's to a backend that takes it), else the
@@ -128,12 +167,26 @@ class Route:
         if self.op is not None:
             return self.op
         names = next((names for kind, names in self.kernel_ops if kind == query.device.type), ())
-        effective = default_scale(query.shape[-1]) if scale is None else (
-            float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None)
+        effective = (
+            default_scale(query.shape[-1])
+            if scale is None
+            else (
+                float(scale)
+                if isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                else None
+            )
+        )
         for name in names:
             why = get_op(name).capabilities.unsupported(
-                query.device, query.dtype, query.shape[-1], scale=effective, is_causal=bool(is_causal),
-                head_dim_v=value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None)
+                query.device,
+                query.dtype,
+                query.shape[-1],
+                scale=effective,
+                is_causal=bool(is_causal),
+                head_dim_v=value.shape[-1]
+                if isinstance(value, torch.Tensor) and value.dim() >= 1
+                else None,
+            )
             if why is None:
                 return name
         return names[0] if names else "auto"
@@ -156,17 +209,30 @@ def _ops_from_sdpa_kernel(device_type: str) -> tuple[str, ...]:
     backends = torch.backends.cuda
     math = ("math",) if backends.math_sdp_enabled() else ()
     if device_type == "cpu":
-        fused = backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
+        fused = (
+            backends.flash_sdp_enabled()
+            or backends.mem_efficient_sdp_enabled()
+            or backends.cudnn_sdp_enabled()
+        )
         return ("cpu_flash", *math) if fused or not math else math
-    names = tuple(name for enabled, name in (
-        (backends.flash_sdp_enabled(), "cuda_flash"),
-        (backends.cudnn_sdp_enabled(), "cudnn"),
-        (backends.mem_efficient_sdp_enabled(), "cuda_efficient"),
-    ) if enabled) + math
+    names = (
+        tuple(
+            name
+            for enabled, name in (
+                (backends.flash_sdp_enabled(), "cuda_flash"),
+                (backends.cudnn_sdp_enabled(), "cudnn"),
+                (backends.mem_efficient_sdp_enabled(), "cuda_efficient"),
+            )
+            if enabled
+        )
+        + math
+    )
     return names or ("math",)
 
 
-def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def routed_sdpa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """``scaled_dot_product_attention`` as ring attention over the active route's group.
 
     query (batch, heads, seq_local, head_dim) or unbatched (heads, seq_local, head_dim); key and
@@ -175,8 +241,16 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     """
     route = active_route()
     if route is None:
-        return _BUILTIN_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                             scale=scale, enable_gqa=enable_gqa)
+        return _BUILTIN_SDPA(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     problem = None
     if attn_mask is not None:
         problem = (
@@ -185,7 +259,12 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         )
     elif dropout_p:
         problem = f"dropout_p={dropout_p} is not supported under context parallel; set attention dropout to 0"
-    elif isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() and query.dim() >= 3:
+    elif (
+        isinstance(query, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and query.dim() == key.dim()
+        and query.dim() >= 3
+    ):
         if query.shape[-3] != key.shape[-3] and not enable_gqa:
             problem = (
                 f"query has {query.shape[-3]} heads but key/value have {key.shape[-3]}; "
@@ -194,10 +273,19 @@ def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
     if squeeze:  # (heads, seq, dim): the unbatched form SDPA accepts
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    op = route.op_for(query, scale, is_causal, value) if isinstance(query, torch.Tensor) else route.op
+    op = (
+        route.op_for(query, scale, is_causal, value)
+        if isinstance(query, torch.Tensor)
+        else route.op
+    )
     # Refusals name the function called, compiled too (routed_from).
-    call = route.call(is_causal=is_causal, scale=scale, op=op, problem=problem,
-                      routed_from="scaled_dot_product_attention")
+    call = route.call(
+        is_causal=is_causal,
+        scale=scale,
+        op=op,
+        problem=problem,
+        routed_from="scaled_dot_product_attention",
+    )
     out = api.attend(api.ring_attention.bound, call, query, key, value)
     return out.squeeze(0) if squeeze else out
 
@@ -236,7 +324,9 @@ def _weights_refused_in_graph(route: Route, args: tuple, kwargs: dict):
     from .compiled_masks import describe_call
 
     query, key = _mha_arg(args, kwargs, "query"), _mha_arg(args, kwargs, "key")
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() in (2, 3)):
+    if not (
+        isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() in (2, 3)
+    ):
         return None
     call = route.call(problem=NEED_WEIGHTS_PROBLEM, routed_from="multi_head_attention_forward")
     described = describe_call(api.ring_attention.impl_name, query, query, call)
@@ -246,8 +336,15 @@ def _weights_refused_in_graph(route: Route, args: tuple, kwargs: dict):
     lengths = [int(query.shape[0]), int(key.shape[0])]  # (L, S)
     batch = [int(query.shape[1])] if query.dim() == 3 else []
     per_head = [] if _mha_arg(args, kwargs, "average_attn_weights") else [heads]
-    out, weights = torch.ops.ring_impl.refuse(query, query, query, None, described[0], [int(n) for n in query.shape],
-                                              [*batch, *per_head, *lengths])
+    out, weights = torch.ops.ring_impl.refuse(
+        query,
+        query,
+        query,
+        None,
+        described[0],
+        [int(n) for n in query.shape],
+        [*batch, *per_head, *lengths],
+    )
     return out, weights.to(query.dtype)
 
 
@@ -305,13 +402,20 @@ class RouteMode(TorchFunctionMode):
     def check_attention_weights(self, route: Route, args: tuple, kwargs: dict) -> None:
         """Reject ``F.multi_head_attention_forward(..., need_weights=True)`` on every rank."""
         if _needs_weights(args, kwargs):
-            _reject_on_every_rank(route, NEED_WEIGHTS_PROBLEM, args[0] if args else kwargs.get("query"))
+            _reject_on_every_rank(
+                route, NEED_WEIGHTS_PROBLEM, args[0] if args else kwargs.get("query")
+            )
 
 
 @contextlib.contextmanager
 def sdpa_routed_to_ring(
-    group, *, layout: str = "head_tail", rotate_method: str | None = None, op: str | AttentionOp | None = None,
-    head_chunks: int = 1, strategy: str = "ring",
+    group,
+    *,
+    layout: str = "head_tail",
+    rotate_method: str | None = None,
+    op: str | AttentionOp | None = None,
+    head_chunks: int = 1,
+    strategy: str = "ring",
 ) -> Iterator[None]:
     """While active, SDPA calls run as ring (or Ulysses) attention over ``group`` (no buffer sharding)."""
     check_layout(layout)
@@ -330,7 +434,11 @@ def routing(route: Route, *, mode_type: type[TorchFunctionMode] | None = None) -
         _SAVED_SDPA.append(F.scaled_dot_product_attention)
         F.scaled_dot_product_attention = routed_sdpa
         flex_route.install(active_route)
-    _ROUTES.append(replace(route, kernel_ops=tuple((kind, _ops_from_sdpa_kernel(kind)) for kind in ("cpu", "cuda"))))
+    _ROUTES.append(
+        replace(
+            route, kernel_ops=tuple((kind, _ops_from_sdpa_kernel(kind)) for kind in ("cpu", "cuda"))
+        )
+    )
     try:
         with (mode_type or RouteMode)():
             yield

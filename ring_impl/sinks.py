@@ -26,11 +26,15 @@ def sinks_problem(sinks, heads: int) -> str | None:
     if sinks.device.type == "meta":
         return "sinks are on the meta device, which holds no values: give them on the inputs' device (or the CPU)"
     if tuple(sinks.shape) != (heads,):
-        return f"sinks must have shape ({heads},), one logit per query head, got {tuple(sinks.shape)}"
+        return (
+            f"sinks must have shape ({heads},), one logit per query head, got {tuple(sinks.shape)}"
+        )
     return None
 
 
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def with_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """out (batch, heads, rows, head_dim) in the input dtype, lse (batch, heads, rows) in the
     accumulation dtype, sinks (heads,) -> the same with the sink term, differentiable in all three."""
     s = sinks.to(device=lse.device, dtype=lse.dtype).view(1, -1, 1)

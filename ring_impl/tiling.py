@@ -39,8 +39,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CALL_COST", "Call", "Segment", "call_cost_for", "row_runs", "row_segments", "segments_from_bounds",
-           "split_visibility"]
+__all__ = [
+    "CALL_COST",
+    "Call",
+    "Segment",
+    "call_cost_for",
+    "row_runs",
+    "row_segments",
+    "segments_from_bounds",
+    "split_visibility",
+]
 
 #: Score entries one kernel call costs beyond its area on CPU (forward + backward through the
 #: ring: slicing, the kernel's fixed cost, NaN propagation, the merge): about a 64 x 64 block,
@@ -113,15 +121,21 @@ def row_segments(seen: torch.Tensor, every: torch.Tensor | None) -> list[Segment
     rows, cols = seen.shape
     row, lo, hi = row_runs(seen)
     count = torch.bincount(row, minlength=rows)
-    first = torch.full((rows,), cols, dtype=torch.int64, device=seen.device).scatter_reduce(0, row, lo, "amin")
-    last = torch.zeros(rows, dtype=torch.int64, device=seen.device).scatter_reduce(0, row, hi, "amax")
+    first = torch.full((rows,), cols, dtype=torch.int64, device=seen.device).scatter_reduce(
+        0, row, lo, "amin"
+    )
+    last = torch.zeros(rows, dtype=torch.int64, device=seen.device).scatter_reduce(
+        0, row, hi, "amax"
+    )
     ok = count == 1
     if every is not None:
         ok &= (seen == every).all(1)
     return segments_from_bounds(first.tolist(), last.tolist(), ok.tolist(), (count > 0).tolist())
 
 
-def segments_from_bounds(lo_l: list[int], hi_l: list[int], ok_l: list[bool], any_l: list[bool]) -> list[Segment]:
+def segments_from_bounds(
+    lo_l: list[int], hi_l: list[int], ok_l: list[bool], any_l: list[bool]
+) -> list[Segment]:
     """Row segments from each row's key bounds ``[lo, hi)``, whether the row sees exactly that
     interval (``ok``) and anything at all (``any``)."""
     segs: list[Segment] = []
@@ -148,7 +162,9 @@ def segments_from_bounds(lo_l: list[int], hi_l: list[int], ok_l: list[bool], any
     return segs
 
 
-def _segment_calls(s: Segment, seen: torch.Tensor, call_cost: int, tile: int) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+def _segment_calls(
+    s: Segment, seen: torch.Tensor, call_cost: int, tile: int
+) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
     """The calls of one segment (masked ones without their visibility yet)."""
     n = s.r1 - s.r0
     if (s.regular and (s.dlo, s.dhi) == (0, 0)) or (n == 1 and s.regular):
@@ -179,7 +195,7 @@ def _segment_calls(s: Segment, seen: torch.Tensor, call_cost: int, tile: int) ->
             u = t
             while u < len(tiles) and tiles[u]:
                 u += 1
-            hit = cols_seen[t * tile:min(u * tile, width)].nonzero().flatten()
+            hit = cols_seen[t * tile : min(u * tile, width)].nonzero().flatten()
             calls.append(("masked", (a, b), (t * tile + int(hit[0]), t * tile + int(hit[-1]) + 1)))
             t = u
     return calls
@@ -189,19 +205,23 @@ def _classify(kind: str, rows: tuple[int, int], cols: tuple[int, int], vis: torc
     """A masked rectangle that is in fact full or causal becomes that kind; else carries its visibility."""
     if kind != "masked":
         return kind, rows, cols, None
-    trimmed = vis[..., rows[0]:rows[1], cols[0]:cols[1]].any(0).any(0)
+    trimmed = vis[..., rows[0] : rows[1], cols[0] : cols[1]].any(0).any(0)
     r_any, c_any = trimmed.any(1).nonzero().flatten(), trimmed.any(0).nonzero().flatten()
     r0, r1 = rows[0] + int(r_any[0]), rows[0] + int(r_any[-1]) + 1
     c0, c1 = cols[0] + int(c_any[0]), cols[0] + int(c_any[-1]) + 1
     box = vis[..., r0:r1, c0:c1]
     if bool(box.all()):
         return "full", (r0, r1), (c0, c1), None
-    if r1 - r0 == c1 - c0 and bool((box == torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=box.device).tril()).all()):
+    if r1 - r0 == c1 - c0 and bool(
+        (box == torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=box.device).tril()).all()
+    ):
         return "causal", (r0, r1), (c0, c1), None
     return "masked", (r0, r1), (c0, c1), box.contiguous()
 
 
-def split_visibility(vis: torch.Tensor, *, call_cost: int = CALL_COST, tile: int = TILE) -> list[Call]:
+def split_visibility(
+    vis: torch.Tensor, *, call_cost: int = CALL_COST, tile: int = TILE
+) -> list[Call]:
     """The kernel calls covering ``vis`` (batch or 1, heads or 1, rows, cols) bool (module
     docstring), in row order; none when nothing is visible."""
     seen = vis.any(0).any(0)

@@ -44,8 +44,22 @@ __all__ = [
 #: Fields compared across ranks; each must be equal on every rank. (``op``: different kernels on
 #: different ranks would still give a valid result, but is always a mistake: rejected too.)
 SIGNATURE_FIELDS = (
-    "batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "head_dim_v", "dtype", "device", "is_causal", "scale",
-    "layout", "rotate_method", "op", "head_chunks", "mask",
+    "batch",
+    "heads",
+    "heads_kv",
+    "seq_q",
+    "seq_kv",
+    "head_dim",
+    "head_dim_v",
+    "dtype",
+    "device",
+    "is_causal",
+    "scale",
+    "layout",
+    "rotate_method",
+    "op",
+    "head_chunks",
+    "mask",
 )
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -72,8 +86,9 @@ STRATEGIES = ("ring", "ulysses", "hybrid")
 STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse", "return_max_logit")
 
 
-def strategy_codes(strategy: str, mesh_shape: tuple[int, int], return_lse,
-                   return_max_logit=False) -> list[int]:
+def strategy_codes(
+    strategy: str, mesh_shape: tuple[int, int], return_lse, return_max_logit=False
+) -> list[int]:
     """A row's :data:`STRATEGY_FIELDS`. The ring compares no ``return_lse`` (nothing of the LSE
     travels): 0. ``return_max_logit`` adds the ring's all-reduce of the max logit: ranks that
     disagree on it would pair it with another collective."""
@@ -93,14 +108,24 @@ def strategy_disagreement(codes: list[list[int]]) -> str | None:
         for r, row in enumerate(codes):
             values.setdefault(row[i], []).append(r)
         if len(values) > 1:
-            shown = {"strategy": lambda c: repr(STRATEGIES[c]),
-                     "return_lse": lambda c: str(bool(c)),
-                     "return_max_logit": lambda c: str(bool(c))}.get(field, str)
-            differing.append(f"{field} (" + "; ".join(f"ranks {ranks} {shown(c)}" for c, ranks in values.items()) + ")")
+            shown = {
+                "strategy": lambda c: repr(STRATEGIES[c]),
+                "return_lse": lambda c: str(bool(c)),
+                "return_max_logit": lambda c: str(bool(c)),
+            }.get(field, str)
+            differing.append(
+                f"{field} ("
+                + "; ".join(f"ranks {ranks} {shown(c)}" for c, ranks in values.items())
+                + ")"
+            )
     if not differing:
         return None
-    return ("ranks disagree on " + ", ".join(differing) + "; every rank must call the same strategy with the same "
-            "options (return_lse too: under Ulysses and the hybrid the LSE travels in the all-to-all)")
+    return (
+        "ranks disagree on "
+        + ", ".join(differing)
+        + "; every rank must call the same strategy with the same "
+        "options (return_lse too: under Ulysses and the hybrid the LSE travels in the all-to-all)"
+    )
 
 
 def exchange_nbytes(world_size: int) -> int:
@@ -110,8 +135,10 @@ def exchange_nbytes(world_size: int) -> int:
 
 
 def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool) or (type(value).__name__ == "bool_" and value in (True, False)) or (
-        isinstance(value, int) and value in (0, 1)
+    return (
+        isinstance(value, bool)
+        or (type(value).__name__ == "bool_" and value in (True, False))
+        or (isinstance(value, int) and value in (0, 1))
     )
 
 
@@ -124,23 +151,58 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def local_problem(
-    query, key, value, *, is_causal, scale, layout, rotate_method, op: AttentionOp | None,
-    op_error: str | None, head_chunks=1, return_lse=False, world_size: int | None = None,
+    query,
+    key,
+    value,
+    *,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    op: AttentionOp | None,
+    op_error: str | None,
+    head_chunks=1,
+    return_lse=False,
+    world_size: int | None = None,
 ) -> str | None:
     """Everything one rank can check alone; returns the problem or None. Never raises.
 
     world_size: the ring's size, to check the local lengths against the layout (None: not checked
     beyond the built-in layouts' own rule)."""
     try:
-        return _local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
-                              rotate_method=rotate_method, op=op, op_error=op_error, head_chunks=head_chunks,
-                              return_lse=return_lse, world_size=world_size)
+        return _local_problem(
+            query,
+            key,
+            value,
+            is_causal=is_causal,
+            scale=scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op,
+            op_error=op_error,
+            head_chunks=head_chunks,
+            return_lse=return_lse,
+            world_size=world_size,
+        )
     except Exception as exc:  # a check that trips over an argument is still a problem, not a crash
         return f"invalid arguments ({type(exc).__name__}: {exc})"
 
 
-def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, op, op_error, head_chunks,
-                   return_lse, world_size=None) -> str | None:
+def _local_problem(
+    query,
+    key,
+    value,
+    *,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    op,
+    op_error,
+    head_chunks,
+    return_lse,
+    world_size=None,
+) -> str | None:
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         if _is_dtensor(t):
@@ -165,8 +227,10 @@ def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method
     if query.device.type not in _DEVICE_TYPES:
         return f"device {query.device} is not supported; use one of {_DEVICE_TYPES}"
     if key.shape[:3] != value.shape[:3]:
-        return (f"key and value shapes differ before the head dim: {tuple(key.shape)} vs {tuple(value.shape)}; "
-                "they must agree on (batch, heads_kv, seq_kv_local) (value's head dim may differ)")
+        return (
+            f"key and value shapes differ before the head dim: {tuple(key.shape)} vs {tuple(value.shape)}; "
+            "they must agree on (batch, heads_kv, seq_kv_local) (value's head dim may differ)"
+        )
     b, h, sq, d = query.shape
     bk, hkv, skv, dk = key.shape
     dv = value.shape[-1]
@@ -206,18 +270,29 @@ def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method
     chunks_problem = check_head_chunks(head_chunks, hkv)
     if chunks_problem is not None:
         return chunks_problem
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+    ):
         return f"scale must be a finite number or None, got {scale!r}"
     if op_error is not None:
         return op_error
     if op is None:
         return "no attention op resolved"
     effective_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    why = op.capabilities.unsupported(query.device, query.dtype, d, scale=effective_scale, is_causal=bool(is_causal),
-                                      head_dim_v=dv)
+    why = op.capabilities.unsupported(
+        query.device,
+        query.dtype,
+        d,
+        scale=effective_scale,
+        is_causal=bool(is_causal),
+        head_dim_v=dv,
+    )
     if why is not None:
-        hint = (" (op='auto' picks one that takes value's head dim; ring_impl.available_ops() lists them all)"
-                if dv != d and not getattr(op.capabilities, "value_head_dim", False) else "")
+        hint = (
+            " (op='auto' picks one that takes value's head dim; ring_impl.available_ops() lists them all)"
+            if dv != d and not getattr(op.capabilities, "value_head_dim", False)
+            else ""
+        )
         return f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}; choose another op={hint}"
     return None
 
@@ -239,7 +314,11 @@ def layout_code(layout: str, world_size: int | None = None, seq_q: int = 0, seq_
     text = layout
     if world_size is not None:
         try:
-            runs = [layout_runs(layout, n * world_size, world_size, r) for n in (seq_q, seq_kv) for r in range(world_size)]
+            runs = [
+                layout_runs(layout, n * world_size, world_size, r)
+                for n in (seq_q, seq_kv)
+                for r in range(world_size)
+            ]
             text += "|" + repr(runs)
         except ValueError:
             # Lengths the layout cannot split: a call that needs no positions (non-causal,
@@ -259,8 +338,20 @@ def layout_names(world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0)
     return names
 
 
-def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method: str, op: AttentionOp,
-              head_chunks: int, mask_code: int = 0, world_size: int | None = None, value=None) -> list[int]:
+def signature(
+    query,
+    key,
+    *,
+    is_causal,
+    scale: float,
+    layout: str,
+    rotate_method: str,
+    op: AttentionOp,
+    head_chunks: int,
+    mask_code: int = 0,
+    world_size: int | None = None,
+    value=None,
+) -> list[int]:
     """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
     local problem); ``world_size``: the ring's, whose layout positions are compared too
     (:func:`layout_code`); ``value``: the call's (its head dim; None: key's)."""
@@ -268,9 +359,22 @@ def signature(query, key, *, is_causal, scale: float, layout: str, rotate_method
     hkv, skv = key.shape[1], key.shape[2]
     dv = key.shape[-1] if value is None else value.shape[-1]
     return [
-        b, h, hkv, sq, skv, d, dv, _DTYPES.index(query.dtype), _DEVICE_TYPES.index(query.device.type), int(bool(is_causal)),
-        _scale_code(scale), layout_code(layout, world_size, sq, skv), rotate_methods().index(rotate_method),
-        _op_code(op), head_chunks, mask_code,
+        b,
+        h,
+        hkv,
+        sq,
+        skv,
+        d,
+        dv,
+        _DTYPES.index(query.dtype),
+        _DEVICE_TYPES.index(query.device.type),
+        int(bool(is_causal)),
+        _scale_code(scale),
+        layout_code(layout, world_size, sq, skv),
+        rotate_methods().index(rotate_method),
+        _op_code(op),
+        head_chunks,
+        mask_code,
     ]
 
 
@@ -287,8 +391,10 @@ def _shown(field: str, code: int, op_names: dict[int, str], layout_names: dict[i
     if field == "layout":
         if code in layout_names:
             return repr(layout_names[code])
-        return (f"layout #{code:#010x} (none registered here holds those positions: a name registered with other "
-                "runs on another rank?)")
+        return (
+            f"layout #{code:#010x} (none registered here holds those positions: a name registered with other "
+            "runs on another rank?)"
+        )
     if field == "rotate_method":
         return repr(rotate_methods()[code])
     if field == "op":
@@ -312,7 +418,9 @@ def _ranks(ranks: list[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)
 
 
-def disagreement(table: list[list[int]], op_names: dict[int, str], layout_names: dict[int, str]) -> str | None:
+def disagreement(
+    table: list[list[int]], op_names: dict[int, str], layout_names: dict[int, str]
+) -> str | None:
     """Which signature fields differ between the ranks' rows, in words, or None; ``op_names`` and
     ``layout_names`` name the codes this rank knows."""
     differing = []
@@ -321,20 +429,38 @@ def disagreement(table: list[list[int]], op_names: dict[int, str], layout_names:
         for rank, row in enumerate(table):
             by_value.setdefault(row[i], []).append(rank)
         if len(by_value) > 1:
-            held = "; ".join(f"{_ranks(ranks)} {_shown(field, code, op_names, layout_names)}"
-                             for code, ranks in by_value.items())
+            held = "; ".join(
+                f"{_ranks(ranks)} {_shown(field, code, op_names, layout_names)}"
+                for code, ranks in by_value.items()
+            )
             differing.append(f"{field} ({held})")
     if not differing:
         return None
-    text = "ranks disagree on " + ", ".join(differing) + "; every rank must pass shards of equal shape and the same options"
+    text = (
+        "ranks disagree on "
+        + ", ".join(differing)
+        + "; every rank must pass shards of equal shape and the same options"
+    )
     if any(f.startswith(("seq_q", "seq_kv")) for f in differing):
         text += " (local lengths differ: pad the global sequence to a multiple of the layout's chunk count, W or 2W)"
     return text
 
 
 def agree_across_ranks(
-    problem: str | None, query, key, *, is_causal, scale: float | None, layout, rotate_method, op: AttentionOp | None,
-    head_chunks=1, return_lse=False, group: dist.ProcessGroup, device: torch.device, mask_code: int = 0,
+    problem: str | None,
+    query,
+    key,
+    *,
+    is_causal,
+    scale: float | None,
+    layout,
+    rotate_method,
+    op: AttentionOp | None,
+    head_chunks=1,
+    return_lse=False,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    mask_code: int = 0,
     return_max_logit: bool = False,
     value=None,
 ) -> None:
@@ -348,8 +474,17 @@ def agree_across_ranks(
     else:
         assert op is not None and scale is not None
         table[rank * n + 1 : (rank + 1) * n] = signature(
-            query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks, mask_code=mask_code, world_size=world, value=value,
+            query,
+            key,
+            is_causal=is_causal,
+            scale=scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op,
+            head_chunks=head_chunks,
+            mask_code=mask_code,
+            world_size=world,
+            value=value,
         ) + strategy_codes("ring", (1, world), return_lse, return_max_logit)
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
@@ -368,6 +503,9 @@ def agree_across_ranks(
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = 1 + len(SIGNATURE_FIELDS)
     names = layout_names(world, query.shape[2], key.shape[2])
-    texts = [disagreement([row[1:base] for row in rows], op_names, names), strategy_disagreement([row[base:] for row in rows])]
+    texts = [
+        disagreement([row[1:base] for row in rows], op_names, names),
+        strategy_disagreement([row[base:] for row in rows]),
+    ]
     if any(texts):
         raise InputError(f"ring_attention (rank {rank}): " + "; ".join(t for t in texts if t))

@@ -29,7 +29,9 @@ class RingCase:
     is_causal: bool = False
     layout: str = "contiguous"
     rotate_method: str = "allgather"
-    op: str | None = None  # a registered op name or "package.module:object"; None: the impl's choice
+    op: str | None = (
+        None  # a registered op name or "package.module:object"; None: the impl's choice
+    )
     impl: str | None = None  # implementation spec; None: RING_IMPL or the default
     return_lse: bool = True
     backward: bool = True
@@ -37,7 +39,9 @@ class RingCase:
     account: bool = False  # record collectives per phase
     record: bool = False  # record per-step partials (diagnosis)
     count_work: bool = False  # count attention score entries per rank (load balance)
-    extras: tuple[tuple[str, Any], ...] = field(default=())  # extra keyword arguments for ring_attention
+    extras: tuple[tuple[str, Any], ...] = field(
+        default=()
+    )  # extra keyword arguments for ring_attention
 
     def with_(self, **changes: Any) -> RingCase:
         return replace(self, **changes)
@@ -75,7 +79,9 @@ class CountingOp:
     def call_work(query, key, *, is_causal: bool, attn_mask=None) -> int:
         sq, sk = query.shape[2], key.shape[2]
         if attn_mask is not None:
-            seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")  # additive: -inf hides
+            seen = (
+                attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+            )  # additive: -inf hides
             seen = seen if seen.dim() == 2 else seen.reshape(-1, *seen.shape[-2:]).any(0)
             if is_causal:
                 seen = seen & torch.ones(sq, sk, dtype=torch.bool, device=seen.device).tril()
@@ -90,7 +96,9 @@ class CountingOp:
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, **kwargs):
         # kwargs: attn_mask for a masked block, grad_lse for ops that declare lse_grad
-        return self.inner.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **kwargs)
+        return self.inner.backward(
+            grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **kwargs
+        )
 
 
 def resolve_case_op(case: RingCase, device: torch.device):
@@ -98,8 +106,13 @@ def resolve_case_op(case: RingCase, device: torch.device):
     from ring_impl.ops import resolve_op
 
     if case.op is None:
-        return resolve_op("auto", device, case.inputs.torch_dtype, case.inputs.head_dim,
-                          head_dim_v=case.inputs.value_head_dim)
+        return resolve_op(
+            "auto",
+            device,
+            case.inputs.torch_dtype,
+            case.inputs.head_dim,
+            head_dim_v=case.inputs.value_head_dim,
+        )
     return load_op(case.op)
 
 
@@ -117,8 +130,12 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
     caps = impl.capabilities
     inp = local_inputs(case.inputs, case.layout, ctx.world_size, ctx.rank, ctx.device)
     kwargs: dict[str, Any] = dict(
-        group=ctx.group, is_causal=case.is_causal, scale=case.inputs.scale,
-        rotate_method=case.rotate_method, layout=case.layout, return_lse=case.return_lse,
+        group=ctx.group,
+        is_causal=case.is_causal,
+        scale=case.inputs.scale,
+        rotate_method=case.rotate_method,
+        layout=case.layout,
+        return_lse=case.return_lse,
     )
     kwargs.update(case.extras)
     op = None
@@ -128,7 +145,9 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
             op = CountingOp(op)
     if op is not None:
         if not caps.claims("ops", "*"):
-            raise ValueError(f"{impl.name} does not accept op objects (it {caps.lacking('ops', '*')})")
+            raise ValueError(
+                f"{impl.name} does not accept op objects (it {caps.lacking('ops', '*')})"
+            )
         kwargs["op"] = op
 
     fn = impl.obj.ring_attention

@@ -67,13 +67,21 @@ def context_parallel_case(ctx, impl_spec, layout: str, is_causal: bool, dtype_na
     dtype = getattr(torch, dtype_name)
     w = ctx.world_size
     gen = torch.Generator().manual_seed(1234)
-    q, k, v = (torch.randn(2, 4, 8 * w, 16, generator=gen, dtype=torch.float64).to(dtype).to(ctx.device) for _ in range(3))
+    q, k, v = (
+        torch.randn(2, 4, 8 * w, 16, generator=gen, dtype=torch.float64).to(dtype).to(ctx.device)
+        for _ in range(3)
+    )
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     sdpa_before = F.scaled_dot_product_attention
     bufs = [t.clone() for t in (q, k, v)]
     kept = torch.arange(8 * w, dtype=torch.float64).reshape(1, 8 * w)  # left sharded on exit
-    with api.context_parallel(_mesh(ctx), buffers=[*bufs, kept], buffer_seq_dims=[2, 2, 2, 1],
-                              no_restore_buffers={kept}, layout=layout):
+    with api.context_parallel(
+        _mesh(ctx),
+        buffers=[*bufs, kept],
+        buffer_seq_dims=[2, 2, 2, 1],
+        no_restore_buffers={kept},
+        layout=layout,
+    ):
         inside_shapes = [tuple(b.shape) for b in bufs]
         inside_q = bufs[0].clone()
         routed = F.scaled_dot_product_attention is not sdpa_before
@@ -87,7 +95,11 @@ def context_parallel_case(ctx, impl_spec, layout: str, is_causal: bool, dtype_na
         "inside_q_matches_shard": torch.equal(inside_q, shard(q, layout, w, ctx.rank, dim=2)),
         "restored": all(torch.equal(b, t) for b, t in zip(bufs, (q, k, v))),
         "kept_positions": kept.flatten().tolist(),
-        "expected_kept": shard(torch.arange(8 * w, dtype=torch.float64).reshape(1, 8 * w), layout, w, ctx.rank, dim=1).flatten().tolist(),
+        "expected_kept": shard(
+            torch.arange(8 * w, dtype=torch.float64).reshape(1, 8 * w), layout, w, ctx.rank, dim=1
+        )
+        .flatten()
+        .tolist(),
         "routed_inside": routed,
         "sdpa_restored": F.scaled_dot_product_attention is sdpa_before,
     }
@@ -106,7 +118,11 @@ def context_parallel_exception_case(ctx, impl_spec) -> dict:
             raise KeyError("boom inside the context")
     except KeyError:
         raised = True
-    return {"raised": raised, "restored": torch.equal(buf, original), "sdpa_restored": F.scaled_dot_product_attention is sdpa_before}
+    return {
+        "raised": raised,
+        "restored": torch.equal(buf, original),
+        "sdpa_restored": F.scaled_dot_product_attention is sdpa_before,
+    }
 
 
 def tutorial_case(ctx, impl_spec) -> dict:
@@ -118,7 +134,12 @@ def tutorial_case(ctx, impl_spec) -> dict:
     batch, nheads, qkv_len, dim = 8, 8, 64, 32
     backend = SDPBackend.FLASH_ATTENTION
     dtype = torch.bfloat16
-    qkv = [torch.rand((batch, nheads, qkv_len, dim), dtype=dtype, requires_grad=True, device=ctx.device) for _ in range(3)]
+    qkv = [
+        torch.rand(
+            (batch, nheads, qkv_len, dim), dtype=dtype, requires_grad=True, device=ctx.device
+        )
+        for _ in range(3)
+    ]
     with sdpa_kernel(backend):
         out = F.scaled_dot_product_attention(*qkv, is_causal=True)
     cp_qkv = [t.detach().clone() for t in qkv]
@@ -127,12 +148,17 @@ def tutorial_case(ctx, impl_spec) -> dict:
             cp_out = F.scaled_dot_product_attention(*cp_qkv, is_causal=True)
         (cp_out,) = api.context_parallel_unshard(_mesh(ctx), [cp_out], [2])
     atol = 1e-03 * ctx.world_size
-    return {"max_diff": (cp_out.float() - out.float()).abs().max().item(), "atol": atol,
-            "allclose": bool(torch.allclose(cp_out, out, atol=atol))}
+    return {
+        "max_diff": (cp_out.float() - out.float()).abs().max().item(),
+        "atol": atol,
+        "allclose": bool(torch.allclose(cp_out, out, atol=atol)),
+    }
 
 
 def _param_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n: p.grad.detach().clone().cpu() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def encoder_case(ctx, impl_spec, layout: str) -> dict:
@@ -151,20 +177,31 @@ def encoder_case(ctx, impl_spec, layout: str) -> dict:
     seq = 8 * w
     x = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
     grad_out = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
-    mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64, device=ctx.device)
+    mask = nn.Transformer.generate_square_subsequent_mask(
+        seq, dtype=torch.float64, device=ctx.device
+    )
     ref_out = reference(x, mask=mask, is_causal=True)
     (ref_out * grad_out).sum().backward()
 
     for layer in model.layers:
         parallelize_module(layer, _mesh(ctx), api.ContextParallel(layout=layout))
-    x_local, g_local = shard(x, layout, w, ctx.rank, dim=1), shard(grad_out, layout, w, ctx.rank, dim=1)
-    local_mask = nn.Transformer.generate_square_subsequent_mask(seq // w, dtype=torch.float64, device=ctx.device)
+    x_local, g_local = (
+        shard(x, layout, w, ctx.rank, dim=1),
+        shard(grad_out, layout, w, ctx.rank, dim=1),
+    )
+    local_mask = nn.Transformer.generate_square_subsequent_mask(
+        seq // w, dtype=torch.float64, device=ctx.device
+    )
     out = model(x_local, mask=local_mask, is_causal=True)
     (out * g_local).sum().backward()
     for p in model.parameters():
         torch.distributed.all_reduce(p.grad, group=ctx.group)
-    return {"out": _gather(ctx, out, layout, 1).cpu(), "ref_out": ref_out.detach().cpu(),
-            "grads": _param_grads(model), "ref_grads": _param_grads(reference)}
+    return {
+        "out": _gather(ctx, out, layout, 1).cpu(),
+        "ref_out": ref_out.detach().cpu(),
+        "grads": _param_grads(model),
+        "ref_grads": _param_grads(reference),
+    }
 
 
 def llama_case(ctx, impl_spec, layout: str) -> dict:
@@ -185,23 +222,33 @@ def llama_case(ctx, impl_spec, layout: str) -> dict:
     (ref_logits * grad_out).sum().backward()
 
     tok, g = tokens.clone(), grad_out.clone()
-    with api.context_parallel(_mesh(ctx), buffers=[tok, g, model.rope_cos, model.rope_sin],
-                              buffer_seq_dims=[1, 1, 0, 0], layout=layout):
+    with api.context_parallel(
+        _mesh(ctx),
+        buffers=[tok, g, model.rope_cos, model.rope_sin],
+        buffer_seq_dims=[1, 1, 0, 0],
+        layout=layout,
+    ):
         logits = model(tok)
         (logits * g).sum().backward()
         full = _gather(ctx, logits, layout, 1)
     for p in model.parameters():
         torch.distributed.all_reduce(p.grad, group=ctx.group)
-    return {"out": full.cpu(), "ref_out": ref_logits.detach().cpu(), "grads": _param_grads(model),
-            "ref_grads": _param_grads(reference),
-            "rope_restored": model.rope_cos.shape[0] == seq}
+    return {
+        "out": full.cpu(),
+        "ref_out": ref_logits.detach().cpu(),
+        "grads": _param_grads(model),
+        "ref_grads": _param_grads(reference),
+        "rope_restored": model.rope_cos.shape[0] == seq,
+    }
 
 
 # ---------------------------------------------------------------------- silent fallbacks
 
 
 def _encoder_layer(device) -> nn.TransformerEncoderLayer:
-    return nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, dtype=torch.float64).to(device)
+    return nn.TransformerEncoderLayer(
+        32, 4, 64, dropout=0.0, batch_first=True, dtype=torch.float64
+    ).to(device)
 
 
 def compiled_module_case(ctx, impl_spec, backend: str, layout: str) -> dict:
@@ -221,14 +268,21 @@ def compiled_module_case(ctx, impl_spec, backend: str, layout: str) -> dict:
     seq = 8 * w
     x = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
     grad_out = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
-    mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64, device=ctx.device)
+    mask = nn.Transformer.generate_square_subsequent_mask(
+        seq, dtype=torch.float64, device=ctx.device
+    )
     ref_out = reference(x, src_mask=mask, is_causal=True)
     (ref_out * grad_out).sum().backward()
 
     parallelize_module(layer, _mesh(ctx), api.ContextParallel(layout=layout))
     compiled = torch.compile(layer, backend=backend)
-    x_local, g_local = shard(x, layout, w, ctx.rank, dim=1), shard(grad_out, layout, w, ctx.rank, dim=1)
-    local_mask = nn.Transformer.generate_square_subsequent_mask(seq // w, dtype=torch.float64, device=ctx.device)
+    x_local, g_local = (
+        shard(x, layout, w, ctx.rank, dim=1),
+        shard(grad_out, layout, w, ctx.rank, dim=1),
+    )
+    local_mask = nn.Transformer.generate_square_subsequent_mask(
+        seq // w, dtype=torch.float64, device=ctx.device
+    )
     outs = []
     for _ in range(2):
         layer.zero_grad(set_to_none=True)
@@ -237,8 +291,12 @@ def compiled_module_case(ctx, impl_spec, backend: str, layout: str) -> dict:
         outs.append(_gather(ctx, out, layout, 1).cpu())
     for p in layer.parameters():
         torch.distributed.all_reduce(p.grad, group=ctx.group)
-    return {"outs": outs, "ref_out": ref_out.detach().cpu(), "grads": _param_grads(layer),
-            "ref_grads": _param_grads(reference)}
+    return {
+        "outs": outs,
+        "ref_out": ref_out.detach().cpu(),
+        "grads": _param_grads(layer),
+        "ref_grads": _param_grads(reference),
+    }
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -251,13 +309,18 @@ def compiled_sdpa_case(ctx, impl_spec, backend: str, layout: str) -> dict:
     api = api_of(impl_spec)
     w = ctx.world_size
     gen = torch.Generator().manual_seed(21)
-    q, k, v = (torch.randn(1, 4, 8 * w, 16, generator=gen, dtype=torch.float64).to(ctx.device) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 4, 8 * w, 16, generator=gen, dtype=torch.float64).to(ctx.device)
+        for _ in range(3)
+    )
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     attend = torch.compile(_causal_sdpa, backend=backend)
     fulls = []
     for _ in range(2):
         bufs = [t.clone() for t in (q, k, v)]
-        with api.context_parallel(_mesh(ctx), buffers=bufs, buffer_seq_dims=[2, 2, 2], layout=layout):
+        with api.context_parallel(
+            _mesh(ctx), buffers=bufs, buffer_seq_dims=[2, 2, 2], layout=layout
+        ):
             out = attend(*bufs)
             (full,) = api.context_parallel_unshard(_mesh(ctx), [out], [2], layout=layout)
         fulls.append(full.cpu())
@@ -280,7 +343,9 @@ def mha_default_case(ctx, impl_spec, route: str) -> dict:
     ref_out, _ = copy.deepcopy(mha)(x, x, x)
     if route == "context_parallel":
         xs = x.clone()
-        with api.context_parallel(_mesh(ctx), buffers=[xs], buffer_seq_dims=[1], layout="head_tail"):
+        with api.context_parallel(
+            _mesh(ctx), buffers=[xs], buffer_seq_dims=[1], layout="head_tail"
+        ):
             out, _ = mha(xs, xs, xs)
     else:
         parallelize_module(mha, _mesh(ctx), api.ContextParallel(layout="head_tail"))
@@ -300,14 +365,24 @@ def repeated_buffer_case(ctx, impl_spec, layout: str) -> dict:
     x = torch.randn(2, 4, 8 * w, 16, generator=gen, dtype=torch.float64).to(ctx.device)
     expected = F.scaled_dot_product_attention(x, x, x, is_causal=True)
     xs = x.clone()
-    with api.context_parallel(_mesh(ctx), buffers=[xs, xs, xs], buffer_seq_dims=[2, 2, 2], layout=layout):
+    with api.context_parallel(
+        _mesh(ctx), buffers=[xs, xs, xs], buffer_seq_dims=[2, 2, 2], layout=layout
+    ):
         inside = tuple(xs.shape)
         matches_shard = inside == tuple(shard(x, layout, w, ctx.rank, dim=2).shape) and torch.equal(
-            xs, shard(x, layout, w, ctx.rank, dim=2))
+            xs, shard(x, layout, w, ctx.rank, dim=2)
+        )
         out = F.scaled_dot_product_attention(xs, xs, xs, is_causal=True)
         (full,) = api.context_parallel_unshard(_mesh(ctx), [out], [2], layout=layout)
-    return {"inside": inside, "global": tuple(x.shape), "matches_shard": matches_shard, "full": full.cpu(),
-            "expected": expected.cpu(), "x": x.cpu(), "restored": torch.equal(xs, x)}
+    return {
+        "inside": inside,
+        "global": tuple(x.shape),
+        "matches_shard": matches_shard,
+        "full": full.cpu(),
+        "expected": expected.cpu(),
+        "x": x.cpu(),
+        "restored": torch.equal(xs, x),
+    }
 
 
 def repeated_buffer_two_dims_case(ctx, impl_spec) -> dict:
@@ -322,7 +397,9 @@ def repeated_buffer_two_dims_case(ctx, impl_spec) -> dict:
             inside = tuple(y.shape)
     except Exception as exc:
         if not torch.equal(y, original):
-            raise AssertionError(f"the rejected buffer was left changed (shape {tuple(y.shape)})") from exc
+            raise AssertionError(
+                f"the rejected buffer was left changed (shape {tuple(y.shape)})"
+            ) from exc
         raise
     return {"inside": inside, "restored": torch.equal(y, original)}
 
@@ -372,7 +449,9 @@ def parameter_buffer_case(ctx, impl_spec, layout: str, leave_by_exception: bool)
     seq = 8 * w
     gen = torch.Generator().manual_seed(13)
     init, entry = (torch.randn(1, seq, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    x, g = (torch.randn(2, seq, 16, generator=gen, dtype=torch.float64).to(ctx.device) for _ in range(2))
+    x, g = (
+        torch.randn(2, seq, 16, generator=gen, dtype=torch.float64).to(ctx.device) for _ in range(2)
+    )
     init, entry = init.to(ctx.device), entry.to(ctx.device)
 
     ref = nn.Parameter(init.clone())
@@ -385,15 +464,22 @@ def parameter_buffer_case(ctx, impl_spec, layout: str, leave_by_exception: bool)
     pos.grad = entry.clone()
     xs, gs = x.clone(), g.clone()
     try:
-        with api.context_parallel(_mesh(ctx), buffers=[pos, xs, gs], buffer_seq_dims=[1, 1, 1], layout=layout):
+        with api.context_parallel(
+            _mesh(ctx), buffers=[pos, xs, gs], buffer_seq_dims=[1, 1, 1], layout=layout
+        ):
             _positional_attention_loss(pos, xs, gs).backward()
             if leave_by_exception:
                 raise _LeaveByException
     except _LeaveByException:
         pass
-    rec: dict = {"param_shape": tuple(pos.shape), "grad_shape": None if pos.grad is None else tuple(pos.grad.shape),
-                 "grad": None if pos.grad is None else pos.grad.detach().cpu().clone(), "ref_grad": ref_grad.cpu(),
-                 "entry_grad": entry.cpu(), "data_restored": torch.equal(pos.detach(), init)}
+    rec: dict = {
+        "param_shape": tuple(pos.shape),
+        "grad_shape": None if pos.grad is None else tuple(pos.grad.shape),
+        "grad": None if pos.grad is None else pos.grad.detach().cpu().clone(),
+        "ref_grad": ref_grad.cpu(),
+        "entry_grad": entry.cpu(),
+        "data_restored": torch.equal(pos.detach(), init),
+    }
     try:
         torch.optim.SGD([pos], lr=0.5).step()
         rec["step_error"] = None

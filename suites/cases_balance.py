@@ -78,10 +78,18 @@ def window_left(seq: int, world_size: int) -> int:
 
 def family_spec(family: str, seq: int, world_size: int) -> dict[str, Any]:
     """The plain-data mask (reference.masks) of ``family`` on a global sequence of ``seq``."""
-    docs = {"kind": "document", "doc_ids": lognormal_documents(seq, seed=1000 * world_size + seq), "causal": True}
+    docs = {
+        "kind": "document",
+        "doc_ids": lognormal_documents(seq, seed=1000 * world_size + seq),
+        "causal": True,
+    }
     window = {"kind": "sliding_window", "left": window_left(seq, world_size), "right": 0}
-    specs = {"causal": {"kind": "causal"}, "documents": docs, "window": window,
-             "documents_window": {"kind": "and", "masks": [docs, window]}}
+    specs = {
+        "causal": {"kind": "causal"},
+        "documents": docs,
+        "window": window,
+        "documents_window": {"kind": "and", "masks": [docs, window]},
+    }
     return specs[family]
 
 
@@ -97,8 +105,10 @@ class BalanceCase(RingCase):
 
     @property
     def label(self) -> str:
-        return (f"ring_attention(W={self.world_size}, mask={self.family}, layout={self.layout}, "
-                f"rotate={self.rotate_method}, seq={self.inputs.seq_q})")
+        return (
+            f"ring_attention(W={self.world_size}, mask={self.family}, layout={self.layout}, "
+            f"rotate={self.rotate_method}, seq={self.inputs.seq_q})"
+        )
 
 
 def require_balancer(ring, balancer: str) -> None:
@@ -107,15 +117,19 @@ def require_balancer(ring, balancer: str) -> None:
     __tracebackhide__ = True
     ring.require("balancers", balancer)
     if not callable(getattr(ring.impl.obj, "balanced_layout", None)):
-        pytest.fail(f"{ring.impl.name} claims capabilities.balancers {balancer!r} (undeclared means claimed) but "
-                    "has no callable balanced_layout: add balanced_layout(balancer, mask, seq_len, world_size) -> "
-                    "(layout, runs) (see conformance/implementation.py) or declare capabilities.balancers without it",
-                    pytrace=False)
+        pytest.fail(
+            f"{ring.impl.name} claims capabilities.balancers {balancer!r} (undeclared means claimed) but "
+            "has no callable balanced_layout: add balanced_layout(balancer, mask, seq_len, world_size) -> "
+            "(layout, runs) (see conformance/implementation.py) or declare capabilities.balancers without it",
+            pytrace=False,
+        )
 
 
 def case_inputs(world_size: int, seed: int = 0) -> InputSpec:
     seq = seq_len_for(world_size)
-    return InputSpec(batch=1, heads=1, heads_kv=1, seq_q=seq, seq_kv=seq, head_dim=8, dtype="float64", seed=seed)
+    return InputSpec(
+        batch=1, heads=1, heads_kv=1, seq_q=seq, seq_kv=seq, head_dim=8, dtype="float64", seed=seed
+    )
 
 
 def positioned_inputs(spec: InputSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,9 +163,18 @@ class PairRecordingOp(CountingOp):
             m = attn_mask.detach().cpu()
             m = m if m.dtype == torch.bool else m > float("-inf")  # an additive mask: -inf hides
             computed &= (m if m.dim() == 2 else m.reshape(-1, sq, sk).any(0)).expand(sq, sk)
-        self.records.append({"q": q_pos, "kv": kv_pos, "computed": computed, "causal": bool(is_causal),
-                             "masked": attn_mask is not None})
-        return super().forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+        self.records.append(
+            {
+                "q": q_pos,
+                "kv": kv_pos,
+                "computed": computed,
+                "causal": bool(is_causal),
+                "masked": attn_mask is not None,
+            }
+        )
+        return super().forward(
+            query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask
+        )
 
 
 def as_runs(runs) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -161,7 +184,11 @@ def as_runs(runs) -> tuple[tuple[tuple[int, int], ...], ...]:
 
 def runs_positions(rank_runs) -> torch.Tensor:
     """(n,) int64: the global positions of one rank's runs, in local order."""
-    return torch.cat([torch.arange(a, b) for a, b in rank_runs]) if rank_runs else torch.zeros(0, dtype=torch.int64)
+    return (
+        torch.cat([torch.arange(a, b) for a, b in rank_runs])
+        if rank_runs
+        else torch.zeros(0, dtype=torch.int64)
+    )
 
 
 def builtin_runs(layout: str, seq: int, world_size: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -199,9 +226,26 @@ def balance_case(ctx, case: BalanceCase) -> dict[str, Any]:
     # The math op: which blocks the ring asks for does not depend on the kernel, and it takes
     # every block's mask (a kernel without masks would have masked blocks run past the counter).
     op = PairRecordingOp(load_op("math"))
-    out = impl.obj.ring_attention(q, k, v, group=ctx.group, is_causal=False, scale=None, rotate_method=case.rotate_method,
-                                  op=op, layout=layout, return_lse=False, mask=mask)
-    return {"layout": layout, "runs": runs, "work": op.work, "calls": op.records, "out_finite": bool(torch.isfinite(out).all())}
+    out = impl.obj.ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        is_causal=False,
+        scale=None,
+        rotate_method=case.rotate_method,
+        op=op,
+        layout=layout,
+        return_lse=False,
+        mask=mask,
+    )
+    return {
+        "layout": layout,
+        "runs": runs,
+        "work": op.work,
+        "calls": op.records,
+        "out_finite": bool(torch.isfinite(out).all()),
+    }
 
 
 # ---------------------------------------------------------------------- the pytest side
@@ -216,7 +260,9 @@ def runs_problem(runs, seq: int, world_size: int) -> str | None:
     for r, rank_runs in enumerate(runs):
         size = sum(b - a for a, b in rank_runs)
         if size != seq // world_size:
-            return f"rank {r} holds {size} positions, not {seq // world_size} (every rank holds S/W)"
+            return (
+                f"rank {r} holds {size} positions, not {seq // world_size} (every rank holds S/W)"
+            )
         for (_, b), (c, _) in pairwise(rank_runs):
             if c < b:
                 return f"rank {r}'s positions do not increase along its local order ({rank_runs[:6]}...)"
@@ -243,7 +289,9 @@ def _pair_key(q: torch.Tensor, kv: torch.Tensor, seq: int) -> torch.Tensor:
     return q.view(-1, 1) * seq + kv.view(1, -1)
 
 
-def judge_pairs(case: BalanceCase, results: list[dict[str, Any]]) -> tuple[list[BlockFinding], list[int], list[str]]:
+def judge_pairs(
+    case: BalanceCase, results: list[dict[str, Any]]
+) -> tuple[list[BlockFinding], list[int], list[str]]:
     """Compare every rank's recorded kernel calls with the mask on global positions.
 
     Returns (findings per block, visible pairs per rank, diagnoses naming a known bug class).
@@ -260,7 +308,12 @@ def judge_pairs(case: BalanceCase, results: list[dict[str, Any]]) -> tuple[list[
     hidden_pairs: list[tuple[int, int]] = []  # (q, kv) computed although the mask hides them
     computed_all: dict[tuple[int, int], torch.Tensor] = {}
     for r, res in enumerate(results):
-        expected = {j: visibility(spec, len(pos[r]), len(pos[j]), q_positions=pos[r], k_positions=pos[j])[0, 0] for j in range(w)}
+        expected = {
+            j: visibility(spec, len(pos[r]), len(pos[j]), q_positions=pos[r], k_positions=pos[j])[
+                0, 0
+            ]
+            for j in range(w)
+        }
         visible_area.append(sum(int(e.sum()) for e in expected.values()))
         count = {j: torch.zeros_like(expected[j], dtype=torch.int64) for j in range(w)}
         calls = {j: [] for j in range(w)}
@@ -271,9 +324,19 @@ def judge_pairs(case: BalanceCase, results: list[dict[str, Any]]) -> tuple[list[
         local_q[pos[r]] = torch.arange(len(pos[r]))
         for whole in res["calls"]:
             q, kv = whole["q"], whole["kv"]
-            if ((q < 0) | (q >= seq)).any() or ((kv < 0) | (kv >= seq)).any() or bool((local_q[q.clamp(0, seq - 1)] < 0).any()):
-                findings.append(BlockFinding(r, -1, "a kernel call's query rows are not this rank's tokens (the query "
-                                                    "or value rows were altered before the kernel)"))
+            if (
+                ((q < 0) | (q >= seq)).any()
+                or ((kv < 0) | (kv >= seq)).any()
+                or bool((local_q[q.clamp(0, seq - 1)] < 0).any())
+            ):
+                findings.append(
+                    BlockFinding(
+                        r,
+                        -1,
+                        "a kernel call's query rows are not this rank's tokens (the query "
+                        "or value rows were altered before the kernel)",
+                    )
+                )
                 continue
             for j, call in _split_by_owner(whole, owner):
                 _count_call(r, j, call, calls, count, expected, local_q, index, hidden_pairs)
@@ -284,11 +347,21 @@ def judge_pairs(case: BalanceCase, results: list[dict[str, Any]]) -> tuple[list[
             need = int(expected[j].sum())
             if not calls[j]:
                 if need:
-                    findings.append(BlockFinding(r, j, f"{where}: skipped, but {need} query-key pairs are visible"))
+                    findings.append(
+                        BlockFinding(
+                            r, j, f"{where}: skipped, but {need} query-key pairs are visible"
+                        )
+                    )
                 continue
             if not need:
-                findings.append(BlockFinding(r, j, f"{where}: {len(calls[j])} kernel call(s) computed, but no query of this "
-                                                   "rank sees any key of that block under the mask"))
+                findings.append(
+                    BlockFinding(
+                        r,
+                        j,
+                        f"{where}: {len(calls[j])} kernel call(s) computed, but no query of this "
+                        "rank sees any key of that block under the mask",
+                    )
+                )
                 continue
             diag = _full_block_as_causal(calls[j], expected[j], local_q, index)
             if diag:
@@ -304,14 +377,29 @@ def judge_pairs(case: BalanceCase, results: list[dict[str, Any]]) -> tuple[list[
                 parts.append(f"{int(missing.sum())} of {need} visible pairs were never computed")
             if bool(twice.any()):
                 parts.append(f"{int(twice.sum())} pairs were computed more than once")
-            idle = sum(1 for call in calls[j]
-                       if not bool((call["computed"] & expected[j][local_q[call["q"]]][:, index[call["kv"]]]).any()))
+            idle = sum(
+                1
+                for call in calls[j]
+                if not bool(
+                    (call["computed"] & expected[j][local_q[call["q"]]][:, index[call["kv"]]]).any()
+                )
+            )
             if idle:  # an implementation may cut a block into several calls, but none for nothing
-                parts.append(f"{idle} of its {len(calls[j])} kernel calls computed no pair some query sees")
+                parts.append(
+                    f"{idle} of its {len(calls[j])} kernel calls computed no pair some query sees"
+                )
             if parts:
                 pair = _other_head_tail_chunk(calls[j], expected[j], runs[j], index)
-                findings.append(BlockFinding(r, j, f"{where}: " + "; ".join(parts) + (f" ({pair})" if pair else "")))
-    return findings, visible_area, _diagnose(case, spec, runs, pos, hidden_pairs, computed_all, findings)
+                findings.append(
+                    BlockFinding(
+                        r, j, f"{where}: " + "; ".join(parts) + (f" ({pair})" if pair else "")
+                    )
+                )
+    return (
+        findings,
+        visible_area,
+        _diagnose(case, spec, runs, pos, hidden_pairs, computed_all, findings),
+    )
 
 
 def _split_by_owner(call: dict[str, Any], owner: torch.Tensor) -> list[tuple[int, dict[str, Any]]]:
@@ -331,8 +419,14 @@ def _count_call(r, j, call, calls, count, expected, local_q, index, hidden_pairs
     q, kv, computed = call["q"], call["kv"], call["computed"]
     calls[j].append(call)
     rows, cols = local_q[q], index[kv]
-    count[j].index_put_((rows.view(-1, 1).expand_as(computed)[computed], cols.view(1, -1).expand_as(computed)[computed]),
-                        torch.ones(int(computed.sum()), dtype=torch.int64), accumulate=True)
+    count[j].index_put_(
+        (
+            rows.view(-1, 1).expand_as(computed)[computed],
+            cols.view(1, -1).expand_as(computed)[computed],
+        ),
+        torch.ones(int(computed.sum()), dtype=torch.int64),
+        accumulate=True,
+    )
     hidden = computed & ~expected[j][rows][:, cols]
     if bool(hidden.any()):
         qi, ki = hidden.nonzero().unbind(1)
@@ -363,8 +457,10 @@ def _other_head_tail_chunk(calls, expected, kv_runs, index) -> str:
         other_seen = bool(seen_cols[:first].any()) if took_tail else bool(seen_cols[first:].any())
         if other_seen:
             have, want = ((c, d), (a, b)) if took_tail else ((a, b), (c, d))
-            return (f"the kernel got keys {have[0]}..{have[1] - 1}, the wrong key/value chunk of the head_tail pair; "
-                    f"the queries see keys {want[0]}..{want[1] - 1}")
+            return (
+                f"the kernel got keys {have[0]}..{have[1] - 1}, the wrong key/value chunk of the head_tail pair; "
+                f"the queries see keys {want[0]}..{want[1] - 1}"
+            )
     return ""
 
 
@@ -380,19 +476,32 @@ def _diagnose(case, spec, runs, pos, hidden_pairs, computed_all, findings) -> li
         if all(kv == q - left - 1 for q, kv in hidden_pairs):
             # Block edges as the layout's runs show them; a ring may cut blocks finer (the middle
             # rank's two head_tail chunks are one run), so only the off-by-one is required.
-            where = "at a block edge" if all(kv in edges for _, kv in hidden_pairs) else "(at keys inside a run)"
-            out.append(f"sliding window off by one {where}: every pair computed that the mask hides is the key "
-                       f"one past the window (kv = q - {left} - 1) "
-                       f"({len(hidden_pairs)} pairs, e.g. q={hidden_pairs[0][0]}, kv={hidden_pairs[0][1]})")
+            where = (
+                "at a block edge"
+                if all(kv in edges for _, kv in hidden_pairs)
+                else "(at keys inside a run)"
+            )
+            out.append(
+                f"sliding window off by one {where}: every pair computed that the mask hides is the key "
+                f"one past the window (kv = q - {left} - 1) "
+                f"({len(hidden_pairs)} pairs, e.g. q={hidden_pairs[0][0]}, kv={hidden_pairs[0][1]})"
+            )
     if _has_documents(spec):
         seq, w = case.inputs.seq_q, case.world_size
         local = torch.empty(seq, dtype=torch.int64)
         for p in pos:
             local[p] = torch.arange(len(p))
-        if all(torch.equal(computed_all[(r, j)], _local_documents_visibility(spec, pos[r], pos[j], local, seq))
-               for r in range(w) for j in range(w)):
-            out.append("document boundaries taken from local positions: the pairs computed are exactly those of the "
-                       "document ids looked up at each token's local index on its rank, not at its global position")
+        if all(
+            torch.equal(
+                computed_all[(r, j)], _local_documents_visibility(spec, pos[r], pos[j], local, seq)
+            )
+            for r in range(w)
+            for j in range(w)
+        ):
+            out.append(
+                "document boundaries taken from local positions: the pairs computed are exactly those of the "
+                "document ids looked up at each token's local index on its rank, not at its global position"
+            )
     return out
 
 
@@ -405,7 +514,9 @@ def _window_of(spec) -> int | None:
 
 
 def _has_documents(spec) -> bool:
-    return spec["kind"] == "document" or (spec["kind"] in ("and", "or") and any(_has_documents(m) for m in spec["masks"]))
+    return spec["kind"] == "document" or (
+        spec["kind"] in ("and", "or") and any(_has_documents(m) for m in spec["masks"])
+    )
 
 
 def _local_documents_visibility(spec, q_pos, kv_pos, local, seq) -> torch.Tensor:
@@ -415,7 +526,9 @@ def _local_documents_visibility(spec, q_pos, kv_pos, local, seq) -> torch.Tensor
         ids = document_ids(spec, seq)
         dq, dk = ids[local[q_pos]].view(-1, 1), ids[local[kv_pos]].view(1, -1)
         seen = (dq == dk) & (dq >= 0)
-        return seen & (kv_pos.view(1, -1) <= q_pos.view(-1, 1)) if spec.get("causal", True) else seen
+        return (
+            seen & (kv_pos.view(1, -1) <= q_pos.view(-1, 1)) if spec.get("causal", True) else seen
+        )
     if kind in ("and", "or"):
         parts = [_local_documents_visibility(m, q_pos, kv_pos, local, seq) for m in spec["masks"]]
         out = parts[0]

@@ -82,7 +82,9 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
     """Call the implementation with the bad input ``kind``; return "no error" if nothing raised."""
     impl = load_implementation(impl_spec)
     last = ctx.rank == ctx.world_size - 1
-    kw: dict[str, Any] = dict(group=ctx.group, is_causal=False, rotate_method="allgather", layout="contiguous")
+    kw: dict[str, Any] = dict(
+        group=ctx.group, is_causal=False, rotate_method="allgather", layout="contiguous"
+    )
     q, k, v = _qkv(ctx)
     if kind == "dtype_on_one_rank":
         if last:

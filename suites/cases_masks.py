@@ -32,11 +32,33 @@ from suites.cases import RingCase
 from suites.cases_balance import BALANCER_LAYOUTS, as_runs, runs_positions, runs_problem
 from suites.inputs import InputSpec, make_inputs
 
-__all__ = ["MASK_NAMES", "MaskCase", "diagnose_masked", "documents", "judge_masked", "mask_spec", "masked_case", "per_head_window",
-           "rank_positions"]
+__all__ = [
+    "MASK_NAMES",
+    "MaskCase",
+    "diagnose_masked",
+    "documents",
+    "judge_masked",
+    "mask_spec",
+    "masked_case",
+    "per_head_window",
+    "rank_positions",
+]
 
-MASK_NAMES = ("causal", "documents", "documents_full", "documents_with_gaps", "one_token_documents", "window_narrow", "window_wide",
-              "chunked_causal", "prefix_lm", "documents_window", "prefix_lm_window", "mask_mod", "mask_mod_batch_head")
+MASK_NAMES = (
+    "causal",
+    "documents",
+    "documents_full",
+    "documents_with_gaps",
+    "one_token_documents",
+    "window_narrow",
+    "window_wide",
+    "chunked_causal",
+    "prefix_lm",
+    "documents_window",
+    "prefix_lm_window",
+    "mask_mod",
+    "mask_mod_batch_head",
+)
 #: The named masks that differ between batch rows: their cases carry batch >= 2 (and heads >= 2).
 BATCH_DEPENDENT = frozenset({"mask_mod_batch_head"})
 
@@ -99,24 +121,44 @@ def mask_spec(name: str, seq: int) -> dict[str, Any]:
     """The plain-data mask (reference.masks) called ``name`` on a global sequence of ``seq``."""
     # Uneven documents crossing shard boundaries, one shorter than a shard, a one-token one, and
     # padding (-1) at the end.
-    docs = {"kind": "document", "doc_ids": documents(seq, [5, 1, seq // 3, 2, seq // 4]), "causal": True}
+    docs = {
+        "kind": "document",
+        "doc_ids": documents(seq, [5, 1, seq // 3, 2, seq // 4]),
+        "causal": True,
+    }
     specs: dict[str, dict[str, Any]] = {
         "causal": {"kind": "causal"},
         "documents": docs,
         "documents_full": {**docs, "causal": False},
         # padding between documents, inside shards: rows that see nothing amid rows that do
-        "documents_with_gaps": {"kind": "document", "doc_ids": documents(seq, [3, -2, seq // 4, -3, seq // 3]), "causal": True},
-        "one_token_documents": {"kind": "document", "doc_ids": documents(seq, [1] * (seq - 2)), "causal": True},
+        "documents_with_gaps": {
+            "kind": "document",
+            "doc_ids": documents(seq, [3, -2, seq // 4, -3, seq // 3]),
+            "causal": True,
+        },
+        "one_token_documents": {
+            "kind": "document",
+            "doc_ids": documents(seq, [1] * (seq - 2)),
+            "causal": True,
+        },
         "window_narrow": {"kind": "sliding_window", "left": max(1, seq // 12), "right": 0},
         "window_wide": {"kind": "sliding_window", "left": seq // 2, "right": 2},
         "chunked_causal": {"kind": "chunked_causal", "chunk": max(1, seq // 3)},
         "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
-        "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
+        "documents_window": {
+            "kind": "and",
+            "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}],
+        },
         # a window that looks forward, under a prefix seen from every query and longer than a
         # shard (W >= 2): an exchange sized by the window alone misses the prefix keys the first
         # rows see on the next rank
-        "prefix_lm_window": {"kind": "and", "masks": [{"kind": "prefix_lm", "prefix": seq // 2 + 2},
-                                                      {"kind": "sliding_window", "left": max(1, seq // 12), "right": 2}]},
+        "prefix_lm_window": {
+            "kind": "and",
+            "masks": [
+                {"kind": "prefix_lm", "prefix": seq // 2 + 2},
+                {"kind": "sliding_window", "left": max(1, seq // 12), "right": 2},
+            ],
+        },
         "mask_mod": {"kind": "mask_mod", "fn": per_head_window()},
         "mask_mod_batch_head": {"kind": "mask_mod", "fn": batch_head_window()},
     }
@@ -141,7 +183,9 @@ def other_mask_data(data: dict[str, Any]) -> dict[str, Any]:
     if kind in ("and", "or"):
         return {**data, "masks": [other_mask_data(data["masks"][0]), *data["masks"][1:]]}
     if kind == "mask_mod" and hasattr(data["fn"], "step"):
-        make = batch_head_window if data["fn"].__name__ == "batch_head_window_mod" else per_head_window
+        make = (
+            batch_head_window if data["fn"].__name__ == "batch_head_window_mod" else per_head_window
+        )
         return {**data, "fn": make(data["fn"].step + 1)}
     return data
 
@@ -170,15 +214,25 @@ class MaskCase(RingCase):
 
     def mask_data(self) -> dict[str, Any]:
         """The mask's plain data (reference.masks) on the case's global sequence."""
-        return materialized(json.loads(self.mask_json)) if self.mask_json else mask_spec(self.mask, self.inputs.seq_q)
+        return (
+            materialized(json.loads(self.mask_json))
+            if self.mask_json
+            else mask_spec(self.mask, self.inputs.seq_q)
+        )
 
     @property
     def label(self) -> str:
         data = f", mask_data={self.mask_json}" if self.mask_json else ""
-        mesh = f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}" if self.mesh_shape else ""
+        mesh = (
+            f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
+            if self.mesh_shape
+            else ""
+        )
         refill = ", ids refilled in place after a first call" if self.refill else ""
-        return (RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
-                + f"{mesh}, mask={self.mask}, sinks={self.sinks}{data}{refill})")
+        return (
+            RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
+            + f"{mesh}, mask={self.mask}, sinks={self.sinks}{data}{refill})"
+        )
 
 
 def _sinks(spec: InputSpec) -> torch.Tensor:
@@ -217,14 +271,22 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         def shard(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(2, mine)
     else:
+
         def shard(t: torch.Tensor) -> torch.Tensor:
             return oracle_shard(t, case.layout, w, r)
 
     q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
     dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
-    kwargs: dict[str, Any] = dict(group=group, is_causal=False, scale=spec.scale, rotate_method=case.rotate_method,
-                                  layout=layout, return_lse=True, mask=mask)
+    kwargs: dict[str, Any] = dict(
+        group=group,
+        is_causal=False,
+        scale=spec.scale,
+        rotate_method=case.rotate_method,
+        layout=layout,
+        return_lse=True,
+        mask=mask,
+    )
     if case.mesh_shape is not None:
         kwargs["strategy"] = case.strategy
     if sinks is not None:
@@ -243,12 +305,21 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         attention = torch.compile(attention, backend=case.compile, fullgraph=True)
         # First the same kind of mask with other data (documents' ids, a window's width), whose
         # result is dropped: a graph that baked that mask's plan in would serve it to the next.
-        warm = attention(q, k, v, **{**kwargs, "mask": from_spec(other_mask_data(case.mask_data()))})
+        warm = attention(
+            q, k, v, **{**kwargs, "mask": from_spec(other_mask_data(case.mask_data()))}
+        )
         del warm
     out, lse = attention(q, k, v, **kwargs)
     out.backward(dout)
-    return {"out": out.detach().cpu(), "lse": lse.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(),
-            "dv": v.grad.cpu(), "dsinks": None if sinks is None else sinks.grad.cpu(), "runs": runs}
+    return {
+        "out": out.detach().cpu(),
+        "lse": lse.detach().cpu(),
+        "dq": q.grad.cpu(),
+        "dk": k.grad.cpu(),
+        "dv": v.grad.cpu(),
+        "dsinks": None if sinks is None else sinks.grad.cpu(),
+        "runs": runs,
+    }
 
 
 def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[str, Any]):
@@ -260,7 +331,9 @@ def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[s
     from ring_impl.masks import Documents
 
     if data["kind"] != "document" or "doc_ids" not in data:
-        raise ValueError(f"a refill case needs a plain documents mask with doc_ids, got kind {data['kind']!r}")
+        raise ValueError(
+            f"a refill case needs a plain documents mask with doc_ids, got kind {data['kind']!r}"
+        )
     buffer = np.asarray(other_mask_data(data)["doc_ids"], dtype=np.int32)
     mask = Documents(torch.from_numpy(buffer), bool(data.get("causal", True)))
     with torch.no_grad():
@@ -279,15 +352,22 @@ def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.
     if case.mesh_shape is not None:
         from reference.strategies import positions as strategy_positions
 
-        return [strategy_positions(case.strategy, case.layout, case.mesh_shape, r, seq) for r in range(w)]
+        return [
+            strategy_positions(case.strategy, case.layout, case.mesh_shape, r, seq)
+            for r in range(w)
+        ]
     if case.balancer is None:
         return [positions(case.layout, w, r, seq) for r in range(w)]
     runs = [res.get("runs") for res in results]
-    problem = runs_problem(runs[0], seq, w) if runs[0] is not None else "balanced_layout returned no runs"
+    problem = (
+        runs_problem(runs[0], seq, w) if runs[0] is not None else "balanced_layout returned no runs"
+    )
     if problem is None and any(rr != runs[0] for rr in runs):
         problem = "the ranks got different runs from equal balanced_layout calls"
     if problem:
-        raise AssertionError(f"the {case.balancer} balancer's layout breaks the layout rules: {problem} [{case.label}]")
+        raise AssertionError(
+            f"the {case.balancer} balancer's layout breaks the layout rules: {problem} [{case.label}]"
+        )
     return [runs_positions(rr) for rr in runs[0]]
 
 
@@ -306,23 +386,36 @@ def _result_dtypes(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"out": dtype, "lse": lse, "dq": dtype, "dk": dtype, "dv": dtype, "dsinks": lse}
 
 
-def _baseline(spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
+def _baseline(
+    spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None
+) -> dict[str, torch.Tensor]:
     """The same kernel on one device (the session's, conformance.baseline) with the whole sequence
     and the mask: the policy's B."""
     return _baseline_on(spec, mask, mask_json, sinks, op_spec, str(session_device()))
 
 
 @functools.lru_cache(maxsize=64)
-def _baseline_on(spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None,
-                 device_name: str) -> dict[str, torch.Tensor]:
+def _baseline_on(
+    spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None, device_name: str
+) -> dict[str, torch.Tensor]:
     g = make_inputs(spec)
     data = materialized(json.loads(mask_json)) if mask_json else mask_spec(mask, spec.seq_q)
     vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    return single_device_baseline(g.query, g.key, g.value, g.grad_out, op_spec=op_spec, scale=spec.scale,
-                                  visible=vis, sinks=_sinks(spec) if sinks else None)
+    return single_device_baseline(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        op_spec=op_spec,
+        scale=spec.scale,
+        visible=vis,
+        sinks=_sinks(spec) if sinks else None,
+    )
 
 
-def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str | None = None) -> list[Verdict]:
+def judge_masked(
+    case: MaskCase, results: list[dict[str, Any]], baseline_op: str | None = None
+) -> list[Verdict]:
     """Verdicts for out, lse, dq, dk, dv (and dsinks) of a masked case."""
     from reference import attention_grads
 
@@ -330,10 +423,20 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
     g = make_inputs(spec)
     vis = visibility(case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
     sinks = _sinks(spec) if case.sinks else None
-    ref = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, sinks=sinks, scale=spec.scale)
+    ref = attention_grads(
+        g.query, g.key, g.value, g.grad_out, visible=vis, sinks=sinks, scale=spec.scale
+    )
     # Magnitudes without the sink term: it only lowers each probability, so these bound them.
-    scales = error_scales(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale, sinks=sinks,
-                          input_dtype=spec.torch_dtype)
+    scales = error_scales(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        visible=vis,
+        scale=spec.scale,
+        sinks=sinks,
+        input_dtype=spec.torch_dtype,
+    )
     base = _baseline(spec, case.mask, case.mask_json, case.sinks, case.op or baseline_op)
     pos = rank_positions(case, results)
     dtypes = _result_dtypes(spec.torch_dtype)
@@ -344,32 +447,62 @@ def judge_masked(case: MaskCase, results: list[dict[str, Any]], baseline_op: str
     for name in ("out", "lse", "dq", "dk", "dv"):
         parts = [r.get(name) for r in results]
         if any(p is None for p in parts):
-            raise AssertionError(f"{name}: a rank returned no {name} (masked ring_attention with return_lse=True "
-                                 "returns (out, lse) and gradients for query, key, value)")
+            raise AssertionError(
+                f"{name}: a rank returned no {name} (masked ring_attention with return_lse=True "
+                "returns (out, lse) and gradients for query, key, value)"
+            )
         got = _unshard(parts, pos).to(torch.float64)
         want, b = getattr(ref, name), base[name].to(torch.float64)
         if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):
-                named = (_stale_documents(case, g, results, pos) or _tail_padding_attended(case, g, results, pos)
-                         or _lengths_rounded_down(case, g, results, pos) or _wrong_axis(case, g, results, pos))
+                named = (
+                    _stale_documents(case, g, results, pos)
+                    or _tail_padding_attended(case, g, results, pos)
+                    or _lengths_rounded_down(case, g, results, pos)
+                    or _wrong_axis(case, g, results, pos)
+                )
                 if named:
                     raise AssertionError(f"lse: {named} [{case.label}]")
                 raise AssertionError(
                     f"lse: rows that see no key must have LSE -inf and only they: {int((torch.isneginf(got) != nothing).sum())} "
-                    f"rows differ [{case.label}]")
+                    f"rows differ [{case.label}]"
+                )
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        verdicts.append(check(name, got, want, b, dtype=spec.torch_dtype, result_dtype=dtypes[name], scales=scales[name],
-                              world_size=blocks, context=f"[{case.label}]"))
+        verdicts.append(
+            check(
+                name,
+                got,
+                want,
+                b,
+                dtype=spec.torch_dtype,
+                result_dtype=dtypes[name],
+                scales=scales[name],
+                world_size=blocks,
+                context=f"[{case.label}]",
+            )
+        )
     if case.sinks:
         parts = [r.get("dsinks") for r in results]
         if any(p is None for p in parts):
-            raise AssertionError("dsinks: a rank's sinks got no gradient (sinks must be differentiable)")
+            raise AssertionError(
+                "dsinks: a rank's sinks got no gradient (sinks must be differentiable)"
+            )
         got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
-        verdicts.append(check("dsinks", got, ref.dsinks, base["dsinks"].to(torch.float64), dtype=spec.torch_dtype,
-                              result_dtype=dtypes["dsinks"], world_size=w, roundings=spec.batch * spec.seq_q,
-                              scales=scales["dsinks"],
-                              context=f"[{case.label}] (summed over ranks)"))
+        verdicts.append(
+            check(
+                "dsinks",
+                got,
+                ref.dsinks,
+                base["dsinks"].to(torch.float64),
+                dtype=spec.torch_dtype,
+                result_dtype=dtypes["dsinks"],
+                world_size=w,
+                roundings=spec.batch * spec.seq_q,
+                scales=scales["dsinks"],
+                context=f"[{case.label}] (summed over ranks)",
+            )
+        )
     return verdicts
 
 
@@ -422,56 +555,82 @@ def _with_lengths_rounded_down(data: dict[str, Any], multiple: int = 2) -> dict[
     return _with_document_ids(data, change)
 
 
-def _equals_attention_under(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor],
-                            data: dict[str, Any]) -> bool:
+def _equals_attention_under(
+    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor], data: dict[str, Any]
+) -> bool:
     """Whether the ranks' out and LSE are attention under the mask ``data`` (plain form): rows
     that see nothing exactly, the others within 1% of the largest output."""
     from reference import attention
 
     spec = case.inputs
     vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    wrong = attention(g.query, g.key, g.value, visible=vis, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale)
+    wrong = attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=vis,
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+    )
     out = _unshard([r["out"] for r in results], pos).to(torch.float64)
     lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
     if not torch.equal(torch.isneginf(lse), torch.isneginf(wrong.lse)):
         return False
     tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
     seen = torch.isfinite(wrong.lse)
-    lse_err = (lse - wrong.lse).masked_fill(~seen, 0.0).abs().max()  # rows that see nothing: -inf on both sides
+    lse_err = (
+        (lse - wrong.lse).masked_fill(~seen, 0.0).abs().max()
+    )  # rows that see nothing: -inf on both sides
     return float((out - wrong.out).abs().max()) <= tol and float(lse_err) <= tol
 
 
-def _lengths_rounded_down(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
+def _lengths_rounded_down(
+    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]
+) -> str:
     """Name the bug class 'odd document lengths rounded down', or ""."""
     altered = _with_lengths_rounded_down(case.mask_data())
     if altered is None or not _equals_attention_under(case, g, results, pos, altered):
         return ""
-    return ("document lengths rounded down to even: the out and LSE are those of the documents packed again with "
-            "each odd length one token shorter (boundaries after them shifted, the freed tokens at the end "
-            "padding); every token of a document of any length belongs to it")
+    return (
+        "document lengths rounded down to even: the out and LSE are those of the documents packed again with "
+        "each odd length one token shorter (boundaries after them shifted, the freed tokens at the end "
+        "padding); every token of a document of any length belongs to it"
+    )
 
 
-def _tail_padding_attended(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
+def _tail_padding_attended(
+    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]
+) -> str:
     """Name the bug class 'tail padding ignored when detecting padding': the out and LSE are
     those of a mask whose padding after the last document forms a document of its own (the
     padding tokens see each other), or ""."""
     altered = _with_tail_padding_as_document(case.mask_data())
     if altered is None or not _equals_attention_under(case, g, results, pos, altered):
         return ""
-    padding = max(_tail_padding(m["doc_ids"]) for m in _document_parts(case.mask_data()) if "doc_ids" in m)
-    return (f"tail padding attended: the {padding} padding tokens after the last document see each other, as if "
-            "they were one more document (padding detected before or between documents only); padding tokens "
-            "see nothing and are seen by nothing, wherever they are")
+    padding = max(
+        _tail_padding(m["doc_ids"]) for m in _document_parts(case.mask_data()) if "doc_ids" in m
+    )
+    return (
+        f"tail padding attended: the {padding} padding tokens after the last document see each other, as if "
+        "they were one more document (padding detected before or between documents only); padding tokens "
+        "see nothing and are seen by nothing, wherever they are"
+    )
 
 
-def _stale_documents(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
+def _stale_documents(
+    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]
+) -> str:
     """Name the bug class 'stale documents after an in-place refill', or ""."""
-    if not case.refill or not _equals_attention_under(case, g, results, pos, other_mask_data(case.mask_data())):
+    if not case.refill or not _equals_attention_under(
+        case, g, results, pos, other_mask_data(case.mask_data())
+    ):
         return ""
-    return ("stale documents: the second call ran the documents its mask's ids held at the first call; the ids "
-            "were refilled in place (an int32 buffer written through numpy, which torch's version counter does "
-            "not see) and a plan or a converted copy of the ids was served again: a call must plan with the ids "
-            "as they are when it starts")
+    return (
+        "stale documents: the second call ran the documents its mask's ids held at the first call; the ids "
+        "were refilled in place (an int32 buffer written through numpy, which torch's version counter does "
+        "not see) and a plan or a converted copy of the ids was served again: a call must plan with the ids "
+        "as they are when it starts"
+    )
 
 
 def _rewritten(data: dict[str, Any], change) -> dict[str, Any]:
@@ -483,6 +642,7 @@ def _rewritten(data: dict[str, Any], change) -> dict[str, Any]:
 
 def _at_index_zero(which: str):
     """A leaf change: every mask_mod evaluated with its batch (``which="batch"``) or head index 0."""
+
     def change(leaf: dict[str, Any]) -> dict[str, Any]:
         if leaf["kind"] != "mask_mod":
             return leaf
@@ -490,6 +650,7 @@ def _at_index_zero(which: str):
         if which == "batch":
             return {**leaf, "fn": lambda b, h, q, kv: fn(torch.zeros_like(b), h, q, kv)}
         return {**leaf, "fn": lambda b, h, q, kv: fn(b, torch.zeros_like(h), q, kv)}
+
     return change
 
 
@@ -501,15 +662,21 @@ def _window_right_dropped(leaf: dict[str, Any]) -> dict[str, Any]:
 
 #: (hypothesis, message): a mask evaluated on the wrong axis or cut short, which the output equals
 _AXIS_HYPOTHESES = (
-    (_at_index_zero("batch"),
-     "the mask was evaluated at batch 0 for every batch row (as create_block_mask(B=None) builds it): a mask_mod "
-     "that depends on the batch index must be evaluated at each row's own index"),
-    (_at_index_zero("head"),
-     "the mask was evaluated at head 0 for every head (as create_block_mask(H=None) builds it): a mask_mod that "
-     "depends on the head must be evaluated at each head's own index"),
-    (_window_right_dropped,
-     "the sliding window's right side was dropped: keys after the query that the window shows are missing "
-     "(SlidingWindow(left, right) shows q - left <= kv <= q + right)"),
+    (
+        _at_index_zero("batch"),
+        "the mask was evaluated at batch 0 for every batch row (as create_block_mask(B=None) builds it): a mask_mod "
+        "that depends on the batch index must be evaluated at each row's own index",
+    ),
+    (
+        _at_index_zero("head"),
+        "the mask was evaluated at head 0 for every head (as create_block_mask(H=None) builds it): a mask_mod that "
+        "depends on the head must be evaluated at each head's own index",
+    ),
+    (
+        _window_right_dropped,
+        "the sliding window's right side was dropped: keys after the query that the window shows are missing "
+        "(SlidingWindow(left, right) shows q - left <= kv <= q + right)",
+    ),
 )
 
 
@@ -545,24 +712,42 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
     spec, w = case.inputs, case.world_size
     g = make_inputs(spec)
     vis = visibility(case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    ref = attention(g.query, g.key, g.value, visible=vis, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale)
+    ref = attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=vis,
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+    )
     pos = rank_positions(case, results)
     got = _unshard([r["out"] for r in results], pos).to(torch.float64)
     invented = ~torch.isfinite(got) & torch.isfinite(ref.out)
     if bool(invented.any()):
         rows = sorted({int(i) for i in invented.nonzero()[:, 2].tolist()})[:8]
-        return (f"NaN/inf where the reference is finite (global rows {rows}...) with finite inputs: a merge that "
-                "exponentiates LSEs breaks on rows nothing has reached yet (LSE -inf) or that a block hides; "
-                "an exp of the LSE (or of raw scores) overflowed, or -inf - -inf became NaN: merge with bounded "
-                "exponentials and give a block's LSE -inf weight 0"
-                + (f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel whose causal path "
-                   "returns NaN there (the CPU flash kernel): run such blocks with a mask or another kernel"
-                   if spec.scale is not None and spec.scale <= 0 else ""))
+        return (
+            f"NaN/inf where the reference is finite (global rows {rows}...) with finite inputs: a merge that "
+            "exponentiates LSEs breaks on rows nothing has reached yet (LSE -inf) or that a block hides; "
+            "an exp of the LSE (or of raw scores) overflowed, or -inf - -inf became NaN: merge with bounded "
+            "exponentials and give a block's LSE -inf weight 0"
+            + (
+                f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel whose causal path "
+                "returns NaN there (the CPU flash kernel): run such blocks with a mask or another kernel"
+                if spec.scale is not None and spec.scale <= 0
+                else ""
+            )
+        )
     # On a head-parallel mesh a mask at each rank's own head index is the narrower cause (with one
     # head per rank it is also "head 0 for every head"): named first.
-    named = (_stale_documents(case, g, results, pos)
-             or (_diagnose_head_parallel(case, g, vis, got, ref.out) if case.mesh_shape is not None else "")
-             or _wrong_axis(case, g, results, pos))
+    named = (
+        _stale_documents(case, g, results, pos)
+        or (
+            _diagnose_head_parallel(case, g, vis, got, ref.out)
+            if case.mesh_shape is not None
+            else ""
+        )
+        or _wrong_axis(case, g, results, pos)
+    )
     if named:
         return named
     if case.sinks:  # ranks whose rows are attention without the sink term
@@ -572,25 +757,41 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         for r in range(w):
             rows = pos[r]
             mine, want, without = got[:, :, rows], ref.out[:, :, rows], plain[:, :, rows]
-            if float((mine - want).abs().max()) > tol and float((mine - without).abs().max()) <= tol:
+            if (
+                float((mine - want).abs().max()) > tol
+                and float((mine - without).abs().max()) <= tol
+            ):
                 dropped.append(r)
         if dropped:
-            return (f"the rows of rank(s) {dropped} equal attention without the sink term: the sinks were not "
-                    "applied on those ranks (every rank adds exp(sink) to each row's softmax)")
-    if case.balancer is not None:  # forward right, gradients wrong: only the backward saw another layout
+            return (
+                f"the rows of rank(s) {dropped} equal attention without the sink term: the sinks were not "
+                "applied on those ranks (every rank adds exp(sink) to each row's softmax)"
+            )
+    if (
+        case.balancer is not None
+    ):  # forward right, gradients wrong: only the backward saw another layout
         from reference import attention_grads
 
-        grads = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, sinks=_sinks(spec) if case.sinks else None,
-                                scale=spec.scale)
+        grads = attention_grads(
+            g.query,
+            g.key,
+            g.value,
+            g.grad_out,
+            visible=vis,
+            sinks=_sinks(spec) if case.sinks else None,
+            scale=spec.scale,
+        )
 
         def off(name: str, want: torch.Tensor) -> bool:
             mine = _unshard([r[name] for r in results], pos).to(torch.float64)
             return float((mine - want).abs().max()) > 1e-2 * max(1.0, float(want.abs().max()))
 
         if not off("out", ref.out) and any(off(n, getattr(grads, n)) for n in ("dq", "dk", "dv")):
-            return (f"out is right but the gradients are not, in the {case.balancer} balancer's layout: the backward did "
-                    "not run the layout the forward ran (it must plan the same runs of global positions, not a "
-                    "built-in layout's)")
+            return (
+                f"out is right but the gradients are not, in the {case.balancer} balancer's layout: the backward did "
+                "not run the layout the forward ran (it must plan the same runs of global positions, not a "
+                "built-in layout's)"
+            )
     if case.mesh_shape is not None:
         return _diagnose_head_parallel(case, g, vis, got, ref.out)
     row_err = (got - ref.out).abs().amax(dim=(0, 1, 3))  # (seq,)
@@ -610,13 +811,17 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
             if bool(block.any()):
                 hidden_somewhere[q_pos] |= ~block.any(1)
     if bool(hidden_somewhere[bad].all()) and not bool(bad[~hidden_somewhere].any()):
-        return ("every wrong row is one that a rank's key/value block it shares a computed block with hides "
-                "completely: rows a masked block hides must merge as nothing (LSE -inf), not as the kernel "
-                "returns them (the CPU flash kernel gives out 0, LSE 0)")
+        return (
+            "every wrong row is one that a rank's key/value block it shares a computed block with hides "
+            "completely: rows a masked block hides must merge as nothing (LSE -inf), not as the kernel "
+            "returns them (the CPU flash kernel gives out 0, LSE 0)"
+        )
     return ""
 
 
-def _diagnose_head_parallel(case: MaskCase, g, vis: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> str:
+def _diagnose_head_parallel(
+    case: MaskCase, g, vis: torch.Tensor, got: torch.Tensor, want: torch.Tensor
+) -> str:
     """Ulysses / hybrid: a head-dependent mask evaluated at each rank's own head index (0 ..
     H/U - 1) instead of the global one. (The ring's block heuristics do not apply: a
     head-parallel rank attends more than its ring block.)"""
@@ -629,10 +834,19 @@ def _diagnose_head_parallel(case: MaskCase, g, vis: torch.Tensor, got: torch.Ten
     if torch.equal(local, vis):
         return ""
     spec = case.inputs
-    wrong = attention(g.query, g.key, g.value, visible=local, sinks=_sinks(spec) if case.sinks else None, scale=spec.scale).out
+    wrong = attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=local,
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+    ).out
     tol = 1e-2 * max(1.0, float(want.abs().max()))
     if float((got - wrong).abs().max()) <= tol < float((got - want).abs().max()):
-        return (f"the output is attention under the mask evaluated at each rank's own head index (0..{heads // u - 1}) "
-                f"instead of the global head: a head-dependent mask must be planned for the heads of the rank's slice "
-                f"(head u * H/U + i on Ulysses rank u)")
+        return (
+            f"the output is attention under the mask evaluated at each rank's own head index (0..{heads // u - 1}) "
+            f"instead of the global head: a head-dependent mask must be planned for the heads of the rank's slice "
+            f"(head u * H/U + i on Ulysses rank u)"
+        )
     return ""

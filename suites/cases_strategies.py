@@ -20,7 +20,14 @@ from conformance.implementation import load_implementation, load_op
 from reference.strategies import shard
 from suites.inputs import InputSpec, in_memory, make_inputs
 
-__all__ = ["BAD_INPUTS", "MESH_DIMS", "StrategyCase", "strategy_bad_input_case", "strategy_case", "strategy_group"]
+__all__ = [
+    "BAD_INPUTS",
+    "MESH_DIMS",
+    "StrategyCase",
+    "strategy_bad_input_case",
+    "strategy_case",
+    "strategy_group",
+]
 
 #: The pool mesh's dim names, outer (ring) first: Ulysses rows are consecutive ranks.
 MESH_DIMS = ("ring", "ulysses")
@@ -57,7 +64,11 @@ class StrategyCase:
 
     @property
     def label(self) -> str:
-        ring = f", rotate={self.rotate_method}" if self.strategy == "hybrid" and self.mesh_shape[1] > 1 else ""
+        ring = (
+            f", rotate={self.rotate_method}"
+            if self.strategy == "hybrid" and self.mesh_shape[1] > 1
+            else ""
+        )
         s = self.inputs
         return (
             f"ring_attention(strategy={self.strategy}, mesh {self.mesh} (ulysses x ring), {s.dtype}, "
@@ -83,14 +94,29 @@ def _local(t: torch.Tensor, case: StrategyCase, rank: int, device) -> torch.Tens
 
 def strategy_case(ctx, case: StrategyCase) -> dict[str, Any]:
     """Run the case on this rank; local results as CPU tensors (keys as ``suites.cases.ring_case``)."""
-    group = strategy_group(ctx, case.strategy, case.mesh_shape)  # first: creating a mesh is a collective
+    group = strategy_group(
+        ctx, case.strategy, case.mesh_shape
+    )  # first: creating a mesh is a collective
     impl = load_implementation(case.impl)
     g = make_inputs(case.inputs)
-    q, k, v = (_local(t, case, ctx.rank, ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
+    q, k, v = (
+        _local(t, case, ctx.rank, ctx.device).requires_grad_() for t in (g.query, g.key, g.value)
+    )
     grad_out = _local(g.grad_out, case, ctx.rank, ctx.device)
-    grad_lse = None if g.grad_lse is None else _local(g.grad_lse.unsqueeze(-1), case, ctx.rank, ctx.device).squeeze(-1)
-    kwargs: dict[str, Any] = dict(group=group, strategy=case.strategy, is_causal=case.is_causal, scale=case.inputs.scale,
-                                  rotate_method=case.rotate_method, layout=case.layout, return_lse=case.return_lse)
+    grad_lse = (
+        None
+        if g.grad_lse is None
+        else _local(g.grad_lse.unsqueeze(-1), case, ctx.rank, ctx.device).squeeze(-1)
+    )
+    kwargs: dict[str, Any] = dict(
+        group=group,
+        strategy=case.strategy,
+        is_causal=case.is_causal,
+        scale=case.inputs.scale,
+        rotate_method=case.rotate_method,
+        layout=case.layout,
+        return_lse=case.return_lse,
+    )
     if case.op is not None:
         kwargs["op"] = load_op(case.op)
     kwargs.update(case.extras)
@@ -121,15 +147,24 @@ def strategy_case(ctx, case: StrategyCase) -> dict[str, Any]:
     def cpu(t):
         return None if t is None else t.detach().cpu()
 
-    return {"out": cpu(out), "lse": cpu(lse), "dq": cpu(q.grad), "dk": cpu(k.grad), "dv": cpu(v.grad),
-            "collectives": log.summary() if log is not None else None}
+    return {
+        "out": cpu(out),
+        "lse": cpu(lse),
+        "dq": cpu(q.grad),
+        "dk": cpu(k.grad),
+        "dv": cpu(v.grad),
+        "collectives": log.summary() if log is not None else None,
+    }
 
 
 # ---------------------------------------------------------------------- bad input
 
 #: kind -> (what every rank's error must mention (regex, case-insensitive), strategies it applies to)
 BAD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "heads_not_divisible_by_degree": (r"not divisible by the Ulysses degree", ("ulysses", "hybrid")),
+    "heads_not_divisible_by_degree": (
+        r"not divisible by the Ulysses degree",
+        ("ulysses", "hybrid"),
+    ),
     "heads_differ_on_one_rank": (r"heads", ("ulysses", "hybrid")),
     "length_differs_on_one_rank": (r"seq_q|length", ("ulysses", "hybrid")),
     "causal_differs_on_one_rank": (r"is_causal", ("ulysses", "hybrid")),
@@ -143,15 +178,22 @@ BAD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def strategy_bad_input_case(ctx, impl_spec: str | None, strategy: str, mesh_shape: tuple[int, int], kind: str) -> str:
+def strategy_bad_input_case(
+    ctx, impl_spec: str | None, strategy: str, mesh_shape: tuple[int, int], kind: str
+) -> str:
     """Call the implementation with the bad input ``kind``; "no error" if nothing raised."""
     group = strategy_group(ctx, strategy, mesh_shape)
     impl = load_implementation(impl_spec)
     u = mesh_shape[0]
     last = ctx.rank == ctx.world_size - 1
     heads, heads_kv, seq = 4 * u, 2, 4 * u
-    kw: dict[str, Any] = dict(group=group, strategy=strategy, is_causal=False, layout="contiguous",
-                              rotate_method="alltoall")
+    kw: dict[str, Any] = dict(
+        group=group,
+        strategy=strategy,
+        is_causal=False,
+        layout="contiguous",
+        rotate_method="alltoall",
+    )
     if kind == "heads_not_divisible_by_degree":
         heads, heads_kv = 4 * u + 1, 1
     elif kind == "heads_differ_on_one_rank" and last:

@@ -20,6 +20,8 @@ def checkout_file(*parts: str) -> Path:
     """``ROOT/<parts>``; skips the calling test when it is not there (installed suites)."""
     path = ROOT.joinpath(*parts)
     if not path.is_file():
-        pytest.skip(f"needs {'/'.join(parts)} of the repository, which the installed package does not ship: "
-                    "run the suites from a checkout of the repository to include this case")
+        pytest.skip(
+            f"needs {'/'.join(parts)} of the repository, which the installed package does not ship: "
+            "run the suites from a checkout of the repository to include this case"
+        )
     return path

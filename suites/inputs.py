@@ -88,7 +88,9 @@ def make_inputs(spec: InputSpec) -> Inputs:
     gen = torch.Generator(device="cpu").manual_seed(spec.seed)
 
     def draw(*shape: int, magnitude: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * magnitude).to(spec.torch_dtype)
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * magnitude).to(
+            spec.torch_dtype
+        )
 
     b, h, hkv, d, dv = spec.batch, spec.heads, spec.heads_kv, spec.head_dim, spec.value_head_dim
     inputs = Inputs(
@@ -100,12 +102,16 @@ def make_inputs(spec: InputSpec) -> Inputs:
     )
     if spec.nan_in is not None:
         if spec.nan_in not in ("query", "key", "value"):
-            raise ValueError(f"InputSpec.nan_in must be 'query', 'key' or 'value', not {spec.nan_in!r}")
+            raise ValueError(
+                f"InputSpec.nan_in must be 'query', 'key' or 'value', not {spec.nan_in!r}"
+            )
         getattr(inputs, spec.nan_in)[nan_position(spec)] = float("nan")
     return inputs
 
 
-def _local(t: torch.Tensor, layout: str, world_size: int, rank: int, spec: InputSpec, device) -> torch.Tensor:
+def _local(
+    t: torch.Tensor, layout: str, world_size: int, rank: int, spec: InputSpec, device
+) -> torch.Tensor:
     return in_memory(shard(t, layout, world_size, rank, dim=2).to(device), spec)
 
 
@@ -120,7 +126,9 @@ def in_memory(local: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     return local
 
 
-def local_inputs(spec: InputSpec, layout: str, world_size: int, rank: int, device: torch.device | str) -> Inputs:
+def local_inputs(
+    spec: InputSpec, layout: str, world_size: int, rank: int, device: torch.device | str
+) -> Inputs:
     """This rank's shards; query/key/value are leaves that require grad."""
     g = make_inputs(spec)
     q, k, v = (
@@ -129,5 +137,7 @@ def local_inputs(spec: InputSpec, layout: str, world_size: int, rank: int, devic
     )
     grad_lse = None
     if g.grad_lse is not None:
-        grad_lse = shard(g.grad_lse.unsqueeze(-1), layout, world_size, rank, dim=2).squeeze(-1).to(device)
+        grad_lse = (
+            shard(g.grad_lse.unsqueeze(-1), layout, world_size, rank, dim=2).squeeze(-1).to(device)
+        )
     return Inputs(q, k, v, _local(g.grad_out, layout, world_size, rank, spec, device), grad_lse)

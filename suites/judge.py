@@ -47,7 +47,15 @@ QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 def reference_for(spec: InputSpec, is_causal: bool) -> dict[str, torch.Tensor]:
     """float64 out, lse, dq, dk, dv of the global inputs."""
     g = make_inputs(spec)
-    r = attention_grads(g.query, g.key, g.value, g.grad_out, is_causal=is_causal, scale=spec.scale, grad_lse=g.grad_lse)
+    r = attention_grads(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        is_causal=is_causal,
+        scale=spec.scale,
+        grad_lse=g.grad_lse,
+    )
     return {"out": r.out, "lse": r.lse, "dq": r.dq, "dk": r.dk, "dv": r.dv}
 
 
@@ -57,8 +65,14 @@ def scales_for(spec: InputSpec, is_causal: bool) -> dict[str, ErrorScale]:
     from reference.attention import causal_visibility
 
     g = make_inputs(spec)
-    visible = causal_visibility(torch.arange(spec.seq_q), torch.arange(spec.seq_kv)) if is_causal else None
-    return error_scales(g.query, g.key, g.value, g.grad_out, visible=visible, scale=spec.scale, grad_lse=g.grad_lse)
+    visible = (
+        causal_visibility(torch.arange(spec.seq_q), torch.arange(spec.seq_kv))
+        if is_causal
+        else None
+    )
+    return error_scales(
+        g.query, g.key, g.value, g.grad_out, visible=visible, scale=spec.scale, grad_lse=g.grad_lse
+    )
 
 
 def baseline_for(spec: InputSpec, is_causal: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
@@ -68,13 +82,25 @@ def baseline_for(spec: InputSpec, is_causal: bool, op_spec: str | None) -> dict[
 
 
 @functools.lru_cache(maxsize=128)
-def _baseline_on(spec: InputSpec, is_causal: bool, op_spec: str | None, device_name: str) -> dict[str, torch.Tensor]:
+def _baseline_on(
+    spec: InputSpec, is_causal: bool, op_spec: str | None, device_name: str
+) -> dict[str, torch.Tensor]:
     g = make_inputs(spec)
-    return single_device_baseline(g.query, g.key, g.value, g.grad_out, op_spec=op_spec, is_causal=is_causal,
-                                  scale=spec.scale, grad_lse=g.grad_lse)
+    return single_device_baseline(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        op_spec=op_spec,
+        is_causal=is_causal,
+        scale=spec.scale,
+        grad_lse=g.grad_lse,
+    )
 
 
-def unshard_results(results: Sequence[dict[str, Any]], layout: str) -> dict[str, torch.Tensor | None]:
+def unshard_results(
+    results: Sequence[dict[str, Any]], layout: str
+) -> dict[str, torch.Tensor | None]:
     """Global tensors from per-rank local results (None where a rank returned None)."""
     merged: dict[str, torch.Tensor | None] = {}
     for name in QUANTITIES:
@@ -122,7 +148,9 @@ def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> li
                     f"rank {rank} returned {str(t.dtype).removeprefix('torch.')}"
                 )
             if tuple(t.shape) != shape:
-                problems.append(f"contract: {name} must have shape {shape} on every rank; rank {rank} returned {tuple(t.shape)}")
+                problems.append(
+                    f"contract: {name} must have shape {shape} on every rank; rank {rank} returned {tuple(t.shape)}"
+                )
     return problems
 
 
@@ -133,16 +161,29 @@ def detached_lse(case: RingCase, results: Sequence[dict[str, Any]]) -> str | Non
     detached = [rank for rank, r in enumerate(results) if not r.get("lse_requires_grad", True)]
     if not detached:
         return None
-    return (f"the LSE returned on rank(s) {detached} does not require grad while query, key and value do: a loss "
-            f"that uses it backpropagates as if it were not there [{case.label}]")
+    return (
+        f"the LSE returned on rank(s) {detached} does not require grad while query, key and value do: a loss "
+        f"that uses it backpropagates as if it were not there [{case.label}]"
+    )
 
 
-def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
+def judge(
+    case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None
+) -> list[Verdict]:
     """Verdicts for every quantity the case produced; AssertionError for a broken contract."""
     __tracebackhide__ = True
     spec = case.inputs
-    expected = {"out"} | ({"lse"} if case.return_lse else set()) | ({"dq", "dk", "dv"} if case.backward else set())
-    missing = [f"{name}[rank={rank}]" for rank, r in enumerate(results) for name in sorted(expected) if r.get(name) is None]
+    expected = (
+        {"out"}
+        | ({"lse"} if case.return_lse else set())
+        | ({"dq", "dk", "dv"} if case.backward else set())
+    )
+    missing = [
+        f"{name}[rank={rank}]"
+        for rank, r in enumerate(results)
+        for name in sorted(expected)
+        if r.get(name) is None
+    ]
     if missing:
         raise AssertionError(
             f"no result for {', '.join(missing)}: the output or LSE was not returned, or the gradient did not reach "
@@ -166,20 +207,38 @@ def judge(case: RingCase, results: Sequence[dict[str, Any]], *, baseline_op: str
                 f"per-rank {tuple(results[0][name].shape)}), expected {tuple(ref[name].shape)} [{case.label}]"
             )
         verdicts.append(
-            check(name, x, ref[name], base[name], dtype=spec.torch_dtype,
-                  result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
-                  scales=scales[name], layout=case.layout, world_size=case.world_size, context=f"[{case.label}]")
+            check(
+                name,
+                x,
+                ref[name],
+                base[name],
+                dtype=spec.torch_dtype,
+                result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
+                scales=scales[name],
+                layout=case.layout,
+                world_size=case.world_size,
+                context=f"[{case.label}]",
+            )
         )
     return verdicts
 
 
-def diagnose_case(case: RingCase, results: Sequence[dict[str, Any]], records: Sequence[dict] | None) -> str:
+def diagnose_case(
+    case: RingCase, results: Sequence[dict[str, Any]], records: Sequence[dict] | None
+) -> str:
     """A paragraph naming the rank and ring step that first diverge from the float64 simulation."""
     spec = case.inputs
     g = make_inputs(spec)
     try:
-        sim = simulate_ring(g.query, g.key, g.value, world_size=case.world_size, layout=case.layout,
-                            is_causal=case.is_causal, scale=spec.scale)
+        sim = simulate_ring(
+            g.query,
+            g.key,
+            g.value,
+            world_size=case.world_size,
+            layout=case.layout,
+            is_causal=case.is_causal,
+            scale=spec.scale,
+        )
     except ValueError as exc:  # a shape the simulation cannot shard: nothing to compare
         return f"(no diagnosis: {exc})"
     grads = None
@@ -187,8 +246,13 @@ def diagnose_case(case: RingCase, results: Sequence[dict[str, Any]], records: Se
         grads = {n: [r[n] for r in results] for n in ("dq", "dk", "dv")}
     lses = [r["lse"] for r in results] if all(r.get("lse") is not None for r in results) else None
     d = diagnose(
-        sim, [r["out"] for r in results], records=records, dtype=spec.torch_dtype, lse_by_rank=lses,
-        grads_by_rank=grads, grad_out=g.grad_out if grads else None,
+        sim,
+        [r["out"] for r in results],
+        records=records,
+        dtype=spec.torch_dtype,
+        lse_by_rank=lses,
+        grads_by_rank=grads,
+        grad_out=g.grad_out if grads else None,
     )
     return d.summary
 

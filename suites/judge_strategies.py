@@ -24,11 +24,19 @@ from suites.cases_strategies import StrategyCase
 from suites.inputs import make_inputs
 from suites.judge import QUANTITIES, baseline_for, contract_violations, reference_for, scales_for
 
-__all__ = ["diagnose_strategy_case", "heads_permutation", "judge_strategy", "lse_layout_problem",
-           "unshard_strategy_results", "worst_location"]
+__all__ = [
+    "diagnose_strategy_case",
+    "heads_permutation",
+    "judge_strategy",
+    "lse_layout_problem",
+    "unshard_strategy_results",
+    "worst_location",
+]
 
 
-def unshard_strategy_results(case: StrategyCase, results: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor | None]:
+def unshard_strategy_results(
+    case: StrategyCase, results: Sequence[dict[str, Any]]
+) -> dict[str, torch.Tensor | None]:
     """Global tensors from per-rank results (index = mesh rank); None where a rank returned None."""
     merged: dict[str, torch.Tensor | None] = {}
     for name in QUANTITIES:
@@ -48,7 +56,9 @@ def worst_location(case: StrategyCase, verdict: Verdict) -> str:
     seq = case.inputs.seq_q if verdict.name in ("out", "lse", "dq") else case.inputs.seq_kv
     if len(verdict.worst_index) < 3:
         return ""
-    rank, local = ref_strategies.locate(verdict.worst_index, case.strategy, case.layout, case.mesh_shape, seq)
+    rank, local = ref_strategies.locate(
+        verdict.worst_index, case.strategy, case.layout, case.mesh_shape, seq
+    )
     u = case.mesh_shape[0]
     return f"{verdict.name}: worst element on mesh rank {rank} (ulysses {rank % u}, ring {rank // u}) at local {local}"
 
@@ -63,22 +73,38 @@ def lse_layout_problem(case: StrategyCase, results: Sequence[dict[str, Any]]) ->
     if u == 1 or spec.heads % u:
         return None
     head_shard = (spec.batch, spec.heads // u, u * sq)
-    ranks = [rank for rank, r in enumerate(results)
-             if r.get("lse") is not None and tuple(r["lse"].shape) == head_shard]
+    ranks = [
+        rank
+        for rank, r in enumerate(results)
+        if r.get("lse") is not None and tuple(r["lse"].shape) == head_shard
+    ]
     if not ranks:
         return None
-    return (f"the LSE is returned in the head-sharded layout {head_shard} = (batch, heads/U, "
-            f"U * seq_local) on rank(s) {ranks}: the rank's {spec.heads // u} heads over its Ulysses "
-            f"group's whole sequence, as the inner attention produced it, not the sequence shard "
-            f"{(spec.batch, spec.heads, sq)}; send the LSE back through the heads-to-sequence "
-            "all-to-all with the output")
+    return (
+        f"the LSE is returned in the head-sharded layout {head_shard} = (batch, heads/U, "
+        f"U * seq_local) on rank(s) {ranks}: the rank's {spec.heads // u} heads over its Ulysses "
+        f"group's whole sequence, as the inner attention produced it, not the sequence shard "
+        f"{(spec.batch, spec.heads, sq)}; send the LSE back through the heads-to-sequence "
+        "all-to-all with the output"
+    )
 
 
-def judge_strategy(case: StrategyCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None) -> list[Verdict]:
+def judge_strategy(
+    case: StrategyCase, results: Sequence[dict[str, Any]], *, baseline_op: str | None = None
+) -> list[Verdict]:
     """Verdicts for every quantity; AssertionError for a missing result or a broken contract."""
     __tracebackhide__ = True
-    expected = {"out"} | ({"lse"} if case.return_lse else set()) | ({"dq", "dk", "dv"} if case.backward else set())
-    missing = [f"{name}[rank={rank}]" for rank, r in enumerate(results) for name in sorted(expected) if r.get(name) is None]
+    expected = (
+        {"out"}
+        | ({"lse"} if case.return_lse else set())
+        | ({"dq", "dk", "dv"} if case.backward else set())
+    )
+    missing = [
+        f"{name}[rank={rank}]"
+        for rank, r in enumerate(results)
+        for name in sorted(expected)
+        if r.get(name) is None
+    ]
     if missing:
         raise AssertionError(
             f"no result for {', '.join(missing)}: the output or LSE was not returned, or the gradient did not reach "
@@ -100,15 +126,25 @@ def judge_strategy(case: StrategyCase, results: Sequence[dict[str, Any]], *, bas
         x = got[name]
         if x is None:
             continue
-        verdicts.append(check(
-            name, x, ref[name], base[name], dtype=spec.torch_dtype,
-            result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
-            scales=scales[name], world_size=blocks, context=f"[{case.label}]",
-        ))
+        verdicts.append(
+            check(
+                name,
+                x,
+                ref[name],
+                base[name],
+                dtype=spec.torch_dtype,
+                result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
+                scales=scales[name],
+                world_size=blocks,
+                context=f"[{case.label}]",
+            )
+        )
     return verdicts
 
 
-def diagnose_strategy_case(case: StrategyCase, results: Sequence[dict[str, Any]], verdicts: Sequence[Verdict]) -> str:
+def diagnose_strategy_case(
+    case: StrategyCase, results: Sequence[dict[str, Any]], verdicts: Sequence[Verdict]
+) -> str:
     """The strategy diagnosis of a failed case (from its output), and where the worst elements are."""
     g = make_inputs(case.inputs)
     got = unshard_strategy_results(case, results)
@@ -116,10 +152,20 @@ def diagnose_strategy_case(case: StrategyCase, results: Sequence[dict[str, Any]]
     tolerance = None if out_verdict is None else max(out_verdict.max_bound, 1e-300)
     lines = []
     if got["out"] is not None:
-        lines.append(ref_strategies.diagnose_strategy(
-            g.query, g.key, g.value, got["out"], strategy=case.strategy, layout=case.layout,
-            mesh_shape=case.mesh_shape, is_causal=case.is_causal, scale=case.inputs.scale, tolerance=tolerance,
-        ))
+        lines.append(
+            ref_strategies.diagnose_strategy(
+                g.query,
+                g.key,
+                g.value,
+                got["out"],
+                strategy=case.strategy,
+                layout=case.layout,
+                mesh_shape=case.mesh_shape,
+                is_causal=case.is_causal,
+                scale=case.inputs.scale,
+                tolerance=tolerance,
+            )
+        )
     if got["out"] is not None and tolerance is not None:
         ref_out = reference_for(case.inputs, case.is_causal)["out"]
         permuted = heads_permutation(got["out"], ref_out, tolerance)
@@ -138,8 +184,9 @@ def heads_permutation(observed: torch.Tensor, ref: torch.Tensor, tolerance: floa
     x, r = observed.detach().double(), ref.detach().double()
     holds = []
     for i in range(heads):
-        err = torch.stack([(x[:, i] - r[:, j]).abs().nan_to_num(float("inf")).amax()
-                           for j in range(heads)])
+        err = torch.stack(
+            [(x[:, i] - r[:, j]).abs().nan_to_num(float("inf")).amax() for j in range(heads)]
+        )
         j = int(err.argmin())
         if float(err[j]) > tolerance:
             return None
@@ -148,6 +195,8 @@ def heads_permutation(observed: torch.Tensor, ref: torch.Tensor, tolerance: floa
         return None
     moved = [f"{i} <- {j}" for i, j in enumerate(holds) if i != j]
     shown = ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
-    return (f"the output's heads are permuted: head i holds head j's attention (i <- j: {shown}); "
-            "every head's result is right but in the wrong place: the head slices went back in the "
-            "wrong order (or at the wrong head offset) after the output all-to-all")
+    return (
+        f"the output's heads are permuted: head i holds head j's attention (i <- j: {shown}); "
+        "every head's result is right but in the wrong place: the head slices went back in the "
+        "wrong order (or at the wrong head offset) after the output all-to-all"
+    )

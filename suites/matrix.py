@@ -17,7 +17,20 @@ from harness.pytest_plugin import settings_of
 from suites.cases import RingCase
 from suites.inputs import SHORT
 
-__all__ = ["CPU_OPS", "CUDA_OPS", "DTYPES", "LAYOUTS", "ROTATIONS", "case_id", "padded_lse_ops", "params", "seed_for", "session_ops", "tier", "world_sizes"]
+__all__ = [
+    "CPU_OPS",
+    "CUDA_OPS",
+    "DTYPES",
+    "LAYOUTS",
+    "ROTATIONS",
+    "case_id",
+    "padded_lse_ops",
+    "params",
+    "seed_for",
+    "session_ops",
+    "tier",
+    "world_sizes",
+]
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 ROTATIONS = ("allgather", "alltoall", "p2p")
@@ -36,22 +49,37 @@ def session_ops(config: pytest.Config) -> tuple[str, ...]:
 def padded_lse_ops(config: pytest.Config) -> tuple[str, ...]:
     """The kernels whose LSE is not plain (batch, heads, seq) on the session's device: the CUDA
     ones themselves on CUDA, their CPU emulations elsewhere."""
-    return ("cuda_efficient", "cudnn") if settings_of(config).device == "cuda" else ("cpu_efficient_layout", "cpu_cudnn_layout")
+    return (
+        ("cuda_efficient", "cudnn")
+        if settings_of(config).device == "cuda"
+        else ("cpu_efficient_layout", "cpu_cudnn_layout")
+    )
 
 
 def tier(config: pytest.Config) -> str:
     return settings_of(config).tier
 
 
-def world_sizes(config: pytest.Config, *, at_most: int | None = None, at_least: int = 1) -> list[int]:
+def world_sizes(
+    config: pytest.Config, *, at_most: int | None = None, at_least: int = 1
+) -> list[int]:
     """The session's enabled world sizes, optionally bounded."""
-    return [w for w in settings_of(config).world_sizes if w >= at_least and (at_most is None or w <= at_most)]
+    return [
+        w
+        for w in settings_of(config).world_sizes
+        if w >= at_least and (at_most is None or w <= at_most)
+    ]
 
 
 def case_id(case: RingCase, *extra: str) -> str:
     """e.g. ``W4-bf16-causal-alltoall-head_tail-cpu_flash``."""
-    parts = [f"W{case.world_size}", SHORT[case.inputs.dtype], "causal" if case.is_causal else "full",
-             case.rotate_method, case.layout]
+    parts = [
+        f"W{case.world_size}",
+        SHORT[case.inputs.dtype],
+        "causal" if case.is_causal else "full",
+        case.rotate_method,
+        case.layout,
+    ]
     if case.op:
         parts.append(case.op)
     if case.compile:

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 __all__ = ["LlamaLike", "encoder_stack", "rope_tables"]
 
 
-def rope_tables(seq: int, head_dim: int, dtype: torch.dtype, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq: int, head_dim: int, dtype: torch.dtype, base: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (seq, head_dim // 2) for rotary embeddings at positions 0..seq-1."""
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
@@ -75,8 +77,18 @@ class LlamaLike(nn.Module):
     """Token ids (batch, seq) -> logits (batch, seq, vocab); RoPE tables are buffers of the global
     sequence length, to be sharded with the tokens under context parallelism."""
 
-    def __init__(self, *, vocab: int = 64, dim: int = 32, heads: int = 4, heads_kv: int = 2, hidden: int = 64,
-                 layers: int = 2, max_seq: int = 64, dtype: torch.dtype = torch.float64):
+    def __init__(
+        self,
+        *,
+        vocab: int = 64,
+        dim: int = 32,
+        heads: int = 4,
+        heads_kv: int = 2,
+        hidden: int = 64,
+        layers: int = 2,
+        max_seq: int = 64,
+        dtype: torch.dtype = torch.float64,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, heads_kv, hidden) for _ in range(layers))
@@ -96,7 +108,11 @@ class LlamaLike(nn.Module):
         return self.head(self.norm(x))
 
 
-def encoder_stack(*, dim: int = 32, heads: int = 4, hidden: int = 64, layers: int = 2, dtype=torch.float64) -> nn.TransformerEncoder:
+def encoder_stack(
+    *, dim: int = 32, heads: int = 4, hidden: int = 64, layers: int = 2, dtype=torch.float64
+) -> nn.TransformerEncoder:
     """``nn.TransformerEncoder`` of ``layers`` pre-norm layers, batch first, no dropout."""
-    layer = nn.TransformerEncoderLayer(dim, heads, hidden, dropout=0.0, batch_first=True, norm_first=True)
+    layer = nn.TransformerEncoderLayer(
+        dim, heads, hidden, dropout=0.0, batch_first=True, norm_first=True
+    )
     return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).to(dtype)

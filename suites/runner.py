@@ -76,9 +76,21 @@ def repro_words(item: pytest.Item) -> list[str]:
 class RingRunner:
     """Runs :class:`suites.cases.RingCase` on a pool and judges it (one per test)."""
 
-    def __init__(self, request: pytest.FixtureRequest, rank_pool: Callable[..., Any], impl: Implementation,
-                 op_spec: str | None, timeout: float):
-        self.request, self.rank_pool, self.impl, self.op_spec, self.timeout = request, rank_pool, impl, op_spec, timeout
+    def __init__(
+        self,
+        request: pytest.FixtureRequest,
+        rank_pool: Callable[..., Any],
+        impl: Implementation,
+        op_spec: str | None,
+        timeout: float,
+    ):
+        self.request, self.rank_pool, self.impl, self.op_spec, self.timeout = (
+            request,
+            rank_pool,
+            impl,
+            op_spec,
+            timeout,
+        )
 
     @property
     def caps(self) -> Capabilities:
@@ -111,7 +123,9 @@ class RingRunner:
         __tracebackhide__ = True
         op = case.op if case.op is not None else self.op_spec
         # Recorded first, so a case that ends N/A, skipped or raising still lands in its cell.
-        self.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
+        self.request.node.user_properties.append(
+            ("ring_case", case_properties(replace(case, op=op)))
+        )
         self.require("layouts", case.layout)
         self.require("rotate_methods", case.rotate_method)
         if case.count_work:
@@ -119,7 +133,9 @@ class RingRunner:
         if case.record:
             self.require("record_steps", why="per-step partials")
         self.require_inputs(case, op)
-        return replace(case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse"))
+        return replace(
+            case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse")
+        )
 
     def require_inputs(self, case, op) -> None:
         """What every suite's case asks of its inputs and kernel (ring, strategy and mask cases
@@ -158,16 +174,26 @@ class RingRunner:
         spec = case.inputs
         device = torch.device(self.request.getfixturevalue("device"))
         scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
-        why = get_op(op).capabilities.unsupported(device, spec.torch_dtype, spec.head_dim, scale=scale,
-                                                   is_causal=case.is_causal, head_dim_v=spec.value_head_dim)
+        why = get_op(op).capabilities.unsupported(
+            device,
+            spec.torch_dtype,
+            spec.head_dim,
+            scale=scale,
+            is_causal=case.is_causal,
+            head_dim_v=spec.value_head_dim,
+        )
         if why is not None:
-            pytest.skip(f"kernel {op!r} cannot run this case on {device}: {why} (the kernel's own limit; "
-                        "other dtypes of this test run it)")
+            pytest.skip(
+                f"kernel {op!r} cannot run this case on {device}: {why} (the kernel's own limit; "
+                "other dtypes of this test run it)"
+            )
 
     def timeout_for(self, case) -> float:
         """This test's timeout, or the compile bound for a case that compiles."""
         settings = settings_of(self.request.config)
-        return max(self.timeout, settings.timeout_for(compiles=True)) if case.compile else self.timeout
+        return (
+            max(self.timeout, settings.timeout_for(compiles=True)) if case.compile else self.timeout
+        )
 
     def run(self, case, fn=None) -> list:
         """Raw per-rank results of ``fn`` (default :func:`suites.cases.ring_case`)."""
@@ -185,7 +211,9 @@ class RingRunner:
             results = self.run(case)
         try:
             verdicts = judge(case, results, baseline_op=getattr(self.impl.obj, "baseline_op", None))
-        except AssertionError as exc:  # a broken contract (dtype, shape, missing result): no numbers to judge
+        except (
+            AssertionError
+        ) as exc:  # a broken contract (dtype, shape, missing result): no numbers to judge
             pytest.fail(f"{exc}\nrepro: {self.repro()}", pytrace=False)
         self.record(case, verdicts)
         failed = [v for v in verdicts if not v.passed]
@@ -200,7 +228,11 @@ class RingRunner:
                     note = f" (no per-step records: {missing})"
                 else:
                     try:
-                        records = [rec for r in self.run(replace(case, record=True)) for rec in (r["records"] or [])]
+                        records = [
+                            rec
+                            for r in self.run(replace(case, record=True))
+                            for rec in (r["records"] or [])
+                        ]
                     except Exception as exc:  # diagnosis is best effort; the verdict stands
                         note = f" (re-run with step recording failed: {exc})"
             diagnosis = diagnose_case(case, results, records) + note
@@ -212,28 +244,49 @@ class RingRunner:
         from suites.judge import judge
 
         try:
-            eager = judge(replace(case, compile=None), self.run(replace(case, compile=None)),
-                          baseline_op=getattr(self.impl.obj, "baseline_op", None))
+            eager = judge(
+                replace(case, compile=None),
+                self.run(replace(case, compile=None)),
+                baseline_op=getattr(self.impl.obj, "baseline_op", None),
+            )
         except Exception as exc:  # the eager run failing too is information, not a new failure
             return f"The same case run eagerly fails too ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})."
         if all(v.passed for v in eager):
-            return (f"The same case run eagerly (without torch.compile) passes: wrong only when compiled "
-                    f"(backend {case.compile}).")
-        return "The same case run eagerly fails too: the ring is wrong with or without torch.compile."
+            return (
+                f"The same case run eagerly (without torch.compile) passes: wrong only when compiled "
+                f"(backend {case.compile})."
+            )
+        return (
+            "The same case run eagerly fails too: the ring is wrong with or without torch.compile."
+        )
 
     def record(self, case, verdicts) -> None:
         """Attach case parameters and error figures to the test report (for the conformance report)."""
         if ("ring_case", case_properties(case)) not in self.request.node.user_properties:
             self.request.node.user_properties.append(("ring_case", case_properties(case)))
-        self.request.node.user_properties.append((
-            "ring_verdicts",
-            [
-                {"name": v.name, "passed": v.passed, "max_err": v.max_err, "base_max_err": v.base_max_err,
-                 "mean_err": v.mean_err, "base_mean_err": v.base_mean_err, "ratio": v.ratio,
-                 "k": v.k, "floor": v.floor, "mean_floor": v.mean_floor, "mean_ratio": v.mean_ratio, "rank": v.rank, "worst_index": list(v.worst_index)}
-                for v in verdicts
-            ],
-        ))
+        self.request.node.user_properties.append(
+            (
+                "ring_verdicts",
+                [
+                    {
+                        "name": v.name,
+                        "passed": v.passed,
+                        "max_err": v.max_err,
+                        "base_max_err": v.base_max_err,
+                        "mean_err": v.mean_err,
+                        "base_mean_err": v.base_mean_err,
+                        "ratio": v.ratio,
+                        "k": v.k,
+                        "floor": v.floor,
+                        "mean_floor": v.mean_floor,
+                        "mean_ratio": v.mean_ratio,
+                        "rank": v.rank,
+                        "worst_index": list(v.worst_index),
+                    }
+                    for v in verdicts
+                ],
+            )
+        )
 
     def repro(self) -> str:
         """A command that re-runs this test alone with every ring option of the session."""
@@ -244,14 +297,26 @@ class RingRunner:
 def case_properties(case) -> dict[str, Any]:
     s = case.inputs
     return {
-        "world_size": case.world_size, "dtype": s.dtype, "is_causal": case.is_causal, "layout": case.layout,
-        "rotate_method": case.rotate_method, "op": case.op, "compile": case.compile,
-        "batch": s.batch, "heads": s.heads, "heads_kv": s.heads_kv, "seq_q": s.seq_q, "seq_kv": s.seq_kv,
-        "head_dim": s.head_dim, "head_dim_v": s.value_head_dim,
+        "world_size": case.world_size,
+        "dtype": s.dtype,
+        "is_causal": case.is_causal,
+        "layout": case.layout,
+        "rotate_method": case.rotate_method,
+        "op": case.op,
+        "compile": case.compile,
+        "batch": s.batch,
+        "heads": s.heads,
+        "heads_kv": s.heads_kv,
+        "seq_q": s.seq_q,
+        "seq_kv": s.seq_kv,
+        "head_dim": s.head_dim,
+        "head_dim_v": s.value_head_dim,
     }
 
 
 @pytest.fixture
-def ring(request: pytest.FixtureRequest, rank_pool, impl: Implementation, op_under_test, case_timeout) -> RingRunner:
+def ring(
+    request: pytest.FixtureRequest, rank_pool, impl: Implementation, op_under_test, case_timeout
+) -> RingRunner:
     """The case runner for this test: ``ring.check(ring.prepare(case))``."""
     return RingRunner(request, rank_pool, impl, op_under_test, case_timeout)

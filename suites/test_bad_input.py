@@ -25,7 +25,11 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.mark.parametrize(
-    "kind", [pytest.param(k, marks=[pytest.mark.gpu] if BAD_INPUTS[k][1] == "cuda" else []) for k in sorted(BAD_INPUTS)]
+    "kind",
+    [
+        pytest.param(k, marks=[pytest.mark.gpu] if BAD_INPUTS[k][1] == "cuda" else [])
+        for k in sorted(BAD_INPUTS)
+    ],
 )
 def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
     ring.require("input_errors", why="raises on every rank for bad input")
@@ -39,27 +43,42 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
         ring.require("masks", "mask_mod", why="a mask_mod that differs between ranks")
     timeout = min(TIMEOUT_S, ring.timeout)
     try:
-        outcomes = ring.rank_pool(w).run_outcomes(bad_input_case, ring.impl.spec, kind, timeout=timeout)
+        outcomes = ring.rank_pool(w).run_outcomes(
+            bad_input_case, ring.impl.spec, kind, timeout=timeout
+        )
     except CaseTimeout as exc:
-        states = ", ".join(f"rank {o.rank} {'raised ' + o.exc_type if not o.ok and o.exc_type else o.status}"
-                           for o in exc.outcomes)
-        pytest.fail(f"{kind}: the ranks hung ({states}) for {timeout:g} s: a rank that rejected its input left the "
-                    f"others waiting in a collective\nrepro: {ring.repro()}", pytrace=False)
+        states = ", ".join(
+            f"rank {o.rank} {'raised ' + o.exc_type if not o.ok and o.exc_type else o.status}"
+            for o in exc.outcomes
+        )
+        pytest.fail(
+            f"{kind}: the ranks hung ({states}) for {timeout:g} s: a rank that rejected its input left the "
+            f"others waiting in a collective\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
     summary = "\n".join(
-        f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}") for o in outcomes
+        f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}")
+        for o in outcomes
     )
     waiting = [o.rank for o in outcomes if o.status == ABORTED]  # the harness ended their wait
     if waiting:
-        pytest.fail(f"{kind}: the ranks hung (rank(s) {waiting} still waiting in a collective after another rank "
-                    f"raised; the harness aborted them): a rank that rejected its input left the others waiting"
-                    f"\n{summary}\nrepro: {ring.repro()}", pytrace=False)
+        pytest.fail(
+            f"{kind}: the ranks hung (rank(s) {waiting} still waiting in a collective after another rank "
+            f"raised; the harness aborted them): a rank that rejected its input left the others waiting"
+            f"\n{summary}\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
     raised = [o.rank for o in outcomes if not o.ok]
     if not raised:
         pytest.fail(f"{kind}: no rank raised: the bad input was accepted\n{summary}", pytrace=False)
     if len(raised) < len(outcomes):
-        pytest.fail(f"{kind}: only rank(s) {raised} raised, the others returned\n{summary}", pytrace=False)
+        pytest.fail(
+            f"{kind}: only rank(s) {raised} raised, the others returned\n{summary}", pytrace=False
+        )
     assert any(re.search(pattern, o.exc_message, re.IGNORECASE) for o in outcomes), (
         f"{kind}: no rank's error mentions /{pattern}/; errors must say what was wrong\n{summary}"
     )
     for o in outcomes:
-        assert len(o.exc_message) >= 20, f"{kind}: rank {o.rank}'s error is too terse to act on: {o.exc_message!r}"
+        assert len(o.exc_message) >= 20, (
+            f"{kind}: rank {o.rank}'s error is too terse to act on: {o.exc_message!r}"
+        )

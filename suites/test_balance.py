@@ -46,8 +46,12 @@ from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
 from suites.runner import case_properties
 
 #: The mask kinds (reference.masks) each family uses.
-KINDS = {"causal": {"causal"}, "documents": {"document"}, "window": {"sliding_window"},
-         "documents_window": {"and", "document", "sliding_window"}}
+KINDS = {
+    "causal": {"causal"},
+    "documents": {"document"},
+    "window": {"sliding_window"},
+    "documents_window": {"and", "document", "sliding_window"},
+}
 
 
 @dataclass(frozen=True)
@@ -117,13 +121,24 @@ ALL_LAYOUTS = (*LAYOUTS, *BALANCER_LAYOUTS)
 
 def _cases(config) -> list:
     nightly = tier(config) == "nightly"
-    sizes = world_sizes(config, at_least=2) if nightly else world_sizes(config, at_least=2, at_most=4)
+    sizes = (
+        world_sizes(config, at_least=2) if nightly else world_sizes(config, at_least=2, at_most=4)
+    )
     out = []
     for family, layout, w in itertools.product(FAMILIES, ALL_LAYOUTS, sizes):
         # Which blocks a ring computes does not depend on the rotation: one per case, every
         # rotation across the nightly matrix, the one every implementation has in the quick tier.
         rotate = ROTATIONS[(w + len(layout)) % 3] if nightly else "allgather"
-        out.append(BalanceCase(case_inputs(w), w, layout=layout, rotate_method=rotate, backward=False, family=family))
+        out.append(
+            BalanceCase(
+                case_inputs(w),
+                w,
+                layout=layout,
+                rotate_method=rotate,
+                backward=False,
+                family=family,
+            )
+        )
     return params(out, id_extra=lambda c: (c.family,))
 
 
@@ -142,7 +157,9 @@ def _prepare(ring, case: BalanceCase) -> BalanceCase:
         ring.require("layouts", case.layout)
     else:
         require_balancer(ring, case.balancer)
-    rotate = next((m for m in (case.rotate_method, *ROTATIONS) if ring.caps.claims("rotate_methods", m)), None)
+    rotate = next(
+        (m for m in (case.rotate_method, *ROTATIONS) if ring.caps.claims("rotate_methods", m)), None
+    )
     if rotate is None:
         ring.require("rotate_methods", case.rotate_method)
     ring.require_inputs(case, None)
@@ -153,14 +170,20 @@ def _figures(case: BalanceCase, visible: list[int]) -> Figures:
     from reference.masks import visibility
 
     seq = case.inputs.seq_q
-    widest = int(visibility(family_spec(case.family, seq, case.world_size), seq, seq)[0, 0].sum(1).max())
-    return Figures(case.world_size, seq, window_left(seq, case.world_size), seq * widest / max(1, sum(visible)))
+    widest = int(
+        visibility(family_spec(case.family, seq, case.world_size), seq, seq)[0, 0].sum(1).max()
+    )
+    return Figures(
+        case.world_size, seq, window_left(seq, case.world_size), seq * widest / max(1, sum(visible))
+    )
 
 
 def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase) -> None:
     case = _prepare(ring, balance_case_)
     try:
-        results = ring.rank_pool(case.world_size).run(balance_case, case, timeout=ring.timeout_for(case))
+        results = ring.rank_pool(case.world_size).run(
+            balance_case, case, timeout=ring.timeout_for(case)
+        )
     except ProtocolError as exc:
         pytest.fail(str(exc), pytrace=False)
     layouts = {r["layout"] for r in results}
@@ -170,30 +193,47 @@ def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase
     if problem is None and (len(layouts) != 1 or any(rr != runs[0] for rr in runs)):
         problem = f"the ranks got different layouts ({sorted(layouts)}) or runs from equal balanced_layout calls"
     if problem:
-        pytest.fail(f"{what} breaks the layout rules: {problem} [{case.label}]\nrepro: {ring.repro()}", pytrace=False)
+        pytest.fail(
+            f"{what} breaks the layout rules: {problem} [{case.label}]\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
 
     findings, visible, diagnoses = judge_pairs(case, results)
     if findings:
-        lines = [f.what for f in findings[:8]] + ([f"... {len(findings) - 8} more blocks"] if len(findings) > 8 else [])
+        lines = [f.what for f in findings[:8]] + (
+            [f"... {len(findings) - 8} more blocks"] if len(findings) > 8 else []
+        )
         pytest.fail(
             f"the kernel calls do not compute exactly the pairs the mask shows on global positions [{case.label}]:\n"
             + "\n".join(f"  {line}" for line in lines)
-            + "".join(f"\n{d}" for d in diagnoses) + f"\nrepro: {ring.repro()}", pytrace=False)
+            + "".join(f"\n{d}" for d in diagnoses)
+            + f"\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
 
     work = [r["work"] for r in results]
     if work != visible:
         pytest.fail(
             f"attention work per rank {work} (score entries counted by the op) differs from the visible pairs {visible} "
             f"its calls computed [{case.label}]: the counting op's figure and the calls disagree\nrepro: {ring.repro()}",
-            pytrace=False)
+            pytrace=False,
+        )
     bound = BOUNDS[(case.layout, case.family)]
     figures = _figures(case, visible)
     ratio, limit = max(work) * len(work) / sum(work), bound.limit(figures)
-    ring.request.node.user_properties.append(("balance", {"work": work, "max_over_mean": ratio, "bound": limit}))
+    ring.request.node.user_properties.append(
+        ("balance", {"work": work, "max_over_mean": ratio, "bound": limit})
+    )
     if ratio > limit + 1e-9:
         heavy = max(range(len(work)), key=work.__getitem__)
-        known = " (a layout known to be unbalanced here: held to the row bound only)" if bound.unbalanced else ""
+        known = (
+            " (a layout known to be unbalanced here: held to the row bound only)"
+            if bound.unbalanced
+            else ""
+        )
         pytest.fail(
             f"load imbalance: max/mean work {ratio:.3f} > {limit:.3f} declared for {what} under mask {case.family}{known}; "
             f"rank {heavy} does {work[heavy] / sum(work):.0%} of the work (per-rank work {work}) [{case.label}]\n"
-            f"repro: {ring.repro()}", pytrace=False)
+            f"repro: {ring.repro()}",
+            pytrace=False,
+        )

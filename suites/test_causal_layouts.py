@@ -20,8 +20,12 @@ from suites.matrix import LAYOUTS, params, world_sizes
 
 def _cases(config, **extra):
     out = []
-    for w, layout, causal in itertools.product(world_sizes(config, at_least=2), LAYOUTS, (True, False)):
-        inputs = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float64")
+    for w, layout, causal in itertools.product(
+        world_sizes(config, at_least=2), LAYOUTS, (True, False)
+    ):
+        inputs = InputSpec(
+            batch=1, heads=2, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float64"
+        )
         out.append(RingCase(inputs, w, is_causal=causal, layout=layout, **extra))
     return params(out)
 
@@ -35,26 +39,41 @@ def pytest_generate_tests(metafunc):
 
 def _simulation(case: RingCase):
     g = make_inputs(case.inputs)
-    return simulate_ring(g.query, g.key, g.value, world_size=case.world_size, layout=case.layout, is_causal=case.is_causal)
+    return simulate_ring(
+        g.query,
+        g.key,
+        g.value,
+        world_size=case.world_size,
+        layout=case.layout,
+        is_causal=case.is_causal,
+    )
 
 
 def test_every_ring_step_matches_the_simulation(ring, step_case: RingCase) -> None:
-    case = ring.prepare(step_case)  # needs record_steps: N/A if declared lacking, a failure if missing
+    case = ring.prepare(
+        step_case
+    )  # needs record_steps: N/A if declared lacking, a failure if missing
     results = ring.run(case)
     records = [rec for r in results for rec in r["records"]]
     findings = compare_records(_simulation(case), records, dtype=case.inputs.torch_dtype)
-    assert not findings, f"ring steps diverge from the simulation [{case.label}]:\n" + "\n".join(f.what for f in findings)
+    assert not findings, f"ring steps diverge from the simulation [{case.label}]:\n" + "\n".join(
+        f.what for f in findings
+    )
     ring.check(case, results=results)
 
 
 def test_work_per_rank_is_minimal_and_balanced(ring, work_case: RingCase) -> None:
     case = ring.prepare(work_case)
     sim = _simulation(case)
-    expected = sim.work_per_rank()  # visible score entries per (batch, head), like CountingOp counts
+    expected = (
+        sim.work_per_rank()
+    )  # visible score entries per (batch, head), like CountingOp counts
     work = [r["work"] for r in ring.run(case)]
     assert work == expected, (
         f"attention work per rank {work} differs from the visible (query, key) pairs {expected} per batch-head "
         f"[{case.label}]: a step that must be skipped was computed, or a needed one was not"
     )
     if case.is_causal and case.layout == "head_tail":
-        assert len(set(work)) == 1, f"head_tail must balance causal work; per-rank work {work} [{case.label}]"
+        assert len(set(work)) == 1, (
+            f"head_tail must balance causal work; per-rank work {work} [{case.label}]"
+        )

@@ -22,18 +22,52 @@ def pytest_generate_tests(metafunc):
         return
     cases = []
     for w, rotate, layout, causal, (dtype, heads_kv) in itertools.product(
-        world_sizes(metafunc.config), ROTATIONS, LAYOUTS, (False, True), (("float32", 4), ("bfloat16", 2))
+        world_sizes(metafunc.config),
+        ROTATIONS,
+        LAYOUTS,
+        (False, True),
+        (("float32", 4), ("bfloat16", 2)),
     ):
-        inputs = InputSpec(batch=2, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype)
-        cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True))
+        inputs = InputSpec(
+            batch=2, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype
+        )
+        cases.append(
+            RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True)
+        )
     # value's own head dim (capability value_head_dim): its bytes move at d_v, not at d_qk
-    for i, (w, rotate) in enumerate(itertools.product(world_sizes(metafunc.config, at_least=2), ROTATIONS)):
-        inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, head_dim_v=(8, 40)[i % 2],
-                           dtype="bfloat16")
-        cases.append(RingCase(inputs, w, is_causal=bool(i % 2), layout=LAYOUTS[i % 2], rotate_method=rotate,
-                              account=True))
-    metafunc.parametrize("case", params(cases, id_extra=lambda c: (
-        f"hkv{c.inputs.heads_kv}", *(() if c.inputs.head_dim_v is None else (f"dv{c.inputs.head_dim_v}",)))))
+    for i, (w, rotate) in enumerate(
+        itertools.product(world_sizes(metafunc.config, at_least=2), ROTATIONS)
+    ):
+        inputs = InputSpec(
+            batch=2,
+            heads=4,
+            heads_kv=2,
+            seq_q=8 * w,
+            seq_kv=8 * w,
+            head_dim=16,
+            head_dim_v=(8, 40)[i % 2],
+            dtype="bfloat16",
+        )
+        cases.append(
+            RingCase(
+                inputs,
+                w,
+                is_causal=bool(i % 2),
+                layout=LAYOUTS[i % 2],
+                rotate_method=rotate,
+                account=True,
+            )
+        )
+    metafunc.parametrize(
+        "case",
+        params(
+            cases,
+            id_extra=lambda c: (
+                f"hkv{c.inputs.heads_kv}",
+                *(() if c.inputs.head_dim_v is None else (f"dv{c.inputs.head_dim_v}",)),
+            ),
+        ),
+    )
 
 
 def _diff(expected: dict, actual: dict) -> list[str]:
@@ -43,20 +77,30 @@ def _diff(expected: dict, actual: dict) -> list[str]:
         for kind in sorted(set(exp) | set(act)):
             e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
             if e != a:
-                lines.append(f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes")
+                lines.append(
+                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
+                )
     return lines
 
 
 def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
     case = ring.prepare(case)
     # N/A only with capabilities.collective_schedule=False; claimed but missing fails.
-    schedule = ring.protocol("collective_schedule", why="the collectives of every rank are asserted against it")
+    schedule = ring.protocol(
+        "collective_schedule", why="the collectives of every rank are asserted against it"
+    )
     spec = case.inputs
     # head_dim_v only where value's head dim differs (a schedule without the keyword serves the rest)
     value_dim = {} if spec.head_dim_v is None else {"head_dim_v": spec.head_dim_v}
     expected = schedule(
-        case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size, head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False,
+        case.world_size,
+        case.rotate_method,
+        batch=spec.batch,
+        heads_kv=spec.heads_kv,
+        seq_kv=spec.seq_kv // case.world_size,
+        head_dim=spec.head_dim,
+        dtype=spec.torch_dtype,
+        compiled=False,
         **value_dim,
     )
     results = ring.run(case)
@@ -65,7 +109,14 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
     problems = []
     for rank, r in enumerate(results):
         actual = {phase: kinds for phase, kinds in r["collectives"].items() if kinds}
-        problems += [f"rank {rank}: {line}" for line in _diff({p: k for p, k in expected.items() if k}, actual)]
+        problems += [
+            f"rank {rank}: {line}"
+            for line in _diff({p: k for p, k in expected.items() if k}, actual)
+        ]
     if problems:
-        pytest.fail(f"collectives differ from the declared schedule [{case.label}]:\n" + "\n".join(problems)
-                    + f"\nrepro: {ring.repro()}", pytrace=False)
+        pytest.fail(
+            f"collectives differ from the declared schedule [{case.label}]:\n"
+            + "\n".join(problems)
+            + f"\nrepro: {ring.repro()}",
+            pytrace=False,
+        )

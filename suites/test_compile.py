@@ -26,13 +26,27 @@ def pytest_generate_tests(metafunc):
     nightly = tier(metafunc.config) == "nightly"
     cases = []
     if nightly:
-        combos = itertools.product(world_sizes(metafunc.config, at_least=2, at_most=4), ("aot_eager", "inductor"), ROTATIONS, LAYOUTS, (False, True))
+        combos = itertools.product(
+            world_sizes(metafunc.config, at_least=2, at_most=4),
+            ("aot_eager", "inductor"),
+            ROTATIONS,
+            LAYOUTS,
+            (False, True),
+        )
     else:
-        combos = [(2, "aot_eager", r, "head_tail", True) for r in ROTATIONS] + [(2, "aot_eager", "allgather", "contiguous", False)]
+        combos = [(2, "aot_eager", r, "head_tail", True) for r in ROTATIONS] + [
+            (2, "aot_eager", "allgather", "contiguous", False)
+        ]
         combos = [c for c in combos if c[0] in world_sizes(metafunc.config)]
     for w, backend, rotate, layout, causal in combos:
-        inputs = InputSpec(batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float32")
-        cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, compile=backend))
+        inputs = InputSpec(
+            batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float32"
+        )
+        cases.append(
+            RingCase(
+                inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, compile=backend
+            )
+        )
     metafunc.parametrize("case", params(cases))
 
 
@@ -55,7 +69,10 @@ def test_compiled_matches_eager_and_reference(ring, case: RingCase) -> None:
     ring.check(compiled, results=compiled_results)
     eager = unshard_results(ring.run(compiled.with_(compile=None)), case.layout)
     got = unshard_results(compiled_results, case.layout)
-    ref, base = reference_for(case.inputs, case.is_causal), baseline_for(case.inputs, case.is_causal, compiled.op)
+    ref, base = (
+        reference_for(case.inputs, case.is_causal),
+        baseline_for(case.inputs, case.is_causal, compiled.op),
+    )
     for name in QUANTITIES:
         if got[name] is None:
             continue
@@ -67,5 +84,13 @@ def test_compiled_matches_eager_and_reference(ring, case: RingCase) -> None:
         else:
             # The policy with eager standing in for the reference (see test_rotation.py).
             shifted = base[name].double() + (eager[name].double() - ref[name])
-            assert_verdict(check(f"{name} compiled vs eager", got[name], eager[name], shifted,
-                                 dtype=case.inputs.torch_dtype, context=f"[{case.label}]"))
+            assert_verdict(
+                check(
+                    f"{name} compiled vs eager",
+                    got[name],
+                    eager[name],
+                    shifted,
+                    dtype=case.inputs.torch_dtype,
+                    context=f"[{case.label}]",
+                )
+            )

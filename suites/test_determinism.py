@@ -17,9 +17,24 @@ def pytest_generate_tests(metafunc):
         return
     sizes = world_sizes(metafunc.config, at_least=2)
     cases = [
-        RingCase(InputSpec(batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="bfloat16"),
-                 w, is_causal=causal, layout=layout, rotate_method=rotate)
-        for w, rotate, layout, causal in itertools.product(sizes[-1:], ROTATIONS, LAYOUTS, (False, True))
+        RingCase(
+            InputSpec(
+                batch=1,
+                heads=4,
+                heads_kv=2,
+                seq_q=8 * w,
+                seq_kv=8 * w,
+                head_dim=16,
+                dtype="bfloat16",
+            ),
+            w,
+            is_causal=causal,
+            layout=layout,
+            rotate_method=rotate,
+        )
+        for w, rotate, layout, causal in itertools.product(
+            sizes[-1:], ROTATIONS, LAYOUTS, (False, True)
+        )
     ]
     metafunc.parametrize("case", params(cases, id_extra=lambda c: ("twice",)))
 

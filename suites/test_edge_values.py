@@ -31,19 +31,47 @@ from suites.matrix import LAYOUTS, ROTATIONS, params, world_sizes
 
 def _nan_cases(config):
     cases = []
-    combos = itertools.product(world_sizes(config, at_least=2), ("query", "key", "value"), (False, True), LAYOUTS)
+    combos = itertools.product(
+        world_sizes(config, at_least=2), ("query", "key", "value"), (False, True), LAYOUTS
+    )
     for i, (w, where, causal, layout) in enumerate(combos):
-        inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float32",
-                           nan_in=where)
-        cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=ROTATIONS[i % len(ROTATIONS)]))
+        inputs = InputSpec(
+            batch=2,
+            heads=4,
+            heads_kv=2,
+            seq_q=8 * w,
+            seq_kv=8 * w,
+            head_dim=16,
+            dtype="float32",
+            nan_in=where,
+        )
+        cases.append(
+            RingCase(
+                inputs,
+                w,
+                is_causal=causal,
+                layout=layout,
+                rotate_method=ROTATIONS[i % len(ROTATIONS)],
+            )
+        )
     return params(cases, id_extra=lambda c: (f"nan-in-{c.inputs.nan_in}",))
 
 
 def _scale_cases(config):
     cases = []
-    for w, scale, layout, dtype in itertools.product(world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0), LAYOUTS,
-                                                     ("float32", "bfloat16")):
-        inputs = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype, scale=scale)
+    for w, scale, layout, dtype in itertools.product(
+        world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0), LAYOUTS, ("float32", "bfloat16")
+    ):
+        inputs = InputSpec(
+            batch=1,
+            heads=2,
+            heads_kv=2,
+            seq_q=8 * w,
+            seq_kv=8 * w,
+            head_dim=16,
+            dtype=dtype,
+            scale=scale,
+        )
         cases.append(RingCase(inputs, w, is_causal=True, layout=layout, rotate_method="alltoall"))
     return params(cases, id_extra=lambda c: (f"scale{c.inputs.scale:g}",))
 
@@ -65,8 +93,10 @@ def test_nan_in_the_inputs_reaches_the_outputs(ring, nan_case: RingCase) -> None
     got = unshard_results(ring.run(case), case.layout)
     ref = reference_for(spec, case.is_causal)
     clean = spec.with_(nan_in=None)
-    base, scales = baseline_for(clean, case.is_causal, case.op or getattr(ring.impl.obj, "baseline_op", None)), \
-        scales_for(clean, case.is_causal)
+    base, scales = (
+        baseline_for(clean, case.is_causal, case.op or getattr(ring.impl.obj, "baseline_op", None)),
+        scales_for(clean, case.is_causal),
+    )
     where = f"NaN in {spec.nan_in} at global {nan_position(spec)}"
     for name in QUANTITIES:
         x, r = got[name], ref[name]
@@ -91,13 +121,32 @@ def test_nan_in_the_inputs_reaches_the_outputs(ring, nan_case: RingCase) -> None
         )
         both = torch.isfinite(r) & torch.isfinite(x)
         sc = scales[name]
-        masked = ErrorScale(*(_where(both, t) for t in (sc.magnitude, sc.compute, sc.conditioning, sc.magnitude_rss,
-                                                          sc.compute_rss, sc.conditioning_rss)))
-        assert_verdict(check(
-            f"{name} (finite elements)", _where(both, x), _where(both, r), _where(both, base[name]),
-            dtype=spec.torch_dtype, result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
-            scales=masked, world_size=case.world_size, context=f"({where}) [{case.label}]",
-        ))
+        masked = ErrorScale(
+            *(
+                _where(both, t)
+                for t in (
+                    sc.magnitude,
+                    sc.compute,
+                    sc.conditioning,
+                    sc.magnitude_rss,
+                    sc.compute_rss,
+                    sc.conditioning_rss,
+                )
+            )
+        )
+        assert_verdict(
+            check(
+                f"{name} (finite elements)",
+                _where(both, x),
+                _where(both, r),
+                _where(both, base[name]),
+                dtype=spec.torch_dtype,
+                result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
+                scales=masked,
+                world_size=case.world_size,
+                context=f"({where}) [{case.label}]",
+            )
+        )
 
 
 def test_nonpositive_scale_is_right_or_rejected(ring, scale_case: RingCase) -> None:
@@ -110,8 +159,12 @@ def test_nonpositive_scale_is_right_or_rejected(ring, scale_case: RingCase) -> N
     outcomes = ring.rank_pool(case.world_size).run_outcomes(ring_case, case, timeout=ring.timeout)
     if all(not o.ok for o in outcomes):
         for o in outcomes:
-            assert "scale" in o.exc_message.lower(), f"rank {o.rank} rejected scale {case.inputs.scale} without saying so: {o.exc_type}: {o.exc_message}"
-        pytest.skip(f"{ring.impl.name} rejects causal attention with scale {case.inputs.scale} on every rank")
+            assert "scale" in o.exc_message.lower(), (
+                f"rank {o.rank} rejected scale {case.inputs.scale} without saying so: {o.exc_type}: {o.exc_message}"
+            )
+        pytest.skip(
+            f"{ring.impl.name} rejects causal attention with scale {case.inputs.scale} on every rank"
+        )
     failed = [f"rank {o.rank}: {o.exc_type}: {o.exc_message}" for o in outcomes if not o.ok]
     assert not failed, "some ranks raised and others did not:\n" + "\n".join(failed)
     ring.check(case, results=[o.value for o in outcomes])

@@ -26,10 +26,19 @@ from suites.matrix import DTYPES, LAYOUTS, ROTATIONS, params, tier, world_sizes
 def _cases(config) -> list:
     nightly = tier(config) == "nightly"
     cases = []
-    for w, dtype, causal, rotate, layout in itertools.product(world_sizes(config), DTYPES, (False, True), ROTATIONS,
-                                                              LAYOUTS):
+    for w, dtype, causal, rotate, layout in itertools.product(
+        world_sizes(config), DTYPES, (False, True), ROTATIONS, LAYOUTS
+    ):
         seq = (16 if nightly else 8) * w
-        inputs = InputSpec(batch=2, heads=4, heads_kv=4, seq_q=seq, seq_kv=seq, head_dim=32 if nightly else 16, dtype=dtype)
+        inputs = InputSpec(
+            batch=2,
+            heads=4,
+            heads_kv=4,
+            seq_q=seq,
+            seq_kv=seq,
+            head_dim=32 if nightly else 16,
+            dtype=dtype,
+        )
         cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate))
     return params(cases)
 
@@ -43,15 +52,32 @@ def _value_head_dim_cases(config) -> list:
     combos = itertools.product(world_sizes(config), ROTATIONS, LAYOUTS)
     for i, (w, rotate, layout) in enumerate(combos):
         pairs = ((i % 3 != 1, "float64"), (i % 3 == 1, "float32"))  # one causal, one not
-        for causal, dtype in pairs if nightly else pairs[(i + w) % 2:][:1]:
+        for causal, dtype in pairs if nightly else pairs[(i + w) % 2 :][:1]:
             # nightly: larger, as its other cases (seq, head dims), so none is also a quick-tier case
-            d, dv = (((32, 48), (48, 16)) if nightly else ((16, 24), (24, 8)))[(i + int(causal)) % 2]
+            d, dv = (((32, 48), (48, 16)) if nightly else ((16, 24), (24, 8)))[
+                (i + int(causal)) % 2
+            ]
             seq = (16 if nightly else 8) * w
-            inputs = InputSpec(batch=1, heads=4, heads_kv=(4, 2)[i % 2], seq_q=seq, seq_kv=seq, head_dim=d,
-                               head_dim_v=dv, dtype=dtype, lse_grad=i % 3 != 2)
+            inputs = InputSpec(
+                batch=1,
+                heads=4,
+                heads_kv=(4, 2)[i % 2],
+                seq_q=seq,
+                seq_kv=seq,
+                head_dim=d,
+                head_dim_v=dv,
+                dtype=dtype,
+                lse_grad=i % 3 != 2,
+            )
             cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate))
-    return params(cases, id_extra=lambda c: (f"d{c.inputs.head_dim}-dv{c.inputs.head_dim_v}",
-                                             f"hkv{c.inputs.heads_kv}", *(("lse-grad",) if c.inputs.lse_grad else ())))
+    return params(
+        cases,
+        id_extra=lambda c: (
+            f"d{c.inputs.head_dim}-dv{c.inputs.head_dim_v}",
+            f"hkv{c.inputs.heads_kv}",
+            *(("lse-grad",) if c.inputs.lse_grad else ()),
+        ),
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -67,7 +93,9 @@ def test_forward_backward_match_reference(ring, case: RingCase) -> None:
 
 def test_value_head_dim(ring, dv_case: RingCase) -> None:
     if dv_case.inputs.lse_grad and not (ring.caps.claims("lse") and ring.caps.claims("lse_grad")):
-        dv_case = dv_case.with_(inputs=dv_case.inputs.with_(lse_grad=False))  # the loss on the output only
+        dv_case = dv_case.with_(
+            inputs=dv_case.inputs.with_(lse_grad=False)
+        )  # the loss on the output only
     case = ring.prepare(dv_case)
     try:
         results = ring.run(case)
@@ -76,15 +104,23 @@ def test_value_head_dim(ring, dv_case: RingCase) -> None:
             pytest.fail(f"{detached}\nrepro: {ring.repro()}", pytrace=False)
         ring.check(case, results=results)
         return
-    except (pytest.fail.Exception, Exception) as exc:  # a rank's error counts too: a buffer of the wrong size
+    except (
+        pytest.fail.Exception,
+        Exception,
+    ) as exc:  # a rank's error counts too: a buffer of the wrong size
         failure = exc
-    same = case.with_(inputs=case.inputs.with_(head_dim_v=None, head_dim=case.inputs.value_head_dim))
+    same = case.with_(
+        inputs=case.inputs.with_(head_dim_v=None, head_dim=case.inputs.value_head_dim)
+    )
     try:
         ring.check(same)
     except (pytest.fail.Exception, Exception):
         raise failure from None
     d, dv = case.inputs.head_dim, case.inputs.value_head_dim
-    pytest.fail(f"{failure}\nThe same case with value's head dim equal to query's and key's ({dv}) passes: the "
-                f"implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv}): look for a buffer, accumulator "
-                "or output sized by one head dim where the other was meant (value, out, dV by d_v; query, key, dQ, "
-                "dK by d_qk)", pytrace=False)
+    pytest.fail(
+        f"{failure}\nThe same case with value's head dim equal to query's and key's ({dv}) passes: the "
+        f"implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv}): look for a buffer, accumulator "
+        "or output sized by one head dim where the other was meant (value, out, dV by d_v; query, key, dQ, "
+        "dK by d_qk)",
+        pytrace=False,
+    )

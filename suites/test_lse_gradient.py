@@ -23,21 +23,56 @@ def pytest_generate_tests(metafunc):
     if "case" not in metafunc.fixturenames:
         return
     nightly = tier(metafunc.config) == "nightly"
-    sizes = world_sizes(metafunc.config, at_least=2) if nightly else world_sizes(metafunc.config, at_least=2, at_most=3)
+    sizes = (
+        world_sizes(metafunc.config, at_least=2)
+        if nightly
+        else world_sizes(metafunc.config, at_least=2, at_most=3)
+    )
     cases = []
-    for i, (op, rotate) in enumerate(itertools.product((None, *session_ops(metafunc.config)), ROTATIONS)):
-        combos = itertools.product(sizes, ("float64", "float32", "bfloat16"), (False, True), LAYOUTS) if nightly else [
-            (sizes[i % len(sizes)], "float32", True, "head_tail"), (sizes[-1], "float64", False, "contiguous"),
-        ] if sizes else []
+    for i, (op, rotate) in enumerate(
+        itertools.product((None, *session_ops(metafunc.config)), ROTATIONS)
+    ):
+        combos = (
+            itertools.product(sizes, ("float64", "float32", "bfloat16"), (False, True), LAYOUTS)
+            if nightly
+            else [
+                (sizes[i % len(sizes)], "float32", True, "head_tail"),
+                (sizes[-1], "float64", False, "contiguous"),
+            ]
+            if sizes
+            else []
+        )
         for w, dtype, causal, layout in combos:
-            inputs = InputSpec(batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype,
-                               lse_grad=True)
-            cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, op=op))
+            inputs = InputSpec(
+                batch=1,
+                heads=4,
+                heads_kv=2,
+                seq_q=8 * w,
+                seq_kv=8 * w,
+                head_dim=16,
+                dtype=dtype,
+                lse_grad=True,
+            )
+            cases.append(
+                RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, op=op)
+            )
     if sizes:  # bfloat16 through every rotation with the implementation's own kernel
         for rotate in ROTATIONS:
-            inputs = InputSpec(batch=1, heads=4, heads_kv=4, seq_q=8 * sizes[-1], seq_kv=8 * sizes[-1], head_dim=16,
-                               dtype="bfloat16", lse_grad=True)
-            cases.append(RingCase(inputs, sizes[-1], is_causal=True, layout="head_tail", rotate_method=rotate))
+            inputs = InputSpec(
+                batch=1,
+                heads=4,
+                heads_kv=4,
+                seq_q=8 * sizes[-1],
+                seq_kv=8 * sizes[-1],
+                head_dim=16,
+                dtype="bfloat16",
+                lse_grad=True,
+            )
+            cases.append(
+                RingCase(
+                    inputs, sizes[-1], is_causal=True, layout="head_tail", rotate_method=rotate
+                )
+            )
     metafunc.parametrize("case", params(cases, id_extra=lambda c: ("lse-grad",)))
 
 

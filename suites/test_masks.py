@@ -49,11 +49,21 @@ from suites.matrix import LAYOUTS, ROTATIONS, params, seed_for, tier, world_size
 from suites.runner import case_properties
 
 #: The mask kinds (reference.masks) each named mask uses.
-KINDS = {"causal": {"causal"}, "documents": {"document"}, "documents_full": {"document"}, "documents_with_gaps": {"document"},
-         "one_token_documents": {"document"}, "window_narrow": {"sliding_window"}, "window_wide": {"sliding_window"},
-         "chunked_causal": {"chunked_causal"}, "prefix_lm": {"prefix_lm"}, "documents_window": {"and", "document", "sliding_window"},
-         "prefix_lm_window": {"and", "prefix_lm", "sliding_window"},
-         "mask_mod": {"mask_mod"}, "mask_mod_batch_head": {"mask_mod"}}
+KINDS = {
+    "causal": {"causal"},
+    "documents": {"document"},
+    "documents_full": {"document"},
+    "documents_with_gaps": {"document"},
+    "one_token_documents": {"document"},
+    "window_narrow": {"sliding_window"},
+    "window_wide": {"sliding_window"},
+    "chunked_causal": {"chunked_causal"},
+    "prefix_lm": {"prefix_lm"},
+    "documents_window": {"and", "document", "sliding_window"},
+    "prefix_lm_window": {"and", "prefix_lm", "sliding_window"},
+    "mask_mod": {"mask_mod"},
+    "mask_mod_batch_head": {"mask_mod"},
+}
 
 
 def _cases(config) -> list:
@@ -62,25 +72,53 @@ def _cases(config) -> list:
     dtypes = ("float64", "float32", "bfloat16")
     out = []
     # A balancer's layout on one rank is the whole sequence: W >= 2 only.
-    combos = [(n, w, lay) for n, w, lay in itertools.product(MASK_NAMES, sizes, (*LAYOUTS, *BALANCER_LAYOUTS))
-              if w > 1 or lay in LAYOUTS]
+    combos = [
+        (n, w, lay)
+        for n, w, lay in itertools.product(MASK_NAMES, sizes, (*LAYOUTS, *BALANCER_LAYOUTS))
+        if w > 1 or lay in LAYOUTS
+    ]
     for i, (name, w, layout) in enumerate(combos):
         chosen = dtypes if nightly else (dtypes[i % 3],)
         for j, dtype in enumerate(chosen):
             rotate = ROTATIONS[(i // 3 + j) % 3]
             heads_kv = 2 if (i + j) % 2 else 4  # GQA on every other case
             seq = 24 * w
-            spec = InputSpec(batch=_batch(name), heads=4, heads_kv=heads_kv, seq_q=seq, seq_kv=seq, head_dim=16,
-                             dtype=dtype)
-            out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0))
-    out += (_strategy_cases(config) + _scale_cases(config) + _compile_cases(config) + _refill_cases(config)
-            + _value_head_dim_cases(config))
-    return params(out, id_extra=lambda c: (*((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
-                                           c.mask, *(("sinks",) if c.sinks else ()),
-                                           *((f"d{c.inputs.head_dim}-dv{c.inputs.head_dim_v}",)
-                                             if c.inputs.head_dim_v is not None else ()),
-                                           *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ()),
-                                           *(("refilled",) if c.refill else ())))
+            spec = InputSpec(
+                batch=_batch(name),
+                heads=4,
+                heads_kv=heads_kv,
+                seq_q=seq,
+                seq_kv=seq,
+                head_dim=16,
+                dtype=dtype,
+            )
+            out.append(
+                MaskCase(
+                    spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0
+                )
+            )
+    out += (
+        _strategy_cases(config)
+        + _scale_cases(config)
+        + _compile_cases(config)
+        + _refill_cases(config)
+        + _value_head_dim_cases(config)
+    )
+    return params(
+        out,
+        id_extra=lambda c: (
+            *((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
+            c.mask,
+            *(("sinks",) if c.sinks else ()),
+            *(
+                (f"d{c.inputs.head_dim}-dv{c.inputs.head_dim_v}",)
+                if c.inputs.head_dim_v is not None
+                else ()
+            ),
+            *((f"scale{c.inputs.scale:g}",) if c.inputs.scale is not None else ()),
+            *(("refilled",) if c.refill else ()),
+        ),
+    )
 
 
 def _refill_cases(config) -> list[MaskCase]:
@@ -91,8 +129,19 @@ def _refill_cases(config) -> list[MaskCase]:
     sizes = world_sizes(config, at_most=2)
     out = []
     for i, (w, name) in enumerate(itertools.product(sizes, ("documents", "documents_with_gaps"))):
-        spec = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float64")
-        out.append(MaskCase(spec, w, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3], mask=name, refill=True))
+        spec = InputSpec(
+            batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float64"
+        )
+        out.append(
+            MaskCase(
+                spec,
+                w,
+                layout=LAYOUTS[i % 2],
+                rotate_method=ROTATIONS[i % 3],
+                mask=name,
+                refill=True,
+            )
+        )
     return out
 
 
@@ -102,17 +151,54 @@ def _value_head_dim_cases(config) -> list[MaskCase]:
     Ulysses and the hybrid on 4 ranks; value wider and narrower than query and key."""
     out = []
     for i, w in enumerate(world_sizes(config, at_least=2, at_most=4)):
-        for j, (name, layout) in enumerate((("documents", "head_tail"), ("window_narrow", "contiguous"))):
+        for j, (name, layout) in enumerate(
+            (("documents", "head_tail"), ("window_narrow", "contiguous"))
+        ):
             d, dv = ((16, 24), (24, 8))[(i + j) % 2]
-            spec = InputSpec(batch=1, heads=4, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=d, head_dim_v=dv,
-                             dtype=("float64", "float32")[(i + j) % 2])
-            out.append(MaskCase(spec, w, layout=layout, rotate_method=ROTATIONS[(i + j) % 3], mask=name, sinks=j == 0))
+            spec = InputSpec(
+                batch=1,
+                heads=4,
+                heads_kv=2,
+                seq_q=24 * w,
+                seq_kv=24 * w,
+                head_dim=d,
+                head_dim_v=dv,
+                dtype=("float64", "float32")[(i + j) % 2],
+            )
+            out.append(
+                MaskCase(
+                    spec,
+                    w,
+                    layout=layout,
+                    rotate_method=ROTATIONS[(i + j) % 3],
+                    mask=name,
+                    sinks=j == 0,
+                )
+            )
     if 4 in settings_of(config).mesh_world_sizes:
         for i, (strategy, mesh) in enumerate(STRATEGY_MESHES):
-            spec = InputSpec(batch=1, heads=4, heads_kv=2, seq_q=96, seq_kv=96, head_dim=16, head_dim_v=(24, 8)[i % 2],
-                             dtype="float64")
-            out.append(MaskCase(spec, 4, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3], mask="documents_window",
-                                sinks=i % 2 == 1, strategy=strategy, mesh_shape=mesh))
+            spec = InputSpec(
+                batch=1,
+                heads=4,
+                heads_kv=2,
+                seq_q=96,
+                seq_kv=96,
+                head_dim=16,
+                head_dim_v=(24, 8)[i % 2],
+                dtype="float64",
+            )
+            out.append(
+                MaskCase(
+                    spec,
+                    4,
+                    layout=LAYOUTS[i % 2],
+                    rotate_method=ROTATIONS[i % 3],
+                    mask="documents_window",
+                    sinks=i % 2 == 1,
+                    strategy=strategy,
+                    mesh_shape=mesh,
+                )
+            )
     return out
 
 
@@ -129,10 +215,26 @@ def _scale_cases(config) -> list[MaskCase]:
     out = []
     names = ("causal", "documents", "window_narrow", "documents_window")
     for i, (w, scale, name) in enumerate(itertools.product(sizes, (-0.3, 0.0), names)):
-        spec = InputSpec(batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float32",
-                         scale=scale)
-        out.append(MaskCase(spec, w, layout=LAYOUTS[(i + i // 4) % 2], rotate_method=ROTATIONS[i % 3], mask=name,
-                            sinks=i % 3 == 0))
+        spec = InputSpec(
+            batch=1,
+            heads=2,
+            heads_kv=2,
+            seq_q=24 * w,
+            seq_kv=24 * w,
+            head_dim=16,
+            dtype="float32",
+            scale=scale,
+        )
+        out.append(
+            MaskCase(
+                spec,
+                w,
+                layout=LAYOUTS[(i + i // 4) % 2],
+                rotate_method=ROTATIONS[i % 3],
+                mask=name,
+                sinks=i % 3 == 0,
+            )
+        )
     return out
 
 
@@ -149,10 +251,26 @@ def _compile_cases(config) -> list[MaskCase]:
     out = []
     for i, (name, w, backend) in enumerate(itertools.product(names, sizes, backends)):
         j, b = divmod(i, len(backends))  # cycled per (mask, W), turned per backend
-        spec = InputSpec(batch=_batch(name), heads=4, heads_kv=2 if (j // 2 + b) % 2 else 4, seq_q=24 * w, seq_kv=24 * w,
-                         head_dim=16, dtype=("float32", "float64")[j % 2])
-        out.append(MaskCase(spec, w, layout=LAYOUTS[(j + b) % 2], rotate_method=ROTATIONS[(j + b) % 3], mask=name,
-                            sinks=(j + b) % 3 == 0, compile=backend))
+        spec = InputSpec(
+            batch=_batch(name),
+            heads=4,
+            heads_kv=2 if (j // 2 + b) % 2 else 4,
+            seq_q=24 * w,
+            seq_kv=24 * w,
+            head_dim=16,
+            dtype=("float32", "float64")[j % 2],
+        )
+        out.append(
+            MaskCase(
+                spec,
+                w,
+                layout=LAYOUTS[(j + b) % 2],
+                rotate_method=ROTATIONS[(j + b) % 3],
+                mask=name,
+                sinks=(j + b) % 3 == 0,
+                compile=backend,
+            )
+        )
     return out
 
 
@@ -174,19 +292,58 @@ def _strategy_cases(config) -> list[MaskCase]:
         layouts = LAYOUTS if nightly else (LAYOUTS[(i // 2 + i) % 2],)
         for j, layout in enumerate(layouts):
             dtype = dtypes[(i + j) % 3]
-            spec = InputSpec(batch=_batch(name), heads=4, heads_kv=2 if (i // 2 + j) % 2 else 4, seq_q=96, seq_kv=96,
-                             head_dim=16, dtype=dtype)
-            out.append(MaskCase(spec, 4, layout=layout, rotate_method=ROTATIONS[(i // 2 + j) % 3], mask=name,
-                                sinks=(i + j) % 3 == 0, strategy=strategy, mesh_shape=mesh))
+            spec = InputSpec(
+                batch=_batch(name),
+                heads=4,
+                heads_kv=2 if (i // 2 + j) % 2 else 4,
+                seq_q=96,
+                seq_kv=96,
+                head_dim=16,
+                dtype=dtype,
+            )
+            out.append(
+                MaskCase(
+                    spec,
+                    4,
+                    layout=layout,
+                    rotate_method=ROTATIONS[(i // 2 + j) % 3],
+                    mask=name,
+                    sinks=(i + j) % 3 == 0,
+                    strategy=strategy,
+                    mesh_shape=mesh,
+                )
+            )
     # Under torch.compile(fullgraph=True) (capability compile): quick, one mask per strategy;
     # nightly, every named mask, the strategy alternating.
-    names = list(MASK_NAMES) if nightly else ["documents_window", "prefix_lm", "mask_mod", "mask_mod_batch_head"]
+    names = (
+        list(MASK_NAMES)
+        if nightly
+        else ["documents_window", "prefix_lm", "mask_mod", "mask_mod_batch_head"]
+    )
     for i, name in enumerate(names):
         strategy, mesh = STRATEGY_MESHES[i % 2]
-        spec = InputSpec(batch=_batch(name), heads=4, heads_kv=2 if i % 3 else 4, seq_q=96, seq_kv=96, head_dim=16,
-                         dtype=dtypes[i % 2])
-        out.append(MaskCase(spec, 4, layout=LAYOUTS[(i // 2) % 2], rotate_method=ROTATIONS[i % 3], mask=name,
-                            sinks=i % 2 == 0, strategy=strategy, mesh_shape=mesh, compile="aot_eager"))
+        spec = InputSpec(
+            batch=_batch(name),
+            heads=4,
+            heads_kv=2 if i % 3 else 4,
+            seq_q=96,
+            seq_kv=96,
+            head_dim=16,
+            dtype=dtypes[i % 2],
+        )
+        out.append(
+            MaskCase(
+                spec,
+                4,
+                layout=LAYOUTS[(i // 2) % 2],
+                rotate_method=ROTATIONS[i % 3],
+                mask=name,
+                sinks=i % 2 == 0,
+                strategy=strategy,
+                mesh_shape=mesh,
+                compile="aot_eager",
+            )
+        )
     return out
 
 
@@ -232,13 +389,17 @@ def _run_and_judge(ring, case: MaskCase) -> None:
     __tracebackhide__ = True
     results = ring.rank_pool(case.world_size).run(masked_case, case, timeout=ring.timeout_for(case))
     try:
-        verdicts = judge_masked(case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None))
+        verdicts = judge_masked(
+            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
+        )
     except AssertionError as exc:  # a broken contract: no numbers to judge
         pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
     ring.record(case, verdicts)
     failed = [v for v in verdicts if not v.passed]
     if failed:
-        pytest.fail(format_failure(failed, diagnose_masked(case, results), ring.repro()), pytrace=False)
+        pytest.fail(
+            format_failure(failed, diagnose_masked(case, results), ring.repro()), pytrace=False
+        )
 
 
 # ---------------------------------------------------------------------- drawn masks
@@ -252,15 +413,27 @@ _LEAVES = ("causal", "document", "sliding_window", "chunked_causal", "prefix_lm"
 def _leaf(draw, seq: int, kinds: list[str]) -> dict:
     kind = draw(st.sampled_from(kinds))
     if kind == "document":  # lengths up to the whole sequence; negative: a run of padding (-1)
-        lengths = draw(st.lists(st.one_of(st.integers(1, seq), st.integers(-3, -1)), min_size=1, max_size=8))
-        return {"kind": "document", "doc_ids": documents(seq, lengths), "causal": draw(st.booleans())}
+        lengths = draw(
+            st.lists(st.one_of(st.integers(1, seq), st.integers(-3, -1)), min_size=1, max_size=8)
+        )
+        return {
+            "kind": "document",
+            "doc_ids": documents(seq, lengths),
+            "causal": draw(st.booleans()),
+        }
     if kind == "sliding_window":  # from 0 keys back to past the whole sequence, either side
-        return {"kind": "sliding_window", "left": draw(st.integers(0, seq + 1)), "right": draw(st.integers(0, seq + 1))}
+        return {
+            "kind": "sliding_window",
+            "left": draw(st.integers(0, seq + 1)),
+            "right": draw(st.integers(0, seq + 1)),
+        }
     if kind == "chunked_causal":
         return {"kind": "chunked_causal", "chunk": draw(st.integers(1, seq + 1))}
     if kind == "prefix_lm":
         return {"kind": "prefix_lm", "prefix": draw(st.integers(0, seq))}
-    if kind == "mask_mod":  # plain data for the JSON of the case; MaskCase.mask_data makes the function
+    if (
+        kind == "mask_mod"
+    ):  # plain data for the JSON of the case; MaskCase.mask_data makes the function
         return {"kind": "batch_head_window", "step": draw(st.integers(1, max(1, seq // 4)))}
     return {"kind": "causal"}
 
@@ -275,7 +448,9 @@ def _tokens_per_rank(layout: str) -> st.SearchStrategy[int]:
     return st.integers(1, 12)
 
 
-@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
     """A drawn mask, layout (the balancers' included), rotation, world size, dtype, GQA and
@@ -283,7 +458,11 @@ def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
     caps = ring.caps
     kinds = [k for k in _LEAVES if caps.claims("masks", k)]
     if not kinds:  # N/A, with the declaration's reason
-        ring.require("masks", _LEAVES[0], why=f"it claims none of the mask kinds the property draws ({list(_LEAVES)})")
+        ring.require(
+            "masks",
+            _LEAVES[0],
+            why=f"it claims none of the mask kinds the property draws ({list(_LEAVES)})",
+        )
     sizes = world_sizes(pytestconfig, at_least=2) or [1]
     w = data.draw(st.sampled_from(sizes), label="world_size")
     layouts = [x for x in LAYOUTS if caps.claims("layouts", x)]
@@ -295,20 +474,45 @@ def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
     joins = [j for j in ("and", "or") if caps.claims("masks", j)]
     if joins and data.draw(st.booleans(), label="joined"):
         # Per-document head-tail balances one set of documents: two different ones have no layout.
-        second = [k for k in kinds if not (layout == "document_head_tail" and k == "document" == mask["kind"])]
-        mask = {"kind": data.draw(st.sampled_from(joins), label="join"), "masks": [mask, data.draw(_leaf(seq, second))]}
-    per_row = "batch_head_window" in json.dumps(mask)  # differs between batch rows and heads: 2 of each at least
+        second = [
+            k
+            for k in kinds
+            if not (layout == "document_head_tail" and k == "document" == mask["kind"])
+        ]
+        mask = {
+            "kind": data.draw(st.sampled_from(joins), label="join"),
+            "masks": [mask, data.draw(_leaf(seq, second))],
+        }
+    per_row = "batch_head_window" in json.dumps(
+        mask
+    )  # differs between batch rows and heads: 2 of each at least
     heads_kv = 2 if per_row else data.draw(st.integers(1, 2), label="heads_kv")
     group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
     dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
-    spec = InputSpec(batch=2 if per_row else data.draw(st.integers(1, 2), label="batch"), heads=heads_kv * group,
-                     heads_kv=heads_kv,
-                     seq_q=seq, seq_kv=seq, head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
-                     dtype=data.draw(st.sampled_from(dtypes), label="dtype"))
-    rotate = data.draw(st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or list(ROTATIONS)),
-                       label="rotate_method")
+    spec = InputSpec(
+        batch=2 if per_row else data.draw(st.integers(1, 2), label="batch"),
+        heads=heads_kv * group,
+        heads_kv=heads_kv,
+        seq_q=seq,
+        seq_kv=seq,
+        head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
+        dtype=data.draw(st.sampled_from(dtypes), label="dtype"),
+    )
+    rotate = data.draw(
+        st.sampled_from(
+            [m for m in ROTATIONS if caps.claims("rotate_methods", m)] or list(ROTATIONS)
+        ),
+        label="rotate_method",
+    )
     sinks = caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
     mask_json = json.dumps(mask, sort_keys=True)
-    case = MaskCase(spec.with_(seed=seed_for(repr(spec) + mask_json)), w, layout=layout, rotate_method=rotate,
-                    mask="drawn", sinks=sinks, mask_json=mask_json)
+    case = MaskCase(
+        spec.with_(seed=seed_for(repr(spec) + mask_json)),
+        w,
+        layout=layout,
+        rotate_method=rotate,
+        mask="drawn",
+        sinks=sinks,
+        mask_json=mask_json,
+    )
     _run_and_judge(ring, _prepare(ring, case))

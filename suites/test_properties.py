@@ -12,7 +12,9 @@ from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, seed_for, world_sizes
 
 
-@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_any_shape_matches_reference(ring, pytestconfig, data) -> None:
     caps = ring.caps
@@ -20,9 +22,15 @@ def test_any_shape_matches_reference(ring, pytestconfig, data) -> None:
     # has its own N/A cases.
     sizes = world_sizes(pytestconfig, at_least=2) or [1]
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layout = data.draw(st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS), label="layout")
+    layout = data.draw(
+        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
+        label="layout",
+    )
     causal = data.draw(st.booleans(), label="is_causal")
-    rotate = data.draw(st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS), label="rotate_method")
+    rotate = data.draw(
+        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
+        label="rotate_method",
+    )
     dtype = data.draw(st.sampled_from(("float64", "float32")), label="dtype")
     batch = data.draw(st.integers(1, 2), label="batch")
     heads_kv = data.draw(st.integers(1, 3), label="heads_kv")
@@ -32,7 +40,16 @@ def test_any_shape_matches_reference(ring, pytestconfig, data) -> None:
     local_q = data.draw(st.integers(1, 6), label="tokens_per_rank") * step
     cross = not causal and caps.claims("cross_attention")
     local_kv = data.draw(st.integers(1, 6), label="kv_tokens_per_rank") * step if cross else local_q
-    inputs = InputSpec(batch=batch, heads=heads_kv * group, heads_kv=heads_kv, seq_q=local_q * w, seq_kv=local_kv * w,
-                       head_dim=head_dim, dtype=dtype)
+    inputs = InputSpec(
+        batch=batch,
+        heads=heads_kv * group,
+        heads_kv=heads_kv,
+        seq_q=local_q * w,
+        seq_kv=local_kv * w,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
     inputs = inputs.with_(seed=seed_for(repr(inputs)))
-    ring.check(ring.prepare(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate)))
+    ring.check(
+        ring.prepare(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate))
+    )

@@ -24,9 +24,15 @@ def pytest_generate_tests(metafunc):
     if "case" not in metafunc.fixturenames:
         return
     cases = []
-    for w, dtype, causal, layout in itertools.product(world_sizes(metafunc.config, at_least=2), ("float32", "bfloat16"), (False, True), LAYOUTS):
-        inputs = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype)
-        cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method="allgather"))
+    for w, dtype, causal, layout in itertools.product(
+        world_sizes(metafunc.config, at_least=2), ("float32", "bfloat16"), (False, True), LAYOUTS
+    ):
+        inputs = InputSpec(
+            batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype
+        )
+        cases.append(
+            RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method="allgather")
+        )
     metafunc.parametrize("case", params(cases, id_extra=lambda c: ("all-methods",)))
 
 
@@ -39,7 +45,10 @@ def test_rotation_methods_agree(ring, case: RingCase) -> None:
         c = ring.prepare(case.with_(rotate_method=method))
         results[method] = ring.run(c)
         ring.check(c, results=results[method])
-    ref, base = reference_for(case.inputs, case.is_causal), baseline_for(case.inputs, case.is_causal, ring.prepare(case).op)
+    ref, base = (
+        reference_for(case.inputs, case.is_causal),
+        baseline_for(case.inputs, case.is_causal, ring.prepare(case).op),
+    )
     first, *others = supported
     a = unshard_results(results[first], case.layout)
     for method in others:
@@ -50,7 +59,14 @@ def test_rotation_methods_agree(ring, case: RingCase) -> None:
             # Judge X_b against X_a with the baseline shifted by X_a - R, so the allowance is exactly
             # k * max|B - R| + floor: the policy, with X_a standing in for the reference.
             shifted_base = base[name].double() + (a[name].double() - ref[name])
-            verdict = check(f"{name} {method} vs {first}", b[name], a[name], shifted_base,
-                            dtype=case.inputs.torch_dtype, layout=case.layout, world_size=case.world_size,
-                            context=f"[{case.label}]")
+            verdict = check(
+                f"{name} {method} vs {first}",
+                b[name],
+                a[name],
+                shifted_base,
+                dtype=case.inputs.torch_dtype,
+                layout=case.layout,
+                world_size=case.world_size,
+                context=f"[{case.label}]",
+            )
             assert_verdict(verdict)

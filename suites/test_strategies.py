@@ -73,21 +73,34 @@ def spec_for(mesh: tuple[int, int], dtype: str, kv: str, **changes: Any) -> Inpu
     u, r = mesh
     heads, kvs = heads_of(u)
     seq = (4 if u * r <= 16 else 2) * u * u * r
-    return InputSpec(batch=2, heads=heads, heads_kv=kvs[kv], seq_q=seq, seq_kv=seq, head_dim=8, dtype=dtype).with_(**changes)
+    return InputSpec(
+        batch=2, heads=heads, heads_kv=kvs[kv], seq_q=seq, seq_kv=seq, head_dim=8, dtype=dtype
+    ).with_(**changes)
 
 
 def case_id(case: StrategyCase, kv: str, *extra: str) -> str:
     """e.g. ``hybrid-2x2-bf16-causal-head_tail-gqa-p2p``."""
-    parts = [case.strategy, case.mesh, SHORT[case.inputs.dtype], "causal" if case.is_causal else "full", case.layout, kv]
+    parts = [
+        case.strategy,
+        case.mesh,
+        SHORT[case.inputs.dtype],
+        "causal" if case.is_causal else "full",
+        case.layout,
+        kv,
+    ]
     if case.strategy == "hybrid" and case.mesh_shape[1] > 1:
         parts.append(case.rotate_method)
-    return "-".join([*parts, *([case.op] if case.op else []), *([case.compile] if case.compile else []), *extra])
+    return "-".join(
+        [*parts, *([case.op] if case.op else []), *([case.compile] if case.compile else []), *extra]
+    )
 
 
 def param(case: StrategyCase, kv: str, *extra: str):
     cid = case_id(case, kv, *extra)
     case = case.with_(inputs=case.inputs.with_(seed=seed_for(cid)))
-    marks = [pytest.mark.world_size(n=case.world_size)] + ([pytest.mark.compile] if case.compile else [])
+    marks = [pytest.mark.world_size(n=case.world_size)] + (
+        [pytest.mark.compile] if case.compile else []
+    )
     return pytest.param(case, id=cid, marks=marks)
 
 
@@ -97,27 +110,71 @@ def _matrix(config: pytest.Config) -> list:
     for strategy, mesh in meshes(config):
         small = mesh[0] * mesh[1] <= 6
         dtypes = ("float64", "float32", "bfloat16") if small or nightly else ("float32", "bfloat16")
-        combos = [(lay, c) for lay in ("contiguous", "head_tail") for c in (False, True)] if nightly and small else LAYOUT_CAUSAL
+        combos = (
+            [(lay, c) for lay in ("contiguous", "head_tail") for c in (False, True)]
+            if nightly and small
+            else LAYOUT_CAUSAL
+        )
         ring_dim = strategy == "hybrid" and mesh[1] > 1
         for dtype, (layout, causal), kv in itertools.product(dtypes, combos, ("mha", "gqa", "mqa")):
             rotations = ROTATIONS if nightly and small and ring_dim else (ROTATIONS[i % 3],)
             i += 1
             for rotate in rotations:
                 spec = spec_for(mesh, dtype, kv, lse_grad=dtype == "float64")
-                out.append(param(StrategyCase(spec, strategy, mesh, is_causal=causal, layout=layout, rotate_method=rotate), kv))
+                out.append(
+                    param(
+                        StrategyCase(
+                            spec,
+                            strategy,
+                            mesh,
+                            is_causal=causal,
+                            layout=layout,
+                            rotate_method=rotate,
+                        ),
+                        kv,
+                    )
+                )
         if mesh[0] * mesh[1] == 4:
             # every op of the session device (their LSE layouts reach the strategy), cross-attention lengths, non-contiguous shards
             for op in session_ops(config):
                 spec = spec_for(mesh, "float32", "gqa")
-                out.append(param(StrategyCase(spec, strategy, mesh, is_causal=True, layout="head_tail", op=op,
-                                              rotate_method="alltoall"), "gqa"))
+                out.append(
+                    param(
+                        StrategyCase(
+                            spec,
+                            strategy,
+                            mesh,
+                            is_causal=True,
+                            layout="head_tail",
+                            op=op,
+                            rotate_method="alltoall",
+                        ),
+                        "gqa",
+                    )
+                )
             cross = spec_for(mesh, "float32", "mqa")
             cross = cross.with_(seq_kv=cross.seq_kv // 2)
-            out.append(param(StrategyCase(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross"))
+            out.append(
+                param(StrategyCase(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross")
+            )
             nc = spec_for(mesh, "float32", "gqa", noncontiguous=True)
-            out.append(param(StrategyCase(nc, strategy, mesh, is_causal=True, layout="head_tail"), "gqa", "noncontig"))
-            st = spec_for(mesh, "float64", "gqa", strided_head_dim=True)  # x[..., ::2] views, NaN between
-            out.append(param(StrategyCase(st, strategy, mesh, layout="contiguous", rotate_method="p2p"), "gqa", "strided"))
+            out.append(
+                param(
+                    StrategyCase(nc, strategy, mesh, is_causal=True, layout="head_tail"),
+                    "gqa",
+                    "noncontig",
+                )
+            )
+            st = spec_for(
+                mesh, "float64", "gqa", strided_head_dim=True
+            )  # x[..., ::2] views, NaN between
+            out.append(
+                param(
+                    StrategyCase(st, strategy, mesh, layout="contiguous", rotate_method="p2p"),
+                    "gqa",
+                    "strided",
+                )
+            )
     return out
 
 
@@ -126,11 +183,27 @@ def _collectives_matrix(config: pytest.Config) -> list:
     out = []
     for strategy, mesh in meshes(config):
         ring_dim = strategy == "hybrid" and mesh[1] > 1
-        for rotate in (ROTATIONS if ring_dim and (nightly or mesh[0] * mesh[1] == 4) else ("allgather",)):
+        for rotate in (
+            ROTATIONS if ring_dim and (nightly or mesh[0] * mesh[1] == 4) else ("allgather",)
+        ):
             for dtype, kv, lse in (("float32", "mha", True), ("bfloat16", "gqa", False)):
                 spec = spec_for(mesh, dtype, kv)
-                out.append(param(StrategyCase(spec, strategy, mesh, is_causal=True, layout="head_tail", rotate_method=rotate,
-                                              return_lse=lse, account=True), kv, "lse" if lse else "nolse"))
+                out.append(
+                    param(
+                        StrategyCase(
+                            spec,
+                            strategy,
+                            mesh,
+                            is_causal=True,
+                            layout="head_tail",
+                            rotate_method=rotate,
+                            return_lse=lse,
+                            account=True,
+                        ),
+                        kv,
+                        "lse" if lse else "nolse",
+                    )
+                )
     return out
 
 
@@ -141,31 +214,59 @@ def _compile_matrix(config: pytest.Config) -> list:
         if mesh[0] * mesh[1] != 4 or (not nightly and mesh not in ((4, 1), (2, 2))):
             continue
         backends = ("aot_eager", "inductor") if nightly else ("aot_eager",)
-        for backend, (layout, causal) in itertools.product(backends, (("head_tail", True), ("contiguous", False))):
+        for backend, (layout, causal) in itertools.product(
+            backends, (("head_tail", True), ("contiguous", False))
+        ):
             spec = spec_for(mesh, "float32", "gqa")
-            out.append(param(StrategyCase(spec, strategy, mesh, is_causal=causal, layout=layout, rotate_method="alltoall",
-                                          compile=backend), "gqa"))
+            out.append(
+                param(
+                    StrategyCase(
+                        spec,
+                        strategy,
+                        mesh,
+                        is_causal=causal,
+                        layout=layout,
+                        rotate_method="alltoall",
+                        compile=backend,
+                    ),
+                    "gqa",
+                )
+            )
     return out
 
 
 def _bad_matrix(config: pytest.Config) -> list:
     out = []
     for strategy, mesh in meshes(config):
-        if mesh[0] == 1 or mesh[0] * mesh[1] not in (4, 6) or (strategy, mesh) == ("hybrid", (4, 1)):
+        if (
+            mesh[0] == 1
+            or mesh[0] * mesh[1] not in (4, 6)
+            or (strategy, mesh) == ("hybrid", (4, 1))
+        ):
             continue  # Ulysses 4, 6 and the hybrids 2x2, 2x3, 3x2: a degree > 1 in each dim that has one
         for kind, (_, applies) in sorted(BAD_INPUTS.items()):
-            if strategy not in applies or (kind == "head_tail_odd_rows" and strategy == "hybrid" and mesh[0] % 2 == 0):
+            if strategy not in applies or (
+                kind == "head_tail_odd_rows" and strategy == "hybrid" and mesh[0] % 2 == 0
+            ):
                 continue  # an even number of pieces always makes a row of even length
-            out.append(pytest.param((strategy, mesh, kind), id=f"{strategy}-{mesh[0]}x{mesh[1]}-{kind}",
-                                    marks=[pytest.mark.world_size(n=mesh[0] * mesh[1])]))
+            out.append(
+                pytest.param(
+                    (strategy, mesh, kind),
+                    id=f"{strategy}-{mesh[0]}x{mesh[1]}-{kind}",
+                    marks=[pytest.mark.world_size(n=mesh[0] * mesh[1])],
+                )
+            )
     return out
 
 
 def pytest_generate_tests(metafunc):
     name = metafunc.function.__name__
     if "case" in metafunc.fixturenames:
-        make = {"test_strategy_matches_reference": _matrix, "test_strategy_collectives_match_schedule": _collectives_matrix,
-                "test_strategy_compiles": _compile_matrix}[name]
+        make = {
+            "test_strategy_matches_reference": _matrix,
+            "test_strategy_collectives_match_schedule": _collectives_matrix,
+            "test_strategy_compiles": _compile_matrix,
+        }[name]
         metafunc.parametrize("case", make(metafunc.config))
     if "bad" in metafunc.fixturenames:
         metafunc.parametrize("bad", _bad_matrix(metafunc.config))
@@ -179,13 +280,17 @@ def prepare(ring, case: StrategyCase) -> StrategyCase:
     __tracebackhide__ = True
     op = case.op if case.op is not None else ring.op_spec
     ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
-    ring.request.node.user_properties.append(("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)}))
+    ring.request.node.user_properties.append(
+        ("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)})
+    )
     ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
     ring.require("layouts", case.layout)
     if case.strategy == "hybrid" and case.mesh_shape[1] > 1:
         ring.require("rotate_methods", case.rotate_method, why="the hybrid's ring dimension")
     ring.require_inputs(case, op)
-    return replace(case, impl=ring.impl.spec, op=op, return_lse=case.return_lse and ring.caps.claims("lse"))
+    return replace(
+        case, impl=ring.impl.spec, op=op, return_lse=case.return_lse and ring.caps.claims("lse")
+    )
 
 
 def run(ring, case: StrategyCase) -> list[dict]:
@@ -196,13 +301,18 @@ def judged(ring, case: StrategyCase, results: list[dict]) -> list:
     """Judge every quantity; fail with the strategy diagnosis and a repro."""
     __tracebackhide__ = True
     try:
-        verdicts = judge_strategy(case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None))
+        verdicts = judge_strategy(
+            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
+        )
     except AssertionError as exc:  # a broken contract: no numbers to judge
         pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
     ring.record(case, verdicts)
     failed = [v for v in verdicts if not v.passed]
     if failed:
-        pytest.fail(format_failure(failed, diagnose_strategy_case(case, results, verdicts), ring.repro()), pytrace=False)
+        pytest.fail(
+            format_failure(failed, diagnose_strategy_case(case, results, verdicts), ring.repro()),
+            pytrace=False,
+        )
     return verdicts
 
 
@@ -219,8 +329,10 @@ def _diff(expected: dict, actual: dict) -> list[str]:
         for kind in sorted(set(exp) | set(act)):
             e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
             if e != a:
-                lines.append(f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; "
-                             f"issued {a['calls']} calls, {a['bytes']} bytes")
+                lines.append(
+                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; "
+                    f"issued {a['calls']} calls, {a['bytes']} bytes"
+                )
     return lines
 
 
@@ -228,12 +340,24 @@ def test_strategy_collectives_match_schedule(ring, case: StrategyCase) -> None:
     """Every rank issues exactly the declared schedule: the all-to-alls of the Ulysses rows, the
     ring's transfers across rows, the input check."""
     case = prepare(ring, case)
-    schedule = ring.protocol("collective_schedule", why="the collectives of every rank are asserted against it")
+    schedule = ring.protocol(
+        "collective_schedule", why="the collectives of every rank are asserted against it"
+    )
     spec, (u, r) = case.inputs, case.mesh_shape
     expected = schedule(
-        case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv, seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim, dtype=spec.torch_dtype, compiled=False, strategy=case.strategy, mesh_shape=(u, r),
-        heads=spec.heads, seq_q=spec.seq_q // case.world_size, return_lse=case.return_lse,
+        case.world_size,
+        case.rotate_method,
+        batch=spec.batch,
+        heads_kv=spec.heads_kv,
+        seq_kv=spec.seq_kv // case.world_size,
+        head_dim=spec.head_dim,
+        dtype=spec.torch_dtype,
+        compiled=False,
+        strategy=case.strategy,
+        mesh_shape=(u, r),
+        heads=spec.heads,
+        seq_q=spec.seq_q // case.world_size,
+        return_lse=case.return_lse,
     )
     results = run(ring, case)
     judged(ring, case, results)  # a wrong result is reported for that, not for its traffic
@@ -241,10 +365,17 @@ def test_strategy_collectives_match_schedule(ring, case: StrategyCase) -> None:
     problems = []
     for rank, res in enumerate(results):
         actual = {p: k for p, k in (res["collectives"] or {}).items() if k}
-        problems += [f"rank {rank} (ulysses {rank % u}, ring {rank // u}): {line}" for line in _diff(expected, actual)]
+        problems += [
+            f"rank {rank} (ulysses {rank % u}, ring {rank // u}): {line}"
+            for line in _diff(expected, actual)
+        ]
     if problems:
-        pytest.fail(f"collectives differ from the declared schedule [{case.label}]:\n" + "\n".join(problems)
-                    + f"\nrepro: {ring.repro()}", pytrace=False)
+        pytest.fail(
+            f"collectives differ from the declared schedule [{case.label}]:\n"
+            + "\n".join(problems)
+            + f"\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
 
 
 def test_strategy_compiles(ring, case: StrategyCase) -> None:
@@ -258,14 +389,19 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
             run(ring, compiled.with_(compile=None))
         except CaseFailure:
             raise exc from None
-        pytest.fail(f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} strategy raised on "
-                    f"the ranks and the eager run does not: it fails only under torch.compile [{case.label}]\n{exc}",
-                    pytrace=False)
+        pytest.fail(
+            f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} strategy raised on "
+            f"the ranks and the eager run does not: it fails only under torch.compile [{case.label}]\n{exc}",
+            pytrace=False,
+        )
     judged(ring, compiled, got)
     eager_case = compiled.with_(compile=None)
     eager = unshard_strategy_results(eager_case, run(ring, eager_case))
     mine = unshard_strategy_results(compiled, got)
-    ref, base = reference_for(case.inputs, case.is_causal), baseline_for(case.inputs, case.is_causal, compiled.op)
+    ref, base = (
+        reference_for(case.inputs, case.is_causal),
+        baseline_for(case.inputs, case.is_causal, compiled.op),
+    )
     for name in QUANTITIES:
         if mine[name] is None:
             continue
@@ -276,8 +412,16 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
             )
         else:
             shifted = base[name].double() + (eager[name].double() - ref[name])
-            assert_verdict(check(f"{name} compiled vs eager", mine[name], eager[name], shifted,
-                                 dtype=case.inputs.torch_dtype, context=f"[{case.label}]"))
+            assert_verdict(
+                check(
+                    f"{name} compiled vs eager",
+                    mine[name],
+                    eager[name],
+                    shifted,
+                    dtype=case.inputs.torch_dtype,
+                    context=f"[{case.label}]",
+                )
+            )
 
 
 def test_strategy_bad_input_raises_on_every_rank(ring, bad) -> None:
@@ -287,11 +431,21 @@ def test_strategy_bad_input_raises_on_every_rank(ring, bad) -> None:
     ring.require("input_errors", why="raises on every rank for bad input")
     pattern, _ = BAD_INPUTS[kind]
     pool = ring.rank_pool(mesh[0] * mesh[1])
-    outcomes = pool.run_outcomes(strategy_bad_input_case, ring.impl.spec, strategy, mesh, kind,
-                                 timeout=min(TIMEOUT_S, ring.timeout))
-    summary = "\n".join(f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}")
-                        for o in outcomes)
+    outcomes = pool.run_outcomes(
+        strategy_bad_input_case,
+        ring.impl.spec,
+        strategy,
+        mesh,
+        kind,
+        timeout=min(TIMEOUT_S, ring.timeout),
+    )
+    summary = "\n".join(
+        f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}")
+        for o in outcomes
+    )
     assert all(not o.ok for o in outcomes), f"{strategy} {kind}: not every rank raised\n{summary}"
-    assert all(re.search(pattern, o.exc_message, re.IGNORECASE) or "rejected their input" in o.exc_message
-               for o in outcomes), f"{strategy} {kind}: an error does not say what was wrong (/{pattern}/)\n{summary}"
+    assert all(
+        re.search(pattern, o.exc_message, re.IGNORECASE) or "rejected their input" in o.exc_message
+        for o in outcomes
+    ), f"{strategy} {kind}: an error does not say what was wrong (/{pattern}/)\n{summary}"
     assert any(re.search(pattern, o.exc_message, re.IGNORECASE) for o in outcomes), summary

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.process_state
 
 def pytest_generate_tests(metafunc):
     if "w" in metafunc.fixturenames:
-        metafunc.parametrize("w", [pytest.param(w, id=f"W{w}") for w in world_sizes(metafunc.config, at_least=2)])
+        metafunc.parametrize(
+            "w", [pytest.param(w, id=f"W{w}") for w in world_sizes(metafunc.config, at_least=2)]
+        )
 
 
 def _judge_model(results, what: str, tokens: int) -> None:
@@ -26,25 +28,61 @@ def _judge_model(results, what: str, tokens: int) -> None:
     each element may carry up to ``tokens`` roundings more than the unsharded run's."""
     __tracebackhide__ = True
     for rank, r in enumerate(results):
-        assert_verdict(check("out", r["out"], r["ref_out"], r["ref_out"], dtype=torch.float64, rank=rank,
-                             roundings=tokens, context=f"[{what}]"))
-        assert r["grads"].keys() == r["ref_grads"].keys(), f"rank {rank}: parameters without gradients differ"
+        assert_verdict(
+            check(
+                "out",
+                r["out"],
+                r["ref_out"],
+                r["ref_out"],
+                dtype=torch.float64,
+                rank=rank,
+                roundings=tokens,
+                context=f"[{what}]",
+            )
+        )
+        assert r["grads"].keys() == r["ref_grads"].keys(), (
+            f"rank {rank}: parameters without gradients differ"
+        )
         for name, g in r["grads"].items():
             ref = r["ref_grads"][name]
-            assert_verdict(check(f"grad {name}", g, ref, ref, dtype=torch.float64, rank=rank, roundings=tokens,
-                                 context=f"[{what}]"))
+            assert_verdict(
+                check(
+                    f"grad {name}",
+                    g,
+                    ref,
+                    ref,
+                    dtype=torch.float64,
+                    rank=rank,
+                    roundings=tokens,
+                    context=f"[{what}]",
+                )
+            )
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
 def test_transformer_encoder_with_parallel_style(ring, w: int, layout: str) -> None:
     ring.require("context_parallel", why="ContextParallel parallel style")
-    results = ring.rank_pool(w).run(cases_api.encoder_case, ring.impl.spec, layout, timeout=ring.timeout)
-    _judge_model(results, f"nn.TransformerEncoder, ContextParallel(layout={layout}), W={w}", tokens=results[0]["ref_out"].shape[:2].numel())
+    results = ring.rank_pool(w).run(
+        cases_api.encoder_case, ring.impl.spec, layout, timeout=ring.timeout
+    )
+    _judge_model(
+        results,
+        f"nn.TransformerEncoder, ContextParallel(layout={layout}), W={w}",
+        tokens=results[0]["ref_out"].shape[:2].numel(),
+    )
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
 def test_llama_like_model_under_context_parallel(ring, w: int, layout: str) -> None:
     ring.require("context_parallel", why="context_parallel API")
-    results = ring.rank_pool(w).run(cases_api.llama_case, ring.impl.spec, layout, timeout=ring.timeout)
-    assert all(r["rope_restored"] for r in results), "RoPE tables were not restored after context_parallel"
-    _judge_model(results, f"Llama-like decoder, context_parallel(layout={layout}), W={w}", tokens=results[0]["ref_out"].shape[:2].numel())
+    results = ring.rank_pool(w).run(
+        cases_api.llama_case, ring.impl.spec, layout, timeout=ring.timeout
+    )
+    assert all(r["rope_restored"] for r in results), (
+        "RoPE tables were not restored after context_parallel"
+    )
+    _judge_model(
+        results,
+        f"Llama-like decoder, context_parallel(layout={layout}), W={w}",
+        tokens=results[0]["ref_out"].shape[:2].numel(),
+    )

@@ -23,16 +23,33 @@ OUT = HERE / "torch_cp.txt"
 
 #: cause -> (who, what, reproduction script under torch_repro/)
 CAUSES = {
-    "load-balance-noncausal": ("PyTorch's ring", "raises 'Load balancing requires `is_causal=True`' for non-causal "
-                               "attention with head_tail", "cp_load_balance_requires_causal.py"),
-    "float64-merged-in-float32": ("PyTorch's ring", "merges and accumulates float64 in float32 (convert_to_f32=True): "
-                                  "errors ~1e-7, not ~1e-15", "cp_float64_merged_in_float32.py"),
-    "kernel-nonpositive-scale": ("the CPU flash kernel", "returns NaN for causal attention with scale <= 0 (one device "
-                                 "too)", "cpu_flash_nonpositive_scale.py"),
-    "kernel-hides-nan": ("the CPU flash kernel", "hides NaN: a query row holding NaN gets 0, a causal first row whose "
-                         "one key is NaN a finite output (one device too)", "cpu_flash_hides_nan.py"),
-    "kernel-strided-head-dim": ("PyTorch's ring", "hands the CPU flash op the caller's tensors, whose strided head "
-                                "dim the op reads wrongly, silently", "cpu_flash_op_strided_head_dim.py"),
+    "load-balance-noncausal": (
+        "PyTorch's ring",
+        "raises 'Load balancing requires `is_causal=True`' for non-causal attention with head_tail",
+        "cp_load_balance_requires_causal.py",
+    ),
+    "float64-merged-in-float32": (
+        "PyTorch's ring",
+        "merges and accumulates float64 in float32 (convert_to_f32=True): errors ~1e-7, not ~1e-15",
+        "cp_float64_merged_in_float32.py",
+    ),
+    "kernel-nonpositive-scale": (
+        "the CPU flash kernel",
+        "returns NaN for causal attention with scale <= 0 (one device too)",
+        "cpu_flash_nonpositive_scale.py",
+    ),
+    "kernel-hides-nan": (
+        "the CPU flash kernel",
+        "hides NaN: a query row holding NaN gets 0, a causal first row whose "
+        "one key is NaN a finite output (one device too)",
+        "cpu_flash_hides_nan.py",
+    ),
+    "kernel-strided-head-dim": (
+        "PyTorch's ring",
+        "hands the CPU flash op the caller's tensors, whose strided head "
+        "dim the op reads wrongly, silently",
+        "cpu_flash_op_strided_head_dim.py",
+    ),
 }
 
 
@@ -54,14 +71,19 @@ def cause_of(case: dict) -> str | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("report", help="conformance.json of a torch_cp run")
     args = parser.parse_args()
     report = json.loads(Path(args.report).read_text())
     failed = [c for c in report["cases"] if c["outcome"] in ("failed", "xfailed")]
     unexplained = [c["nodeid"] for c in failed if cause_of(c) is None]
     if unexplained:
-        print("failures no cause explains (attribute them first):\n  " + "\n  ".join(unexplained), file=sys.stderr)
+        print(
+            "failures no cause explains (attribute them first):\n  " + "\n  ".join(unexplained),
+            file=sys.stderr,
+        )
         return 1
     causes = Counter(cause_of(c) for c in failed)
     counts = report["counts"]
@@ -75,8 +97,11 @@ def main() -> int:
     for name, n in sorted(causes.items(), key=lambda kv: -kv[1]):
         who, what, script = CAUSES[name]
         lines.append(f"#   {name} ({n}): {who} {what}; ci/vendor/torch_repro/{script}")
-    lines += ["# A line that no longer fails turns into an XPASS (strict); one that matches no test fails",
-              "# tests/ci/test_vendor_file.py.", ""]
+    lines += [
+        "# A line that no longer fails turns into an XPASS (strict); one that matches no test fails",
+        "# tests/ci/test_vendor_file.py.",
+        "",
+    ]
     for case in sorted(failed, key=lambda c: c["nodeid"]):
         name = cause_of(case)
         lines.append(f"xfail {case['nodeid']}  [{name}] {CAUSES[name][0]} {CAUSES[name][1]}")

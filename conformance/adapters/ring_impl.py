@@ -59,7 +59,9 @@ class RingImplAdapter:
     def __init__(self, impl: ring_impl.RingAttention | None = None, name: str = "ring_impl"):
         self.name = name
         self.capabilities = CAPABILITIES
-        self.ring_attention = _protocol(ring_impl.ring_attention if impl is None else ring_impl.bind(impl))
+        self.ring_attention = _protocol(
+            ring_impl.ring_attention if impl is None else ring_impl.bind(impl)
+        )
         self.baseline_op = "auto"
         # The package whose context_parallel / context_parallel_unshard / ContextParallel are tested.
         self.api_module = "ring_impl"

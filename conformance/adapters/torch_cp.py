@@ -109,13 +109,19 @@ def _attention_module():
     return _attention
 
 
-def _set_options(load_balance: bool, rotate_method: str, convert_to_f32: bool | None) -> tuple[Any, Any, Any]:
+def _set_options(
+    load_balance: bool, rotate_method: str, convert_to_f32: bool | None
+) -> tuple[Any, Any, Any]:
     """Set PyTorch's global CP options; return the previous (load_balance, rotate, convert)."""
     att = _attention_module()
     opts = att._cp_options
     previous = (opts.enable_load_balance, opts.rotate_method, opts.convert_to_f32)
     opts.enable_load_balance = load_balance
-    opts.rotate_method = att._RotateMethod.ALL_GATHER if rotate_method == "allgather" else att._RotateMethod.ALL_TO_ALL
+    opts.rotate_method = (
+        att._RotateMethod.ALL_GATHER
+        if rotate_method == "allgather"
+        else att._RotateMethod.ALL_TO_ALL
+    )
     if convert_to_f32 is not None:
         opts.convert_to_f32 = convert_to_f32
     return previous
@@ -129,7 +135,9 @@ def _restore_options(previous: tuple[Any, Any, Any]) -> None:
 class cp_options:
     """``with cp_options(load_balance=..., rotate_method=...):`` PyTorch's _cp_options for a block."""
 
-    def __init__(self, *, load_balance: bool, rotate_method: str, convert_to_f32: bool | None = None):
+    def __init__(
+        self, *, load_balance: bool, rotate_method: str, convert_to_f32: bool | None = None
+    ):
         self._args = (load_balance, rotate_method, convert_to_f32)
         self._previous: tuple[Any, Any, Any] | None = None
 
@@ -144,7 +152,9 @@ class cp_options:
 def _resolve_group(group) -> dist.ProcessGroup:
     if group is None:
         if not dist.is_initialized():
-            raise RuntimeError("torch_cp: call torch.distributed.init_process_group first, or pass group=")
+            raise RuntimeError(
+                "torch_cp: call torch.distributed.init_process_group first, or pass group="
+            )
         return dist.group.WORLD  # type: ignore[return-value]
     if isinstance(group, dist.ProcessGroup):
         return group
@@ -152,7 +162,9 @@ def _resolve_group(group) -> dist.ProcessGroup:
 
     if isinstance(group, DeviceMesh) and group.ndim == 1:
         return group.get_group()
-    raise TypeError(f"torch_cp: group must be None, a ProcessGroup or a 1-D DeviceMesh, not {type(group).__name__}")
+    raise TypeError(
+        f"torch_cp: group must be None, a ProcessGroup or a 1-D DeviceMesh, not {type(group).__name__}"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -164,12 +176,22 @@ class _TemplatedRing(torch.autograd.Function):
     """PyTorch's ring forward and backward; (out, lse) with gradients for query, key, value."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, is_causal, scale, load_balance, rotate_method, convert_to_f32):
+    def forward(
+        ctx, query, key, value, group, is_causal, scale, load_balance, rotate_method, convert_to_f32
+    ):
         att = _attention_module()
         previous = _set_options(load_balance, rotate_method, convert_to_f32)
         try:
             out, lse = att._templated_ring_attention(
-                group, 2, FLASH_FORWARD, query, key, value, is_causal=is_causal, dropout_p=0.0, scale=scale
+                group,
+                2,
+                FLASH_FORWARD,
+                query,
+                key,
+                value,
+                is_causal=is_causal,
+                dropout_p=0.0,
+                scale=scale,
             )[:2]
         finally:
             _restore_options(previous)
@@ -186,8 +208,19 @@ class _TemplatedRing(torch.autograd.Function):
         previous = _set_options(load_balance, rotate_method, convert_to_f32)
         try:
             dq, dk, dv = att._templated_ring_attention_backward(
-                group, 2, FLASH_BACKWARD, grad_out.contiguous(), "grad_out", query, key, value, out, lse,
-                is_causal=is_causal, dropout_p=0.0, scale=scale,
+                group,
+                2,
+                FLASH_BACKWARD,
+                grad_out.contiguous(),
+                "grad_out",
+                query,
+                key,
+                value,
+                out,
+                lse,
+                is_causal=is_causal,
+                dropout_p=0.0,
+                scale=scale,
             )[:3]
         finally:
             _restore_options(previous)
@@ -202,8 +235,15 @@ class _TemplatedRing(torch.autograd.Function):
 class _PublicContextParallel:
     """``context_parallel`` entered for one call with the options of that call."""
 
-    def __init__(self, mesh, global_seq: int, device: torch.device, load_balance: bool, rotate_method: str,
-                 convert_to_f32: bool | None):
+    def __init__(
+        self,
+        mesh,
+        global_seq: int,
+        device: torch.device,
+        load_balance: bool,
+        rotate_method: str,
+        convert_to_f32: bool | None,
+    ):
         self.mesh, self.global_seq, self.device = mesh, global_seq, device
         self.options = (load_balance, rotate_method, convert_to_f32)
 
@@ -214,7 +254,9 @@ class _PublicContextParallel:
         # context_parallel shards its buffers itself and decides on load balancing from the
         # first buffer's global length: a dummy buffer of the global length carries that.
         dummy = torch.empty(1, 1, self.global_seq, device=self.device)
-        self._cm = context_parallel(self.mesh, buffers=[dummy], buffer_seq_dims=[2], no_restore_buffers={dummy})
+        self._cm = context_parallel(
+            self.mesh, buffers=[dummy], buffer_seq_dims=[2], no_restore_buffers={dummy}
+        )
         self._cm.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -230,17 +272,27 @@ def _cuda_sdpa(query, key, value, mesh, is_causal, scale, return_lse):
 
     gqa = key.shape[1] != query.shape[1]
     if not return_lse:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
         return out, None
     if gqa:
-        raise NotImplementedError("torch_cp on CUDA: return_lse with fewer key/value heads (GQA) has no SDPA kernel op")
+        raise NotImplementedError(
+            "torch_cp on CUDA: return_lse with fewer key/value heads (GQA) has no SDPA kernel op"
+        )
     from torch.distributed.tensor import DTensor, Shard
 
-    q, k, v = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (query, key, value))
+    q, k, v = (
+        DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (query, key, value)
+    )
     if query.dtype in (torch.float16, torch.bfloat16):
-        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal, False, scale=scale
+        )
     else:
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, is_causal, scale=scale
+        )
     return res[0].to_local(), res[1].to_local()
 
 
@@ -308,11 +360,25 @@ class TorchContextParallel:
         )
         self.baseline_op = "auto"
 
-    def ring_attention(self, query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None,
-                       op=None, layout="contiguous", return_lse=False):
+    def ring_attention(
+        self,
+        query,
+        key,
+        value,
+        *,
+        group=None,
+        is_causal=False,
+        scale=None,
+        rotate_method=None,
+        op=None,
+        layout="contiguous",
+        return_lse=False,
+    ):
         """Local output (and LSE) of PyTorch's ring; arguments as :func:`ring_impl.ring_attention`."""
         if op is not None:
-            raise ValueError("torch_cp: PyTorch's context parallel picks its own kernel; op= is not supported")
+            raise ValueError(
+                "torch_cp: PyTorch's context parallel picks its own kernel; op= is not supported"
+            )
         if layout not in LAYOUTS:
             raise ValueError(f"torch_cp: unknown layout {layout!r}; PyTorch implements {LAYOUTS}")
         rotate_method = rotate_method or "allgather"
@@ -328,22 +394,41 @@ class TorchContextParallel:
 
             mesh = DeviceMesh.from_group(pg, "cuda")
             cp = _PublicContextParallel(
-                mesh, query.shape[2] * dist.get_world_size(pg), query.device, load_balance, rotate_method,
+                mesh,
+                query.shape[2] * dist.get_world_size(pg),
+                query.device,
+                load_balance,
+                rotate_method,
                 self.convert_to_f32,
             )
-            out, lse = _CudaContextParallel.apply(query, key, value, cp, bool(is_causal), scale, return_lse)
+            out, lse = _CudaContextParallel.apply(
+                query, key, value, cp, bool(is_causal), scale, return_lse
+            )
         else:
             out, lse = _TemplatedRing.apply(
-                query, key, value, pg, bool(is_causal), scale, load_balance, rotate_method, self.convert_to_f32
+                query,
+                key,
+                value,
+                pg,
+                bool(is_causal),
+                scale,
+                load_balance,
+                rotate_method,
+                self.convert_to_f32,
             )
         return (out, lse) if return_lse else out
 
-    def collective_schedule(self, world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype,
-                            compiled=False):
+    def collective_schedule(
+        self, world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False
+    ):
         """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and backward (see the module docstring)."""
         elems = 2 * batch * heads_kv * seq_kv * head_dim
         kv = elems * dtype.itemsize
-        convert = _attention_module()._cp_options.convert_to_f32 if self.convert_to_f32 is None else self.convert_to_f32
+        convert = (
+            _attention_module()._cp_options.convert_to_f32
+            if self.convert_to_f32 is None
+            else self.convert_to_f32
+        )
         dkv = elems * (4 if convert else dtype.itemsize)
         w = world_size
         fwd: dict[str, dict[str, int]] = {}
@@ -362,4 +447,6 @@ IMPLEMENTATION = TorchContextParallel()
 
 #: PyTorch's ring with ``_cp_options.convert_to_f32 = False``: merges and accumulates in the input
 #: dtype, which makes float64 exact and bfloat16/float16 worse (merged in 16 bits).
-NO_F32_CONVERSION = TorchContextParallel(convert_to_f32=False, name="torch_cp[convert_to_f32=False]")
+NO_F32_CONVERSION = TorchContextParallel(
+    convert_to_f32=False, name="torch_cp[convert_to_f32=False]"
+)

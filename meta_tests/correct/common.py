@@ -64,8 +64,10 @@ def chunk_rows(layout: str, world_size: int, rank: int, seq_local: int) -> list[
 
 def local_positions(layout: str, world_size: int, rank: int, seq_local: int) -> torch.Tensor:
     """(seq_local,) int64: the global sequence position of every local row."""
-    parts = [torch.arange(c * (rows.stop - rows.start), (c + 1) * (rows.stop - rows.start))
-             for c, rows in chunk_rows(layout, world_size, rank, seq_local)]
+    parts = [
+        torch.arange(c * (rows.stop - rows.start), (c + 1) * (rows.stop - rows.start))
+        for c, rows in chunk_rows(layout, world_size, rank, seq_local)
+    ]
     return torch.cat(parts)
 
 
@@ -86,13 +88,29 @@ class RingSetup:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
 
-_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
 _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPE_NAMES)}
 _CODE_NAMES = {code: _DTYPE_NAMES[dt] for dt, code in _DTYPE_CODES.items()}
 
 #: Fields every rank sends in the one check exchange, in order after the problem flag.
-_FIELDS = ("batch", "heads", "heads_kv", "seq_q", "seq_kv", "head_dim", "dtype", "is_causal", "layout",
-           "rotate_method", "scale")
+_FIELDS = (
+    "batch",
+    "heads",
+    "heads_kv",
+    "seq_q",
+    "seq_kv",
+    "head_dim",
+    "dtype",
+    "is_causal",
+    "layout",
+    "rotate_method",
+    "scale",
+)
 
 
 def check_bytes() -> int:
@@ -107,15 +125,28 @@ _ARGUMENTS = ("query/key/value", "is_causal", "scale", "layout", "rotate_method"
 Problem = tuple[str, str]  # (argument from _ARGUMENTS, what is wrong and what to do)
 
 
-def _local_problem(query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods,
-                   op_problem) -> Problem | None:
+def _local_problem(
+    query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods, op_problem
+) -> Problem | None:
     """Everything this rank can see alone; never raises (an exception here, on one rank only,
     would leave the other ranks waiting in the check's all-gather)."""
     try:
-        return _checked(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
-                        rotate_method=rotate_method, rotate_methods=rotate_methods, op_problem=op_problem)
+        return _checked(
+            query,
+            key,
+            value,
+            is_causal=is_causal,
+            scale=scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            rotate_methods=rotate_methods,
+            op_problem=op_problem,
+        )
     except Exception as exc:  # an argument so odd that even looking at it raised
-        return "arguments", f"could not check the arguments ({type(exc).__name__}: {exc}); pass tensors and plain options"
+        return (
+            "arguments",
+            f"could not check the arguments ({type(exc).__name__}: {exc}); pass tensors and plain options",
+        )
 
 
 def _is_dtensor(t) -> bool:
@@ -124,25 +155,38 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _checked(query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods,
-             op_problem) -> Problem | None:
+def _checked(
+    query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods, op_problem
+) -> Problem | None:
     tensors = _tensor_problem(query, key, value)
     if tensors is not None:
         return "query/key/value", tensors
     sq, skv = query.shape[2], key.shape[2]
     if not isinstance(is_causal, bool):
-        return "is_causal", f"is_causal must be a bool (True or False), got {is_causal!r} of type {type(is_causal).__name__}"
+        return (
+            "is_causal",
+            f"is_causal must be a bool (True or False), got {is_causal!r} of type {type(is_causal).__name__}",
+        )
     if is_causal and sq != skv:
-        return "is_causal", (f"causal attention needs equal local query and key/value lengths, got {sq} and {skv}; "
-                             "cross attention (different lengths) is non-causal only")
+        return "is_causal", (
+            f"causal attention needs equal local query and key/value lengths, got {sq} and {skv}; "
+            "cross attention (different lengths) is non-causal only"
+        )
     if layout not in LAYOUTS:
         return "layout", f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail" and (sq % 2 or skv % 2):
-        return "layout", (f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, got "
-                          f"query {sq} and key/value {skv}; shard a sequence whose length is a multiple of 2 * world_size")
+        return "layout", (
+            f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, got "
+            f"query {sq} and key/value {skv}; shard a sequence whose length is a multiple of 2 * world_size"
+        )
     if rotate_method not in rotate_methods:
-        return "rotate_method", f"unknown rotate_method {rotate_method!r}; this ring supports {tuple(rotate_methods)}"
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        return (
+            "rotate_method",
+            f"unknown rotate_method {rotate_method!r}; this ring supports {tuple(rotate_methods)}",
+        )
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+    ):
         return "scale", f"scale must be a finite number or None, got {scale!r}"
     return None if op_problem is None else ("op", op_problem)
 
@@ -150,16 +194,22 @@ def _checked(query, key, value, *, is_causal, scale, layout, rotate_method, rota
 def _tensor_problem(query, key, value) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if _is_dtensor(t):
-            return (f"{name} is a DTensor; ring_attention takes each rank's local shard as a plain tensor: pass "
-                    f"{name}.to_local() of a DTensor sharded on the sequence dim (Shard(2)) in the given layout")
+            return (
+                f"{name} is a DTensor; ring_attention takes each rank's local shard as a plain tensor: pass "
+                f"{name}.to_local() of a DTensor sharded on the sequence dim (Shard(2)) in the given layout"
+            )
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             return f"{name} must be a 4-D tensor (batch, heads, seq_local, head_dim), got {shape}"
         if t.dtype not in _DTYPE_CODES:
-            return f"{name} has dtype {t.dtype}; supported dtypes are {sorted(_DTYPE_NAMES.values())}"
+            return (
+                f"{name} has dtype {t.dtype}; supported dtypes are {sorted(_DTYPE_NAMES.values())}"
+            )
     if not query.dtype == key.dtype == value.dtype:
-        return (f"query/key/value dtypes differ on this rank ({query.dtype}, {key.dtype}, {value.dtype}); "
-                "cast them to one dtype")
+        return (
+            f"query/key/value dtypes differ on this rank ({query.dtype}, {key.dtype}, {value.dtype}); "
+            "cast them to one dtype"
+        )
     if not query.device == key.device == value.device or query.device.type != "cpu":
         return f"query/key/value must all be on the CPU device, got {query.device}, {key.device}, {value.device}"
     if key.shape != value.shape:
@@ -195,8 +245,19 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_method, rotate_methods,
-                 op_problem: str | None = None) -> RingSetup:
+def check_inputs(
+    query,
+    key,
+    value,
+    *,
+    group,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    rotate_methods,
+    op_problem: str | None = None,
+) -> RingSetup:
     """Check the call on every rank; raise :class:`CorrectRingError` on every rank if any rank's
     input is bad or the ranks disagree (shapes, dtype, options, scale), before any ring collective.
     ``op_problem``: what the ring found wrong with its ``op=`` argument, if anything.
@@ -206,8 +267,17 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
     if hasattr(group, "get_group"):  # a 1-D DeviceMesh
         group = group.get_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    problem = _local_problem(query, key, value, is_causal=is_causal, scale=scale, layout=layout,
-                             rotate_method=rotate_method, rotate_methods=rotate_methods, op_problem=op_problem)
+    problem = _local_problem(
+        query,
+        key,
+        value,
+        is_causal=is_causal,
+        scale=scale,
+        layout=layout,
+        rotate_method=rotate_method,
+        rotate_methods=rotate_methods,
+        op_problem=op_problem,
+    )
     if world == 1:
         if problem is not None:
             raise CorrectRingError(f"ring_attention: {problem[1]}")
@@ -216,13 +286,25 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
     if problem is None:
         resolved = _resolved_scale(scale, query.shape[-1])
         b, h, sq, d = query.shape
-        fields = [b, h, key.shape[1], sq, key.shape[2], d, _DTYPE_CODES[query.dtype], int(is_causal),
-                  LAYOUTS.index(layout), ROTATE_METHODS.index(rotate_method),
-                  struct.unpack("<q", struct.pack("<d", resolved))[0]]
+        fields = [
+            b,
+            h,
+            key.shape[1],
+            sq,
+            key.shape[2],
+            d,
+            _DTYPE_CODES[query.dtype],
+            int(is_causal),
+            LAYOUTS.index(layout),
+            ROTATE_METHODS.index(rotate_method),
+            struct.unpack("<q", struct.pack("<d", resolved))[0],
+        ]
         mine = torch.tensor([0, *fields], dtype=torch.int64)
     else:
         resolved = math.nan
-        mine = torch.tensor([1 + _ARGUMENTS.index(problem[0])] + [0] * len(_FIELDS), dtype=torch.int64)
+        mine = torch.tensor(
+            [1 + _ARGUMENTS.index(problem[0])] + [0] * len(_FIELDS), dtype=torch.int64
+        )
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
     all_gather(everyone, mine, group=group)
     table = everyone.view(world, -1).tolist()
@@ -232,8 +314,13 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
     bad = [r for r in range(world) if table[r][0]]
     if bad:
         args = [_ARGUMENTS[table[r][0] - 1] for r in bad]
-        what = (f"rank {bad[0]} rejected its {args[0]} argument" if len(bad) == 1 else
-                f"{_ranks(bad)} rejected their input (" + "; ".join(f"rank {r}: {a}" for r, a in zip(bad, args)) + ")")
+        what = (
+            f"rank {bad[0]} rejected its {args[0]} argument"
+            if len(bad) == 1
+            else f"{_ranks(bad)} rejected their input ("
+            + "; ".join(f"rank {r}: {a}" for r, a in zip(bad, args))
+            + ")"
+        )
         raise CorrectRingError(
             f"ring_attention (rank {rank}): {what} (see the error raised there); "
             "every rank raises so that none waits in a collective"
@@ -244,14 +331,24 @@ def check_inputs(query, key, value, *, group, is_causal, scale, layout, rotate_m
         for r in range(world):
             values.setdefault(table[r][i], []).append(r)
         if len(values) > 1:
-            held = "; ".join(f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {_describe(field, v)}"
-                             for v, rs in sorted(values.items(), key=lambda kv: kv[1][0]))
+            held = "; ".join(
+                f"{_ranks(rs)} {'have' if len(rs) > 1 else 'has'} {_describe(field, v)}"
+                for v, rs in sorted(values.items(), key=lambda kv: kv[1][0])
+            )
             differences.append(f"{field}: {held}")
     if differences:
         lengths = any(d.startswith(("seq_q", "seq_kv")) for d in differences)
-        hint = ("; shard the global sequence into equal parts (pad it to a multiple of the layout's chunk count: "
-                "W for contiguous, 2W for head_tail)") if lengths else "; every rank must pass the same options and shapes"
-        raise CorrectRingError(f"ring_attention (rank {rank}): ranks disagree on " + " | ".join(differences) + hint)
+        hint = (
+            (
+                "; shard the global sequence into equal parts (pad it to a multiple of the layout's chunk count: "
+                "W for contiguous, 2W for head_tail)"
+            )
+            if lengths
+            else "; every rank must pass the same options and shapes"
+        )
+        raise CorrectRingError(
+            f"ring_attention (rank {rank}): ranks disagree on " + " | ".join(differences) + hint
+        )
     return RingSetup(group, world, rank, resolved)
 
 
@@ -289,11 +386,24 @@ def recording() -> bool:
     return bool(_ACTIVE)
 
 
-def record_step(*, rank: int, step: int, kv_rank: int, q_rows: tuple[int, int], out: torch.Tensor,
-                lse: torch.Tensor) -> None:
+def record_step(
+    *,
+    rank: int,
+    step: int,
+    kv_rank: int,
+    q_rows: tuple[int, int],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
     """Append one partial (out (b, h, rows, d), lse (b, h, rows)) to the active recorder."""
     if _ACTIVE:
-        _ACTIVE[-1].records.append({
-            "rank": rank, "step": step, "kv_rank": kv_rank, "q_rows": q_rows,
-            "out": out.detach().to(torch.float64, copy=True), "lse": lse.detach().to(torch.float64, copy=True),
-        })
+        _ACTIVE[-1].records.append(
+            {
+                "rank": rank,
+                "step": step,
+                "kv_rank": kv_rank,
+                "q_rows": q_rows,
+                "out": out.detach().to(torch.float64, copy=True),
+                "lse": lse.detach().to(torch.float64, copy=True),
+            }
+        )

@@ -80,17 +80,25 @@ def _gather_blocks(setup: RingSetup, method: str, kv: torch.Tensor) -> torch.Ten
     if method == "allgather":
         all_gather(blocks.view(-1), kv.view(-1), group=setup.group)
     elif method == "alltoall":
-        dist.all_to_all_single(blocks, kv.unsqueeze(0).expand(w, *kv.shape).contiguous(), group=setup.group)
+        dist.all_to_all_single(
+            blocks, kv.unsqueeze(0).expand(w, *kv.shape).contiguous(), group=setup.group
+        )
     else:
         blocks[r] = kv
         ops = [dist.P2POp(dist.isend, kv, setup.peer(j), setup.group) for j in range(w) if j != r]
-        ops += [dist.P2POp(dist.irecv, blocks[j], setup.peer(j), setup.group) for j in range(w) if j != r]
+        ops += [
+            dist.P2POp(dist.irecv, blocks[j], setup.peer(j), setup.group)
+            for j in range(w)
+            if j != r
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return blocks
 
 
-def _return_grads(setup: RingSetup, method: str, grads: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+def _return_grads(
+    setup: RingSetup, method: str, grads: torch.Tensor, wire: torch.dtype
+) -> torch.Tensor:
     """Send every block's dK/dV to its owner and sum what arrives.
 
     grads (W, 2, b, hkv, s, d) float64, row j = this rank's contribution to rank j's block; sent
@@ -109,8 +117,14 @@ def _return_grads(setup: RingSetup, method: str, grads: torch.Tensor, wire: torc
     if method == "alltoall":
         dist.all_to_all_single(received, sent, group=setup.group)
     else:
-        ops = [dist.P2POp(dist.isend, sent[j], setup.peer(j), setup.group) for j in range(w) if j != r]
-        ops += [dist.P2POp(dist.irecv, received[j], setup.peer(j), setup.group) for j in range(w) if j != r]
+        ops = [
+            dist.P2POp(dist.isend, sent[j], setup.peer(j), setup.group) for j in range(w) if j != r
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, received[j], setup.peer(j), setup.group)
+            for j in range(w)
+            if j != r
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         received[r] = sent[r]
@@ -176,8 +190,10 @@ class _OpKernel:
         elif self.lse_layout == "bhs_padded32":
             lse = lse[..., :sq]  # the padding beyond seq_q is not part of the result
         if tuple(lse.shape) != (b, h, sq):
-            raise RuntimeError(f"attention op {self.op.name!r} returned LSE {tuple(lse.shape)} in layout "
-                               f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after normalising")
+            raise RuntimeError(
+                f"attention op {self.op.name!r} returned LSE {tuple(lse.shape)} in layout "
+                f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after normalising"
+            )
         return out, lse
 
     def backward(self, do, q, k, v, o, lse, *, is_causal, scale):
@@ -222,7 +238,9 @@ class _Exact:
 
     @staticmethod
     def _probs(s, lse5, visible):
-        shift = torch.where(lse5 == float("-inf"), 0.0, lse5)  # a row that sees nothing: p = 0, not NaN
+        shift = torch.where(
+            lse5 == float("-inf"), 0.0, lse5
+        )  # a row that sees nothing: p = 0, not NaN
         p = torch.exp(s - shift.unsqueeze(-1))
         return p if visible is None else p.masked_fill(~visible, 0.0)
 
@@ -266,9 +284,13 @@ def _op_problem(op, query, *, scale, is_causal) -> str | None:
     """Why ``op=`` cannot be used for this call, or None (never raises)."""
     if op is None:
         return None
-    if isinstance(op, str) or not all(hasattr(op, a) for a in ("forward", "backward", "capabilities")):
-        return (f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities as in "
-                "ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel")
+    if isinstance(op, str) or not all(
+        hasattr(op, a) for a in ("forward", "backward", "capabilities")
+    ):
+        return (
+            f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities as in "
+            "ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel"
+        )
     name = getattr(op, "name", op)
     try:
         caps = op.capabilities
@@ -276,13 +298,19 @@ def _op_problem(op, query, *, scale, is_causal) -> str | None:
             return f"attention op {name!r} declares an unknown LSE layout {getattr(caps, 'lse_layout', None)!r}"
         if isinstance(query, torch.Tensor) and query.dim() == 4:
             try:  # with the call's scale and causality, where the op takes them (its known faults)
-                why = caps.unsupported(query.device, query.dtype, query.shape[-1], scale=scale, is_causal=is_causal)
+                why = caps.unsupported(
+                    query.device, query.dtype, query.shape[-1], scale=scale, is_causal=is_causal
+                )
             except TypeError:
                 why = caps.unsupported(query.device, query.dtype, query.shape[-1])
             if why is not None:
-                return (f"attention op {name!r} does not support this input (scale {scale!r}, is_causal "
-                        f"{is_causal!r}): {why}; leave op=None for the CPU flash kernel, which is routed around its faults")
-    except Exception as exc:  # raising here on one rank only would leave the others in the check's collective
+                return (
+                    f"attention op {name!r} does not support this input (scale {scale!r}, is_causal "
+                    f"{is_causal!r}): {why}; leave op=None for the CPU flash kernel, which is routed around its faults"
+                )
+    except (
+        Exception
+    ) as exc:  # raising here on one rank only would leave the others in the check's collective
         return f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: {exc})"
     return None
 
@@ -311,7 +339,9 @@ def _widen(t: torch.Tensor, fill: float) -> torch.Tensor:
 
 class _FlashRingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, setup: RingSetup, is_causal: bool, layout: str, method: str, kernel):
+    def forward(
+        ctx, query, key, value, setup: RingSetup, is_causal: bool, layout: str, method: str, kernel
+    ):
         b, h, sq, _ = query.shape
         sk = key.shape[2]
         w, r = setup.world_size, setup.rank
@@ -343,13 +373,25 @@ class _FlashRingFn(torch.autograd.Function):
             out[:, :, start:stop] = merged.to(query.dtype)
             lse[:, :, start:stop] = total.to(lse_dtype)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.setup, ctx.is_causal, ctx.layout, ctx.method, ctx.kernel = setup, is_causal, layout, method, kernel
+        ctx.setup, ctx.is_causal, ctx.layout, ctx.method, ctx.kernel = (
+            setup,
+            is_causal,
+            layout,
+            method,
+            kernel,
+        )
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors
-        setup, is_causal, layout, method, kernel = ctx.setup, ctx.is_causal, ctx.layout, ctx.method, ctx.kernel
+        setup, is_causal, layout, method, kernel = (
+            ctx.setup,
+            ctx.is_causal,
+            ctx.layout,
+            ctx.method,
+            ctx.kernel,
+        )
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
@@ -373,19 +415,45 @@ class _FlashRingFn(torch.autograd.Function):
             if with_lse_grad:
                 k, v = _widen(k, 0.0), _widen(v, 1.0)
             for q_rows, k_rows, causal in _calls(setup, layout, is_causal, kv_rank, sq, sk):
-                args = (_rows(do, q_rows), _rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows), _rows(o, q_rows),
-                        _rows(lse, q_rows))
+                args = (
+                    _rows(do, q_rows),
+                    _rows(q, q_rows),
+                    _rows(k, k_rows),
+                    _rows(v, k_rows),
+                    _rows(o, q_rows),
+                    _rows(lse, q_rows),
+                )
                 run = _kernel_for(kernel, *args, is_causal=causal, scale=setup.scale)
                 dq_c, dk_c, dv_c = run.backward(*args, is_causal=causal, scale=setup.scale)
                 dq[:, :, q_rows] += dq_c[..., :d].to(torch.float64)
                 grads[kv_rank, 0, :, :, k_rows] += _fold(dk_c[..., :d], hkv)
                 grads[kv_rank, 1, :, :, k_rows] += _fold(dv_c[..., :d], hkv)
         dkv = _return_grads(setup, method, grads, _wire(query.dtype))
-        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None
+        return (
+            dq.to(query.dtype),
+            dkv[0].to(key.dtype),
+            dkv[1].to(value.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None, op=None,
-                   layout="contiguous", return_lse=False):
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    group=None,
+    is_causal=False,
+    scale=None,
+    rotate_method=None,
+    op=None,
+    layout="contiguous",
+    return_lse=False,
+):
     """Attention over the blocks of every rank of ``group``; differentiable in query, key and
     value (and through the LSE).
 
@@ -396,15 +464,28 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
     (float64 for float64).
     """
     rotate_method = "allgather" if rotate_method is None else rotate_method
-    setup = check_inputs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-                         rotate_method=rotate_method, rotate_methods=ROTATE_METHODS,
-                         op_problem=_op_problem(op, query, scale=scale, is_causal=is_causal))
+    setup = check_inputs(
+        query,
+        key,
+        value,
+        group=group,
+        is_causal=is_causal,
+        scale=scale,
+        layout=layout,
+        rotate_method=rotate_method,
+        rotate_methods=ROTATE_METHODS,
+        op_problem=_op_problem(op, query, scale=scale, is_causal=is_causal),
+    )
     kernel = _CpuFlash() if op is None else _OpKernel(op)
-    out, lse = _FlashRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method, kernel)
+    out, lse = _FlashRingFn.apply(
+        query, key, value, setup, bool(is_causal), layout, rotate_method, kernel
+    )
     return (out, lse) if return_lse else out
 
 
-def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False, **_):
+def collective_schedule(
+    world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False, **_
+):
     """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
 
     kv = one block (2*batch*heads_kv*seq_kv*head_dim elements) in the input dtype, dkv the same
@@ -412,9 +493,13 @@ def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, h
     W = 1 issues nothing.
     """
     if rotate_method not in ROTATE_METHODS:
-        raise ValueError(f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}")
+        raise ValueError(
+            f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
+        )
     if compiled:
-        raise ValueError("flash_ring does not run under torch.compile (capabilities.compile is False)")
+        raise ValueError(
+            "flash_ring does not run under torch.compile (capabilities.compile is False)"
+        )
     w = world_size
     if w == 1:
         return {"forward": {}, "backward": {}}
@@ -425,7 +510,10 @@ def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, h
     if rotate_method == "allgather":
         return {
             "forward": {"all_gather": {"calls": 2, "bytes": check_bytes() + kv}},
-            "backward": {"all_gather": {"calls": 1, "bytes": kv}, "reduce_scatter": {"calls": 1, "bytes": w * dkv}},
+            "backward": {
+                "all_gather": {"calls": 1, "bytes": kv},
+                "reduce_scatter": {"calls": 1, "bytes": w * dkv},
+            },
         }
     if rotate_method == "alltoall":
         return {
@@ -433,7 +521,9 @@ def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, h
             "backward": {"all_to_all": {"calls": 2, "bytes": w * (kv + dkv)}},
         }
     hops = {kind: {"calls": w - 1, "bytes": (w - 1) * kv} for kind in ("send", "recv")}
-    back = {kind: {"calls": 2 * (w - 1), "bytes": (w - 1) * (kv + dkv)} for kind in ("send", "recv")}
+    back = {
+        kind: {"calls": 2 * (w - 1), "bytes": (w - 1) * (kv + dkv)} for kind in ("send", "recv")
+    }
     return {"forward": {"all_gather": check, **hops}, "backward": back}
 
 

@@ -78,32 +78,58 @@ def _mesh(strategy: str, group):
     if strategy == "ulysses":
         if isinstance(group, DeviceMesh):
             if group.ndim != 1:
-                raise ValueError(f"strategy='ulysses' takes a process group or a 1-D DeviceMesh, "
-                                 f"got a {group.ndim}-D mesh; pass its Ulysses dim "
-                                 "(mesh['ulysses']) or use strategy='hybrid'")
+                raise ValueError(
+                    f"strategy='ulysses' takes a process group or a 1-D DeviceMesh, "
+                    f"got a {group.ndim}-D mesh; pass its Ulysses dim "
+                    "(mesh['ulysses']) or use strategy='hybrid'"
+                )
             group = group.get_group()
         return group, None, dist.get_world_size(group), 1, dist.get_rank(group), 0
-    if not isinstance(group, DeviceMesh) or group.ndim != 2 or \
-            sorted(group.mesh_dim_names or ()) != ["ring", "ulysses"]:
-        raise TypeError("strategy='hybrid' needs a 2-D DeviceMesh with dims named 'ring' and "
-                        "'ulysses', e.g. init_device_mesh(device, (ring_degree, ulysses_degree), "
-                        "mesh_dim_names=('ring', 'ulysses'))")
+    if (
+        not isinstance(group, DeviceMesh)
+        or group.ndim != 2
+        or sorted(group.mesh_dim_names or ()) != ["ring", "ulysses"]
+    ):
+        raise TypeError(
+            "strategy='hybrid' needs a 2-D DeviceMesh with dims named 'ring' and "
+            "'ulysses', e.g. init_device_mesh(device, (ring_degree, ulysses_degree), "
+            "mesh_dim_names=('ring', 'ulysses'))"
+        )
     ug, rg = group.get_group("ulysses"), group.get_group("ring")
-    return (ug, rg, dist.get_world_size(ug), dist.get_world_size(rg),
-            group.get_local_rank("ulysses"), group.get_local_rank("ring"))
+    return (
+        ug,
+        rg,
+        dist.get_world_size(ug),
+        dist.get_world_size(rg),
+        group.get_local_rank("ulysses"),
+        group.get_local_rank("ring"),
+    )
 
 
-def _positions(strategy: str, layout: str, u_size: int, r_size: int, u: int, r: int,
-               n: int) -> torch.Tensor:
+def _positions(
+    strategy: str, layout: str, u_size: int, r_size: int, u: int, r: int, n: int
+) -> torch.Tensor:
     """(n,) int64: the global positions of the ``n`` local rows of mesh rank ``(u, r)``."""
     if strategy == "ulysses":
         return local_positions(layout, u_size, u, n)
     row = local_positions(layout, r_size, r, n * u_size)  # row r's shard, cut into U pieces
-    return row[u * n:(u + 1) * n]
+    return row[u * n : (u + 1) * n]
 
 
-def ring_attention(query, key, value, *, group=None, strategy="ulysses", is_causal=False,
-                   scale=None, rotate_method=None, layout="contiguous", return_lse=False, op=None):
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    group=None,
+    strategy="ulysses",
+    is_causal=False,
+    scale=None,
+    rotate_method=None,
+    layout="contiguous",
+    return_lse=False,
+    op=None,
+):
     """Ulysses or the hybrid (``strategy``) on ``group``; differentiable in query, key, value
     (and through the LSE).
 
@@ -117,23 +143,27 @@ def ring_attention(query, key, value, *, group=None, strategy="ulysses", is_caus
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     if rotate_method is not None and rotate_method not in ROTATE_METHODS:
-        raise ValueError(f"unknown rotate_method {rotate_method!r}; expected one of "
-                         f"{ROTATE_METHODS}")
+        raise ValueError(
+            f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
+        )
     if op is not None:
-        raise ValueError(f"op={op!r} given, but gather_strategies runs its own math "
-                         "(capabilities.ops is empty); leave op=None")
+        raise ValueError(
+            f"op={op!r} given, but gather_strategies runs its own math "
+            "(capabilities.ops is empty); leave op=None"
+        )
     _, h, sq, d = query.shape
     hkv, skv = key.shape[1], key.shape[2]
     if h % hkv:
         raise ValueError(f"query heads {h} are not a multiple of key/value heads {hkv}")
     if is_causal and sq != skv:
-        raise ValueError(f"causal attention needs equal query and key/value lengths, got {sq} "
-                         f"and {skv}")
+        raise ValueError(
+            f"causal attention needs equal query and key/value lengths, got {sq} and {skv}"
+        )
     ug, rg, u_size, r_size, u, r = _mesh(strategy, group)
     if h % u_size:
         raise ValueError(f"query heads {h} are not divisible by the Ulysses degree {u_size}")
     acc = _acc(query.dtype)
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
 
     def gathered(t: torch.Tensor) -> torch.Tensor:
         """(b, hkv, s, f) local -> (b, hkv, U*R*s, f): every rank's shard, mesh-rank order."""
@@ -144,8 +174,12 @@ def ring_attention(query, key, value, *, group=None, strategy="ulysses", is_caus
         return torch.cat(list(g.unbind(0)), dim=2)
 
     k_all, v_all = gathered(key), gathered(value)
-    kv_pos = torch.cat([_positions(strategy, layout, u_size, r_size, m % u_size, m // u_size, skv)
-                        for m in range(u_size * r_size)])
+    kv_pos = torch.cat(
+        [
+            _positions(strategy, layout, u_size, r_size, m % u_size, m // u_size, skv)
+            for m in range(u_size * r_size)
+        ]
+    )
     group_size = h // hkv
     # query head i reads key/value head i // group_size
     k_all = k_all.repeat_interleave(group_size, dim=1)

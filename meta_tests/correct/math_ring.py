@@ -81,14 +81,19 @@ class _Hop:
         got = torch.empty_like(t)
         nxt, prv = (s.rank + 1) % s.world_size, (s.rank - 1) % s.world_size
         if self.method == "p2p":
-            ops = [dist.P2POp(dist.isend, t, s.peer(nxt), s.group), dist.P2POp(dist.irecv, got, s.peer(prv), s.group)]
+            ops = [
+                dist.P2POp(dist.isend, t, s.peer(nxt), s.group),
+                dist.P2POp(dist.irecv, got, s.peer(prv), s.group),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             return got
         send = [0] * s.world_size
         recv = [0] * s.world_size
         send[nxt], recv[prv] = t.numel(), t.numel()
-        dist.all_to_all_single(got.view(-1), t.view(-1), output_split_sizes=recv, input_split_sizes=send, group=s.group)
+        dist.all_to_all_single(
+            got.view(-1), t.view(-1), output_split_sizes=recv, input_split_sizes=send, group=s.group
+        )
         return got
 
 
@@ -101,7 +106,9 @@ def _grouped(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.reshape(b, heads_kv, h // heads_kv, s, d)
 
 
-def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor | None) -> torch.Tensor:
+def _scores(
+    q5: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor | None
+) -> torch.Tensor:
     """q5 (b, hkv, g, sq, d), k (b, hkv, sk, d) in the accumulation dtype -> (b, hkv, g, sq, sk)."""
     s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
     if visible is not None:
@@ -150,7 +157,9 @@ class _Online:
         (and so l and acc) NaN in every row it reaches: those rows must come back NaN, so they
         are not taken for rows that saw nothing (``l > 0`` would be False for them)."""
         seen = self.m != float("-inf")
-        out = torch.where(seen.unsqueeze(-1), self.acc / torch.where(seen, self.l, 1.0).unsqueeze(-1), 0.0)
+        out = torch.where(
+            seen.unsqueeze(-1), self.acc / torch.where(seen, self.l, 1.0).unsqueeze(-1), 0.0
+        )
         lse = torch.where(seen, self.m + torch.log(self.l), float("-inf"))
         return out, lse
 
@@ -162,14 +171,29 @@ def _record(setup: RingSetup, step: int, kv_rank: int, s: torch.Tensor, v: torch
     p = torch.exp(s - torch.where(seen, lse, 0.0).unsqueeze(-1))
     out = torch.matmul(p, v.unsqueeze(2))
     b, hkv, g, sq, d = out.shape
-    record_step(rank=setup.rank, step=step, kv_rank=kv_rank, q_rows=(0, sq),
-                out=out.reshape(b, hkv * g, sq, d), lse=lse.reshape(b, hkv * g, sq))
+    record_step(
+        rank=setup.rank,
+        step=step,
+        kv_rank=kv_rank,
+        q_rows=(0, sq),
+        out=out.reshape(b, hkv * g, sq, d),
+        lse=lse.reshape(b, hkv * g, sq),
+    )
 
 
 class _MathRingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, setup: RingSetup, is_causal: bool, layout: str, method: str,
-                with_max_logit: bool = False):
+    def forward(
+        ctx,
+        query,
+        key,
+        value,
+        setup: RingSetup,
+        is_causal: bool,
+        layout: str,
+        method: str,
+        with_max_logit: bool = False,
+    ):
         acc = _acc(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
@@ -200,7 +224,9 @@ class _MathRingFn(torch.autograd.Function):
         out5, lse5 = state.result()
         out = out5.reshape(b, h, sq, d).to(query.dtype)
         lse = lse5.reshape(b, h, sq)
-        ctx.save_for_backward(query, key, value, out, lse, gathered if gathered is not None else torch.empty(0))
+        ctx.save_for_backward(
+            query, key, value, out, lse, gathered if gathered is not None else torch.empty(0)
+        )
         ctx.setup, ctx.is_causal, ctx.layout, ctx.method = setup, is_causal, layout, method
         ctx.gathered = gathered is not None
         if best is None:
@@ -279,8 +305,20 @@ class _MathRingFn(torch.autograd.Function):
         return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None
 
 
-def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None, op=None,
-                   layout="contiguous", return_lse=False, return_max_logit=False):
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    group=None,
+    is_causal=False,
+    scale=None,
+    rotate_method=None,
+    op=None,
+    layout="contiguous",
+    return_lse=False,
+    return_max_logit=False,
+):
     """Ring attention over ``group``; differentiable in query, key and value (and through the LSE).
 
     query (batch, heads, seq_q_local, head_dim), key/value (batch, heads_kv, seq_kv_local,
@@ -289,20 +327,44 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
     with ``return_max_logit`` the group's per-head max logit (heads,) last, in the same dtype.
     """
     rotate_method = "p2p" if rotate_method is None else rotate_method
-    setup = check_inputs(query, key, value, group=group, is_causal=is_causal, scale=scale, layout=layout,
-                         rotate_method=rotate_method, rotate_methods=ROTATE_METHODS,
-                         op_problem=None if op is None else f"op={op!r} given, but math_ring always runs its own "
-                         "kernel per step (capabilities.ops is empty); leave op=None")
+    setup = check_inputs(
+        query,
+        key,
+        value,
+        group=group,
+        is_causal=is_causal,
+        scale=scale,
+        layout=layout,
+        rotate_method=rotate_method,
+        rotate_methods=ROTATE_METHODS,
+        op_problem=None
+        if op is None
+        else f"op={op!r} given, but math_ring always runs its own "
+        "kernel per step (capabilities.ops is empty); leave op=None",
+    )
     if return_max_logit:
-        out, lse, max_logit = _MathRingFn.apply(query, key, value, setup, bool(is_causal), layout,
-                                                rotate_method, True)
+        out, lse, max_logit = _MathRingFn.apply(
+            query, key, value, setup, bool(is_causal), layout, rotate_method, True
+        )
         return (out, lse, max_logit) if return_lse else (out, max_logit)
     out, lse = _MathRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method)
     return (out, lse) if return_lse else out
 
 
-def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype,
-                        compiled=False, heads=None, return_max_logit=False, **_):
+def collective_schedule(
+    world_size,
+    rotate_method,
+    *,
+    batch,
+    heads_kv,
+    seq_kv,
+    head_dim,
+    dtype,
+    compiled=False,
+    heads=None,
+    return_max_logit=False,
+    **_,
+):
     """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
 
     kv = 2*batch*heads_kv*seq_kv*head_dim elements in the input dtype, dkv the same elements in
@@ -310,9 +372,13 @@ def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, h
     ``return_max_logit`` an all-gather of ``heads`` maxima. W = 1 issues nothing.
     """
     if rotate_method not in ROTATE_METHODS:
-        raise ValueError(f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}")
+        raise ValueError(
+            f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
+        )
     if compiled:
-        raise ValueError("math_ring does not run under torch.compile (capabilities.compile is False)")
+        raise ValueError(
+            "math_ring does not run under torch.compile (capabilities.compile is False)"
+        )
     w = world_size
     if w == 1:
         return {"forward": {}, "backward": {}}
@@ -321,8 +387,10 @@ def collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, h
     extra = heads * _acc(dtype).itemsize if return_max_logit else 0
     fwd = {"all_gather": {"calls": 1 + bool(return_max_logit), "bytes": check_bytes() + extra}}
     if rotate_method == "allgather":
-        fwd["all_gather"] = {"calls": 2 + bool(return_max_logit),
-                             "bytes": check_bytes() + kv + extra}
+        fwd["all_gather"] = {
+            "calls": 2 + bool(return_max_logit),
+            "bytes": check_bytes() + kv + extra,
+        }
         return {"forward": fwd, "backward": {"all_to_all": {"calls": 1, "bytes": w * dkv}}}
     kinds = ("send", "recv") if rotate_method == "p2p" else ("all_to_all",)
     for kind in kinds:

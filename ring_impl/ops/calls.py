@@ -27,9 +27,15 @@ def _reduce_heads(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
 
 
-def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: torch.Tensor | None = None,
-             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
-             score_mod=None) -> AttentionOp:
+def block_op(
+    op: AttentionOp,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    visible: torch.Tensor | None = None,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    score_mod=None,
+) -> AttentionOp:
     """The op that runs a block: ``op``, or the math op where ``op`` cannot run it: a masked
     block ``op`` cannot mask (row bounds count as a mask for an op that does not take them), or
     a causal block with ``scale <= 0`` on an op whose causal kernel returns NaN there
@@ -43,7 +49,12 @@ def block_op(op: AttentionOp, *, is_causal: bool, scale: float | None, visible: 
     masked = visible is not None or (row_bounds is not None and not op.capabilities.row_bounds)
     if masked and not op.capabilities.masks:
         return _MATH
-    if is_causal and scale is not None and scale <= 0 and op.capabilities.causal_needs_positive_scale:
+    if (
+        is_causal
+        and scale is not None
+        and scale <= 0
+        and op.capabilities.causal_needs_positive_scale
+    ):
         return _MATH
     return op
 
@@ -54,8 +65,12 @@ def _scoring(score_mod) -> dict:
     return {} if score_mod is None else {"score_mod": score_mod}
 
 
-def _masking(op: AttentionOp, key: torch.Tensor, visible: torch.Tensor | None,
-             row_bounds: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
+def _masking(
+    op: AttentionOp,
+    key: torch.Tensor,
+    visible: torch.Tensor | None,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict:
     """The block's mask as ``op`` takes it: ``{"row_bounds": ...}`` for an op that declares them,
     else ``{"attn_mask": ...}`` (the bounds as a dense visibility), ``{}`` for an unmasked block."""
     if row_bounds is not None:
@@ -66,8 +81,15 @@ def _masking(op: AttentionOp, key: torch.Tensor, visible: torch.Tensor | None,
 
 
 def call_forward(
-    op: AttentionOp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float,
-    visible: torch.Tensor | None = None, row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    op: AttentionOp,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    visible: torch.Tensor | None = None,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     score_mod=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``op.forward`` with key/value heads expanded only if the op lacks native GQA.
@@ -79,17 +101,39 @@ def call_forward(
     the kernel leaves them: the caller sets them (out 0, LSE -inf). score_mod: the block's
     ring_impl.score_mods.BlockScores, for ops declaring ``score_mod`` (else the math op runs it).
     """
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds,
-                  score_mod=score_mod)
+    op = block_op(
+        op,
+        is_causal=is_causal,
+        scale=scale,
+        visible=visible,
+        row_bounds=row_bounds,
+        score_mod=score_mod,
+    )
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-    return op.forward(query, key, value, is_causal=is_causal, scale=scale,  # type: ignore[call-arg]
-                      **_masking(op, key, visible, row_bounds), **_scoring(score_mod))
+    return op.forward(
+        query,
+        key,
+        value,
+        is_causal=is_causal,
+        scale=scale,  # type: ignore[call-arg]
+        **_masking(op, key, visible, row_bounds),
+        **_scoring(score_mod),
+    )
 
 
 def _with_lse_grad(
-    op: AttentionOp, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor, *, is_causal: bool, scale: float,
+    op: AttentionOp,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
     row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``op.backward`` with the LSE's gradient folded into ``out``, for kernels that take none.
@@ -109,10 +153,25 @@ def _with_lse_grad(
     d, d_v = query.shape[-1], value.shape[-1]
     padded = -(-(d_v + 2) // 8) * 8
     padded_qk = padded if d == d_v else d
-    if op.capabilities.unsupported(query.device, query.dtype, padded_qk, head_dim_v=padded) is not None:
-        mask = {} if row_bounds is None else {"attn_mask": bounds_visible(*row_bounds, key.shape[2])}
-        return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse,
-                              **mask)
+    if (
+        op.capabilities.unsupported(query.device, query.dtype, padded_qk, head_dim_v=padded)
+        is not None
+    ):
+        mask = (
+            {} if row_bounds is None else {"attn_mask": bounds_visible(*row_bounds, key.shape[2])}
+        )
+        return _MATH.backward(
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            is_causal=is_causal,
+            scale=scale,
+            grad_lse=grad_lse,
+            **mask,
+        )
     acc = accumulation_dtype(query.dtype)
     g = -grad_lse.to(acc)
     g_hi = g.to(query.dtype)
@@ -128,8 +187,15 @@ def _with_lse_grad(
     ones = torch.ones_like(grad_lse, dtype=grad_out.dtype)
     ranges = {} if row_bounds is None else {"row_bounds": row_bounds}
     dq, dk, dv = op.backward(
-        pad(grad_out, padded, [ones, ones]), pad(query, padded_qk), pad(key, padded_qk), pad(value, padded),
-        pad(out, padded, [g_hi, g_lo]), lse, is_causal=is_causal, scale=scale, **ranges,
+        pad(grad_out, padded, [ones, ones]),
+        pad(query, padded_qk),
+        pad(key, padded_qk),
+        pad(value, padded),
+        pad(out, padded, [g_hi, g_lo]),
+        lse,
+        is_causal=is_causal,
+        scale=scale,
+        **ranges,
     )
     return dq[..., :d], dk[..., :d], dv[..., :d_v]
 
@@ -158,8 +224,14 @@ def call_backward(
     finite LSE and a zero output gradient: the caller's job). score_mod: as for
     :func:`call_forward`.
     """
-    op = block_op(op, is_causal=is_causal, scale=scale, visible=visible, row_bounds=row_bounds,
-                  score_mod=score_mod)
+    op = block_op(
+        op,
+        is_causal=is_causal,
+        scale=scale,
+        visible=visible,
+        row_bounds=row_bounds,
+        score_mod=score_mod,
+    )
     mask = _masking(op, key, visible, row_bounds)
     lse_grad_padded = grad_lse is not None and not op.capabilities.lse_grad
     if ("attn_mask" in mask or score_mod is not None) and lse_grad_padded:
@@ -169,11 +241,34 @@ def call_backward(
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
     if grad_lse is None:
-        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **mask)
+        dq, dk, dv = op.backward(
+            grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **mask
+        )
     elif op.capabilities.lse_grad:
-        dq, dk, dv = op.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
-                                 grad_lse=grad_lse, **mask)  # type: ignore[call-arg]
+        dq, dk, dv = op.backward(
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            is_causal=is_causal,
+            scale=scale,
+            grad_lse=grad_lse,
+            **mask,
+        )  # type: ignore[call-arg]
     else:  # no mask, or row bounds (the padded head dim leaves them as they are)
-        dq, dk, dv = _with_lse_grad(op, grad_out, query, key, value, out, lse, grad_lse, is_causal=is_causal,
-                                    scale=scale, row_bounds=mask.get("row_bounds"))
+        dq, dk, dv = _with_lse_grad(
+            op,
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            grad_lse,
+            is_causal=is_causal,
+            scale=scale,
+            row_bounds=mask.get("row_bounds"),
+        )
     return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)

@@ -107,15 +107,24 @@ class OpCapabilities:
     #: Ops without it only ever get ``head_dim_v == head_dim``.
     value_head_dim: bool = False
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-                    scale: float | None = None, is_causal: bool = False,
-                    head_dim_v: int | None = None) -> str | None:
+    def unsupported(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_dim: int,
+        *,
+        scale: float | None = None,
+        is_causal: bool = False,
+        head_dim_v: int | None = None,
+    ) -> str | None:
         """Return why (device, dtype, head_dim[, scale, is_causal, head_dim_v]) is unsupported,
         or None. ``head_dim_v``: value's head dim (None: ``head_dim``)."""
         if head_dim_v is not None and head_dim_v != head_dim:
             if not self.value_head_dim:
-                return (f"value head_dim {head_dim_v} differs from query/key head_dim {head_dim} "
-                        "(the kernel needs them equal; capabilities.value_head_dim)")
+                return (
+                    f"value head_dim {head_dim_v} differs from query/key head_dim {head_dim} "
+                    "(the kernel needs them equal; capabilities.value_head_dim)"
+                )
             why = self.unsupported(device, dtype, head_dim_v, scale=scale, is_causal=is_causal)
             if why is not None:
                 return f"value {why}"
@@ -126,9 +135,10 @@ class OpCapabilities:
             return f"dtype {str(dtype).removeprefix('torch.')} not in {names}"
         lo, hi = self.head_dims
         if not lo <= head_dim <= hi or head_dim % self.head_dim_multiple:
-            return (
-                f"head_dim {head_dim} outside [{lo}, {hi}]"
-                + (f" or not a multiple of {self.head_dim_multiple}" if self.head_dim_multiple > 1 else "")
+            return f"head_dim {head_dim} outside [{lo}, {hi}]" + (
+                f" or not a multiple of {self.head_dim_multiple}"
+                if self.head_dim_multiple > 1
+                else ""
             )
         if self.causal_needs_positive_scale and is_causal and scale is not None and scale <= 0:
             return f"causal attention with scale {scale} <= 0 (the kernel returns NaN there)"
@@ -143,7 +153,13 @@ class AttentionOp(Protocol):
     capabilities: OpCapabilities
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        is_causal: bool,
+        scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -168,4 +184,3 @@ def missing_members(obj: object) -> list[str]:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
-

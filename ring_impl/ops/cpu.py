@@ -13,7 +13,13 @@ from .cuda import BIAS_ALIGNMENT, additive_bias
 from .varlen import VarlenOp
 from .varlen_emulation import emulated_varlen_backward, emulated_varlen_forward
 
-__all__ = ["CpuCudnnLayoutOp", "CpuEfficientLayoutOp", "CpuEfficientMaskedLayoutOp", "CpuFlashOp", "CpuFlashVarlenLayoutOp"]
+__all__ = [
+    "CpuCudnnLayoutOp",
+    "CpuEfficientLayoutOp",
+    "CpuEfficientMaskedLayoutOp",
+    "CpuFlashOp",
+    "CpuFlashVarlenLayoutOp",
+]
 
 
 class CpuFlashOp:
@@ -27,8 +33,9 @@ class CpuFlashOp:
     # LSE and gradients on row views were checked bit-identical to those on contiguous copies
     # (tests/ring_impl/test_row_views.py). No value_head_dim: the kernel (torch 2.13) raises "Q/K/V
     # should have the same head size"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True,
-                                  row_views=True)
+    capabilities = OpCapabilities(
+        devices=frozenset({"cpu"}), causal_needs_positive_scale=True, masks=True, row_views=True
+    )
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
         mask = self.kernel_mask(attn_mask, query, key)
@@ -38,7 +45,9 @@ class CpuFlashOp:
         )
         return out, lse
 
-    def kernel_mask(self, visible: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    def kernel_mask(
+        self, visible: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor
+    ) -> torch.Tensor | None:
         """A masked block's bool visibility as the kernel's additive mask (None: no mask)."""
         return _additive(visible, query.dtype)
 
@@ -73,7 +82,9 @@ def _additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     if visible is None:
         return None
     zero = torch.zeros((), dtype=dtype, device=visible.device)
-    return torch.where(visible, zero, torch.full((), float("-inf"), dtype=dtype, device=visible.device))
+    return torch.where(
+        visible, zero, torch.full((), float("-inf"), dtype=dtype, device=visible.device)
+    )
 
 
 def _garbage_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -96,10 +107,14 @@ class CpuEfficientLayoutOp(CpuFlashOp):
     """
 
     name = "cpu_efficient_layout"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs_padded32", causal_needs_positive_scale=True)
+    capabilities = OpCapabilities(
+        devices=frozenset({"cpu"}), lse_layout="bhs_padded32", causal_needs_positive_scale=True
+    )
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
-        out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+        out, lse = super().forward(
+            query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask
+        )
         b, h, sq = lse.shape
         padded = _garbage_like((b, h, -(-sq // 32) * 32), lse.dtype, lse.device)
         padded[..., :sq] = lse
@@ -126,8 +141,10 @@ def _checked_bias(bias: torch.Tensor) -> torch.Tensor:
     """``bias`` after the memory-efficient kernel's own check (every stride but the last a
     multiple of BIAS_ALIGNMENT, the last 1), raising as the kernel does when it fails."""
     if bias.stride(-1) != 1 or any(st % BIAS_ALIGNMENT for st in bias.stride()[:-1]):
-        raise RuntimeError(f"attention bias is not aligned: strides {bias.stride()} (want multiples of "
-                           f"{BIAS_ALIGNMENT}, the last 1)")
+        raise RuntimeError(
+            f"attention bias is not aligned: strides {bias.stride()} (want multiples of "
+            f"{BIAS_ALIGNMENT}, the last 1)"
+        )
     return bias
 
 
@@ -135,7 +152,9 @@ class CpuCudnnLayoutOp(CpuFlashOp):
     """CPU flash with the LSE layout of cuDNN attention: (batch, heads, seq_q, 1)."""
 
     name = "cpu_cudnn_layout"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), lse_layout="bhs1", causal_needs_positive_scale=True)
+    capabilities = OpCapabilities(
+        devices=frozenset({"cpu"}), lse_layout="bhs1", causal_needs_positive_scale=True
+    )
 
     def forward(self, query, key, value, *, is_causal, scale):
         out, lse = super().forward(query, key, value, is_causal=is_causal, scale=scale)
@@ -151,11 +170,18 @@ class CpuFlashVarlenLayoutOp(VarlenOp):
 
     name = "cpu_flash_varlen_layout"
     # No value_head_dim, as the kernel it emulates (FlashAttention-2 needs one head dim)
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), gqa=True, masks=True, row_bounds=True,
-                                  row_views=True)  # as cuda_flash_varlen: its packing takes views
+    capabilities = OpCapabilities(
+        devices=frozenset({"cpu"}), gqa=True, masks=True, row_bounds=True, row_views=True
+    )  # as cuda_flash_varlen: its packing takes views
 
     def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):
-        return emulated_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window=window)
+        return emulated_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window=window
+        )
 
-    def kernel_backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window):
-        return emulated_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale, window=window)
+    def kernel_backward(
+        self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window
+    ):
+        return emulated_varlen_backward(
+            grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale, window=window
+        )

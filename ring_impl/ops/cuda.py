@@ -11,8 +11,16 @@ import torch
 from .contract import OpCapabilities
 from .varlen import VarlenOp
 
-__all__ = ["BIAS_ALIGNMENT", "CudaCudnnOp", "CudaEfficientMaskedOp", "CudaEfficientOp", "CudaFlashOp", "CudaFlashVarlenOp",
-           "additive_bias", "in_efficient_order"]
+__all__ = [
+    "BIAS_ALIGNMENT",
+    "CudaCudnnOp",
+    "CudaEfficientMaskedOp",
+    "CudaEfficientOp",
+    "CudaFlashOp",
+    "CudaFlashVarlenOp",
+    "additive_bias",
+    "in_efficient_order",
+]
 
 
 # The backward kernels take their dense (non-varlen, unbiased) path only when the cumulative
@@ -60,7 +68,9 @@ class CudaFlashOp:
         return res[0], res[1]
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
-        grad_out, query, key, value, out = _dense(grad_out.to(query.dtype), query, key, value, out.to(query.dtype))
+        grad_out, query, key, value, out = _dense(
+            grad_out.to(query.dtype), query, key, value, out.to(query.dtype)
+        )
         seed = torch.zeros((), dtype=torch.int64, device=query.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out,
@@ -100,7 +110,11 @@ class CudaEfficientOp:
     # the math op. Without a mask the kernels get an undefined bias (None).
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
-        bias = None if attn_mask is None else additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2]))
+        bias = (
+            None
+            if attn_mask is None
+            else additive_bias(attn_mask, query.dtype, (*query.shape[:3], key.shape[2]))
+        )
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, True, 0.0, is_causal, scale=scale
         )
@@ -113,7 +127,11 @@ class CudaEfficientOp:
         # The kernel reads its LSE in its own padded layout; the padding is never read.
         padded = lse.new_zeros(b, h, -(-sq // 32) * 32, dtype=torch.float32)
         padded[..., :sq] = lse
-        bias = _UNDEFINED if attn_mask is None else additive_bias(attn_mask, query.dtype, (b, h, sq, key.shape[2]))
+        bias = (
+            _UNDEFINED
+            if attn_mask is None
+            else additive_bias(attn_mask, query.dtype, (b, h, sq, key.shape[2]))
+        )
         seed = torch.zeros((), dtype=torch.int64, device=query.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad_out,
@@ -155,7 +173,9 @@ class CudaCudnnOp:
         return res[0], res[1]
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
-        grad_out, query, key, value, out = _dense(grad_out.to(query.dtype), query, key, value, out.to(query.dtype))
+        grad_out, query, key, value, out = _dense(
+            grad_out.to(query.dtype), query, key, value, out.to(query.dtype)
+        )
         seed = torch.zeros((), dtype=torch.int64, device=query.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_out,
@@ -184,7 +204,9 @@ class CudaCudnnOp:
 BIAS_ALIGNMENT = 16
 
 
-def additive_bias(visible: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> torch.Tensor:
+def additive_bias(
+    visible: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int, int, int]
+) -> torch.Tensor:
     """A masked block's visibility as the memory-efficient kernel's additive bias.
 
     visible: bool, broadcastable to ``shape`` = (batch, heads, rows, cols), True where a query
@@ -197,7 +219,9 @@ def additive_bias(visible: torch.Tensor, dtype: torch.dtype, shape: tuple[int, i
     b, h, rows, cols = shape
     v = visible if visible.dim() == 4 else visible.reshape(1, 1, *visible.shape[-2:])
     padded_cols = -(-cols // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
-    buf = torch.full((v.shape[0], v.shape[1], rows, padded_cols), float("-inf"), dtype=dtype, device=v.device)
+    buf = torch.full(
+        (v.shape[0], v.shape[1], rows, padded_cols), float("-inf"), dtype=dtype, device=v.device
+    )
     buf[..., :cols].masked_fill_(v.expand(v.shape[0], v.shape[1], rows, cols), 0.0)
     return buf[..., :cols].expand(b, h, rows, cols)
 
@@ -250,17 +274,45 @@ class CudaFlashVarlenOp(VarlenOp):
 
     def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):
         out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window == (-1, 0), False,
-            scale=scale, window_size_left=window[0], window_size_right=window[1],
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            window == (-1, 0),
+            False,
+            scale=scale,
+            window_size_left=window[0],
+            window_size_right=window[1],
         )
         return out, lse
 
-    def kernel_backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window):
+    def kernel_backward(
+        self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, window
+    ):
         # No dropout: the kernel reads neither the RNG state nor the unused tensor.
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k, 0.0, window == (-1, 0),
-            rng_state, unused, scale=scale, window_size_left=window[0], window_size_right=window[1],
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse.float().contiguous(),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            window == (-1, 0),
+            rng_state,
+            unused,
+            scale=scale,
+            window_size_left=window[0],
+            window_size_right=window[1],
         )
         return dq, dk, dv

@@ -88,7 +88,9 @@ def _all_partial_block_mask(mask_mod, seq_q: int, seq_k: int, device: torch.devi
     rows, cols = -(-seq_q // _TILE), -(-seq_k // _TILE)
     num = torch.full((1, 1, rows), cols, dtype=torch.int32, device=device)
     idx = torch.arange(cols, dtype=torch.int32, device=device).expand(1, 1, rows, cols).contiguous()
-    return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=_TILE, mask_mod=mask_mod, seq_lengths=(seq_q, seq_k))
+    return BlockMask.from_kv_blocks(
+        num, idx, BLOCK_SIZE=_TILE, mask_mod=mask_mod, seq_lengths=(seq_q, seq_k)
+    )
 
 
 def _flex_call(query, key, value, attn_mask, is_causal: bool, scale: float):
@@ -96,24 +98,43 @@ def _flex_call(query, key, value, attn_mask, is_causal: bool, scale: float):
     (batch, heads, seq_q) in natural log, float32 or float64); arguments as FlexOp.forward's."""
     b, h, sq, _ = query.shape
     mod = _mask_mod(is_causal, attn_mask, b, h)
-    block_mask = None if mod is None else _all_partial_block_mask(mod, sq, key.shape[2], query.device)
+    block_mask = (
+        None if mod is None else _all_partial_block_mask(mod, sq, key.shape[2], query.device)
+    )
     with warnings.catch_warnings():
         # Its advice, torch.compile, is what cannot return the LSE on CPU (module docstring).
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out, aux = _builtin_flex(query, key, value, block_mask=block_mask, scale=scale,
-                                 enable_gqa=key.shape[1] != query.shape[1], return_aux=AuxRequest(lse=True))
+        out, aux = _builtin_flex(
+            query,
+            key,
+            value,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=key.shape[1] != query.shape[1],
+            return_aux=AuxRequest(lse=True),
+        )
     return out, aux.lse
 
 
 _KEYS = torch._C.DispatchKey
 #: The dispatch keys vmap needs; a TorchDispatchMode runs the ops it intercepts with them excluded.
-_FUNCTORCH_KEYS = (_KEYS.FuncTorchBatched, _KEYS.FuncTorchVmapMode, _KEYS.FuncTorchDynamicLayerFrontMode,
-                   _KEYS.FuncTorchDynamicLayerBackMode)
+_FUNCTORCH_KEYS = (
+    _KEYS.FuncTorchBatched,
+    _KEYS.FuncTorchVmapMode,
+    _KEYS.FuncTorchDynamicLayerFrontMode,
+    _KEYS.FuncTorchDynamicLayerBackMode,
+)
 
 
 @torch.library.custom_op("ring_impl::flex_forward", mutates_args=())
-def flex_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                 is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flex_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_flex_call` as one opaque op (module docstring): out contiguous, LSE contiguous
     (batch, heads, seq_q) in the accumulation dtype."""
     # Under a dispatch mode (AOT autograd's first-call aliasing check of a compiled graph) this
@@ -125,15 +146,19 @@ def flex_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
         # detach again: under inductor the graph's detach is dropped and the inputs reach here
         # requiring grad, which flex refuses on CPU.
-        out, lse = _flex_call(query.detach(), key.detach(), value.detach(), attn_mask, is_causal, scale)
+        out, lse = _flex_call(
+            query.detach(), key.detach(), value.detach(), attn_mask, is_causal, scale
+        )
     return out.contiguous(), lse.to(accumulation_dtype(query.dtype)).contiguous()
 
 
 @flex_forward.register_fake
 def _(query, key, value, attn_mask, is_causal, scale):
     b, h, sq, _ = query.shape
-    return (query.new_empty((b, h, sq, value.shape[-1])),
-            query.new_empty((b, h, sq), dtype=accumulation_dtype(query.dtype)))
+    return (
+        query.new_empty((b, h, sq, value.shape[-1])),
+        query.new_empty((b, h, sq), dtype=accumulation_dtype(query.dtype)),
+    )
 
 
 class FlexOp:
@@ -145,8 +170,14 @@ class FlexOp:
     """
 
     name = "flex"
-    capabilities = OpCapabilities(devices=frozenset({"cpu"}), dtypes=ALL_DTYPES, gqa=True, lse_grad=True, masks=True,
-                                  value_head_dim=True)
+    capabilities = OpCapabilities(
+        devices=frozenset({"cpu"}),
+        dtypes=ALL_DTYPES,
+        gqa=True,
+        lse_grad=True,
+        masks=True,
+        value_head_dim=True,
+    )
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
         """out (batch, heads, seq_q, head_dim_v) in the input dtype, LSE (batch, heads, seq_q) in
@@ -154,9 +185,34 @@ class FlexOp:
         and LSE -inf (flex's safe softmax), never NaN."""
         # detach: flex refuses CPU inputs that require grad, and the op has no autograd: the
         # ring differentiates the block itself (backward below).
-        return flex_forward(query.detach(), key.detach(), value.detach(), attn_mask, bool(is_causal), float(scale))
+        return flex_forward(
+            query.detach(), key.detach(), value.detach(), attn_mask, bool(is_causal), float(scale)
+        )
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None, attn_mask=None):
+    def backward(
+        self,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        *,
+        is_causal,
+        scale,
+        grad_lse=None,
+        attn_mask=None,
+    ):
         """The math op's backward with the same visibility (flex has none on CPU)."""
-        return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
-                              grad_lse=grad_lse, attn_mask=attn_mask)
+        return _MATH.backward(
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            is_causal=is_causal,
+            scale=scale,
+            grad_lse=grad_lse,
+            attn_mask=attn_mask,
+        )

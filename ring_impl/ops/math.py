@@ -26,10 +26,15 @@ class MathOp:
     """
 
     name = "math"
-    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda"}), gqa=True, lse_grad=True, masks=True,
-                                  row_views=True,  # einsum over any strides
-                                  score_mod=True,  # the scores are explicit
-                                  value_head_dim=True)
+    capabilities = OpCapabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        gqa=True,
+        lse_grad=True,
+        masks=True,
+        row_views=True,  # einsum over any strides
+        score_mod=True,  # the scores are explicit
+        value_head_dim=True,
+    )
 
     @staticmethod
     def _raw_scores(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
@@ -41,9 +46,15 @@ class MathOp:
         return torch.einsum("bngqd,bnkd->bngqk", q, key.to(acc)) * scale  # (b, hkv, g, sq, sk)
 
     @staticmethod
-    def _scores(query: torch.Tensor, key: torch.Tensor, is_causal: bool, scale: float,
-                attn_mask: torch.Tensor | None = None, score_mod=None,
-                raw: torch.Tensor | None = None) -> torch.Tensor:
+    def _scores(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        is_causal: bool,
+        scale: float,
+        attn_mask: torch.Tensor | None = None,
+        score_mod=None,
+        raw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The scaled scores (b, hkv, g, sq, sk), modified by ``score_mod`` (a
         ring_impl.score_mods.BlockScores, on the (b, heads, sq, sk) view), then masked."""
         b, h, sq, _ = query.shape
@@ -67,8 +78,21 @@ class MathOp:
         out = torch.einsum("bngqk,bnkd->bngqd", p, value.to(s.dtype))
         return out.reshape(b, h, sq, value.shape[-1]).to(query.dtype), lse.reshape(b, h, sq)
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None,
-                 attn_mask=None, score_mod=None):
+    def backward(
+        self,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        *,
+        is_causal,
+        scale,
+        grad_lse=None,
+        attn_mask=None,
+        score_mod=None,
+    ):
         b, h, sq, d = query.shape
         hkv, sk, dv = key.shape[1], key.shape[2], value.shape[-1]
         g = h // hkv

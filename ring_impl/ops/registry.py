@@ -42,7 +42,9 @@ def register_op(op: AttentionOp, *, name: str | None = None, replace: bool = Fal
         raise TypeError(f"register_op: {op!r} lacks {missing}; see ring_impl.ops.AttentionOp")
     key = name or op.name
     if key in _REGISTRY.ops and not replace:
-        raise ValueError(f"register_op: an op named {key!r} is already registered; pass replace=True")
+        raise ValueError(
+            f"register_op: an op named {key!r} is already registered; pass replace=True"
+        )
     _REGISTRY.ops[key] = op
     return op
 
@@ -63,9 +65,17 @@ def get_op(name: str) -> AttentionOp:
         ) from None
 
 
-def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: float | None = None,
-             is_causal: bool = False, masked: bool = False, score_mod: bool = False,
-             head_dim_v: int | None = None) -> AttentionOp:
+def _auto_op(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    masked: bool = False,
+    score_mod: bool = False,
+    head_dim_v: int | None = None,
+) -> AttentionOp:
     """The fastest registered op that supports the call; ``math`` where no fused kernel does
     (float64 on CUDA, a value head dim other than query's on CPU, or a fused kernel's known fault
     such as cpu_flash's causal scale <= 0).
@@ -79,25 +89,50 @@ def _auto_op(device: torch.device, dtype: torch.dtype, head_dim: int, *, scale: 
     if device.type == "cpu":
         candidates: tuple[str, ...] = ("cpu_flash",)
     else:
-        candidates = ("cuda_flash_varlen", "cuda_flash", "cuda_efficient") if masked else ("cuda_flash", "cuda_efficient")
+        candidates = (
+            ("cuda_flash_varlen", "cuda_flash", "cuda_efficient")
+            if masked
+            else ("cuda_flash", "cuda_efficient")
+        )
     for name in candidates:
         op = get_op(name)
-        if op.capabilities.unsupported(device, dtype, head_dim, scale=scale, is_causal=is_causal,
-                                       head_dim_v=head_dim_v) is None:
+        if (
+            op.capabilities.unsupported(
+                device, dtype, head_dim, scale=scale, is_causal=is_causal, head_dim_v=head_dim_v
+            )
+            is None
+        ):
             return op
     return get_op("math")
 
 
-def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-               scale: float | None = None, is_causal: bool = False, masked: bool = False,
-               score_mod: bool = False, head_dim_v: int | None = None) -> AttentionOp:
+def resolve_op(
+    op: str | AttentionOp | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    masked: bool = False,
+    score_mod: bool = False,
+    head_dim_v: int | None = None,
+) -> AttentionOp:
     """Turn the ``op=`` argument into an op object; "auto"/None picks by device, dtype, the
     call's scale and causality (routing around a kernel's known faults), whether it has a mask
     or a score_mod, and value's head dim (``head_dim_v``, None: ``head_dim``;
     OpCapabilities.value_head_dim)."""
     if op is None or op == "auto":
-        return _auto_op(device, dtype, head_dim, scale=scale, is_causal=is_causal, masked=masked,
-                        score_mod=score_mod, head_dim_v=head_dim_v)
+        return _auto_op(
+            device,
+            dtype,
+            head_dim,
+            scale=scale,
+            is_causal=is_causal,
+            masked=masked,
+            score_mod=score_mod,
+            head_dim_v=head_dim_v,
+        )
     if isinstance(op, str):
         return get_op(op)
     missing = missing_members(op)
@@ -109,16 +144,26 @@ def resolve_op(op: str | AttentionOp | None, device: torch.device, dtype: torch.
     return op
 
 
-
-
-for _op in (MathOp(), CpuFlashOp(), CpuEfficientLayoutOp(), CpuEfficientMaskedLayoutOp(), CpuCudnnLayoutOp(),
-            CpuFlashVarlenLayoutOp(), CudaFlashOp(), CudaEfficientOp(), CudaEfficientMaskedOp(), CudaFlashVarlenOp(),
-            CudaCudnnOp(), FlexOp()):
+for _op in (
+    MathOp(),
+    CpuFlashOp(),
+    CpuEfficientLayoutOp(),
+    CpuEfficientMaskedLayoutOp(),
+    CpuCudnnLayoutOp(),
+    CpuFlashVarlenLayoutOp(),
+    CudaFlashOp(),
+    CudaEfficientOp(),
+    CudaEfficientMaskedOp(),
+    CudaFlashVarlenOp(),
+    CudaCudnnOp(),
+    FlexOp(),
+):
     register_op(_op)
 
-def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False,
-                         score_mod: bool = False, value=None
-                         ) -> tuple[float | None, AttentionOp | None, str | None]:
+
+def resolve_scale_and_op(
+    query, scale, op, is_causal, masked: bool = False, score_mod: bool = False, value=None
+) -> tuple[float | None, AttentionOp | None, str | None]:
     """(the scale in effect, the op object, why the op cannot be resolved) for a call's
     arguments (``masked``: the call has a mask; ``score_mod``: a score_mod; ``value``: the
     call's, whose head dim "auto" picks a kernel for); never raises (a bad argument is reported
@@ -131,10 +176,20 @@ def resolve_scale_and_op(query, scale, op, is_causal, masked: bool = False,
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
         effective_scale = float(scale)
     try:
-        head_dim_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 4 else None
-        op_obj = resolve_op(op, query.device, query.dtype, query.shape[-1], scale=effective_scale,
-                            is_causal=is_causal is True or is_causal == 1, masked=masked,
-                            score_mod=score_mod, head_dim_v=head_dim_v)
+        head_dim_v = (
+            value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 4 else None
+        )
+        op_obj = resolve_op(
+            op,
+            query.device,
+            query.dtype,
+            query.shape[-1],
+            scale=effective_scale,
+            is_causal=is_causal is True or is_causal == 1,
+            masked=masked,
+            score_mod=score_mod,
+            head_dim_v=head_dim_v,
+        )
     except (TypeError, ValueError) as exc:
         return effective_scale, None, str(exc)
     return effective_scale, op_obj, None

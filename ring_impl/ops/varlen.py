@@ -55,8 +55,18 @@ from ..tiling import row_runs
 from .contract import OpCapabilities, accumulation_dtype
 from .math import MathOp
 
-__all__ = ["MAX_LAYERS", "UNBOUNDED", "VarlenCall", "VarlenOp", "VarlenPlan", "bounds_varlen_plan", "bounds_visible",
-           "dense_varlen_plan", "varlen_plan", "visible_of"]
+__all__ = [
+    "MAX_LAYERS",
+    "UNBOUNDED",
+    "VarlenCall",
+    "VarlenOp",
+    "VarlenPlan",
+    "bounds_varlen_plan",
+    "bounds_visible",
+    "dense_varlen_plan",
+    "varlen_plan",
+    "visible_of",
+]
 
 #: A window side with no bound.
 UNBOUNDED = -1
@@ -103,20 +113,27 @@ class VarlenPlan:
     math_rows: torch.Tensor | None
 
 
-def visible_of(attn_mask: torch.Tensor | None, is_causal: bool, rows: int, cols: int,
-               device: torch.device) -> torch.Tensor | None:
+def visible_of(
+    attn_mask: torch.Tensor | None, is_causal: bool, rows: int, cols: int, device: torch.device
+) -> torch.Tensor | None:
     """The block's visibility as (batch or 1, heads or 1, rows, cols) bool, or None for an
     unmasked block the dense plan covers (not causal, or causal on a square block)."""
     if attn_mask is None and (not is_causal or rows == cols):
         return None
-    vis = attn_mask if attn_mask is not None else torch.ones(rows, cols, dtype=torch.bool, device=device)
+    vis = (
+        attn_mask
+        if attn_mask is not None
+        else torch.ones(rows, cols, dtype=torch.bool, device=device)
+    )
     vis = vis if vis.dim() == 4 else vis.reshape(1, 1, *vis.shape[-2:])
     if is_causal:  # top-left, as the op contract's is_causal
         vis = vis & torch.ones(rows, cols, dtype=torch.bool, device=device).tril()
     return vis
 
 
-def dense_varlen_plan(batch: int, rows: int, cols: int, is_causal: bool, device: torch.device) -> VarlenPlan:
+def dense_varlen_plan(
+    batch: int, rows: int, cols: int, is_causal: bool, device: torch.device
+) -> VarlenPlan:
     """An unmasked block (``is_causal`` only with ``rows == cols``): one sequence per batch
     element. Built from shapes only, so a compiled ring traces it without a graph break."""
     cu_q = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=device)
@@ -157,7 +174,12 @@ def _sequences(lo: list[int], hi: list[int], live: list[bool]) -> list[tuple[int
                 if width is None:
                     # Into the band only if it continues: a lone row whose keys end where the
                     # next rows' start (a one-token document) is better a sequence of its own.
-                    if e + 1 < rows and live[e + 1] and hi[e + 1] == hi[e] + 1 and lo[e + 1] == lo[e]:
+                    if (
+                        e + 1 < rows
+                        and live[e + 1]
+                        and hi[e + 1] == hi[e] + 1
+                        and lo[e + 1] == lo[e]
+                    ):
                         break
                     width = hi[e] - lo[e]
             else:
@@ -194,24 +216,45 @@ def _runs(per_element: list[tuple[list[int], list[int], list[bool]]]) -> list[li
     windows (kernel calls) as exactness allows: runs that need one window fix it; the others
     (a one-row run, a causal run the window never cuts) join a fixed window they fit, else
     take causal (-1, 0)."""
-    found = [[(r0, r1, lo[r0], hi[r1 - 1], form, left) for r0, r1, form, left in _sequences(lo, hi, live)]
-             for lo, hi, live in per_element]
+    found = [
+        [
+            (r0, r1, lo[r0], hi[r1 - 1], form, left)
+            for r0, r1, form, left in _sequences(lo, hi, live)
+        ]
+        for lo, hi, live in per_element
+    ]
 
     def fixed_windows() -> list[tuple[int, int]]:
-        return sorted({(UNBOUNDED, UNBOUNDED) if form == "full" else (left, 0)
-                       for runs in found for _, _, _, _, form, left in runs
-                       if form == "full" or (form == "causal" and left >= 0)})
+        return sorted(
+            {
+                (UNBOUNDED, UNBOUNDED) if form == "full" else (left, 0)
+                for runs in found
+                for _, _, _, _, form, left in runs
+                if form == "full" or (form == "causal" and left >= 0)
+            }
+        )
 
     fixed = fixed_windows()
     diagonal = (0, 0)
-    if diagonal in fixed and any(not _fits(form, left, c1 - c0, diagonal)
-                                 for runs in found for _, _, c0, c1, form, left in runs):
+    if diagonal in fixed and any(
+        not _fits(form, left, c1 - c0, diagonal)
+        for runs in found
+        for _, _, c0, c1, form, left in runs
+    ):
         # A band of width 1 (rows that each see one key: one-token documents side by side) is
         # as cheap as one-row sequences, which fit any window: no call of its own.
-        found = [[run for r0, r1, c0, c1, form, left in runs
-                  for run in ([(r, r + 1, c0 + r - r0, c0 + r - r0 + 1, "single", -1) for r in range(r0, r1)]
-                              if (form, left) == ("causal", 0) else [(r0, r1, c0, c1, form, left)])]
-                 for runs in found]
+        found = [
+            [
+                run
+                for r0, r1, c0, c1, form, left in runs
+                for run in (
+                    [(r, r + 1, c0 + r - r0, c0 + r - r0 + 1, "single", -1) for r in range(r0, r1)]
+                    if (form, left) == ("causal", 0)
+                    else [(r0, r1, c0, c1, form, left)]
+                )
+            ]
+            for runs in found
+        ]
         fixed = fixed_windows()
     out = []
     for runs in found:
@@ -228,7 +271,9 @@ def _runs(per_element: list[tuple[list[int], list[int], list[bool]]]) -> list[li
 def _index(ranges: list[tuple[int, int]], total: int) -> tuple[list[int], bool]:
     """The rows of ``ranges`` in order, and whether they are exactly ``0 .. total - 1``."""
     rows = [r for a, b in ranges for r in range(a, b)]
-    return rows, len(rows) == total and all(a == (ranges[i - 1][1] if i else 0) for i, (a, _) in enumerate(ranges))
+    return rows, len(rows) == total and all(
+        a == (ranges[i - 1][1] if i else 0) for i, (a, _) in enumerate(ranges)
+    )
 
 
 def varlen_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
@@ -247,8 +292,15 @@ def varlen_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
     if nh > 1:  # a row the heads see differently is no sequence of one call
         to_math |= (vis.all(1) != seen).any(-1).any(0)
     keep = ~to_math.repeat(nb)[row]
-    layer = torch.arange(row.numel(), device=device) - (torch.cumsum(count, 0) - count)[row]  # run number in its row
-    row, lo, hi, layer = row[keep].tolist(), lo[keep].tolist(), hi[keep].tolist(), layer[keep].tolist()
+    layer = (
+        torch.arange(row.numel(), device=device) - (torch.cumsum(count, 0) - count)[row]
+    )  # run number in its row
+    row, lo, hi, layer = (
+        row[keep].tolist(),
+        lo[keep].tolist(),
+        hi[keep].tolist(),
+        layer[keep].tolist(),
+    )
     bounds: list[tuple[list[int], list[int], list[bool]]] = []
     for e_r, a, b, k in zip(row, lo, hi, layer):  # each layer's (lo, hi, live) per flattened row
         while len(bounds) <= k:
@@ -256,21 +308,35 @@ def varlen_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
         bounds[k][0][e_r], bounds[k][1][e_r], bounds[k][2][e_r] = a, b, True
     calls = []
     for layer, (lo_k, hi_k, live_k) in enumerate(bounds):
-        per_batch = _runs([(lo_k[e * rows:(e + 1) * rows], hi_k[e * rows:(e + 1) * rows], live_k[e * rows:(e + 1) * rows])
-                           for e in range(nb)])
+        per_batch = _runs(
+            [
+                (
+                    lo_k[e * rows : (e + 1) * rows],
+                    hi_k[e * rows : (e + 1) * rows],
+                    live_k[e * rows : (e + 1) * rows],
+                )
+                for e in range(nb)
+            ]
+        )
         calls.extend(_layer_calls(per_batch, batch, rows, cols, device, layer))
     return VarlenPlan(tuple(calls), to_math.nonzero().flatten() if bool(to_math.any()) else None)
 
 
-def _layer_calls(per_batch: list[list[Run]], batch: int, rows: int, cols: int, device: torch.device,
-                 layer: int) -> list[VarlenCall]:
+def _layer_calls(
+    per_batch: list[list[Run]], batch: int, rows: int, cols: int, device: torch.device, layer: int
+) -> list[VarlenCall]:
     """One call per window of one layer's runs (``per_batch``: each batch element's, or one list
     that every element shares), rows and keys numbered over the flattened batch."""
     groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for e in range(batch):
         for r0, r1, c0, c1, window in per_batch[e if len(per_batch) > 1 else 0]:
-            groups.setdefault(window, []).append((e * rows + r0, e * rows + r1, e * cols + c0, e * cols + c1))
-    return [_call(window, runs, batch * rows, batch * cols, device, layer) for window, runs in groups.items()]
+            groups.setdefault(window, []).append(
+                (e * rows + r0, e * rows + r1, e * cols + c0, e * cols + c1)
+            )
+    return [
+        _call(window, runs, batch * rows, batch * cols, device, layer)
+        for window, runs in groups.items()
+    ]
 
 
 def bounds_varlen_plan(lo: torch.Tensor, hi: torch.Tensor, batch: int, cols: int) -> VarlenPlan:
@@ -279,11 +345,19 @@ def bounds_varlen_plan(lo: torch.Tensor, hi: torch.Tensor, batch: int, cols: int
     one call per window, built in O(rows) from the bounds, with no visibility tensor."""
     lo_l, hi_l = lo.tolist(), hi.tolist()
     live = [a < b for a, b in zip(lo_l, hi_l)]
-    return VarlenPlan(tuple(_layer_calls(_runs([(lo_l, hi_l, live)]), batch, len(lo_l), cols, lo.device, 0)), None)
+    return VarlenPlan(
+        tuple(_layer_calls(_runs([(lo_l, hi_l, live)]), batch, len(lo_l), cols, lo.device, 0)), None
+    )
 
 
-def _call(window: tuple[int, int], runs: list[tuple[int, int, int, int]], q_total: int, k_total: int,
-          device: torch.device, layer: int) -> VarlenCall:
+def _call(
+    window: tuple[int, int],
+    runs: list[tuple[int, int, int, int]],
+    q_total: int,
+    k_total: int,
+    device: torch.device,
+    layer: int,
+) -> VarlenCall:
     """One call of ``runs`` ((q0, q1, k0, k1) on the flattened rows) under ``window``."""
     q_rows, q_all = _index([(a, b) for a, b, _, _ in runs], q_total)
     k_rows, k_all = _index([(c, d) for _, _, c, d in runs], k_total)
@@ -294,7 +368,11 @@ def _call(window: tuple[int, int], runs: list[tuple[int, int, int, int]], q_tota
         window,
         None if q_all else torch.tensor(q_rows, dtype=torch.int64, device=device),
         None if k_all else torch.tensor(k_rows, dtype=torch.int64, device=device),
-        cu[:, 0].contiguous().to(device), cu[:, 1].contiguous().to(device), max(q_len), max(k_len), layer,
+        cu[:, 0].contiguous().to(device),
+        cu[:, 1].contiguous().to(device),
+        max(q_len),
+        max(k_len),
+        layer,
     )
 
 
@@ -337,8 +415,15 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return packed if packed.stride(-1) == 1 else packed.contiguous()
 
 
-def _into_rows(out: torch.Tensor, lse: torch.Tensor, index: torch.Tensor | None, o: torch.Tensor,
-               l_: torch.Tensor, *, merge: bool) -> None:
+def _into_rows(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    index: torch.Tensor | None,
+    o: torch.Tensor,
+    l_: torch.Tensor,
+    *,
+    merge: bool,
+) -> None:
     """A call's (o (n, heads, d), l_ (heads, n)) into rows ``index`` (None: all, in order) of
     ``out`` (rows, heads, d) / ``lse`` (heads, rows): written (the rows' first layer) or merged
     with what is there by LSE (:func:`ring_impl.merge.merge_into`, the ring's own merge)."""
@@ -376,22 +461,51 @@ class VarlenOp:
     name: str
     capabilities: OpCapabilities
 
-    def kernel_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                       cu_k: torch.Tensor, max_q: int, max_k: int, *, scale: float,
-                       window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def kernel_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        scale: float,
+        window: tuple[int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (total_q, heads, d), k/v (total_k, heads_kv, d) -> out (total_q, heads, d), LSE
         (heads, total_q)."""
         raise NotImplementedError
 
-    def kernel_backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                        max_q: int, max_k: int, *, scale: float,
-                        window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def kernel_backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        scale: float,
+        window: tuple[int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed as :meth:`kernel_forward`; lse (heads, total_q) -> dq, dk, dv packed."""
         raise NotImplementedError
 
-    def plan(self, query: torch.Tensor, key: torch.Tensor, *, is_causal: bool, attn_mask: torch.Tensor | None,
-             row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[VarlenPlan, torch.Tensor | None]:
+    def plan(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        *,
+        is_causal: bool,
+        attn_mask: torch.Tensor | None,
+        row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[VarlenPlan, torch.Tensor | None]:
         """The block's plan and its visibility (None: unmasked, or given as ``row_bounds``)."""
         b, _, rows, _ = query.shape
         cols = key.shape[2]
@@ -402,7 +516,11 @@ class VarlenOp:
         if vis is None:
             return dense_varlen_plan(b, rows, cols, is_causal, query.device), None
         # A causal block is given a fresh tensor here: planned per call, not kept.
-        return (_kept_plan(vis, b, lambda: varlen_plan(vis, b)) if vis is attn_mask else varlen_plan(vis, b)), vis
+        return (
+            _kept_plan(vis, b, lambda: varlen_plan(vis, b))
+            if vis is attn_mask
+            else varlen_plan(vis, b)
+        ), vis
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None, row_bounds=None):
         if row_bounds is not None and scale <= 0:
@@ -410,8 +528,12 @@ class VarlenOp:
         if scale <= 0:
             # Kernels of this family give NaN for masked entries with scale <= 0 (measured for
             # causal on an H100 with the dense flash kernel; varlen masks sequence edges too).
-            return _MATH.forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
-        plan, vis = self.plan(query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds)
+            return _MATH.forward(
+                query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask
+            )
+        plan, vis = self.plan(
+            query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds
+        )
         b, h, rows, d = query.shape
         acc = accumulation_dtype(query.dtype)
         q, k, v = _packed(query), _packed(key), _packed(value)
@@ -419,44 +541,106 @@ class VarlenOp:
             # Every row in order in one call (a ring step of documents, a window): the kernel's
             # output is the block's, with no accumulator in the accumulation dtype.
             c = plan.calls[0]
-            o, l_ = self.kernel_forward(q, _take(k, c.k_index), _take(v, c.k_index), c.cu_q, c.cu_k, c.max_q, c.max_k,
-                                        scale=scale, window=c.window)
-            return o.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype), l_.to(acc).reshape(h, b, rows).transpose(0, 1)
+            o, l_ = self.kernel_forward(
+                q,
+                _take(k, c.k_index),
+                _take(v, c.k_index),
+                c.cu_q,
+                c.cu_k,
+                c.max_q,
+                c.max_k,
+                scale=scale,
+                window=c.window,
+            )
+            return o.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype), l_.to(acc).reshape(
+                h, b, rows
+            ).transpose(0, 1)
         out = torch.zeros(b * rows, h, d, dtype=acc, device=query.device)
         lse = torch.full((h, b * rows), float("-inf"), dtype=acc, device=query.device)
         for c in plan.calls:
-            o, l_ = self.kernel_forward(_take(q, c.q_index), _take(k, c.k_index), _take(v, c.k_index), c.cu_q, c.cu_k,
-                                        c.max_q, c.max_k, scale=scale, window=c.window)
+            o, l_ = self.kernel_forward(
+                _take(q, c.q_index),
+                _take(k, c.k_index),
+                _take(v, c.k_index),
+                c.cu_q,
+                c.cu_k,
+                c.max_q,
+                c.max_k,
+                scale=scale,
+                window=c.window,
+            )
             _into_rows(out, lse, c.q_index, o, l_, merge=c.layer > 0)
         out = out.view(b, rows, h, d).transpose(1, 2)
         lse = lse.view(h, b, rows).transpose(0, 1)
         if plan.math_rows is not None:
             r = plan.math_rows
-            m_out, m_lse = _MATH.forward(query[:, :, r], key, value, is_causal=False, scale=scale, attn_mask=vis[:, :, r])
+            m_out, m_lse = _MATH.forward(
+                query[:, :, r], key, value, is_causal=False, scale=scale, attn_mask=vis[:, :, r]
+            )
             out[:, :, r] = m_out.to(acc)
             lse[:, :, r] = m_lse.to(acc)
         return out.to(query.dtype), lse
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None, row_bounds=None):
+    def backward(
+        self,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        *,
+        is_causal,
+        scale,
+        attn_mask=None,
+        row_bounds=None,
+    ):
         if row_bounds is not None and scale <= 0:
             attn_mask, row_bounds = bounds_visible(*row_bounds, key.shape[2]), None
         if scale <= 0:
-            return _MATH.backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
-                                  attn_mask=attn_mask)
-        plan, vis = self.plan(query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds)
+            return _MATH.backward(
+                grad_out,
+                query,
+                key,
+                value,
+                out,
+                lse,
+                is_causal=is_causal,
+                scale=scale,
+                attn_mask=attn_mask,
+            )
+        plan, vis = self.plan(
+            query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds
+        )
         b, h, rows, d = query.shape
         hkv, cols = key.shape[1], key.shape[2]
         acc = accumulation_dtype(query.dtype)
         do, o = _packed(grad_out.to(query.dtype)), _packed(out.to(query.dtype))
         q, k, v = _packed(query), _packed(key), _packed(value)
         lse_packed = lse.to(acc).transpose(0, 1).reshape(h, b * rows)
-        if _one_call(plan) and plan.calls[0].k_index is None:  # every row and key in order: no accumulators
+        if (
+            _one_call(plan) and plan.calls[0].k_index is None
+        ):  # every row and key in order: no accumulators
             c = plan.calls[0]
-            dq, dk, dv = self.kernel_backward(do, q, k, v, o, lse_packed.contiguous(), c.cu_q, c.cu_k, c.max_q, c.max_k,
-                                              scale=scale, window=c.window)
-            return (dq.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype),
-                    dk.reshape(b, cols, hkv, d).transpose(1, 2).to(key.dtype),
-                    dv.reshape(b, cols, hkv, d).transpose(1, 2).to(value.dtype))
+            dq, dk, dv = self.kernel_backward(
+                do,
+                q,
+                k,
+                v,
+                o,
+                lse_packed.contiguous(),
+                c.cu_q,
+                c.cu_k,
+                c.max_q,
+                c.max_k,
+                scale=scale,
+                window=c.window,
+            )
+            return (
+                dq.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype),
+                dk.reshape(b, cols, hkv, d).transpose(1, 2).to(key.dtype),
+                dv.reshape(b, cols, hkv, d).transpose(1, 2).to(value.dtype),
+            )
         dq = torch.zeros(b * rows, h, d, dtype=acc, device=query.device)
         dk = torch.zeros(b * cols, hkv, d, dtype=acc, device=key.device)
         dv = torch.zeros_like(dk)
@@ -464,8 +648,19 @@ class VarlenOp:
             qi = c.q_index
             l_ = lse_packed.contiguous() if qi is None else lse_packed.index_select(1, qi)
             dq_c, dk_c, dv_c = self.kernel_backward(
-                _take(do, qi), _take(q, qi), _take(k, c.k_index), _take(v, c.k_index), _take(o, qi), l_,
-                c.cu_q, c.cu_k, c.max_q, c.max_k, scale=scale, window=c.window)
+                _take(do, qi),
+                _take(q, qi),
+                _take(k, c.k_index),
+                _take(v, c.k_index),
+                _take(o, qi),
+                l_,
+                c.cu_q,
+                c.cu_k,
+                c.max_q,
+                c.max_k,
+                scale=scale,
+                window=c.window,
+            )
             # A row in several layers gets the sum of their gradients: each layer is a disjoint
             # part of its keys, under the row's final output and LSE.
             if qi is None:
@@ -483,8 +678,17 @@ class VarlenOp:
         dv = dv.view(b, cols, hkv, d).transpose(1, 2)
         if plan.math_rows is not None:
             r = plan.math_rows
-            m_dq, m_dk, m_dv = _MATH.backward(grad_out[:, :, r], query[:, :, r], key, value, out[:, :, r], lse[:, :, r],
-                                              is_causal=False, scale=scale, attn_mask=vis[:, :, r])
+            m_dq, m_dk, m_dv = _MATH.backward(
+                grad_out[:, :, r],
+                query[:, :, r],
+                key,
+                value,
+                out[:, :, r],
+                lse[:, :, r],
+                is_causal=False,
+                scale=scale,
+                attn_mask=vis[:, :, r],
+            )
             dq[:, :, r] = m_dq.to(acc)
             dk += m_dk
             dv += m_dv

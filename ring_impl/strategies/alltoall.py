@@ -38,7 +38,9 @@ def _exchange(rows: torch.Tensor, g: HeadGroup) -> torch.Tensor:
     return Transfer(received, device).result().view(rows.shape)
 
 
-def _pack(parts: list[torch.Tensor], g: HeadGroup) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:
+def _pack(
+    parts: list[torch.Tensor], g: HeadGroup
+) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:
     """(U, n) rows, row j the concatenation of every part's row j; and each part's (dtype, width)."""
     same = all(p.dtype == parts[0].dtype for p in parts)
     rows, layout = [], []
@@ -55,7 +57,7 @@ def _unpack(rows: torch.Tensor, layout: list[tuple[torch.dtype, int]]) -> list[t
     out, offset = [], 0
     same = len({dtype for dtype, _ in layout}) == 1
     for dtype, width in layout:
-        part = rows[:, offset:offset + width]
+        part = rows[:, offset : offset + width]
         if not same:
             part = part.contiguous().view(dtype)
         out.append(part)
@@ -74,8 +76,12 @@ def sequence_to_heads(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Ten
     u = g.size
     order = _widest_first(parts)
     # (b, h, s, f) -> (U, b, h/U, s, f): head slice j is row j.
-    staged = [parts[i].reshape(parts[i].shape[0], u, parts[i].shape[1] // u, *parts[i].shape[2:]).transpose(0, 1)
-              for i in order]
+    staged = [
+        parts[i]
+        .reshape(parts[i].shape[0], u, parts[i].shape[1] // u, *parts[i].shape[2:])
+        .transpose(0, 1)
+        for i in order
+    ]
     rows, layout = _pack(staged, g)
     received = _unpack(_exchange(rows, g), layout)
     out: list[torch.Tensor] = [torch.empty(0)] * len(parts)
@@ -93,8 +99,12 @@ def heads_to_sequence(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Ten
     u = g.size
     order = _widest_first(parts)
     # (b, h/U, U*s, f) -> (U, b, h/U, s, f): sequence shard j is row j.
-    staged = [parts[i].reshape(parts[i].shape[0], parts[i].shape[1], u, parts[i].shape[2] // u, parts[i].shape[3])
-              .permute(2, 0, 1, 3, 4) for i in order]
+    staged = [
+        parts[i]
+        .reshape(parts[i].shape[0], parts[i].shape[1], u, parts[i].shape[2] // u, parts[i].shape[3])
+        .permute(2, 0, 1, 3, 4)
+        for i in order
+    ]
     rows, layout = _pack(staged, g)
     received = _unpack(_exchange(rows, g), layout)
     out: list[torch.Tensor] = [torch.empty(0)] * len(parts)

@@ -25,8 +25,14 @@ __all__ = ["DEFAULT_ALGORITHMS", "strategy_path"]
 DEFAULT_ALGORITHMS: Mapping[str, Ulysses] = {"ulysses": Ulysses(), "hybrid": Hybrid()}
 
 
-def strategy_path(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None, call: Call, query: torch.Tensor,
-                  key: torch.Tensor, value: torch.Tensor):
+def strategy_path(
+    impl: RingAttention,
+    algorithms: Mapping[str, Ulysses] | None,
+    call: Call,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+):
     """The :class:`~ring_impl.strategies.ulysses.HeadParallelPath` serving ``call`` (exchange
     "ulysses" or "hybrid", see ``ring_impl.ring_attention``), after checking it on this rank and
     across the mesh (InputError on every rank for bad input). Its LSE is returned when
@@ -43,43 +49,108 @@ def strategy_path(impl: RingAttention, algorithms: Mapping[str, Ulysses] | None,
     is_causal, rotate_method, return_lse = call.is_causal, call.rotate_method, call.return_lse
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
     groups = resolve_strategy_groups(strategy, call.group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(query, call.scale, call.op, is_causal,
-                                                             masked=mask is not None,
-                                                             score_mod=score_mod is not None, value=value)
+    effective_scale, op_obj, op_error = resolve_scale_and_op(
+        query,
+        call.scale,
+        call.op,
+        is_causal,
+        masked=mask is not None,
+        score_mod=score_mod is not None,
+        value=value,
+    )
     mesh_shape = groups.shape
-    problem = call.problem or (
-        None if call.return_max_logit is False else
-        f"return_max_logit runs on the ring only (exchange={strategy!r} does not compute it); pass "
-        "exchange='auto'") or strategy_problem(
-        strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=call.scale, layout=layout,
-        rotate_method=rotate_method, op=op_obj, op_error=op_error, head_chunks=head_chunks, return_lse=return_lse,
-    ) or _masking_problem(query, key, mask, sinks, mesh_shape) or score_mod_problem(
-        score_mod, query, world_size=mesh_shape[0] * mesh_shape[1], key=key, layout=None, op=op_obj,
-        strategy=strategy)
+    problem = (
+        call.problem
+        or (
+            None
+            if call.return_max_logit is False
+            else f"return_max_logit runs on the ring only (exchange={strategy!r} does not compute it); pass "
+            "exchange='auto'"
+        )
+        or strategy_problem(
+            strategy,
+            query,
+            key,
+            value,
+            mesh_shape=mesh_shape,
+            is_causal=is_causal,
+            scale=call.scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op_obj,
+            op_error=op_error,
+            head_chunks=head_chunks,
+            return_lse=return_lse,
+        )
+        or _masking_problem(query, key, mask, sinks, mesh_shape)
+        or score_mod_problem(
+            score_mod,
+            query,
+            world_size=mesh_shape[0] * mesh_shape[1],
+            key=key,
+            layout=None,
+            op=op_obj,
+            strategy=strategy,
+        )
+    )
     cfg = None
     if problem is None:
         folded = fold_causal(mask, is_causal)
         head_group = groups.head_group(query.device)
         ring_cfg = None
         if strategy == "hybrid":
-            ring_cfg = _hybrid_ring_config(groups, head_group, query, folded, is_causal, effective_scale, layout,
-                                           rotate_method, op_obj, head_chunks, score_mod)
-        cfg = HeadParallelConfig(heads=head_group, is_causal=bool(is_causal),
-                                 scale=effective_scale, layout=layout, op=op_obj,
-                                 return_lse=call.lse_needed, ring=ring_cfg, ring_impl=impl,
-                                 mask=folded if strategy == "ulysses" else None, plan_memo={},
-                                 score_mod=score_mod if strategy == "ulysses" else None)
+            ring_cfg = _hybrid_ring_config(
+                groups,
+                head_group,
+                query,
+                folded,
+                is_causal,
+                effective_scale,
+                layout,
+                rotate_method,
+                op_obj,
+                head_chunks,
+                score_mod,
+            )
+        cfg = HeadParallelConfig(
+            heads=head_group,
+            is_causal=bool(is_causal),
+            scale=effective_scale,
+            layout=layout,
+            op=op_obj,
+            return_lse=call.lse_needed,
+            ring=ring_cfg,
+            ring_impl=impl,
+            mask=folded if strategy == "ulysses" else None,
+            plan_memo={},
+            score_mod=score_mod if strategy == "ulysses" else None,
+        )
         # A mask known only by evaluating it is evaluated now, for what this rank will attend (the
         # hybrid: its ring's plans; Ulysses: the mask for its heads), so one that fails there is a
         # problem every rank raises (ring_impl.plan.plan_ahead).
         problem = plan_ahead(lambda: _plan(algo, cfg, query, key, mesh_shape[0]), folded)
     if mesh_shape[0] * mesh_shape[1] > 1 and not torch.compiler.is_compiling():
-        agree_on_mesh(problem, strategy, groups, query, key, is_causal=is_causal, scale=effective_scale, layout=layout,
-                      rotate_method=rotate_method, op=op_obj, head_chunks=head_chunks, return_lse=return_lse,
-                      device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-                      mask_code=mask_code(mask, sinks, _global_dims(query, key, mesh_shape),
-                                          query.device, score_mod=score_mod)
-                      if problem is None else 0, value=value)
+        agree_on_mesh(
+            problem,
+            strategy,
+            groups,
+            query,
+            key,
+            is_causal=is_causal,
+            scale=effective_scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op_obj,
+            head_chunks=head_chunks,
+            return_lse=return_lse,
+            device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            mask_code=mask_code(
+                mask, sinks, _global_dims(query, key, mesh_shape), query.device, score_mod=score_mod
+            )
+            if problem is None
+            else 0,
+            value=value,
+        )
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")
     assert cfg is not None
@@ -103,17 +174,39 @@ def _plan(algo, cfg: HeadParallelConfig, query, key, u: int) -> None:
         algo.visible_for(cfg, query.shape[0], heads, seq_q, seq_kv, query.device)
 
 
-def _hybrid_ring_config(groups, head_group, query, mask, is_causal, scale, layout, rotate_method, op,
-                        head_chunks, score_mod=None) -> RingConfig:
+def _hybrid_ring_config(
+    groups,
+    head_group,
+    query,
+    mask,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    op,
+    head_chunks,
+    score_mod=None,
+) -> RingConfig:
     """The hybrid's ring across rows, given ``mask`` with is_causal folded in. A row's shard is the
     ring layout's over R ranks (positions global), its heads the query heads of this rank's slice
     of the U head slices (a mask that depends on the head is planned for those heads only)."""
     per_rank = query.shape[1] // head_group.size
     span = (head_group.rank * per_rank, (head_group.rank + 1) * per_rank)
-    return RingConfig(group=groups.ring_group(query.device), is_causal=bool(is_causal), scale=scale, layout=layout,
-                      rotate_method=rotate_method, op=op, head_chunks=head_chunks, mask=mask,
-                      mask_dims=(query.shape[0], query.shape[1]), mask_heads=span, plan_memo={}, verdicts={},
-                      score_mod=score_mod)
+    return RingConfig(
+        group=groups.ring_group(query.device),
+        is_causal=bool(is_causal),
+        scale=scale,
+        layout=layout,
+        rotate_method=rotate_method,
+        op=op,
+        head_chunks=head_chunks,
+        mask=mask,
+        mask_dims=(query.shape[0], query.shape[1]),
+        mask_heads=span,
+        plan_memo={},
+        verdicts={},
+        score_mod=score_mod,
+    )
 
 
 def _masking_problem(query, key, mask, sinks, mesh_shape) -> str | None:

@@ -46,5 +46,7 @@ def hybrid_sharding(mesh, layout: str) -> tuple[dist.ProcessGroup, str]:
         def runs(seq_len: int, world: int, rank: int):
             return tuple(position_ranges("hybrid", layout, (u_size, r_size), coords(rank), seq_len))
 
-        register_layout(Layout(name, runs, lambda world: sequence_divisor("hybrid", layout, (u_size, r_size))))
+        register_layout(
+            Layout(name, runs, lambda world: sequence_divisor("hybrid", layout, (u_size, r_size)))
+        )
     return mesh._flatten().get_group(), name

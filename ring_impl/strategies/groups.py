@@ -45,7 +45,9 @@ class StrategyGroups:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return dist.get_world_size(self.ulysses), (1 if self.ring is None else dist.get_world_size(self.ring))
+        return dist.get_world_size(self.ulysses), (
+            1 if self.ring is None else dist.get_world_size(self.ring)
+        )
 
     @property
     def coords(self) -> tuple[int, int]:
@@ -58,8 +60,12 @@ class StrategyGroups:
 
     def head_group(self, device: torch.device) -> HeadGroup:
         backend = str(dist.get_backend(self.ulysses)).lower()
-        return HeadGroup(self.ulysses.group_name, dist.get_rank(self.ulysses), dist.get_world_size(self.ulysses),
-                         device.type != "cpu" and backend == "gloo")
+        return HeadGroup(
+            self.ulysses.group_name,
+            dist.get_rank(self.ulysses),
+            dist.get_world_size(self.ulysses),
+            device.type != "cpu" and backend == "gloo",
+        )
 
     def ring_group(self, device: torch.device) -> RingGroup:
         assert self.ring is not None
@@ -100,7 +106,9 @@ def resolve_strategy_groups(strategy: str, group) -> StrategyGroups:
             )
         ulysses, ring = resolve_group(group["ulysses"]), resolve_group(group["ring"])
         if not torch.compiler.is_compiling():  # (traced: the call's eager checks have run it)
-            shared = set(dist.get_process_group_ranks(ulysses)) & set(dist.get_process_group_ranks(ring))
+            shared = set(dist.get_process_group_ranks(ulysses)) & set(
+                dist.get_process_group_ranks(ring)
+            )
             if shared != {dist.get_rank()}:
                 raise ValueError(
                     f"strategy='hybrid' with a mapping needs a 'ulysses' and a 'ring' group that cross only at this rank "

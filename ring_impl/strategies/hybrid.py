@@ -37,4 +37,6 @@ class Hybrid(Ulysses):
         return ring_heads.run_forward(cfg.ring_impl, self.ring_config(cfg), q, k, v)
 
     def inner_backward(self, cfg: HeadParallelConfig, grad_out, q, k, v, out, lse, grad_lse):
-        return ring_heads.run_backward(cfg.ring_impl, self.ring_config(cfg), grad_out, q, k, v, out, lse, grad_lse)
+        return ring_heads.run_backward(
+            cfg.ring_impl, self.ring_config(cfg), grad_out, q, k, v, out, lse, grad_lse
+        )

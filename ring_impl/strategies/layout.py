@@ -51,9 +51,14 @@ def check_strategy(strategy: str) -> None:
 def _mesh_shape(strategy: str, mesh_shape) -> tuple[int, int]:
     """(U, R) after checking it fits the strategy."""
     check_strategy(strategy)
-    if (not isinstance(mesh_shape, (tuple, list)) or len(mesh_shape) != 2
-            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in mesh_shape)):
-        raise ValueError(f"mesh_shape must be (ulysses degree, ring degree), two ints >= 1, got {mesh_shape!r}")
+    if (
+        not isinstance(mesh_shape, (tuple, list))
+        or len(mesh_shape) != 2
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in mesh_shape)
+    ):
+        raise ValueError(
+            f"mesh_shape must be (ulysses degree, ring degree), two ints >= 1, got {mesh_shape!r}"
+        )
     u, r = int(mesh_shape[0]), int(mesh_shape[1])
     if strategy == "ring" and u != 1:
         raise ValueError(f"the ring runs on a (1, W) mesh, got mesh_shape {mesh_shape!r}")
@@ -79,7 +84,9 @@ def sequence_divisor(strategy: str, layout: str, mesh_shape: tuple[int, int]) ->
     return r * math.lcm(chunks_per_row, u)
 
 
-def position_ranges(strategy: str, layout: str, mesh_shape, coords: tuple[int, int], seq_len: int) -> list[tuple[int, int]]:
+def position_ranges(
+    strategy: str, layout: str, mesh_shape, coords: tuple[int, int], seq_len: int
+) -> list[tuple[int, int]]:
     """The global ``(start, stop)`` ranges rank ``coords = (u, r)`` holds, in local order."""
     u_size, r_size = _mesh_shape(strategy, mesh_shape)
     u, r = coords
@@ -116,8 +123,15 @@ def _cut(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int
     return out
 
 
-def shard(tensor: torch.Tensor, *, strategy: str, layout: str, mesh_shape, coords: tuple[int, int],
-          dim: int = 2) -> torch.Tensor:
+def shard(
+    tensor: torch.Tensor,
+    *,
+    strategy: str,
+    layout: str,
+    mesh_shape,
+    coords: tuple[int, int],
+    dim: int = 2,
+) -> torch.Tensor:
     """Rank ``coords``'s shard of a global tensor (sequence on ``dim``), a contiguous copy."""
     dim = dim % tensor.dim()
     ranges = position_ranges(strategy, layout, mesh_shape, coords, tensor.shape[dim])
@@ -125,7 +139,9 @@ def shard(tensor: torch.Tensor, *, strategy: str, layout: str, mesh_shape, coord
     return (torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]).contiguous()
 
 
-def local_shard(tensor: torch.Tensor, group, *, strategy: str, layout: str, dim: int = 2) -> torch.Tensor:
+def local_shard(
+    tensor: torch.Tensor, group, *, strategy: str, layout: str, dim: int = 2
+) -> torch.Tensor:
     """This rank's shard of a global tensor for a call with ``group=group``: the documented way to
     shard for Ulysses and the hybrid. The rank's place is read from the groups the call will use
     (its rank in the Ulysses group and in the ring group), never from its global rank: a hybrid
@@ -142,9 +158,18 @@ def local_shard(tensor: torch.Tensor, group, *, strategy: str, layout: str, dim:
         from ..layout import shard as ring_shard
 
         pg = resolve_group(group)
-        return ring_shard(tensor, dist.get_world_size(pg), dist.get_rank(pg), layout=layout, dim=dim)
+        return ring_shard(
+            tensor, dist.get_world_size(pg), dist.get_rank(pg), layout=layout, dim=dim
+        )
     groups = resolve_strategy_groups(strategy, group)
-    return shard(tensor, strategy=strategy, layout=layout, mesh_shape=groups.shape, coords=groups.coords, dim=dim)
+    return shard(
+        tensor,
+        strategy=strategy,
+        layout=layout,
+        mesh_shape=groups.shape,
+        coords=groups.coords,
+        dim=dim,
+    )
 
 
 def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> torch.Tensor:
@@ -152,16 +177,21 @@ def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> 
     u_size, r_size = _mesh_shape(strategy, mesh_shape)
     shards = list(shards)
     if len(shards) != u_size * r_size:
-        raise ValueError(f"unshard: {len(shards)} shards for a {u_size}x{r_size} mesh; pass one per rank, mesh rank order")
+        raise ValueError(
+            f"unshard: {len(shards)} shards for a {u_size}x{r_size} mesh; pass one per rank, mesh rank order"
+        )
     dim = dim % shards[0].dim()
     seq_len = sum(s.shape[dim] for s in shards)
     pieces: list[tuple[int, torch.Tensor]] = []
     for mesh_rank, s in enumerate(shards):
         offset = 0
-        for a, b in position_ranges(strategy, layout, (u_size, r_size), mesh_coords(mesh_rank, (u_size, r_size)), seq_len):
+        for a, b in position_ranges(
+            strategy, layout, (u_size, r_size), mesh_coords(mesh_rank, (u_size, r_size)), seq_len
+        ):
             pieces.append((a, s.narrow(dim, offset, b - a)))
             offset += b - a
         if offset != s.shape[dim]:
-            raise ValueError(f"unshard: shard {mesh_rank} has length {s.shape[dim]} on dim {dim}, expected {offset}")
+            raise ValueError(
+                f"unshard: shard {mesh_rank} has length {s.shape[dim]} on dim {dim}, expected {offset}"
+            )
     return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=dim)
-

@@ -70,8 +70,15 @@ def strategy_schedule(
     if strategy == "ring":
         raise ValueError("strategy_schedule: use ring_impl.collective_schedule for the ring")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    sizes = {"batch": batch, "heads": heads, "heads_kv": heads_kv, "seq_q": seq_q, "seq_kv": seq_kv, "head_dim": head_dim,
-             "head_dim_v": head_dim_v}
+    sizes = {
+        "batch": batch,
+        "heads": heads,
+        "heads_kv": heads_kv,
+        "seq_q": seq_q,
+        "seq_kv": seq_kv,
+        "head_dim": head_dim,
+        "head_dim_v": head_dim_v,
+    }
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"strategy_schedule: {name} must be an int >= 1, got {value!r}")
@@ -79,21 +86,40 @@ def strategy_schedule(
     if strategy == "ulysses" and r != 1:
         raise ValueError(f"strategy_schedule: Ulysses runs on a (U, 1) mesh, got {mesh_shape!r}")
     if heads % u or heads % heads_kv:
-        raise ValueError(f"strategy_schedule: heads {heads} must be divisible by the Ulysses degree {u} and by heads_kv {heads_kv}")
+        raise ValueError(
+            f"strategy_schedule: heads {heads} must be divisible by the Ulysses degree {u} and by heads_kv {heads_kv}"
+        )
     fwd: dict[str, dict[str, int]] = {}
     bwd: dict[str, dict[str, int]] = {}
     it, acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
     hkv = heads_kv * kv_replication(heads_kv, u)
-    if exchange_calls((u, r)):  # the cross-rank input check, eager and compiled (ring_impl.compiled_checks)
-        _add(fwd, "all_reduce", exchange_calls((u, r)), exchange_calls((u, r)) * exchange_nbytes(u * r))
+    if exchange_calls(
+        (u, r)
+    ):  # the cross-rank input check, eager and compiled (ring_impl.compiled_checks)
+        _add(
+            fwd,
+            "all_reduce",
+            exchange_calls((u, r)),
+            exchange_calls((u, r)) * exchange_nbytes(u * r),
+        )
     if u > 1:
         qkv = batch * ((heads * seq_q + hkv * seq_kv) * head_dim + hkv * seq_kv * head_dim_v) * it
         back = batch * heads * seq_q * (head_dim_v * it + (acc if return_lse else 0))
         _add(fwd, "all_to_all", 2, qkv + back)
         _add(bwd, "all_to_all", 2, back + qkv)
     if strategy == "hybrid" and r > 1:
-        ring = ring_schedule(r, rotate_method, batch=batch, heads_kv=hkv // u, seq_kv=u * seq_kv, head_dim=head_dim,
-                             dtype=dtype, compiled=bool(compiled), head_chunks=head_chunks, head_dim_v=head_dim_v)
+        ring = ring_schedule(
+            r,
+            rotate_method,
+            batch=batch,
+            heads_kv=hkv // u,
+            seq_kv=u * seq_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+            compiled=bool(compiled),
+            head_chunks=head_chunks,
+            head_dim_v=head_dim_v,
+        )
         ring["forward"].pop("all_reduce", None)  # the hybrid checks its input once, on the mesh
         for phase, into in (("forward", fwd), ("backward", bwd)):
             for kind, entry in ring[phase].items():

@@ -118,7 +118,9 @@ class Ulysses:
         return [held.index(c) for c in range(2 * u)]  # position in the gathered order of chunk c
 
     @staticmethod
-    def _permute(t: torch.Tensor, order: list[int] | None, *, inverse: bool = False) -> torch.Tensor:
+    def _permute(
+        t: torch.Tensor, order: list[int] | None, *, inverse: bool = False
+    ) -> torch.Tensor:
         """Reorder the equal chunks of dim 2: chunk ``i`` of the result is chunk ``order[i]``."""
         if order is None:
             return t
@@ -129,15 +131,24 @@ class Ulysses:
 
     # ------------------------------------------------------------------ inner attention
 
-    def visible(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    def visible(
+        self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor | None:
         """The mask on the gathered sequence (every rank's shard in rank order) for this rank's
         query heads: (batch or 1, heads or 1, s_q, s_kv) bool, or None without a mask."""
         if cfg.mask is None:
             return None
         return self.visible_for(cfg, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
 
-    def visible_for(self, cfg: HeadParallelConfig, batch: int, heads: int, seq_q: int, seq_kv: int,
-                    device: torch.device) -> torch.Tensor:
+    def visible_for(
+        self,
+        cfg: HeadParallelConfig,
+        batch: int,
+        heads: int,
+        seq_q: int,
+        seq_kv: int,
+        device: torch.device,
+    ) -> torch.Tensor:
         """:meth:`visible` for ``heads`` gathered query heads and gathered lengths; one evaluation
         per call (the forward's serves the backward; ring_impl.plan.cached_by_mask). Shared: never
         modify the result."""
@@ -151,7 +162,7 @@ class Ulysses:
             pos_q, pos_kv = permutation(cfg.layout, seq_q, u), permutation(cfg.layout, seq_kv, u)
             vis = visibility(cfg.mask, pos_q, pos_kv, batch=batch, heads=heads * u)
             if vis.shape[1] > 1:  # a head-dependent mask: this rank's heads are slice rank of U
-                vis = vis[:, rank * heads:(rank + 1) * heads]
+                vis = vis[:, rank * heads : (rank + 1) * heads]
             return vis.to(device)
 
         key = ("ulysses", cfg.layout, u, rank, batch, heads, seq_q, seq_kv, str(device))
@@ -175,10 +186,18 @@ class Ulysses:
                 return ((0, n),)
             return tuple((int(p), int(p) + 1) for p in permutation(cfg.layout, n, u).tolist())
 
-        return block_scores(cfg.score_mod, batch=q.shape[0], heads=(rank * h, (rank + 1) * h),
-                            q_pos=runs(q.shape[2]), kv_pos=runs(k.shape[2]), device=q.device)
+        return block_scores(
+            cfg.score_mod,
+            batch=q.shape[0],
+            heads=(rank * h, (rank + 1) * h),
+            q_pos=runs(q.shape[2]),
+            kv_pos=runs(k.shape[2]),
+            device=q.device,
+        )
 
-    def inner_forward(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def inner_forward(
+        self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ):
         """(out in the input dtype, lse (b, h, s) in the accumulation dtype) of the gathered heads:
         the local kernel on the whole sequence (with the mask: rows that see nothing give out 0,
         LSE -inf)."""
@@ -187,17 +206,34 @@ class Ulysses:
         causal = cfg.is_causal and vis is None
         # The kernel on finite numbers; NaN goes exactly where the inputs take it (ring_impl.nonfinite).
         scores = self.scores(cfg, q, k)
-        out, lse = call_forward(cfg.op, *finite_parts(q, k, v), is_causal=causal, scale=cfg.scale,
-                                visible=vis, score_mod=scores)
+        out, lse = call_forward(
+            cfg.op,
+            *finite_parts(q, k, v),
+            is_causal=causal,
+            scale=cfg.scale,
+            visible=vis,
+            score_mod=scores,
+        )
         b, h, s, _ = q.shape
-        op = block_op(cfg.op, is_causal=causal, scale=cfg.scale, visible=vis,
-                      score_mod=scores)  # the op that ran it
-        lse = normalize_lse(lse, batch=b, heads=h, seq_q=s, layout=op.capabilities.lse_layout,
-                            op_name=getattr(op, "name", "math"))
+        op = block_op(
+            cfg.op, is_causal=causal, scale=cfg.scale, visible=vis, score_mod=scores
+        )  # the op that ran it
+        lse = normalize_lse(
+            lse,
+            batch=b,
+            heads=h,
+            seq_q=s,
+            layout=op.capabilities.lse_layout,
+            op_name=getattr(op, "name", "math"),
+        )
         if vis is not None:
             dead = ~vis.any(-1).expand(b, h, s)
-            out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out)
-            lse = torch.where(dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse)
+            out = torch.where(
+                dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out
+            )
+            lse = torch.where(
+                dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse
+            )
         out, lse = poison_forward(out, lse, q, k, v, kind, vis)
         return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
 
@@ -207,23 +243,46 @@ class Ulysses:
         if vis is not None:  # rows that see nothing: zero terms (their LSE -inf would give NaN)
             dead = ~vis.any(-1).expand(lse.shape)
             lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-            grad_out = torch.where(dead.unsqueeze(-1), torch.zeros((), dtype=grad_out.dtype, device=grad_out.device), grad_out)
+            grad_out = torch.where(
+                dead.unsqueeze(-1),
+                torch.zeros((), dtype=grad_out.dtype, device=grad_out.device),
+                grad_out,
+            )
             if grad_lse is not None:
-                grad_lse = torch.where(dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse)
+                grad_lse = torch.where(
+                    dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse
+                )
         fq, fk, fv, fo, fl, fdo, fglse = finite_parts(q, k, v, out, lse, grad_out, grad_lse)
-        dq, dk, dv = call_backward(cfg.op, fdo, fq, fk, fv, fo, fl, is_causal=cfg.is_causal and vis is None,
-                                   scale=cfg.scale, grad_lse=fglse, visible=vis,
-                                   score_mod=self.scores(cfg, q, k))
-        return poison_backward(dq, dk, dv, q, k, v, out, lse, grad_out, kind, vis, grad_lse=grad_lse)
+        dq, dk, dv = call_backward(
+            cfg.op,
+            fdo,
+            fq,
+            fk,
+            fv,
+            fo,
+            fl,
+            is_causal=cfg.is_causal and vis is None,
+            scale=cfg.scale,
+            grad_lse=fglse,
+            visible=vis,
+            score_mod=self.scores(cfg, q, k),
+        )
+        return poison_backward(
+            dq, dk, dv, q, k, v, out, lse, grad_out, kind, vis, grad_lse=grad_lse
+        )
 
     # ------------------------------------------------------------------ the algorithm
 
-    def forward(self, cfg: HeadParallelConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    def forward(
+        self, cfg: HeadParallelConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ):
         """Local (out (b, h, s_q, d) in the input dtype, lse (b, h, s_q) in the accumulation dtype,
         saved) where ``saved`` is what :meth:`backward` needs."""
         g = cfg.heads
         factor = kv_replication(key.shape[1], g.size)
-        q, k, v = self.to_heads([query, self.expand_kv(key, factor), self.expand_kv(value, factor)], g)
+        q, k, v = self.to_heads(
+            [query, self.expand_kv(key, factor), self.expand_kv(value, factor)], g
+        )
         order = self.gathered_order(cfg)
         q, k, v = (self._permute(t, order) for t in (q, k, v))
         out_h, lse_h = self.inner_forward(cfg, q, k, v)
@@ -235,7 +294,15 @@ class Ulysses:
         lse = back[1].squeeze(-1) if cfg.return_lse else None
         return out, lse, (q, k, v, out_h, lse_h)
 
-    def backward(self, cfg: HeadParallelConfig, grad_out, grad_lse, saved, key_dtype: torch.dtype, heads_kv: int):
+    def backward(
+        self,
+        cfg: HeadParallelConfig,
+        grad_out,
+        grad_lse,
+        saved,
+        key_dtype: torch.dtype,
+        heads_kv: int,
+    ):
         """(dq, dk, dv) as sequence shards; dk/dv with ``heads_kv`` heads in ``key_dtype``.
 
         grad_out (b, h, s_q, d); grad_lse (b, h, s_q) or None (zeros travel when the LSE was
@@ -246,7 +313,11 @@ class Ulysses:
         acc = accumulation_dtype(q.dtype)
         parts = [grad_out]
         if cfg.return_lse:
-            lse_grad = torch.zeros(grad_out.shape[:3], dtype=acc, device=grad_out.device) if grad_lse is None else grad_lse.to(acc)
+            lse_grad = (
+                torch.zeros(grad_out.shape[:3], dtype=acc, device=grad_out.device)
+                if grad_lse is None
+                else grad_lse.to(acc)
+            )
             parts.append(lse_grad.unsqueeze(-1))
         parts = self.to_heads(parts, g)
         dout_h = self._permute(parts[0], order)
@@ -274,4 +345,6 @@ class HeadParallelPath:
 
     def backward(self, saved, meta, grad_out, grad_lse):
         cfg, (key_dtype, heads_kv) = self.cfg, meta
-        return self.algo.backward(cfg, grad_out, grad_lse if cfg.return_lse else None, saved, key_dtype, heads_kv)
+        return self.algo.backward(
+            cfg, grad_out, grad_lse if cfg.return_lse else None, saved, key_dtype, heads_kv
+        )

@@ -35,7 +35,13 @@ from ..validate import (
 from .groups import StrategyGroups
 from .ulysses import kv_replication
 
-__all__ = ["STRATEGY_FIELDS", "agree_on_mesh", "exchange_calls", "exchange_nbytes", "strategy_problem"]
+__all__ = [
+    "STRATEGY_FIELDS",
+    "agree_on_mesh",
+    "exchange_calls",
+    "exchange_nbytes",
+    "strategy_problem",
+]
 
 
 def exchange_calls(mesh_shape: tuple[int, int]) -> int:
@@ -43,24 +49,75 @@ def exchange_calls(mesh_shape: tuple[int, int]) -> int:
     return int(mesh_shape[0] > 1) + int(mesh_shape[1] > 1)
 
 
-def strategy_problem(strategy: str, query, key, value, *, mesh_shape: tuple[int, int], is_causal, scale, layout,
-                     rotate_method, op: AttentionOp | None, op_error: str | None, head_chunks, return_lse) -> str | None:
+def strategy_problem(
+    strategy: str,
+    query,
+    key,
+    value,
+    *,
+    mesh_shape: tuple[int, int],
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    op: AttentionOp | None,
+    op_error: str | None,
+    head_chunks,
+    return_lse,
+) -> str | None:
     """Everything one rank can check alone (the ring's checks and the strategy's); never raises."""
     try:
-        return _problem(strategy, query, key, value, mesh_shape=mesh_shape, is_causal=is_causal, scale=scale,
-                        layout=layout, rotate_method=rotate_method, op=op, op_error=op_error, head_chunks=head_chunks,
-                        return_lse=return_lse)
+        return _problem(
+            strategy,
+            query,
+            key,
+            value,
+            mesh_shape=mesh_shape,
+            is_causal=is_causal,
+            scale=scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op,
+            op_error=op_error,
+            head_chunks=head_chunks,
+            return_lse=return_lse,
+        )
     except Exception as exc:  # a check that trips over an argument is still a problem, not a crash
         return f"invalid arguments ({type(exc).__name__}: {exc})"
 
 
-def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layout, rotate_method, op, op_error,
-             head_chunks, return_lse) -> str | None:
+def _problem(
+    strategy,
+    query,
+    key,
+    value,
+    *,
+    mesh_shape,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    op,
+    op_error,
+    head_chunks,
+    return_lse,
+) -> str | None:
     if not _is_bool(return_lse):
         return f"return_lse must be a bool, got {return_lse!r} ({type(return_lse).__name__})"
     # The ring's checks, with the layout and head_chunks checked below for the strategy.
-    base = local_problem(query, key, value, is_causal=is_causal, scale=scale, layout="contiguous",
-                         rotate_method=rotate_method, op=op, op_error=op_error, head_chunks=1, return_lse=return_lse)
+    base = local_problem(
+        query,
+        key,
+        value,
+        is_causal=is_causal,
+        scale=scale,
+        layout="contiguous",
+        rotate_method=rotate_method,
+        op=op,
+        op_error=op_error,
+        head_chunks=1,
+        return_lse=return_lse,
+    )
     if base is not None:
         return base
     u, r = mesh_shape
@@ -69,15 +126,20 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
         return (
             f"query heads ({heads}) are not divisible by the Ulysses degree {u}: each rank attends whole heads, "
             f"heads / {u} of them; use a Ulysses degree that divides {heads}"
-            + (" (a smaller 'ulysses' mesh dim, the rest on 'ring')" if strategy == "hybrid" else
-               " (exchange='hybrid' with a smaller Ulysses degree, or exchange='ring')")
+            + (
+                " (a smaller 'ulysses' mesh dim, the rest on 'ring')"
+                if strategy == "hybrid"
+                else " (exchange='hybrid' with a smaller Ulysses degree, or exchange='ring')"
+            )
         )
     if not isinstance(layout, str) or layout not in LAYOUTS:
         from ..layout import layouts as registered_layouts
 
         if isinstance(layout, str) and layout in registered_layouts():
-            return (f"layout {layout!r} is registered, but {strategy} runs the built-in layouts {LAYOUTS} only (its "
-                    "all-to-all reorders by them); use exchange='ring' for a registered layout")
+            return (
+                f"layout {layout!r} is registered, but {strategy} runs the built-in layouts {LAYOUTS} only (its "
+                "all-to-all reorders by them); use exchange='ring' for a registered layout"
+            )
         return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail":
         # Ulysses: two equal chunks per rank; hybrid: the row's ring shard (U local pieces) holds two.
@@ -102,9 +164,24 @@ def _problem(strategy, query, key, value, *, mesh_shape, is_causal, scale, layou
     return None
 
 
-def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, query, key, *, is_causal, scale,
-                  layout, rotate_method, op: AttentionOp | None, head_chunks, return_lse, device: torch.device,
-                  mask_code: int = 0, value=None) -> None:
+def agree_on_mesh(
+    problem: str | None,
+    strategy: str,
+    groups: StrategyGroups,
+    query,
+    key,
+    *,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    op: AttentionOp | None,
+    head_chunks,
+    return_lse,
+    device: torch.device,
+    mask_code: int = 0,
+    value=None,
+) -> None:
     """Raise InputError on every rank of the mesh if any rank has a problem or the ranks disagree.
 
     Rows of the table are mesh ranks (``r * U + u``); ``value``: the call's (its head dim is
@@ -118,9 +195,17 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
         table[row] = 1
     else:
         assert op is not None and scale is not None
-        table[row + 1: row + n] = signature(
-            query, key, is_causal=is_causal, scale=scale, layout=layout, rotate_method=rotate_method, op=op,
-            head_chunks=head_chunks, mask_code=mask_code, value=value,
+        table[row + 1 : row + n] = signature(
+            query,
+            key,
+            is_causal=is_causal,
+            scale=scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op,
+            head_chunks=head_chunks,
+            mask_code=mask_code,
+            value=value,
         ) + strategy_codes(strategy, mesh_shape, return_lse)
     vec = torch.tensor(table, dtype=torch.int64)
     for pg in (groups.ulysses, groups.ring):
@@ -130,7 +215,7 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
         vec = vec if staged else vec.to(device)
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
     agreed: list[int] = vec.cpu().tolist()
-    rows = [agreed[i * n:(i + 1) * n] for i in range(size)]
+    rows = [agreed[i * n : (i + 1) * n] for i in range(size)]
     where = f"{strategy} attention (mesh rank {mesh_rank}, ulysses {groups.coords[0]}, ring {groups.coords[1]})"
     if problem is not None:
         raise InputError(f"{where}: {problem}")
@@ -142,7 +227,9 @@ def agree_on_mesh(problem: str | None, strategy: str, groups: StrategyGroups, qu
         )
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = len(SIGNATURE_FIELDS) + 1
-    text = disagreement([rw[1:base] for rw in rows], op_names, layout_names())  # built-in layouts: by name
+    text = disagreement(
+        [rw[1:base] for rw in rows], op_names, layout_names()
+    )  # built-in layouts: by name
     extra = strategy_disagreement([rw[base:] for rw in rows])
     if extra:
         text = ((text + "; ") if text else "") + extra

@@ -39,7 +39,9 @@ def register_transport(transport: Transport, *, replace: bool = False) -> Transp
     """Make ``transport`` selectable as ``rotate_method=transport.name``."""
     name = transport.name
     if name in _REGISTRY and not replace:
-        raise ValueError(f"register_transport: a transport named {name!r} is already registered; pass replace=True")
+        raise ValueError(
+            f"register_transport: a transport named {name!r} is already registered; pass replace=True"
+        )
     _REGISTRY[name] = transport
     return transport
 

@@ -41,7 +41,9 @@ class GatheredBlocks:
         self._pending: Pending | None = None
         if g.world_size > 1:
             flat, device = stage_on_host(kv.reshape(-1), g)
-            self._pending = Transfer(_c10d.all_gather_into_tensor(flat, g.world_size, g.group_name), device)
+            self._pending = Transfer(
+                _c10d.all_gather_into_tensor(flat, g.world_size, g.group_name), device
+            )
 
     def block(self, step: int) -> torch.Tensor:
         if step == 0:
@@ -68,12 +70,16 @@ class AllGather:
     def own_block_first(self, world_size: int) -> bool:
         return world_size > 2
 
-    def schedule(self, world_size: int, *, kv_bytes: int, dkv_bytes: int, compiled: bool) -> PhaseSchedule:
+    def schedule(
+        self, world_size: int, *, kv_bytes: int, dkv_bytes: int, compiled: bool
+    ) -> PhaseSchedule:
         w = world_size
         return {
             "forward": {"all_gather": {"calls": 1, "bytes": kv_bytes}},
-            "backward": {"all_gather": {"calls": 1, "bytes": kv_bytes},
-                         "all_to_all": {"calls": w - 1, "bytes": (w - 1) * dkv_bytes}},
+            "backward": {
+                "all_gather": {"calls": 1, "bytes": kv_bytes},
+                "all_to_all": {"calls": w - 1, "bytes": (w - 1) * dkv_bytes},
+            },
         }
 
 

@@ -8,4 +8,6 @@ from .neighbour import NeighbourTransport
 
 __all__ = ["ALLTOALL"]
 
-ALLTOALL = NeighbourTransport("alltoall", grad_hop=alltoall_hop, kinds=lambda compiled: ("all_to_all",))
+ALLTOALL = NeighbourTransport(
+    "alltoall", grad_hop=alltoall_hop, kinds=lambda compiled: ("all_to_all",)
+)

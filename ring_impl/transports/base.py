@@ -52,7 +52,9 @@ class Transport(Protocol):
         """Whether the backward computes the rank's own block first (else last)."""
         ...
 
-    def schedule(self, world_size: int, *, kv_bytes: int, dkv_bytes: int, compiled: bool) -> PhaseSchedule:
+    def schedule(
+        self, world_size: int, *, kv_bytes: int, dkv_bytes: int, compiled: bool
+    ) -> PhaseSchedule:
         """The collectives of one ring (one forward, one backward) over ``world_size > 1``
         ranks: ``kv_bytes`` of packed key/value and ``dkv_bytes`` of its dK/dV accumulator per
         block. Excludes the cross-rank input check."""

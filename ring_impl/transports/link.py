@@ -20,7 +20,16 @@ import torch.distributed as dist
 
 from ..group import RingGroup
 
-__all__ = ["Hop", "Link", "Pending", "Transfer", "after", "alltoall_hop", "p2p_hop", "stage_on_host"]
+__all__ = [
+    "Hop",
+    "Link",
+    "Pending",
+    "Transfer",
+    "after",
+    "alltoall_hop",
+    "p2p_hop",
+    "stage_on_host",
+]
 
 _c10d = torch.ops._c10d_functional
 
@@ -38,7 +47,12 @@ class Pending(Protocol):
 class Transfer:
     """A functional-collective transfer in flight."""
 
-    def __init__(self, received: torch.Tensor, device: torch.device | None = None, shape: torch.Size | None = None):
+    def __init__(
+        self,
+        received: torch.Tensor,
+        device: torch.device | None = None,
+        shape: torch.Size | None = None,
+    ):
         self._received = received
         self._device, self._shape = device, shape
         self._done = False
@@ -61,7 +75,14 @@ def stage_on_host(t: torch.Tensor, g: RingGroup) -> tuple[torch.Tensor, torch.de
 class _WorkTransfer:
     """An eager c10d transfer: waits its works; keeps the send buffer alive until then."""
 
-    def __init__(self, recv: torch.Tensor, works, send_buf: torch.Tensor, device: torch.device | None, shape: torch.Size):
+    def __init__(
+        self,
+        recv: torch.Tensor,
+        works,
+        send_buf: torch.Tensor,
+        device: torch.device | None,
+        shape: torch.Size,
+    ):
         self._recv, self._works, self._device, self._shape = recv, works, device, shape
         self._send_buf: torch.Tensor | None = send_buf
 
@@ -121,7 +142,10 @@ def p2p_hop(t: torch.Tensor, g: RingGroup) -> Pending:
     flat, device = stage_on_host(t.reshape(-1), g)
     recv = torch.empty_like(flat)
     works = dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, flat, g.next_global, g.pg), dist.P2POp(dist.irecv, recv, g.prev_global, g.pg)]
+        [
+            dist.P2POp(dist.isend, flat, g.next_global, g.pg),
+            dist.P2POp(dist.irecv, recv, g.prev_global, g.pg),
+        ]
     )
     return _WorkTransfer(recv, works, flat, device, t.shape)
 
@@ -152,7 +176,9 @@ class Link:
         self._staged: dict[str, tuple[torch.Tensor, bool]] = {}
         self._pending: list[tuple[Pending, list[tuple[str, torch.Size, torch.dtype, int]]]] = []
         self._arrived: dict[str, torch.Tensor] = {}
-        self._token: torch.Tensor | None = None  # the last tensor received: what the next post follows
+        self._token: torch.Tensor | None = (
+            None  # the last tensor received: what the next post follows
+        )
 
     def follow(self, token: torch.Tensor) -> None:
         """Order the next post after ``token`` (e.g. a block that arrived by another route)."""
@@ -179,7 +205,9 @@ class Link:
         self._staged = {}
         compiling = torch.compiler.is_compiling()
         for group in [parts] if compiling else [[part] for part in parts]:
-            layout = [(name, t.shape, t.dtype, t.numel() * t.element_size()) for name, t, _ in group]
+            layout = [
+                (name, t.shape, t.dtype, t.numel() * t.element_size()) for name, t, _ in group
+            ]
             if len(group) == 1:
                 payload = group[0][1].reshape(-1)
             else:

@@ -70,10 +70,15 @@ class NeighbourTransport:
         # step 1 waits for.
         return False
 
-    def schedule(self, world_size: int, *, kv_bytes: int, dkv_bytes: int, compiled: bool) -> PhaseSchedule:
+    def schedule(
+        self, world_size: int, *, kv_bytes: int, dkv_bytes: int, compiled: bool
+    ) -> PhaseSchedule:
         w = world_size
         fwd, bwd = {}, {}
         for kind in self.kinds(compiled):
             fwd[kind] = {"calls": w - 1, "bytes": (w - 1) * kv_bytes}
-            bwd[kind] = {"calls": backward_transfers(w, compiled), "bytes": (w - 1) * (kv_bytes + dkv_bytes)}
+            bwd[kind] = {
+                "calls": backward_transfers(w, compiled),
+                "bytes": (w - 1) * (kv_bytes + dkv_bytes),
+            }
         return {"forward": fwd, "backward": bwd}

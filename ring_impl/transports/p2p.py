@@ -10,5 +10,7 @@ from .neighbour import NeighbourTransport
 __all__ = ["P2P"]
 
 P2P = NeighbourTransport(
-    "p2p", grad_hop=p2p_hop, kinds=lambda compiled: ("all_to_all",) if compiled else ("send", "recv")
+    "p2p",
+    grad_hop=p2p_hop,
+    kinds=lambda compiled: ("all_to_all",) if compiled else ("send", "recv"),
 )

@@ -20,17 +20,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return run_tree([sys.executable, os.path.join(ROOT, "ci", "bench_ring.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_tree(
+        [sys.executable, os.path.join(ROOT, "ci", "bench_ring.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("bench")
-    proc = _bench("--seq", "256", "--world-sizes", "2", "--repeat", "1", "--warmup", "0", "--heads", "2",
-                  "--head-dim", "8", "--rotations", "alltoall", "p2p", "--lean-head-chunks", "2", "--skip-scaling",
-                  "--out", str(out))
-    assert proc.returncode == 0, f"bench_ring.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = _bench(
+        "--seq",
+        "256",
+        "--world-sizes",
+        "2",
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+        "--heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--rotations",
+        "alltoall",
+        "p2p",
+        "--lean-head-chunks",
+        "2",
+        "--skip-scaling",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, (
+        f"bench_ring.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     with open(out / "bench.json") as f:
         return str(out / "bench.json"), json.load(f)
 
@@ -40,7 +66,9 @@ def test_ring_traffic_is_the_minimum_and_declared(tiny_run) -> None:
     ring = [t for t in data["analysis"]["traffic"] if t["impl"] == "ring"]
     # alltoall, p2p and alltoall with head_chunks=2, forward and backward each
     assert {(t["rotate"], t["head_chunks"], t["phase"]) for t in ring} == {
-        (r, c, p) for r, c in (("alltoall", 1), ("p2p", 1), ("alltoall", 2)) for p in ("forward", "backward")
+        (r, c, p)
+        for r, c in (("alltoall", 1), ("p2p", 1), ("alltoall", 2))
+        for p in ("forward", "backward")
     }
     for t in ring:
         assert t["sent_bytes"] == t["minimum_bytes"], t

@@ -27,7 +27,9 @@ from torch_cp_expectations import CAUSES  # noqa: E402
 
 def _written_for() -> str:
     match = re.search(r"^# torch (\S+),", FILE.read_text(), re.M)
-    assert match, f"{FILE}: its header names no torch version (regenerate it with ci/vendor/torch_cp_expectations.py)"
+    assert match, (
+        f"{FILE}: its header names no torch version (regenerate it with ci/vendor/torch_cp_expectations.py)"
+    )
     return match.group(1)
 
 
@@ -36,18 +38,45 @@ def test_every_line_names_a_known_cause_with_its_reproduction() -> None:
     assert entries, f"{FILE} lists no expected failure"
     for e in entries:
         tag = re.match(r"\[([a-z0-9-]+)\]", e.reason)
-        assert tag and tag.group(1) in CAUSES, f"{FILE}:{e.line}: no known [cause] in {e.reason!r} (known: {sorted(CAUSES)})"
+        assert tag and tag.group(1) in CAUSES, (
+            f"{FILE}:{e.line}: no known [cause] in {e.reason!r} (known: {sorted(CAUSES)})"
+        )
     for name, (_, _, script) in CAUSES.items():
-        assert (VENDOR / "torch_repro" / script).is_file(), f"cause {name}: its reproduction {script} is missing"
+        assert (VENDOR / "torch_repro" / script).is_file(), (
+            f"cause {name}: its reproduction {script} is missing"
+        )
 
 
 def test_every_line_matches_a_collected_test() -> None:
     """Collection only (no case runs): a line whose test was renamed or dropped fails here."""
-    done = run_tree([sys.executable, "-m", "pytest", "suites", "--collect-only", "-q", "-p", "no:cacheprovider",
-                     "--impl", TORCH_CP, "--vendor-file", str(FILE), "--report-dir", "none"],
-                    cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_tree(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "suites",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--impl",
+            TORCH_CP,
+            "--vendor-file",
+            str(FILE),
+            "--report-dir",
+            "none",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    stale = [line for line in (done.stdout + done.stderr).splitlines() if "matches no collected test" in line]
+    stale = [
+        line
+        for line in (done.stdout + done.stderr).splitlines()
+        if "matches no collected test" in line
+    ]
     assert not stale, "vendor file lines that match no collected test:\n" + "\n".join(stale)
 
 
@@ -55,11 +84,17 @@ def test_every_line_matches_a_collected_test() -> None:
 def test_each_cause_still_reproduces(cause: str) -> None:
     version = _written_for()
     if torch.__version__.split("+")[0] != version:
-        pytest.skip(f"{FILE.name} was written for torch {version}, this is {torch.__version__}: "
-                    "run ci/vendor/torch_cp_expectations.py on this torch to judge it")
+        pytest.skip(
+            f"{FILE.name} was written for torch {version}, this is {torch.__version__}: "
+            "run ci/vendor/torch_cp_expectations.py on this torch to judge it"
+        )
     script = VENDOR / "torch_repro" / CAUSES[cause][2]
-    done = run_tree([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_tree(
+        [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1, (
         f"{script.name} exits {done.returncode}: the defect behind [{cause}] no longer reproduces on torch "
         f"{torch.__version__} (fixed upstream?). Rerun the torch_cp suite and regenerate {FILE.name}.\n"
-        + done.stdout[-2000:] + done.stderr[-2000:])
+        + done.stdout[-2000:]
+        + done.stderr[-2000:]
+    )

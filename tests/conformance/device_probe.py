@@ -25,14 +25,33 @@ class ProbeOp:
     """An attention op that takes every device (``meta`` included) and raises :class:`Probed`."""
 
     name = "device_probe"
-    capabilities = OpCapabilities(devices=frozenset({"cpu", "cuda", "meta"}), dtypes=ALL_DTYPES, gqa=True, masks=True,
-                                  lse_grad=True, score_mod=True)
+    capabilities = OpCapabilities(
+        devices=frozenset({"cpu", "cuda", "meta"}),
+        dtypes=ALL_DTYPES,
+        gqa=True,
+        masks=True,
+        lse_grad=True,
+        score_mod=True,
+    )
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None, score_mod=None):
         raise Probed("the baseline's kernel", _devices(query, key, value, attn_mask))
 
-    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, grad_lse=None,
-                 attn_mask=None, score_mod=None):
+    def backward(
+        self,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        *,
+        is_causal,
+        scale,
+        grad_lse=None,
+        attn_mask=None,
+        score_mod=None,
+    ):
         raise Probed("the baseline's kernel backward", _devices(grad_out, query, key, value))
 
 

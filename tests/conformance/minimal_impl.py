@@ -31,12 +31,33 @@ class MinimalRing:
     )
 
     @staticmethod
-    def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None, rotate_method=None,
-                       op=None, layout="contiguous", return_lse=False):
-        assert op is None, "the suite must not pass op= to an implementation that does not declare ops"
+    def ring_attention(
+        query,
+        key,
+        value,
+        *,
+        group=None,
+        is_causal=False,
+        scale=None,
+        rotate_method=None,
+        op=None,
+        layout="contiguous",
+        return_lse=False,
+    ):
+        assert op is None, (
+            "the suite must not pass op= to an implementation that does not declare ops"
+        )
         assert not return_lse, "the suite must not ask for the LSE when capabilities.lse is False"
-        return ring_impl.ring_attention(query, key, value, group=group, is_causal=is_causal, scale=scale,
-                                        rotate_method=rotate_method, layout=layout)
+        return ring_impl.ring_attention(
+            query,
+            key,
+            value,
+            group=group,
+            is_causal=is_causal,
+            scale=scale,
+            rotate_method=rotate_method,
+            layout=layout,
+        )
 
 
 IMPLEMENTATION = MinimalRing()

@@ -16,13 +16,20 @@ DOCS = ROOT / "docs"
 README_PROSE_WORDS = 1600
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-MONTHS = ("January|February|March|April|May|June|July|August|September|October|November|December|"
-          "Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec")
-DATE = re.compile(rf"\b(?:19|20)\d\d(?:-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])\b|[ ,/-]+(?:{MONTHS})\b)"
-                  rf"|\b(?:{MONTHS})\.? +(?:\d{{1,2}}, +)?(?:19|20)\d\d\b")
+MONTHS = (
+    "January|February|March|April|May|June|July|August|September|October|November|December|"
+    "Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec"
+)
+DATE = re.compile(
+    rf"\b(?:19|20)\d\d(?:-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])\b|[ ,/-]+(?:{MONTHS})\b)"
+    rf"|\b(?:{MONTHS})\.? +(?:\d{{1,2}}, +)?(?:19|20)\d\d\b"
+)
 #: a commit id as prose names one: "commit abc1234", "(abc1234)", `abc1234` with at least one digit and one letter
-COMMIT = re.compile(r"\b(?:commit|revision|rev|sha)s?[ :]+`?[0-9a-f]{7,40}\b"
-                    r"|[(`](?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}[)`]", re.I)
+COMMIT = re.compile(
+    r"\b(?:commit|revision|rev|sha)s?[ :]+`?[0-9a-f]{7,40}\b"
+    r"|[(`](?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}[)`]",
+    re.I,
+)
 
 
 def _pages() -> list[Path]:
@@ -52,21 +59,31 @@ def test_readme_prose_is_short() -> None:
     words = len(_prose(README.read_text()).split())
     assert words <= README_PROSE_WORDS, (
         f"README.md has {words} words of prose (outside code blocks and tables), more than "
-        f"{README_PROSE_WORDS}: move detail into a docs/ page and link it")
+        f"{README_PROSE_WORDS}: move detail into a docs/ page and link it"
+    )
 
 
 def test_readme_links_every_docs_page_and_only_existing_ones() -> None:
-    linked = {(ROOT / t).resolve() for t in filter(None, map(_local, _links(README)))
-              if Path(t).parts[:1] == ("docs",)}
+    linked = {
+        (ROOT / t).resolve()
+        for t in filter(None, map(_local, _links(README)))
+        if Path(t).parts[:1] == ("docs",)
+    }
     pages = {p.resolve() for p in DOCS.glob("*.md")}
     assert pages, "docs/ has no pages"
-    assert not linked - pages, f"README.md links docs pages that do not exist: {sorted(map(str, linked - pages))}"
-    assert not pages - linked, f"docs pages not linked from README.md: {sorted(p.name for p in pages - linked)}"
+    assert not linked - pages, (
+        f"README.md links docs pages that do not exist: {sorted(map(str, linked - pages))}"
+    )
+    assert not pages - linked, (
+        f"docs pages not linked from README.md: {sorted(p.name for p in pages - linked)}"
+    )
 
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_resolve(page: Path) -> None:
-    dead = [t for t in filter(None, map(_local, _links(page))) if t and not (page.parent / t).exists()]
+    dead = [
+        t for t in filter(None, map(_local, _links(page))) if t and not (page.parent / t).exists()
+    ]
     assert not dead, f"{page.relative_to(ROOT)}: links to missing files {dead}"
 
 
@@ -75,8 +92,12 @@ def test_no_dates_or_commit_ids(page: Path) -> None:
     text = page.read_text()
     dates = [m.group(0) for m in DATE.finditer(text)]
     commits = [m.group(0) for m in COMMIT.finditer(_without_code_blocks(text))]
-    assert not dates, f"{page.relative_to(ROOT)} carries dates (history belongs in git, not the docs): {dates}"
-    assert not commits, f"{page.relative_to(ROOT)} names commits (history belongs in git, not the docs): {commits}"
+    assert not dates, (
+        f"{page.relative_to(ROOT)} carries dates (history belongs in git, not the docs): {dates}"
+    )
+    assert not commits, (
+        f"{page.relative_to(ROOT)} names commits (history belongs in git, not the docs): {commits}"
+    )
 
 
 def test_the_checks_see_what_they_look_for() -> None:
@@ -87,6 +108,12 @@ def test_the_checks_see_what_they_look_for() -> None:
         assert not DATE.search(plain), plain
     for named in ("at the commit before (`384888c`)", "commit 4ef480c", "rev: deadbeef12"):
         assert COMMIT.search(named), named
-    for plain in ("a `deadbeef` value", "(accumulated)", "`facade`", "(1234567)", "commit the change"):
+    for plain in (
+        "a `deadbeef` value",
+        "(accumulated)",
+        "`facade`",
+        "(1234567)",
+        "commit the change",
+    ):
         assert not COMMIT.search(plain), plain
     assert _prose("a b\n```\nc d e\n```\n| x | y |\nf").split() == ["a", "b", "f"]

@@ -25,12 +25,24 @@ from harness.procs import run_tree  # the command's process tree dies with the t
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _pytest(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))}
+def _pytest(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))
+    }
     clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), clean.get("PYTHONPATH", "")])
     clean.update(env or {})
-    return run_tree([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
-                          cwd=ROOT, env=clean, capture_output=True, text=True, timeout=timeout)
+    return run_tree(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_undeclared_is_claimed_and_only_declared_lacking_is_not() -> None:
@@ -39,7 +51,10 @@ def test_undeclared_is_claimed_and_only_declared_lacking_is_not() -> None:
     assert caps.claims("layouts", "contiguous") and not caps.claims("layouts", "head_tail")
     assert not caps.claims("lse") and not caps.claims("ops", "*") and caps.claims("compile")
     assert caps.declares("compile") is None and caps.declares("lse") is False
-    assert caps.lacking("layouts", "head_tail") == "declares capabilities.layouts=['contiguous'], without 'head_tail'"
+    assert (
+        caps.lacking("layouts", "head_tail")
+        == "declares capabilities.layouts=['contiguous'], without 'head_tail'"
+    )
     assert caps.lacking("lse") == "declares capabilities.lse=False" and caps.lacking("gqa") == ""
     assert Capabilities(ops=frozenset({"*"})).claims("ops", "cpu_flash")
 
@@ -48,17 +63,25 @@ def test_impl_ring_impl_means_the_default_implementation() -> None:
     impl = load_implementation("ring_impl")
     assert impl.spec == DEFAULT_IMPL_SPEC and impl is load_implementation(DEFAULT_IMPL_SPEC)
     # A module named alone stands for its IMPLEMENTATION when it has one.
-    assert load_implementation("conformance.adapters.torch_cp").spec == "conformance.adapters.torch_cp:IMPLEMENTATION"
+    assert (
+        load_implementation("conformance.adapters.torch_cp").spec
+        == "conformance.adapters.torch_cp:IMPLEMENTATION"
+    )
     with pytest.raises(ImplSpecError, match="has no callable ring_attention"):
         load_implementation("tests.conformance")
 
 
 def test_missing_protocol_pieces_are_named() -> None:
     bare = load_implementation("tests.conformance.undeclared_impl:IMPLEMENTATION")
-    for capability, attribute in (("collective_schedule", "collective_schedule"), ("record_steps", "record_steps"),
-                                  ("context_parallel", "api_module")):
+    for capability, attribute in (
+        ("collective_schedule", "collective_schedule"),
+        ("record_steps", "record_steps"),
+        ("context_parallel", "api_module"),
+    ):
         message = bare.missing(capability)
-        assert f"has no {attribute}" in message and f"capabilities.{capability}=False" in message, message
+        assert f"has no {attribute}" in message and f"capabilities.{capability}=False" in message, (
+            message
+        )
     with pytest.raises(ProtocolError, match="has no api_module"):
         bare.api_module()
 
@@ -83,7 +106,10 @@ def test_api_module_resolution() -> None:
 
     with pytest.raises(ProtocolError, match=r"declares capabilities.context_parallel=False"):
         Implementation("x:Declared", Declared()).api_module()
-    with pytest.raises(ProtocolError, match=r"lacks \['context_parallel', 'context_parallel_unshard', 'ContextParallel'\]"):
+    with pytest.raises(
+        ProtocolError,
+        match=r"lacks \['context_parallel', 'context_parallel_unshard', 'ContextParallel'\]",
+    ):
         Implementation("x:WrongModule", WrongModule()).api_module()
     with pytest.raises(ProtocolError, match="cannot be imported"):
         Implementation("x:Unimportable", Unimportable()).api_module()
@@ -92,44 +118,95 @@ def test_api_module_resolution() -> None:
 def test_bare_implementation_is_tested_and_missing_pieces_fail(tmp_path: Path) -> None:
     """An object with ring_attention only: nothing is N/A; the cases that need a piece it lacks
     fail naming the attribute; the others run and pass."""
-    proc = _pytest("suites/test_forward_backward.py", "suites/test_collectives.py", "suites/test_causal_layouts.py",
-                   "suites/test_context_parallel.py", "-q", "--world-sizes", "2",
-                   "-k", "W2-f32-causal-alltoall-contiguous or test_exception_inside or W2-f64-causal-allgather-contiguous",
-                   "--impl", "tests.conformance.undeclared_impl:IMPLEMENTATION", "--report-dir", str(tmp_path))
+    proc = _pytest(
+        "suites/test_forward_backward.py",
+        "suites/test_collectives.py",
+        "suites/test_causal_layouts.py",
+        "suites/test_context_parallel.py",
+        "-q",
+        "--world-sizes",
+        "2",
+        "-k",
+        "W2-f32-causal-alltoall-contiguous or test_exception_inside or W2-f64-causal-allgather-contiguous",
+        "--impl",
+        "tests.conformance.undeclared_impl:IMPLEMENTATION",
+        "--report-dir",
+        str(tmp_path),
+    )
     assert proc.returncode == 1, proc.stdout[-4000:]
     doc = json.loads((tmp_path / "conformance.json").read_text())
     outcomes = {c["nodeid"].split("::")[-1]: (c["outcome"], c["message"]) for c in doc["cases"]}
     assert doc["counts"]["n/a"] == 0, outcomes
-    assert outcomes["test_forward_backward_match_reference[W2-f32-causal-alltoall-contiguous]"][0] == "passed"
-    for test, attribute in (("test_collectives_match_declared_schedule[W2-f32-causal-alltoall-contiguous-hkv4]", "collective_schedule"),
-                            ("test_exception_inside_restores_buffers_and_sdpa[W2]", "api_module")):
+    assert (
+        outcomes["test_forward_backward_match_reference[W2-f32-causal-alltoall-contiguous]"][0]
+        == "passed"
+    )
+    for test, attribute in (
+        (
+            "test_collectives_match_declared_schedule[W2-f32-causal-alltoall-contiguous-hkv4]",
+            "collective_schedule",
+        ),
+        ("test_exception_inside_restores_buffers_and_sdpa[W2]", "api_module"),
+    ):
         outcome, message = outcomes[test]
         assert outcome == "failed" and f"has no {attribute}" in message, (test, outcome, message)
-    outcome, message = outcomes["test_every_ring_step_matches_the_simulation[W2-f64-causal-allgather-contiguous]"]
+    outcome, message = outcomes[
+        "test_every_ring_step_matches_the_simulation[W2-f64-causal-allgather-contiguous]"
+    ]
     assert outcome == "failed" and "has no record_steps" in message, (outcome, message)
-    assert outcomes["test_work_per_rank_is_minimal_and_balanced[W2-f64-causal-allgather-contiguous]"][0] == "passed"
+    assert (
+        outcomes["test_work_per_rank_is_minimal_and_balanced[W2-f64-causal-allgather-contiguous]"][
+            0
+        ]
+        == "passed"
+    )
 
 
 def test_all_na_run_exits_nonzero_saying_why(tmp_path: Path) -> None:
-    proc = _pytest("suites/test_forward_backward.py", "-q", "--world-sizes", "2", "-k", "W2-bf16 and allgather",
-                   "--impl", "tests.conformance.minimal_impl:IMPLEMENTATION", "--report-dir", "none")
+    proc = _pytest(
+        "suites/test_forward_backward.py",
+        "-q",
+        "--world-sizes",
+        "2",
+        "-k",
+        "W2-bf16 and allgather",
+        "--impl",
+        "tests.conformance.minimal_impl:IMPLEMENTATION",
+        "--report-dir",
+        "none",
+    )
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert "no conformance case was executed; of 54 suite cases 4 N/A, 0 skipped, 50 deselected by -k/-m" in proc.stdout
+    assert (
+        "no conformance case was executed; of 54 suite cases 4 N/A, 0 skipped, 50 deselected by -k/-m"
+        in proc.stdout
+    )
     assert "the implementation declares it lacks what those cases need" in proc.stdout
 
 
 def test_all_skipped_and_all_deselected_runs_exit_nonzero(tmp_path: Path) -> None:
     # --world-sizes 1: test_rotation generates no case at W >= 2, so its one item is skipped
     skipped = _pytest("suites/test_rotation.py", "-q", "--world-sizes", "1", "--report-dir", "none")
-    assert skipped.returncode == 1 and "of 1 suite cases 0 N/A, 1 skipped" in skipped.stdout, skipped.stdout[-3000:]
+    assert skipped.returncode == 1 and "of 1 suite cases 0 N/A, 1 skipped" in skipped.stdout, (
+        skipped.stdout[-3000:]
+    )
     # quick tier: no case is nightly-only, so -m nightly leaves nothing
     deselected = _pytest("suites/test_compile.py", "-q", "-m", "nightly", "--report-dir", "none")
     assert deselected.returncode != 0, deselected.stdout[-3000:]
-    assert "4 deselected by -k/-m" in deselected.stdout and "nightly cases exist only with --tier nightly" in deselected.stdout
+    assert (
+        "4 deselected by -k/-m" in deselected.stdout
+        and "nightly cases exist only with --tier nightly" in deselected.stdout
+    )
 
 
 def test_project_tests_alone_are_not_a_conformance_run() -> None:
-    proc = _pytest("tests/conformance/test_report.py", "suites/test_compile.py", "-q", "-k", "effective_ratio",
-                   "--report-dir", "none")
+    proc = _pytest(
+        "tests/conformance/test_report.py",
+        "suites/test_compile.py",
+        "-q",
+        "-k",
+        "effective_ratio",
+        "--report-dir",
+        "none",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "no conformance case was executed" not in proc.stdout

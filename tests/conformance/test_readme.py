@@ -29,7 +29,9 @@ def _ci_commands() -> list[str]:
 def test_ci_runs_the_readme_test_command() -> None:
     readme, ci = _quickstart_commands(), _ci_commands()
     assert ci, ".ci/run runs no python command"
-    assert ci[-1] in readme, f".ci/run's test command {ci[-1]!r} is not in README.md's quickstart {readme}"
+    assert ci[-1] in readme, (
+        f".ci/run's test command {ci[-1]!r} is not in README.md's quickstart {readme}"
+    )
 
 
 def test_ci_installs_what_the_quickstart_installs() -> None:
@@ -38,5 +40,11 @@ def test_ci_installs_what_the_quickstart_installs() -> None:
     ci_args: set[str] = set()
     for c in _ci_commands():
         if " pip install " in f" {c} ":
-            ci_args |= {a for a in shlex.split(c) if not a.startswith("--") and a not in ("python", "-m", "pip", "install")}
-    assert wanted <= ci_args, f".ci/run does not install {sorted(wanted - ci_args)} that README.md's quickstart installs"
+            ci_args |= {
+                a
+                for a in shlex.split(c)
+                if not a.startswith("--") and a not in ("python", "-m", "pip", "install")
+            }
+    assert wanted <= ci_args, (
+        f".ci/run does not install {sorted(wanted - ci_args)} that README.md's quickstart installs"
+    )

@@ -34,7 +34,9 @@ from tests.conformance.device_probe import Probed
 SUITES = Path(__file__).resolve().parents[2] / "suites"
 PROBE_OP = "tests.conformance.device_probe:PROBE_OP"
 PROBE_IMPL = "tests.conformance.device_probe:IMPLEMENTATION"
-SPEC = InputSpec(batch=2, heads=4, heads_kv=2, seq_q=8, seq_kv=8, head_dim=8, dtype="float32", seed=11)
+SPEC = InputSpec(
+    batch=2, heads=4, heads_kv=2, seq_q=8, seq_kv=8, head_dim=8, dtype="float32", seed=11
+)
 
 
 @pytest.fixture
@@ -64,10 +66,15 @@ def _probed(run) -> tuple[str, ...]:
 # ---------------------------------------------------------------------- the parent side
 
 BASELINES = {
-    "ring suites (suites.judge)": lambda: __import__("suites.judge", fromlist=["x"]).baseline_for(SPEC, True, PROBE_OP),
-    "mask suite": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "documents", "", False, PROBE_OP),
-    "mask suite with sinks": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(SPEC, "window_narrow", "",
-                                                                                                  True, PROBE_OP),
+    "ring suites (suites.judge)": lambda: __import__("suites.judge", fromlist=["x"]).baseline_for(
+        SPEC, True, PROBE_OP
+    ),
+    "mask suite": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(
+        SPEC, "documents", "", False, PROBE_OP
+    ),
+    "mask suite with sinks": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(
+        SPEC, "window_narrow", "", True, PROBE_OP
+    ),
     "score_mod suite": lambda: _score_mod_baseline(),
 }
 
@@ -77,7 +84,8 @@ def test_baseline_runs_on_the_session_device(meta_session, suite: str) -> None:
     devices = _probed(BASELINES[suite])
     assert set(devices) == {"meta"}, (
         f"{suite}: the single-device baseline handed its kernel tensors on {devices} while the session's device is "
-        "meta: build the baseline through conformance.baseline.single_device_baseline")
+        "meta: build the baseline through conformance.baseline.single_device_baseline"
+    )
 
 
 def test_baseline_refuses_a_kernel_the_session_device_lacks(meta_session) -> None:
@@ -146,7 +154,9 @@ def _strategy_case():
 def _balance_case():
     from suites.cases_balance import BalanceCase, balance_case
 
-    return balance_case(MetaRank(), BalanceCase(SPEC.with_(heads_kv=4), 1, family="documents", impl=PROBE_IMPL))
+    return balance_case(
+        MetaRank(), BalanceCase(SPEC.with_(heads_kv=4), 1, family="documents", impl=PROBE_IMPL)
+    )
 
 
 RANK_FUNCTIONS = {
@@ -176,7 +186,8 @@ def test_rank_function_hands_the_session_device(name: str) -> None:
     devices = _probed(RANK_FUNCTIONS[name])
     assert set(devices) == {"meta"}, (
         f"{name}: ring_attention was handed tensors on {devices} on a rank whose device is meta: "
-        "put the case's tensors on ctx.device")
+        "put the case's tensors on ctx.device"
+    )
 
 
 def _rank_functions() -> set[str]:
@@ -185,20 +196,30 @@ def _rank_functions() -> set[str]:
     for path in sorted(SUITES.glob("cases*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.args.args \
-                    and node.args.args[0].arg == "ctx":
+            if (
+                isinstance(node, ast.FunctionDef)
+                and not node.name.startswith("_")
+                and node.args.args
+                and node.args.args[0].arg == "ctx"
+            ):
                 found.add(f"suites.{path.stem}.{node.name}")
     return found
 
 
 def test_every_rank_function_is_probed_or_exempt() -> None:
     found = _rank_functions()
-    assert "suites.cases_masks.masked_case" in found, f"the scan found no mask rank function: {sorted(found)}"
-    unknown = {name for name in found - set(RANK_FUNCTIONS) - set(NOT_PROBED)
-               if name.rsplit(".", 1)[0] not in NOT_PROBED_MODULES}
+    assert "suites.cases_masks.masked_case" in found, (
+        f"the scan found no mask rank function: {sorted(found)}"
+    )
+    unknown = {
+        name
+        for name in found - set(RANK_FUNCTIONS) - set(NOT_PROBED)
+        if name.rsplit(".", 1)[0] not in NOT_PROBED_MODULES
+    }
     assert not unknown, (
         f"rank functions neither probed nor exempt: {sorted(unknown)}; add each to RANK_FUNCTIONS in "
-        f"{Path(__file__).name} (a probe run on the meta device) or to NOT_PROBED with the reason")
+        f"{Path(__file__).name} (a probe run on the meta device) or to NOT_PROBED with the reason"
+    )
     stale = (set(RANK_FUNCTIONS) | set(NOT_PROBED)) - found
     assert not stale, f"listed here but no longer rank functions of suites/: {sorted(stale)}"
 
@@ -219,7 +240,11 @@ def _device_literals(path: Path) -> list[tuple[int, str]]:
     hits = []
 
     def is_device_name(node) -> bool:
-        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(":")[0] in ("cpu", "cuda")
+        return (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.split(":")[0] in ("cpu", "cuda")
+        )
 
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -237,14 +262,21 @@ def _device_literals(path: Path) -> list[tuple[int, str]]:
 
 
 def test_no_suite_names_a_device() -> None:
-    hits = [f"suites/{p.name}:{line}: {text}" for p in sorted(SUITES.glob("*.py")) for line, text in _device_literals(p)]
+    hits = [
+        f"suites/{p.name}:{line}: {text}"
+        for p in sorted(SUITES.glob("*.py"))
+        for line, text in _device_literals(p)
+    ]
     assert not hits, (
         "suite code that names a device instead of the session's (conformance.baseline.session_device on the "
-        "parent side, ctx.device on a rank):\n" + "\n".join(hits))
+        "parent side, ctx.device on a rank):\n" + "\n".join(hits)
+    )
 
 
 def test_the_source_check_sees_a_hard_coded_device(tmp_path: Path) -> None:
     bad = tmp_path / "cases_new.py"
-    bad.write_text('import torch\nx = torch.zeros(2, device="cpu")\ny = x.to("cuda:0")\nop = f(torch.device("cpu"))\n'
-                   "z = x.cuda()\nw = x.to(ctx.device)\n")
+    bad.write_text(
+        'import torch\nx = torch.zeros(2, device="cpu")\ny = x.to("cuda:0")\nop = f(torch.device("cpu"))\n'
+        "z = x.cuda()\nw = x.to(ctx.device)\n"
+    )
     assert [line for line, _ in _device_literals(bad)] == [2, 3, 4, 5]

@@ -109,13 +109,13 @@ def _same(a, b, where: str) -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def _simulated_pools_end_with_the_module():
     """The simulated world swaps in per-thread torch.distributed state while a pool lives: leave
     the process as the other tests of this worker expect it."""
     yield
     shutdown_simulated_pools()
+
 
 @pytest.mark.parametrize(("w", "case"), CASES)
 def test_simulated_world_equals_the_process_pool(w: int, case) -> None:

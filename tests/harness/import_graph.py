@@ -63,8 +63,10 @@ def import_edges(root: Path, packages: Iterable[str]) -> list[Edge]:
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve(module, is_package, node.level, node.module)
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                           for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
             for target in targets:
                 # ``import a.b.c`` of a module outside the tree's modules: its longest known prefix.
                 while target and target not in modules:

@@ -129,6 +129,7 @@ def sleep_then_sum(ctx: RankContext, seconds: float) -> float:
 
 # ---------------------------------------------------------------------- accounting
 
+
 def eager_collectives(ctx: RankContext) -> dict[str, Any]:
     """Every eager c10d collective once, in phase "eager"; p2p between ranks 0 and 1."""
     peer = 1 - ctx.rank
@@ -136,7 +137,9 @@ def eager_collectives(ctx: RankContext) -> dict[str, Any]:
     x = torch.ones(4)  # 16 bytes
     log = CollectiveLog()
     with log, log.phase("eager"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # the deprecated names are the ones under test
+        warnings.simplefilter(
+            "ignore", FutureWarning
+        )  # the deprecated names are the ones under test
         dist.all_reduce(x, group=group)
         dist.all_gather_into_tensor(torch.empty(8), x, group=group)
         dist.all_gather([torch.empty(4), torch.empty(4)], x, group=group)
@@ -148,8 +151,10 @@ def eager_collectives(ctx: RankContext) -> dict[str, Any]:
             dist.send(torch.ones(2, dtype=torch.float64), dst=1, group=group)  # 16 bytes
         else:
             dist.recv(torch.empty(2, dtype=torch.float64), src=0, group=group)
-        ops = [dist.P2POp(dist.isend, torch.ones(3), peer, group),        # 12 bytes
-               dist.P2POp(dist.irecv, torch.empty(3), peer, group)]       # 12 bytes
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(3), peer, group),  # 12 bytes
+            dist.P2POp(dist.irecv, torch.empty(3), peer, group),
+        ]  # 12 bytes
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return log.summary()
@@ -171,7 +176,8 @@ def functional_collectives(ctx: RankContext) -> dict[str, Any]:
             fc.wait_tensor(fc.all_to_all_single(x, None, None, group))
             fc.wait_tensor(fc.broadcast(x, 0, group))
             sent, received = torch.ops._c10d_functional.batch_p2p_ops(
-                ["isend", "irecv"], [peer, peer], [0, 0], [torch.ones(2), torch.empty(2)], name)  # 8 + 8 bytes
+                ["isend", "irecv"], [peer, peer], [0, 0], [torch.ones(2), torch.empty(2)], name
+            )  # 8 + 8 bytes
             torch.ops._c10d_functional.wait_tensor(sent)
             torch.ops._c10d_functional.wait_tensor(received)
             if ctx.rank == 0:
@@ -249,15 +255,21 @@ def collectives_round(ctx: RankContext) -> dict[str, Any]:
         b = torch.tensor([float(r)])
         dist.broadcast(b, src=w - 1, group=ctx.group)
         recv = torch.zeros(3)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % w),
-            dist.P2POp(dist.irecv, recv, (r - 1) % w),
-        ])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % w),
+                dist.P2POp(dist.irecv, recv, (r - 1) % w),
+            ]
+        )
         for work in works:
             work.wait()
     return {
-        "all_reduce": x.tolist(), "all_gather": gathered.tolist(), "all_to_all": to_all.tolist(),
-        "eager_all_gather": [t.item() for t in eager], "broadcast": b.item(), "recv": recv.tolist(),
+        "all_reduce": x.tolist(),
+        "all_gather": gathered.tolist(),
+        "all_to_all": to_all.tolist(),
+        "eager_all_gather": [t.item() for t in eager],
+        "broadcast": b.item(),
+        "recv": recv.tolist(),
         "collectives": log.summary(),
     }
 

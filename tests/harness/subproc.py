@@ -18,10 +18,20 @@ TARGETS = Path(__file__).resolve().parent / "targets"
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This environment without the variables of the outer pytest, xdist, torchrun and RING_*."""
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith(("PYTEST_", "RING_", "TORCHELASTIC_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                      "MASTER_PORT", "GROUP_RANK", "CI")
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+            "CI",
+        )
     }
     env["PYTHONPATH"] = str(REPO_ROOT)
     env.update(extra or {})
@@ -33,21 +43,39 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 # depend on neither, nor pay for them in every run. An installed package (pip install -e .)
 # registers them through entry points named after their modules: blocked by those names. No
 # cache either (concurrent runs share the repo).
-ISOLATION_ARGS = ("-p", "no:cacheprovider", "--noconftest", "-p", "harness.pytest_plugin",
-                  "-p", "no:conformance.plugin", "-p", "no:conformance.reporting", "-p", "no:suites.runner")
+ISOLATION_ARGS = (
+    "-p",
+    "no:cacheprovider",
+    "--noconftest",
+    "-p",
+    "harness.pytest_plugin",
+    "-p",
+    "no:conformance.plugin",
+    "-p",
+    "no:conformance.reporting",
+    "-p",
+    "no:suites.runner",
+)
 
 
 def pytest_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "pytest", *ISOLATION_ARGS, *args]
 
 
-def run_pytest(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+def run_pytest(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
     """Run pytest in the repository root; stdout and stderr are merged into ``stdout``.
 
     As a process tree (harness.procs.run_tree): its rank processes die with this test."""
     return run_tree(
-        pytest_command(*args), cwd=REPO_ROOT, env=clean_env(env), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=timeout,
+        pytest_command(*args),
+        cwd=REPO_ROOT,
+        env=clean_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -11,7 +11,10 @@ from harness.errors import PoolUnavailable
 def test_xdist_worker_from_environment() -> None:
     assert xdist_worker({}) == (0, 1)
     assert xdist_worker({"PYTEST_XDIST_WORKER": "gw3", "PYTEST_XDIST_WORKER_COUNT": "4"}) == (3, 4)
-    assert xdist_worker({"PYTEST_XDIST_WORKER": "master", "PYTEST_XDIST_WORKER_COUNT": "4"}) == (0, 1)
+    assert xdist_worker({"PYTEST_XDIST_WORKER": "master", "PYTEST_XDIST_WORKER_COUNT": "4"}) == (
+        0,
+        1,
+    )
 
 
 @pytest.mark.parametrize(("gpus", "workers"), [(8, 1), (8, 2), (8, 3), (8, 8), (4, 3), (2, 2)])
@@ -39,7 +42,9 @@ def test_nccl_needs_as_many_gpus_as_ranks_and_says_how_to_fix() -> None:
     with pytest.raises(PoolUnavailable) as info:
         rank_devices(4, "nccl", "cuda", [2, 3], (1, 4))
     text = str(info.value)
-    assert "world_size 4 needs 4 GPUs for nccl but xdist worker gw1 of 4 owns 2 GPU(s) [2, 3]" in text
+    assert (
+        "world_size 4 needs 4 GPUs for nccl but xdist worker gw1 of 4 owns 2 GPU(s) [2, 3]" in text
+    )
     assert "fewer xdist workers" in text and "--dist-backend gloo" in text
 
 
@@ -66,8 +71,12 @@ def test_a_worker_sharing_its_gpu_keeps_one_cuda_pool_alive(monkeypatch) -> None
     from harness import pool as pool_mod
 
     events: list[tuple[str, int]] = []
-    monkeypatch.setattr(pool_mod.RankPool, "start", lambda self: events.append(("start", self.world_size)))
-    monkeypatch.setattr(pool_mod.RankPool, "shutdown", lambda self: events.append(("stop", self.world_size)))
+    monkeypatch.setattr(
+        pool_mod.RankPool, "start", lambda self: events.append(("start", self.world_size))
+    )
+    monkeypatch.setattr(
+        pool_mod.RankPool, "shutdown", lambda self: events.append(("stop", self.world_size))
+    )
     monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 1)
     monkeypatch.setattr(pool_mod, "_pools", {})
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")

@@ -133,7 +133,9 @@ def short_default_timeout() -> Iterator[float]:
         settings.install(previous)
 
 
-def test_default_timeout_comes_from_the_settings(pool: RankPool, short_default_timeout: float) -> None:
+def test_default_timeout_comes_from_the_settings(
+    pool: RankPool, short_default_timeout: float
+) -> None:
     old = pool.pids
     began = time.monotonic()
     with pytest.raises(CaseTimeout, match="did not finish within 2 s"):

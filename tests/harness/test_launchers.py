@@ -34,7 +34,9 @@ def session_launcher() -> Iterator[list[tuple[int, str, str]]]:
         asked.append((world_size, backend, device))
         return previous.get(world_size, backend, device)
 
-    launchers.LAUNCHERS["pool"] = launchers.Launcher("pool", get, previous.shutdown, previous.warm_up)
+    launchers.LAUNCHERS["pool"] = launchers.Launcher(
+        "pool", get, previous.shutdown, previous.warm_up
+    )
     settings.install(previous_settings.with_(launcher="pool"))
     try:
         yield asked

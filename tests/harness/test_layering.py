@@ -31,7 +31,9 @@ def forbidden_edges(edges: list[Edge], forbidden: dict[str, set[str]]) -> list[E
 @pytest.fixture(scope="module")
 def edges() -> list[Edge]:
     found = import_edges(ROOT, PACKAGES)
-    assert any(e.source.startswith("harness.") for e in found), "no import of the harness was read: wrong root?"
+    assert any(e.source.startswith("harness.") for e in found), (
+        "no import of the harness was read: wrong root?"
+    )
     return found
 
 
@@ -43,17 +45,29 @@ def test_harness_and_conformance_import_nothing_above_them(edges: list[Edge]) ->
 def test_no_import_cycle_between_modules(edges: list[Edge]) -> None:
     loops = cycles(edges)
     assert not loops, "modules that import each other (around a loop): " + "; ".join(
-        " <-> ".join(c) + " (" + ", ".join(str(e) for e in edges if e.source in c and e.target in c) + ")"
-        for c in loops)
+        " <-> ".join(c)
+        + " ("
+        + ", ".join(str(e) for e in edges if e.source in c and e.target in c)
+        + ")"
+        for c in loops
+    )
 
 
 def test_no_import_cycle_between_packages(edges: list[Edge]) -> None:
     loops = cycles(edges, package_of)
     assert not loops, "packages that import each other (around a loop): " + "; ".join(
-        " <-> ".join(c) + " (" + ", ".join(str(e) for e in edges
-                                           if package_of(e.source) in c and package_of(e.target) in c
-                                           and package_of(e.source) != package_of(e.target)) + ")"
-        for c in loops)
+        " <-> ".join(c)
+        + " ("
+        + ", ".join(
+            str(e)
+            for e in edges
+            if package_of(e.source) in c
+            and package_of(e.target) in c
+            and package_of(e.source) != package_of(e.target)
+        )
+        + ")"
+        for c in loops
+    )
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -66,21 +80,29 @@ def _write(root: Path, files: dict[str, str]) -> None:
 def test_the_checks_catch_a_forbidden_import_and_cycles(tmp_path: Path) -> None:
     """The checks above on a small tree that breaks every rule, deferred and relative imports
     included: each is found, at its line."""
-    _write(tmp_path, {
-        "low/__init__.py": "",
-        "low/pool.py": "from . import runner\n",
-        "low/runner.py": "def f():\n    from low.pool import x\n    import high.cases\n",
-        "high/__init__.py": "from low import pool\n",
-        "high/cases.py": "from ..low import runner\nfrom high import helpers\n",
-        "high/helpers.py": "import os\n",
-    })
+    _write(
+        tmp_path,
+        {
+            "low/__init__.py": "",
+            "low/pool.py": "from . import runner\n",
+            "low/runner.py": "def f():\n    from low.pool import x\n    import high.cases\n",
+            "high/__init__.py": "from low import pool\n",
+            "high/cases.py": "from ..low import runner\nfrom high import helpers\n",
+            "high/helpers.py": "import os\n",
+        },
+    )
     edges = import_edges(tmp_path, ("low", "high"))
     assert {(e.source, e.target, e.line) for e in edges} == {
-        ("low.pool", "low.runner", 1), ("low.runner", "low.pool", 2), ("low.runner", "high.cases", 3),
-        ("high", "low.pool", 1), ("high.cases", "low.runner", 1), ("high.cases", "high.helpers", 2),
+        ("low.pool", "low.runner", 1),
+        ("low.runner", "low.pool", 2),
+        ("low.runner", "high.cases", 3),
+        ("high", "low.pool", 1),
+        ("high.cases", "low.runner", 1),
+        ("high.cases", "high.helpers", 2),
     }
     assert [str(e) for e in forbidden_edges(edges, {"low": {"high"}})] == [
-        "low/runner.py:3: low.runner imports high.cases"]
+        "low/runner.py:3: low.runner imports high.cases"
+    ]
     assert cycles(edges) == [["high.cases", "low.pool", "low.runner"]]
     assert cycles(edges, package_of) == [["high", "low"]]
     clean = [e for e in edges if e.target != "high.cases" and e.target != "low.pool"]

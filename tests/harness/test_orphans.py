@@ -29,7 +29,9 @@ def start_pytest(tmp_path: Path, *extra: str) -> tuple[ProcessTree, Path, Path]:
         linger=120.0,
         cwd=REPO_ROOT,
         env=clean_env({"HARNESS_TEST_PIDS_FILE": str(pids_file)}),
-        stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     return tree, pids_file, log
 
@@ -38,7 +40,9 @@ def read_pids(tree: ProcessTree, pids_file: Path, log: Path) -> dict[str, Any]:
     if not wait_until(lambda: pids_file.exists() or tree.returncode is not None, timeout=90):
         pytest.fail(f"the target never started its pool; its output:\n{log.read_text()}")
     if not pids_file.exists():
-        pytest.fail(f"the target exited ({tree.returncode}) before starting its pool:\n{log.read_text()}")
+        pytest.fail(
+            f"the target exited ({tree.returncode}) before starting its pool:\n{log.read_text()}"
+        )
     info: dict[str, Any] = json.loads(pids_file.read_text())
     assert len(info["rank_pids"]) == 2 and all(pid_alive(p) for p in info["rank_pids"])
     return info
@@ -50,10 +54,14 @@ def assert_all_gone(pids: list[int], log: Path, what: str) -> None:
         survivors = [p for p in pids if pid_alive(p)]
         for pid in survivors:
             os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"{what}: processes {survivors} outlived pytest by 15 s; pytest output:\n{log.read_text()}")
+        pytest.fail(
+            f"{what}: processes {survivors} outlived pytest by 15 s; pytest output:\n{log.read_text()}"
+        )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name
+)
 def test_no_rank_outlives_a_killed_pytest(tmp_path: Path, sig: signal.Signals) -> None:
     tree, pids_file, log = start_pytest(tmp_path)
     with tree:
@@ -64,8 +72,12 @@ def test_no_rank_outlives_a_killed_pytest(tmp_path: Path, sig: signal.Signals) -
             # stop + 5 s per rank to reap); generous for a loaded 2-core runner.
             tree.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"pytest did not exit within 60 s of {sig.name}; its output:\n{log.read_text()}")
-        assert_all_gone(info["rank_pids"] + info["forkserver_pids"], log, f"after {sig.name} to pytest")
+            pytest.fail(
+                f"pytest did not exit within 60 s of {sig.name}; its output:\n{log.read_text()}"
+            )
+        assert_all_gone(
+            info["rank_pids"] + info["forkserver_pids"], log, f"after {sig.name} to pytest"
+        )
 
 
 def test_no_rank_outlives_a_dead_xdist_worker(tmp_path: Path) -> None:
@@ -74,4 +86,6 @@ def test_no_rank_outlives_a_dead_xdist_worker(tmp_path: Path) -> None:
         info = read_pids(tree, pids_file, log)
         assert info["pytest_pid"] != tree.pid, "the case should run in an xdist worker"
         os.kill(info["pytest_pid"], signal.SIGKILL)
-        assert_all_gone(info["rank_pids"] + info["forkserver_pids"], log, "after SIGKILL to the xdist worker")
+        assert_all_gone(
+            info["rank_pids"] + info["forkserver_pids"], log, "after SIGKILL to the xdist worker"
+        )

@@ -30,7 +30,8 @@ def test_values_come_back_indexed_by_rank() -> None:
 def test_case_label_is_the_pytest_node_id() -> None:
     infos = get_pool(2).run(rank_fns.rank_info, seed=7)
     assert {i["case"] for i in infos} == {
-        "tests/harness/test_pool.py::test_case_label_is_the_pytest_node_id"}
+        "tests/harness/test_pool.py::test_case_label_is_the_pytest_node_id"
+    }
     assert {i["seed"] for i in infos} == {7}
 
 
@@ -104,9 +105,14 @@ def test_run_outcomes_when_every_rank_raises_keeps_the_pool() -> None:
     pids = pool.pids
     outcomes = pool.run_outcomes(rank_fns.raise_everywhere)
     assert all(isinstance(o, RankOutcome) for o in outcomes)
-    assert [(o.rank, o.ok, o.exc_type) for o in outcomes] == [(0, False, "ValueError"), (1, False, "ValueError")]
+    assert [(o.rank, o.ok, o.exc_type) for o in outcomes] == [
+        (0, False, "ValueError"),
+        (1, False, "ValueError"),
+    ]
     assert [o.exc_message for o in outcomes] == [
-        "head_dim must be positive (rank 0)", "head_dim must be positive (rank 1)"]
+        "head_dim must be positive (rank 0)",
+        "head_dim must be positive (rank 1)",
+    ]
     assert all("raise_everywhere" in o.traceback for o in outcomes)
     # every rank reported and the probe all_reduce passed: no restart for a bad-input test
     assert pool.pids == pids
@@ -115,7 +121,10 @@ def test_run_outcomes_when_every_rank_raises_keeps_the_pool() -> None:
 
 def test_run_outcomes_of_a_passing_case() -> None:
     outcomes = get_pool(2).run_outcomes(rank_fns.all_reduce_sum, 2)
-    assert [(o.rank, o.ok, o.value, o.status) for o in outcomes] == [(0, True, 6.0, "ok"), (1, True, 6.0, "ok")]
+    assert [(o.rank, o.ok, o.value, o.status) for o in outcomes] == [
+        (0, True, 6.0, "ok"),
+        (1, True, 6.0, "ok"),
+    ]
 
 
 def test_function_that_cannot_be_pickled_is_refused_with_the_fix() -> None:

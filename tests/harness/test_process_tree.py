@@ -25,14 +25,18 @@ from tests.harness.subproc import REPO_ROOT, TARGETS, clean_env, pytest_command,
 LAUNCHER = str(TARGETS / "launcher_like.py")
 
 
-def _read_pids(path: Path, what: str, alive: subprocess.Popen | ProcessTree | None = None) -> list[int]:
+def _read_pids(
+    path: Path, what: str, alive: subprocess.Popen | ProcessTree | None = None
+) -> list[int]:
     def ready() -> bool:
         return path.exists() or (isinstance(alive, subprocess.Popen) and alive.poll() is not None)
 
     if not wait_until(ready, timeout=60) or not path.exists():
         pytest.fail(f"{what} never wrote {path.name}")
     pids: list[int] = json.loads(path.read_text())
-    assert len(pids) == 4 and all(pid_alive(p) for p in pids), f"{what}: not all of {pids} are running"
+    assert len(pids) == 4 and all(pid_alive(p) for p in pids), (
+        f"{what}: not all of {pids} are running"
+    )
     return pids
 
 
@@ -66,7 +70,12 @@ def test_control_a_plain_subprocess_leaves_its_workers_behind(tmp_path: Path) ->
 
 def test_leftovers_of_a_finished_command_are_killed(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids.json"
-    result = run_tree([sys.executable, LAUNCHER, str(pids_file), "--exit"], capture_output=True, text=True, timeout=60)
+    result = run_tree(
+        [sys.executable, LAUNCHER, str(pids_file), "--exit"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     pids = json.loads(pids_file.read_text())
     _assert_gone(pids, "after the launcher exited", within=0.5)
@@ -78,11 +87,15 @@ def test_leftovers_are_reported(tmp_path: Path) -> None:
         assert tree.wait(timeout=60) == 0
         tree.communicate(timeout=30)
         pids = json.loads(pids_file.read_text())
-        assert sorted(tree.leftovers) == sorted(pids[1:]), f"reported {tree.leftovers}, left behind {pids[1:]}"
+        assert sorted(tree.leftovers) == sorted(pids[1:]), (
+            f"reported {tree.leftovers}, left behind {pids[1:]}"
+        )
 
 
 def test_return_code_output_and_signal_death_pass_through() -> None:
-    done = run_tree(["sh", "-c", "echo out; echo err >&2; exit 3"], capture_output=True, text=True, timeout=30)
+    done = run_tree(
+        ["sh", "-c", "echo out; echo err >&2; exit 3"], capture_output=True, text=True, timeout=30
+    )
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
     killed = run_tree(["sh", "-c", "kill -TERM $$"], timeout=30)
     assert killed.returncode == -signal.SIGTERM
@@ -99,7 +112,9 @@ def test_a_timeout_kills_the_tree(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
-def test_an_exception_in_the_owner_kills_the_tree(tmp_path: Path, error: type[BaseException]) -> None:
+def test_an_exception_in_the_owner_kills_the_tree(
+    tmp_path: Path, error: type[BaseException]
+) -> None:
     pids_file = tmp_path / "pids.json"
     with pytest.raises(error), ProcessTree([sys.executable, LAUNCHER, str(pids_file)]) as tree:
         pids = _read_pids(pids_file, "the launcher")
@@ -114,13 +129,20 @@ def _start_owner(tmp_path: Path, command: str) -> tuple[ProcessTree, Path, Path]
     Itself under a ProcessTree, whose linger leaves the inner pytest's cleanup to be tested:
     the outer one kills leftovers only after the assertions had their chance."""
     pids_file, log = tmp_path / "pids.json", tmp_path / "pytest.log"
-    tree = ProcessTree(pytest_command(str(TARGETS / "target_tree.py"), "-q"), linger=120.0, cwd=REPO_ROOT,
-                       env=clean_env({"HARNESS_TEST_PIDS_FILE": str(pids_file), "HARNESS_TREE_COMMAND": command}),
-                       stdout=log.open("w"), stderr=subprocess.STDOUT)
+    tree = ProcessTree(
+        pytest_command(str(TARGETS / "target_tree.py"), "-q"),
+        linger=120.0,
+        cwd=REPO_ROOT,
+        env=clean_env({"HARNESS_TEST_PIDS_FILE": str(pids_file), "HARNESS_TREE_COMMAND": command}),
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     return tree, pids_file, log
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name
+)
 def test_no_descendant_outlives_an_interrupted_pytest(tmp_path: Path, sig: signal.Signals) -> None:
     tree, pids_file, log = _start_owner(tmp_path, "launcher")
     with tree:
@@ -145,7 +167,9 @@ def test_no_torchrun_rank_outlives_an_interrupted_pytest(tmp_path: Path) -> None
         rank_pids = [int(p.read_text()) for p in ranks]
         everything = descendants(tree.pid)
         assert set(rank_pids) <= set(everything), (rank_pids, everything)
-        assert all(os.getsid(p) == p for p in rank_pids), "torchrun no longer starts ranks in sessions of their own"
+        assert all(os.getsid(p) == p for p in rank_pids), (
+            "torchrun no longer starts ranks in sessions of their own"
+        )
         os.kill(tree.pid, signal.SIGINT)
         try:
             tree.wait(timeout=60)

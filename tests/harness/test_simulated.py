@@ -20,6 +20,7 @@ def _simulated_pools_end_with_the_module():
     yield
     shutdown_simulated_pools()
 
+
 @pytest.mark.parametrize("w", [2, 3])
 def test_collectives_equal_a_gloo_pool(w: int) -> None:
     """Values and the accounting of every collective the ring and the suites use (eager calls,

@@ -13,11 +13,26 @@ SUMMARY = "1 failed, 2 passed, 1 skipped"
 
 def test_torchrun_two_ranks_run_the_same_cases_in_lockstep() -> None:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "pytest", *ISOLATION_ARGS, "-rA", str(TARGETS / "target_torchrun.py"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "pytest",
+        *ISOLATION_ARGS,
+        "-rA",
+        str(TARGETS / "target_torchrun.py"),
     ]
-    result = run_tree(command, cwd=REPO_ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT, text=True, timeout=240)
+    result = run_tree(
+        command,
+        cwd=REPO_ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+    )
     out = result.stdout
     assert result.returncode != 0, out  # one case fails, so torchrun reports failure
     # only rank 0 prints a report, and it has the verdicts every rank agreed on

@@ -31,7 +31,9 @@ def test_every_rank_answers() -> None:
     for conn in theirs:
         conn.send(("now", True))
     gathered = gather(3, lambda rank: [ours[rank]], _reader(ours), timeout=5.0, grace=1.0)
-    assert sorted(gathered.outcomes) == [0, 1, 2] and gathered.unfinished == [] and not gathered.failed
+    assert (
+        sorted(gathered.outcomes) == [0, 1, 2] and gathered.unfinished == [] and not gathered.failed
+    )
 
 
 def test_a_late_reply_is_not_an_answer() -> None:

@@ -90,53 +90,115 @@ except pytest.skip.Exception as exc:
 print(json.dumps({{"files": {{m.__name__: m.__file__ for m in ({", ".join(PACKAGES)})}}, "skipped": skipped}}))
 """
 
-SELECTION = ("test_forward_backward_match_reference and (W2-f32-causal-alltoall or W2-f64-causal-alltoall-contiguous)"
-             " or test_collectives and W2-f32-causal-alltoall-contiguous")
+SELECTION = (
+    "test_forward_backward_match_reference and (W2-f32-causal-alltoall or W2-f64-causal-alltoall-contiguous)"
+    " or test_collectives and W2-f32-causal-alltoall-contiguous"
+)
 FAILING_CASE = "test_forward_backward_match_reference[W2-f32-causal-alltoall-contiguous]"
 
 
-def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def _run(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
     return run_tree(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess, what: str) -> None:
-    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{what} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def _copy_sources(dst: Path) -> None:
     """The files a source distribution is built from, without build outputs and caches."""
-    shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(
-        ".git", "reports", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".tox", ".*_cache", ".hypothesis"))
+    shutil.copytree(
+        ROOT,
+        dst,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            "reports",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".venv",
+            ".tox",
+            ".*_cache",
+            ".hypothesis",
+        ),
+    )
 
 
 def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path) -> None:
-    pytest.importorskip("build", reason="building the wheel needs the 'build' package: pip install -e '.[test]'")
-    base_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("PYTEST_", "RING_", "PYTHON")) and k not in ("VIRTUAL_ENV",)}
+    pytest.importorskip(
+        "build", reason="building the wheel needs the 'build' package: pip install -e '.[test]'"
+    )
+    base_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "RING_", "PYTHON")) and k not in ("VIRTUAL_ENV",)
+    }
 
     # 1. sdist, then the wheel built from it
     src, dist = tmp_path / "src", tmp_path / "dist"
     _copy_sources(src)
-    _ok(_run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
-             cwd=tmp_path, env=base_env, timeout=300), "python -m build")
+    _ok(
+        _run(
+            [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
+            cwd=tmp_path,
+            env=base_env,
+            timeout=300,
+        ),
+        "python -m build",
+    )
     wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, sorted(p.name for p in dist.iterdir())
 
     # 2. a fresh environment with the wheel and the dependencies it declares
     venv = tmp_path / "venv"
-    _ok(_run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=base_env, timeout=120),
-        "python -m venv")
+    _ok(
+        _run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+            cwd=tmp_path,
+            env=base_env,
+            timeout=120,
+        ),
+        "python -m venv",
+    )
     python = venv / "bin" / "python"
-    torch_version = importlib.metadata.version("torch").split("+", 1)[0]  # the torch running this test
-    install = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-compile",
-                    f"torch=={torch_version}", str(wheels[0])], cwd=tmp_path, env=base_env, timeout=600)
+    torch_version = importlib.metadata.version("torch").split("+", 1)[
+        0
+    ]  # the torch running this test
+    install = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-compile",
+            f"torch=={torch_version}",
+            str(wheels[0]),
+        ],
+        cwd=tmp_path,
+        env=base_env,
+        timeout=600,
+    )
     assert install.returncode == 0, (
         f"pip could not install the wheel and its dependencies into a fresh environment ({install.returncode}); "
         f"this test needs pip configured with an index or --find-links that has torch=={torch_version} and the "
         f"test dependencies (pip config list):\n{install.stdout[-3000:]}\n{install.stderr[-3000:]}"
     )
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     cwd=tmp_path, env=base_env, timeout=60).stdout.strip())
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            cwd=tmp_path,
+            env=base_env,
+            timeout=60,
+        ).stdout.strip()
+    )
 
     # 3. a vendor's package, and an empty working directory
     vendor, work = tmp_path / "vendor", tmp_path / "work"
@@ -150,20 +212,43 @@ def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path
     _ok(probe, "importing the installed packages")
     found = json.loads(probe.stdout)
     for module, path in found["files"].items():
-        assert Path(path).is_relative_to(site), f"{module} was imported from {path}, not from the installed wheel in {site}"
+        assert Path(path).is_relative_to(site), (
+            f"{module} was imported from {path}, not from the installed wheel in {site}"
+        )
     # the examples are not in the wheel: the case that runs one skips, saying how to include it
     assert found["skipped"] and "run the suites from a checkout" in found["skipped"], found
 
     # 4. the suites, from the empty directory
-    run = _run([str(python), "-m", "pytest", "--pyargs", "suites", "-n", "2", "-p", "no:cacheprovider",
-                "--impl", "acme.ring:IMPL", "--world-sizes", "2", "-k", SELECTION],
-               cwd=work, env=env, timeout=600)
+    run = _run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "--pyargs",
+            "suites",
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            "--impl",
+            "acme.ring:IMPL",
+            "--world-sizes",
+            "2",
+            "-k",
+            SELECTION,
+        ],
+        cwd=work,
+        env=env,
+        timeout=600,
+    )
     _ok(run, "pytest --pyargs suites --impl acme.ring:IMPL")
     # the plugins came from the wheel's entry points: pytest names their distribution in its header
     name, version = wheels[0].name.split("-")[:2]
     dist_pattern = re.escape(name).replace("_", "[-_]") + "-" + re.escape(version)
     assert re.search(rf"^plugins: .*\b{dist_pattern}\b", run.stdout, re.M), run.stdout[:3000]
-    assert "ring attention conformance" in run.stdout and "acme-ring: 3/4 cases pass" in run.stdout, run.stdout[-3000:]
+    assert (
+        "ring attention conformance" in run.stdout and "acme-ring: 3/4 cases pass" in run.stdout
+    ), run.stdout[-3000:]
     report = work / "reports"
     doc = json.loads((report / "conformance.json").read_text())
     outcomes = {c["nodeid"]: c["outcome"] for c in doc["cases"]}
@@ -173,21 +258,52 @@ def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path
         "suites/test_forward_backward.py::test_forward_backward_match_reference[W2-f64-causal-alltoall-contiguous]": "n/a",
         "suites/test_collectives.py::test_collectives_match_declared_schedule[W2-f32-causal-alltoall-contiguous-hkv4]": "passed",
     }, outcomes
-    assert (report / "conformance.md").read_text().startswith("## Ring attention conformance: acme-ring")
+    assert (
+        (report / "conformance.md")
+        .read_text()
+        .startswith("## Ring attention conformance: acme-ring")
+    )
     assert (report / "conformance.xml").is_file()
 
     # 5. a failure's repro command, run as printed from the same directory, fails the same way
-    failing = _run([str(python), "-m", "pytest", "--pyargs", "suites", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    "--impl", "acme.ring:BROKEN", "--world-sizes", "2", "--report-dir", "none",
-                    "-k", f"test_forward_backward_match_reference and {FAILING_CASE.split('[')[1].rstrip(']')}"],
-                   cwd=work, env=env, timeout=300)
+    failing = _run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "--pyargs",
+            "suites",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "--impl",
+            "acme.ring:BROKEN",
+            "--world-sizes",
+            "2",
+            "--report-dir",
+            "none",
+            "-k",
+            f"test_forward_backward_match_reference and {FAILING_CASE.split('[')[1].rstrip(']')}",
+        ],
+        cwd=work,
+        env=env,
+        timeout=300,
+    )
     assert failing.returncode == 1, failing.stdout[-3000:] + failing.stderr[-2000:]
     line = re.search(r"^repro: (.*)$", failing.stdout, re.M)
     assert line, failing.stdout[-3000:]
     words = shlex.split(line.group(1))
-    assert words[:2] == ["pytest", f"suites.test_forward_backward::{FAILING_CASE}"] and "--pyargs" in words, words
-    again = _run([str(python), "-m", *words, "-p", "no:cacheprovider", "--report-dir", "none"],
-                 cwd=work, env=env, timeout=300)
+    assert (
+        words[:2] == ["pytest", f"suites.test_forward_backward::{FAILING_CASE}"]
+        and "--pyargs" in words
+    ), words
+    again = _run(
+        [str(python), "-m", *words, "-p", "no:cacheprovider", "--report-dir", "none"],
+        cwd=work,
+        env=env,
+        timeout=300,
+    )
     assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-2000:]
     assert "1 failed" in again.stdout and "out[rank=" in again.stdout, again.stdout[-3000:]
 
@@ -195,8 +311,12 @@ def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path
 def test_entry_points_are_the_plugins_the_root_conftest_lists() -> None:
     """One name per plugin module in both places, so a checkout with the package installed
     (pip install -e .) registers each plugin once."""
-    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
-    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["pytest11"]
+    tomllib = pytest.importorskip(
+        "tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib"
+    )
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][
+        "pytest11"
+    ]
     assert all(name == module for name, module in entry_points.items()), entry_points
     conftest = (ROOT / "conftest.py").read_text()
     listed = re.search(r"pytest_plugins = (\[.*?\])", conftest, re.S)

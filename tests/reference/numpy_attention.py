@@ -95,7 +95,9 @@ def masked_forward_backward(
     s = np.where(vis, s, -np.inf)
     cols = [s]
     if sinks is not None:
-        sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64).reshape(1, -1, 1, 1), (*s.shape[:3], 1))
+        sink = np.broadcast_to(
+            np.asarray(sinks, dtype=np.float64).reshape(1, -1, 1, 1), (*s.shape[:3], 1)
+        )
         cols.append(sink)
     ext = np.concatenate(cols, axis=-1)
     m = ext.max(axis=-1, keepdims=True)
@@ -110,8 +112,14 @@ def masked_forward_backward(
     ds = p * (np.einsum("bhqd,bhkd->bhqk", dout, ve) - delta)
     dq = scale * np.einsum("bhqk,bhkd->bhqd", ds, ke)
     b, _, sk, d = ke.shape
-    dk = (scale * np.einsum("bhqk,bhqd->bhkd", ds, q)).reshape(b, heads_kv, heads // heads_kv, sk, d).sum(2)
-    dv = np.einsum("bhqk,bhqd->bhkd", p, dout).reshape(b, heads_kv, heads // heads_kv, sk, -1).sum(2)
+    dk = (
+        (scale * np.einsum("bhqk,bhqd->bhkd", ds, q))
+        .reshape(b, heads_kv, heads // heads_kv, sk, d)
+        .sum(2)
+    )
+    dv = (
+        np.einsum("bhqk,bhqd->bhkd", p, dout).reshape(b, heads_kv, heads // heads_kv, sk, -1).sum(2)
+    )
     dsinks = None
     if sinks is not None:
         dsinks = -(pe[..., -1:] * delta).sum(axis=(0, 2, 3))

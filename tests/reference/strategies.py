@@ -47,8 +47,14 @@ def make_problem(
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads_kv * groups, seq_q, head_dim, generator=gen, dtype=torch.float64)
     k = torch.randn(batch, heads_kv, seq_k, head_dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, heads_kv, seq_k, head_dim if head_dim_v is None else head_dim_v, generator=gen,
-                    dtype=torch.float64)
+    v = torch.randn(
+        batch,
+        heads_kv,
+        seq_k,
+        head_dim if head_dim_v is None else head_dim_v,
+        generator=gen,
+        dtype=torch.float64,
+    )
     return Problem(q * magnitude, k * magnitude, v, is_causal, scale)
 
 

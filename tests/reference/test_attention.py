@@ -100,13 +100,29 @@ CASES = [
     # value's own head dim (multi-head latent attention): wider and narrower than query's and key's
     pytest.param(
         dict(
-            batch=2, heads_kv=2, groups=1, seq_q=11, seq_k=11, head_dim=8, head_dim_v=13, is_causal=False, scale=None
+            batch=2,
+            heads_kv=2,
+            groups=1,
+            seq_q=11,
+            seq_k=11,
+            head_dim=8,
+            head_dim_v=13,
+            is_causal=False,
+            scale=None,
         ),
         id="mla-wider-value",
     ),
     pytest.param(
         dict(
-            batch=1, heads_kv=2, groups=2, seq_q=12, seq_k=12, head_dim=24, head_dim_v=8, is_causal=True, scale=0.2
+            batch=1,
+            heads_kv=2,
+            groups=2,
+            seq_q=12,
+            seq_k=12,
+            head_dim=24,
+            head_dim_v=8,
+            is_causal=True,
+            scale=0.2,
         ),
         id="mla-narrower-value-gqa-causal",
     ),

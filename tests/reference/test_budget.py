@@ -25,7 +25,10 @@ def with_error(ref: torch.Tensor, index: tuple[int, ...], err: float) -> torch.T
 
 def test_table_and_unit_roundoffs() -> None:
     assert {d: t.k for d, t in TOLERANCES.items()} == {
-        torch.float64: 2.0, torch.float32: 2.0, torch.bfloat16: 2.0, torch.float16: 2.0,
+        torch.float64: 2.0,
+        torch.float32: 2.0,
+        torch.bfloat16: 2.0,
+        torch.float16: 2.0,
     }
     for dtype, u in budget.UNIT_ROUNDOFF.items():
         assert u == torch.finfo(dtype).eps / 2, dtype  # half an ulp at 1
@@ -36,7 +39,9 @@ def test_table_and_unit_roundoffs() -> None:
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 def test_a_result_at_the_baseline_passes_and_k_plus_one_times_fails(dtype: torch.dtype) -> None:
     ref = reference_tensor()
-    e = 1e4 * budget.floors(None, ref, result_dtype=dtype, input_dtype=dtype).max_floor  # far above the floor
+    e = (
+        1e4 * budget.floors(None, ref, result_dtype=dtype, input_dtype=dtype).max_floor
+    )  # far above the floor
     base = with_error(ref, (0, 1, 2, 3), e)
     k = TOLERANCES[dtype].k
     at_baseline = check("out", with_error(ref, (0, 1, 2, 3), e), ref, base, dtype=dtype)
@@ -72,12 +77,18 @@ def test_floor_with_magnitudes_follows_its_formula() -> None:
     scale = budget.ErrorScale(mag, comp, cond, mag / 2, comp / 3, cond / 4)
     ref = torch.zeros(shape, dtype=torch.float64)
     u16, u32 = budget.UNIT_ROUNDOFF[torch.bfloat16], budget.UNIT_ROUNDOFF[torch.float32]
-    fl = budget.floors(scale, ref, result_dtype=torch.bfloat16, input_dtype=torch.bfloat16, roundings=5)
+    fl = budget.floors(
+        scale, ref, result_dtype=torch.bfloat16, input_dtype=torch.bfloat16, roundings=5
+    )
     per_element = u16 * mag + 5 * u32 * (comp + cond)
     assert fl.max_floor == pytest.approx(float(per_element.max()))
-    assert fl.mean_floor == pytest.approx(float((u16 * mag / 2 + math.sqrt(5) * u32 * (comp / 3 + cond / 4)).mean()))
+    assert fl.mean_floor == pytest.approx(
+        float((u16 * mag / 2 + math.sqrt(5) * u32 * (comp / 3 + cond / 4)).mean())
+    )
     # The same quantity in float32 (e.g. an LSE of bfloat16 inputs) gets float32's rounding.
-    fl32 = budget.floors(scale, ref, result_dtype=torch.float32, input_dtype=torch.bfloat16, roundings=5)
+    fl32 = budget.floors(
+        scale, ref, result_dtype=torch.float32, input_dtype=torch.bfloat16, roundings=5
+    )
     assert fl32.max_floor == pytest.approx(float((u32 * mag + 5 * u32 * (comp + cond)).max()))
 
 
@@ -86,8 +97,16 @@ def _brute_force_scales(q, k, v, do, visible, scale):
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = h // hkv
-    res = {n: [torch.zeros(t, dtype=torch.float64) for _ in range(6)] for n, t in (
-        ("out", (b, h, sq, d)), ("lse", (b, h, sq)), ("dq", (b, h, sq, d)), ("dk", (b, hkv, sk, d)), ("dv", (b, hkv, sk, d)))}
+    res = {
+        n: [torch.zeros(t, dtype=torch.float64) for _ in range(6)]
+        for n, t in (
+            ("out", (b, h, sq, d)),
+            ("lse", (b, h, sq)),
+            ("dq", (b, h, sq, d)),
+            ("dk", (b, hkv, sk, d)),
+            ("dv", (b, hkv, sk, d)),
+        )
+    }
     for bi in range(b):
         for hi in range(h):
             kh = hi // g
@@ -115,7 +134,11 @@ def _brute_force_scales(q, k, v, do, visible, scale):
                     add("lse", 2, (bi, hi, i), p[j] * kap)
                     dp = float(do[bi, hi, i] @ v[bi, kh, j])
                     dpa = float(do[bi, hi, i].abs() @ v[bi, kh, j].abs())
-                    dcond = float((do[bi, hi, i].abs() * sum(p[jj] * v[bi, kh, jj].abs() for jj in seen)).sum())
+                    dcond = float(
+                        (
+                            do[bi, hi, i].abs() * sum(p[jj] * v[bi, kh, jj].abs() for jj in seen)
+                        ).sum()
+                    )
                     m_ds, a_ds = p[j] * (abs(dp - delta) + dmag), p[j] * (dpa + dmag)
                     c_ds = p[j] * kap * (abs(dp - delta) + dcond)
                     for idx, w in enumerate((m_ds, a_ds, c_ds)):
@@ -143,11 +166,23 @@ def test_error_scales_match_a_brute_force_count() -> None:
     visible[0, 0] = False  # a row that sees nothing: its magnitudes are 0
     got = budget.error_scales(q, k, v, do, visible=visible, scale=0.7)
     want = _brute_force_scales(q, k, v, do, visible, 0.7)
-    fields = ("magnitude", "compute", "conditioning", "magnitude_rss", "compute_rss", "conditioning_rss")
+    fields = (
+        "magnitude",
+        "compute",
+        "conditioning",
+        "magnitude_rss",
+        "compute_rss",
+        "conditioning_rss",
+    )
     for name, values in want.items():
         for field, expected in zip(fields, values):
-            torch.testing.assert_close(getattr(got[name], field), expected.double(), rtol=1e-9, atol=1e-12,
-                                       msg=lambda text, n=name, f=field: f"{n}.{f}: {text}")
+            torch.testing.assert_close(
+                getattr(got[name], field),
+                expected.double(),
+                rtol=1e-9,
+                atol=1e-12,
+                msg=lambda text, n=name, f=field: f"{n}.{f}: {text}",
+            )
     assert float(got["out"].magnitude[0, :, 0].abs().sum()) == 0.0
 
 
@@ -179,15 +214,34 @@ def test_lse_is_judged_in_float32_for_16_bit_inputs() -> None:
     """Every kernel returns the LSE in float32: an LSE off by 4e-3 is a broken LSE, even though
     4e-3 is about one rounding of bfloat16."""
     gen = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen, dtype=torch.float64).to(torch.bfloat16).double() for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 2, 8, 16, generator=gen, dtype=torch.float64).to(torch.bfloat16).double()
+        for _ in range(3)
+    )
     from reference.attention import attention
 
     lse = attention(q, k, v).lse
     scales = budget.error_scales(q, k, v)["lse"]
     off = lse + 4e-3
-    v32 = check("lse", off.float(), lse, lse.float(), dtype=torch.bfloat16, result_dtype=torch.float32, scales=scales)
+    v32 = check(
+        "lse",
+        off.float(),
+        lse,
+        lse.float(),
+        dtype=torch.bfloat16,
+        result_dtype=torch.float32,
+        scales=scales,
+    )
     assert not v32.passed and "float32 result of bfloat16 inputs" in v32.message
-    as_bf16 = check("lse", off.float(), lse, lse.float(), dtype=torch.bfloat16, result_dtype=torch.bfloat16, scales=scales)
+    as_bf16 = check(
+        "lse",
+        off.float(),
+        lse,
+        lse.float(),
+        dtype=torch.bfloat16,
+        result_dtype=torch.bfloat16,
+        scales=scales,
+    )
     assert as_bf16.passed  # what judging it by its input dtype let through
 
 
@@ -204,7 +258,9 @@ def test_mean_rule_bites_on_a_ring_systematically_worse_than_the_kernel() -> Non
     """Every element off by 10x the kernel's mean error, none beyond what the max rule allows:
     the mean rule fails it (its floor is a typical rounding, not a worst case)."""
     gen = torch.Generator().manual_seed(11)
-    q, k, v, do = (torch.randn(2, 4, 32, 16, generator=gen, dtype=torch.float64).float() for _ in range(4))
+    q, k, v, do = (
+        torch.randn(2, 4, 32, 16, generator=gen, dtype=torch.float64).float() for _ in range(4)
+    )
     from reference.attention import attention_grads
 
     ref = attention_grads(q, k, v, do).out
@@ -215,7 +271,9 @@ def test_mean_rule_bites_on_a_ring_systematically_worse_than_the_kernel() -> Non
     worse = ref + noise.sign() * 10 * mean_base
     verdict = check("out", worse, ref, base, dtype=torch.float32, scales=scales, world_size=4)
     assert verdict.max_err <= verdict.max_bound, verdict.message
-    assert not verdict.passed and "exceeded" in verdict.message.split("mean err")[1], verdict.message
+    assert not verdict.passed and "exceeded" in verdict.message.split("mean err")[1], (
+        verdict.message
+    )
     fine = ref + noise.sign() * 1.5 * mean_base  # within k of the kernel on average: passes
     assert check("out", fine, ref, base, dtype=torch.float32, scales=scales, world_size=4).passed
 

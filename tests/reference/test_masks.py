@@ -28,11 +28,24 @@ def _by_hand(spec: dict, n: int) -> list[list[bool]]:
             elif kind == "causal":
                 seen = j <= i
             elif kind == "document":
-                ids = spec["doc_ids"] if "doc_ids" in spec else [
-                    next((d for d, (a, b) in enumerate(itertools.pairwise(spec["cu_seqlens"])) if a <= t < b), -1)
-                    for t in range(n)
-                ]
-                seen = ids[i] == ids[j] and ids[i] != -1 and (j <= i or not spec.get("causal", True))
+                ids = (
+                    spec["doc_ids"]
+                    if "doc_ids" in spec
+                    else [
+                        next(
+                            (
+                                d
+                                for d, (a, b) in enumerate(itertools.pairwise(spec["cu_seqlens"]))
+                                if a <= t < b
+                            ),
+                            -1,
+                        )
+                        for t in range(n)
+                    ]
+                )
+                seen = (
+                    ids[i] == ids[j] and ids[i] != -1 and (j <= i or not spec.get("causal", True))
+                )
             elif kind == "sliding_window":
                 left, right = spec.get("left"), spec.get("right")
                 seen = (left is None or i - left <= j) and (right is None or j <= i + right)
@@ -62,7 +75,9 @@ SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items() if k != "doc_ids"))
+@pytest.mark.parametrize(
+    "spec", SPECS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items() if k != "doc_ids")
+)
 def test_each_family_matches_its_definition(spec: dict) -> None:
     got = visibility(spec, N, N)
     assert got.shape == (1, 1, N, N)
@@ -77,8 +92,13 @@ def test_and_or_and_mask_mod_compose() -> None:
     either = visibility({"kind": "or", "masks": [doc, window]}, N, N)
     assert torch.equal(either, visibility(doc, N, N) | visibility(window, N, N))
     # mask_mod in flex attention's convention, varying by batch and head
-    per_head = visibility({"kind": "mask_mod", "fn": lambda b, h, q, k: (k <= q) & ((q - k) <= h + b)}, N, N,
-                          batch=2, heads=3)
+    per_head = visibility(
+        {"kind": "mask_mod", "fn": lambda b, h, q, k: (k <= q) & ((q - k) <= h + b)},
+        N,
+        N,
+        batch=2,
+        heads=3,
+    )
     for b, h in itertools.product(range(2), range(3)):
         want = [[j <= i and i - j <= h + b for j in range(N)] for i in range(N)]
         assert per_head[b, h].tolist() == want
@@ -100,7 +120,9 @@ def test_document_ids_from_cu_seqlens_and_bad_boundaries() -> None:
         document_ids({"doc_ids": [0, 0]}, 5)
 
 
-@pytest.mark.parametrize("spec", [SPECS[2], SPECS[4], SPECS[6], SPECS[9]], ids=["doc", "cu", "window", "chunked"])
+@pytest.mark.parametrize(
+    "spec", [SPECS[2], SPECS[4], SPECS[6], SPECS[9]], ids=["doc", "cu", "window", "chunked"]
+)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_masked_attention_with_sinks_matches_numpy(spec: dict, with_sinks: bool) -> None:
     gen = torch.Generator().manual_seed(4)
@@ -110,12 +132,20 @@ def test_masked_attention_with_sinks_matches_numpy(spec: dict, with_sinks: bool)
     sinks = torch.randn(4, generator=gen, dtype=torch.float64) if with_sinks else None
     vis = visibility(spec, N, N)
     ref = attention_grads(q, k, v, do, visible=vis, sinks=sinks)
-    want = numpy_attention.masked_forward_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), vis.numpy(),
-                                                   None if sinks is None else sinks.numpy())
+    want = numpy_attention.masked_forward_backward(
+        q.numpy(),
+        k.numpy(),
+        v.numpy(),
+        do.numpy(),
+        vis.numpy(),
+        None if sinks is None else sinks.numpy(),
+    )
     for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), ref[:5], want[:5], strict=True):
         np.testing.assert_allclose(got.numpy(), w, rtol=0, atol=1e-12, err_msg=name)
     if with_sinks:
-        np.testing.assert_allclose(ref.dsinks.numpy(), want[5], rtol=0, atol=1e-12, err_msg="dsinks")
+        np.testing.assert_allclose(
+            ref.dsinks.numpy(), want[5], rtol=0, atol=1e-12, err_msg="dsinks"
+        )
         pad = vis[0, 0].sum(-1) == 0  # padding rows: out 0, lse = the sink
         assert torch.equal(ref.lse[:, :, pad], sinks.view(1, 4, 1).expand(2, 4, int(pad.sum())))
     else:

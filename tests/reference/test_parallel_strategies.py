@@ -13,8 +13,16 @@ from reference import strategies as rs
 from reference.attention import attention
 from ring_impl.strategies import layout as impl_layout
 
-MESHES = [("ulysses", (4, 1)), ("ulysses", (3, 1)), ("hybrid", (2, 2)), ("hybrid", (2, 3)), ("hybrid", (3, 2)),
-          ("hybrid", (4, 1)), ("hybrid", (1, 4)), ("ring", (1, 4))]
+MESHES = [
+    ("ulysses", (4, 1)),
+    ("ulysses", (3, 1)),
+    ("hybrid", (2, 2)),
+    ("hybrid", (2, 3)),
+    ("hybrid", (3, 2)),
+    ("hybrid", (4, 1)),
+    ("hybrid", (1, 4)),
+    ("ring", (1, 4)),
+]
 
 
 def held(strategy: str, layout: str, mesh: tuple[int, int], rank: int, seq: int) -> list[int]:
@@ -29,7 +37,7 @@ def held(strategy: str, layout: str, mesh: tuple[int, int], rank: int, seq: int)
     if strategy == "ulysses":
         return row
     n = len(row) // u_size
-    return row[u * n:(u + 1) * n]
+    return row[u * n : (u + 1) * n]
 
 
 @pytest.mark.parametrize("strategy,mesh", MESHES)
@@ -47,10 +55,16 @@ def test_positions_follow_the_definition_and_agree_with_ring_impl(strategy, mesh
     t = torch.randn(2, 3, seq, 4)
     shards = [rs.shard(t, strategy, layout, mesh, m) for m in range(mesh[0] * mesh[1])]
     assert torch.equal(rs.unshard(shards, strategy, layout, mesh), t)
-    impl_shards = [impl_layout.shard(t, strategy=strategy, layout=layout, mesh_shape=mesh, coords=rs_coords(m, mesh))
-                   for m in range(mesh[0] * mesh[1])]
+    impl_shards = [
+        impl_layout.shard(
+            t, strategy=strategy, layout=layout, mesh_shape=mesh, coords=rs_coords(m, mesh)
+        )
+        for m in range(mesh[0] * mesh[1])
+    ]
     assert all(torch.equal(a, b) for a, b in zip(shards, impl_shards))
-    assert torch.equal(impl_layout.unshard(impl_shards, strategy=strategy, layout=layout, mesh_shape=mesh), t)
+    assert torch.equal(
+        impl_layout.unshard(impl_shards, strategy=strategy, layout=layout, mesh_shape=mesh), t
+    )
     index = (1, 2, seq - 3, 1)
     rank, local = rs.locate(index, strategy, layout, mesh, seq)
     assert shards[rank][local] == t[index]
@@ -61,7 +75,9 @@ def rs_coords(m: int, mesh: tuple[int, int]) -> tuple[int, int]:
 
 
 def test_sequence_divisor_is_what_sharding_needs() -> None:
-    assert impl_layout.sequence_divisor("hybrid", "head_tail", (3, 2)) == 12  # 2R chunks, rows of 2 chunks cut in 3
+    assert (
+        impl_layout.sequence_divisor("hybrid", "head_tail", (3, 2)) == 12
+    )  # 2R chunks, rows of 2 chunks cut in 3
     assert impl_layout.sequence_divisor("hybrid", "contiguous", (3, 2)) == 6
     assert impl_layout.sequence_divisor("ulysses", "head_tail", (4, 1)) == 8
     with pytest.raises(ValueError, match="multiple of 12"):
@@ -77,13 +93,17 @@ def problem(heads: int, heads_kv: int, seq: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("strategy,mesh", [m for m in MESHES if m[0] != "ring"])
-@pytest.mark.parametrize("layout,causal", list(itertools.product(["contiguous", "head_tail"], [False, True])))
+@pytest.mark.parametrize(
+    "layout,causal", list(itertools.product(["contiguous", "head_tail"], [False, True]))
+)
 @pytest.mark.parametrize("heads_kv", [12, 2, 1])
 def test_replay_and_simulation_equal_attention(strategy, mesh, layout, causal, heads_kv) -> None:
     seq = 4 * mesh[0] * mesh[1] * mesh[0]
     q, k, v = problem(12, heads_kv, seq)
     ref = attention(q, k, v, is_causal=causal).out
-    replayed = rs.replay_head_parallel(q, k, v, strategy=strategy, layout=layout, mesh_shape=mesh, is_causal=causal)
+    replayed = rs.replay_head_parallel(
+        q, k, v, strategy=strategy, layout=layout, mesh_shape=mesh, is_causal=causal
+    )
     torch.testing.assert_close(replayed, ref, rtol=0, atol=1e-12)
     if strategy == "hybrid":
         sim = rs.simulate_hybrid(q, k, v, mesh_shape=mesh, layout=layout, is_causal=causal)
@@ -110,12 +130,15 @@ def test_each_replayed_bug_changes_the_result_where_it_can_show() -> None:
         torch.testing.assert_close(same, attention(q, k, v, is_causal=True).out, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("bug,words", [
-    ({"kv_order": "tile"}, "replicated in the wrong order"),
-    ({"split": "sequence"}, "heads and sequence swapped"),
-    ({"assumed_layout": "contiguous"}, "head_tail reorder is missing"),
-    ("local", "local attention, context parallelism silently off"),
-])
+@pytest.mark.parametrize(
+    "bug,words",
+    [
+        ({"kv_order": "tile"}, "replicated in the wrong order"),
+        ({"split": "sequence"}, "heads and sequence swapped"),
+        ({"assumed_layout": "contiguous"}, "head_tail reorder is missing"),
+        ("local", "local attention, context parallelism silently off"),
+    ],
+)
 def test_diagnosis_names_the_replayed_bug(bug, words) -> None:
     mesh, seq = (3, 2), 72
     q, k, v = problem(6, 2, seq, seed=3)
@@ -133,5 +156,7 @@ def test_diagnosis_names_the_replayed_bug(bug, words) -> None:
 def test_diagnosis_of_a_correct_result_names_nothing() -> None:
     q, k, v = problem(4, 4, 16)
     ref = attention(q, k, v).out
-    text = rs.diagnose_strategy(q, k, v, ref, strategy="ulysses", layout="contiguous", mesh_shape=(4, 1), is_causal=False)
+    text = rs.diagnose_strategy(
+        q, k, v, ref, strategy="ulysses", layout="contiguous", mesh_shape=(4, 1), is_causal=False
+    )
     assert "no element is off" in text and "explained" not in text

@@ -169,7 +169,9 @@ def test_property_merge_equals_full_attention(data: st.DataObject) -> None:
         seq_q=seq_q,
         seq_k=seq_k,
         head_dim=data.draw(st.integers(1, 6), label="head_dim"),
-        head_dim_v=data.draw(st.one_of(st.none(), st.integers(1, 7)), label="head_dim_v"),  # MLA: value's own
+        head_dim_v=data.draw(
+            st.one_of(st.none(), st.integers(1, 7)), label="head_dim_v"
+        ),  # MLA: value's own
         is_causal=is_causal,
         scale=data.draw(st.one_of(st.none(), st.floats(0.05, 2.0)), label="scale"),
     )

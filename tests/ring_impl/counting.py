@@ -28,7 +28,10 @@ def varlen_kernel_calls():
     from ring_impl.ops.cpu import CpuFlashVarlenLayoutOp
 
     calls: collections.Counter[str] = collections.Counter()
-    forward, backward = CpuFlashVarlenLayoutOp.kernel_forward, CpuFlashVarlenLayoutOp.kernel_backward
+    forward, backward = (
+        CpuFlashVarlenLayoutOp.kernel_forward,
+        CpuFlashVarlenLayoutOp.kernel_backward,
+    )
 
     def counted_forward(self, *args, **kwargs):
         calls["forward"] += 1
@@ -38,8 +41,14 @@ def varlen_kernel_calls():
         calls["backward"] += 1
         return backward(self, *args, **kwargs)
 
-    CpuFlashVarlenLayoutOp.kernel_forward, CpuFlashVarlenLayoutOp.kernel_backward = counted_forward, counted_backward
+    CpuFlashVarlenLayoutOp.kernel_forward, CpuFlashVarlenLayoutOp.kernel_backward = (
+        counted_forward,
+        counted_backward,
+    )
     try:
         yield calls
     finally:
-        CpuFlashVarlenLayoutOp.kernel_forward, CpuFlashVarlenLayoutOp.kernel_backward = forward, backward
+        CpuFlashVarlenLayoutOp.kernel_forward, CpuFlashVarlenLayoutOp.kernel_backward = (
+            forward,
+            backward,
+        )

@@ -8,8 +8,16 @@ import torch
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 
 
-def assert_ring_matches_oracle(label: str, results: list[dict], inputs: tuple[torch.Tensor, ...], visible: torch.Tensor,
-                               *, layout: str, world_size: int, dtype: torch.dtype) -> None:
+def assert_ring_matches_oracle(
+    label: str,
+    results: list[dict],
+    inputs: tuple[torch.Tensor, ...],
+    visible: torch.Tensor,
+    *,
+    layout: str,
+    world_size: int,
+    dtype: torch.dtype,
+) -> None:
     """``results``: each rank's dict of local shards (out, lse, dq, dk, dv) under ``layout``;
     ``inputs``: the global (query, key, value, grad_out) in ``dtype``; ``visible``: the mask's
     visibility on global positions. The LSE is judged in float32 where ``dtype`` is lower."""
@@ -24,12 +32,28 @@ def assert_ring_matches_oracle(label: str, results: list[dict], inputs: tuple[to
         got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
         result_dtype = torch.float32 if n == "lse" and dtype != torch.float64 else dtype
         want = getattr(ref, n)
-        assert_close(f"{n} [{label}]", got, want, want.to(result_dtype), world_size=world_size, dtype=dtype,
-                     result_dtype=result_dtype, scales=scales[n])
+        assert_close(
+            f"{n} [{label}]",
+            got,
+            want,
+            want.to(result_dtype),
+            world_size=world_size,
+            dtype=dtype,
+            result_dtype=result_dtype,
+            scales=scales[n],
+        )
 
 
-def assert_masked_op_matches_math(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-                                  visible: torch.Tensor, *, scale: float) -> torch.Tensor:
+def assert_masked_op_matches_math(
+    op,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
     """``op``'s forward (out, LSE) and backward on a masked block against the math op's, by the
     numerics policy (reference.budget): the math op in float64 is the reference R, the math op in
     the inputs' dtype the baseline B (two float32 kernels differ by their roundings, whose size
@@ -51,8 +75,16 @@ def assert_masked_op_matches_math(op, q: torch.Tensor, k: torch.Tensor, v: torch
     def judged(name, x, r, base, rows=None):
         if rows is not None:  # rows that see nothing: no value to judge
             x, r, base = (t.to(torch.float64).masked_fill(~rows, 0.0) for t in (x, r, base))
-        assert_close(f"{name} [{getattr(op, 'name', op)} against the math op]", x, r, base, world_size=1, dtype=dtype,
-                     result_dtype=lse_dtype if name == "lse" else dtype, scales=scales[name])
+        assert_close(
+            f"{name} [{getattr(op, 'name', op)} against the math op]",
+            x,
+            r,
+            base,
+            world_size=1,
+            dtype=dtype,
+            result_dtype=lse_dtype if name == "lse" else dtype,
+            scales=scales[name],
+        )
 
     out, lse = op.forward(q, k, v, is_causal=False, scale=scale, attn_mask=visible)
     want_out, want_lse = math.forward(q, k, v, is_causal=False, scale=scale, attn_mask=visible)
@@ -60,11 +92,25 @@ def assert_masked_op_matches_math(op, q: torch.Tensor, k: torch.Tensor, v: torch
     judged("out", out, ref_out, want_out, live.unsqueeze(-1))
     judged("lse", lse[..., :sq], ref_lse, want_lse, live)
     grad_out = grad_out * live.unsqueeze(-1)
-    ring_lse, ring_out = torch.where(live, want_lse, 0.0), torch.where(live.unsqueeze(-1), want_out, 0.0)  # as merged
-    got = op.backward(grad_out, q, k, v, ring_out, ring_lse, is_causal=False, scale=scale, attn_mask=visible)
-    want = math.backward(grad_out, q, k, v, ring_out, ring_lse, is_causal=False, scale=scale, attn_mask=visible)
-    ref = math.backward(wide[3] * live.unsqueeze(-1), *wide[:3], torch.where(live.unsqueeze(-1), ref_out, 0.0),
-                        torch.where(live, ref_lse, 0.0), is_causal=False, scale=scale, attn_mask=visible)
+    ring_lse, ring_out = (
+        torch.where(live, want_lse, 0.0),
+        torch.where(live.unsqueeze(-1), want_out, 0.0),
+    )  # as merged
+    got = op.backward(
+        grad_out, q, k, v, ring_out, ring_lse, is_causal=False, scale=scale, attn_mask=visible
+    )
+    want = math.backward(
+        grad_out, q, k, v, ring_out, ring_lse, is_causal=False, scale=scale, attn_mask=visible
+    )
+    ref = math.backward(
+        wide[3] * live.unsqueeze(-1),
+        *wide[:3],
+        torch.where(live.unsqueeze(-1), ref_out, 0.0),
+        torch.where(live, ref_lse, 0.0),
+        is_causal=False,
+        scale=scale,
+        attn_mask=visible,
+    )
     for what, g, w, r in zip(("dq", "dk", "dv"), got, want, ref):
         assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape, g.dtype, w.dtype)
         judged(what, g, r, w)

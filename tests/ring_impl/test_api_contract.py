@@ -33,7 +33,10 @@ def test_disagreement_says_which_rank_has_what(rank_pool, what: str) -> None:
         assert all("dtype (ranks 0-1 float32; rank 2 float64)" in m for m in messages), messages
         assert not any("pad" in m for m in messages), messages  # padding would not help
     else:
-        assert all("seq_q (ranks 0-1 8; rank 2 10)" in m and "pad the global sequence" in m for m in messages), messages
+        assert all(
+            "seq_q (ranks 0-1 8; rank 2 10)" in m and "pad the global sequence" in m
+            for m in messages
+        ), messages
 
 
 def test_disagreement_table_in_words() -> None:
@@ -65,8 +68,13 @@ def test_a_rank_outside_the_group_is_told_so(rank_pool) -> None:
 
 def _create_graph(ctx) -> dict:
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3))
-    out = ring_attention(q, k, v, group=ctx.group, is_causal=True, layout="head_tail", rotate_method="alltoall")
+    q, k, v = (
+        torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64).requires_grad_()
+        for _ in range(3)
+    )
+    out = ring_attention(
+        q, k, v, group=ctx.group, is_causal=True, layout="head_tail", rotate_method="alltoall"
+    )
     plain = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
     with_graph = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
     result = {"equal": all(torch.equal(a, b) for a, b in zip(plain, with_graph))}
@@ -78,35 +86,56 @@ def _create_graph(ctx) -> dict:
     return result
 
 
-def test_create_graph_gives_first_order_gradients_and_a_clear_error_for_the_second(rank_pool) -> None:
+def test_create_graph_gives_first_order_gradients_and_a_clear_error_for_the_second(
+    rank_pool,
+) -> None:
     results = rank_pool(2).run(_create_graph, timeout=60.0)
     for rank, r in enumerate(results):
-        assert r["equal"], f"rank {rank}: gradients with create_graph=True differ from the plain ones"
-        assert "once_differentiable" in r["second"] or "does not require grad" in r["second"], (rank, r["second"])
+        assert r["equal"], (
+            f"rank {rank}: gradients with create_graph=True differ from the plain ones"
+        )
+        assert "once_differentiable" in r["second"] or "does not require grad" in r["second"], (
+            rank,
+            r["second"],
+        )
     assert results[0]["second"] == results[1]["second"]
 
 
-@pytest.mark.parametrize("op_name", ["cpu_flash", "math", "cpu_efficient_layout", "cpu_cudnn_layout"])
+@pytest.mark.parametrize(
+    "op_name", ["cpu_flash", "math", "cpu_efficient_layout", "cpu_cudnn_layout"]
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_every_op_backpropagates_the_lse_gradient(op_name: str, dtype: torch.dtype, is_causal: bool) -> None:
+def test_every_op_backpropagates_the_lse_gradient(
+    op_name: str, dtype: torch.dtype, is_causal: bool
+) -> None:
     """call_backward with grad_lse (math: natively; the aten kernels: folded into out) against
     float64 autograd of (out * dO).sum() + (lse * g).sum(), on one device."""
     op = get_op(op_name)
     gen = torch.Generator().manual_seed(7)
-    q, k, v, do = (torch.randn(2, 4, 12, 16, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4))
+    q, k, v, do = (
+        torch.randn(2, 4, 12, 16, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4)
+    )
     g = torch.randn(2, 4, 12, generator=gen, dtype=torch.float64).to(dtype)
     out, lse = call_forward(op, q, k, v, is_causal=is_causal, scale=0.25)
-    lse = lse[..., :12].reshape(2, 4, 12).float() if dtype != torch.float64 else lse[..., :12].reshape(2, 4, 12)
+    lse = (
+        lse[..., :12].reshape(2, 4, 12).float()
+        if dtype != torch.float64
+        else lse[..., :12].reshape(2, 4, 12)
+    )
     got = call_backward(op, do, q, k, v, out, lse, is_causal=is_causal, scale=0.25, grad_lse=g)
     without = call_backward(op, do, q, k, v, out, lse, is_causal=is_causal, scale=0.25)
     ref = attention_grads(q, k, v, do, is_causal=is_causal, scale=0.25, grad_lse=g)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
     for name, x, r, w in zip(("dq", "dk", "dv"), got, (ref.dq, ref.dk, ref.dv), without):
         err = float((x.double() - r).abs().max())
-        assert err <= tol * max(1.0, float(r.abs().max())), f"{name}: max err {err:.2e} ({op_name}, {dtype})"
+        assert err <= tol * max(1.0, float(r.abs().max())), (
+            f"{name}: max err {err:.2e} ({op_name}, {dtype})"
+        )
         if name != "dv":  # the LSE's gradient changes dq and dk (dv does not depend on it)
-            assert float((w.double() - r).abs().max()) > 10 * err, f"{name}: grad_lse made no difference"
+            assert float((w.double() - r).abs().max()) > 10 * err, (
+                f"{name}: grad_lse made no difference"
+            )
 
 
 def test_the_lse_is_differentiable_through_the_ring(rank_pool) -> None:
@@ -127,7 +156,9 @@ def _lse_only_loss(ctx) -> dict:
     w, r = ctx.world_size, ctx.rank
     ql, kl, vl = (shard(t, w, r, layout="head_tail").requires_grad_() for t in (q, k, v))
     gl = shard(g.unsqueeze(-1), w, r, layout="head_tail").squeeze(-1)
-    _out, lse = ring_attention(ql, kl, vl, group=ctx.group, is_causal=True, layout="head_tail", return_lse=True)
+    _out, lse = ring_attention(
+        ql, kl, vl, group=ctx.group, is_causal=True, layout="head_tail", return_lse=True
+    )
     (lse * gl).sum().backward()  # out unused: its gradient is None, not zeros
     return {"dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
@@ -151,7 +182,11 @@ def test_auto_routes_around_cpu_flash_causal_nonpositive_scale() -> None:
 
     cpu = torch.device("cpu")
     assert resolve_op("auto", cpu, torch.float32, 16, scale=-0.5, is_causal=True).name == "math"
-    assert resolve_op("auto", cpu, torch.float32, 16, scale=-0.5, is_causal=False).name == "cpu_flash"
+    assert (
+        resolve_op("auto", cpu, torch.float32, 16, scale=-0.5, is_causal=False).name == "cpu_flash"
+    )
     assert resolve_op("auto", cpu, torch.float32, 16, scale=0.5, is_causal=True).name == "cpu_flash"
-    why = get_op("cpu_flash").capabilities.unsupported(cpu, torch.float32, 16, scale=0.0, is_causal=True)
+    why = get_op("cpu_flash").capabilities.unsupported(
+        cpu, torch.float32, 16, scale=0.0, is_causal=True
+    )
     assert why is not None and "scale 0.0 <= 0" in why

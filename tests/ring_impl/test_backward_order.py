@@ -34,8 +34,12 @@ def _blocks_of(order: list[StepPlan]) -> list[Block]:
 
 @pytest.mark.parametrize("own_first", [False, True])
 def test_an_own_step_of_several_blocks_is_cut_around_the_others(own_first) -> None:
-    own = [_block(0, (0, 4), (0, 4), "causal"), _block(0, (4, 8), (0, 4)), _block(0, (4, 8), (4, 8), "causal"),
-           _block(0, (8, 16), (8, 16))]
+    own = [
+        _block(0, (0, 4), (0, 4), "causal"),
+        _block(0, (4, 8), (0, 4)),
+        _block(0, (4, 8), (4, 8), "causal"),
+        _block(0, (8, 16), (8, 16)),
+    ]
     plans = _plans(own, others=2)
     order = backward_order(plans, own_first)
     assert [p.step for p in order] == [0, 1, 2, 0]
@@ -92,13 +96,23 @@ def _events(ctx, rotate: str):
         def method(self, *args, **kwargs):
             events.append(event)
             return original(self, *args, **kwargs)
+
         return method
 
     link_mod.Transfer.result, link_mod._WorkTransfer.result, link_mod.Link.flush = (
-        record(f, e) for f, e in zip(saved, "wws"))
+        record(f, e) for f, e in zip(saved, "wws")
+    )
     try:
-        out = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=docs, layout="head_tail",
-                                       rotate_method=rotate, op=Recording())
+        out = ring_impl.ring_attention(
+            q,
+            k,
+            v,
+            group=ctx.group,
+            mask=docs,
+            layout="head_tail",
+            rotate_method=rotate,
+            op=Recording(),
+        )
         events.clear()
         out.sum().backward()
     finally:
@@ -108,12 +122,18 @@ def _events(ctx, rotate: str):
 
 @pytest.mark.parametrize("rotate", ["alltoall", "p2p", "allgather"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_backward_computes_while_its_first_and_last_transfers_travel(ring, rotate, world) -> None:
+def test_the_backward_computes_while_its_first_and_last_transfers_travel(
+    ring, rotate, world
+) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"the backward's order is ring_impl's own; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"the backward's order is ring_impl's own; the implementation under test is {ring.impl.spec}"
+        )
     for rank, events in enumerate(ring.rank_pool(world).run(_events, rotate, timeout=120.0)):
         assert {"k", "s", "w"} <= set(events), f"rank {rank}: {events}"
-        assert "k" in events[:events.index("w")], (
-            f"rank {rank}: the first transfer was waited for before any kernel ran: {events}")
+        assert "k" in events[: events.index("w")], (
+            f"rank {rank}: the first transfer was waited for before any kernel ran: {events}"
+        )
         assert events.rindex("k") > events.rindex("s"), (
-            f"rank {rank}: the last transfer (this rank's dK/dV accumulator, home) was sent after every kernel ran: {events}")
+            f"rank {rank}: the last transfer (this rank's dK/dV accumulator, home) was sent after every kernel ran: {events}"
+        )

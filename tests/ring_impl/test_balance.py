@@ -38,10 +38,18 @@ def test_work_aware_layout_balances_packed_documents(seed: int) -> None:
 
     seq, world = 2048, 4
     mask = Documents(_lognormal_doc_ids(seq, seed))
-    name = register_layout(work_balanced_layout(f"test_docs_{seed}", mask, seq, world, chunks_per_rank=16), replace=True).name
-    balanced, head_tail = _imbalance(rank_work(name, mask, seq, world)), _imbalance(rank_work("head_tail", mask, seq, world))
+    name = register_layout(
+        work_balanced_layout(f"test_docs_{seed}", mask, seq, world, chunks_per_rank=16),
+        replace=True,
+    ).name
+    balanced, head_tail = (
+        _imbalance(rank_work(name, mask, seq, world)),
+        _imbalance(rank_work("head_tail", mask, seq, world)),
+    )
     print(f"seed {seed}: max/mean work, work-aware {balanced:.3f}, head_tail {head_tail:.3f}")
-    assert balanced <= 1.05, f"work-aware layout: max/mean work {balanced:.3f} (head_tail {head_tail:.3f})"
+    assert balanced <= 1.05, (
+        f"work-aware layout: max/mean work {balanced:.3f} (head_tail {head_tail:.3f})"
+    )
     assert balanced <= head_tail
 
 
@@ -54,7 +62,10 @@ def test_work_is_the_visible_area() -> None:
     pos = torch.arange(seq)
     for mask in (Causal(), SlidingWindow(5), Documents(_lognormal_doc_ids(seq, 3))):
         area = int(mask.visible(None, None, pos.view(-1, 1), pos.view(1, -1)).sum())
-        balanced = [register_balanced_layout(b, mask, seq, world)[0] for b in ("document_head_tail", "work_aware")]
+        balanced = [
+            register_balanced_layout(b, mask, seq, world)[0]
+            for b in ("document_head_tail", "work_aware")
+        ]
         for layout in ("contiguous", "head_tail", *balanced):
             assert sum(rank_work(layout, mask, seq, world)) == area, (mask, layout)
 
@@ -82,21 +93,30 @@ def test_document_head_tail_gives_each_rank_a_head_and_a_tail_of_every_document(
         want = []
         for a, n in zip(starts, lengths):
             m = n // (2 * world)
-            want += [(a + r * m, a + (r + 1) * m), (a + (2 * world - 1 - r) * m, a + (2 * world - r) * m)]
+            want += [
+                (a + r * m, a + (r + 1) * m),
+                (a + (2 * world - 1 - r) * m, a + (2 * world - r) * m),
+            ]
         held = torch.cat([torch.arange(a, b) for a, b in layout_runs(name, seq, world, r)])
         assert held.tolist() == torch.cat([torch.arange(a, b) for a, b in want]).tolist(), r
 
 
-@pytest.mark.parametrize("lengths", [[1, 2, 3, 5, 7, 11, 1, 18], [3] * 8, [1] * 24, [50, 1, 1, 20], [23, 1]])
+@pytest.mark.parametrize(
+    "lengths", [[1, 2, 3, 5, 7, 11, 1, 18], [3] * 8, [1] * 24, [50, 1, 1, 20], [23, 1]]
+)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_document_head_tail_keeps_the_layout_rules_for_any_lengths(lengths: list[int], world: int) -> None:
+def test_document_head_tail_keeps_the_layout_rules_for_any_lengths(
+    lengths: list[int], world: int
+) -> None:
     """Leftovers and documents shorter than 2W: every rank S/W tokens, each once, in increasing
     order (layout_runs checks them), and each rank holds at most two runs per document."""
     from ring_impl.balance import document_head_tail_layout, document_spans
     from ring_impl.layout import layout_runs
 
     seq = -(-sum(lengths) // world) * world
-    ids = torch.cat([_ids(lengths), torch.full((seq - sum(lengths),), -1)])  # padding: one more document
+    ids = torch.cat(
+        [_ids(lengths), torch.full((seq - sum(lengths),), -1)]
+    )  # padding: one more document
     name = _registered(document_head_tail_layout("test_dht_any", ids, seq, world))
     runs = [layout_runs(name, seq, world, r) for r in range(world)]  # raises if a rule is broken
     assert sorted(p for rr in runs for a, b in rr for p in range(a, b)) == list(range(seq))
@@ -135,11 +155,18 @@ def test_work_of_head_tail_per_document_against_head_tail_and_work_aware(seed: i
     mask = Documents(_lognormal_doc_ids(seq, seed))
     figures = {}
     for layout in ("head_tail", "document_head_tail", "work_aware"):
-        name = layout if layout == "head_tail" else register_balanced_layout(layout, mask, seq, world)[0]
+        name = (
+            layout
+            if layout == "head_tail"
+            else register_balanced_layout(layout, mask, seq, world)[0]
+        )
         figures[layout] = imbalance(rank_work(name, mask, seq, world))
     print(f"seed {seed}: max/mean work {figures}")
     assert figures["document_head_tail"] <= 1.05 and figures["work_aware"] <= 1.05, figures
-    assert figures["document_head_tail"] < figures["head_tail"] and figures["work_aware"] < figures["head_tail"], figures
+    assert (
+        figures["document_head_tail"] < figures["head_tail"]
+        and figures["work_aware"] < figures["head_tail"]
+    ), figures
     name, _ = register_balanced_layout("document_head_tail", Causal(), seq, world)
     assert rank_work(name, Causal(), seq, world) == rank_work("head_tail", Causal(), seq, world)
     assert imbalance(rank_work(name, Causal(), seq, world)) == 1.0
@@ -164,7 +191,9 @@ def _balanced(balancer: str, doc_ids: torch.Tensor, seq: int, world: int) -> str
     from ring_impl.masks import Documents
 
     if balancer == "work_aware":
-        layout = work_balanced_layout("test_docs_ring", Documents(doc_ids), seq, world, chunks_per_rank=4)
+        layout = work_balanced_layout(
+            "test_docs_ring", Documents(doc_ids), seq, world, chunks_per_rank=4
+        )
     else:
         layout = document_head_tail_layout("test_docs_ring", Documents(doc_ids), seq, world)
     return ring_impl.register_layout(layout, replace=True).name
@@ -177,10 +206,16 @@ def _run(ctx, balancer: str, doc_ids: torch.Tensor, seq: int, rotate: str):
     mask = Documents(doc_ids)
     layout = _balanced(balancer, doc_ids, seq, ctx.world_size)
     gen = torch.Generator().manual_seed(5)
-    q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    q, k, v, dout = (
+        torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4)
+    )
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask, layout=layout, rotate_method=rotate, op="math")
+    out = ring_impl.ring_attention(
+        q, k, v, group=ctx.group, mask=mask, layout=layout, rotate_method=rotate, op="math"
+    )
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -189,7 +224,9 @@ def _run(ctx, balancer: str, doc_ids: torch.Tensor, seq: int, rotate: str):
 @pytest.mark.parametrize("rotate", ["alltoall", "p2p"])
 def test_ring_is_right_on_the_balanced_layouts(ring, rotate: str, balancer: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}"
+        )
     import ring_impl
 
     seq, world = 96, 3
@@ -197,14 +234,23 @@ def test_ring_is_right_on_the_balanced_layouts(ring, rotate: str, balancer: str)
     layout = _balanced(balancer, doc_ids, seq, world)
     results = ring.rank_pool(world).run(_run, balancer, doc_ids, seq, rotate, timeout=120.0)
     gen = torch.Generator().manual_seed(5)
-    q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    q, k, v, dout = (
+        torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4)
+    )
     vis = visibility({"kind": "document", "doc_ids": doc_ids.tolist(), "causal": True}, seq, seq)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis)
     for name in ("out", "dq", "dk", "dv"):
         got = ring_impl.unshard([r[name] for r in results], layout=layout)
         want = getattr(ref, name)
-        assert_close(f"{name} [{balancer} layout, {rotate}]", got, want, want, world_size=world, scales=scales[name])
+        assert_close(
+            f"{name} [{balancer} layout, {rotate}]",
+            got,
+            want,
+            want,
+            world_size=world,
+            scales=scales[name],
+        )
 
 
 def _model_masks(seq: int):
@@ -226,18 +272,29 @@ def test_one_layout_balances_a_model_of_several_masks() -> None:
     seq, world = 1024, 4
     docs, window = _model_masks(seq)
     model = [(docs, 1), (window, 3)]
-    layouts = {what: ring_impl.register_layout(work_balanced_layout(f"test_model_{what}", masks, seq, world),
-                                               replace=True).name
-               for what, masks in (("docs", docs), ("window", window), ("model", model))}
-    model_imbalance = {what: imbalance(rank_work(name, model, seq, world)) for what, name in layouts.items()}
+    layouts = {
+        what: ring_impl.register_layout(
+            work_balanced_layout(f"test_model_{what}", masks, seq, world), replace=True
+        ).name
+        for what, masks in (("docs", docs), ("window", window), ("model", model))
+    }
+    model_imbalance = {
+        what: imbalance(rank_work(name, model, seq, world)) for what, name in layouts.items()
+    }
     for builtin in ("contiguous", "head_tail"):
         model_imbalance[builtin] = imbalance(rank_work(builtin, model, seq, world))
     assert model_imbalance["model"] <= 1.01, model_imbalance
-    assert all(model_imbalance["model"] < v for k, v in model_imbalance.items() if k != "model"), model_imbalance
+    assert all(model_imbalance["model"] < v for k, v in model_imbalance.items() if k != "model"), (
+        model_imbalance
+    )
     # The weighted work is the sum of each mask's work times its layers.
     name = layouts["model"]
-    assert rank_work(name, model, seq, world) == [a + 3 * b for a, b in zip(
-        rank_work(name, docs, seq, world), rank_work(name, window, seq, world), strict=True)]
+    assert rank_work(name, model, seq, world) == [
+        a + 3 * b
+        for a, b in zip(
+            rank_work(name, docs, seq, world), rank_work(name, window, seq, world), strict=True
+        )
+    ]
 
 
 def test_several_masks_are_named_by_all_of_them_and_checked() -> None:
@@ -251,8 +308,12 @@ def test_several_masks_are_named_by_all_of_them_and_checked() -> None:
     other, _ = register_balanced_layout("work_aware", [docs, (window, 2)], 256, 4)
     again, _ = register_balanced_layout("work_aware", [docs, (window, 3)], 256, 4)
     assert one == again and one != other  # the weights are part of the layout's name
-    for bad, message in (([], "non-empty sequence"), ([(docs, 0)], "positive number"), (["causal"], "is not a"),
-                         ([(docs, float("nan"))], "positive number")):
+    for bad, message in (
+        ([], "non-empty sequence"),
+        ([(docs, 0)], "positive number"),
+        (["causal"], "is not a"),
+        ([(docs, float("nan"))], "positive number"),
+    ):
         with pytest.raises(ValueError, match=message):
             weighted_masks(bad)
     # document_head_tail balances documents: the masks must agree on them.
@@ -260,9 +321,16 @@ def test_several_masks_are_named_by_all_of_them_and_checked() -> None:
     _, alone = register_balanced_layout("document_head_tail", docs, 256, 4)
     assert runs == alone
     with pytest.raises(ValueError, match="different document ids"):
-        register_balanced_layout("document_head_tail", [docs, Documents(torch.arange(256) // 64)], 256, 4)
+        register_balanced_layout(
+            "document_head_tail", [docs, Documents(torch.arange(256) // 64)], 256, 4
+        )
     _, plain = register_balanced_layout("document_head_tail", [Causal(), SlidingWindow(8)], 256, 4)
-    assert plain == [((0, 32), (224, 256)), ((32, 64), (192, 224)), ((64, 96), (160, 192)), ((96, 160),)]
+    assert plain == [
+        ((0, 32), (224, 256)),
+        ((32, 64), (192, 224)),
+        ((64, 96), (160, 192)),
+        ((96, 160),),
+    ]
 
 
 def _model_run(ctx, seq: int, layout_masks):
@@ -272,20 +340,33 @@ def _model_run(ctx, seq: int, layout_masks):
     layout, _ = register_balanced_layout("work_aware", layout_masks, seq, ctx.world_size)
     docs, window = _model_masks(seq)
     gen = torch.Generator().manual_seed(9)
-    q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    q, k, v, dout = (
+        torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4)
+    )
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
+    )
     results = {}
     for what, mask in (("docs", docs), ("window", window)):  # two layers, one sharding
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = ring_impl.ring_attention(*leaves, group=ctx.group, mask=mask, layout=layout, op="math")
+        out = ring_impl.ring_attention(
+            *leaves, group=ctx.group, mask=mask, layout=layout, op="math"
+        )
         out.backward(dout)
-        results[what] = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+        results[what] = {
+            "out": out.detach(),
+            "dq": leaves[0].grad,
+            "dk": leaves[1].grad,
+            "dv": leaves[2].grad,
+        }
     return layout, results
 
 
 def test_every_mask_of_the_model_is_right_on_its_one_layout(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}"
+        )
     import ring_impl
     from ring_impl.balance import register_balanced_layout
 
@@ -295,16 +376,31 @@ def test_every_mask_of_the_model_is_right_on_its_one_layout(ring) -> None:
     layout, _ = register_balanced_layout("work_aware", [docs, (window, 3)], seq, world)
     assert all(name == layout for name, _ in runs)
     gen = torch.Generator().manual_seed(9)
-    q, k, v, dout = (torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    q, k, v, dout = (
+        torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(4)
+    )
     ids = docs.doc_ids.tolist()
-    specs = {"docs": {"kind": "document", "doc_ids": ids, "causal": True},
-             "window": {"kind": "and", "masks": [{"kind": "document", "doc_ids": ids, "causal": True},
-                                                 {"kind": "sliding_window", "left": 64, "right": 0}]}}
+    specs = {
+        "docs": {"kind": "document", "doc_ids": ids, "causal": True},
+        "window": {
+            "kind": "and",
+            "masks": [
+                {"kind": "document", "doc_ids": ids, "causal": True},
+                {"kind": "sliding_window", "left": 64, "right": 0},
+            ],
+        },
+    }
     for what, spec in specs.items():
         vis = visibility(spec, seq, seq)
         ref = attention_grads(q, k, v, dout, visible=vis)
         scales = error_scales(q, k, v, dout, visible=vis)
         for name in ("out", "dq", "dk", "dv"):
             got = ring_impl.unshard([r[what][name] for _, r in runs], layout=layout)
-            assert_close(f"{name} [{what} on the model's layout]", got, getattr(ref, name), getattr(ref, name),
-                         world_size=world, scales=scales[name])
+            assert_close(
+                f"{name} [{what} on the model's layout]",
+                got,
+                getattr(ref, name),
+                getattr(ref, name),
+                world_size=world,
+                scales=scales[name],
+            )

@@ -17,9 +17,28 @@ from ring_impl.call import EXCHANGES, Call, exchange_of
 from ring_impl.ops.cpu import CpuFlashOp
 
 #: Every keyword of ring_attention, in order: the signature tools, IDEs and help() show.
-PARAMETERS = ("query", "key", "value", "group", "is_causal", "scale", "rotate_method", "op", "layout",
-              "return_lse", "return_max_logit", "head_chunks", "mask", "sinks", "score_mod", "exchange", "cu_seqlens", "strategy", "halo",
-              "sparse_kv")
+PARAMETERS = (
+    "query",
+    "key",
+    "value",
+    "group",
+    "is_causal",
+    "scale",
+    "rotate_method",
+    "op",
+    "layout",
+    "return_lse",
+    "return_max_logit",
+    "head_chunks",
+    "mask",
+    "sinks",
+    "score_mod",
+    "exchange",
+    "cu_seqlens",
+    "strategy",
+    "halo",
+    "sparse_kv",
+)
 
 
 def test_the_signature_names_every_parameter_and_the_docstring_each() -> None:
@@ -36,16 +55,19 @@ def test_the_signature_names_every_parameter_and_the_docstring_each() -> None:
             assert f'"{exchange}"' in doc, exchange
 
 
-@pytest.mark.parametrize("aliases,exchange", [
-    (dict(strategy="ulysses"), "ulysses"),
-    (dict(strategy="hybrid"), "hybrid"),
-    (dict(strategy="ring"), "auto"),
-    (dict(halo=True), "halo"),
-    (dict(halo=False), "ring"),
-    (dict(sparse_kv=True), "gather"),
-    (dict(sparse_kv=False), "auto"),
-    (dict(strategy="ring", halo=False), "ring"),
-])
+@pytest.mark.parametrize(
+    "aliases,exchange",
+    [
+        (dict(strategy="ulysses"), "ulysses"),
+        (dict(strategy="hybrid"), "hybrid"),
+        (dict(strategy="ring"), "auto"),
+        (dict(halo=True), "halo"),
+        (dict(halo=False), "ring"),
+        (dict(sparse_kv=True), "gather"),
+        (dict(sparse_kv=False), "auto"),
+        (dict(strategy="ring", halo=False), "ring"),
+    ],
+)
 def test_each_alias_names_one_exchange_and_warns(aliases, exchange) -> None:
     full = {"strategy": None, "halo": None, "sparse_kv": None, **aliases}
     with pytest.warns(DeprecationWarning, match="deprecated; pass exchange="):
@@ -54,16 +76,19 @@ def test_each_alias_names_one_exchange_and_warns(aliases, exchange) -> None:
         assert exchange_of(exchange, **full) == (exchange, None)
 
 
-@pytest.mark.parametrize("exchange,aliases,problem", [
-    ("ring", dict(halo=True), "ask for different exchanges; pass exchange= alone"),
-    ("gather", dict(strategy="ulysses"), "ask for different exchanges"),
-    ("auto", dict(halo=True, sparse_kv=True), "two different exchanges"),
-    ("auto", dict(strategy="ulysses", halo=True), "runs with strategy='ring' only"),
-    ("auto", dict(halo="yes"), "halo must be None (automatic), True or False, got 'yes'"),
-    ("auto", dict(sparse_kv=1), "sparse_kv must be True or False, got 1"),
-    ("auto", dict(strategy="tree"), "unknown strategy 'tree'"),
-    ("sideways", dict(halo=True), "unknown exchange 'sideways'"),
-])
+@pytest.mark.parametrize(
+    "exchange,aliases,problem",
+    [
+        ("ring", dict(halo=True), "ask for different exchanges; pass exchange= alone"),
+        ("gather", dict(strategy="ulysses"), "ask for different exchanges"),
+        ("auto", dict(halo=True, sparse_kv=True), "two different exchanges"),
+        ("auto", dict(strategy="ulysses", halo=True), "runs with strategy='ring' only"),
+        ("auto", dict(halo="yes"), "halo must be None (automatic), True or False, got 'yes'"),
+        ("auto", dict(sparse_kv=1), "sparse_kv must be True or False, got 1"),
+        ("auto", dict(strategy="tree"), "unknown strategy 'tree'"),
+        ("sideways", dict(halo=True), "unknown exchange 'sideways'"),
+    ],
+)
 def test_contradicting_aliases_are_a_problem_not_a_guess(exchange, aliases, problem) -> None:
     full = {"strategy": None, "halo": None, "sparse_kv": None, **aliases}
     with pytest.warns(DeprecationWarning):
@@ -81,7 +106,14 @@ def test_exchange_alone_warns_nothing_and_an_unknown_one_is_a_problem() -> None:
 
 
 def test_the_call_knows_its_strategy_and_whether_the_lse_is_needed() -> None:
-    assert [Call(exchange=e).strategy for e in EXCHANGES] == ["ring", "ring", "ring", "ring", "ulysses", "hybrid"]
+    assert [Call(exchange=e).strategy for e in EXCHANGES] == [
+        "ring",
+        "ring",
+        "ring",
+        "ring",
+        "ulysses",
+        "hybrid",
+    ]
     assert Call(exchange="sideways").strategy == "ring"  # the ring's check refuses it
     assert not Call().lse_needed and Call(return_lse=True).lse_needed
     assert Call(sinks=torch.zeros(2)).lse_needed
@@ -100,7 +132,11 @@ class _Deepest(CpuFlashOp):
 
     def forward(self, *args, **kwargs):
         stack = traceback.extract_stack()[:-1]
-        entry = max(i for i, f in enumerate(stack) if f.name == "ring_attention" and f.filename.endswith("api.py"))
+        entry = max(
+            i
+            for i, f in enumerate(stack)
+            if f.name == "ring_attention" and f.filename.endswith("api.py")
+        )
         self.depths.append(len(stack) - entry)
         return super().forward(*args, **kwargs)
 
@@ -111,13 +147,17 @@ def _frames(ctx, masked: bool) -> list[int]:
     op = _Deepest()
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     mask = SlidingWindow(5) if masked else None
-    ring_impl.ring_attention(q, k, v, group=ctx.group, is_causal=True, op=op, mask=mask, exchange="ring")
+    ring_impl.ring_attention(
+        q, k, v, group=ctx.group, is_causal=True, op=op, mask=mask, exchange="ring"
+    )
     return op.depths
 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("masked", [False, True])
-def test_at_most_eight_frames_from_ring_attention_to_the_kernel(rank_pool, world: int, masked: bool) -> None:
+def test_at_most_eight_frames_from_ring_attention_to_the_kernel(
+    rank_pool, world: int, masked: bool
+) -> None:
     for depths in rank_pool(world).run(_frames, masked, timeout=60.0):
         assert depths and max(depths) <= 8, depths
 
@@ -127,24 +167,60 @@ def _both_ways(ctx, exchange: str, aliases: dict):
 
     seq = 16 * ctx.world_size
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (ring_impl.shard(t, ctx.world_size, ctx.rank) for t in torch.randn(3, 1, 2, seq, 8, generator=gen))
-    mask = (SlidingWindow(4) if exchange != "gather" else Documents(torch.arange(seq) // 5, causal=True))
-    new = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask, exchange=exchange, op="math")
+    q, k, v = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank)
+        for t in torch.randn(3, 1, 2, seq, 8, generator=gen)
+    )
+    mask = (
+        SlidingWindow(4) if exchange != "gather" else Documents(torch.arange(seq) // 5, causal=True)
+    )
+    new = ring_impl.ring_attention(
+        q, k, v, group=ctx.group, mask=mask, exchange=exchange, op="math"
+    )
     with pytest.warns(DeprecationWarning):
         old = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask, op="math", **aliases)
-    schedule = ring_impl.collective_schedule(ctx.world_size, "allgather", batch=1, heads=2, heads_kv=2, seq_kv=16,
-                                             seq_q=16, head_dim=8, dtype=torch.float32, mask=mask,
-                                             rank=ctx.rank, exchange=exchange)
-    aliased = ring_impl.collective_schedule(ctx.world_size, "allgather", batch=1, heads=2, heads_kv=2, seq_kv=16,
-                                            seq_q=16, head_dim=8, dtype=torch.float32, mask=mask, rank=ctx.rank,
-                                            **aliases)
+    schedule = ring_impl.collective_schedule(
+        ctx.world_size,
+        "allgather",
+        batch=1,
+        heads=2,
+        heads_kv=2,
+        seq_kv=16,
+        seq_q=16,
+        head_dim=8,
+        dtype=torch.float32,
+        mask=mask,
+        rank=ctx.rank,
+        exchange=exchange,
+    )
+    aliased = ring_impl.collective_schedule(
+        ctx.world_size,
+        "allgather",
+        batch=1,
+        heads=2,
+        heads_kv=2,
+        seq_kv=16,
+        seq_q=16,
+        head_dim=8,
+        dtype=torch.float32,
+        mask=mask,
+        rank=ctx.rank,
+        **aliases,
+    )
     return torch.equal(new, old), schedule == aliased, schedule
 
 
-@pytest.mark.parametrize("exchange,aliases", [
-    ("halo", dict(halo=True)), ("ring", dict(halo=False)), ("gather", dict(sparse_kv=True)),
-])
-def test_an_exchange_and_its_alias_run_the_same_path(rank_pool, exchange: str, aliases: dict) -> None:
+@pytest.mark.parametrize(
+    "exchange,aliases",
+    [
+        ("halo", dict(halo=True)),
+        ("ring", dict(halo=False)),
+        ("gather", dict(sparse_kv=True)),
+    ],
+)
+def test_an_exchange_and_its_alias_run_the_same_path(
+    rank_pool, exchange: str, aliases: dict
+) -> None:
     results = rank_pool(2).run(_both_ways, exchange, aliases, timeout=60.0)
     assert all(same_out and same_schedule for same_out, same_schedule, _ in results), results
     # The exchanges differ: the halo and the gather send other collectives than the ring.
@@ -171,12 +247,15 @@ def _bad_exchange(ctx, kind: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern", [
-    ("unknown", "unknown exchange 'sideways'"),
-    ("contradicting", "ask for different exchanges"),
-    ("ranks_differ", "ranks disagree on mask"),
-    ("halo_cannot", "exchange='halo' but the halo exchange cannot serve this call"),
-])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("unknown", "unknown exchange 'sideways'"),
+        ("contradicting", "ask for different exchanges"),
+        ("ranks_differ", "ranks disagree on mask"),
+        ("halo_cannot", "exchange='halo' but the halo exchange cannot serve this call"),
+    ],
+)
 def test_a_bad_exchange_raises_on_every_rank(rank_pool, kind: str, pattern: str) -> None:
     outcomes = rank_pool(2).run_outcomes(_bad_exchange, kind, timeout=30.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
@@ -190,5 +269,6 @@ def test_the_schedule_refuses_an_unknown_or_contradicted_exchange() -> None:
         ring_impl.collective_schedule(2, "allgather", exchange="sideways", **sizes)
     with pytest.raises(ValueError, match="contradicts"):
         ring_impl.collective_schedule(2, "allgather", exchange="ring", halo=True, **sizes)
-    assert (ring_impl.collective_schedule(2, "allgather", exchange="ring", **sizes)
-            == ring_impl.collective_schedule(2, "allgather", halo=False, **sizes))
+    assert ring_impl.collective_schedule(
+        2, "allgather", exchange="ring", **sizes
+    ) == ring_impl.collective_schedule(2, "allgather", halo=False, **sizes)

@@ -42,19 +42,28 @@ def _lengths(ctx, dynamic, options) -> dict:
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
-@pytest.mark.parametrize("options", [
-    {"is_causal": True, "layout": "head_tail", "rotate_method": "alltoall"},
-    {"is_causal": False, "layout": "contiguous", "rotate_method": "p2p"},
-    {"is_causal": True, "layout": "contiguous", "rotate_method": "allgather", "head_chunks": 2},
-    {"is_causal": True, "layout": "head_tail", "strategy": "ulysses"},
-], ids=["alltoall-causal", "p2p", "allgather-chunks", "ulysses"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"is_causal": True, "layout": "head_tail", "rotate_method": "alltoall"},
+        {"is_causal": False, "layout": "contiguous", "rotate_method": "p2p"},
+        {"is_causal": True, "layout": "contiguous", "rotate_method": "allgather", "head_chunks": 2},
+        {"is_causal": True, "layout": "head_tail", "strategy": "ulysses"},
+    ],
+    ids=["alltoall-causal", "p2p", "allgather-chunks", "ulysses"],
+)
 def test_compiled_call_over_new_lengths_equals_eager(ring, dynamic, options) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl compile property; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"a ring_impl compile property; the implementation under test is {ring.impl.spec}"
+        )
     for rank, run in enumerate(ring.rank_pool(2).run(_lengths, dynamic, options, timeout=240.0)):
         assert all(max(d) == 0 for d in run["equal"].values()), (
             f"rank {rank}: compiled differs from eager (max |difference| of out, dq, dk, dv per local length): "
-            f"{run['equal']}")
+            f"{run['equal']}"
+        )
         # The ring specialises each length (a graph each); Ulysses' all-to-alls take a symbolic
         # length (dynamic=True: one graph; automatic dynamic: the first length's, then one more).
-        assert 1 <= run["frames"] <= len(LENGTHS), f"rank {rank}: {run['frames']} graphs for {len(LENGTHS)} lengths"
+        assert 1 <= run["frames"] <= len(LENGTHS), (
+            f"rank {rank}: {run['frames']} graphs for {len(LENGTHS)} lengths"
+        )

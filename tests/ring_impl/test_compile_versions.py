@@ -36,8 +36,9 @@ def _diffs(ctx) -> list[float]:
     torch._dynamo.reset()
 
     def attention(q, k, v):
-        return ring_impl.ring_attention(q, k, v, group=ctx.group, is_causal=True, layout="head_tail",
-                                        return_lse=True)
+        return ring_impl.ring_attention(
+            q, k, v, group=ctx.group, is_causal=True, layout="head_tail", return_lse=True
+        )
 
     gen = torch.Generator().manual_seed(ctx.rank)
     q, dout = (torch.randn(1, 4, 8, 16, generator=gen) for _ in range(2))
@@ -55,12 +56,21 @@ def _diffs(ctx) -> list[float]:
 @pytest.mark.parametrize("copy", [True, None], ids=["copies", "release_default"])
 def test_compiled_gradients_equal_eager(ring, copy) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl compile property; the implementation under test is {ring.impl.spec}")
-    for rank, diffs in enumerate(ring.rank_pool(2).run(_compiled_against_eager, copy, timeout=240.0)):
-        assert diffs == [0.0] * 5, f"rank {rank}: compiled differs from eager (max |difference| of out, lse, dq, dk, dv): {diffs}"
+        pytest.skip(
+            f"a ring_impl compile property; the implementation under test is {ring.impl.spec}"
+        )
+    for rank, diffs in enumerate(
+        ring.rank_pool(2).run(_compiled_against_eager, copy, timeout=240.0)
+    ):
+        assert diffs == [0.0] * 5, (
+            f"rank {rank}: compiled differs from eager (max |difference| of out, lse, dq, dk, dv): {diffs}"
+        )
 
 
-@pytest.mark.parametrize(("version", "release"), [("2.11.0+cu130", (2, 11)), ("2.13.0+cpu", (2, 13)), ("2.15.0.dev20261101", (2, 15))])
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("2.11.0+cu130", (2, 11)), ("2.13.0+cpu", (2, 13)), ("2.15.0.dev20261101", (2, 15))],
+)
 def test_release_is_read_from_the_version_string(version, release) -> None:
     from ring_impl.ring import _release
 

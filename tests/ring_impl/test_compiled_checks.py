@@ -16,7 +16,9 @@ HEADS, HEAD_DIM, LOCAL = 4, 8, 8
 
 def _skip_other_impls(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"the compiled check is ring_impl's; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"the compiled check is ring_impl's; the implementation under test is {ring.impl.spec}"
+        )
 
 
 def _unregistered_op():
@@ -40,7 +42,9 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
     if case == "layout_bad_on_rank_0" and ctx.rank == 0:
         bad["layout"] = "no_such_layout"  # refused by rank 0's own checks, while tracing
     elif case == "scales_differ":
-        bad["scale"] = 0.25 * (ctx.rank + 1)  # each rank's input fine alone: only the agreement sees it
+        bad["scale"] = 0.25 * (
+            ctx.rank + 1
+        )  # each rank's input fine alone: only the agreement sees it
     elif case == "ulysses_head_dim_differs" and ctx.rank == 1:
         good["strategy"] = bad["strategy"] = "ulysses"
         q, k, v = (t[..., : HEAD_DIM // 2].contiguous() for t in (q, k, v))
@@ -50,8 +54,20 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
     op = _unregistered_op() if op_kind == "object" else None
 
     def attention(q, k, v, layout, scale, strategy):
-        return ring_impl.ring_attention(q, k, v, group=ctx.group, layout=layout, scale=scale, strategy=strategy,
-                                        rotate_method="alltoall", op=op) * 2.0
+        return (
+            ring_impl.ring_attention(
+                q,
+                k,
+                v,
+                group=ctx.group,
+                layout=layout,
+                scale=scale,
+                strategy=strategy,
+                rotate_method="alltoall",
+                op=op,
+            )
+            * 2.0
+        )
 
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
     result: dict = {}
@@ -70,25 +86,34 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
     return result
 
 
-@pytest.mark.parametrize("case,culprit,pattern", [
-    ("layout_bad_on_rank_0", 0, r"layout 'no_such_layout'|unknown layout|no_such_layout"),
-    ("scales_differ", None, r"ranks disagree on scale"),
-    ("ulysses_head_dim_differs", None, r"head_dim"),
-])
+@pytest.mark.parametrize(
+    "case,culprit,pattern",
+    [
+        ("layout_bad_on_rank_0", 0, r"layout 'no_such_layout'|unknown layout|no_such_layout"),
+        ("scales_differ", None, r"ranks disagree on scale"),
+        ("ulysses_head_dim_differs", None, r"head_dim"),
+    ],
+)
 @pytest.mark.parametrize("op_kind", ["name", "object"])
-def test_compiled_call_refuses_bad_input_on_every_rank(ring, case, culprit, pattern, op_kind) -> None:
+def test_compiled_call_refuses_bad_input_on_every_rank(
+    ring, case, culprit, pattern, op_kind
+) -> None:
     """``op_kind="object"``: an op object registered under no name, carried to the check op by a
     key (before, such a call was traced without the check, and a rank refusing its own input
     left the others in their ring collectives)."""
     _skip_other_impls(ring)
     import re
 
-    for rank, run in enumerate(ring.rank_pool(2).run(_compiled_refusal, case, op_kind, timeout=120.0)):
+    for rank, run in enumerate(
+        ring.rank_pool(2).run(_compiled_refusal, case, op_kind, timeout=120.0)
+    ):
         msg = run["bad"]
         assert msg.startswith("InputError"), f"rank {rank}: {msg}"
         want = pattern if culprit in (None, rank) else rf"rank {culprit} rejected their input"
         assert re.search(want, msg), f"rank {rank}: {msg}"
-        assert run["good_equal"], f"rank {rank}: the good compiled call after the refusal differs from eager"
+        assert run["good_equal"], (
+            f"rank {rank}: the good compiled call after the refusal differs from eager"
+        )
 
 
 def _routed_sdpa_mask_on_one_rank(ctx) -> dict:
@@ -97,8 +122,11 @@ def _routed_sdpa_mask_on_one_rank(ctx) -> dict:
     torch._dynamo.reset()
     x = torch.randn(1, 2, LOCAL, HEAD_DIM)
     mask = torch.ones(LOCAL, LOCAL, dtype=torch.bool) if ctx.rank == 0 else None
-    fn = torch.compile(lambda x, m: torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=m),
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        lambda x, m: torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=m),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     result = {}
     with sdpa_routed_to_ring(ctx.group):
         try:
@@ -118,5 +146,8 @@ def test_compiled_routed_sdpa_refusal_reaches_every_rank(ring) -> None:
     assert "attn_mask is not supported" in runs[0]["bad"], runs[0]
     assert "rank 0 rejected their input" in runs[1]["bad"], runs[1]
     # The refusal raises from the check op when the graph runs, and still names the function called.
-    assert all(r["bad"].startswith("InputError: scaled_dot_product_attention under context parallel") for r in runs), runs
+    assert all(
+        r["bad"].startswith("InputError: scaled_dot_product_attention under context parallel")
+        for r in runs
+    ), runs
     assert all(r["good_shape"] == (1, 2, LOCAL, HEAD_DIM) for r in runs), runs

@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def cp_ring(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"ring_impl's own API contracts; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"ring_impl's own API contracts; the implementation under test is {ring.impl.spec}"
+        )
     return ring
 
 
@@ -61,7 +63,10 @@ def test_unshard_rejects_unequal_shards(layout: str) -> None:
 
 
 def test_unshard_rejects_an_odd_head_tail_shard_and_no_shards() -> None:
-    with pytest.raises(ValueError, match="length 6 cannot be sharded in layout 'head_tail' over 2 ranks: it must be a multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match="length 6 cannot be sharded in layout 'head_tail' over 2 ranks: it must be a multiple of 4",
+    ):
         ring_impl.unshard([torch.zeros(1, 1, 3, 1)] * 2, layout="head_tail")
     with pytest.raises(ValueError, match="no shards"):
         ring_impl.unshard([], layout="contiguous")
@@ -78,19 +83,22 @@ def test_unshard_inverts_shard() -> None:
 _SIZES = dict(batch=1, heads_kv=2, seq_kv=8, head_dim=4, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("override,pattern", [
-    ({"world_size": 0}, "world_size must be an int >= 1"),
-    ({"world_size": -2}, "world_size must be an int >= 1"),
-    ({"world_size": True}, "world_size must be an int >= 1"),
-    ({"batch": 0}, "batch must be an int >= 1"),
-    ({"seq_kv": -8}, "seq_kv must be an int >= 1"),
-    ({"head_dim": 4.0}, "head_dim must be an int >= 1"),
-    ({"heads_kv": -1}, "heads_kv must be an int >= 1"),
-    ({"dtype": torch.int32}, "floating-point torch.dtype"),
-    ({"dtype": "float32"}, "floating-point torch.dtype"),
-    ({"compiled": "yes"}, "compiled must be a bool"),
-    ({"rotate_method": "nope"}, "unknown rotate_method"),
-])
+@pytest.mark.parametrize(
+    "override,pattern",
+    [
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"world_size": -2}, "world_size must be an int >= 1"),
+        ({"world_size": True}, "world_size must be an int >= 1"),
+        ({"batch": 0}, "batch must be an int >= 1"),
+        ({"seq_kv": -8}, "seq_kv must be an int >= 1"),
+        ({"head_dim": 4.0}, "head_dim must be an int >= 1"),
+        ({"heads_kv": -1}, "heads_kv must be an int >= 1"),
+        ({"dtype": torch.int32}, "floating-point torch.dtype"),
+        ({"dtype": "float32"}, "floating-point torch.dtype"),
+        ({"compiled": "yes"}, "compiled must be a bool"),
+        ({"rotate_method": "nope"}, "unknown rotate_method"),
+    ],
+)
 def test_collective_schedule_rejects_nonsense(override: dict, pattern: str) -> None:
     kwargs = {"world_size": 2, "rotate_method": "alltoall", **_SIZES, **override}
     world, method = kwargs.pop("world_size"), kwargs.pop("rotate_method")
@@ -102,15 +110,20 @@ def test_collective_schedule_of_one_rank_is_empty() -> None:
     assert ring_impl.collective_schedule(1, "p2p", **_SIZES) == {"forward": {}, "backward": {}}
 
 
-@pytest.mark.parametrize("kwargs,pattern", [
-    ({"rotate_method": "nope"}, "unknown rotate_method 'nope'"),
-    ({"layout": "zigzag"}, "unknown layout 'zigzag'"),
-    ({"op": "no_such_op"}, "unknown attention op 'no_such_op'"),
-    ({"op": object()}, "lacks"),
-    ({"head_chunks": 0}, "head_chunks must be a positive int"),
-    ({"head_chunks": "2"}, "head_chunks must be a positive int"),
-])
-def test_context_parallel_style_checks_its_arguments_at_construction(kwargs: dict, pattern: str) -> None:
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"rotate_method": "nope"}, "unknown rotate_method 'nope'"),
+        ({"layout": "zigzag"}, "unknown layout 'zigzag'"),
+        ({"op": "no_such_op"}, "unknown attention op 'no_such_op'"),
+        ({"op": object()}, "lacks"),
+        ({"head_chunks": 0}, "head_chunks must be a positive int"),
+        ({"head_chunks": "2"}, "head_chunks must be a positive int"),
+    ],
+)
+def test_context_parallel_style_checks_its_arguments_at_construction(
+    kwargs: dict, pattern: str
+) -> None:
     with pytest.raises(ContextParallelError, match=f"ContextParallel: .*{pattern}"):
         ring_impl.ContextParallel(**kwargs)
 
@@ -164,20 +177,25 @@ def _bad_entry(ctx, kind: str) -> dict:
             raise AssertionError(f"a buffer was sharded before the error (shape {tuple(x.shape)})")
 
 
-@pytest.mark.parametrize("kind,pattern", [
-    ("rotate_method", "unknown rotate_method 'nope'"),
-    ("rotate_method_on_one_rank", "unknown rotate_method 'nope'"),
-    ("layout", "unknown layout 'zigzag'"),
-    ("op", "unknown attention op 'no_such_op'"),
-    ("head_chunks", "head_chunks must be a positive int"),
-    ("dims_count", "1 buffers but 2 buffer_seq_dims"),
-    ("dim_out_of_range_on_one_rank", r"buffer_seq_dims\[0\]=7 is out of range"),
-    ("not_a_tensor", r"buffers\[1\] is a str, not a tensor"),
-    ("two_dims", "same tensor as an earlier buffer but with sequence dim 0"),
-    ("length", "not a multiple of"),
-    ("no_restore_not_in_buffers", "no_restore_buffers must also be in buffers"),
-])
-def test_context_parallel_rejects_bad_arguments_on_every_rank_before_sharding(cp_ring, kind: str, pattern: str) -> None:
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("rotate_method", "unknown rotate_method 'nope'"),
+        ("rotate_method_on_one_rank", "unknown rotate_method 'nope'"),
+        ("layout", "unknown layout 'zigzag'"),
+        ("op", "unknown attention op 'no_such_op'"),
+        ("head_chunks", "head_chunks must be a positive int"),
+        ("dims_count", "1 buffers but 2 buffer_seq_dims"),
+        ("dim_out_of_range_on_one_rank", r"buffer_seq_dims\[0\]=7 is out of range"),
+        ("not_a_tensor", r"buffers\[1\] is a str, not a tensor"),
+        ("two_dims", "same tensor as an earlier buffer but with sequence dim 0"),
+        ("length", "not a multiple of"),
+        ("no_restore_not_in_buffers", "no_restore_buffers must also be in buffers"),
+    ],
+)
+def test_context_parallel_rejects_bad_arguments_on_every_rank_before_sharding(
+    cp_ring, kind: str, pattern: str
+) -> None:
     outcomes = cp_ring.rank_pool(2).run_outcomes(_bad_entry, kind, timeout=30.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
@@ -195,7 +213,9 @@ def _grad_on_exit(ctx, layout: str) -> dict:
 
     w = ctx.world_size
     gen = torch.Generator().manual_seed(4)
-    init, entry, weight = (torch.randn(1, 8 * w, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    init, entry, weight = (
+        torch.randn(1, 8 * w, 4, generator=gen, dtype=torch.float64) for _ in range(3)
+    )
     out: dict = {"entry": entry, "weight": weight}
     for how in ("normal", "exception", "kept"):
         p = torch.nn.Parameter(init.clone())
@@ -204,14 +224,23 @@ def _grad_on_exit(ctx, layout: str) -> dict:
         log = CollectiveLog()
         with log:
             try:
-                with ring_impl.context_parallel(ctx.group, buffers=[p, wbuf], buffer_seq_dims=[1, 1], layout=layout,
-                                                no_restore_buffers=[p] if how == "kept" else None):
+                with ring_impl.context_parallel(
+                    ctx.group,
+                    buffers=[p, wbuf],
+                    buffer_seq_dims=[1, 1],
+                    layout=layout,
+                    no_restore_buffers=[p] if how == "kept" else None,
+                ):
                     (p * wbuf).sum().backward()  # d/dp = this rank's shard of weight
                     if how == "exception":
                         raise KeyError("leave by exception")
             except KeyError:
                 pass
-        out[how] = {"grad": p.grad.detach().clone(), "shape": tuple(p.shape), "collectives": log.summary()}
+        out[how] = {
+            "grad": p.grad.detach().clone(),
+            "shape": tuple(p.shape),
+            "collectives": log.summary(),
+        }
     return out
 
 
@@ -226,12 +255,21 @@ def test_parameter_buffer_grad_on_every_exit(cp_ring, layout: str) -> None:
         calls = {k: v["calls"] for k, v in r["normal"]["collectives"]["default"].items()}
         # the entry agreement and the exit's "which buffers have a gradient" (all_reduce), one
         # all_gather for the one Parameter buffer
-        assert calls == {"all_reduce": 2, "all_gather": 1}, f"rank {rank}: {r['normal']['collectives']}"
-        assert torch.equal(r["exception"]["grad"], entry), f"rank {rank}: exception exit must leave the entry gradient"
-        assert r["exception"]["collectives"] == {"default": {"all_reduce": {"calls": 1, "bytes": 16}}}, (
-            f"rank {rank}: only the entry agreement may run, the exception exit issued {r['exception']['collectives']}")
+        assert calls == {"all_reduce": 2, "all_gather": 1}, (
+            f"rank {rank}: {r['normal']['collectives']}"
+        )
+        assert torch.equal(r["exception"]["grad"], entry), (
+            f"rank {rank}: exception exit must leave the entry gradient"
+        )
+        assert r["exception"]["collectives"] == {
+            "default": {"all_reduce": {"calls": 1, "bytes": 16}}
+        }, (
+            f"rank {rank}: only the entry agreement may run, the exception exit issued {r['exception']['collectives']}"
+        )
         kept = ring_impl.shard(entry + weight, 2, rank, layout=layout, dim=1)
-        assert r["kept"]["shape"] == tuple(kept.shape) and torch.equal(r["kept"]["grad"], kept), f"rank {rank}: kept"
+        assert r["kept"]["shape"] == tuple(kept.shape) and torch.equal(r["kept"]["grad"], kept), (
+            f"rank {rank}: kept"
+        )
 
 
 def _mha_weights_on_one_rank(ctx) -> str:
@@ -251,8 +289,12 @@ def test_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ring) -> No
     assert "need_weights=False" in outcomes[0].exc_message, summary
     assert "rank 0 rejected their input" in outcomes[1].exc_message, summary
     # Each names the function its rank called: rank 1's call reached SDPA.
-    assert outcomes[0].exc_message.startswith("multi_head_attention_forward under context parallel"), summary
-    assert outcomes[1].exc_message.startswith("scaled_dot_product_attention under context parallel"), summary
+    assert outcomes[0].exc_message.startswith(
+        "multi_head_attention_forward under context parallel"
+    ), summary
+    assert outcomes[1].exc_message.startswith(
+        "scaled_dot_product_attention under context parallel"
+    ), summary
 
 
 def _sdpa_attn_mask_on_one_rank(ctx) -> str:
@@ -269,7 +311,10 @@ def test_sdpa_refusal_names_the_function_called(cp_ring) -> None:
     outcomes = cp_ring.rank_pool(2).run_outcomes(_sdpa_attn_mask_on_one_rank, timeout=30.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
-    assert all(o.exc_message.startswith("scaled_dot_product_attention under context parallel") for o in outcomes), summary
+    assert all(
+        o.exc_message.startswith("scaled_dot_product_attention under context parallel")
+        for o in outcomes
+    ), summary
     assert "attn_mask is not supported" in outcomes[0].exc_message, summary
     assert "rank 0 rejected their input" in outcomes[1].exc_message, summary
 
@@ -319,9 +364,11 @@ def test_compiled_custom_attention_follows_the_route_without_recompiling_per_cal
             frames = r["compiled_frames"][layout]
             assert frames[0] > 0 and frames[0] == frames[-1], (
                 f"rank {rank} {layout}: frames compiled so far after each of 3 calls: {frames}; "
-                "the route's code must be compiled by the first call only")
+                "the route's code must be compiled by the first call only"
+            )
         assert r["compiled_frames"]["head_tail"][0] > r["compiled_frames"]["contiguous"][-1], (
-            f"rank {rank}: another route did not compile new code {r['compiled_frames']}")
+            f"rank {rank}: another route did not compile new code {r['compiled_frames']}"
+        )
 
 
 # ---------------------------------------------------------------------- scripts
@@ -329,8 +376,14 @@ def test_compiled_custom_attention_follows_the_route_without_recompiling_per_cal
 
 def test_tutorial_without_torchrun_says_how_to_launch_it() -> None:
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    done = run_tree([sys.executable, str(ROOT / "examples" / "context_parallel_tutorial.py")], cwd=ROOT, env=env,
-                    capture_output=True, text=True, timeout=120)
+    done = run_tree(
+        [sys.executable, str(ROOT / "examples" / "context_parallel_tutorial.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -357,6 +410,9 @@ def test_compiled_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ri
     outcomes = cp_ring.rank_pool(2).run_outcomes(_compiled_mha_weights_on_one_rank, timeout=120.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok for o in outcomes), summary
-    assert all("InputError" in (o.exc_type or "") or "need_weights" in (o.exc_message or "") for o in outcomes), summary
+    assert all(
+        "InputError" in (o.exc_type or "") or "need_weights" in (o.exc_message or "")
+        for o in outcomes
+    ), summary
     assert "need_weights=False" in outcomes[0].exc_message, summary
     assert "rank 0 rejected their input" in outcomes[1].exc_message, summary

@@ -36,14 +36,20 @@ def _reference(q, k, v, grad_out, scale: float, causal: bool):
     q, k, v = (t.double().detach().requires_grad_(True) for t in (q, k, v))
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s = s.masked_fill(
+            torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf")
+        )
     (s.softmax(-1) @ v).backward(grad_out.double())
     return q.grad, k.grad, v.grad
 
 
 def _dtypes(name: str) -> list[torch.dtype]:
     device = torch.device("cuda")
-    return [d for d in (torch.bfloat16, torch.float32) if get_op(name).capabilities.unsupported(device, d, 16) is None]
+    return [
+        d
+        for d in (torch.bfloat16, torch.float32)
+        if get_op(name).capabilities.unsupported(device, d, 16) is None
+    ]
 
 
 def _bound(dtype: torch.dtype) -> float:
@@ -60,16 +66,24 @@ def test_backward_takes_out_in_any_memory_order(name, shape, causal) -> None:
     op = get_op(name)
     for dtype in _dtypes(name):
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(b, h, s, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+        q, k, v, do = (
+            torch.randn(b, h, s, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(4)
+        )
         out, lse = op.forward(q, k, v, is_causal=causal, scale=0.25)
         lse = lse.reshape(b, h, -1)[..., :s]  # the kernel's LSE layout to (batch, heads, seq)
         ref = _reference(q, k, v, do, 0.25, causal)
-        orders = {"kernel's own": out, "bhsd": out.contiguous(), "bshd": out.transpose(1, 2).contiguous().transpose(1, 2)}
+        orders = {
+            "kernel's own": out,
+            "bhsd": out.contiguous(),
+            "bshd": out.transpose(1, 2).contiguous().transpose(1, 2),
+        }
         for order, o in orders.items():
             grads = op.backward(do, q, k, v, o, lse, is_causal=causal, scale=0.25)
             for what, g, r in zip(("dq", "dk", "dv"), grads, ref):
                 err = float((g.double() - r).abs().max())
-                assert err < _bound(dtype), f"{name} {dtype} {shape} causal={causal}: {what} err {err:.2e} with out in {order} order"
+                assert err < _bound(dtype), (
+                    f"{name} {dtype} {shape} causal={causal}: {what} err {err:.2e} with out in {order} order"
+                )
 
 
 @pytest.mark.parametrize("name", CUDA_OPS)
@@ -77,15 +91,23 @@ def test_backward_takes_key_value_views_of_one_buffer(name) -> None:
     op = get_op(name)
     for dtype in _dtypes(name):
         gen = torch.Generator(device="cuda").manual_seed(1)
-        q, do = (torch.randn(1, 2, 6, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-        gathered = torch.randn(3, 2, 1, 2, 6, 16, device="cuda", dtype=dtype, generator=gen)  # (W, k|v, b, h, s, d)
+        q, do = (
+            torch.randn(1, 2, 6, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2)
+        )
+        gathered = torch.randn(
+            3, 2, 1, 2, 6, 16, device="cuda", dtype=dtype, generator=gen
+        )  # (W, k|v, b, h, s, d)
         k, v = gathered[1][0], gathered[1][1]  # as an all-gathered ring block: views at an offset
         out, lse = op.forward(q, k, v, is_causal=False, scale=0.25)
         lse = lse.reshape(1, 2, -1)[..., :6]
         ref = _reference(q, k, v, do, 0.25, False)
-        for what, g, r in zip(("dq", "dk", "dv"), op.backward(do, q, k, v, out, lse, is_causal=False, scale=0.25), ref):
+        for what, g, r in zip(
+            ("dq", "dk", "dv"), op.backward(do, q, k, v, out, lse, is_causal=False, scale=0.25), ref
+        ):
             err = float((g.double() - r).abs().max())
-            assert err < _bound(dtype), f"{name} {dtype}: {what} err {err:.2e} with key/value views of one buffer"
+            assert err < _bound(dtype), (
+                f"{name} {dtype}: {what} err {err:.2e} with key/value views of one buffer"
+            )
 
 
 @pytest.mark.parametrize("name", CUDA_OPS)
@@ -96,7 +118,10 @@ def test_declared_causal_scale_fault_matches_the_kernel(name, scale) -> None:
     undeclared one would hand NaN to the caller."""
     op = get_op(name)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    q, k, v = (torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(3)
+    )
     out, lse = op.forward(q, k, v, is_causal=True, scale=scale)
     finite = bool(out.isfinite().all()) and bool(lse.reshape(1, 2, -1)[..., :8].isfinite().all())
     assert finite != op.capabilities.causal_needs_positive_scale, (
@@ -118,7 +143,10 @@ def _masked_reference(q, k, v, grad_out, visible, scale: float):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad, live
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 6, 40, (1, 1)), (2, 4, 40, 6, (2, 4)), (1, 3, 64, 64, (1, 3)), (2, 2, 17, 33, (2, 1))])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 2, 6, 40, (1, 1)), (2, 4, 40, 6, (2, 4)), (1, 3, 64, 64, (1, 3)), (2, 2, 17, 33, (2, 1))],
+)
 def test_masked_efficient_op_against_float64(shape) -> None:
     """cuda_efficient_masked (written without a GPU) on masked blocks: the visibility as the
     kernel's additive bias, key counts that are not multiples of the bias alignment, masks per
@@ -128,8 +156,12 @@ def test_masked_efficient_op_against_float64(shape) -> None:
     op = get_op("cuda_efficient_masked")
     for dtype in _dtypes("cuda_efficient_masked"):
         gen = torch.Generator(device="cuda").manual_seed(3)
-        q, do = (torch.randn(b, h, sq, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-        k, v = (torch.randn(b, h, sk, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        q, do = (
+            torch.randn(b, h, sq, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2)
+        )
+        k, v = (
+            torch.randn(b, h, sk, 16, device="cuda", dtype=dtype, generator=gen) for _ in range(2)
+        )
         visible = torch.rand(mb, mh, sq, sk, device="cuda", generator=gen) < 0.5
         visible[..., 1, :] = False  # a row that sees nothing
         out, lse = op.forward(q, k, v, is_causal=False, scale=0.25, attn_mask=visible)
@@ -140,8 +172,17 @@ def test_masked_efficient_op_against_float64(shape) -> None:
             err = float((got.double() - want)[sel].abs().max())
             assert err < _bound(dtype), f"{dtype} {shape}: {what} err {err:.2e}"
         ring_lse = torch.where(live, want_lse, 0.0).float()
-        grads = op.backward(do * live.unsqueeze(-1), q, k, v, want_out.to(dtype), ring_lse, is_causal=False, scale=0.25,
-                            attn_mask=visible)
+        grads = op.backward(
+            do * live.unsqueeze(-1),
+            q,
+            k,
+            v,
+            want_out.to(dtype),
+            ring_lse,
+            is_causal=False,
+            scale=0.25,
+            attn_mask=visible,
+        )
         for what, g, r in zip(("dq", "dk", "dv"), grads, want_grads):
             err = float((g.double() - r).abs().max())
             assert err < _bound(dtype), f"{dtype} {shape}: {what} err {err:.2e}"
@@ -159,22 +200,54 @@ def test_varlen_kernel_windows_match_the_emulated_rule(window) -> None:
     cu_q = torch.tensor([0, *len_q], device="cuda").cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0, *len_k], device="cuda").cumsum(0).to(torch.int32)
     gen = torch.Generator(device="cuda").manual_seed(4)
-    q, do = (torch.randn(sum(len_q), 4, 16, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    k, v = (torch.randn(sum(len_k), 2, 16, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    q, do = (
+        torch.randn(sum(len_q), 4, 16, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(2)
+    )
+    k, v = (
+        torch.randn(sum(len_k), 2, 16, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(2)
+    )
     vis = varlen_visibility(cu_q, cu_k, window)
-    heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do)]
-    want_out, want_lse, *want_grads, live = _masked_reference(*heads_first[:3], heads_first[3], vis, 0.25)
-    out, lse = op.kernel_forward(q, k, v, cu_q, cu_k, max(len_q), max(len_k), scale=0.25, window=window)
+    heads_first = [
+        t.transpose(0, 1).unsqueeze(0)
+        for t in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do)
+    ]
+    want_out, want_lse, *want_grads, live = _masked_reference(
+        *heads_first[:3], heads_first[3], vis, 0.25
+    )
+    out, lse = op.kernel_forward(
+        q, k, v, cu_q, cu_k, max(len_q), max(len_k), scale=0.25, window=window
+    )
     got_out, got_lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
     for what, got, want in (("out", got_out, want_out), ("lse", got_lse, want_lse)):
         sel = live if what == "lse" else live.unsqueeze(-1).expand(want.shape)
         err = float((got.double() - want)[sel].abs().max())
         assert err < _bound(torch.bfloat16), f"window {window}: {what} err {err:.2e}"
-    ring_out = torch.where(live.unsqueeze(-1), want_out, 0.0)[0].transpose(0, 1).to(torch.bfloat16).contiguous()
+    ring_out = (
+        torch.where(live.unsqueeze(-1), want_out, 0.0)[0]
+        .transpose(0, 1)
+        .to(torch.bfloat16)
+        .contiguous()
+    )
     ring_lse = torch.where(live, want_lse, 0.0)[0].float().contiguous()
-    grads = op.kernel_backward(do * live[0].T.unsqueeze(-1), q, k, v, ring_out, ring_lse, cu_q, cu_k, max(len_q), max(len_k),
-                               scale=0.25, window=window)
-    dk_ref, dv_ref = (g.reshape(1, 2, 2, -1, 16).sum(2) for g in want_grads[1:])  # GQA: sum each kv head's group
+    grads = op.kernel_backward(
+        do * live[0].T.unsqueeze(-1),
+        q,
+        k,
+        v,
+        ring_out,
+        ring_lse,
+        cu_q,
+        cu_k,
+        max(len_q),
+        max(len_k),
+        scale=0.25,
+        window=window,
+    )
+    dk_ref, dv_ref = (
+        g.reshape(1, 2, 2, -1, 16).sum(2) for g in want_grads[1:]
+    )  # GQA: sum each kv head's group
     for what, g, r in zip(("dq", "dk", "dv"), grads, (want_grads[0], dk_ref, dv_ref)):
         err = float((g.transpose(0, 1).unsqueeze(0).double() - r).abs().max())
         assert err < _bound(torch.bfloat16), f"window {window}: {what} err {err:.2e}"
@@ -199,26 +272,45 @@ def test_varlen_op_against_float64(mask) -> None:
         visible = visible.clone()
         visible[..., 10, :] = False
     gen = torch.Generator(device="cuda").manual_seed(5)
-    q, do = (torch.randn(b, h, s, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    k, v = (torch.randn(b, hkv, s, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    q, do = (
+        torch.randn(b, h, s, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(2)
+    )
+    k, v = (
+        torch.randn(b, hkv, s, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(2)
+    )
     ref_vis = visible if visible is not None else (j <= i).view(1, 1, s, s)
     want_out, want_lse, *want_grads, live = _masked_reference(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do, ref_vis, 0.125)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do, ref_vis, 0.125
+    )
     out, lse = op.forward(q, k, v, is_causal=visible is None, scale=0.125, attn_mask=visible)
     for what, got, want in (("out", out, want_out), ("lse", lse, want_lse)):
         sel = live if what == "lse" else live.unsqueeze(-1).expand(want.shape)
         err = float((got.double() - want)[sel].abs().max())
         assert err < _bound(torch.bfloat16), f"{mask}: {what} err {err:.2e}"
     ring_lse = torch.where(live, want_lse, 0.0).float()
-    grads = op.backward(do * live.unsqueeze(-1), q, k, v, want_out.to(torch.bfloat16), ring_lse, is_causal=visible is None,
-                        scale=0.125, attn_mask=visible)
+    grads = op.backward(
+        do * live.unsqueeze(-1),
+        q,
+        k,
+        v,
+        want_out.to(torch.bfloat16),
+        ring_lse,
+        is_causal=visible is None,
+        scale=0.125,
+        attn_mask=visible,
+    )
     dk_ref, dv_ref = (g.reshape(b, hkv, 2, s, 64).sum(2) for g in want_grads[1:])
     for what, g, r in zip(("dq", "dk", "dv"), grads, (want_grads[0], dk_ref, dv_ref)):
         err = float((g.double() - r).abs().max())
         assert err < _bound(torch.bfloat16), f"{mask}: {what} err {err:.2e}"
 
 
-@pytest.mark.parametrize("name", [n for n in (*CUDA_OPS, "cuda_efficient_masked") if get_op(n).capabilities.value_head_dim])
+@pytest.mark.parametrize(
+    "name",
+    [n for n in (*CUDA_OPS, "cuda_efficient_masked") if get_op(n).capabilities.value_head_dim],
+)
 @pytest.mark.parametrize("d,dv", [(16, 24), (24, 8)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_value_head_dim_where_declared(name, d, dv, causal) -> None:
@@ -240,4 +332,6 @@ def test_value_head_dim_where_declared(name, d, dv, causal) -> None:
         for what, g, r in zip(("dq", "dk", "dv"), grads, ref):
             assert g.shape == r.shape, (what, g.shape, r.shape)
             err = float((g.double() - r).abs().max())
-            assert err < _bound(dtype), f"{name} {dtype} d={d} dv={dv} causal={causal}: {what} err {err:.2e}"
+            assert err < _bound(dtype), (
+                f"{name} {dtype} d={d} dv={dv} causal={causal}: {what} err {err:.2e}"
+            )

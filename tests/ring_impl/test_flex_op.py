@@ -17,11 +17,20 @@ from ring_impl.lse import normalize_lse
 BATCH, HEADS, SEQ_Q, SEQ_K, HEAD_DIM = 2, 4, 6, 6, 8
 
 
-def _inputs(heads_kv: int, seq_q: int = SEQ_Q, seq_k: int = SEQ_K, dtype: torch.dtype = torch.float64, seed: int = 0):
+def _inputs(
+    heads_kv: int,
+    seq_q: int = SEQ_Q,
+    seq_k: int = SEQ_K,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+):
     """query (b, h, sq, d), key/value (b, hkv, sk, d), grad_out (b, h, sq, d), grad_lse (b, h, sq)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, HEADS, seq_q, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(BATCH, heads_kv, seq_k, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (
+        torch.randn(BATCH, heads_kv, seq_k, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     dout = torch.randn(BATCH, HEADS, seq_q, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     glse = torch.randn(BATCH, HEADS, seq_q, generator=gen, dtype=torch.float64)
     return q, k, v, dout, glse
@@ -32,8 +41,12 @@ def _mask(kind: str, seq_q: int, seq_k: int, seed: int = 1) -> torch.Tensor | No
     gen = torch.Generator().manual_seed(seed)
     if kind == "none":
         return None
-    shape = {"per_head": (BATCH, HEADS, seq_q, seq_k), "per_batch": (BATCH, 1, seq_q, seq_k),
-             "broadcast": (1, 1, seq_q, seq_k), "2d": (seq_q, seq_k)}[kind]
+    shape = {
+        "per_head": (BATCH, HEADS, seq_q, seq_k),
+        "per_batch": (BATCH, 1, seq_q, seq_k),
+        "broadcast": (1, 1, seq_q, seq_k),
+        "2d": (seq_q, seq_k),
+    }[kind]
     m = torch.rand(shape, generator=gen) < 0.6
     m[..., 0] = True  # every row sees a key here (rows that see nothing: their own test)
     return m
@@ -45,13 +58,26 @@ def _run_op(q, k, v, dout, mask, *, is_causal: bool, grad_lse=None, scale: float
     op = ops.get_op("flex")
     visible = None if mask is None else (mask if mask.dim() == 4 else mask.view(1, 1, *mask.shape))
     out, raw = ops.call_forward(op, q, k, v, is_causal=is_causal, scale=scale, visible=visible)
-    lse = normalize_lse(raw, batch=q.shape[0], heads=q.shape[1], seq_q=q.shape[2], layout=op.capabilities.lse_layout)
+    lse = normalize_lse(
+        raw, batch=q.shape[0], heads=q.shape[1], seq_q=q.shape[2], layout=op.capabilities.lse_layout
+    )
     dead = torch.isneginf(lse)
     lse_in = lse.masked_fill(dead, 0.0)
     dout = dout.masked_fill(dead.unsqueeze(-1), 0.0)
     glse = None if grad_lse is None else grad_lse.masked_fill(dead, 0.0)
-    grads = ops.call_backward(op, dout, q, k, v, out, lse_in, is_causal=is_causal, scale=scale, grad_lse=glse,
-                              visible=visible)
+    grads = ops.call_backward(
+        op,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse_in,
+        is_causal=is_causal,
+        scale=scale,
+        grad_lse=glse,
+        visible=visible,
+    )
     return out, lse, *grads
 
 
@@ -66,9 +92,13 @@ def _oracle(q, k, v, dout, mask, *, is_causal: bool, grad_lse=None, scale: float
 
 
 def _assert_float64(got, ref) -> None:
-    for name, x, want in zip(("out", "lse", "dq", "dk", "dv"), got, (ref.out, ref.lse, ref.dq, ref.dk, ref.dv)):
+    for name, x, want in zip(
+        ("out", "lse", "dq", "dk", "dv"), got, (ref.out, ref.lse, ref.dq, ref.dk, ref.dv)
+    ):
         assert x.dtype == torch.float64, f"{name}: {x.dtype}, expected float64"
-        assert x.shape == want.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(want.shape)}"
+        assert x.shape == want.shape, (
+            f"{name}: shape {tuple(x.shape)}, expected {tuple(want.shape)}"
+        )
         torch.testing.assert_close(x, want, atol=1e-12, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -78,7 +108,10 @@ def _assert_float64(got, ref) -> None:
 def test_matches_float64_oracle(mask: str, is_causal: bool, heads_kv: int) -> None:
     q, k, v, dout, _ = _inputs(heads_kv)
     m = _mask(mask, SEQ_Q, SEQ_K)
-    _assert_float64(_run_op(q, k, v, dout, m, is_causal=is_causal), _oracle(q, k, v, dout, m, is_causal=is_causal))
+    _assert_float64(
+        _run_op(q, k, v, dout, m, is_causal=is_causal),
+        _oracle(q, k, v, dout, m, is_causal=is_causal),
+    )
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -89,7 +122,9 @@ def test_lse_gradient(is_causal: bool) -> None:
     _assert_float64(got, _oracle(q, k, v, dout, m, is_causal=is_causal, grad_lse=glse))
 
 
-@pytest.mark.parametrize("seq_q,seq_k,is_causal", [(37, 53, False), (130, 130, True), (1, 200, False)])
+@pytest.mark.parametrize(
+    "seq_q,seq_k,is_causal", [(37, 53, False), (130, 130, True), (1, 200, False)]
+)
 def test_lengths_across_flex_tiles(seq_q: int, seq_k: int, is_causal: bool) -> None:
     """Rectangular masked blocks and lengths that are not multiples of flex's 128-wide tiles."""
     q, k, v, dout, glse = _inputs(2, seq_q, seq_k, seed=3)
@@ -114,7 +149,10 @@ def test_rows_that_see_nothing_stay_out_of_the_others() -> None:
     assert not any(t.isnan().any() for t in got), "NaN from rows that see nothing"
     assert torch.equal(torch.isneginf(lse), dead), "LSE -inf exactly where a row sees nothing"
     assert out[dead].abs().max() == 0
-    _assert_float64((out, lse.masked_fill(dead, 0.0), *got[2:]), ref._replace(lse=ref.lse.masked_fill(dead, 0.0)))
+    _assert_float64(
+        (out, lse.masked_fill(dead, 0.0), *got[2:]),
+        ref._replace(lse=ref.lse.masked_fill(dead, 0.0)),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -129,9 +167,19 @@ def test_low_precision_dtypes(dtype: torch.dtype) -> None:
     ref = _oracle(q, k, v, dout, m, is_causal=True)
     vis = m & torch.ones(40, 40, dtype=torch.bool).tril()
     scales = error_scales(q, k, v, dout, visible=vis, scale=0.3, input_dtype=dtype)
-    for name, x, want, result_dtype in (("out", out, ref.out, dtype), ("lse", lse, ref.lse, torch.float32)):
-        assert_close(f"{name} [flex, {dtype}]", x.double(), want, want.to(result_dtype), dtype=dtype,
-                     result_dtype=result_dtype, scales=scales[name])
+    for name, x, want, result_dtype in (
+        ("out", out, ref.out, dtype),
+        ("lse", lse, ref.lse, torch.float32),
+    ):
+        assert_close(
+            f"{name} [flex, {dtype}]",
+            x.double(),
+            want,
+            want.to(result_dtype),
+            dtype=dtype,
+            result_dtype=result_dtype,
+            scales=scales[name],
+        )
 
 
 def test_capabilities_and_registration() -> None:
@@ -181,7 +229,10 @@ RING_HEADS, RING_HEADS_KV = 4, 2
 def _ring_inputs(seq: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(seq)
     q = torch.randn(1, RING_HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(1, RING_HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (
+        torch.randn(1, RING_HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     dout = torch.randn(1, RING_HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     return q, k, v, dout
 
@@ -190,10 +241,22 @@ def _ring_run(ctx, spec, seq, dtype, layout, rotate):
     import ring_impl
     from ring_impl.masks import from_spec
 
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _ring_inputs(seq, dtype))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout)
+        for t in _ring_inputs(seq, dtype)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), layout=layout,
-                                        rotate_method=rotate, op="flex", return_lse=True)
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        mask=from_spec(spec),
+        layout=layout,
+        rotate_method=rotate,
+        op="flex",
+        return_lse=True,
+    )
     out.backward(dout)
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -204,16 +267,22 @@ def _documents(seq: int) -> list[int]:
     return (ids + [4] * (seq - 4 - len(ids)) + [-1] * 4)[:seq]
 
 
-@pytest.mark.parametrize("name,layout,rotate", [("documents", "head_tail", "alltoall"), ("window", "contiguous", "p2p")])
+@pytest.mark.parametrize(
+    "name,layout,rotate", [("documents", "head_tail", "alltoall"), ("window", "contiguous", "p2p")]
+)
 def test_ring_with_flex_op_matches_the_oracle(ring, name: str, layout: str, rotate: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= and op= are ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= and op= are ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     import ring_impl
     from reference.masks import visibility
 
     world, seq, dtype = 2, 48, torch.float64
-    spec = {"documents": {"kind": "document", "doc_ids": _documents(seq), "causal": True},
-            "window": {"kind": "sliding_window", "left": seq // 6, "right": 0}}[name]
+    spec = {
+        "documents": {"kind": "document", "doc_ids": _documents(seq), "causal": True},
+        "window": {"kind": "sliding_window", "left": seq // 6, "right": 0},
+    }[name]
     results = ring.rank_pool(world).run(_ring_run, spec, seq, dtype, layout, rotate, timeout=120.0)
     q, k, v, dout = _ring_inputs(seq, dtype)
     vis = visibility(spec, seq, seq, batch=1, heads=RING_HEADS)
@@ -224,8 +293,18 @@ def test_ring_with_flex_op_matches_the_oracle(ring, name: str, layout: str, rota
         want = getattr(ref, n)
         if n == "lse":  # rows that see nothing: exactly -inf
             nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{name}]"
+            assert torch.equal(torch.isneginf(got), nothing), (
+                f"lse: rows that see nothing must be -inf [{name}]"
+            )
             got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
         assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
-        assert_close(f"{n} [flex, {name}, W={world}, {layout}, {rotate}]", got, want, want, world_size=world,
-                     dtype=dtype, result_dtype=dtype, scales=scales[n])
+        assert_close(
+            f"{n} [flex, {name}, W={world}, {layout}, {rotate}]",
+            got,
+            want,
+            want,
+            world_size=world,
+            dtype=dtype,
+            result_dtype=dtype,
+            scales=scales[n],
+        )

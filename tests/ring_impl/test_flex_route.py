@@ -26,13 +26,18 @@ def document_causal(b, h, q_idx, kv_idx):
 def _oracle_visibility(seq: int) -> torch.Tensor:
     """(1, 1, seq, seq) by evaluating the mask_mod's rule position by position (plain Python)."""
     ids = DOC_IDS.tolist()
-    return torch.tensor([[ids[i] == ids[j] and j <= i for j in range(seq)] for i in range(seq)]).view(1, 1, seq, seq)
+    return torch.tensor(
+        [[ids[i] == ids[j] and j <= i for j in range(seq)] for i in range(seq)]
+    ).view(1, 1, seq, seq)
 
 
 def _inputs(seq: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(1, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(1, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (
+        torch.randn(1, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     dout = torch.randn(1, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     return q, k, v, dout
 
@@ -45,34 +50,59 @@ def _run(ctx, layout, dtype, via_module):
 
     seq = DOC_IDS.numel()
     block_mask = flex_module.create_block_mask(document_causal, None, None, seq, seq, device="cpu")
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(seq, dtype))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(seq, dtype)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    with sdpa_routed_to_ring(ctx.group, layout=layout, op="math" if dtype == torch.float64 else None):
+    with sdpa_routed_to_ring(
+        ctx.group, layout=layout, op="math" if dtype == torch.float64 else None
+    ):
         # Looked up at call time through the module, or ring_impl's own name.
         fn = flex_module.flex_attention if via_module else ring_impl.flex_attention
         out, lse = fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
     out.backward(dout)
     routed_back = flex_module.flex_attention is not ring_impl.flex_attention
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "restored": routed_back}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "restored": routed_back,
+    }
 
 
 def _skip_other_impls(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"flex routing is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"flex routing is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
 
 
-@pytest.mark.parametrize("world,layout,dtype,via_module", [
-    (2, "head_tail", torch.float64, True),
-    (3, "contiguous", torch.float64, False),
-    (2, "contiguous", torch.float32, True),
-])
+@pytest.mark.parametrize(
+    "world,layout,dtype,via_module",
+    [
+        (2, "head_tail", torch.float64, True),
+        (3, "contiguous", torch.float64, False),
+        (2, "contiguous", torch.float32, True),
+    ],
+)
 def test_flex_call_under_a_route_matches_the_oracle(ring, world, layout, dtype, via_module) -> None:
     _skip_other_impls(ring)
     results = ring.rank_pool(world).run(_run, layout, dtype, via_module, timeout=120.0)
-    assert all(r["restored"] for r in results), "flex_attention was not put back when the route ended"
+    assert all(r["restored"] for r in results), (
+        "flex_attention was not put back when the route ended"
+    )
     seq = DOC_IDS.numel()
-    assert_ring_matches_oracle(f"flex routed, W={world}, {layout}", results, _inputs(seq, dtype), _oracle_visibility(seq),
-                               layout=layout, world_size=world, dtype=dtype)
+    assert_ring_matches_oracle(
+        f"flex routed, W={world}, {layout}",
+        results,
+        _inputs(seq, dtype),
+        _oracle_visibility(seq),
+        layout=layout,
+        world_size=world,
+        dtype=dtype,
+    )
 
 
 def _refused(ctx, kind, compiled):
@@ -85,9 +115,13 @@ def _refused(ctx, kind, compiled):
     q = torch.randn(1, 2, seq_local, 8)
     k = v = torch.randn(1, 2, seq_local, 8)
     length = DOC_IDS.numel() if not (kind == "local_block_mask" and ctx.rank == 0) else seq_local
-    block_mask = flex_module.create_block_mask(document_causal, None, None, length, length, device="cpu")
+    block_mask = flex_module.create_block_mask(
+        document_causal, None, None, length, length, device="cpu"
+    )
     kwargs = {"block_mask": block_mask}
-    if kind == "score_mod" and ctx.rank == ctx.world_size - 1:  # one rank only: every rank must raise
+    if (
+        kind == "score_mod" and ctx.rank == ctx.world_size - 1
+    ):  # one rank only: every rank must raise
         kwargs["score_mod"] = lambda score, b, h, qi, ki: score * 2
     if kind == "kernel_options":
         kwargs["kernel_options"] = {"BLOCK_M": 64}
@@ -95,8 +129,11 @@ def _refused(ctx, kind, compiled):
     if compiled:  # the refusal then comes from the compiled check's op, when the graph runs
         torch._dynamo.reset()
         options, kwargs = kwargs, {}
-        call = torch.compile(lambda q, k, v: ring_impl.flex_attention(q, k, v, **options), backend="aot_eager",
-                             fullgraph=True)
+        call = torch.compile(
+            lambda q, k, v: ring_impl.flex_attention(q, k, v, **options),
+            backend="aot_eager",
+            fullgraph=True,
+        )
     with sdpa_routed_to_ring(ctx.group, layout="contiguous"):
         try:
             call(q, k, v, **kwargs)
@@ -105,11 +142,22 @@ def _refused(ctx, kind, compiled):
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern,culprit", [
-    ("score_mod", r"score_mod is not supported", 1),  # on the last rank only
-    ("kernel_options", r"kernel_options .* tune flex attention's own kernel", None),  # every rank
-    ("local_block_mask", r"block_mask was built for .* global sequence is \(48, 48\)", 0),  # rank 0 only
-])
+@pytest.mark.parametrize(
+    "kind,pattern,culprit",
+    [
+        ("score_mod", r"score_mod is not supported", 1),  # on the last rank only
+        (
+            "kernel_options",
+            r"kernel_options .* tune flex attention's own kernel",
+            None,
+        ),  # every rank
+        (
+            "local_block_mask",
+            r"block_mask was built for .* global sequence is \(48, 48\)",
+            0,
+        ),  # rank 0 only
+    ],
+)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_unsupported_flex_calls_raise_on_every_rank(ring, kind, pattern, culprit, compiled) -> None:
     """The rank with the bad call names the cause; the others raise too, naming that rank; and
@@ -121,7 +169,9 @@ def test_unsupported_flex_calls_raise_on_every_rank(ring, kind, pattern, culprit
     for rank, msg in enumerate(messages):
         want = pattern if culprit in (None, rank) else rf"rank {culprit} rejected their input"
         assert re.search(want, msg), f"rank {rank}: {msg}"
-        assert msg.startswith("InputError: flex_attention under context parallel"), f"rank {rank}: {msg}"
+        assert msg.startswith("InputError: flex_attention under context parallel"), (
+            f"rank {rank}: {msg}"
+        )
 
 
 # torch 2.13 deprecates return_lse= for return_aux=; the router passes either form through as given

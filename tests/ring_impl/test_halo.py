@@ -56,10 +56,18 @@ def _case(name: str, world: int) -> tuple[dict, bool, tuple[int, int] | None]:
         # is_causal=True folds Causal into the mask: the right reach becomes 0
         "causal_window": (_window(5, 4), True, (5, 0)),
         "documents_window": ({"kind": "and", "masks": [_docs(seq), _window(3)]}, False, (3, 0)),
-        "documents_full_window": ({"kind": "and", "masks": [_docs(seq, causal=False), _window(2, 2)]}, False, (2, 2)),
+        "documents_full_window": (
+            {"kind": "and", "masks": [_docs(seq, causal=False), _window(2, 2)]},
+            False,
+            (2, 2),
+        ),
         # the last rank holds padding only: a rank whose rows see nothing still exchanges
         # (causal documents: the window's right reach does not count)
-        "padded_rank": ({"kind": "and", "masks": [_docs(seq, pad_last=SHARD + 2), _window(4, 1)]}, False, (4, 0)),
+        "padded_rank": (
+            {"kind": "and", "masks": [_docs(seq, pad_last=SHARD + 2), _window(4, 1)]},
+            False,
+            (4, 0),
+        ),
         "chunked_causal": ({"kind": "chunked_causal", "chunk": 8}, False, (7, 0)),
         # served by the ring
         "window_wide": (_window(SHARD + 1), False, None),
@@ -77,17 +85,33 @@ def _oracle_spec(spec: dict, is_causal: bool) -> dict:
 def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, sinks: bool, nan_key: int | None = None):
     gen = torch.Generator().manual_seed(seq * 11 + heads_kv + int(sinks))
     q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (
+        torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    glse = torch.randn(BATCH, HEADS, seq, generator=gen, dtype=torch.float64).float().double()  # exact in float32
+    glse = (
+        torch.randn(BATCH, HEADS, seq, generator=gen, dtype=torch.float64).float().double()
+    )  # exact in float32
     s = torch.randn(HEADS, generator=gen, dtype=torch.float64).float() if sinks else None
     if nan_key is not None:
         k[:, :, nan_key, 0] = float("nan")
     return q, k, v, dout, glse, s
 
 
-def _run(ctx, spec, is_causal, dtype, op, heads_kv, sinks, layout="contiguous", halo=None, lse_grad=False,
-         nan_key=None):
+def _run(
+    ctx,
+    spec,
+    is_causal,
+    dtype,
+    op,
+    heads_kv,
+    sinks,
+    layout="contiguous",
+    halo=None,
+    lse_grad=False,
+    nan_key=None,
+):
     import ring_impl
     from harness.accounting import CollectiveLog
     from ring_impl.masks import from_spec
@@ -100,32 +124,65 @@ def _run(ctx, spec, is_causal, dtype, op, heads_kv, sinks, layout="contiguous", 
         s.requires_grad_(True)
     with CollectiveLog() as log:
         with log.phase("forward"):
-            out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), is_causal=is_causal,
-                                                sinks=s, layout=layout, rotate_method="alltoall", op=op,
-                                                return_lse=True, halo=halo)
+            out, lse = ring_impl.ring_attention(
+                q,
+                k,
+                v,
+                group=ctx.group,
+                mask=from_spec(spec),
+                is_causal=is_causal,
+                sinks=s,
+                layout=layout,
+                rotate_method="alltoall",
+                op=op,
+                return_lse=True,
+                halo=halo,
+            )
         with log.phase("backward"):
             loss = (out * dout).sum()  # its gradient reaching out is dout, exactly
             if lse_grad:
-                loss = loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
+                loss = (
+                    loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
+                )
             loss.backward()
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "dsinks": None if s is None else s.grad, "log": log.summary()}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "dsinks": None if s is None else s.grad,
+        "log": log.summary(),
+    }
 
 
 def _declared(spec, is_causal, world, rank, dtype, heads_kv, layout="contiguous", halo=None):
     import ring_impl
     from ring_impl.masks import from_spec
 
-    return ring_impl.collective_schedule(world, "alltoall", batch=BATCH, heads_kv=heads_kv, seq_kv=SHARD,
-                                         head_dim=HEAD_DIM, dtype=dtype, mask=from_spec(spec), is_causal=is_causal,
-                                         layout=layout, rank=rank, halo=halo)
+    return ring_impl.collective_schedule(
+        world,
+        "alltoall",
+        batch=BATCH,
+        heads_kv=heads_kv,
+        seq_kv=SHARD,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        mask=from_spec(spec),
+        is_causal=is_causal,
+        layout=layout,
+        rank=rank,
+        halo=halo,
+    )
 
 
 def _nonzero(schedule: dict) -> dict:
     return {phase: kinds for phase, kinds in schedule.items() if kinds}
 
 
-def _halo_minimum(world: int, rank: int, left: int, right: int, heads_kv: int, dtype: torch.dtype) -> dict:
+def _halo_minimum(
+    world: int, rank: int, left: int, right: int, heads_kv: int, dtype: torch.dtype
+) -> dict:
     """Bytes rank ``rank`` must send and receive per phase: the issue's minimum, written apart
     from ring_impl. Forward: its first ``right`` key/value rows to rank - 1, its last ``left`` to
     rank + 1 (nothing past the ends); backward: the reverse, in the accumulation dtype."""
@@ -134,8 +191,10 @@ def _halo_minimum(world: int, rank: int, left: int, right: int, heads_kv: int, d
     item = torch.finfo(dtype).bits // 8
     sent = (right if rank > 0 else 0) + (left if rank < world - 1 else 0)
     received = (left if rank > 0 else 0) + (right if rank < world - 1 else 0)
-    return {"forward": {"send": sent * row * item, "recv": received * row * item},
-            "backward": {"send": received * row * acc, "recv": sent * row * acc}}
+    return {
+        "forward": {"send": sent * row * item, "recv": received * row * item},
+        "backward": {"send": received * row * acc, "recv": sent * row * acc},
+    }
 
 
 def _visible_rows_sent(vis: torch.Tensor, world: int, rank: int) -> int:
@@ -146,11 +205,23 @@ def _visible_rows_sent(vis: torch.Tensor, world: int, rank: int) -> int:
     total = 0
     for other in range(world):
         if other != rank:
-            total += int(seen[other * SHARD:(other + 1) * SHARD, mine].any(0).sum())
+            total += int(seen[other * SHARD : (other + 1) * SHARD, mine].any(0).sum())
     return total
 
 
-def _judge(results, spec, is_causal, world, dtype, heads_kv, sinks, op, layout="contiguous", lse_grad=False, label=""):
+def _judge(
+    results,
+    spec,
+    is_causal,
+    world,
+    dtype,
+    heads_kv,
+    sinks,
+    op,
+    layout="contiguous",
+    lse_grad=False,
+    label="",
+):
     import ring_impl
 
     seq = SHARD * world
@@ -167,15 +238,34 @@ def _judge(results, spec, is_causal, world, dtype, heads_kv, sinks, op, layout="
         want, b = getattr(ref, n), base[n].to(torch.float64)
         if n == "lse":  # rows that see nothing (and no sink): exactly -inf
             nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf, only they [{label}]"
+            assert torch.equal(torch.isneginf(got), nothing), (
+                f"lse: rows that see nothing must be -inf, only they [{label}]"
+            )
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
         assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{label}]"
-        assert_close(f"{n} [{label}]", got, want, b, world_size=world, dtype=dtype, result_dtype=out_dtype[n],
-                     scales=scales[n])
+        assert_close(
+            f"{n} [{label}]",
+            got,
+            want,
+            b,
+            world_size=world,
+            dtype=dtype,
+            result_dtype=out_dtype[n],
+            scales=scales[n],
+        )
     if sinks:
         dsinks = sum(r["dsinks"] for r in results)
-        assert_close(f"dsinks [{label}]", dsinks, ref.dsinks, base["dsinks"], world_size=world, dtype=dtype,
-                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
+        assert_close(
+            f"dsinks [{label}]",
+            dsinks,
+            ref.dsinks,
+            base["dsinks"],
+            world_size=world,
+            dtype=dtype,
+            result_dtype=torch.float32,
+            roundings=seq,
+            scales=scales["dsinks"],
+        )
     return vis
 
 
@@ -204,8 +294,19 @@ def _baseline(q, k, v, dout, glse, vis, sinks, op_name: str) -> dict[str, torch.
     zero = torch.zeros((), dtype=q.dtype)
     grad_out = torch.where(dead.unsqueeze(-1), zero, o.grad.to(q.dtype))
     grad_lse = None if l_.grad is None else torch.where(dead, 0.0, l_.grad)
-    dq, dk, dv = call_backward(op, grad_out, q, k, v, out, torch.where(dead, 0.0, lse), is_causal=False, scale=scale,
-                               grad_lse=grad_lse, visible=vis)
+    dq, dk, dv = call_backward(
+        op,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        torch.where(dead, 0.0, lse),
+        is_causal=False,
+        scale=scale,
+        grad_lse=grad_lse,
+        visible=vis,
+    )
     result = {"out": o2.detach(), "lse": l2.detach(), "dq": dq, "dk": dk, "dv": dv}
     if sk is not None:
         result["dsinks"] = sk.grad
@@ -219,34 +320,64 @@ def _skip_other_impl(ring) -> None:
 
 _DTYPES = ((torch.float64, "math"), (torch.float32, "cpu_flash"), (torch.bfloat16, "cpu_flash"))
 _HALO_CASES = []
-for _i, (_name, _world) in enumerate((
-    ("narrow", 2), ("narrow", 3), ("narrow", 4), ("left_right", 2), ("left_right", 3), ("left_right", 4),
-    ("right_only", 3), ("shard_wide", 2), ("shard_wide", 4), ("causal_window", 3), ("causal_window", 4),
-    ("documents_window", 2), ("documents_window", 4), ("documents_full_window", 3), ("padded_rank", 3),
-    ("chunked_causal", 3),
-)):
+for _i, (_name, _world) in enumerate(
+    (
+        ("narrow", 2),
+        ("narrow", 3),
+        ("narrow", 4),
+        ("left_right", 2),
+        ("left_right", 3),
+        ("left_right", 4),
+        ("right_only", 3),
+        ("shard_wide", 2),
+        ("shard_wide", 4),
+        ("causal_window", 3),
+        ("causal_window", 4),
+        ("documents_window", 2),
+        ("documents_window", 4),
+        ("documents_full_window", 3),
+        ("padded_rank", 3),
+        ("chunked_causal", 3),
+    )
+):
     for _j, (_dtype, _op) in enumerate(_DTYPES):
         _hkv = 2 if (_i + _j) % 2 else 4
         _sinks = (_i + _j) % 3 == 0
         _lse = (_i + _j) % 4 == 1
-        _HALO_CASES.append(pytest.param(
-            _name, _world, _dtype, _op, _hkv, _sinks, _lse,
-            id=f"{_name}-W{_world}-{str(_dtype).removeprefix('torch.')}-hkv{_hkv}{'-sinks' if _sinks else ''}"
-               f"{'-lsegrad' if _lse else ''}"))
+        _HALO_CASES.append(
+            pytest.param(
+                _name,
+                _world,
+                _dtype,
+                _op,
+                _hkv,
+                _sinks,
+                _lse,
+                id=f"{_name}-W{_world}-{str(_dtype).removeprefix('torch.')}-hkv{_hkv}{'-sinks' if _sinks else ''}"
+                f"{'-lsegrad' if _lse else ''}",
+            )
+        )
 
 
 @pytest.mark.parametrize("name,world,dtype,op,heads_kv,sinks,lse_grad", _HALO_CASES)
-def test_halo_matches_the_oracle_and_sends_the_minimum(ring, name, world, dtype, op, heads_kv, sinks, lse_grad) -> None:
+def test_halo_matches_the_oracle_and_sends_the_minimum(
+    ring, name, world, dtype, op, heads_kv, sinks, lse_grad
+) -> None:
     _skip_other_impl(ring)
     spec, is_causal, rows = _case(name, world)
     assert rows is not None
-    results = ring.rank_pool(world).run(_run, spec, is_causal, dtype, op, heads_kv, sinks, lse_grad=lse_grad,
-                                        timeout=120.0)
+    results = ring.rank_pool(world).run(
+        _run, spec, is_causal, dtype, op, heads_kv, sinks, lse_grad=lse_grad, timeout=120.0
+    )
     label = f"halo, {name}, W={world}, {dtype}, {op}, hkv={heads_kv}, sinks={sinks}, lse_grad={lse_grad}"
-    vis = _judge(results, spec, is_causal, world, dtype, heads_kv, sinks, op, lse_grad=lse_grad, label=label)
+    vis = _judge(
+        results, spec, is_causal, world, dtype, heads_kv, sinks, op, lse_grad=lse_grad, label=label
+    )
     for rank, r in enumerate(results):
         declared = _nonzero(_declared(spec, is_causal, world, rank, dtype, heads_kv))
-        assert r["log"] == declared, f"rank {rank}: issued {r['log']}, declared {declared} [{label}]"
+        assert r["log"] == declared, (
+            f"rank {rank}: issued {r['log']}, declared {declared} [{label}]"
+        )
         # No key/value block around the ring: only the input check and the neighbours' halos.
         assert set(r["log"]["forward"]) <= {"all_reduce", "send", "recv"}, r["log"]
         minimum = _halo_minimum(world, rank, *rows, heads_kv, dtype)
@@ -254,7 +385,8 @@ def test_halo_matches_the_oracle_and_sends_the_minimum(ring, name, world, dtype,
             for kind in ("send", "recv"):
                 got = r["log"].get(phase, {}).get(kind, {"bytes": 0})["bytes"]
                 assert got == minimum[phase][kind], (
-                    f"rank {rank} {phase}/{kind}: {got} bytes, the halo minimum is {minimum[phase][kind]} [{label}]")
+                    f"rank {rank} {phase}/{kind}: {got} bytes, the halo minimum is {minimum[phase][kind]} [{label}]"
+                )
         if spec["kind"] == "sliding_window":  # the issue's minimum is what the oracle's mask needs
             row = 2 * BATCH * heads_kv * HEAD_DIM * (torch.finfo(dtype).bits // 8)
             assert minimum["forward"]["send"] == _visible_rows_sent(vis, world, rank) * row
@@ -278,15 +410,49 @@ def test_what_the_halo_cannot_serve_runs_on_the_ring(ring, name, world, layout, 
 
     spec, is_causal, _ = _case(name, world)
     dtype, heads_kv = torch.float32, 2
-    results = ring.rank_pool(world).run(_run, spec, is_causal, dtype, "cpu_flash", heads_kv, False, layout=layout,
-                                        halo=halo, timeout=120.0)
-    _judge(results, spec, is_causal, world, dtype, heads_kv, False, "cpu_flash", layout=layout, label=f"ring, {name}, W={world}, {layout}")
-    ring_sched = _nonzero(ring_impl.collective_schedule(world, "alltoall", batch=BATCH, heads_kv=heads_kv, seq_kv=SHARD,
-                                                        head_dim=HEAD_DIM, dtype=dtype))
+    results = ring.rank_pool(world).run(
+        _run,
+        spec,
+        is_causal,
+        dtype,
+        "cpu_flash",
+        heads_kv,
+        False,
+        layout=layout,
+        halo=halo,
+        timeout=120.0,
+    )
+    _judge(
+        results,
+        spec,
+        is_causal,
+        world,
+        dtype,
+        heads_kv,
+        False,
+        "cpu_flash",
+        layout=layout,
+        label=f"ring, {name}, W={world}, {layout}",
+    )
+    ring_sched = _nonzero(
+        ring_impl.collective_schedule(
+            world,
+            "alltoall",
+            batch=BATCH,
+            heads_kv=heads_kv,
+            seq_kv=SHARD,
+            head_dim=HEAD_DIM,
+            dtype=dtype,
+        )
+    )
     for rank, r in enumerate(results):
-        declared = _nonzero(_declared(spec, is_causal, world, rank, dtype, heads_kv, layout=layout, halo=halo))
+        declared = _nonzero(
+            _declared(spec, is_causal, world, rank, dtype, heads_kv, layout=layout, halo=halo)
+        )
         assert declared == ring_sched
-        assert r["log"] == declared, f"rank {rank}: issued {r['log']}, declared the ring's {declared} [{name}]"
+        assert r["log"] == declared, (
+            f"rank {rank}: issued {r['log']}, declared the ring's {declared} [{name}]"
+        )
 
 
 def _kernel_calls(ctx, spec):
@@ -334,15 +500,18 @@ def test_a_nan_in_a_halo_key_reaches_the_neighbour_rows_that_see_it(ring) -> Non
     gradients are NaN wherever the oracle's are (a superset, as the ring's: ring_impl.nonfinite)."""
     _skip_other_impl(ring)
     world, spec, nan_key = 2, _window(3), SHARD - 1
-    results = ring.rank_pool(world).run(_run, spec, False, torch.float64, "math", 2, False, nan_key=nan_key,
-                                        timeout=60.0)
+    results = ring.rank_pool(world).run(
+        _run, spec, False, torch.float64, "math", 2, False, nan_key=nan_key, timeout=60.0
+    )
     q, k, v, dout, _, _ = _inputs(SHARD * world, torch.float64, 2, False, nan_key)
     vis = visibility(spec, SHARD * world, SHARD * world, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis)
     assert_nan_where_the_oracle_has_it(results, ref)
 
 
-def assert_nan_where_the_oracle_has_it(results: list[dict], ref, layout: str = "contiguous") -> None:
+def assert_nan_where_the_oracle_has_it(
+    results: list[dict], ref, layout: str = "contiguous"
+) -> None:
     """The ranks' unsharded out and LSE are NaN exactly where the oracle's ``ref`` are; dQ, dK and
     dV at least there (a superset, as the ring's NaN propagation: ring_impl.nonfinite)."""
     import ring_impl
@@ -381,14 +550,17 @@ def _bad(ctx, kind: str):
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern", [
-    ("forced_too_wide", "reaches 9 keys back and 0 forward, more than a shard (8 tokens)"),
-    ("forced_head_tail", "needs layout='contiguous'"),
-    ("forced_unbounded", "does not bound how far a query looks back"),
-    ("not_a_bool", "halo must be None (automatic), True or False, got 'yes'"),
-    ("differs", "ranks disagree on mask"),
-    ("forced_ulysses", "runs with strategy='ring' only"),
-])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("forced_too_wide", "reaches 9 keys back and 0 forward, more than a shard (8 tokens)"),
+        ("forced_head_tail", "needs layout='contiguous'"),
+        ("forced_unbounded", "does not bound how far a query looks back"),
+        ("not_a_bool", "halo must be None (automatic), True or False, got 'yes'"),
+        ("differs", "ranks disagree on mask"),
+        ("forced_ulysses", "runs with strategy='ring' only"),
+    ],
+)
 def test_bad_halo_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
     _skip_other_impl(ring)
     from ring_impl import InputError
@@ -418,12 +590,18 @@ def test_mask_reach() -> None:
     assert SlidingWindow(None, 0).reach() == (None, 0)
     assert (Causal() & SlidingWindow(3, 2)).reach() == (3, 0)
     assert (docs & SlidingWindow(4, None)).reach() == (4, 0)  # causal documents
-    assert (Documents(torch.zeros(16, dtype=torch.int64), causal=False) & SlidingWindow(4, None)).reach() == (4, None)
-    assert (Documents(torch.zeros(16, dtype=torch.int64), causal=False) & SlidingWindow(2, 5)).reach() == (2, 5)
+    assert (
+        Documents(torch.zeros(16, dtype=torch.int64), causal=False) & SlidingWindow(4, None)
+    ).reach() == (4, None)
+    assert (
+        Documents(torch.zeros(16, dtype=torch.int64), causal=False) & SlidingWindow(2, 5)
+    ).reach() == (2, 5)
     assert (SlidingWindow(3, 0) | SlidingWindow(1, 2)).reach() == (3, 2)
     assert (SlidingWindow(3, 0) | Causal()).reach() == (None, 0)
     assert ChunkedCausal(4).reach() == (3, 0)
-    assert Causal().reach() == docs.reach() == PrefixLM(0).reach() == PrefixLM(1).reach() == (None, 0)
+    assert (
+        Causal().reach() == docs.reach() == PrefixLM(0).reach() == PrefixLM(1).reach() == (None, 0)
+    )
     assert PrefixLM(3).reach() == (None, 2)  # query 0 sees keys 0..2
     assert (PrefixLM(6) & SlidingWindow(2, 2)).reach() == (2, 2)
     assert Full().reach() == MaskMod(lambda b, h, q, kv: kv <= q).reach() == (None, None)
@@ -449,10 +627,17 @@ def test_reach_bounds_the_mask(data) -> None:
 
     def leaf():
         return st.one_of(
-            st.just(Causal()), st.just(Full()), st.builds(SlidingWindow, side, side),
-            st.builds(ChunkedCausal, st.integers(1, seq + 1)), st.builds(PrefixLM, st.integers(0, seq)),
-            st.builds(lambda ids, causal: Documents(torch.tensor(sorted(ids)), causal), st.lists(st.integers(-1, 3), min_size=seq,
-                                                                                          max_size=seq), st.booleans()))
+            st.just(Causal()),
+            st.just(Full()),
+            st.builds(SlidingWindow, side, side),
+            st.builds(ChunkedCausal, st.integers(1, seq + 1)),
+            st.builds(PrefixLM, st.integers(0, seq)),
+            st.builds(
+                lambda ids, causal: Documents(torch.tensor(sorted(ids)), causal),
+                st.lists(st.integers(-1, 3), min_size=seq, max_size=seq),
+                st.booleans(),
+            ),
+        )
 
     mask = data.draw(leaf(), label="mask")
     if data.draw(st.booleans(), label="joined"):
@@ -467,7 +652,9 @@ def test_reach_bounds_the_mask(data) -> None:
         outside |= d < -left
     if right is not None:
         outside |= d > right
-    assert not bool((seen & outside).any()), f"{mask.describe()} reaches {(left, right)} but shows pairs beyond it"
+    assert not bool((seen & outside).any()), (
+        f"{mask.describe()} reaches {(left, right)} but shows pairs beyond it"
+    )
 
 
 def test_halo_schedule_declaration_errors_and_fallbacks() -> None:
@@ -482,11 +669,18 @@ def test_halo_schedule_declaration_errors_and_fallbacks() -> None:
     with pytest.raises(ValueError, match="halo=True but"):
         ring_impl.collective_schedule(3, "p2p", mask=SlidingWindow(9), rank=0, halo=True, **kw)
     ring_sched = ring_impl.collective_schedule(3, "p2p", **kw)
-    for extra in ({"mask": SlidingWindow(9)}, {"mask": SlidingWindow(3), "layout": "head_tail"},
-                  {"mask": SlidingWindow(3), "halo": False}, {"mask": Documents(torch.zeros(24, dtype=torch.int64))},
-                  {"mask": SlidingWindow(3), "seq_q": 4}):
+    for extra in (
+        {"mask": SlidingWindow(9)},
+        {"mask": SlidingWindow(3), "layout": "head_tail"},
+        {"mask": SlidingWindow(3), "halo": False},
+        {"mask": Documents(torch.zeros(24, dtype=torch.int64))},
+        {"mask": SlidingWindow(3), "seq_q": 4},
+    ):
         assert ring_impl.collective_schedule(3, "p2p", **extra, **kw) == ring_sched, extra
-    assert ring_impl.collective_schedule(1, "p2p", mask=SlidingWindow(3), **kw) == {"forward": {}, "backward": {}}
+    assert ring_impl.collective_schedule(1, "p2p", mask=SlidingWindow(3), **kw) == {
+        "forward": {},
+        "backward": {},
+    }
     # a window of no rows: nothing to exchange, only the input check
     sched = ring_impl.collective_schedule(3, "p2p", mask=SlidingWindow(0, 0), rank=1, **kw)
     assert sched == {"forward": {"all_reduce": ring_sched["forward"]["all_reduce"]}, "backward": {}}

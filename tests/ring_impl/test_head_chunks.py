@@ -21,8 +21,12 @@ from suites.cases import RingCase
 from suites.inputs import InputSpec
 
 
-@pytest.mark.parametrize("heads,heads_kv,chunks", [(8, 8, 1), (8, 8, 4), (8, 8, 3), (6, 3, 2), (12, 4, 4), (4, 1, 1)])
-def test_head_spans_partition_heads_along_gqa_groups(heads: int, heads_kv: int, chunks: int) -> None:
+@pytest.mark.parametrize(
+    "heads,heads_kv,chunks", [(8, 8, 1), (8, 8, 4), (8, 8, 3), (6, 3, 2), (12, 4, 4), (4, 1, 1)]
+)
+def test_head_spans_partition_heads_along_gqa_groups(
+    heads: int, heads_kv: int, chunks: int
+) -> None:
     spans = head_spans(heads, heads_kv, chunks)
     assert len(spans) == chunks
     q_heads = [h for hq, _ in spans for h in range(heads)[hq]]
@@ -37,31 +41,57 @@ def test_head_spans_partition_heads_along_gqa_groups(heads: int, heads_kv: int, 
     assert max(sizes) - min(sizes) <= 1, f"uneven split {sizes}"
 
 
-@pytest.mark.parametrize("bad,why", [(0, "positive"), (-1, "positive"), (True, "positive"), (2.0, "positive"),
-                                     (5, "exceeds the 4 key/value heads")])
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        (0, "positive"),
+        (-1, "positive"),
+        (True, "positive"),
+        (2.0, "positive"),
+        (5, "exceeds the 4 key/value heads"),
+    ],
+)
 def test_check_head_chunks_names_the_problem(bad, why: str) -> None:
     problem = check_head_chunks(bad, 4)
     assert problem is not None and why in problem
     with pytest.raises(ValueError, match="head_chunks"):
-        collective_schedule(2, "alltoall", batch=1, heads_kv=4, seq_kv=8, head_dim=4, dtype=torch.float32,
-                            head_chunks=bad)
+        collective_schedule(
+            2,
+            "alltoall",
+            batch=1,
+            heads_kv=4,
+            seq_kv=8,
+            head_dim=4,
+            dtype=torch.float32,
+            head_chunks=bad,
+        )
 
 
 def test_schedule_multiplies_calls_and_keeps_bytes() -> None:
     kw = dict(batch=2, heads_kv=4, seq_kv=8, head_dim=16, dtype=torch.bfloat16)
-    for w, method, compiled in itertools.product((2, 3, 4), ("allgather", "alltoall", "p2p"), (False, True)):
+    for w, method, compiled in itertools.product(
+        (2, 3, 4), ("allgather", "alltoall", "p2p"), (False, True)
+    ):
         one = collective_schedule(w, method, compiled=compiled, **kw)
         four = collective_schedule(w, method, compiled=compiled, head_chunks=4, **kw)
         for phase, kinds in one.items():
             assert kinds.keys() == four[phase].keys()
             for kind, entry in kinds.items():
                 calls = entry["calls"] if kind == "all_reduce" else 4 * entry["calls"]
-                assert four[phase][kind] == {"calls": calls, "bytes": entry["bytes"]}, (w, method, compiled, phase, kind)
+                assert four[phase][kind] == {"calls": calls, "bytes": entry["bytes"]}, (
+                    w,
+                    method,
+                    compiled,
+                    phase,
+                    kind,
+                )
 
 
 def _ring_impl_only(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"head_chunks is ring_impl's option; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"head_chunks is ring_impl's option; the implementation under test is {ring.impl.spec}"
+        )
 
 
 def _cases() -> list:
@@ -76,12 +106,32 @@ def _cases() -> list:
         (4, "p2p", True, "head_tail", "float64", 4, 4, 3),
     ]
     for w, rotate, causal, layout, dtype, heads, heads_kv, chunks in grid:
-        spec = InputSpec(batch=2, heads=heads, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype,
-                         seed=1000 + w)
-        case = RingCase(spec, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True,
-                        extras=(("head_chunks", chunks),))
-        out.append(pytest.param(case, id=f"W{w}-{dtype}-{'causal' if causal else 'full'}-{rotate}-{layout}-"
-                                         f"h{heads}kv{heads_kv}-c{chunks}"))
+        spec = InputSpec(
+            batch=2,
+            heads=heads,
+            heads_kv=heads_kv,
+            seq_q=8 * w,
+            seq_kv=8 * w,
+            head_dim=16,
+            dtype=dtype,
+            seed=1000 + w,
+        )
+        case = RingCase(
+            spec,
+            w,
+            is_causal=causal,
+            layout=layout,
+            rotate_method=rotate,
+            account=True,
+            extras=(("head_chunks", chunks),),
+        )
+        out.append(
+            pytest.param(
+                case,
+                id=f"W{w}-{dtype}-{'causal' if causal else 'full'}-{rotate}-{layout}-"
+                f"h{heads}kv{heads_kv}-c{chunks}",
+            )
+        )
     return out
 
 
@@ -93,12 +143,20 @@ def test_chunked_ring_matches_reference_and_schedule(ring, case: RingCase) -> No
     ring.check(case, results=results)
     spec, chunks = case.inputs, dict(case.extras)["head_chunks"]
     expected = collective_schedule(
-        case.world_size, case.rotate_method, batch=spec.batch, heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size, head_dim=spec.head_dim, dtype=spec.torch_dtype, head_chunks=chunks,
+        case.world_size,
+        case.rotate_method,
+        batch=spec.batch,
+        heads_kv=spec.heads_kv,
+        seq_kv=spec.seq_kv // case.world_size,
+        head_dim=spec.head_dim,
+        dtype=spec.torch_dtype,
+        head_chunks=chunks,
     )
     for rank, r in enumerate(results):
         issued = {phase: kinds for phase, kinds in r["collectives"].items() if kinds}
-        assert issued == {p: k for p, k in expected.items() if k}, f"rank {rank}: issued {issued}, declared {expected}"
+        assert issued == {p: k for p, k in expected.items() if k}, (
+            f"rank {rank}: issued {issued}, declared {expected}"
+        )
 
 
 @pytest.mark.compile
@@ -112,21 +170,36 @@ def test_chunked_ring_compiles_in_one_order(ring, backend: str, rotate: str) -> 
     results, not the tie itself.
     """
     _ring_impl_only(ring)
-    spec = InputSpec(batch=1, heads=4, heads_kv=4, seq_q=24, seq_kv=24, head_dim=16, dtype="float32", seed=77)
-    case = RingCase(spec, 3, is_causal=True, layout="head_tail", rotate_method=rotate, compile=backend,
-                    extras=(("head_chunks", 2),))
+    spec = InputSpec(
+        batch=1, heads=4, heads_kv=4, seq_q=24, seq_kv=24, head_dim=16, dtype="float32", seed=77
+    )
+    case = RingCase(
+        spec,
+        3,
+        is_causal=True,
+        layout="head_tail",
+        rotate_method=rotate,
+        compile=backend,
+        extras=(("head_chunks", 2),),
+    )
     ring.check(ring.prepare(case))
 
 
 def test_chunked_records_cover_every_head(ring) -> None:
     """Per-step partials (for diagnosis) are joined across chunks: the same records as one ring's."""
     _ring_impl_only(ring)
-    spec = InputSpec(batch=1, heads=4, heads_kv=2, seq_q=12, seq_kv=12, head_dim=8, dtype="float64", seed=5)
-    base = ring.prepare(RingCase(spec, 3, is_causal=True, layout="head_tail", rotate_method="alltoall", record=True))
+    spec = InputSpec(
+        batch=1, heads=4, heads_kv=2, seq_q=12, seq_kv=12, head_dim=8, dtype="float64", seed=5
+    )
+    base = ring.prepare(
+        RingCase(spec, 3, is_causal=True, layout="head_tail", rotate_method="alltoall", record=True)
+    )
     whole = ring.run(base)
     chunked = ring.run(base.with_(extras=(("head_chunks", 2),)))
     for rank, (a, b) in enumerate(zip(whole, chunked)):
-        assert [(r["step"], r["q_rows"]) for r in a["records"]] == [(r["step"], r["q_rows"]) for r in b["records"]]
+        assert [(r["step"], r["q_rows"]) for r in a["records"]] == [
+            (r["step"], r["q_rows"]) for r in b["records"]
+        ]
         for ra, rb in zip(a["records"], b["records"]):
             assert rb["out"].shape == ra["out"].shape, f"rank {rank} step {ra['step']}"
             torch.testing.assert_close(rb["out"], ra["out"], rtol=1e-12, atol=1e-12)
@@ -143,8 +216,14 @@ def _bad_chunks(ctx, kind: str):
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern", [("too_many", "exceeds the 2 key/value heads"), ("zero", "positive int"),
-                                          ("differ", "head_chunks (rank 0 1; rank 1 2)")])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("too_many", "exceeds the 2 key/value heads"),
+        ("zero", "positive int"),
+        ("differ", "head_chunks (rank 0 1; rank 1 2)"),
+    ],
+)
 def test_bad_head_chunks_raise_on_every_rank(ring, kind: str, pattern: str) -> None:
     _ring_impl_only(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_chunks, kind, timeout=30.0)
@@ -168,20 +247,38 @@ def _routed_with_chunks(ctx) -> dict:
     from harness.accounting import CollectiveLog
 
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 4, 8 * ctx.world_size, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 4, 8 * ctx.world_size, 8, dtype=torch.float64, generator=gen)
+        for _ in range(3)
+    )
     out: dict = {}
     for chunks in (1, 2):
         qs, ks, vs = q.clone(), k.clone(), v.clone()
-        with CollectiveLog() as log, ring_impl.context_parallel(
-            ctx.group, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2], rotate_method="alltoall", head_chunks=chunks
+        with (
+            CollectiveLog() as log,
+            ring_impl.context_parallel(
+                ctx.group,
+                buffers=[qs, ks, vs],
+                buffer_seq_dims=[2, 2, 2],
+                rotate_method="alltoall",
+                head_chunks=chunks,
+            ),
         ):
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         out[f"cp{chunks}"] = (o, log.summary())
         mesh = DeviceMesh.from_group(ctx.group, "cpu")
-        module = parallelize_module(_Attention(), mesh, ring_impl.ContextParallel(rotate_method="alltoall",
-                                                                                  head_chunks=chunks))
+        module = parallelize_module(
+            _Attention(),
+            mesh,
+            ring_impl.ContextParallel(rotate_method="alltoall", head_chunks=chunks),
+        )
         with CollectiveLog() as log:
-            o = module(*(ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail", dim=2) for t in (q, k, v)))
+            o = module(
+                *(
+                    ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail", dim=2)
+                    for t in (q, k, v)
+                )
+            )
         out[f"style{chunks}"] = (o, log.summary())
     return out
 
@@ -191,9 +288,17 @@ def test_context_parallel_routes_head_chunks(ring) -> None:
     for rank, r in enumerate(ring.rank_pool(2).run(_routed_with_chunks, timeout=60.0)):
         for route in ("cp", "style"):
             (o1, log1), (o2, log2) = r[f"{route}1"], r[f"{route}2"]
-            torch.testing.assert_close(o2, o1, rtol=1e-12, atol=1e-12, msg=lambda m, at=f"rank {rank} {route}": f"{at}: {m}")
+            torch.testing.assert_close(
+                o2,
+                o1,
+                rtol=1e-12,
+                atol=1e-12,
+                msg=lambda m, at=f"rank {rank} {route}": f"{at}: {m}",
+            )
             calls1, calls2 = _hops(log1), _hops(log2)
-            assert calls2 == 2 * calls1, f"rank {rank} {route}: head_chunks=2 issued {calls2} hops, 1 issued {calls1}"
+            assert calls2 == 2 * calls1, (
+                f"rank {rank} {route}: head_chunks=2 issued {calls2} hops, 1 issued {calls1}"
+            )
 
 
 def _hops(summary: dict) -> int:

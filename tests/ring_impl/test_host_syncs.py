@@ -32,8 +32,10 @@ def _syncs(ctx, case: str) -> int:
         "window": dict(mask=SlidingWindow(256, 0), op="cpu_efficient_layout"),
         "window_varlen": dict(mask=SlidingWindow(256, 0), op="cpu_flash_varlen_layout"),
         # (the ids live on the CPU: the checks that read them read host memory)
-        "documents": dict(mask=Documents.from_cu_seqlens([0, 100, 400, 401, 900, 1500, 2000], SEQ),
-                          op="cpu_flash_varlen_layout"),
+        "documents": dict(
+            mask=Documents.from_cu_seqlens([0, 100, 400, 401, 900, 1500, 2000], SEQ),
+            op="cpu_flash_varlen_layout",
+        ),
     }[case]
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 4, SEQ // ctx.world_size, 32, generator=gen) for _ in range(4))
@@ -58,8 +60,12 @@ LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 4}
 @pytest.mark.parametrize("case", sorted(LIMITS))
 def test_no_host_sync_per_block(ring, case: str, world: int) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)")
+        pytest.skip(
+            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)"
+        )
     syncs = ring.rank_pool(world).run(_syncs, case)
     # W=2: the blocks go through the propagation, nothing is decided on the host
     limit = LIMITS[case] if world == 1 else LIMITS[case] - 2
-    assert max(syncs) <= limit, f"{case}: {syncs} host syncs per rank in one call at W={world}, at most {limit} allowed"
+    assert max(syncs) <= limit, (
+        f"{case}: {syncs} host syncs per rank in one call at W={world}, at most {limit} allowed"
+    )

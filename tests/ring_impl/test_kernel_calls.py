@@ -52,26 +52,44 @@ def _counted_call(ctx, name: str, seq: int, layout: str):
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         with varlen_kernel_calls() as calls, AtenOps() as ops:
-            ring_impl.ring_attention(*leaves, group=ctx.group, mask=mask, op=OP, layout=layout,
-                                     halo=False).backward(do)
-    plan = masked_plan(rank, world, layout=layout, mask=mask, seq_q=local, seq_kv=local, batch=1, heads=1, ranges=True)
+            ring_impl.ring_attention(
+                *leaves, group=ctx.group, mask=mask, op=OP, layout=layout, halo=False
+            ).backward(do)
+    plan = masked_plan(
+        rank,
+        world,
+        layout=layout,
+        mask=mask,
+        seq_q=local,
+        seq_kv=local,
+        batch=1,
+        heads=1,
+        ranges=True,
+    )
     return calls["forward"], calls["backward"], [len(p.blocks) for p in plan], sum(ops.ops.values())
 
 
 def _skip_other_impls(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)")
+        pytest.skip(
+            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)"
+        )
 
 
 @pytest.mark.parametrize("name", ["documents_16", "documents_64", "window", "documents_and_window"])
-@pytest.mark.parametrize("world,layout", [(1, "contiguous"), (2, "contiguous"), (2, "head_tail"), (4, "head_tail")])
-def test_one_kernel_call_per_ring_step_per_direction(ring, name: str, world: int, layout: str) -> None:
+@pytest.mark.parametrize(
+    "world,layout", [(1, "contiguous"), (2, "contiguous"), (2, "head_tail"), (4, "head_tail")]
+)
+def test_one_kernel_call_per_ring_step_per_direction(
+    ring, name: str, world: int, layout: str
+) -> None:
     _skip_other_impls(ring)
     results = ring.rank_pool(world).run(_counted_call, name, 1024, layout, timeout=120.0)
     for rank, (fwd, bwd, blocks, _) in enumerate(results):
         assert max(blocks) <= 1, f"rank {rank}: a step planned as {max(blocks)} blocks"
         assert fwd == sum(blocks) and bwd == sum(blocks), (
-            f"rank {rank}: {fwd} kernel calls forward and {bwd} backward for {sum(blocks)} ring steps with work")
+            f"rank {rank}: {fwd} kernel calls forward and {bwd} backward for {sum(blocks)} ring steps with work"
+        )
 
 
 def test_host_work_does_not_grow_with_the_documents(ring) -> None:
@@ -90,7 +108,9 @@ def _halo_calls(ctx, seq: int):
     q, k, v, do = (torch.randn(1, 2, seq // ctx.world_size, 16) for _ in range(4))
     with varlen_kernel_calls() as calls:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ring_impl.ring_attention(*leaves, group=ctx.group, mask=SlidingWindow(seq // 16), op=OP, halo=True).backward(do)
+        ring_impl.ring_attention(
+            *leaves, group=ctx.group, mask=SlidingWindow(seq // 16), op=OP, halo=True
+        ).backward(do)
     return calls["forward"], calls["backward"]
 
 
@@ -106,7 +126,9 @@ def _one_rank_ops(ctx, dtype: str) -> dict[str, int]:
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         with AtenOps() as ops:
-            ring_impl.ring_attention(*leaves, group=ctx.group, is_causal=True, op="cpu_flash").backward(do)
+            ring_impl.ring_attention(
+                *leaves, group=ctx.group, is_causal=True, op="cpu_flash"
+            ).backward(do)
     return dict(ops.ops)
 
 
@@ -119,5 +141,7 @@ def test_one_rank_takes_the_kernels_own_path(ring, dtype: str) -> None:
     (ops,) = ring.rank_pool(1).run(_one_rank_ops, dtype, timeout=60.0)
     assert ops.get("aten._scaled_dot_product_flash_attention_for_cpu") == 1, ops
     assert ops.get("aten._scaled_dot_product_flash_attention_for_cpu_backward") == 1, ops
-    extra = {name: ops.get(name, 0) for name in ("aten.stack", "aten.zeros", "aten._to_copy", "aten.cat")}
+    extra = {
+        name: ops.get(name, 0) for name in ("aten.stack", "aten.zeros", "aten._to_copy", "aten.cat")
+    }
     assert not any(extra.values()), f"one rank's call does more than its kernel: {extra}"

@@ -29,17 +29,32 @@ SEEN_HEAD_DIMS: list[int] = []
 
 
 @torch.library.custom_op("ring_impl_tests::order_blind_backward", mutates_args=())
-def order_blind_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def order_blind_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CPU flash's backward reading ``out`` as (batch, seq, heads, head_dim)-contiguous memory
     from its storage offset, whatever its strides (the CUDA kernel's way)."""
     b, h, s, d = out.shape
     SEEN_HEAD_DIMS.append(d)
     read = torch.as_strided(out, (b, h, s, d), (s * h * d, d, h * d, 1), out.storage_offset())
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.contiguous(), query.contiguous(), key.contiguous(), value.contiguous(), read.contiguous(),
-        lse.contiguous(), 0.0, is_causal, scale=scale)
+        grad_out.contiguous(),
+        query.contiguous(),
+        key.contiguous(),
+        value.contiguous(),
+        read.contiguous(),
+        lse.contiguous(),
+        0.0,
+        is_causal,
+        scale=scale,
+    )
     return tuple(g.contiguous() for g in grads)
 
 
@@ -58,7 +73,9 @@ class OrderBlindOp(CpuFlashOp):
 
     def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
         out = in_efficient_order(out, query.dtype) if self.reorder else out.to(query.dtype)
-        return order_blind_backward(grad_out.to(query.dtype), query, key, value, out, lse.float(), is_causal, scale)
+        return order_blind_backward(
+            grad_out.to(query.dtype), query, key, value, out, lse.float(), is_causal, scale
+        )
 
 
 def _grads(ctx, backend):
@@ -70,23 +87,40 @@ def _grads(ctx, backend):
             register_op(OrderBlindOp(reorder), name=name)
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen) for _ in range(4))
-    q, k, v, do = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail") for t in (q, k, v, do))
+    q, k, v, do = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail") for t in (q, k, v, do)
+    )
 
     def attend(q, k, v, op):
-        return ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail", op=op, rotate_method="alltoall")
+        return ring_impl.ring_attention(
+            q, k, v, is_causal=True, layout="head_tail", op=op, rotate_method="alltoall"
+        )
 
     torch._dynamo.reset()
     compiled = torch.compile(attend, backend=backend, fullgraph=True)
+
     def attend_with_lse(q, k, v, op):  # the LSE in the loss: its gradient goes through the fold
-        out, lse = ring_impl.ring_attention(q, k, v, is_causal=True, layout="head_tail", op=op,
-                                            rotate_method="alltoall", return_lse=True)
+        out, lse = ring_impl.ring_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            layout="head_tail",
+            op=op,
+            rotate_method="alltoall",
+            return_lse=True,
+        )
         return out + lse.unsqueeze(-1)
 
     compiled_with_lse = torch.compile(attend_with_lse, backend=backend, fullgraph=True)
     result = {}
-    for name, fn, op in (("reference", attend, "cpu_flash"), ("eager", attend, "order_blind"),
-                         ("compiled", compiled, "order_blind"), ("unordered", attend, "order_blind_unordered"),
-                         ("compiled_with_lse", compiled_with_lse, "order_blind")):
+    for name, fn, op in (
+        ("reference", attend, "cpu_flash"),
+        ("eager", attend, "order_blind"),
+        ("compiled", compiled, "order_blind"),
+        ("unordered", attend, "order_blind_unordered"),
+        ("compiled_with_lse", compiled_with_lse, "order_blind"),
+    ):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
         SEEN_HEAD_DIMS.clear()
         fn(qq, kk, vv, op).backward(do)
@@ -98,17 +132,26 @@ def _grads(ctx, backend):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_ring_hands_the_efficient_kernel_its_memory_order(ring, backend) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl kernel's contract; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"a ring_impl kernel's contract; the implementation under test is {ring.impl.spec}"
+        )
     for rank, r in enumerate(ring.rank_pool(2).run(_grads, backend, timeout=240.0)):
         ref = r["reference"]
         # The kernel really is order-blind: without the reorder dQ and dK are wrong, dV right.
         bad = [float((g - w).abs().max()) for g, w in zip(r["unordered"], ref)]
-        assert bad[0] > 0.1 and bad[1] > 0.1 and bad[2] < 1e-5, f"rank {rank}: the emulation is not order-blind: {bad}"
+        assert bad[0] > 0.1 and bad[1] > 0.1 and bad[2] < 1e-5, (
+            f"rank {rank}: the emulation is not order-blind: {bad}"
+        )
         for how in ("eager", "compiled"):
             for what, g, w in zip(("dq", "dk", "dv"), r[how], ref):
                 err = float((g - w).abs().max())
-                assert err < 1e-5, f"rank {rank}, {how} ({backend}): {what} differs from cpu_flash by {err:.2e}"
+                assert err < 1e-5, (
+                    f"rank {rank}, {how} ({backend}): {what} differs from cpu_flash by {err:.2e}"
+                )
         # The LSE dropped: the kernel gets the call's head dim, compiled as eagerly; with the LSE
         # in the loss the fold pads it (the recording sees padding when there is some).
-        assert r["eager head dims"] == r["compiled head dims"] == [HEAD_DIM], (rank, r["compiled head dims"])
+        assert r["eager head dims"] == r["compiled head dims"] == [HEAD_DIM], (
+            rank,
+            r["compiled head dims"],
+        )
         assert r["compiled_with_lse head dims"] == [24], (rank, r["compiled_with_lse head dims"])

@@ -29,7 +29,9 @@ from tests.ring_impl.test_masks import every_fourth_head_sees_back
 
 def _skip_other_impls(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"sparse_kv= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"sparse_kv= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
 
 
 def _doc_ids(seq: int) -> list[int]:
@@ -49,8 +51,14 @@ def _spec(name: str, seq: int) -> dict:
         "documents_full": {**docs, "causal": False},
         "window": {"kind": "sliding_window", "left": seq // 6, "right": 2},
         "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
-        "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
-        "mask_mod_per_head": {"kind": "mask_mod", "fn": every_fourth_head_sees_back},  # the union over heads travels
+        "documents_window": {
+            "kind": "and",
+            "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}],
+        },
+        "mask_mod_per_head": {
+            "kind": "mask_mod",
+            "fn": every_fourth_head_sees_back,
+        },  # the union over heads travels
     }[name]
 
 
@@ -63,15 +71,22 @@ def _layout(name: str, spec: dict, seq: int, world: int) -> str:
     from ring_impl.masks import from_spec
 
     registered = f"test_gather_work_{seq}_{world}"
-    ring_impl.register_layout(work_balanced_layout(registered, from_spec(spec), seq, world, chunks_per_rank=3),
-                              replace=True)
+    ring_impl.register_layout(
+        work_balanced_layout(registered, from_spec(spec), seq, world, chunks_per_rank=3),
+        replace=True,
+    )
     return registered
 
 
-def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, sinks: bool, nan_keys: tuple[int, ...] = ()):
+def _inputs(
+    seq: int, dtype: torch.dtype, heads_kv: int, sinks: bool, nan_keys: tuple[int, ...] = ()
+):
     gen = torch.Generator().manual_seed(seq + heads_kv)
     q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (
+        torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     for key in nan_keys:
         k[:, :, key, 0] = float("nan")
     dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
@@ -88,31 +103,68 @@ def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad, nan_keys
     spec = _spec(name, seq)
     layout = _layout(layout_name, spec, seq, ctx.world_size)
     q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks, nan_keys)
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
+    )
     glse = ring_impl.shard(glse.unsqueeze(-1), ctx.world_size, ctx.rank, layout=layout).squeeze(-1)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     if s is not None:
         s.requires_grad_(True)
     with CollectiveLog() as log:
         with log.phase("forward"):
-            out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), sinks=s, layout=layout,
-                                                op=NanHidingMath() if op == "nan_hiding" else op or (
-                                                    "math" if dtype == torch.float64 else "cpu_flash"), return_lse=True,
-                                                sparse_kv=True)
+            out, lse = ring_impl.ring_attention(
+                q,
+                k,
+                v,
+                group=ctx.group,
+                mask=from_spec(spec),
+                sinks=s,
+                layout=layout,
+                op=NanHidingMath()
+                if op == "nan_hiding"
+                else op or ("math" if dtype == torch.float64 else "cpu_flash"),
+                return_lse=True,
+                sparse_kv=True,
+            )
         with log.phase("backward"):
             loss = (out * dout).sum()
             if lse_grad:
-                loss = loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
+                loss = (
+                    loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
+                )
             loss.backward()
-    declared = ring_impl.collective_schedule(ctx.world_size, "alltoall", batch=BATCH, heads_kv=heads_kv,
-                                             seq_kv=seq // ctx.world_size, head_dim=HEAD_DIM, dtype=dtype,
-                                             mask=from_spec(spec), layout=layout, rank=ctx.rank, sparse_kv=True)
+    declared = ring_impl.collective_schedule(
+        ctx.world_size,
+        "alltoall",
+        batch=BATCH,
+        heads_kv=heads_kv,
+        seq_kv=seq // ctx.world_size,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        mask=from_spec(spec),
+        layout=layout,
+        rank=ctx.rank,
+        sparse_kv=True,
+    )
     # Each rank's global positions, to count the minimum bytes from the oracle's visibility.
-    positions = [ring_impl.shard(torch.arange(seq).view(1, 1, seq, 1), ctx.world_size, r, layout=layout).flatten()
-                 for r in range(ctx.world_size)]
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "dsinks": None if s is None else s.grad, "log": log.summary(), "declared": declared,
-            "layout": layout, "positions": positions}
+    positions = [
+        ring_impl.shard(
+            torch.arange(seq).view(1, 1, seq, 1), ctx.world_size, r, layout=layout
+        ).flatten()
+        for r in range(ctx.world_size)
+    ]
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "dsinks": None if s is None else s.grad,
+        "log": log.summary(),
+        "declared": declared,
+        "layout": layout,
+        "positions": positions,
+    }
 
 
 CASES = [
@@ -127,16 +179,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,world,layout,dtype,heads_kv,sinks,lse_grad", CASES,
-                         ids=[f"{c[0]}-W{c[1]}-{c[2]}-{str(c[3]).removeprefix('torch.')}-hkv{c[4]}"
-                              f"{'-sinks' if c[5] else ''}{'-lsegrad' if c[6] else ''}" for c in CASES])
-def test_sparse_gather_matches_the_oracle_with_minimum_bytes(ring, name, world, layout, dtype, heads_kv, sinks,
-                                                             lse_grad) -> None:
+@pytest.mark.parametrize(
+    "name,world,layout,dtype,heads_kv,sinks,lse_grad",
+    CASES,
+    ids=[
+        f"{c[0]}-W{c[1]}-{c[2]}-{str(c[3]).removeprefix('torch.')}-hkv{c[4]}"
+        f"{'-sinks' if c[5] else ''}{'-lsegrad' if c[6] else ''}"
+        for c in CASES
+    ],
+)
+def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
+    ring, name, world, layout, dtype, heads_kv, sinks, lse_grad
+) -> None:
     _skip_other_impls(ring)
     import ring_impl
 
     seq = 24 * world
-    results = ring.rank_pool(world).run(_run, name, seq, dtype, layout, heads_kv, sinks, lse_grad, timeout=120.0)
+    results = ring.rank_pool(world).run(
+        _run, name, seq, dtype, layout, heads_kv, sinks, lse_grad, timeout=120.0
+    )
     used_layout = results[0]["layout"]
     if layout == "work_balanced":  # the parent registers it too, to unshard
         _layout(layout, _spec(name, seq), seq, world)
@@ -147,7 +208,9 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(ring, name, world, 
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s, grad_lse=glse)
     scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype, grad_lse=glse)
     op = "math" if dtype == torch.float64 else "cpu_flash"
-    base = _baseline(q, k, v, dout, glse, vis, s, op)  # the same kernel on one device (the policy's B)
+    base = _baseline(
+        q, k, v, dout, glse, vis, s, op
+    )  # the same kernel on one device (the policy's B)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     label = f"sparse_kv, {name}, W={world}, {layout}, {dtype}, hkv={heads_kv}, sinks={sinks}, lse_grad={lse_grad}"
     for n in ("out", "lse", "dq", "dk", "dv"):
@@ -155,30 +218,54 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(ring, name, world, 
         want, b = getattr(ref, n), base[n].to(torch.float64)
         if n == "lse":  # rows that see nothing (and no sink): exactly -inf
             nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{label}]"
+            assert torch.equal(torch.isneginf(got), nothing), (
+                f"lse: rows that see nothing must be -inf [{label}]"
+            )
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
         assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{label}]"
-        assert_close(f"{n} [{label}]", got, want, b, world_size=world, dtype=dtype,
-                     result_dtype=lse_dtype if n == "lse" else dtype, scales=scales[n])
+        assert_close(
+            f"{n} [{label}]",
+            got,
+            want,
+            b,
+            world_size=world,
+            dtype=dtype,
+            result_dtype=lse_dtype if n == "lse" else dtype,
+            scales=scales[n],
+        )
     if sinks:
         dsinks = sum(r["dsinks"] for r in results)
-        assert_close(f"dsinks [{label}]", dsinks, ref.dsinks, base["dsinks"], world_size=world, dtype=dtype,
-                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
+        assert_close(
+            f"dsinks [{label}]",
+            dsinks,
+            ref.dsinks,
+            base["dsinks"],
+            world_size=world,
+            dtype=dtype,
+            result_dtype=torch.float32,
+            roundings=seq,
+            scales=scales["dsinks"],
+        )
     seen = vis.any(0).any(0)  # (query, key): some batch entry and head sees it
     row = 2 * BATCH * heads_kv * HEAD_DIM
     acc = 8 if dtype == torch.float64 else 4
     for rank, r in enumerate(results):
         log, declared, pos = r["log"], r["declared"], r["positions"]
         assert log == {p: kinds for p, kinds in declared.items() if kinds}, (
-            f"rank {rank}: collectives {log} != declared {declared} [{label}]")
+            f"rank {rank}: collectives {log} != declared {declared} [{label}]"
+        )
         # The minimum: this rank's keys that each other rank's queries see, once (forward, input
         # dtype); back, the dK/dV of the keys of others that its own queries saw (accumulation dtype).
         sent = sum(int(seen[pos[t]][:, pos[rank]].any(0).sum()) for t in range(world) if t != rank)
-        received = sum(int(seen[pos[rank]][:, pos[t]].any(0).sum()) for t in range(world) if t != rank)
+        received = sum(
+            int(seen[pos[rank]][:, pos[t]].any(0).sum()) for t in range(world) if t != rank
+        )
         assert log["forward"]["all_to_all"]["bytes"] == sent * row * dtype.itemsize, (
-            f"rank {rank}: forward {log['forward']}, the minimum is {sent} rows [{label}]")
+            f"rank {rank}: forward {log['forward']}, the minimum is {sent} rows [{label}]"
+        )
         assert log["backward"]["all_to_all"]["bytes"] == received * row * acc, (
-            f"rank {rank}: backward {log['backward']}, the minimum is {received} rows of dK/dV [{label}]")
+            f"rank {rank}: backward {log['backward']}, the minimum is {received} rows of dK/dV [{label}]"
+        )
 
 
 class NanHidingMath(MathOp):
@@ -204,11 +291,24 @@ def test_a_nan_key_reaches_the_rows_that_see_it_whether_sent_or_kept(ring, op, n
     _skip_other_impls(ring)
 
     seq = 48
-    results = ring.rank_pool(2).run(_run, "documents", seq, torch.float64, "head_tail", 2, False, False, nan_keys,
-                                    op, timeout=60.0)
+    results = ring.rank_pool(2).run(
+        _run,
+        "documents",
+        seq,
+        torch.float64,
+        "head_tail",
+        2,
+        False,
+        False,
+        nan_keys,
+        op,
+        timeout=60.0,
+    )
     q, k, v, dout, _, _ = _inputs(seq, torch.float64, 2, False, nan_keys)
     vis = visibility(_spec("documents", seq), seq, seq, batch=BATCH, heads=HEADS)
-    assert_nan_where_the_oracle_has_it(results, attention_grads(q, k, v, dout, visible=vis), layout="head_tail")
+    assert_nan_where_the_oracle_has_it(
+        results, attention_grads(q, k, v, dout, visible=vis), layout="head_tail"
+    )
 
 
 def _events(ctx):
@@ -231,21 +331,36 @@ def _events(ctx):
             return super().backward(*args, **kwargs)
 
     seq = 256 * ctx.world_size
-    ids = (torch.arange(seq) // 40).tolist()  # documents of 40 tokens: whole on a rank, or split between two
-    q, k, v = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail").requires_grad_(True)
-               for t in torch.randn(3, 1, 2, seq, 8, generator=torch.Generator().manual_seed(0)))
+    ids = (
+        torch.arange(seq) // 40
+    ).tolist()  # documents of 40 tokens: whole on a rank, or split between two
+    q, k, v = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail").requires_grad_(True)
+        for t in torch.randn(3, 1, 2, seq, 8, generator=torch.Generator().manual_seed(0))
+    )
     saved = kv_gather._Exchange.__init__, kv_gather._Exchange.result
 
     def record(original, event):
         def method(self, *args, **kwargs):
             events.append(event)
             return original(self, *args, **kwargs)
+
         return method
 
-    kv_gather._Exchange.__init__, kv_gather._Exchange.result = (record(f, e) for f, e in zip(saved, "sw"))
+    kv_gather._Exchange.__init__, kv_gather._Exchange.result = (
+        record(f, e) for f, e in zip(saved, "sw")
+    )
     try:
-        out = ring_impl.ring_attention(q, k, v, group=ctx.group, layout="head_tail", sparse_kv=True, op=Recording(),
-                                       mask=from_spec({"kind": "document", "doc_ids": ids, "causal": True}))
+        out = ring_impl.ring_attention(
+            q,
+            k,
+            v,
+            group=ctx.group,
+            layout="head_tail",
+            sparse_kv=True,
+            op=Recording(),
+            mask=from_spec({"kind": "document", "doc_ids": ids, "causal": True}),
+        )
         forward = "".join(events)
         events.clear()
         out.sum().backward()
@@ -261,12 +376,20 @@ def test_the_gather_computes_the_own_rows_while_its_transfers_travel(ring) -> No
     _skip_other_impls(ring)
     for rank, phases in enumerate(ring.rank_pool(2).run(_events, timeout=60.0)):
         for phase, events in zip(("forward", "backward"), phases):
-            assert events.count("s") == 1 and events.count("w") == 1, f"rank {rank}, {phase}: {events}"
-            between = events[events.index("s"):events.index("w")]
-            assert "k" in between, f"rank {rank}, {phase}: no kernel call while the transfer travels: {events}"
+            assert events.count("s") == 1 and events.count("w") == 1, (
+                f"rank {rank}, {phase}: {events}"
+            )
+            between = events[events.index("s") : events.index("w")]
+            assert "k" in between, (
+                f"rank {rank}, {phase}: no kernel call while the transfer travels: {events}"
+            )
             # forward, the calls on received rows once they are there; backward, those first
-            rest = events[events.index("w"):] if phase == "forward" else events[:events.index("s")]
-            assert "k" in rest, f"rank {rank}, {phase}: no kernel call on the received rows: {events}"
+            rest = (
+                events[events.index("w") :] if phase == "forward" else events[: events.index("s")]
+            )
+            assert "k" in rest, (
+                f"rank {rank}, {phase}: no kernel call on the received rows: {events}"
+            )
 
 
 def test_sparse_gather_sends_a_fraction_of_the_ring_for_documents() -> None:
@@ -282,11 +405,24 @@ def test_sparse_gather_sends_a_fraction_of_the_ring_for_documents() -> None:
     lengths = [1024] + [60, 7, 130, 33, 90, 18, 200, 45] * 5
     lengths.append(seq - sum(lengths))
     docs = Documents(torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]))
-    ring_impl.register_layout(work_balanced_layout("test_gather_fraction", docs, seq, world), replace=True)
-    kw = dict(batch=1, heads_kv=2, seq_kv=seq // world, head_dim=16, dtype=torch.float32, layout="test_gather_fraction")
+    ring_impl.register_layout(
+        work_balanced_layout("test_gather_fraction", docs, seq, world), replace=True
+    )
+    kw = dict(
+        batch=1,
+        heads_kv=2,
+        seq_kv=seq // world,
+        head_dim=16,
+        dtype=torch.float32,
+        layout="test_gather_fraction",
+    )
     ring = ring_impl.collective_schedule(world, "alltoall", **kw)["forward"]["all_to_all"]["bytes"]
-    gathered = [ring_impl.collective_schedule(world, "alltoall", mask=docs, rank=r, sparse_kv=True, **kw)
-                ["forward"]["all_to_all"]["bytes"] for r in range(world)]
+    gathered = [
+        ring_impl.collective_schedule(world, "alltoall", mask=docs, rank=r, sparse_kv=True, **kw)[
+            "forward"
+        ]["all_to_all"]["bytes"]
+        for r in range(world)
+    ]
     assert max(gathered) < 0.6 * ring, f"sparse gather bytes per rank {gathered}, the ring's {ring}"
 
 
@@ -310,13 +446,16 @@ def _bad(ctx, kind: str):
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern", [
-    ("no_mask", "sparse_kv=True needs a mask"),
-    ("head_chunks", "pass head_chunks=1"),
-    ("halo_too", "two different exchanges"),
-    ("not_bool", "sparse_kv must be True or False"),
-    ("one_rank_only", "ranks disagree on mask"),
-])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("no_mask", "sparse_kv=True needs a mask"),
+        ("head_chunks", "pass head_chunks=1"),
+        ("halo_too", "two different exchanges"),
+        ("not_bool", "sparse_kv must be True or False"),
+        ("one_rank_only", "ranks disagree on mask"),
+    ],
+)
 def test_bad_sparse_options_raise_on_every_rank(ring, kind, pattern) -> None:
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)

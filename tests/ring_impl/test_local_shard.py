@@ -23,12 +23,15 @@ def _run(ctx, dims: tuple[str, str]) -> dict:
     q, k, v = (torch.randn(1, 4, SEQ, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     want = attention(q, k, v, visible=torch.ones(SEQ, SEQ, dtype=torch.bool).tril()).out
     spec = {"strategy": "hybrid", "layout": "head_tail"}
-    got = ring_impl.ring_attention(*(local_shard(t, mesh, **spec) for t in (q, k, v)), group=mesh, is_causal=True,
-                                   **spec)
+    got = ring_impl.ring_attention(
+        *(local_shard(t, mesh, **spec) for t in (q, k, v)), group=mesh, is_causal=True, **spec
+    )
     # The pitfall: coordinates from the global rank, as if the mesh were ("ring", "ulysses").
     naive = shard(q, **spec, mesh_shape=(2, 2), coords=mesh_coords(ctx.rank, (2, 2)))
-    return {"error": float((got - local_shard(want, mesh, **spec)).abs().max()),
-            "naive_differs": not torch.equal(naive, local_shard(q, mesh, **spec))}
+    return {
+        "error": float((got - local_shard(want, mesh, **spec)).abs().max()),
+        "naive_differs": not torch.equal(naive, local_shard(q, mesh, **spec)),
+    }
 
 
 @pytest.mark.parametrize("dims", [("ring", "ulysses"), ("ulysses", "ring")])
@@ -46,8 +49,10 @@ def _ring_shard_equal(ctx) -> bool:
     from ring_impl.strategies import local_shard
 
     x = torch.arange(2 * SEQ, dtype=torch.float32).view(1, 1, 2 * SEQ, 1)
-    return torch.equal(local_shard(x, ctx.group, strategy="ring", layout="head_tail"),
-                       shard(x, ctx.world_size, ctx.rank, layout="head_tail"))
+    return torch.equal(
+        local_shard(x, ctx.group, strategy="ring", layout="head_tail"),
+        shard(x, ctx.world_size, ctx.rank, layout="head_tail"),
+    )
 
 
 def test_local_shard_of_the_ring_is_the_layouts_shard(ring) -> None:

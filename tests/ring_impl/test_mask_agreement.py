@@ -18,6 +18,7 @@ def causal(b, h, q, kv):
 def _hiding(where):
     def fn(b, h, q, kv):
         return (kv <= q) & ~where(b, h, q, kv)
+
     return fn
 
 
@@ -26,11 +27,18 @@ def test_a_small_call_compares_every_entry() -> None:
     assert 2 * 4 * 96 * 96 <= PROBE_ENTRIES
     base = probe_text(causal, *dims)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(20):  # any single entry (below the diagonal, where causal shows the key) told apart
+    for _ in range(
+        20
+    ):  # any single entry (below the diagonal, where causal shows the key) told apart
         b, h = (int(torch.randint(n, (1,), generator=gen)) for n in dims[:2])
         q = int(torch.randint(1, 96, (1,), generator=gen))
         kv = int(torch.randint(0, q, (1,), generator=gen))
-        other = probe_text(_hiding(lambda B, H, Q, K, b=b, h=h, q=q, kv=kv: (B == b) & (H == h) & (Q == q) & (K == kv)), *dims)
+        other = probe_text(
+            _hiding(
+                lambda B, H, Q, K, b=b, h=h, q=q, kv=kv: (B == b) & (H == h) & (Q == q) & (K == kv)
+            ),
+            *dims,
+        )
         assert other != base, (b, h, q, kv)
 
 
@@ -40,12 +48,19 @@ def test_a_large_call_probes_a_grid_drawn_alike_over_the_whole_range() -> None:
     again = probe_grid(*dims)  # what another rank draws
     assert all(torch.equal(a, b) for a, b in zip((bs, hs, qs, ks), again))
     assert bs.numel() * hs.numel() * qs.numel() * ks.numel() <= PROBE_ENTRIES
-    assert (bs.numel(), hs.numel()) == (8, 16) and {0, 15} <= set(bs.tolist()) and {0, 31} <= set(hs.tolist())
+    assert (
+        (bs.numel(), hs.numel()) == (8, 16)
+        and {0, 15} <= set(bs.tolist())
+        and {0, 31} <= set(hs.tolist())
+    )
     for positions, n in ((qs, 8192), (ks, 8192)):
         assert positions.tolist()[:PROBE_EDGE] == list(range(PROBE_EDGE))
         assert positions.tolist()[-PROBE_EDGE:] == list(range(n - PROBE_EDGE, n))
         middle = positions[PROBE_EDGE:-PROBE_EDGE]
-        assert middle.unique().numel() == middle.numel() and float(middle.max() - middle.min()) > 0.8 * n  # spread out
+        assert (
+            middle.unique().numel() == middle.numel()
+            and float(middle.max() - middle.min()) > 0.8 * n
+        )  # spread out
 
 
 def test_a_difference_on_a_tenth_of_the_rows_is_found_in_a_large_call() -> None:
@@ -54,12 +69,21 @@ def test_a_difference_on_a_tenth_of_the_rows_is_found_in_a_large_call() -> None:
     dims = (8, 16, 65536, 65536)
     base = probe_text(causal, *dims)
     for offset in range(5):  # every 10th row, five different phases
-        assert probe_text(_hiding(lambda b, h, q, kv, o=offset: (q % 10 == o) & (kv == 0) & (q > 0)), *dims) != base
+        assert (
+            probe_text(
+                _hiding(lambda b, h, q, kv, o=offset: (q % 10 == o) & (kv == 0) & (q > 0)), *dims
+            )
+            != base
+        )
 
 
 def test_the_cross_rank_code_uses_the_probe_and_the_description_alone_without_sizes() -> None:
     late = MaskMod(_hiding(lambda b, h, q, kv: (q == 90) & (kv == 70)))
     early = MaskMod(causal)
-    assert late.describe().split(",", 1)[1] == early.describe().split(",", 1)[1]  # the first 64 positions agree
+    assert (
+        late.describe().split(",", 1)[1] == early.describe().split(",", 1)[1]
+    )  # the first 64 positions agree
     assert mask_code(late, None, (1, 2, 96, 96)) != mask_code(early, None, (1, 2, 96, 96))
-    assert mask_code(early, None, (1, 2, 96, 96)) == mask_code(MaskMod(causal), None, (1, 2, 96, 96))
+    assert mask_code(early, None, (1, 2, 96, 96)) == mask_code(
+        MaskMod(causal), None, (1, 2, 96, 96)
+    )

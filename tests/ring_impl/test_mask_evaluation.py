@@ -24,7 +24,9 @@ BAD = 5
 
 def _skip_other_impls(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
 
 
 def _call(ctx, how: str, corrupt: bool, counter: list | None = None):
@@ -56,14 +58,22 @@ def _call(ctx, how: str, corrupt: bool, counter: list | None = None):
     elif how == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
 
-        kwargs.update(strategy="hybrid", group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring")))
+        kwargs.update(
+            strategy="hybrid",
+            group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring")),
+        )
     gen = torch.Generator().manual_seed(ctx.rank)
-    q, k, v = (torch.randn(1, 4, SEQ_LOCAL, 8, generator=gen).requires_grad_(True) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 4, SEQ_LOCAL, 8, generator=gen).requires_grad_(True) for _ in range(3)
+    )
     out = ring_impl.ring_attention(q, k, v, **kwargs)
     forward_evaluations = None if counter is None else sum(counter)
     out.sum().backward()
-    return {"forward": forward_evaluations, "all": None if counter is None else sum(counter),
-            "finite": bool(torch.isfinite(q.grad).all())}
+    return {
+        "forward": forward_evaluations,
+        "all": None if counter is None else sum(counter),
+        "finite": bool(torch.isfinite(q.grad).all()),
+    }
 
 
 def _off_grid_failure_then_a_good_call(ctx, how: str):
@@ -79,15 +89,27 @@ def _off_grid_failure_then_a_good_call(ctx, how: str):
     return {"refused": refused, "good": _call(ctx, how, corrupt=False)}
 
 
-@pytest.mark.parametrize("how,world", [("ring", 2), ("ring", 3), ("head_chunks", 2), ("halo", 2), ("sparse_kv", 2),
-                                       ("ulysses", 2), ("hybrid", 4)])
+@pytest.mark.parametrize(
+    "how,world",
+    [
+        ("ring", 2),
+        ("ring", 3),
+        ("head_chunks", 2),
+        ("halo", 2),
+        ("sparse_kv", 2),
+        ("ulysses", 2),
+        ("hybrid", 4),
+    ],
+)
 def test_a_mask_mod_failing_off_the_probe_grid_raises_on_every_rank(ring, how, world) -> None:
     _skip_other_impls(ring)
     runs = ring.rank_pool(world).run(_off_grid_failure_then_a_good_call, how, timeout=120.0)
     for rank, r in enumerate(runs):
         msg = r["refused"]
-        assert "cannot be evaluated on the positions this rank attends (IndexError" in msg or \
-            "rejected their input" in msg, f"{how}, rank {rank}: {msg}"
+        assert (
+            "cannot be evaluated on the positions this rank attends (IndexError" in msg
+            or "rejected their input" in msg
+        ), f"{how}, rank {rank}: {msg}"
         assert r["good"]["finite"], f"{how}, rank {rank}: the good call after the refusal"
     # The rank holding the corrupt position names it (the hybrid and Ulysses: every rank holding
     # it after the all-to-all).
@@ -132,12 +154,17 @@ def _compiled_call(ctx, backend: str, failure: str, corrupt_ranks: tuple[int, ..
 
         return MaskMod(fn)
 
-    step = torch.compile(lambda q, k, v, mask: ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask),
-                         backend=backend, fullgraph=True)
+    step = torch.compile(
+        lambda q, k, v, mask: ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask),
+        backend=backend,
+        fullgraph=True,
+    )
     gen = torch.Generator().manual_seed(ctx.rank)
 
     def run(corrupt: bool) -> bool:
-        q, k, v = (torch.randn(1, 4, SEQ_LOCAL, 8, generator=gen).requires_grad_(True) for _ in range(3))
+        q, k, v = (
+            torch.randn(1, 4, SEQ_LOCAL, 8, generator=gen).requires_grad_(True) for _ in range(3)
+        )
         step(q, k, v, mask_for(corrupt)).sum().backward()
         return bool(torch.isfinite(q.grad).all())
 
@@ -155,8 +182,9 @@ def _compiled_call(ctx, backend: str, failure: str, corrupt_ranks: tuple[int, ..
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("failure", ["index", "division"])
 @pytest.mark.parametrize("corrupt_ranks", [(1,), (0, 1)], ids=["one_rank", "every_rank"])
-def test_a_compiled_mask_mod_failing_on_some_ranks_data_raises_on_every_rank(ring, backend, failure,
-                                                                              corrupt_ranks) -> None:
+def test_a_compiled_mask_mod_failing_on_some_ranks_data_raises_on_every_rank(
+    ring, backend, failure, corrupt_ranks
+) -> None:
     """Compiled, the table is evaluated in the graph, where a failure raised on one rank's data
     left the others waiting in the op's cross-rank check. Evaluated under
     ring_impl.mask_table.EvaluationGuard, it is refused with InputError on every rank, and the
@@ -165,6 +193,10 @@ def test_a_compiled_mask_mod_failing_on_some_ranks_data_raises_on_every_rank(rin
     runs = ring.rank_pool(2).run(_compiled_call, backend, failure, corrupt_ranks, timeout=240.0)
     for rank, r in enumerate(runs):
         assert r["first"] and r["after"], f"rank {rank}: the good calls: {r}"
-        assert "rejected their input" in r["refused"] or "cannot be evaluated" in r["refused"], f"rank {rank}: {r}"
+        assert "rejected their input" in r["refused"] or "cannot be evaluated" in r["refused"], (
+            f"rank {rank}: {r}"
+        )
     for rank in corrupt_ranks:
-        assert "an index out of range or an integer divided by zero" in runs[rank]["refused"], runs[rank]
+        assert "an index out of range or an integer divided by zero" in runs[rank]["refused"], runs[
+            rank
+        ]

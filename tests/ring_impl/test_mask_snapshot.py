@@ -66,6 +66,7 @@ def _holder(dtype: str, write: str):
         def refill():
             target = ids.data if write == "data_copy" else ids
             target.copy_(torch.tensor(new, dtype=ids.dtype))
+
     return ids, refill
 
 
@@ -80,7 +81,11 @@ def _calls(ctx, dtype: str, write: str) -> list[float]:
     outs = [ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask)]
     refill()
     outs.append(ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask))
-    outs.append(ring_impl.ring_attention(q, k, v, group=ctx.group, mask=Documents(torch.tensor(_ids_for(dtype)[1]))))
+    outs.append(
+        ring_impl.ring_attention(
+            q, k, v, group=ctx.group, mask=Documents(torch.tensor(_ids_for(dtype)[1]))
+        )
+    )
     return outs
 
 
@@ -89,22 +94,34 @@ DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 
 @pytest.mark.parametrize("write", WRITES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ids_written_between_calls_are_the_ids_the_next_call_runs(ring, dtype: str, write: str) -> None:
+def test_ids_written_between_calls_are_the_ids_the_next_call_runs(
+    ring, dtype: str, write: str
+) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property (its plan cache); the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"a ring_impl property (its plan cache); the implementation under test is {ring.impl.spec}"
+        )
     from reference.layout import unshard
 
     runs = ring.rank_pool(2).run(_calls, dtype, write)
     got = [unshard([r[i] for r in runs], "contiguous", dim=2) for i in range(3)]
     old, new = (_oracle(ids) for ids in _ids_for(dtype))
-    assert float((got[0] - old).abs().max()) < 1e-12, "the first call does not run the documents its ids hold"
+    assert float((got[0] - old).abs().max()) < 1e-12, (
+        "the first call does not run the documents its ids hold"
+    )
     stale = float((got[1] - old).abs().max()) < 1e-12
     assert float((got[1] - new).abs().max()) < 1e-12, (
-        f"{dtype} ids written by {write}: the second call on the same mask " +
-        ("ran the old documents (stale ids or plan)" if stale else "matches neither the old nor the new documents"))
+        f"{dtype} ids written by {write}: the second call on the same mask "
+        + (
+            "ran the old documents (stale ids or plan)"
+            if stale
+            else "matches neither the old nor the new documents"
+        )
+    )
     assert float((got[2] - new).abs().max()) < 1e-12, (
         f"{dtype} ids written by {write}: a new Documents of the new ids got another plan (the plan cache was "
-        "poisoned by the call after the write)")
+        "poisoned by the call after the write)"
+    )
 
 
 def test_a_snapshot_is_the_data_at_call_time() -> None:
@@ -117,12 +134,24 @@ def test_a_snapshot_is_the_data_at_call_time() -> None:
     buffer[:] = np.asarray(NEW, dtype=np.int32)
     assert frozen.describe() == described != mask.describe()
     assert frozen.a.doc_ids.dtype == torch.int64 and frozen.a.doc_ids.tolist() == OLD
-    assert snapshot(frozen) is frozen and frozen.b is mask.b  # plain-valued masks are their own snapshot
+    assert (
+        snapshot(frozen) is frozen and frozen.b is mask.b
+    )  # plain-valued masks are their own snapshot
     q = torch.arange(SEQ)
-    assert torch.equal(frozen.visible(None, None, q.view(-1, 1), q.view(1, -1)),
-                       visibility({"kind": "and", "masks": [{"kind": "document", "doc_ids": OLD, "causal": True},
-                                                            {"kind": "sliding_window", "left": 4, "right": 0}]},
-                                  SEQ, SEQ)[0, 0])
+    assert torch.equal(
+        frozen.visible(None, None, q.view(-1, 1), q.view(1, -1)),
+        visibility(
+            {
+                "kind": "and",
+                "masks": [
+                    {"kind": "document", "doc_ids": OLD, "causal": True},
+                    {"kind": "sliding_window", "left": 4, "right": 0},
+                ],
+            },
+            SEQ,
+            SEQ,
+        )[0, 0],
+    )
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
@@ -142,7 +171,9 @@ def test_unchanged_ids_reuse_their_snapshot_and_changed_ones_never_do(dtype: str
     mask.doc_ids[0] = 1  # in place, through torch
     third = snapshot(mask)
     assert third is not second and third.doc_ids.tolist() == [1, *NEW[1:]]
-    buffer[:] = np.asarray(NEW, dtype=dtype)  # back to the values of the second: equal values, equal plans
+    buffer[:] = np.asarray(
+        NEW, dtype=dtype
+    )  # back to the values of the second: equal values, equal plans
     assert snapshot(mask).doc_ids.tolist() == NEW
 
 
@@ -173,12 +204,23 @@ def test_packed_calls_share_the_documents_of_equal_cu_seqlens() -> None:
     assert a.doc_ids.tolist() == [0] * 10 + [1] * 14 + [2] * 20 + [-1] * 4
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda: __import__("ring_impl.masks", fromlist=["x"]).Documents.from_cu_seqlens([0, 10.7, 40.2], SEQ),
-     r"cu_seqlens must be integers .*10\.7"),
-    (lambda: __import__("ring_impl.masks", fromlist=["x"]).Documents.from_cu_seqlens(torch.tensor([0.0, 10.5]), SEQ),
-     r"cu_seqlens must be integers"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: __import__("ring_impl.masks", fromlist=["x"]).Documents.from_cu_seqlens(
+                [0, 10.7, 40.2], SEQ
+            ),
+            r"cu_seqlens must be integers .*10\.7",
+        ),
+        (
+            lambda: __import__("ring_impl.masks", fromlist=["x"]).Documents.from_cu_seqlens(
+                torch.tensor([0.0, 10.5]), SEQ
+            ),
+            r"cu_seqlens must be integers",
+        ),
+    ],
+)
 def test_non_integer_lengths_are_refused_never_truncated(make, message) -> None:
     with pytest.raises(ValueError, match=message):
         make()
@@ -188,12 +230,23 @@ def test_integral_lengths_of_any_kind_are_taken() -> None:
     from ring_impl.masks import ChunkedCausal, Documents, PrefixLM, SlidingWindow
 
     expected = Documents.from_cu_seqlens([0, 10, 40], SEQ).doc_ids
-    for cu in (np.array([0, 10, 40], dtype=np.int32), np.array([0.0, 10.0, 40.0]), torch.tensor([0, 10, 40], dtype=torch.int16)):
+    for cu in (
+        np.array([0, 10, 40], dtype=np.int32),
+        np.array([0.0, 10.0, 40.0]),
+        torch.tensor([0, 10, 40], dtype=torch.int16),
+    ):
         assert torch.equal(Documents.from_cu_seqlens(cu, SEQ).doc_ids, expected)
-    for mask in (SlidingWindow(np.int64(4), np.int32(0)), ChunkedCausal(np.int16(3)), PrefixLM(torch.tensor(2))):
+    for mask in (
+        SlidingWindow(np.int64(4), np.int32(0)),
+        ChunkedCausal(np.int16(3)),
+        PrefixLM(torch.tensor(2)),
+    ):
         assert mask.check(SEQ, SEQ) is None, mask
         assert all(type(v) is int for v in vars(mask).values()), vars(mask)
-    assert SlidingWindow(np.int64(4)) == SlidingWindow(4) and SlidingWindow(np.int64(4)).describe() == "window(4,0)"
+    assert (
+        SlidingWindow(np.int64(4)) == SlidingWindow(4)
+        and SlidingWindow(np.int64(4)).describe() == "window(4,0)"
+    )
     assert "must be an int" in SlidingWindow(4.0).check(SEQ, SEQ)
     assert "must be an int" in SlidingWindow(True).check(SEQ, SEQ)
 
@@ -201,6 +254,13 @@ def test_integral_lengths_of_any_kind_are_taken() -> None:
 def test_unsigned_ids_are_checked_as_their_values() -> None:
     from ring_impl.masks import Documents
 
-    assert Documents(torch.tensor(OLD[:-4] + [0] * 4, dtype=torch.uint8)).check(SEQ, SEQ) is not None  # decreasing
-    assert Documents(torch.tensor(sorted(OLD[:-4]) + [2] * 4, dtype=torch.uint8)).check(SEQ, SEQ) is None
-    assert "meta device" in Documents(torch.zeros(SEQ, dtype=torch.int64, device="meta")).check(SEQ, SEQ)
+    assert (
+        Documents(torch.tensor(OLD[:-4] + [0] * 4, dtype=torch.uint8)).check(SEQ, SEQ) is not None
+    )  # decreasing
+    assert (
+        Documents(torch.tensor(sorted(OLD[:-4]) + [2] * 4, dtype=torch.uint8)).check(SEQ, SEQ)
+        is None
+    )
+    assert "meta device" in Documents(torch.zeros(SEQ, dtype=torch.int64, device="meta")).check(
+        SEQ, SEQ
+    )

@@ -20,7 +20,11 @@ def _per_batch_head(b, h, q_idx, kv_idx):
 def _spec(name: str) -> dict:
     return {
         "causal": {"kind": "causal"},
-        "documents": {"kind": "document", "doc_ids": [0] * 5 + [1] + [2] * 9 + [-1] * 6, "causal": True},
+        "documents": {
+            "kind": "document",
+            "doc_ids": [0] * 5 + [1] + [2] * 9 + [-1] * 6,
+            "causal": True,
+        },
         "window": {"kind": "sliding_window", "left": 3, "right": 2},
         "per_batch_head": {"kind": "mask_mod", "fn": _per_batch_head},
     }[name]
@@ -29,14 +33,25 @@ def _spec(name: str) -> dict:
 def _read_back(table, batch: int, heads: int, seq_q: int, seq_kv: int) -> torch.Tensor:
     from ring_impl.masks import visibility
 
-    return visibility(table, torch.arange(seq_q), torch.arange(seq_kv), batch=batch, heads=heads).expand(
-        batch, heads, seq_q, seq_kv)
+    return visibility(
+        table, torch.arange(seq_q), torch.arange(seq_kv), batch=batch, heads=heads
+    ).expand(batch, heads, seq_q, seq_kv)
 
 
 # Key lengths that are not and are a multiple of 8 (the last byte padded); documents share one
 # sequence of 21 tokens.
-@pytest.mark.parametrize("name,seq_kv", [("causal", 21), ("causal", 24), ("documents", 21), ("window", 21),
-                                         ("window", 24), ("per_batch_head", 21), ("per_batch_head", 24)])
+@pytest.mark.parametrize(
+    "name,seq_kv",
+    [
+        ("causal", 21),
+        ("causal", 24),
+        ("documents", 21),
+        ("window", 21),
+        ("window", 24),
+        ("per_batch_head", 21),
+        ("per_batch_head", 24),
+    ],
+)
 @pytest.mark.parametrize("chunk_entries", [None, 8])  # one chunk; a row or less per chunk
 def test_table_reads_back_as_the_oracle(monkeypatch, name, seq_kv, chunk_entries) -> None:
     import ring_impl.mask_table as mask_table
@@ -57,7 +72,8 @@ def test_table_reads_back_as_the_oracle(monkeypatch, name, seq_kv, chunk_entries
     want = oracle_visibility(spec, seq_q, seq_kv, batch=batch, heads=heads)
     assert torch.equal(got, want.expand_as(got)), (
         f"{name}: {int((got != want).sum())} position pairs read back wrong, first at "
-        f"{(got != want).nonzero()[:1].tolist()}")
+        f"{(got != want).nonzero()[:1].tolist()}"
+    )
     # Padding bits of the last byte are not seen.
     if seq_kv % 8:
         assert int(bits[..., -1].max()) < (1 << (seq_kv % 8)), "padding keys marked as seen"
@@ -85,8 +101,14 @@ def test_table_refuses_another_grid_and_the_limit_is_kept() -> None:
     problem = mask_problem(VisibilityTable(bits, 16), seq_q=32, seq_kv=32, batch=1, heads=1)
     assert problem is not None and "global sequence" in problem, problem
     assert "uint8" in VisibilityTable(bits.to(torch.int32), 16).check(16, 16)
-    assert pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16 - 1) is None
-    assert pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16) is not None
+    assert (
+        pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16 - 1)
+        is None
+    )
+    assert (
+        pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1, max_bits=16 * 16)
+        is not None
+    )
 
 
 # --- EvaluationGuard: failures on data recorded, not raised ---------------------------------------
@@ -98,12 +120,16 @@ _M = torch.arange(24).view(2, 3, 4)
 #: or a zero divisor ``d``
 _FORMS = {
     "getitem": lambda i, d: _T[i],
-    "getitem_tuple": lambda i, d: _M[:, i % 3, i % 4 + (i >= 100).long() * 100],  # the last dim fails
+    "getitem_tuple": lambda i, d: _M[
+        :, i % 3, i % 4 + (i >= 100).long() * 100
+    ],  # the last dim fails
     "getitem_ellipsis": lambda i, d: _M[..., i],
     "getitem_none": lambda i, d: _M[None, i % 2 + (i >= 100).long() * 100, :, 0],
     "index_select": lambda i, d: torch.index_select(_T, 0, i),
     "method_index_select": lambda i, d: _T.index_select(0, i),
-    "gather": lambda i, d: torch.gather(_M[0], 1, i.view(1, -1).expand(3, -1) % 4 + (i >= 100).long() * 100),
+    "gather": lambda i, d: torch.gather(
+        _M[0], 1, i.view(1, -1).expand(3, -1) % 4 + (i >= 100).long() * 100
+    ),
     "take": lambda i, d: torch.take(_M, i),
     "floordiv": lambda i, d: i // d,
     "rfloordiv": lambda i, d: 7 // d,
@@ -112,8 +138,16 @@ _FORMS = {
     "fmod": lambda i, d: torch.fmod(i, d),
     "div_floor": lambda i, d: torch.div(i, d, rounding_mode="floor"),
 }
-_FAILS_ON = {"getitem": "index", "getitem_tuple": "index", "getitem_ellipsis": "index", "getitem_none": "index",
-             "index_select": "index", "method_index_select": "index", "gather": "index", "take": "index"}
+_FAILS_ON = {
+    "getitem": "index",
+    "getitem_tuple": "index",
+    "getitem_ellipsis": "index",
+    "getitem_none": "index",
+    "index_select": "index",
+    "method_index_select": "index",
+    "gather": "index",
+    "take": "index",
+}
 
 
 def _guarded(form: str, i: torch.Tensor, d: torch.Tensor):
@@ -137,8 +171,11 @@ def test_the_guard_records_a_failure_on_data_instead_of_raising(form, compiled) 
     good_i, good_d = torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3])
     out, failed = fn(form, good_i, good_d)
     assert torch.equal(out, _FORMS[form](good_i, good_d)) and not bool(failed), (out, failed)
-    bad_i, bad_d = (torch.tensor([0, 100, 2]), good_d) if _FAILS_ON.get(form) == "index" else (
-        good_i, torch.tensor([1, 0, 3]))
+    bad_i, bad_d = (
+        (torch.tensor([0, 100, 2]), good_d)
+        if _FAILS_ON.get(form) == "index"
+        else (good_i, torch.tensor([1, 0, 3]))
+    )
     with pytest.raises((IndexError, RuntimeError)):
         _FORMS[form](bad_i, bad_d)
     _, failed = fn(form, bad_i, bad_d)

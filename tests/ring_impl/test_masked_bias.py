@@ -18,8 +18,15 @@ from ring_impl.ops.cuda import BIAS_ALIGNMENT, additive_bias
 from .oracle import assert_masked_op_matches_math, assert_ring_matches_oracle
 
 
-@pytest.mark.parametrize("shape,mask_dims", [((1, 2, 6, 40), (1, 1)), ((2, 4, 40, 6), (2, 4)), ((2, 2, 17, 33), (2, 1)),
-                                             ((1, 1, 3, 32), None)])
+@pytest.mark.parametrize(
+    "shape,mask_dims",
+    [
+        ((1, 2, 6, 40), (1, 1)),
+        ((2, 4, 40, 6), (2, 4)),
+        ((2, 2, 17, 33), (2, 1)),
+        ((1, 1, 3, 32), None),
+    ],
+)
 def test_additive_bias_values_and_alignment(shape, mask_dims) -> None:
     b, h, rows, cols = shape
     gen = torch.Generator().manual_seed(0)
@@ -28,9 +35,14 @@ def test_additive_bias_values_and_alignment(shape, mask_dims) -> None:
     assert bias.shape == shape and bias.dtype == torch.bfloat16
     want = torch.where(visible, 0.0, float("-inf")).expand(shape)
     assert torch.equal(bias.float(), want)
-    assert bias.stride(-1) == 1 and all(st % BIAS_ALIGNMENT == 0 for st in bias.stride()[:-1]), bias.stride()
+    assert bias.stride(-1) == 1 and all(st % BIAS_ALIGNMENT == 0 for st in bias.stride()[:-1]), (
+        bias.stride()
+    )
     m = visible.reshape(1, 1, rows, cols) if mask_dims is None else visible
-    assert [st == 0 for st in bias.stride()[:2]] == [m.shape[0] == 1 and b > 1, m.shape[1] == 1 and h > 1]
+    assert [st == 0 for st in bias.stride()[:2]] == [
+        m.shape[0] == 1 and b > 1,
+        m.shape[1] == 1 and h > 1,
+    ]
     _checked_bias(bias)
 
 
@@ -43,7 +55,9 @@ def test_the_emulated_alignment_check_refuses_a_misaligned_bias() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape,mask_dims", [((1, 2, 6, 40), (1, 1)), ((2, 4, 40, 6), (2, 4)), ((2, 2, 17, 33), (2, 1))])
+@pytest.mark.parametrize(
+    "shape,mask_dims", [((1, 2, 6, 40), (1, 1)), ((2, 4, 40, 6), (2, 4)), ((2, 2, 17, 33), (2, 1))]
+)
 def test_emulated_masked_efficient_op_equals_math(dtype, shape, mask_dims) -> None:
     """Forward (out, LSE trimmed from its padded layout) and backward on the rows that see
     something; those that see nothing get LSE 0 and a zero output gradient, as the ring gives."""
@@ -67,7 +81,15 @@ def test_auto_never_picks_the_unverified_op() -> None:
 
     for dtype in (torch.float32, torch.bfloat16):
         assert resolve_op("auto", torch.device("cuda"), dtype, 64).name != "cuda_efficient_masked"
-    assert block_op(get_op("cuda_efficient"), is_causal=False, scale=0.1, visible=torch.ones(1, 1, 2, 2, dtype=torch.bool)).name == "math"
+    assert (
+        block_op(
+            get_op("cuda_efficient"),
+            is_causal=False,
+            scale=0.1,
+            visible=torch.ones(1, 1, 2, 2, dtype=torch.bool),
+        ).name
+        == "math"
+    )
 
 
 HEADS, HEADS_KV, HEAD_DIM, SEQ = 4, 2, 8, 48
@@ -80,13 +102,21 @@ def _band_per_head(b, h, q_idx, kv_idx):
 
 def _oracle_visibility() -> torch.Tensor:
     i, j = torch.arange(SEQ).view(-1, 1), torch.arange(SEQ).view(1, -1)
-    return torch.stack([_band_per_head(0, h, i, j) for h in range(HEADS)]).unsqueeze(0)  # (1, heads, seq, seq)
+    return torch.stack([_band_per_head(0, h, i, j) for h in range(HEADS)]).unsqueeze(
+        0
+    )  # (1, heads, seq, seq)
 
 
 def _inputs(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(5)
-    q, dout = (torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
-    k, v = (torch.randn(1, HEADS_KV, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    q, dout = (
+        torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
+    k, v = (
+        torch.randn(1, HEADS_KV, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     return q, k, v, dout
 
 
@@ -100,14 +130,33 @@ def _ring_with_the_emulation(ctx, dtype):
 
         def forward(self, query, key, value, *, is_causal, scale, attn_mask=None):
             Counted.masked += attn_mask is not None
-            return super().forward(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+            return super().forward(
+                query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask
+            )
 
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail") for t in _inputs(dtype))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail") for t in _inputs(dtype)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(q, k, v, mask=MaskMod(_band_per_head), layout="head_tail", op=Counted(),
-                                        rotate_method="alltoall", return_lse=True)
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        mask=MaskMod(_band_per_head),
+        layout="head_tail",
+        op=Counted(),
+        rotate_method="alltoall",
+        return_lse=True,
+    )
     out.backward(dout)
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "masked": Counted.masked}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "masked": Counted.masked,
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -117,8 +166,17 @@ def test_ring_with_the_emulated_masked_op_matches_the_oracle(ring, dtype) -> Non
     from conformance.implementation import DEFAULT_IMPL_SPEC
 
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"the emulated op is ring_impl's; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"the emulated op is ring_impl's; the implementation under test is {ring.impl.spec}"
+        )
     results = ring.rank_pool(2).run(_ring_with_the_emulation, dtype, timeout=120.0)
     assert all(r["masked"] > 0 for r in results), [r["masked"] for r in results]
-    assert_ring_matches_oracle("cpu_efficient_masked_layout, W=2, head_tail", results, _inputs(dtype), _oracle_visibility(),
-                               layout="head_tail", world_size=2, dtype=dtype)
+    assert_ring_matches_oracle(
+        "cpu_efficient_masked_layout, W=2, head_tail",
+        results,
+        _inputs(dtype),
+        _oracle_visibility(),
+        layout="head_tail",
+        world_size=2,
+        dtype=dtype,
+    )

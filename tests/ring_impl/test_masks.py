@@ -46,7 +46,10 @@ def _masks(seq: int) -> dict[str, dict]:
         "window_wide": {"kind": "sliding_window", "left": seq // 2, "right": 2},
         "chunked_causal": {"kind": "chunked_causal", "chunk": seq // 4},
         "prefix_lm": {"kind": "prefix_lm", "prefix": seq // 3},
-        "documents_window": {"kind": "and", "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}]},
+        "documents_window": {
+            "kind": "and",
+            "masks": [docs, {"kind": "sliding_window", "left": 3, "right": 0}],
+        },
         "mask_mod_per_head": {"kind": "mask_mod", "fn": every_fourth_head_sees_back},
     }
 
@@ -54,7 +57,10 @@ def _masks(seq: int) -> dict[str, dict]:
 def _inputs(seq: int, dtype: torch.dtype, sinks: bool, heads_kv: int = HEADS_KV):
     gen = torch.Generator().manual_seed(seq * 7 + int(sinks))
     q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    k, v = (
+        torch.randn(BATCH, heads_kv, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     s = torch.randn(HEADS, generator=gen, dtype=torch.float64).float() if sinks else None
     return q, k, v, dout, s
@@ -65,65 +71,138 @@ def _run(ctx, spec, seq, dtype, layout, rotate, op, sinks, strategy="ring"):
     from ring_impl.masks import from_spec
 
     q, k, v, dout, s = _inputs(seq, dtype, sinks)
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     if s is not None:
         s.requires_grad_(True)
     from harness.accounting import CollectiveLog
 
     with CollectiveLog() as log:
-        out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), sinks=s, layout=layout,
-                                            rotate_method=rotate, op=op, return_lse=True, strategy=strategy)
+        out, lse = ring_impl.ring_attention(
+            q,
+            k,
+            v,
+            group=ctx.group,
+            mask=from_spec(spec),
+            sinks=s,
+            layout=layout,
+            rotate_method=rotate,
+            op=op,
+            return_lse=True,
+            strategy=strategy,
+        )
         out.backward(dout)
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "dsinks": None if s is None else s.grad, "log": log.summary()}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "dsinks": None if s is None else s.grad,
+        "log": log.summary(),
+    }
 
 
 def _cases(strategy: str = "ring"):
     out = []
-    combos = itertools.product(("causal", "documents", "documents_full", "window_narrow", "window_wide",
-                                "chunked_causal", "prefix_lm", "documents_window", "mask_mod_per_head"),
-                               ((2, "head_tail"), (3, "contiguous")))
+    combos = itertools.product(
+        (
+            "causal",
+            "documents",
+            "documents_full",
+            "window_narrow",
+            "window_wide",
+            "chunked_causal",
+            "prefix_lm",
+            "documents_window",
+            "mask_mod_per_head",
+        ),
+        ((2, "head_tail"), (3, "contiguous")),
+    )
     for i, (name, (world, layout)) in enumerate(combos):
         dtype, op = ((torch.float64, "math"), (torch.float32, "cpu_flash"))[i % 2]
         rotate = ("allgather", "alltoall", "p2p")[i % 3]
-        world = 4 if strategy == "ulysses" and world == 3 else world  # Ulysses: heads (4) divisible by W
-        out.append(pytest.param(name, world, layout, rotate, dtype, op, i % 3 == 0, strategy,
-                                id=f"{strategy}-{name}-W{world}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}"))
+        world = (
+            4 if strategy == "ulysses" and world == 3 else world
+        )  # Ulysses: heads (4) divisible by W
+        out.append(
+            pytest.param(
+                name,
+                world,
+                layout,
+                rotate,
+                dtype,
+                op,
+                i % 3 == 0,
+                strategy,
+                id=f"{strategy}-{name}-W{world}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}",
+            )
+        )
     return out
 
 
-@pytest.mark.parametrize("name,world,layout,rotate,dtype,op,sinks,strategy", _cases("ring") + _cases("ulysses"))
-def test_masked_ring_matches_the_oracle(ring, name, world, layout, rotate, dtype, op, sinks, strategy) -> None:
+@pytest.mark.parametrize(
+    "name,world,layout,rotate,dtype,op,sinks,strategy", _cases("ring") + _cases("ulysses")
+)
+def test_masked_ring_matches_the_oracle(
+    ring, name, world, layout, rotate, dtype, op, sinks, strategy
+) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     import ring_impl
 
     seq = 24 * world
     spec = _masks(seq)[name]
-    results = ring.rank_pool(world).run(_run, spec, seq, dtype, layout, rotate, op, sinks, strategy, timeout=120.0)
+    results = ring.rank_pool(world).run(
+        _run, spec, seq, dtype, layout, rotate, op, sinks, strategy, timeout=120.0
+    )
     q, k, v, dout, s = _inputs(seq, dtype, sinks)
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
     # The policy's magnitudes of this case (without the sink term, which only lowers every
     # probability: its magnitudes are at most these).
     scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype)
-    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": torch.float64 if dtype == torch.float64 else torch.float32}
+    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {
+        "lse": torch.float64 if dtype == torch.float64 else torch.float32
+    }
     for n in ("out", "lse", "dq", "dk", "dv"):
         got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
         want = getattr(ref, n)
         if n == "lse":  # rows that see nothing (and no sink): exactly -inf
             nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{name}]"
+            assert torch.equal(torch.isneginf(got), nothing), (
+                f"lse: rows that see nothing must be -inf [{name}]"
+            )
             got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
         assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
         base = want.to(out_dtype[n])  # an exact kernel, rounded once to its output dtype
-        assert_close(f"{n} [{strategy}, {name}, W={world}, {layout}, {rotate}, {op}, sinks={sinks}]", got, want, base,
-                     world_size=world if strategy == "ring" else 1, dtype=dtype, result_dtype=out_dtype[n], scales=scales[n])
+        assert_close(
+            f"{n} [{strategy}, {name}, W={world}, {layout}, {rotate}, {op}, sinks={sinks}]",
+            got,
+            want,
+            base,
+            world_size=world if strategy == "ring" else 1,
+            dtype=dtype,
+            result_dtype=out_dtype[n],
+            scales=scales[n],
+        )
     if sinks:  # world_size: the roundings of the sum over ranks
         dsinks = sum(r["dsinks"] for r in results)  # each rank's share covers its own rows
-        assert_close(f"dsinks [{name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=world, dtype=dtype,
-                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
+        assert_close(
+            f"dsinks [{name}]",
+            dsinks,
+            ref.dsinks,
+            ref.dsinks.float(),
+            world_size=world,
+            dtype=dtype,
+            result_dtype=torch.float32,
+            roundings=seq,
+            scales=scales["dsinks"],
+        )
 
 
 def _work(ctx, spec, seq, layout):
@@ -149,8 +228,17 @@ def _work(ctx, spec, seq, layout):
     q, k, v, _, _ = _inputs(seq, torch.float64, False)
     q, k, v = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v))
     # halo=False: the ring's plan is under test (the halo path makes one call; tests/ring_impl/test_halo.py)
-    ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), layout=layout, op=Counting(),
-                             rotate_method="alltoall", halo=False)
+    ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        mask=from_spec(spec),
+        layout=layout,
+        op=Counting(),
+        rotate_method="alltoall",
+        halo=False,
+    )
     return len(calls)
 
 
@@ -158,9 +246,13 @@ def test_blocks_nobody_sees_are_never_computed(ring) -> None:
     """A narrow causal window over W=4 contiguous shards: each rank's queries reach its own block
     and the previous rank's only, so 2 kernel calls per rank (rank 0: 1), not 4."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     seq = 32
-    calls = ring.rank_pool(4).run(_work, {"kind": "sliding_window", "left": 3, "right": 0}, seq, "contiguous", timeout=60.0)
+    calls = ring.rank_pool(4).run(
+        _work, {"kind": "sliding_window", "left": 3, "right": 0}, seq, "contiguous", timeout=60.0
+    )
     assert calls == [1, 2, 2, 2], f"kernel calls per rank {calls}"
 
 
@@ -181,29 +273,38 @@ def _bad(ctx, kind: str):
         mask = SlidingWindow(-1)
     elif kind == "mask_mod_fails":
         table = torch.zeros(seq // 2, dtype=torch.bool)
-        mask = MaskMod(lambda b, h, q_idx, kv_idx: table[q_idx] | (kv_idx <= q_idx))  # IndexError past seq/2
+        mask = MaskMod(
+            lambda b, h, q_idx, kv_idx: table[q_idx] | (kv_idx <= q_idx)
+        )  # IndexError past seq/2
     elif kind == "mask_differs":
         mask = SlidingWindow(2 + ctx.rank)
     elif kind == "sinks_shape":
         sinks = torch.zeros(3)
     elif kind == "sinks_dtype":
         sinks = torch.zeros(2, dtype=torch.int64)
-    ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask, sinks=sinks, rotate_method="alltoall")
+    ring_impl.ring_attention(
+        q, k, v, group=ctx.group, mask=mask, sinks=sinks, rotate_method="alltoall"
+    )
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern", [
-    ("doc_ids_length", "has 15 entries but the global sequence has 16 tokens"),
-    ("doc_ids_decrease", "decrease along the sequence"),
-    ("window_negative", "SlidingWindow.left must be an int >= 0"),
-    ("mask_mod_fails", "cannot be evaluated on the global positions (IndexError"),
-    ("mask_differs", "ranks disagree on mask"),
-    ("sinks_shape", "sinks must have shape (2,)"),
-    ("sinks_dtype", "sinks must be floating point"),
-])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("doc_ids_length", "has 15 entries but the global sequence has 16 tokens"),
+        ("doc_ids_decrease", "decrease along the sequence"),
+        ("window_negative", "SlidingWindow.left must be an int >= 0"),
+        ("mask_mod_fails", "cannot be evaluated on the global positions (IndexError"),
+        ("mask_differs", "ranks disagree on mask"),
+        ("sinks_shape", "sinks must have shape (2,)"),
+        ("sinks_dtype", "sinks must be floating point"),
+    ],
+)
 def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     from ring_impl import InputError
 
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
@@ -212,7 +313,9 @@ def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) 
     assert any(pattern in o.exc_message for o in outcomes), summary
 
 
-def _run_hybrid(ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, heads_kv=HEADS_KV, head_chunks=1):
+def _run_hybrid(
+    ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, heads_kv=HEADS_KV, head_chunks=1
+):
     import ring_impl
     from reference.strategies import shard as strategy_shard
     from ring_impl.masks import from_spec
@@ -220,25 +323,63 @@ def _run_hybrid(ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, he
     u, r = mesh_shape
     mesh = ctx.device_mesh((r, u), ("ring", "ulysses"))
     q, k, v, dout, s = _inputs(seq, dtype, sinks, heads_kv)
-    q, k, v, dout = (strategy_shard(t, "hybrid", layout, mesh_shape, ctx.rank).contiguous() for t in (q, k, v, dout))
+    q, k, v, dout = (
+        strategy_shard(t, "hybrid", layout, mesh_shape, ctx.rank).contiguous()
+        for t in (q, k, v, dout)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     if s is not None:
         s.requires_grad_(True)
-    out, lse = ring_impl.ring_attention(q, k, v, group=mesh, strategy="hybrid", mask=from_spec(spec), sinks=s,
-                                        layout=layout, rotate_method=rotate, op=op, return_lse=True, head_chunks=head_chunks)
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=mesh,
+        strategy="hybrid",
+        mask=from_spec(spec),
+        sinks=s,
+        layout=layout,
+        rotate_method=rotate,
+        op=op,
+        return_lse=True,
+        head_chunks=head_chunks,
+    )
     out.backward(dout)
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "dsinks": None if s is None else s.grad}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "dsinks": None if s is None else s.grad,
+    }
 
 
 def _hybrid_cases():
     out = []
-    names = ("causal", "documents", "documents_full", "window_narrow", "chunked_causal", "prefix_lm", "documents_window")
+    names = (
+        "causal",
+        "documents",
+        "documents_full",
+        "window_narrow",
+        "chunked_causal",
+        "prefix_lm",
+        "documents_window",
+    )
     for i, (name, layout) in enumerate(itertools.product(names, ("head_tail", "contiguous"))):
         dtype, op = ((torch.float64, "math"), (torch.float32, "cpu_flash"))[i % 2]
         rotate = ("allgather", "alltoall", "p2p")[i % 3]
-        out.append(pytest.param(name, layout, rotate, dtype, op, i % 3 == 0,
-                                id=f"hybrid2x2-{name}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}"))
+        out.append(
+            pytest.param(
+                name,
+                layout,
+                rotate,
+                dtype,
+                op,
+                i % 3 == 0,
+                id=f"hybrid2x2-{name}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}",
+            )
+        )
     return out
 
 
@@ -246,7 +387,9 @@ def _hybrid_cases():
 def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op, sinks) -> None:
     """The hybrid 2x2: Ulysses in rows, the masked ring (its plan on global positions) across rows."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     seq = 48
     _check_hybrid(ring, name, _masks(seq)[name], seq, layout, rotate, dtype, op, sinks)
 
@@ -258,49 +401,115 @@ def every_head_its_own_band(b, h, q_idx, kv_idx):
     return ((kv_idx <= q_idx) | (h == 3)) & (q_idx - kv_idx <= back) & (kv_idx - q_idx <= 2)
 
 
-@pytest.mark.parametrize("heads_kv,head_chunks,layout,rotate", [
-    (HEADS_KV, 1, "head_tail", "alltoall"),  # GQA: a rank's two query heads share its key/value head
-    (HEADS, 2, "contiguous", "p2p"),  # two rings per rank, one head each: the chunk's heads within the rank's
-])
-def test_hybrid_plans_a_head_dependent_mask_for_its_heads(ring, heads_kv, head_chunks, layout, rotate) -> None:
+@pytest.mark.parametrize(
+    "heads_kv,head_chunks,layout,rotate",
+    [
+        (
+            HEADS_KV,
+            1,
+            "head_tail",
+            "alltoall",
+        ),  # GQA: a rank's two query heads share its key/value head
+        (
+            HEADS,
+            2,
+            "contiguous",
+            "p2p",
+        ),  # two rings per rank, one head each: the chunk's heads within the rank's
+    ],
+)
+def test_hybrid_plans_a_head_dependent_mask_for_its_heads(
+    ring, heads_kv, head_chunks, layout, rotate
+) -> None:
     """The hybrid's ring runs the query heads of its rank's head slice: a mask that depends on
     the head is planned for those (global) heads, in head chunks too."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     seq = 32
     spec = {"kind": "mask_mod", "fn": every_head_its_own_band}
-    _check_hybrid(ring, "every_head_its_own_band", spec, seq, layout, rotate, torch.float64, "math", True,
-                  heads_kv=heads_kv, head_chunks=head_chunks)
+    _check_hybrid(
+        ring,
+        "every_head_its_own_band",
+        spec,
+        seq,
+        layout,
+        rotate,
+        torch.float64,
+        "math",
+        True,
+        heads_kv=heads_kv,
+        head_chunks=head_chunks,
+    )
 
 
-def _check_hybrid(ring, name, spec, seq, layout, rotate, dtype, op, sinks, heads_kv=HEADS_KV, head_chunks=1) -> None:
+def _check_hybrid(
+    ring, name, spec, seq, layout, rotate, dtype, op, sinks, heads_kv=HEADS_KV, head_chunks=1
+) -> None:
     from reference.strategies import unshard as strategy_unshard
 
     mesh_shape = (2, 2)
-    results = ring.rank_pool(4).run(_run_hybrid, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, heads_kv,
-                                    head_chunks, timeout=120.0)
+    results = ring.rank_pool(4).run(
+        _run_hybrid,
+        spec,
+        seq,
+        dtype,
+        layout,
+        rotate,
+        op,
+        sinks,
+        mesh_shape,
+        heads_kv,
+        head_chunks,
+        timeout=120.0,
+    )
     q, k, v, dout, s = _inputs(seq, dtype, sinks, heads_kv)
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
     scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype)
-    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": torch.float64 if dtype == torch.float64 else torch.float32}
+    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {
+        "lse": torch.float64 if dtype == torch.float64 else torch.float32
+    }
     for n in ("out", "lse", "dq", "dk", "dv"):
-        got = strategy_unshard([r[n] if n != "lse" else r[n].unsqueeze(-1) for r in results], "hybrid", layout,
-                               mesh_shape).to(torch.float64)
+        got = strategy_unshard(
+            [r[n] if n != "lse" else r[n].unsqueeze(-1) for r in results],
+            "hybrid",
+            layout,
+            mesh_shape,
+        ).to(torch.float64)
         got = got.squeeze(-1) if n == "lse" else got
         want = getattr(ref, n)
         if n == "lse":
             nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{name}]"
+            assert torch.equal(torch.isneginf(got), nothing), (
+                f"lse: rows that see nothing must be -inf [{name}]"
+            )
             got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
         assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
-        assert_close(f"{n} [hybrid 2x2, {name}, {layout}, {rotate}, {op}, sinks={sinks}]", got, want,
-                     want.to(out_dtype[n]), world_size=mesh_shape[1], dtype=dtype, result_dtype=out_dtype[n],
-                     scales=scales[n])
+        assert_close(
+            f"{n} [hybrid 2x2, {name}, {layout}, {rotate}, {op}, sinks={sinks}]",
+            got,
+            want,
+            want.to(out_dtype[n]),
+            world_size=mesh_shape[1],
+            dtype=dtype,
+            result_dtype=out_dtype[n],
+            scales=scales[n],
+        )
     if sinks:
         dsinks = sum(r["dsinks"] for r in results)
-        assert_close(f"dsinks [hybrid {name}]", dsinks, ref.dsinks, ref.dsinks.float(), world_size=4, dtype=dtype,
-                     result_dtype=torch.float32, roundings=seq, scales=scales["dsinks"])
+        assert_close(
+            f"dsinks [hybrid {name}]",
+            dsinks,
+            ref.dsinks,
+            ref.dsinks.float(),
+            world_size=4,
+            dtype=dtype,
+            result_dtype=torch.float32,
+            roundings=seq,
+            scales=scales["dsinks"],
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -26,20 +26,31 @@ SEQ, HEADS, HEADS_KV, HEAD_DIM = 32, 4, 2, 8
 
 def _skip_other_impls(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
 
 
 def _mask(kind: str, variant: int):
     from ring_impl.masks import Documents, MaskMod, SlidingWindow
 
-    if kind in ("documents", "mask_mod"):  # variant 1: other boundaries, crossing the shards differently
+    if kind in (
+        "documents",
+        "mask_mod",
+    ):  # variant 1: other boundaries, crossing the shards differently
         lengths = ([5, 1, 19, 7], [16, 3, 13])[variant]
         ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
         if kind == "documents":
             return Documents(ids)
 
-        def documents_per_head_window(b, h, q_idx, kv_idx):  # a new closure per call, over other ids
-            return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx) & ((h == 0) | (kv_idx >= q_idx - 3 * h))
+        def documents_per_head_window(
+            b, h, q_idx, kv_idx
+        ):  # a new closure per call, over other ids
+            return (
+                (ids[q_idx] == ids[kv_idx])
+                & (kv_idx <= q_idx)
+                & ((h == 0) | (kv_idx >= q_idx - 3 * h))
+            )
 
         return MaskMod(documents_per_head_window)
     return SlidingWindow((3, 9)[variant], 0)
@@ -61,15 +72,30 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
         from suites.cases_strategies import strategy_group
 
         group = strategy_group(ctx, strategy, (2, 2))
-        q, k, v, dout = (shard(t, strategy, layout, (2, 2), ctx.rank).contiguous() for t in (q, k, v, dout))
+        q, k, v, dout = (
+            shard(t, strategy, layout, (2, 2), ctx.rank).contiguous() for t in (q, k, v, dout)
+        )
     else:
-        q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+        q, k, v, dout = (
+            ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
+        )
     extra = {"sparse_kv": True} if sparse_kv else {}
 
     def attention(q, k, v, mask, sinks):
         # Exact arithmetic around the ring (powers of two): compiled and eager agree bitwise.
-        out = ring_impl.ring_attention(q * 2.0, k, v, group=group, mask=mask, sinks=sinks, layout=layout,
-                                       rotate_method="alltoall", strategy=strategy, scale=0.25, **extra)
+        out = ring_impl.ring_attention(
+            q * 2.0,
+            k,
+            v,
+            group=group,
+            mask=mask,
+            sinks=sinks,
+            layout=layout,
+            rotate_method="alltoall",
+            strategy=strategy,
+            scale=0.25,
+            **extra,
+        )
         return out * 0.5
 
     # Ranks live across cases, and every case compiles this same code: a reset keeps dynamo's
@@ -84,49 +110,68 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
             s = None if sinks is None else sinks.clone().requires_grad_(True)
             out = fn(*leaves, _mask(kind, variant), s)
             out.backward(dout)
-            results[name, variant] = [out.detach()] + [t.grad for t in leaves] + ([] if s is None else [s.grad])
+            results[name, variant] = (
+                [out.detach()] + [t.grad for t in leaves] + ([] if s is None else [s.grad])
+            )
     from ring_impl.compiled_masks import saved_states
 
     return {"results": results, "frames": counter.frame_count, "saved": saved_states()}
 
 
-@pytest.mark.parametrize("kind,strategy,layout,backend,with_sinks,sparse_kv", [
-    ("documents", "ring", "head_tail", "aot_eager", True, False),
-    ("window", "ring", "contiguous", "aot_eager", False, False),  # the halo exchange
-    ("documents", "ring", "head_tail", "aot_eager", False, True),  # the sparse gather
-    ("documents", "ulysses", "contiguous", "aot_eager", False, False),
-    ("window", "hybrid", "head_tail", "aot_eager", True, False),  # 4 ranks, a 2 x 2 mesh
-    ("documents", "ring", "head_tail", "inductor", False, False),
-    ("window", "ring", "contiguous", "inductor", False, False),
-    # A MaskMod (documents per head window, closing over the ids) as a table of bits
-    ("mask_mod", "ring", "head_tail", "aot_eager", True, False),
-    ("mask_mod", "ring", "contiguous", "aot_eager", False, True),  # the sparse gather
-    ("mask_mod", "ulysses", "contiguous", "aot_eager", False, False),  # heads split: global head indices
-    ("mask_mod", "hybrid", "head_tail", "aot_eager", False, False),
-    # (inductor without sinks: it fuses the sink term's exp/log with other rounding than eager's)
-    ("mask_mod", "ring", "head_tail", "inductor", False, False),
-])
-def test_masked_attention_under_compile_equals_eager(ring, kind, strategy, layout, backend, with_sinks, sparse_kv) -> None:
+@pytest.mark.parametrize(
+    "kind,strategy,layout,backend,with_sinks,sparse_kv",
+    [
+        ("documents", "ring", "head_tail", "aot_eager", True, False),
+        ("window", "ring", "contiguous", "aot_eager", False, False),  # the halo exchange
+        ("documents", "ring", "head_tail", "aot_eager", False, True),  # the sparse gather
+        ("documents", "ulysses", "contiguous", "aot_eager", False, False),
+        ("window", "hybrid", "head_tail", "aot_eager", True, False),  # 4 ranks, a 2 x 2 mesh
+        ("documents", "ring", "head_tail", "inductor", False, False),
+        ("window", "ring", "contiguous", "inductor", False, False),
+        # A MaskMod (documents per head window, closing over the ids) as a table of bits
+        ("mask_mod", "ring", "head_tail", "aot_eager", True, False),
+        ("mask_mod", "ring", "contiguous", "aot_eager", False, True),  # the sparse gather
+        (
+            "mask_mod",
+            "ulysses",
+            "contiguous",
+            "aot_eager",
+            False,
+            False,
+        ),  # heads split: global head indices
+        ("mask_mod", "hybrid", "head_tail", "aot_eager", False, False),
+        # (inductor without sinks: it fuses the sink term's exp/log with other rounding than eager's)
+        ("mask_mod", "ring", "head_tail", "inductor", False, False),
+    ],
+)
+def test_masked_attention_under_compile_equals_eager(
+    ring, kind, strategy, layout, backend, with_sinks, sparse_kv
+) -> None:
     _skip_other_impls(ring)
     world = 4 if strategy == "hybrid" else 2
-    runs = ring.rank_pool(world).run(_compiled_vs_eager, kind, strategy, layout, backend, with_sinks, sparse_kv,
-                                     timeout=240.0)
+    runs = ring.rank_pool(world).run(
+        _compiled_vs_eager, kind, strategy, layout, backend, with_sinks, sparse_kv, timeout=240.0
+    )
     names = ["out", "dq", "dk", "dv", "dsinks"]
     for rank, run in enumerate(runs):
         res = run["results"]
         # In the graph (fullgraph=True compiled): the documents' ids are an input of the graph
         # (also closed over by a MaskMod), a window's width a constant it was specialised on.
         want = 2 if kind == "window" else 1
-        assert run["frames"] == want, f"rank {rank}: {run['frames']} compiled frames for two {kind} masks, expected {want}"
+        assert run["frames"] == want, (
+            f"rank {rank}: {run['frames']} compiled frames for two {kind} masks, expected {want}"
+        )
         assert run["saved"] == 0, f"rank {rank}: {run['saved']} saved states outlive their backward"
         for variant in (0, 1):
             for name, got, want in zip(names, res["compiled", variant], res["eager", variant]):
                 assert torch.equal(got, want), (
                     f"rank {rank}, mask variant {variant}: {name} compiled ({backend}) differs from eager by "
-                    f"{float((got - want).abs().max()):.2e} [{kind}, {strategy}, {layout}]")
+                    f"{float((got - want).abs().max()):.2e} [{kind}, {strategy}, {layout}]"
+                )
         # The second mask got its own plan: its output is not the first mask's.
         assert not torch.equal(res["compiled", 0][0], res["compiled", 1][0]), (
-            f"rank {rank}: two different masks gave the same compiled output (a stale plan?)")
+            f"rank {rank}: two different masks gave the same compiled output (a stale plan?)"
+        )
 
 
 def _saved_state_lifetime(ctx):
@@ -137,8 +182,11 @@ def _saved_state_lifetime(ctx):
     mask = _mask("documents", 0)
     assert isinstance(mask, Documents)
     q = torch.randn(1, HEADS, SEQ // 2, HEAD_DIM, requires_grad=True)
-    fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask, is_causal=True),
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask, is_causal=True),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     counts = {}
     out = fn(q)
     counts["after forward"] = saved_states()
@@ -164,8 +212,14 @@ def test_compiled_masked_call_frees_its_saved_state(ring) -> None:
     saved tensors: through a retained graph's second backward, and not past its release."""
     _skip_other_impls(ring)
     for rank, counts in enumerate(ring.rank_pool(2).run(_saved_state_lifetime, timeout=240.0)):
-        assert counts == {"after forward": 1, "second backward equal": 1, "after backward": 0, "after release": 0,
-                          "forward only, released": 0, "no_grad": 0}, (rank, counts)
+        assert counts == {
+            "after forward": 1,
+            "second backward equal": 1,
+            "after backward": 0,
+            "after release": 0,
+            "forward only, released": 0,
+            "no_grad": 0,
+        }, (rank, counts)
 
 
 def _bad_input_compiled(ctx, case):
@@ -183,14 +237,19 @@ def _bad_input_compiled(ctx, case):
         local, odd = 48, 90 if ctx.rank == 1 else -1
         mask = MaskMod(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx != odd))
     q = torch.randn(1, HEADS, local, HEAD_DIM)
-    fn = torch.compile(lambda q, mask: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        lambda q, mask: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     fn(q, mask)
     return "no error"
 
 
-@pytest.mark.parametrize("case", ["ids_of_wrong_length", "mask_differs_between_ranks",
-                                  "mask_mod_differs_beyond_the_probe"])
+@pytest.mark.parametrize(
+    "case",
+    ["ids_of_wrong_length", "mask_differs_between_ranks", "mask_mod_differs_beyond_the_probe"],
+)
 def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> None:
     """The op runs the eager call's checks, the cross-rank agreement included: a MaskMod's table
     is compared whole (eagerly its values over the call's range: ring_impl.masks.probe_text)."""
@@ -209,8 +268,11 @@ def _fullgraph(ctx):
 
     q = torch.randn(1, 2, 8, 8)
     mask = MaskMod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
-    fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
-                       backend="eager", fullgraph=True)
+    fn = torch.compile(
+        lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=mask),
+        backend="eager",
+        fullgraph=True,
+    )
     limit = mask_table.MAX_TABLE_BITS
     mask_table.MAX_TABLE_BITS = 16 * 16 - 1  # one bit short of this call's table
     try:
@@ -227,8 +289,10 @@ def test_fullgraph_names_why_a_mask_mod_breaks_the_graph(ring) -> None:
     outcomes = ring.rank_pool(2).run_outcomes(_fullgraph, timeout=60.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
     assert all(not o.ok for o in outcomes), summary
-    assert all("runs eagerly inside torch.compile" in o.exc_message and "MaskMod" in o.exc_message
-               for o in outcomes), summary
+    assert all(
+        "runs eagerly inside torch.compile" in o.exc_message and "MaskMod" in o.exc_message
+        for o in outcomes
+    ), summary
 
 
 def _asserting_mask_mod(ctx, fullgraph: bool):
@@ -243,8 +307,11 @@ def _asserting_mask_mod(ctx, fullgraph: bool):
         return kv_idx <= q_idx
 
     q = torch.randn(1, 2, 16, 8)
-    fn = torch.compile(lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=MaskMod(checked_causal)),
-                       backend="aot_eager", fullgraph=fullgraph)
+    fn = torch.compile(
+        lambda q: ring_impl.ring_attention(q, q, q, group=ctx.group, mask=MaskMod(checked_causal)),
+        backend="aot_eager",
+        fullgraph=fullgraph,
+    )
     fn(q)
     return "no error"
 
@@ -258,9 +325,13 @@ def test_a_mask_mod_that_asserts_is_refused_on_every_rank(ring, fullgraph) -> No
     outcomes = ring.rank_pool(2).run_outcomes(_asserting_mask_mod, fullgraph, timeout=120.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
     assert all(not o.ok for o in outcomes), summary
-    assert all(o.exc_type.endswith("InputError") or "asserts or raises" in o.exc_message for o in outcomes), summary
-    assert any("positions beyond the table" in o.exc_message or "asserts or raises" in o.exc_message
-               for o in outcomes), summary
+    assert all(
+        o.exc_type.endswith("InputError") or "asserts or raises" in o.exc_message for o in outcomes
+    ), summary
+    assert any(
+        "positions beyond the table" in o.exc_message or "asserts or raises" in o.exc_message
+        for o in outcomes
+    ), summary
 
 
 def test_raises_itself_reads_the_code() -> None:
@@ -278,6 +349,7 @@ def test_raises_itself_reads_the_code() -> None:
             if (x < 0).any():
                 raise ValueError("negative")
             return x
+
         return inner(kv) <= q
 
     class Callable:
@@ -307,8 +379,15 @@ def _flex_compiled(ctx):
     seq = _DOC_IDS.numel()
     block_mask = flex_module.create_block_mask(_document_causal, None, None, seq, seq, device="cpu")
     gen = torch.Generator().manual_seed(3)
-    q, k, v, dout = (ring_impl.shard(torch.randn(1, HEADS, seq, HEAD_DIM, generator=gen), ctx.world_size, ctx.rank,
-                                     layout="head_tail") for _ in range(4))
+    q, k, v, dout = (
+        ring_impl.shard(
+            torch.randn(1, HEADS, seq, HEAD_DIM, generator=gen),
+            ctx.world_size,
+            ctx.rank,
+            layout="head_tail",
+        )
+        for _ in range(4)
+    )
 
     def attention(q, k, v):  # flex_attention looked up at call time: the route's
         return flex_module.flex_attention(q * 2.0, k, v, block_mask=block_mask, scale=0.25) * 0.5
@@ -329,6 +408,10 @@ def test_routed_flex_call_under_compile_equals_eager(ring) -> None:
     ``fullgraph=True``: routed to the masked ring, its mask_mod evaluated in the graph."""
     _skip_other_impls(ring)
     for rank, run in enumerate(ring.rank_pool(2).run(_flex_compiled, timeout=240.0)):
-        assert run["frames"] == 1, f"rank {rank}: {run['frames']} compiled frames, expected one graph"
+        assert run["frames"] == 1, (
+            f"rank {rank}: {run['frames']} compiled frames, expected one graph"
+        )
         for name, got, want in zip(("out", "dq", "dk", "dv"), run["compiled"], run["eager"]):
-            assert torch.equal(got, want), f"rank {rank}: routed flex {name} compiled differs from eager"
+            assert torch.equal(got, want), (
+                f"rank {rank}: routed flex {name} compiled differs from eager"
+            )

@@ -28,25 +28,42 @@ def _run(ctx, spec, seq, dtype, layout, head_chunks):
     from ring_impl.masks import from_spec
 
     q, k, v, dout, _ = _inputs(seq, dtype, False)
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=from_spec(spec), layout=layout,
-                                        op="math", return_lse=True, head_chunks=head_chunks, halo=False)
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        mask=from_spec(spec),
+        layout=layout,
+        op="math",
+        return_lse=True,
+        head_chunks=head_chunks,
+        halo=False,
+    )
     out.backward(dout)
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
 @pytest.mark.parametrize("head_chunks", [2])  # HEADS_KV = 2 key/value heads: at most 2 chunks
-@pytest.mark.parametrize("name,world,layout", [
-    ("heads_apart", 2, "head_tail"),
-    ("heads_apart", 3, "contiguous"),
-    ("mask_mod_per_head", 3, "contiguous"),
-    ("documents_window", 3, "contiguous"),
-    ("window_narrow", 2, "contiguous"),
-])
+@pytest.mark.parametrize(
+    "name,world,layout",
+    [
+        ("heads_apart", 2, "head_tail"),
+        ("heads_apart", 3, "contiguous"),
+        ("mask_mod_per_head", 3, "contiguous"),
+        ("documents_window", 3, "contiguous"),
+        ("window_narrow", 2, "contiguous"),
+    ],
+)
 def test_head_chunks_with_masks_match_the_oracle(ring, name, world, layout, head_chunks) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"mask= and head_chunks= are ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"mask= and head_chunks= are ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     import ring_impl
 
     seq, dtype = 24 * world, torch.float64
@@ -61,7 +78,17 @@ def test_head_chunks_with_masks_match_the_oracle(ring, name, world, layout, head
         want = getattr(ref, n)
         if n == "lse":
             nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{name}]"
+            assert torch.equal(torch.isneginf(got), nothing), (
+                f"lse: rows that see nothing must be -inf [{name}]"
+            )
             got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        assert_close(f"{n} [{name}, W={world}, {layout}, head_chunks={head_chunks}]", got, want, want,
-                     world_size=world, dtype=dtype, result_dtype=torch.float64, scales=scales[n])
+        assert_close(
+            f"{n} [{name}, W={world}, {layout}, head_chunks={head_chunks}]",
+            got,
+            want,
+            want,
+            world_size=world,
+            dtype=dtype,
+            result_dtype=torch.float64,
+            scales=scales[n],
+        )

@@ -84,10 +84,15 @@ def test_block_max_logit_is_minus_inf_for_a_blind_head_and_nan_where_a_nan_reach
 
 def test_max_logit_problem_names_the_exchange() -> None:
     assert max_logit_problem(False, exchange="halo") is None
-    assert max_logit_problem(True, exchange="auto") is None and max_logit_problem(True, exchange="ring") is None
+    assert (
+        max_logit_problem(True, exchange="auto") is None
+        and max_logit_problem(True, exchange="ring") is None
+    )
     assert "must be a bool" in max_logit_problem(1, exchange="auto")
     assert "exchange='halo' asks for the halo exchange" in max_logit_problem(True, exchange="halo")
-    assert "exchange='gather' asks for the sparse gather" in max_logit_problem(True, exchange="gather")
+    assert "exchange='gather' asks for the sparse gather" in max_logit_problem(
+        True, exchange="gather"
+    )
 
 
 # ------------------------------------------------------------------------------ schedule

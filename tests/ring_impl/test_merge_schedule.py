@@ -11,14 +11,22 @@ from ring_impl.merge import merge_into
 def test_merge_equals_joint_softmax_and_survives_huge_logits() -> None:
     torch.manual_seed(0)
     for magnitude in (1.0, 1e3, 1e5):
-        s1, s2 = torch.randn(2, 3, 4, 5, dtype=torch.float64) * magnitude, torch.randn(2, 3, 4, 7, dtype=torch.float64) * magnitude
-        v1, v2 = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.randn(2, 3, 7, 8, dtype=torch.float64)
+        s1, s2 = (
+            torch.randn(2, 3, 4, 5, dtype=torch.float64) * magnitude,
+            torch.randn(2, 3, 4, 7, dtype=torch.float64) * magnitude,
+        )
+        v1, v2 = (
+            torch.randn(2, 3, 5, 8, dtype=torch.float64),
+            torch.randn(2, 3, 7, 8, dtype=torch.float64),
+        )
         out, lse = torch.softmax(s1, -1) @ v1, s1.logsumexp(-1)
         merge_into(out, lse, torch.softmax(s2, -1) @ v2, s2.logsumexp(-1))
         joint = torch.cat([s1, s2], -1)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         torch.testing.assert_close(lse, joint.logsumexp(-1), atol=1e-12 * magnitude, rtol=1e-14)
-        torch.testing.assert_close(out, torch.softmax(joint, -1) @ torch.cat([v1, v2], -2), atol=1e-12, rtol=0)
+        torch.testing.assert_close(
+            out, torch.softmax(joint, -1) @ torch.cat([v1, v2], -2), atol=1e-12, rtol=0
+        )
 
 
 def test_merge_accumulates_in_the_accumulator_dtype() -> None:
@@ -41,10 +49,16 @@ def test_schedule_by_hand_for_four_ranks() -> None:
     assert p2p["backward"]["recv"] == {"calls": 6, "bytes": 3 * 3840 + 3 * 3840}
     a2a = collective_schedule(4, "alltoall", dtype=torch.float32, compiled=True, **args)
     # compiled too, the cross-rank input check (ring_impl.compiled_checks): 4 int64 rows of 20 fields
-    assert a2a["forward"]["all_reduce"] == {"calls": 1, "bytes": 8 * 4 * 22} and a2a["forward"]["all_to_all"]["calls"] == 3
+    assert (
+        a2a["forward"]["all_reduce"] == {"calls": 1, "bytes": 8 * 4 * 22}
+        and a2a["forward"]["all_to_all"]["calls"] == 3
+    )
     # Compiled p2p hops go by all-to-all (see ring_impl.transports.link.p2p_hop): same counts and bytes.
     compiled_p2p = collective_schedule(4, "p2p", dtype=torch.float64, compiled=True, **args)
     assert "send" not in compiled_p2p["backward"]
     # compiled: the same hops packed into 5 transfers: [kv], [kv], [kv+dkv], [dkv], [dkv]
     assert compiled_p2p["backward"]["all_to_all"] == {"calls": 5, "bytes": 3 * 3840 + 3 * 3840}
-    assert collective_schedule(1, "p2p", dtype=torch.float32, **args) == {"forward": {}, "backward": {}}
+    assert collective_schedule(1, "p2p", dtype=torch.float32, **args) == {
+        "forward": {},
+        "backward": {},
+    }

@@ -27,26 +27,83 @@ def _documents(seq: int) -> list[int]:
 
 #: name -> (world size, options of ring_attention, mask spec or None, where the NaN goes (tensor, position))
 CASES = {
-    "ring-causal-nan-value": (2, {"is_causal": True, "layout": "contiguous"}, None, ("value", (0, 0, 5, 3))),
-    "ring-head_tail-causal-nan-key": (2, {"is_causal": True, "layout": "head_tail"}, None, ("key", (1, 1, 9, 0))),
-    "ring-documents-nan-at-unseen-padding-key": (2, {"layout": "head_tail"}, "documents", ("key", (0, 0, None, 2))),
+    "ring-causal-nan-value": (
+        2,
+        {"is_causal": True, "layout": "contiguous"},
+        None,
+        ("value", (0, 0, 5, 3)),
+    ),
+    "ring-head_tail-causal-nan-key": (
+        2,
+        {"is_causal": True, "layout": "head_tail"},
+        None,
+        ("key", (1, 1, 9, 0)),
+    ),
+    "ring-documents-nan-at-unseen-padding-key": (
+        2,
+        {"layout": "head_tail"},
+        "documents",
+        ("key", (0, 0, None, 2)),
+    ),
     "ring-documents-nan-value": (2, {"layout": "contiguous"}, "documents", ("value", (0, 1, 2, 1))),
-    "ring-documents-nan-grad-out": (2, {"layout": "contiguous"}, "documents", ("grad_out", (0, 2, 4, 5))),
-    "halo-window-nan-key": (2, {"layout": "contiguous", "halo": True}, "window", ("key", (0, 0, 17, 4))),
-    "gather-documents-nan-value": (2, {"layout": "contiguous", "sparse_kv": True}, "documents", ("value", (1, 1, 20, 6))),
-    "ulysses-causal-nan-query": (2, {"is_causal": True, "strategy": "ulysses"}, None, ("query", (0, 3, 11, 2))),
-    "ulysses-documents-nan-value": (2, {"strategy": "ulysses"}, "documents", ("value", (0, 0, 3, 0))),
-    "hybrid-documents-nan-value": (4, {"strategy": "hybrid", "layout": "head_tail"}, "documents",
-                                   ("value", (1, 1, 26, 7))),
+    "ring-documents-nan-grad-out": (
+        2,
+        {"layout": "contiguous"},
+        "documents",
+        ("grad_out", (0, 2, 4, 5)),
+    ),
+    "halo-window-nan-key": (
+        2,
+        {"layout": "contiguous", "halo": True},
+        "window",
+        ("key", (0, 0, 17, 4)),
+    ),
+    "gather-documents-nan-value": (
+        2,
+        {"layout": "contiguous", "sparse_kv": True},
+        "documents",
+        ("value", (1, 1, 20, 6)),
+    ),
+    "ulysses-causal-nan-query": (
+        2,
+        {"is_causal": True, "strategy": "ulysses"},
+        None,
+        ("query", (0, 3, 11, 2)),
+    ),
+    "ulysses-documents-nan-value": (
+        2,
+        {"strategy": "ulysses"},
+        "documents",
+        ("value", (0, 0, 3, 0)),
+    ),
+    "hybrid-documents-nan-value": (
+        4,
+        {"strategy": "hybrid", "layout": "head_tail"},
+        "documents",
+        ("value", (1, 1, 26, 7)),
+    ),
     # one rank decides once per direction: its forward's read serves its backward
     "one-rank-documents-nan-grad-out": (1, {}, "documents", ("grad_out", (0, 2, 4, 5))),
     "one-rank-causal-nan-key": (1, {"is_causal": True}, None, ("key", (1, 1, 9, 0))),
     "one-rank-documents-nan-at-unseen-padding-key": (1, {}, "documents", ("key", (0, 0, None, 2))),
-    "one-rank-head-chunks-nan-value": (1, {"is_causal": True, "head_chunks": 2}, None, ("value", (0, 1, 5, 3))),
-    "one-rank-varlen-documents-nan-value": (1, {"op": "cpu_flash_varlen_layout"}, "documents",
-                                            ("value", (0, 1, 2, 1))),
-    "one-rank-varlen-window-nan-grad-out": (1, {"op": "cpu_flash_varlen_layout"}, "window",
-                                            ("grad_out", (1, 3, 7, 0))),
+    "one-rank-head-chunks-nan-value": (
+        1,
+        {"is_causal": True, "head_chunks": 2},
+        None,
+        ("value", (0, 1, 5, 3)),
+    ),
+    "one-rank-varlen-documents-nan-value": (
+        1,
+        {"op": "cpu_flash_varlen_layout"},
+        "documents",
+        ("value", (0, 1, 2, 1)),
+    ),
+    "one-rank-varlen-window-nan-grad-out": (
+        1,
+        {"op": "cpu_flash_varlen_layout"},
+        "window",
+        ("grad_out", (1, 3, 7, 0)),
+    ),
 }
 
 
@@ -63,10 +120,12 @@ def _global(case: str):
     w, _, _mask, (where, pos) = CASES[case]
     seq = 16 * w
     gen = torch.Generator().manual_seed(11)
-    t = {"query": torch.randn(2, HEADS, seq, DIM, generator=gen, dtype=torch.float64),
-         "key": torch.randn(2, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64),
-         "value": torch.randn(2, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64),
-         "grad_out": torch.randn(2, HEADS, seq, DIM, generator=gen, dtype=torch.float64)}
+    t = {
+        "query": torch.randn(2, HEADS, seq, DIM, generator=gen, dtype=torch.float64),
+        "key": torch.randn(2, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64),
+        "value": torch.randn(2, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64),
+        "grad_out": torch.randn(2, HEADS, seq, DIM, generator=gen, dtype=torch.float64),
+    }
     b, h, s, d = pos
     if s is None:  # the first padding position after the documents: no query sees it
         s = _documents(seq).index(-1)
@@ -97,29 +156,49 @@ def _run(ctx, case: str) -> dict:
         return local_shard(t, group, strategy=strategy, layout=layout)
 
     leaves = [mine(t).requires_grad_(True) for t in (q, k, v)]
-    out, lse = ring_impl.ring_attention(*leaves, group=group, is_causal=is_causal, return_lse=True,
-                                        mask=from_spec(spec) if spec else None, **options)
+    out, lse = ring_impl.ring_attention(
+        *leaves,
+        group=group,
+        is_causal=is_causal,
+        return_lse=True,
+        mask=from_spec(spec) if spec else None,
+        **options,
+    )
     out.backward(mine(do))
-    got = {"out": out.detach(), "lse": lse.detach().unsqueeze(-1), "dq": leaves[0].grad, "dk": leaves[1].grad,
-           "dv": leaves[2].grad}
+    got = {
+        "out": out.detach(),
+        "lse": lse.detach().unsqueeze(-1),
+        "dq": leaves[0].grad,
+        "dk": leaves[1].grad,
+        "dv": leaves[2].grad,
+    }
     want = {"out": ref.out, "lse": ref.lse.unsqueeze(-1), "dq": ref.dq, "dk": ref.dk, "dv": ref.dv}
     report = {}
     for name in got:
         expected_bad = ~torch.isfinite(mine(want[name]))
         got_bad = ~torch.isfinite(got[name])
-        report[name] = (int((expected_bad & ~got_bad).sum()), int((got_bad & ~expected_bad).sum()),
-                        int(expected_bad.sum()))
+        report[name] = (
+            int((expected_bad & ~got_bad).sum()),
+            int((got_bad & ~expected_bad).sum()),
+            int(expected_bad.sum()),
+        )
     return report
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_nan_reaches_exactly_what_depends_on_it(ring, case: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"ring_impl's guarantee (suites/test_edge_values.py holds vendors to no hidden NaN); "
-                    f"the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"ring_impl's guarantee (suites/test_edge_values.py holds vendors to no hidden NaN); "
+            f"the implementation under test is {ring.impl.spec}"
+        )
     w = CASES[case][0]
     for rank, report in enumerate(ring.rank_pool(w).run(_run, case)):
         wrong = {name: counts for name, counts in report.items() if counts[0] or counts[1]}
-        assert not wrong, (f"{case}, rank {rank}: (hidden, spread, expected) non-finite entries per quantity: "
-                           f"{wrong}; all: {report}")
-    assert any(counts[2] for r in ring.rank_pool(w).run(_run, case) for counts in r.values()), "the case put no NaN anywhere"
+        assert not wrong, (
+            f"{case}, rank {rank}: (hidden, spread, expected) non-finite entries per quantity: "
+            f"{wrong}; all: {report}"
+        )
+    assert any(counts[2] for r in ring.rank_pool(w).run(_run, case) for counts in r.values()), (
+        "the case put no NaN anywhere"
+    )

@@ -11,8 +11,14 @@ from ring_impl.nonfinite import _prefix_any, _suffix_any
 
 
 @settings(max_examples=200, deadline=None)
-@given(b=st.integers(1, 2), h=st.integers(1, 3), n=st.integers(1, 40), d=st.integers(0, 4),
-       density=st.sampled_from([0.0, 0.05, 0.3, 1.0]), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    n=st.integers(1, 40),
+    d=st.integers(0, 4),
+    density=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_prefix_and_suffix_any_equal_running_maximum(b, h, n, d, density, seed) -> None:
     gen = torch.Generator().manual_seed(seed)
     shape = (b, h, n, d) if d else (b, h, n)
@@ -38,4 +44,6 @@ def test_the_all_finite_shortcut_is_taken_only_when_nothing_is_non_finite() -> N
         assert not impl.all_finite(x, y), f"{bad} not seen"
     big = torch.full((4,), 3e38)
     assert not impl.all_finite(big)  # overflowing sum: the propagation runs, which changes nothing
-    assert not impl.all_finite(torch.tensor([float("inf"), float("-inf")]))  # inf - inf = nan, still seen
+    assert not impl.all_finite(
+        torch.tensor([float("inf"), float("-inf")])
+    )  # inf - inf = nan, still seen

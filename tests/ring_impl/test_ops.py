@@ -41,7 +41,9 @@ def _in_memory(t: torch.Tensor, memory: str) -> torch.Tensor:
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("heads_kv", [4, 2, 1])
 @pytest.mark.parametrize("memory", ["contiguous", "bshd", "strided_head_dim"])
-def test_forward_backward_match_float64_attention(name: str, is_causal: bool, heads_kv: int, memory: str) -> None:
+def test_forward_backward_match_float64_attention(
+    name: str, is_causal: bool, heads_kv: int, memory: str
+) -> None:
     """Any strides: aten's CPU flash kernel reads a head dim of stride 2 as if it were 1 (torch
     2.13), which gave Ulysses on one rank (no all-to-all to copy its inputs) wrong answers."""
     torch.manual_seed(0)
@@ -54,7 +56,9 @@ def test_forward_backward_match_float64_attention(name: str, is_causal: bool, he
     qm, km, vm, gm = (_in_memory(t, memory) for t in (q, k, v, grad))
     out, raw_lse = ops.call_forward(op, qm, km, vm, is_causal=is_causal, scale=scale)
     lse = normalize_lse(raw_lse, batch=2, heads=4, seq_q=6, layout=op.capabilities.lse_layout)
-    dq, dk, dv = ops.call_backward(op, gm, qm, km, vm, _in_memory(out, memory), lse, is_causal=is_causal, scale=scale)
+    dq, dk, dv = ops.call_backward(
+        op, gm, qm, km, vm, _in_memory(out, memory), lse, is_causal=is_causal, scale=scale
+    )
     rq, rk, rv, rout, rlse = _sdpa64(q, k, v, is_causal, scale)
     rout.backward(grad)
     for got, want in ((out, rout), (lse, rlse), (dq, rq.grad), (dk, rk.grad), (dv, rv.grad)):
@@ -73,11 +77,16 @@ def test_low_precision_output_dtype_and_lse_dtype(name: str, dtype: torch.dtype)
 
 
 def test_math_op_is_float64_accurate_with_cross_lengths() -> None:
-    q, k = torch.randn(1, 2, 3, 8, dtype=torch.float64), torch.randn(1, 2, 11, 8, dtype=torch.float64)
+    q, k = (
+        torch.randn(1, 2, 3, 8, dtype=torch.float64),
+        torch.randn(1, 2, 11, 8, dtype=torch.float64),
+    )
     out, lse = ops.get_op("math").forward(q, k, k, is_causal=False, scale=1 / math.sqrt(8))
     want = F.scaled_dot_product_attention(q, k, k)
     torch.testing.assert_close(out, want, atol=1e-13, rtol=0)
-    torch.testing.assert_close(lse, (q @ k.transpose(-1, -2) / math.sqrt(8)).logsumexp(-1), atol=1e-13, rtol=0)
+    torch.testing.assert_close(
+        lse, (q @ k.transpose(-1, -2) / math.sqrt(8)).logsumexp(-1), atol=1e-13, rtol=0
+    )
 
 
 def test_efficient_layout_pads_lse_with_garbage_that_trimming_removes() -> None:
@@ -88,7 +97,9 @@ def test_efficient_layout_pads_lse_with_garbage_that_trimming_removes() -> None:
     _, plain = ops.get_op("cpu_flash").forward(q, q, q, is_causal=False, scale=0.3)
     # The padding must not look like a valid LSE, or untrimmed merges would go unnoticed.
     assert (padded[..., 5:] - plain.mean()).abs().min() > 1.0
-    torch.testing.assert_close(normalize_lse(padded, batch=1, heads=2, seq_q=5, layout="bhs_padded32"), plain)
+    torch.testing.assert_close(
+        normalize_lse(padded, batch=1, heads=2, seq_q=5, layout="bhs_padded32"), plain
+    )
 
 
 def test_cudnn_layout_has_trailing_dim() -> None:
@@ -100,7 +111,9 @@ def test_cudnn_layout_has_trailing_dim() -> None:
 
 def test_normalize_lse_rejects_a_shape_that_contradicts_the_declared_layout() -> None:
     with pytest.raises(RuntimeError, match="declares layout 'bhs'"):
-        normalize_lse(torch.zeros(1, 2, 32), batch=1, heads=2, seq_q=5, layout="bhs", op_name="my_op")
+        normalize_lse(
+            torch.zeros(1, 2, 32), batch=1, heads=2, seq_q=5, layout="bhs", op_name="my_op"
+        )
 
 
 def test_registry_errors_name_the_fix() -> None:

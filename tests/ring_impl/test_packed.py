@@ -30,7 +30,9 @@ def _cu(total: int) -> list[int]:
 def _inputs(total: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(total)
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(total, HEADS_KV, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (
+        torch.randn(total, HEADS_KV, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(2)
+    )
     dout = torch.randn(total, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
     return tuple(t.to(dtype) for t in (q, k, v, dout))
 
@@ -38,33 +40,60 @@ def _inputs(total: int, dtype: torch.dtype):
 def _run(ctx, total: int, dtype, layout: str, causal: bool, exchange: str, cu_as: str):
     import ring_impl
 
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout, dim=0)
-                     for t in _inputs(total, dtype))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout, dim=0)
+        for t in _inputs(total, dtype)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     cu = _cu(total)
     cu = torch.tensor(cu, dtype=torch.int32) if cu_as == "int32" else cu
-    out, lse = ring_impl.ring_attention(q, k, v, group=ctx.group, cu_seqlens=cu, is_causal=causal, layout=layout,
-                                        return_lse=True, exchange=exchange, op="math")
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        cu_seqlens=cu,
+        is_causal=causal,
+        layout=layout,
+        return_lse=True,
+        exchange=exchange,
+        op="math",
+    )
     out.backward(dout)
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "contiguous": out.is_contiguous()}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "contiguous": out.is_contiguous(),
+    }
 
 
-@pytest.mark.parametrize("world,layout,causal,dtype,exchange,cu_as", [
-    (1, "contiguous", True, torch.float64, "auto", "list"),
-    (2, "head_tail", True, torch.float32, "auto", "int32"),
-    (2, "contiguous", False, torch.float64, "gather", "list"),
-    (3, "contiguous", True, torch.float32, "ring", "int32"),
-    (4, "head_tail", False, torch.float32, "auto", "list"),
-    (2, "contiguous", True, torch.float64, "ulysses", "list"),
-])
-def test_packed_inputs_match_the_oracle(ring, world, layout, causal, dtype, exchange, cu_as) -> None:
+@pytest.mark.parametrize(
+    "world,layout,causal,dtype,exchange,cu_as",
+    [
+        (1, "contiguous", True, torch.float64, "auto", "list"),
+        (2, "head_tail", True, torch.float32, "auto", "int32"),
+        (2, "contiguous", False, torch.float64, "gather", "list"),
+        (3, "contiguous", True, torch.float32, "ring", "int32"),
+        (4, "head_tail", False, torch.float32, "auto", "list"),
+        (2, "contiguous", True, torch.float64, "ulysses", "list"),
+    ],
+)
+def test_packed_inputs_match_the_oracle(
+    ring, world, layout, causal, dtype, exchange, cu_as
+) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"cu_seqlens= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"cu_seqlens= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     import ring_impl
 
     total = 24 * world
-    results = ring.rank_pool(world).run(_run, total, dtype, layout, causal, exchange, cu_as, timeout=120.0)
+    results = ring.rank_pool(world).run(
+        _run, total, dtype, layout, causal, exchange, cu_as, timeout=120.0
+    )
     q, k, v, dout = (t.to(torch.float64) for t in _inputs(total, dtype))
     # The oracle's (batch, heads, seq, head_dim) view of the packed sequence, and its own
     # document mask from the same cumulative lengths (padding: id -1).
@@ -73,27 +102,43 @@ def test_packed_inputs_match_the_oracle(ring, world, layout, causal, dtype, exch
     ids = [-1] * total
     for d, (a, b) in enumerate(itertools.pairwise(cu)):
         ids[a:b] = [d] * (b - a)
-    vis = visibility({"kind": "document", "doc_ids": ids, "causal": causal}, total, total, batch=1, heads=HEADS)
+    vis = visibility(
+        {"kind": "document", "doc_ids": ids, "causal": causal}, total, total, batch=1, heads=HEADS
+    )
     ref = attention_grads(q4, k4, v4, dout4, visible=vis)
     scales = error_scales(q4, k4, v4, dout4, visible=vis, input_dtype=dtype)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for r in results:
         assert r["contiguous"], "the packed output is (tokens_local, heads, head_dim), contiguous"
-        assert r["out"].shape == (total // world, HEADS, HEAD_DIM) and r["lse"].shape == (HEADS, total // world)
+        assert r["out"].shape == (total // world, HEADS, HEAD_DIM) and r["lse"].shape == (
+            HEADS,
+            total // world,
+        )
         assert r["dk"].shape == (total // world, HEADS_KV, HEAD_DIM)
     for n in ("out", "lse", "dq", "dk", "dv"):
         dim = 1 if n == "lse" else 0
         got = ring_impl.unshard([r[n] for r in results], layout=layout, dim=dim).to(torch.float64)
-        got = got.unsqueeze(0) if n == "lse" else got.transpose(0, 1).unsqueeze(0)  # the oracle's layout
+        got = (
+            got.unsqueeze(0) if n == "lse" else got.transpose(0, 1).unsqueeze(0)
+        )  # the oracle's layout
         want = getattr(ref, n)
         if n == "lse":  # padding rows see nothing: exactly -inf
             nothing = torch.isneginf(want)
-            assert nothing.any() and torch.equal(torch.isneginf(got), nothing), "lse: padding rows must be -inf"
+            assert nothing.any() and torch.equal(torch.isneginf(got), nothing), (
+                "lse: padding rows must be -inf"
+            )
             got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
         result_dtype = lse_dtype if n == "lse" else dtype
-        assert_close(f"{n} [W={world}, {layout}, causal={causal}, {exchange}]", got, want, want.to(result_dtype),
-                     world_size=world if exchange != "ulysses" else 1, dtype=dtype, result_dtype=result_dtype,
-                     scales=scales[n])
+        assert_close(
+            f"{n} [W={world}, {layout}, causal={causal}, {exchange}]",
+            got,
+            want,
+            want.to(result_dtype),
+            world_size=world if exchange != "ulysses" else 1,
+            dtype=dtype,
+            result_dtype=result_dtype,
+            scales=scales[n],
+        )
 
 
 def _bad(ctx, kind: str) -> str:
@@ -119,17 +164,22 @@ def _bad(ctx, kind: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("kind,pattern", [
-    ("decreasing", "cu_seqlens must start at 0, not decrease"),
-    ("too_long", "end at most at the global token count 16"),
-    ("float", "cu_seqlens must be a 1-D integer tensor"),
-    ("four_d", "query must be packed (tokens_local, heads, head_dim)"),
-    ("cross", "key and value hold the query's tokens"),
-    ("differ", "ranks disagree on mask"),
-])
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("decreasing", "cu_seqlens must start at 0, not decrease"),
+        ("too_long", "end at most at the global token count 16"),
+        ("float", "cu_seqlens must be a 1-D integer tensor"),
+        ("four_d", "query must be packed (tokens_local, heads, head_dim)"),
+        ("cross", "key and value hold the query's tokens"),
+        ("differ", "ranks disagree on mask"),
+    ],
+)
 def test_bad_packed_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"cu_seqlens= is ring_impl's API here; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"cu_seqlens= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+        )
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary

@@ -19,7 +19,7 @@ def _shuffled_chunks(seed: int, per_rank: int) -> Layout:
     def assignment(world: int) -> list[list[int]]:
         ids = list(range(per_rank * world))
         random.Random(seed * 1000 + world).shuffle(ids)
-        return [sorted(ids[r * per_rank:(r + 1) * per_rank]) for r in range(world)]
+        return [sorted(ids[r * per_rank : (r + 1) * per_rank]) for r in range(world)]
 
     def runs(seq: int, world: int, rank: int):
         n = seq // (per_rank * world)
@@ -28,7 +28,10 @@ def _shuffled_chunks(seed: int, per_rank: int) -> Layout:
     return Layout(f"test_shuffled_{seed}_{per_rank}", runs, lambda w: per_rank * w)
 
 
-CUSTOM = [register_layout(_shuffled_chunks(seed, per), replace=True).name for seed, per in ((1, 3), (2, 4), (3, 2))]
+CUSTOM = [
+    register_layout(_shuffled_chunks(seed, per), replace=True).name
+    for seed, per in ((1, 3), (2, 4), (3, 2))
+]
 
 
 def _positions(layout: str, world: int, rank: int, seq: int) -> list[int]:
@@ -47,7 +50,9 @@ def test_plans_cover_exactly_the_visible_pairs(layout: str, world: int, is_causa
     for rank in range(world):
         qpos = _positions(layout, world, rank, seq)
         covered = torch.zeros(seq, seq, dtype=torch.int64)
-        for plan in ring_plan(rank, world, layout=layout, is_causal=is_causal, seq_q=len(qpos), seq_kv=len(qpos)):
+        for plan in ring_plan(
+            rank, world, layout=layout, is_causal=is_causal, seq_q=len(qpos), seq_kv=len(qpos)
+        ):
             assert plan.kv_rank == (rank - plan.step) % world
             kpos = _positions(layout, world, plan.kv_rank, seq)
             for block in plan.blocks:
@@ -61,7 +66,9 @@ def test_plans_cover_exactly_the_visible_pairs(layout: str, world: int, is_causa
         want = torch.ones(seq, seq, dtype=torch.int64)
         if is_causal:
             want = want.tril()
-        assert torch.equal(covered[qpos], want[qpos]), f"rank {rank}: a pair is missed or computed twice"
+        assert torch.equal(covered[qpos], want[qpos]), (
+            f"rank {rank}: a pair is missed or computed twice"
+        )
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -71,7 +78,9 @@ def test_head_tail_balances_causal_work(world: int) -> None:
     def work(layout: str, rank: int) -> int:
         seq_local = n * (2 if layout == "head_tail" else 1)
         total = 0
-        for p in ring_plan(rank, world, layout=layout, is_causal=True, seq_q=seq_local, seq_kv=seq_local):
+        for p in ring_plan(
+            rank, world, layout=layout, is_causal=True, seq_q=seq_local, seq_kv=seq_local
+        ):
             for b in p.blocks:
                 rows, cols = b.q_rows[1] - b.q_rows[0], b.kv_rows[1] - b.kv_rows[0]
                 total += rows * (cols + 1) // 2 if b.is_causal else rows * cols
@@ -91,7 +100,10 @@ def test_shard_unshard_round_trip(layout: str, dim: int) -> None:
     for r, part in enumerate(parts):  # each rank holds exactly its positions, in local order
         assert torch.equal(part.movedim(dim, 2)[0, 0], torch.tensor(_positions(layout, 3, r, 72)))
     assert torch.equal(unshard(parts, layout=layout, dim=dim), x)
-    assert torch.equal(permutation(layout, 72, 3), torch.cat([torch.tensor(_positions(layout, 3, r, 72)) for r in range(3)]))
+    assert torch.equal(
+        permutation(layout, 72, 3),
+        torch.cat([torch.tensor(_positions(layout, 3, r, 72)) for r in range(3)]),
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -100,8 +112,12 @@ def test_builtin_layouts_plan_one_block_per_step_as_documented(world: int) -> No
     n = 4
     for layout, seq in (("contiguous", n), ("head_tail", 2 * n)):
         for rank in range(world):
-            got = [(p.kv_rank, [(b.kind, b.q_rows, b.kv_rows) for b in p.blocks])
-                   for p in ring_plan(rank, world, layout=layout, is_causal=True, seq_q=seq, seq_kv=seq)]
+            got = [
+                (p.kv_rank, [(b.kind, b.q_rows, b.kv_rows) for b in p.blocks])
+                for p in ring_plan(
+                    rank, world, layout=layout, is_causal=True, seq_q=seq, seq_kv=seq
+                )
+            ]
             want = []
             for step in range(world):
                 kv_rank = (rank - step) % world
@@ -183,4 +199,7 @@ def test_step_blocks_split_a_diagonal_that_starts_inside_the_keys() -> None:
     """Queries 4..7 over keys 0..7: a full block left of the diagonal, then the diagonal."""
     from ring_impl.plan import step_blocks
 
-    assert step_blocks(((4, 8),), ((0, 8),)) == [("full", (0, 4), (0, 4)), ("causal", (0, 4), (4, 8))]
+    assert step_blocks(((4, 8),), ((0, 8),)) == [
+        ("full", (0, 4), (0, 4)),
+        ("causal", (0, 4), (4, 8)),
+    ]

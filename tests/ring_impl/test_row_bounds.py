@@ -32,7 +32,9 @@ def _dense(bounds: tuple[torch.Tensor, torch.Tensor], cols: int) -> torch.Tensor
 def _ids(data, n: int, label: str, padding: bool) -> torch.Tensor:
     """Non-decreasing document ids over ``n`` positions; with ``padding``, -1 runs between (and,
     when drawn, inside) documents."""
-    lengths = data.draw(st.lists(st.integers(1, max(1, n // 2)), min_size=1, max_size=6), label=f"{label} lengths")
+    lengths = data.draw(
+        st.lists(st.integers(1, max(1, n // 2)), min_size=1, max_size=6), label=f"{label} lengths"
+    )
     ids = torch.cat([torch.full((length,), d) for d, length in enumerate(lengths)])[:n]
     ids = torch.cat([ids, torch.full((n - ids.numel(),), -1)]) if ids.numel() < n else ids
     if padding:
@@ -42,9 +44,14 @@ def _ids(data, n: int, label: str, padding: bool) -> torch.Tensor:
 
 
 def _mask(data, n_q: int, n_kv: int, depth: int = 0):
-    kind = data.draw(st.sampled_from(["full", "causal", "window", "chunked", "prefix", "documents", "and"]
-                                     if depth == 0 else ["full", "causal", "window", "chunked", "prefix", "documents"]),
-                     label="mask")
+    kind = data.draw(
+        st.sampled_from(
+            ["full", "causal", "window", "chunked", "prefix", "documents", "and"]
+            if depth == 0
+            else ["full", "causal", "window", "chunked", "prefix", "documents"]
+        ),
+        label="mask",
+    )
     side = st.one_of(st.none(), st.integers(0, 12))
     if kind == "full":
         return Full()
@@ -59,7 +66,11 @@ def _mask(data, n_q: int, n_kv: int, depth: int = 0):
     if kind == "documents":
         padding = data.draw(st.booleans(), label="padding")
         ids = _ids(data, n_q, "query", padding)
-        kv_ids = _ids(data, n_kv, "key", padding) if n_q != n_kv or data.draw(st.booleans(), label="cross") else None
+        kv_ids = (
+            _ids(data, n_kv, "key", padding)
+            if n_q != n_kv or data.draw(st.booleans(), label="cross")
+            else None
+        )
         return Documents(ids, causal=data.draw(st.booleans(), label="causal"), kv_doc_ids=kv_ids)
     return _mask(data, n_q, n_kv, 1) & _mask(data, n_q, n_kv, 1)
 
@@ -70,17 +81,28 @@ def test_column_bounds_are_the_dense_visibility(data) -> None:
     """Wherever bounds are given they show exactly the pairs the mask shows, for query positions
     in any order and increasing key positions with gaps (a shard of any layout); documents are
     refused only when padding sits inside one of them."""
-    n_q, n_kv = data.draw(st.integers(1, 40), label="seq_q"), data.draw(st.integers(1, 40), label="seq_kv")
+    n_q, n_kv = (
+        data.draw(st.integers(1, 40), label="seq_q"),
+        data.draw(st.integers(1, 40), label="seq_kv"),
+    )
     mask = _mask(data, n_q, n_kv)
-    q_pos = torch.tensor(data.draw(st.lists(st.integers(0, n_q - 1), min_size=1, max_size=20), label="q_pos"))
-    kv_pos = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_kv - 1), min_size=1, max_size=20), label="kv_pos")))
+    q_pos = torch.tensor(
+        data.draw(st.lists(st.integers(0, n_q - 1), min_size=1, max_size=20), label="q_pos")
+    )
+    kv_pos = torch.tensor(
+        sorted(
+            data.draw(st.sets(st.integers(0, n_kv - 1), min_size=1, max_size=20), label="kv_pos")
+        )
+    )
     bounds = column_bounds(mask, q_pos, kv_pos)
     want = visibility(mask, q_pos, kv_pos)[0, 0]
     if bounds is None:
         # the only refusal: a row whose visible keys are no range of columns
         rows = [r.nonzero().flatten() for r in want]
-        assert any(int(r.numel()) > 0 and int(r[-1] - r[0] + 1) != r.numel() for r in rows) or "documents" in mask.describe(), (
-            f"{mask.describe()}: refused although every row's keys are a range")
+        assert (
+            any(int(r.numel()) > 0 and int(r[-1] - r[0] + 1) != r.numel() for r in rows)
+            or "documents" in mask.describe()
+        ), f"{mask.describe()}: refused although every row's keys are a range"
         return
     assert torch.equal(_dense(bounds, kv_pos.numel()), want), mask.describe()
 
@@ -124,13 +146,26 @@ def test_ranges_plans_cover_what_tiled_plans_cover(layout: str, world: int) -> N
     plan without row bounds), one block per step."""
     seq = 48 * world
     ids = torch.repeat_interleave(torch.arange(5), torch.tensor([7, 1, 30, 2, seq - 40]))
-    for mask in (Documents(ids), SlidingWindow(9), Documents(ids) & SlidingWindow(5), PrefixLM(13), ChunkedCausal(11)):
+    for mask in (
+        Documents(ids),
+        SlidingWindow(9),
+        Documents(ids) & SlidingWindow(5),
+        PrefixLM(13),
+        ChunkedCausal(11),
+    ):
         for rank in range(world):
-            args = dict(layout=layout, mask=mask, seq_q=seq // world, seq_kv=seq // world, batch=1, heads=1)
-            for ranged, tiled in zip(masked_plan(rank, world, ranges=True, **args), masked_plan(rank, world, **args)):
+            args = dict(
+                layout=layout, mask=mask, seq_q=seq // world, seq_kv=seq // world, batch=1, heads=1
+            )
+            for ranged, tiled in zip(
+                masked_plan(rank, world, ranges=True, **args), masked_plan(rank, world, **args)
+            ):
                 assert len(ranged.blocks) <= 1
                 assert _shown(ranged.blocks, seq // world) == _shown(tiled.blocks, seq // world), (
-                    mask.describe(), rank, ranged.step)
+                    mask.describe(),
+                    rank,
+                    ranged.step,
+                )
 
 
 def _shown(blocks, n: int) -> list[list[bool]]:

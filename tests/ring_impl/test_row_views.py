@@ -47,15 +47,20 @@ def test_block_rows_views_only_when_asked_and_the_last_dim_is_dense() -> None:
     assert torch.equal(block_rows(lse, (3, 9), view=True), lse[:, :, 3:9])
 
 
-@pytest.mark.parametrize("op", [CpuFlashOp(), MathOp(), CpuFlashVarlenLayoutOp()],
-                         ids=lambda op: op.name if hasattr(op, "name") else "math")
+@pytest.mark.parametrize(
+    "op",
+    [CpuFlashOp(), MathOp(), CpuFlashVarlenLayoutOp()],
+    ids=lambda op: op.name if hasattr(op, "name") else "math",
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", ["full", "causal", "masked"])
 def test_kernels_give_the_same_bits_on_row_views(op, dtype, kind) -> None:
     assert op.capabilities.row_views
     q, k, v, do = _inputs(dtype)
     rows, cols = ((20, 52), (20, 52)) if kind == "causal" else ((5, 37), (40, 90))
-    views = [block_rows(t, rows, True) for t in (q, do)] + [block_rows(t, cols, True) for t in (k, v)]
+    views = [block_rows(t, rows, True) for t in (q, do)] + [
+        block_rows(t, cols, True) for t in (k, v)
+    ]
     assert not any(t.is_contiguous() for t in views)
     copies = [t.contiguous() for t in views]
     extra = {}
@@ -64,29 +69,40 @@ def test_kernels_give_the_same_bits_on_row_views(op, dtype, kind) -> None:
         vis = torch.rand(1, 1, rows[1] - rows[0], cols[1] - cols[0], generator=gen) < 0.5
         vis[..., 0] = True  # every row sees something: the kernel's empty rows are the ring's job
         extra = {"attn_mask": vis}
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     results = []
     for qq, dd, kk, vv in (views, copies):
         out, lse = op.forward(qq, kk, vv, is_causal=kind == "causal", scale=scale, **extra)
         lse = lse.float() if dtype != torch.float64 else lse
         # the backward reads the block's out/LSE as the ring hands them: rows of larger tensors
         big_out = torch.zeros(2, HEADS, SEQ, HEAD_DIM, dtype=out.dtype)
-        big_out[:, :, rows[0]:rows[1]] = out
+        big_out[:, :, rows[0] : rows[1]] = out
         big_lse = torch.zeros(2, HEADS, SEQ, dtype=lse.dtype)
-        big_lse[:, :, rows[0]:rows[1]] = lse
+        big_lse[:, :, rows[0] : rows[1]] = lse
         view = qq is views[0]
         o_, l_ = block_rows(big_out, rows, view), block_rows(big_lse, rows, view)
-        grads = op.backward(dd, qq, kk, vv, o_, l_, is_causal=kind == "causal", scale=scale, **extra)
+        grads = op.backward(
+            dd, qq, kk, vv, o_, l_, is_causal=kind == "causal", scale=scale, **extra
+        )
         results.append((out, lse, *grads))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
-        assert torch.equal(a, b), f"{name}: views and contiguous copies differ by {(a.double() - b.double()).abs().max():.3g}"
+        assert torch.equal(a, b), (
+            f"{name}: views and contiguous copies differ by {(a.double() - b.double()).abs().max():.3g}"
+        )
 
 
 def test_ops_that_do_not_declare_views_keep_contiguous_inputs() -> None:
     from ring_impl.ops import cpu, cuda
 
-    for cls in (cpu.CpuEfficientLayoutOp, cpu.CpuEfficientMaskedLayoutOp, cpu.CpuCudnnLayoutOp,
-                cuda.CudaFlashOp, cuda.CudaEfficientOp, cuda.CudaCudnnOp, cuda.CudaEfficientMaskedOp):
+    for cls in (
+        cpu.CpuEfficientLayoutOp,
+        cpu.CpuEfficientMaskedLayoutOp,
+        cpu.CpuCudnnLayoutOp,
+        cuda.CudaFlashOp,
+        cuda.CudaEfficientOp,
+        cuda.CudaCudnnOp,
+        cuda.CudaEfficientMaskedOp,
+    ):
         assert not cls.capabilities.row_views, f"{cls.__name__} declares row_views"
 
 
@@ -113,12 +129,17 @@ def _seen(ctx, path: str, views: bool):
 
     seq = 256 * ctx.world_size
     gen = torch.Generator().manual_seed(ctx.rank)
-    q, k, v = (torch.randn(1, 2, 256, 8, generator=gen, dtype=torch.float64).requires_grad_(True) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 2, 256, 8, generator=gen, dtype=torch.float64).requires_grad_(True)
+        for _ in range(3)
+    )
     # documents of 100 tokens and a window of 100: blocks the tiler cuts rather than masks whole
     docs = Documents(torch.arange(seq) // 100)
-    kwargs = {"window": dict(mask=SlidingWindow(100), layout="contiguous", halo=True),
-              "documents": dict(mask=docs, layout="head_tail"),
-              "sparse": dict(mask=docs, layout="head_tail", sparse_kv=True)}[path]
+    kwargs = {
+        "window": dict(mask=SlidingWindow(100), layout="contiguous", halo=True),
+        "documents": dict(mask=docs, layout="head_tail"),
+        "sparse": dict(mask=docs, layout="head_tail", sparse_kv=True),
+    }[path]
     out = ring_impl.ring_attention(q, k, v, group=ctx.group, op=Recording(), **kwargs)
     out.backward(torch.randn(out.shape, generator=gen, dtype=out.dtype))
     return out.detach(), q.grad, k.grad, v.grad, seen
@@ -127,12 +148,16 @@ def _seen(ctx, path: str, views: bool):
 @pytest.mark.parametrize("path", ["documents", "window", "sparse"])
 def test_the_ring_hands_views_to_the_ops_that_declare_them(ring, path) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"what the ops are handed is ring_impl's own; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"what the ops are handed is ring_impl's own; the implementation under test is {ring.impl.spec}"
+        )
     pool = ring.rank_pool(2)
     copies = pool.run(_seen, path, False, timeout=120.0)
     views = pool.run(_seen, path, True, timeout=120.0)
     for rank, (a, b) in enumerate(zip(copies, views)):
-        assert a[4] and all(a[4]), f"rank {rank}: an op without row_views got a non-contiguous input"
+        assert a[4] and all(a[4]), (
+            f"rank {rank}: an op without row_views got a non-contiguous input"
+        )
         assert not all(b[4]), f"rank {rank}: an op with row_views still got only contiguous copies"
         for name, x, y in zip(("out", "dq", "dk", "dv"), a[:4], b[:4]):
             assert torch.equal(x, y), f"rank {rank}: {name} differs between views and copies"

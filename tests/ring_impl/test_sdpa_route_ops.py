@@ -27,16 +27,24 @@ def _query(device: str, dtype: torch.dtype, head_dim: int = 64):
 
 def _route(cuda_ops: tuple[str, ...], cpu_ops: tuple[str, ...] = ("cpu_flash", "math")) -> Route:
     group = SimpleNamespace(group_name="g")
-    return Route(group=group, layout="contiguous", rotate_method=None, op=None,  # type: ignore[arg-type]
-                 kernel_ops=(("cpu", cpu_ops), ("cuda", cuda_ops)))
+    return Route(
+        group=group,
+        layout="contiguous",
+        rotate_method=None,
+        op=None,  # type: ignore[arg-type]
+        kernel_ops=(("cpu", cpu_ops), ("cuda", cuda_ops)),
+    )
 
 
-@pytest.mark.parametrize(("dtype", "expected"), [
-    (torch.bfloat16, "cuda_flash"),
-    (torch.float16, "cuda_flash"),
-    (torch.float32, "cuda_efficient"),  # flash and cuDNN take 16-bit inputs only
-    (torch.float64, "math"),  # no fused CUDA kernel takes float64
-])
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        (torch.bfloat16, "cuda_flash"),
+        (torch.float16, "cuda_flash"),
+        (torch.float32, "cuda_efficient"),  # flash and cuDNN take 16-bit inputs only
+        (torch.float64, "math"),  # no fused CUDA kernel takes float64
+    ],
+)
 def test_cuda_call_runs_the_first_enabled_kernel_that_takes_its_dtype(dtype, expected) -> None:
     assert _route(ALL_CUDA).op_for(_query("cuda", dtype), None, False) == expected
 
@@ -49,7 +57,10 @@ def test_causal_nonpositive_scale_avoids_kernels_that_fault_there() -> None:
     assert route.op_for(q, -0.3, True) == "cuda_efficient"
     assert route.op_for(q, 0.0, True) == "cuda_efficient"
     assert route.op_for(q, -0.3, False) == "cuda_flash"
-    assert _route(("cpu_flash", "math")).op_for(_query("cpu", torch.float32), None, False) == "cpu_flash"
+    assert (
+        _route(("cpu_flash", "math")).op_for(_query("cpu", torch.float32), None, False)
+        == "cpu_flash"
+    )
     assert _route(ALL_CUDA).op_for(_query("cpu", torch.float32), -0.3, True) == "math"
 
 
@@ -57,28 +68,44 @@ def test_head_size_outside_a_kernel_goes_to_the_next() -> None:
     # cuDNN takes head_dim <= 128 and flash <= 256: head_dim 192 in bf16 with flash disabled
     # goes past cuDNN to the memory-efficient kernel.
     route = _route(("cudnn", "cuda_efficient", "math"))
-    assert route.op_for(_query("cuda", torch.bfloat16, head_dim=192), None, False) == "cuda_efficient"
+    assert (
+        route.op_for(_query("cuda", torch.bfloat16, head_dim=192), None, False) == "cuda_efficient"
+    )
 
 
 def test_no_enabled_kernel_takes_the_call_names_the_first() -> None:
     # SDPA raises when no enabled backend takes a call; the ring runs the first kernel, whose
     # input check then raises on every rank with its reason.
-    assert _route(("cuda_flash",)).op_for(_query("cuda", torch.float64), None, False) == "cuda_flash"
+    assert (
+        _route(("cuda_flash",)).op_for(_query("cuda", torch.float64), None, False) == "cuda_flash"
+    )
 
 
 def test_the_route_own_op_wins() -> None:
-    route = Route(group=SimpleNamespace(group_name="g"), layout="contiguous", rotate_method=None,  # type: ignore[arg-type]
-                  op="math", kernel_ops=(("cuda", ALL_CUDA),))
+    route = Route(
+        group=SimpleNamespace(group_name="g"),
+        layout="contiguous",
+        rotate_method=None,  # type: ignore[arg-type]
+        op="math",
+        kernel_ops=(("cuda", ALL_CUDA),),
+    )
     assert route.op_for(_query("cuda", torch.bfloat16), None, False) == "math"
 
 
-@pytest.mark.parametrize(("backends", "cuda", "cpu"), [
-    (None, ("cuda_flash", "cudnn", "cuda_efficient", "math"), ("cpu_flash", "math")),
-    ([SDPBackend.EFFICIENT_ATTENTION], ("cuda_efficient",), ("cpu_flash",)),
-    ([SDPBackend.MATH], ("math",), ("math",)),
-    ([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH], ("cuda_flash", "math"), ("cpu_flash", "math")),
-    ([SDPBackend.CUDNN_ATTENTION], ("cudnn",), ("cpu_flash",)),
-])
+@pytest.mark.parametrize(
+    ("backends", "cuda", "cpu"),
+    [
+        (None, ("cuda_flash", "cudnn", "cuda_efficient", "math"), ("cpu_flash", "math")),
+        ([SDPBackend.EFFICIENT_ATTENTION], ("cuda_efficient",), ("cpu_flash",)),
+        ([SDPBackend.MATH], ("math",), ("math",)),
+        (
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+            ("cuda_flash", "math"),
+            ("cpu_flash", "math"),
+        ),
+        ([SDPBackend.CUDNN_ATTENTION], ("cudnn",), ("cpu_flash",)),
+    ],
+)
 def test_enabled_backends_in_the_ring_preference_order(backends, cuda, cpu) -> None:
     if backends is None:
         assert _ops_from_sdpa_kernel("cuda") == cuda and _ops_from_sdpa_kernel("cpu") == cpu

@@ -32,7 +32,9 @@ def _shown(calls, batch: int, heads: int, rows: int, cols: int) -> torch.Tensor:
     """How many calls show each (batch, head, row, col) pair."""
     count = torch.zeros(batch, heads, rows, cols, dtype=torch.int64)
     for kind, (r0, r1), (c0, c1), box in calls:
-        assert 0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols, f"{kind} call {(r0, r1)} x {(c0, c1)} out of bounds"
+        assert 0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols, (
+            f"{kind} call {(r0, r1)} x {(c0, c1)} out of bounds"
+        )
         if kind == "full":
             assert box is None
             count[..., r0:r1, c0:c1] += 1
@@ -53,7 +55,9 @@ def _check_exact(vis: torch.Tensor, calls) -> None:
         boxes[r0:r1, c0:c1] += 1
     assert int(boxes.max()) <= 1, "two calls overlap"
     shown = _shown(calls, b, h, rows, cols)
-    assert torch.equal(shown.to(torch.bool), vis), "the calls show a pair the mask hides, or miss a visible one"
+    assert torch.equal(shown.to(torch.bool), vis), (
+        "the calls show a pair the mask hides, or miss a visible one"
+    )
 
 
 def _area(calls) -> int:
@@ -79,7 +83,9 @@ _MASKS = {
     "chunked": lambda s: ChunkedCausal(10),
     "prefix": lambda s: PrefixLM(9),
     "docs_window": lambda s: _documents([s // 2, s - s // 2]) & SlidingWindow(6),
-    "sink_and_window": lambda s: MaskMod(lambda b, h, q, kv: (kv <= q) & ((kv < 4) | (kv >= q - 6))),
+    "sink_and_window": lambda s: MaskMod(
+        lambda b, h, q, kv: (kv <= q) & ((kv < 4) | (kv >= q - 6))
+    ),
     "per_head": lambda s: MaskMod(lambda b, h, q, kv: (kv <= q) & ((h == 0) | (kv >= q - 5))),
     "checkerboard": lambda s: MaskMod(lambda b, h, q, kv: (q + kv) % 3 == 0),
 }
@@ -96,8 +102,12 @@ def test_calls_show_exactly_the_visible_pairs(name: str, call_cost: int) -> None
 
 @settings(max_examples=150, deadline=None)
 @given(
-    rows=st.integers(1, 40), cols=st.integers(1, 40), heads=st.sampled_from([1, 2]),
-    density=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1), call_cost=st.sampled_from([1, 100, CALL_COST]),
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    heads=st.sampled_from([1, 2]),
+    density=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+    call_cost=st.sampled_from([1, 100, CALL_COST]),
     kind=st.sampled_from(["random", "intervals", "bands"]),
 )
 def test_any_visibility_is_cut_exactly(rows, cols, heads, density, seed, call_cost, kind) -> None:
@@ -124,10 +134,16 @@ def test_structured_masks_get_their_exact_pieces() -> None:
     docs = _documents([200, 150, 162])
     calls = split_visibility(visibility(docs, pos, pos))
     assert [(c[0], c[1], c[2]) for c in calls] == [
-        ("causal", (0, 200), (0, 200)), ("causal", (200, 350), (200, 350)), ("causal", (350, 512), (350, 512))]
+        ("causal", (0, 200), (0, 200)),
+        ("causal", (200, 350), (200, 350)),
+        ("causal", (350, 512), (350, 512)),
+    ]
     # Packed non-causal documents: one full call each.
     calls = split_visibility(visibility(_documents([300, 212], causal=False), pos, pos))
-    assert [(c[0], c[1], c[2]) for c in calls] == [("full", (0, 300), (0, 300)), ("full", (300, 512), (300, 512))]
+    assert [(c[0], c[1], c[2]) for c in calls] == [
+        ("full", (0, 300), (0, 300)),
+        ("full", (300, 512), (300, 512)),
+    ]
 
 
 @pytest.mark.parametrize("window", [64, 256])
@@ -158,16 +174,23 @@ def test_short_documents_merge_into_one_call() -> None:
 
 def _what(plans) -> list:
     """A plan as comparable data, the masked blocks' visibility included."""
-    return [(b.step, b.kind, b.q_rows, b.kv_rows, None if b.visible is None else b.visible.tolist())
-            for p in plans for b in p.blocks]
+    return [
+        (b.step, b.kind, b.q_rows, b.kv_rows, None if b.visible is None else b.visible.tolist())
+        for p in plans
+        for b in p.blocks
+    ]
 
 
 def test_masked_plan_is_cached_for_exact_masks_only() -> None:
     docs = _documents([30, 34])
     a = masked_plan(0, 2, layout="contiguous", mask=docs, seq_q=32, seq_kv=32, batch=1, heads=1)
-    b = masked_plan(0, 2, layout="contiguous", mask=_documents([30, 34]), seq_q=32, seq_kv=32, batch=1, heads=1)
+    b = masked_plan(
+        0, 2, layout="contiguous", mask=_documents([30, 34]), seq_q=32, seq_kv=32, batch=1, heads=1
+    )
     assert all(x is y for x, y in zip(a, b)), "an equal built-in mask replans"
-    other = masked_plan(0, 2, layout="contiguous", mask=_documents([20, 44]), seq_q=32, seq_kv=32, batch=1, heads=1)
+    other = masked_plan(
+        0, 2, layout="contiguous", mask=_documents([20, 44]), seq_q=32, seq_kv=32, batch=1, heads=1
+    )
     assert _what(other) != _what(a), "different documents share a plan"
     # A MaskMod's description only probes it: a closure over other data must replan.
     table = {"cut": 30}
@@ -187,7 +210,9 @@ def test_plans_holding_much_visibility_are_not_kept(monkeypatch) -> None:
     monkeypatch.setattr(plan_module, "_PLAN_ENTRY_BYTES", 0)
     a = masked_plan(0, 2, layout="contiguous", mask=docs, seq_q=32, seq_kv=32, batch=1, heads=1)
     b = masked_plan(0, 2, layout="contiguous", mask=docs, seq_q=32, seq_kv=32, batch=1, heads=1)
-    assert any(blk.visible is not None for p in a for blk in p.blocks), "the case needs a masked block"
+    assert any(blk.visible is not None for p in a for blk in p.blocks), (
+        "the case needs a masked block"
+    )
     assert not any(x is y for x, y in zip(a, b)), "a plan over the size limit was kept"
     assert _what(a) == _what(b)
 
@@ -200,8 +225,12 @@ def test_a_subclass_with_its_parents_description_gets_its_own_plan() -> None:
         def visible(self, b, h, q, kv):
             return (kv <= q) & (kv >= q - 2 * self.left)
 
-    plain = masked_plan(0, 1, layout="contiguous", mask=SlidingWindow(3), seq_q=16, seq_kv=16, batch=1, heads=1)
-    wider = masked_plan(0, 1, layout="contiguous", mask=WiderWindow(3), seq_q=16, seq_kv=16, batch=1, heads=1)
+    plain = masked_plan(
+        0, 1, layout="contiguous", mask=SlidingWindow(3), seq_q=16, seq_kv=16, batch=1, heads=1
+    )
+    wider = masked_plan(
+        0, 1, layout="contiguous", mask=WiderWindow(3), seq_q=16, seq_kv=16, batch=1, heads=1
+    )
     assert _what(plain) != _what(wider)
     assert SlidingWindow(3).exact_digest and (SlidingWindow(3) & Causal()).exact_digest
     assert not WiderWindow(3).exact_digest and not (WiderWindow(3) & Causal()).exact_digest

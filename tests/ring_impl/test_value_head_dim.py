@@ -31,7 +31,9 @@ SHARD = 8
 
 def _skip_other_impl(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"these calls use ring_impl's own API; the implementation under test is {ring.impl.spec}")
+        pytest.skip(
+            f"these calls use ring_impl's own API; the implementation under test is {ring.impl.spec}"
+        )
 
 
 def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, d: int, dv: int, seed: int = 0):
@@ -41,9 +43,15 @@ def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, d: int, dv: int, seed: 
     def draw(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
-    q, k, v = draw(BATCH, HEADS, seq, d), draw(BATCH, heads_kv, seq, d), draw(BATCH, heads_kv, seq, dv)
+    q, k, v = (
+        draw(BATCH, HEADS, seq, d),
+        draw(BATCH, heads_kv, seq, d),
+        draw(BATCH, heads_kv, seq, dv),
+    )
     dout = draw(BATCH, HEADS, seq, dv)
-    glse = torch.randn(BATCH, HEADS, seq, generator=gen, dtype=torch.float64).float().double()  # exact in float32
+    glse = (
+        torch.randn(BATCH, HEADS, seq, generator=gen, dtype=torch.float64).float().double()
+    )  # exact in float32
     return q, k, v, dout, glse
 
 
@@ -54,26 +62,53 @@ def test_kernels_declare_a_value_head_dim_and_auto_picks_one() -> None:
     from ring_impl.ops import get_op, resolve_op
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    takes = {name: get_op(name).capabilities.value_head_dim for name in
-             ("math", "flex", "cpu_flash", "cpu_flash_varlen_layout", "cuda_flash", "cuda_flash_varlen", "cudnn",
-              "cuda_efficient", "cuda_efficient_masked")}
-    assert takes == {"math": True, "flex": True, "cpu_flash": False, "cpu_flash_varlen_layout": False,
-                     "cuda_flash": False, "cuda_flash_varlen": False, "cudnn": False, "cuda_efficient": True,
-                     "cuda_efficient_masked": True}
+    takes = {
+        name: get_op(name).capabilities.value_head_dim
+        for name in (
+            "math",
+            "flex",
+            "cpu_flash",
+            "cpu_flash_varlen_layout",
+            "cuda_flash",
+            "cuda_flash_varlen",
+            "cudnn",
+            "cuda_efficient",
+            "cuda_efficient_masked",
+        )
+    }
+    assert takes == {
+        "math": True,
+        "flex": True,
+        "cpu_flash": False,
+        "cpu_flash_varlen_layout": False,
+        "cuda_flash": False,
+        "cuda_flash_varlen": False,
+        "cudnn": False,
+        "cuda_efficient": True,
+        "cuda_efficient_masked": True,
+    }
     why = get_op("cpu_flash").capabilities.unsupported(cpu, torch.float32, 16, head_dim_v=24)
     assert why is not None and "value head_dim 24 differs from query/key head_dim 16" in why
-    assert get_op("cpu_flash").capabilities.unsupported(cpu, torch.float32, 16, head_dim_v=16) is None
+    assert (
+        get_op("cpu_flash").capabilities.unsupported(cpu, torch.float32, 16, head_dim_v=16) is None
+    )
     # a kernel that takes it still bounds value's head dim by its own limits
     from ring_impl.ops import OpCapabilities
 
-    bounded = OpCapabilities(devices=frozenset({"cuda"}), head_dims=(8, 256), head_dim_multiple=8, value_head_dim=True)
+    bounded = OpCapabilities(
+        devices=frozenset({"cuda"}), head_dims=(8, 256), head_dim_multiple=8, value_head_dim=True
+    )
     assert bounded.unsupported(cuda, torch.float32, 64, head_dim_v=32) is None
     assert "value head_dim 12 outside [8, 256] or not a multiple of 8" in bounded.unsupported(
-        cuda, torch.float32, 64, head_dim_v=12)
+        cuda, torch.float32, 64, head_dim_v=12
+    )
     assert resolve_op("auto", cpu, torch.float32, 16, head_dim_v=24).name == "math"
     assert resolve_op("auto", cpu, torch.float32, 16, head_dim_v=16).name == "cpu_flash"
     for masked in (False, True):
-        assert resolve_op("auto", cuda, torch.bfloat16, 64, head_dim_v=32, masked=masked).name == "cuda_efficient"
+        assert (
+            resolve_op("auto", cuda, torch.bfloat16, 64, head_dim_v=32, masked=masked).name
+            == "cuda_efficient"
+        )
     assert resolve_op("auto", cuda, torch.bfloat16, 64, head_dim_v=64).name == "cuda_flash"
 
 
@@ -87,14 +122,33 @@ def test_kernels_that_declare_it_match_the_oracle(name: str, d: int, dv: int) ->
         q, k, v, dout, glse = _inputs(16, dtype, 2, d, dv)
         out, lse = call_forward(op, q, k, v, is_causal=True, scale=scale)
         assert out.shape == (BATCH, HEADS, 16, dv) and out.dtype == dtype
-        ref = attention_grads(*(t.double() for t in (q, k, v, dout)), scale=scale, grad_lse=glse,
-                              visible=torch.ones(16, 16, dtype=torch.bool).tril())
-        dq, dk, dv_ = call_backward(op, dout, q, k, v, out, lse.to(torch.float64 if dtype == torch.float64 else
-                                                                      torch.float32),
-                                    is_causal=True, scale=scale, grad_lse=glse.to(lse.dtype))
+        ref = attention_grads(
+            *(t.double() for t in (q, k, v, dout)),
+            scale=scale,
+            grad_lse=glse,
+            visible=torch.ones(16, 16, dtype=torch.bool).tril(),
+        )
+        dq, dk, dv_ = call_backward(
+            op,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.to(torch.float64 if dtype == torch.float64 else torch.float32),
+            is_causal=True,
+            scale=scale,
+            grad_lse=glse.to(lse.dtype),
+        )
         assert (dq.shape, dk.shape, dv_.shape) == (q.shape, k.shape, v.shape)
         tol = 1e-12 if dtype == torch.float64 else 2e-5
-        for got, want in ((out, ref.out), (lse, ref.lse), (dq, ref.dq), (dk, ref.dk), (dv_, ref.dv)):
+        for got, want in (
+            (out, ref.out),
+            (lse, ref.lse),
+            (dq, ref.dq),
+            (dk, ref.dk),
+            (dv_, ref.dv),
+        ):
             assert (got.double() - want).abs().max() <= tol * max(1.0, want.abs().max()), name
 
 
@@ -108,17 +162,34 @@ def test_the_lse_gradient_padding_goes_on_values_side() -> None:
         name = "math_without_lse_grad"
         capabilities = replace(MathOp.capabilities, lse_grad=False)
 
-        def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None):
-            assert query.shape[-1] == key.shape[-1] == D_QK, "query and key are padded only to match value"
+        def backward(
+            self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None
+        ):
+            assert query.shape[-1] == key.shape[-1] == D_QK, (
+                "query and key are padded only to match value"
+            )
             assert value.shape[-1] == out.shape[-1] == grad_out.shape[-1] > D_V
-            return super().backward(grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale,
-                                    attn_mask=attn_mask)
+            return super().backward(
+                grad_out,
+                query,
+                key,
+                value,
+                out,
+                lse,
+                is_causal=is_causal,
+                scale=scale,
+                attn_mask=attn_mask,
+            )
 
     q, k, v, dout, glse = _inputs(16, torch.float64, 4, D_QK, D_V)
     scale = default_scale(D_QK)
     out, lse = call_forward(MathOp(), q, k, v, is_causal=False, scale=scale)
-    want = call_backward(MathOp(), dout, q, k, v, out, lse, is_causal=False, scale=scale, grad_lse=glse)
-    got = call_backward(NoLseGradMath(), dout, q, k, v, out, lse, is_causal=False, scale=scale, grad_lse=glse)
+    want = call_backward(
+        MathOp(), dout, q, k, v, out, lse, is_causal=False, scale=scale, grad_lse=glse
+    )
+    got = call_backward(
+        NoLseGradMath(), dout, q, k, v, out, lse, is_causal=False, scale=scale, grad_lse=glse
+    )
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
@@ -138,13 +209,17 @@ def _run(ctx, dtype, d, dv, heads_kv, kwargs, lse_grad, mask_spec=None, mesh=Non
     strategy = kwargs.get("strategy", "ring")
     q, k, v, dout, glse = _inputs(SHARD * w, dtype, heads_kv, d, dv, seed)
     if strategy == "ring":
-        q, k, v, dout, glse = (ring_impl.shard(t, w, r, layout=layout) for t in (q, k, v, dout, glse))
+        q, k, v, dout, glse = (
+            ring_impl.shard(t, w, r, layout=layout) for t in (q, k, v, dout, glse)
+        )
         group = ctx.group
     else:
         from reference.strategies import shard as strategy_shard
 
         u, rows = mesh
-        group = ctx.group if strategy == "ulysses" else ctx.device_mesh((rows, u), ("ring", "ulysses"))
+        group = (
+            ctx.group if strategy == "ulysses" else ctx.device_mesh((rows, u), ("ring", "ulysses"))
+        )
         q, k, v, dout = (strategy_shard(t, strategy, layout, mesh, r) for t in (q, k, v, dout))
         glse = strategy_shard(glse.unsqueeze(-1), strategy, layout, mesh, r).squeeze(-1)
     if mask_spec is not None:
@@ -156,10 +231,19 @@ def _run(ctx, dtype, d, dv, heads_kv, kwargs, lse_grad, mask_spec=None, mesh=Non
         with log.phase("backward"):
             loss = (out * dout).sum()
             if lse_grad:
-                loss = loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
+                loss = (
+                    loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
+                )
             loss.backward()
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "log": log.summary(),
-            "shapes": [tuple(t.shape) for t in (out, q.grad, k.grad, v.grad)]}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "log": log.summary(),
+        "shapes": [tuple(t.shape) for t in (out, q.grad, k.grad, v.grad)],
+    }
 
 
 def _unshard(parts, kwargs, world, mesh):
@@ -172,11 +256,15 @@ def _unshard(parts, kwargs, world, mesh):
 
     layout = kwargs.get("layout", "contiguous")
     if parts[0].dim() == 3:  # the LSE
-        return strategy_unshard([p.unsqueeze(-1) for p in parts], strategy, layout, mesh).squeeze(-1)
+        return strategy_unshard([p.unsqueeze(-1) for p in parts], strategy, layout, mesh).squeeze(
+            -1
+        )
     return strategy_unshard(parts, strategy, layout, mesh)
 
 
-def _judge(results, dtype, d, dv, heads_kv, kwargs, lse_grad, mask_spec=None, mesh=None, seed=0, label=""):
+def _judge(
+    results, dtype, d, dv, heads_kv, kwargs, lse_grad, mask_spec=None, mesh=None, seed=0, label=""
+):
     from conformance.baseline import single_device_baseline
 
     world = len(results)
@@ -185,7 +273,11 @@ def _judge(results, dtype, d, dv, heads_kv, kwargs, lse_grad, mask_spec=None, me
     glse = glse if lse_grad else None
     spec = mask_spec
     if kwargs.get("is_causal"):
-        spec = {"kind": "causal"} if spec is None else {"kind": "and", "masks": [{"kind": "causal"}, spec]}
+        spec = (
+            {"kind": "causal"}
+            if spec is None
+            else {"kind": "and", "masks": [{"kind": "causal"}, spec]}
+        )
     vis = None if spec is None else visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, grad_lse=glse)
     scales = error_scales(q, k, v, dout, visible=vis, grad_lse=glse, input_dtype=dtype)
@@ -194,53 +286,107 @@ def _judge(results, dtype, d, dv, heads_kv, kwargs, lse_grad, mask_spec=None, me
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for rank, r in enumerate(results):
         sq = seq // world
-        assert r["shapes"] == [(BATCH, HEADS, sq, dv), (BATCH, HEADS, sq, d), (BATCH, heads_kv, sq, d),
-                               (BATCH, heads_kv, sq, dv)], f"rank {rank}: out, dq, dk, dv shapes {r['shapes']} [{label}]"
+        assert r["shapes"] == [
+            (BATCH, HEADS, sq, dv),
+            (BATCH, HEADS, sq, d),
+            (BATCH, heads_kv, sq, d),
+            (BATCH, heads_kv, sq, dv),
+        ], f"rank {rank}: out, dq, dk, dv shapes {r['shapes']} [{label}]"
     for n in ("out", "lse", "dq", "dk", "dv"):
         got = _unshard([r[n] for r in results], kwargs, world, mesh).to(torch.float64)
         want, b = getattr(ref, n), base[n].to(torch.float64)
         if n == "lse" and vis is not None:  # rows that see nothing: -inf, and only they
             nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), f"lse: rows that see nothing must be -inf [{label}]"
+            assert torch.equal(torch.isneginf(got), nothing), (
+                f"lse: rows that see nothing must be -inf [{label}]"
+            )
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        assert_close(f"{n} [{label}]", got, want, b, world_size=world, dtype=dtype,
-                     result_dtype=lse_dtype if n == "lse" else dtype, scales=scales[n])
+        assert_close(
+            f"{n} [{label}]",
+            got,
+            want,
+            b,
+            world_size=world,
+            dtype=dtype,
+            result_dtype=lse_dtype if n == "lse" else dtype,
+            scales=scales[n],
+        )
 
 
 _RING_CASES = []
 for _w in (1, 2, 4):
-    for _i, (_rotate, _layout, _causal) in enumerate((
-        ("allgather", "contiguous", False), ("alltoall", "head_tail", True), ("p2p", "contiguous", True),
-        ("p2p", "head_tail", False), ("allgather", "head_tail", True), ("alltoall", "contiguous", False),
-    )):
+    for _i, (_rotate, _layout, _causal) in enumerate(
+        (
+            ("allgather", "contiguous", False),
+            ("alltoall", "head_tail", True),
+            ("p2p", "contiguous", True),
+            ("p2p", "head_tail", False),
+            ("allgather", "head_tail", True),
+            ("alltoall", "contiguous", False),
+        )
+    ):
         _dtype = (torch.float64, torch.float32)[(_i + _w) % 2]
         _d, _dv = ((D_QK, D_V), (D_QK_WIDE, D_V_NARROW))[_i % 2]
         _hkv = (4, 2, 1)[_i % 3]
         _chunks = 2 if _hkv >= 2 and _i % 2 == 0 else 1
         _lse = _i % 3 != 1
-        _RING_CASES.append(pytest.param(
-            _w, _rotate, _layout, _causal, _dtype, _d, _dv, _hkv, _chunks, _lse,
-            id=f"W{_w}-{_rotate}-{_layout}-{'causal' if _causal else 'full'}-{str(_dtype)[6:]}-d{_d}-dv{_dv}-hkv{_hkv}"
-               f"-chunks{_chunks}{'-lsegrad' if _lse else ''}"))
+        _RING_CASES.append(
+            pytest.param(
+                _w,
+                _rotate,
+                _layout,
+                _causal,
+                _dtype,
+                _d,
+                _dv,
+                _hkv,
+                _chunks,
+                _lse,
+                id=f"W{_w}-{_rotate}-{_layout}-{'causal' if _causal else 'full'}-{str(_dtype)[6:]}-d{_d}-dv{_dv}-hkv{_hkv}"
+                f"-chunks{_chunks}{'-lsegrad' if _lse else ''}",
+            )
+        )
 
 
-@pytest.mark.parametrize("world,rotate,layout,causal,dtype,d,dv,heads_kv,chunks,lse_grad", _RING_CASES)
+@pytest.mark.parametrize(
+    "world,rotate,layout,causal,dtype,d,dv,heads_kv,chunks,lse_grad", _RING_CASES
+)
 def test_ring_with_a_value_head_dim_matches_the_oracle_and_its_schedule(
-        ring, world, rotate, layout, causal, dtype, d, dv, heads_kv, chunks, lse_grad) -> None:
+    ring, world, rotate, layout, causal, dtype, d, dv, heads_kv, chunks, lse_grad
+) -> None:
     _skip_other_impl(ring)
     import ring_impl
 
     kwargs = {"rotate_method": rotate, "layout": layout, "is_causal": causal, "head_chunks": chunks}
-    results = ring.rank_pool(world).run(_run, dtype, d, dv, heads_kv, kwargs, lse_grad, timeout=120.0)
+    results = ring.rank_pool(world).run(
+        _run, dtype, d, dv, heads_kv, kwargs, lse_grad, timeout=120.0
+    )
     label = f"ring W={world} {rotate} {layout} causal={causal} {dtype} d={d} dv={dv} hkv={heads_kv} chunks={chunks}"
     _judge(results, dtype, d, dv, heads_kv, kwargs, lse_grad, label=label)
-    declared = ring_impl.collective_schedule(world, rotate, batch=BATCH, heads_kv=heads_kv, seq_kv=SHARD, head_dim=d,
-                                             dtype=dtype, head_chunks=chunks, head_dim_v=dv)
+    declared = ring_impl.collective_schedule(
+        world,
+        rotate,
+        batch=BATCH,
+        heads_kv=heads_kv,
+        seq_kv=SHARD,
+        head_dim=d,
+        dtype=dtype,
+        head_chunks=chunks,
+        head_dim_v=dv,
+    )
     for rank, r in enumerate(results):
-        assert r["log"] == {p: k for p, k in declared.items() if k}, f"rank {rank}: {r['log']} != {declared} [{label}]"
-    if world > 1:  # the forward moves key and value as they are: (d + dv) per row, no padding to the wider
+        assert r["log"] == {p: k for p, k in declared.items() if k}, (
+            f"rank {rank}: {r['log']} != {declared} [{label}]"
+        )
+    if (
+        world > 1
+    ):  # the forward moves key and value as they are: (d + dv) per row, no padding to the wider
         kv_bytes = BATCH * heads_kv * SHARD * (d + dv) * dtype.itemsize
-        moved = {"allgather": kv_bytes, "alltoall": (world - 1) * kv_bytes, "p2p": (world - 1) * kv_bytes}[rotate]
+        moved = {
+            "allgather": kv_bytes,
+            "alltoall": (world - 1) * kv_bytes,
+            "p2p": (world - 1) * kv_bytes,
+        }[rotate]
         kind = {"allgather": "all_gather", "alltoall": "all_to_all", "p2p": "send"}[rotate]
         assert results[0]["log"]["forward"][kind]["bytes"] == moved, (results[0]["log"], label)
 
@@ -254,49 +400,99 @@ def _docs(seq: int) -> dict:
     return {"kind": "document", "doc_ids": (ids + [-1] * seq)[:seq], "causal": True}
 
 
-@pytest.mark.parametrize("path,world", [("ring", 2), ("ring", 4), ("halo", 2), ("halo", 4), ("sparse", 2),
-                                        ("sparse", 4)])
-def test_masked_paths_with_a_value_head_dim_match_the_oracle_and_their_schedule(ring, path, world) -> None:
+@pytest.mark.parametrize(
+    "path,world", [("ring", 2), ("ring", 4), ("halo", 2), ("halo", 4), ("sparse", 2), ("sparse", 4)]
+)
+def test_masked_paths_with_a_value_head_dim_match_the_oracle_and_their_schedule(
+    ring, path, world
+) -> None:
     _skip_other_impl(ring)
     import ring_impl
     from ring_impl.masks import from_spec
 
     seq = SHARD * world
     window = {"kind": "sliding_window", "left": 3, "right": 2}
-    spec = {"ring": _docs(seq), "halo": {"kind": "and", "masks": [_docs(seq), window]}, "sparse": _docs(seq)}[path]
-    kwargs = {"rotate_method": "alltoall", "layout": "head_tail" if path == "sparse" else "contiguous",
-              "halo": False if path == "ring" else None, "sparse_kv": path == "sparse"}
-    dtype, d, dv, hkv = (torch.float64, D_QK, D_V, 2) if world == 2 else (torch.float32, D_QK_WIDE, D_V_NARROW, 4)
+    spec = {
+        "ring": _docs(seq),
+        "halo": {"kind": "and", "masks": [_docs(seq), window]},
+        "sparse": _docs(seq),
+    }[path]
+    kwargs = {
+        "rotate_method": "alltoall",
+        "layout": "head_tail" if path == "sparse" else "contiguous",
+        "halo": False if path == "ring" else None,
+        "sparse_kv": path == "sparse",
+    }
+    dtype, d, dv, hkv = (
+        (torch.float64, D_QK, D_V, 2) if world == 2 else (torch.float32, D_QK_WIDE, D_V_NARROW, 4)
+    )
     results = ring.rank_pool(world).run(_run, dtype, d, dv, hkv, kwargs, True, spec, timeout=120.0)
     label = f"{path} W={world} {dtype} d={d} dv={dv}"
     _judge(results, dtype, d, dv, hkv, kwargs, True, spec, label=label)
     for rank, r in enumerate(results):
         declared = ring_impl.collective_schedule(
-            world, "alltoall", batch=BATCH, heads_kv=hkv, seq_kv=SHARD, head_dim=d, dtype=dtype, head_dim_v=dv,
-            mask=from_spec(spec), layout=kwargs["layout"], rank=rank, halo=kwargs["halo"], sparse_kv=path == "sparse",
-            heads=HEADS, seq_q=SHARD)
-        assert r["log"] == {p: k for p, k in declared.items() if k}, f"rank {rank}: {r['log']} != {declared} [{label}]"
+            world,
+            "alltoall",
+            batch=BATCH,
+            heads_kv=hkv,
+            seq_kv=SHARD,
+            head_dim=d,
+            dtype=dtype,
+            head_dim_v=dv,
+            mask=from_spec(spec),
+            layout=kwargs["layout"],
+            rank=rank,
+            halo=kwargs["halo"],
+            sparse_kv=path == "sparse",
+            heads=HEADS,
+            seq_q=SHARD,
+        )
+        assert r["log"] == {p: k for p, k in declared.items() if k}, (
+            f"rank {rank}: {r['log']} != {declared} [{label}]"
+        )
     if path == "halo":  # no block around the ring
         assert all(set(r["log"]["forward"]) <= {"all_reduce", "send", "recv"} for r in results)
 
 
-@pytest.mark.parametrize("strategy,mesh,heads_kv", [("ulysses", (2, 1), 1), ("ulysses", (4, 1), 4),
-                                                    ("hybrid", (2, 2), 2)])
+@pytest.mark.parametrize(
+    "strategy,mesh,heads_kv",
+    [("ulysses", (2, 1), 1), ("ulysses", (4, 1), 4), ("hybrid", (2, 2), 2)],
+)
 def test_head_parallel_strategies_with_a_value_head_dim(ring, strategy, mesh, heads_kv) -> None:
     _skip_other_impl(ring)
     import ring_impl
 
     world = mesh[0] * mesh[1]
-    kwargs = {"strategy": strategy, "is_causal": True, "layout": "head_tail", "rotate_method": "p2p"}
-    results = ring.rank_pool(world).run(_run, torch.float64, D_QK, D_V, heads_kv, kwargs, True, None, mesh,
-                                        timeout=120.0)
+    kwargs = {
+        "strategy": strategy,
+        "is_causal": True,
+        "layout": "head_tail",
+        "rotate_method": "p2p",
+    }
+    results = ring.rank_pool(world).run(
+        _run, torch.float64, D_QK, D_V, heads_kv, kwargs, True, None, mesh, timeout=120.0
+    )
     label = f"{strategy} mesh={mesh} hkv={heads_kv}"
     _judge(results, torch.float64, D_QK, D_V, heads_kv, kwargs, True, mesh=mesh, label=label)
-    declared = ring_impl.collective_schedule(world, "p2p", batch=BATCH, heads_kv=heads_kv, seq_kv=SHARD, head_dim=D_QK,
-                                             dtype=torch.float64, head_dim_v=D_V, strategy=strategy, mesh_shape=mesh,
-                                             heads=HEADS, seq_q=SHARD, return_lse=True)
+    declared = ring_impl.collective_schedule(
+        world,
+        "p2p",
+        batch=BATCH,
+        heads_kv=heads_kv,
+        seq_kv=SHARD,
+        head_dim=D_QK,
+        dtype=torch.float64,
+        head_dim_v=D_V,
+        strategy=strategy,
+        mesh_shape=mesh,
+        heads=HEADS,
+        seq_q=SHARD,
+        return_lse=True,
+    )
     for rank, r in enumerate(results):
-        assert r["log"] == {p: k for p, k in declared.items() if k}, f"rank {rank}: {r['log']} != {declared} [{label}]"
+        assert r["log"] == {p: k for p, k in declared.items() if k}, (
+            f"rank {rank}: {r['log']} != {declared} [{label}]"
+        )
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -322,11 +518,14 @@ def _refused(ctx, case: str):
     return None
 
 
-@pytest.mark.parametrize("case,words", [
-    ("op_cannot", "value head_dim 16 differs from query/key head_dim 8"),
-    ("ranks_disagree", "head_dim_v"),
-    ("value_length", "key and value shapes differ before the head dim"),
-])
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("op_cannot", "value head_dim 16 differs from query/key head_dim 8"),
+        ("ranks_disagree", "head_dim_v"),
+        ("value_length", "key and value shapes differ before the head dim"),
+    ],
+)
 def test_what_cannot_run_is_refused_on_every_rank(rank_pool, case: str, words: str) -> None:
     errors = rank_pool(2).run(_refused, case, timeout=60.0)
     assert all(e is not None for e in errors), f"{case}: a rank did not raise: {errors}"
@@ -351,8 +550,17 @@ def test_schedule_counts_value_bytes_with_its_own_head_dim() -> None:
     with pytest.raises(ValueError, match="head_dim_v must be an int >= 1"):
         ring_impl.collective_schedule(4, "alltoall", head_dim=16, head_dim_v=0, **kw)
     # Ulysses: value and output columns at value's head dim
-    u = ring_impl.collective_schedule(2, "alltoall", head_dim=24, head_dim_v=8, strategy="ulysses", heads=4, seq_q=8,
-                                      return_lse=False, **kw)
+    u = ring_impl.collective_schedule(
+        2,
+        "alltoall",
+        head_dim=24,
+        head_dim_v=8,
+        strategy="ulysses",
+        heads=4,
+        seq_q=8,
+        return_lse=False,
+        **kw,
+    )
     qkv = 2 * ((4 * 8 + 2 * 8) * 24 + 2 * 8 * 8) * 2
     out = 2 * 4 * 8 * 8 * 2
     assert u["forward"]["all_to_all"]["bytes"] == qkv + out
@@ -369,7 +577,12 @@ def _compiled_vs_eager(ctx, masked: bool, strategy: str):
     w, r = ctx.world_size, ctx.rank
     q, k, v, dout, _ = _inputs(SHARD * w, torch.float64, 2, D_QK_WIDE, D_V_NARROW, seed=5)
     q, k, v, dout = (ring_impl.shard(t, w, r) for t in (q, k, v, dout))
-    kwargs = {"group": ctx.group, "is_causal": True, "rotate_method": "alltoall", "strategy": strategy}
+    kwargs = {
+        "group": ctx.group,
+        "is_causal": True,
+        "rotate_method": "alltoall",
+        "strategy": strategy,
+    }
     if masked:
         kwargs["mask"] = SlidingWindow(5, 0)
         if strategy == "ring":
@@ -392,9 +605,12 @@ def test_compiled_calls_with_a_value_head_dim_equal_eager(ring, masked, strategy
     """fullgraph=True: the ring's autograd Function, the masked ring's custom op (whose fake
     output takes value's head dim) and Ulysses give eager's output and gradients."""
     _skip_other_impl(ring)
-    for rank, (compiled, eager) in enumerate(ring.rank_pool(2).run(_compiled_vs_eager, masked, strategy,
-                                                                     timeout=300.0)):
+    for rank, (compiled, eager) in enumerate(
+        ring.rank_pool(2).run(_compiled_vs_eager, masked, strategy, timeout=300.0)
+    ):
         assert compiled[0].shape == (BATCH, HEADS, SHARD, D_V_NARROW), compiled[0].shape
         for name, c, e in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
             assert c.shape == e.shape, (name, c.shape, e.shape)
-            torch.testing.assert_close(c, e, rtol=1e-12, atol=1e-12, msg=lambda m, n=name, r=rank: f"{n}, rank {r}: {m}")
+            torch.testing.assert_close(
+                c, e, rtol=1e-12, atol=1e-12, msg=lambda m, n=name, r=rank: f"{n}, rank {r}: {m}"
+            )

@@ -39,55 +39,84 @@ def _cu(*lengths: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the emulated kernel's semantics
 
+
 def test_windows_align_to_each_sequences_bottom_right() -> None:
     """FlashAttention-2's documented rule, written out by hand: sequence 0 has 2 queries and 3
     keys (diagonal shifted right by 1), sequence 1 has 3 queries and 2 keys (shifted left by 1:
     its first query sees nothing under causal)."""
     cu_q, cu_k = _cu(2, 3), _cu(3, 2)
-    causal = [[1, 1, 0, 0, 0],
-              [1, 1, 1, 0, 0],
-              [0, 0, 0, 0, 0],
-              [0, 0, 0, 1, 0],
-              [0, 0, 0, 1, 1]]
+    causal = [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
     assert varlen_visibility(cu_q, cu_k, (UNBOUNDED, 0)).int().tolist() == causal
-    band = [[0, 1, 0, 0, 0],  # (left 0, right 0): only the diagonal key
-            [0, 0, 1, 0, 0],
-            [0, 0, 0, 0, 0],
-            [0, 0, 0, 1, 0],
-            [0, 0, 0, 0, 1]]
+    band = [
+        [0, 1, 0, 0, 0],  # (left 0, right 0): only the diagonal key
+        [0, 0, 1, 0, 0],
+        [0, 0, 0, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1],
+    ]
     assert varlen_visibility(cu_q, cu_k, (0, 0)).int().tolist() == band
     full = [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
     assert varlen_visibility(cu_q, cu_k, (UNBOUNDED, UNBOUNDED)).int().tolist() == full
-    right_only = [[0, 1, 1, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]
+    right_only = [
+        [0, 1, 1, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1],
+        [0, 0, 0, 1, 1],
+        [0, 0, 0, 0, 1],
+    ]
     assert varlen_visibility(cu_q, cu_k, (0, UNBOUNDED)).int().tolist() == right_only
 
 
 def test_a_row_that_sees_nothing_gets_the_kernels_zero_and_plus_inf() -> None:
     q, k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
-    out, lse = emulated_varlen_forward(q, k, v, _cu(2, 3), _cu(3, 2), 3, 3, scale=0.5, window=(UNBOUNDED, 0))
+    out, lse = emulated_varlen_forward(
+        q, k, v, _cu(2, 3), _cu(3, 2), 3, 3, scale=0.5, window=(UNBOUNDED, 0)
+    )
     assert torch.equal(out[2], torch.zeros(2, 8)) and bool(torch.isposinf(lse[:, 2]).all())
     assert bool(torch.isfinite(lse[:, [0, 1, 3, 4]]).all())
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"cu_q": _cu(2, 3).long()}, "int32"),
-    ({"cu_q": torch.tensor([1, 2, 5], dtype=torch.int32)}, "rise from 0"),
-    ({"cu_k": _cu(3, 1)}, "rise from 0"),
-    ({"max_q": 2}, "exceeds max"),
-    ({"q": torch.randn(5, 8, 2).transpose(1, 2)}, "contiguous last dimension"),
-    ({"k": torch.randn(5, 3, 8), "v": torch.randn(5, 3, 8)}, "divide"),
-    ({"window": (-2, 0)}, "window"),
-    ({"scale": 0.0}, "scale"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"cu_q": _cu(2, 3).long()}, "int32"),
+        ({"cu_q": torch.tensor([1, 2, 5], dtype=torch.int32)}, "rise from 0"),
+        ({"cu_k": _cu(3, 1)}, "rise from 0"),
+        ({"max_q": 2}, "exceeds max"),
+        ({"q": torch.randn(5, 8, 2).transpose(1, 2)}, "contiguous last dimension"),
+        ({"k": torch.randn(5, 3, 8), "v": torch.randn(5, 3, 8)}, "divide"),
+        ({"window": (-2, 0)}, "window"),
+        ({"scale": 0.0}, "scale"),
+    ],
+)
 def test_the_emulated_kernel_refuses_what_the_kernel_would_misread(bad, match) -> None:
-    args = {"q": torch.randn(5, 2, 8), "k": torch.randn(5, 2, 8), "v": torch.randn(5, 2, 8), "cu_q": _cu(2, 3),
-            "cu_k": _cu(3, 2), "max_q": 3, "max_k": 3, "scale": 0.5, "window": (UNBOUNDED, 0)} | bad
+    args = {
+        "q": torch.randn(5, 2, 8),
+        "k": torch.randn(5, 2, 8),
+        "v": torch.randn(5, 2, 8),
+        "cu_q": _cu(2, 3),
+        "cu_k": _cu(3, 2),
+        "max_q": 3,
+        "max_k": 3,
+        "scale": 0.5,
+        "window": (UNBOUNDED, 0),
+    } | bad
     with pytest.raises(RuntimeError, match=match):
-        emulated_varlen_forward(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], args["max_q"],
-                                args["max_k"], scale=args["scale"], window=args["window"])
+        emulated_varlen_forward(
+            args["q"],
+            args["k"],
+            args["v"],
+            args["cu_q"],
+            args["cu_k"],
+            args["max_q"],
+            args["max_k"],
+            scale=args["scale"],
+            window=args["window"],
+        )
 
 
 # ---------------------------------------------------------------- the packing
+
 
 def _shown(plan, vis: torch.Tensor, batch: int) -> torch.Tensor:
     """(batch, rows, cols) int: how many calls show each pair, the math rows' visibility added."""
@@ -98,15 +127,23 @@ def _shown(plan, vis: torch.Tensor, batch: int) -> torch.Tensor:
         qi = torch.arange(batch * rows) if c.q_index is None else c.q_index
         ki = torch.arange(batch * cols) if c.k_index is None else c.k_index
         assert qi.numel() == int(c.cu_q[-1]) and ki.numel() == int(c.cu_k[-1])
-        assert c.max_q == int(c.cu_q.diff().max()) and c.max_k == int(c.cu_k.diff().max()), "max is not the longest"
+        assert c.max_q == int(c.cu_q.diff().max()) and c.max_k == int(c.cu_k.diff().max()), (
+            "max is not the longest"
+        )
         assert qi.unique().numel() == qi.numel(), "a query row twice in one call"
         q_seen[qi] += 1
         local = varlen_visibility(c.cu_q, c.cu_k, c.window).to(torch.int64)
-        count.index_put_((qi.view(-1, 1).expand_as(local), ki.view(1, -1).expand_as(local)), local, accumulate=True)
+        count.index_put_(
+            (qi.view(-1, 1).expand_as(local), ki.view(1, -1).expand_as(local)),
+            local,
+            accumulate=True,
+        )
     assert int(q_seen.max()) <= MAX_LAYERS, "a query row in more calls than layers"
     # The forward writes layer 0 and merges later layers into it: each row once in layer 0 and
     # before any later layer.
-    assert [c.layer for c in plan.calls] == sorted(c.layer for c in plan.calls), "calls out of layer order"
+    assert [c.layer for c in plan.calls] == sorted(c.layer for c in plan.calls), (
+        "calls out of layer order"
+    )
     first = torch.zeros(batch * rows, dtype=torch.int64)
     for c in plan.calls:
         qi = torch.arange(batch * rows) if c.q_index is None else c.q_index
@@ -115,11 +152,15 @@ def _shown(plan, vis: torch.Tensor, batch: int) -> torch.Tensor:
         else:
             assert bool((first[qi] == 1).all()), f"a layer-{c.layer} row has no first-layer call"
     assert int(first.max()) <= 1, "a row written by two first-layer calls"
-    shown = torch.stack([count[e * rows:(e + 1) * rows, e * cols:(e + 1) * cols] for e in range(batch)])
+    shown = torch.stack(
+        [count[e * rows : (e + 1) * rows, e * cols : (e + 1) * cols] for e in range(batch)]
+    )
     off_diagonal = count.sum() - shown.sum()
     assert int(off_diagonal) == 0, "a call shows a query another batch element's key"
     if plan.math_rows is not None:
-        assert int(q_seen.view(batch, rows)[:, plan.math_rows].sum()) == 0, "a math row is also packed"
+        assert int(q_seen.view(batch, rows)[:, plan.math_rows].sum()) == 0, (
+            "a math row is also packed"
+        )
         seen = vis.any(1).expand(batch, rows, cols)
         shown[:, plan.math_rows] += seen[:, plan.math_rows].to(torch.int64)
     return shown
@@ -130,14 +171,18 @@ def _check_packing(vis: torch.Tensor, batch: int) -> None:
     shown = _shown(plan, vis, batch)
     assert int(shown.max()) <= 1, "a pair is shown twice"
     want = vis.any(1).expand(batch, *vis.shape[-2:])
-    assert torch.equal(shown.to(torch.bool), want), "the calls show a pair the mask hides, or miss one"
+    assert torch.equal(shown.to(torch.bool), want), (
+        "the calls show a pair the mask hides, or miss one"
+    )
     if plan.math_rows is not None:  # only rows that are no interval, or differ between heads
         for r in plan.math_rows.tolist():
             rows_vis = vis[:, :, r]
             cols = rows_vis.any(1)
             nonzero = [c.nonzero().flatten() for c in cols]
             irregular = any(int(n.numel()) and int(n[-1] - n[0] + 1) != n.numel() for n in nonzero)
-            assert irregular or not bool((rows_vis == rows_vis[:, :1]).all()), f"row {r} is regular yet runs with math"
+            assert irregular or not bool((rows_vis == rows_vis[:, :1]).all()), (
+                f"row {r} is regular yet runs with math"
+            )
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -154,10 +199,18 @@ def test_any_visibility_is_packed_exactly(data) -> None:
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
     c = torch.arange(cols)
     if kind == "random":
-        vis = torch.rand(nb, nh, rows, cols, generator=gen) < data.draw(st.floats(0, 1), label="density")
+        vis = torch.rand(nb, nh, rows, cols, generator=gen) < data.draw(
+            st.floats(0, 1), label="density"
+        )
     elif kind == "documents":
-        starts = sorted(data.draw(st.sets(st.integers(1, max(1, max(rows, cols) - 1)), max_size=6), label="cuts"))
-        doc_q = torch.bucketize(torch.arange(rows), torch.tensor(starts, dtype=torch.int64), right=True)
+        starts = sorted(
+            data.draw(
+                st.sets(st.integers(1, max(1, max(rows, cols) - 1)), max_size=6), label="cuts"
+            )
+        )
+        doc_q = torch.bucketize(
+            torch.arange(rows), torch.tensor(starts, dtype=torch.int64), right=True
+        )
         doc_k = torch.bucketize(c, torch.tensor(starts, dtype=torch.int64), right=True)
         vis = doc_q.view(-1, 1) == doc_k.view(1, -1)
         if data.draw(st.booleans(), label="causal"):
@@ -174,14 +227,20 @@ def test_any_visibility_is_packed_exactly(data) -> None:
 
 
 _MASKS = {
-    "documents": lambda s: Documents(torch.repeat_interleave(torch.arange(6), torch.tensor([13, 1, 2, 30, 9, s - 55]))),
-    "documents_full": lambda s: Documents(torch.repeat_interleave(torch.arange(3), torch.tensor([20, 7, s - 27])), causal=False),
+    "documents": lambda s: Documents(
+        torch.repeat_interleave(torch.arange(6), torch.tensor([13, 1, 2, 30, 9, s - 55]))
+    ),
+    "documents_full": lambda s: Documents(
+        torch.repeat_interleave(torch.arange(3), torch.tensor([20, 7, s - 27])), causal=False
+    ),
     "window": lambda s: SlidingWindow(7),
     "window_both": lambda s: SlidingWindow(5, 3),
     "chunked": lambda s: ChunkedCausal(10),
     "prefix": lambda s: PrefixLM(9),
     "causal": lambda s: Causal(),
-    "sink_and_window": lambda s: MaskMod(lambda b, h, q, kv: (kv <= q) & ((kv < 4) | (kv >= q - 6))),
+    "sink_and_window": lambda s: MaskMod(
+        lambda b, h, q, kv: (kv <= q) & ((kv < 4) | (kv >= q - 6))
+    ),
 }
 
 
@@ -192,8 +251,12 @@ def _counted(op_name: str = "cpu_flash_varlen_layout"):
         calls: ClassVar[list] = []
 
         def kernel_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window):
-            Counted.calls.append((window, cu_q.numel() - 1, int(varlen_visibility(cu_q, cu_k, window).sum())))
-            return super().kernel_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window=window)
+            Counted.calls.append(
+                (window, cu_q.numel() - 1, int(varlen_visibility(cu_q, cu_k, window).sum()))
+            )
+            return super().kernel_forward(
+                q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window=window
+            )
 
     Counted.calls = []
     return Counted()
@@ -215,7 +278,9 @@ def test_structured_masks_are_packed_without_the_math_op(name: str) -> None:
     q, k, v = (torch.randn(2, 2, s, 8, dtype=torch.float64) for _ in range(3))
     op.forward(q, k, v, is_causal=False, scale=0.4, attn_mask=vis)
     assert len(op.calls) == len(plan.calls)
-    assert sum(area for _, _, area in op.calls) == 2 * int(vis.sum()), "computed entries differ from the visible ones"
+    assert sum(area for _, _, area in op.calls) == 2 * int(vis.sum()), (
+        "computed entries differ from the visible ones"
+    )
 
 
 def test_many_short_documents_are_one_call() -> None:
@@ -228,6 +293,7 @@ def test_many_short_documents_are_one_call() -> None:
 
 # ---------------------------------------------------------------- the op against the math op
 
+
 def _visibilities(sq: int, sk: int, heads: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     i, j = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
@@ -239,7 +305,9 @@ def _visibilities(sq: int, sk: int, heads: int) -> dict[str, torch.Tensor]:
         "prefix": (j < 6) | (j <= i),
         "random": torch.rand(sq, sk, generator=gen) < 0.3,
         "per_head": torch.stack([(j <= i) & (i - j < 3 + h) for h in range(heads)]).unsqueeze(0),
-        "per_batch": torch.stack([(doc_q == doc_k) & (j <= i), (j <= i) & (i - j < 4)]).unsqueeze(1),
+        "per_batch": torch.stack([(doc_q == doc_k) & (j <= i), (j <= i) & (i - j < 4)]).unsqueeze(
+            1
+        ),
         "sink_and_window": (j <= i) & ((j < 3) | (i - j < 5)),
         "three_runs": (j <= i) & ((j < 2) | ((j >= 6) & (j < 9)) | (i - j < 3)),
     }
@@ -252,9 +320,23 @@ def _visibilities(sq: int, sk: int, heads: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape", [(2, 4, 2, 40, 40), (2, 2, 2, 17, 33), (1, 4, 1, 33, 17)], ids=str)
-@pytest.mark.parametrize("mask", ["documents_causal", "documents_full", "window", "prefix", "random", "per_head", "per_batch",
-                                  "sink_and_window", "three_runs"])
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 2, 40, 40), (2, 2, 2, 17, 33), (1, 4, 1, 33, 17)], ids=str
+)
+@pytest.mark.parametrize(
+    "mask",
+    [
+        "documents_causal",
+        "documents_full",
+        "window",
+        "prefix",
+        "random",
+        "per_head",
+        "per_batch",
+        "sink_and_window",
+        "three_runs",
+    ],
+)
 def test_the_op_equals_the_math_op(dtype, shape, mask) -> None:
     """Forward (out, LSE) and backward on the rows that see something; those that see nothing
     get LSE 0 and a zero output gradient, as the ring gives them. GQA where heads_kv < heads."""
@@ -263,11 +345,15 @@ def test_the_op_equals_the_math_op(dtype, shape, mask) -> None:
     gen = torch.Generator().manual_seed(1)
     q, do = (torch.randn(b, h, sq, 8, dtype=dtype, generator=gen) for _ in range(2))
     k, v = (torch.randn(b, hkv, sk, 8, dtype=dtype, generator=gen) for _ in range(2))
-    lse = assert_masked_op_matches_math(get_op("cpu_flash_varlen_layout"), q, k, v, do, vis, scale=0.3)
+    lse = assert_masked_op_matches_math(
+        get_op("cpu_flash_varlen_layout"), q, k, v, do, vis, scale=0.3
+    )
     assert lse.shape == (b, h, sq)
 
 
-@pytest.mark.parametrize("is_causal,sq,sk", [(False, 24, 40), (True, 24, 24), (True, 40, 24), (True, 24, 40)])
+@pytest.mark.parametrize(
+    "is_causal,sq,sk", [(False, 24, 40), (True, 24, 24), (True, 40, 24), (True, 24, 40)]
+)
 @pytest.mark.parametrize("scale", [0.3, -0.4, 0.0])
 def test_unmasked_blocks_and_scales_the_kernel_cannot_take(is_causal, sq, sk, scale) -> None:
     """Unmasked blocks are one sequence per batch element (top-left causal on a non-square block
@@ -279,7 +365,9 @@ def test_unmasked_blocks_and_scales_the_kernel_cannot_take(is_causal, sq, sk, sc
     op, math = get_op("cpu_flash_varlen_layout"), MathOp()
     got_out, got_lse = op.forward(q, k, v, is_causal=is_causal, scale=scale)
     want_out, want_lse = math.forward(q, k, v, is_causal=is_causal, scale=scale)
-    assert torch.allclose(got_out, want_out, atol=1e-12, rtol=0) and torch.allclose(got_lse, want_lse, atol=1e-12, rtol=0)
+    assert torch.allclose(got_out, want_out, atol=1e-12, rtol=0) and torch.allclose(
+        got_lse, want_lse, atol=1e-12, rtol=0
+    )
     got = op.backward(do, q, k, v, want_out, want_lse, is_causal=is_causal, scale=scale)
     want = math.backward(do, q, k, v, want_out, want_lse, is_causal=is_causal, scale=scale)
     for what, g, w in zip(("dq", "dk", "dv"), got, want):
@@ -293,8 +381,10 @@ def test_a_packer_with_its_band_window_off_by_one_is_caught(monkeypatch) -> None
     original = varlen._runs
 
     def slipped(per_element):
-        return [[(r0, r1, c0, c1, (w[0] + 1, w[1]) if w[0] >= 0 else w) for r0, r1, c0, c1, w in runs]
-                for runs in original(per_element)]
+        return [
+            [(r0, r1, c0, c1, (w[0] + 1, w[1]) if w[0] >= 0 else w) for r0, r1, c0, c1, w in runs]
+            for runs in original(per_element)
+        ]
 
     monkeypatch.setattr(varlen, "_runs", slipped)
     pos = torch.arange(48)
@@ -302,7 +392,9 @@ def test_a_packer_with_its_band_window_off_by_one_is_caught(monkeypatch) -> None
     with pytest.raises(AssertionError, match="hides, or miss"):
         _check_packing(vis, 1)
     q, k, v = (torch.randn(1, 2, 48, 8, dtype=torch.float64) for _ in range(3))
-    out, _ = get_op("cpu_flash_varlen_layout").forward(q, k, v, is_causal=False, scale=0.3, attn_mask=vis)
+    out, _ = get_op("cpu_flash_varlen_layout").forward(
+        q, k, v, is_causal=False, scale=0.3, attn_mask=vis
+    )
     want, _ = MathOp().forward(q, k, v, is_causal=False, scale=0.3, attn_mask=vis)
     assert not torch.allclose(out, want, atol=1e-6), "the slipped window gave the right output"
 
@@ -335,7 +427,9 @@ def test_auto_picks_the_varlen_kernel_for_masked_calls_on_cuda_only() -> None:
         assert resolve_op("auto", cuda, dtype, 64).name == "cuda_flash"
         assert resolve_op("auto", cuda, dtype, 64, masked=True).name == "cuda_flash_varlen"
     assert resolve_op("auto", cuda, torch.float32, 64, masked=True).name == "cuda_efficient"
-    assert resolve_op("auto", cuda, torch.bfloat16, 512, masked=True).name != "cuda_flash_varlen"  # head_dim > 256
+    assert (
+        resolve_op("auto", cuda, torch.bfloat16, 512, masked=True).name != "cuda_flash_varlen"
+    )  # head_dim > 256
     assert resolve_op("auto", cpu, torch.bfloat16, 64, masked=True).name == "cpu_flash"
     assert isinstance(get_op("cuda_flash_varlen"), VarlenOp)
 
@@ -344,7 +438,9 @@ def test_auto_picks_the_varlen_kernel_for_masked_calls_on_cuda_only() -> None:
 
 HEADS, HEADS_KV, HEAD_DIM, SEQ = 4, 2, 8, 64
 _RING_MASKS = {
-    "documents": lambda: Documents(torch.repeat_interleave(torch.arange(5), torch.tensor([21, 3, 1, 30, 9]))),
+    "documents": lambda: Documents(
+        torch.repeat_interleave(torch.arange(5), torch.tensor([21, 3, 1, 30, 9]))
+    ),
     "window": lambda: SlidingWindow(6),
     "prefix_chunked": lambda: PrefixLM(5) | ChunkedCausal(12),
 }
@@ -352,8 +448,14 @@ _RING_MASKS = {
 
 def _inputs(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(5)
-    q, dout = (torch.randn(2, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
-    k, v = (torch.randn(2, HEADS_KV, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    q, dout = (
+        torch.randn(2, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
+    k, v = (
+        torch.randn(2, HEADS_KV, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+        for _ in range(2)
+    )
     return q, k, v, dout
 
 
@@ -361,30 +463,65 @@ def _ring_with_the_varlen_op(ctx, dtype, name, layout, rotate):
     import ring_impl
 
     op = _counted()
-    q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(dtype))
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(dtype)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(q, k, v, mask=_RING_MASKS[name](), layout=layout, op=op, rotate_method=rotate,
-                                        return_lse=True)
+    out, lse = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        mask=_RING_MASKS[name](),
+        layout=layout,
+        op=op,
+        rotate_method=rotate,
+        return_lse=True,
+    )
     out.backward(dout)
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "sequences": sum(n for _, n, _ in op.calls)}
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "sequences": sum(n for _, n, _ in op.calls),
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("name,layout,rotate", [("documents", "head_tail", "alltoall"), ("window", "contiguous", "p2p"),
-                                                 ("prefix_chunked", "head_tail", "allgather")])
-def test_ring_with_the_emulated_varlen_op_matches_the_oracle(ring, dtype, name, layout, rotate) -> None:
+@pytest.mark.parametrize(
+    "name,layout,rotate",
+    [
+        ("documents", "head_tail", "alltoall"),
+        ("window", "contiguous", "p2p"),
+        ("prefix_chunked", "head_tail", "allgather"),
+    ],
+)
+def test_ring_with_the_emulated_varlen_op_matches_the_oracle(
+    ring, dtype, name, layout, rotate
+) -> None:
     """Out, LSE, dQ, dK, dV against the float64 oracle at W=2 through the varlen op (GQA, batch
     2), by the numerics policy."""
     from conformance.implementation import DEFAULT_IMPL_SPEC
 
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"the varlen op is ring_impl's; the implementation under test is {ring.impl.spec}")
-    results = ring.rank_pool(2).run(_ring_with_the_varlen_op, dtype, name, layout, rotate, timeout=120.0)
+        pytest.skip(
+            f"the varlen op is ring_impl's; the implementation under test is {ring.impl.spec}"
+        )
+    results = ring.rank_pool(2).run(
+        _ring_with_the_varlen_op, dtype, name, layout, rotate, timeout=120.0
+    )
     assert all(r["sequences"] > 0 for r in results), [r["sequences"] for r in results]
     pos = torch.arange(SEQ)
-    assert_ring_matches_oracle(f"cpu_flash_varlen_layout, {name}, W=2, {layout}, {rotate}", results, _inputs(dtype),
-                               visibility(_RING_MASKS[name](), pos, pos), layout=layout, world_size=2, dtype=dtype)
+    assert_ring_matches_oracle(
+        f"cpu_flash_varlen_layout, {name}, W=2, {layout}, {rotate}",
+        results,
+        _inputs(dtype),
+        visibility(_RING_MASKS[name](), pos, pos),
+        layout=layout,
+        world_size=2,
+        dtype=dtype,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(set(_MASKS) - {"sink_and_window"}))
@@ -415,7 +552,10 @@ def test_any_row_ranges_are_packed_exactly(data) -> None:
     every visible pair shown once, nothing else."""
     from ring_impl.ops.varlen import bounds_varlen_plan, bounds_visible
 
-    rows, cols = data.draw(st.integers(1, 30), label="rows"), data.draw(st.integers(1, 30), label="cols")
+    rows, cols = (
+        data.draw(st.integers(1, 30), label="rows"),
+        data.draw(st.integers(1, 30), label="cols"),
+    )
     lo, hi = [], []
     for _ in range(rows):
         how = data.draw(st.sampled_from(["same", "grow", "slide", "jump", "empty"]), label="row")
@@ -434,4 +574,6 @@ def test_any_row_ranges_are_packed_exactly(data) -> None:
     batch = data.draw(st.integers(1, 2), label="batch")
     shown = _shown(bounds_varlen_plan(lo_t, hi_t, batch, cols), vis, batch)
     assert int(shown.max()) <= 1, "a pair is shown twice"
-    assert torch.equal(shown.to(torch.bool), vis[0].expand(batch, rows, cols)), "a pair shown that is hidden, or missed"
+    assert torch.equal(shown.to(torch.bool), vis[0].expand(batch, rows, cols)), (
+        "a pair shown that is hidden, or missed"
+    )

@@ -18,7 +18,9 @@ att._cp_options.enable_load_balance = True
 q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
 op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 try:
-    att._templated_ring_attention(dist.group.WORLD, 2, op, q, k, v, is_causal=False, dropout_p=0.0, scale=0.25)
+    att._templated_ring_attention(
+        dist.group.WORLD, 2, op, q, k, v, is_causal=False, dropout_p=0.0, scale=0.25
+    )
     present, what = False, "ran"
 except RuntimeError as exc:
     present, what = "Load balancing requires" in str(exc), f"raised: {exc}"

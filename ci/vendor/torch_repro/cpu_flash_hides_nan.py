@@ -23,7 +23,9 @@ bad_k[0, 0, 0, 1] = float("nan")
 first = F.scaled_dot_product_attention(q, bad_k, v, is_causal=True)[0, 0, 0]
 query_hidden, key_hidden = not bool(row.isnan().all()), not bool(first.isnan().all())
 print(f"torch {torch.__version__}: row with a NaN query: {row[:4].tolist()} (NaN expected)")
-print(f"torch {torch.__version__}: causal row 0, its one key NaN: {first[:4].tolist()} (NaN expected)")
+print(
+    f"torch {torch.__version__}: causal row 0, its one key NaN: {first[:4].tolist()} (NaN expected)"
+)
 present = query_hidden or key_hidden
 print("DEFECT PRESENT" if present else "FIXED")
 sys.exit(1 if present else 0)

@@ -16,10 +16,14 @@ q, k, v = (torch.randn(1, 1, 8, 16) for _ in range(3))
 present = False
 for scale in (0.0, -0.3):
     flash = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    math_ = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, is_causal=True, scale=scale)[0]
+    math_ = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, is_causal=True, scale=scale)[
+        0
+    ]
     bad = bool(flash.isnan().any()) and not bool(math_.isnan().any())
     present |= bad
-    print(f"torch {torch.__version__}: causal, scale {scale}: flash NaN {bool(flash.isnan().any())}, "
-          f"math NaN {bool(math_.isnan().any())}")
+    print(
+        f"torch {torch.__version__}: causal, scale {scale}: flash NaN {bool(flash.isnan().any())}, "
+        f"math NaN {bool(math_.isnan().any())}"
+    )
 print("DEFECT PRESENT" if present else "FIXED")
 sys.exit(1 if present else 0)

@@ -38,8 +38,12 @@ def main() -> None:
     pids_file, exit_at_once = sys.argv[1], "--exit" in sys.argv[2:]
     pids = [os.getpid()]
     for i in range(2):
-        worker = subprocess.Popen([sys.executable, "-c", _worker_code(with_grandchild=i == 0)],
-                                  start_new_session=True, stdout=subprocess.PIPE, text=True)
+        worker = subprocess.Popen(
+            [sys.executable, "-c", _worker_code(with_grandchild=i == 0)],
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         pids.append(worker.pid)
         line = worker.stdout.readline().strip()  # the worker is running (and its grandchild too)
         if line != "-":

@@ -36,7 +36,9 @@ def test_pool_world_size_8(rank_pool: Callable[[int], Pool]) -> None:
     rank_pool(8)
 
 
-def test_pool_world_size_2(rank_pool: Callable[[int], Pool], case_timeout: float, device: str) -> None:
+def test_pool_world_size_2(
+    rank_pool: Callable[[int], Pool], case_timeout: float, device: str
+) -> None:
     assert case_timeout == 30.0 and device == "cpu"
     assert rank_pool(2).run(rank_fns.all_reduce_sum, 1) == [3.0, 3.0]
 

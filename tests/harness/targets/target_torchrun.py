@@ -40,7 +40,9 @@ def test_failure_on_rank_1_reported_by_rank_0(rank_pool: Callable[[int], Pool]) 
 def test_expected_errors_on_every_rank(rank_pool: Callable[[int], Pool]) -> None:
     outcomes = rank_pool(2).run_outcomes(_raise_everywhere)
     assert [(o.ok, o.exc_type, o.exc_message) for o in outcomes] == [
-        (False, "ValueError", "bad input on rank 0"), (False, "ValueError", "bad input on rank 1")]
+        (False, "ValueError", "bad input on rank 0"),
+        (False, "ValueError", "bad input on rank 1"),
+    ]
 
 
 def test_other_world_size_skips(rank_pool: Callable[[int], Pool]) -> None:
