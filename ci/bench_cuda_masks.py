@@ -27,9 +27,10 @@ and ring rows take ``(1, heads, seq, head_dim)`` views of them, as SDPA callers 
     ``(tokens, heads, head_dim)`` tensors the varlen row takes.
 
 Each row is timed with CUDA events (median of ``--repeat`` after ``--warmup``), and one more call
-is profiled with ``torch.profiler``: kernel launches, host-device synchronisations (``cudaStreamSynchronize``,
-``cudaDeviceSynchronize``, ``cudaMemcpy`` to the host), the call's wall time and the GPU's busy
-time. A row that fails records its error instead of a time. Nothing here is a timed assertion.
+is profiled with ``torch.profiler``: kernel launches, host-device synchronisations
+(``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy`` to the host), the call's wall
+time and the GPU's busy time. A row that fails records its error instead of a time. Nothing here is
+a timed assertion.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ class Bench:
 
 def document_lengths(b: Bench, seq: int) -> list[int]:
     """Packed document lengths summing to ``seq``: lognormal ones (median ``doc_median``, at least
-    16 tokens but the last, cut to fit) and one of ``long_fraction * seq`` tokens at a seeded place."""
+    16 tokens but the last, cut to fit) and one of ``long_fraction * seq`` tokens at a seeded
+    place."""
     import torch
 
     gen = torch.Generator().manual_seed(b.doc_seed)
@@ -659,10 +660,10 @@ def analyse(b: Bench, raw: dict) -> dict:
         )
         for layout, sparse in DOC_RUNS:
             r = rows[doc_run_name(layout, sparse)]
-            # Core-per-rank estimate: the slowest rank's CPU seconds (its kernels, its Python and its
-            # transport threads' copies) against an even W-way split of the single process's. CPU
-            # time does not grow when ranks share cores, so it says what W ranks with a core each
-            # would take where this machine has fewer cores than ranks; it leaves out waits for
+            # Core-per-rank estimate: the slowest rank's CPU seconds (its kernels, its Python and
+            # its transport threads' copies) against an even W-way split of the single process's.
+            # CPU time does not grow when ranks share cores, so it says what W ranks with a core
+            # each would take where this machine has fewer cores than ranks; it leaves out waits for
             # peers (balance) and counts the transport's CPU as if it could not overlap.
             cpu_ranks = r.get("cpu_per_rank")
             estimate = max(cpu_ranks) / (single_cpu / world) if cpu_ranks else None

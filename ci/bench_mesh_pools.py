@@ -38,7 +38,8 @@ def _kib(pid: int, field: str, path: str) -> int:
 
 
 def memory(pids: list[int]) -> dict[str, float]:
-    """Resident and proportional set sizes of the ranks, MiB: min, median, max (RSS) and the PSS sum."""
+    """Resident and proportional set sizes of the ranks, MiB: min, median,
+    max (RSS) and the PSS sum."""
     rss = [_kib(p, "VmRSS", "status") / 1024 for p in pids]
     pss = [_kib(p, "Pss", "smaps_rollup") / 1024 for p in pids]
     return {

@@ -714,7 +714,8 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
 
 
 def _analysis(b: Bench, speed: dict, scaling: dict) -> dict:
-    """:func:`analyse`, also for a run without the speed part (then no world size has speed rows)."""
+    """:func:`analyse`, also for a run without the
+    speed part (then no world size has speed rows)."""
     return analyse(b if speed else Bench(**{**asdict(b), "world_sizes": ()}), speed, scaling)
 
 

@@ -1,4 +1,5 @@
-"""Benchmark of the parallel strategies at W=4: ring, Ulysses and the 2x2 hybrid against one process.
+"""Benchmark of the parallel strategies at W=4: ring, Ulysses and the 2x2 hybrid against one
+process.
 
 Run from the repository root::
 
@@ -64,7 +65,8 @@ class Bench:
 
 
 def _sent_recorder():
-    """A dispatch mode that adds up, per phase, the bytes this rank's collectives send to other ranks."""
+    """A dispatch mode that adds up, per phase, the bytes
+    this rank's collectives send to other ranks."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -28,7 +28,8 @@ CPU-bound (NVIDIA H200, 16 cores, torch 2.11: the W=4 mask suite alone, ``-n 4``
 in 98 s with 11.5 cores busy; every job at once reached 1,177 cases in 370 s). So W=1 and W=2
 run whole and W=3 and W=4 a deterministic share (``--sample-w3 0/3``, ``--sample-w4 0/6``: the
 cases whose node id hashes to 0 modulo 3 or 6, the same on every run; ``1/6`` runs another
-sixth), about 1,130 cases in all, which the jobs of that run reached in 370 s. Cases left out by sampling are counted apart from those a deadline stopped.
+sixth), about 1,130 cases in all, which the jobs of that run reached in 370 s. Cases left out by
+sampling are counted apart from those a deadline stopped.
 
 Every test outcome is streamed to a file as it happens (ci/gpu_check_results.py), so a job stopped
 at the deadline still reports what it ran; what it did not reach is reported as **not run**,
@@ -153,7 +154,8 @@ def jobs(args) -> list[Job]:
             sample=args.sample_w4,
         ),
         Job("compile", [*suites, *common, "--dist-backend", "gloo", "-m", "compile"], workers=3),
-        # the mask suite on the two CUDA kernels that take a mask in one call (their CPU emulations run in CI)
+        # the mask suite on the two CUDA kernels that take a
+        # mask in one call (their CPU emulations run in CI)
         *[
             Job(
                 f"masks-{op}",
@@ -213,7 +215,8 @@ def _command(job: Job) -> list[str]:
 
 
 def _env(results: Path, sample: str | None = None) -> dict[str, str]:
-    # (not an xdist worker's or a test's variables: a check started from inside pytest is a fresh run)
+    # (not an xdist worker's or a test's variables: a
+    # check started from inside pytest is a fresh run)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -405,7 +408,8 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
         "sampled_out": sum(j["sampled_out"] for j in tests),
         "jobs_out_of_time": [j["name"] for j in summary["jobs"] if j["status"] != "finished"],
         "jobs_without_results": [j["name"] for j in tests if j["collected"] == 0],
-        # pytest's status 0: all passed, 1: some failed; anything else is a run that broke (see its log)
+        # pytest's status 0: all passed, 1: some failed;
+        # anything else is a run that broke (see its log)
         "jobs_broken": [
             j["name"] for j in tests if j["status"] == "finished" and j["rc"] not in (0, 1)
         ],

@@ -84,8 +84,9 @@ asks ``collective_schedule(..., heads=, return_max_logit=True)`` for the call's 
     it holds in local order. The balance suite (``suites/test_balance.py``) and the mask suite
     (``suites/test_masks.py``) call it on every rank with equal arguments and shard the global
     tensors by ``runs`` themselves; the first holds each rank's work to the bound the suite
-    declares for the balancer, the second the outputs and gradients to the float64 oracle. Built-in layouts are
-    ``capabilities.layouts``; undeclared ``balancers`` claims both (and ``balanced_layout``).
+    declares for the balancer, the second the outputs and gradients to the float64 oracle. Built-in
+    layouts are ``capabilities.layouts``; undeclared ``balancers`` claims both
+    (and ``balanced_layout``).
 
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
 (``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
@@ -154,7 +155,8 @@ class ImplSpecError(ValueError):
 
 
 class ProtocolError(ImplSpecError):
-    """A piece of the protocol the implementation claims (by not declaring it lacking) is missing."""
+    """A piece of the protocol the implementation
+    claims (by not declaring it lacking) is missing."""
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,8 @@ class Implementation:
         )
 
     def protocol(self, capability: str) -> Any:
-        """The attribute that provides a claimed ``capability``; :class:`ProtocolError` if it is missing."""
+        """The attribute that provides a claimed ``capability``;
+        :class:`ProtocolError` if it is missing."""
         problem = self.missing(capability)
         if problem:
             raise ProtocolError(problem)
@@ -379,7 +382,8 @@ def load_implementation(spec: str | None = None) -> Implementation:
 
 @functools.cache
 def load_op(spec: str):
-    """An attention op object from ``package.module:object`` (``--op`` / ``RING_OP``) or a registered name.
+    """An attention op object from ``package.module:object`` (``--op`` / ``RING_OP``) or a
+    registered name.
 
     One object per spec, registered under its ``name`` unless that name is taken: compiled,
     ring_impl carries an op by its registered name (ring_impl.compiled_checks), and an op it

@@ -10,11 +10,11 @@ Adds to the "ring attention" option group:
 ``--op name-or-package.module:object`` (``RING_OP``)
     The attention op (local kernel) to run inside the implementation (op contract: ring_impl/ops/).
 
-What the implementation does not declare it lacks is claimed and tested (conformance/implementation.py).
-A case that needs what it declares it lacks is reported **N/A**: neither passed, failed nor an
-ordinary skip (the terminal shows ``N`` and the summary counts "N/A"). A case that needs a
-protocol piece the implementation claims but does not have (``collective_schedule``,
-``record_steps``, ``api_module``) fails, naming the missing attribute.
+What the implementation does not declare it lacks is claimed and tested
+(conformance/implementation.py). A case that needs what it declares it lacks is reported **N/A**:
+neither passed, failed nor an ordinary skip (the terminal shows ``N`` and the summary counts "N/A").
+A case that needs a protocol piece the implementation claims but does not have
+(``collective_schedule``, ``record_steps``, ``api_module``) fails, naming the missing attribute.
 
 Conformance cases are the tests of the ``suites`` package, wherever it is: in a checkout, or
 installed and run with ``pytest --pyargs suites`` from any directory. Their node ids then depend

@@ -201,8 +201,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def nothing_executed(counts: dict[str, int], deselected: int = 0) -> str:
     """Why a run that reported suite cases tested nothing ("" when some case ran to a verdict).
 
-    ``counts``: outcome -> number of suite cases (conformance.report.OUTCOMES); ``deselected``: suite
-    cases that ``-k``/``-m`` deselected.
+    ``counts``: outcome -> number of suite cases (conformance.report.OUTCOMES); ``deselected``:
+    suite cases that ``-k``/``-m`` deselected.
     """
     executed = sum(counts.get(o, 0) for o in EXECUTED)
     reported = sum(counts.values())

@@ -1,4 +1,5 @@
-"""Device inventory and GPU assignment: which GPUs this pytest (xdist) worker owns, which GPU each rank pins.
+"""Device inventory and GPU assignment: which GPUs this pytest (xdist) worker owns, which GPU each
+rank pins.
 
 Under ``pytest -n N`` on a multi-GPU runner every xdist worker gets a disjoint slice of the visible
 GPUs, so two workers never run NCCL ranks on the same GPU. A case that needs more GPUs than the

@@ -516,7 +516,8 @@ class RankPool(Pool):
         )
 
     def _probe(self, case_id: int) -> bool:
-        """One all_reduce on every rank after a case some ranks failed: does the group still agree?"""
+        """One all_reduce on every rank after a case some ranks failed:
+        does the group still agree?"""
         message = wire.dumps(("probe", case_id))
         try:
             for conn in self._conns:
@@ -586,7 +587,8 @@ def active_pools() -> list[RankPool]:
 
 
 def shutdown_rank_pools() -> None:
-    """Stop every pool of this process; safe to call more than once (session end, atexit, signals)."""
+    """Stop every pool of this process; safe to call
+    more than once (session end, atexit, signals)."""
     with _registry_lock:
         pools = list(_pools.values())
         _pools.clear()

@@ -344,7 +344,8 @@ def tier(harness_settings: HarnessSettings) -> str:
 
 @pytest.fixture
 def case_timeout(request: pytest.FixtureRequest, harness_settings: HarnessSettings) -> float:
-    """This test's case timeout in seconds (``--compile-timeout`` bound for a test marked ``compile``)."""
+    """This test's case timeout in seconds (``--compile-timeout``
+    bound for a test marked ``compile``)."""
     return harness_settings.timeout_for(
         compiles=request.node.get_closest_marker("compile") is not None
     )

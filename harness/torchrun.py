@@ -44,7 +44,8 @@ def torchrun_rank() -> tuple[int, int, int]:
 
 
 class TorchrunPool(Pool):
-    """The in-process "pool" of a torchrun rank; ``run`` / ``run_outcomes`` as every :class:`Pool`."""
+    """The in-process "pool" of a torchrun rank;
+    ``run`` / ``run_outcomes`` as every :class:`Pool`."""
 
     def __init__(self, backend: str, device: str) -> None:
         import torch

@@ -598,7 +598,8 @@ def _lse_offset_in_bf16(query, key, value, **kwargs):
 
 
 class DeclaresNothing:
-    """An implementation with every protocol piece but no ``capabilities``: everything is claimed."""
+    """An implementation with every protocol piece but no ``capabilities``:
+    everything is claimed."""
 
     api_module = "ring_impl"
     baseline_op = "auto"

@@ -122,9 +122,9 @@ class Tolerance:
 
 # The policy's one table (k per input dtype). k = 2: a ring may be up to twice as far from the
 # float64 truth as the same kernel on one device, beyond the floor (which carries the roundings
-# a ring makes and a single kernel does not, so 16-bit inputs need no larger k). step_rel is roughly 10-30x the rounding unit of
-# one attention call of that dtype: diagnosis only has to tell rounding from a wrong mask,
-# block or scale, which err by O(1).
+# a ring makes and a single kernel does not, so 16-bit inputs need no larger k). step_rel is roughly
+# 10-30x the rounding unit of one attention call of that dtype: diagnosis only has to tell rounding
+# from a wrong mask, block or scale, which err by O(1).
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(k=2.0, step_rel=1e-10),
     torch.float32: Tolerance(k=2.0, step_rel=1e-4),

@@ -135,7 +135,7 @@ def locate(
     raise ValueError(f"position {index[dim]} is outside a sequence of length {seq_len}")
 
 
-# ---------------------------------------------------------------------------- the hybrid's simulation
+# -------------------------------------------------------------------------- the hybrid's simulation
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,7 +156,8 @@ class HybridSimulation:
         return slice(u * n, (u + 1) * n)
 
     def step(self, u: int, row: int, s: int) -> StepRecord:
-        """Row ``row``'s ring step ``s`` on head slice ``u``: which key/value row, what kind, the partial."""
+        """Row ``row``'s ring step ``s`` on head slice ``u``: which key/value row,
+        what kind, the partial."""
         return self.rings[u].step(row, s)
 
     def row_out(self, row: int) -> Tensor:
@@ -181,7 +182,8 @@ class HybridSimulation:
         )
 
     def work_per_row(self) -> list[int]:
-        """Visible score entries each row computes, summed over head slices' rings (per batch and head)."""
+        """Visible score entries each row computes, summed
+        over head slices' rings (per batch and head)."""
         return [
             sum(ring.work_per_rank()[row] for ring in self.rings)
             for row in range(self.mesh_shape[1])

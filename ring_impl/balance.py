@@ -218,7 +218,8 @@ def _document_ids(documents, seq_len: int):
 
 def document_head_tail_runs(spans: Sequence[tuple[int, int]], world_size: int) -> list[Runs]:
     """Per rank, its runs under ``document_head_tail`` for documents at ``spans`` (see the
-    module docstring): chunks ``r`` and ``2W-1-r`` of every document, leftovers dealt round robin."""
+    module docstring): chunks ``r`` and ``2W-1-r`` of every document, leftovers dealt round
+    robin."""
     w = world_size
     held: list[list[tuple[int, int]]] = [[] for _ in range(w)]
     turn = 0  # the rank that gets the next leftover token

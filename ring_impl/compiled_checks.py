@@ -36,7 +36,8 @@ from .validate import InputError
 
 __all__ = ["CHECK_LEFT_OUT", "checked_call"]
 
-#: When a compiled call runs without the cross-rank check (each rank still refuses its own bad input).
+#: When a compiled call runs without the cross-rank
+#: check (each rank still refuses its own bad input).
 CHECK_LEFT_OUT = (
     "an option that is not a plain literal, inputs that are not tensors, or a single rank"
 )

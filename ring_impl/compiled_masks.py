@@ -62,8 +62,9 @@ from .sinks import sinks_problem, with_sinks
 
 __all__ = ["describe_call", "masked_ring_call", "rebuild_call", "register_impl", "saved_states"]
 
-#: name -> (a RingAttention variant, its head-parallel algorithms or None, the function that checks a
-#: call and returns its Path: ring_impl.api.call_path, handed over so this module does not import api)
+#: name -> (a RingAttention variant, its head-parallel algorithms or None, the function that checks
+#: a call and returns its Path: ring_impl.api.call_path, handed over so this module does not import
+#: api)
 _IMPLS: dict[str, tuple[RingAttention, Mapping | None, Callable]] = {}
 #: handle -> (path, saved tensors, meta) of a forward whose backward has not been freed yet
 _SAVED: dict[int, tuple] = {}

@@ -246,9 +246,9 @@ def extended_forward(
     result: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``query`` (batch, heads, seq, head_dim) against the packed key/value rows
-    ``ext`` (RingAttention.pack_kv's shape, ``rows`` on dim -2) that ``blocks`` index (one kernel call each,
-    through the ring's seams); rows no block covers: out 0, LSE -inf. Shared by the paths without
-    a ring (the halo here, ring_impl.kv_gather).
+    ``ext`` (RingAttention.pack_kv's shape, ``rows`` on dim -2) that ``blocks`` index (one kernel
+    call each, through the ring's seams); rows no block covers: out 0, LSE -inf. Shared by the paths
+    without a ring (the halo here, ring_impl.kv_gather).
 
     ``finite``: whether every input the blocks read is finite (the NaN propagation is then
     skipped); checked here on ``query`` and ``ext`` when None. ``into``: (out, lse) accumulators

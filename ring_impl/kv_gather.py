@@ -158,7 +158,8 @@ def gather_plan(
             received_at=at[seq_kv:].to(device),
         )
 
-    # The layouts' runs, not only its name: a layout registered again under the same name is replanned.
+    # The layouts' runs, not only its name: a layout
+    # registered again under the same name is replanned.
     key = (
         "gather",
         rank,
@@ -298,7 +299,8 @@ class GatherPath:
 
 
 def gather_path(query, key, cfg: RingConfig, impl: RingAttention) -> GatherPath:
-    """The sparse gather's :class:`GatherPath` for a validated masked config (its plan for these shapes)."""
+    """The sparse gather's :class:`GatherPath` for a validated masked config
+    (its plan for these shapes)."""
     g = cfg.group
     plan = gather_plan(
         cfg.mask,

@@ -587,7 +587,8 @@ def snapshot(mask):
 
 
 def fold_causal(mask: Mask | None, is_causal) -> Mask | None:
-    """The mask a call runs: ``mask`` intersected with ``Causal()`` when ``is_causal`` (None stays None)."""
+    """The mask a call runs: ``mask`` intersected with
+    ``Causal()`` when ``is_causal`` (None stays None)."""
     if mask is None or not is_causal:
         return mask
     return Causal() & mask

@@ -36,7 +36,8 @@ def with_sinks(
     out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (batch, heads, rows, head_dim) in the input dtype, lse (batch, heads, rows) in the
-    accumulation dtype, sinks (heads,) -> the same with the sink term, differentiable in all three."""
+    accumulation dtype, sinks (heads,) -> the same with the sink term, differentiable in all
+    three."""
     s = sinks.to(device=lse.device, dtype=lse.dtype).view(1, -1, 1)
     lse_new = torch.logaddexp(lse, s.expand_as(lse))
     weight = torch.exp(lse - lse_new)  # 0 where lse = -inf

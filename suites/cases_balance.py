@@ -415,7 +415,8 @@ def _split_by_owner(call: dict[str, Any], owner: torch.Tensor) -> list[tuple[int
 
 
 def _count_call(r, j, call, calls, count, expected, local_q, index, hidden_pairs) -> None:
-    """Record rank ``r``'s call on rank ``j``'s keys: its computed pairs, and those the mask hides."""
+    """Record rank ``r``'s call on rank ``j``'s keys: its computed pairs,
+    and those the mask hides."""
     q, kv, computed = call["q"], call["kv"], call["computed"]
     calls[j].append(call)
     rows, cols = local_q[q], index[kv]
@@ -443,7 +444,8 @@ def _full_block_as_causal(calls, expected, local_q, index) -> str:
 
 
 def _other_head_tail_chunk(calls, expected, kv_runs, index) -> str:
-    """Calls that computed one run of a two-run key/value shard while the visible keys lie in the other."""
+    """Calls that computed one run of a two-run key/value
+    shard while the visible keys lie in the other."""
     if len(kv_runs) != 2:
         return ""
     seen_cols = expected.any(0)

@@ -372,7 +372,8 @@ def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.
 
 
 def _unshard(parts: list[torch.Tensor], pos: list[torch.Tensor]) -> torch.Tensor:
-    """The global tensor (sequence dim 2) from every rank's local rows at global positions ``pos``."""
+    """The global tensor (sequence dim 2) from every
+    rank's local rows at global positions ``pos``."""
     shape = list(parts[0].shape)
     shape[2] = sum(len(p) for p in pos)
     whole = parts[0].new_zeros(shape)
@@ -641,7 +642,8 @@ def _rewritten(data: dict[str, Any], change) -> dict[str, Any]:
 
 
 def _at_index_zero(which: str):
-    """A leaf change: every mask_mod evaluated with its batch (``which="batch"``) or head index 0."""
+    """A leaf change: every mask_mod evaluated with
+    its batch (``which="batch"``) or head index 0."""
 
     def change(leaf: dict[str, Any]) -> dict[str, Any]:
         if leaf["kind"] != "mask_mod":

@@ -145,7 +145,8 @@ def judge_strategy(
 def diagnose_strategy_case(
     case: StrategyCase, results: Sequence[dict[str, Any]], verdicts: Sequence[Verdict]
 ) -> str:
-    """The strategy diagnosis of a failed case (from its output), and where the worst elements are."""
+    """The strategy diagnosis of a failed case (from its output),
+    and where the worst elements are."""
     g = make_inputs(case.inputs)
     got = unshard_strategy_results(case, results)
     out_verdict = next((v for v in verdicts if v.name == "out"), None)

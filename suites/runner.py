@@ -113,7 +113,8 @@ class RingRunner:
                 pytest.fail(missing + (f" [needed for: {why}]" if why else ""), pytrace=False)
 
     def protocol(self, field: str, why: str = "") -> Any:
-        """The implementation's attribute for protocol piece ``field`` (N/A or fail as :meth:`require`)."""
+        """The implementation's attribute for protocol piece
+        ``field`` (N/A or fail as :meth:`require`)."""
         __tracebackhide__ = True
         self.require(field, why=why)
         return self.impl.protocol(field)
@@ -261,7 +262,8 @@ class RingRunner:
         )
 
     def record(self, case, verdicts) -> None:
-        """Attach case parameters and error figures to the test report (for the conformance report)."""
+        """Attach case parameters and error figures to
+        the test report (for the conformance report)."""
         if ("ring_case", case_properties(case)) not in self.request.node.user_properties:
             self.request.node.user_properties.append(("ring_case", case_properties(case)))
         self.request.node.user_properties.append(

@@ -90,7 +90,8 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
         "collective_schedule", why="the collectives of every rank are asserted against it"
     )
     spec = case.inputs
-    # head_dim_v only where value's head dim differs (a schedule without the keyword serves the rest)
+    # head_dim_v only where value's head dim differs
+    # (a schedule without the keyword serves the rest)
     value_dim = {} if spec.head_dim_v is None else {"head_dim_v": spec.head_dim_v}
     expected = schedule(
         case.world_size,

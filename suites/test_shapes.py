@@ -164,7 +164,8 @@ def test_cross_attention_lengths(ring, cross_case: RingCase) -> None:
 
 
 def _strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of a tensor of ``shape`` whose memory holds its dims in ``order`` (outermost first)."""
+    """Strides of a tensor of ``shape`` whose memory
+    holds its dims in ``order`` (outermost first)."""
     strides = [0] * len(shape)
     step = 1
     for dim in reversed(order):

@@ -133,7 +133,8 @@ def _restore_options(previous: tuple[Any, Any, Any]) -> None:
 
 
 class cp_options:
-    """``with cp_options(load_balance=..., rotate_method=...):`` PyTorch's _cp_options for a block."""
+    """``with cp_options(load_balance=..., rotate_method=...):``
+    PyTorch's _cp_options for a block."""
 
     def __init__(
         self, *, load_balance: bool, rotate_method: str, convert_to_f32: bool | None = None
@@ -374,7 +375,8 @@ class TorchContextParallel:
         layout="contiguous",
         return_lse=False,
     ):
-        """Local output (and LSE) of PyTorch's ring; arguments as :func:`ring_impl.ring_attention`."""
+        """Local output (and LSE) of PyTorch's ring; arguments as
+        :func:`ring_impl.ring_attention`."""
         if op is not None:
             raise ValueError(
                 "torch_cp: PyTorch's context parallel picks its own kernel; op= is not supported"
@@ -421,7 +423,8 @@ class TorchContextParallel:
     def collective_schedule(
         self, world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False
     ):
-        """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and backward (see the module docstring)."""
+        """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and backward
+        (see the module docstring)."""
         elems = 2 * batch * heads_kv * seq_kv * head_dim
         kv = elems * dtype.itemsize
         convert = (

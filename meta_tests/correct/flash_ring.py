@@ -135,7 +135,8 @@ def _return_grads(
 
 
 def _calls(setup: RingSetup, layout: str, is_causal: bool, kv_rank: int, sq: int, sk: int):
-    """Kernel calls of one step: [(query rows, key rows, causal)]; empty when the block is skipped."""
+    """Kernel calls of one step: [(query rows, key rows, causal)];
+    empty when the block is skipped."""
     if not is_causal:
         return [(slice(0, sq), slice(0, sk), False)]
     calls = []
@@ -322,7 +323,8 @@ def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _fold(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """(b, h, s, d) gradient of (possibly expanded) heads -> (b, heads_kv, s, d) float64, summed per group."""
+    """(b, h, s, d) gradient of (possibly expanded) heads
+    -> (b, heads_kv, s, d) float64, summed per group."""
     b, h, s, d = t.shape
     return t.to(torch.float64).reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
 
@@ -365,7 +367,8 @@ class _FlashRingFn(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty((b, h, sq), dtype=lse_dtype)
         for (start, stop), parts in partials.items():
-            # All of a chunk's partials at once: weights exp(lse_i - LSE) with LSE = logsumexp_i lse_i.
+            # All of a chunk's partials at once: weights
+            # exp(lse_i - LSE) with LSE = logsumexp_i lse_i.
             lses = torch.stack([p[1].to(torch.float64) for p in parts])
             total = torch.logsumexp(lses, dim=0)
             weights = torch.exp(lses - total).unsqueeze(-1)
@@ -486,7 +489,8 @@ def ring_attention(
 def collective_schedule(
     world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False, **_
 ):
-    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
+    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward
+    (seq_kv: local length).
 
     kv = one block (2*batch*heads_kv*seq_kv*head_dim elements) in the input dtype, dkv the same
     elements in float32 (float64 for float64). Forward adds the input check's all-gather.

@@ -1,4 +1,5 @@
-"""The process groups of a head-parallel strategy: the Ulysses group and, for the hybrid, the ring group.
+"""The process groups of a head-parallel strategy: the Ulysses group and, for the hybrid, the ring
+group.
 
 ``group=`` for ``strategy="ulysses"``: None (the default group), a ProcessGroup or a 1-D
 DeviceMesh, as for the ring. For ``strategy="hybrid"``: a 2-D DeviceMesh whose dims are named

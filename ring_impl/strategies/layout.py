@@ -74,7 +74,8 @@ def mesh_coords(mesh_rank: int, mesh_shape: tuple[int, int]) -> tuple[int, int]:
 
 
 def sequence_divisor(strategy: str, layout: str, mesh_shape: tuple[int, int]) -> int:
-    """What the global sequence length must be a multiple of for every rank to hold an equal shard."""
+    """What the global sequence length must be a multiple
+    of for every rank to hold an equal shard."""
     u, r = _mesh_shape(strategy, mesh_shape)
     check_layout(layout)
     if strategy == "ulysses":
@@ -108,7 +109,8 @@ def position_ranges(
 
 
 def _cut(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The part ``[lo, hi)`` of the concatenation of ``ranges``, as ranges (adjacent ones joined)."""
+    """The part ``[lo, hi)`` of the concatenation of ``ranges``, as ranges
+    (adjacent ones joined)."""
     out: list[tuple[int, int]] = []
     offset = 0
     for a, b in ranges:
@@ -173,7 +175,8 @@ def local_shard(
 
 
 def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> torch.Tensor:
-    """The global tensor from every rank's shard, ``shards[mesh_rank]`` (``mesh_rank = r * U + u``)."""
+    """The global tensor from every rank's shard, ``shards[mesh_rank]``
+    (``mesh_rank = r * U + u``)."""
     u_size, r_size = _mesh_shape(strategy, mesh_shape)
     shards = list(shards)
     if len(shards) != u_size * r_size:

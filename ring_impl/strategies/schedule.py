@@ -19,9 +19,10 @@ backward   1 call, dO (+ dLSE): ``b*h*s_q*(dv*it [+ acc])``;
 ``d``: query's and key's head dim, ``dv``: value's (``head_dim_v``, default ``d``). ``[+ acc]``:
 only with ``return_lse`` (the LSE and its gradient then travel with the output).
 The forward's input check adds ``all_reduce``: one call per mesh dim of size > 1 (eager, and
-compiled through :mod:`ring_impl.compiled_checks`), each of :func:`.validate.exchange_nbytes` bytes. A rank's all-to-all bytes are the minimum for
-the two exchanges: every rank needs the whole sequence of its heads; only ``e > 1`` with
-``heads_kv`` not dividing ``U`` sends a key/value head to a rank twice.
+compiled through :mod:`ring_impl.compiled_checks`), each of :func:`.validate.exchange_nbytes` bytes.
+A rank's all-to-all bytes are the minimum for the two exchanges: every rank needs the whole sequence
+of its heads; only ``e > 1`` with ``heads_kv`` not dividing ``U`` sends a key/value head to a rank
+twice.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ def _problem(
             )
         return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail":
-        # Ulysses: two equal chunks per rank; hybrid: the row's ring shard (U local pieces) holds two.
+        # Ulysses: two equal chunks per rank; hybrid: the
+        # row's ring shard (U local pieces) holds two.
         held = 1 if strategy == "ulysses" else u
         if (held * sq) % 2 or (held * skv) % 2:
             return (

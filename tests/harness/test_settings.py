@@ -1,4 +1,5 @@
-"""Option and RING_* variable resolution and validation (pure unit tests plus two real pytest runs)."""
+"""Option and RING_* variable resolution and validation
+(pure unit tests plus two real pytest runs)."""
 
 from __future__ import annotations
 

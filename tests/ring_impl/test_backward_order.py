@@ -1,4 +1,5 @@
-"""Where the ring's backward computes its own block (step 0): around the transfers nothing else covers.
+"""Where the ring's backward computes its own block (step 0): around the transfers nothing else
+covers.
 
 The backward's first key/value hop (step 1's block) and its last dK/dV hop (this rank's own
 accumulator coming home) have no other step to overlap. With the own block computed last, the

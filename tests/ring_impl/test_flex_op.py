@@ -24,7 +24,8 @@ def _inputs(
     dtype: torch.dtype = torch.float64,
     seed: int = 0,
 ):
-    """query (b, h, sq, d), key/value (b, hkv, sk, d), grad_out (b, h, sq, d), grad_lse (b, h, sq)."""
+    """query (b, h, sq, d), key/value (b, hkv, sk, d),
+    grad_out (b, h, sq, d), grad_lse (b, h, sq)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, HEADS, seq_q, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     k, v = (

@@ -255,7 +255,8 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
             f"rank {rank}: collectives {log} != declared {declared} [{label}]"
         )
         # The minimum: this rank's keys that each other rank's queries see, once (forward, input
-        # dtype); back, the dK/dV of the keys of others that its own queries saw (accumulation dtype).
+        # dtype); back, the dK/dV of the keys of others that its own queries saw
+        # (accumulation dtype).
         sent = sum(int(seen[pos[t]][:, pos[rank]].any(0).sum()) for t in range(world) if t != rank)
         received = sum(
             int(seen[pos[rank]][:, pos[t]].any(0).sum()) for t in range(world) if t != rank

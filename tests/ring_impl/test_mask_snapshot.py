@@ -24,7 +24,8 @@ NEW = [0] * 20 + [1] * 6 + [2] * 18 + [-1] * 4
 
 
 def _ids_for(dtype: str) -> tuple[list[int], list[int]]:
-    """(old, new) ids an array of ``dtype`` holds: an unsigned one has no -1, so its padding is one more document."""
+    """(old, new) ids an array of ``dtype`` holds: an unsigned one has no -1,
+    so its padding is one more document."""
     if dtype.startswith("uint"):
         return [3 if i < 0 else i for i in OLD], [3 if i < 0 else i for i in NEW]
     return OLD, NEW
@@ -45,7 +46,8 @@ WRITES = ("numpy_refill", "data_copy", "view_of_larger_buffer", "copy_")
 
 
 def _holder(dtype: str, write: str):
-    """(ids tensor holding the old ids, a function writing the new ones into it in the way named by ``write``)."""
+    """(ids tensor holding the old ids, a function writing
+    the new ones into it in the way named by ``write``)."""
     old, new = _ids_for(dtype)
     if write == "numpy_refill":
         buffer = np.asarray(old, dtype=dtype)

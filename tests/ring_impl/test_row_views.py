@@ -6,9 +6,9 @@ value forward, six tensors backward. An op declaring ``capabilities.row_views`` 
 math op, the varlen ops, whose packing hands the kernel (tokens, heads, head_dim) views with a
 dense head dim) reads views; every other op (the dense CUDA kernels, a vendor's, the CPU
 emulations of dense CUDA kernels, one of which reads memory in a fixed order on the GPU) still
-gets contiguous copies. Checked here: the kernels give the same bits on views as on copies, and the ring, the
-halo exchange and the sparse gather hand views exactly to the ops that declare them, with the
-same results either way.
+gets contiguous copies. Checked here: the kernels give the same bits on views as on copies, and the
+ring, the halo exchange and the sparse gather hand views exactly to the ops that declare them, with
+the same results either way.
 """
 
 from __future__ import annotations
