@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = analyse(run_world(b.world, _rank, asdict(b), timeout=3600)[0])
     print(
-        f"W={b.world}, seq {b.seq}, {b.heads} heads, causal head_tail alltoall, inductor, fastest of {b.repeat}\n"
+        f"W={b.world}, seq {b.seq}, {b.heads} heads, causal head_tail alltoall, inductor, fastest "
+        f"of {b.repeat}\n"
     )
     print("| head_dim | eager s | compiled / eager | compiled, LSE used at weight 0 / eager |")
     print("|---|---|---|---|")

@@ -253,7 +253,8 @@ def _shape_rows(
                 _write_json(args.json, {**header, "rows": rows})
             if "error" in row:
                 print(
-                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: {row['error']} |||||||"
+                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: "
+                    f"{row['error']} |||||||"
                 )
             else:
                 busy = (
@@ -262,8 +263,9 @@ def _shape_rows(
                     else math.nan
                 )
                 print(
-                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | {row['ms']:.2f} | {row['ratio'] or math.nan:.2f}x "
-                    f"| {row['launches']} | {row['syncs']} | {row['items']} | {row['copies_to_host']} | {busy:.2f} |",
+                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | "
+                    f"{row['ms']:.2f} | {row['ratio'] or math.nan:.2f}x | {row['launches']} | "
+                    f"{row['syncs']} | {row['items']} | {row['copies_to_host']} | {busy:.2f} |",
                     flush=True,
                 )
 
@@ -311,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": repeat,
     }
     print(
-        f"# {header['device']}, torch {header['torch']}, CUDA {header['cuda']}; bfloat16, batch 1, {args.heads} heads, "
-        f"head_dim {args.head_dim}; forward + backward, median of {repeat} after {warmup} warm-up; ring at W=1 (NCCL)"
+        f"# {header['device']}, torch {header['torch']}, CUDA {header['cuda']}; bfloat16, batch "
+        f"1, {args.heads} heads, head_dim {args.head_dim}; forward + backward, median of {repeat} "
+        f"after {warmup} warm-up; ring at W=1 (NCCL)"
     )
     print(
-        "| mask | seq | docs | row | ms | / reference | launches | syncs | .item() | copies to host | GPU busy / wall |"
+        "| mask | seq | docs | row | ms | / reference | launches | syncs | .item() | copies to "
+        "host | GPU busy / wall |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows: list[dict] = []

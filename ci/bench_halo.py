@@ -152,8 +152,9 @@ def analyse(b: Bench, world: int, per_rank: list[dict]) -> list[dict]:
 
 def print_report(b: Bench, rows: list[dict]) -> None:
     print(
-        f"\n{b.cores} cores, one thread per rank; float32, batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}; "
-        f"causal window; time = forward+backward of the slowest rank, fastest of {b.repeat}"
+        f"\n{b.cores} cores, one thread per rank; float32, batch {b.batch}, heads {b.heads}, "
+        f"head_dim {b.head_dim}; causal window; time = forward+backward of the slowest rank, "
+        f"fastest of {b.repeat}"
     )
     print(
         f"\n{'W':>2} {'seq':>6} {'window':>6} {'ring s':>7} {'halo s':>7} {'halo/ring':>9}   "

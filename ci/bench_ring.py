@@ -735,7 +735,10 @@ def _aims(b: Bench, a: dict) -> list[dict]:
                     what = "non-causal" if kind.startswith("full") else "causal head_tail"
                     aims.append(
                         {
-                            "aim": f"W={world} {rot}{suffix}: {what} ring <= {bound}x SDPA ({world} threads)",
+                            "aim": (
+                                f"W={world} {rot}{suffix}: {what} ring <= {bound}x SDPA ({world} "
+                                "threads)"
+                            ),
                             "measured": f"{r['vs_sdpa']:.2f}x",
                             "met": r["vs_sdpa"] <= bound,
                         }
@@ -761,7 +764,10 @@ def _aims(b: Bench, a: dict) -> list[dict]:
                 if r["torch_overhead_s"] is not None:
                     aims.append(
                         {
-                            "aim": f"W={world} {r['name']}: seconds outside the kernel <= PyTorch's ({label})",
+                            "aim": (
+                                f"W={world} {r['name']}: seconds outside the kernel <= PyTorch's "
+                                f"({label})"
+                            ),
                             "measured": f"{r['overhead_s']:.3f} vs {r['torch_overhead_s']:.3f}",
                             "met": r["overhead_s"] <= r["torch_overhead_s"],
                         }
@@ -780,7 +786,10 @@ def _aims(b: Bench, a: dict) -> list[dict]:
         if t["impl"] == "ring":
             aims.append(
                 {
-                    "aim": f"W={t['W']} ring {t['rotate']}{_hc(t['head_chunks'])} {t['phase']}: traffic = minimum",
+                    "aim": (
+                        f"W={t['W']} ring {t['rotate']}{_hc(t['head_chunks'])} {t['phase']}: "
+                        "traffic = minimum"
+                    ),
                     "measured": f"{t['ratio']:.2f}x (gloo wire {t['gloo_ratio']:.2f}x)",
                     "met": abs(t["ratio"] - 1.0) < 1e-9,
                 }
@@ -792,13 +801,15 @@ def print_report(b: Bench, a: dict, env: dict) -> None:
     from tabulate import tabulate
 
     print(
-        f"\nring attention benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, "
-        f"seq {b.seq}; torch {env['torch']}, {env['cores']} cores, load {env['load_before']} -> {env['load_after']}"
+        f"\nring attention benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, "
+        f"{b.dtype}, seq {b.seq}; torch {env['torch']}, {env['cores']} cores, load "
+        f"{env['load_before']} -> {env['load_after']}"
     )
     print(
-        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations interleaved; "
-        "time = slowest rank, forward + backward;\n'time' is the fastest repetition (the one least disturbed by "
-        "other processes), 'median' the median; CPU = process CPU seconds summed over ranks (median)\n"
+        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations "
+        "interleaved; time = slowest rank, forward + backward;\n'time' is the fastest repetition "
+        "(the one least disturbed by other processes), 'median' the median; CPU = process CPU "
+        "seconds summed over ranks (median)\n"
     )
     rows = [
         [
@@ -985,7 +996,10 @@ def main(argv: list[str] | None = None) -> int:
         "--rotations",
         nargs="+",
         choices=RING_ROTATIONS,
-        help="Rotation methods of the speed benchmark (default: all; PyTorch's ring runs those it has)",
+        help=(
+            "Rotation methods of the speed benchmark (default: all; PyTorch's ring runs those it "
+            "has)"
+        ),
     )
     parser.add_argument(
         "--lean-head-chunks",

@@ -253,8 +253,9 @@ def analyse(b: Bench, per_rank: list[dict]) -> list[dict]:
 
 def print_report(b: Bench, rows: list[dict]) -> None:
     print(
-        f"\nW={b.world} on {b.cores} cores; float32, batch {b.batch}, head_dim {b.head_dim}, key/value heads = heads; "
-        f"time = forward+backward of the slowest rank, fastest of {b.repeat}; SDPA: one process, {b.world} threads"
+        f"\nW={b.world} on {b.cores} cores; float32, batch {b.batch}, head_dim {b.head_dim}, "
+        "key/value heads = heads; time = forward+backward of the slowest rank, fastest of "
+        f"{b.repeat}; SDPA: one process, {b.world} threads"
     )
     print(
         f"\n{'heads':>5} {'seq':>6} {'causal':>6} {'SDPA s':>7} "
@@ -268,14 +269,16 @@ def print_report(b: Bench, rows: list[dict]) -> None:
             + f" {row['winner']:>8}"
         )
     print(
-        "\nbytes sent per rank / the strategy's minimum (forward, backward); MiB sent in forward + backward"
+        "\nbytes sent per rank / the strategy's minimum (forward, backward); MiB sent in forward "
+        "+ backward"
     )
     for row in rows:
         parts = []
         for s in STRATEGIES:
             r, by = row[f"{s}_bytes_ratio"], row[f"{s}_bytes"]
             parts.append(
-                f"{s} {r['forward']:.2f} {r['backward']:.2f} ({(by['forward'] + by['backward']) / 2**20:.1f} MiB)"
+                f"{s} {r['forward']:.2f} {r['backward']:.2f} "
+                f"({(by['forward'] + by['backward']) / 2**20:.1f} MiB)"
             )
         print(
             f"  h{row['heads']} s{row['seq']} {'causal' if row['causal'] else 'full  '}: "

@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 if case.dtype == "float64" and outcome.errors:
                     worst = max(worst, *(err for err, _ in outcome.errors.values()))
             print(
-                f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst float64 error {worst:.2e}"
+                f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst "
+                f"float64 error {worst:.2e}"
             )
     finally:
         shutdown_all_pools()

@@ -420,10 +420,12 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
 def markdown(summary: dict) -> str:
     v = summary["verdict"]
     lines = [
-        f"# GPU check: {summary['device']}, torch {summary['torch']} (CUDA {summary['cuda']}), Python {summary['python']}",
+        f"# GPU check: {summary['device']}, torch {summary['torch']} (CUDA {summary['cuda']}), "
+        f"Python {summary['python']}",
         "",
-        f"Started {summary['started']}, {summary['elapsed_s']} s of a {summary['budget_s']} s budget: "
-        f"**{v['failed']} failed, {v['not_run']} not run** ({v['sampled_out']} more left out by sampling)"
+        f"Started {summary['started']}, {summary['elapsed_s']} s of a {summary['budget_s']} s "
+        f"budget: **{v['failed']} failed, {v['not_run']} not run** ({v['sampled_out']} more left "
+        "out by sampling)"
         + (f"; out of time: {', '.join(v['jobs_out_of_time'])}" if v["jobs_out_of_time"] else "")
         + (
             f"; no results from: {', '.join(v['jobs_without_results'])}"
@@ -447,8 +449,8 @@ def markdown(summary: dict) -> str:
             sampled = f" ({j['sampled_out']}, share {j['sample']})" if j["sample"] else ""
             name = f"{j['name']} (verdict)" if j.get("kind") == "verdict" else j["name"]
             lines.append(
-                f"| {name} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | {j['passed']} | "
-                f"{j['failed']} | {j['skipped']} | {j['not_run']} |"
+                f"| {name} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | "
+                f"{j['passed']} | {j['failed']} | {j['skipped']} | {j['not_run']} |"
             )
         else:
             lines.append(f"| {j['name']} | {j['status']} | {j['wall_s']} | | | | | |")

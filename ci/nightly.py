@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for j in selected:
             print(
-                f"{j.name:32s} pytest {' '.join(j.paths)} {' '.join(j.args)}{'  [informational]' if j.informational else ''}"
+                f"{j.name:32s} pytest {' '.join(j.paths)} "
+                f"{' '.join(j.args)}{'  [informational]' if j.informational else ''}"
             )
         return 0
 
@@ -239,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         r = run_job(job, out, extra, args.workers)
         score = f"{r['score']['passed']}/{r['score']['total']}" if r.get("score") else "no report"
         print(
-            f"[{i}/{len(selected)}] {job.name}: exit {r['exit_code']}, {score}, {r['seconds']} s (log: {r['log']})",
+            f"[{i}/{len(selected)}] {job.name}: exit {r['exit_code']}, {score}, {r['seconds']} s "
+            f"(log: {r['log']})",
             flush=True,
         )
         results.append(r)

@@ -117,8 +117,9 @@ def single_device_baseline(
     )
     if why is not None:
         raise ValueError(
-            f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: {why}; the case "
-            "asks for a kernel that does not run on the session's device (--device)"
+            f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: "
+            f"{why}; the case asks for a kernel that does not run on the session's device "
+            "(--device)"
         )
     # the op that runs the call (math for a mask or a score_mod the op cannot take)
     runner = block_op(op, is_causal=is_causal, scale=scale, visible=vis, score_mod=scores)

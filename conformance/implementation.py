@@ -282,10 +282,14 @@ class Implementation:
         if value is None:
             has = f"has no {attr}"
         else:
-            has = f"its {attr} is {type(value).__name__} {value!r}, not {'a module name' if attr == 'api_module' else 'callable'}"
+            has = (
+                f"its {attr} is {type(value).__name__} {value!r}, not "
+                f"{'a module name' if attr == 'api_module' else 'callable'}"
+            )
         return (
-            f"{self.name} claims capabilities.{capability} (not declared False; undeclared means claimed) "
-            f"but {has}: add {attr} (see conformance/implementation.py) or declare capabilities.{capability}=False"
+            f"{self.name} claims capabilities.{capability} (not declared False; undeclared means "
+            f"claimed) but {has}: add {attr} (see conformance/implementation.py) or declare "
+            f"capabilities.{capability}=False"
         )
 
     def protocol(self, capability: str) -> Any:
@@ -313,13 +317,14 @@ class Implementation:
             module = importlib.import_module(name)
         except ImportError as exc:
             raise ProtocolError(
-                f"{self.name}: api_module {name!r} cannot be imported ({exc}); make it importable or fix api_module"
+                f"{self.name}: api_module {name!r} cannot be imported ({exc}); make it importable "
+                "or fix api_module"
             ) from exc
         lacking = [a for a in CONTEXT_PARALLEL_API if not hasattr(module, a)]
         if lacking:
             raise ProtocolError(
-                f"{self.name}: api_module {name!r} lacks {lacking}; it must offer {list(CONTEXT_PARALLEL_API)} "
-                "(or declare capabilities.context_parallel=False)"
+                f"{self.name}: api_module {name!r} lacks {lacking}; it must offer "
+                f"{list(CONTEXT_PARALLEL_API)} (or declare capabilities.context_parallel=False)"
             )
         return module
 
@@ -331,7 +336,8 @@ def _import_object(spec: str, what: str, option: str, env: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name:
         raise ImplSpecError(
-            f"{option}={spec!r}: expected 'package.module:object' or 'package.module' (or set {env})"
+            f"{option}={spec!r}: expected 'package.module:object' or 'package.module' (or set "
+            f"{env})"
         )
     try:
         module = importlib.import_module(module_name)
@@ -372,7 +378,8 @@ def load_implementation(spec: str | None = None) -> Implementation:
             obj = _import_object(canonical, "implementation", "--impl", "RING_IMPL")
             if not callable(getattr(obj, "ring_attention", None)):
                 raise ImplSpecError(
-                    f"--impl={given!r}: {obj!r} has no callable ring_attention; see conformance/implementation.py for the protocol"
+                    f"--impl={given!r}: {obj!r} has no callable ring_attention; see "
+                    "conformance/implementation.py for the protocol"
                 )
             Capabilities.of(obj)  # validate now, at start, not in the middle of a run
             _CACHE[canonical] = Implementation(canonical, obj)
@@ -398,7 +405,8 @@ def load_op(spec: str):
     missing = ops.missing_members(obj)
     if missing:
         raise ImplSpecError(
-            f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the contract"
+            f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the "
+            "contract"
         )
     name = getattr(obj, "name", None)
     if isinstance(name, str) and name not in ops.available_ops():

@@ -123,8 +123,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--op/RING_OP: {exc}") from None
         if not impl.capabilities.claims("ops", "*"):
             raise pytest.UsageError(
-                f"--op={op_spec!r} given, but implementation {impl.name!r} does not accept op objects "
-                f"(it {impl.capabilities.lacking('ops', '*')}); drop --op or plug the kernel into an implementation that does"
+                f"--op={op_spec!r} given, but implementation {impl.name!r} does not accept op "
+                f"objects (it {impl.capabilities.lacking('ops', '*')}); drop --op or plug the "
+                "kernel into an implementation that does"
             )
     config.stash[_IMPL_KEY] = impl
     config.stash[_OP_KEY] = op_spec or None

@@ -379,7 +379,8 @@ BROKEN_MASKS: dict[str, Broken] = {
         Broken(
             "stale_documents_after_refill",
             "masks: document ids refilled in place served stale",
-            r"stale documents: the second call ran the documents its mask's ids held at the first call",
+            r"stale documents: the second call ran the documents its mask's ids held at the first "
+            r"call",
             _stale_documents_ring(),
             suites="suites/test_masks.py",
             select=("-k", "refilled"),

@@ -118,8 +118,8 @@ def _refuse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _run_checks(query, key, value, sinks, call)  # raises InputError on every rank
     raise InputError(  # pragma: no cover - the traced checks refused what the same checks accept
-        "ring_attention: the compiled call's input was refused while tracing but passes its checks when run; "
-        "please report this with the call's arguments"
+        "ring_attention: the compiled call's input was refused while tracing but passes its "
+        "checks when run; please report this with the call's arguments"
     )
 
 

@@ -454,8 +454,8 @@ def _masked_ring_backward(
     entry = _SAVED.get(int(handle))
     if entry is None:
         raise RuntimeError(
-            "ring_impl::masked_ring_backward: the forward's saved state is gone (its graph was freed); "
-            "pass retain_graph=True to the first backward to run another"
+            "ring_impl::masked_ring_backward: the forward's saved state is gone (its graph was "
+            "freed); pass retain_graph=True to the first backward to run another"
         )
     path, kept, meta = entry
     saved = _unstash(kept, (query, key, value, out, lse))

@@ -59,11 +59,14 @@ def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int)
             return "there is no mask: every query sees every shard"
         if layout != "contiguous":
             return (
-                f"layout {layout!r} holds positions that are not one run per rank; the halo path needs "
-                "layout='contiguous'"
+                f"layout {layout!r} holds positions that are not one run per rank; the halo path "
+                "needs layout='contiguous'"
             )
         if seq_q != seq_kv:
-            return f"local query and key/value lengths differ ({seq_q} and {seq_kv}); the halo path needs them equal"
+            return (
+                f"local query and key/value lengths differ ({seq_q} and {seq_kv}); the halo path "
+                "needs them equal"
+            )
         left, right = mask.reach()
         for side, n in (("back", left), ("forward", right)):
             if n is None:
@@ -72,8 +75,9 @@ def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int)
                 return f"mask {mask.describe()}: reach() gave {n!r}, not an int"
         if max(left, right) > seq_kv:
             return (
-                f"mask {mask.describe()} reaches {left} keys back and {right} forward, more than a shard "
-                f"({seq_kv} tokens): queries need keys beyond the neighbours; the ring serves it"
+                f"mask {mask.describe()} reaches {left} keys back and {right} forward, more than "
+                f"a shard ({seq_kv} tokens): queries need keys beyond the neighbours; the ring "
+                "serves it"
             )
     except Exception as exc:  # a user's Mask whose reach fails is served by the ring
         return f"mask reach could not be read ({type(exc).__name__}: {exc})"

@@ -42,8 +42,8 @@ def check_head_chunks(head_chunks, heads_kv: int | None) -> str | None:
         return f"head_chunks must be a positive int, got {head_chunks!r}"
     if heads_kv is not None and head_chunks > heads_kv:
         return (
-            f"head_chunks={head_chunks} exceeds the {heads_kv} key/value heads; chunks split key/value "
-            f"heads, so use at most {heads_kv}"
+            f"head_chunks={head_chunks} exceeds the {heads_kv} key/value heads; chunks split "
+            f"key/value heads, so use at most {heads_kv}"
         )
     return None
 

@@ -257,7 +257,8 @@ class Documents(Mask):
             or int(cu[-1]) > seq_len
         ):
             raise ValueError(
-                f"cu_seqlens must start at 0, not decrease and end at most at seq_len {seq_len}, got {cu.tolist()}"
+                f"cu_seqlens must start at 0, not decrease and end at most at seq_len {seq_len}, "
+                f"got {cu.tolist()}"
             )
         ids = torch.full((seq_len,), -1, dtype=torch.int64)
         for d, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -373,7 +374,8 @@ class Documents(Mask):
                 or ids.is_complex()
             ):
                 return (
-                    f"Documents.{name} must be a 1-D integer tensor of global positions, got {type(ids).__name__}"
+                    f"Documents.{name} must be a 1-D integer tensor of global positions, got "
+                    f"{type(ids).__name__}"
                     + (
                         f" of shape {tuple(ids.shape)}, dtype {ids.dtype}"
                         if isinstance(ids, torch.Tensor)
@@ -381,18 +383,24 @@ class Documents(Mask):
                     )
                 )
             if ids.device.type == "meta":
-                return f"Documents.{name} is on the meta device, which holds no values: give the ids as a CPU (or the inputs' device) tensor"
+                return (
+                    f"Documents.{name} is on the meta device, which holds no values: give the ids "
+                    "as a CPU (or the inputs' device) tensor"
+                )
             if ids.numel() != n:
                 return (
-                    f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} tokens "
-                    "(local length x world size): give one id per global position"
+                    f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} "
+                    "tokens (local length x world size): give one id per global position"
                 )
             ids = ids.to(torch.int64)  # (an unsigned dtype compares -1 as its largest value)
             real = ids[ids >= 0]
             if bool((ids < -1).any()):
                 return f"Documents.{name}: ids must be >= 0, or -1 for padding"
             if real.numel() > 1 and bool((real[1:] < real[:-1]).any()):
-                return f"Documents.{name} decrease along the sequence; packed documents are numbered in order"
+                return (
+                    f"Documents.{name} decrease along the sequence; packed documents are numbered "
+                    "in order"
+                )
         if self.kv_doc_ids is None and seq_q != seq_kv:
             return (
                 "Documents on query and key/value sequences of different lengths needs kv_doc_ids"
@@ -414,10 +422,7 @@ class _Join(Mask):
         return self if (a is self.a and b is self.b) else replace(self, a=a, b=b)
 
     def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
-        return (
-            f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
-            f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})"
-        )
+        return f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})"
 
     @property
     def exact_digest(self) -> bool:
@@ -631,7 +636,10 @@ def mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> st
     if mask is None:
         return None
     if not isinstance(mask, Mask):
-        return f"mask must be a ring_impl.masks.Mask (Causal, Documents, SlidingWindow, ..., MaskMod), got {type(mask).__name__}"
+        return (
+            "mask must be a ring_impl.masks.Mask (Causal, Documents, SlidingWindow, ..., "
+            f"MaskMod), got {type(mask).__name__}"
+        )
     if not _settled(mask):
         return _mask_problem(mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads)
     # A mask its description determines has the same problem whenever it is described alike:
@@ -679,7 +687,10 @@ def _mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> s
         visibility(mask, qs, ks, batch=batch, heads=heads)
         mask.digest()
     except Exception as exc:  # a mask that cannot be evaluated is bad input, not a crash
-        return f"mask {type(mask).__name__} cannot be evaluated on the global positions ({type(exc).__name__}: {exc})"
+        return (
+            f"mask {type(mask).__name__} cannot be evaluated on the global positions "
+            f"({type(exc).__name__}: {exc})"
+        )
     return None
 
 

@@ -175,7 +175,8 @@ def collective_schedule(
             )
         if mesh_shape[0] * mesh_shape[1] != world_size:
             raise ValueError(
-                f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} ranks"
+                f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} "
+                "ranks"
             )
         return strategy_schedule(
             strategy,
@@ -230,7 +231,8 @@ def collective_schedule(
             )
         if halo:
             raise ValueError(
-                f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}"
+                "collective_schedule: halo=True but the halo exchange cannot serve this call: "
+                f"{refusal}"
             )
     return ring_schedule(
         world_size,

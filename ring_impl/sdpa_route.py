@@ -85,10 +85,10 @@ _MHA_FORWARD_INLINED = FunctionType(
 _MHA_FORWARD_INLINED.__kwdefaults__ = _MHA_FORWARD.__kwdefaults__
 
 NEED_WEIGHTS_PROBLEM = (
-    "nn.MultiheadAttention / F.multi_head_attention_forward with need_weights=True (its default) computes "
-    "the attention weights with bmm + softmax instead of scaled_dot_product_attention, so under context "
-    "parallel it would attend to this rank's shard only; call it with need_weights=False (the weights of a "
-    "sharded sequence are not available)"
+    "nn.MultiheadAttention / F.multi_head_attention_forward with need_weights=True (its default) "
+    "computes the attention weights with bmm + softmax instead of scaled_dot_product_attention, "
+    "so under context parallel it would attend to this rank's shard only; call it with "
+    "need_weights=False (the weights of a sharded sequence are not available)"
 )
 
 
@@ -259,7 +259,10 @@ def routed_sdpa(
             "cannot be applied per shard); use is_causal=True or no mask"
         )
     elif dropout_p:
-        problem = f"dropout_p={dropout_p} is not supported under context parallel; set attention dropout to 0"
+        problem = (
+            f"dropout_p={dropout_p} is not supported under context parallel; set attention "
+            "dropout to 0"
+        )
     elif (
         isinstance(query, torch.Tensor)
         and isinstance(key, torch.Tensor)

@@ -71,8 +71,9 @@ class StrategyCase:
         )
         s = self.inputs
         return (
-            f"ring_attention(strategy={self.strategy}, mesh {self.mesh} (ulysses x ring), {s.dtype}, "
-            f"causal={self.is_causal}, layout={self.layout}{ring}, heads {s.heads}/{s.heads_kv}, "
+            f"ring_attention(strategy={self.strategy}, mesh {self.mesh} (ulysses x ring), "
+            f"{s.dtype}, causal={self.is_causal}, layout={self.layout}{ring}, heads "
+            f"{s.heads}/{s.heads_kv}, "
             f"op={self.op or 'default'}{', compile=' + self.compile if self.compile else ''})"
         )
 

@@ -251,11 +251,14 @@ class RingRunner:
                 baseline_op=getattr(self.impl.obj, "baseline_op", None),
             )
         except Exception as exc:  # the eager run failing too is information, not a new failure
-            return f"The same case run eagerly fails too ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})."
+            return (
+                f"The same case run eagerly fails too ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]})."
+            )
         if all(v.passed for v in eager):
             return (
-                f"The same case run eagerly (without torch.compile) passes: wrong only when compiled "
-                f"(backend {case.compile})."
+                "The same case run eagerly (without torch.compile) passes: wrong only when "
+                f"compiled (backend {case.compile})."
             )
         return (
             "The same case run eagerly fails too: the ring is wrong with or without torch.compile."

@@ -78,7 +78,8 @@ def _diff(expected: dict, actual: dict) -> list[str]:
             e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
             if e != a:
                 lines.append(
-                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
+                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued "
+                    f"{a['calls']} calls, {a['bytes']} bytes"
                 )
     return lines
 

@@ -120,9 +120,9 @@ def test_value_head_dim(ring, dv_case: RingCase) -> None:
         raise failure from None
     d, dv = case.inputs.head_dim, case.inputs.value_head_dim
     pytest.fail(
-        f"{failure}\nThe same case with value's head dim equal to query's and key's ({dv}) passes: the "
-        f"implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv}): look for a buffer, accumulator "
-        "or output sized by one head dim where the other was meant (value, out, dV by d_v; query, key, dQ, "
-        "dK by d_qk)",
+        f"{failure}\nThe same case with value's head dim equal to query's and key's ({dv}) "
+        f"passes: the implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv}): look "
+        "for a buffer, accumulator or output sized by one head dim where the other was meant "
+        "(value, out, dV by d_v; query, key, dQ, dK by d_qk)",
         pytrace=False,
     )

@@ -220,14 +220,14 @@ def test_noncontiguous_inputs(ring, noncontig_case: RingCase) -> None:
         except pytest.fail.Exception:
             raise failure from None
         what = (
-            "a strided head dim (a kernel read it as if its stride were 1, as aten's CPU flash kernel does in "
-            "torch 2.13)"
+            "a strided head dim (a kernel read it as if its stride were 1, as aten's CPU flash "
+            "kernel does in torch 2.13)"
             if case.inputs.strided_head_dim
             else "non-contiguous inputs (it reads their memory as if contiguous, ignoring strides)"
         )
         pytest.fail(
-            f"{failure}\nThe same case with contiguous inputs passes: the implementation is wrong only with "
-            f"{what}",
+            f"{failure}\nThe same case with contiguous inputs passes: the implementation is wrong "
+            f"only with {what}",
             pytrace=False,
         )
 

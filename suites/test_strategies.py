@@ -393,8 +393,9 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
         except CaseFailure:
             raise exc from None
         pytest.fail(
-            f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} strategy raised on "
-            f"the ranks and the eager run does not: it fails only under torch.compile [{case.label}]\n{exc}",
+            f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} "
+            "strategy raised on the ranks and the eager run does not: it fails only under "
+            f"torch.compile [{case.label}]\n{exc}",
             pytrace=False,
         )
     judged(ring, compiled, got)
@@ -410,8 +411,9 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
             continue
         if case.compile == "aot_eager":
             assert torch.equal(mine[name], eager[name]), (
-                f"{name}: aot_eager differs from eager (max {float((mine[name].double() - eager[name].double()).abs().max()):.2e}); "
-                f"it runs the same ops and must be bitwise equal [{case.label}]"
+                f"{name}: aot_eager differs from eager (max "
+                f"{float((mine[name].double() - eager[name].double()).abs().max()):.2e}); it runs "
+                f"the same ops and must be bitwise equal [{case.label}]"
             )
         else:
             shifted = base[name].double() + (eager[name].double() - ref[name])

@@ -164,7 +164,8 @@ def _resolve_group(group) -> dist.ProcessGroup:
     if isinstance(group, DeviceMesh) and group.ndim == 1:
         return group.get_group()
     raise TypeError(
-        f"torch_cp: group must be None, a ProcessGroup or a 1-D DeviceMesh, not {type(group).__name__}"
+        "torch_cp: group must be None, a ProcessGroup or a 1-D DeviceMesh, not "
+        f"{type(group).__name__}"
     )
 
 
@@ -386,7 +387,8 @@ class TorchContextParallel:
         rotate_method = rotate_method or "allgather"
         if rotate_method not in ROTATE_METHODS:
             raise NotImplementedError(
-                f"torch_cp: PyTorch's context parallel has no rotate_method {rotate_method!r}; it has {ROTATE_METHODS}"
+                f"torch_cp: PyTorch's context parallel has no rotate_method {rotate_method!r}; it "
+                f"has {ROTATE_METHODS}"
             )
         pg = _resolve_group(group)
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])

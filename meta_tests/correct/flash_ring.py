@@ -193,7 +193,8 @@ class _OpKernel:
         if tuple(lse.shape) != (b, h, sq):
             raise RuntimeError(
                 f"attention op {self.op.name!r} returned LSE {tuple(lse.shape)} in layout "
-                f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after normalising"
+                f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after "
+                "normalising"
             )
         return out, lse
 
@@ -289,14 +290,17 @@ def _op_problem(op, query, *, scale, is_causal) -> str | None:
         hasattr(op, a) for a in ("forward", "backward", "capabilities")
     ):
         return (
-            f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities as in "
-            "ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel"
+            f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities "
+            "as in ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel"
         )
     name = getattr(op, "name", op)
     try:
         caps = op.capabilities
         if getattr(caps, "lse_layout", None) not in ("bhs", "bhs1", "bhs_padded32"):
-            return f"attention op {name!r} declares an unknown LSE layout {getattr(caps, 'lse_layout', None)!r}"
+            return (
+                f"attention op {name!r} declares an unknown LSE layout "
+                f"{getattr(caps, 'lse_layout', None)!r}"
+            )
         if isinstance(query, torch.Tensor) and query.dim() == 4:
             try:  # with the call's scale and causality, where the op takes them (its known faults)
                 why = caps.unsupported(
@@ -306,13 +310,17 @@ def _op_problem(op, query, *, scale, is_causal) -> str | None:
                 why = caps.unsupported(query.device, query.dtype, query.shape[-1])
             if why is not None:
                 return (
-                    f"attention op {name!r} does not support this input (scale {scale!r}, is_causal "
-                    f"{is_causal!r}): {why}; leave op=None for the CPU flash kernel, which is routed around its faults"
+                    f"attention op {name!r} does not support this input (scale {scale!r}, "
+                    f"is_causal {is_causal!r}): {why}; leave op=None for the CPU flash kernel, "
+                    "which is routed around its faults"
                 )
     except (
         Exception
     ) as exc:  # raising here on one rank only would leave the others in the check's collective
-        return f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: {exc})"
+        return (
+            f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: "
+            f"{exc})"
+        )
     return None
 
 

@@ -64,8 +64,10 @@ def strategy_path(
         or (
             None
             if call.return_max_logit is False
-            else f"return_max_logit runs on the ring only (exchange={strategy!r} does not compute it); pass "
-            "exchange='auto'"
+            else (
+                f"return_max_logit runs on the ring only (exchange={strategy!r} does not compute "
+                "it); pass exchange='auto'"
+            )
         )
         or strategy_problem(
             strategy,

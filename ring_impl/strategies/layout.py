@@ -96,8 +96,9 @@ def position_ranges(
     divisor = sequence_divisor(strategy, layout, (u_size, r_size))
     if seq_len % divisor:
         raise ValueError(
-            f"sequence length {seq_len} cannot be sharded by strategy {strategy!r} in layout {layout!r} on a "
-            f"{u_size}x{r_size} mesh: it must be a multiple of {divisor}; pad the sequence"
+            f"sequence length {seq_len} cannot be sharded by strategy {strategy!r} in layout "
+            f"{layout!r} on a {u_size}x{r_size} mesh: it must be a multiple of {divisor}; pad the "
+            "sequence"
         )
     if strategy == "ulysses":
         n = seq_len // layout_divisor(layout, u_size)
@@ -181,7 +182,8 @@ def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> 
     shards = list(shards)
     if len(shards) != u_size * r_size:
         raise ValueError(
-            f"unshard: {len(shards)} shards for a {u_size}x{r_size} mesh; pass one per rank, mesh rank order"
+            f"unshard: {len(shards)} shards for a {u_size}x{r_size} mesh; pass one per rank, mesh "
+            "rank order"
         )
     dim = dim % shards[0].dim()
     seq_len = sum(s.shape[dim] for s in shards)
@@ -195,6 +197,7 @@ def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> 
             offset += b - a
         if offset != s.shape[dim]:
             raise ValueError(
-                f"unshard: shard {mesh_rank} has length {s.shape[dim]} on dim {dim}, expected {offset}"
+                f"unshard: shard {mesh_rank} has length {s.shape[dim]} on dim {dim}, expected "
+                f"{offset}"
             )
     return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=dim)

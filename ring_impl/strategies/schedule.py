@@ -88,7 +88,8 @@ def strategy_schedule(
         raise ValueError(f"strategy_schedule: Ulysses runs on a (U, 1) mesh, got {mesh_shape!r}")
     if heads % u or heads % heads_kv:
         raise ValueError(
-            f"strategy_schedule: heads {heads} must be divisible by the Ulysses degree {u} and by heads_kv {heads_kv}"
+            f"strategy_schedule: heads {heads} must be divisible by the Ulysses degree {u} and by "
+            f"heads_kv {heads_kv}"
         )
     fwd: dict[str, dict[str, int]] = {}
     bwd: dict[str, dict[str, int]] = {}

@@ -83,8 +83,9 @@ BASELINES = {
 def test_baseline_runs_on_the_session_device(meta_session, suite: str) -> None:
     devices = _probed(BASELINES[suite])
     assert set(devices) == {"meta"}, (
-        f"{suite}: the single-device baseline handed its kernel tensors on {devices} while the session's device is "
-        "meta: build the baseline through conformance.baseline.single_device_baseline"
+        f"{suite}: the single-device baseline handed its kernel tensors on {devices} while the "
+        "session's device is meta: build the baseline through "
+        "conformance.baseline.single_device_baseline"
     )
 
 
@@ -217,8 +218,9 @@ def test_every_rank_function_is_probed_or_exempt() -> None:
         if name.rsplit(".", 1)[0] not in NOT_PROBED_MODULES
     }
     assert not unknown, (
-        f"rank functions neither probed nor exempt: {sorted(unknown)}; add each to RANK_FUNCTIONS in "
-        f"{Path(__file__).name} (a probe run on the meta device) or to NOT_PROBED with the reason"
+        f"rank functions neither probed nor exempt: {sorted(unknown)}; add each to RANK_FUNCTIONS "
+        f"in {Path(__file__).name} (a probe run on the meta device) or to NOT_PROBED with the "
+        "reason"
     )
     stale = (set(RANK_FUNCTIONS) | set(NOT_PROBED)) - found
     assert not stale, f"listed here but no longer rank functions of suites/: {sorted(stale)}"
@@ -268,9 +270,9 @@ def test_no_suite_names_a_device() -> None:
         for line, text in _device_literals(p)
     ]
     assert not hits, (
-        "suite code that names a device instead of the session's (conformance.baseline.session_device on the "
-        "parent side, ctx.device on a rank):\n" + "\n".join(hits)
-    )
+        "suite code that names a device instead of the session's "
+        "(conformance.baseline.session_device on the parent side, ctx.device on a rank):\n"
+    ) + "\n".join(hits)
 
 
 def test_the_source_check_sees_a_hard_coded_device(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ def quick_run() -> str:
 
 def test_report_header_echoes_versions_devices_backends_and_ring_variables(quick_run: str) -> None:
     assert (
-        "ring attention: device=cpu dist-backend=gloo world-sizes=1,2,3,4 tier=quick case-timeout=30s "
-        "compile-timeout=600s"
+        "ring attention: device=cpu dist-backend=gloo world-sizes=1,2,3,4 tier=quick "
+        "case-timeout=30s compile-timeout=600s"
     ) in quick_run
     assert re.search(
         r"versions: python 3\.\d+\.\d+, torch \S+, numpy \S+, hypothesis \S+", quick_run

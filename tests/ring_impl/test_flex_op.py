@@ -274,7 +274,8 @@ def _documents(seq: int) -> list[int]:
 def test_ring_with_flex_op_matches_the_oracle(ring, name: str, layout: str, rotate: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"mask= and op= are ring_impl's API here; the implementation under test is {ring.impl.spec}"
+            "mask= and op= are ring_impl's API here; the implementation under test is "
+            f"{ring.impl.spec}"
         )
     import ring_impl
     from reference.masks import visibility

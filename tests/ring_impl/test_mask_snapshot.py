@@ -101,7 +101,8 @@ def test_ids_written_between_calls_are_the_ids_the_next_call_runs(
 ) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"a ring_impl property (its plan cache); the implementation under test is {ring.impl.spec}"
+            "a ring_impl property (its plan cache); the implementation under test is "
+            f"{ring.impl.spec}"
         )
     from reference.layout import unshard
 
@@ -121,8 +122,8 @@ def test_ids_written_between_calls_are_the_ids_the_next_call_runs(
         )
     )
     assert float((got[2] - new).abs().max()) < 1e-12, (
-        f"{dtype} ids written by {write}: a new Documents of the new ids got another plan (the plan cache was "
-        "poisoned by the call after the write)"
+        f"{dtype} ids written by {write}: a new Documents of the new ids got another plan (the "
+        "plan cache was poisoned by the call after the write)"
     )
 
 

@@ -167,8 +167,9 @@ def test_masked_attention_under_compile_equals_eager(
         for variant in (0, 1):
             for name, got, want in zip(names, res["compiled", variant], res["eager", variant]):
                 assert torch.equal(got, want), (
-                    f"rank {rank}, mask variant {variant}: {name} compiled ({backend}) differs from eager by "
-                    f"{float((got - want).abs().max()):.2e} [{kind}, {strategy}, {layout}]"
+                    f"rank {rank}, mask variant {variant}: {name} compiled ({backend}) differs "
+                    f"from eager by {float((got - want).abs().max()):.2e} [{kind}, {strategy}, "
+                    f"{layout}]"
                 )
         # The second mask got its own plan: its output is not the first mask's.
         assert not torch.equal(res["compiled", 0][0], res["compiled", 1][0]), (

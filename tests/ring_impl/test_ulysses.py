@@ -298,7 +298,8 @@ def test_mesh_coordinates_are_row_major(rank_pool) -> None:
 def _ring_impl_only(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"head_chunks and the LSE-only loss are checked on ring_impl; the implementation under test is {ring.impl.spec}"
+            "head_chunks and the LSE-only loss are checked on ring_impl; the implementation "
+            f"under test is {ring.impl.spec}"
         )
 
 
