@@ -796,7 +796,9 @@ def analyse(b: Bench, raw: dict) -> dict:
         )
         out["aims"].append(
             {
-                "aim": f"W={w['W']} window {b.window}: bytes sent = halo minimum (forward, backward)",
+                "aim": (
+                    f"W={w['W']} window {b.window}: bytes sent = halo minimum (forward, backward)"
+                ),
                 "measured": f"{w['forward_ratio']:.2f}x, {w['backward_ratio']:.2f}x",
                 "met": w["forward_ratio"] <= 1.0 and w["backward_ratio"] <= 1.0,
             }

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python ci/bench_ring.py --quick        # seq 2048, a few minutes on 2 cores
-    python ci/bench_ring.py                # seq 8192 (the figures), about 8 minutes on 2 cores
+    python ci/bench_ring.py --quick     # seq 2048, a few minutes on 2 cores
+    python ci/bench_ring.py             # seq 8192 (the figures), about 8 minutes on 2 cores
     python ci/bench_ring.py --analyse reports/bench/bench.json   # the tables of a run again
 
 Writes ``bench.json`` and ``bench.png`` under ``--out`` (default ``reports/bench/``) and prints

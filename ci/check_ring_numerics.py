@@ -1,6 +1,7 @@
 """Distributed correctness check of an implementation (default ``ring_impl``) against float64.
 
-Run:  python ci/check_ring_numerics.py [--world-sizes 2 3 4] [--compile] [--impl SPEC] [--undeclared]
+Run:  python ci/check_ring_numerics.py [--world-sizes 2 3 4] [--compile] [--impl SPEC]
+          [--undeclared]
 
 A development tool for changes to ring_impl, one line per case; the conformance suites are the
 product's verdict, and this check judges exactly as they do. For each world size it runs a fixed

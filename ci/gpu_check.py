@@ -89,7 +89,9 @@ class Job:
     name: str
     argv: list[str]  # after "python -m pytest" for tests, or a script's argv
     workers: int = 0  # xdist workers (0: none)
-    kind: str = "tests"  # "tests", "bench", or "verdict" (another implementation judged: reported, never failing the check)
+    # "tests", "bench", or "verdict" (another implementation judged:
+    # reported, never failing the check)
+    kind: str = "tests"
     json_out: str | None = None  # a bench's JSON rows
     share: float = 1.0  # a bench's weight in the benchmarks' time
     sample: str | None = None  # GPU_CHECK_SAMPLE: the deterministic share of the tests run ("0/3")

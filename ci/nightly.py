@@ -11,7 +11,7 @@ Each job is one ``pytest suites`` process writing its own report under ``<out>/<
 ``<out>/summary.md`` and ``<out>/summary.json`` gather the scores. A job marked informational
 (PyTorch's own context parallel, judged against expectations in ci/vendor/) does not make the
 nightly fail. Progress is printed as each job starts and ends.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

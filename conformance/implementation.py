@@ -2,7 +2,8 @@
 
 An implementation is any object (a module works too) with:
 
-``ring_attention(query, key, value, *, group, is_causal, scale, rotate_method, op, layout, return_lse)``
+``ring_attention(query, key, value, *, group, is_causal, scale, rotate_method, op, layout,
+return_lse)``
     Same signature and semantics as :func:`ring_impl.ring_attention`: local shards
     ``(batch, heads, seq_local, head_dim)`` in ``layout`` in, the local output out (and the local
     LSE ``(batch, heads, seq_local)`` with ``return_lse=True``), differentiable in query, key and
@@ -17,7 +18,8 @@ is reported N/A; an object with ``ring_attention`` and nothing else is tested on
 
 The other pieces of the protocol, each claimed unless its capability field is ``False``:
 
-``collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled)``
+``collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype,
+compiled)``
     (capability ``collective_schedule``) ``{phase: {kind: {"calls": n, "bytes": b}}}`` for one
     forward and one backward call, in the accounting convention of :mod:`harness.accounting`;
     the suite asserts it exactly on every rank. Cases whose value has its own head dim (capability

@@ -25,7 +25,7 @@ A run that reports suite cases but executes none of them (every one N/A or skipp
 non-zero, with a message that says why: it tested nothing. So does a run whose only collected
 tests are suite cases that ``-k``/``-m`` deselected. A run that collects no suite case (the
 project's own tests alone) is not a conformance run and is left alone.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

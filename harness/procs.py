@@ -377,7 +377,8 @@ class ProcessTree:
                     *self.argv,
                 ],
                 pass_fds=(write_fd,),
-                start_new_session=True,  # the terminal's Ctrl-C reaches the owner, which kills the tree
+                # the terminal's Ctrl-C reaches the owner, which kills the tree
+                start_new_session=True,
                 **popen_kwargs,
             )
         except BaseException:

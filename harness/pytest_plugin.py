@@ -62,7 +62,9 @@ MARKERS = {
         "a case only the nightly tier has (full matrix, slow); collected with --tier nightly "
         "(RING_TIER=nightly), skipped otherwise; select with -m nightly"
     ),
-    "gpu": "needs CUDA; skipped unless run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)",
+    "gpu": (
+        "needs CUDA; skipped unless run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"
+    ),
     "compile": (
         "uses torch.compile; its case timeout is --compile-timeout (a cold inductor cache "
         "compiles on every rank); leave these out with -m 'not compile'"

@@ -278,7 +278,9 @@ def extended_forward(
         )
         if finite:
             block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
-        else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
+        else:
+            # the kernel on finite numbers, NaN put exactly where the inputs take it
+            # (ring_impl.nonfinite)
             block_out, block_lse = impl.block_forward(cfg, *finite_parts(q, k, v), block)
             block_out, block_lse = impl.nonfinite_forward(block_out, block_lse, q, k, v, block)
         del q, k, v
@@ -328,7 +330,9 @@ def extended_backward(
         k_, v_ = block_rows(ext_k, block.kv_rows, view), block_rows(ext_v, block.kv_rows, view)
         if finite:
             bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
-        else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
+        else:
+            # the kernel on finite numbers, NaN put exactly where the inputs take it
+            # (ring_impl.nonfinite)
             bq, bk, bv = impl.block_backward(
                 cfg,
                 *finite_parts(do_, q_, k_, v_, o_, l_),

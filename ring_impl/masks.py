@@ -347,7 +347,7 @@ class Documents(Mask):
         # 128 bits of the ids: plans are cached by this description, so two documents layouts
         # must not share one by chance (a 32-bit checksum would, over a long run).
         crcs = ",".join(
-            f"{t.numel()}:{hashlib.blake2b(t.to(torch.int64).contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()}"
+            f"{t.numel()}:{hashlib.blake2b(t.to(torch.int64).contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()}"  # noqa: E501
             for t in parts
         )
         return f"documents({'causal' if self.causal else 'full'},{crcs})"
@@ -422,7 +422,11 @@ class _Join(Mask):
         return self if (a is self.a and b is self.b) else replace(self, a=a, b=b)
 
     def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
-        return f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})"
+        return (
+            f"{type(self).__name__.lower()}("
+            f"{self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
+            f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})"
+        )
 
     @property
     def exact_digest(self) -> bool:

@@ -54,7 +54,7 @@ A call with ``sparse_kv=True`` (:mod:`ring_impl.kv_gather`) has no ring either: 
 ``all_to_all`` whose input is the key/value rows of this rank that other ranks' queries see
 (input dtype); backward, one ``all_to_all`` whose input is the dK/dV of the rows it received
 (accumulation dtype); plus the input check. Both depend on the mask, the layout and ``rank``.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

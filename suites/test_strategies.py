@@ -244,7 +244,8 @@ def _bad_matrix(config: pytest.Config) -> list:
             or mesh[0] * mesh[1] not in (4, 6)
             or (strategy, mesh) == ("hybrid", (4, 1))
         ):
-            continue  # Ulysses 4, 6 and the hybrids 2x2, 2x3, 3x2: a degree > 1 in each dim that has one
+            # Ulysses 4, 6 and the hybrids 2x2, 2x3, 3x2: a degree > 1 in each dim that has one
+            continue
         for kind, (_, applies) in sorted(BAD_INPUTS.items()):
             if strategy not in applies or (
                 kind == "head_tail_odd_rows" and strategy == "hybrid" and mesh[0] % 2 == 0

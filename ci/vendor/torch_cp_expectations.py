@@ -6,7 +6,7 @@ report, each attributed to its cause and the standalone reproduction of that cau
 
 A failure no cause explains stops the script: attribute it (a new cause, with its reproduction
 under ci/vendor/torch_repro/) before it can be expected.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ restores them afterwards:
   ``TorchContextParallel(convert_to_f32=False)``.
 
 What it supports, measured on CPU + gloo with torch 2.13 by
-``python ci/check_ring_numerics.py --world-sizes 2 4 --impl conformance.adapters.torch_cp:IMPLEMENTATION``
+``python ci/check_ring_numerics.py --world-sizes 2 4
+--impl conformance.adapters.torch_cp:IMPLEMENTATION``
 (batch 2, 4 heads, 8 rows per layout chunk, head_dim 16; errors are max |X - float64 reference|
 and, in brackets, the same for single-process CPU flash in the same dtype):
 

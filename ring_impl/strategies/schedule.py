@@ -23,7 +23,7 @@ compiled through :mod:`ring_impl.compiled_checks`), each of :func:`.validate.exc
 A rank's all-to-all bytes are the minimum for the two exchanges: every rank needs the whole sequence
 of its heads; only ``e > 1`` with ``heads_kv`` not dividing ``U`` sends a key/value head to a rank
 twice.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

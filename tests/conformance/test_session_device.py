@@ -173,8 +173,12 @@ RANK_FUNCTIONS = {
 #: Rank functions that need no probe here, and why.
 NOT_PROBED = {
     "suites.cases_strategies.strategy_group": "builds the group of a strategy case; no tensors",
-    "suites.cases_errors.bad_input_case": "bad input is refused before any kernel runs; its tensors use ctx.device",
-    "suites.cases_strategies.strategy_bad_input_case": "bad input is refused before any kernel runs",
+    "suites.cases_errors.bad_input_case": (
+        "bad input is refused before any kernel runs; its tensors use ctx.device"
+    ),
+    "suites.cases_strategies.strategy_bad_input_case": (
+        "bad input is refused before any kernel runs"
+    ),
 }
 #: suites.cases_api: the context-parallel API and model cases build modules and tensors on
 #: ctx.device and call the implementation's API module, not ring_attention; the source check
@@ -278,7 +282,8 @@ def test_no_suite_names_a_device() -> None:
 def test_the_source_check_sees_a_hard_coded_device(tmp_path: Path) -> None:
     bad = tmp_path / "cases_new.py"
     bad.write_text(
-        'import torch\nx = torch.zeros(2, device="cpu")\ny = x.to("cuda:0")\nop = f(torch.device("cpu"))\n'
+        'import torch\nx = torch.zeros(2, device="cpu")\ny = x.to("cuda:0")\n'
+        'op = f(torch.device("cpu"))\n'
         "z = x.cuda()\nw = x.to(ctx.device)\n"
     )
     assert [line for line, _ in _device_literals(bad)] == [2, 3, 4, 5]

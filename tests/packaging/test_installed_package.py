@@ -88,7 +88,7 @@ try:
 except pytest.skip.Exception as exc:
     skipped = str(exc)
 print(json.dumps({{"files": {{m.__name__: m.__file__ for m in ({", ".join(PACKAGES)})}}, "skipped": skipped}}))
-"""
+"""  # noqa: E501
 
 SELECTION = (
     "test_forward_backward_match_reference and (W2-f32-causal-alltoall or "
@@ -254,10 +254,14 @@ def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path
     doc = json.loads((report / "conformance.json").read_text())
     outcomes = {c["nodeid"]: c["outcome"] for c in doc["cases"]}
     assert outcomes == {
-        "suites/test_forward_backward.py::test_forward_backward_match_reference[W2-f32-causal-alltoall-contiguous]": "passed",
-        "suites/test_forward_backward.py::test_forward_backward_match_reference[W2-f32-causal-alltoall-head_tail]": "passed",
-        "suites/test_forward_backward.py::test_forward_backward_match_reference[W2-f64-causal-alltoall-contiguous]": "n/a",
-        "suites/test_collectives.py::test_collectives_match_declared_schedule[W2-f32-causal-alltoall-contiguous-hkv4]": "passed",
+        "suites/test_forward_backward.py::test_forward_backward_match_reference"
+        "[W2-f32-causal-alltoall-contiguous]": "passed",
+        "suites/test_forward_backward.py::test_forward_backward_match_reference"
+        "[W2-f32-causal-alltoall-head_tail]": "passed",
+        "suites/test_forward_backward.py::test_forward_backward_match_reference"
+        "[W2-f64-causal-alltoall-contiguous]": "n/a",
+        "suites/test_collectives.py::test_collectives_match_declared_schedule"
+        "[W2-f32-causal-alltoall-contiguous-hkv4]": "passed",
     }, outcomes
     assert (
         (report / "conformance.md")

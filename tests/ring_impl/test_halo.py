@@ -354,7 +354,8 @@ for _i, (_name, _world) in enumerate(
                 _sinks,
                 _lse,
                 id=(
-                    f"{_name}-W{_world}-{str(_dtype).removeprefix('torch.')}-hkv{_hkv}{'-sinks' if _sinks else ''}{'-lsegrad' if _lse else ''}"
+                    f"{_name}-W{_world}-{str(_dtype).removeprefix('torch.')}-hkv{_hkv}"
+                    f"{'-sinks' if _sinks else ''}{'-lsegrad' if _lse else ''}"
                 ),
             )
         )

@@ -137,7 +137,10 @@ def _cases(strategy: str = "ring"):
                 op,
                 i % 3 == 0,
                 strategy,
-                id=f"{strategy}-{name}-W{world}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}",
+                id=(
+                    f"{strategy}-{name}-W{world}-{layout}-{rotate}-{op}"
+                    f"{'-sinks' if i % 3 == 0 else ''}"
+                ),
             )
         )
     return out

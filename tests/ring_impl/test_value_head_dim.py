@@ -344,7 +344,8 @@ for _w in (1, 2, 4):
                 _chunks,
                 _lse,
                 id=(
-                    f"W{_w}-{_rotate}-{_layout}-{'causal' if _causal else 'full'}-{str(_dtype)[6:]}-d{_d}-dv{_dv}-hkv{_hkv}-chunks{_chunks}{'-lsegrad' if _lse else ''}"
+                    f"W{_w}-{_rotate}-{_layout}-{'causal' if _causal else 'full'}-{str(_dtype)[6:]}"
+                    f"-d{_d}-dv{_dv}-hkv{_hkv}-chunks{_chunks}{'-lsegrad' if _lse else ''}"
                 ),
             )
         )
