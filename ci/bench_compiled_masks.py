@@ -174,11 +174,12 @@ def analyse(b: Bench, per_rank: list[list[dict]]) -> list[dict]:
 
 def print_report(b: Bench, rows: list[dict]) -> None:
     print(
-        f"W={b.world}, batch 1, {b.heads} heads, head_dim {b.head_dim}, float32, fastest of {b.repeat} "
-        f"(slowest rank), {b.cores} cores"
+        f"W={b.world}, batch 1, {b.heads} heads, head_dim {b.head_dim}, float32, fastest of "
+        f"{b.repeat} (slowest rank), {b.cores} cores"
     )
     print(
-        "| seq | mask | eager s | in_graph / eager | graph_break / eager | max diff vs eager (in_graph, graph_break) |"
+        "| seq | mask | eager s | in_graph / eager | graph_break / eager | max diff vs eager "
+        "(in_graph, graph_break) |"
     )
     print("|---|---|---|---|---|---|")
     for seq in b.seqs:

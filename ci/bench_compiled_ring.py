@@ -13,9 +13,10 @@ W=2), three ways in one process per rank, interleaved:
 ``compiled``          ``torch.compile(fullgraph=True)`` (inductor), the LSE dropped;
 ``compiled_lse_used`` the same with the LSE in the result at weight 0 (``out + 0 * lse.sum()``):
                       a zero gradient reaches it, so kernels without an LSE gradient run their
-                      backward through the padded head dim of ``ring_impl.ops.calls._with_lse_grad``.
-                      It is what ``compiled`` cost before compiled calls dropped a dropped LSE's
-                      zero gradient (2026-11-24): 1.18x-1.32x eager against 1.02x-1.04x.
+                      backward through the padded head dim of
+                      ``ring_impl.ops.calls._with_lse_grad``. It is what ``compiled`` cost before
+                      compiled calls dropped a dropped LSE's zero gradient (2026-11-24): 1.18x-1.32x
+                      eager against 1.02x-1.04x.
 
 Every way gets two untimed calls, then ``--repeat`` timed repetitions; a repetition's time is the
 slowest rank's, the fastest repetition is reported. Only the ratios within one run mean anything;
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = analyse(run_world(b.world, _rank, asdict(b), timeout=3600)[0])
     print(
-        f"W={b.world}, seq {b.seq}, {b.heads} heads, causal head_tail alltoall, inductor, fastest of {b.repeat}\n"
+        f"W={b.world}, seq {b.seq}, {b.heads} heads, causal head_tail alltoall, inductor, fastest "
+        f"of {b.repeat}\n"
     )
     print("| head_dim | eager s | compiled / eager | compiled, LSE used at weight 0 / eager |")
     print("|---|---|---|---|")

@@ -27,9 +27,10 @@ and ring rows take ``(1, heads, seq, head_dim)`` views of them, as SDPA callers 
     ``(tokens, heads, head_dim)`` tensors the varlen row takes.
 
 Each row is timed with CUDA events (median of ``--repeat`` after ``--warmup``), and one more call
-is profiled with ``torch.profiler``: kernel launches, host-device synchronisations (``cudaStreamSynchronize``,
-``cudaDeviceSynchronize``, ``cudaMemcpy`` to the host), the call's wall time and the GPU's busy
-time. A row that fails records its error instead of a time. Nothing here is a timed assertion.
+is profiled with ``torch.profiler``: kernel launches, host-device synchronisations
+(``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy`` to the host), the call's wall
+time and the GPU's busy time. A row that fails records its error instead of a time. Nothing here is
+a timed assertion.
 """
 
 from __future__ import annotations
@@ -252,7 +253,8 @@ def _shape_rows(
                 _write_json(args.json, {**header, "rows": rows})
             if "error" in row:
                 print(
-                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: {row['error']} |||||||"
+                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: "
+                    f"{row['error']} |||||||"
                 )
             else:
                 busy = (
@@ -261,8 +263,9 @@ def _shape_rows(
                     else math.nan
                 )
                 print(
-                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | {row['ms']:.2f} | {row['ratio'] or math.nan:.2f}x "
-                    f"| {row['launches']} | {row['syncs']} | {row['items']} | {row['copies_to_host']} | {busy:.2f} |",
+                    f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | "
+                    f"{row['ms']:.2f} | {row['ratio'] or math.nan:.2f}x | {row['launches']} | "
+                    f"{row['syncs']} | {row['items']} | {row['copies_to_host']} | {busy:.2f} |",
                     flush=True,
                 )
 
@@ -310,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": repeat,
     }
     print(
-        f"# {header['device']}, torch {header['torch']}, CUDA {header['cuda']}; bfloat16, batch 1, {args.heads} heads, "
-        f"head_dim {args.head_dim}; forward + backward, median of {repeat} after {warmup} warm-up; ring at W=1 (NCCL)"
+        f"# {header['device']}, torch {header['torch']}, CUDA {header['cuda']}; bfloat16, batch "
+        f"1, {args.heads} heads, head_dim {args.head_dim}; forward + backward, median of {repeat} "
+        f"after {warmup} warm-up; ring at W=1 (NCCL)"
     )
     print(
-        "| mask | seq | docs | row | ms | / reference | launches | syncs | .item() | copies to host | GPU busy / wall |"
+        "| mask | seq | docs | row | ms | / reference | launches | syncs | .item() | copies to "
+        "host | GPU busy / wall |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows: list[dict] = []

@@ -116,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0)
     print(
         f"# {device}, torch {torch.__version__}, CUDA {torch.version.cuda}; bfloat16, batch 1, "
-        f"{args.heads} heads, head_dim {args.head_dim}; median of {args.repeat} after {args.warmup} warm-up"
+        f"{args.heads} heads, head_dim {args.head_dim}; median of {args.repeat} after "
+        f"{args.warmup} warm-up"
     )
     print(
-        "| op | seq | causal | bare ms | ring W=1 ms | ring / bare | bare peak MiB | ring peak MiB | ring / bare |"
+        "| op | seq | causal | bare ms | ring W=1 ms | ring / bare | bare peak MiB | ring peak "
+        "MiB | ring / bare |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 except torch.cuda.OutOfMemoryError as e:
                     print(
-                        f"| {name} | {seq} | {causal} | out of memory: {str(e).splitlines()[0]} |||||||"
+                        f"| {name} | {seq} | {causal} | out of memory: {str(e).splitlines()[0]} "
+                        "|||||||"
                     )
                     continue
                 finally:
@@ -154,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rows.append(row)
                 print(
-                    f"| {name} | {seq} | {causal} | {bare_ms:.2f} | {ring_ms:.2f} | {ring_ms / bare_ms:.3f} "
-                    f"| {row['bare_peak_mib']:.0f} | {row['ring_peak_mib']:.0f} "
-                    f"| {ring_peak / max(bare_peak, 1):.2f} |",
+                    f"| {name} | {seq} | {causal} | {bare_ms:.2f} | {ring_ms:.2f} | "
+                    f"{ring_ms / bare_ms:.3f} | {row['bare_peak_mib']:.0f} | "
+                    f"{row['ring_peak_mib']:.0f} | {ring_peak / max(bare_peak, 1):.2f} |",
                     flush=True,
                 )
     if args.json:

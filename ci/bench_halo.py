@@ -8,13 +8,12 @@ Run from the repository root::
 Forward + backward of ``ring_impl.ring_attention(mask=SlidingWindow(window))`` (a causal window:
 ``window`` keys back, none forward) on CPU + gloo, every rank a process with one intra-op thread,
 ``contiguous`` layout, the CPU flash kernel, float32, batch 1, 8 heads (key/value heads too),
-head_dim 64: ``exchange="auto"`` (the halo exchange, ring_impl.halo) against ``exchange="ring"`` (the ring,
-``p2p`` rotation, skipping the blocks the window does not reach but moving every block). One
-warm-up call at a small size, one untimed call per point that records the collectives, then
-``--repeat`` repetitions with both paths interleaved; a
-repetition's time is that of the slowest rank and the fastest repetition is reported (the median
-is kept in the JSON). Only the ratio halo / ring within this run means anything; nothing is
-asserted.
+head_dim 64: ``exchange="auto"`` (the halo exchange, ring_impl.halo) against ``exchange="ring"``
+(the ring, ``p2p`` rotation, skipping the blocks the window does not reach but moving every block).
+One warm-up call at a small size, one untimed call per point that records the collectives, then
+``--repeat`` repetitions with both paths interleaved; a repetition's time is that of the slowest
+rank and the fastest repetition is reported (the median is kept in the JSON). Only the ratio halo /
+ring within this run means anything; nothing is asserted.
 
 Bytes: every collective of the first measured call is recorded (harness.accounting) and the
 bytes each rank sends (``send`` calls; the input check's all-reduce apart) are summed over the
@@ -153,8 +152,9 @@ def analyse(b: Bench, world: int, per_rank: list[dict]) -> list[dict]:
 
 def print_report(b: Bench, rows: list[dict]) -> None:
     print(
-        f"\n{b.cores} cores, one thread per rank; float32, batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}; "
-        f"causal window; time = forward+backward of the slowest rank, fastest of {b.repeat}"
+        f"\n{b.cores} cores, one thread per rank; float32, batch {b.batch}, heads {b.heads}, "
+        f"head_dim {b.head_dim}; causal window; time = forward+backward of the slowest rank, "
+        f"fastest of {b.repeat}"
     )
     print(
         f"\n{'W':>2} {'seq':>6} {'window':>6} {'ring s':>7} {'halo s':>7} {'halo/ring':>9}   "

@@ -359,22 +359,25 @@ def main(argv: list[str] | None = None) -> int:
                     kind,
                     f"{r['per_case_s'] * 1e3:10.2f}",
                     f"{r['startup_s']:7.2f}",
-                    f"T({r['n_small']})={min(r['wall_small_s']):.2f}s T({r['n_large']})={min(r['wall_large_s']):.2f}s",
+                    f"T({r['n_small']})={min(r['wall_small_s']):.2f}s "
+                    f"T({r['n_large']})={min(r['wall_large_s']):.2f}s",
                 )
             )
     ip = results["harness_in_process"]
     print()
     print(
-        f"{'harness':26s} {'per case ms':>12s} {'start-up s':>11s}  raw (min wall time of each suite size)"
+        f"{'harness':26s} {'per case ms':>12s} {'start-up s':>11s}  raw (min wall time of each "
+        "suite size)"
     )
     for kind, per_case, startup, raw in rows:
         print(f"{kind:26s} {per_case:>12s} {startup:>11s}  {raw}")
     print()
     print(
-        f"harness in-process: pool start {ip['pool_start_cold_s']:.2f} s cold "
-        f"(forkserver imports torch), {ip['pool_start_warm_forkserver_s'] * 1e3:.0f} ms with the forkserver warm; "
-        f"per case median {ip['per_case_median_s'] * 1e3:.2f} ms, mean {ip['per_case_mean_s'] * 1e3:.2f} ms, "
-        f"p90 {ip['per_case_p90_s'] * 1e3:.2f} ms over {ip['cases']} cases"
+        f"harness in-process: pool start {ip['pool_start_cold_s']:.2f} s cold (forkserver imports "
+        f"torch), {ip['pool_start_warm_forkserver_s'] * 1e3:.0f} ms with the forkserver warm; per "
+        f"case median {ip['per_case_median_s'] * 1e3:.2f} ms, mean "
+        f"{ip['per_case_mean_s'] * 1e3:.2f} ms, p90 {ip['per_case_p90_s'] * 1e3:.2f} ms over "
+        f"{ip['cases']} cases"
     )
     mptc = results.get("MultiProcessTestCase", {})
     cont = results.get("MultiProcContinuousTest", {})
@@ -383,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             mptc["per_case_s"] / ip["per_case_median_s"]
         )
         print(
-            f"per-case speed-up vs MultiProcessTestCase: {results['speedup_per_case_vs_MultiProcessTestCase']:.0f}x"
+            "per-case speed-up vs MultiProcessTestCase: "
+            f"{results['speedup_per_case_vs_MultiProcessTestCase']:.0f}x"
         )
     if "startup_s" in cont:
         results["startup_vs_MultiProcContinuousTest_s"] = {

@@ -123,7 +123,8 @@ class Bench:
 
 def document_lengths(b: Bench, seq: int) -> list[int]:
     """Packed document lengths summing to ``seq``: lognormal ones (median ``doc_median``, at least
-    16 tokens but the last, cut to fit) and one of ``long_fraction * seq`` tokens at a seeded place."""
+    16 tokens but the last, cut to fit) and one of ``long_fraction * seq`` tokens at a seeded
+    place."""
     import torch
 
     gen = torch.Generator().manual_seed(b.doc_seed)
@@ -659,10 +660,10 @@ def analyse(b: Bench, raw: dict) -> dict:
         )
         for layout, sparse in DOC_RUNS:
             r = rows[doc_run_name(layout, sparse)]
-            # Core-per-rank estimate: the slowest rank's CPU seconds (its kernels, its Python and its
-            # transport threads' copies) against an even W-way split of the single process's. CPU
-            # time does not grow when ranks share cores, so it says what W ranks with a core each
-            # would take where this machine has fewer cores than ranks; it leaves out waits for
+            # Core-per-rank estimate: the slowest rank's CPU seconds (its kernels, its Python and
+            # its transport threads' copies) against an even W-way split of the single process's.
+            # CPU time does not grow when ranks share cores, so it says what W ranks with a core
+            # each would take where this machine has fewer cores than ranks; it leaves out waits for
             # peers (balance) and counts the transport's CPU as if it could not overlap.
             cpu_ranks = r.get("cpu_per_rank")
             estimate = max(cpu_ranks) / (single_cpu / world) if cpu_ranks else None
@@ -739,16 +740,21 @@ def analyse(b: Bench, raw: dict) -> dict:
             how = "sparse gather" if d["sparse_kv"] else "ring"
             out["aims"].append(
                 {
-                    "aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single full-mask "
-                    f"({d['W']} threads)",
+                    "aim": (
+                        f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single "
+                        f"full-mask ({d['W']} threads)"
+                    ),
                     "measured": f"{d['vs_single_full_mask']:.2f}x",
                     "met": d["vs_single_full_mask"] <= AIM_TIME,
                 }
             )
             out["aims"].append(
                 {
-                    "aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single per-document "
-                    f"(the varlen floor; against the faster of {d['W']} and {b.cores} threads)",
+                    "aim": (
+                        f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single "
+                        f"per-document (the varlen floor; against the faster of {d['W']} and "
+                        f"{b.cores} threads)"
+                    ),
                     "measured": f"{d['vs_single_per_document_best_threads']:.2f}x",
                     "met": d["vs_single_per_document_best_threads"] <= AIM_TIME,
                 }
@@ -757,9 +763,11 @@ def analyse(b: Bench, raw: dict) -> dict:
                 est = d["core_per_rank_estimate_vs_single_per_document"]
                 out["aims"].append(
                     {
-                        "aim": f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x single "
-                        "per-document, ESTIMATE for a core per rank (slowest rank's CPU s / "
-                        f"(single's CPU s / {d['W']}))",
+                        "aim": (
+                            f"W={d['W']} documents, work-aware layout: {how} <= {AIM_TIME}x "
+                            "single per-document, ESTIMATE for a core per rank (slowest rank's "
+                            f"CPU s / (single's CPU s / {d['W']}))"
+                        ),
                         "measured": f"{est:.2f}x",
                         "met": est <= AIM_TIME,
                     }
@@ -768,7 +776,9 @@ def analyse(b: Bench, raw: dict) -> dict:
                 continue  # the same layout's balance: once
             out["aims"].append(
                 {
-                    "aim": f"W={d['W']} documents, work-aware layout: rank_work max/mean <= {AIM_WORK}",
+                    "aim": (
+                        f"W={d['W']} documents, work-aware layout: rank_work max/mean <= {AIM_WORK}"
+                    ),
                     "measured": f"{d['work_max_over_mean']:.3f}",
                     "met": d["work_max_over_mean"] <= AIM_WORK,
                 }
@@ -776,15 +786,19 @@ def analyse(b: Bench, raw: dict) -> dict:
     for w in out["window"]:
         out["aims"].append(
             {
-                "aim": f"W={w['W']} window {b.window}: ring <= {AIM_TIME}x single banded (against the faster of "
-                f"{w['W']} and {b.cores} threads)",
+                "aim": (
+                    f"W={w['W']} window {b.window}: ring <= {AIM_TIME}x single banded (against "
+                    f"the faster of {w['W']} and {b.cores} threads)"
+                ),
                 "measured": f"{w['vs_single_banded_best_threads']:.2f}x",
                 "met": w["vs_single_banded_best_threads"] <= AIM_TIME,
             }
         )
         out["aims"].append(
             {
-                "aim": f"W={w['W']} window {b.window}: bytes sent = halo minimum (forward, backward)",
+                "aim": (
+                    f"W={w['W']} window {b.window}: bytes sent = halo minimum (forward, backward)"
+                ),
                 "measured": f"{w['forward_ratio']:.2f}x, {w['backward_ratio']:.2f}x",
                 "met": w["forward_ratio"] <= 1.0 and w["backward_ratio"] <= 1.0,
             }
@@ -815,21 +829,24 @@ def print_report(b: Bench, a: dict, env: dict, lengths: list[int]) -> None:
     at = sum(lengths[: lengths.index(long_len)])
     short = sorted(n for n in lengths if n != long_len)
     print(
-        f"\nmasks benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, seq {b.seq}, "
-        f"rotate {b.rotate}; torch {env['torch']}, {env['cores']} cores, load {env['load_before']} -> {env['load_after']}"
+        f"\nmasks benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, "
+        f"seq {b.seq}, rotate {b.rotate}; torch {env['torch']}, {env['cores']} cores, load "
+        f"{env['load_before']} -> {env['load_after']}"
     )
     visible = a["documents"][0]["visible_over_s2"] if a["documents"] else float("nan")
     print(
         f"documents: {len(lengths)} ({len(short)} lognormal, median {short[len(short) // 2]}, "
-        f"{short[0]}..{short[-1]} tokens, and one of {long_len} at {at}): visible score entries {visible:.3f} "
-        f"of S^2; window {b.window}"
+        f"{short[0]}..{short[-1]} tokens, and one of {long_len} at {at}): visible score entries "
+        f"{visible:.3f} of S^2; window {b.window}"
     )
     print(
-        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations interleaved; "
-        "time = slowest rank, forward + backward, fastest repetition (median beside it)\n"
+        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations "
+        "interleaved; time = slowest rank, forward + backward, fastest repetition (median beside "
+        "it)\n"
     )
     print(
-        "single process (rank 0, the CPU flash kernel; err = max |x - full-mask| of out and dQ at the warm-up size)\n"
+        "single process (rank 0, the CPU flash kernel; err = max |x - full-mask| of out and dQ at "
+        "the warm-up size)\n"
     )
     print(
         markdown(
@@ -851,9 +868,10 @@ def print_report(b: Bench, a: dict, env: dict, lengths: list[int]) -> None:
     )
     print(
         "\ndocuments: ring / single process (W threads; 'best thr' = against the faster of W and "
-        f"{b.cores} threads; CPU = process CPU seconds, summed over ranks, fastest repetition; core-per-rank "
-        "est. = the slowest rank's CPU s / (the single per-document run's CPU s / W): what a rank with a core "
-        "of its own would take, waits left out), balance as max/mean over ranks\n"
+        f"{b.cores} threads; CPU = process CPU seconds, summed over ranks, fastest repetition; "
+        "core-per-rank est. = the slowest rank's CPU s / (the single per-document run's CPU s / "
+        "W): what a rank with a core of its own would take, waits left out), balance as max/mean "
+        "over ranks\n"
     )
     print(
         markdown(
@@ -905,8 +923,8 @@ def print_report(b: Bench, a: dict, env: dict, lengths: list[int]) -> None:
         )
     )
     print(
-        f"\nwindow {b.window}, contiguous: ring / single process, bytes each rank sends (max over ranks) "
-        "against the halo minimum\n"
+        f"\nwindow {b.window}, contiguous: ring / single process, bytes each rank sends (max over "
+        "ranks) against the halo minimum\n"
     )
     print(
         markdown(
@@ -1003,7 +1021,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--halo",
         choices=HALO_CHOICES,
-        help="ring_attention(exchange='auto'|'halo'|'ring') for the window (default: not passed, i.e. None)",
+        help=(
+            "ring_attention(exchange='auto'|'halo'|'ring') for the window (default: not passed, "
+            "i.e. None)"
+        ),
     )
     parser.add_argument("--out", default="reports/bench", help="Output directory for masks.json")
     args = parser.parse_args(argv)

@@ -38,7 +38,8 @@ def _kib(pid: int, field: str, path: str) -> int:
 
 
 def memory(pids: list[int]) -> dict[str, float]:
-    """Resident and proportional set sizes of the ranks, MiB: min, median, max (RSS) and the PSS sum."""
+    """Resident and proportional set sizes of the ranks, MiB: min, median,
+    max (RSS) and the PSS sum."""
     rss = [_kib(p, "VmRSS", "status") / 1024 for p in pids]
     pss = [_kib(p, "Pss", "smaps_rollup") / 1024 for p in pids]
     return {
@@ -134,16 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         m0, m1 = r["memory_after_start_mib"], r["memory_after_cases_mib"]
         print(
-            f"W={r['world_size']}: pool start {r['start_s']:.2f} s (median; runs: {', '.join(f'{s:.2f}' for s in r['start_all_s'])}: "
-            "a first run in the process includes the forkserver's torch import); "
-            f"per rank after start RSS {m0['rss_median']:.0f} MiB (min {m0['rss_min']:.0f}, max {m0['rss_max']:.0f}), "
-            f"PSS {m0['pss_median']:.0f} MiB (all ranks {m0['pss_total']:.0f}); after the cases RSS {m1['rss_median']:.0f} "
-            f"MiB (max {m1['rss_max']:.0f}), PSS {m1['pss_median']:.0f} MiB (all ranks {m1['pss_total']:.0f})"
+            f"W={r['world_size']}: pool start {r['start_s']:.2f} s (median; runs: "
+            f"{', '.join(f'{s:.2f}' for s in r['start_all_s'])}: a first run in the process "
+            "includes the forkserver's torch import); per rank after start RSS "
+            f"{m0['rss_median']:.0f} MiB (min {m0['rss_min']:.0f}, max {m0['rss_max']:.0f}), PSS "
+            f"{m0['pss_median']:.0f} MiB (all ranks {m0['pss_total']:.0f}); after the cases RSS "
+            f"{m1['rss_median']:.0f} MiB (max {m1['rss_max']:.0f}), PSS {m1['pss_median']:.0f} "
+            f"MiB (all ranks {m1['pss_total']:.0f})"
         )
         for row in r["meshes"]:
             print(
-                f"  mesh {row['shape']} (ulysses x ring): first case (creates the mesh) {row['mesh_create_s']:.2f} s, "
-                f"the same case again {row['cached_case_s'] * 1e3:.1f} ms, tiny hybrid fwd+bwd {row['hybrid_case_s'] * 1e3:.0f} ms"
+                f"  mesh {row['shape']} (ulysses x ring): first case (creates the mesh) "
+                f"{row['mesh_create_s']:.2f} s, the same case again "
+                f"{row['cached_case_s'] * 1e3:.1f} ms, tiny hybrid fwd+bwd "
+                f"{row['hybrid_case_s'] * 1e3:.0f} ms"
             )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))

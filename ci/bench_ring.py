@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python ci/bench_ring.py --quick        # seq 2048, a few minutes on 2 cores
-    python ci/bench_ring.py                # seq 8192 (the issue's figures), about 8 minutes on 2 cores
+    python ci/bench_ring.py --quick     # seq 2048, a few minutes on 2 cores
+    python ci/bench_ring.py             # seq 8192 (the issue's figures), about 8 minutes on 2 cores
     python ci/bench_ring.py --analyse reports/bench/bench.json   # the tables of a run again
 
 Writes ``bench.json`` and ``bench.png`` under ``--out`` (default ``reports/bench/``) and prints
@@ -714,7 +714,8 @@ def analyse(b: Bench, speed: dict, scaling: dict) -> dict:
 
 
 def _analysis(b: Bench, speed: dict, scaling: dict) -> dict:
-    """:func:`analyse`, also for a run without the speed part (then no world size has speed rows)."""
+    """:func:`analyse`, also for a run without the
+    speed part (then no world size has speed rows)."""
     return analyse(b if speed else Bench(**{**asdict(b), "world_sizes": ()}), speed, scaling)
 
 
@@ -734,7 +735,10 @@ def _aims(b: Bench, a: dict) -> list[dict]:
                     what = "non-causal" if kind.startswith("full") else "causal head_tail"
                     aims.append(
                         {
-                            "aim": f"W={world} {rot}{suffix}: {what} ring <= {bound}x SDPA ({world} threads)",
+                            "aim": (
+                                f"W={world} {rot}{suffix}: {what} ring <= {bound}x SDPA ({world} "
+                                "threads)"
+                            ),
                             "measured": f"{r['vs_sdpa']:.2f}x",
                             "met": r["vs_sdpa"] <= bound,
                         }
@@ -760,7 +764,10 @@ def _aims(b: Bench, a: dict) -> list[dict]:
                 if r["torch_overhead_s"] is not None:
                     aims.append(
                         {
-                            "aim": f"W={world} {r['name']}: seconds outside the kernel <= PyTorch's ({label})",
+                            "aim": (
+                                f"W={world} {r['name']}: seconds outside the kernel <= PyTorch's "
+                                f"({label})"
+                            ),
                             "measured": f"{r['overhead_s']:.3f} vs {r['torch_overhead_s']:.3f}",
                             "met": r["overhead_s"] <= r["torch_overhead_s"],
                         }
@@ -779,7 +786,10 @@ def _aims(b: Bench, a: dict) -> list[dict]:
         if t["impl"] == "ring":
             aims.append(
                 {
-                    "aim": f"W={t['W']} ring {t['rotate']}{_hc(t['head_chunks'])} {t['phase']}: traffic = minimum",
+                    "aim": (
+                        f"W={t['W']} ring {t['rotate']}{_hc(t['head_chunks'])} {t['phase']}: "
+                        "traffic = minimum"
+                    ),
                     "measured": f"{t['ratio']:.2f}x (gloo wire {t['gloo_ratio']:.2f}x)",
                     "met": abs(t["ratio"] - 1.0) < 1e-9,
                 }
@@ -791,13 +801,15 @@ def print_report(b: Bench, a: dict, env: dict) -> None:
     from tabulate import tabulate
 
     print(
-        f"\nring attention benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, {b.dtype}, "
-        f"seq {b.seq}; torch {env['torch']}, {env['cores']} cores, load {env['load_before']} -> {env['load_after']}"
+        f"\nring attention benchmark: batch {b.batch}, heads {b.heads}, head_dim {b.head_dim}, "
+        f"{b.dtype}, seq {b.seq}; torch {env['torch']}, {env['cores']} cores, load "
+        f"{env['load_before']} -> {env['load_after']}"
     )
     print(
-        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations interleaved; "
-        "time = slowest rank, forward + backward;\n'time' is the fastest repetition (the one least disturbed by "
-        "other processes), 'median' the median; CPU = process CPU seconds summed over ranks (median)\n"
+        f"{b.repeat} repetitions after {b.warmup} warm-up at seq {b.warmup_seq}, configurations "
+        "interleaved; time = slowest rank, forward + backward;\n'time' is the fastest repetition "
+        "(the one least disturbed by other processes), 'median' the median; CPU = process CPU "
+        "seconds summed over ranks (median)\n"
     )
     rows = [
         [
@@ -984,7 +996,10 @@ def main(argv: list[str] | None = None) -> int:
         "--rotations",
         nargs="+",
         choices=RING_ROTATIONS,
-        help="Rotation methods of the speed benchmark (default: all; PyTorch's ring runs those it has)",
+        help=(
+            "Rotation methods of the speed benchmark (default: all; PyTorch's ring runs those it "
+            "has)"
+        ),
     )
     parser.add_argument(
         "--lean-head-chunks",

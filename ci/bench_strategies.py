@@ -1,4 +1,5 @@
-"""Benchmark of the parallel strategies at W=4: ring, Ulysses and the 2x2 hybrid against one process.
+"""Benchmark of the parallel strategies at W=4: ring, Ulysses and the 2x2 hybrid against one
+process.
 
 Run from the repository root::
 
@@ -64,7 +65,8 @@ class Bench:
 
 
 def _sent_recorder():
-    """A dispatch mode that adds up, per phase, the bytes this rank's collectives send to other ranks."""
+    """A dispatch mode that adds up, per phase, the bytes
+    this rank's collectives send to other ranks."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -251,8 +253,9 @@ def analyse(b: Bench, per_rank: list[dict]) -> list[dict]:
 
 def print_report(b: Bench, rows: list[dict]) -> None:
     print(
-        f"\nW={b.world} on {b.cores} cores; float32, batch {b.batch}, head_dim {b.head_dim}, key/value heads = heads; "
-        f"time = forward+backward of the slowest rank, fastest of {b.repeat}; SDPA: one process, {b.world} threads"
+        f"\nW={b.world} on {b.cores} cores; float32, batch {b.batch}, head_dim {b.head_dim}, "
+        "key/value heads = heads; time = forward+backward of the slowest rank, fastest of "
+        f"{b.repeat}; SDPA: one process, {b.world} threads"
     )
     print(
         f"\n{'heads':>5} {'seq':>6} {'causal':>6} {'SDPA s':>7} "
@@ -266,14 +269,16 @@ def print_report(b: Bench, rows: list[dict]) -> None:
             + f" {row['winner']:>8}"
         )
     print(
-        "\nbytes sent per rank / the strategy's minimum (forward, backward); MiB sent in forward + backward"
+        "\nbytes sent per rank / the strategy's minimum (forward, backward); MiB sent in forward "
+        "+ backward"
     )
     for row in rows:
         parts = []
         for s in STRATEGIES:
             r, by = row[f"{s}_bytes_ratio"], row[f"{s}_bytes"]
             parts.append(
-                f"{s} {r['forward']:.2f} {r['backward']:.2f} ({(by['forward'] + by['backward']) / 2**20:.1f} MiB)"
+                f"{s} {r['forward']:.2f} {r['backward']:.2f} "
+                f"({(by['forward'] + by['backward']) / 2**20:.1f} MiB)"
             )
         print(
             f"  h{row['heads']} s{row['seq']} {'causal' if row['causal'] else 'full  '}: "

@@ -1,6 +1,7 @@
 """Distributed correctness check of an implementation (default ``ring_impl``) against float64.
 
-Run:  python ci/check_ring_numerics.py [--world-sizes 2 3 4] [--compile] [--impl SPEC] [--undeclared]
+Run:  python ci/check_ring_numerics.py [--world-sizes 2 3 4] [--compile] [--impl SPEC]
+          [--undeclared]
 
 A development tool for changes to ring_impl, one line per case; the conformance suites are the
 product's verdict, and this check judges exactly as they do. For each world size it runs a fixed
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                 if case.dtype == "float64" and outcome.errors:
                     worst = max(worst, *(err for err, _ in outcome.errors.values()))
             print(
-                f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst float64 error {worst:.2e}"
+                f"W={w}: {len(case_list)} cases in {time.perf_counter() - t0:.0f} s; worst "
+                f"float64 error {worst:.2e}"
             )
     finally:
         shutdown_all_pools()

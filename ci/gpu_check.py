@@ -30,7 +30,8 @@ CPU-bound (NVIDIA H200, 16 cores, torch 2.11: the W=4 mask suite alone, ``-n 4``
 in 98 s with 11.5 cores busy; every job at once reached 1,177 cases in 370 s). So W=1 and W=2
 run whole and W=3 and W=4 a deterministic share (``--sample-w3 0/3``, ``--sample-w4 0/6``: the
 cases whose node id hashes to 0 modulo 3 or 6, the same on every run; ``1/6`` runs another
-sixth), about 1,130 cases in all, which the jobs of that run reached in 370 s. Cases left out by sampling are counted apart from those a deadline stopped.
+sixth), about 1,130 cases in all, which the jobs of that run reached in 370 s. Cases left out by
+sampling are counted apart from those a deadline stopped.
 
 Every test outcome is streamed to a file as it happens (ci/gpu_check_results.py), so a job stopped
 at the deadline still reports what it ran; what it did not reach is reported as **not run**,
@@ -90,7 +91,9 @@ class Job:
     name: str
     argv: list[str]  # after "python -m pytest" for tests, or a script's argv
     workers: int = 0  # xdist workers (0: none)
-    kind: str = "tests"  # "tests", "bench", or "verdict" (another implementation judged: reported, never failing the check)
+    # "tests", "bench", or "verdict" (another implementation judged:
+    # reported, never failing the check)
+    kind: str = "tests"
     json_out: str | None = None  # a bench's JSON rows
     share: float = 1.0  # a bench's weight in the benchmarks' time
     sample: str | None = None  # GPU_CHECK_SAMPLE: the deterministic share of the tests run ("0/3")
@@ -155,7 +158,8 @@ def jobs(args) -> list[Job]:
             sample=args.sample_w4,
         ),
         Job("compile", [*suites, *common, "--dist-backend", "gloo", "-m", "compile"], workers=3),
-        # the mask suite on the two CUDA kernels that take a mask in one call (their CPU emulations run in CI)
+        # the mask suite on the two CUDA kernels that take a
+        # mask in one call (their CPU emulations run in CI)
         *[
             Job(
                 f"masks-{op}",
@@ -217,7 +221,8 @@ def _command(job: Job) -> list[str]:
 
 
 def _env(results: Path, sample: str | None = None) -> dict[str, str]:
-    # (not an xdist worker's or a test's variables: a check started from inside pytest is a fresh run)
+    # (not an xdist worker's or a test's variables: a
+    # check started from inside pytest is a fresh run)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -409,7 +414,8 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
         "sampled_out": sum(j["sampled_out"] for j in tests),
         "jobs_out_of_time": [j["name"] for j in summary["jobs"] if j["status"] != "finished"],
         "jobs_without_results": [j["name"] for j in tests if j["collected"] == 0],
-        # pytest's status 0: all passed, 1: some failed; anything else is a run that broke (see its log)
+        # pytest's status 0: all passed, 1: some failed;
+        # anything else is a run that broke (see its log)
         "jobs_broken": [
             j["name"] for j in tests if j["status"] == "finished" and j["rc"] not in (0, 1)
         ],
@@ -420,10 +426,12 @@ def summarize(all_jobs: list[Job], args, started: str, elapsed: float) -> dict:
 def markdown(summary: dict) -> str:
     v = summary["verdict"]
     lines = [
-        f"# GPU check: {summary['device']}, torch {summary['torch']} (CUDA {summary['cuda']}), Python {summary['python']}",
+        f"# GPU check: {summary['device']}, torch {summary['torch']} (CUDA {summary['cuda']}), "
+        f"Python {summary['python']}",
         "",
-        f"Started {summary['started']}, {summary['elapsed_s']} s of a {summary['budget_s']} s budget: "
-        f"**{v['failed']} failed, {v['not_run']} not run** ({v['sampled_out']} more left out by sampling)"
+        f"Started {summary['started']}, {summary['elapsed_s']} s of a {summary['budget_s']} s "
+        f"budget: **{v['failed']} failed, {v['not_run']} not run** ({v['sampled_out']} more left "
+        "out by sampling)"
         + (f"; out of time: {', '.join(v['jobs_out_of_time'])}" if v["jobs_out_of_time"] else "")
         + (
             f"; no results from: {', '.join(v['jobs_without_results'])}"
@@ -447,8 +455,8 @@ def markdown(summary: dict) -> str:
             sampled = f" ({j['sampled_out']}, share {j['sample']})" if j["sample"] else ""
             name = f"{j['name']} (verdict)" if j.get("kind") == "verdict" else j["name"]
             lines.append(
-                f"| {name} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | {j['passed']} | "
-                f"{j['failed']} | {j['skipped']} | {j['not_run']} |"
+                f"| {name} | {j['status']} | {j['wall_s']} | {j['collected']}{sampled} | "
+                f"{j['passed']} | {j['failed']} | {j['skipped']} | {j['not_run']} |"
             )
         else:
             lines.append(f"| {j['name']} | {j['status']} | {j['wall_s']} | | | | | |")

@@ -11,7 +11,7 @@ Each job is one ``pytest suites`` process writing its own report under ``<out>/<
 ``<out>/summary.md`` and ``<out>/summary.json`` gather the scores. A job marked informational
 (PyTorch's own context parallel, judged against expectations in ci/vendor/) does not make the
 nightly fail. Progress is printed as each job starts and ends.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for j in selected:
             print(
-                f"{j.name:32s} pytest {' '.join(j.paths)} {' '.join(j.args)}{'  [informational]' if j.informational else ''}"
+                f"{j.name:32s} pytest {' '.join(j.paths)} "
+                f"{' '.join(j.args)}{'  [informational]' if j.informational else ''}"
             )
         return 0
 
@@ -239,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         r = run_job(job, out, extra, args.workers)
         score = f"{r['score']['passed']}/{r['score']['total']}" if r.get("score") else "no report"
         print(
-            f"[{i}/{len(selected)}] {job.name}: exit {r['exit_code']}, {score}, {r['seconds']} s (log: {r['log']})",
+            f"[{i}/{len(selected)}] {job.name}: exit {r['exit_code']}, {score}, {r['seconds']} s "
+            f"(log: {r['log']})",
             flush=True,
         )
         results.append(r)

@@ -55,8 +55,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         if args.callers:
             stats.print_callers(args.callers)
         print(
-            f"rank 0, W={args.world}, layout {args.layout}{' + sparse_kv' if args.sparse else ''}, seq {args.seq}: "
-            f"{args.calls} calls, wall s {[round(t, 3) for t in walls]}; profile in main-thread CPU seconds "
+            f"rank 0, W={args.world}, layout "
+            f"{args.layout}{' + sparse_kv' if args.sparse else ''}, seq {args.seq}: {args.calls} "
+            f"calls, wall s {[round(t, 3) for t in walls]}; profile in main-thread CPU seconds "
             f"(divide by {args.calls} for one call)"
         )
         print(out.getvalue())

@@ -67,8 +67,8 @@ def single_device_baseline(
     math op, and each element that sees something carries the larger of the math op's error and
     the kernel's own on the same inputs unmasked (the ring runs the mask's unmasked pieces on the
     kernel; reference.budget, "The baseline of a masked case whose kernel takes no mask"): then
-    out, lse, dq, dk and dv come back in float64. Returns CPU tensors ``out``, ``lse`` (normalised to
-    (b, h, sq)), ``dq``, ``dk``, ``dv`` and, with sinks, ``dsinks``. Rows that see nothing come
+    out, lse, dq, dk and dv come back in float64. Returns CPU tensors ``out``, ``lse`` (normalised
+    to (b, h, sq)), ``dq``, ``dk``, ``dv`` and, with sinks, ``dsinks``. Rows that see nothing come
     back as out 0, LSE -inf (the sink logit with sinks) and contribute no gradient.
 
     Raises ValueError when the kernel does not run on the session's device for this call: the
@@ -117,8 +117,9 @@ def single_device_baseline(
     )
     if why is not None:
         raise ValueError(
-            f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: {why}; the case "
-            "asks for a kernel that does not run on the session's device (--device)"
+            f"the single-device baseline cannot run op {getattr(op, 'name', op)!r} on {device}: "
+            f"{why}; the case asks for a kernel that does not run on the session's device "
+            "(--device)"
         )
     # the op that runs the call (math for a mask or a score_mod the op cannot take)
     runner = block_op(op, is_causal=is_causal, scale=scale, visible=vis, score_mod=scores)
@@ -178,7 +179,8 @@ def single_device_baseline(
         result["dsinks"] = dsinks
     result = {name: t.detach().cpu() for name, t in result.items()}
     if vis is not None and runner is not op and scores is None:
-        # (the caller's grad_out: `do` was zeroed on rows that see nothing, and moved through the sinks)
+        # (the caller's grad_out: `do` was zeroed on rows that see nothing,
+        # and moved through the sinks)
         result = _with_the_kernels_own_error(
             result,
             op,

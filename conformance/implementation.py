@@ -2,7 +2,8 @@
 
 An implementation is any object (a module works too) with:
 
-``ring_attention(query, key, value, *, group, is_causal, scale, rotate_method, op, layout, return_lse)``
+``ring_attention(query, key, value, *, group, is_causal, scale, rotate_method, op, layout,
+return_lse)``
     Same signature and semantics as :func:`ring_impl.ring_attention`: local shards
     ``(batch, heads, seq_local, head_dim)`` in ``layout`` in, the local output out (and the local
     LSE ``(batch, heads, seq_local)`` with ``return_lse=True``), differentiable in query, key and
@@ -17,7 +18,8 @@ is reported N/A; an object with ``ring_attention`` and nothing else is tested on
 
 The other pieces of the protocol, each claimed unless its capability field is ``False``:
 
-``collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled)``
+``collective_schedule(world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype,
+compiled)``
     (capability ``collective_schedule``) ``{phase: {kind: {"calls": n, "bytes": b}}}`` for one
     forward and one backward call, in the accounting convention of :mod:`harness.accounting`;
     the suite asserts it exactly on every rank. Cases whose value has its own head dim (capability
@@ -84,8 +86,9 @@ asks ``collective_schedule(..., heads=, return_max_logit=True)`` for the call's 
     it holds in local order. The balance suite (``suites/test_balance.py``) and the mask suite
     (``suites/test_masks.py``) call it on every rank with equal arguments and shard the global
     tensors by ``runs`` themselves; the first holds each rank's work to the bound the suite
-    declares for the balancer, the second the outputs and gradients to the float64 oracle. Built-in layouts are
-    ``capabilities.layouts``; undeclared ``balancers`` claims both (and ``balanced_layout``).
+    declares for the balancer, the second the outputs and gradients to the float64 oracle. Built-in
+    layouts are ``capabilities.layouts``; undeclared ``balancers`` claims both
+    (and ``balanced_layout``).
 
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
 (``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
@@ -154,7 +157,8 @@ class ImplSpecError(ValueError):
 
 
 class ProtocolError(ImplSpecError):
-    """A piece of the protocol the implementation claims (by not declaring it lacking) is missing."""
+    """A piece of the protocol the implementation
+    claims (by not declaring it lacking) is missing."""
 
 
 @dataclass(frozen=True)
@@ -280,14 +284,19 @@ class Implementation:
         if value is None:
             has = f"has no {attr}"
         else:
-            has = f"its {attr} is {type(value).__name__} {value!r}, not {'a module name' if attr == 'api_module' else 'callable'}"
+            has = (
+                f"its {attr} is {type(value).__name__} {value!r}, not "
+                f"{'a module name' if attr == 'api_module' else 'callable'}"
+            )
         return (
-            f"{self.name} claims capabilities.{capability} (not declared False; undeclared means claimed) "
-            f"but {has}: add {attr} (see conformance/implementation.py) or declare capabilities.{capability}=False"
+            f"{self.name} claims capabilities.{capability} (not declared False; undeclared means "
+            f"claimed) but {has}: add {attr} (see conformance/implementation.py) or declare "
+            f"capabilities.{capability}=False"
         )
 
     def protocol(self, capability: str) -> Any:
-        """The attribute that provides a claimed ``capability``; :class:`ProtocolError` if it is missing."""
+        """The attribute that provides a claimed ``capability``;
+        :class:`ProtocolError` if it is missing."""
         problem = self.missing(capability)
         if problem:
             raise ProtocolError(problem)
@@ -310,13 +319,14 @@ class Implementation:
             module = importlib.import_module(name)
         except ImportError as exc:
             raise ProtocolError(
-                f"{self.name}: api_module {name!r} cannot be imported ({exc}); make it importable or fix api_module"
+                f"{self.name}: api_module {name!r} cannot be imported ({exc}); make it importable "
+                "or fix api_module"
             ) from exc
         lacking = [a for a in CONTEXT_PARALLEL_API if not hasattr(module, a)]
         if lacking:
             raise ProtocolError(
-                f"{self.name}: api_module {name!r} lacks {lacking}; it must offer {list(CONTEXT_PARALLEL_API)} "
-                "(or declare capabilities.context_parallel=False)"
+                f"{self.name}: api_module {name!r} lacks {lacking}; it must offer "
+                f"{list(CONTEXT_PARALLEL_API)} (or declare capabilities.context_parallel=False)"
             )
         return module
 
@@ -328,7 +338,8 @@ def _import_object(spec: str, what: str, option: str, env: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name:
         raise ImplSpecError(
-            f"{option}={spec!r}: expected 'package.module:object' or 'package.module' (or set {env})"
+            f"{option}={spec!r}: expected 'package.module:object' or 'package.module' (or set "
+            f"{env})"
         )
     try:
         module = importlib.import_module(module_name)
@@ -369,7 +380,8 @@ def load_implementation(spec: str | None = None) -> Implementation:
             obj = _import_object(canonical, "implementation", "--impl", "RING_IMPL")
             if not callable(getattr(obj, "ring_attention", None)):
                 raise ImplSpecError(
-                    f"--impl={given!r}: {obj!r} has no callable ring_attention; see conformance/implementation.py for the protocol"
+                    f"--impl={given!r}: {obj!r} has no callable ring_attention; see "
+                    "conformance/implementation.py for the protocol"
                 )
             Capabilities.of(obj)  # validate now, at start, not in the middle of a run
             _CACHE[canonical] = Implementation(canonical, obj)
@@ -379,7 +391,8 @@ def load_implementation(spec: str | None = None) -> Implementation:
 
 @functools.cache
 def load_op(spec: str):
-    """An attention op object from ``package.module:object`` (``--op`` / ``RING_OP``) or a registered name.
+    """An attention op object from ``package.module:object`` (``--op`` / ``RING_OP``) or a
+    registered name.
 
     One object per spec, registered under its ``name`` unless that name is taken: compiled,
     ring_impl carries an op by its registered name (ring_impl.compiled_checks), and an op it
@@ -394,7 +407,8 @@ def load_op(spec: str):
     missing = ops.missing_members(obj)
     if missing:
         raise ImplSpecError(
-            f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the contract"
+            f"--op={spec!r}: {obj!r} lacks {missing}; see ring_impl/ops.py (AttentionOp) for the "
+            "contract"
         )
     name = getattr(obj, "name", None)
     if isinstance(name, str) and name not in ops.available_ops():

@@ -10,11 +10,11 @@ Adds to the "ring attention" option group:
 ``--op name-or-package.module:object`` (``RING_OP``)
     The attention op (local kernel) to run inside the implementation (op contract: ring_impl/ops/).
 
-What the implementation does not declare it lacks is claimed and tested (conformance/implementation.py).
-A case that needs what it declares it lacks is reported **N/A**: neither passed, failed nor an
-ordinary skip (the terminal shows ``N`` and the summary counts "N/A"). A case that needs a
-protocol piece the implementation claims but does not have (``collective_schedule``,
-``record_steps``, ``api_module``) fails, naming the missing attribute.
+What the implementation does not declare it lacks is claimed and tested
+(conformance/implementation.py). A case that needs what it declares it lacks is reported **N/A**:
+neither passed, failed nor an ordinary skip (the terminal shows ``N`` and the summary counts "N/A").
+A case that needs a protocol piece the implementation claims but does not have
+(``collective_schedule``, ``record_steps``, ``api_module``) fails, naming the missing attribute.
 
 Conformance cases are the tests of the ``suites`` package, wherever it is: in a checkout, or
 installed and run with ``pytest --pyargs suites`` from any directory. Their node ids then depend
@@ -123,8 +123,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--op/RING_OP: {exc}") from None
         if not impl.capabilities.claims("ops", "*"):
             raise pytest.UsageError(
-                f"--op={op_spec!r} given, but implementation {impl.name!r} does not accept op objects "
-                f"(it {impl.capabilities.lacking('ops', '*')}); drop --op or plug the kernel into an implementation that does"
+                f"--op={op_spec!r} given, but implementation {impl.name!r} does not accept op "
+                f"objects (it {impl.capabilities.lacking('ops', '*')}); drop --op or plug the "
+                "kernel into an implementation that does"
             )
     config.stash[_IMPL_KEY] = impl
     config.stash[_OP_KEY] = op_spec or None

@@ -1,7 +1,7 @@
 """The conformance report: a matrix on the terminal, and JSON and Markdown files.
 
-Input: one :class:`CaseRecord` per test (built from pytest reports by conformance/reporting.py, so it
-works the same under xdist, where reports reach the controller with their ``user_properties``).
+Input: one :class:`CaseRecord` per test (built from pytest reports by conformance/reporting.py, so
+it works the same under xdist, where reports reach the controller with their ``user_properties``).
 
 The matrix has a row per (capability, rotation) and a column per dtype; a capability is a suite
 module (``suites/test_<capability>.py``). A cell names the state of its cases and the worst error
@@ -199,15 +199,17 @@ def _summary_line(report: Report) -> str:
     c = report.counts()
     pct = 100.0 * passed / total if total else 0.0
     return (
-        f"{report.implementation}: {passed}/{total} cases pass ({pct:.1f}%); "
-        f"{c['failed']} failed, {c['xfailed']} xfailed, {c['xpassed']} xpassed, {c['n/a']} N/A, {c['skipped']} skipped"
+        f"{report.implementation}: {passed}/{total} cases pass ({pct:.1f}%); {c['failed']} "
+        f"failed, {c['xfailed']} xfailed, {c['xpassed']} xpassed, {c['n/a']} N/A, {c['skipped']} "
+        "skipped"
     )
 
 
 LEGEND = (
-    "cell: pass, FAIL, xfail (expected failure), XPASS (unexpected pass), N/A (declared lacking), skip, "
-    "'part p/n' (p of n passed, the rest in other states) or the states of a cell without passes joined by '+'; "
-    "then the worst error ratio max|X-R| / (max|B-R| + floor/k): a case passes its max bound when the ratio <= k"
+    "cell: pass, FAIL, xfail (expected failure), XPASS (unexpected pass), N/A (declared lacking), "
+    "skip, 'part p/n' (p of n passed, the rest in other states) or the states of a cell without "
+    "passes joined by '+'; then the worst error ratio max|X-R| / (max|B-R| + floor/k): a case "
+    "passes its max bound when the ratio <= k"
 )
 
 

@@ -25,7 +25,7 @@ A run that reports suite cases but executes none of them (every one N/A or skipp
 non-zero, with a message that says why: it tested nothing. So does a run whose only collected
 tests are suite cases that ``-k``/``-m`` deselected. A run that collects no suite case (the
 project's own tests alone) is not a conformance run and is left alone.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def parse_vendor_file(path: str | os.PathLike[str]) -> list[VendorEntry]:
         parts = text.split(None, 2)
         if parts[0] not in ("xfail", "skip") or len(parts) < 3:
             raise ValueError(
-                f"{path}:{n}: expected '<xfail|skip> <test-id prefix> <reason>', got {raw.strip()!r}"
+                f"{path}:{n}: expected '<xfail|skip> <test-id prefix> <reason>', got "
+                f"{raw.strip()!r}"
             )
         entries.append(VendorEntry(parts[0], parts[1], parts[2].strip(), n))
     return entries
@@ -129,7 +130,10 @@ def _report_dir(config: pytest.Config) -> Path | None:
 def check_report_dir(out: Path) -> None:
     """Raise ValueError (what is wrong, what to do) unless ``out`` is, or can be created as, a
     writable directory. Creates nothing."""
-    fix = "point --report-dir (RING_REPORT_DIR) at a directory you can write, or use 'none' for no report files"
+    fix = (
+        "point --report-dir (RING_REPORT_DIR) at a directory you can write, or use 'none' for no "
+        "report files"
+    )
     if out.exists() and not out.is_dir():
         raise ValueError(f"{str(out)!r} exists and is not a directory; {fix}")
     probe = out.absolute()
@@ -192,7 +196,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if e not in used:
             warnings.warn(
                 VendorFileWarning(
-                    f"vendor file line {e.line}: '{e.kind} {e.prefix}' matches no collected test; fix the prefix or drop the line"
+                    f"vendor file line {e.line}: '{e.kind} {e.prefix}' matches no collected test; "
+                    "fix the prefix or drop the line"
                 ),
                 stacklevel=1,
             )
@@ -201,8 +206,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def nothing_executed(counts: dict[str, int], deselected: int = 0) -> str:
     """Why a run that reported suite cases tested nothing ("" when some case ran to a verdict).
 
-    ``counts``: outcome -> number of suite cases (conformance.report.OUTCOMES); ``deselected``: suite
-    cases that ``-k``/``-m`` deselected.
+    ``counts``: outcome -> number of suite cases (conformance.report.OUTCOMES); ``deselected``:
+    suite cases that ``-k``/``-m`` deselected.
     """
     executed = sum(counts.get(o, 0) for o in EXECUTED)
     reported = sum(counts.values())
@@ -215,22 +220,27 @@ def nothing_executed(counts: dict[str, int], deselected: int = 0) -> str:
     why = []
     if na:
         why.append(
-            "N/A: the implementation declares it lacks what those cases need (capabilities set to False, "
-            "or sets without the value); undeclared capabilities are claimed and tested"
+            "N/A: the implementation declares it lacks what those cases need (capabilities set to "
+            "False, or sets without the value); undeclared capabilities are claimed and tested"
         )
     if skipped:
         why.append(
-            "skipped: see the skip reasons (pytest -rs); a world size, tier or device that is not enabled, "
-            "or vendor-file skips"
+            "skipped: see the skip reasons (pytest -rs); a world size, tier or device that is not "
+            "enabled, or vendor-file skips"
         )
     if deselected:
         why.append(
-            "deselected: the -k/-m expression left no suite case (suite cases carry the markers quick, "
-            "nightly, compile, world_size(n=N); nightly cases exist only with --tier nightly)"
+            "deselected: the -k/-m expression left no suite case (suite cases carry the markers "
+            "quick, nightly, compile, world_size(n=N); nightly cases exist only with --tier "
+            "nightly)"
         )
     return (
-        f"no conformance case was executed; of {reported + deselected} suite cases {', '.join(parts)}. "
-        "A run that tests nothing is not a pass. " + "; ".join(why) + "."
+        (
+            f"no conformance case was executed; of {reported + deselected} suite cases "
+            f"{', '.join(parts)}. A run that tests nothing is not a pass. "
+        )
+        + "; ".join(why)
+        + "."
     )
 
 
@@ -348,7 +358,8 @@ class ConformanceReporter:
             terminalreporter.write_line(line)
         if self.out is not None:
             terminalreporter.write_line(
-                f"report files: {self.out / 'conformance.json'}, {self.out / 'conformance.md'}, {self.config.option.xmlpath}"
+                f"report files: {self.out / 'conformance.json'}, {self.out / 'conformance.md'}, "
+                f"{self.config.option.xmlpath}"
             )
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

@@ -16,15 +16,16 @@ Suites use::
 returns every rank's :class:`RankOutcome` for tests that expect ranks to raise.
 :class:`CollectiveLog` counts the collectives a rank issues, per phase.
 
-Modules by role: :mod:`harness.launchers` (``get_pool``: the launchers by name), :mod:`harness.launch`
-(what every pool does), :mod:`harness.pool` (rank processes owned by this process) with
-:mod:`harness.rank_start`, :mod:`harness.rank_main`, :mod:`harness.waiting`,
-:mod:`harness.stacks` and :mod:`harness.rank_output`; :mod:`harness.torchrun` (this process is
-one torchrun rank); :mod:`harness.simulated` with :mod:`harness.simulated_group` (every rank a
-thread of this process, exact collectives: world sizes up to 64 on one machine); :mod:`harness.errors`, :mod:`harness.context`, :mod:`harness.wire`;
-:mod:`harness.settings`, :mod:`harness.devices`, :mod:`harness.procs` (process trees that die with
-their owner), :mod:`harness.accounting` and the pytest plugin :mod:`harness.pytest_plugin`. The
-harness knows ranks, pools, faults, accounting and pytest, and nothing of what the ranks compute.
+Modules by role: :mod:`harness.launchers` (``get_pool``: the launchers by name),
+:mod:`harness.launch` (what every pool does), :mod:`harness.pool` (rank processes owned by this
+process) with :mod:`harness.rank_start`, :mod:`harness.rank_main`, :mod:`harness.waiting`,
+:mod:`harness.stacks` and :mod:`harness.rank_output`; :mod:`harness.torchrun` (this process is one
+torchrun rank); :mod:`harness.simulated` with :mod:`harness.simulated_group` (every rank a
+thread of this process, exact collectives: world sizes up to 64 on one machine);
+:mod:`harness.errors`, :mod:`harness.context`, :mod:`harness.wire`; :mod:`harness.settings`,
+:mod:`harness.devices`, :mod:`harness.procs` (process trees that die with their owner),
+:mod:`harness.accounting` and the pytest plugin :mod:`harness.pytest_plugin`. The harness knows
+ranks, pools, faults, accounting and pytest, and nothing of what the ranks compute.
 
 Importing this package does not import torch; the parts that need it import it when used.
 """

@@ -50,7 +50,8 @@ KINDS = (
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 _IGNORED = frozenset({"wait_tensor", "_wrap_tensor_autograd", "check_for_nan"})
 
-# op name (without namespace and overload) -> (kind, index of the argument holding the input tensors)
+# op name (without namespace and overload) -> (kind,
+# index of the argument holding the input tensors)
 _FUNCTIONAL: dict[str, tuple[str, int]] = {
     "all_reduce": ("all_reduce", 0),
     "all_reduce_": ("all_reduce", 0),
@@ -100,7 +101,8 @@ def _nbytes(obj: Any) -> int:
 
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One recorded collective: phase, normalised kind, the op that issued it, bytes, and peer for p2p."""
+    """One recorded collective: phase, normalised kind, the op that issued it,
+    bytes, and peer for p2p."""
 
     phase: str
     kind: str

@@ -45,9 +45,9 @@ class RankContext:
         return self._groups[key]
 
     def subgroup(self, ranks: tuple[int, ...]) -> Any:
-        """``dist.new_group(ranks)`` (GroupMember.NON_GROUP_MEMBER on the ranks it leaves out), created
-        on first use and kept for the pool's life; the same rule as :meth:`device_mesh`: every rank
-        asks for the same groups in the same order."""
+        """``dist.new_group(ranks)`` (GroupMember.NON_GROUP_MEMBER on the ranks it leaves out),
+        created on first use and kept for the pool's life; the same rule as :meth:`device_mesh`:
+        every rank asks for the same groups in the same order."""
         key = ("group", tuple(ranks))
         if key not in self._groups:
             import torch.distributed as dist

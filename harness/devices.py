@@ -1,4 +1,5 @@
-"""Device inventory and GPU assignment: which GPUs this pytest (xdist) worker owns, which GPU each rank pins.
+"""Device inventory and GPU assignment: which GPUs this pytest (xdist) worker owns, which GPU each
+rank pins.
 
 Under ``pytest -n N`` on a multi-GPU runner every xdist worker gets a disjoint slice of the visible
 GPUs, so two workers never run NCCL ranks on the same GPU. A case that needs more GPUs than the
@@ -75,9 +76,9 @@ def rank_devices(
     if backend == "nccl" and world_size > len(gpus):
         where = f"xdist worker gw{index} of {count} owns" if count > 1 else "this process sees"
         raise PoolUnavailable(
-            f"world_size {world_size} needs {world_size} GPUs for nccl but {where} "
-            f"{len(gpus)} GPU(s) {gpus}: run with fewer xdist workers (-n {max(1, count // 2)} or -n 0), "
-            f"on a machine with more GPUs, or share GPUs with --dist-backend gloo"
+            f"world_size {world_size} needs {world_size} GPUs for nccl but {where} {len(gpus)} "
+            f"GPU(s) {gpus}: run with fewer xdist workers (-n {max(1, count // 2)} or -n 0), on a "
+            "machine with more GPUs, or share GPUs with --dist-backend gloo"
         )
     return [f"cuda:{gpus[r % len(gpus)]}" for r in range(world_size)]
 

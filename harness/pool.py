@@ -174,7 +174,10 @@ class RankPool(Pool):
 
     def __repr__(self) -> str:
         state = "running" if self._healthy else "stopped"
-        return f"RankPool(world_size={self.world_size}, {self.backend}/{self.device}, {state}, pids={self._pids})"
+        return (
+            f"RankPool(world_size={self.world_size}, {self.backend}/{self.device}, {state}, "
+            f"pids={self._pids})"
+        )
 
     @property
     def pids(self) -> list[int]:
@@ -374,8 +377,9 @@ class RankPool(Pool):
             inner = wire.dumps((fn, tuple(args), dict(kwargs)))
         except Exception as exc:
             raise TypeError(
-                f"cannot send {fn_name} and its arguments to the ranks: {exc}. The function must be "
-                f"defined at module level (not a lambda or closure) and every argument picklable"
+                f"cannot send {fn_name} and its arguments to the ranks: {exc}. The function must "
+                "be defined at module level (not a lambda or closure) and every argument "
+                "picklable"
             ) from exc
         with self._lock:
             self._case_counter += 1
@@ -516,7 +520,8 @@ class RankPool(Pool):
         )
 
     def _probe(self, case_id: int) -> bool:
-        """One all_reduce on every rank after a case some ranks failed: does the group still agree?"""
+        """One all_reduce on every rank after a case some ranks failed:
+        does the group still agree?"""
         message = wire.dumps(("probe", case_id))
         try:
             for conn in self._conns:
@@ -586,7 +591,8 @@ def active_pools() -> list[RankPool]:
 
 
 def shutdown_rank_pools() -> None:
-    """Stop every pool of this process; safe to call more than once (session end, atexit, signals)."""
+    """Stop every pool of this process; safe to call
+    more than once (session end, atexit, signals)."""
     with _registry_lock:
         pools = list(_pools.values())
         _pools.clear()

@@ -377,7 +377,8 @@ class ProcessTree:
                     *self.argv,
                 ],
                 pass_fds=(write_fd,),
-                start_new_session=True,  # the terminal's Ctrl-C reaches the owner, which kills the tree
+                # the terminal's Ctrl-C reaches the owner, which kills the tree
+                start_new_session=True,
                 **popen_kwargs,
             )
         except BaseException:
@@ -430,7 +431,8 @@ class ProcessTree:
         """The command's pid (not the supervisor's)."""
         if not self._poll_until(lambda: self._pid is not None, 60.0) or self._pid is None:
             raise RuntimeError(
-                f"process tree: {self.argv[0]!r} did not start (supervisor {signal_name(self._popen.poll())})"
+                f"process tree: {self.argv[0]!r} did not start (supervisor "
+                f"{signal_name(self._popen.poll())})"
             )
         return self._pid
 

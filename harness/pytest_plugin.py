@@ -53,13 +53,22 @@ _ENV_FALLBACKS: dict[str, str] = {}
 _FLAGS: dict[str, str] = {}
 
 MARKERS = {
-    "quick": "a case of the quick tier (the default tier, minutes on 2 CPU cores: every suite case of a default run, "
-    "and those of --tier nightly that the quick tier runs too); select with -m quick",
-    "nightly": "a case only the nightly tier has (full matrix, slow); collected with --tier nightly (RING_TIER=nightly), "
-    "skipped otherwise; select with -m nightly",
-    "gpu": "needs CUDA; skipped unless run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)",
-    "compile": "uses torch.compile; its case timeout is --compile-timeout (a cold inductor cache compiles on every rank); "
-    "leave these out with -m 'not compile'",
+    "quick": (
+        "a case of the quick tier (the default tier, minutes on 2 CPU cores: every suite case of "
+        "a default run, and those of --tier nightly that the quick tier runs too); select with -m "
+        "quick"
+    ),
+    "nightly": (
+        "a case only the nightly tier has (full matrix, slow); collected with --tier nightly "
+        "(RING_TIER=nightly), skipped otherwise; select with -m nightly"
+    ),
+    "gpu": (
+        "needs CUDA; skipped unless run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"
+    ),
+    "compile": (
+        "uses torch.compile; its case timeout is --compile-timeout (a cold inductor cache "
+        "compiles on every rank); leave these out with -m 'not compile'"
+    ),
     "process_state": "changes process-wide state on every rank (patches a module attribute such "
     "as F.scaled_dot_product_attention): needs a process per rank; skipped on "
     "--launcher simulated",
@@ -243,7 +252,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("gpu") and settings.device != "cuda":
             item.add_marker(
                 pytest.mark.skip(
-                    reason="needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"
+                    reason=(
+                        "needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)"
+                    )
                 )
             )
         if settings.launcher == "simulated":
@@ -263,15 +274,19 @@ def _skip_what_threads_cannot_run(item: pytest.Item) -> None:
     if item.get_closest_marker("compile"):
         item.add_marker(
             pytest.mark.skip(
-                reason=f"uses torch.compile, which cannot run on the simulated world's rank threads "
-                f"(dynamo is not thread-safe): {how}"
+                reason=(
+                    "uses torch.compile, which cannot run on the simulated world's rank threads "
+                    f"(dynamo is not thread-safe): {how}"
+                )
             )
         )
     elif item.get_closest_marker("process_state"):
         item.add_marker(
             pytest.mark.skip(
-                reason=f"changes process-wide state on every rank, which the simulated world's rank "
-                f"threads share: {how}"
+                reason=(
+                    "changes process-wide state on every rank, which the simulated world's rank "
+                    f"threads share: {how}"
+                )
             )
         )
 
@@ -344,7 +359,8 @@ def tier(harness_settings: HarnessSettings) -> str:
 
 @pytest.fixture
 def case_timeout(request: pytest.FixtureRequest, harness_settings: HarnessSettings) -> float:
-    """This test's case timeout in seconds (``--compile-timeout`` bound for a test marked ``compile``)."""
+    """This test's case timeout in seconds (``--compile-timeout``
+    bound for a test marked ``compile``)."""
     return harness_settings.timeout_for(
         compiles=request.node.get_closest_marker("compile") is not None
     )

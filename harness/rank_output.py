@@ -56,7 +56,8 @@ class RankOutput:
                 outcome.output = self.tail(rank)
 
     def forward(self, outcomes: Sequence[RankOutcome]) -> None:
-        """Copy what the ranks printed during the case to this process's stderr (pytest captures it)."""
+        """Copy what the ranks printed during the case to
+        this process's stderr (pytest captures it)."""
         for outcome in outcomes:
             text = self.new(outcome.rank)
             if outcome.ok and text:

@@ -105,7 +105,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "world_sizes",
         "--world-sizes",
         "RING_WORLD_SIZES",
-        "Comma-separated world sizes to run (default 1,2,3,4; nightly tier 1..8; suites over 2-D meshes: 4,6; nightly 4,6,8,16)",
+        "Comma-separated world sizes to run (default 1,2,3,4; nightly tier 1..8; suites over 2-D "
+        "meshes: 4,6; nightly 4,6,8,16)",
         _parse_world_sizes,
         "1,2,4",
         metavar="N[,N...]",
@@ -132,7 +133,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "case_timeout",
         "--case-timeout",
         "RING_CASE_TIMEOUT",
-        "Seconds a distributed case may take before its ranks' stacks are dumped and the pool is rebuilt (default 60)",
+        "Seconds a distributed case may take before its ranks' stacks are dumped and the pool is "
+        "rebuilt (default 60)",
         _parse_positive_float,
         "60",
         metavar="SECONDS",
@@ -141,8 +143,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "compile_timeout",
         "--compile-timeout",
         "RING_COMPILE_TIMEOUT",
-        "Seconds a case that compiles (marked compile, or a ring case with a torch.compile backend) may take; "
-        "covers a cold inductor cache compiling on every rank at once (default 600; the larger of this and --case-timeout applies)",
+        "Seconds a case that compiles (marked compile, or a ring case with a torch.compile "
+        "backend) may take; covers a cold inductor cache compiling on every rank at once (default "
+        "600; the larger of this and --case-timeout applies)",
         _parse_positive_float,
         "600",
         metavar="SECONDS",
@@ -169,9 +172,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "launcher",
         "--launcher",
         "RING_LAUNCHER",
-        "How ranks are launched: pool (rank processes per pytest worker), torchrun (this pytest is one torchrun rank), "
-        "simulated (every rank a thread of this process, exact collectives: W up to 64 on CPU, no torch.compile) "
-        "or auto (torchrun when its environment is present)",
+        "How ranks are launched: pool (rank processes per pytest worker), torchrun (this pytest "
+        "is one torchrun rank), simulated (every rank a thread of this process, exact "
+        "collectives: W up to 64 on CPU, no torch.compile) or auto (torchrun when its environment "
+        "is present)",
         _parse_choice(LAUNCHERS),
         "auto",
         LAUNCHERS,
@@ -180,7 +184,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "rank_start",
         "--rank-start",
         "RING_RANK_START",
-        "How pool ranks start: forkserver (default; forked from a server that imported torch once, fast) or spawn (fresh interpreters: slow, for debugging a forkserver problem)",
+        "How pool ranks start: forkserver (default; forked from a server that imported torch "
+        "once, fast) or spawn (fresh interpreters: slow, for debugging a forkserver problem)",
         _parse_choice(RANK_STARTS),
         "spawn",
         RANK_STARTS,

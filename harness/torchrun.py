@@ -44,7 +44,8 @@ def torchrun_rank() -> tuple[int, int, int]:
 
 
 class TorchrunPool(Pool):
-    """The in-process "pool" of a torchrun rank; ``run`` / ``run_outcomes`` as every :class:`Pool`."""
+    """The in-process "pool" of a torchrun rank;
+    ``run`` / ``run_outcomes`` as every :class:`Pool`."""
 
     def __init__(self, backend: str, device: str) -> None:
         import torch
@@ -195,15 +196,17 @@ def get_torchrun_pool(world_size: int, backend: str, device: str) -> TorchrunPoo
     if world_size != launched:
         raise PoolUnavailable(
             f"this case needs world_size {world_size} but torchrun launched {launched} ranks: "
-            f"launch torchrun with {world_size} ranks in total (e.g. --nproc-per-node={world_size}) "
-            f"to run it, or pass --world-sizes {launched} to select only the cases that fit"
+            f"launch torchrun with {world_size} ranks in total (e.g. "
+            f"--nproc-per-node={world_size}) to run it, or pass --world-sizes {launched} to "
+            "select only the cases that fit"
         )
     if _pool is None:
         _pool = TorchrunPool(backend, device)
     elif (_pool.backend, _pool.device) != (backend, device):
         raise PoolUnavailable(
             f"this torchrun session runs {_pool.backend}/{_pool.device}; a case asked for "
-            f"{backend}/{device}: start another torchrun session with --dist-backend {backend} --device {device}"
+            f"{backend}/{device}: start another torchrun session with --dist-backend {backend} "
+            f"--device {device}"
         )
     return _pool
 

@@ -598,7 +598,8 @@ def _lse_offset_in_bf16(query, key, value, **kwargs):
 
 
 class DeclaresNothing:
-    """An implementation with every protocol piece but no ``capabilities``: everything is claimed."""
+    """An implementation with every protocol piece but no ``capabilities``:
+    everything is claimed."""
 
     api_module = "ring_impl"
     baseline_op = "auto"
@@ -791,7 +792,8 @@ BROKEN: dict[str, Broken] = {
         Broken(
             "partials_in_input_dtype",
             "accumulation dtype: partials kept in bf16/fp16",
-            r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank [-\d, ]+: every value of the float32 result is a bfloat16 number",
+            r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank "
+            r"[-\d, ]+: every value of the float32 result is a bfloat16 number",
             _adapter("partials_in_input_dtype", PartialsInInputDtype()),
         ),
         Broken(
@@ -872,7 +874,8 @@ BROKEN: dict[str, Broken] = {
         Broken(
             "raises_on_one_rank_only",
             "hang: an exception on one rank leaving the others blocked",
-            r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others waiting",
+            r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others "
+            r"waiting",
             _wrapped("raises_on_one_rank_only", RaisesOnOneRankOnly()),
         ),
         Broken(
@@ -914,7 +917,8 @@ BROKEN: dict[str, Broken] = {
         Broken(
             "masked_rows_keep_kernel_lse",
             "masks: a row the mask hides completely merged with the kernel's LSE 0",
-            r"rows that see no key must have LSE -inf|rows a masked block hides must merge as nothing",
+            r"rows that see no key must have LSE -inf|rows a masked block hides must merge as "
+            r"nothing",
             _adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
             suites="suites/test_masks.py",
         ),

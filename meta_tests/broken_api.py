@@ -207,19 +207,22 @@ BROKEN_API: dict[str, Broken] = {
     for b in [
         _broken(
             "routing_lost_under_compile",
-            "silent fallback: a parallelised module compiled with torch.compile attends to the local shard",
+            "silent fallback: a parallelised module compiled with torch.compile attends to the "
+            "local shard",
             r"compiled parallelized module: ContextParallel then torch\.compile",
             style=RoutingInvisibleToCompile,
         ),
         _broken(
             "compiled_sdpa_fails",
-            "torch.compile: SDPA compiled inside context_parallel fails (the route is not a function)",
+            "torch.compile: SDPA compiled inside context_parallel fails (the route is not a "
+            "function)",
             r"function calling SDPA inside context_parallel failed",
             route_ctx=_routing_through_an_object,
         ),
         _broken(
             "mha_weights_path_local",
-            "silent fallback: nn.MultiheadAttention's default need_weights=True path attends to the local shard",
+            "silent fallback: nn.MultiheadAttention's default need_weights=True path attends to "
+            "the local shard",
             r"MultiheadAttention with need_weights=True \(its default\)",
             route_ctx=_routing_allowing_weights,
         ),

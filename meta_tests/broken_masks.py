@@ -101,7 +101,7 @@ class WindowOffByOneAtBlockEdge(RingAttention):
         return super().plan(cfg, seq_q, seq_kv)
 
 
-# ------------------------------------------------------------------------ documents at local positions
+# --------------------------------------------------------------------- documents at local positions
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,7 +141,7 @@ class DocumentsAtLocalPositions(RingAttention):
         return super().plan(cfg, seq_q, seq_kv)
 
 
-# ------------------------------------------------------------------------ document ids rebuilt wrong
+# ----------------------------------------------------------------------- document ids rebuilt wrong
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,7 +206,7 @@ class _DocumentsRebuiltWrong(RingAttention):
         return super().plan(cfg, seq_q, seq_kv)
 
 
-# ------------------------------------------------------------------------ a backward on the wrong layout
+# ------------------------------------------------------------------- a backward on the wrong layout
 
 
 class BackwardPlansBalancedLayoutAsContiguous(RingAttention):
@@ -216,7 +216,7 @@ class BackwardPlansBalancedLayoutAsContiguous(RingAttention):
         return super().backward(cfg, grad_out, query, key, value, out, lse, grad_lse)
 
 
-# ------------------------------------------------------------------------ a balancer that piles up work
+# -------------------------------------------------------------------- a balancer that piles up work
 
 
 def _longest_first_runs(mask, seq_len: int, world_size: int) -> list[tuple[tuple[int, int], ...]]:
@@ -250,7 +250,7 @@ class LongDocumentsOnOneRank(RingImplAdapter):
         return name, [layout_runs(name, seq_len, world_size, r) for r in range(world_size)]
 
 
-# ------------------------------------------------------------------------ ids kept by their version counter
+# ---------------------------------------------------------------- ids kept by their version counter
 
 
 def _stale_documents_ring():
@@ -310,7 +310,7 @@ def _right_dropped(m):
     return SlidingWindow(m.left, 0) if type(m) is SlidingWindow and m.right else None
 
 
-# ------------------------------------------------------------------------ a mask_mod compared at its start only
+# ------------------------------------------------------------ a mask_mod compared at its start only
 
 
 @dataclass(frozen=True)
@@ -379,7 +379,8 @@ BROKEN_MASKS: dict[str, Broken] = {
         Broken(
             "stale_documents_after_refill",
             "masks: document ids refilled in place served stale",
-            r"stale documents: the second call ran the documents its mask's ids held at the first call",
+            r"stale documents: the second call ran the documents its mask's ids held at the first "
+            r"call",
             _stale_documents_ring(),
             suites="suites/test_masks.py",
             select=("-k", "refilled"),

@@ -130,8 +130,8 @@ def test_correct_ring_passes_the_suites(
         f"{totals['n/a']} N/A, {totals['skipped']} skipped in {wall:.0f} s"
     )
     assert totals["failed"] == 0 and totals["error"] == 0, (
-        f"the suites failed a correct ring ({name}): {figures}; either the ring has a bug or the suite judges a "
-        f"correct result wrongly{tail}"
+        f"the suites failed a correct ring ({name}): {figures}; either the ring has a bug or the "
+        f"suite judges a correct result wrongly{tail}"
     )
     assert proc.returncode == 0, (
         f"pytest suites --impl {impl} exited {proc.returncode} ({figures}){tail}"
@@ -152,8 +152,8 @@ def test_correct_ring_passes_the_suites(
             continue
         reasons = [key[1] for key in counts if isinstance(key, tuple)]
         assert counts["n/a"] and not counts["skipped"] and not undeclared_lacks(reasons, caps), (
-            f"{name}: suites/{module}.py executed no case, and not because the ring declares it lacks a "
-            f"capability: {dict(counts)}"
+            f"{name}: suites/{module}.py executed no case, and not because the ring declares it "
+            f"lacks a capability: {dict(counts)}"
         )
 
 
@@ -198,7 +198,8 @@ def test_correct_strategies_pass_the_strategy_suite(
     reasons = [key[1] for key in totals if isinstance(key, tuple)]
     caps = load_implementation(impl).capabilities
     assert not totals["skipped"] and not undeclared_lacks(reasons, caps), (
-        f"gather_strategies: cases skipped, or N/A for a capability it does not declare lacking: {dict(totals)}"
+        "gather_strategies: cases skipped, or N/A for a capability it does not declare lacking: "
+        f"{dict(totals)}"
     )
     least = MIN_STRATEGY_PASSED[tier]
     assert totals["passed"] >= least, (

@@ -26,12 +26,13 @@ def test_strategy_suite_fails_on_broken_strategy(name: str) -> None:
     )
     text = failure_text(proc, name).replace(f"meta_tests.broken_strategies:{name}", "<impl>")
     assert proc.returncode == 1, (
-        f"the strategy suite did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n"
+        f"the strategy suite did not fail on {name!r} ({broken.bug_class}): exit code "
+        f"{proc.returncode}\n"
         f"{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     )
     assert re.search(broken.expect, text, re.IGNORECASE), (
-        f"the strategy suite failed on {name!r} ({broken.bug_class}) but the failure does not name the cause "
-        f"(no match for /{broken.expect}/):\n{text[-4000:]}"
+        f"the strategy suite failed on {name!r} ({broken.bug_class}) but the failure does not "
+        f"name the cause (no match for /{broken.expect}/):\n{text[-4000:]}"
     )
     others = {
         o.name: o.expect
@@ -39,6 +40,6 @@ def test_strategy_suite_fails_on_broken_strategy(name: str) -> None:
         if o.name != name and re.search(o.expect, text, re.IGNORECASE)
     }
     assert not others, (
-        f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of {sorted(others)}; the message must "
-        f"tell these causes apart\n{text[-4000:]}"
+        f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of "
+        f"{sorted(others)}; the message must tell these causes apart\n{text[-4000:]}"
     )

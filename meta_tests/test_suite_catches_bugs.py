@@ -117,11 +117,12 @@ def test_suite_fails_on_broken_implementation(name: str) -> None:
         )
         text = failure_text(proc, name)
     assert proc.returncode == 1, (
-        f"the suites did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+        f"the suites did not fail on {name!r} ({broken.bug_class}): exit code "
+        f"{proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     )
     assert re.search(broken.expect, text, re.IGNORECASE), (
-        f"the suites failed on {name!r} ({broken.bug_class}) but the failure does not name the cause "
-        f"(no match for /{broken.expect}/):\n{text[-4000:]}"
+        f"the suites failed on {name!r} ({broken.bug_class}) but the failure does not name the "
+        f"cause (no match for /{broken.expect}/):\n{text[-4000:]}"
     )
     others = {
         o.name: o.expect
@@ -129,8 +130,8 @@ def test_suite_fails_on_broken_implementation(name: str) -> None:
         if o.name != name and re.search(o.expect, text, re.IGNORECASE)
     }
     assert not others, (
-        f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of {sorted(others)}: "
-        f"{others}; the message must tell these causes apart\n{text[-4000:]}"
+        f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of "
+        f"{sorted(others)}: {others}; the message must tell these causes apart\n{text[-4000:]}"
     )
 
 
@@ -149,11 +150,13 @@ def _caught_by_several(name: str, broken) -> None:
         timeout=900,
     )
     assert proc.returncode == 1, (
-        f"the suites did not fail on {name!r} ({broken.bug_class}): exit code {proc.returncode}\n{proc.stdout[-4000:]}"
+        f"the suites did not fail on {name!r} ({broken.bug_class}): exit code "
+        f"{proc.returncode}\n{proc.stdout[-4000:]}"
     )
     failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.MULTILINE)
     assert len(failed) >= broken.min_failures, (
-        f"{name!r} ({broken.bug_class}) failed {len(failed)} case(s), fewer than {broken.min_failures}: {failed}"
+        f"{name!r} ({broken.bug_class}) failed {len(failed)} case(s), fewer than "
+        f"{broken.min_failures}: {failed}"
     )
     text = failure_text(proc, name)
     sections = [

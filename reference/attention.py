@@ -207,8 +207,9 @@ def masked_attention(
             ok = False
         if not ok:
             raise ValueError(
-                "visible must be a bool mask of shape (seq_q, seq_k) or broadcastable to (batch, heads, seq_q, "
-                f"seq_k) = {tuple(scores.shape)}; got {visible.dtype} of shape {tuple(visible.shape)}"
+                "visible must be a bool mask of shape (seq_q, seq_k) or broadcastable to (batch, "
+                f"heads, seq_q, seq_k) = {tuple(scores.shape)}; got {visible.dtype} of shape "
+                f"{tuple(visible.shape)}"
             )
         scores = scores.masked_fill(~visible.to(scores.device), -math.inf)
     sink = None
@@ -318,7 +319,8 @@ def attention_grads(
         if grad_lse is not None:
             if grad_lse.shape != lse.shape:
                 raise ValueError(
-                    f"grad_lse has shape {tuple(grad_lse.shape)}, expected the LSE's {tuple(lse.shape)}"
+                    f"grad_lse has shape {tuple(grad_lse.shape)}, expected the LSE's "
+                    f"{tuple(lse.shape)}"
                 )
             # Rows that see nothing have LSE -inf and no gradient: keep 0 * -inf out of the loss.
             used = torch.isfinite(lse) & ~reach["lse"]

@@ -122,9 +122,9 @@ class Tolerance:
 
 # The policy's one table (k per input dtype). k = 2: a ring may be up to twice as far from the
 # float64 truth as the same kernel on one device, beyond the floor (which carries the roundings
-# a ring makes and a single kernel does not, so 16-bit inputs need no larger k). step_rel is roughly 10-30x the rounding unit of
-# one attention call of that dtype: diagnosis only has to tell rounding from a wrong mask,
-# block or scale, which err by O(1).
+# a ring makes and a single kernel does not, so 16-bit inputs need no larger k). step_rel is roughly
+# 10-30x the rounding unit of one attention call of that dtype: diagnosis only has to tell rounding
+# from a wrong mask, block or scale, which err by O(1).
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(k=2.0, step_rel=1e-10),
     torch.float32: Tolerance(k=2.0, step_rel=1e-4),
@@ -524,7 +524,8 @@ def check(
     tol = tolerance_for(in_dtype)
     if scales is not None and tuple(scales.magnitude.shape) != tuple(ref.shape):
         raise ValueError(
-            f"{name}: scales of shape {tuple(scales.magnitude.shape)} for a result of shape {tuple(ref.shape)}"
+            f"{name}: scales of shape {tuple(scales.magnitude.shape)} for a result of shape "
+            f"{tuple(ref.shape)}"
         )
     n = roundings if roundings is not None else (world_size or 1) + 1
     fl = floors(scales, ref, result_dtype=out_dtype, input_dtype=in_dtype, roundings=n)
@@ -559,7 +560,8 @@ def check(
         f"mean err {fmt_err(mean_err)} vs single-device {fmt_err(base_mean)} "
         f"(ratio {mean_ratio:.3g}; bound {fmt_err(mean_bound)}, floor {fmt_err(fl.mean_floor)}"
         f"{', exceeded' if not mean_ok else ''})",
-        f"{str(out_dtype).removeprefix('torch.')} result of {str(in_dtype).removeprefix('torch.')} inputs",
+        f"{str(out_dtype).removeprefix('torch.')} result of "
+        f"{str(in_dtype).removeprefix('torch.')} inputs",
     ]
     if not math.isfinite(max_err):
         bad = float(x.detach()[worst].to(torch.float64))

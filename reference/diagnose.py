@@ -187,8 +187,8 @@ def _step_hypotheses(sim: RingSimulation, rec: StepRecord) -> list[tuple[str, Te
     if sim.layout == "head_tail" and n and k.shape[2] == 2 * n:
         swap = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)])
         add(
-            "paired the queries with the wrong key/value chunk of the head_tail pair (head and tail "
-            "chunks swapped)",
+            "paired the queries with the wrong key/value chunk of the head_tail pair (head and "
+            "tail chunks swapped)",
             k[..., swap, :],
             v[..., swap, :],
             mask,
@@ -603,8 +603,8 @@ def _dtype_findings(
         narrow, own = hits[0][1], _dtype_name(wider)
         ranks = _ranges([r for r, d in hits if d == narrow])
         what = (
-            f"{name} on rank {ranks}: every value of the {own} result is a {_dtype_name(narrow)} number: "
-            f"{name} was computed, accumulated or cast in {_dtype_name(narrow)} on its way"
+            f"{name} on rank {ranks}: every value of the {own} result is a {_dtype_name(narrow)} "
+            f"number: {name} was computed, accumulated or cast in {_dtype_name(narrow)} on its way"
         )
         if name == "lse":
             what += " (the LSE's contract is float32, float64 for float64 inputs)"
@@ -639,9 +639,10 @@ def _overflow_findings(
                     rank,
                     None,
                     (
-                        f"rank {rank}: NaN/inf on rows whose LSE reaches {reach:.3g}, beyond log(max {dtype}) = "
-                        f"{limit:.1f}: an exp of the LSE (or of raw scores) overflowed; merge in the stable form "
-                        "(subtract the running maximum, or use logsigmoid)"
+                        f"rank {rank}: NaN/inf on rows whose LSE reaches {reach:.3g}, beyond "
+                        f"log(max {dtype}) = {limit:.1f}: an exp of the LSE (or of raw scores) "
+                        "overflowed; merge in the stable form (subtract the running maximum, or "
+                        "use logsigmoid)"
                     ),
                 )
             )
@@ -678,8 +679,8 @@ def _lse_form_findings(
                 base2[0],
                 None,
                 (
-                    f"lse on rank {_ranges(base2)} is the natural-log LSE divided by ln 2: it is in base 2, the "
-                    "contract (and every merge) is base e"
+                    f"lse on rank {_ranges(base2)} is the natural-log LSE divided by ln 2: it is "
+                    "in base 2, the contract (and every merge) is base e"
                 ),
             )
         )
@@ -690,7 +691,8 @@ def _lse_form_findings(
                 min(shifts),
                 None,
                 (
-                    f"lse is shifted by a constant on every row ({shown}): an offset added to the LSE"
+                    f"lse is shifted by a constant on every row ({shown}): an offset added to the "
+                    "LSE"
                 ),
             )
         )
@@ -836,8 +838,9 @@ def _backward_findings(
                             0,
                             None,
                             (
-                                f"dq matches on every rank, but rank r holds the dk/dv of rank r+{t}'s block: the dK/dV "
-                                f"accumulators stopped {t} hop(s) short of their owners (the return hop is missing)"
+                                "dq matches on every rank, but rank r holds the dk/dv of rank "
+                                f"r+{t}'s block: the dK/dV accumulators stopped {t} hop(s) short "
+                                "of their owners (the return hop is missing)"
                             ),
                         )
                     ]
@@ -846,8 +849,9 @@ def _backward_findings(
                     0,
                     None,
                     (
-                        "dq matches on every rank, but dk/dv do not: the dK/dV accumulators did not reach their owners "
-                        "complete (a missing, extra or misrouted hop of the gradient ring)"
+                        "dq matches on every rank, but dk/dv do not: the dK/dV accumulators did "
+                        "not reach their owners complete (a missing, extra or misrouted hop of "
+                        "the gradient ring)"
                     ),
                 )
             ]

@@ -89,7 +89,8 @@ def positions(
     row = ring_layout.positions(layout, r_size, r, seq_len)
     if len(row) % u_size:
         raise ValueError(
-            f"a row's shard of {len(row)} positions does not split into {u_size} equal pieces; pad the sequence"
+            f"a row's shard of {len(row)} positions does not split into {u_size} equal pieces; "
+            "pad the sequence"
         )
     n = len(row) // u_size
     return row[u * n : (u + 1) * n]
@@ -135,7 +136,7 @@ def locate(
     raise ValueError(f"position {index[dim]} is outside a sequence of length {seq_len}")
 
 
-# ---------------------------------------------------------------------------- the hybrid's simulation
+# -------------------------------------------------------------------------- the hybrid's simulation
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,7 +157,8 @@ class HybridSimulation:
         return slice(u * n, (u + 1) * n)
 
     def step(self, u: int, row: int, s: int) -> StepRecord:
-        """Row ``row``'s ring step ``s`` on head slice ``u``: which key/value row, what kind, the partial."""
+        """Row ``row``'s ring step ``s`` on head slice ``u``: which key/value row,
+        what kind, the partial."""
         return self.rings[u].step(row, s)
 
     def row_out(self, row: int) -> Tensor:
@@ -181,7 +183,8 @@ class HybridSimulation:
         )
 
     def work_per_row(self) -> list[int]:
-        """Visible score entries each row computes, summed over head slices' rings (per batch and head)."""
+        """Visible score entries each row computes, summed
+        over head slices' rings (per batch and head)."""
         return [
             sum(ring.work_per_rank()[row] for ring in self.rings)
             for row in range(self.mesh_shape[1])
@@ -351,7 +354,8 @@ def _hypotheses(
     )
     found: list[tuple[str, Tensor]] = [
         (
-            "every rank attended only to its own sequence shard: local attention, context parallelism silently off",
+            "every rank attended only to its own sequence shard: local attention, context "
+            "parallelism silently off",
             _local_only(query, key, value, **common),
         )
     ]
@@ -361,17 +365,17 @@ def _hypotheses(
         g_rep = heads // (heads_kv * e)
         found.append(
             (
-                f"key/value heads replicated in the wrong order for the Ulysses degree {u_size}: each head copied {e} times as a "
-                f"block (repeat), so query head h read key/value head (h // {g_rep}) % {heads_kv}, not h // {g} "
-                "(repeat_interleave)",
+                f"key/value heads replicated in the wrong order for the Ulysses degree {u_size}: "
+                f"each head copied {e} times as a block (repeat), so query head h read key/value "
+                f"head (h // {g_rep}) % {heads_kv}, not h // {g} (repeat_interleave)",
                 replay_head_parallel(query, key, value, kv_order="tile", **common),
             )
         )
     if strategy != "ring" and u_size > 1 and (query.shape[2] // (u_size * r_size)) % u_size == 0:
         found.append(
             (
-                "the sequence-to-heads all-to-all split the sequence dim where it must split heads (heads and sequence "
-                "swapped in the all-to-all)",
+                "the sequence-to-heads all-to-all split the sequence dim where it must split "
+                "heads (heads and sequence swapped in the all-to-all)",
                 replay_head_parallel(query, key, value, split="sequence", **common),
             )
         )
@@ -458,9 +462,15 @@ def diagnose_strategy(
         if float((predicted - ref).abs().max()) <= tol:
             continue  # this bug would not change the result here: it cannot explain a failure
         scored.append((float(abs_error(observed_out, predicted).max()), what))
-    text = f"{strategy} on a {u_size}x{r_size} (ulysses x ring) mesh: output max err {fmt_err(actual)}, {where}"
+    text = (
+        f"{strategy} on a {u_size}x{r_size} (ulysses x ring) mesh: output max err "
+        f"{fmt_err(actual)}, {where}"
+    )
     if scored:
         residual, what = min(scored)
         if residual * EXPLAINS_BY <= actual:
             return f"{text}; explained (residual {fmt_err(residual)}) by: {what}"
-    return f"{text}; no replayed strategy bug (local attention only, key/value head order, all-to-all dim, head_tail reorder) explains it"
+    return (
+        f"{text}; no replayed strategy bug (local attention only, key/value head order, "
+        "all-to-all dim, head_tail reorder) explains it"
+    )

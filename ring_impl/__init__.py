@@ -14,7 +14,7 @@ Public API::
     flex_attention                     # flex attention; ring attention with its block mask under a route
     register_op / available_ops / AttentionOp / OpCapabilities
     collective_schedule                # the collectives a call issues, per phase
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

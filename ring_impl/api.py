@@ -43,7 +43,8 @@ def get_rotate_method() -> str:
 MAX_LOGIT_RUNS_EAGERLY = (
     "ring_attention(return_max_logit=True) runs eagerly inside torch.compile (a graph break): its "
     "max logit is a third output of the ring's forward and an all-reduce the compiled ring does "
-    "not carry. Compile without fullgraph=True, or ask for the max logit outside the compiled region"
+    "not carry. Compile without fullgraph=True, or ask for the max logit outside the compiled "
+    "region"
 )
 
 #: Why a call with a score_mod leaves the compiled graph.
@@ -56,14 +57,14 @@ SCORE_MODS_RUN_EAGERLY = (
 
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
-    "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod whose bit table "
-    "on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS, that does not return bool or whose function "
-    "asserts or raises (in the graph its failure would raise on its own rank only), a Mask subclass "
-    "(Python the compiled graph cannot carry), or mask values that are not plain ints/bools/tensors: "
-    "its plan is data (the mask on global positions) that a graph could only bake in and serve stale. Built-in "
-    "masks and MaskMods (as a table of bits), with any op, run in the graph, every strategy "
-    "(ring_impl.compiled_masks). Compile without fullgraph=True, or call such masked attention outside the "
-    "compiled region"
+    "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod "
+    "whose bit table on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS, that "
+    "does not return bool or whose function asserts or raises (in the graph its failure would "
+    "raise on its own rank only), a Mask subclass (Python the compiled graph cannot carry), or "
+    "mask values that are not plain ints/bools/tensors: its plan is data (the mask on global "
+    "positions) that a graph could only bake in and serve stale. Built-in masks and MaskMods (as "
+    "a table of bits), with any op, run in the graph, every strategy (ring_impl.compiled_masks). "
+    "Compile without fullgraph=True, or call such masked attention outside the compiled region"
 )
 
 
@@ -231,8 +232,9 @@ def ring_path(
             reach = halo_reach(folded, **where)
             if reach is None and call.exchange == "halo":
                 problem = (
-                    f"exchange='halo' but the halo exchange cannot serve this call: "
-                    f"{halo_refusal(folded, **where)}; pass exchange='auto' to fall back to the ring"
+                    "exchange='halo' but the halo exchange cannot serve this call: "
+                    f"{halo_refusal(folded, **where)}; pass exchange='auto' to fall back to the "
+                    "ring"
                 )
     cfg = ahead = None
     if problem is None:

@@ -211,14 +211,16 @@ def _document_ids(documents, seq_len: int):
         for f in found
     ):
         raise ValueError(
-            "document_head_tail_layout: the masks hold different document ids; pass the ids to balance"
+            "document_head_tail_layout: the masks hold different document ids; pass the ids to "
+            "balance"
         )
     return found[0].doc_ids if found else None
 
 
 def document_head_tail_runs(spans: Sequence[tuple[int, int]], world_size: int) -> list[Runs]:
     """Per rank, its runs under ``document_head_tail`` for documents at ``spans`` (see the
-    module docstring): chunks ``r`` and ``2W-1-r`` of every document, leftovers dealt round robin."""
+    module docstring): chunks ``r`` and ``2W-1-r`` of every document, leftovers dealt round
+    robin."""
     w = world_size
     held: list[list[tuple[int, int]]] = [[] for _ in range(w)]
     turn = 0  # the rank that gets the next leftover token
@@ -248,8 +250,8 @@ def document_head_tail_layout(name: str, documents, seq_len: int, world_size: in
     ``seq_len`` must be a multiple of ``world_size``. Register it on every rank."""
     if world_size < 1 or seq_len % world_size:
         raise ValueError(
-            f"document_head_tail_layout: seq_len {seq_len} is not a multiple of world_size {world_size}; "
-            "pad the sequence"
+            f"document_head_tail_layout: seq_len {seq_len} is not a multiple of world_size "
+            f"{world_size}; pad the sequence"
         )
     per_rank = document_head_tail_runs(document_spans(documents, seq_len), world_size)
 

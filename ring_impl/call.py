@@ -112,9 +112,11 @@ def exchange_of(exchange, strategy, halo, sparse_kv) -> tuple[Any, str | None]:
         warnings.warn(
             "ring_attention: "
             + ", ".join(f"{k}=" for k in given)
-            + " are deprecated; pass exchange= one of "
-            f"{EXCHANGES} (strategy='ulysses' -> exchange='ulysses', halo=True -> 'halo', halo=False -> "
-            "'ring', sparse_kv=True -> 'gather')",
+            + (
+                f" are deprecated; pass exchange= one of {EXCHANGES} (strategy='ulysses' -> "
+                "exchange='ulysses', halo=True -> 'halo', halo=False -> 'ring', sparse_kv=True "
+                "-> 'gather')"
+            ),
             DeprecationWarning,
             stacklevel=3,
         )

@@ -36,7 +36,8 @@ from .validate import InputError
 
 __all__ = ["CHECK_LEFT_OUT", "checked_call"]
 
-#: When a compiled call runs without the cross-rank check (each rank still refuses its own bad input).
+#: When a compiled call runs without the cross-rank
+#: check (each rank still refuses its own bad input).
 CHECK_LEFT_OUT = (
     "an option that is not a plain literal, inputs that are not tensors, or a single rank"
 )
@@ -117,8 +118,8 @@ def _refuse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _run_checks(query, key, value, sinks, call)  # raises InputError on every rank
     raise InputError(  # pragma: no cover - the traced checks refused what the same checks accept
-        "ring_attention: the compiled call's input was refused while tracing but passes its checks when run; "
-        "please report this with the call's arguments"
+        "ring_attention: the compiled call's input was refused while tracing but passes its "
+        "checks when run; please report this with the call's arguments"
     )
 
 

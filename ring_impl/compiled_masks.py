@@ -18,7 +18,8 @@ found in the plan cache) when the op runs, from the tensors it is given:
     the host) names what the backward needs beyond the graph's tensors (the path, its plan, a
     received halo or gathered block), held until the handle tensor is freed, as autograd holds
     saved tensors.
-``ring_impl::masked_ring_backward(grad_out, grad_lse, query, key, value, out, lse, handle) -> (dq, dk, dv)``
+``ring_impl::masked_ring_backward(grad_out, grad_lse, query, key, value, out, lse, handle)
+-> (dq, dk, dv)``
     The path's backward: the same collectives as the eager call's. The graph gives it the
     tensors it keeps for it (inputs and outputs): a buffer the graph does not know is held could
     be reused for another result. ``grad_lse`` is None when the LSE is not used (compiled graphs
@@ -62,8 +63,9 @@ from .sinks import sinks_problem, with_sinks
 
 __all__ = ["describe_call", "masked_ring_call", "rebuild_call", "register_impl", "saved_states"]
 
-#: name -> (a RingAttention variant, its head-parallel algorithms or None, the function that checks a
-#: call and returns its Path: ring_impl.api.call_path, handed over so this module does not import api)
+#: name -> (a RingAttention variant, its head-parallel algorithms or None, the function that checks
+#: a call and returns its Path: ring_impl.api.call_path, handed over so this module does not import
+#: api)
 _IMPLS: dict[str, tuple[RingAttention, Mapping | None, Callable]] = {}
 #: handle -> (path, saved tensors, meta) of a forward whose backward has not been freed yet
 _SAVED: dict[int, tuple] = {}
@@ -121,7 +123,8 @@ def _decode(x):
     return x
 
 
-@torch._dynamo.assume_constant_result  # read for real while dynamo traces: a fact of the code, not the data
+# read for real while dynamo traces: a fact of the code, not the data
+@torch._dynamo.assume_constant_result
 def raises_itself(fn) -> bool:
     """Whether ``fn``'s own code (its body and the functions defined in it; not what it calls)
     holds an ``assert`` or a ``raise``: read from the bytecode, the same on every rank."""
@@ -453,8 +456,8 @@ def _masked_ring_backward(
     entry = _SAVED.get(int(handle))
     if entry is None:
         raise RuntimeError(
-            "ring_impl::masked_ring_backward: the forward's saved state is gone (its graph was freed); "
-            "pass retain_graph=True to the first backward to run another"
+            "ring_impl::masked_ring_backward: the forward's saved state is gone (its graph was "
+            "freed); pass retain_graph=True to the first backward to run another"
         )
     path, kept, meta = entry
     saved = _unstash(kept, (query, key, value, out, lse))

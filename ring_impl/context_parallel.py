@@ -127,7 +127,8 @@ class ShardedBuffers:
         """One entry per distinct buffer; raises ContextParallelError for bad buffers."""
         if len(buffers) != len(dims):
             raise ContextParallelError(
-                f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one sequence dim per buffer"
+                f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one sequence dim "
+                "per buffer"
             )
         divisor = layout_divisor(self.layout, self.world)
         entries: list[tuple[torch.Tensor, int, bool]] = []
@@ -145,19 +146,20 @@ class ShardedBuffers:
             if earlier is not None:
                 if earlier[1] != d:
                     raise ContextParallelError(
-                        f"buffers[{i}] is the same tensor as an earlier buffer but with sequence dim {d} instead of "
-                        f"{earlier[1]}; a tensor has one sequence dim: list it once"
+                        f"buffers[{i}] is the same tensor as an earlier buffer but with sequence "
+                        f"dim {d} instead of {earlier[1]}; a tensor has one sequence dim: list it "
+                        "once"
                     )
                 continue  # listed again (q = k = v = x): sharded once
             if self._sharded_by_enclosing(b):
                 raise ContextParallelError(
-                    f"buffers[{i}] is already sharded by an enclosing context_parallel; nesting would shard it "
-                    "again: list it in the outer context only"
+                    f"buffers[{i}] is already sharded by an enclosing context_parallel; nesting "
+                    "would shard it again: list it in the outer context only"
                 )
             if b.shape[d] % divisor:
                 raise ContextParallelError(
-                    f"buffers[{i}] has sequence length {b.shape[d]} on dim {d}, not a multiple of {divisor} "
-                    f"(layout {self.layout!r}, {self.world} ranks); pad the sequence"
+                    f"buffers[{i}] has sequence length {b.shape[d]} on dim {d}, not a multiple of "
+                    f"{divisor} (layout {self.layout!r}, {self.world} ranks); pad the sequence"
                 )
             entries.append((b, d, all(k is not b for k in keep)))
         for k in keep:
@@ -280,8 +282,8 @@ def _agree(problem: str | None, group: dist.ProcessGroup, device: torch.device, 
         raise ContextParallelError(f"{what} (rank {rank}): {problem}")
     if bad:
         raise ContextParallelError(
-            f"{what} (rank {rank}): rank(s) {bad} rejected their arguments (see the error on those ranks); "
-            "every rank raises so none is left waiting in a collective"
+            f"{what} (rank {rank}): rank(s) {bad} rejected their arguments (see the error on "
+            "those ranks); every rank raises so none is left waiting in a collective"
         )
 
 
@@ -460,8 +462,8 @@ def context_parallel_unshard(
         d = d % t.dim()
         if (t.shape[d] * world) % divisor:
             raise ValueError(
-                f"context_parallel_unshard: local length {t.shape[d]} x {world} ranks is not a multiple of {divisor}, "
-                f"so these are not shards of layout {layout!r}"
+                f"context_parallel_unshard: local length {t.shape[d]} x {world} ranks is not a "
+                f"multiple of {divisor}, so these are not shards of layout {layout!r}"
             )
         local = t.movedim(d, 0).contiguous()
         host = gloo and local.device.type != "cpu"

@@ -47,14 +47,14 @@ def flex_problem(
     query (batch, heads, seq_local, head_dim), key (batch, heads_kv, seq_kv_local, head_dim)."""
     if score_mod is not None:
         return (
-            "score_mod is not supported under context parallel's flex route; express "
-            "visibility as the block_mask's mask_mod, and call ring_impl.ring_attention(..., score_mod=fn, "
+            "score_mod is not supported under context parallel's flex route; express visibility "
+            "as the block_mask's mask_mod, and call ring_impl.ring_attention(..., score_mod=fn, "
             "mask=ring_impl.masks.MaskMod(mask_mod)) on the shards for a score_mod"
         )
     if kernel_options:
         return (
-            f"kernel_options {sorted(kernel_options)} tune flex attention's own kernel, which does not run "
-            "under context parallel (the ring runs its kernels); drop them"
+            f"kernel_options {sorted(kernel_options)} tune flex attention's own kernel, which "
+            "does not run under context parallel (the ring runs its kernels); drop them"
         )
     if return_aux is not None and getattr(return_aux, "max_scores", False):
         return (
@@ -69,16 +69,16 @@ def flex_problem(
         return None  # the ring's input checks report shape problems
     if query.shape[1] != key.shape[1] and not enable_gqa:
         return (
-            f"query has {query.shape[1]} heads but key/value have {key.shape[1]}; pass enable_gqa=True "
-            "for grouped-query attention"
+            f"query has {query.shape[1]} heads but key/value have {key.shape[1]}; pass "
+            "enable_gqa=True for grouped-query attention"
         )
     if block_mask is not None:
         want = (query.shape[2] * world_size, key.shape[2] * world_size)
         got = tuple(int(n) for n in getattr(block_mask, "seq_lengths", ()))
         if got != want:
             return (
-                f"block_mask was built for (query, key) lengths {got}, but the global sequence is {want} "
-                f"({world_size} ranks x local lengths): build it on the global sequence, "
+                f"block_mask was built for (query, key) lengths {got}, but the global sequence is "
+                f"{want} ({world_size} ranks x local lengths): build it on the global sequence, "
                 f"create_block_mask(mask_mod, B, H, {want[0]}, {want[1]})"
             )
         if getattr(block_mask, "mask_mod", None) is None:

@@ -32,9 +32,10 @@ def resolve_group(group) -> dist.ProcessGroup:
         return group.get_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
-            f"this rank (global rank {dist.get_rank() if dist.is_initialized() else '?'}) is not a member of the "
-            "process group passed as group= (new_group returns GroupMember.NON_GROUP_MEMBER on the ranks it leaves "
-            "out): call ring_attention only on the group's member ranks"
+            f"this rank (global rank {dist.get_rank() if dist.is_initialized() else '?'}) is not "
+            "a member of the process group passed as group= (new_group returns "
+            "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out): call ring_attention only "
+            "on the group's member ranks"
         )
     raise TypeError(
         f"group must be None, a ProcessGroup or a 1-D DeviceMesh, not {type(group).__name__}"

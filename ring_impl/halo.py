@@ -59,11 +59,14 @@ def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int)
             return "there is no mask: every query sees every shard"
         if layout != "contiguous":
             return (
-                f"layout {layout!r} holds positions that are not one run per rank; the halo path needs "
-                "layout='contiguous'"
+                f"layout {layout!r} holds positions that are not one run per rank; the halo path "
+                "needs layout='contiguous'"
             )
         if seq_q != seq_kv:
-            return f"local query and key/value lengths differ ({seq_q} and {seq_kv}); the halo path needs them equal"
+            return (
+                f"local query and key/value lengths differ ({seq_q} and {seq_kv}); the halo path "
+                "needs them equal"
+            )
         left, right = mask.reach()
         for side, n in (("back", left), ("forward", right)):
             if n is None:
@@ -72,8 +75,9 @@ def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int)
                 return f"mask {mask.describe()}: reach() gave {n!r}, not an int"
         if max(left, right) > seq_kv:
             return (
-                f"mask {mask.describe()} reaches {left} keys back and {right} forward, more than a shard "
-                f"({seq_kv} tokens): queries need keys beyond the neighbours; the ring serves it"
+                f"mask {mask.describe()} reaches {left} keys back and {right} forward, more than "
+                f"a shard ({seq_kv} tokens): queries need keys beyond the neighbours; the ring "
+                "serves it"
             )
     except Exception as exc:  # a user's Mask whose reach fails is served by the ring
         return f"mask reach could not be read ({type(exc).__name__}: {exc})"
@@ -246,9 +250,9 @@ def extended_forward(
     result: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``query`` (batch, heads, seq, head_dim) against the packed key/value rows
-    ``ext`` (RingAttention.pack_kv's shape, ``rows`` on dim -2) that ``blocks`` index (one kernel call each,
-    through the ring's seams); rows no block covers: out 0, LSE -inf. Shared by the paths without
-    a ring (the halo here, ring_impl.kv_gather).
+    ``ext`` (RingAttention.pack_kv's shape, ``rows`` on dim -2) that ``blocks`` index (one kernel
+    call each, through the ring's seams); rows no block covers: out 0, LSE -inf. Shared by the paths
+    without a ring (the halo here, ring_impl.kv_gather).
 
     ``finite``: whether every input the blocks read is finite (the NaN propagation is then
     skipped); checked here on ``query`` and ``ext`` when None. ``into``: (out, lse) accumulators
@@ -274,7 +278,9 @@ def extended_forward(
         )
         if finite:
             block_out, block_lse = impl.block_forward(cfg, q, k, v, block)
-        else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
+        else:
+            # the kernel on finite numbers, NaN put exactly where the inputs take it
+            # (ring_impl.nonfinite)
             block_out, block_lse = impl.block_forward(cfg, *finite_parts(q, k, v), block)
             block_out, block_lse = impl.nonfinite_forward(block_out, block_lse, q, k, v, block)
         del q, k, v
@@ -324,7 +330,9 @@ def extended_backward(
         k_, v_ = block_rows(ext_k, block.kv_rows, view), block_rows(ext_v, block.kv_rows, view)
         if finite:
             bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
-        else:  # the kernel on finite numbers, NaN put exactly where the inputs take it (ring_impl.nonfinite)
+        else:
+            # the kernel on finite numbers, NaN put exactly where the inputs take it
+            # (ring_impl.nonfinite)
             bq, bk, bv = impl.block_backward(
                 cfg,
                 *finite_parts(do_, q_, k_, v_, o_, l_),

@@ -10,8 +10,8 @@ results (dQ, dK, dV) and the accumulators of the chunk. Measured with ``ci/bench
 What it costs: ``c`` times as many collectives, each ``1/c`` of the bytes (the bytes each rank
 sends are unchanged, still the minimum), and the first key/value hop of each chunk's backward
 waits for nothing to overlap it. Key/value heads are split as evenly as possible (chunk sizes
-differ by at most one); a grouped-query chunk takes the query heads of its key/value heads (query head ``i``
-attends key/value head ``i // (heads // heads_kv)``, as SDPA's ``enable_gqa``).
+differ by at most one); a grouped-query chunk takes the query heads of its key/value heads (query
+head ``i`` attends key/value head ``i // (heads // heads_kv)``, as SDPA's ``enable_gqa``).
 
 Under ``torch.compile`` each chunk's first transfer is tied to the previous chunk's result with
 :func:`ring_impl.transports.after` (a copy of the chunk's keys, compiled only), so the chunks'
@@ -42,8 +42,8 @@ def check_head_chunks(head_chunks, heads_kv: int | None) -> str | None:
         return f"head_chunks must be a positive int, got {head_chunks!r}"
     if heads_kv is not None and head_chunks > heads_kv:
         return (
-            f"head_chunks={head_chunks} exceeds the {heads_kv} key/value heads; chunks split key/value "
-            f"heads, so use at most {heads_kv}"
+            f"head_chunks={head_chunks} exceeds the {heads_kv} key/value heads; chunks split "
+            f"key/value heads, so use at most {heads_kv}"
         )
     return None
 

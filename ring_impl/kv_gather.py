@@ -59,11 +59,17 @@ __all__ = [
 def gather_refusal(mask, *, world_size: int, head_chunks: int, strategy: str) -> str | None:
     """Why ``sparse_kv=True`` cannot serve a call, or None."""
     if mask is None:
-        return "sparse_kv=True needs a mask (without one every query sees every key: the ring serves it)"
+        return (
+            "sparse_kv=True needs a mask (without one every query sees every key: the ring serves "
+            "it)"
+        )
     if strategy != "ring":
         return f"sparse_kv=True runs with strategy='ring' only, got {strategy!r}"
     if head_chunks != 1:
-        return f"sparse_kv=True sends no blocks around a ring for head_chunks to split; pass head_chunks=1, got {head_chunks}"
+        return (
+            "sparse_kv=True sends no blocks around a ring for head_chunks to split; pass "
+            f"head_chunks=1, got {head_chunks}"
+        )
     return None
 
 
@@ -158,7 +164,8 @@ def gather_plan(
             received_at=at[seq_kv:].to(device),
         )
 
-    # The layouts' runs, not only its name: a layout registered again under the same name is replanned.
+    # The layouts' runs, not only its name: a layout
+    # registered again under the same name is replanned.
     key = (
         "gather",
         rank,
@@ -298,7 +305,8 @@ class GatherPath:
 
 
 def gather_path(query, key, cfg: RingConfig, impl: RingAttention) -> GatherPath:
-    """The sparse gather's :class:`GatherPath` for a validated masked config (its plan for these shapes)."""
+    """The sparse gather's :class:`GatherPath` for a validated masked config
+    (its plan for these shapes)."""
     g = cfg.group
     plan = gather_plan(
         cfg.mask,

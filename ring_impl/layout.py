@@ -88,7 +88,8 @@ def register_layout(layout: Layout, *, replace: bool = False) -> Layout:
     """Make ``layout`` selectable as ``layout=layout.name`` (register it on every rank)."""
     if layout.name in _REGISTRY and not replace:
         raise ValueError(
-            f"register_layout: a layout named {layout.name!r} is already registered; pass replace=True"
+            f"register_layout: a layout named {layout.name!r} is already registered; pass "
+            "replace=True"
         )
     _REGISTRY[layout.name] = layout
     for cached in (layout_runs, _rank_runs, _check_cover):
@@ -143,19 +144,21 @@ def _rank_runs(layout: str, seq_len: int, world_size: int, rank: int) -> Runs:
     divisor = lay.divisor(world_size)
     if seq_len % divisor:
         raise ValueError(
-            f"sequence length {seq_len} cannot be sharded in layout {layout!r} over {world_size} ranks: "
-            f"it must be a multiple of {divisor}; pad the sequence"
+            f"sequence length {seq_len} cannot be sharded in layout {layout!r} over {world_size} "
+            f"ranks: it must be a multiple of {divisor}; pad the sequence"
         )
     runs = tuple((int(a), int(b)) for a, b in lay.runs(seq_len, world_size, rank) if b > a)
     held = sum(b - a for a, b in runs)
     if held != seq_len // world_size:
         raise ValueError(
-            f"layout {layout!r} gives rank {rank} {held} positions of {seq_len}; every rank holds {seq_len // world_size}"
+            f"layout {layout!r} gives rank {rank} {held} positions of {seq_len}; every rank holds "
+            f"{seq_len // world_size}"
         )
     for (_, stop), (start, _) in pairwise(runs):
         if start < stop:
             raise ValueError(
-                f"layout {layout!r}: rank {rank}'s positions do not increase along its local order ({runs})"
+                f"layout {layout!r}: rank {rank}'s positions do not increase along its local "
+                f"order ({runs})"
             )
     return runs
 
@@ -169,7 +172,8 @@ def _check_cover(layout: str, seq_len: int, world_size: int) -> None:
     ):
         if a != end:
             raise ValueError(
-                f"layout {layout!r}: position {min(a, end)} of {seq_len} is held by no rank or by two"
+                f"layout {layout!r}: position {min(a, end)} of {seq_len} is held by no rank or by "
+                "two"
             )
         end = b
     if end != seq_len:
@@ -194,14 +198,16 @@ def _check_world(world_size, rank: int | None, what: str) -> None:
         isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size
     ):
         raise ValueError(
-            f"{what}: rank must be an int in [0, {world_size}) for world_size {world_size}, got {rank!r}"
+            f"{what}: rank must be an int in [0, {world_size}) for world_size {world_size}, got "
+            f"{rank!r}"
         )
 
 
 def _check_dim(tensor: torch.Tensor, dim: int, what: str) -> int:
     if not -tensor.dim() <= dim < tensor.dim():
         raise ValueError(
-            f"{what}: dim {dim} is out of range for a {tensor.dim()}-D tensor of shape {tuple(tensor.shape)}"
+            f"{what}: dim {dim} is out of range for a {tensor.dim()}-D tensor of shape "
+            f"{tuple(tensor.shape)}"
         )
     return dim % tensor.dim()
 
@@ -246,8 +252,8 @@ def unshard(
     shapes = [tuple(s.shape) for s in shards]
     if any(shape != shapes[0] for shape in shapes):
         raise ValueError(
-            f"unshard: shards have different shapes {shapes}; every rank's shard of a {layout!r} layout has "
-            "the same shape: pass one shard per rank, rank 0 first"
+            f"unshard: shards have different shapes {shapes}; every rank's shard of a {layout!r} "
+            "layout has the same shape: pass one shard per rank, rank 0 first"
         )
     seq_len = shapes[0][dim] * world_size
     try:

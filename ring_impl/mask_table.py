@@ -255,16 +255,20 @@ class VisibilityTable(Mask):
     def check(self, seq_q, seq_kv):
         if self.failed is not None and bool(self.failed):
             return (
-                "mask MaskMod cannot be evaluated on the positions this rank attends (an index out of range or an "
-                "integer divided by zero on this rank's data, found where the compiled graph evaluated its table)"
+                "mask MaskMod cannot be evaluated on the positions this rank attends (an index "
+                "out of range or an integer divided by zero on this rank's data, found where the "
+                "compiled graph evaluated its table)"
             )
         t = self.bits
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype != torch.uint8:
-            return "VisibilityTable.bits must be a 4-D uint8 tensor (batch or 1, heads or 1, seq_q, ceil(seq_kv / 8))"
+            return (
+                "VisibilityTable.bits must be a 4-D uint8 tensor (batch or 1, heads or 1, seq_q, "
+                "ceil(seq_kv / 8))"
+            )
         want = (seq_q, -(-seq_kv // 8))
         if (t.shape[2], t.shape[3]) != want or self.seq_kv != seq_kv:
             return (
-                f"VisibilityTable covers {t.shape[2]} x {self.seq_kv} positions but the global sequence is "
-                f"{seq_q} x {seq_kv}: build it on the global sequence"
+                f"VisibilityTable covers {t.shape[2]} x {self.seq_kv} positions but the global "
+                f"sequence is {seq_q} x {seq_kv}: build it on the global sequence"
             )
         return None

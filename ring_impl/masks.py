@@ -257,7 +257,8 @@ class Documents(Mask):
             or int(cu[-1]) > seq_len
         ):
             raise ValueError(
-                f"cu_seqlens must start at 0, not decrease and end at most at seq_len {seq_len}, got {cu.tolist()}"
+                f"cu_seqlens must start at 0, not decrease and end at most at seq_len {seq_len}, "
+                f"got {cu.tolist()}"
             )
         ids = torch.full((seq_len,), -1, dtype=torch.int64)
         for d, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -346,7 +347,7 @@ class Documents(Mask):
         # 128 bits of the ids: plans are cached by this description, so two documents layouts
         # must not share one by chance (a 32-bit checksum would, over a long run).
         crcs = ",".join(
-            f"{t.numel()}:{hashlib.blake2b(t.to(torch.int64).contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()}"
+            f"{t.numel()}:{hashlib.blake2b(t.to(torch.int64).contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()}"  # noqa: E501
             for t in parts
         )
         return f"documents({'causal' if self.causal else 'full'},{crcs})"
@@ -373,7 +374,8 @@ class Documents(Mask):
                 or ids.is_complex()
             ):
                 return (
-                    f"Documents.{name} must be a 1-D integer tensor of global positions, got {type(ids).__name__}"
+                    f"Documents.{name} must be a 1-D integer tensor of global positions, got "
+                    f"{type(ids).__name__}"
                     + (
                         f" of shape {tuple(ids.shape)}, dtype {ids.dtype}"
                         if isinstance(ids, torch.Tensor)
@@ -381,18 +383,24 @@ class Documents(Mask):
                     )
                 )
             if ids.device.type == "meta":
-                return f"Documents.{name} is on the meta device, which holds no values: give the ids as a CPU (or the inputs' device) tensor"
+                return (
+                    f"Documents.{name} is on the meta device, which holds no values: give the ids "
+                    "as a CPU (or the inputs' device) tensor"
+                )
             if ids.numel() != n:
                 return (
-                    f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} tokens "
-                    "(local length x world size): give one id per global position"
+                    f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} "
+                    "tokens (local length x world size): give one id per global position"
                 )
             ids = ids.to(torch.int64)  # (an unsigned dtype compares -1 as its largest value)
             real = ids[ids >= 0]
             if bool((ids < -1).any()):
                 return f"Documents.{name}: ids must be >= 0, or -1 for padding"
             if real.numel() > 1 and bool((real[1:] < real[:-1]).any()):
-                return f"Documents.{name} decrease along the sequence; packed documents are numbered in order"
+                return (
+                    f"Documents.{name} decrease along the sequence; packed documents are numbered "
+                    "in order"
+                )
         if self.kv_doc_ids is None and seq_q != seq_kv:
             return (
                 "Documents on query and key/value sequences of different lengths needs kv_doc_ids"
@@ -415,7 +423,8 @@ class _Join(Mask):
 
     def agreement_text(self, batch, heads, seq_q, seq_kv, device=None) -> str:
         return (
-            f"{type(self).__name__.lower()}({self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
+            f"{type(self).__name__.lower()}("
+            f"{self.a.agreement_text(batch, heads, seq_q, seq_kv, device)},"
             f"{self.b.agreement_text(batch, heads, seq_q, seq_kv, device)})"
         )
 
@@ -587,7 +596,8 @@ def snapshot(mask):
 
 
 def fold_causal(mask: Mask | None, is_causal) -> Mask | None:
-    """The mask a call runs: ``mask`` intersected with ``Causal()`` when ``is_causal`` (None stays None)."""
+    """The mask a call runs: ``mask`` intersected with
+    ``Causal()`` when ``is_causal`` (None stays None)."""
     if mask is None or not is_causal:
         return mask
     return Causal() & mask
@@ -630,7 +640,10 @@ def mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> st
     if mask is None:
         return None
     if not isinstance(mask, Mask):
-        return f"mask must be a ring_impl.masks.Mask (Causal, Documents, SlidingWindow, ..., MaskMod), got {type(mask).__name__}"
+        return (
+            "mask must be a ring_impl.masks.Mask (Causal, Documents, SlidingWindow, ..., "
+            f"MaskMod), got {type(mask).__name__}"
+        )
     if not _settled(mask):
         return _mask_problem(mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads)
     # A mask its description determines has the same problem whenever it is described alike:
@@ -678,7 +691,10 @@ def _mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> s
         visibility(mask, qs, ks, batch=batch, heads=heads)
         mask.digest()
     except Exception as exc:  # a mask that cannot be evaluated is bad input, not a crash
-        return f"mask {type(mask).__name__} cannot be evaluated on the global positions ({type(exc).__name__}: {exc})"
+        return (
+            f"mask {type(mask).__name__} cannot be evaluated on the global positions "
+            f"({type(exc).__name__}: {exc})"
+        )
     return None
 
 

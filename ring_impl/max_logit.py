@@ -130,8 +130,8 @@ def max_logit_problem(return_max_logit, *, exchange: str) -> str | None:
         return f"return_max_logit must be a bool, got {return_max_logit!r} ({kind})"
     if exchange in ("halo", "gather"):
         return (
-            f"return_max_logit=True runs on the ring only, and exchange={exchange!r} asks for "
-            f"the {'halo exchange' if exchange == 'halo' else 'sparse gather'}; pass exchange='auto' "
+            f"return_max_logit=True runs on the ring only, and exchange={exchange!r} asks for the "
+            f"{'halo exchange' if exchange == 'halo' else 'sparse gather'}; pass exchange='auto' "
             "(the ring then serves the call)"
         )
     return None

@@ -12,10 +12,11 @@ So a block whose inputs are not all finite runs its kernel on :func:`finite_part
 (non-finite entries as 0) and its result is then passed through these masks, computed from the
 block's own inputs and its visibility, with no host sync (no branch on whether a flag is set:
 the ring reads a flag only where that is free, on CPU, or once per direction of a one-rank call;
-on a GPU every block of a multi-rank call takes this path) (``"full"``, top-left ``"causal"``, ``"masked"`` with
-the block's visibility, or ``"ranges"`` with its rows' key ranges: a prefix count over the keys): elementwise flags and a prefix ``any`` over keys (one reduction),
-O(seq * head_dim) per step against the kernel's O(seq^2 * head_dim), with no data-dependent
-branch (compiles into the graph). The rule is the float64 oracle's
+on a GPU every block of a multi-rank call takes this path) (``"full"``, top-left ``"causal"``,
+``"masked"`` with the block's visibility, or ``"ranges"`` with its rows' key ranges: a prefix count
+over the keys): elementwise flags and a prefix ``any`` over keys (one reduction), O(seq * head_dim)
+per step against the kernel's O(seq^2 * head_dim), with no data-dependent branch
+(compiles into the graph). The rule is the float64 oracle's
 (``reference.attention.nonfinite_reach``): dependency through the visibility.
 
 Shapes: query/out/grad_out (batch, heads, rows, head_dim), lse (batch, heads, rows),
@@ -47,7 +48,8 @@ def finite_parts(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ..
 
 
 def _to_query_heads(flags: torch.Tensor, heads: int) -> torch.Tensor:
-    """(batch, heads_kv, ...) -> (batch, heads, ...): each query head gets its key/value head's flags."""
+    """(batch, heads_kv, ...) -> (batch, heads, ...):
+    each query head gets its key/value head's flags."""
     group = heads // flags.shape[1]
     return flags if group == 1 else flags.repeat_interleave(group, dim=1)
 
@@ -75,7 +77,8 @@ def _prefix_any(flags: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _suffix_any(flags: torch.Tensor, cols: int) -> torch.Tensor:
-    """(batch, heads, rows[, d]) flags -> (batch, heads, cols[, d]): col j has a flag among rows j..end."""
+    """(batch, heads, rows[, d]) flags -> (batch, heads, cols[, d]):
+    col j has a flag among rows j..end."""
     rows = flags.shape[2]
     trailing = [1] * (flags.dim() - 3)
     pos = torch.arange(rows, device=flags.device).view(1, 1, rows, *trailing)

@@ -64,14 +64,14 @@ def _problem(query, key, value, cu_seqlens, world: int | None) -> str | None:
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             return (
-                f"with cu_seqlens, {name} must be packed (tokens_local, heads, head_dim), got {shape}; "
-                "pass 4-D (batch, heads, seq_local, head_dim) tensors without cu_seqlens"
+                f"with cu_seqlens, {name} must be packed (tokens_local, heads, head_dim), got "
+                f"{shape}; pass 4-D (batch, heads, seq_local, head_dim) tensors without cu_seqlens"
             )
     if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
         return (
-            f"with cu_seqlens, key and value hold the query's tokens (self-attention over packed documents), "
-            f"got query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]} tokens; for cross "
-            "attention pass 4-D tensors and Documents(doc_ids, kv_doc_ids=...)"
+            "with cu_seqlens, key and value hold the query's tokens (self-attention over packed "
+            f"documents), got query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]} "
+            "tokens; for cross attention pass 4-D tensors and Documents(doc_ids, kv_doc_ids=...)"
         )
     if isinstance(cu_seqlens, torch.Tensor):
         if (
@@ -80,7 +80,10 @@ def _problem(query, key, value, cu_seqlens, world: int | None) -> str | None:
             or cu_seqlens.is_complex()
             or cu_seqlens.dtype == torch.bool
         ):
-            return f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            return (
+                f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
+                f"{tuple(cu_seqlens.shape)}"
+            )
         if torch.compiler.is_compiling():
             return (
                 None  # its values are data: the documents they make are checked when the call runs

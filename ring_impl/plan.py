@@ -122,7 +122,8 @@ class Block:
 
     @property
     def work(self) -> int:
-        """Score entries the block computes that some query sees (its visible area, any batch/head)."""
+        """Score entries the block computes that some
+        query sees (its visible area, any batch/head)."""
         rows, cols = self.q_rows[1] - self.q_rows[0], self.kv_rows[1] - self.kv_rows[0]
         if self.kind == "full":
             return rows * cols
@@ -348,8 +349,9 @@ _PLAN_CACHE_BYTES = 256 << 20
 
 def cached_by_mask(mask, key: tuple, build: Callable[[], T], memo: dict | None = None) -> T:
     """``build()``, cached by the mask's description and ``key`` (everything else the result
-    depends on) when the description determines the mask (:attr:`ring_impl.masks.Mask.exact_digest`);
-    least recently used entries go first. Results are shared: never modify one.
+    depends on) when the description determines the mask
+    (:attr:`ring_impl.masks.Mask.exact_digest`); least recently used entries go first. Results are
+    shared: never modify one.
 
     Other masks (a ``MaskMod``, alone or combined) are known only by evaluating them: their
     results are kept in ``memo``, one call's dict (``RingConfig.plan_memo``), when given. The

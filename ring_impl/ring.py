@@ -2,8 +2,8 @@
 
 Forward, on every rank, for each ring step of :func:`ring_impl.plan.ring_plan`: take the
 step's key/value block from the rotation (the next one is already in flight), run the local
-op on each of the step's planned blocks (:mod:`ring_impl.plan`), normalise its LSE and merge into float32 (float64 for float64)
-accumulators with the stable sigmoid form.
+op on each of the step's planned blocks (:mod:`ring_impl.plan`), normalise its LSE and merge into
+float32 (float64 for float64) accumulators with the stable sigmoid form.
 
 Backward is explicit rather than autograd through the collectives: under causal attention
 ranks skip different steps, and autograd would then never run the backward collective of a
@@ -102,14 +102,16 @@ def split_kv(kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tenso
     or accumulator of its shape): ``kv[0]``, ``kv[1]`` of a stacked ``(2, batch, heads_kv, seq,
     head_dim)``; the first ``head_dim`` columns and the rest of a ``(batch, heads_kv, seq,
     head_dim + head_dim_v)`` (value's head dim differs from key's). The sequence is dim -2 of
-    either, which is how the paths that slice rows (the halo exchange, the sparse gather) index it."""
+    either, which is how the paths that slice rows (the halo exchange, the sparse gather) index
+    it."""
     if kv.dim() == 5:
         return kv[0], kv[1]
     return kv[..., :head_dim], kv[..., head_dim:]
 
 
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` itself when it can be merged into in place (dtype ``dtype``, contiguous), else a copy."""
+    """``t`` itself when it can be merged into in place (dtype ``dtype``,
+    contiguous), else a copy."""
     return (
         t
         if t.dtype == dtype and t.is_contiguous()
@@ -177,7 +179,8 @@ class RingAttention:
         )
 
     def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """Dtype of the output/LSE accumulators and of dQ/dK/dV in flight (float32, float64 for float64)."""
+        """Dtype of the output/LSE accumulators and of
+        dQ/dK/dV in flight (float32, float64 for float64)."""
         return accumulation_dtype(dtype)
 
     def pack_kv(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

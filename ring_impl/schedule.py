@@ -33,10 +33,10 @@ whatever ``head_chunks``. A mask the halo exchange would serve then runs on the 
 ``torch.compile`` the call runs eagerly, so ``compiled=True`` declares the eager ring's.
 
 A call the halo exchange serves (``mask=`` and ``rank=`` given; :mod:`ring_impl.halo`) has no
-ring: with ``r = batch*heads_kv*(head_dim + head_dim_v)`` elements per packed key/value row, rank ``k``
-receives ``l_k`` rows from rank ``k-1`` and ``r_k`` from rank ``k+1`` (the mask's reach, 0 past
-the ends of the sequence) and sends ``a_k`` of its first rows to ``k-1`` and ``b_k`` of its last
-to ``k+1`` (:func:`ring_impl.halo.halo_rows`):
+ring: with ``r = batch*heads_kv*(head_dim + head_dim_v)`` elements per packed key/value row, rank
+``k`` receives ``l_k`` rows from rank ``k-1`` and ``r_k`` from rank ``k+1`` (the mask's reach, 0
+past the ends of the sequence) and sends ``a_k`` of its first rows to ``k-1`` and ``b_k`` of its
+last to ``k+1`` (:func:`ring_impl.halo.halo_rows`):
 
 - forward: ``send``, one call per nonzero of ``a_k, b_k``, ``(a_k + b_k) r itemsize`` bytes;
   ``recv``, one per nonzero of ``l_k, r_k``, ``(l_k + r_k) r itemsize``;
@@ -54,7 +54,7 @@ A call with ``sparse_kv=True`` (:mod:`ring_impl.kv_gather`) has no ring either: 
 ``all_to_all`` whose input is the key/value rows of this rank that other ranks' queries see
 (input dtype); backward, one ``all_to_all`` whose input is the dK/dV of the rows it received
 (accumulation dtype); plus the input check. Both depend on the mask, the layout and ``rank``.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -99,9 +99,10 @@ def collective_schedule(
 
     ``seq_kv`` is the local key/value length per rank; ``head_dim_v`` value's head dim (None:
     ``head_dim``; multi-head latent attention has its own), which sizes the value, output and
-    dV bytes. Sizes must be ints >= 1 and ``dtype`` a floating-point dtype (ValueError otherwise). ``strategy="ulysses"`` / ``"hybrid"`` also take
-    ``mesh_shape`` (ulysses degree, ring degree; product ``world_size``), ``heads``, ``seq_q``
-    (local) and ``return_lse``: see :mod:`ring_impl.strategies.schedule`.
+    dV bytes. Sizes must be ints >= 1 and ``dtype`` a floating-point dtype (ValueError otherwise).
+    ``strategy="ulysses"`` / ``"hybrid"`` also take ``mesh_shape`` (ulysses degree, ring degree;
+    product ``world_size``), ``heads``, ``seq_q`` (local) and ``return_lse``: see
+    :mod:`ring_impl.strategies.schedule`.
 
     ``mask`` (a ``ring_impl.masks.Mask``), ``is_causal``, ``layout`` and ``halo`` as given to
     ``ring_attention``: a call the halo exchange serves declares its halo collectives (see the
@@ -174,7 +175,8 @@ def collective_schedule(
             )
         if mesh_shape[0] * mesh_shape[1] != world_size:
             raise ValueError(
-                f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} ranks"
+                f"collective_schedule: mesh_shape {tuple(mesh_shape)} does not hold {world_size} "
+                "ranks"
             )
         return strategy_schedule(
             strategy,
@@ -229,7 +231,8 @@ def collective_schedule(
             )
         if halo:
             raise ValueError(
-                f"collective_schedule: halo=True but the halo exchange cannot serve this call: {refusal}"
+                "collective_schedule: halo=True but the halo exchange cannot serve this call: "
+                f"{refusal}"
             )
     return ring_schedule(
         world_size,

@@ -85,10 +85,10 @@ _MHA_FORWARD_INLINED = FunctionType(
 _MHA_FORWARD_INLINED.__kwdefaults__ = _MHA_FORWARD.__kwdefaults__
 
 NEED_WEIGHTS_PROBLEM = (
-    "nn.MultiheadAttention / F.multi_head_attention_forward with need_weights=True (its default) computes "
-    "the attention weights with bmm + softmax instead of scaled_dot_product_attention, so under context "
-    "parallel it would attend to this rank's shard only; call it with need_weights=False (the weights of a "
-    "sharded sequence are not available)"
+    "nn.MultiheadAttention / F.multi_head_attention_forward with need_weights=True (its default) "
+    "computes the attention weights with bmm + softmax instead of scaled_dot_product_attention, "
+    "so under context parallel it would attend to this rank's shard only; call it with "
+    "need_weights=False (the weights of a sharded sequence are not available)"
 )
 
 
@@ -99,10 +99,10 @@ class Route:
     ``kernel_ops``: ``((device type, (op name, ...)), ...)``, the ops an ``op=None`` route may
     run on each device type in SDPA's order of preference, from the
     ``torch.nn.attention.sdpa_kernel`` choice active when the route was entered; a call runs the
-    first that takes its dtype, head size, scale and causality, as SDPA itself picks (filled in by :func:`routing`; reading those flags inside a compiled region would
-    break the graph). ``key``: the route as plain values (group name, layout, rotation, op name
-    or the op object's identity, head chunks, kernel ops); compiled code is guarded on it (see
-    :func:`_pin`).
+    first that takes its dtype, head size, scale and causality, as SDPA itself picks (filled in by
+    :func:`routing`; reading those flags inside a compiled region would break the graph). ``key``:
+    the route as plain values (group name, layout, rotation, op name or the op object's identity,
+    head chunks, kernel ops); compiled code is guarded on it (see :func:`_pin`).
     """
 
     group: dist.ProcessGroup
@@ -111,7 +111,8 @@ class Route:
     op: str | AttentionOp | None
     head_chunks: int = 1
     strategy: str = "ring"
-    #: the 2-D DeviceMesh routed calls take (strategy "hybrid"; ``group`` is then the mesh flattened)
+    #: the 2-D DeviceMesh routed calls take (strategy "hybrid";
+    #: ``group`` is then the mesh flattened)
     mesh: object = field(default=None, compare=False, repr=False)
     kernel_ops: tuple[tuple[str, tuple[str, ...]], ...] = ()
     key: tuple = field(init=False, repr=False, compare=False)
@@ -258,7 +259,10 @@ def routed_sdpa(
             "cannot be applied per shard); use is_causal=True or no mask"
         )
     elif dropout_p:
-        problem = f"dropout_p={dropout_p} is not supported under context parallel; set attention dropout to 0"
+        problem = (
+            f"dropout_p={dropout_p} is not supported under context parallel; set attention "
+            "dropout to 0"
+        )
     elif (
         isinstance(query, torch.Tensor)
         and isinstance(key, torch.Tensor)
@@ -305,7 +309,8 @@ def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:
 
 
 def _mha_arg(args: tuple, kwargs: dict, name: str):
-    """``F.multi_head_attention_forward``'s argument ``name`` as the call gave it (or its default)."""
+    """``F.multi_head_attention_forward``'s argument
+    ``name`` as the call gave it (or its default)."""
     if name in kwargs:
         return kwargs[name]
     position = list(_MHA_PARAMS).index(name)
@@ -417,7 +422,8 @@ def sdpa_routed_to_ring(
     head_chunks: int = 1,
     strategy: str = "ring",
 ) -> Iterator[None]:
-    """While active, SDPA calls run as ring (or Ulysses) attention over ``group`` (no buffer sharding)."""
+    """While active, SDPA calls run as ring (or Ulysses)
+    attention over ``group`` (no buffer sharding)."""
     check_layout(layout)
     route = Route(resolve_group(group), layout, rotate_method, op, head_chunks, strategy)
     with routing(route):

@@ -20,11 +20,17 @@ def sinks_problem(sinks, heads: int) -> str | None:
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
-        return f"sinks must be a tensor of shape ({heads},), one logit per query head, got {type(sinks).__name__}"
+        return (
+            f"sinks must be a tensor of shape ({heads},), one logit per query head, got "
+            f"{type(sinks).__name__}"
+        )
     if not sinks.is_floating_point():
         return f"sinks must be floating point, got {sinks.dtype}"
     if sinks.device.type == "meta":
-        return "sinks are on the meta device, which holds no values: give them on the inputs' device (or the CPU)"
+        return (
+            "sinks are on the meta device, which holds no values: give them on the inputs' device "
+            "(or the CPU)"
+        )
     if tuple(sinks.shape) != (heads,):
         return (
             f"sinks must have shape ({heads},), one logit per query head, got {tuple(sinks.shape)}"
@@ -36,7 +42,8 @@ def with_sinks(
     out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (batch, heads, rows, head_dim) in the input dtype, lse (batch, heads, rows) in the
-    accumulation dtype, sinks (heads,) -> the same with the sink term, differentiable in all three."""
+    accumulation dtype, sinks (heads,) -> the same with the sink term, differentiable in all
+    three."""
     s = sinks.to(device=lse.device, dtype=lse.dtype).view(1, -1, 1)
     lse_new = torch.logaddexp(lse, s.expand_as(lse))
     weight = torch.exp(lse - lse_new)  # 0 where lse = -inf

@@ -202,7 +202,8 @@ def _segment_calls(
 
 
 def _classify(kind: str, rows: tuple[int, int], cols: tuple[int, int], vis: torch.Tensor) -> Call:
-    """A masked rectangle that is in fact full or causal becomes that kind; else carries its visibility."""
+    """A masked rectangle that is in fact full or causal becomes that kind;
+    else carries its visibility."""
     if kind != "masked":
         return kind, rows, cols, None
     trimmed = vis[..., rows[0] : rows[1], cols[0] : cols[1]].any(0).any(0)

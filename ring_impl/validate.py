@@ -207,19 +207,25 @@ def _local_problem(
     for name, t in zip(names, (query, key, value)):
         if _is_dtensor(t):
             return (
-                f"{name} is a DTensor; ring_attention takes this rank's local shard as a plain tensor: pass "
-                f"{name}.to_local() of a tensor sharded on the sequence dim in the layout you name (layout="
-                "'contiguous' for DTensor's Shard(2)), or shard a global tensor with ring_impl.shard, or use "
-                "context_parallel"
+                f"{name} is a DTensor; ring_attention takes this rank's local shard as a plain "
+                f"tensor: pass {name}.to_local() of a tensor sharded on the sequence dim in the "
+                "layout you name (layout='contiguous' for DTensor's Shard(2)), or shard a global "
+                "tensor with ring_impl.shard, or use context_parallel"
             )
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if t.dim() != 4:
-            return f"{name} must be 4-D (batch, heads, seq_local, head_dim), got shape {tuple(t.shape)}"
+            return (
+                f"{name} must be 4-D (batch, heads, seq_local, head_dim), got shape "
+                f"{tuple(t.shape)}"
+            )
         if not t.is_floating_point():
             return f"{name} must be floating point, got {t.dtype}"
     if query.dtype != key.dtype or query.dtype != value.dtype:
-        return f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}; cast them to one dtype"
+        return (
+            f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}; cast them "
+            "to one dtype"
+        )
     if query.dtype not in _DTYPES:
         return f"dtype {query.dtype} is not supported; use one of {[str(d) for d in _DTYPES]}"
     if query.device != key.device or query.device != value.device:
@@ -228,8 +234,9 @@ def _local_problem(
         return f"device {query.device} is not supported; use one of {_DEVICE_TYPES}"
     if key.shape[:3] != value.shape[:3]:
         return (
-            f"key and value shapes differ before the head dim: {tuple(key.shape)} vs {tuple(value.shape)}; "
-            "they must agree on (batch, heads_kv, seq_kv_local) (value's head dim may differ)"
+            f"key and value shapes differ before the head dim: {tuple(key.shape)} vs "
+            f"{tuple(value.shape)}; they must agree on (batch, heads_kv, seq_kv_local) (value's "
+            "head dim may differ)"
         )
     b, h, sq, d = query.shape
     bk, hkv, skv, dk = key.shape
@@ -237,33 +244,44 @@ def _local_problem(
     if b != bk:
         return f"batch differs: query has {b}, key/value have {bk}"
     if d != dk:
-        return f"head_dim differs: query has {d}, key has {dk}; query and key must share it (value's may differ)"
+        return (
+            f"head_dim differs: query has {d}, key has {dk}; query and key must share it (value's "
+            "may differ)"
+        )
     if hkv == 0 or h % hkv:
-        return f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query attention"
+        return (
+            f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query "
+            "attention"
+        )
     if min(b, h, sq, skv, d, dv) == 0:
-        return f"empty input: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        return (
+            f"empty input: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)}"
+        )
     if not _is_bool(is_causal):
         return f"is_causal must be a bool, got {is_causal!r} ({type(is_causal).__name__})"
     if not _is_bool(return_lse):
         return f"return_lse must be a bool, got {return_lse!r} ({type(return_lse).__name__})"
     if is_causal and sq != skv:
         return (
-            f"causal ring attention needs equal local query and key/value lengths, got {sq} and {skv}; "
-            "use is_causal=False for cross attention"
+            f"causal ring attention needs equal local query and key/value lengths, got {sq} and "
+            f"{skv}; use is_causal=False for cross attention"
         )
     if not isinstance(layout, str) or layout not in layouts():
         return f"unknown layout {layout!r}; expected one of {layouts()}"
     if layout == "head_tail" and (sq % 2 or skv % 2):
         return (
-            f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even; got "
-            f"query {sq}, key/value {skv}; shard a sequence that is a multiple of 2 * world_size"
+            "layout 'head_tail' holds two equal chunks per rank, so local lengths must be even; "
+            f"got query {sq}, key/value {skv}; shard a sequence that is a multiple of 2 * "
+            "world_size"
         )
     if is_causal and world_size is not None:  # the causal plan follows the layout's positions
         divisor = layout_divisor(layout, world_size)
         if (sq * world_size) % divisor:
             return (
-                f"layout {layout!r} over {world_size} ranks splits global lengths that are multiples of {divisor}; "
-                f"local length {sq} x {world_size} ranks is not: shard a sequence whose length is a multiple of {divisor}"
+                f"layout {layout!r} over {world_size} ranks splits global lengths that are "
+                f"multiples of {divisor}; local length {sq} x {world_size} ranks is not: shard a "
+                f"sequence whose length is a multiple of {divisor}"
             )
     if not isinstance(rotate_method, str) or rotate_method not in rotate_methods():
         return f"unknown rotate_method {rotate_method!r}; expected one of {rotate_methods()}"
@@ -289,11 +307,15 @@ def _local_problem(
     )
     if why is not None:
         hint = (
-            " (op='auto' picks one that takes value's head dim; ring_impl.available_ops() lists them all)"
+            " (op='auto' picks one that takes value's head dim; ring_impl.available_ops() lists "
+            "them all)"
             if dv != d and not getattr(op.capabilities, "value_head_dim", False)
             else ""
         )
-        return f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}; choose another op={hint}"
+        return (
+            f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}; choose "
+            f"another op={hint}"
+        )
     return None
 
 
@@ -392,8 +414,8 @@ def _shown(field: str, code: int, op_names: dict[int, str], layout_names: dict[i
         if code in layout_names:
             return repr(layout_names[code])
         return (
-            f"layout #{code:#010x} (none registered here holds those positions: a name registered with other "
-            "runs on another rank?)"
+            f"layout #{code:#010x} (none registered here holds those positions: a name registered "
+            "with other runs on another rank?)"
         )
     if field == "rotate_method":
         return repr(rotate_methods()[code])
@@ -442,7 +464,10 @@ def disagreement(
         + "; every rank must pass shards of equal shape and the same options"
     )
     if any(f.startswith(("seq_q", "seq_kv")) for f in differing):
-        text += " (local lengths differ: pad the global sequence to a multiple of the layout's chunk count, W or 2W)"
+        text += (
+            " (local lengths differ: pad the global sequence to a multiple of the layout's chunk "
+            "count, W or 2W)"
+        )
     return text
 
 
@@ -497,8 +522,8 @@ def agree_across_ranks(
     bad_ranks = [r for r in range(world) if rows[r][0]]
     if bad_ranks:
         raise InputError(
-            f"ring_attention (rank {rank}): {_ranks(bad_ranks)} rejected their input (see the error on "
-            "those ranks); every rank raises so none is left waiting in a collective"
+            f"ring_attention (rank {rank}): {_ranks(bad_ranks)} rejected their input (see the "
+            "error on those ranks); every rank raises so none is left waiting in a collective"
         )
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = 1 + len(SIGNATURE_FIELDS)

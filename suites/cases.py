@@ -102,7 +102,8 @@ class CountingOp:
 
 
 def resolve_case_op(case: RingCase, device: torch.device):
-    """The op object a case runs with (the registered default for the device when ``op`` is None)."""
+    """The op object a case runs with (the registered
+    default for the device when ``op`` is None)."""
     from ring_impl.ops import resolve_op
 
     if case.op is None:

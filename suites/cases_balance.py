@@ -118,9 +118,10 @@ def require_balancer(ring, balancer: str) -> None:
     ring.require("balancers", balancer)
     if not callable(getattr(ring.impl.obj, "balanced_layout", None)):
         pytest.fail(
-            f"{ring.impl.name} claims capabilities.balancers {balancer!r} (undeclared means claimed) but "
-            "has no callable balanced_layout: add balanced_layout(balancer, mask, seq_len, world_size) -> "
-            "(layout, runs) (see conformance/implementation.py) or declare capabilities.balancers without it",
+            f"{ring.impl.name} claims capabilities.balancers {balancer!r} (undeclared means "
+            "claimed) but has no callable balanced_layout: add balanced_layout(balancer, mask, "
+            "seq_len, world_size) -> (layout, runs) (see conformance/implementation.py) or "
+            "declare capabilities.balancers without it",
             pytrace=False,
         )
 
@@ -265,7 +266,10 @@ def runs_problem(runs, seq: int, world_size: int) -> str | None:
             )
         for (_, b), (c, _) in pairwise(rank_runs):
             if c < b:
-                return f"rank {r}'s positions do not increase along its local order ({rank_runs[:6]}...)"
+                return (
+                    f"rank {r}'s positions do not increase along its local order "
+                    f"({rank_runs[:6]}...)"
+                )
         for a, b in rank_runs:
             if not 0 <= a < b <= seq:
                 return f"rank {r} holds a run ({a}, {b}) outside [0, {seq})"
@@ -415,7 +419,8 @@ def _split_by_owner(call: dict[str, Any], owner: torch.Tensor) -> list[tuple[int
 
 
 def _count_call(r, j, call, calls, count, expected, local_q, index, hidden_pairs) -> None:
-    """Record rank ``r``'s call on rank ``j``'s keys: its computed pairs, and those the mask hides."""
+    """Record rank ``r``'s call on rank ``j``'s keys: its computed pairs,
+    and those the mask hides."""
     q, kv, computed = call["q"], call["kv"], call["computed"]
     calls[j].append(call)
     rows, cols = local_q[q], index[kv]
@@ -438,12 +443,16 @@ def _full_block_as_causal(calls, expected, local_q, index) -> str:
     if len(calls) == 1 and calls[0]["causal"] and not calls[0]["masked"]:
         call = calls[0]
         if bool(expected[local_q[call["q"]]][:, index[call["kv"]]].all()):
-            return "computed with a causal (diagonal) mask, though this block is full: every query sees every key of it"
+            return (
+                "computed with a causal (diagonal) mask, though this block is full: every query "
+                "sees every key of it"
+            )
     return ""
 
 
 def _other_head_tail_chunk(calls, expected, kv_runs, index) -> str:
-    """Calls that computed one run of a two-run key/value shard while the visible keys lie in the other."""
+    """Calls that computed one run of a two-run key/value
+    shard while the visible keys lie in the other."""
     if len(kv_runs) != 2:
         return ""
     seen_cols = expected.any(0)
@@ -458,8 +467,8 @@ def _other_head_tail_chunk(calls, expected, kv_runs, index) -> str:
         if other_seen:
             have, want = ((c, d), (a, b)) if took_tail else ((a, b), (c, d))
             return (
-                f"the kernel got keys {have[0]}..{have[1] - 1}, the wrong key/value chunk of the head_tail pair; "
-                f"the queries see keys {want[0]}..{want[1] - 1}"
+                f"the kernel got keys {have[0]}..{have[1] - 1}, the wrong key/value chunk of the "
+                f"head_tail pair; the queries see keys {want[0]}..{want[1] - 1}"
             )
     return ""
 
@@ -482,9 +491,9 @@ def _diagnose(case, spec, runs, pos, hidden_pairs, computed_all, findings) -> li
                 else "(at keys inside a run)"
             )
             out.append(
-                f"sliding window off by one {where}: every pair computed that the mask hides is the key "
-                f"one past the window (kv = q - {left} - 1) "
-                f"({len(hidden_pairs)} pairs, e.g. q={hidden_pairs[0][0]}, kv={hidden_pairs[0][1]})"
+                f"sliding window off by one {where}: every pair computed that the mask hides is "
+                f"the key one past the window (kv = q - {left} - 1) ({len(hidden_pairs)} pairs, "
+                f"e.g. q={hidden_pairs[0][0]}, kv={hidden_pairs[0][1]})"
             )
     if _has_documents(spec):
         seq, w = case.inputs.seq_q, case.world_size
@@ -499,8 +508,9 @@ def _diagnose(case, spec, runs, pos, hidden_pairs, computed_all, findings) -> li
             for j in range(w)
         ):
             out.append(
-                "document boundaries taken from local positions: the pairs computed are exactly those of the "
-                "document ids looked up at each token's local index on its rank, not at its global position"
+                "document boundaries taken from local positions: the pairs computed are exactly "
+                "those of the document ids looked up at each token's local index on its rank, not "
+                "at its global position"
             )
     return out
 

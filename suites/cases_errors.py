@@ -58,7 +58,8 @@ _MASK_MOD_DIFFERENCE = {
 
 
 def _differing_mask_mod(kind: str, last: bool):
-    """A causal mask_mod; on the last rank it also hides the entries of ``_MASK_MOD_DIFFERENCE[kind]``."""
+    """A causal mask_mod; on the last rank it also hides the entries of
+    ``_MASK_MOD_DIFFERENCE[kind]``."""
     from ring_impl.masks import MaskMod
 
     hidden = _MASK_MOD_DIFFERENCE[kind]

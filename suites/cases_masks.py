@@ -366,13 +366,15 @@ def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.
         problem = "the ranks got different runs from equal balanced_layout calls"
     if problem:
         raise AssertionError(
-            f"the {case.balancer} balancer's layout breaks the layout rules: {problem} [{case.label}]"
+            f"the {case.balancer} balancer's layout breaks the layout rules: {problem} "
+            f"[{case.label}]"
         )
     return [runs_positions(rr) for rr in runs[0]]
 
 
 def _unshard(parts: list[torch.Tensor], pos: list[torch.Tensor]) -> torch.Tensor:
-    """The global tensor (sequence dim 2) from every rank's local rows at global positions ``pos``."""
+    """The global tensor (sequence dim 2) from every
+    rank's local rows at global positions ``pos``."""
     shape = list(parts[0].shape)
     shape[2] = sum(len(p) for p in pos)
     whole = parts[0].new_zeros(shape)
@@ -465,8 +467,8 @@ def judge_masked(
                 if named:
                     raise AssertionError(f"lse: {named} [{case.label}]")
                 raise AssertionError(
-                    f"lse: rows that see no key must have LSE -inf and only they: {int((torch.isneginf(got) != nothing).sum())} "
-                    f"rows differ [{case.label}]"
+                    "lse: rows that see no key must have LSE -inf and only they: "
+                    f"{int((torch.isneginf(got) != nothing).sum())} rows differ [{case.label}]"
                 )
             got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
         verdicts.append(
@@ -592,9 +594,9 @@ def _lengths_rounded_down(
     if altered is None or not _equals_attention_under(case, g, results, pos, altered):
         return ""
     return (
-        "document lengths rounded down to even: the out and LSE are those of the documents packed again with "
-        "each odd length one token shorter (boundaries after them shifted, the freed tokens at the end "
-        "padding); every token of a document of any length belongs to it"
+        "document lengths rounded down to even: the out and LSE are those of the documents packed "
+        "again with each odd length one token shorter (boundaries after them shifted, the freed "
+        "tokens at the end padding); every token of a document of any length belongs to it"
     )
 
 
@@ -611,9 +613,9 @@ def _tail_padding_attended(
         _tail_padding(m["doc_ids"]) for m in _document_parts(case.mask_data()) if "doc_ids" in m
     )
     return (
-        f"tail padding attended: the {padding} padding tokens after the last document see each other, as if "
-        "they were one more document (padding detected before or between documents only); padding tokens "
-        "see nothing and are seen by nothing, wherever they are"
+        f"tail padding attended: the {padding} padding tokens after the last document see each "
+        "other, as if they were one more document (padding detected before or between documents "
+        "only); padding tokens see nothing and are seen by nothing, wherever they are"
     )
 
 
@@ -626,10 +628,10 @@ def _stale_documents(
     ):
         return ""
     return (
-        "stale documents: the second call ran the documents its mask's ids held at the first call; the ids "
-        "were refilled in place (an int32 buffer written through numpy, which torch's version counter does "
-        "not see) and a plan or a converted copy of the ids was served again: a call must plan with the ids "
-        "as they are when it starts"
+        "stale documents: the second call ran the documents its mask's ids held at the first "
+        "call; the ids were refilled in place (an int32 buffer written through numpy, which "
+        "torch's version counter does not see) and a plan or a converted copy of the ids was "
+        "served again: a call must plan with the ids as they are when it starts"
     )
 
 
@@ -641,7 +643,8 @@ def _rewritten(data: dict[str, Any], change) -> dict[str, Any]:
 
 
 def _at_index_zero(which: str):
-    """A leaf change: every mask_mod evaluated with its batch (``which="batch"``) or head index 0."""
+    """A leaf change: every mask_mod evaluated with
+    its batch (``which="batch"``) or head index 0."""
 
     def change(leaf: dict[str, Any]) -> dict[str, Any]:
         if leaf["kind"] != "mask_mod":
@@ -664,18 +667,19 @@ def _window_right_dropped(leaf: dict[str, Any]) -> dict[str, Any]:
 _AXIS_HYPOTHESES = (
     (
         _at_index_zero("batch"),
-        "the mask was evaluated at batch 0 for every batch row (as create_block_mask(B=None) builds it): a mask_mod "
-        "that depends on the batch index must be evaluated at each row's own index",
+        "the mask was evaluated at batch 0 for every batch row (as create_block_mask(B=None) "
+        "builds it): a mask_mod that depends on the batch index must be evaluated at each row's "
+        "own index",
     ),
     (
         _at_index_zero("head"),
-        "the mask was evaluated at head 0 for every head (as create_block_mask(H=None) builds it): a mask_mod that "
-        "depends on the head must be evaluated at each head's own index",
+        "the mask was evaluated at head 0 for every head (as create_block_mask(H=None) builds "
+        "it): a mask_mod that depends on the head must be evaluated at each head's own index",
     ),
     (
         _window_right_dropped,
-        "the sliding window's right side was dropped: keys after the query that the window shows are missing "
-        "(SlidingWindow(left, right) shows q - left <= kv <= q + right)",
+        "the sliding window's right side was dropped: keys after the query that the window shows "
+        "are missing (SlidingWindow(left, right) shows q - left <= kv <= q + right)",
     ),
 )
 
@@ -726,13 +730,14 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
     if bool(invented.any()):
         rows = sorted({int(i) for i in invented.nonzero()[:, 2].tolist()})[:8]
         return (
-            f"NaN/inf where the reference is finite (global rows {rows}...) with finite inputs: a merge that "
-            "exponentiates LSEs breaks on rows nothing has reached yet (LSE -inf) or that a block hides; "
-            "an exp of the LSE (or of raw scores) overflowed, or -inf - -inf became NaN: merge with bounded "
-            "exponentials and give a block's LSE -inf weight 0"
+            f"NaN/inf where the reference is finite (global rows {rows}...) with finite inputs: a "
+            "merge that exponentiates LSEs breaks on rows nothing has reached yet (LSE -inf) or "
+            "that a block hides; an exp of the LSE (or of raw scores) overflowed, or -inf - -inf "
+            "became NaN: merge with bounded exponentials and give a block's LSE -inf weight 0"
             + (
-                f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel whose causal path "
-                "returns NaN there (the CPU flash kernel): run such blocks with a mask or another kernel"
+                f"; or, with this scale {spec.scale:g} <= 0, a causal kernel call on a kernel "
+                "whose causal path returns NaN there (the CPU flash kernel): run such blocks "
+                "with a mask or another kernel"
                 if spec.scale is not None and spec.scale <= 0
                 else ""
             )
@@ -764,8 +769,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
                 dropped.append(r)
         if dropped:
             return (
-                f"the rows of rank(s) {dropped} equal attention without the sink term: the sinks were not "
-                "applied on those ranks (every rank adds exp(sink) to each row's softmax)"
+                f"the rows of rank(s) {dropped} equal attention without the sink term: the sinks "
+                "were not applied on those ranks (every rank adds exp(sink) to each row's "
+                "softmax)"
             )
     if (
         case.balancer is not None
@@ -788,9 +794,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
 
         if not off("out", ref.out) and any(off(n, getattr(grads, n)) for n in ("dq", "dk", "dv")):
             return (
-                f"out is right but the gradients are not, in the {case.balancer} balancer's layout: the backward did "
-                "not run the layout the forward ran (it must plan the same runs of global positions, not a "
-                "built-in layout's)"
+                f"out is right but the gradients are not, in the {case.balancer} balancer's "
+                "layout: the backward did not run the layout the forward ran (it must plan the "
+                "same runs of global positions, not a built-in layout's)"
             )
     if case.mesh_shape is not None:
         return _diagnose_head_parallel(case, g, vis, got, ref.out)
@@ -812,9 +818,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
                 hidden_somewhere[q_pos] |= ~block.any(1)
     if bool(hidden_somewhere[bad].all()) and not bool(bad[~hidden_somewhere].any()):
         return (
-            "every wrong row is one that a rank's key/value block it shares a computed block with hides "
-            "completely: rows a masked block hides must merge as nothing (LSE -inf), not as the kernel "
-            "returns them (the CPU flash kernel gives out 0, LSE 0)"
+            "every wrong row is one that a rank's key/value block it shares a computed block with "
+            "hides completely: rows a masked block hides must merge as nothing (LSE -inf), not as "
+            "the kernel returns them (the CPU flash kernel gives out 0, LSE 0)"
         )
     return ""
 
@@ -845,8 +851,8 @@ def _diagnose_head_parallel(
     tol = 1e-2 * max(1.0, float(want.abs().max()))
     if float((got - wrong).abs().max()) <= tol < float((got - want).abs().max()):
         return (
-            f"the output is attention under the mask evaluated at each rank's own head index (0..{heads // u - 1}) "
-            f"instead of the global head: a head-dependent mask must be planned for the heads of the rank's slice "
-            f"(head u * H/U + i on Ulysses rank u)"
+            "the output is attention under the mask evaluated at each rank's own head index "
+            f"(0..{heads // u - 1}) instead of the global head: a head-dependent mask must be "
+            "planned for the heads of the rank's slice (head u * H/U + i on Ulysses rank u)"
         )
     return ""

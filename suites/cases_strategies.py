@@ -71,8 +71,9 @@ class StrategyCase:
         )
         s = self.inputs
         return (
-            f"ring_attention(strategy={self.strategy}, mesh {self.mesh} (ulysses x ring), {s.dtype}, "
-            f"causal={self.is_causal}, layout={self.layout}{ring}, heads {s.heads}/{s.heads_kv}, "
+            f"ring_attention(strategy={self.strategy}, mesh {self.mesh} (ulysses x ring), "
+            f"{s.dtype}, causal={self.is_causal}, layout={self.layout}{ring}, heads "
+            f"{s.heads}/{s.heads_kv}, "
             f"op={self.op or 'default'}{', compile=' + self.compile if self.compile else ''})"
         )
 
@@ -93,7 +94,8 @@ def _local(t: torch.Tensor, case: StrategyCase, rank: int, device) -> torch.Tens
 
 
 def strategy_case(ctx, case: StrategyCase) -> dict[str, Any]:
-    """Run the case on this rank; local results as CPU tensors (keys as ``suites.cases.ring_case``)."""
+    """Run the case on this rank; local results as CPU tensors (keys as
+    ``suites.cases.ring_case``)."""
     group = strategy_group(
         ctx, case.strategy, case.mesh_shape
     )  # first: creating a mesh is a collective
@@ -159,7 +161,8 @@ def strategy_case(ctx, case: StrategyCase) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- bad input
 
-#: kind -> (what every rank's error must mention (regex, case-insensitive), strategies it applies to)
+#: kind -> (what every rank's error must mention (regex, case-insensitive),
+#: strategies it applies to)
 BAD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "heads_not_divisible_by_degree": (
         r"not divisible by the Ulysses degree",

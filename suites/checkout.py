@@ -21,7 +21,7 @@ def checkout_file(*parts: str) -> Path:
     path = ROOT.joinpath(*parts)
     if not path.is_file():
         pytest.skip(
-            f"needs {'/'.join(parts)} of the repository, which the installed package does not ship: "
-            "run the suites from a checkout of the repository to include this case"
+            f"needs {'/'.join(parts)} of the repository, which the installed package does not "
+            "ship: run the suites from a checkout of the repository to include this case"
         )
     return path

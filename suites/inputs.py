@@ -42,8 +42,8 @@ class InputSpec:
     seed: int = 0
     magnitude: float = 1.0  # scales query and key: 1e2 pushes logits far beyond exp overflow
     noncontiguous: bool = False  # local shards are transposed views of (batch, seq, heads, dim)
-    #: local shards are every other element of a buffer twice as wide on the head dim (``x[..., ::2]``,
-    #: NaN between): a kernel that reads the head dim as contiguous reads NaN
+    #: local shards are every other element of a buffer twice as wide on the head dim
+    #: (``x[..., ::2]``, NaN between): a kernel that reads the head dim as contiguous reads NaN
     strided_head_dim: bool = False
     scale: float | None = None
     lse_grad: bool = False  # the loss also uses the LSE: grad_lse (batch, heads, seq_q) is drawn
@@ -116,7 +116,8 @@ def _local(
 
 
 def in_memory(local: torch.Tensor, spec: InputSpec) -> torch.Tensor:
-    """A (batch, heads, seq, dim) shard in the memory ``spec`` asks for (a view when not contiguous)."""
+    """A (batch, heads, seq, dim) shard in the memory
+    ``spec`` asks for (a view when not contiguous)."""
     if spec.noncontiguous:
         # The shard a (batch, seq, heads, dim) model hands over: a transposed, non-contiguous view.
         local = local.transpose(1, 2).contiguous().transpose(1, 2)

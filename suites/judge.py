@@ -149,7 +149,8 @@ def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> li
                 )
             if tuple(t.shape) != shape:
                 problems.append(
-                    f"contract: {name} must have shape {shape} on every rank; rank {rank} returned {tuple(t.shape)}"
+                    f"contract: {name} must have shape {shape} on every rank; rank {rank} "
+                    f"returned {tuple(t.shape)}"
                 )
     return problems
 
@@ -162,8 +163,8 @@ def detached_lse(case: RingCase, results: Sequence[dict[str, Any]]) -> str | Non
     if not detached:
         return None
     return (
-        f"the LSE returned on rank(s) {detached} does not require grad while query, key and value do: a loss "
-        f"that uses it backpropagates as if it were not there [{case.label}]"
+        f"the LSE returned on rank(s) {detached} does not require grad while query, key and value "
+        f"do: a loss that uses it backpropagates as if it were not there [{case.label}]"
     )
 
 
@@ -186,8 +187,9 @@ def judge(
     ]
     if missing:
         raise AssertionError(
-            f"no result for {', '.join(missing)}: the output or LSE was not returned, or the gradient did not reach "
-            f"that input (it was detached, or backward returned None for it) [{case.label}]"
+            f"no result for {', '.join(missing)}: the output or LSE was not returned, or the "
+            "gradient did not reach that input (it was detached, or backward returned None for "
+            f"it) [{case.label}]"
         )
     broken = contract_violations(case, results)
     if broken:
@@ -203,8 +205,9 @@ def judge(
             continue
         if x.shape != ref[name].shape:
             raise AssertionError(
-                f"{name}: the implementation returned global shape {tuple(x.shape)} (unsharded from "
-                f"per-rank {tuple(results[0][name].shape)}), expected {tuple(ref[name].shape)} [{case.label}]"
+                f"{name}: the implementation returned global shape {tuple(x.shape)} (unsharded "
+                f"from per-rank {tuple(results[0][name].shape)}), expected "
+                f"{tuple(ref[name].shape)} [{case.label}]"
             )
         verdicts.append(
             check(

@@ -60,7 +60,10 @@ def worst_location(case: StrategyCase, verdict: Verdict) -> str:
         verdict.worst_index, case.strategy, case.layout, case.mesh_shape, seq
     )
     u = case.mesh_shape[0]
-    return f"{verdict.name}: worst element on mesh rank {rank} (ulysses {rank % u}, ring {rank // u}) at local {local}"
+    return (
+        f"{verdict.name}: worst element on mesh rank {rank} (ulysses {rank % u}, ring "
+        f"{rank // u}) at local {local}"
+    )
 
 
 def lse_layout_problem(case: StrategyCase, results: Sequence[dict[str, Any]]) -> str | None:
@@ -107,8 +110,8 @@ def judge_strategy(
     ]
     if missing:
         raise AssertionError(
-            f"no result for {', '.join(missing)}: the output or LSE was not returned, or the gradient did not reach "
-            f"that input [{case.label}]"
+            f"no result for {', '.join(missing)}: the output or LSE was not returned, or the "
+            f"gradient did not reach that input [{case.label}]"
         )
     broken = contract_violations(case, results)  # type: ignore[arg-type]
     layout_problem = lse_layout_problem(case, results)
@@ -145,7 +148,8 @@ def judge_strategy(
 def diagnose_strategy_case(
     case: StrategyCase, results: Sequence[dict[str, Any]], verdicts: Sequence[Verdict]
 ) -> str:
-    """The strategy diagnosis of a failed case (from its output), and where the worst elements are."""
+    """The strategy diagnosis of a failed case (from its output),
+    and where the worst elements are."""
     g = make_inputs(case.inputs)
     got = unshard_strategy_results(case, results)
     out_verdict = next((v for v in verdicts if v.name == "out"), None)

@@ -113,7 +113,8 @@ class RingRunner:
                 pytest.fail(missing + (f" [needed for: {why}]" if why else ""), pytrace=False)
 
     def protocol(self, field: str, why: str = "") -> Any:
-        """The implementation's attribute for protocol piece ``field`` (N/A or fail as :meth:`require`)."""
+        """The implementation's attribute for protocol piece
+        ``field`` (N/A or fail as :meth:`require`)."""
         __tracebackhide__ = True
         self.require(field, why=why)
         return self.impl.protocol(field)
@@ -250,18 +251,22 @@ class RingRunner:
                 baseline_op=getattr(self.impl.obj, "baseline_op", None),
             )
         except Exception as exc:  # the eager run failing too is information, not a new failure
-            return f"The same case run eagerly fails too ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})."
+            return (
+                f"The same case run eagerly fails too ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]})."
+            )
         if all(v.passed for v in eager):
             return (
-                f"The same case run eagerly (without torch.compile) passes: wrong only when compiled "
-                f"(backend {case.compile})."
+                "The same case run eagerly (without torch.compile) passes: wrong only when "
+                f"compiled (backend {case.compile})."
             )
         return (
             "The same case run eagerly fails too: the ring is wrong with or without torch.compile."
         )
 
     def record(self, case, verdicts) -> None:
-        """Attach case parameters and error figures to the test report (for the conformance report)."""
+        """Attach case parameters and error figures to
+        the test report (for the conformance report)."""
         if ("ring_case", case_properties(case)) not in self.request.node.user_properties:
             self.request.node.user_properties.append(("ring_case", case_properties(case)))
         self.request.node.user_properties.append(

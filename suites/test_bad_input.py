@@ -52,8 +52,8 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
             for o in exc.outcomes
         )
         pytest.fail(
-            f"{kind}: the ranks hung ({states}) for {timeout:g} s: a rank that rejected its input left the "
-            f"others waiting in a collective\nrepro: {ring.repro()}",
+            f"{kind}: the ranks hung ({states}) for {timeout:g} s: a rank that rejected its input "
+            f"left the others waiting in a collective\nrepro: {ring.repro()}",
             pytrace=False,
         )
     summary = "\n".join(
@@ -63,9 +63,9 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
     waiting = [o.rank for o in outcomes if o.status == ABORTED]  # the harness ended their wait
     if waiting:
         pytest.fail(
-            f"{kind}: the ranks hung (rank(s) {waiting} still waiting in a collective after another rank "
-            f"raised; the harness aborted them): a rank that rejected its input left the others waiting"
-            f"\n{summary}\nrepro: {ring.repro()}",
+            f"{kind}: the ranks hung (rank(s) {waiting} still waiting in a collective after "
+            "another rank raised; the harness aborted them): a rank that rejected its input left "
+            f"the others waiting\n{summary}\nrepro: {ring.repro()}",
             pytrace=False,
         )
     raised = [o.rank for o in outcomes if not o.ok]

@@ -191,7 +191,10 @@ def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase
     what = f"the {case.balancer} balancer's layout" if case.balancer else f"layout {case.layout!r}"
     problem = runs_problem(runs[0], case.inputs.seq_q, case.world_size)
     if problem is None and (len(layouts) != 1 or any(rr != runs[0] for rr in runs)):
-        problem = f"the ranks got different layouts ({sorted(layouts)}) or runs from equal balanced_layout calls"
+        problem = (
+            f"the ranks got different layouts ({sorted(layouts)}) or runs from equal "
+            "balanced_layout calls"
+        )
     if problem:
         pytest.fail(
             f"{what} breaks the layout rules: {problem} [{case.label}]\nrepro: {ring.repro()}",
@@ -204,7 +207,8 @@ def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase
             [f"... {len(findings) - 8} more blocks"] if len(findings) > 8 else []
         )
         pytest.fail(
-            f"the kernel calls do not compute exactly the pairs the mask shows on global positions [{case.label}]:\n"
+            "the kernel calls do not compute exactly the pairs the mask shows on global "
+            f"positions [{case.label}]:\n"
             + "\n".join(f"  {line}" for line in lines)
             + "".join(f"\n{d}" for d in diagnoses)
             + f"\nrepro: {ring.repro()}",
@@ -214,8 +218,9 @@ def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase
     work = [r["work"] for r in results]
     if work != visible:
         pytest.fail(
-            f"attention work per rank {work} (score entries counted by the op) differs from the visible pairs {visible} "
-            f"its calls computed [{case.label}]: the counting op's figure and the calls disagree\nrepro: {ring.repro()}",
+            f"attention work per rank {work} (score entries counted by the op) differs from the "
+            f"visible pairs {visible} its calls computed [{case.label}]: the counting op's figure "
+            f"and the calls disagree\nrepro: {ring.repro()}",
             pytrace=False,
         )
     bound = BOUNDS[(case.layout, case.family)]
@@ -232,8 +237,9 @@ def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase
             else ""
         )
         pytest.fail(
-            f"load imbalance: max/mean work {ratio:.3f} > {limit:.3f} declared for {what} under mask {case.family}{known}; "
-            f"rank {heavy} does {work[heavy] / sum(work):.0%} of the work (per-rank work {work}) [{case.label}]\n"
+            f"load imbalance: max/mean work {ratio:.3f} > {limit:.3f} declared for {what} under "
+            f"mask {case.family}{known}; rank {heavy} does {work[heavy] / sum(work):.0%} of the "
+            f"work (per-rank work {work}) [{case.label}]\n"
             f"repro: {ring.repro()}",
             pytrace=False,
         )

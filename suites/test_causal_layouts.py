@@ -70,8 +70,9 @@ def test_work_per_rank_is_minimal_and_balanced(ring, work_case: RingCase) -> Non
     )  # visible score entries per (batch, head), like CountingOp counts
     work = [r["work"] for r in ring.run(case)]
     assert work == expected, (
-        f"attention work per rank {work} differs from the visible (query, key) pairs {expected} per batch-head "
-        f"[{case.label}]: a step that must be skipped was computed, or a needed one was not"
+        f"attention work per rank {work} differs from the visible (query, key) pairs {expected} "
+        f"per batch-head [{case.label}]: a step that must be skipped was computed, or a needed "
+        "one was not"
     )
     if case.is_causal and case.layout == "head_tail":
         assert len(set(work)) == 1, (

@@ -78,7 +78,8 @@ def _diff(expected: dict, actual: dict) -> list[str]:
             e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
             if e != a:
                 lines.append(
-                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
+                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued "
+                    f"{a['calls']} calls, {a['bytes']} bytes"
                 )
     return lines
 
@@ -90,7 +91,8 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
         "collective_schedule", why="the collectives of every rank are asserted against it"
     )
     spec = case.inputs
-    # head_dim_v only where value's head dim differs (a schedule without the keyword serves the rest)
+    # head_dim_v only where value's head dim differs
+    # (a schedule without the keyword serves the rest)
     value_dim = {} if spec.head_dim_v is None else {"head_dim_v": spec.head_dim_v}
     expected = schedule(
         case.world_size,

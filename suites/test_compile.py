@@ -61,9 +61,10 @@ def test_compiled_matches_eager_and_reference(ring, case: RingCase) -> None:
             raise exc from None  # fails eagerly too: not a compile problem
         head = "\n".join(str(exc).splitlines()[:2])
         pytest.fail(
-            f"torch.compile(backend={case.compile!r}, fullgraph=True) of ring_attention raised on the ranks, and the "
-            f"same case run eagerly does not: it fails only under torch.compile (a graph break in the ring, or "
-            f"code dynamo cannot trace) [{case.label}]\n{head}\n{exc}",
+            f"torch.compile(backend={case.compile!r}, fullgraph=True) of ring_attention raised on "
+            "the ranks, and the same case run eagerly does not: it fails only under "
+            "torch.compile (a graph break in the ring, or code dynamo cannot trace) "
+            f"[{case.label}]\n{head}\n{exc}",
             pytrace=False,
         )
     ring.check(compiled, results=compiled_results)
@@ -78,7 +79,8 @@ def test_compiled_matches_eager_and_reference(ring, case: RingCase) -> None:
             continue
         if case.compile == "aot_eager":
             assert torch.equal(got[name], eager[name]), (
-                f"{name}: aot_eager result differs from eager (max {float((got[name].double() - eager[name].double()).abs().max()):.2e}); "
+                f"{name}: aot_eager result differs from eager (max "
+                f"{float((got[name].double() - eager[name].double()).abs().max()):.2e}); "
                 f"aot_eager runs the same ops and must be bitwise equal [{case.label}]"
             )
         else:

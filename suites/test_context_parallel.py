@@ -112,7 +112,8 @@ def test_tutorial_example_in_the_pool(cp) -> None:
         cp.rank_pool(4).run(cases_api.tutorial_case, cp.impl.spec, timeout=cp.timeout)
     ):
         assert r["allclose"], (
-            f"rank {rank}: tutorial check failed: max diff {r['max_diff']:.3e} > atol {r['atol']:.1e}"
+            f"rank {rank}: tutorial check failed: max diff {r['max_diff']:.3e} > atol "
+            f"{r['atol']:.1e}"
         )
 
 
@@ -203,8 +204,9 @@ def test_buffer_listed_three_times_is_sharded_once(cp, w: int, layout: str) -> N
     for rank, r in enumerate(results):
         seq = r["global"][2]
         assert r["inside"][2] == seq // w, (
-            f"rank {rank}: a tensor listed three times in buffers was sharded to length {r['inside'][2]} instead of "
-            f"{seq // w} (global {seq}, {w} ranks): sharded once per listing, not once per tensor [{layout}]"
+            f"rank {rank}: a tensor listed three times in buffers was sharded to length "
+            f"{r['inside'][2]} instead of {seq // w} (global {seq}, {w} ranks): sharded once per "
+            f"listing, not once per tensor [{layout}]"
         )
         assert r["matches_shard"], (
             f"rank {rank}: the buffer listed three times is not this rank's {layout} shard"
@@ -229,8 +231,8 @@ def test_buffer_listed_with_two_seq_dims_is_rejected(cp, w: int) -> None:
         cases_api.repeated_buffer_two_dims_case, cp.impl.spec, timeout=cp.timeout
     )
     assert all(not o.ok for o in outcomes), (
-        f"a tensor listed in buffers with sequence dims 1 and 2 was accepted on some rank: it has one sequence "
-        f"dim and must be rejected on every rank\n{_summary(outcomes)}"
+        "a tensor listed in buffers with sequence dims 1 and 2 was accepted on some rank: it has "
+        f"one sequence dim and must be rejected on every rank\n{_summary(outcomes)}"
     )
     for o in outcomes:
         assert "left changed" not in o.exc_message, f"rank {o.rank}: {o.exc_message}"
@@ -254,12 +256,14 @@ def test_nested_context_does_not_shard_again(cp, w: int, layout: str) -> None:
         )
         if r["error"] is None:
             assert torch.equal(r["inner"], r["shard"]), (
-                f"rank {rank}: a nested context_parallel over a buffer the outer one already sharded sharded it again: "
-                f"length {r['shard'].shape[2]} -> {r['inner'].shape[2]} [{layout}, W={w}]"
+                f"rank {rank}: a nested context_parallel over a buffer the outer one already "
+                f"sharded sharded it again: length {r['shard'].shape[2]} -> {r['inner'].shape[2]} "
+                f"[{layout}, W={w}]"
             )
         assert torch.equal(r["after_inner"], r["shard"]), (
-            f"rank {rank}: after the nested context_parallel the buffer is not the outer context's shard "
-            f"(length {r['after_inner'].shape[2]}, expected {r['shard'].shape[2]}) [{layout}]"
+            f"rank {rank}: after the nested context_parallel the buffer is not the outer "
+            f"context's shard (length {r['after_inner'].shape[2]}, expected "
+            f"{r['shard'].shape[2]}) [{layout}]"
         )
         assert r["restored"], (
             f"rank {rank}: the buffer was not restored after the nested contexts [{layout}]"
@@ -276,8 +280,8 @@ def test_parameter_buffer_grad_is_global_after_exit(cp, w: int, layout: str) -> 
     )
     for rank, r in enumerate(results):
         assert r["grad_shape"] == r["param_shape"], (
-            f"rank {rank}: the Parameter buffer's .grad after exit has shape {r['grad_shape']}, the parameter "
-            f"{r['param_shape']}: a shard-shaped .grad left behind [{layout}, W={w}]"
+            f"rank {rank}: the Parameter buffer's .grad after exit has shape {r['grad_shape']}, "
+            f"the parameter {r['param_shape']}: a shard-shaped .grad left behind [{layout}, W={w}]"
         )
         assert r["step_error"] is None, (
             f"rank {rank}: optimizer.step() after the context failed: {r['step_error']}"
@@ -303,8 +307,9 @@ def test_parameter_buffer_grad_after_exception_fits_the_parameter(cp, w: int) ->
             f"rank {rank}: the Parameter buffer's data was not restored after an exception"
         )
         assert r["grad_shape"] in (None, r["param_shape"]), (
-            f"rank {rank}: after an exception inside the context the Parameter buffer's .grad has shape "
-            f"{r['grad_shape']}, the parameter {r['param_shape']}: a shard-shaped .grad left behind"
+            f"rank {rank}: after an exception inside the context the Parameter buffer's .grad has "
+            f"shape {r['grad_shape']}, the parameter {r['param_shape']}: a shard-shaped .grad "
+            "left behind"
         )
         assert r["step_error"] is None, (
             f"rank {rank}: optimizer.step() after the context failed: {r['step_error']}"
@@ -324,12 +329,13 @@ def test_multihead_attention_default_need_weights(cp, w: int, route: str) -> Non
     if all(not o.ok for o in outcomes):
         for o in outcomes:
             assert re.search("need_weights", o.exc_message), (
-                f"rank {o.rank}: nn.MultiheadAttention (need_weights=True) under {route} raised without naming "
-                f"need_weights, the fix: {o.exc_type}: {o.exc_message}"
+                f"rank {o.rank}: nn.MultiheadAttention (need_weights=True) under {route} raised "
+                f"without naming need_weights, the fix: {o.exc_type}: {o.exc_message}"
             )
         return
     assert all(o.ok for o in outcomes), (
-        f"nn.MultiheadAttention (need_weights=True) under {route}: some ranks raised\n{_summary(outcomes)}"
+        f"nn.MultiheadAttention (need_weights=True) under {route}: some ranks "
+        f"raised\n{_summary(outcomes)}"
     )
     for o in outcomes:
         _judge_float64(
@@ -354,7 +360,8 @@ def test_compiled_sdpa_inside_context_parallel(cp, cw: int, backend: str, layout
         timeout=max(cp.timeout, COMPILE_TIMEOUT_S[backend]),
     )
     assert all(o.ok for o in outcomes), (
-        f"a torch.compile(backend={backend!r}) function calling SDPA inside context_parallel failed\n{_summary(outcomes)}"
+        f"a torch.compile(backend={backend!r}) function calling SDPA inside context_parallel "
+        f"failed\n{_summary(outcomes)}"
     )
     q, k, v = outcomes[0].value["inputs"]
     ref = attention(q, k, v, is_causal=True).out
@@ -367,7 +374,10 @@ def test_compiled_sdpa_inside_context_parallel(cp, cw: int, backend: str, layout
                     ref,
                     o.value["expected"],
                     rank=o.rank,
-                    context=f"[compiled SDPA inside context_parallel, backend={backend}, {layout}, call {call + 1}]",
+                    context=(
+                        f"[compiled SDPA inside context_parallel, backend={backend}, {layout}, "
+                        f"call {call + 1}]"
+                    ),
                 )
             )
 
@@ -383,7 +393,10 @@ def test_compiled_parallelized_module(cp, cw: int, backend: str, layout: str) ->
         layout,
         timeout=max(cp.timeout, COMPILE_TIMEOUT_S[backend]),
     )
-    what = f"compiled parallelized module: ContextParallel then torch.compile(backend={backend}), {layout}, W={cw}"
+    what = (
+        f"compiled parallelized module: ContextParallel then torch.compile(backend={backend}), "
+        f"{layout}, W={cw}"
+    )
     for rank, r in enumerate(results):
         for step, out in enumerate(r["outs"]):
             _judge_float64(

@@ -47,5 +47,6 @@ def test_same_case_twice_is_bitwise_equal(ring, case: RingCase) -> None:
             if a[name] is None:
                 continue
             assert torch.equal(a[name], b[name]), (
-                f"{name}[rank={rank}] differs between two identical runs (max {float((a[name].double() - b[name].double()).abs().max()):.2e}) [{case.label}]"
+                f"{name}[rank={rank}] differs between two identical runs (max "
+                f"{float((a[name].double() - b[name].double()).abs().max()):.2e}) [{case.label}]"
             )

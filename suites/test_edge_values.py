@@ -104,9 +104,9 @@ def test_nan_in_the_inputs_reaches_the_outputs(ring, nan_case: RingCase) -> None
             continue
         hidden = torch.isnan(r) & torch.isfinite(x)
         assert not hidden.any(), (
-            f"{name}: {int(hidden.sum())} element(s) finite where the reference is NaN ({where}), first at "
-            f"{tuple(int(i) for i in hidden.nonzero()[0])}: the NaN was hidden (e.g. a kernel that drops NaN on short "
-            f"key blocks) [{case.label}]"
+            f"{name}: {int(hidden.sum())} element(s) finite where the reference is NaN ({where}), "
+            f"first at {tuple(int(i) for i in hidden.nonzero()[0])}: the NaN was hidden (e.g. a "
+            f"kernel that drops NaN on short key blocks) [{case.label}]"
         )
         # The NaN sits in batch 0 and in query/key/value head 0: its GQA group is query heads
         # [0, group) and key/value head 0. Nothing else can depend on it.
@@ -116,8 +116,9 @@ def test_nan_in_the_inputs_reaches_the_outputs(ring, nan_case: RingCase) -> None
         untouchable[0, :heads_reached] = False
         invented = untouchable & ~torch.isfinite(x)
         assert not invented.any(), (
-            f"{name}: {int(invented.sum())} element(s) NaN/inf outside the NaN's batch entry and head group ({where}), "
-            f"first at {tuple(int(i) for i in invented.nonzero()[0])}: attention never mixes those [{case.label}]"
+            f"{name}: {int(invented.sum())} element(s) NaN/inf outside the NaN's batch entry and "
+            f"head group ({where}), first at {tuple(int(i) for i in invented.nonzero()[0])}: "
+            f"attention never mixes those [{case.label}]"
         )
         both = torch.isfinite(r) & torch.isfinite(x)
         sc = scales[name]
@@ -160,10 +161,12 @@ def test_nonpositive_scale_is_right_or_rejected(ring, scale_case: RingCase) -> N
     if all(not o.ok for o in outcomes):
         for o in outcomes:
             assert "scale" in o.exc_message.lower(), (
-                f"rank {o.rank} rejected scale {case.inputs.scale} without saying so: {o.exc_type}: {o.exc_message}"
+                f"rank {o.rank} rejected scale {case.inputs.scale} without saying so: "
+                f"{o.exc_type}: {o.exc_message}"
             )
         pytest.skip(
-            f"{ring.impl.name} rejects causal attention with scale {case.inputs.scale} on every rank"
+            f"{ring.impl.name} rejects causal attention with scale {case.inputs.scale} on every "
+            "rank"
         )
     failed = [f"rank {o.rank}: {o.exc_type}: {o.exc_message}" for o in outcomes if not o.ok]
     assert not failed, "some ranks raised and others did not:\n" + "\n".join(failed)

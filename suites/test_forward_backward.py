@@ -45,15 +45,17 @@ def _cases(config) -> list:
 
 def _value_head_dim_cases(config) -> list:
     """d_v != d_qk: (d_qk, d_v) of 16 and 24 (value wider) or 24 and 8 (narrower, as DeepSeek's 192
-    and 128; nightly 32/48 and 48/16 on twice the length), every rotation and layout at every world size, causal or not, with GQA and a loss
-    through the LSE in some; float64 (held to ~1e-12) or float32 (nightly: both, one causal)."""
+    and 128; nightly 32/48 and 48/16 on twice the length), every rotation and layout at every world
+    size, causal or not, with GQA and a loss through the LSE in some; float64 (held to ~1e-12) or
+    float32 (nightly: both, one causal)."""
     nightly = tier(config) == "nightly"
     cases = []
     combos = itertools.product(world_sizes(config), ROTATIONS, LAYOUTS)
     for i, (w, rotate, layout) in enumerate(combos):
         pairs = ((i % 3 != 1, "float64"), (i % 3 == 1, "float32"))  # one causal, one not
         for causal, dtype in pairs if nightly else pairs[(i + w) % 2 :][:1]:
-            # nightly: larger, as its other cases (seq, head dims), so none is also a quick-tier case
+            # nightly: larger, as its other cases (seq, head dims),
+            # so none is also a quick-tier case
             d, dv = (((32, 48), (48, 16)) if nightly else ((16, 24), (24, 8)))[
                 (i + int(causal)) % 2
             ]
@@ -118,9 +120,9 @@ def test_value_head_dim(ring, dv_case: RingCase) -> None:
         raise failure from None
     d, dv = case.inputs.head_dim, case.inputs.value_head_dim
     pytest.fail(
-        f"{failure}\nThe same case with value's head dim equal to query's and key's ({dv}) passes: the "
-        f"implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv}): look for a buffer, accumulator "
-        "or output sized by one head dim where the other was meant (value, out, dV by d_v; query, key, dQ, "
-        "dK by d_qk)",
+        f"{failure}\nThe same case with value's head dim equal to query's and key's ({dv}) "
+        f"passes: the implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv}): look "
+        "for a buffer, accumulator or output sized by one head dim where the other was meant "
+        "(value, out, dV by d_v; query, key, dQ, dK by d_qk)",
         pytrace=False,
     )

@@ -6,15 +6,15 @@ two of each), and attention sinks; every rotation, both built-in layouts and the
 layouts the implementation's balancers build for the mask (``document_head_tail``,
 ``work_aware``: sharded and unsharded by the runs it returns), W 1..4 (nightly 5..8),
 float64/float32/bfloat16, GQA, softmax scales <= 0, and under ``torch.compile(fullgraph=True)``
-(capability ``compile``; each after a call with other mask data in the same compiled function). Judged against the float64 oracle with
-the same mask (reference.masks) by the numerics policy; rows that see nothing must come back as
-nothing (out 0, LSE -inf).
+(capability ``compile``; each after a call with other mask data in the same compiled function).
+Judged against the float64 oracle with the same mask (reference.masks) by the numerics policy; rows
+that see nothing must come back as nothing (out 0, LSE -inf).
 
 The named masks run under Ulysses and the hybrid too (capability ``strategies``), on the 4-rank
 meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks
 (documents of any lengths with padding anywhere, windows of any extents, chunked causal,
-prefix-LM, a window differing per batch row and head, their ``and``/``or``) with any layout, balancer, rotation, world size, dtype, GQA and
-sinks, and judges each the same way.
+prefix-LM, a window differing per batch row and head, their ``and``/``or``) with any layout,
+balancer, rotation, world size, dtype, GQA and sinks, and judges each the same way.
 
 Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles),
 ``sinks``, ``layouts``, ``strategies`` and ``balancers`` (with ``balanced_layout``); undeclared
@@ -210,7 +210,8 @@ def _batch(name: str) -> int:
 def _scale_cases(config) -> list[MaskCase]:
     """Softmax scales <= 0 under masks whose visible region has causal pieces (a negative
     temperature is legitimate): a kernel whose causal path returns NaN there (the CPU flash
-    kernel) must not get a mask's causal tiles (suites/test_edge_values.py has the is_causal case)."""
+    kernel) must not get a mask's causal tiles (suites/test_edge_values.py has the is_causal
+    case)."""
     sizes = world_sizes(config, at_least=2, at_most=3)
     out = []
     names = ("causal", "documents", "window_narrow", "documents_window")
@@ -288,7 +289,8 @@ def _strategy_cases(config) -> list[MaskCase]:
     dtypes = ("float64", "float32", "bfloat16")
     out = []
     for i, (name, (strategy, mesh)) in enumerate(itertools.product(MASK_NAMES, STRATEGY_MESHES)):
-        # i alternates the strategy: the layout and GQA turn every other pair, so each strategy gets both.
+        # i alternates the strategy: the layout and GQA turn every other pair,
+        # so each strategy gets both.
         layouts = LAYOUTS if nightly else (LAYOUTS[(i // 2 + i) % 2],)
         for j, layout in enumerate(layouts):
             dtype = dtypes[(i + j) % 3]

@@ -56,8 +56,8 @@ def test_rotation_methods_agree(ring, case: RingCase) -> None:
         for name in QUANTITIES:
             if a[name] is None or b[name] is None:
                 continue
-            # Judge X_b against X_a with the baseline shifted by X_a - R, so the allowance is exactly
-            # k * max|B - R| + floor: the policy, with X_a standing in for the reference.
+            # Judge X_b against X_a with the baseline shifted by X_a - R, so the allowance is
+            # exactly k * max|B - R| + floor: the policy, with X_a standing in for the reference.
             shifted_base = base[name].double() + (a[name].double() - ref[name])
             verdict = check(
                 f"{name} {method} vs {first}",

@@ -164,7 +164,8 @@ def test_cross_attention_lengths(ring, cross_case: RingCase) -> None:
 
 
 def _strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of a tensor of ``shape`` whose memory holds its dims in ``order`` (outermost first)."""
+    """Strides of a tensor of ``shape`` whose memory
+    holds its dims in ``order`` (outermost first)."""
     strides = [0] * len(shape)
     step = 1
     for dim in reversed(order):
@@ -219,14 +220,14 @@ def test_noncontiguous_inputs(ring, noncontig_case: RingCase) -> None:
         except pytest.fail.Exception:
             raise failure from None
         what = (
-            "a strided head dim (a kernel read it as if its stride were 1, as aten's CPU flash kernel does in "
-            "torch 2.13)"
+            "a strided head dim (a kernel read it as if its stride were 1, as aten's CPU flash "
+            "kernel does in torch 2.13)"
             if case.inputs.strided_head_dim
             else "non-contiguous inputs (it reads their memory as if contiguous, ignoring strides)"
         )
         pytest.fail(
-            f"{failure}\nThe same case with contiguous inputs passes: the implementation is wrong only with "
-            f"{what}",
+            f"{failure}\nThe same case with contiguous inputs passes: the implementation is wrong "
+            f"only with {what}",
             pytrace=False,
         )
 

@@ -5,12 +5,12 @@ Parametrized over strategy and mesh shape ``U x R`` (ulysses degree x ring degre
 (``ulysses`` 4; ``hybrid`` 4x1, 2x2, 1x4) and W=6 (``ulysses`` 6; ``hybrid`` 2x3, 3x2); nightly
 adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8); ``--world-sizes 32,64`` (the simulated tier,
 ``--launcher simulated``) W=32 (8x4, 4x8) and W=64 (8x8). The world sizes are the session's mesh
-world sizes (``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given). Key/value heads:
-as many as the query heads (MHA), fewer than the Ulysses degree (GQA, each head replicated; a
-replication order error shows only with two or more of them), one (MQA). Causal and not, both
-layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring (cycled over the quick
-matrix, all of them nightly), the LSE's gradient, every CPU op (their LSE layouts), cross-attention
-lengths and non-contiguous inputs.
+world sizes (``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given).
+Key/value heads: as many as the query heads (MHA), fewer than the Ulysses degree (GQA, each head
+replicated; a replication order error shows only with two or more of them), one (MQA). Causal and
+not, both layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring (cycled over
+the quick matrix, all of them nightly), the LSE's gradient, every CPU op (their LSE layouts),
+cross-attention lengths and non-contiguous inputs.
 
 Numerics: :mod:`suites.judge_strategies` (the policy of every ring case; ``world_size`` = the
 ring degree). A failure names the replayed strategy bug it matches (local attention only,
@@ -135,7 +135,8 @@ def _matrix(config: pytest.Config) -> list:
                     )
                 )
         if mesh[0] * mesh[1] == 4:
-            # every op of the session device (their LSE layouts reach the strategy), cross-attention lengths, non-contiguous shards
+            # every op of the session device (their LSE layouts reach the strategy), cross-attention
+            # lengths, non-contiguous shards
             for op in session_ops(config):
                 spec = spec_for(mesh, "float32", "gqa")
                 out.append(
@@ -243,7 +244,8 @@ def _bad_matrix(config: pytest.Config) -> list:
             or mesh[0] * mesh[1] not in (4, 6)
             or (strategy, mesh) == ("hybrid", (4, 1))
         ):
-            continue  # Ulysses 4, 6 and the hybrids 2x2, 2x3, 3x2: a degree > 1 in each dim that has one
+            # Ulysses 4, 6 and the hybrids 2x2, 2x3, 3x2: a degree > 1 in each dim that has one
+            continue
         for kind, (_, applies) in sorted(BAD_INPUTS.items()):
             if strategy not in applies or (
                 kind == "head_tail_odd_rows" and strategy == "hybrid" and mesh[0] % 2 == 0
@@ -276,7 +278,8 @@ def pytest_generate_tests(metafunc):
 
 
 def prepare(ring, case: StrategyCase) -> StrategyCase:
-    """N/A for what the implementation declares it lacks; the session's implementation and op filled in."""
+    """N/A for what the implementation declares it lacks;
+    the session's implementation and op filled in."""
     __tracebackhide__ = True
     op = case.op if case.op is not None else ring.op_spec
     ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
@@ -380,7 +383,8 @@ def test_strategy_collectives_match_schedule(ring, case: StrategyCase) -> None:
 
 def test_strategy_compiles(ring, case: StrategyCase) -> None:
     """torch.compile(fullgraph=True): no graph break, the oracle's verdict, and eager's result
-    (bitwise with aot_eager; within the policy with inductor, eager standing in for the reference)."""
+    (bitwise with aot_eager; within the policy with inductor, eager standing in for the
+    reference)."""
     compiled = prepare(ring, case)
     try:
         got = run(ring, compiled)
@@ -390,8 +394,9 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
         except CaseFailure:
             raise exc from None
         pytest.fail(
-            f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} strategy raised on "
-            f"the ranks and the eager run does not: it fails only under torch.compile [{case.label}]\n{exc}",
+            f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} "
+            "strategy raised on the ranks and the eager run does not: it fails only under "
+            f"torch.compile [{case.label}]\n{exc}",
             pytrace=False,
         )
     judged(ring, compiled, got)
@@ -407,8 +412,9 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
             continue
         if case.compile == "aot_eager":
             assert torch.equal(mine[name], eager[name]), (
-                f"{name}: aot_eager differs from eager (max {float((mine[name].double() - eager[name].double()).abs().max()):.2e}); "
-                f"it runs the same ops and must be bitwise equal [{case.label}]"
+                f"{name}: aot_eager differs from eager (max "
+                f"{float((mine[name].double() - eager[name].double()).abs().max()):.2e}); it runs "
+                f"the same ops and must be bitwise equal [{case.label}]"
             )
         else:
             shifted = base[name].double() + (eager[name].double() - ref[name])
@@ -425,7 +431,8 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
 
 
 def test_strategy_bad_input_raises_on_every_rank(ring, bad) -> None:
-    """Bad input on any rank: the same InputError (or TypeError for a wrong group) on every rank, no hang."""
+    """Bad input on any rank: the same InputError (or
+    TypeError for a wrong group) on every rank, no hang."""
     strategy, mesh, kind = bad
     ring.require("strategies", strategy, why=f"strategy={strategy!r}")
     ring.require("input_errors", why="raises on every rank for bad input")

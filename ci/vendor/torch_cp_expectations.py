@@ -6,7 +6,7 @@ report, each attributed to its cause and the standalone reproduction of that cau
 
 A failure no cause explains stops the script: attribute it (a new cause, with its reproduction
 under ci/vendor/torch_repro/) before it can be expected.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -88,17 +88,22 @@ def main() -> int:
     causes = Counter(cause_of(c) for c in failed)
     counts = report["counts"]
     lines = [
-        "# Expected failures of PyTorch's own context parallel (conformance.adapters.torch_cp) on CPU + gloo,",
-        f"# torch {torch.__version__.split('+')[0]}, quick tier; written by ci/vendor/torch_cp_expectations.py from:",
-        "#   pytest suites -n auto --impl conformance.adapters.torch_cp:IMPLEMENTATION --report-dir reports/torch_cp",
+        "# Expected failures of PyTorch's own context parallel (conformance.adapters.torch_cp) on "
+        "CPU + gloo,",
+        f"# torch {torch.__version__.split('+')[0]}, quick tier; written by "
+        "ci/vendor/torch_cp_expectations.py from:",
+        "#   pytest suites -n auto --impl conformance.adapters.torch_cp:IMPLEMENTATION "
+        "--report-dir reports/torch_cp",
         f"# {counts.get('passed', 0)} pass, {len(failed)} fail, {counts.get('n/a', 0)} N/A, "
-        f"{counts.get('skipped', 0)} skipped. Causes (each reproduced without this project by its script):",
+        f"{counts.get('skipped', 0)} skipped. Causes (each reproduced without this project by its "
+        "script):",
     ]
     for name, n in sorted(causes.items(), key=lambda kv: -kv[1]):
         who, what, script = CAUSES[name]
         lines.append(f"#   {name} ({n}): {who} {what}; ci/vendor/torch_repro/{script}")
     lines += [
-        "# A line that no longer fails turns into an XPASS (strict); one that matches no test fails",
+        "# A line that no longer fails turns into an XPASS (strict); one that matches no test "
+        "fails",
         "# tests/ci/test_vendor_file.py.",
         "",
     ]

@@ -63,7 +63,8 @@ class RingImplAdapter:
             ring_impl.ring_attention if impl is None else ring_impl.bind(impl)
         )
         self.baseline_op = "auto"
-        # The package whose context_parallel / context_parallel_unshard / ContextParallel are tested.
+        # The package whose context_parallel /
+        # context_parallel_unshard / ContextParallel are tested.
         self.api_module = "ring_impl"
 
     @staticmethod

@@ -38,7 +38,8 @@ restores them afterwards:
   ``TorchContextParallel(convert_to_f32=False)``.
 
 What it supports, measured on CPU + gloo with torch 2.13 by
-``python ci/check_ring_numerics.py --world-sizes 2 4 --impl conformance.adapters.torch_cp:IMPLEMENTATION``
+``python ci/check_ring_numerics.py --world-sizes 2 4
+--impl conformance.adapters.torch_cp:IMPLEMENTATION``
 (batch 2, 4 heads, 8 rows per layout chunk, head_dim 16; errors are max |X - float64 reference|
 and, in brackets, the same for single-process CPU flash in the same dtype):
 
@@ -133,7 +134,8 @@ def _restore_options(previous: tuple[Any, Any, Any]) -> None:
 
 
 class cp_options:
-    """``with cp_options(load_balance=..., rotate_method=...):`` PyTorch's _cp_options for a block."""
+    """``with cp_options(load_balance=..., rotate_method=...):``
+    PyTorch's _cp_options for a block."""
 
     def __init__(
         self, *, load_balance: bool, rotate_method: str, convert_to_f32: bool | None = None
@@ -163,7 +165,8 @@ def _resolve_group(group) -> dist.ProcessGroup:
     if isinstance(group, DeviceMesh) and group.ndim == 1:
         return group.get_group()
     raise TypeError(
-        f"torch_cp: group must be None, a ProcessGroup or a 1-D DeviceMesh, not {type(group).__name__}"
+        "torch_cp: group must be None, a ProcessGroup or a 1-D DeviceMesh, not "
+        f"{type(group).__name__}"
     )
 
 
@@ -374,7 +377,8 @@ class TorchContextParallel:
         layout="contiguous",
         return_lse=False,
     ):
-        """Local output (and LSE) of PyTorch's ring; arguments as :func:`ring_impl.ring_attention`."""
+        """Local output (and LSE) of PyTorch's ring; arguments as
+        :func:`ring_impl.ring_attention`."""
         if op is not None:
             raise ValueError(
                 "torch_cp: PyTorch's context parallel picks its own kernel; op= is not supported"
@@ -384,7 +388,8 @@ class TorchContextParallel:
         rotate_method = rotate_method or "allgather"
         if rotate_method not in ROTATE_METHODS:
             raise NotImplementedError(
-                f"torch_cp: PyTorch's context parallel has no rotate_method {rotate_method!r}; it has {ROTATE_METHODS}"
+                f"torch_cp: PyTorch's context parallel has no rotate_method {rotate_method!r}; it "
+                f"has {ROTATE_METHODS}"
             )
         pg = _resolve_group(group)
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
@@ -421,7 +426,8 @@ class TorchContextParallel:
     def collective_schedule(
         self, world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False
     ):
-        """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and backward (see the module docstring)."""
+        """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and backward
+        (see the module docstring)."""
         elems = 2 * batch * heads_kv * seq_kv * head_dim
         kv = elems * dtype.itemsize
         convert = (

@@ -145,7 +145,8 @@ def _local_problem(
     except Exception as exc:  # an argument so odd that even looking at it raised
         return (
             "arguments",
-            f"could not check the arguments ({type(exc).__name__}: {exc}); pass tensors and plain options",
+            f"could not check the arguments ({type(exc).__name__}: {exc}); pass tensors and plain "
+            "options",
         )
 
 
@@ -165,7 +166,8 @@ def _checked(
     if not isinstance(is_causal, bool):
         return (
             "is_causal",
-            f"is_causal must be a bool (True or False), got {is_causal!r} of type {type(is_causal).__name__}",
+            f"is_causal must be a bool (True or False), got {is_causal!r} of type "
+            f"{type(is_causal).__name__}",
         )
     if is_causal and sq != skv:
         return "is_causal", (
@@ -176,8 +178,9 @@ def _checked(
         return "layout", f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail" and (sq % 2 or skv % 2):
         return "layout", (
-            f"layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, got "
-            f"query {sq} and key/value {skv}; shard a sequence whose length is a multiple of 2 * world_size"
+            "layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, "
+            f"got query {sq} and key/value {skv}; shard a sequence whose length is a multiple of "
+            "2 * world_size"
         )
     if rotate_method not in rotate_methods:
         return (
@@ -195,8 +198,9 @@ def _tensor_problem(query, key, value) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if _is_dtensor(t):
             return (
-                f"{name} is a DTensor; ring_attention takes each rank's local shard as a plain tensor: pass "
-                f"{name}.to_local() of a DTensor sharded on the sequence dim (Shard(2)) in the given layout"
+                f"{name} is a DTensor; ring_attention takes each rank's local shard as a plain "
+                f"tensor: pass {name}.to_local() of a DTensor sharded on the sequence dim "
+                "(Shard(2)) in the given layout"
             )
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -207,11 +211,14 @@ def _tensor_problem(query, key, value) -> str | None:
             )
     if not query.dtype == key.dtype == value.dtype:
         return (
-            f"query/key/value dtypes differ on this rank ({query.dtype}, {key.dtype}, {value.dtype}); "
-            "cast them to one dtype"
+            f"query/key/value dtypes differ on this rank ({query.dtype}, {key.dtype}, "
+            f"{value.dtype}); cast them to one dtype"
         )
     if not query.device == key.device == value.device or query.device.type != "cpu":
-        return f"query/key/value must all be on the CPU device, got {query.device}, {key.device}, {value.device}"
+        return (
+            f"query/key/value must all be on the CPU device, got {query.device}, {key.device}, "
+            f"{value.device}"
+        )
     if key.shape != value.shape:
         return f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}"
     b, h, sq, d = query.shape
@@ -221,7 +228,10 @@ def _tensor_problem(query, key, value) -> str | None:
     if d != dk:
         return f"head_dim differs: query has {d}, key/value have {dk}"
     if hkv == 0 or h % hkv:
-        return f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query attention"
+        return (
+            f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query "
+            "attention"
+        )
     if min(b, h, sq, skv, d) == 0:
         return f"empty input: query {tuple(query.shape)}, key/value {tuple(key.shape)}"
     return None
@@ -340,8 +350,8 @@ def check_inputs(
         lengths = any(d.startswith(("seq_q", "seq_kv")) for d in differences)
         hint = (
             (
-                "; shard the global sequence into equal parts (pad it to a multiple of the layout's chunk count: "
-                "W for contiguous, 2W for head_tail)"
+                "; shard the global sequence into equal parts (pad it to a multiple of the "
+                "layout's chunk count: W for contiguous, 2W for head_tail)"
             )
             if lengths
             else "; every rank must pass the same options and shapes"

@@ -135,7 +135,8 @@ def _return_grads(
 
 
 def _calls(setup: RingSetup, layout: str, is_causal: bool, kv_rank: int, sq: int, sk: int):
-    """Kernel calls of one step: [(query rows, key rows, causal)]; empty when the block is skipped."""
+    """Kernel calls of one step: [(query rows, key rows, causal)];
+    empty when the block is skipped."""
     if not is_causal:
         return [(slice(0, sq), slice(0, sk), False)]
     calls = []
@@ -192,7 +193,8 @@ class _OpKernel:
         if tuple(lse.shape) != (b, h, sq):
             raise RuntimeError(
                 f"attention op {self.op.name!r} returned LSE {tuple(lse.shape)} in layout "
-                f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after normalising"
+                f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after "
+                "normalising"
             )
         return out, lse
 
@@ -288,14 +290,17 @@ def _op_problem(op, query, *, scale, is_causal) -> str | None:
         hasattr(op, a) for a in ("forward", "backward", "capabilities")
     ):
         return (
-            f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities as in "
-            "ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel"
+            f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities "
+            "as in ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel"
         )
     name = getattr(op, "name", op)
     try:
         caps = op.capabilities
         if getattr(caps, "lse_layout", None) not in ("bhs", "bhs1", "bhs_padded32"):
-            return f"attention op {name!r} declares an unknown LSE layout {getattr(caps, 'lse_layout', None)!r}"
+            return (
+                f"attention op {name!r} declares an unknown LSE layout "
+                f"{getattr(caps, 'lse_layout', None)!r}"
+            )
         if isinstance(query, torch.Tensor) and query.dim() == 4:
             try:  # with the call's scale and causality, where the op takes them (its known faults)
                 why = caps.unsupported(
@@ -305,13 +310,17 @@ def _op_problem(op, query, *, scale, is_causal) -> str | None:
                 why = caps.unsupported(query.device, query.dtype, query.shape[-1])
             if why is not None:
                 return (
-                    f"attention op {name!r} does not support this input (scale {scale!r}, is_causal "
-                    f"{is_causal!r}): {why}; leave op=None for the CPU flash kernel, which is routed around its faults"
+                    f"attention op {name!r} does not support this input (scale {scale!r}, "
+                    f"is_causal {is_causal!r}): {why}; leave op=None for the CPU flash kernel, "
+                    "which is routed around its faults"
                 )
     except (
         Exception
     ) as exc:  # raising here on one rank only would leave the others in the check's collective
-        return f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: {exc})"
+        return (
+            f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: "
+            f"{exc})"
+        )
     return None
 
 
@@ -322,7 +331,8 @@ def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _fold(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """(b, h, s, d) gradient of (possibly expanded) heads -> (b, heads_kv, s, d) float64, summed per group."""
+    """(b, h, s, d) gradient of (possibly expanded) heads
+    -> (b, heads_kv, s, d) float64, summed per group."""
     b, h, s, d = t.shape
     return t.to(torch.float64).reshape(b, heads_kv, h // heads_kv, s, d).sum(2)
 
@@ -365,7 +375,8 @@ class _FlashRingFn(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty((b, h, sq), dtype=lse_dtype)
         for (start, stop), parts in partials.items():
-            # All of a chunk's partials at once: weights exp(lse_i - LSE) with LSE = logsumexp_i lse_i.
+            # All of a chunk's partials at once: weights
+            # exp(lse_i - LSE) with LSE = logsumexp_i lse_i.
             lses = torch.stack([p[1].to(torch.float64) for p in parts])
             total = torch.logsumexp(lses, dim=0)
             weights = torch.exp(lses - total).unsqueeze(-1)
@@ -486,7 +497,8 @@ def ring_attention(
 def collective_schedule(
     world_size, rotate_method, *, batch, heads_kv, seq_kv, head_dim, dtype, compiled=False, **_
 ):
-    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
+    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward
+    (seq_kv: local length).
 
     kv = one block (2*batch*heads_kv*seq_kv*head_dim elements) in the input dtype, dkv the same
     elements in float32 (float64 for float64). Forward adds the input check's all-gather.

@@ -23,11 +23,12 @@ per-head maximum, kept as a running maximum over the steps (``torch.maximum``, w
 NaN); the ranks' maxima are all-gathered and their maximum taken (``amax``, which keeps a NaN
 too): one ``all_gather`` of ``heads`` accumulation-dtype values.
 
-NaN in the inputs flows through the arithmetic itself (±inf inputs are made NaN first): a NaN score makes the row's running max,
-sum and accumulator NaN, and the row is told apart from a row that saw no key by its running max
-(still -inf only there). In backward, masked entries of P and dS are set to 0 rather than left to
-``exp(-inf - NaN)`` and ``0 * NaN``, so a NaN reaches only the keys and rows that see it (and,
-through the matmul with values, the other rows of its own batch entry and head group).
+NaN in the inputs flows through the arithmetic itself (±inf inputs are made NaN first): a NaN score
+makes the row's running max, sum and accumulator NaN, and the row is told apart from a row that saw
+no key by its running max (still -inf only there). In backward, masked entries of P and dS are set
+to 0 rather than left to ``exp(-inf - NaN)`` and ``0 * NaN``, so a NaN reaches only the keys and
+rows that see it (and, through the matmul with values, the other rows of its own batch entry and
+head group).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class _Hop:
 
 
 def _grouped(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """(b, h, s, d) -> (b, heads_kv, h // heads_kv, s, d): query head i uses key/value head i // group."""
+    """(b, h, s, d) -> (b, heads_kv, h // heads_kv, s, d):
+    query head i uses key/value head i // group."""
     b, h, s, d = t.shape
     return t.reshape(b, heads_kv, h // heads_kv, s, d)
 
@@ -140,7 +142,8 @@ class _Online:
         self.acc = torch.zeros_like(q5)
 
     def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
-        """Fold in one block: scores s (b, hkv, g, sq, sk) (-inf where masked), v (b, hkv, sk, d)."""
+        """Fold in one block: scores s (b, hkv, g, sq, sk)
+        (-inf where masked), v (b, hkv, sk, d)."""
         m_new = torch.maximum(self.m, s.amax(-1))
         # Rows that have seen no key yet keep m = -inf; shift by 0 there so exp gives 0, not NaN.
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -249,14 +252,16 @@ class _MathRingFn(torch.autograd.Function):
         q5 = _grouped(_widen(query, acc), hkv)
         do5 = _grouped(_widen(grad_out, acc), hkv)
         lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
-        # rowsum(dO * O) of the final output; an LSE gradient adds P * dLSE to dS, i.e. lowers the row term.
+        # rowsum(dO * O) of the final output; an LSE gradient adds P * dLSE to dS,
+        # i.e. lowers the row term.
         delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
         if grad_lse is not None:
             delta = delta - _grouped(_widen(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
         dq5 = torch.zeros_like(q5)
 
         def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:
-            """(2, b, hkv, sk, d) dK/dV contribution of this rank's queries to one block, or None."""
+            """(2, b, hkv, sk, d) dK/dV contribution of
+            this rank's queries to one block, or None."""
             kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
             if kind == "skip":
                 return None
@@ -299,7 +304,8 @@ class _MathRingFn(torch.autograd.Function):
                 if w > 1:
                     if step < w - 1:
                         kv = hop(kv)
-                    # The accumulator travels with its block; after W hops it is back with its owner.
+                    # The accumulator travels with its block;
+                    # after W hops it is back with its owner.
                     dkv = hop(dkv)
         dq = dq5.reshape(b, h, sq, d).to(query.dtype)
         return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None
@@ -365,7 +371,8 @@ def collective_schedule(
     return_max_logit=False,
     **_,
 ):
-    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward (seq_kv: local length).
+    """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward
+    (seq_kv: local length).
 
     kv = 2*batch*heads_kv*seq_kv*head_dim elements in the input dtype, dkv the same elements in
     the accumulation dtype. Forward adds the input check's all-gather, and with

@@ -18,8 +18,8 @@ value ``(batch, heads_kv, seq_k, head_dim_v)``, out and grad_out ``(batch, heads
 head_dim_v)``. ``head_dim_v`` differs from ``head_dim`` (DeepSeek's multi-head latent attention)
 only for ops that declare ``capabilities.value_head_dim``. Ops that declare ``gqa=False``
 always receive ``heads_kv == heads``; the ring's
-:func:`ring_impl.ops.call_forward` / :func:`ring_impl.ops.call_backward` expand and reduce key/value heads for them, so only
-``heads_kv`` heads ever travel around the ring.
+:func:`ring_impl.ops.call_forward` / :func:`ring_impl.ops.call_backward` expand and reduce key/value
+heads for them, so only ``heads_kv`` heads ever travel around the ring.
 
 Memory order: the ring hands an op contiguous tensors, unless the op declares
 ``capabilities.row_views``: then query/key/value/grad_out/out/LSE may be views of a range of rows

@@ -37,12 +37,13 @@ def _dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def in_efficient_order(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out`` (batch, heads, seq, head_dim) in ``dtype``, laid out in memory as the memory-efficient
-    backward reads it. The kernel reads ``out`` as (batch, seq, heads, head_dim)-contiguous whatever
-    its strides say (the row stride is taken as heads * head_dim), as its own forward returns it.
-    Measured on an H100, torch 2.11: a (batch, heads, seq, head_dim)-contiguous ``out`` gave
-    dQ/dK errors of order 1 (dV right). ``tests/ring_impl/test_kernel_memory_order.py`` holds
-    eager and compiled rings to it on CPU, with a kernel that reads memory the same way."""
+    """``out`` (batch, heads, seq, head_dim) in ``dtype``, laid out in memory as the
+    memory-efficient backward reads it. The kernel reads ``out`` as (batch, seq, heads,
+    head_dim)-contiguous whatever its strides say (the row stride is taken as heads * head_dim), as
+    its own forward returns it. Measured on an H100, torch 2.11: a (batch, heads, seq,
+    head_dim)-contiguous ``out`` gave dQ/dK errors of order 1 (dV right).
+    ``tests/ring_impl/test_kernel_memory_order.py`` holds eager and compiled rings to it on CPU,
+    with a kernel that reads memory the same way."""
     return out.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
 
 

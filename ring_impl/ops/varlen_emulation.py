@@ -81,8 +81,8 @@ def _check(
             )
     if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise RuntimeError(
-            f"query {tuple(q.shape)} / key {tuple(k.shape)} / value {tuple(v.shape)}: key and value "
-            "must match, share the head dim, and their heads divide the query's"
+            f"query {tuple(q.shape)} / key {tuple(k.shape)} / value {tuple(v.shape)}: key and "
+            "value must match, share the head dim, and their heads divide the query's"
         )
     for name, cu, total, longest in (
         ("cu_seqlens_q", cu_q, q.shape[0], max_q),

@@ -41,7 +41,8 @@ def _exchange(rows: torch.Tensor, g: HeadGroup) -> torch.Tensor:
 def _pack(
     parts: list[torch.Tensor], g: HeadGroup
 ) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:
-    """(U, n) rows, row j the concatenation of every part's row j; and each part's (dtype, width)."""
+    """(U, n) rows, row j the concatenation of every part's row j;
+    and each part's (dtype, width)."""
     same = all(p.dtype == parts[0].dtype for p in parts)
     rows, layout = [], []
     for p in parts:
@@ -70,7 +71,8 @@ def _widest_first(parts: list[torch.Tensor]) -> list[int]:
 
 
 def sequence_to_heads(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
-    """``(b, h, s, f)`` sequence shards -> ``(b, h/U, U*s, f)`` head shards, one all-to-all for all parts."""
+    """``(b, h, s, f)`` sequence shards -> ``(b, h/U, U*s, f)`` head shards,
+    one all-to-all for all parts."""
     if g.size == 1:
         return list(parts)
     u = g.size
@@ -93,7 +95,8 @@ def sequence_to_heads(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Ten
 
 
 def heads_to_sequence(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
-    """``(b, h/U, U*s, f)`` head shards -> ``(b, h, s, f)`` sequence shards, one all-to-all for all parts."""
+    """``(b, h/U, U*s, f)`` head shards -> ``(b, h, s, f)`` sequence shards,
+    one all-to-all for all parts."""
     if g.size == 1:
         return list(parts)
     u = g.size

@@ -64,8 +64,10 @@ def strategy_path(
         or (
             None
             if call.return_max_logit is False
-            else f"return_max_logit runs on the ring only (exchange={strategy!r} does not compute it); pass "
-            "exchange='auto'"
+            else (
+                f"return_max_logit runs on the ring only (exchange={strategy!r} does not compute "
+                "it); pass exchange='auto'"
+            )
         )
         or strategy_problem(
             strategy,
@@ -165,7 +167,8 @@ def _global_dims(query, key, mesh_shape) -> tuple[int, int, int, int]:
 
 def _plan(algo, cfg: HeadParallelConfig, query, key, u: int) -> None:
     """What the call's inner attention will evaluate of its mask, made now (kept in the configs'
-    plan memos): after the all-to-all a rank holds U x the local lengths for heads / U query heads."""
+    plan memos): after the all-to-all a rank holds U x the local lengths for heads / U query
+    heads."""
     heads, seq_q, seq_kv = query.shape[1] // u, query.shape[2] * u, key.shape[2] * u
     if cfg.ring is not None:
         heads_kv = key.shape[1] * kv_replication(key.shape[1], u) // u

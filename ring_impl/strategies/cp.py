@@ -29,8 +29,9 @@ def hybrid_sharding(mesh, layout: str) -> tuple[dist.ProcessGroup, str]:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or sorted(names) != sorted(DIM_NAMES):
         raise ValueError(
-            "strategy='hybrid' under context parallel needs a 2-D DeviceMesh with dims named 'ring' and 'ulysses' "
-            "(e.g. init_device_mesh(device, (ring_degree, ulysses_degree), mesh_dim_names=('ring', 'ulysses')))"
+            "strategy='hybrid' under context parallel needs a 2-D DeviceMesh with dims named "
+            "'ring' and 'ulysses' (e.g. init_device_mesh(device, (ring_degree, ulysses_degree), "
+            "mesh_dim_names=('ring', 'ulysses')))"
         )
     shape = dict(zip(names, mesh.mesh.shape))
     u_size, r_size = int(shape["ulysses"]), int(shape["ring"])

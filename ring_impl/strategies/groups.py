@@ -1,4 +1,5 @@
-"""The process groups of a head-parallel strategy: the Ulysses group and, for the hybrid, the ring group.
+"""The process groups of a head-parallel strategy: the Ulysses group and, for the hybrid, the ring
+group.
 
 ``group=`` for ``strategy="ulysses"``: None (the default group), a ProcessGroup or a 1-D
 DeviceMesh, as for the ring. For ``strategy="hybrid"``: a 2-D DeviceMesh whose dims are named
@@ -76,9 +77,10 @@ def _hybrid_from_mesh(mesh) -> StrategyGroups:
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim != 2 or sorted(names) != sorted(DIM_NAMES):
         raise ValueError(
-            f"strategy='hybrid' needs a 2-D DeviceMesh with dims named 'ulysses' and 'ring', got a {mesh.ndim}-D mesh "
-            f"with dims {names or 'unnamed'}; e.g. init_device_mesh(device, (ring_degree, ulysses_degree), "
-            "mesh_dim_names=('ring', 'ulysses')), or pass group={'ulysses': pg, 'ring': pg}"
+            "strategy='hybrid' needs a 2-D DeviceMesh with dims named 'ulysses' and 'ring', got "
+            f"a {mesh.ndim}-D mesh with dims {names or 'unnamed'}; e.g. init_device_mesh(device, "
+            "(ring_degree, ulysses_degree), mesh_dim_names=('ring', 'ulysses')), or pass "
+            "group={'ulysses': pg, 'ring': pg}"
         )
     return StrategyGroups(mesh.get_group("ulysses"), mesh.get_group("ring"))
 
@@ -91,8 +93,9 @@ def resolve_strategy_groups(strategy: str, group) -> StrategyGroups:
     if strategy == "ulysses":
         if isinstance(group, DeviceMesh) and group.ndim != 1:
             raise ValueError(
-                f"strategy='ulysses' takes a ProcessGroup or a 1-D DeviceMesh, got a {group.ndim}-D mesh; pass its "
-                "Ulysses dimension (mesh['ulysses']) or use strategy='hybrid' for a (ulysses, ring) mesh"
+                "strategy='ulysses' takes a ProcessGroup or a 1-D DeviceMesh, got a "
+                f"{group.ndim}-D mesh; pass its Ulysses dimension (mesh['ulysses']) or use "
+                "strategy='hybrid' for a (ulysses, ring) mesh"
             )
         return StrategyGroups(resolve_group(group), None)
     if strategy != "hybrid":
@@ -102,7 +105,8 @@ def resolve_strategy_groups(strategy: str, group) -> StrategyGroups:
     if isinstance(group, Mapping):
         if set(group) != set(DIM_NAMES):
             raise ValueError(
-                f"strategy='hybrid' with a mapping needs exactly the keys 'ulysses' and 'ring', got {sorted(map(str, group))}"
+                "strategy='hybrid' with a mapping needs exactly the keys 'ulysses' and 'ring', "
+                f"got {sorted(map(str, group))}"
             )
         ulysses, ring = resolve_group(group["ulysses"]), resolve_group(group["ring"])
         if not torch.compiler.is_compiling():  # (traced: the call's eager checks have run it)
@@ -111,11 +115,12 @@ def resolve_strategy_groups(strategy: str, group) -> StrategyGroups:
             )
             if shared != {dist.get_rank()}:
                 raise ValueError(
-                    f"strategy='hybrid' with a mapping needs a 'ulysses' and a 'ring' group that cross only at this rank "
-                    f"(a row and a column of a mesh); these share ranks {sorted(shared)}"
+                    "strategy='hybrid' with a mapping needs a 'ulysses' and a 'ring' group that "
+                    "cross only at this rank (a row and a column of a mesh); these share ranks "
+                    f"{sorted(shared)}"
                 )
         return StrategyGroups(ulysses, ring)
     raise TypeError(
-        f"strategy='hybrid' needs group= a 2-D DeviceMesh with dims 'ulysses' and 'ring' or a mapping "
-        f"{{'ulysses': group, 'ring': group}}, not {type(group).__name__}"
+        "strategy='hybrid' needs group= a 2-D DeviceMesh with dims 'ulysses' and 'ring' or a "
+        f"mapping {{'ulysses': group, 'ring': group}}, not {type(group).__name__}"
     )

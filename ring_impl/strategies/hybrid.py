@@ -30,7 +30,8 @@ class Hybrid(Ulysses):
         return None  # the row's all-to-all rebuilds the ring shard in the ring's own order
 
     def ring_config(self, cfg: HeadParallelConfig):
-        """The ring's config for the ring dimension (the caller's layout, rotation, op, head_chunks)."""
+        """The ring's config for the ring dimension (the caller's layout,
+        rotation, op, head_chunks)."""
         return cfg.ring
 
     def inner_forward(self, cfg: HeadParallelConfig, q, k, v):

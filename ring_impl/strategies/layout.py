@@ -74,7 +74,8 @@ def mesh_coords(mesh_rank: int, mesh_shape: tuple[int, int]) -> tuple[int, int]:
 
 
 def sequence_divisor(strategy: str, layout: str, mesh_shape: tuple[int, int]) -> int:
-    """What the global sequence length must be a multiple of for every rank to hold an equal shard."""
+    """What the global sequence length must be a multiple
+    of for every rank to hold an equal shard."""
     u, r = _mesh_shape(strategy, mesh_shape)
     check_layout(layout)
     if strategy == "ulysses":
@@ -95,8 +96,9 @@ def position_ranges(
     divisor = sequence_divisor(strategy, layout, (u_size, r_size))
     if seq_len % divisor:
         raise ValueError(
-            f"sequence length {seq_len} cannot be sharded by strategy {strategy!r} in layout {layout!r} on a "
-            f"{u_size}x{r_size} mesh: it must be a multiple of {divisor}; pad the sequence"
+            f"sequence length {seq_len} cannot be sharded by strategy {strategy!r} in layout "
+            f"{layout!r} on a {u_size}x{r_size} mesh: it must be a multiple of {divisor}; pad the "
+            "sequence"
         )
     if strategy == "ulysses":
         n = seq_len // layout_divisor(layout, u_size)
@@ -108,7 +110,8 @@ def position_ranges(
 
 
 def _cut(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The part ``[lo, hi)`` of the concatenation of ``ranges``, as ranges (adjacent ones joined)."""
+    """The part ``[lo, hi)`` of the concatenation of ``ranges``, as ranges
+    (adjacent ones joined)."""
     out: list[tuple[int, int]] = []
     offset = 0
     for a, b in ranges:
@@ -173,12 +176,14 @@ def local_shard(
 
 
 def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> torch.Tensor:
-    """The global tensor from every rank's shard, ``shards[mesh_rank]`` (``mesh_rank = r * U + u``)."""
+    """The global tensor from every rank's shard, ``shards[mesh_rank]``
+    (``mesh_rank = r * U + u``)."""
     u_size, r_size = _mesh_shape(strategy, mesh_shape)
     shards = list(shards)
     if len(shards) != u_size * r_size:
         raise ValueError(
-            f"unshard: {len(shards)} shards for a {u_size}x{r_size} mesh; pass one per rank, mesh rank order"
+            f"unshard: {len(shards)} shards for a {u_size}x{r_size} mesh; pass one per rank, mesh "
+            "rank order"
         )
     dim = dim % shards[0].dim()
     seq_len = sum(s.shape[dim] for s in shards)
@@ -192,6 +197,7 @@ def unshard(shards, *, strategy: str, layout: str, mesh_shape, dim: int = 2) -> 
             offset += b - a
         if offset != s.shape[dim]:
             raise ValueError(
-                f"unshard: shard {mesh_rank} has length {s.shape[dim]} on dim {dim}, expected {offset}"
+                f"unshard: shard {mesh_rank} has length {s.shape[dim]} on dim {dim}, expected "
+                f"{offset}"
             )
     return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=dim)

@@ -19,10 +19,11 @@ backward   1 call, dO (+ dLSE): ``b*h*s_q*(dv*it [+ acc])``;
 ``d``: query's and key's head dim, ``dv``: value's (``head_dim_v``, default ``d``). ``[+ acc]``:
 only with ``return_lse`` (the LSE and its gradient then travel with the output).
 The forward's input check adds ``all_reduce``: one call per mesh dim of size > 1 (eager, and
-compiled through :mod:`ring_impl.compiled_checks`), each of :func:`.validate.exchange_nbytes` bytes. A rank's all-to-all bytes are the minimum for
-the two exchanges: every rank needs the whole sequence of its heads; only ``e > 1`` with
-``heads_kv`` not dividing ``U`` sends a key/value head to a rank twice.
-"""
+compiled through :mod:`ring_impl.compiled_checks`), each of :func:`.validate.exchange_nbytes` bytes.
+A rank's all-to-all bytes are the minimum for the two exchanges: every rank needs the whole sequence
+of its heads; only ``e > 1`` with ``heads_kv`` not dividing ``U`` sends a key/value head to a rank
+twice.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def strategy_schedule(
         raise ValueError(f"strategy_schedule: Ulysses runs on a (U, 1) mesh, got {mesh_shape!r}")
     if heads % u or heads % heads_kv:
         raise ValueError(
-            f"strategy_schedule: heads {heads} must be divisible by the Ulysses degree {u} and by heads_kv {heads_kv}"
+            f"strategy_schedule: heads {heads} must be divisible by the Ulysses degree {u} and by "
+            f"heads_kv {heads_kv}"
         )
     fwd: dict[str, dict[str, int]] = {}
     bwd: dict[str, dict[str, int]] = {}

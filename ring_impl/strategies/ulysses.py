@@ -49,8 +49,9 @@ __all__ = ["HeadParallelConfig", "HeadParallelPath", "Ulysses", "kv_replication"
 
 
 def kv_replication(heads_kv: int, degree: int) -> int:
-    """How many times each key/value head is replicated before the all-to-all: ``U / gcd(heads_kv, U)``.
-    (A head count traced as a symbol, under ``dynamic=True``, is specialised: the split is structure.)"""
+    """How many times each key/value head is replicated before the all-to-all:
+    ``U / gcd(heads_kv, U)``. (A head count traced as a symbol, under ``dynamic=True``, is
+    specialised: the split is structure.)"""
     heads_kv, degree = operator.index(heads_kv), operator.index(degree)
     return degree // math.gcd(heads_kv, degree)
 
@@ -204,7 +205,8 @@ class Ulysses:
         vis = self.visible(cfg, q, k)
         kind = "masked" if vis is not None else "causal" if cfg.is_causal else "full"
         causal = cfg.is_causal and vis is None
-        # The kernel on finite numbers; NaN goes exactly where the inputs take it (ring_impl.nonfinite).
+        # The kernel on finite numbers; NaN goes exactly
+        # where the inputs take it (ring_impl.nonfinite).
         scores = self.scores(cfg, q, k)
         out, lse = call_forward(
             cfg.op,

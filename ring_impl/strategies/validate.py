@@ -124,8 +124,8 @@ def _problem(
     heads, heads_kv, sq, skv = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
     if heads % u:
         return (
-            f"query heads ({heads}) are not divisible by the Ulysses degree {u}: each rank attends whole heads, "
-            f"heads / {u} of them; use a Ulysses degree that divides {heads}"
+            f"query heads ({heads}) are not divisible by the Ulysses degree {u}: each rank "
+            f"attends whole heads, heads / {u} of them; use a Ulysses degree that divides {heads}"
             + (
                 " (a smaller 'ulysses' mesh dim, the rest on 'ring')"
                 if strategy == "hybrid"
@@ -137,24 +137,27 @@ def _problem(
 
         if isinstance(layout, str) and layout in registered_layouts():
             return (
-                f"layout {layout!r} is registered, but {strategy} runs the built-in layouts {LAYOUTS} only (its "
-                "all-to-all reorders by them); use exchange='ring' for a registered layout"
+                f"layout {layout!r} is registered, but {strategy} runs the built-in layouts "
+                f"{LAYOUTS} only (its all-to-all reorders by them); use exchange='ring' for a "
+                "registered layout"
             )
         return f"unknown layout {layout!r}; expected one of {LAYOUTS}"
     if layout == "head_tail":
-        # Ulysses: two equal chunks per rank; hybrid: the row's ring shard (U local pieces) holds two.
+        # Ulysses: two equal chunks per rank; hybrid: the
+        # row's ring shard (U local pieces) holds two.
         held = 1 if strategy == "ulysses" else u
         if (held * sq) % 2 or (held * skv) % 2:
             return (
-                f"layout 'head_tail' needs {'local' if held == 1 else 'row (U x local)'} lengths that split into two "
-                f"equal chunks; got query {held * sq}, key/value {held * skv}; shard a sequence that is a multiple "
-                f"of {2 * u if strategy == 'ulysses' else 2 * r * u}"
+                f"layout 'head_tail' needs {'local' if held == 1 else 'row (U x local)'} lengths "
+                f"that split into two equal chunks; got query {held * sq}, key/value "
+                f"{held * skv}; shard a sequence that is a multiple of "
+                f"{2 * u if strategy == 'ulysses' else 2 * r * u}"
             )
     if strategy == "ulysses":
         if type(head_chunks) is not int or head_chunks != 1:  # 1.0 and True are not the int 1
             return (
-                f"head_chunks={head_chunks!r} applies to the ring; exchange='ulysses' runs one kernel call per rank "
-                "on its slice of heads: leave head_chunks at 1"
+                f"head_chunks={head_chunks!r} applies to the ring; exchange='ulysses' runs one "
+                "kernel call per rank on its slice of heads: leave head_chunks at 1"
             )
         return None
     heads_kv_per_rank = heads_kv * kv_replication(heads_kv, u) // u
@@ -216,14 +219,17 @@ def agree_on_mesh(
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
     agreed: list[int] = vec.cpu().tolist()
     rows = [agreed[i * n : (i + 1) * n] for i in range(size)]
-    where = f"{strategy} attention (mesh rank {mesh_rank}, ulysses {groups.coords[0]}, ring {groups.coords[1]})"
+    where = (
+        f"{strategy} attention (mesh rank {mesh_rank}, ulysses {groups.coords[0]}, ring "
+        f"{groups.coords[1]})"
+    )
     if problem is not None:
         raise InputError(f"{where}: {problem}")
     bad = [i for i in range(size) if rows[i][0]]
     if bad:
         raise InputError(
-            f"{where}: mesh rank(s) {bad} rejected their input (see the error on those ranks); every rank raises so "
-            "none is left waiting in a collective"
+            f"{where}: mesh rank(s) {bad} rejected their input (see the error on those ranks); "
+            "every rank raises so none is left waiting in a collective"
         )
     op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = len(SIGNATURE_FIELDS) + 1

@@ -40,7 +40,8 @@ def register_transport(transport: Transport, *, replace: bool = False) -> Transp
     name = transport.name
     if name in _REGISTRY and not replace:
         raise ValueError(
-            f"register_transport: a transport named {name!r} is already registered; pass replace=True"
+            f"register_transport: a transport named {name!r} is already registered; pass "
+            "replace=True"
         )
     _REGISTRY[name] = transport
     return transport

@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_repeat_help_names_the_statistic_reported() -> None:
-    """The reported time is the fastest repetition (ci/bench_ring.py's docstring, docs/benchmarks.md);
-    the median is printed beside it."""
+    """The reported time is the fastest repetition (ci/bench_ring.py's docstring,
+    docs/benchmarks.md); the median is printed beside it."""
     done = run_tree(
         [sys.executable, os.path.join(ROOT, "ci", "bench_ring.py"), "--help"],
         cwd=ROOT,

@@ -28,7 +28,8 @@ from torch_cp_expectations import CAUSES  # noqa: E402
 def _written_for() -> str:
     match = re.search(r"^# torch (\S+),", FILE.read_text(), re.M)
     assert match, (
-        f"{FILE}: its header names no torch version (regenerate it with ci/vendor/torch_cp_expectations.py)"
+        f"{FILE}: its header names no torch version (regenerate it with "
+        "ci/vendor/torch_cp_expectations.py)"
     )
     return match.group(1)
 
@@ -93,8 +94,7 @@ def test_each_cause_still_reproduces(cause: str) -> None:
         [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 1, (
-        f"{script.name} exits {done.returncode}: the defect behind [{cause}] no longer reproduces on torch "
-        f"{torch.__version__} (fixed upstream?). Rerun the torch_cp suite and regenerate {FILE.name}.\n"
-        + done.stdout[-2000:]
-        + done.stderr[-2000:]
+        f"{script.name} exits {done.returncode}: the defect behind [{cause}] no longer reproduces "
+        f"on torch {torch.__version__} (fixed upstream?). Rerun the torch_cp suite and regenerate "
+        f"{FILE.name}.\n" + done.stdout[-2000:] + done.stderr[-2000:]
     )

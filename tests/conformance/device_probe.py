@@ -56,7 +56,8 @@ class ProbeOp:
 
 
 class ProbeImplementation:
-    """An implementation whose ``ring_attention`` raises :class:`Probed` with its inputs' devices."""
+    """An implementation whose ``ring_attention``
+    raises :class:`Probed` with its inputs' devices."""
 
     name = "device-probe"
 

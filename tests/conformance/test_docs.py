@@ -24,7 +24,8 @@ DATE = re.compile(
     rf"\b(?:19|20)\d\d(?:-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])\b|[ ,/-]+(?:{MONTHS})\b)"
     rf"|\b(?:{MONTHS})\.? +(?:\d{{1,2}}, +)?(?:19|20)\d\d\b"
 )
-#: a commit id as prose names one: "commit abc1234", "(abc1234)", `abc1234` with at least one digit and one letter
+#: a commit id as prose names one: "commit abc1234", "(abc1234)",
+#: `abc1234` with at least one digit and one letter
 COMMIT = re.compile(
     r"\b(?:commit|revision|rev|sha)s?[ :]+`?[0-9a-f]{7,40}\b"
     r"|[(`](?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}[)`]",

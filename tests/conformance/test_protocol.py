@@ -127,7 +127,8 @@ def test_bare_implementation_is_tested_and_missing_pieces_fail(tmp_path: Path) -
         "--world-sizes",
         "2",
         "-k",
-        "W2-f32-causal-alltoall-contiguous or test_exception_inside or W2-f64-causal-allgather-contiguous",
+        "W2-f32-causal-alltoall-contiguous or test_exception_inside or "
+        "W2-f64-causal-allgather-contiguous",
         "--impl",
         "tests.conformance.undeclared_impl:IMPLEMENTATION",
         "--report-dir",
@@ -177,8 +178,8 @@ def test_all_na_run_exits_nonzero_saying_why(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert (
-        "no conformance case was executed; of 54 suite cases 4 N/A, 0 skipped, 50 deselected by -k/-m"
-        in proc.stdout
+        "no conformance case was executed; of 54 suite cases 4 N/A, 0 skipped, 50 deselected by "
+        "-k/-m" in proc.stdout
     )
     assert "the implementation declares it lacks what those cases need" in proc.stdout
 

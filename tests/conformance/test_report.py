@@ -83,7 +83,8 @@ def test_matrix_cells_scores_and_files() -> None:
 def test_vendor_file_parsing_rejects_lines_without_reason(tmp_path: Path) -> None:
     good = tmp_path / "vendor.txt"
     good.write_text(
-        "# comment\nxfail suites/test_compile.py  graph break (ACME-1)\n\nskip suites/test_shapes.py::test_odd_sizes  head_dim % 8\n"
+        "# comment\nxfail suites/test_compile.py  graph break (ACME-1)\n\nskip "
+        "suites/test_shapes.py::test_odd_sizes  head_dim % 8\n"
     )
     entries = parse_vendor_file(good)
     assert [(e.kind, e.prefix, e.reason) for e in entries] == [
@@ -116,7 +117,8 @@ def _pytest(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 def test_minimal_vendor_impl_gets_na_not_failures_and_a_report(tmp_path: Path) -> None:
     vendor = tmp_path / "vendor.txt"
     vendor.write_text(
-        "xfail suites/test_determinism.py  known nondeterminism (expected to pass: strict xfail fails)\n"
+        "xfail suites/test_determinism.py  known nondeterminism (expected to pass: strict xfail "
+        "fails)\n"
         "skip suites/test_no_such_module.py  typo on purpose\n"
     )
     proc = _pytest(

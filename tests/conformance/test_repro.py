@@ -12,7 +12,10 @@ from pathlib import Path
 from harness.procs import run_tree  # the command's process tree dies with the test
 
 ROOT = Path(__file__).resolve().parents[2]
-CASE = "suites/test_forward_backward.py::test_forward_backward_match_reference[W3-f32-causal-alltoall-contiguous]"
+CASE = (
+    "suites/test_forward_backward.py::test_forward_backward_match_reference"
+    "[W3-f32-causal-alltoall-contiguous]"
+)
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

@@ -83,8 +83,9 @@ BASELINES = {
 def test_baseline_runs_on_the_session_device(meta_session, suite: str) -> None:
     devices = _probed(BASELINES[suite])
     assert set(devices) == {"meta"}, (
-        f"{suite}: the single-device baseline handed its kernel tensors on {devices} while the session's device is "
-        "meta: build the baseline through conformance.baseline.single_device_baseline"
+        f"{suite}: the single-device baseline handed its kernel tensors on {devices} while the "
+        "session's device is meta: build the baseline through "
+        "conformance.baseline.single_device_baseline"
     )
 
 
@@ -172,8 +173,12 @@ RANK_FUNCTIONS = {
 #: Rank functions that need no probe here, and why.
 NOT_PROBED = {
     "suites.cases_strategies.strategy_group": "builds the group of a strategy case; no tensors",
-    "suites.cases_errors.bad_input_case": "bad input is refused before any kernel runs; its tensors use ctx.device",
-    "suites.cases_strategies.strategy_bad_input_case": "bad input is refused before any kernel runs",
+    "suites.cases_errors.bad_input_case": (
+        "bad input is refused before any kernel runs; its tensors use ctx.device"
+    ),
+    "suites.cases_strategies.strategy_bad_input_case": (
+        "bad input is refused before any kernel runs"
+    ),
 }
 #: suites.cases_api: the context-parallel API and model cases build modules and tensors on
 #: ctx.device and call the implementation's API module, not ring_attention; the source check
@@ -217,8 +222,9 @@ def test_every_rank_function_is_probed_or_exempt() -> None:
         if name.rsplit(".", 1)[0] not in NOT_PROBED_MODULES
     }
     assert not unknown, (
-        f"rank functions neither probed nor exempt: {sorted(unknown)}; add each to RANK_FUNCTIONS in "
-        f"{Path(__file__).name} (a probe run on the meta device) or to NOT_PROBED with the reason"
+        f"rank functions neither probed nor exempt: {sorted(unknown)}; add each to RANK_FUNCTIONS "
+        f"in {Path(__file__).name} (a probe run on the meta device) or to NOT_PROBED with the "
+        "reason"
     )
     stale = (set(RANK_FUNCTIONS) | set(NOT_PROBED)) - found
     assert not stale, f"listed here but no longer rank functions of suites/: {sorted(stale)}"
@@ -268,15 +274,16 @@ def test_no_suite_names_a_device() -> None:
         for line, text in _device_literals(p)
     ]
     assert not hits, (
-        "suite code that names a device instead of the session's (conformance.baseline.session_device on the "
-        "parent side, ctx.device on a rank):\n" + "\n".join(hits)
-    )
+        "suite code that names a device instead of the session's "
+        "(conformance.baseline.session_device on the parent side, ctx.device on a rank):\n"
+    ) + "\n".join(hits)
 
 
 def test_the_source_check_sees_a_hard_coded_device(tmp_path: Path) -> None:
     bad = tmp_path / "cases_new.py"
     bad.write_text(
-        'import torch\nx = torch.zeros(2, device="cpu")\ny = x.to("cuda:0")\nop = f(torch.device("cpu"))\n'
+        'import torch\nx = torch.zeros(2, device="cpu")\ny = x.to("cuda:0")\n'
+        'op = f(torch.device("cpu"))\n'
         "z = x.cuda()\nw = x.to(ctx.device)\n"
     )
     assert [line for line, _ in _device_literals(bad)] == [2, 3, 4, 5]

@@ -65,7 +65,8 @@ def test_tail_padding_taken_as_a_document_is_the_diagnosis_hypothesis() -> None:
 
 def test_lengths_rounded_down_is_the_diagnosis_hypothesis() -> None:
     """The mask the 'odd document lengths rounded down' diagnosis compares with: documents packed
-    again with even lengths from the start, padding runs kept, the freed tokens at the end padding."""
+    again with even lengths from the start, padding runs kept, the freed tokens at the end
+    padding."""
     from suites.cases_masks import _with_lengths_rounded_down
 
     docs = {"kind": "document", "doc_ids": [0, 0, 0, 1, -1, -1, 2, 2, 3, 3, 3], "causal": False}

@@ -50,7 +50,8 @@ def all_reduce_sum(ctx: RankContext, n: int) -> float:
 
 
 def echo(ctx: RankContext, tensor: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
-    """Returns ``tensor * scale + rank``: checks args, kwargs and tensor results cross the boundary."""
+    """Returns ``tensor * scale + rank``: checks args,
+    kwargs and tensor results cross the boundary."""
     return tensor * scale + ctx.rank
 
 
@@ -60,7 +61,8 @@ def draw_random(ctx: RankContext) -> tuple[float, float, list[float]]:
 
 
 def raise_on(ctx: RankContext, bad_rank: int, collective_after: bool) -> float:
-    """``bad_rank`` raises ValueError; the others (optionally) wait in an all_reduce it never joins."""
+    """``bad_rank`` raises ValueError; the others
+    (optionally) wait in an all_reduce it never joins."""
     if ctx.rank == bad_rank:
         raise ValueError(f"bad input detected on rank {ctx.rank}")
     if collective_after:
@@ -206,7 +208,8 @@ def calls_outside_phase(ctx: RankContext) -> dict[str, Any]:
 
 
 def segfault_on(ctx: RankContext, bad_rank: int) -> float:
-    """``bad_rank`` dies of a segmentation fault (like a kernel bug); the others wait in an all_reduce."""
+    """``bad_rank`` dies of a segmentation fault (like a kernel bug);
+    the others wait in an all_reduce."""
     if ctx.rank == bad_rank:
         print(f"rank {ctx.rank} about to crash", flush=True)
         import faulthandler

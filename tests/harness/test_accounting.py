@@ -1,4 +1,5 @@
-"""Collective accounting: counts and bytes per kind and phase, eager and functional, on real ranks."""
+"""Collective accounting: counts and bytes per kind and phase,
+eager and functional, on real ranks."""
 
 from __future__ import annotations
 

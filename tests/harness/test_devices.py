@@ -1,4 +1,5 @@
-"""GPU assignment to xdist workers and ranks (pure functions and the pool registry: no GPU needed)."""
+"""GPU assignment to xdist workers and ranks (pure
+functions and the pool registry: no GPU needed)."""
 
 from __future__ import annotations
 

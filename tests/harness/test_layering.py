@@ -3,7 +3,8 @@
 The harness knows ranks, pools, faults, accounting and pytest, nothing of attention: it imports
 nothing of ``ring_impl``, ``reference``, ``conformance`` or ``suites``. The conformance layer sits
 on the harness and below the suites. No two modules, and no two packages, import each other,
-directly or around a loop. Every import counts, deferred ones included (tests/harness/import_graph.py).
+directly or around a loop. Every import counts, deferred ones included
+(tests/harness/import_graph.py).
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def assert_all_gone(pids: list[int], log: Path, what: str) -> None:
         for pid in survivors:
             os.kill(pid, signal.SIGKILL)
         pytest.fail(
-            f"{what}: processes {survivors} outlived pytest by 15 s; pytest output:\n{log.read_text()}"
+            f"{what}: processes {survivors} outlived pytest by 15 s; pytest "
+            f"output:\n{log.read_text()}"
         )
 
 

@@ -24,8 +24,8 @@ def quick_run() -> str:
 
 def test_report_header_echoes_versions_devices_backends_and_ring_variables(quick_run: str) -> None:
     assert (
-        "ring attention: device=cpu dist-backend=gloo world-sizes=1,2,3,4 tier=quick case-timeout=30s "
-        "compile-timeout=600s"
+        "ring attention: device=cpu dist-backend=gloo world-sizes=1,2,3,4 tier=quick "
+        "case-timeout=30s compile-timeout=600s"
     ) in quick_run
     assert re.search(
         r"versions: python 3\.\d+\.\d+, torch \S+, numpy \S+, hypothesis \S+", quick_run
@@ -39,7 +39,8 @@ def test_report_header_echoes_versions_devices_backends_and_ring_variables(quick
 def test_skips_say_why_and_how_to_enable(quick_run: str) -> None:
     assert "nightly tier only: run with --tier nightly (or RING_TIER=nightly)" in quick_run
     assert "needs CUDA: run on a CUDA machine with --device cuda (or RING_DEVICE=cuda)" in quick_run
-    # the world_size marker (world_size(8) and world_size(n=8)) and the rank_pool fixture give the same reason
+    # the world_size marker (world_size(8) and world_size(n=8))
+    # and the rank_pool fixture give the same reason
     assert (
         quick_run.count(
             "world_size 8 not enabled (world sizes: 1,2,3,4): add it with --world-sizes 1,2,3,4,8"

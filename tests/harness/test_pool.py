@@ -1,4 +1,5 @@
-"""Acceptance tests of rank pools: results, attribution, seeds, reuse, isolation (real processes)."""
+"""Acceptance tests of rank pools: results, attribution, seeds, reuse,
+isolation (real processes)."""
 
 from __future__ import annotations
 

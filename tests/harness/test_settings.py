@@ -1,4 +1,5 @@
-"""Option and RING_* variable resolution and validation (pure unit tests plus two real pytest runs)."""
+"""Option and RING_* variable resolution and validation
+(pure unit tests plus two real pytest runs)."""
 
 from __future__ import annotations
 
@@ -74,13 +75,15 @@ def test_cuda_defaults_to_nccl_and_gloo_can_share_gpus() -> None:
         (
             {"world_sizes": "1,x"},
             {},
-            "--world-sizes: 'x' is not a positive integer (value from --world-sizes); use e.g. --world-sizes 1,2,4",
+            "--world-sizes: 'x' is not a positive integer (value from --world-sizes); use e.g. "
+            "--world-sizes 1,2,4",
         ),
         ({"world_sizes": "0"}, {}, "--world-sizes: '0' is not a positive integer"),
         (
             {},
             {"RING_WORLD_SIZES": "two"},
-            "value from RING_WORLD_SIZES (environment)); use e.g. --world-sizes 1,2,4 or unset RING_WORLD_SIZES",
+            "value from RING_WORLD_SIZES (environment)); use e.g. --world-sizes 1,2,4 or unset "
+            "RING_WORLD_SIZES",
         ),
         ({"device": "tpu"}, {}, "--device: 'tpu' is not one of cpu, cuda"),
         ({"dist_backend": "mpi"}, {}, "--dist-backend: 'mpi' is not one of gloo, nccl"),

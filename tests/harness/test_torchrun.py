@@ -1,4 +1,5 @@
-"""torchrun mode: each rank is a pytest process; rank 0 reports every rank's failures (real processes)."""
+"""torchrun mode: each rank is a pytest process; rank
+0 reports every rank's failures (real processes)."""
 
 from __future__ import annotations
 

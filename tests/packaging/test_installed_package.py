@@ -88,11 +88,11 @@ try:
 except pytest.skip.Exception as exc:
     skipped = str(exc)
 print(json.dumps({{"files": {{m.__name__: m.__file__ for m in ({", ".join(PACKAGES)})}}, "skipped": skipped}}))
-"""
+"""  # noqa: E501
 
 SELECTION = (
-    "test_forward_backward_match_reference and (W2-f32-causal-alltoall or W2-f64-causal-alltoall-contiguous)"
-    " or test_collectives and W2-f32-causal-alltoall-contiguous"
+    "test_forward_backward_match_reference and (W2-f32-causal-alltoall or "
+    "W2-f64-causal-alltoall-contiguous) or test_collectives and W2-f32-causal-alltoall-contiguous"
 )
 FAILING_CASE = "test_forward_backward_match_reference[W2-f32-causal-alltoall-contiguous]"
 
@@ -187,9 +187,10 @@ def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path
         timeout=600,
     )
     assert install.returncode == 0, (
-        f"pip could not install the wheel and its dependencies into a fresh environment ({install.returncode}); "
-        f"this test needs pip configured with an index or --find-links that has torch=={torch_version} and the "
-        f"test dependencies (pip config list):\n{install.stdout[-3000:]}\n{install.stderr[-3000:]}"
+        "pip could not install the wheel and its dependencies into a fresh environment "
+        f"({install.returncode}); this test needs pip configured with an index or --find-links "
+        f"that has torch=={torch_version} and the test dependencies (pip config "
+        f"list):\n{install.stdout[-3000:]}\n{install.stderr[-3000:]}"
     )
     site = Path(
         _run(
@@ -253,10 +254,14 @@ def test_suites_run_from_an_installed_wheel_in_an_empty_directory(tmp_path: Path
     doc = json.loads((report / "conformance.json").read_text())
     outcomes = {c["nodeid"]: c["outcome"] for c in doc["cases"]}
     assert outcomes == {
-        "suites/test_forward_backward.py::test_forward_backward_match_reference[W2-f32-causal-alltoall-contiguous]": "passed",
-        "suites/test_forward_backward.py::test_forward_backward_match_reference[W2-f32-causal-alltoall-head_tail]": "passed",
-        "suites/test_forward_backward.py::test_forward_backward_match_reference[W2-f64-causal-alltoall-contiguous]": "n/a",
-        "suites/test_collectives.py::test_collectives_match_declared_schedule[W2-f32-causal-alltoall-contiguous-hkv4]": "passed",
+        "suites/test_forward_backward.py::test_forward_backward_match_reference"
+        "[W2-f32-causal-alltoall-contiguous]": "passed",
+        "suites/test_forward_backward.py::test_forward_backward_match_reference"
+        "[W2-f32-causal-alltoall-head_tail]": "passed",
+        "suites/test_forward_backward.py::test_forward_backward_match_reference"
+        "[W2-f64-causal-alltoall-contiguous]": "n/a",
+        "suites/test_collectives.py::test_collectives_match_declared_schedule"
+        "[W2-f32-causal-alltoall-contiguous-hkv4]": "passed",
     }, outcomes
     assert (
         (report / "conformance.md")

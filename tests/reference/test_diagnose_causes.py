@@ -241,7 +241,8 @@ def test_backward_with_each_steps_own_output_is_named(layout: str, causal: bool)
     assert "each ring step's own partial output instead of the merged output" in d.summary, (
         d.summary
     )
-    # dv does not read the row term: the replay must hold for it too, and a right dv alone is not the bug
+    # dv does not read the row term: the replay must hold for it too,
+    # and a right dv alone is not the bug
     assert all(
         torch.allclose(wrong["dv"][r], shard(ref["dv"], layout, 3, r), atol=1e-12) for r in range(3)
     )

@@ -108,7 +108,8 @@ def test_replay_and_simulation_equal_attention(strategy, mesh, layout, causal, h
     if strategy == "hybrid":
         sim = rs.simulate_hybrid(q, k, v, mesh_shape=mesh, layout=layout, is_causal=causal)
         torch.testing.assert_close(sim.out, ref, rtol=0, atol=1e-12)
-        # step 0 of every row is its own block; head slice u's ring covers query heads of slice u only
+        # step 0 of every row is its own block; head slice
+        # u's ring covers query heads of slice u only
         assert all(sim.step(u, r, 0).kv_rank == r for u in range(mesh[0]) for r in range(mesh[1]))
         if causal and layout == "head_tail":
             work = sim.work_per_row()

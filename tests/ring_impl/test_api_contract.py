@@ -47,8 +47,8 @@ def test_disagreement_table_in_words() -> None:
         row[SIGNATURE_FIELDS.index("layout")] = layout_code("contiguous", 4, 8, 8)
     rows[3][SIGNATURE_FIELDS.index("layout")] = layout_code("head_tail", 4, 8, 8)
     assert disagreement(rows, {}, layout_names(4, 8, 8)) == (
-        "ranks disagree on layout (ranks 0-2 'contiguous'; rank 3 'head_tail'); every rank must pass shards "
-        "of equal shape and the same options"
+        "ranks disagree on layout (ranks 0-2 'contiguous'; rank 3 'head_tail'); every rank must "
+        "pass shards of equal shape and the same options"
     )
     assert disagreement([rows[0], rows[0]], {}, {}) is None
 

@@ -1,4 +1,5 @@
-"""Where the ring's backward computes its own block (step 0): around the transfers nothing else covers.
+"""Where the ring's backward computes its own block (step 0): around the transfers nothing else
+covers.
 
 The backward's first key/value hop (step 1's block) and its last dK/dV hop (this rank's own
 accumulator coming home) have no other step to overlap. With the own block computed last, the
@@ -127,7 +128,8 @@ def test_the_backward_computes_while_its_first_and_last_transfers_travel(
 ) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"the backward's order is ring_impl's own; the implementation under test is {ring.impl.spec}"
+            "the backward's order is ring_impl's own; the implementation under test is "
+            f"{ring.impl.spec}"
         )
     for rank, events in enumerate(ring.rank_pool(world).run(_events, rotate, timeout=120.0)):
         assert {"k", "s", "w"} <= set(events), f"rank {rank}: {events}"
@@ -135,5 +137,6 @@ def test_the_backward_computes_while_its_first_and_last_transfers_travel(
             f"rank {rank}: the first transfer was waited for before any kernel ran: {events}"
         )
         assert events.rindex("k") > events.rindex("s"), (
-            f"rank {rank}: the last transfer (this rank's dK/dV accumulator, home) was sent after every kernel ran: {events}"
+            f"rank {rank}: the last transfer (this rank's dK/dV accumulator, home) was sent after "
+            f"every kernel ran: {events}"
         )

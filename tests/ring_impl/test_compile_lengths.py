@@ -59,8 +59,8 @@ def test_compiled_call_over_new_lengths_equals_eager(ring, dynamic, options) -> 
         )
     for rank, run in enumerate(ring.rank_pool(2).run(_lengths, dynamic, options, timeout=240.0)):
         assert all(max(d) == 0 for d in run["equal"].values()), (
-            f"rank {rank}: compiled differs from eager (max |difference| of out, dq, dk, dv per local length): "
-            f"{run['equal']}"
+            f"rank {rank}: compiled differs from eager (max |difference| of out, dq, dk, dv per "
+            f"local length): {run['equal']}"
         )
         # The ring specialises each length (a graph each); Ulysses' all-to-alls take a symbolic
         # length (dynamic=True: one graph; automatic dynamic: the first length's, then one more).

@@ -63,7 +63,8 @@ def test_compiled_gradients_equal_eager(ring, copy) -> None:
         ring.rank_pool(2).run(_compiled_against_eager, copy, timeout=240.0)
     ):
         assert diffs == [0.0] * 5, (
-            f"rank {rank}: compiled differs from eager (max |difference| of out, lse, dq, dk, dv): {diffs}"
+            f"rank {rank}: compiled differs from eager (max |difference| of out, lse, dq, dk, "
+            f"dv): {diffs}"
         )
 
 

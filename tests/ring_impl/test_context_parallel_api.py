@@ -65,7 +65,10 @@ def test_unshard_rejects_unequal_shards(layout: str) -> None:
 def test_unshard_rejects_an_odd_head_tail_shard_and_no_shards() -> None:
     with pytest.raises(
         ValueError,
-        match="length 6 cannot be sharded in layout 'head_tail' over 2 ranks: it must be a multiple of 4",
+        match=(
+            "length 6 cannot be sharded in layout 'head_tail' over 2 ranks: it must be a multiple "
+            "of 4"
+        ),
     ):
         ring_impl.unshard([torch.zeros(1, 1, 3, 1)] * 2, layout="head_tail")
     with pytest.raises(ValueError, match="no shards"):
@@ -264,7 +267,8 @@ def test_parameter_buffer_grad_on_every_exit(cp_ring, layout: str) -> None:
         assert r["exception"]["collectives"] == {
             "default": {"all_reduce": {"calls": 1, "bytes": 16}}
         }, (
-            f"rank {rank}: only the entry agreement may run, the exception exit issued {r['exception']['collectives']}"
+            f"rank {rank}: only the entry agreement may run, the exception exit issued "
+            f"{r['exception']['collectives']}"
         )
         kept = ring_impl.shard(entry + weight, 2, rank, layout=layout, dim=1)
         assert r["kept"]["shape"] == tuple(kept.shape) and torch.equal(r["kept"]["grad"], kept), (

@@ -82,7 +82,8 @@ def test_backward_takes_out_in_any_memory_order(name, shape, causal) -> None:
             for what, g, r in zip(("dq", "dk", "dv"), grads, ref):
                 err = float((g.double() - r).abs().max())
                 assert err < _bound(dtype), (
-                    f"{name} {dtype} {shape} causal={causal}: {what} err {err:.2e} with out in {order} order"
+                    f"{name} {dtype} {shape} causal={causal}: {what} err {err:.2e} with out in "
+                    f"{order} order"
                 )
 
 
@@ -125,8 +126,9 @@ def test_declared_causal_scale_fault_matches_the_kernel(name, scale) -> None:
     out, lse = op.forward(q, k, v, is_causal=True, scale=scale)
     finite = bool(out.isfinite().all()) and bool(lse.reshape(1, 2, -1)[..., :8].isfinite().all())
     assert finite != op.capabilities.causal_needs_positive_scale, (
-        f"{name}: causal scale {scale} gives {'finite' if finite else 'non-finite'} results but the kernel "
-        f"declares causal_needs_positive_scale={op.capabilities.causal_needs_positive_scale}"
+        f"{name}: causal scale {scale} gives {'finite' if finite else 'non-finite'} results but "
+        "the kernel declares "
+        f"causal_needs_positive_scale={op.capabilities.causal_needs_positive_scale}"
     )
 
 

@@ -24,7 +24,8 @@ def _inputs(
     dtype: torch.dtype = torch.float64,
     seed: int = 0,
 ):
-    """query (b, h, sq, d), key/value (b, hkv, sk, d), grad_out (b, h, sq, d), grad_lse (b, h, sq)."""
+    """query (b, h, sq, d), key/value (b, hkv, sk, d),
+    grad_out (b, h, sq, d), grad_lse (b, h, sq)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, HEADS, seq_q, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
     k, v = (
@@ -273,7 +274,8 @@ def _documents(seq: int) -> list[int]:
 def test_ring_with_flex_op_matches_the_oracle(ring, name: str, layout: str, rotate: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"mask= and op= are ring_impl's API here; the implementation under test is {ring.impl.spec}"
+            "mask= and op= are ring_impl's API here; the implementation under test is "
+            f"{ring.impl.spec}"
         )
     import ring_impl
     from reference.masks import visibility

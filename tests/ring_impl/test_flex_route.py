@@ -75,7 +75,8 @@ def _run(ctx, layout, dtype, via_module):
 def _skip_other_impls(ring):
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"flex routing is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+            "flex routing is ring_impl's API here; the implementation under test is "
+            f"{ring.impl.spec}"
         )
 
 

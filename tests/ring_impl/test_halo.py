@@ -353,8 +353,10 @@ for _i, (_name, _world) in enumerate(
                 _hkv,
                 _sinks,
                 _lse,
-                id=f"{_name}-W{_world}-{str(_dtype).removeprefix('torch.')}-hkv{_hkv}{'-sinks' if _sinks else ''}"
-                f"{'-lsegrad' if _lse else ''}",
+                id=(
+                    f"{_name}-W{_world}-{str(_dtype).removeprefix('torch.')}-hkv{_hkv}"
+                    f"{'-sinks' if _sinks else ''}{'-lsegrad' if _lse else ''}"
+                ),
             )
         )
 
@@ -369,7 +371,10 @@ def test_halo_matches_the_oracle_and_sends_the_minimum(
     results = ring.rank_pool(world).run(
         _run, spec, is_causal, dtype, op, heads_kv, sinks, lse_grad=lse_grad, timeout=120.0
     )
-    label = f"halo, {name}, W={world}, {dtype}, {op}, hkv={heads_kv}, sinks={sinks}, lse_grad={lse_grad}"
+    label = (
+        f"halo, {name}, W={world}, {dtype}, {op}, hkv={heads_kv}, sinks={sinks}, "
+        f"lse_grad={lse_grad}"
+    )
     vis = _judge(
         results, spec, is_causal, world, dtype, heads_kv, sinks, op, lse_grad=lse_grad, label=label
     )
@@ -385,7 +390,8 @@ def test_halo_matches_the_oracle_and_sends_the_minimum(
             for kind in ("send", "recv"):
                 got = r["log"].get(phase, {}).get(kind, {"bytes": 0})["bytes"]
                 assert got == minimum[phase][kind], (
-                    f"rank {rank} {phase}/{kind}: {got} bytes, the halo minimum is {minimum[phase][kind]} [{label}]"
+                    f"rank {rank} {phase}/{kind}: {got} bytes, the halo minimum is "
+                    f"{minimum[phase][kind]} [{label}]"
                 )
         if spec["kind"] == "sliding_window":  # the minimum is what the oracle's mask needs
             row = 2 * BATCH * heads_kv * HEAD_DIM * (torch.finfo(dtype).bits // 8)
@@ -520,7 +526,10 @@ def assert_nan_where_the_oracle_has_it(
         got = ring_impl.unshard([r[n] for r in results], layout=layout)
         want_nan = torch.isnan(getattr(ref, n))
         assert bool(want_nan.any()), n
-        shown = f"{n}: NaN at {torch.isnan(got).nonzero().tolist()[:6]} vs oracle {want_nan.nonzero().tolist()[:6]}"
+        shown = (
+            f"{n}: NaN at {torch.isnan(got).nonzero().tolist()[:6]} vs oracle "
+            f"{want_nan.nonzero().tolist()[:6]}"
+        )
         if n in ("out", "lse"):
             assert torch.equal(torch.isnan(got), want_nan), shown
         else:

@@ -186,7 +186,8 @@ def test_chunked_ring_compiles_in_one_order(ring, backend: str, rotate: str) -> 
 
 
 def test_chunked_records_cover_every_head(ring) -> None:
-    """Per-step partials (for diagnosis) are joined across chunks: the same records as one ring's."""
+    """Per-step partials (for diagnosis) are joined across chunks:
+    the same records as one ring's."""
     _ring_impl_only(ring)
     spec = InputSpec(
         batch=1, heads=4, heads_kv=2, seq_q=12, seq_kv=12, head_dim=8, dtype="float64", seed=5

@@ -61,7 +61,8 @@ LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 4}
 def test_no_host_sync_per_block(ring, case: str, world: int) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)"
+            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
+            "without --impl to check it)"
         )
     syncs = ring.rank_pool(world).run(_syncs, case)
     # W=2: the blocks go through the propagation, nothing is decided on the host

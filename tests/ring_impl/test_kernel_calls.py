@@ -72,7 +72,8 @@ def _counted_call(ctx, name: str, seq: int, layout: str):
 def _skip_other_impls(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run without --impl to check it)"
+            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
+            "without --impl to check it)"
         )
 
 
@@ -88,7 +89,8 @@ def test_one_kernel_call_per_ring_step_per_direction(
     for rank, (fwd, bwd, blocks, _) in enumerate(results):
         assert max(blocks) <= 1, f"rank {rank}: a step planned as {max(blocks)} blocks"
         assert fwd == sum(blocks) and bwd == sum(blocks), (
-            f"rank {rank}: {fwd} kernel calls forward and {bwd} backward for {sum(blocks)} ring steps with work"
+            f"rank {rank}: {fwd} kernel calls forward and {bwd} backward for {sum(blocks)} ring "
+            "steps with work"
         )
 
 

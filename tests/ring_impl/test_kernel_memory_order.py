@@ -24,7 +24,8 @@ from ring_impl.ops.cpu import CpuFlashOp
 from ring_impl.ops.cuda import in_efficient_order
 
 SEQ, HEADS, HEAD_DIM = 32, 4, 16
-#: the head dim of every call of the kernel's backward in this process, in order (recorded when it runs)
+#: the head dim of every call of the kernel's backward in this process,
+#: in order (recorded when it runs)
 SEEN_HEAD_DIMS: list[int] = []
 
 

@@ -212,7 +212,10 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
         q, k, v, dout, glse, vis, s, op
     )  # the same kernel on one device (the policy's B)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    label = f"sparse_kv, {name}, W={world}, {layout}, {dtype}, hkv={heads_kv}, sinks={sinks}, lse_grad={lse_grad}"
+    label = (
+        f"sparse_kv, {name}, W={world}, {layout}, {dtype}, hkv={heads_kv}, sinks={sinks}, "
+        f"lse_grad={lse_grad}"
+    )
     for n in ("out", "lse", "dq", "dk", "dv"):
         got = ring_impl.unshard([r[n] for r in results], layout=used_layout).to(torch.float64)
         want, b = getattr(ref, n), base[n].to(torch.float64)
@@ -255,7 +258,8 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
             f"rank {rank}: collectives {log} != declared {declared} [{label}]"
         )
         # The minimum: this rank's keys that each other rank's queries see, once (forward, input
-        # dtype); back, the dK/dV of the keys of others that its own queries saw (accumulation dtype).
+        # dtype); back, the dK/dV of the keys of others that its own queries saw
+        # (accumulation dtype).
         sent = sum(int(seen[pos[t]][:, pos[rank]].any(0).sum()) for t in range(world) if t != rank)
         received = sum(
             int(seen[pos[rank]][:, pos[t]].any(0).sum()) for t in range(world) if t != rank
@@ -264,7 +268,8 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
             f"rank {rank}: forward {log['forward']}, the minimum is {sent} rows [{label}]"
         )
         assert log["backward"]["all_to_all"]["bytes"] == received * row * acc, (
-            f"rank {rank}: backward {log['backward']}, the minimum is {received} rows of dK/dV [{label}]"
+            f"rank {rank}: backward {log['backward']}, the minimum is {received} rows of dK/dV "
+            f"[{label}]"
         )
 
 

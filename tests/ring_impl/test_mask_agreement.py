@@ -1,8 +1,8 @@
 """What the ranks of a call compare for a MaskMod (ring_impl.masks.probe_text): every entry of a
 small call's (batch, head, query, key) grid; beyond 2^20 entries, a grid drawn the same way on
 every rank over the whole range, with the power its docstring states. The ranks' refusal itself
-is in suites/test_bad_input.py (mask_mod_differs_*), eager, and tests/ring_impl/test_masks_compile.py
-compiled."""
+is in suites/test_bad_input.py (mask_mod_differs_*), eager, and
+tests/ring_impl/test_masks_compile.py compiled."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ NEW = [0] * 20 + [1] * 6 + [2] * 18 + [-1] * 4
 
 
 def _ids_for(dtype: str) -> tuple[list[int], list[int]]:
-    """(old, new) ids an array of ``dtype`` holds: an unsigned one has no -1, so its padding is one more document."""
+    """(old, new) ids an array of ``dtype`` holds: an unsigned one has no -1,
+    so its padding is one more document."""
     if dtype.startswith("uint"):
         return [3 if i < 0 else i for i in OLD], [3 if i < 0 else i for i in NEW]
     return OLD, NEW
@@ -45,7 +46,8 @@ WRITES = ("numpy_refill", "data_copy", "view_of_larger_buffer", "copy_")
 
 
 def _holder(dtype: str, write: str):
-    """(ids tensor holding the old ids, a function writing the new ones into it in the way named by ``write``)."""
+    """(ids tensor holding the old ids, a function writing
+    the new ones into it in the way named by ``write``)."""
     old, new = _ids_for(dtype)
     if write == "numpy_refill":
         buffer = np.asarray(old, dtype=dtype)
@@ -99,7 +101,8 @@ def test_ids_written_between_calls_are_the_ids_the_next_call_runs(
 ) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"a ring_impl property (its plan cache); the implementation under test is {ring.impl.spec}"
+            "a ring_impl property (its plan cache); the implementation under test is "
+            f"{ring.impl.spec}"
         )
     from reference.layout import unshard
 
@@ -119,8 +122,8 @@ def test_ids_written_between_calls_are_the_ids_the_next_call_runs(
         )
     )
     assert float((got[2] - new).abs().max()) < 1e-12, (
-        f"{dtype} ids written by {write}: a new Documents of the new ids got another plan (the plan cache was "
-        "poisoned by the call after the write)"
+        f"{dtype} ids written by {write}: a new Documents of the new ids got another plan (the "
+        "plan cache was poisoned by the call after the write)"
     )
 
 

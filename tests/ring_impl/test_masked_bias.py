@@ -3,7 +3,8 @@ emulation ``cpu_efficient_masked_layout`` (the same bias, the kernel's alignment
 padded LSE) against the math op and, through the ring, against the float64 oracle.
 
 The CUDA op itself (``cuda_efficient_masked``) has not run on a GPU yet; its check is
-``tests/ring_impl/test_cuda_kernels.py::test_masked_efficient_op_against_float64`` (``--device cuda``).
+``tests/ring_impl/test_cuda_kernels.py::test_masked_efficient_op_against_float64``
+(``--device cuda``).
 """
 
 from __future__ import annotations

@@ -137,7 +137,10 @@ def _cases(strategy: str = "ring"):
                 op,
                 i % 3 == 0,
                 strategy,
-                id=f"{strategy}-{name}-W{world}-{layout}-{rotate}-{op}{'-sinks' if i % 3 == 0 else ''}",
+                id=(
+                    f"{strategy}-{name}-W{world}-{layout}-{rotate}-{op}"
+                    f"{'-sinks' if i % 3 == 0 else ''}"
+                ),
             )
         )
     return out
@@ -227,7 +230,8 @@ def _work(ctx, spec, seq, layout):
 
     q, k, v, _, _ = _inputs(seq, torch.float64, False)
     q, k, v = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v))
-    # halo=False: the ring's plan is under test (the halo path makes one call; tests/ring_impl/test_halo.py)
+    # halo=False: the ring's plan is under test (the halo path makes one call;
+    # tests/ring_impl/test_halo.py)
     ring_impl.ring_attention(
         q,
         k,
@@ -385,7 +389,8 @@ def _hybrid_cases():
 
 @pytest.mark.parametrize("name,layout,rotate,dtype,op,sinks", _hybrid_cases())
 def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op, sinks) -> None:
-    """The hybrid 2x2: Ulysses in rows, the masked ring (its plan on global positions) across rows."""
+    """The hybrid 2x2: Ulysses in rows, the masked ring
+    (its plan on global positions) across rows."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
             f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"

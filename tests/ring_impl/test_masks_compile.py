@@ -11,7 +11,8 @@ documents with other ids reuse the graph (the ids are a tensor input, also when 
 over them), a window of another width recompiles (dynamo guards on it). The saved state of the ops
 is freed with the graph, bad input still raises InputError on every rank (a MaskMod differing
 between ranks beyond the eager probe's positions included), and ``fullgraph=True`` with a
-MaskMod over the table limit fails on every rank naming why. The eager masked ring itself is judged against the float64 oracle in test_masks.py.
+MaskMod over the table limit fails on every rank naming why. The eager masked ring itself is judged
+against the float64 oracle in test_masks.py.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
             False,
         ),  # heads split: global head indices
         ("mask_mod", "hybrid", "head_tail", "aot_eager", False, False),
-        # (inductor without sinks: it fuses the sink term's exp/log with other rounding than eager's)
+        # (inductor without sinks: it fuses the sink
+        # term's exp/log with other rounding than eager's)
         ("mask_mod", "ring", "head_tail", "inductor", False, False),
     ],
 )
@@ -165,8 +167,9 @@ def test_masked_attention_under_compile_equals_eager(
         for variant in (0, 1):
             for name, got, want in zip(names, res["compiled", variant], res["eager", variant]):
                 assert torch.equal(got, want), (
-                    f"rank {rank}, mask variant {variant}: {name} compiled ({backend}) differs from eager by "
-                    f"{float((got - want).abs().max()):.2e} [{kind}, {strategy}, {layout}]"
+                    f"rank {rank}, mask variant {variant}: {name} compiled ({backend}) differs "
+                    f"from eager by {float((got - want).abs().max()):.2e} [{kind}, {strategy}, "
+                    f"{layout}]"
                 )
         # The second mask got its own plan: its output is not the first mask's.
         assert not torch.equal(res["compiled", 0][0], res["compiled", 1][0]), (

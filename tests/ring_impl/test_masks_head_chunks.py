@@ -62,7 +62,8 @@ def _run(ctx, spec, seq, dtype, layout, head_chunks):
 def test_head_chunks_with_masks_match_the_oracle(ring, name, world, layout, head_chunks) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"mask= and head_chunks= are ring_impl's API here; the implementation under test is {ring.impl.spec}"
+            "mask= and head_chunks= are ring_impl's API here; the implementation under test is "
+            f"{ring.impl.spec}"
         )
     import ring_impl
 

@@ -48,12 +48,14 @@ def test_schedule_by_hand_for_four_ranks() -> None:
     # eager: 3 key/value and 3 dK/dV hops, one transfer each
     assert p2p["backward"]["recv"] == {"calls": 6, "bytes": 3 * 3840 + 3 * 3840}
     a2a = collective_schedule(4, "alltoall", dtype=torch.float32, compiled=True, **args)
-    # compiled too, the cross-rank input check (ring_impl.compiled_checks): 4 int64 rows of 20 fields
+    # compiled too, the cross-rank input check (ring_impl.compiled_checks):
+    # 4 int64 rows of 20 fields
     assert (
         a2a["forward"]["all_reduce"] == {"calls": 1, "bytes": 8 * 4 * 22}
         and a2a["forward"]["all_to_all"]["calls"] == 3
     )
-    # Compiled p2p hops go by all-to-all (see ring_impl.transports.link.p2p_hop): same counts and bytes.
+    # Compiled p2p hops go by all-to-all (see
+    # ring_impl.transports.link.p2p_hop): same counts and bytes.
     compiled_p2p = collective_schedule(4, "p2p", dtype=torch.float64, compiled=True, **args)
     assert "send" not in compiled_p2p["backward"]
     # compiled: the same hops packed into 5 transfers: [kv], [kv], [kv+dkv], [dkv], [dkv]

@@ -25,7 +25,8 @@ def _documents(seq: int) -> list[int]:
     return [0] * (3 * n) + [-1] * n + [1] * (2 * n) + [2] * n + [-1] * (seq - 7 * n)
 
 
-#: name -> (world size, options of ring_attention, mask spec or None, where the NaN goes (tensor, position))
+#: name -> (world size, options of ring_attention, mask spec or None,
+#: where the NaN goes (tensor, position))
 CASES = {
     "ring-causal-nan-value": (
         2,

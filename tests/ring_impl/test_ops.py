@@ -1,4 +1,5 @@
-"""The local attention ops against torch's float64 math SDPA: the ring is only as right as they are."""
+"""The local attention ops against torch's float64 math SDPA:
+the ring is only as right as they are."""
 
 from __future__ import annotations
 

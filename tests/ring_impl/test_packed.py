@@ -86,7 +86,8 @@ def test_packed_inputs_match_the_oracle(
 ) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"cu_seqlens= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+            "cu_seqlens= is ring_impl's API here; the implementation under test is "
+            f"{ring.impl.spec}"
         )
     import ring_impl
 
@@ -178,7 +179,8 @@ def _bad(ctx, kind: str) -> str:
 def test_bad_packed_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"cu_seqlens= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
+            "cu_seqlens= is ring_impl's API here; the implementation under test is "
+            f"{ring.impl.spec}"
         )
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]

@@ -6,9 +6,9 @@ value forward, six tensors backward. An op declaring ``capabilities.row_views`` 
 math op, the varlen ops, whose packing hands the kernel (tokens, heads, head_dim) views with a
 dense head dim) reads views; every other op (the dense CUDA kernels, a vendor's, the CPU
 emulations of dense CUDA kernels, one of which reads memory in a fixed order on the GPU) still
-gets contiguous copies. Checked here: the kernels give the same bits on views as on copies, and the ring, the
-halo exchange and the sparse gather hand views exactly to the ops that declare them, with the
-same results either way.
+gets contiguous copies. Checked here: the kernels give the same bits on views as on copies, and the
+ring, the halo exchange and the sparse gather hand views exactly to the ops that declare them, with
+the same results either way.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def test_kernels_give_the_same_bits_on_row_views(op, dtype, kind) -> None:
         results.append((out, lse, *grads))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
         assert torch.equal(a, b), (
-            f"{name}: views and contiguous copies differ by {(a.double() - b.double()).abs().max():.3g}"
+            f"{name}: views and contiguous copies differ by "
+            f"{(a.double() - b.double()).abs().max():.3g}"
         )
 
 
@@ -149,7 +150,8 @@ def _seen(ctx, path: str, views: bool):
 def test_the_ring_hands_views_to_the_ops_that_declare_them(ring, path) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"what the ops are handed is ring_impl's own; the implementation under test is {ring.impl.spec}"
+            "what the ops are handed is ring_impl's own; the implementation under test is "
+            f"{ring.impl.spec}"
         )
     pool = ring.rank_pool(2)
     copies = pool.run(_seen, path, False, timeout=120.0)

@@ -156,7 +156,8 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
     kw = dict(batch=1, heads=4, heads_kv=1, seq_q=4, seq_kv=4, head_dim=8, dtype=torch.float32)
     hybrid = strategy_schedule("hybrid", (2, 3), "p2p", **kw)
     ulysses = strategy_schedule("ulysses", (2, 1), **kw)
-    # the ring across 3 rows carries the row shard (2 x 4 positions) of 1 key/value head (MQA: 2 replicas, 1 per rank)
+    # the ring across 3 rows carries the row shard (2 x 4 positions)
+    # of 1 key/value head (MQA: 2 replicas, 1 per rank)
     ring = collective_schedule(
         3, "p2p", batch=1, heads_kv=1, seq_kv=8, head_dim=8, dtype=torch.float32
     )
@@ -297,7 +298,8 @@ def test_mesh_coordinates_are_row_major(rank_pool) -> None:
 def _ring_impl_only(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"head_chunks and the LSE-only loss are checked on ring_impl; the implementation under test is {ring.impl.spec}"
+            "head_chunks and the LSE-only loss are checked on ring_impl; the implementation "
+            f"under test is {ring.impl.spec}"
         )
 
 

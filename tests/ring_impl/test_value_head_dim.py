@@ -32,7 +32,8 @@ SHARD = 8
 def _skip_other_impl(ring) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
-            f"these calls use ring_impl's own API; the implementation under test is {ring.impl.spec}"
+            "these calls use ring_impl's own API; the implementation under test is "
+            f"{ring.impl.spec}"
         )
 
 
@@ -342,8 +343,10 @@ for _w in (1, 2, 4):
                 _hkv,
                 _chunks,
                 _lse,
-                id=f"W{_w}-{_rotate}-{_layout}-{'causal' if _causal else 'full'}-{str(_dtype)[6:]}-d{_d}-dv{_dv}-hkv{_hkv}"
-                f"-chunks{_chunks}{'-lsegrad' if _lse else ''}",
+                id=(
+                    f"W{_w}-{_rotate}-{_layout}-{'causal' if _causal else 'full'}-{str(_dtype)[6:]}"
+                    f"-d{_d}-dv{_dv}-hkv{_hkv}-chunks{_chunks}{'-lsegrad' if _lse else ''}"
+                ),
             )
         )
 
@@ -361,7 +364,10 @@ def test_ring_with_a_value_head_dim_matches_the_oracle_and_its_schedule(
     results = ring.rank_pool(world).run(
         _run, dtype, d, dv, heads_kv, kwargs, lse_grad, timeout=120.0
     )
-    label = f"ring W={world} {rotate} {layout} causal={causal} {dtype} d={d} dv={dv} hkv={heads_kv} chunks={chunks}"
+    label = (
+        f"ring W={world} {rotate} {layout} causal={causal} {dtype} d={d} dv={dv} hkv={heads_kv} "
+        f"chunks={chunks}"
+    )
     _judge(results, dtype, d, dv, heads_kv, kwargs, lse_grad, label=label)
     declared = ring_impl.collective_schedule(
         world,

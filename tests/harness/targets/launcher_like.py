@@ -18,7 +18,10 @@ import subprocess
 import sys
 import time
 
-STUBBORN = "import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)\n"
+STUBBORN = (
+    "import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): "
+    "signal.signal(s, signal.SIG_IGN)\n"
+)
 
 
 def _worker_code(with_grandchild: bool) -> str:
@@ -26,7 +29,8 @@ def _worker_code(with_grandchild: bool) -> str:
     if with_grandchild:
         code += (
             "import subprocess, sys\n"
-            f"g = subprocess.Popen([sys.executable, '-c', {STUBBORN + 'time.sleep(600)'!r}], start_new_session=True)\n"
+            f"g = subprocess.Popen([sys.executable, '-c', {STUBBORN + 'time.sleep(600)'!r}], "
+            "start_new_session=True)\n"
             "print(g.pid, flush=True)\n"
         )
     else:

@@ -1,4 +1,5 @@
-"""Exercises markers, skip reasons, fixtures and hypothesis profiles (see tests/harness/test_plugin.py)."""
+"""Exercises markers, skip reasons, fixtures and hypothesis profiles (see
+tests/harness/test_plugin.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Run by torchrun with 2 ranks per tests/harness/test_torchrun.py: each rank is a pytest process."""
+"""Run by torchrun with 2 ranks per tests/harness/test_torchrun.py:
+each rank is a pytest process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Runs a process tree with harness.procs.run_tree until killed (see tests/harness/test_process_tree.py).
+"""Runs a process tree with harness.procs.run_tree until killed (see
+tests/harness/test_process_tree.py).
 
 ``HARNESS_TREE_COMMAND`` selects the tree: ``launcher`` (tests/harness/targets/launcher_like.py)
 or ``torchrun`` (torchrun with two ranks of tests/harness/targets/rank_sleeper.py). The tree
