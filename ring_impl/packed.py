@@ -20,7 +20,7 @@ Returns ``(tokens_local, heads, head_dim_v)`` (contiguous) and, with ``return_ls
 
 from __future__ import annotations
 
-import collections
+import functools
 import itertools
 import numbers
 from collections.abc import Sequence
@@ -141,23 +141,12 @@ def _documents(cu: torch.Tensor, total: int, causal: bool) -> Documents:
     return Documents(ids, causal)
 
 
-#: (cu_seqlens values, total tokens, causal) -> the snapshot of their documents, most recent last:
-#: a model's layers (and its steps over one batch) share one, its ids, checks and plans made once
-_MEMO: collections.OrderedDict[tuple, Documents] = collections.OrderedDict()
-_MEMO_KEPT = 64
-
-
+@functools.lru_cache(maxsize=64)
 def _memo_documents(cu: tuple[int, ...], total: int, causal: bool) -> Documents:
-    key = (cu, total, causal)
-    documents = _MEMO.get(key)
-    if documents is None:
-        documents = _MEMO[key] = _documents(
-            torch.tensor(cu, dtype=torch.int64), total, causal
-        ).frozen()
-        while len(_MEMO) > _MEMO_KEPT:
-            _MEMO.popitem(last=False)
-    _MEMO.move_to_end(key)
-    return documents
+    """The snapshot of the documents of ``cu`` (cu_seqlens values) over ``total`` tokens, kept
+    for the 64 most recent: a model's layers (and its steps over one batch) share one, its ids,
+    checks and plans made once."""
+    return _documents(torch.tensor(cu, dtype=torch.int64), total, causal).frozen()
 
 
 def packed_result(result, return_lse: bool, return_max_logit: bool = False):

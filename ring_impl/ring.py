@@ -109,6 +109,14 @@ def split_kv(kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tenso
     return kv[..., :head_dim], kv[..., head_dim:]
 
 
+def _gradient_inputs(grad_out, lse, grad_lse=None) -> tuple[torch.Tensor, ...]:
+    """What a backward's non-finite decision reads besides query, key, value and out: grad_out,
+    the LSE with -inf (rows that see nothing, which the propagation treats alike) as 0, and
+    grad_lse when there is one."""
+    seen = lse.masked_fill(torch.isneginf(lse), 0.0)
+    return (grad_out, seen) if grad_lse is None else (grad_out, seen, grad_lse)
+
+
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` itself when it can be merged into in place (dtype ``dtype``,
     contiguous), else a copy."""
@@ -390,9 +398,8 @@ class RingAttention:
     ) -> bool:
         """:meth:`all_finite` of a backward's row inputs (and ``others``); LSE -inf (rows that see
         nothing) counts as finite, since the propagation treats it as nothing seen too."""
-        rows = (query, out, grad_out, lse.masked_fill(torch.isneginf(lse), 0.0))
         return self.all_finite(
-            *rows, *(() if grad_lse is None else (grad_lse,)), *others, once=once
+            query, out, *_gradient_inputs(grad_out, lse, grad_lse), *others, once=once
         )
 
     def alone_finite(
@@ -411,8 +418,7 @@ class RingAttention:
             return self.rows_finite(query, out, grad_out, lse, grad_lse, key, value, once=True)
         if not known:
             return False
-        lse = lse.masked_fill(torch.isneginf(lse), 0.0)
-        return self.all_finite(grad_out, lse, *(() if grad_lse is None else (grad_lse,)), once=True)
+        return self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse), once=True)
 
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
