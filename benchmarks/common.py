@@ -1,7 +1,8 @@
-"""Helpers shared by the scripts in ci/: rank processes over gloo, memory high-water marks, timing.
+"""Helpers shared by the benchmarks: rank processes over gloo, memory high-water marks, output.
 
-Scripts in ci/ run as ``python ci/<script>.py`` from the repository root; importing this module
-puts the root on ``sys.path`` so ``ring_impl``, ``reference`` and ``harness`` import.
+The benchmarks run as ``python benchmarks/<name>.py`` or ``python -m benchmarks.<name>`` from the
+repository root; importing this module puts the root on ``sys.path`` so ``ring_impl``,
+``reference`` and ``harness`` import. Timing is :mod:`benchmarks.runner`'s.
 
 Rank processes: :func:`run_world` starts a pool of the harness (:class:`harness.pool.RankPool`)
 of ``W`` freshly spawned processes, each with ``threads`` intra-op threads and a gloo process
@@ -18,15 +19,12 @@ allocation above 64 KiB with its own mmap and returns it to the kernel when free
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,11 +35,8 @@ __all__ = [
     "MEMORY_ENV",
     "ROOT",
     "PeakRss",
-    "cuda_median_ms",
     "load_average",
-    "median",
     "run_world",
-    "timed",
     "write_rows",
 ]
 
@@ -61,43 +56,10 @@ def load_average() -> str:
 def write_rows(path: str, bench: dict[str, Any], rows: list[Any], t0: float) -> None:
     """Print the wall time since ``t0`` and the load, and write ``{"bench", "rows", "platform"}``
     as JSON to ``path`` (its directory created)."""
+    from benchmarks.runner import write_json
+
     print(f"\nwall {time.perf_counter() - t0:.0f} s; load average {load_average()}")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"bench": bench, "rows": rows, "platform": platform.platform()}, f, indent=2)
-
-
-def cuda_median_ms(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
-    """Median milliseconds of ``repeat`` calls of ``fn`` after ``warmup``, each timed with CUDA
-    events around it (the device's time for the call, the host's launches included)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def median(values: list[float]) -> float:
-    return float(statistics.median(values))
-
-
-@contextlib.contextmanager
-def timed(into: list[float]) -> Iterator[None]:
-    """Append the wall time of the block (seconds) to ``into``."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        into.append(time.perf_counter() - t0)
+    write_json(path, {"bench": bench, "rows": rows, "platform": platform.platform()})
 
 
 def _status_kib(field: str) -> int:

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python ci/bench_compiled_masks.py --quick   # seq 4096
-    python ci/bench_compiled_masks.py           # seq 4096 and 8192
+    python benchmarks/compiled_masks.py --quick   # seq 4096
+    python benchmarks/compiled_masks.py           # seq 4096 and 8192
 
 Forward + backward of a small attention block, ``wo(ring_attention(wq x, wk x, wv x, mask=m))``
 (batch 1, 8 heads, head_dim 64, float32, CPU + gloo, one intra-op thread per rank, W=2), run three
@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import median, run_world, write_rows
+from benchmarks.common import run_world, write_rows
+from benchmarks.runner import Candidate, across_ranks, interleave, summarize
 
 WAYS = ("eager", "in_graph", "graph_break")
 MASKS = ("documents", "mask_mod", "window")
@@ -117,25 +118,28 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
             x = ring_impl.shard(x_full, world, rank, layout=layout, dim=1)
             dy = ring_impl.shard(dy_full, world, rank, layout=layout, dim=1)
 
-            def step(fn, x=x, dy=dy, mask=mask, layout=layout):
-                xs = x.clone().requires_grad_()
-                for lin in (wq, wk, wv, wo):
-                    lin.weight.grad = None
-                dist.barrier()
-                t0 = time.perf_counter()
-                y = fn(xs, mask, layout)
-                y.backward(dy)
-                dist.barrier()
-                return time.perf_counter() - t0, [y.detach(), xs.grad, wq.weight.grad.clone()]
+            last: dict[str, list] = {}
 
-            results = {}
-            for way, fn in ways.items():  # compile, warm the plan cache
-                step(fn)
-                results[way] = step(fn)[1]
-            times: dict[str, list[float]] = {way: [] for way in ways}
-            for _ in range(b.repeat):
-                for way, fn in ways.items():
-                    times[way].append(step(fn)[0])
+            def step(way, fn, x=x, dy=dy, mask=mask, layout=layout, last=last) -> Candidate:
+                def run(xs) -> None:
+                    y = fn(xs, mask, layout)
+                    y.backward(dy)
+                    # references, not copies: the next call's setup replaces the gradients
+                    last[way] = [y.detach(), xs.grad, wq.weight.grad]
+
+                def setup() -> list:
+                    for lin in (wq, wk, wv, wo):
+                        lin.weight.grad = None
+                    return [x.clone().requires_grad_()]
+
+                return Candidate(run, setup)
+
+            # Two warm-up rounds compile and warm the plan cache; then the ways interleaved, every
+            # call from a common barrier (the driver takes the slowest rank of each round).
+            times = interleave(
+                {way: step(way, fn) for way, fn in ways.items()}, b.repeat, 2, before=dist.barrier
+            ).times
+            results = last
             for way in ways:
                 diff = max(
                     float((a - e).abs().max()) for a, e in zip(results[way], results["eager"])
@@ -158,14 +162,15 @@ def analyse(b: Bench, per_rank: list[list[dict]]) -> list[dict]:
     out = []
     for i, row in enumerate(per_rank[0]):
         ranks = [rows[i] for rows in per_rank]
-        slowest = [max(ts) for ts in zip(*(r["times"] for r in ranks))]
+        stats = summarize({"way": across_ranks([r["times"] for r in ranks])})["way"]
         out.append(
             {
                 "seq": row["seq"],
                 "mask": row["mask"],
                 "way": row["way"],
-                "best_s": min(slowest),
-                "median_s": median(slowest),
+                "best_s": stats.min,
+                "median_s": stats.median,
+                "spread": stats.spread,
                 "max_diff": max(r["max_diff"] for r in ranks),
             }
         )
@@ -197,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="sequence 4096 only")
     parser.add_argument("--repeat", type=int, default=Bench.repeat)
-    parser.add_argument("--out", default="reports/bench/compiled_masks.json")
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default="reports/bench/compiled_masks.json",
+        help="the JSON written (rows and settings)",
+    )
     args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat, seqs=(4096,) if args.quick else Bench.seqs)
     t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python ci/bench_compiled_ring.py            # head_dim 16 and 64, seq 4096
-    python ci/bench_compiled_ring.py --quick    # head_dim 64 only
+    python benchmarks/compiled_ring.py            # head_dim 16 and 64, seq 4096
+    python benchmarks/compiled_ring.py --quick    # head_dim 64 only
 
 Forward + backward of ``ring_attention(q, k, v, is_causal=True, layout="head_tail",
 rotate_method="alltoall")`` (batch 1, 8 heads, float32, CPU + gloo, one intra-op thread per rank,
@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import median, run_world, write_rows
+from benchmarks.common import run_world, write_rows
+from benchmarks.runner import Candidate, across_ranks, interleave, summarize
 
 WAYS = ("eager", "compiled", "compiled_lse_used")
 
@@ -49,6 +50,7 @@ class Bench:
 
 def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
     import torch
+    import torch.distributed as dist
 
     import ring_impl
 
@@ -84,41 +86,36 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
             "compiled_lse_used": torch.compile(attend_lse_used, fullgraph=True),
         }
 
-        for fn in ways.values():
-            _step(fn, q, k, v, do)
-            _step(fn, q, k, v, do)
-        times: dict[str, list[float]] = {name: [] for name in ways}
-        for _ in range(b.repeat):
-            for name, fn in ways.items():
-                times[name].append(_step(fn, q, k, v, do))
+        def step(fn, q=q, k=k, v=v, do=do) -> Candidate:
+            def run(*leaves) -> None:
+                fn(*leaves).backward(do)
+
+            return Candidate(run, lambda: [t.clone().requires_grad_(True) for t in (q, k, v)])
+
+        # Two warm-up rounds compile and warm every way; then the ways interleaved, every call
+        # from a common barrier (the driver takes the slowest rank of each round).
+        times = interleave(
+            {name: step(fn) for name, fn in ways.items()}, b.repeat, 2, before=dist.barrier
+        ).times
         rows.append({"head_dim": head_dim, "times": times})
     return rows
 
 
-def _step(fn, q, k, v, do) -> float:
-    """One forward + backward; the slowest rank's seconds."""
-    import torch
-    import torch.distributed as dist
-
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn(*leaves).backward(do)
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
-
-
-def analyse(rows: list[dict]) -> list[dict]:
+def analyse(per_rank: list[list[dict]]) -> list[dict]:
+    """Per head_dim: the slowest rank's time per round, then each way's fastest round and its
+    ratio to the eager call's."""
     out = []
-    for row in rows:
-        best = {name: min(ts) for name, ts in row["times"].items()}
+    for i, row in enumerate(per_rank[0]):
+        slowest = {
+            name: across_ranks([rows[i]["times"][name] for rows in per_rank]) for name in WAYS
+        }
+        stats = summarize(slowest, "eager")
         out.append(
             {
                 "head_dim": row["head_dim"],
-                **{f"{n}_s": best[n] for n in WAYS},
-                **{f"{n}_median_s": median(row["times"][n]) for n in WAYS},
-                **{f"{n}_vs_eager": best[n] / best["eager"] for n in WAYS[1:]},
+                **{f"{n}_s": stats[n].min for n in WAYS},
+                **{f"{n}_median_s": stats[n].median for n in WAYS},
+                **{f"{n}_vs_eager": stats[n].ratio_min for n in WAYS[1:]},
             }
         )
     return out
@@ -128,11 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="head_dim 64 only")
     parser.add_argument("--repeat", type=int, default=Bench.repeat)
-    parser.add_argument("--out", default="reports/bench/compiled_ring.json")
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default="reports/bench/compiled_ring.json",
+        help="the JSON written (rows and settings)",
+    )
     args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat, head_dims=(64,) if args.quick else Bench.head_dims)
     t0 = time.perf_counter()
-    rows = analyse(run_world(b.world, _rank, asdict(b), timeout=3600)[0])
+    rows = analyse(run_world(b.world, _rank, asdict(b), timeout=3600))
     print(
         f"W={b.world}, seq {b.seq}, {b.heads} heads, causal head_tail alltoall, inductor, fastest "
         f"of {b.repeat}\n"

@@ -3,9 +3,9 @@ mask in one call: packed causal documents and a causal sliding window.
 
 Run from the repository root on a CUDA machine (no install: ``PYTHONPATH=$PWD``)::
 
-    python ci/bench_cuda_masks.py                  # seq 16k (16 documents) and 64k (32 documents)
-    python ci/bench_cuda_masks.py --quick          # seq 16k only, fewer repetitions
-    python ci/bench_cuda_masks.py --json out.json  # also write the rows
+    python benchmarks/cuda_masks.py                  # seq 16k (16 documents) and 64k (32 documents)
+    python benchmarks/cuda_masks.py --quick          # seq 16k only, fewer repetitions
+    python benchmarks/cuda_masks.py --json out.json  # also write the rows
 
 Rows, each forward + backward in bfloat16, batch 1, ``--heads`` heads, head_dim ``--head-dim``,
 the tensors stored ``(1, seq, heads, head_dim)`` as a model's projections make them (the flex
@@ -49,7 +49,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ci.bench_common import cuda_median_ms  # noqa: E402
+from benchmarks.runner import cuda_median_ms  # noqa: E402
 
 #: (seq, documents) of the default run: the figures of the speed issue
 SHAPES = ((16384, 16), (65536, 32))
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "bench_cuda_masks: needs a CUDA GPU (torch.cuda.is_available() is False)",
+            "benchmarks/cuda_masks.py: needs a CUDA GPU (torch.cuda.is_available() is False)",
             file=sys.stderr,
         )
         return 2

@@ -3,9 +3,9 @@ kernel, i.e. the ring's own overhead on one GPU, with peak memory (issue 17).
 
 Run from the repository root on a CUDA machine::
 
-    python ci/bench_cuda_ops.py                 # seq 16k, 32k, 64k, 128k (a few minutes on an H100)
-    python ci/bench_cuda_ops.py --quick         # seq 4k, 8k
-    python ci/bench_cuda_ops.py --json out.json # also write the rows
+    python benchmarks/cuda_ops.py                  # seq 16k-128k (a few minutes on an H100)
+    python benchmarks/cuda_ops.py --quick          # seq 4k, 8k
+    python benchmarks/cuda_ops.py --json out.json  # also write the rows
 
 What is measured (bfloat16, batch 1, ``--heads`` heads, head_dim ``--head-dim``, causal and not):
 
@@ -18,9 +18,10 @@ ring, W=1
     ``backward``: validation, the cross-rank agreement (skipped at W=1), the step plan, LSE
     trimming, the float32 accumulators and merges, the autograd function and its backward.
 
-Times come from CUDA events around ``--repeat`` calls after ``--warmup`` calls; the median is
-reported. Peak memory is ``torch.cuda.max_memory_allocated`` above what was allocated before the
-call (the inputs and the output gradient), after ``reset_peak_memory_stats``. The ratio
+Times come from CUDA events around ``--repeat`` calls after ``--warmup`` calls, the bare kernel
+and the ring interleaved (``benchmarks.runner``); the median is reported. Peak memory is
+``torch.cuda.max_memory_allocated`` above what was allocated before the call (the inputs and the
+output gradient), after ``reset_peak_memory_stats``, in one more call of each. The ratio
 ring / bare is the ring's overhead in time and memory; both are measured in one process, one run,
 interleaved, so they share the machine's state. Nothing here is a timed assertion.
 """
@@ -40,7 +41,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ci.bench_common import cuda_median_ms  # noqa: E402
+from benchmarks.runner import CudaClock, interleave, median  # noqa: E402
 
 OPS = ("cuda_flash", "cuda_efficient", "cudnn")
 
@@ -71,16 +72,21 @@ def _ring(name: str, q, k, v, do, causal: bool) -> None:
     out.backward(do)
 
 
-def _measure(fn, warmup: int, repeat: int) -> tuple[float, int]:
-    """(median milliseconds, peak bytes above the allocation before the call)."""
-    ms = cuda_median_ms(fn, warmup, repeat)
+def _peak(fn) -> int:
+    """Peak bytes of one call above the allocation before it."""
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    return ms, peak
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _measure(fns: dict, warmup: int, repeat: int) -> dict[str, tuple[float, int]]:
+    """Per candidate (median milliseconds, peak bytes): the candidates timed interleaved with
+    CUDA events, then each one's memory in a call of its own."""
+    times = interleave(fns, repeat, warmup, clock=CudaClock()).times
+    return {name: (median(times[name]) * 1e3, _peak(fn)) for name, fn in fns.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "bench_cuda_ops: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr
+            "benchmarks/cuda_ops.py: needs a CUDA GPU (torch.cuda.is_available() is False)",
+            file=sys.stderr,
         )
         return 2
     seqs = (
@@ -131,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             for causal in (False, True):
                 inputs = _inputs(seq, args.heads, args.head_dim)
                 try:
-                    bare_ms, bare_peak = _measure(
-                        partial(_bare, op, *inputs, causal), args.warmup, args.repeat
+                    measured = _measure(
+                        {
+                            "bare": partial(_bare, op, *inputs, causal),
+                            "ring": partial(_ring, name, *inputs, causal),
+                        },
+                        args.warmup,
+                        args.repeat,
                     )
-                    ring_ms, ring_peak = _measure(
-                        partial(_ring, name, *inputs, causal), args.warmup, args.repeat
-                    )
+                    (bare_ms, bare_peak), (ring_ms, ring_peak) = measured["bare"], measured["ring"]
                 except torch.cuda.OutOfMemoryError as e:
                     print(
                         f"| {name} | {seq} | {causal} | out of memory: {str(e).splitlines()[0]} "

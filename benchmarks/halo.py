@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python ci/bench_halo.py --quick     # W=2 and 4, seq 4096, windows 256 and 512
-    python ci/bench_halo.py             # also seq 8192
+    python benchmarks/halo.py --quick     # W=2 and 4, seq 4096, windows 256 and 512
+    python benchmarks/halo.py             # also seq 8192
 
 Forward + backward of ``ring_impl.ring_attention(mask=SlidingWindow(window))`` (a causal window:
 ``window`` keys back, none forward) on CPU + gloo, every rank a process with one intra-op thread,
@@ -24,6 +24,7 @@ ranks, against the halo minimum: each rank's last ``window`` key/value rows to t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
@@ -32,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import median, run_world, write_rows
+from benchmarks.common import run_world, write_rows
+from benchmarks.runner import Candidate, across_ranks, interleave, measure, summarize
 
 PATHS = {"halo": "auto", "ring": "ring"}  # the exchange= each path is asked by
 
@@ -62,31 +64,22 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
     torch.set_num_threads(1)
     results: dict = {}
 
-    def call(seq: int, window: int, exchange: str, log: CollectiveLog | None) -> float:
+    def inputs(seq: int) -> list:
         gen = torch.Generator().manual_seed(seq)
-        q, k, v, do = (
+        return [
             ring_impl.shard(
                 torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen), world, rank
             )
             for _ in range(4)
-        )
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        dist.barrier()
-        t0 = time.perf_counter()
-        if log is None:
-            out = ring_impl.ring_attention(
-                q,
-                k,
-                v,
-                mask=SlidingWindow(window),
-                op="cpu_flash",
-                rotate_method="p2p",
-                exchange=exchange,
-            )
-            out.backward(do)
-        else:
-            with log:
-                with log.phase("forward"):
+        ]
+
+    def call(seq: int, window: int, exchange: str, log: CollectiveLog | None = None) -> Candidate:
+        q0, k0, v0, do = inputs(seq)
+
+        def run(q, k, v) -> None:
+            with log if log is not None else contextlib.nullcontext():
+                phase = log.phase if log is not None else (lambda name: contextlib.nullcontext())
+                with phase("forward"):
                     out = ring_impl.ring_attention(
                         q,
                         k,
@@ -96,31 +89,33 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
                         rotate_method="p2p",
                         exchange=exchange,
                     )
-                with log.phase("backward"):
+                with phase("backward"):
                     out.backward(do)
-        return time.perf_counter() - t0
 
-    call(b.warmup_seq, min(b.windows), "auto", None)
-    call(b.warmup_seq, min(b.windows), "ring", None)
-    for it in range(1 + b.repeat):  # the first pass records the collectives, untimed
-        for seq, window in itertools.product(b.seqs, b.windows):
-            point = results.setdefault(
-                f"s{seq}-w{window}",
-                {"seq": seq, "window": window, "sent": {}, **{p: [] for p in PATHS}},
-            )
-            for name, exchange in PATHS.items():
-                log = CollectiveLog() if it == 0 else None
-                elapsed = call(seq, window, exchange, log)
-                if log is None:
-                    point[name].append(elapsed)
-                else:
-                    summary = log.summary()
-                    point["sent"][name] = {
-                        ph: sum(
-                            e["bytes"] for kind, e in summary.get(ph, {}).items() if kind == "send"
-                        )
-                        for ph in ("forward", "backward")
-                    }
+        return Candidate(run, lambda: [t.detach().requires_grad_() for t in (q0, k0, v0)])
+
+    # one warm-up call of each path at a smaller size
+    interleave(
+        {name: call(b.warmup_seq, min(b.windows), exchange) for name, exchange in PATHS.items()},
+        rounds=0,
+        warmup=1,
+        before=dist.barrier,
+    )
+    for seq, window in itertools.product(b.seqs, b.windows):
+        point: dict = {"seq": seq, "window": window, "sent": {}}
+        # A first call of each path records its collectives, untimed (the log's dispatch mode
+        # sees every op); then the paths interleaved, every call from a common barrier.
+        for name, exchange in PATHS.items():
+            log = CollectiveLog()
+            measure(call(seq, window, exchange, log), warmup=0, repeat=1, before=dist.barrier)
+            summary = log.summary()
+            point["sent"][name] = {
+                ph: sum(e["bytes"] for kind, e in summary.get(ph, {}).items() if kind == "send")
+                for ph in ("forward", "backward")
+            }
+        calls = {name: call(seq, window, exchange) for name, exchange in PATHS.items()}
+        point.update(interleave(calls, b.repeat, before=dist.barrier).times)
+        results[f"s{seq}-w{window}"] = point
     return results
 
 
@@ -136,16 +131,19 @@ def analyse(b: Bench, world: int, per_rank: list[dict]) -> list[dict]:
     for key, point in per_rank[0].items():
         row = {"world": world, "seq": point["seq"], "window": point["window"]}
         mins = minimum_sent(b, world, point["window"])
+        stats = summarize(
+            {name: across_ranks([pr[key][name] for pr in per_rank]) for name in PATHS}, "ring"
+        )
+        row["halo_over_ring"] = stats["halo"].ratio_min
         for name in PATHS:
-            slowest = [max(pr[key][name][i] for pr in per_rank) for i in range(b.repeat)]
-            row[name], row[f"{name}_median"] = min(slowest), median(slowest)
+            row[name], row[f"{name}_median"] = stats[name].min, stats[name].median
+            row[f"{name}_spread"] = stats[name].spread
             sent = {
                 ph: sum(pr[key]["sent"][name][ph] for pr in per_rank)
                 for ph in ("forward", "backward")
             }
             row[f"{name}_sent"] = sent
             row[f"{name}_sent_ratio"] = {ph: sent[ph] / mins[ph] for ph in sent}
-        row["halo_over_ring"] = row["halo"] / row["ring"]
         rows.append(row)
     return rows
 
@@ -174,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="sequence 4096 only")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", default="reports/bench/halo.json")
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default="reports/bench/halo.json",
+        help="the JSON written (rows and settings)",
+    )
     args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat)
     if args.quick:

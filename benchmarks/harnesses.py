@@ -14,7 +14,7 @@ per-case`` (interpreter, torch import, process spawning and process-group set-up
 harness is also timed in-process: pool start (``get_pool`` until every rank joined its process
 group) and the median of many cases.
 
-Usage: ``python ci/bench_harness.py [--json reports/bench_harness.json] [--quick]``. Needs the
+Usage: ``python benchmarks/harnesses.py [--json reports/bench_harness.json] [--quick]``. Needs the
 ``expecttest`` package for torch's harnesses (``pip install expecttest``); without it those rows
 are reported as unavailable. Prints a table and writes JSON.
 """
@@ -38,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import runner  # noqa: E402
 from harness.procs import run_tree  # noqa: E402  (each command's process tree dies with the script)
 
 CASE_BODY = """\
@@ -158,8 +159,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _timed(command: list[str], cwd: Path, timeout: float) -> float:
-    began = time.perf_counter()
+def _run(command: list[str], cwd: Path, timeout: float) -> None:
     result = run_tree(
         command,
         cwd=cwd,
@@ -170,12 +170,10 @@ def _timed(command: list[str], cwd: Path, timeout: float) -> float:
         timeout=timeout,
         check=False,
     )
-    elapsed = time.perf_counter() - began
     if result.returncode != 0:
         raise RuntimeError(
             f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-4000:]}"
         )
-    return elapsed
 
 
 def _write(directory: Path, name: str, text: str) -> Path:
@@ -223,18 +221,21 @@ def measure_subprocess(
 ) -> dict[str, Any]:
     """Wall time of fresh processes running n_small and n_large cases; slope and intercept.
 
-    Each size runs ``repeat`` times, alternating, and the minimum is kept: on a shared machine
-    the minimum is the least disturbed run.
+    Each size runs ``repeat`` times, interleaved (``benchmarks.runner``), and the minimum is kept:
+    on a shared machine the minimum is the least disturbed run.
     """
-    smalls: list[float] = []
-    larges: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-harness-") as tmp:
         directory = Path(tmp)
         small_cmd = _command(kind, directory, n_small)
         large_cmd = _command(kind, directory, n_large)
-        for _ in range(repeat):
-            smalls.append(_timed(small_cmd, directory, timeout))
-            larges.append(_timed(large_cmd, directory, timeout))
+        times = runner.interleave(
+            {
+                "small": lambda: _run(small_cmd, directory, timeout),
+                "large": lambda: _run(large_cmd, directory, timeout),
+            },
+            repeat,
+        ).times
+    smalls, larges = times["small"], times["large"]
     t_small, t_large = min(smalls), min(larges)
     per_case = (t_large - t_small) / (n_large - n_small)
     return {
@@ -265,13 +266,7 @@ def measure_in_process(cases: int) -> dict[str, Any]:
     began = time.perf_counter()
     pool = get_pool(2, backend="gloo", device="cpu")
     cold_start = time.perf_counter() - began
-    for _ in range(20):
-        pool.run(_trivial_case)
-    times = []
-    for _ in range(cases):
-        t = time.perf_counter()
-        pool.run(_trivial_case)
-        times.append(time.perf_counter() - t)
+    times = runner.measure(lambda: pool.run(_trivial_case), warmup=20, repeat=cases)
     shutdown_all_pools()
     began = time.perf_counter()
     pool = get_pool(2, backend="gloo", device="cpu")
@@ -282,7 +277,7 @@ def measure_in_process(cases: int) -> dict[str, Any]:
         "pool_start_cold_s": cold_start,
         "pool_start_warm_forkserver_s": warm_start,
         "cases": cases,
-        "per_case_median_s": statistics.median(times),
+        "per_case_median_s": runner.median(times),
         "per_case_mean_s": statistics.fmean(times),
         "per_case_p90_s": sorted(times)[int(0.9 * len(times))],
     }

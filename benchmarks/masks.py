@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python ci/bench_masks.py --quick                 # seq 4096, 2-3 minutes on 2 cores
-    python ci/bench_masks.py                         # seq 8192 (the figures), 5-6 minutes
-    python ci/bench_masks.py --repeat 5 --halo auto  # more repetitions on a busy machine
+    python benchmarks/masks.py --quick                 # seq 4096, 2-3 minutes on 2 cores
+    python benchmarks/masks.py                         # seq 8192 (the figures), 5-6 minutes
+    python benchmarks/masks.py --repeat 5 --halo auto  # more repetitions on a busy machine
 
 Prints markdown tables and writes ``masks.json`` under ``--out`` (default ``reports/bench/``).
 Timings are only compared as ratios within one run on the same machine; nothing here is a timed
@@ -32,7 +32,7 @@ documents
     Balance per layout: ``ring_impl.balance.rank_work`` (visible score entries per rank, the
     balancer's own measure), the *kernel area* per rank (the entries the kernel really computes:
     each step's trimmed rectangle, the triangle for causal-shaped blocks) and the measured
-    seconds inside the kernel per rank (the op wrapped with a timer, as in ci/bench_ring.py;
+    seconds inside the kernel per rank (the op wrapped with a timer, as in benchmarks/ring.py;
     each rank's fastest repetition), each as max / mean; and the seconds outside the kernel
     (elapsed minus kernel: plan, mask evaluation, NaN propagation, merging, transfers, waiting;
     the slowest rank's, each rank's fastest repetition).
@@ -43,7 +43,7 @@ window
     ``2 x window`` keys it can see, masked (what windowed attention on one device computes with
     this kernel). Bytes each rank sends, from the collectives of its first measured call
     (``harness.accounting.CollectiveLog``; all-gather ``(W-1) x input``, all-to-all ``input``,
-    send ``bytes``, as ci/bench_ring.py counts them), against the halo minimum: forward
+    send ``bytes``, as benchmarks/ring.py counts them), against the halo minimum: forward
     ``window`` rows of key and value from the left neighbour; backward their dK/dV back in float32
     (the forward's halo rows kept; a path that sends them again exceeds it). ``--halo auto|on|off``
     is passed to the window's ring as ``ring_attention(..., exchange="auto"|"halo"|"ring")``.
@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import os
 import platform
@@ -81,8 +80,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import load_average, median, run_world
-from ci.bench_ring import KernelTimer, _sent_bytes, _timed_ring_op
+from benchmarks.common import load_average, run_world
+from benchmarks.ring import KernelTimer, _sent_bytes, _timed_ring_op
+from benchmarks.runner import Candidate, across_ranks, interleave, summarize, write_json
 
 #: the layouts of the documents benchmark; "work_balanced" is registered per (seq, W)
 DOC_LAYOUTS = ("work_balanced", "head_tail", "contiguous")
@@ -439,61 +439,72 @@ def _bench_rank(rank: int, world: int, b_dict: dict) -> dict:
         True: _case(b, b.seq, rank, world, reference=False),
     }
     configs = _configs(world, b)
+    errors: dict[str, float | None] = {c["name"]: None for c in configs}
+
+    def single(c: dict, case: dict, check: bool) -> Candidate:
+        def call() -> dict[str, float]:
+            # Rank 0 runs the single process with W threads; the other ranks return at once and
+            # wait in the next call's barrier.
+            if rank != 0:
+                return {}
+            torch.set_num_threads(c["threads"])
+            try:
+                if c["fn"] == "masked":
+                    _, fwd, (out, dq) = _single_masked(
+                        case, case["docs" if c["part"] == "documents" else "window"]
+                    )
+                elif c["fn"] == "documents":
+                    _, fwd, (out, dq) = _single_documents(case)
+                else:
+                    _, fwd, (out, dq) = _single_banded(case, b.window)
+            finally:
+                torch.set_num_threads(1)
+            if check:
+                errors[c["name"]] = _error(case, c["part"], out, dq, world, rank, None)
+            return {"forward": fwd}
+
+        return Candidate(call)
+
+    def ring(c: dict, case: dict, check: bool) -> Candidate:
+        def call() -> dict[str, float]:
+            timer.total = 0.0
+            result, q = _ring_call(case, c, b, ring_op, halo)
+            if check:
+                errors[c["name"]] = _error(
+                    case,
+                    c["part"],
+                    result["out"],
+                    q.grad,
+                    world,
+                    rank,
+                    case["layouts"][c["layout"]],
+                )
+            return {"forward": result["forward"], "kernel": timer.total}
+
+        return Candidate(call)
+
+    def candidates(case: dict, check: bool) -> dict[str, Candidate]:
+        return {
+            c["name"]: (single if c["impl"] == "single" else ring)(c, case, check) for c in configs
+        }
+
+    # The warm-up rounds check every configuration against the full-mask baseline; the recorded
+    # rounds run every configuration once each, from a common barrier.
+    if b.warmup:
+        interleave(candidates(cases[False], True), b.warmup, before=dist.barrier)
+    s = interleave(candidates(cases[True], False), b.repeat, before=dist.barrier)
     results: dict[str, dict[str, Any]] = {
         c["name"]: {
             "config": c,
-            "elapsed": [],
-            "forward": [],
-            "kernel": [],
-            "cpu": [],
+            "elapsed": s.times[c["name"]],
+            "forward": s.extra[c["name"]].get("forward", []),
+            "kernel": s.extra[c["name"]].get("kernel", []),
+            "cpu": s.cpu[c["name"]],
             "traffic": None,
-            "error": None,
+            "error": errors[c["name"]],
         }
         for c in configs
     }
-    for it in range(b.warmup + b.repeat):
-        measured = it >= b.warmup
-        case = cases[measured]
-        for c in configs:
-            res = results[c["name"]]
-            dist.barrier()
-            if c["impl"] == "single":
-                if rank == 0:
-                    torch.set_num_threads(c["threads"])
-                    cpu0 = time.process_time()
-                    if c["fn"] == "masked":
-                        elapsed, fwd, (out, dq) = _single_masked(
-                            case, case["docs" if c["part"] == "documents" else "window"]
-                        )
-                    elif c["fn"] == "documents":
-                        elapsed, fwd, (out, dq) = _single_documents(case)
-                    else:
-                        elapsed, fwd, (out, dq) = _single_banded(case, b.window)
-                    cpu = time.process_time() - cpu0
-                    torch.set_num_threads(1)
-                    if measured:
-                        res["cpu"].append(cpu)
-                        res["elapsed"].append(elapsed)
-                        res["forward"].append(fwd)
-                    else:
-                        res["error"] = _error(case, c["part"], out, dq, world, rank, None)
-                    del out, dq
-                dist.barrier()  # the other ranks wait here while rank 0 runs the single process
-                continue
-            timer.total = 0.0
-            cpu0 = time.process_time()
-            call, q = _ring_call(case, c, b, ring_op, halo)
-            cpu = time.process_time() - cpu0
-            if measured:
-                res["cpu"].append(cpu)
-                res["elapsed"].append(call["elapsed"])
-                res["forward"].append(call["forward"])
-                res["kernel"].append(timer.total)
-            else:
-                res["error"] = _error(
-                    case, c["part"], call["out"], q.grad, world, rank, case["layouts"][c["layout"]]
-                )
-            del call, q
     # The window's collectives, recorded in one more call at the measured size, untimed: the
     # log's dispatch mode sees every op, which costs noticeably on the masked path's many small ops.
     for c in configs:
@@ -524,44 +535,31 @@ def run(b: Bench) -> dict:
                 for p in per_rank
                 if p["results"][name]["error"] is not None
             ]
-            if c["impl"] == "single":
-                times = r0["elapsed"]
-                rows[name] = {
-                    "config": c,
-                    "time": min(times),
-                    "time_median": median(times),
-                    "times": times,
-                    "forward": min(r0["forward"]),
-                    "cpu": min(r0["cpu"]),
-                    "error": max(errors, default=None),
-                }
-                continue
-            reps = len(r0["elapsed"])
-            slowest = [max(p["results"][name]["elapsed"][i] for p in per_rank) for i in range(reps)]
+            # the single process runs on rank 0 alone; a ring's round ends with its slowest rank
+            ranks = [r0] if c["impl"] == "single" else [p["results"][name] for p in per_rank]
+            slowest = across_ranks([r["elapsed"] for r in ranks])
+            stats = summarize({name: slowest})[name]
             rows[name] = {
                 "config": c,
-                "time": min(slowest),
-                "time_median": median(slowest),
+                "time": stats.min,
+                "time_median": stats.median,
+                "spread": stats.spread,
                 "times": slowest,
-                "cpu": min(
-                    sum(p["results"][name]["cpu"][i] for p in per_rank) for i in range(reps)
-                ),
-                "cpu_per_rank": [min(p["results"][name]["cpu"]) for p in per_rank],
-                "forward": min(
-                    max(p["results"][name]["forward"][i] for p in per_rank) for i in range(reps)
-                ),
-                # Per rank the least disturbed repetition, as for the time.
-                "kernel_per_rank": [min(p["results"][name]["kernel"]) for p in per_rank],
-                "outside_kernel_per_rank": [
-                    min(
-                        e - k
-                        for e, k in zip(p["results"][name]["elapsed"], p["results"][name]["kernel"])
-                    )
-                    for p in per_rank
-                ],
-                "traffic_per_rank": [p["results"][name]["traffic"] for p in per_rank],
+                "forward": min(across_ranks([r["forward"] for r in ranks])),
+                "cpu": min(across_ranks([r["cpu"] for r in ranks], sum)),
                 "error": max(errors, default=None),
             }
+            if c["impl"] == "single":
+                continue
+            rows[name].update(
+                cpu_per_rank=[min(r["cpu"]) for r in ranks],
+                # Per rank the least disturbed round, as for the time.
+                kernel_per_rank=[min(r["kernel"]) for r in ranks],
+                outside_kernel_per_rank=[
+                    min(e - k for e, k in zip(r["elapsed"], r["kernel"])) for r in ranks
+                ],
+                traffic_per_rank=[r["traffic"] for r in ranks],
+            )
         report[str(world)] = {
             "rows": rows,
             "halo_passed": per_rank[0]["halo_passed"],
@@ -1027,6 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     parser.add_argument("--out", default="reports/bench", help="Output directory for masks.json")
+    parser.add_argument("--json", help="the JSON written (default: OUT/masks.json)")
     args = parser.parse_args(argv)
 
     b = Bench(
@@ -1070,21 +1069,17 @@ def main(argv: list[str] | None = None) -> int:
     analysis = analyse(b, raw)
     lengths = document_lengths(b, b.seq)
     print_report(b, analysis, env, lengths)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "masks.json")
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "bench": asdict(b),
-                "env": env,
-                "document_lengths": lengths,
-                "analysis": analysis,
-                "raw": raw,
-            },
-            f,
-            indent=1,
-            default=str,
-        )
+    path = args.json or os.path.join(args.out, "masks.json")
+    write_json(
+        path,
+        {
+            "bench": asdict(b),
+            "env": env,
+            "document_lengths": lengths,
+            "analysis": analysis,
+            "raw": raw,
+        },
+    )
     print(f"\nwrote {path} in {env['wall_s']:.0f} s")
     return 0
 

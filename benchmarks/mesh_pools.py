@@ -8,7 +8,7 @@ shape: the first case that asks for the mesh (the mesh's process groups are crea
 hybrid forward+backward (``ring_attention(exchange="hybrid")``, batch 1, 16 heads, local length
 8, head_dim 8, float32). Times are wall-clock seconds on this machine, the median of ``--repeat``.
 
-Usage: ``python ci/bench_mesh_pools.py [--world-sizes 8,16] [--repeat 5] [--json PATH]``.
+Usage: ``python benchmarks/mesh_pools.py [--world-sizes 8,16] [--repeat 5] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import runner  # noqa: E402
 
 SHAPES = {8: [(8, 1), (2, 4), (4, 2)], 16: [(4, 4), (2, 8)]}
 
@@ -82,38 +84,41 @@ def hybrid_case(ctx, shape: tuple[int, int]) -> float:
 def measure(world_size: int, repeat: int) -> dict[str, Any]:
     from harness import get_pool, shutdown_all_pools
 
-    starts, after_start, rows = [], None, []
-    for _ in range(repeat):
-        shutdown_all_pools()
-        t = time.perf_counter()
+    pool = None
+
+    def start() -> None:
+        nonlocal pool
         pool = get_pool(world_size, backend="gloo", device="cpu")
-        starts.append(time.perf_counter() - t)
-        after_start = memory(pool.pids)
+
+    # Each start from no pool (the shutdown untimed); a first one in the process includes the
+    # forkserver's torch import.
+    starts = runner.measure(runner.Candidate(start, lambda: shutdown_all_pools() or ()), 0, repeat)
+    assert pool is not None
+    after_start = memory(pool.pids)
+    rows = []
     for shape in SHAPES[world_size]:
         first = max(pool.run(mesh_case, shape, timeout=300))  # the slowest rank's group creation
-        cached_runs = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            pool.run(mesh_case, shape)
-            cached_runs.append(time.perf_counter() - t0)
-        hybrid = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            pool.run(hybrid_case, shape, timeout=300)
-            hybrid.append(time.perf_counter() - t0)
+        # the cached mesh case and the hybrid call, interleaved
+        times = runner.interleave(
+            {
+                "cached": lambda shape=shape: pool.run(mesh_case, shape),
+                "hybrid": lambda shape=shape: pool.run(hybrid_case, shape, timeout=300),
+            },
+            repeat,
+        ).times
         rows.append(
             {
                 "shape": f"{shape[0]}x{shape[1]}",
                 "mesh_create_s": first,
-                "cached_case_s": statistics.median(cached_runs),
-                "hybrid_case_s": statistics.median(hybrid),
+                "cached_case_s": runner.median(times["cached"]),
+                "hybrid_case_s": runner.median(times["hybrid"]),
             }
         )
     after_cases = memory(pool.pids)
     shutdown_all_pools()
     return {
         "world_size": world_size,
-        "start_s": statistics.median(starts),
+        "start_s": runner.median(starts),
         "start_all_s": starts,
         "memory_after_start_mib": after_start,
         "memory_after_cases_mib": after_cases,

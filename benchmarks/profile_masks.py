@@ -1,14 +1,14 @@
-"""Profile one rank of ci/bench_masks.py's packed-documents call: where a rank's time goes.
+"""Profile one rank of benchmarks/masks.py's packed-documents call: where a rank's time goes.
 
 Runs W ranks on CPU + gloo (one thread each) with the benchmark's inputs, documents and
-layouts (``ci/bench_masks.py``: seq 8192 by default, 32 lognormal documents), warms up, then
+layouts (``benchmarks/masks.py``: seq 8192 by default, 32 lognormal documents), warms up, then
 profiles ``--calls`` forward + backward calls of rank 0 with ``cProfile`` and prints the
 functions by their own time. The profiler's clock is ``time.thread_time``: the CPU seconds of
 rank 0's main thread, which ranks sharing cores (W above the core count) do not inflate; gloo's
 own threads are not in it. Also printed: each call's wall seconds.
 
-    python ci/profile_masks.py --world 4 --sparse        # the sparse gather at W=4
-    python ci/profile_masks.py --world 2 --layout head_tail --callers contiguous
+    python benchmarks/profile_masks.py --world 4 --sparse        # the sparse gather at W=4
+    python benchmarks/profile_masks.py --world 2 --layout head_tail --callers contiguous
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "ci")]
-    import bench_masks as bm
+    sys.path[:0] = [ROOT]
     import torch
     import torch.distributed as dist
+
+    from benchmarks import masks as bm
+    from benchmarks.runner import measure
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
@@ -37,17 +39,19 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     case = bm._case(b, args.seq, rank, args.world, reference=False)
     config = {"part": "documents", "layout": args.layout, "sparse": args.sparse}
     op = bm._op()
-    for _ in range(2):
-        bm._ring_call(case, config, b, op, {})
     profile = cProfile.Profile(time.thread_time)
-    walls = []
-    for _ in range(args.calls):
-        dist.barrier()
-        t0 = time.perf_counter()
-        profile.enable()
+    warm = iter(range(2))
+
+    def call() -> None:
+        # the 2 warm-up calls are not profiled
+        profiled = next(warm, None) is None
+        if profiled:
+            profile.enable()
         bm._ring_call(case, config, b, op, {})
-        profile.disable()
-        walls.append(time.perf_counter() - t0)
+        if profiled:
+            profile.disable()
+
+    walls = measure(call, warmup=2, repeat=args.calls, before=dist.barrier)
     if rank == 0:
         out = io.StringIO()
         stats = pstats.Stats(profile, stream=out)

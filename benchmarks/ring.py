@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python ci/bench_ring.py --quick     # seq 2048, a few minutes on 2 cores
-    python ci/bench_ring.py             # seq 8192 (the issue's figures), about 8 minutes on 2 cores
-    python ci/bench_ring.py --analyse reports/bench/bench.json   # the tables of a run again
+    python benchmarks/ring.py --quick     # seq 2048, a few minutes on 2 cores
+    python benchmarks/ring.py             # seq 8192 (the issue's figures), 8 minutes on 2 cores
+    python benchmarks/ring.py --analyse reports/bench/bench.json   # the tables of a run again
 
 Writes ``bench.json`` and ``bench.png`` under ``--out`` (default ``reports/bench/``) and prints
 the tables and the issue's aims with the measured figures. Timings are only compared as ratios
@@ -38,7 +38,7 @@ memory
     ``/proc/self/clear_refs``) above the RSS before the inputs were created, so it counts the
     inputs (query, key, value, grad_out), the output, the gradients, every temporary and
     communication buffer, gloo's own copies included. glibc is told to serve allocations above
-    64 KiB with mmap so freed memory leaves the RSS at once (see ci/bench_common.py). W=1 is
+    64 KiB with mmap so freed memory leaves the RSS at once (see benchmarks/common.py). W=1 is
     single-process SDPA on the full sequence.
 memory-lean configurations (``hcN``)
     the ring with ``head_chunks=N`` (``--lean-head-chunks``, default 4): N rings one after
@@ -78,7 +78,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import MEMORY_ENV, PeakRss, load_average, median, run_world
+from benchmarks.common import MEMORY_ENV, PeakRss, load_average, run_world
+from benchmarks.runner import (
+    Candidate,
+    across_ranks,
+    interleave,
+    median,
+    summarize,
+    write_json,
+)
 
 RING_ROTATIONS = ("allgather", "alltoall", "p2p")
 TORCH_ROTATIONS = ("allgather", "alltoall")
@@ -242,48 +250,33 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
             for layout in ring_impl.LAYOUTS
         }
 
-    warm = inputs(b.warmup_seq)
-    measured_inputs = inputs(b.seq)
     configs = _configs(world, b)
-    results: dict[str, dict[str, Any]] = {
-        c["name"]: {
-            "config": c,
-            "elapsed": [],
-            "forward": [],
-            "compute": [],
-            "cpu": [],
-            "traffic": None,
-        }
-        for c in configs
-    }
-    for it in range(b.warmup + b.repeat):
-        measured = it >= b.warmup
-        full, shards = measured_inputs if measured else warm
-        for c in configs:
-            res = results[c["name"]]
-            dist.barrier()
-            if c["impl"] == "sdpa":
-                if rank == 0:
-                    torch.set_num_threads(c["threads"])
-                    cpu0 = time.process_time()
-                    elapsed, fwd = _sdpa_fwd_bwd(*full, c["causal"])
-                    cpu = time.process_time() - cpu0
-                    torch.set_num_threads(1)
-                    if measured:
-                        res["elapsed"].append(elapsed)
-                        res["forward"].append(fwd)
-                        res["cpu"].append(cpu)
-                dist.barrier()  # the other ranks wait here, asleep, while rank 0 runs SDPA
-                continue
-            q, k, v, do = shards[c["layout"]]
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            # The collectives of the first measured call are recorded: the log's dispatch mode
+    traffic: dict[str, Any] = {c["name"]: None for c in configs}
+
+    def sdpa(c: dict, full: list) -> Candidate:
+        def call() -> dict[str, float]:
+            # Rank 0 runs the single process with W threads; the other ranks return at once and
+            # wait, asleep, in the next call's barrier.
+            if rank != 0:
+                return {}
+            torch.set_num_threads(c["threads"])
+            try:
+                return {"forward": _sdpa_fwd_bwd(*full, c["causal"])[1]}
+            finally:
+                torch.set_num_threads(1)
+
+        return Candidate(call)
+
+    def ring(c: dict, shards: dict, record: bool) -> Candidate:
+        q0, k0, v0, do = shards[c["layout"]]
+
+        def call(q, k, v) -> dict[str, float]:
+            # The collectives of the first recorded call are logged: the log's dispatch mode
             # costs microseconds per op, nothing against a kernel of seconds.
-            log = CollectiveLog() if it == b.warmup else None
+            log = CollectiveLog() if record and traffic[c["name"]] is None else None
             phase = log.phase if log is not None else (lambda name: contextlib.nullcontext())
             timer.total = 0.0
             with log if log is not None else contextlib.nullcontext():
-                cpu0 = time.process_time()
                 t0 = time.perf_counter()
                 with phase("forward"):
                     if c["impl"] == "ring":
@@ -306,20 +299,37 @@ def _speed_rank(rank: int, world: int, b_dict: dict) -> dict:
                             layout=c["layout"],
                             rotate_method=c["rotate"],
                         )
-                t1 = time.perf_counter()
+                forward = time.perf_counter() - t0
                 with phase("backward"):
                     out.backward(do)
-                t2 = time.perf_counter()
-                cpu = time.process_time() - cpu0
-            del out, q, k, v
-            if measured:
-                res["elapsed"].append(t2 - t0)
-                res["forward"].append(t1 - t0)
-                res["compute"].append(timer.total)
-                res["cpu"].append(cpu)
             if log is not None:
-                res["traffic"] = log.summary()
-    return results
+                traffic[c["name"]] = log.summary()
+            return {"forward": forward, "compute": timer.total}
+
+        return Candidate(call, lambda: [t.detach().requires_grad_() for t in (q0, k0, v0)])
+
+    def candidates(seq: int, record: bool) -> dict[str, Candidate]:
+        full, shards = inputs(seq)
+        return {
+            c["name"]: sdpa(c, full) if c["impl"] == "sdpa" else ring(c, shards, record)
+            for c in configs
+        }
+
+    # Warm-up at a smaller size (every code path once), then the recorded rounds; each round
+    # runs every configuration once, from a common barrier.
+    interleave(candidates(b.warmup_seq, False), b.warmup, before=dist.barrier)
+    s = interleave(candidates(b.seq, True), b.repeat, before=dist.barrier)
+    return {
+        c["name"]: {
+            "config": c,
+            "elapsed": s.times[c["name"]],
+            "forward": s.extra[c["name"]].get("forward", []),
+            "compute": s.extra[c["name"]].get("compute", []),
+            "cpu": s.cpu[c["name"]],
+            "traffic": traffic[c["name"]],
+        }
+        for c in configs
+    }
 
 
 #: the score_mod section's configurations: (name, op, soft-cap or None)
@@ -332,7 +342,7 @@ SCORE_MOD_CONFIGS = (
 
 def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
     """Seconds (forward + backward, from a common barrier) of each SCORE_MOD_CONFIGS entry, per
-    repetition, on this rank."""
+    recorded round, on this rank."""
     import torch
     import torch.distributed as dist
 
@@ -343,49 +353,47 @@ def _score_mod_rank(rank: int, world: int, b_dict: dict) -> dict:
     torch.set_num_threads(1)
     dtype = getattr(torch, b.dtype)
 
-    def inputs(seq: int):
+    def candidates(seq: int) -> dict[str, Candidate]:
         gen = torch.Generator().manual_seed(0)
         full = [
             torch.randn(b.batch, b.heads, seq, b.head_dim, generator=gen, dtype=dtype)
             for _ in range(4)
         ]
-        return [ring_impl.shard(t, world, rank, layout="head_tail") for t in full]
+        q0, k0, v0, do = (ring_impl.shard(t, world, rank, layout="head_tail") for t in full)
 
-    warm, measured_inputs = inputs(b.warmup_seq), inputs(b.seq)
-    times: dict[str, list[float]] = {name: [] for name, _, _ in SCORE_MOD_CONFIGS}
-    for it in range(b.warmup + b.repeat):
-        q0, k0, v0, do = measured_inputs if it >= b.warmup else warm
-        for name, op, cap in SCORE_MOD_CONFIGS:
-            q, k, v = (t.detach().requires_grad_() for t in (q0, k0, v0))
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = ring_impl.ring_attention(
-                q,
-                k,
-                v,
-                is_causal=True,
-                layout="head_tail",
-                rotate_method="alltoall",
-                op=op,
-                score_mod=None if cap is None else SoftCap(cap),
-            )
-            out.backward(do)
-            if it >= b.warmup:
-                times[name].append(time.perf_counter() - t0)
-            del out, q, k, v
-    return times
+        def call(op: str, cap: float | None) -> Candidate:
+            def run(q, k, v) -> None:
+                ring_impl.ring_attention(
+                    q,
+                    k,
+                    v,
+                    is_causal=True,
+                    layout="head_tail",
+                    rotate_method="alltoall",
+                    op=op,
+                    score_mod=None if cap is None else SoftCap(cap),
+                ).backward(do)
+
+            return Candidate(run, lambda: [t.detach().requires_grad_() for t in (q0, k0, v0)])
+
+        return {name: call(op, cap) for name, op, cap in SCORE_MOD_CONFIGS}
+
+    interleave(candidates(b.warmup_seq), b.warmup, before=dist.barrier)
+    return interleave(candidates(b.seq), b.repeat, before=dist.barrier).times
 
 
 def run_score_mod(b: Bench) -> list[dict]:
-    """One row per world size: each configuration's time (slowest rank, fastest repetition) and
+    """One row per world size: each configuration's time (slowest rank, fastest round) and
     the ratios of the soft-capped call to the plain ones."""
     rows = []
     for world in b.world_sizes:
         per_rank = run_world(world, _score_mod_rank, asdict(b), timeout=3600)
+        slowest = {
+            name: across_ranks([r[name] for r in per_rank]) for name, _, _ in SCORE_MOD_CONFIGS
+        }
         row: dict[str, Any] = {"world": world}
-        for name, _, _ in SCORE_MOD_CONFIGS:
-            slowest = [max(r[name][i] for r in per_rank) for i in range(b.repeat)]
-            row[name], row[f"{name} median"] = min(slowest), median(slowest)
+        for name, stats in summarize(slowest, "softcap math").items():
+            row[name], row[f"{name} median"] = stats.min, stats.median
         row["softcap / plain math"] = row["softcap math"] / row["plain math"]
         row["softcap / plain cpu_flash"] = row["softcap math"] / row["plain cpu_flash"]
         rows.append(row)
@@ -518,36 +526,28 @@ def run_speed(b: Bench) -> dict:
         rows = {}
         for name in per_rank[0]:
             c = per_rank[0][name]["config"]
-            if c["impl"] == "sdpa":
-                times = per_rank[0][name]["elapsed"]
-                rows[name] = {
-                    "config": c,
-                    "time": min(times),
-                    "time_median": median(times),
-                    "times": times,
-                    "forward": min(per_rank[0][name]["forward"]),
-                    "cpu": median(per_rank[0][name]["cpu"]),
-                }
-                continue
-            reps = len(per_rank[0][name]["elapsed"])
-            slowest = [
-                max(per_rank[r][name]["elapsed"][i] for r in range(world)) for i in range(reps)
-            ]
+            ranks = [per_rank[0]] if c["impl"] == "sdpa" else per_rank  # SDPA runs on rank 0
+
+            def rounds(key: str, reduce=max, ranks=ranks, name=name) -> list[float]:
+                return across_ranks([r[name][key] for r in ranks], reduce)
+
+            slowest = rounds("elapsed")
+            stats = summarize({name: slowest})[name]
             rows[name] = {
                 "config": c,
-                "time": min(slowest),
-                "time_median": median(slowest),
+                "time": stats.min,
+                "time_median": stats.median,
+                "spread": stats.spread,
                 "times": slowest,
-                "forward": min(
-                    max(per_rank[r][name]["forward"][i] for r in range(world)) for i in range(reps)
-                ),
-                "compute_per_rank": [median(per_rank[r][name]["compute"]) for r in range(world)],
-                "cpu": median(
-                    [sum(per_rank[r][name]["cpu"][i] for r in range(world)) for i in range(reps)]
-                ),
-                "elapsed_per_rank": [median(per_rank[r][name]["elapsed"]) for r in range(world)],
-                "traffic_per_rank": [per_rank[r][name]["traffic"] for r in range(world)],
+                "forward": min(rounds("forward")),
+                "cpu": median(rounds("cpu", sum)),
             }
+            if c["impl"] != "sdpa":
+                rows[name].update(
+                    compute_per_rank=[median(per_rank[r][name]["compute"]) for r in range(world)],
+                    elapsed_per_rank=[median(per_rank[r][name]["elapsed"]) for r in range(world)],
+                    traffic_per_rank=[per_rank[r][name]["traffic"] for r in range(world)],
+                )
         report[str(world)] = {"rows": rows, "wall_s": time.perf_counter() - t0}
         print(f"  speed W={world}: {time.perf_counter() - t0:.0f} s", flush=True)
     return report
@@ -993,6 +993,10 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default="reports/bench", help="Output directory for bench.json and bench.png"
     )
     parser.add_argument(
+        "--json",
+        help="the JSON written (default: OUT/bench.json, with --score-mod OUT/score_mod.json)",
+    )
+    parser.add_argument(
         "--rotations",
         nargs="+",
         choices=RING_ROTATIONS,
@@ -1057,23 +1061,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.score_mod:
         t0 = time.perf_counter()
         rows = run_score_mod(b)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "score_mod.json"), "w") as f:
-            json.dump(
-                {
-                    "bench": asdict(b),
-                    "rows": rows,
-                    "platform": platform.platform(),
-                    "load": load_average(),
-                },
-                f,
-                indent=1,
-                default=str,
-            )
-        print(
-            f"\nwrote {args.out}/score_mod.json in {time.perf_counter() - t0:.0f} s; "
-            f"load average {load_average()}"
+        path = args.json or os.path.join(args.out, "score_mod.json")
+        write_json(
+            path,
+            {
+                "bench": asdict(b),
+                "rows": rows,
+                "platform": platform.platform(),
+                "load": load_average(),
+            },
         )
+        print(f"\nwrote {path} in {time.perf_counter() - t0:.0f} s; load average {load_average()}")
         return 0
     if not PeakRss.supported():
         print(
@@ -1098,24 +1096,22 @@ def main(argv: list[str] | None = None) -> int:
     env["wall_s"] = time.perf_counter() - t0
     analysis = _analysis(b, speed, scaling)
     print_report(b, analysis, env)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(
-            {
-                "bench": asdict(b),
-                "env": env,
-                "analysis": analysis,
-                "speed_raw": speed,
-                "scaling_raw": scaling,
-            },
-            f,
-            indent=1,
-            default=str,
-        )
+    path = args.json or os.path.join(args.out, "bench.json")
+    write_json(
+        path,
+        {
+            "bench": asdict(b),
+            "env": env,
+            "analysis": analysis,
+            "speed_raw": speed,
+            "scaling_raw": scaling,
+        },
+    )
     if analysis["memory"]:
+        os.makedirs(args.out, exist_ok=True)
         plot(analysis, os.path.join(args.out, "bench.png"))
     print(
-        f"\nwrote {args.out}/bench.json"
+        f"\nwrote {path}"
         + (f" and {args.out}/bench.png" if analysis["memory"] else "")
         + f" in {env['wall_s']:.0f} s"
     )

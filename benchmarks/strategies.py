@@ -3,8 +3,8 @@ process.
 
 Run from the repository root::
 
-    python ci/bench_strategies.py --quick     # a smaller grid, about 2 minutes on 2 cores
-    python ci/bench_strategies.py             # the grid in docs/benchmarks.md
+    python benchmarks/strategies.py --quick     # a smaller grid, about 2 minutes on 2 cores
+    python benchmarks/strategies.py             # the grid in docs/benchmarks.md
 
 Forward + backward of ``ring_impl.ring_attention`` on CPU + gloo at W=4 (every rank a process
 with one intra-op thread) with ``exchange="ring"`` (``alltoall`` rotation; ``head_tail`` when
@@ -37,6 +37,7 @@ The input check's all-reduce (a few hundred bytes) is reported apart. The crosso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
@@ -46,7 +47,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ci.bench_common import median, run_world, write_rows
+from benchmarks.common import run_world, write_rows
+from benchmarks.runner import Candidate, across_ranks, interleave, summarize
 
 STRATEGIES = ("ring", "ulysses", "hybrid")
 
@@ -100,7 +102,8 @@ def _sent_recorder():
                 ("wait_tensor",)
             ):
                 raise RuntimeError(
-                    f"bench_strategies: collective {name} is not counted; extend _sent_recorder"
+                    f"benchmarks/strategies.py: collective {name} is not counted; "
+                    "extend _sent_recorder"
                 )
             return func(*args, **(kwargs or {}))
 
@@ -147,53 +150,22 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
         }
         return full, local, layout
 
-    points = list(itertools.product(b.heads, b.seqs, (False, True)))
-    results: dict[str, Any] = {}
-    for it in range(1 + b.repeat):
-        measured = it > 0
-        for heads, seq, causal in points:
-            full, local, layout = inputs(heads, seq if measured else b.warmup_seq, causal)
-            key = f"h{heads}-s{seq}-{'causal' if causal else 'full'}"
-            point = results.setdefault(
-                key,
-                {
-                    "heads": heads,
-                    "seq": seq,
-                    "causal": causal,
-                    "sdpa": [],
-                    **{s: [] for s in STRATEGIES},
-                    "sent": {},
-                    "control": {},
-                },
-            )
-            dist.barrier()
+    def candidates(full: list, local: dict, layout: str, causal: bool, point: dict | None):
+        """SDPA on rank 0 (the other ranks wait in the next barrier) and each strategy; with
+        ``point``, each strategy's first call records the bytes it sends."""
+
+        def sdpa() -> None:
             if rank == 0:
                 torch.set_num_threads(world)
-                elapsed = _sdpa(*full, causal)
-                torch.set_num_threads(1)
-                if measured:
-                    point["sdpa"].append(elapsed)
-            dist.barrier()
-            for s in STRATEGIES:
-                q, k, v = (t.detach().requires_grad_() for t in local[s][:3])
-                rec = _sent_recorder() if it == 1 else None
-                dist.barrier()
-                t0 = time.perf_counter()
-                if rec is not None:
-                    with rec:
-                        out = ring_impl.ring_attention(
-                            q,
-                            k,
-                            v,
-                            group=groups[s],
-                            exchange=s,
-                            is_causal=causal,
-                            layout=layout,
-                            rotate_method="alltoall",
-                        )
-                        rec.phase = "backward"
-                        out.backward(local[s][3])
-                else:
+                try:
+                    _sdpa(*full, causal)
+                finally:
+                    torch.set_num_threads(1)
+
+        def strategy(s: str) -> Candidate:
+            def call(q, k, v) -> None:
+                rec = _sent_recorder() if point is not None and s not in point["sent"] else None
+                with rec if rec is not None else contextlib.nullcontext():
                     out = ring_impl.ring_attention(
                         q,
                         k,
@@ -204,13 +176,29 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
                         layout=layout,
                         rotate_method="alltoall",
                     )
+                    if rec is not None:
+                        rec.phase = "backward"
                     out.backward(local[s][3])
-                elapsed = time.perf_counter() - t0
-                del out, q, k, v
-                if measured:
-                    point[s].append(elapsed)
-                if rec is not None:
+                if rec is not None and point is not None:
                     point["sent"][s], point["control"][s] = rec.sent, rec.control
+
+            return Candidate(call, lambda: [t.detach().requires_grad_() for t in local[s][:3]])
+
+        return {"sdpa": Candidate(sdpa), **{s: strategy(s) for s in STRATEGIES}}
+
+    results: dict[str, Any] = {}
+    for heads, seq, causal in itertools.product(b.heads, b.seqs, (False, True)):
+        key = f"h{heads}-s{seq}-{'causal' if causal else 'full'}"
+        point = {"heads": heads, "seq": seq, "causal": causal, "sent": {}, "control": {}}
+        # Per point: one warm-up round at a smaller size, then the recorded rounds, SDPA and the
+        # strategies interleaved, every call from a common barrier.
+        interleave(
+            candidates(*inputs(heads, b.warmup_seq, causal), causal, None), 1, before=dist.barrier
+        )
+        times = interleave(
+            candidates(*inputs(heads, seq, causal), causal, point), b.repeat, before=dist.barrier
+        ).times
+        results[key] = {**point, **times}
     return results
 
 
@@ -232,12 +220,17 @@ def analyse(b: Bench, per_rank: list[dict]) -> list[dict]:
     rows = []
     for key, point in per_rank[0].items():
         row = {k: point[k] for k in ("heads", "seq", "causal")}
-        row["sdpa"] = min(point["sdpa"])
+        slowest = {
+            name: across_ranks([pr[key][name] for pr in ranks])
+            for name, ranks in (("sdpa", per_rank[:1]), *((s, per_rank) for s in STRATEGIES))
+        }
+        stats = summarize(slowest, "sdpa")
+        row["sdpa"] = stats["sdpa"].min
         for s in STRATEGIES:
-            slowest = [max(pr[key][s][i] for pr in per_rank) for i in range(len(point[s]))]
-            row[s] = min(slowest)
-            row[f"{s}_median"] = median(slowest)
-            row[f"{s}_ratio"] = row[s] / row["sdpa"]
+            row[s] = stats[s].min
+            row[f"{s}_median"] = stats[s].median
+            row[f"{s}_ratio"] = stats[s].ratio_min
+            row[f"{s}_spread"] = stats[s].spread
             mins = minimum_sent(s, b, point["heads"], point["seq"])
             sent = [pr[key]["sent"][s] for pr in per_rank]
             row[f"{s}_bytes"] = {ph: max(x[ph] for x in sent) for ph in ("forward", "backward")}
@@ -301,7 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="heads 4, 16 and sequences 1024, 4096")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", default="reports/bench/strategies.json")
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default="reports/bench/strategies.json",
+        help="the JSON written (rows and settings)",
+    )
     args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat)
     if args.quick:
