@@ -1,4 +1,4 @@
-"""ci/bench_ring.py end to end at a tiny size: it runs, and its traffic accounting holds.
+"""benchmarks/ring.py end to end at a tiny size: it runs, and its traffic accounting holds.
 
 Timings at this size mean nothing and are not asserted; what is asserted is what the benchmark
 measures exactly: every ring phase sends the minimum bytes, the declared collective schedule
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     return run_tree(
-        [sys.executable, os.path.join(ROOT, "ci", "bench_ring.py"), *args],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "ring.py"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -55,7 +55,7 @@ def tiny_run(tmp_path_factory) -> tuple[str, dict]:
         str(out),
     )
     assert proc.returncode == 0, (
-        f"bench_ring.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        f"benchmarks/ring.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
     with open(out / "bench.json") as f:
         return str(out / "bench.json"), json.load(f)
