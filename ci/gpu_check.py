@@ -11,10 +11,10 @@ own torch, the project from the checkout)::
 
 What runs, in two phases:
 
-1. The benchmarks alone on the GPU (timings need a quiet device): ``ci/bench_cuda_masks.py``
+1. The benchmarks alone on the GPU (timings need a quiet device): ``benchmarks/cuda_masks.py``
    (packed documents and a sliding window at 16k and 64k tokens: the ring against
    FlashAttention's varlen and window calls and compiled flex; each row's profiler table under
-   ``--out``/profiles) and ``ci/bench_cuda_ops.py --seqs 16384,65536`` (the unmasked kernels
+   ``--out``/profiles) and ``benchmarks/cuda_ops.py --seqs 16384,65536`` (the unmasked kernels
    through the ring at W=1): about 45 and 30 s on an H200; ``--quick-bench`` runs their
    ``--quick`` forms. At most ``--bench-budget`` seconds.
 2. The test jobs side by side, each a pytest process with its own xdist workers: the CUDA kernel
@@ -198,14 +198,14 @@ def jobs(args) -> list[Job]:
     bench_jobs = [
         Job(
             "bench-masks",
-            ["ci/bench_cuda_masks.py", *masks_args, "--json", str(out / "bench_cuda_masks.json")],
+            ["benchmarks/cuda_masks.py", *masks_args, "--json", str(out / "bench_cuda_masks.json")],
             kind="bench",
             json_out=str(out / "bench_cuda_masks.json"),
             share=3.0,
         ),
         Job(
             "bench-ops",
-            ["ci/bench_cuda_ops.py", *ops_args, "--json", str(out / "bench_cuda_ops.json")],
+            ["benchmarks/cuda_ops.py", *ops_args, "--json", str(out / "bench_cuda_ops.json")],
             kind="bench",
             json_out=str(out / "bench_cuda_ops.json"),
         ),

@@ -4,7 +4,7 @@ covers.
 The backward's first key/value hop (step 1's block) and its last dK/dV hop (this rank's own
 accumulator coming home) have no other step to overlap. With the own block computed last, the
 first hop was waited for with nothing computed: 10-60 ms of a 0.31 s call on packed documents at
-W=2 (ci/bench_masks.py). ``ring_impl.ring.backward_order`` cuts an own step of several blocks in
+W=2 (benchmarks/masks.py). ``ring_impl.ring.backward_order`` cuts an own step of several blocks in
 two by kernel area, one part before step 1 and the rest after step W-1.
 """
 

@@ -400,7 +400,7 @@ def test_the_gather_computes_the_own_rows_while_its_transfers_travel(ring) -> No
 def test_sparse_gather_sends_a_fraction_of_the_ring_for_documents() -> None:
     """Packed documents much shorter than a shard (plus one a shard long) under the work-aware
     layout: the rows some other rank's queries see are few, so the declared bytes are well under
-    the ring's (W - 1) blocks per rank (ci/bench_masks.py measures 0.22 of them at W=2 and 0.31
+    the ring's (W - 1) blocks per rank (benchmarks/masks.py measures 0.22 of them at W=2 and 0.31
     at W=4 on its mix)."""
     import ring_impl
     from ring_impl.balance import work_balanced_layout
