@@ -11,8 +11,9 @@ Forward + backward of ``ring_impl.ring_attention(mask=SlidingWindow(window))`` (
 head_dim 64: ``exchange="auto"`` (the halo exchange, ring_impl.halo) against ``exchange="ring"``
 (the ring, ``p2p`` rotation, skipping the blocks the window does not reach but moving every block).
 One warm-up call at a small size, one untimed call per point that records the collectives, then
-``--repeat`` repetitions with both paths interleaved; a repetition's time is that of the slowest
-rank and the fastest repetition is reported (the median is kept in the JSON). Only the ratio halo /
+``--repeat`` rounds with both paths interleaved (``benchmarks.runner``); a round's time is that of
+the slowest rank and the fastest round is reported (the median and the spread are kept in the
+JSON). Only the ratio halo /
 ring within this run means anything; nothing is asserted.
 
 Bytes: every collective of the first measured call is recorded (harness.accounting) and the

@@ -12,10 +12,10 @@ causal), ``"ulysses"`` (U=4) and ``"hybrid"`` (a 2x2 mesh: Ulysses pairs of cons
 the ring across them), all on the CPU flash kernel, against one process running SDPA (the same
 kernel, ``SDPBackend.FLASH_ATTENTION``) on the full sequence with 4 threads. Over a grid of query
 heads x sequence lengths, causal and not (float32, batch 1, head_dim 64, key/value heads = query
-heads). One warm-up call at a smaller size, then ``--repeat`` repetitions with the configurations
-interleaved; a repetition's time is that of the slowest rank, and the fastest repetition is
-reported (on a shared machine it is the least disturbed; the median is kept in the JSON). Ratios
-are only compared within one run.
+heads). Per grid point, one warm-up round at a smaller size, then ``--repeat`` rounds with SDPA
+and the strategies interleaved (``benchmarks.runner``); a round's time is that of the slowest
+rank, and the fastest round is reported (on a shared machine it is the least disturbed; the
+median and the spread are kept in the JSON). Ratios are only compared within one run.
 
 Bytes: every collective a rank issues in its first measured call is recorded (a dispatch mode
 that reads the groups and split sizes) and turned into the bytes the rank *sends to other ranks*
@@ -192,9 +192,8 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
         point = {"heads": heads, "seq": seq, "causal": causal, "sent": {}, "control": {}}
         # Per point: one warm-up round at a smaller size, then the recorded rounds, SDPA and the
         # strategies interleaved, every call from a common barrier.
-        interleave(
-            candidates(*inputs(heads, b.warmup_seq, causal), causal, None), 1, before=dist.barrier
-        )
+        warm = candidates(*inputs(heads, b.warmup_seq, causal), causal, None)
+        interleave(warm, rounds=0, warmup=1, before=dist.barrier)
         times = interleave(
             candidates(*inputs(heads, seq, causal), causal, point), b.repeat, before=dist.barrier
         ).times
