@@ -36,7 +36,6 @@ a timed assertion.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -49,7 +48,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.runner import cuda_median_ms  # noqa: E402
+from benchmarks.runner import cuda_median_ms, write_json  # noqa: E402
 
 #: (seq, documents) of the default run: the figures of the speed issue
 SHAPES = ((16384, 16), (65536, 32))
@@ -126,13 +125,6 @@ def _flash(q, k, v, do, *, cu=None, max_len=0, causal=True, window=None):
     torch.ops.aten._flash_attention_backward(
         do, q, k, v, out, lse, cu, cu, mq, mq, 0.0, causal, rng, unused, scale=scale, **extra
     )
-
-
-def _write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def _shape_rows(
@@ -250,7 +242,7 @@ def _shape_rows(
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             rows.append(row)
             if args.json:  # after every row: a run stopped early keeps what it measured
-                _write_json(args.json, {**header, "rows": rows})
+                write_json(args.json, {**header, "rows": rows})
             if "error" in row:
                 print(
                     f"| {family} | {seq} | {row['documents'] or ''} | {row_name} | error: "
