@@ -14,9 +14,8 @@ W=2), three ways in one process per rank, interleaved:
 ``compiled_lse_used`` the same with the LSE in the result at weight 0 (``out + 0 * lse.sum()``):
                       a zero gradient reaches it, so kernels without an LSE gradient run their
                       backward through the padded head dim of
-                      ``ring_impl.ops.calls._with_lse_grad``. It is what ``compiled`` cost before
-                      compiled calls dropped a dropped LSE's zero gradient (2026-11-24): 1.18x-1.32x
-                      eager against 1.02x-1.04x.
+                      ``ring_impl.ops.calls._with_lse_grad``: what ``compiled`` would cost if the
+                      compiled call kept a dropped LSE's zero gradient.
 
 Every way gets two untimed calls, then ``--repeat`` timed repetitions; a repetition's time is the
 slowest rank's, the fastest repetition is reported. Only the ratios within one run mean anything;

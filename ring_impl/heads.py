@@ -4,7 +4,7 @@ Attention is independent per head, so a call can run ``c`` complete rings, each 
 key/value heads and the query heads that attend to them, instead of one ring over all heads.
 Everything a ring holds beyond its inputs and outputs then shrinks by ``c``: the key/value block
 in use and the one arriving, the dK/dV accumulators leaving and arriving, the kernel's step
-results (dQ, dK, dV) and the accumulators of the chunk. Measured with ``ci/bench_ring.py``
+results (dQ, dK, dV) and the accumulators of the chunk. Measured with ``benchmarks/ring.py``
 (W=4, seq 16384, causal head_tail, alltoall): see docs/benchmarks.md.
 
 What it costs: ``c`` times as many collectives, each ``1/c`` of the bytes (the bytes each rank

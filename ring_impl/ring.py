@@ -89,7 +89,7 @@ def block_rows(t: torch.Tensor, rows: tuple[int, int], view: bool = False) -> to
     kernel's input: a contiguous tensor, or with ``view`` (the op declares
     ``capabilities.row_views``) a view with a unit stride on the last dim, which saves a copy per
     input per kernel call (1-3% of a packed-documents call at W=2, where blocks are many and
-    small; ci/bench_masks.py)."""
+    small; benchmarks/masks.py)."""
     start, stop = rows
     part = t if start == 0 and stop == t.shape[2] else t.narrow(2, start, stop - start)
     if view and (part.stride(-1) == 1 or part.shape[-1] == 1):
@@ -650,7 +650,7 @@ def backward_order(plans: list[StepPlan], own_first: bool) -> list[StepPlan]:
     can: the first key/value hop, which step 1 waits for, and the last dK/dV hop, which brings this
     rank's own accumulator home. An own step of several blocks is cut in two by kernel area
     (``Block.area``), the first part computed before step 1 and the rest after step W-1 (its dK/dV
-    kept until the accumulator is home). Measured on packed documents at W=2 (ci/bench_masks.py),
+    kept until the accumulator is home). Measured on packed documents at W=2 (benchmarks/masks.py),
     the first hop left exposed was 10-60 ms of a 0.31 s call. An own step of one block goes first
     or last as the transport says (``own_first``). Every rank still posts the same transfers in the
     same order: only where the compute sits between them changes."""

@@ -52,7 +52,7 @@ __all__ = [
 
 #: Score entries one kernel call costs beyond its area on CPU (forward + backward through the
 #: ring: slicing, the kernel's fixed cost, NaN propagation, the merge): about a 64 x 64 block,
-#: from ``python ci/bench_masks.py --call-cost`` (CPU flash, 8 heads, head_dim 64).
+#: from ``python benchmarks/masks.py --call-cost`` (CPU flash, 8 heads, head_dim 64).
 CALL_COST = 4096
 #: On a GPU a call's fixed cost (launches) is worth far more score entries.
 CALL_COST_CUDA = 128 * 128 * 4

@@ -7,7 +7,7 @@ as with ``alltoall`` (PyTorch's ring does the same). A reduce-scatter of every b
 would have to hold all ``W`` of them at once (``W * dkv``, and gloo clones its input on top) and
 could only start after the last step, exposed; its input is ``W * dkv`` bytes against
 ``(W - 1) * dkv`` for the ring, and gloo implements it as an all-reduce, which sends twice the
-ring's bytes. Measured with ci/bench_ring.py (W=4, seq 8192, causal head_tail, gloo): 1.87-2.00
+ring's bytes. Measured with benchmarks/ring.py (W=4, seq 8192, causal head_tail, gloo): 1.87-2.00
 s per forward+backward and a per-rank peak of 0.88x the single-process one with the
 reduce-scatter, against 1.69 s and 0.67x with the accumulators on the ring.
 

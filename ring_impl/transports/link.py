@@ -196,7 +196,7 @@ class Link:
         Compiled, the payloads go packed in one transfer (the order argument above). Eager, each
         payload is its own transfer, posted in program order, which is the same on every rank:
         no packing copy (a key/value block and a dK/dV accumulator, 32 MiB per rank at W=4 and
-        seq 16384 in ci/bench_ring.py).
+        seq 16384 in benchmarks/ring.py).
         """
         if not self._staged:
             return
