@@ -127,18 +127,51 @@ def layouts(*, derived: bool = False) -> tuple[str, ...]:
 
 def is_derived(layout) -> bool:
     """Whether ``layout`` names a derived layout (:attr:`Layout.derived`)."""
-    found = _REGISTRY.get(layout) if isinstance(layout, str) else None
+    found = _find(layout)
     return found is not None and found.derived
 
 
+def is_layout(layout) -> bool:
+    """Whether ``layout`` names a layout: registered, or derived (made from its name)."""
+    return _find(layout) is not None
+
+
 def check_layout(layout: str) -> None:
-    if not isinstance(layout, str) or layout not in _REGISTRY:
+    if _find(layout) is None:
         raise ValueError(f"unknown layout {layout!r}; expected one of {layouts()}")
 
 
 def get_layout(layout: str) -> Layout:
     check_layout(layout)
     return _REGISTRY[layout]
+
+
+#: Name prefix -> the builder of a derived layout from its whole name (ring_impl.uneven's
+#: ``padded(...)``): any process that meets the name builds the same layout, so a name made on
+#: one rank, or inside a compiled graph, needs no registration on the others.
+_DERIVED: dict[str, Callable[[str], Layout]] = {}
+
+
+def register_derived(prefix: str, build: Callable[[str], Layout]) -> None:
+    """Layouts named ``prefix...`` are built from their name by ``build`` (ValueError: no
+    such layout) when first met, then kept like registered ones."""
+    _DERIVED[prefix] = build
+
+
+def _find(name) -> Layout | None:
+    if not isinstance(name, str):
+        return None
+    found = _REGISTRY.get(name)
+    if found is None:
+        for prefix, build in _DERIVED.items():
+            if name.startswith(prefix):
+                try:
+                    found = build(name)
+                except ValueError:
+                    return None
+                _REGISTRY[name] = found  # a new name: no cache keyed by it holds anything
+                break
+    return found
 
 
 def layout_divisor(layout: str, world_size: int) -> int:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .layout import Layout, Runs, check_layout, get_layout, register_layout, split_runs
+from .layout import Layout, Runs, check_layout, register_derived, split_runs
 from .masks import (
     And,
     Causal,
@@ -132,20 +132,26 @@ def _problem(query, key, value, lengths, rank, layout, exchange, mask, score_mod
 
 
 def padded_layout(layout: str, lengths: tuple[int, ...]) -> str:
-    """The name of the layout of the padded call (registered on first use, on every rank alike):
-    rank ``r``'s real runs under ``layout`` for the split ``lengths``, then its padding rows at
-    positions from ``sum(lengths)`` on (rank 0's padding first)."""
-    name = f"padded({layout};{','.join(map(str, lengths))})"
+    """The name of the padded call's layout: rank ``r``'s real runs under ``layout`` for the split
+    ``lengths``, then its padding rows at positions from ``sum(lengths)`` on (rank 0's padding
+    first). The layout is built from its name wherever the name is met (every rank, a compiled
+    graph's op: :func:`ring_impl.layout.register_derived`)."""
+    return f"{_PREFIX}{layout};{','.join(map(str, lengths))})"
+
+
+_PREFIX = "padded("
+
+
+def _from_name(name: str) -> Layout:
+    """The layout :func:`padded_layout` names (ValueError for a name it cannot have made)."""
+    base, _, counts = name[len(_PREFIX) : -1].rpartition(";")
     try:
-        found = get_layout(name)
+        lengths = tuple(int(n) for n in counts.split(","))
     except ValueError:
-        found = None
-    if found is None:
-        register_layout(_padded(name, layout, lengths))
-    return name
-
-
-def _padded(name: str, layout: str, lengths: tuple[int, ...]) -> Layout:
+        raise ValueError(f"not a padded layout name: {name!r}") from None
+    if not name.endswith(")") or not base or min(lengths) < 0 or sum(lengths) < 1:
+        raise ValueError(f"not a padded layout name: {name!r}")
+    check_layout(base)
     world, seq, rows = len(lengths), sum(lengths), max(lengths)
     padding = [rows - n for n in lengths]
 
@@ -157,9 +163,12 @@ def _padded(name: str, layout: str, lengths: tuple[int, ...]) -> Layout:
             )
         start = seq + sum(padding[:rank])
         pad = ((start, start + padding[rank]),) if padding[rank] else ()
-        return split_runs(layout, lengths, rank) + pad
+        return split_runs(base, lengths, rank) + pad
 
     return Layout(name, runs, lambda w: w, derived=True)
+
+
+register_derived(_PREFIX, _from_name)
 
 
 def real_tokens(seq: int, total: int, causal: bool) -> Documents:

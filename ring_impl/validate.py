@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .heads import check_head_chunks
-from .layout import layout_divisor, layout_runs, layouts
+from .layout import is_layout, layout_divisor, layout_runs, layouts
 from .ops import AttentionOp
 from .transports import rotate_methods
 
@@ -267,7 +267,7 @@ def _local_problem(
             f"causal ring attention needs equal local query and key/value lengths, got {sq} and "
             f"{skv}; use is_causal=False for cross attention"
         )
-    if not isinstance(layout, str) or layout not in layouts(derived=True):
+    if not is_layout(layout):
         return f"unknown layout {layout!r}; expected one of {layouts()}"
     if layout == "head_tail" and (sq % 2 or skv % 2):
         return (

@@ -273,3 +273,82 @@ def test_shard_and_unshard_follow_any_contiguous_split_and_the_layouts_own() -> 
         )
     with pytest.raises(ValueError, match="lengths must be 4 ints >= 0 summing to"):
         ring_impl.shard(t, 4, 0, lengths=[4, 4, 4, 4])
+
+
+def _run_compiled(ctx, lengths):
+    import ring_impl
+
+    seq = sum(lengths)
+    q, k, v, dout = (
+        t[:, :, _positions("contiguous", lengths, ctx.rank)] for t in _inputs(seq, torch.float64)
+    )
+
+    def attend(q, k, v):
+        return ring_impl.ring_attention(
+            q, k, v, group=ctx.group, is_causal=True, shard_lengths=lengths
+        )
+
+    results = []
+    for fn in (attend, torch.compile(attend)):
+        qq = q.clone().requires_grad_(True)
+        out = fn(qq, k, v)
+        out.backward(dout)
+        results.append((out.detach(), qq.grad))
+    return results
+
+
+def test_compiled_uneven_call_matches_the_eager_one(ring) -> None:
+    """Under torch.compile the padded layout is built from its name where the compiled op runs
+    (no registration to replay): the compiled call gives the eager call's output and gradient."""
+    _skip_other_impls(ring)
+    for (eager_out, eager_dq), (out, dq) in ring.rank_pool(2).run(
+        _run_compiled, [6, 2], timeout=300.0
+    ):
+        torch.testing.assert_close(out, eager_out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(dq, eager_dq, rtol=0, atol=1e-12)
+
+
+def test_a_balanced_layout_of_an_uneven_length_runs_uneven_shards(ring) -> None:
+    """The work-aware balancer's layout of a length the ranks do not divide: its shard_lengths
+    run as they are (the layout's own split) and match the oracle."""
+    _skip_other_impls(ring)
+    results = ring.rank_pool(3).run(_run_balanced, 50, timeout=120.0)
+    q, k, v, dout = _inputs(50, torch.float64)
+    vis = visibility({"kind": "causal"}, 50, 50)
+    ref = attention_grads(q, k, v, dout, visible=vis)
+    scales = error_scales(q, k, v, dout, visible=vis)
+    order = torch.cat([res["positions"] for res in results])
+    inverse = torch.argsort(order)
+    for name in ("out", "dk"):
+        got = torch.cat([res[name] for res in results], dim=2)[:, :, inverse]
+        assert_close(
+            f"{name} [work_aware, 50 tokens over 3]",
+            got,
+            getattr(ref, name),
+            getattr(ref, name),
+            world_size=3,
+            scales=scales[name],
+        )
+
+
+def _run_balanced(ctx, seq):
+    import ring_impl
+    from ring_impl.balance import register_balanced_layout
+    from ring_impl.layout import permutation, shard_lengths
+    from ring_impl.masks import Causal
+
+    name, _ = register_balanced_layout("work_aware", Causal(), seq, ctx.world_size)
+    lengths = shard_lengths(seq, ctx.world_size, name)
+    assert len(set(lengths)) > 1, lengths  # an uneven split
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=name)
+        for t in _inputs(seq, torch.float64)
+    )
+    k.requires_grad_(True)
+    out = ring_impl.ring_attention(
+        q, k, v, group=ctx.group, is_causal=True, layout=name, shard_lengths=lengths
+    )
+    out.backward(dout)
+    start = sum(lengths[: ctx.rank])
+    positions = permutation(name, seq, ctx.world_size)[start : start + lengths[ctx.rank]]
+    return {"out": out.detach(), "dk": k.grad, "positions": positions}
