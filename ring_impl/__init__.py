@@ -6,9 +6,10 @@ Public API::
                    rotate_method=None, op=None, layout="contiguous", return_lse=False,
                    head_chunks=1, mask=None, sinks=None,  # masks on global positions; sink logits
                    score_mod=None,                   # soft-cap, ALiBi, bias, fn: ring_impl.score_mods
-                   exchange="auto", cu_seqlens=None) # "ring", "halo", "gather", "ulysses", "hybrid"; THD
+                   exchange="auto", cu_seqlens=None, # "ring", "halo", "gather", "ulysses", "hybrid"; THD
+                   shard_lengths=None)               # uneven shards: tokens per rank (ring_impl.uneven)
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
-    shard / unshard                    # layouts "contiguous", "head_tail", registered ones
+    shard / unshard / shard_lengths    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
     context_parallel / context_parallel_unshard / ContextParallel
     flex_attention                     # flex attention; ring attention with its block mask under a route
@@ -22,7 +23,7 @@ from . import masks, score_mods
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
 from .flex_route import flex_attention
-from .layout import LAYOUTS, Layout, layouts, register_layout, shard, unshard
+from .layout import LAYOUTS, Layout, layouts, register_layout, shard, shard_lengths, unshard
 from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
 from .parallel_style import ContextParallel
 from .ring import RingAttention
@@ -62,5 +63,6 @@ __all__ = [
     "score_mods",
     "set_rotate_method",
     "shard",
+    "shard_lengths",
     "unshard",
 ]

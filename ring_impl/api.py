@@ -16,12 +16,13 @@ from .kv_gather import gather_path, gather_refusal
 from .masks import Mask, fold_causal, mask_code, masking_problem, snapshot
 from .max_logit import max_logit_problem
 from .ops import AttentionOp, resolve_scale_and_op
-from .packed import packed_problem, packed_result, packed_views, sequence_ranks
+from .packed import packed_problem, packed_result, packed_views, sequence_place
 from .plan import plan_ahead
 from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .score_mods import as_score_mod, score_mod_problem
 from .sinks import with_sinks
 from .transports import check_rotate_method
+from .uneven import lengths_problem, uneven_call, uneven_problem, uneven_result, uneven_views
 from .validate import InputError, agree_across_ranks, local_problem, routed_error
 
 __all__ = ["Bound", "attend", "bind", "get_rotate_method", "ring_attention", "set_rotate_method"]
@@ -116,18 +117,61 @@ def _traced(bound: Bound, call: Call, query, key, value):
     return _eager(bound, call, query, key, value) if result is None else result
 
 
-def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens):
+def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens, shard_lengths=None):
     """A packed (THD) call as the 4-D call with its documents as the mask (ring_impl.packed);
-    a problem with the packed arguments is raised on every rank by the call's checks."""
-    world = sequence_ranks(call.strategy, call.group)
-    problem = call.problem or (
-        None if world is None else packed_problem(query, key, value, cu_seqlens, world)
-    )
+    a problem with the packed arguments is raised on every rank by the call's checks. With
+    ``shard_lengths`` the global packed sequence is their sum (ring_impl.uneven)."""
+    place = sequence_place(call.strategy, call.group)
+    world = None if place is None else place[0]
+    problem = call.problem
+    if problem is None and world is not None and shard_lengths is not None:
+        problem = lengths_problem(shard_lengths, world)
+    total = None
+    if problem is None and world is not None:
+        total = sum(shard_lengths) if shard_lengths is not None else None
+        problem = packed_problem(query, key, value, cu_seqlens, world, total)
     if problem is not None or world is None:  # the checks refuse it (or the group) on every rank
         return attend(bound, call.with_(problem=problem), query, key, value)
-    q, k, v, mask = packed_views(query, key, value, cu_seqlens, call.mask, call.is_causal, world)
-    result = attend(bound, call.with_(mask=mask, is_causal=False), q, k, v)
+    q, k, v, mask = packed_views(
+        query, key, value, cu_seqlens, call.mask, call.is_causal, world, total
+    )
+    call = call.with_(mask=mask, is_causal=False)
+    if shard_lengths is None:
+        result = attend(bound, call, q, k, v)
+    else:
+        result = _uneven(bound, call, q, k, v, shard_lengths)
     return packed_result(result, call.return_lse, call.return_max_logit is True)
+
+
+def _uneven(bound: Bound, call: Call, query, key, value, shard_lengths):
+    """A call on shards of unequal lengths as the even call on shards padded to the longest, the
+    padding hidden by the mask (ring_impl.uneven); a problem with the lengths is raised on every
+    rank by the call's checks."""
+    place = sequence_place(call.strategy, call.group)
+    if place is None or call.problem is not None:  # the checks refuse the group or the call
+        return attend(bound, call, query, key, value)
+    world, rank = place
+    problem = lengths_problem(shard_lengths, world)
+    lengths: tuple[int, ...] = ()
+    if problem is None:
+        raw = shard_lengths.tolist() if isinstance(shard_lengths, torch.Tensor) else shard_lengths
+        lengths = tuple(int(n) for n in raw)
+        problem = uneven_problem(
+            query,
+            key,
+            value,
+            lengths,
+            rank,
+            layout=call.layout,
+            exchange=call.exchange,
+            mask=call.mask,
+            score_mod=call.score_mod,
+        )
+    if problem is not None:
+        return attend(bound, call.with_(problem=problem), query, key, value)
+    q, k, v = uneven_views(query, key, value, max(lengths))
+    result = attend(bound, uneven_call(call, lengths), q, k, v)
+    return uneven_result(result, lengths[rank], call.return_lse, call.return_max_logit is True)
 
 
 def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) -> Path:
@@ -353,6 +397,7 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
         score_mod=None,
         exchange: str = "auto",
         cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+        shard_lengths: Sequence[int] | None = None,
         strategy: str | None = None,
         halo: bool | None = None,
         sparse_kv: bool | None = None,
@@ -459,6 +504,14 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
                 document (causally with is_causal), intersected with ``mask`` if given; tokens
                 past cu_seqlens[-1] are padding. Returns (tokens_local, heads, head_dim) and the
                 LSE as (heads, tokens_local). See ring_impl.packed.
+            shard_lengths: uneven shards: rank r holds shard_lengths[r] tokens (query, key and
+                value alike; >= 0, one per rank of the sequence, equal on every rank) of a
+                global sequence of sum(shard_lengths) tokens: any split for layout
+                "contiguous", the layout's own split of the sum for another
+                (ring_impl.shard_lengths; ring_impl.shard(..., lengths=) cuts them). Runs padded
+                to the longest shard with the padding hidden by the mask, on exchanges "auto",
+                "ring", "gather" and "ulysses" (not "halo" or "hybrid"); with cu_seqlens, the
+                packed tokens per rank. Returns this rank's rows only. See ring_impl.uneven.
             strategy, halo, sparse_kv: deprecated aliases of ``exchange`` (strategy="ulysses"
                 -> "ulysses", halo=True -> "halo", halo=False -> "ring", sparse_kv=True ->
                 "gather"); a DeprecationWarning, and InputError when they contradict.
@@ -492,7 +545,9 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
             problem=problem,
         )
         if cu_seqlens is not None:
-            return _packed(bound, call, query, key, value, cu_seqlens)
+            return _packed(bound, call, query, key, value, cu_seqlens, shard_lengths)
+        if shard_lengths is not None:
+            return _uneven(bound, call, query, key, value, shard_lengths)
         if torch.compiler.is_compiling():  # attend(), inlined: one frame fewer to the kernel
             return _traced(bound, call, query, key, value)
         return _eager(bound, call, query, key, value)

@@ -15,14 +15,16 @@ world size; register it with :func:`ring_impl.register_layout` on every rank, or
     multiple of ``2W``: its ``L mod 2W`` leftover tokens (all of a document shorter than
     ``2W``) are dealt one per rank, round robin over the whole sequence (the turn carries on
     from one document to the next), to the rank's head chunk first, then its tail chunk. Every
-    rank then holds ``S / W`` tokens, as a layout must (``S`` a multiple of ``W``). Padding
+    rank then holds ``S / W`` tokens for ``S`` a multiple of ``W``, else counts at most one
+    apart (an uneven layout, for ``ring_attention(shard_lengths=)``). Padding
     (id -1) is a document like any other; a mask without documents is one document (then, for
     ``S`` a multiple of ``2W``, this is ``head_tail``).
 ``work_aware`` (:func:`work_balanced_layout`)
-    cuts the sequence into equal chunks, weighs each chunk by the score area its query rows see
-    under the mask (on the whole sequence), and deals the chunks out greedily, heaviest first,
-    each to the rank with the least work that still has room (every rank holds the same number
-    of chunks, as every layout must); each rank's chunks stay in sequence order. For a causal
+    cuts the sequence into equal chunks (as ``torch.tensor_split`` does for a length they do not
+    divide: an uneven layout), weighs each chunk by the score area its query rows see under the
+    mask (on the whole sequence), and deals the chunks out greedily, heaviest first, each to the
+    rank with the least work that still has room (every rank holds the same number of chunks);
+    each rank's chunks stay in sequence order. For a causal
     mask it reproduces head-tail's balance; for packed documents of very different lengths it
     balances where head_tail cannot (a long document's tail is heavy wherever it lands).
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -96,7 +99,9 @@ def rank_work(
     layout: str, masks, seq_len: int, world_size: int, *, batch: int = 1, heads: int = 1
 ) -> list[float]:
     """Per rank, the score entries its ring steps compute under ``masks`` (one mask, or their
-    weighted sum: :func:`weighted_masks`), global length ``seq_len``, any registered layout."""
+    weighted sum: :func:`weighted_masks`), global length ``seq_len``, any registered layout
+    (a multiple of the layout's divisor: the padded plans of an uneven split are not counted
+    here)."""
     local = seq_len // world_size
     return [
         sum(
@@ -137,17 +142,22 @@ def work_balanced_layout(
 
     pairs = weighted_masks(masks)
     pieces = chunks_per_rank * world_size
-    if seq_len % pieces:
+    if seq_len < pieces:
         raise ValueError(
-            f"work_balanced_layout: seq_len {seq_len} is not a multiple of {pieces} "
-            f"({chunks_per_rank} chunks per rank x {world_size} ranks)"
+            f"work_balanced_layout: seq_len {seq_len} is shorter than its {pieces} chunks "
+            f"({chunks_per_rank} chunks per rank x {world_size} ranks); pass fewer "
+            "chunks_per_rank"
         )
-    n = seq_len // pieces
+    # Chunks as torch.tensor_split cuts: equal for a multiple of ``pieces``, else the first
+    # ``seq_len mod pieces`` one longer (ranks then hold unequal counts: an uneven layout).
+    n, longer = divmod(seq_len, pieces)
+    starts = [c * n + min(c, longer) for c in range(pieces + 1)]
     pos = torch.arange(seq_len)
     weight = [0.0] * pieces
     for mask, w in pairs:
         seen = visibility(mask, pos, pos).any(0).any(0)  # (seq, seq)
-        area = seen.reshape(pieces, n, seq_len).sum(dim=(1, 2)).tolist()
+        rows = seen.sum(dim=1)
+        area = [int(rows[a:b].sum()) for a, b in pairwise(starts)]
         weight = [total + w * a for total, a in zip(weight, area, strict=True)]
     order = sorted(range(pieces), key=lambda c: (-weight[c], c))
     load, held = [0] * world_size, [[] for _ in range(world_size)]
@@ -162,9 +172,15 @@ def work_balanced_layout(
 
     def runs(length: int, world: int, rank: int):
         _check_built_for(name, seq_len, world_size, length, world)
-        return tuple((c * n, (c + 1) * n) for c in assignment[rank])
+        return tuple((starts[c], starts[c + 1]) for c in assignment[rank])
 
-    return Layout(name, runs, lambda world: pieces, chunks=lambda world, rank: assignment[rank])
+    return Layout(
+        name,
+        runs,
+        lambda world: pieces,
+        chunks=lambda world, rank: assignment[rank],
+        uneven=bool(longer),
+    )
 
 
 def document_spans(documents, seq_len: int) -> list[tuple[int, int]]:
@@ -247,11 +263,12 @@ def document_head_tail_runs(spans: Sequence[tuple[int, int]], world_size: int) -
 def document_head_tail_layout(name: str, documents, seq_len: int, world_size: int) -> Layout:
     """The ``document_head_tail`` layout (module docstring) of ``documents`` (a mask or
     per-position document ids) for sequences of exactly ``seq_len`` over ``world_size`` ranks;
-    ``seq_len`` must be a multiple of ``world_size``. Register it on every rank."""
-    if world_size < 1 or seq_len % world_size:
+    a ``seq_len`` that is not a multiple of ``world_size`` leaves ranks unequal counts (at most
+    one apart: an uneven layout, for ``ring_attention(shard_lengths=)``). Register it on every
+    rank."""
+    if world_size < 1 or seq_len < world_size:
         raise ValueError(
-            f"document_head_tail_layout: seq_len {seq_len} is not a multiple of world_size "
-            f"{world_size}; pad the sequence"
+            f"document_head_tail_layout: seq_len {seq_len} is shorter than world_size {world_size}"
         )
     per_rank = document_head_tail_runs(document_spans(documents, seq_len), world_size)
 
@@ -259,7 +276,7 @@ def document_head_tail_layout(name: str, documents, seq_len: int, world_size: in
         _check_built_for(name, seq_len, world_size, length, world)
         return per_rank[rank]
 
-    return Layout(name, runs, lambda world: world)
+    return Layout(name, runs, lambda world: world, uneven=bool(seq_len % world_size))
 
 
 def _check_built_for(name: str, seq_len: int, world_size: int, length: int, world: int) -> None:

@@ -30,36 +30,41 @@ import torch
 
 from .masks import Documents
 
-__all__ = ["packed_problem", "packed_result", "packed_views", "sequence_ranks"]
+__all__ = ["packed_problem", "packed_result", "packed_views", "sequence_place"]
 
 
-def sequence_ranks(strategy: str, group) -> int | None:
-    """How many ranks the sequence is sharded over for ``strategy``'s ``group`` (the global length
-    is that times the local one); None when the group cannot be resolved (the call's own checks
-    then say why)."""
+def sequence_place(strategy: str, group) -> tuple[int, int] | None:
+    """``(ranks, place)``: how many ranks the sequence is sharded over for ``strategy``'s
+    ``group`` and this rank's place among them (its shard's index in sequence order); None when
+    the group cannot be resolved (the call's own checks then say why)."""
     from .group import resolve_group
 
     try:
         if strategy in ("ulysses", "hybrid"):
             from .strategies.groups import resolve_strategy_groups
 
-            shape = resolve_strategy_groups(strategy, group).shape
-            return shape[0] * shape[1]
-        return torch.distributed.get_world_size(resolve_group(group))
+            groups = resolve_strategy_groups(strategy, group)
+            (u_size, r_size), (u, r) = groups.shape, groups.coords
+            return u_size * r_size, r * u_size + u
+        pg = resolve_group(group)
+        return torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
     except Exception:  # a bad group: refused by the call's checks, on every rank
         return None
 
 
-def packed_problem(query, key, value, cu_seqlens, world: int | None) -> str | None:
+def packed_problem(
+    query, key, value, cu_seqlens, world: int | None, total: int | None = None
+) -> str | None:
     """What is wrong with a packed call's tensors and ``cu_seqlens``, or None; never raises.
-    Reads ``cu_seqlens`` on the host (one copy per call when it lives on a device)."""
+    ``total``: the global token count (None: ``tokens_local x world``, equal shards). Reads
+    ``cu_seqlens`` on the host (one copy per call when it lives on a device)."""
     try:
-        return _problem(query, key, value, cu_seqlens, world)
+        return _problem(query, key, value, cu_seqlens, world, total)
     except Exception as exc:  # a check that trips over an argument is still a problem
         return f"invalid packed arguments ({type(exc).__name__}: {exc})"
 
 
-def _problem(query, key, value, cu_seqlens, world: int | None) -> str | None:
+def _problem(query, key, value, cu_seqlens, world: int | None, total: int | None) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -95,7 +100,10 @@ def _problem(query, key, value, cu_seqlens, world: int | None) -> str | None:
         values = [int(x) for x in cu_seqlens]
     else:
         return f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {cu_seqlens!r}"
-    total = None if world is None else query.shape[0] * world
+    shown = f"{total} (the sum of shard_lengths)"
+    if total is None and world is not None:
+        total = query.shape[0] * world
+        shown = f"{total} (tokens_local {query.shape[0]} x {world} ranks)"
     if (
         not values
         or values[0] != 0
@@ -104,7 +112,7 @@ def _problem(query, key, value, cu_seqlens, world: int | None) -> str | None:
     ):
         return (
             f"cu_seqlens must start at 0, not decrease and end at most at the global token count "
-            f"{total} (tokens_local {query.shape[0]} x {world} ranks), got {values}"
+            f"{shown}, got {values}"
         )
     return None
 
@@ -117,13 +125,15 @@ def packed_views(
     mask,
     is_causal: bool,
     world: int,
+    total: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """The 4-D call of a packed one: ``(1, heads, tokens_local, head_dim)`` views of query, key
     and value (gradients flow back through them) and the documents of ``cu_seqlens`` on the
-    global packed sequence as the mask (``& mask`` when one is given)."""
+    global packed sequence of ``total`` tokens (None: ``tokens_local x world``) as the mask
+    (``& mask`` when one is given)."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     cu = torch.as_tensor(cu_seqlens)
-    total = query.shape[0] * world
+    total = query.shape[0] * world if total is None else total
     if torch.compiler.is_compiling():  # cu_seqlens are data in a graph: no values to key a memo by
         documents = _documents(cu, total, bool(is_causal))
     else:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .heads import check_head_chunks
-from .layout import layout_divisor, layout_runs, layouts
+from .layout import is_layout, layout_divisor, layout_runs, layouts
 from .ops import AttentionOp
 from .transports import rotate_methods
 
@@ -267,7 +267,7 @@ def _local_problem(
             f"causal ring attention needs equal local query and key/value lengths, got {sq} and "
             f"{skv}; use is_causal=False for cross attention"
         )
-    if not isinstance(layout, str) or layout not in layouts():
+    if not is_layout(layout):
         return f"unknown layout {layout!r}; expected one of {layouts()}"
     if layout == "head_tail" and (sq % 2 or skv % 2):
         return (
@@ -352,7 +352,7 @@ def layout_code(layout: str, world_size: int | None = None, seq_q: int = 0, seq_
 def layout_names(world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0) -> dict[int, str]:
     """:func:`layout_code` of every layout registered on this rank that can split these lengths."""
     names = {}
-    for name in layouts():
+    for name in layouts(derived=True):
         try:
             names[layout_code(name, world_size, seq_q, seq_kv)] = name
         except ValueError:

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..layout import check_layout, chunk_ids, layout_divisor
+from ..layout import check_layout, chunk_ids, layout_divisor, layout_runs
 from ..validate import STRATEGIES  # one order: the cross-rank check's codes use it
 
 __all__ = [
@@ -101,8 +101,7 @@ def position_ranges(
             "sequence"
         )
     if strategy == "ulysses":
-        n = seq_len // layout_divisor(layout, u_size)
-        return [(c * n, (c + 1) * n) for c in chunk_ids(layout, u_size, u)]
+        return list(layout_runs(layout, seq_len, u_size, u))
     n = seq_len // layout_divisor(layout, r_size)
     row = [(c * n, (c + 1) * n) for c in chunk_ids(layout, r_size, r)]
     piece = sum(b - a for a, b in row) // u_size

@@ -132,7 +132,11 @@ def _problem(
                 else " (exchange='hybrid' with a smaller Ulysses degree, or exchange='ring')"
             )
         )
-    if not isinstance(layout, str) or layout not in LAYOUTS:
+    from ..layout import is_derived
+
+    if strategy == "ulysses" and is_derived(layout):
+        pass  # an uneven call's padded layout (ring_impl.uneven): masked, ordered by positions
+    elif not isinstance(layout, str) or layout not in LAYOUTS:
         from ..layout import layouts as registered_layouts
 
         if isinstance(layout, str) and layout in registered_layouts():

@@ -127,11 +127,27 @@ def test_document_head_tail_keeps_the_layout_rules_for_any_lengths(
             assert sum(y - x for x, y in inside) <= -(-(b - a) // world) + 1
 
 
-def test_document_head_tail_rejects_a_length_it_cannot_share_equally() -> None:
-    from ring_impl.balance import document_head_tail_layout
+def test_balancers_split_a_length_the_ranks_do_not_divide() -> None:
+    """10 tokens over 4 ranks: an uneven layout (ring_attention(shard_lengths=)) whose counts
+    are as close as the balancer deals them, every position held once; shorter than the ranks
+    is refused."""
+    from ring_impl.balance import document_head_tail_layout, work_balanced_layout
+    from ring_impl.layout import layout_runs, shard_lengths
+    from ring_impl.masks import Causal
 
-    with pytest.raises(ValueError, match="not a multiple of world_size 4"):
-        document_head_tail_layout("x", _ids([5, 5]), 10, 4)
+    for layout, spread in (
+        (document_head_tail_layout("test_dht_uneven", _ids([5, 5]), 10, 4), 1),
+        (work_balanced_layout("test_wa_uneven", Causal(), 10, 4, chunks_per_rank=2), 2),
+    ):
+        name = _registered(layout)
+        lengths = shard_lengths(10, 4, name)
+        assert sum(lengths) == 10 and max(lengths) - min(lengths) <= spread, lengths
+        runs = [layout_runs(name, 10, 4, r) for r in range(4)]
+        assert sorted(p for rr in runs for a, b in rr for p in range(a, b)) == list(range(10))
+    with pytest.raises(ValueError, match="shorter than world_size 4"):
+        document_head_tail_layout("x", _ids([2, 1]), 3, 4)
+    with pytest.raises(ValueError, match="shorter than its 8 chunks"):
+        work_balanced_layout("x", Causal(), 7, 4, chunks_per_rank=2)
 
 
 def test_document_head_tail_is_head_tail_without_documents() -> None:

@@ -156,9 +156,22 @@ def test_head_tail_shard_holds_chunks_r_and_2w_minus_1_minus_r() -> None:
     assert shard(x, 2, 1, layout="head_tail").flatten().tolist() == [2, 3, 4, 5]
 
 
-def test_shard_rejects_indivisible_sequences_with_the_fix() -> None:
-    with pytest.raises(ValueError, match="multiple of 6; pad the sequence"):
-        shard(torch.zeros(1, 1, 8, 1), 3, 0, layout="head_tail")
+def test_shard_splits_indivisible_sequences_unevenly_or_says_the_fix() -> None:
+    """The built-in layouts split a length they do not divide as torch.tensor_split cuts their
+    chunks (8 tokens, head_tail over 3: chunks 2 2 1 1 1 1, rank 0 holds chunks 0 and 5); a
+    layout without an uneven split refuses it and says to pad."""
+    from ring_impl.layout import Layout, register_layout, shard_lengths
+
+    seq = torch.arange(8).view(1, 1, 8, 1)
+    assert shard(seq, 3, 0, layout="head_tail").flatten().tolist() == [0, 1, 7]
+    assert shard_lengths(8, 3, "head_tail") == (3, 3, 2)
+    assert [shard(seq, 3, r).flatten().tolist() for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    register_layout(
+        Layout("test_even_only", lambda s, w, r: ((r * s // w, (r + 1) * s // w),), lambda w: w),
+        replace=True,
+    )
+    with pytest.raises(ValueError, match="multiple of 3; pad the sequence"):
+        shard(seq, 3, 0, layout="test_even_only")
 
 
 def _random_runs(rng: random.Random, length: int) -> tuple[tuple[int, int], ...]:

@@ -1,0 +1,354 @@
+"""Uneven shards, ``ring_attention(..., shard_lengths=...)`` (ring_impl.uneven): rank ``r`` holds
+``shard_lengths[r]`` tokens of a sequence no layout divides. Judged against the float64 oracle
+on the global sequence (the oracle's own masks, score mods and shards cut here with plain
+slicing, apart from ring_impl's layouts), with the numerics policy's bounds; bad lengths raise
+on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.implementation import DEFAULT_IMPL_SPEC
+from reference import attention_grads
+from reference.budget import assert_close, error_scales
+from reference.masks import visibility
+
+HEADS, HEADS_KV, HEAD_DIM, BATCH = 4, 2, 8, 2
+
+
+def _skip_other_impls(ring) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            "shard_lengths= is ring_impl's API here; the implementation under test is "
+            f"{ring.impl.spec}"
+        )
+
+
+def _inputs(seq: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(seq)
+    q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
+    k, v = (
+        torch.randn(BATCH, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
+        for _ in range(2)
+    )
+    dout = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64)
+    return tuple(t.to(dtype) for t in (q, k, v, dout))
+
+
+def _positions(layout: str, lengths: list[int], rank: int) -> list[int]:
+    """The global positions rank ``rank`` holds, written apart from ring_impl.layout:
+    ``contiguous`` any split, ``head_tail`` 2W chunks cut as torch.tensor_split cuts."""
+    if layout == "contiguous":
+        start = sum(lengths[:rank])
+        return list(range(start, start + lengths[rank]))
+    assert layout == "head_tail"
+    world, seq = len(lengths), sum(lengths)
+    chunks = [c.tolist() for c in torch.arange(seq).tensor_split(2 * world)]
+    return chunks[rank] + chunks[2 * world - 1 - rank]
+
+
+def _mask(kind: str, seq: int):
+    """(ring_impl mask or None, is_causal, the oracle's mask spec) for ``kind``."""
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow
+
+    if kind == "causal":
+        return None, True, {"kind": "causal"}
+    if kind == "full":
+        return None, False, {"kind": "full"}
+    if kind == "window":
+        return SlidingWindow(3, 1), False, {"kind": "sliding_window", "left": 3, "right": 1}
+    if kind == "documents":
+        third = seq // 3  # three documents crossing the shard borders, two padding tokens
+        ids = [0] * third + [1] * third + [2] * (seq - 2 * third - 2) + [-1] * 2
+        spec = {"kind": "document", "doc_ids": ids, "causal": True}
+        return Documents(torch.tensor(ids, dtype=torch.int32)), False, spec
+    assert kind == "mask_mod"  # depends on the batch row, the head and a table of the sequence
+
+    table = torch.arange(seq) % 4  # indexes positions: fails beyond the sequence unless clamped
+
+    def fn(b, h, q, kv):
+        return (kv <= q) & ((table[kv] + b + h) % 3 != 0)
+
+    return MaskMod(fn), False, {"kind": "mask_mod", "fn": fn}
+
+
+def _run(ctx, lengths, layout, kind, exchange, dtype, extras):
+    import ring_impl
+
+    seq = sum(lengths)
+    q, k, v, dout = _inputs(seq, dtype)
+    rows = _positions(layout, lengths, ctx.rank)
+    q, k, v, dout = (t[:, :, rows] for t in (q, k, v, dout))
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    mask, causal, _ = _mask(kind, seq)
+    result = ring_impl.ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        is_causal=causal,
+        mask=mask,
+        layout=layout,
+        shard_lengths=lengths,
+        exchange=exchange,
+        return_lse=True,
+        **extras,
+    )
+    out, lse = result[0], result[1]
+    out.backward(dout)
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "max_logit": result[2] if len(result) > 2 else None,
+    }
+
+
+CASES = [
+    # world, shard_lengths, layout, mask, exchange, dtype, extra options
+    (2, [5, 3], "contiguous", "causal", "ring", torch.float32, {}),
+    (3, [1, 7, 2], "contiguous", "window", "ring", torch.float64, {"rotate_method": "p2p"}),
+    (4, [3, 3, 2, 2], "head_tail", "causal", "auto", torch.float32, {}),
+    (4, [7, 0, 1, 4], "contiguous", "documents", "gather", torch.float64, {}),
+    (2, [2, 5], "contiguous", "causal", "ulysses", torch.float32, {}),
+    (3, [4, 2, 5], "contiguous", "mask_mod", "ring", torch.float64, {"head_chunks": 2}),
+    (3, [6, 1, 3], "contiguous", "full", "ring", torch.float64, {"return_max_logit": True}),
+    (1, [5], "contiguous", "causal", "auto", torch.float64, {"op": "math"}),
+]
+
+
+@pytest.mark.parametrize("world,lengths,layout,kind,exchange,dtype,extras", CASES)
+def test_uneven_shards_match_the_oracle(
+    ring, world, lengths, layout, kind, exchange, dtype, extras
+) -> None:
+    _skip_other_impls(ring)
+    seq = sum(lengths)
+    results = ring.rank_pool(world).run(
+        _run, lengths, layout, kind, exchange, dtype, extras, timeout=120.0
+    )
+    q, k, v, dout = (t.to(torch.float64) for t in _inputs(seq, dtype))
+    _, _, spec = _mask(kind, seq)
+    vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
+    ref = attention_grads(q, k, v, dout, visible=vis)
+    scales = error_scales(q, k, v, dout, visible=vis, input_dtype=dtype)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for r, res in enumerate(results):
+        n = lengths[r]
+        assert res["out"].shape == (BATCH, HEADS, n, HEAD_DIM), res["out"].shape
+        assert res["lse"].shape == (BATCH, HEADS, n) and res["dk"].shape[2] == n
+    order = [p for r in range(world) for p in _positions(layout, lengths, r)]
+    inverse = torch.argsort(torch.tensor(order))
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        got = torch.cat([res[name] for res in results], dim=2).to(torch.float64)[:, :, inverse]
+        want = getattr(ref, name)
+        if name == "lse":  # rows that see nothing: exactly -inf
+            nothing = torch.isneginf(want)
+            assert torch.equal(torch.isneginf(got), nothing), "lse: -inf exactly where none seen"
+            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
+        result_dtype = lse_dtype if name == "lse" else dtype
+        assert_close(
+            f"{name} [W={world}, {lengths}, {layout}, {kind}, {exchange}]",
+            got,
+            want,
+            want.to(result_dtype),
+            world_size=world if exchange != "ulysses" else 1,
+            dtype=dtype,
+            result_dtype=result_dtype,
+            scales=scales[name],
+        )
+    if extras.get("return_max_logit"):
+        scale = HEAD_DIM**-0.5
+        kk = k.repeat_interleave(HEADS // HEADS_KV, dim=1)
+        logits = (scale * q @ kk.transpose(-1, -2)).masked_fill(~vis, float("-inf"))
+        want = logits.amax(dim=(0, 2, 3))
+        for res in results:
+            torch.testing.assert_close(res["max_logit"].to(torch.float64), want)
+
+
+def _run_packed(ctx, lengths, cu):
+    import ring_impl
+
+    seq = sum(lengths)
+    q, k, v, dout = (t[0].transpose(0, 1) for t in _inputs(seq, torch.float64))  # (seq, h, d)
+    rows = _positions("contiguous", lengths, ctx.rank)
+    q, k, v, dout = (t[rows].clone() for t in (q, k, v, dout))
+    q.requires_grad_(True)
+    out = ring_impl.ring_attention(
+        q, k, v, group=ctx.group, cu_seqlens=cu, shard_lengths=lengths, is_causal=True
+    )
+    out.backward(dout)
+    return {"out": out.detach(), "dq": q.grad}
+
+
+def test_packed_inputs_on_uneven_shards_match_the_oracle(ring) -> None:
+    """THD inputs whose packed tokens split unevenly: cu_seqlens over the sum of the lengths."""
+    _skip_other_impls(ring)
+    lengths, cu = [6, 2, 5], [0, 4, 9, 11]
+    seq = sum(lengths)
+    results = ring.rank_pool(3).run(_run_packed, lengths, cu, timeout=120.0)
+    q, k, v, dout = (t[:1] for t in _inputs(seq, torch.float64))
+    ids = [0] * 4 + [1] * 5 + [2] * 2 + [-1] * 2
+    vis = visibility({"kind": "document", "doc_ids": ids, "causal": True}, seq, seq, heads=HEADS)
+    ref = attention_grads(q, k, v, dout, visible=vis)
+    scales = error_scales(q, k, v, dout, visible=vis)
+    for name in ("out", "dq"):
+        got = torch.cat([res[name] for res in results], dim=0).transpose(0, 1).unsqueeze(0)
+        assert_close(
+            f"{name} [packed, uneven {lengths}]",
+            got,
+            getattr(ref, name),
+            getattr(ref, name),
+            world_size=3,
+            scales=scales[name],
+        )
+
+
+def _bad(ctx, kind: str) -> str:
+    import ring_impl
+
+    lengths: object = [3, 5]
+    n = [3, 5][ctx.rank]
+    q = torch.randn(1, 2, n, 4)
+    k = v = torch.randn(1, 2, n, 4)
+    options: dict = {}
+    if kind == "wrong_local":
+        lengths = [5, 3]
+    elif kind == "differ":  # each rank believes another split
+        lengths = [3, 5] if ctx.rank == 0 else [4, 4]
+        if ctx.rank == 1:
+            q = torch.randn(1, 2, 4, 4)
+            k = v = torch.randn(1, 2, 4, 4)
+    elif kind == "count":
+        lengths = [3, 5, 0]
+    elif kind == "negative":
+        lengths = [-1, 9]
+    elif kind == "halo":
+        options = {"exchange": "halo"}
+    elif kind == "layout_split":
+        options = {"layout": "head_tail"}  # head_tail splits 8 over 2 as 4, 4
+    ring_impl.ring_attention(q, k, v, group=ctx.group, shard_lengths=lengths, **options)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("wrong_local", "query holds 3 tokens on rank 0 but shard_lengths[0] is 5"),
+        ("differ", "ranks disagree on"),
+        ("count", "shard_lengths must hold 2 ints >= 0"),
+        ("negative", "shard_lengths must hold 2 ints >= 0"),
+        ("halo", "not 'halo'"),
+        ("layout_split", "layout 'head_tail' splits 8 tokens over 2 ranks as [4, 4], not [3, 5]"),
+    ],
+)
+def test_bad_uneven_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
+    _skip_other_impls(ring)
+    outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
+    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    assert any(pattern in o.exc_message for o in outcomes), summary
+
+
+def test_shard_and_unshard_follow_any_contiguous_split_and_the_layouts_own() -> None:
+    import ring_impl
+    from ring_impl.layout import shard_lengths
+
+    t = torch.arange(11).view(1, 1, 11, 1)
+    split = [4, 0, 6, 1]
+    shards = [ring_impl.shard(t, 4, r, lengths=split) for r in range(4)]
+    assert [s.shape[2] for s in shards] == split
+    assert torch.equal(ring_impl.unshard(shards), t)
+    lengths = shard_lengths(11, 4, "head_tail")
+    shards = [ring_impl.shard(t, 4, r, layout="head_tail") for r in range(4)]
+    assert [s.shape[2] for s in shards] == list(lengths)
+    for r in range(4):
+        assert shards[r].flatten().tolist() == _positions("head_tail", list(lengths), r)
+    assert torch.equal(ring_impl.unshard(shards, layout="head_tail"), t)
+    with pytest.raises(ValueError, match="splits 11 tokens over 4 ranks as"):
+        ring_impl.unshard(
+            [t[:, :, :5], t[:, :, 5:6], t[:, :, 6:9], t[:, :, 9:]], layout="head_tail"
+        )
+    with pytest.raises(ValueError, match="lengths must be 4 ints >= 0 summing to"):
+        ring_impl.shard(t, 4, 0, lengths=[4, 4, 4, 4])
+
+
+def _run_compiled(ctx, lengths):
+    import ring_impl
+
+    seq = sum(lengths)
+    q, k, v, dout = (
+        t[:, :, _positions("contiguous", lengths, ctx.rank)] for t in _inputs(seq, torch.float64)
+    )
+
+    def attend(q, k, v):
+        return ring_impl.ring_attention(
+            q, k, v, group=ctx.group, is_causal=True, shard_lengths=lengths
+        )
+
+    results = []
+    for fn in (attend, torch.compile(attend)):
+        qq = q.clone().requires_grad_(True)
+        out = fn(qq, k, v)
+        out.backward(dout)
+        results.append((out.detach(), qq.grad))
+    return results
+
+
+def test_compiled_uneven_call_matches_the_eager_one(ring) -> None:
+    """Under torch.compile the padded layout is built from its name where the compiled op runs
+    (no registration to replay): the compiled call gives the eager call's output and gradient."""
+    _skip_other_impls(ring)
+    for (eager_out, eager_dq), (out, dq) in ring.rank_pool(2).run(
+        _run_compiled, [6, 2], timeout=300.0
+    ):
+        torch.testing.assert_close(out, eager_out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(dq, eager_dq, rtol=0, atol=1e-12)
+
+
+def test_a_balanced_layout_of_an_uneven_length_runs_uneven_shards(ring) -> None:
+    """The work-aware balancer's layout of a length the ranks do not divide: its shard_lengths
+    run as they are (the layout's own split) and match the oracle."""
+    _skip_other_impls(ring)
+    results = ring.rank_pool(3).run(_run_balanced, 50, timeout=120.0)
+    q, k, v, dout = _inputs(50, torch.float64)
+    vis = visibility({"kind": "causal"}, 50, 50)
+    ref = attention_grads(q, k, v, dout, visible=vis)
+    scales = error_scales(q, k, v, dout, visible=vis)
+    order = torch.cat([res["positions"] for res in results])
+    inverse = torch.argsort(order)
+    for name in ("out", "dk"):
+        got = torch.cat([res[name] for res in results], dim=2)[:, :, inverse]
+        assert_close(
+            f"{name} [work_aware, 50 tokens over 3]",
+            got,
+            getattr(ref, name),
+            getattr(ref, name),
+            world_size=3,
+            scales=scales[name],
+        )
+
+
+def _run_balanced(ctx, seq):
+    import ring_impl
+    from ring_impl.balance import register_balanced_layout
+    from ring_impl.layout import permutation, shard_lengths
+    from ring_impl.masks import Causal
+
+    name, _ = register_balanced_layout("work_aware", Causal(), seq, ctx.world_size)
+    lengths = shard_lengths(seq, ctx.world_size, name)
+    assert len(set(lengths)) > 1, lengths  # an uneven split
+    q, k, v, dout = (
+        ring_impl.shard(t, ctx.world_size, ctx.rank, layout=name)
+        for t in _inputs(seq, torch.float64)
+    )
+    k.requires_grad_(True)
+    out = ring_impl.ring_attention(
+        q, k, v, group=ctx.group, is_causal=True, layout=name, shard_lengths=lengths
+    )
+    out.backward(dout)
+    start = sum(lengths[: ctx.rank])
+    positions = permutation(name, seq, ctx.world_size)[start : start + lengths[ctx.rank]]
+    return {"out": out.detach(), "dk": k.grad, "positions": positions}
