@@ -33,6 +33,7 @@ given as ``lengths=``). ``ring_attention(..., shard_lengths=...)`` runs on such 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -122,7 +123,9 @@ def register_layout(layout: Layout, *, replace: bool = False) -> Layout:
 def layouts(*, derived: bool = False) -> tuple[str, ...]:
     """Names accepted by ``layout=``, in registration order; the library's derived layouts
     (:attr:`Layout.derived`) only with ``derived=True``."""
-    return tuple(name for name, lay in _REGISTRY.items() if derived or not lay.derived)
+    if derived:
+        return (*_REGISTRY, *_BUILT)
+    return tuple(name for name, lay in _REGISTRY.items() if not lay.derived)
 
 
 def is_derived(layout) -> bool:
@@ -142,14 +145,22 @@ def check_layout(layout: str) -> None:
 
 
 def get_layout(layout: str) -> Layout:
-    check_layout(layout)
-    return _REGISTRY[layout]
+    found = _find(layout)
+    if found is None:
+        check_layout(layout)  # raises, naming the layouts
+    assert found is not None
+    return found
 
 
 #: Name prefix -> the builder of a derived layout from its whole name (ring_impl.uneven's
 #: ``padded(...)``): any process that meets the name builds the same layout, so a name made on
 #: one rank, or inside a compiled graph, needs no registration on the others.
 _DERIVED: dict[str, Callable[[str], Layout]] = {}
+#: The derived layouts built so far, the most recently used last; the oldest are dropped past
+#: :data:`DERIVED_KEPT` (a loader whose splits change every step would grow it without end), and
+#: rebuilt from the name if met again.
+_BUILT: OrderedDict[str, Layout] = OrderedDict()
+DERIVED_KEPT = 1024
 
 
 def register_derived(prefix: str, build: Callable[[str], Layout]) -> None:
@@ -162,16 +173,24 @@ def _find(name) -> Layout | None:
     if not isinstance(name, str):
         return None
     found = _REGISTRY.get(name)
-    if found is None:
-        for prefix, build in _DERIVED.items():
-            if name.startswith(prefix):
-                try:
-                    found = build(name)
-                except ValueError:
-                    return None
-                _REGISTRY[name] = found  # a new name: no cache keyed by it holds anything
-                break
-    return found
+    if found is not None:
+        return found
+    found = _BUILT.get(name)
+    if found is not None:
+        _BUILT.move_to_end(name)
+        return found
+    for prefix, build in _DERIVED.items():
+        if name.startswith(prefix):
+            try:
+                found = build(name)
+            except ValueError:
+                return None
+            # (a name's layout is a function of the name: caches keyed by it stay right)
+            _BUILT[name] = found
+            while len(_BUILT) > DERIVED_KEPT:
+                _BUILT.popitem(last=False)
+            return found
+    return None
 
 
 def layout_divisor(layout: str, world_size: int) -> int:

@@ -352,3 +352,21 @@ def _run_balanced(ctx, seq):
     start = sum(lengths[: ctx.rank])
     positions = permutation(name, seq, ctx.world_size)[start : start + lengths[ctx.rank]]
     return {"out": out.detach(), "dk": k.grad, "positions": positions}
+
+
+def test_padded_layouts_are_built_from_their_name_and_kept_boundedly() -> None:
+    """A padded layout is a function of its name: any process builds it when it meets the name,
+    and only the most recent DERIVED_KEPT are kept (a loader whose split changes every step
+    must not grow the registry without end); names it cannot have made are no layout."""
+    import ring_impl.layout as layout
+    from ring_impl.uneven import padded_layout
+
+    name = padded_layout("head_tail", (3, 3, 2, 2))
+    assert layout.layout_runs(name, 12, 4, 2) == ((4, 5), (7, 8), (10, 11))  # real runs, padding
+    assert layout.is_derived(name) and name not in layout.layouts()
+    for n in range(layout.DERIVED_KEPT + 5):
+        layout.get_layout(padded_layout("contiguous", (n + 1, 1)))
+    assert len(layout._BUILT) == layout.DERIVED_KEPT
+    assert layout.layout_runs(name, 12, 4, 0) == ((0, 2), (9, 10))  # rebuilt, equal
+    for bad in ("padded(contiguous;1,x)", "padded(unknown;1,1)", "padded(contiguous;0,0)"):
+        assert not layout.is_layout(bad), bad
