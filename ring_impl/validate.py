@@ -464,9 +464,11 @@ def disagreement(
         + "; every rank must pass shards of equal shape and the same options"
     )
     if any(f.startswith(("seq_q", "seq_kv")) for f in differing):
+        lengths = [row[SIGNATURE_FIELDS.index("seq_q")] for row in table]
         text += (
-            " (local lengths differ: pad the global sequence to a multiple of the layout's chunk "
-            "count, W or 2W)"
+            f" (local lengths differ: for uneven shards pass shard_lengths={lengths}, the "
+            "tokens each rank holds (ring_impl.uneven), or pad the global sequence to a multiple "
+            "of the layout's chunk count, W or 2W)"
         )
     return text
 

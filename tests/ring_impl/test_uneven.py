@@ -229,6 +229,8 @@ def _bad(ctx, kind: str) -> str:
         options = {"exchange": "halo"}
     elif kind == "layout_split":
         options = {"layout": "head_tail"}  # head_tail splits 8 over 2 as 4, 4
+    elif kind == "no_lengths":  # unequal shards without shard_lengths: the error says what to pass
+        lengths = None
     ring_impl.ring_attention(q, k, v, group=ctx.group, shard_lengths=lengths, **options)
     return "no error"
 
@@ -242,6 +244,7 @@ def _bad(ctx, kind: str) -> str:
         ("negative", "shard_lengths must hold 2 ints >= 0"),
         ("halo", "not 'halo'"),
         ("layout_split", "layout 'head_tail' splits 8 tokens over 2 ranks as [4, 4], not [3, 5]"),
+        ("no_lengths", "for uneven shards pass shard_lengths=[3, 5]"),
     ],
 )
 def test_bad_uneven_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
