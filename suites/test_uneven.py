@@ -85,10 +85,9 @@ def _cases(config) -> list[UnevenCase]:
     out = []
     sizes = world_sizes(config, at_least=2, at_most=4)
     for i, (w, (split, layout)) in enumerate(itertools.product(sizes, SPLIT_LAYOUTS)):
-        mask = MASKS[i % len(MASKS)]
-        out.append(
-            _case(w, split, layout, mask, dtypes[i % 3], i, lse=i % 4 != 2, backward=i % 7 != 5)
-        )
+        mask = MASKS[(i + i // len(SPLIT_LAYOUTS)) % len(MASKS)]  # each split under 3 masks
+        dtype = dtypes[(i + i // 3) % 3]  # rotation i % 3: every pair of the two turns apart
+        out.append(_case(w, split, layout, mask, dtype, i, lse=i % 4 != 2, backward=i % 7 != 5))
     return out
 
 
