@@ -76,6 +76,19 @@ sees nothing, NaN where a NaN input reaches a visible logit (what QK-clip optimi
 TransformerEngine's ``return_max_logit``). With ``collective_schedule`` claimed, the suite also
 asks ``collective_schedule(..., heads=, return_max_logit=True)`` for the call's collectives.
 
+``shard_lengths`` (capability ``uneven_shards``) is passed to ``ring_attention`` by the
+uneven-shard suite (``suites/test_uneven.py``): ``shard_lengths=[n_0, ..., n_{W-1}]``, a list of
+ints equal on every rank, says that rank ``r`` holds ``n_r >= 0`` tokens (query, key and value
+alike; a rank may hold none) of a global sequence of ``S = sum(shard_lengths)`` tokens that no
+layout need divide. ``layout="contiguous"`` takes any split (rank ``r`` holds the next ``n_r``
+positions); another layout only its own split of ``S`` (``head_tail``: its 2W chunks cut as
+``torch.tensor_split`` cuts, :func:`reference.layout.split_lengths`), the suite cutting the
+shards with :func:`reference.layout.split_positions`. Every rank returns its own rows only: out
+``(batch, heads, n_r, head_dim_v)``, the LSE ``(batch, heads, n_r)``, and the gradients of its
+own query, key and value rows (its inputs' shapes); causality, masks and windows hold on the
+true global positions (rank ``r``'s first token is at ``n_0 + ... + n_{r-1}``). Whatever an
+implementation pads a shard with must be seen by no query and returned to no caller.
+
 ``balanced_layout(balancer, mask, seq_len, world_size)``
     (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``
     (head_tail per packed document) and ``"work_aware"`` (chunks dealt by their work under the
@@ -202,6 +215,8 @@ class Capabilities:
         None  # "document_head_tail", "work_aware": balanced_layout(balancer, ...)
     )
     max_logit: bool | None = None  # ring_attention(return_max_logit=True): the per-head max logit
+    #: ring_attention(shard_lengths=[n_0, ...]): rank r holds n_r tokens, any n_r >= 0
+    uneven_shards: bool | None = None
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

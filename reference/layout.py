@@ -5,6 +5,12 @@ contiguous: the sequence is cut into W equal chunks; rank r holds chunk r.
 head_tail:  the sequence is cut into 2W equal chunks; rank r holds chunks r and 2W-1-r, in that
             order (load balancing for causal attention: every rank gets one early and one late
             chunk).
+
+Uneven shards (``ring_attention(shard_lengths=...)``): rank r holds ``lengths[r]`` tokens of a
+sequence of ``sum(lengths)`` that no layout need divide. ``contiguous`` takes any split (rank r
+the next ``lengths[r]`` positions); ``head_tail`` only its own split of the sequence, its 2W
+chunks cut as ``torch.tensor_split`` cuts (the first ``seq_len % 2W`` chunks one longer):
+:func:`split_lengths`, :func:`split_positions`.
 """
 
 from __future__ import annotations
@@ -14,7 +20,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["LAYOUTS", "chunk_ids", "locate", "num_chunks", "positions", "shard", "unshard"]
+__all__ = [
+    "LAYOUTS",
+    "chunk_ids",
+    "locate",
+    "num_chunks",
+    "positions",
+    "shard",
+    "split_lengths",
+    "split_positions",
+    "unshard",
+]
 
 LAYOUTS: tuple[str, ...] = ("contiguous", "head_tail")
 
@@ -102,3 +118,47 @@ def locate(
             local = held.index(chunk) * c + offset
             return rank, (*index[:dim], local, *index[dim + 1 :])
     raise AssertionError(f"chunk {chunk} is held by no rank")  # unreachable: layouts cover all
+
+
+def _pieces(seq_len: int, n: int) -> list[int]:
+    """Lengths of ``n`` consecutive pieces of ``seq_len`` cut as ``torch.tensor_split`` cuts."""
+    base, extra = divmod(seq_len, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def split_lengths(layout: str, world_size: int, seq_len: int) -> tuple[int, ...]:
+    """How many of ``seq_len`` tokens each rank holds in ``layout``'s own split, rank 0 first:
+    W pieces (contiguous) or 2W chunks (head_tail, rank r's chunks r and 2W-1-r), cut as
+    ``torch.tensor_split`` cuts; equal to ``seq_len // W`` each when the chunks divide it."""
+    _check_layout(layout, world_size)
+    chunks = _pieces(seq_len, num_chunks(layout, world_size))
+    return tuple(
+        sum(chunks[c] for c in chunk_ids(layout, world_size, r)) for r in range(world_size)
+    )
+
+
+def split_positions(layout: str, lengths: Sequence[int], rank: int) -> Tensor:
+    """(lengths[rank],) int64: the global positions rank ``rank`` holds, in its local order, when
+    rank r holds ``lengths[r]`` tokens: ``contiguous`` any split (rank r the next ``lengths[r]``
+    positions), ``head_tail`` only :func:`split_lengths`' (ValueError for another split)."""
+    world_size, seq_len = len(lengths), sum(lengths)
+    _check_layout(layout, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+    if layout == "contiguous":
+        start = sum(lengths[:rank])
+        return torch.arange(start, start + lengths[rank])
+    own = split_lengths(layout, world_size, seq_len)
+    if tuple(lengths) != own:
+        raise ValueError(
+            f"layout {layout!r} splits {seq_len} tokens over {world_size} ranks as {list(own)}, "
+            f"not {list(lengths)}"
+        )
+    chunks = _pieces(seq_len, num_chunks(layout, world_size))
+    starts = [sum(chunks[:c]) for c in range(len(chunks))]
+    return torch.cat(
+        [
+            torch.arange(starts[c], starts[c] + chunks[c])
+            for c in chunk_ids(layout, world_size, rank)
+        ]
+    )

@@ -33,6 +33,7 @@ CAPABILITIES = Capabilities(
     sinks=True,
     score_mod=True,
     balancers=frozenset(BALANCERS),
+    uneven_shards=True,
 )
 
 

@@ -360,6 +360,7 @@ class TorchContextParallel:
             score_mod=False,  # PyTorch's ring runs SDPA kernels, which take no score_mod
             balancers=frozenset(),  # head_tail is PyTorch's only load balancer
             max_logit=False,  # its ring returns no max logit (and SDPA has no such output)
+            uneven_shards=False,  # context_parallel shards by equal chunks only (no lengths)
         )
         self.baseline_op = "auto"
 

@@ -565,6 +565,7 @@ class FlashRing:
         sinks=False,
         score_mod=False,
         max_logit=False,  # returns no max logit (ring_attention takes no return_max_logit)
+        uneven_shards=False,  # its input check requires equal shard lengths on every rank
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

@@ -223,6 +223,7 @@ class GatherStrategies:
         masks=frozenset(),
         sinks=False,
         score_mod=False,
+        uneven_shards=False,  # Ulysses and the hybrid here cut equal shards
         balancers=frozenset(),
         max_logit=False,
     )

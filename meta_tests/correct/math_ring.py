@@ -118,13 +118,43 @@ def _scores(
     return s
 
 
-def _visibility(setup: RingSetup, layout: str, is_causal: bool, kv_rank: int, sq: int, sk: int):
-    """(kind, mask): kind "full" (mask None), "skip" or "masked" with a (sq, sk) bool mask."""
-    if not is_causal:
+def _uneven_rows(layout: str, lengths: tuple[int, ...], rank: int, rows: int) -> torch.Tensor:
+    """(rows,) int64: the global position of each of a rank's ``rows`` padded rows when rank r
+    holds ``lengths[r]`` tokens, -1 for its padding rows (after its real ones). contiguous: the
+    next lengths[r] positions; head_tail: chunks r and 2W-1-r of 2W cut as tensor_split cuts."""
+    world = len(lengths)
+    if layout == "contiguous":
+        start = sum(lengths[:rank])
+        real = torch.arange(start, start + lengths[rank])
+    else:
+        chunks = torch.arange(sum(lengths)).tensor_split(2 * world)
+        real = torch.cat([chunks[rank], chunks[2 * world - 1 - rank]])
+    return torch.cat([real, torch.full((rows - real.numel(),), -1, dtype=torch.int64)])
+
+
+def _visibility(
+    setup: RingSetup,
+    layout: str,
+    is_causal: bool,
+    kv_rank: int,
+    sq: int,
+    sk: int,
+    lengths: tuple[int, ...] | None = None,
+):
+    """(kind, mask): kind "full" (mask None), "skip" or "masked" with a (sq, sk) bool mask.
+    ``lengths``: uneven shards padded to the longest, the padding seeing and seen by nothing."""
+    if lengths is not None:
+        qpos = _uneven_rows(layout, lengths, setup.rank, sq)
+        kpos = _uneven_rows(layout, lengths, kv_rank, sk)
+        visible = (qpos[:, None] >= 0) & (kpos[None, :] >= 0)
+        if is_causal:
+            visible = visible & (kpos[None, :] <= qpos[:, None])
+    elif not is_causal:
         return "full", None
-    qpos = local_positions(layout, setup.world_size, setup.rank, sq)
-    kpos = local_positions(layout, setup.world_size, kv_rank, sk)
-    visible = kpos[None, :] <= qpos[:, None]
+    else:
+        qpos = local_positions(layout, setup.world_size, setup.rank, sq)
+        kpos = local_positions(layout, setup.world_size, kv_rank, sk)
+        visible = kpos[None, :] <= qpos[:, None]
     if bool(visible.all()):
         return "full", None
     if not bool(visible.any()):
@@ -196,6 +226,7 @@ class _MathRingFn(torch.autograd.Function):
         layout: str,
         method: str,
         with_max_logit: bool = False,
+        lengths: tuple[int, ...] | None = None,
     ):
         acc = _acc(query.dtype)
         b, h, sq, d = query.shape
@@ -213,7 +244,7 @@ class _MathRingFn(torch.autograd.Function):
         for step in range(w):
             kv_rank = (r - step) % w
             block = gathered[kv_rank] if gathered is not None else kv
-            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
+            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk, lengths)
             if kind != "skip":
                 k, v = _widen(block[0], acc), _widen(block[1], acc)
                 s = _scores(q5, k, setup.scale, visible)
@@ -231,6 +262,7 @@ class _MathRingFn(torch.autograd.Function):
             query, key, value, out, lse, gathered if gathered is not None else torch.empty(0)
         )
         ctx.setup, ctx.is_causal, ctx.layout, ctx.method = setup, is_causal, layout, method
+        ctx.lengths = lengths
         ctx.gathered = gathered is not None
         if best is None:
             return out, lse
@@ -262,7 +294,7 @@ class _MathRingFn(torch.autograd.Function):
         def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:
             """(2, b, hkv, sk, d) dK/dV contribution of
             this rank's queries to one block, or None."""
-            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk)
+            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk, ctx.lengths)
             if kind == "skip":
                 return None
             k, v = _widen(block[0], acc), _widen(block[1], acc)
@@ -308,7 +340,7 @@ class _MathRingFn(torch.autograd.Function):
                     # after W hops it is back with its owner.
                     dkv = hop(dkv)
         dq = dq5.reshape(b, h, sq, d).to(query.dtype)
-        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None
+        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None, None
 
 
 def ring_attention(
@@ -324,6 +356,7 @@ def ring_attention(
     layout="contiguous",
     return_lse=False,
     return_max_logit=False,
+    shard_lengths=None,
 ):
     """Ring attention over ``group``; differentiable in query, key and value (and through the LSE).
 
@@ -331,8 +364,32 @@ def ring_attention(
     head_dim), sharded on dim 2 in ``layout``. Returns the local output (input dtype) and, with
     ``return_lse``, the LSE (batch, heads, seq_q_local) in float32 (float64 for float64), and
     with ``return_max_logit`` the group's per-head max logit (heads,) last, in the same dtype.
+
+    ``shard_lengths`` (one int per rank, equal on every rank): rank r holds ``shard_lengths[r]``
+    rows of query, key and value (contiguous: any split; head_tail: 2W chunks cut as
+    ``torch.tensor_split`` cuts). Every shard is padded with zero rows to the longest and the
+    padding is masked out of every block (it sees and is seen by nothing); the result is cut
+    back to the rank's own rows.
     """
     rotate_method = "p2p" if rotate_method is None else rotate_method
+    problem = (
+        None
+        if op is None
+        else f"op={op!r} given, but math_ring always runs its own "
+        "kernel per step (capabilities.ops is empty); leave op=None"
+    )
+    lengths = None
+    check_layout = layout
+    if shard_lengths is not None:
+        lengths = tuple(int(n) for n in shard_lengths)
+        problem = problem or _uneven_problem(query, key, value, lengths, group, layout)
+        if problem is None:  # equal padded shards: the input check compares them across ranks
+            rows = max(lengths)
+            query, key, value = (
+                torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[2]))
+                for t in (query, key, value)
+            )
+            check_layout = "contiguous"  # the rows' positions are _uneven_rows', not chunks
     setup = check_inputs(
         query,
         key,
@@ -340,21 +397,39 @@ def ring_attention(
         group=group,
         is_causal=is_causal,
         scale=scale,
-        layout=layout,
+        layout=check_layout,
         rotate_method=rotate_method,
         rotate_methods=ROTATE_METHODS,
-        op_problem=None
-        if op is None
-        else f"op={op!r} given, but math_ring always runs its own "
-        "kernel per step (capabilities.ops is empty); leave op=None",
+        op_problem=problem,
     )
-    if return_max_logit:
-        out, lse, max_logit = _MathRingFn.apply(
-            query, key, value, setup, bool(is_causal), layout, rotate_method, True
-        )
-        return (out, lse, max_logit) if return_lse else (out, max_logit)
-    out, lse = _MathRingFn.apply(query, key, value, setup, bool(is_causal), layout, rotate_method)
-    return (out, lse) if return_lse else out
+    args = (query, key, value, setup, bool(is_causal), layout, rotate_method)
+    out, lse, *max_logit = _MathRingFn.apply(*args, bool(return_max_logit), lengths)
+    if lengths is not None:
+        n = lengths[setup.rank]
+        out, lse = out[:, :, :n], lse[:, :, :n]
+    return (out, *((lse,) if return_lse else ()), *max_logit) if return_lse or max_logit else out
+
+
+def _uneven_problem(query, key, value, lengths, group, layout) -> str | None:
+    """What is wrong with ``shard_lengths`` on this rank, or None (raised on every rank by the
+    input check)."""
+    if hasattr(group, "get_group"):
+        group = group.get_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(lengths) != world or min(lengths) < 0 or sum(lengths) < 1:
+        return f"shard_lengths must hold {world} ints >= 0 with a positive sum, got {list(lengths)}"
+    if layout == "head_tail":
+        chunks = [len(c) for c in torch.arange(sum(lengths)).tensor_split(2 * world)]
+        own = tuple(chunks[r] + chunks[2 * world - 1 - r] for r in range(world))
+        if lengths != own:
+            return (
+                f"layout 'head_tail' splits {sum(lengths)} tokens as {list(own)}, not "
+                f"{list(lengths)}"
+            )
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or t.shape[2] != lengths[rank]:
+            return f"{name} must hold shard_lengths[{rank}] = {lengths[rank]} rows on rank {rank}"
+    return None
 
 
 def collective_schedule(

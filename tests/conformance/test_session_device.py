@@ -57,6 +57,13 @@ def _score_mod_baseline():
     return _baseline(case, PROBE_OP, "meta")
 
 
+def _uneven_baseline():
+    from suites.cases_uneven import UnevenCase, _baseline
+
+    case = UnevenCase(SPEC, 1, lengths=(SPEC.seq_q,), mask="documents")
+    return _baseline(case, PROBE_OP, "meta")
+
+
 def _probed(run) -> tuple[str, ...]:
     with pytest.raises(Probed) as info:
         run()
@@ -76,6 +83,7 @@ BASELINES = {
         SPEC, "window_narrow", "", True, PROBE_OP
     ),
     "score_mod suite": lambda: _score_mod_baseline(),
+    "uneven-shard suite": lambda: _uneven_baseline(),
 }
 
 
@@ -146,6 +154,13 @@ def _max_logit_case():
     return max_logit_case(MetaRank(), case)
 
 
+def _uneven_case():
+    from suites.cases_uneven import UnevenCase, uneven_case
+
+    case = UnevenCase(SPEC, 1, lengths=(SPEC.seq_q,), mask="documents", impl=PROBE_IMPL)
+    return uneven_case(MetaRank(), case)
+
+
 def _strategy_case():
     from suites.cases_strategies import StrategyCase, strategy_case
 
@@ -168,6 +183,7 @@ RANK_FUNCTIONS = {
     "suites.cases_max_logit.max_logit_case": _max_logit_case,
     "suites.cases_strategies.strategy_case": _strategy_case,
     "suites.cases_balance.balance_case": _balance_case,
+    "suites.cases_uneven.uneven_case": _uneven_case,
 }
 
 #: Rank functions that need no probe here, and why.

@@ -7,7 +7,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.layout import LAYOUTS, locate, positions, shard, unshard
+from reference.layout import (
+    LAYOUTS,
+    locate,
+    num_chunks,
+    positions,
+    shard,
+    split_lengths,
+    split_positions,
+    unshard,
+)
 from tests.reference.strategies import REFERENCE_SETTINGS
 
 
@@ -107,3 +116,37 @@ def test_locate_agrees_with_shard(data: st.DataObject) -> None:
     )
     rank, local = locate(index, layout, world_size, seq_len, dim=1)
     assert shard(x, layout, world_size, rank, dim=1)[local] == x[index]
+
+
+@pytest.mark.parametrize(
+    ("layout", "lengths", "rank", "expected"),
+    [
+        ("contiguous", (3, 0, 2), 0, [0, 1, 2]),
+        ("contiguous", (3, 0, 2), 1, []),
+        ("contiguous", (3, 0, 2), 2, [3, 4]),
+        # 13 tokens in 4 chunks (4, 3, 3, 3): rank 0 chunks 0 and 3, rank 1 chunks 1 and 2
+        ("head_tail", (7, 6), 0, [0, 1, 2, 3, 10, 11, 12]),
+        ("head_tail", (7, 6), 1, [4, 5, 6, 7, 8, 9]),
+    ],
+)
+def test_split_positions_written_out(layout: str, lengths, rank: int, expected) -> None:
+    assert split_positions(layout, lengths, rank).tolist() == expected
+
+
+@given(layout=st.sampled_from(LAYOUTS), world=st.integers(1, 6), seq=st.integers(1, 60))
+@REFERENCE_SETTINGS
+def test_split_lengths_cover_the_sequence_once(layout: str, world: int, seq: int) -> None:
+    lengths = split_lengths(layout, world, seq)
+    assert sum(lengths) == seq and max(lengths) - min(lengths) <= 2
+    held = torch.cat([split_positions(layout, lengths, r) for r in range(world)])
+    assert sorted(held.tolist()) == list(range(seq))
+    if seq % num_chunks(layout, world) == 0:  # the even split: the layout's own positions
+        for r in range(world):
+            assert torch.equal(
+                split_positions(layout, lengths, r), positions(layout, world, r, seq)
+            )
+
+
+def test_split_positions_refuse_another_split_of_head_tail() -> None:
+    with pytest.raises(ValueError, match=r"splits 13 tokens over 2 ranks as \[7, 6\]"):
+        split_positions("head_tail", (8, 5), 0)
