@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypedDict, cast
 
 import torch
 
@@ -76,6 +76,27 @@ class Bound(NamedTuple):
     impl: RingAttention
     algorithms: Mapping[str, Any] | None
     name: str
+
+
+class RingAttentionFunction(Protocol):
+    """What :func:`bind` returns: a ``ring_attention`` (its docstring gives the options and what
+    it returns), with the :class:`Bound` it runs and the name compiled calls find it by."""
+
+    bound: Bound
+    impl_name: str
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options: Any
+    ) -> Any: ...
+
+
+class _HaloWhere(TypedDict):
+    """The call's sizes :func:`ring_impl.halo.halo_reach` and ``halo_refusal`` take."""
+
+    layout: str
+    world_size: int
+    seq_q: int
+    seq_kv: int
 
 
 def attend(bound: Bound, call: Call, query, key, value):
@@ -267,7 +288,7 @@ def ring_path(
         elif (
             call.exchange != "ring" and world > 1 and score_mod is None and not max_logit
         ):  # (the ring's only)
-            where = {
+            where: _HaloWhere = {
                 "layout": layout,
                 "world_size": world,
                 "seq_q": query.shape[2],
@@ -282,6 +303,8 @@ def ring_path(
                 )
     cfg = ahead = None
     if problem is None:
+        # local_problem passed: query 4-D, scale a number or None, op resolved (no op_error)
+        assert effective_scale is not None and op_obj is not None
         cfg = RingConfig(
             group=RingGroup.of(pg, query.device),
             is_causal=bool(call.is_causal),
@@ -369,7 +392,7 @@ def _path_code(code: int, path: str) -> int:
     return code if path == "ring" else zlib.crc32(f"{code}|{path}".encode()) & 0x7FFFFFFF
 
 
-def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]:
+def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
     """A ``ring_attention`` with the same signature that runs ``impl`` (a RingAttention variant),
     and ``strategies`` ({"ulysses": ..., "hybrid": ...}: variants of ``ring_impl.strategies``'
     algorithms) for the head-parallel strategies."""
@@ -552,9 +575,11 @@ def bind(impl: RingAttention, *, strategies=None) -> Callable[..., torch.Tensor]
             return _traced(bound, call, query, key, value)
         return _eager(bound, call, query, key, value)
 
-    ring_attention.impl_name = bound.name  # how compiled calls name it (ring_impl.compiled_masks)
-    ring_attention.bound = bound
-    return ring_attention
+    # The function itself (what torch.compile inlines), given the protocol's two attributes here.
+    bound_fn = cast(RingAttentionFunction, ring_attention)
+    bound_fn.impl_name = bound.name  # how compiled calls name it (ring_impl.compiled_masks)
+    bound_fn.bound = bound
+    return bound_fn
 
 
 _DEFAULT_IMPL = RingAttention()

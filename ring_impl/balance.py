@@ -42,11 +42,15 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
 
 from .layout import Layout, Runs, layout_runs, register_layout
 from .plan import masked_plan
+
+if TYPE_CHECKING:
+    from .masks import Mask
 
 __all__ = [
     "BALANCERS",
@@ -65,7 +69,7 @@ __all__ = [
 BALANCERS = ("document_head_tail", "work_aware")
 
 
-def weighted_masks(masks) -> list[tuple[object, float]]:
+def weighted_masks(masks) -> list[tuple[Mask, float]]:
     """``masks`` (one mask, a sequence of masks, or of ``(mask, weight)`` pairs) as ``(mask,
     weight)`` pairs; ValueError for an empty sequence or a weight that is not a positive finite
     number."""
@@ -160,7 +164,8 @@ def work_balanced_layout(
         area = [int(rows[a:b].sum()) for a, b in pairwise(starts)]
         weight = [total + w * a for total, a in zip(weight, area, strict=True)]
     order = sorted(range(pieces), key=lambda c: (-weight[c], c))
-    load, held = [0] * world_size, [[] for _ in range(world_size)]
+    load: list[float] = [0] * world_size
+    held: list[list[int]] = [[] for _ in range(world_size)]
     for c in order:
         r = min(
             (r for r in range(world_size) if len(held[r]) < chunks_per_rank),

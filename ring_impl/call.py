@@ -129,6 +129,7 @@ def exchange_of(exchange, strategy, halo, sparse_kv) -> tuple[Any, str | None]:
             exchange,
             f"unknown strategy {strategy!r}; expected one of ('ring', 'ulysses', 'hybrid')",
         )
+    fits: tuple[str, ...]  # the exchanges the aliases allow
     if strategy in ("ulysses", "hybrid"):
         if halo:
             return exchange, f"halo={halo!r} runs with strategy='ring' only; pass halo=None"

@@ -231,6 +231,7 @@ def _groups(strategy, group) -> tuple[str, int]:
         groups = resolve_strategy_groups(strategy, group)
         if strategy == "ulysses":
             return f"('pg', {_literal(groups.ulysses.group_name)})", groups.ulysses.size()
+        assert groups.ring is not None  # the hybrid's groups: a Ulysses and a ring group
         names = (
             f"('mesh', {_literal(groups.ulysses.group_name)}, {_literal(groups.ring.group_name)})"
         )
@@ -420,7 +421,7 @@ def _unstash(kept: tuple, graph: tuple) -> tuple:
     return tuple(graph[t] if isinstance(t, _FromGraph) else t for t in kept)
 
 
-def _aliases(t: torch.Tensor, *others: torch.Tensor) -> bool:
+def _aliases(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
     return any(
         o is not None and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
         for o in others
@@ -474,7 +475,7 @@ def _masked_ring_backward(
         grads.append(
             g.clone() if _aliases(g, grad_out, grad_lse, query, key, value, out, lse, *grads) else g
         )
-    return tuple(grads)
+    return grads[0], grads[1], grads[2]
 
 
 @_masked_ring_backward.register_fake

@@ -35,8 +35,10 @@ try:
 
     _BUILTIN_FLEX = _flex_module.flex_attention
 except ImportError:  # pragma: no cover - torch without flex attention
-    _flex_module = None
-    _BUILTIN_FLEX = None
+    # (mypy types these names as the module and its function, and has no type for "this module
+    # or None"; only a torch older than the supported 2.11 lands here)
+    _flex_module = None  # type: ignore[assignment]
+    _BUILTIN_FLEX = None  # type: ignore[assignment]
 
 
 def flex_problem(

@@ -18,6 +18,7 @@ def resolve_group(group) -> dist.ProcessGroup:
                 "ring_attention needs torch.distributed: call torch.distributed.init_process_group "
                 "first, or pass group= (a ProcessGroup or a 1-D DeviceMesh)"
             )
+        # (torch types WORLD Optional: it is set once the default group is initialized)
         return dist.group.WORLD  # type: ignore[return-value]
     if isinstance(group, dist.ProcessGroup):
         return group

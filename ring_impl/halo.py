@@ -174,7 +174,8 @@ def _exchange(
     """Send ``to_prev`` to rank - 1 and ``to_next`` to rank + 1, receive tensors of the shapes
     ``from_prev`` / ``from_next`` (dtype and device of ``like``); None: nothing that way. One
     batched isend/irecv; returns (received from rank - 1, received from rank + 1)."""
-    ops, recvs = [], []
+    ops: list[dist.P2POp] = []
+    recvs: list[torch.Tensor | None] = []
     sends = []  # the send buffers stay alive until the works finish
     for t, peer in ((to_prev, g.prev_global), (to_next, g.next_global)):
         if t is not None:

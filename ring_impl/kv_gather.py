@@ -151,7 +151,8 @@ def gather_plan(
         vis = visibility(mask, q_pos[rank], ext_pos[order], batch=batch, heads=heads)
         at = torch.argsort(order)  # [own | received] row -> its extended row
         own_row = order < seq_kv  # extended row -> whether it is one of this rank's own
-        own, remote = [], []
+        own: list[Block] = []
+        remote: list[Block] = []
         for b in visibility_blocks(vis, 0, rank, device):
             (own if bool(own_row[b.kv_rows[0] : b.kv_rows[1]].all()) else remote).append(b)
         return GatherPlan(
@@ -219,7 +220,7 @@ class _Exchange:
     def __init__(self, g, send: torch.Tensor, send_counts, recv_counts):
         self._device = send.device
         self._host = g.stage_on_host and self._device.type != "cpu"
-        self._send = (send.cpu() if self._host else send).contiguous()
+        self._send: torch.Tensor | None = (send.cpu() if self._host else send).contiguous()
         self._out = torch.empty(
             (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self._send.device
         )

@@ -101,9 +101,10 @@ def _hide(s: torch.Tensor, kind: str, r0: int, r1: int, visible, bounds) -> None
 
 
 def reduce_max_logit(
-    local: torch.Tensor, pg: dist.ProcessGroup, *, stage_on_host: bool = False
+    local: torch.Tensor, pg: dist.ProcessGroup | None, *, stage_on_host: bool = False
 ) -> torch.Tensor:
-    """The group's maximum of every rank's ``local`` (heads,), in one all-reduce (MAX).
+    """The group's maximum of every rank's ``local`` (heads,), in one all-reduce (MAX) over
+    ``pg`` (None: the default group, as torch.distributed takes it).
 
     A collective's MAX need not carry NaN (gloo's takes ``max(a, b)``, which drops a NaN in
     ``b``), so NaN travels as a flag beside the values: the all-reduce's input is (2, heads),

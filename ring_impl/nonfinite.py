@@ -26,19 +26,31 @@ h // (heads // heads_kv).
 
 from __future__ import annotations
 
+from typing import Any, TypeVarTuple
+
 import torch
 
 __all__ = ["finite_parts", "poison_backward", "poison_forward"]
+
+#: the types of :func:`finite_parts`' arguments, each torch.Tensor or None (a TypeVarTuple has no
+#: bound): its results have them too, so a caller unpacks tensors as tensors
+_Parts = TypeVarTuple("_Parts")
 
 
 def _bad(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t)
 
 
-def finite_parts(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+def finite_parts(*tensors: *_Parts) -> tuple[*_Parts]:
     """The tensors with their non-finite entries replaced by 0 (None stays None): what a block's
     kernel runs on when its inputs are not all finite, so that it computes finite numbers
     everywhere and the poison masks alone decide where NaN goes."""
+    return _finite_parts(tensors)
+
+
+def _finite_parts(tensors: tuple[Any, ...]) -> Any:
+    """:func:`finite_parts`' body, typed loosely: mypy cannot map each member of a TypeVarTuple
+    to its result."""
     return tuple(
         None
         if t is None

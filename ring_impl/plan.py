@@ -109,11 +109,11 @@ class Block:
             return None
         key = ("hidden", str(device))
         if key not in self._moved:
-            hidden = (
-                (self.bounds[0] >= self.bounds[1]).view(1, 1, -1)
-                if self.bounds is not None
-                else ~self.visible.any(-1)
-            )
+            if self.bounds is not None:
+                hidden = (self.bounds[0] >= self.bounds[1]).view(1, 1, -1)
+            else:
+                assert self.visible is not None  # (the return above: no bounds, so visible)
+                hidden = ~self.visible.any(-1)
             # (read on the host when the plan lives there; a plan on a device keeps its rows,
             # as reading them would be a sync)
             on_host = hidden.device.type == "cpu"
@@ -224,7 +224,7 @@ def _ring_plan(
     for step in range(world_size):
         kv_rank = (rank - step) % world_size
         if not is_causal:
-            blocks = (Block(step, kv_rank, "full", (0, seq_q), (0, seq_kv)),)
+            blocks: tuple[Block, ...] = (Block(step, kv_rank, "full", (0, seq_q), (0, seq_kv)),)
         else:
             kv_runs = layout_runs(layout, seq_kv * world_size, world_size, kv_rank)
             blocks = tuple(

@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -49,6 +49,10 @@ from .nonfinite import finite_parts, poison_backward, poison_forward
 from .ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
 from .plan import Block, StepPlan, masked_plan, ring_plan, with_positions
 from .transports import Link, Transport, after, get_transport
+
+if TYPE_CHECKING:
+    from .masks import Mask
+    from .score_mods import ScoreMod
 
 __all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath", "split_kv"]
 
@@ -65,7 +69,7 @@ class RingConfig:
     op: AttentionOp
     head_chunks: int = 1  # rings run one after another over head groups (ring_impl.heads)
     #: a ring_impl.masks.Mask on global positions (is_causal already folded in), or None
-    mask: object = None
+    mask: Mask | None = None
     #: (batch, heads) the mask is evaluated for (a MaskMod may depend on them)
     mask_dims: tuple[int, int] = (1, 1)
     #: the query heads [start, stop) of mask_dims this ring runs (a head chunk), or None: all
@@ -76,7 +80,7 @@ class RingConfig:
     plan_memo: dict | None = field(default=None, compare=False, repr=False)
     #: a ring_impl.score_mods.ScoreMod on global positions, or None; its blocks run on an op
     #: declaring OpCapabilities.score_mod, each with the global positions and heads of its rows
-    score_mod: object = None
+    score_mod: ScoreMod | None = None
     #: also compute the per-head maximum logit (ring_impl.max_logit): the forward returns it third
     max_logit: bool = False
     #: one call's dict where a one-rank forward keeps what it read of its inputs (whether all
@@ -344,7 +348,16 @@ class RingAttention:
         )
 
     def block_grads(
-        self, cfg: RingConfig, block: Block, grad_out, query, kv, out, lse, grad_lse, finite: bool
+        self,
+        cfg: RingConfig,
+        block: Block,
+        grad_out,
+        query,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        out,
+        lse,
+        grad_lse,
+        finite: bool,
     ):
         """``(q_rows, dq, dk, dv)`` of one block of the backward: ``kv`` the step's (key, value),
         the other tensors the call's whole local ones; ``finite``: every input the block reads is
@@ -353,9 +366,12 @@ class RingAttention:
         # grad_lse only when there is one: variants may override block_backward without it.
         extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
         args = (
-            *(block_rows(t, block.q_rows, view) for t in (grad_out, query)),
-            *(block_rows(t, block.kv_rows, view) for t in kv),
-            *(block_rows(t, block.q_rows, view) for t in (out, lse)),
+            block_rows(grad_out, block.q_rows, view),
+            block_rows(query, block.q_rows, view),
+            block_rows(kv[0], block.kv_rows, view),
+            block_rows(kv[1], block.kv_rows, view),
+            block_rows(out, block.q_rows, view),
+            block_rows(lse, block.q_rows, view),
         )
         if finite:
             return (block.q_rows, *self.block_backward(cfg, *args, block, **extra))

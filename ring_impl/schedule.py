@@ -58,6 +58,8 @@ A call with ``sparse_kv=True`` (:mod:`ring_impl.kv_gather`) has no ring either: 
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from .halo import halo_reach, halo_refusal, halo_schedule
@@ -67,6 +69,18 @@ from .ring_schedule import Schedule, ring_schedule
 from .strategies.schedule import strategy_schedule
 
 __all__ = ["collective_schedule"]
+
+
+class _RingSizes(TypedDict):
+    """The sizes of a ring call, as :func:`ring_impl.ring_schedule.ring_schedule` and
+    :func:`collective_schedule` take them."""
+
+    batch: int
+    heads_kv: int
+    seq_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    head_chunks: int
 
 
 def collective_schedule(
@@ -131,7 +145,7 @@ def collective_schedule(
                 "collective_schedule: return_max_logit=True needs heads= (query "
                 f"heads, an int >= 1), got {heads!r}"
             )
-        sizes = dict(
+        sizes = _RingSizes(
             batch=batch,
             heads_kv=heads_kv,
             seq_kv=seq_kv,
@@ -219,6 +233,7 @@ def collective_schedule(
                 folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv
             )
             assert reach is not None
+            assert rank is not None  # _check_per_rank_path raised unless rank is an int in range
             return halo_schedule(
                 world_size,
                 rank,

@@ -381,14 +381,15 @@ def score_mod_problem(
     *,
     world_size: int,
     key=None,
-    layout: str = "contiguous",
+    layout: str | None = "contiguous",
     op=None,
     strategy: str = "ring",
     exchange: str = "auto",
 ) -> str | None:
     """What is wrong with ``score_mod=`` for a call on local shards (query (batch, heads,
     seq_q_local, head_dim), key (batch, heads_kv, seq_kv_local, head_dim)), or None. Never
-    raises."""
+    raises. ``layout``: the ring's, whose positions the score_mod reads (checked against the
+    lengths); None for a head-parallel strategy (not checked here)."""
     if score_mod is None:
         return None
     if not isinstance(score_mod, ScoreMod):

@@ -198,7 +198,7 @@ def extended_mask(mask: Mask, seq: int, total: int) -> Mask:
     are."""
     if type(mask) in _LENGTHLESS:
         return mask
-    if type(mask) in (And, Or):
+    if type(mask) is And or type(mask) is Or:
         return type(mask)(extended_mask(mask.a, seq, total), extended_mask(mask.b, seq, total))
     if type(mask) is Documents:
 
@@ -250,7 +250,7 @@ def uneven_call(call, lengths: tuple[int, ...]) -> Any:
     """The padded call's options: its layout (:func:`padded_layout`), causality and mask folded
     into the real tokens' documents & the extended mask, the score_mod extended."""
     seq, total = sum(lengths), max(lengths) * len(lengths)
-    mask = real_tokens(seq, total, bool(call.is_causal))
+    mask: Mask = real_tokens(seq, total, bool(call.is_causal))
     if call.mask is not None:
         mask = mask & extended_mask(snapshot(call.mask), seq, total)
     score_mod = None if call.score_mod is None else extended_score_mod(call.score_mod, seq, total)

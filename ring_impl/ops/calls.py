@@ -116,7 +116,7 @@ def call_forward(
         key,
         value,
         is_causal=is_causal,
-        scale=scale,  # type: ignore[call-arg]
+        scale=scale,
         **_masking(op, key, visible, row_bounds),
         **_scoring(score_mod),
     )
@@ -245,6 +245,7 @@ def call_backward(
             grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **mask
         )
     elif op.capabilities.lse_grad:
+        # (mypy cannot tie grad_lse= to capabilities.lse_grad: the contract's backward lacks it)
         dq, dk, dv = op.backward(
             grad_out,
             query,

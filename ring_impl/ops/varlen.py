@@ -295,19 +295,20 @@ def varlen_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
     layer = (
         torch.arange(row.numel(), device=device) - (torch.cumsum(count, 0) - count)[row]
     )  # run number in its row
-    row, lo, hi, layer = (
+    row_at, lo_at, hi_at, layer_at = (
         row[keep].tolist(),
         lo[keep].tolist(),
         hi[keep].tolist(),
         layer[keep].tolist(),
     )
     bounds: list[tuple[list[int], list[int], list[bool]]] = []
-    for e_r, a, b, k in zip(row, lo, hi, layer):  # each layer's (lo, hi, live) per flattened row
+    # each layer's (lo, hi, live) per flattened row
+    for e_r, a, b, k in zip(row_at, lo_at, hi_at, layer_at):
         while len(bounds) <= k:
             bounds.append(([0] * (nb * rows), [0] * (nb * rows), [False] * (nb * rows)))
         bounds[k][0][e_r], bounds[k][1][e_r], bounds[k][2][e_r] = a, b, True
     calls = []
-    for layer, (lo_k, hi_k, live_k) in enumerate(bounds):
+    for k, (lo_k, hi_k, live_k) in enumerate(bounds):
         per_batch = _runs(
             [
                 (
@@ -318,7 +319,7 @@ def varlen_plan(vis: torch.Tensor, batch: int) -> VarlenPlan:
                 for e in range(nb)
             ]
         )
-        calls.extend(_layer_calls(per_batch, batch, rows, cols, device, layer))
+        calls.extend(_layer_calls(per_batch, batch, rows, cols, device, k))
     return VarlenPlan(tuple(calls), to_math.nonzero().flatten() if bool(to_math.any()) else None)
 
 

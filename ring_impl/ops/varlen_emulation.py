@@ -181,8 +181,13 @@ def _backward(
         if b == a or d == c:
             continue
         vis = sequence_visibility(b - a, d - c, (left, right), q.device)
+        do_, q_, k_, v_, o_ = _heads_first(grad_out[a:b], q[a:b], k[c:d], v[c:d], out[a:b])
         grads = _MATH.backward(
-            *_heads_first(grad_out[a:b], q[a:b], k[c:d], v[c:d], out[a:b]),
+            do_,
+            q_,
+            k_,
+            v_,
+            o_,
             lse[:, a:b].unsqueeze(0),
             is_causal=False,
             scale=scale,

@@ -32,7 +32,7 @@ _c10d = torch.ops._c10d_functional
 
 def _exchange(rows: torch.Tensor, g: HeadGroup) -> torch.Tensor:
     """all_to_all_single of ``rows`` (U, n): row j to rank j; returns (U, n), row i from rank i."""
-    flat, device = stage_on_host(rows.reshape(-1), g)  # type: ignore[arg-type]
+    flat, device = stage_on_host(rows.reshape(-1), g)
     n = rows.numel() // g.size
     received = _c10d.all_to_all_single(flat, [n] * g.size, [n] * g.size, g.group_name)
     return Transfer(received, device).result().view(rows.shape)

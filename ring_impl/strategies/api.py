@@ -97,6 +97,8 @@ def strategy_path(
     )
     cfg = None
     if problem is None:
+        # strategy_problem passed the ring's checks: query 4-D, scale a number or None, op resolved
+        assert effective_scale is not None and op_obj is not None
         folded = fold_causal(mask, is_causal)
         head_group = groups.head_group(query.device)
         ring_cfg = None

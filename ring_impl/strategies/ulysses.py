@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +45,10 @@ from ..ops import AttentionOp, accumulation_dtype, block_op, call_backward, call
 from ..ring import RingAttention, RingConfig
 from .alltoall import heads_to_sequence, sequence_to_heads
 from .groups import HeadGroup
+
+if TYPE_CHECKING:
+    from ..masks import Mask
+    from ..score_mods import ScoreMod
 
 __all__ = ["HeadParallelConfig", "HeadParallelPath", "Ulysses", "kv_replication"]
 
@@ -72,12 +77,12 @@ class HeadParallelConfig:
     ring: RingConfig | None = None
     ring_impl: RingAttention | None = None
     #: a ring_impl.masks.Mask on global positions (is_causal folded in), Ulysses only
-    mask: object = None
+    mask: Mask | None = None
     #: the call's evaluations of a mask known only by evaluating it (ring_impl.plan.cached_by_mask)
     plan_memo: dict | None = field(default=None, compare=False, repr=False)
     #: a ring_impl.score_mods.ScoreMod on global positions and heads, Ulysses only (the hybrid's
     #: ring carries its own in ``ring``)
-    score_mod: object = None
+    score_mod: ScoreMod | None = None
 
 
 class Ulysses:
@@ -157,17 +162,19 @@ class Ulysses:
         from ..masks import visibility
         from ..plan import cached_by_mask
 
-        u, rank = cfg.heads.size, cfg.heads.rank
+        u, rank, mask = cfg.heads.size, cfg.heads.rank, cfg.mask
+        # asked for a call with a mask only (:meth:`visible` checks; planning ahead, for a mask)
+        assert mask is not None
 
         def build() -> torch.Tensor:
             pos_q, pos_kv = permutation(cfg.layout, seq_q, u), permutation(cfg.layout, seq_kv, u)
-            vis = visibility(cfg.mask, pos_q, pos_kv, batch=batch, heads=heads * u)
+            vis = visibility(mask, pos_q, pos_kv, batch=batch, heads=heads * u)
             if vis.shape[1] > 1:  # a head-dependent mask: this rank's heads are slice rank of U
                 vis = vis[:, rank * heads : (rank + 1) * heads]
             return vis.to(device)
 
         key = ("ulysses", cfg.layout, u, rank, batch, heads, seq_q, seq_kv, str(device))
-        return cached_by_mask(cfg.mask, key, build, memo=cfg.plan_memo)
+        return cached_by_mask(mask, key, build, memo=cfg.plan_memo)
 
     def scores(self, cfg: HeadParallelConfig, q: torch.Tensor, k: torch.Tensor):
         """The call's score_mod bound to the gathered sequence (ring_impl.score_mods.BlockScores):

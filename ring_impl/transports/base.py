@@ -37,12 +37,21 @@ class KVBlocks(Protocol):
 class Transport(Protocol):
     """A KV rotation method; one object per method in ring_impl.transports' registry."""
 
-    name: str
-    #: its key/value hops are posts of the backward's link: each step's flush carries the
-    #: dK/dV accumulator staged since the last one (False: the accumulators flush on their own)
-    kv_hops_share_link: bool
-    #: how the dK/dV accumulators (and, for ring methods, key/value blocks) hop to rank + 1
-    grad_hop: Hop
+    # Read-only members (properties), so that a frozen dataclass or class attributes provide them.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kv_hops_share_link(self) -> bool:
+        """Its key/value hops are posts of the backward's link: each step's flush carries the
+        dK/dV accumulator staged since the last one (False: the accumulators flush on their
+        own)."""
+        ...
+
+    @property
+    def grad_hop(self) -> Hop:
+        """How the dK/dV accumulators (and, for ring methods, key/value blocks) hop to rank + 1."""
+        ...
 
     def kv_blocks(self, kv: torch.Tensor, g: RingGroup, link: Link | None) -> KVBlocks:
         """The blocks of one pass over the packed local ``kv``; ``link``: the backward's chain."""

@@ -66,7 +66,15 @@ class Transfer:
         return out if self._shape is None else out.view(self._shape)
 
 
-def stage_on_host(t: torch.Tensor, g: RingGroup) -> tuple[torch.Tensor, torch.device | None]:
+class Staging(Protocol):
+    """A group that says whether its collectives run on host copies (a RingGroup, a
+    ring_impl.strategies HeadGroup: gloo with CUDA tensors)."""
+
+    @property
+    def stage_on_host(self) -> bool: ...
+
+
+def stage_on_host(t: torch.Tensor, g: Staging) -> tuple[torch.Tensor, torch.device | None]:
     if g.stage_on_host:
         return t.cpu(), t.device
     return t, None
