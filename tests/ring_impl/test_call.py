@@ -35,6 +35,7 @@ PARAMETERS = (
     "score_mod",
     "exchange",
     "cu_seqlens",
+    "shard_lengths",
     "strategy",
     "halo",
     "sparse_kv",
