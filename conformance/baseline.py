@@ -83,6 +83,8 @@ def single_device_baseline(
     q, k, v, do, glse, vis, s = to_session_device(
         query, key, value, grad_out, grad_lse, visible, sinks
     )
+    # (query, key, value and grad_out are tensors: only grad_lse, visible and sinks may be None)
+    assert q is not None and k is not None and v is not None and do is not None
     batch, heads, seq_q, head_dim = q.shape
     dtype = q.dtype
     scale = scale if scale is not None else default_scale(head_dim)
@@ -150,6 +152,7 @@ def single_device_baseline(
             [o2, l2], [do, glse] if glse is not None else [do, torch.zeros_like(l2)]
         )
         out, lse, dsinks = o2.detach(), l2.detach(), s.grad
+        assert o.grad is not None  # (o2 depends on o: the backward above reached it)
         do, glse = o.grad.to(dtype), l_.grad
     if (
         dead is not None
