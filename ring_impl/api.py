@@ -329,7 +329,10 @@ def ring_path(
         # that fails on this rank's positions is a problem every rank raises (plan_ahead).
         problem = plan_ahead(make_ahead, folded)
     if world > 1 and not torch.compiler.is_compiling():
-        agree_across_ranks(
+        # The ring's blocks: every rank's query, key and value finite, reported in the check's
+        # own all-reduce (no read of its own), lets the forward skip the NaN propagation.
+        ring_blocks = problem is None and not gather and reach is None
+        group_finite = agree_across_ranks(
             problem,
             query,
             key,
@@ -356,7 +359,10 @@ def ring_path(
             )
             if problem is None
             else 0,
+            finite=(query, key, value) if ring_blocks else (),
         )
+        if group_finite is not None and cfg is not None and cfg.verdicts is not None:
+            cfg.verdicts["group_finite"] = group_finite
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
     assert cfg is not None

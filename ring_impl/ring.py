@@ -506,6 +506,7 @@ class RingAttention:
         plans = self.plan(cfg, sq, key.shape[2])
         # One rank decides once for its call (one read, after the host's own preparation, so the
         # device waits for the launch as briefly as it can); else per step, where reads are free.
+        group_finite = False
         if alone:
             query_finite = self.all_finite(query, key, value, once=True)
             # (head chunks: each its own; compiled: nothing is read, nothing kept)
@@ -516,7 +517,10 @@ class RingAttention:
             ):
                 cfg.verdicts["inputs_finite"] = query_finite
         else:
-            query_finite = self.all_finite(query)
+            # every rank's query, key and value finite (the cross-rank check's verdict): no
+            # block needs the propagation, whatever rotates in; else decided per step below
+            group_finite = cfg.verdicts is not None and cfg.verdicts.get("group_finite") is True
+            query_finite = group_finite or self.all_finite(query)
         # the running maximum over every step's blocks (a head nothing is seen of stays -inf)
         max_logit = None
         if cfg.max_logit:
@@ -524,7 +528,9 @@ class RingAttention:
         for plan in plans:
             kv = (key, value) if rotation is None else split_kv(rotation.block(plan.step), d)
             finite = (
-                len(plan.blocks) > 0 and query_finite and (alone or self.all_finite(kv[0], kv[1]))
+                len(plan.blocks) > 0
+                and query_finite
+                and (alone or group_finite or self.all_finite(kv[0], kv[1]))
             )
             for block in plan.blocks:
                 q0, q1 = block.q_rows

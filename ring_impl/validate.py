@@ -36,6 +36,7 @@ __all__ = [
     "exchange_nbytes",
     "local_problem",
     "routed_error",
+    "row_width",
     "signature",
     "strategy_codes",
     "strategy_disagreement",
@@ -128,10 +129,17 @@ def strategy_disagreement(codes: list[list[int]]) -> str | None:
     )
 
 
+def row_width() -> int:
+    """Entries of a rank's row in the cross-rank check's table: the problem flag, the signature
+    and strategy fields, and the flag "my query, key and value are finite" (the ring's
+    :func:`agree_across_ranks` fills it; 0 elsewhere)."""
+    return 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS) + 1
+
+
 def exchange_nbytes(world_size: int) -> int:
-    """Bytes of the cross-rank check's all-reduce input: a row per rank (problem flag,
-    signature and strategy fields), int64; the same for every strategy."""
-    return 8 * world_size * (1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS))
+    """Bytes of the cross-rank check's all-reduce input: a row per rank (:func:`row_width`),
+    int64; the same for every strategy."""
+    return 8 * world_size * row_width()
 
 
 def _is_bool(value: Any) -> bool:
@@ -490,17 +498,24 @@ def agree_across_ranks(
     mask_code: int = 0,
     return_max_logit: bool = False,
     value=None,
-) -> None:
+    finite: tuple[torch.Tensor, ...] = (),
+) -> bool | None:
     """Raise InputError on every rank if any rank has a problem or the ranks disagree
-    (``value``: the call's, whose head dim is compared; None: key's)."""
+    (``value``: the call's, whose head dim is compared; None: key's).
+
+    ``finite``: tensors (the call's query, key, value) whose finiteness every rank reports in
+    the same all-reduce, computed on their device and read with the table, so no read of its
+    own: returns True when every rank's are finite (the ring then skips the NaN propagation of
+    every block, :meth:`ring_impl.ring.RingAttention.forward`), False when some rank's may not
+    be, None without ``finite``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS)
+    n = row_width()
     table = [0] * (world * n)
     if problem is not None:
         table[rank * n] = 1
     else:
         assert op is not None and scale is not None
-        table[rank * n + 1 : (rank + 1) * n] = signature(
+        table[rank * n + 1 : (rank + 1) * n - 1] = signature(
             query,
             key,
             is_causal=is_causal,
@@ -516,6 +531,14 @@ def agree_across_ranks(
     vec = torch.tensor(table, dtype=torch.int64)
     staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
     vec = vec if staged else vec.to(device)
+    if finite and problem is None and not staged and all(t.device == vec.device for t in finite):
+        # A sum is NaN/inf when any element is (finite tensors whose sum overflows only lose
+        # the shortcut); written into the table on the device: read with it, no sync of its own.
+        # (Tensors staged through a CPU table would need a read: they report 0, "maybe not".)
+        total = sum(
+            (t.sum(dtype=torch.float32) for t in finite), torch.zeros((), device=vec.device)
+        )
+        vec[rank * n + n - 1] = torch.isfinite(total).to(torch.int64)
     dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
     agreed: list[int] = vec.cpu().tolist()
     rows = [agreed[r * n : (r + 1) * n] for r in range(world)]
@@ -532,7 +555,8 @@ def agree_across_ranks(
     names = layout_names(world, query.shape[2], key.shape[2])
     texts = [
         disagreement([row[1:base] for row in rows], op_names, names),
-        strategy_disagreement([row[base:] for row in rows]),
+        strategy_disagreement([row[base : n - 1] for row in rows]),
     ]
     if any(texts):
         raise InputError(f"ring_attention (rank {rank}): " + "; ".join(t for t in texts if t))
+    return all(row[n - 1] == 1 for row in rows) if finite else None

@@ -28,6 +28,7 @@ from ..validate import (
     exchange_nbytes,
     layout_names,
     local_problem,
+    row_width,
     signature,
     strategy_codes,
     strategy_disagreement,
@@ -195,14 +196,14 @@ def agree_on_mesh(
     compared; None: key's)."""
     mesh_shape, mesh_rank = groups.shape, groups.mesh_rank
     size = mesh_shape[0] * mesh_shape[1]
-    n = 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS)
+    n = row_width()  # (its last entry, the ring's finiteness flag, stays 0 here)
     table = [0] * (size * n)
     row = mesh_rank * n
     if problem is not None:
         table[row] = 1
     else:
         assert op is not None and scale is not None
-        table[row + 1 : row + n] = signature(
+        table[row + 1 : row + n - 1] = signature(
             query,
             key,
             is_causal=is_causal,
@@ -240,7 +241,7 @@ def agree_on_mesh(
     text = disagreement(
         [rw[1:base] for rw in rows], op_names, layout_names()
     )  # built-in layouts: by name
-    extra = strategy_disagreement([rw[base:] for rw in rows])
+    extra = strategy_disagreement([rw[base : n - 1] for rw in rows])
     if extra:
         text = ((text + "; ") if text else "") + extra
     if text is not None:
