@@ -13,6 +13,7 @@ import itertools
 import pytest
 
 from suites.cases import RingCase
+from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, params, world_sizes
 
@@ -21,7 +22,10 @@ def pytest_generate_tests(metafunc):
     if "case" not in metafunc.fixturenames:
         return
     cases = []
-    for w, rotate, layout, causal, (dtype, heads_kv) in itertools.product(
+    # Quick: every world size with every rotation, and every other value and pair of values
+    # (suites.coverage); nightly: the product.
+    for w, rotate, layout, causal, (dtype, heads_kv) in combos(
+        metafunc.config,
         world_sizes(metafunc.config),
         ROTATIONS,
         LAYOUTS,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 from suites.cases import RingCase
+from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, padded_lse_ops, params, session_ops, tier, world_sizes
 
@@ -28,8 +29,9 @@ def pytest_generate_tests(metafunc):
     cases = []
     # The session device's kernels (--device cuda: the CUDA kernels and their real LSE layouts); a
     # kernel that cannot run a dtype skips that case with its reason (suites.runner).
-    for op, w, dtype, causal, layout in itertools.product(
-        session_ops(metafunc.config), sizes, dtypes, (False, True), LAYOUTS
+    # Quick: every value and pair of values of the five axes (suites.coverage); nightly: all.
+    for op, w, dtype, causal, layout in combos(
+        metafunc.config, session_ops(metafunc.config), sizes, dtypes, (False, True), LAYOUTS
     ):
         inputs = InputSpec(
             batch=1, heads=2, heads_kv=2, seq_q=6 * w, seq_kv=6 * w, head_dim=16, dtype=dtype

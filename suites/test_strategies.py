@@ -33,10 +33,10 @@ from harness.errors import CaseFailure
 from harness.pytest_plugin import settings_of
 from reference.budget import assert_verdict, check
 from suites.cases_strategies import BAD_INPUTS, StrategyCase, strategy_bad_input_case, strategy_case
+from suites.coverage import combos
 from suites.inputs import SHORT, InputSpec
 from suites.judge import QUANTITIES, baseline_for, format_failure, reference_for
 from suites.judge_strategies import diagnose_strategy_case, judge_strategy, unshard_strategy_results
-from suites.coverage import combos
 from suites.matrix import LAYOUTS, ROTATIONS, seed_for, session_ops
 from suites.runner import case_properties
 
