@@ -18,15 +18,13 @@ from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, params, world_sizes
 
 
-def pytest_generate_tests(metafunc):
-    if "case" not in metafunc.fixturenames:
-        return
+def _cases(config) -> list:
     cases = []
     # Quick: every world size with every rotation, and every other value and pair of values
     # (suites.coverage); nightly: the product.
     for w, rotate, layout, causal, (dtype, heads_kv) in combos(
-        metafunc.config,
-        world_sizes(metafunc.config),
+        config,
+        world_sizes(config),
         ROTATIONS,
         LAYOUTS,
         (False, True),
@@ -39,9 +37,7 @@ def pytest_generate_tests(metafunc):
             RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True)
         )
     # value's own head dim (capability value_head_dim): its bytes move at d_v, not at d_qk
-    for i, (w, rotate) in enumerate(
-        itertools.product(world_sizes(metafunc.config, at_least=2), ROTATIONS)
-    ):
+    for i, (w, rotate) in enumerate(itertools.product(world_sizes(config, at_least=2), ROTATIONS)):
         inputs = InputSpec(
             batch=2,
             heads=4,
@@ -62,16 +58,18 @@ def pytest_generate_tests(metafunc):
                 account=True,
             )
         )
-    metafunc.parametrize(
-        "case",
-        params(
-            cases,
-            id_extra=lambda c: (
-                f"hkv{c.inputs.heads_kv}",
-                *(() if c.inputs.head_dim_v is None else (f"dv{c.inputs.head_dim_v}",)),
-            ),
+    return params(
+        cases,
+        id_extra=lambda c: (
+            f"hkv{c.inputs.heads_kv}",
+            *(() if c.inputs.head_dim_v is None else (f"dv{c.inputs.head_dim_v}",)),
         ),
     )
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", _cases(metafunc.config))
 
 
 def _diff(expected: dict, actual: dict) -> list[str]:
