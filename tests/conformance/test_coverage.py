@@ -23,9 +23,12 @@ from suites import (
     test_collectives,
     test_forward_backward,
     test_lse_layouts,
+    test_masks,
     test_shapes,
     test_strategies,
 )
+from suites.cases_balance import BALANCER_LAYOUTS
+from suites.cases_masks import MASK_NAMES
 from suites.coverage import combos, pairs_of, pairwise, uncovered
 from suites.matrix import CPU_OPS, DTYPES, LAYOUTS, ROTATIONS
 
@@ -180,6 +183,35 @@ MATRICES = {
         9,
         part=lambda c: c.inputs.heads_kv == 2,
     ),
+    "masks": Matrix(
+        test_masks._cases,
+        lambda c: (
+            c.mask,
+            c.world_size,
+            c.layout,
+            c.inputs.dtype,
+            c.rotate_method,
+            c.inputs.heads_kv,
+            c.sinks,
+        ),
+        (
+            MASK_NAMES,
+            QUICK_W,
+            (*LAYOUTS, *BALANCER_LAYOUTS),
+            ("float64", "float32", "bfloat16"),
+            ROTATIONS,
+            (4, 2),
+            FT,
+        ),
+        55,
+        part=lambda c: (
+            c.mesh_shape is None
+            and c.compile is None
+            and not c.refill
+            and c.inputs.scale is None
+            and c.inputs.head_dim_v is None
+        ),
+    ),
     "shapes gqa": Matrix(
         test_shapes._gqa,
         lambda c: (c.world_size, (c.inputs.heads, c.inputs.heads_kv), c.is_causal, c.rotate_method),
@@ -227,10 +259,9 @@ MATRICES = {
 
 
 def _built(matrix: Matrix, config: _Config) -> tuple[set[str], list[tuple]]:
-    """The ids of every case the builder makes, and the rows of the matrix's own cases."""
-    params = matrix.build(config)
-    cases = [p.values[0] for p in params]
-    return {p.id for p in params}, [matrix.row(c) for c in cases if matrix.part(c)]
+    """The ids and the rows of the matrix's cases that the builder makes for a tier."""
+    params = [p for p in matrix.build(config) if matrix.part(p.values[0])]
+    return {p.id for p in params}, [matrix.row(p.values[0]) for p in params]
 
 
 @pytest.mark.parametrize("name", sorted(MATRICES))
