@@ -58,18 +58,24 @@ def pairwise(
     """Rows of ``itertools.product(*axes)`` (those for which ``where(*row)`` holds) covering
     every value and every pair of values that some such row holds, in the product's order.
 
-    ``keep``: rows that must be selected (a case a meta-test relies on); the greedy rows cover
-    what they leave. Deterministic: rows are added one at a time, each the one covering the most
-    values and pairs not yet covered, the first in the product's order on a tie.
+    ``keep``: rows selected whenever the product holds them (cases other tests select by id);
+    a row of values outside the axes (a world size the session leaves out) is skipped, one that
+    fails ``where`` is an error. The greedy rows cover what they leave. Deterministic: rows are
+    added one at a time, each the one covering the most values and pairs not yet covered, the
+    first in the product's order on a tie.
     """
     axes = tuple(tuple(a) for a in axes)
     rows = [r for r in itertools.product(*axes) if where is None or where(*r)]
     if not rows:
         return []
-    keep = [tuple(r) for r in keep]
-    missing = [r for r in keep if r not in rows]
-    if missing:
-        raise ValueError(f"rows to keep are not in the product (or fail `where`): {missing}")
+    keep = [
+        tuple(r)
+        for r in keep
+        if len(r) == len(axes) and all(v in a for v, a in zip(r, axes, strict=True))
+    ]
+    refused = [r for r in keep if r not in rows]
+    if refused:
+        raise ValueError(f"rows to keep that `where` refuses: {refused}")
     # Each row as the ids of the cells (a value, or two values of two axes) it holds: value v
     # of axis i has index idx[i][v]; a single cell is (i, v), a pair (i, v, j, w) with i < j.
     idx = [{v: n for n, v in enumerate(a)} for a in axes]

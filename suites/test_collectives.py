@@ -17,6 +17,13 @@ from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, params, world_sizes
 
+#: Cases that tests select by id (tests/conformance/test_protocol.py, test_report.py,
+#: tests/packaging): in the quick tier whenever its world sizes hold them.
+KEEP = (
+    (2, "alltoall", "contiguous", True, ("float32", 4)),
+    (2, "allgather", "contiguous", True, ("float32", 4)),
+)
+
 
 def _cases(config) -> list:
     cases = []
@@ -29,6 +36,7 @@ def _cases(config) -> list:
         LAYOUTS,
         (False, True),
         (("float32", 4), ("bfloat16", 2)),
+        keep=KEEP,
     ):
         inputs = InputSpec(
             batch=2, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype

@@ -8,9 +8,11 @@ adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8); ``--world-sizes 32,64`` (the simul
 world sizes (``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given).
 Key/value heads: as many as the query heads (MHA), fewer than the Ulysses degree (GQA, each head
 replicated; a replication order error shows only with two or more of them), one (MQA). Causal and
-not, both layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring (cycled over
-the quick matrix, all of them nightly), the LSE's gradient, every CPU op (their LSE layouts),
-cross-attention lengths and non-contiguous inputs.
+not, both layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring, the LSE's
+gradient, every CPU op (their LSE layouts), cross-attention lengths and non-contiguous inputs. On
+the meshes of up to 6 ranks the nightly tier runs the product of mesh, dtype, layout and causal,
+key/value heads and rotation; the quick tier a pairwise selection of it (suites.coverage: every
+value and every pair of values of two axes).
 
 Numerics: :mod:`suites.judge_strategies` (the policy of every ring case; ``world_size`` = the
 ring degree). A failure names the replayed strategy bug it matches (local attention only,

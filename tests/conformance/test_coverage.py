@@ -21,7 +21,6 @@ from harness.pytest_plugin import SETTINGS_KEY
 from harness.settings import DEFAULT_WORLD_SIZES, HarnessSettings
 from suites import (
     test_collectives,
-    test_forward_backward,
     test_lse_layouts,
     test_masks,
     test_shapes,
@@ -81,16 +80,22 @@ def test_pairwise_keeps_the_rows_asked_for() -> None:
     rows = pairwise(*axes, keep=keep)
     assert set(keep) <= set(rows)
     assert uncovered(rows, itertools.product(*axes)) == set()
-    with pytest.raises(ValueError, match="not in the product"):
-        pairwise(*axes, keep=[(5, "float16", True, "p2p", "head_tail")])
+    # a value the axes lack (a world size the session leaves out): nothing to keep
+    assert pairwise(*axes, keep=[(5, "float16", True, "p2p", "head_tail")]) == pairwise(*axes)
+    with pytest.raises(ValueError, match="`where` refuses"):
+        pairwise(*axes, where=lambda w, *_: w > 1, keep=keep)
 
 
 class _Config:
     """What a suite's case builder reads of a pytest config: the session's settings (real
-    :class:`HarnessSettings` of the tier's defaults, as ``--tier`` gives them)."""
+    :class:`HarnessSettings`: the tier's defaults, or the world sizes ``--world-sizes`` gives)."""
 
-    def __init__(self, tier: str) -> None:
-        settings = HarnessSettings(tier=tier, world_sizes=DEFAULT_WORLD_SIZES[tier])
+    def __init__(self, tier: str, world_sizes: tuple[int, ...] | None = None) -> None:
+        settings = HarnessSettings(
+            tier=tier,
+            world_sizes=world_sizes or DEFAULT_WORLD_SIZES[tier],
+            sources={"world_sizes": "--world-sizes"} if world_sizes else {},
+        )
         self.stash = {SETTINGS_KEY: settings}
 
 
@@ -144,12 +149,6 @@ def _plain_strategy_case(case) -> bool:
 
 
 MATRICES = {
-    "forward_backward": Matrix(
-        test_forward_backward._cases,
-        lambda c: (c.world_size, c.inputs.dtype, c.is_causal, c.rotate_method, c.layout),
-        (QUICK_W, DTYPES, FT, ROTATIONS, LAYOUTS),
-        16,
-    ),
     "strategies": Matrix(
         test_strategies._matrix,
         _strategy_row,
@@ -173,7 +172,7 @@ MATRICES = {
             (c.inputs.dtype, c.inputs.heads_kv),
         ),
         (QUICK_W, ROTATIONS, LAYOUTS, FT, (("float32", 4), ("bfloat16", 2))),
-        14,
+        13,
         part=lambda c: c.inputs.head_dim_v is None,
     ),
     "lse_layouts": Matrix(
@@ -280,3 +279,14 @@ def test_quick_matrix_is_a_pairwise_selection_of_the_nightly_product(name: str) 
     assert len(missing) == 0, f"values and pairs the quick tier does not cover: {sorted(missing)}"
     assert len(quick) == len(set(quick)) == matrix.quick_count
     assert len(quick) < len(universe)
+
+
+@pytest.mark.parametrize("world_sizes", [None, (2,)], ids=["default", "W2"])
+def test_cases_other_tests_select_by_id_stay_in_the_quick_tier(world_sizes) -> None:
+    """tests/conformance/test_protocol.py, test_report.py and tests/packaging select these
+    collective cases by id, at the default world sizes and at ``--world-sizes 2``."""
+    ids = {p.id for p in test_collectives._cases(_Config("quick", world_sizes))}
+    assert {
+        "W2-f32-causal-alltoall-contiguous-hkv4",
+        "W2-f32-causal-allgather-contiguous-hkv4",
+    } <= ids
