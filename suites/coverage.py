@@ -5,14 +5,15 @@ GQA, ...). The nightly tier runs the whole product. The quick tier runs a *pairw
 from it: rows of the product such that every value of every axis, and every pair of values of
 two axes that some row of the product holds together, appears in at least one selected row. A
 bug that needs one value, or two values together (float16 with head_tail, p2p at W=3), is hit
-by the quick tier; one that needs three at once is the nightly tier's.
+by the quick tier; one that needs three at once may need the nightly tier.
 
 :func:`pairwise` is a greedy covering array (one row at a time, the row of the product that
 covers the most pairs not yet covered; ties go to the row that comes first in the product's
 order), so the selection is deterministic: the same axes give the same rows on every machine,
 worker and run, and a test id means the same case everywhere. :func:`combos` is what a suite
 calls in place of ``itertools.product``: the product in the nightly tier, the pairwise rows
-in the quick tier, so every quick case is also a nightly case.
+in the quick tier, so every quick case is also a nightly case. A case other tests select by id
+is kept in the quick selection with ``keep``.
 
 The selection has at least ``n_a * n_b`` rows for the two largest axes (every pair of their
 values); greedy covering arrays stay close to that bound for the suites' axes.
