@@ -69,6 +69,26 @@ class RankOutcome:
         return "\n".join(parts) if parts else "(no traceback or stack available)"
 
 
+def unfinished_outcome(
+    rank: int, stack: str, *, timeout: float, grace: float = 0.0, failed_rank: int | None = None
+) -> RankOutcome:
+    """The outcome of a rank that had not answered when the wait for a case ended: ``timeout``
+    when no rank had failed (the case timeout ran out), ``aborted`` when rank ``failed_rank``
+    failed and the ``grace`` seconds after it ran out. ``stack``: the rank's stack, if dumped."""
+    if failed_rank is None:
+        text = f"had not finished when the {timeout:g} s case timeout ran out"
+        status = TIMEOUT
+    else:
+        text = (
+            f"was still running {grace:g} s after rank {failed_rank} failed "
+            f"(blocked in a collective rank {failed_rank} never joined?)"
+        )
+        status = ABORTED
+    return RankOutcome(
+        rank, False, None, f"harness.{status.title()}", text, status=status, stack=stack
+    )
+
+
 def _first_line(text: str, limit: int = 300) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."

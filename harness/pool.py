@@ -52,6 +52,7 @@ from harness.errors import (
     CaseFailure,
     PoolStartError,
     RankOutcome,
+    unfinished_outcome,
 )
 from harness.launch import Pool, case_failure, case_label
 from harness.procs import install_parent_hooks, pid_alive, signal_name
@@ -442,23 +443,8 @@ class RankPool(Pool):
             first = min((r for r, o in results.items() if not o.ok), default=None)
             stacks = self._dump_stacks(gathered.unfinished)
             for rank in gathered.unfinished:
-                if first is None:
-                    text = f"had not finished when the {timeout:g} s case timeout ran out"
-                    status = TIMEOUT
-                else:
-                    text = (
-                        f"was still running {grace:g} s after rank {first} failed "
-                        f"(blocked in a collective rank {first} never joined?)"
-                    )
-                    status = ABORTED
-                results[rank] = RankOutcome(
-                    rank,
-                    False,
-                    None,
-                    f"harness.{status.title()}",
-                    text,
-                    status=status,
-                    stack=stacks.get(rank, ""),
+                results[rank] = unfinished_outcome(
+                    rank, stacks.get(rank, ""), timeout=timeout, grace=grace, failed_rank=first
                 )
         if gathered.unfinished or crashed:
             self._output.attach(results)

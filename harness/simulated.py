@@ -33,7 +33,15 @@ from typing import Any
 
 from harness import wire
 from harness.context import RankContext
-from harness.errors import ABORTED, ERROR, OK, TIMEOUT, CaseFailure, PoolUnavailable, RankOutcome
+from harness.errors import (
+    ABORTED,
+    ERROR,
+    OK,
+    CaseFailure,
+    PoolUnavailable,
+    RankOutcome,
+    unfinished_outcome,
+)
 from harness.launch import Pool, case_failure, case_label
 from harness.settings import current
 
@@ -282,15 +290,7 @@ class SimulatedPool(Pool):
                 continue
             frame = frames.get(by_name.get(f"sim-rank-{rank}/{self.world_size}") or -1)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
-            outcomes[rank] = RankOutcome(
-                rank,
-                False,
-                None,
-                "harness.Timeout",
-                f"had not finished when the {timeout:g} s case timeout ran out",
-                status=TIMEOUT,
-                stack=stack,
-            )
+            outcomes[rank] = unfinished_outcome(rank, stack, timeout=timeout)
         self._broken = (
             "a simulated pool whose case timed out is retired (a rank thread may still be "
             "computing); the next case starts a fresh one"

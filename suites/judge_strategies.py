@@ -5,10 +5,11 @@ with the oracle's layout of the strategy (:mod:`reference.strategies`), is judge
 :func:`reference.budget.check` against the float64 reference and the single-device baseline of
 the same kernel. ``world_size`` of the policy is the number of key/value blocks a row's result
 merges: the ring degree R (Ulysses' kernel sees the whole sequence: 1). A failure is diagnosed
-by replaying the strategies' known bugs in float64 (:func:`reference.strategies.diagnose_strategy`)
-and by matching the output's heads against the reference's (:func:`heads_permutation`: the head
-slices put back in the wrong order); an LSE returned in the head-sharded layout is named as such
-(:func:`lse_layout_problem`) before the shape contract.
+by replaying the strategies' known bugs in float64 (:func:`reference.diagnose.diagnose_strategy`)
+and by matching the output's heads against the reference's
+(:func:`reference.diagnose.heads_permutation`: the head slices put back in the wrong order); an
+LSE returned in the head-sharded layout is named as such (:func:`lse_layout_problem`) before the
+shape contract.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import torch
 
 from reference import strategies as ref_strategies
 from reference.budget import Verdict, check, compute_dtype
+from reference.diagnose import diagnose_strategy, head_sharded_lse, heads_permutation
 from suites.cases_strategies import StrategyCase
 from suites.inputs import make_inputs
 from suites.judge import QUANTITIES, baseline_for, contract_violations, reference_for, scales_for
 
 __all__ = [
     "diagnose_strategy_case",
-    "heads_permutation",
     "judge_strategy",
     "lse_layout_problem",
     "unshard_strategy_results",
@@ -68,27 +69,15 @@ def worst_location(case: StrategyCase, verdict: Verdict) -> str:
 
 def lse_layout_problem(case: StrategyCase, results: Sequence[dict[str, Any]]) -> str | None:
     """In words, when the ranks returned the LSE in the head-sharded layout of the inner
-    attention, ``(batch, heads/U, U * seq_local)`` (the rank's head slice over its Ulysses
-    group's sequence), instead of the sequence shard ``(batch, heads, seq_local)``; else None."""
-    u = case.mesh_shape[0]
+    attention instead of the sequence shard; else None (:func:`reference.diagnose.head_sharded_lse`
+    on the shapes the ranks returned)."""
     spec = case.inputs
-    sq = spec.seq_q // case.world_size
-    if u == 1 or spec.heads % u:
-        return None
-    head_shard = (spec.batch, spec.heads // u, u * sq)
-    ranks = [
-        rank
-        for rank, r in enumerate(results)
-        if r.get("lse") is not None and tuple(r["lse"].shape) == head_shard
-    ]
-    if not ranks:
-        return None
-    return (
-        f"the LSE is returned in the head-sharded layout {head_shard} = (batch, heads/U, "
-        f"U * seq_local) on rank(s) {ranks}: the rank's {spec.heads // u} heads over its Ulysses "
-        f"group's whole sequence, as the inner attention produced it, not the sequence shard "
-        f"{(spec.batch, spec.heads, sq)}; send the LSE back through the heads-to-sequence "
-        "all-to-all with the output"
+    return head_sharded_lse(
+        [None if r.get("lse") is None else tuple(r["lse"].shape) for r in results],
+        batch=spec.batch,
+        heads=spec.heads,
+        seq_local=spec.seq_q // case.world_size,
+        ulysses=case.mesh_shape[0],
     )
 
 
@@ -157,7 +146,7 @@ def diagnose_strategy_case(
     lines = []
     if got["out"] is not None:
         lines.append(
-            ref_strategies.diagnose_strategy(
+            diagnose_strategy(
                 g.query,
                 g.key,
                 g.value,
@@ -177,30 +166,3 @@ def diagnose_strategy_case(
             lines.insert(0, permuted)
     lines += [worst_location(case, v) for v in verdicts if not v.passed]
     return "; ".join(line for line in lines if line)
-
-
-def heads_permutation(observed: torch.Tensor, ref: torch.Tensor, tolerance: float) -> str | None:
-    """In words, when every head of the global output ``observed`` (batch, heads, seq, d) equals
-    (within ``tolerance``) the reference's attention of one other head, each head used once: the
-    head slices went back in the wrong order (a head offset or reshape wrong after the output
-    all-to-all); None when the heads are in place or no such permutation explains the output."""
-    heads = ref.shape[1]
-    x, r = observed.detach().double(), ref.detach().double()
-    holds = []
-    for i in range(heads):
-        err = torch.stack(
-            [(x[:, i] - r[:, j]).abs().nan_to_num(float("inf")).amax() for j in range(heads)]
-        )
-        j = int(err.argmin())
-        if float(err[j]) > tolerance:
-            return None
-        holds.append(j)
-    if sorted(holds) != list(range(heads)) or holds == list(range(heads)):
-        return None
-    moved = [f"{i} <- {j}" for i, j in enumerate(holds) if i != j]
-    shown = ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
-    return (
-        f"the output's heads are permuted: head i holds head j's attention (i <- j: {shown}); "
-        "every head's result is right but in the wrong place: the head slices went back in the "
-        "wrong order (or at the wrong head offset) after the output all-to-all"
-    )

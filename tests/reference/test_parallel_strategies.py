@@ -11,6 +11,8 @@ import torch
 
 from reference import strategies as rs
 from reference.attention import attention
+from reference.diagnose import diagnose_strategy
+from reference.diagnose.strategies import _local_only
 from ring_impl.strategies import layout as impl_layout
 
 MESHES = [
@@ -145,11 +147,11 @@ def test_diagnosis_names_the_replayed_bug(bug, words) -> None:
     q, k, v = problem(6, 2, seq, seed=3)
     common = dict(strategy="hybrid", layout="head_tail", mesh_shape=mesh, is_causal=True)
     if bug == "local":
-        observed = rs._local_only(q, k, v, scale=None, **common)
+        observed = _local_only(q, k, v, scale=None, **common)
     else:
         observed = rs.replay_head_parallel(q, k, v, **common, **bug)
     observed = observed.to(torch.float32).to(torch.float64)  # what a float32 run would return
-    text = rs.diagnose_strategy(q, k, v, observed, **common)
+    text = diagnose_strategy(q, k, v, observed, **common)
     assert words in text, text
     assert "mesh rank" in text, text
 
@@ -157,7 +159,7 @@ def test_diagnosis_names_the_replayed_bug(bug, words) -> None:
 def test_diagnosis_of_a_correct_result_names_nothing() -> None:
     q, k, v = problem(4, 4, 16)
     ref = attention(q, k, v).out
-    text = rs.diagnose_strategy(
+    text = diagnose_strategy(
         q, k, v, ref, strategy="ulysses", layout="contiguous", mesh_shape=(4, 1), is_causal=False
     )
     assert "no element is off" in text and "explained" not in text

@@ -15,6 +15,7 @@ import torch
 import ring_impl
 from ring_impl.call import EXCHANGES, Call, exchange_of
 from ring_impl.ops.cpu import CpuFlashOp
+from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 #: Every keyword of ring_attention, in order: the signature tools, IDEs and help() show.
 PARAMETERS = (
@@ -259,9 +260,7 @@ def _bad_exchange(ctx, kind: str) -> str:
 )
 def test_a_bad_exchange_raises_on_every_rank(rank_pool, kind: str, pattern: str) -> None:
     outcomes = rank_pool(2).run_outcomes(_bad_exchange, kind, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
-    assert any(pattern in o.exc_message for o in outcomes), summary
+    assert_input_error_on_every_rank(outcomes, pattern)
 
 
 def test_the_schedule_refuses_an_unknown_or_contradicted_exchange() -> None:

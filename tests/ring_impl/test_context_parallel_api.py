@@ -22,6 +22,7 @@ import ring_impl
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from harness.procs import run_tree
 from ring_impl.context_parallel import ContextParallelError
+from tests.ring_impl.outcomes import assert_every_rank_raised
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -200,8 +201,7 @@ def test_context_parallel_rejects_bad_arguments_on_every_rank_before_sharding(
     cp_ring, kind: str, pattern: str
 ) -> None:
     outcomes = cp_ring.rank_pool(2).run_outcomes(_bad_entry, kind, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, "ContextParallelError")
     assert any(re.search(pattern, o.exc_message) for o in outcomes), summary
     assert all("sharded before the error" not in o.exc_message for o in outcomes), summary
 
@@ -288,8 +288,7 @@ def test_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ring) -> No
     """need_weights=True on rank 0 only: rank 0 rejects before SDPA, rank 1 reaches the ring's
     agreement, and both raise (no hang)."""
     outcomes = cp_ring.rank_pool(2).run_outcomes(_mha_weights_on_one_rank, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes)
     assert "need_weights=False" in outcomes[0].exc_message, summary
     assert "rank 0 rejected their input" in outcomes[1].exc_message, summary
     # Each names the function its rank called: rank 1's call reached SDPA.
@@ -313,8 +312,7 @@ def test_sdpa_refusal_names_the_function_called(cp_ring) -> None:
     """An SDPA call that context parallel cannot run is refused on every rank, in words about
     scaled_dot_product_attention (the function the user called), not only ring_attention."""
     outcomes = cp_ring.rank_pool(2).run_outcomes(_sdpa_attn_mask_on_one_rank, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, "InputError")
     assert all(
         o.exc_message.startswith("scaled_dot_product_attention under context parallel")
         for o in outcomes
@@ -412,8 +410,7 @@ def test_compiled_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ri
     of the module's attention, rank 1's the ring's agreement; when the graphs run, both raise
     (no rank raises alone while tracing, leaving the other waiting)."""
     outcomes = cp_ring.rank_pool(2).run_outcomes(_compiled_mha_weights_on_one_rank, timeout=120.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes)
     assert all(
         "InputError" in (o.exc_type or "") or "need_weights" in (o.exc_message or "")
         for o in outcomes

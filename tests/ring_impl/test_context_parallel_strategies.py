@@ -11,6 +11,7 @@ import torch
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention
 from reference.budget import assert_close
+from tests.ring_impl.outcomes import assert_every_rank_raised
 
 HEADS, HEAD_DIM, LOCAL = 4, 8, 8
 
@@ -193,8 +194,7 @@ def test_hybrid_on_a_1d_mesh_is_refused_on_every_rank_with_what_to_do(ring, wher
             f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}"
         )
     outcomes = ring.rank_pool(2).run_outcomes(_hybrid_refused, where, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, "ContextParallelError")
     assert all(
         "needs a 2-D DeviceMesh with dims named 'ring' and 'ulysses'" in o.exc_message
         for o in outcomes
@@ -229,6 +229,5 @@ def test_hybrid_option_bad_on_some_ranks_is_refused_on_every_rank(ring, option: 
             f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}"
         )
     outcomes = ring.rank_pool(4).run_outcomes(_hybrid_option_differs, option, timeout=60.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:200]) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("ContextParallelError") for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, "ContextParallelError", clip=200)
     assert "rejected their arguments" in outcomes[0].exc_message, summary

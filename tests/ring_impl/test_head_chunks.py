@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
-from ring_impl import InputError, collective_schedule
+from ring_impl import collective_schedule
 from ring_impl.heads import check_head_chunks, head_spans
 from suites.cases import RingCase
 from suites.inputs import InputSpec
+from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 
 @pytest.mark.parametrize(
@@ -228,9 +229,7 @@ def _bad_chunks(ctx, kind: str):
 def test_bad_head_chunks_raise_on_every_rank(ring, kind: str, pattern: str) -> None:
     _ring_impl_only(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_chunks, kind, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith(InputError.__name__) for o in outcomes), summary
-    assert any(pattern in o.exc_message for o in outcomes), summary
+    assert_input_error_on_every_rank(outcomes, pattern)
 
 
 class _Attention(torch.nn.Module):

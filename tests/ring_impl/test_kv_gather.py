@@ -17,6 +17,7 @@ from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from reference.masks import visibility
 from ring_impl.ops.math import MathOp
+from tests.ring_impl.outcomes import assert_every_rank_raised
 from tests.ring_impl.test_halo import (
     BATCH,
     HEAD_DIM,
@@ -464,6 +465,5 @@ def _bad(ctx, kind: str):
 def test_bad_sparse_options_raise_on_every_rank(ring, kind, pattern) -> None:
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:200]) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, "InputError", clip=200)
     assert all(pattern in o.exc_message for o in outcomes), summary

@@ -15,6 +15,7 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from reference.masks import visibility
+from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 BATCH, HEADS, HEADS_KV, HEAD_DIM = 1, 4, 2, 8
 
@@ -309,12 +310,8 @@ def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) 
         pytest.skip(
             f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
         )
-    from ring_impl import InputError
-
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith(InputError.__name__) for o in outcomes), summary
-    assert any(pattern in o.exc_message for o in outcomes), summary
+    assert_input_error_on_every_rank(outcomes, pattern)
 
 
 def _run_hybrid(

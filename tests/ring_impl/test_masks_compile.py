@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
+from tests.ring_impl.outcomes import assert_every_rank_raised
 
 SEQ, HEADS, HEADS_KV, HEAD_DIM = 32, 4, 2, 8
 
@@ -258,8 +259,7 @@ def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> Non
     is compared whole (eagerly its values over the call's range: ring_impl.masks.probe_text)."""
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_input_compiled, case, timeout=120.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, "InputError", clip=300)
     word = "entries" if case == "ids_of_wrong_length" else "mask"
     assert all(word in o.exc_message for o in outcomes), summary
 
@@ -290,8 +290,7 @@ def test_fullgraph_names_why_a_mask_mod_breaks_the_graph(ring) -> None:
     on every rank, naming why."""
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_fullgraph, timeout=60.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
-    assert all(not o.ok for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, clip=300)
     assert all(
         "runs eagerly inside torch.compile" in o.exc_message and "MaskMod" in o.exc_message
         for o in outcomes
@@ -326,8 +325,7 @@ def test_a_mask_mod_that_asserts_is_refused_on_every_rank(ring, fullgraph) -> No
     every rank (or, where the graph cannot break, a refusal naming why on every rank)."""
     _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_asserting_mask_mod, fullgraph, timeout=120.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message[:300]) for o in outcomes]
-    assert all(not o.ok for o in outcomes), summary
+    summary = assert_every_rank_raised(outcomes, clip=300)
     assert all(
         o.exc_type.endswith("InputError") or "asserts or raises" in o.exc_message for o in outcomes
     ), summary

@@ -19,8 +19,9 @@ import ring_impl.max_logit as max_logit_module
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference.attention import max_logit as oracle_max_logit
 from reference.layout import shard, unshard
-from ring_impl import InputError, collective_schedule
+from ring_impl import collective_schedule
 from ring_impl.max_logit import block_max_logit, max_logit_problem
+from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 
 def _ring_impl_only(ring) -> None:
@@ -381,6 +382,4 @@ def _bad(ctx, kind: str):
 def test_bad_max_logit_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
     _ring_impl_only(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith(InputError.__name__) for o in outcomes), summary
-    assert any(pattern in o.exc_message for o in outcomes), summary
+    assert_input_error_on_every_rank(outcomes, pattern)

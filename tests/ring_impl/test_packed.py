@@ -15,6 +15,7 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from reference.masks import visibility
+from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -183,6 +184,4 @@ def test_bad_packed_input_raises_on_every_rank(ring, kind: str, pattern: str) ->
             f"{ring.impl.spec}"
         )
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
-    summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
-    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
-    assert any(pattern in o.exc_message for o in outcomes), summary
+    assert_input_error_on_every_rank(outcomes, pattern)
