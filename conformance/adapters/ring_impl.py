@@ -33,6 +33,8 @@ CAPABILITIES = Capabilities(
     sinks=True,
     score_mod=True,
     balancers=frozenset(BALANCERS),
+    packed=True,
+    multi_mask_layouts=True,
 )
 
 

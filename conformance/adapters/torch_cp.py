@@ -360,6 +360,8 @@ class TorchContextParallel:
             score_mod=False,  # PyTorch's ring runs SDPA kernels, which take no score_mod
             balancers=frozenset(),  # head_tail is PyTorch's only load balancer
             max_logit=False,  # its ring returns no max logit (and SDPA has no such output)
+            packed=False,  # its ring takes (batch, heads, seq, dim) only: no cu_seqlens
+            multi_mask_layouts=False,  # no balancers (above)
         )
         self.baseline_op = "auto"
 

@@ -565,6 +565,7 @@ class FlashRing:
         sinks=False,
         score_mod=False,
         max_logit=False,  # returns no max logit (ring_attention takes no return_max_logit)
+        packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

@@ -225,6 +225,7 @@ class GatherStrategies:
         score_mod=False,
         balancers=frozenset(),
         max_logit=False,
+        packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
     )
     ring_attention = staticmethod(ring_attention)
 
