@@ -25,17 +25,19 @@ from harness.procs import run_tree  # the command's process tree dies with the t
 from meta_tests.broken import BROKEN as BROKEN_RINGS
 from meta_tests.broken_api import BROKEN_API
 from meta_tests.broken_masks import BROKEN_MASKS
+from meta_tests.broken_packed import BROKEN_PACKED
 from meta_tests.broken_score_mods import BROKEN_SCORE_MODS
 
 #: Every deliberately broken implementation: rings, context-parallel APIs around a correct ring,
-#: and rings with mask and load-balance bugs.
-BROKEN = {**BROKEN_RINGS, **BROKEN_API, **BROKEN_MASKS, **BROKEN_SCORE_MODS}
+#: and rings with mask, load-balance and packed-input bugs.
+BROKEN = {**BROKEN_RINGS, **BROKEN_API, **BROKEN_MASKS, **BROKEN_SCORE_MODS, **BROKEN_PACKED}
 #: The module that holds each broken implementation.
 MODULES = {
     **dict.fromkeys(BROKEN_RINGS, "meta_tests.broken"),
     **dict.fromkeys(BROKEN_API, "meta_tests.broken_api"),
     **dict.fromkeys(BROKEN_MASKS, "meta_tests.broken_masks"),
     **dict.fromkeys(BROKEN_SCORE_MODS, "meta_tests.broken_score_mods"),
+    **dict.fromkeys(BROKEN_PACKED, "meta_tests.broken_packed"),
 }
 
 ROOT = Path(__file__).resolve().parents[1]
