@@ -19,17 +19,14 @@ suite against each and requires a failure matching its ``expect`` pattern and no
 
 from __future__ import annotations
 
-from itertools import pairwise
-
 import torch
 
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
 from meta_tests.broken import Broken
-from reference.layout import positions
+from meta_tests.broken_masks import DocumentsAtLocalPositions
 from ring_impl.balance import weighted_masks
 from ring_impl.group import resolve_group
-from ring_impl.masks import Documents
 
 __all__ = ["BROKEN_PACKED"]
 
@@ -37,30 +34,6 @@ __all__ = ["BROKEN_PACKED"]
 def _global_world(group) -> tuple[int, int]:
     pg = resolve_group(group)
     return torch.distributed.get_world_size(pg), torch.distributed.get_rank(pg)
-
-
-def _cu_seqlens_local(query, key, value, *, cu_seqlens=None, **kwargs):
-    """Packed calls run as 4-D calls whose documents are cut at every rank's local indices."""
-    if cu_seqlens is None:
-        return ring_impl.ring_attention(query, key, value, **kwargs)
-    world, _ = _global_world(kwargs.get("group"))
-    local, tokens = query.shape[0], query.shape[0] * world
-    cu = [int(x) for x in torch.as_tensor(cu_seqlens).tolist()]
-    local_ids = [-1] * max(tokens, cu[-1])
-    for d, (a, b) in enumerate(pairwise(cu)):
-        local_ids[a:b] = [d] * (b - a)
-    ids = [0] * tokens
-    for r in range(world):
-        for i, p in enumerate(positions(kwargs.get("layout", "contiguous"), world, r, tokens)):
-            ids[int(p)] = local_ids[i]
-    assert local == tokens // world
-    mask = Documents(torch.tensor(ids), bool(kwargs.pop("is_causal", False)))
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    result = ring_impl.ring_attention(q, k, v, is_causal=False, mask=mask, **kwargs)
-    if kwargs.get("return_lse"):
-        out, lse = result
-        return out[0].transpose(0, 1), lse[0]
-    return result[0].transpose(0, 1)
 
 
 def _padding_attended(query, key, value, *, cu_seqlens=None, **kwargs):
@@ -103,7 +76,9 @@ BROKEN_PACKED: dict[str, Broken] = {
             "packed_cu_seqlens_local",
             "packed: cu_seqlens taken as offsets into the local shard",
             r"cu_seqlens read as offsets into the local shard",
-            _wrapped("packed_cu_seqlens_local", _cu_seqlens_local),
+            # ring_impl runs a packed call as a 4-D call under the documents of cu_seqlens: with
+            # those documents read at each token's local index, cu_seqlens cut the local shard.
+            RingImplAdapter(DocumentsAtLocalPositions(), name="packed_cu_seqlens_local"),
             suites="suites/test_packed.py",
         ),
         Broken(
