@@ -82,8 +82,9 @@ def _install() -> None:
         if _installed == 0:
             register_backend()
             _saved["world"] = dist.distributed_c10d._world
-            dist.distributed_c10d._world = ThreadLocalWorld()
-            torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            # (torch's private per-thread world and its switch: absent from its type stubs)
+            dist.distributed_c10d._world = ThreadLocalWorld()  # type: ignore[assignment]
+            torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
         _installed += 1
 
 
@@ -96,7 +97,7 @@ def _uninstall() -> None:
         _installed -= 1
         if _installed == 0 and "world" in _saved:
             dist.distributed_c10d._world = _saved.pop("world")
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
 
 
 class SimulatedPool(Pool):

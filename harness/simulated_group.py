@@ -79,10 +79,11 @@ class SimWorld:
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self.baton = threading.Condition()
+        lock = threading.RLock()
+        self.baton = threading.Condition(lock)
         # One condition per rank on the baton's lock: a change wakes only the ranks it lets go on
         # (notify_all on one condition would wake all W waiters, W times per ring step).
-        self._wakeup = [threading.Condition(self.baton) for _ in range(world_size)]
+        self._wakeup = [threading.Condition(lock) for _ in range(world_size)]
         self.aborted = ""
         self._collectives: dict[tuple[str, int], _Collective] = {}
         self._issued: dict[tuple[str, int], int] = {}  # (group, group rank) -> collectives issued
@@ -282,7 +283,8 @@ class SimWorld:
 def _done(result: Any = None) -> dist.Work:
     fut: Future = Future()
     fut.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(fut)
+    # (private in torch's type stubs; the public way, Work.get_future, goes the other way)
+    return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
 
 class _RecvWork(dist.Work):
@@ -357,7 +359,7 @@ class SimGroup(dist.ProcessGroup):
     """One rank's view of a simulated process group (see the module docstring)."""
 
     def __init__(self, rank: int, world_size: int):
-        super().__init__(rank, world_size)
+        super().__init__(rank, world_size)  # type: ignore[call-arg]  # (the store-less overload)
         self._rank, self._size = rank, world_size
         world = current_world()
         if world is None:
@@ -376,7 +378,7 @@ class SimGroup(dist.ProcessGroup):
         return BACKEND
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]  # (a property, as torch reads it)
         return dist.distributed_c10d._world.pg_names[self]
 
     @property
