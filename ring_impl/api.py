@@ -13,6 +13,7 @@ from .group import RingGroup, resolve_group
 from .halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
 from .heads import plan_chunks
 from .kv_gather import gather_path, gather_refusal
+from .layout import layout_divisor
 from .masks import Mask, fold_causal, mask_code, masking_problem, snapshot
 from .max_logit import max_logit_problem
 from .ops import AttentionOp, resolve_scale_and_op
@@ -190,6 +191,8 @@ def _uneven(bound: Bound, call: Call, query, key, value, shard_lengths):
         )
     if problem is not None:
         return attend(bound, call.with_(problem=problem), query, key, value)
+    if len(set(lengths)) == 1 and sum(lengths) % layout_divisor(call.layout, world) == 0:
+        return attend(bound, call, query, key, value)  # the layout's own even split: no padding
     q, k, v = uneven_views(query, key, value, max(lengths))
     result = attend(bound, uneven_call(call, lengths), q, k, v)
     return uneven_result(result, lengths[rank], call.return_lse, call.return_max_logit is True)

@@ -373,3 +373,33 @@ def test_padded_layouts_are_built_from_their_name_and_kept_boundedly() -> None:
     assert layout.layout_runs(name, 12, 4, 0) == ((0, 2), (9, 10))  # rebuilt, equal
     for bad in ("padded(contiguous;1,x)", "padded(unknown;1,1)", "padded(contiguous;0,0)"):
         assert not layout.is_layout(bad), bad
+
+
+def _run_even(ctx):
+    import ring_impl
+    import ring_impl.api as api
+
+    padded = []
+    real = api.uneven_call
+    api.uneven_call = lambda call, lengths: padded.append(lengths) or real(call, lengths)
+    try:
+        outs = []
+        for lengths in (None, [4, 4], [5, 3]):  # no split given, the even split, an uneven one
+            n = 4 if lengths is None else lengths[ctx.rank]
+            q, k, v = (t[:, :, :n] for t in _inputs(8, torch.float32)[:3])
+            outs.append(
+                ring_impl.ring_attention(
+                    q, k, v, group=ctx.group, is_causal=True, shard_lengths=lengths
+                )
+            )
+    finally:
+        api.uneven_call = real
+    return torch.equal(outs[0], outs[1]), padded
+
+
+def test_equal_shard_lengths_run_the_plain_call(ring) -> None:
+    """shard_lengths that are the layout's own even split run the call as it is (bit for bit),
+    without the padded call and its mask: that is made for the uneven split only."""
+    _skip_other_impls(ring)
+    for same, padded in ring.rank_pool(2).run(_run_even):
+        assert same and padded == [(5, 3)], padded
