@@ -57,21 +57,19 @@ def test_shard_rejects_a_dim_out_of_range() -> None:
         ring_impl.shard(torch.zeros(1, 1, 8, 1), 2, 0, dim=4)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
-def test_unshard_rejects_unequal_shards(layout: str) -> None:
+def test_unshard_takes_the_layouts_split_and_rejects_others() -> None:
+    """Shards of unequal lengths: any split for contiguous, the layout's own split for head_tail
+    (6 tokens over 2: 3 and 3, from uneven chunks), another split or another shape refused."""
+    x = torch.arange(10.0).reshape(1, 1, 10, 1)
+    assert torch.equal(ring_impl.unshard([x[:, :, :4], x[:, :, 4:]], layout="contiguous"), x)
+    with pytest.raises(ValueError, match=r"splits 10 tokens over 2 ranks as \[5, 5\]"):
+        ring_impl.unshard([x[:, :, :4], x[:, :, 4:]], layout="head_tail")
+    six = x[:, :, :6]
+    parts = [ring_impl.shard(six, 2, r, layout="head_tail") for r in range(2)]
+    assert [p.shape[2] for p in parts] == [3, 3]
+    assert torch.equal(ring_impl.unshard(parts, layout="head_tail"), six)
     with pytest.raises(ValueError, match="different shapes"):
-        ring_impl.unshard([torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 6, 1)], layout=layout)
-
-
-def test_unshard_rejects_an_odd_head_tail_shard_and_no_shards() -> None:
-    with pytest.raises(
-        ValueError,
-        match=(
-            "length 6 cannot be sharded in layout 'head_tail' over 2 ranks: it must be a multiple "
-            "of 4"
-        ),
-    ):
-        ring_impl.unshard([torch.zeros(1, 1, 3, 1)] * 2, layout="head_tail")
+        ring_impl.unshard([torch.zeros(1, 1, 4, 1), torch.zeros(1, 2, 4, 1)], layout="contiguous")
     with pytest.raises(ValueError, match="no shards"):
         ring_impl.unshard([], layout="contiguous")
 
