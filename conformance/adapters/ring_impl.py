@@ -34,8 +34,6 @@ CAPABILITIES = Capabilities(
     score_mod=True,
     balancers=frozenset(BALANCERS),
     uneven_shards=True,
-    packed=True,
-    multi_mask_layouts=True,
 )
 
 
