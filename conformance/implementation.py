@@ -103,6 +103,24 @@ implementation pads a shard with must be seen by no query and returned to no cal
     layouts are ``capabilities.layouts``; undeclared ``balancers`` claims both
     (and ``balanced_layout``).
 
+    ``mask`` may also be a list of ``(mask, weight)`` pairs (capability ``multi_mask_layouts``):
+    the masks of one model's layers (documents everywhere, a sliding window in some layers),
+    ``weight`` a positive number (how many layers run that mask, or any relative cost); the one
+    layout balances the weighted sum of their work. The balance suite's multi-mask cases hold
+    each rank's weighted work to the balancer's bound and judge every mask's outputs and
+    gradients on that one layout against the oracle. Declare ``multi_mask_layouts=False`` for a
+    balancer that takes one mask only.
+
+``cu_seqlens`` (capability ``packed``) is passed to ``ring_attention`` by the packed suite
+(``suites/test_packed.py``): packed (THD) inputs, query/key/value ``(tokens_local, heads,
+head_dim)`` (key and value ``heads_kv``), each rank's shard in ``layout`` (dim 0) of the global
+packed sequence of ``tokens = tokens_local * world_size`` tokens, and ``cu_seqlens`` the global
+cumulative document lengths ``[0, l0, l0 + l1, ...]`` (a list of ints or a 1-D int32 tensor,
+equal on every rank). Attention stays inside each document (causal within it with
+``is_causal=True``); tokens from ``cu_seqlens[-1]`` to ``tokens`` are padding: out 0, LSE -inf,
+zero gradients. Returns out ``(tokens_local, heads, head_dim_v)`` and, with ``return_lse=True``,
+the LSE as ``(heads, tokens_local)`` (FlashAttention's varlen layout).
+
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
 (``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
 ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
@@ -217,6 +235,10 @@ class Capabilities:
     max_logit: bool | None = None  # ring_attention(return_max_logit=True): the per-head max logit
     #: ring_attention(shard_lengths=[n_0, ...]): rank r holds n_r tokens, any n_r >= 0
     uneven_shards: bool | None = None
+    #: ring_attention(cu_seqlens=...): packed (tokens_local, heads, head_dim) documents
+    packed: bool | None = None
+    #: balanced_layout(balancer, [(mask, weight), ...], ...): one layout for several masks
+    multi_mask_layouts: bool | None = None
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

@@ -25,12 +25,20 @@ from harness.procs import run_tree  # the command's process tree dies with the t
 from meta_tests.broken import BROKEN as BROKEN_RINGS
 from meta_tests.broken_api import BROKEN_API
 from meta_tests.broken_masks import BROKEN_MASKS
+from meta_tests.broken_packed import BROKEN_PACKED
 from meta_tests.broken_score_mods import BROKEN_SCORE_MODS
 from meta_tests.broken_uneven import BROKEN_UNEVEN
 
 #: Every deliberately broken implementation: rings, context-parallel APIs around a correct ring,
-#: rings with mask and load-balance bugs, score_mod bugs and uneven-shard bugs.
-BROKEN = {**BROKEN_RINGS, **BROKEN_API, **BROKEN_MASKS, **BROKEN_SCORE_MODS, **BROKEN_UNEVEN}
+#: rings with mask, load-balance, packed-input and uneven-shard bugs, and score_mod bugs.
+BROKEN = {
+    **BROKEN_RINGS,
+    **BROKEN_API,
+    **BROKEN_MASKS,
+    **BROKEN_SCORE_MODS,
+    **BROKEN_UNEVEN,
+    **BROKEN_PACKED,
+}
 #: The module that holds each broken implementation.
 MODULES = {
     **dict.fromkeys(BROKEN_RINGS, "meta_tests.broken"),
@@ -38,6 +46,7 @@ MODULES = {
     **dict.fromkeys(BROKEN_MASKS, "meta_tests.broken_masks"),
     **dict.fromkeys(BROKEN_SCORE_MODS, "meta_tests.broken_score_mods"),
     **dict.fromkeys(BROKEN_UNEVEN, "meta_tests.broken_uneven"),
+    **dict.fromkeys(BROKEN_PACKED, "meta_tests.broken_packed"),
 }
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,13 +31,17 @@ from suites.inputs import InputSpec, make_inputs
 __all__ = [
     "BALANCER_LAYOUTS",
     "FAMILIES",
+    "MULTI_MASKS",
     "BalanceCase",
     "BlockFinding",
+    "MultiMaskCase",
     "as_runs",
     "balance_case",
     "family_spec",
     "judge_pairs",
     "lognormal_documents",
+    "multi_mask_case",
+    "multi_specs",
     "require_balancer",
     "runs_positions",
     "runs_problem",
@@ -222,6 +226,16 @@ def balance_case(ctx, case: BalanceCase) -> dict[str, Any]:
         runs = as_runs(runs)
     else:
         layout, runs = case.layout, builtin_runs(case.layout, seq, w)
+    return {
+        "layout": layout,
+        "runs": runs,
+        **_recorded_forward(ctx, impl, case, mask, layout, runs),
+    }
+
+
+def _recorded_forward(ctx, impl, case: RingCase, mask, layout: str, runs) -> dict[str, Any]:
+    """One masked forward on the positioned inputs in ``layout`` (this rank's ``runs``) with the
+    recording op: its work and its calls."""
     mine = runs_positions(runs[ctx.rank])
     q, k, v = (t.index_select(2, mine).to(ctx.device) for t in positioned_inputs(case.inputs))
     # The math op: which blocks the ring asks for does not depend on the kernel, and it takes
@@ -240,13 +254,96 @@ def balance_case(ctx, case: BalanceCase) -> dict[str, Any]:
         return_lse=False,
         mask=mask,
     )
-    return {
-        "layout": layout,
-        "runs": runs,
-        "work": op.work,
-        "calls": op.records,
-        "out_finite": bool(torch.isfinite(out).all()),
-    }
+    return {"work": op.work, "calls": op.records, "out_finite": bool(torch.isfinite(out).all())}
+
+
+# ---------------------------------------------------------------------- several masks, one layout
+
+#: The model of the multi-mask cases: documents in every layer, a sliding window in three of
+#: every four (``(family, weight)``: weight = layers that run the mask). The windowed mask comes
+#: first: its work is about even under any layout with equal shares, so a balancer that reads the
+#: first mask only deals the documents' causal work out blindly.
+MULTI_MASKS = (("documents_window", 3.0), ("documents", 1.0))
+#: The inputs the multi-mask cases judge against the oracle (the work is counted on the
+#: positioned inputs of :func:`case_inputs`).
+MULTI_HEADS, MULTI_HEADS_KV = 2, 1
+
+
+def multi_specs(seq: int, world_size: int) -> list[tuple[dict[str, Any], float]]:
+    """The plain-data masks (reference.masks) of :data:`MULTI_MASKS` and their weights."""
+    return [(family_spec(family, seq, world_size), weight) for family, weight in MULTI_MASKS]
+
+
+@dataclass(frozen=True)
+class MultiMaskCase(BalanceCase):
+    """One layout built by ``layout`` (a balancer) for the weighted masks of :data:`MULTI_MASKS`;
+    every mask runs on it: a counted forward (work, pairs) and a forward and backward of
+    ``oracle_inputs`` judged against the float64 oracle."""
+
+    family: str = "multi"
+    oracle_dtype: str = "float32"
+
+    @property
+    def oracle_inputs(self) -> InputSpec:
+        return self.inputs.with_(
+            heads=MULTI_HEADS, heads_kv=MULTI_HEADS_KV, dtype=self.oracle_dtype
+        )
+
+    @property
+    def label(self) -> str:
+        masks = " + ".join(f"{weight:g} x {family}" for family, weight in MULTI_MASKS)
+        return (
+            f"ring_attention(W={self.world_size}, masks={masks}, balancer={self.layout}, "
+            f"rotate={self.rotate_method}, seq={self.inputs.seq_q}, {self.oracle_dtype})"
+        )
+
+
+def multi_mask_case(ctx, case: MultiMaskCase) -> dict[str, Any]:
+    """Rank side: the balancer's one layout for every weighted mask; per mask the recorded
+    forward (work, calls) and the oracle inputs' out, LSE and gradients on that layout."""
+    from ring_impl.masks import from_spec
+
+    if case.world_size != ctx.world_size:
+        raise ValueError(f"case is for {case.world_size} ranks but the pool has {ctx.world_size}")
+    impl = load_implementation(case.impl)
+    seq, w = case.inputs.seq_q, ctx.world_size
+    masks = [(from_spec(spec), weight) for spec, weight in multi_specs(seq, w)]
+    layout, runs = impl.obj.balanced_layout(case.balancer, masks, seq, w)
+    runs = as_runs(runs)
+    mine = runs_positions(runs[ctx.rank])
+    g = make_inputs(case.oracle_inputs)
+    per_mask = []
+    for mask, _ in masks:
+        counted = _recorded_forward(ctx, impl, case, mask, layout, runs)
+        q, k, v = (
+            t.index_select(2, mine).to(ctx.device).requires_grad_()
+            for t in (g.query, g.key, g.value)
+        )
+        out, lse = impl.obj.ring_attention(
+            q,
+            k,
+            v,
+            group=ctx.group,
+            is_causal=False,
+            scale=None,
+            rotate_method=case.rotate_method,
+            layout=layout,
+            return_lse=True,
+            mask=mask,
+        )
+        out.backward(g.grad_out.index_select(2, mine).to(ctx.device))
+        per_mask.append(
+            {
+                **counted,
+                "runs": runs,
+                "out": out.detach().cpu(),
+                "lse": lse.detach().cpu(),
+                "dq": q.grad.cpu(),
+                "dk": k.grad.cpu(),
+                "dv": v.grad.cpu(),
+            }
+        )
+    return {"layout": layout, "runs": runs, "masks": per_mask}
 
 
 # ---------------------------------------------------------------------- the pytest side
@@ -294,13 +391,15 @@ def _pair_key(q: torch.Tensor, kv: torch.Tensor, seq: int) -> torch.Tensor:
 
 
 def judge_pairs(
-    case: BalanceCase, results: list[dict[str, Any]]
+    case: BalanceCase, results: list[dict[str, Any]], spec: dict[str, Any] | None = None
 ) -> tuple[list[BlockFinding], list[int], list[str]]:
-    """Compare every rank's recorded kernel calls with the mask on global positions.
+    """Compare every rank's recorded kernel calls with the mask on global positions (``spec``,
+    plain data; default: the case's family).
 
     Returns (findings per block, visible pairs per rank, diagnoses naming a known bug class).
     """
-    spec = family_spec(case.family, case.inputs.seq_q, case.world_size)
+    if spec is None:
+        spec = family_spec(case.family, case.inputs.seq_q, case.world_size)
     seq, w = case.inputs.seq_q, case.world_size
     runs = results[0]["runs"]
     pos = [runs_positions(rr) for rr in runs]

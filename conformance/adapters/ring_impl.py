@@ -34,6 +34,8 @@ CAPABILITIES = Capabilities(
     score_mod=True,
     balancers=frozenset(BALANCERS),
     uneven_shards=True,
+    packed=True,
+    multi_mask_layouts=True,
 )
 
 

@@ -361,6 +361,8 @@ class TorchContextParallel:
             balancers=frozenset(),  # head_tail is PyTorch's only load balancer
             max_logit=False,  # its ring returns no max logit (and SDPA has no such output)
             uneven_shards=False,  # context_parallel shards by equal chunks only (no lengths)
+            packed=False,  # its ring takes (batch, heads, seq, dim) only: no cu_seqlens
+            multi_mask_layouts=False,  # no balancers (above)
         )
         self.baseline_op = "auto"
 

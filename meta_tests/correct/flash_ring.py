@@ -566,6 +566,7 @@ class FlashRing:
         score_mod=False,
         max_logit=False,  # returns no max logit (ring_attention takes no return_max_logit)
         uneven_shards=False,  # its input check requires equal shard lengths on every rank
+        packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

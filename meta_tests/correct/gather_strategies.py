@@ -226,6 +226,7 @@ class GatherStrategies:
         uneven_shards=False,  # Ulysses and the hybrid here cut equal shards
         balancers=frozenset(),
         max_logit=False,
+        packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
     )
     ring_attention = staticmethod(ring_attention)
 

@@ -504,6 +504,7 @@ class MathRing:
         masks=frozenset(),
         sinks=False,
         score_mod=False,
+        packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

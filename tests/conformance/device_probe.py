@@ -63,7 +63,16 @@ class ProbeImplementation:
 
     @staticmethod
     def ring_attention(query, key, value, **kwargs):
-        raise Probed("ring_attention", _devices(query, key, value, kwargs.get("sinks")))
+        handed = (query, key, value, kwargs.get("sinks"), kwargs.get("cu_seqlens"))
+        raise Probed("ring_attention", _devices(*handed))
+
+    @staticmethod
+    def balanced_layout(balancer, mask, seq_len, world_size):
+        """ring_impl's balancers: a layout is positions, built on the host before any tensor
+        reaches ring_attention."""
+        from conformance.adapters.ring_impl import RingImplAdapter
+
+        return RingImplAdapter.balanced_layout(balancer, mask, seq_len, world_size)
 
 
 PROBE_OP = ProbeOp()

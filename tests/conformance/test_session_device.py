@@ -175,6 +175,21 @@ def _balance_case():
     )
 
 
+def _packed_case():
+    from suites.cases_packed import PackedCase, packed_case
+
+    spec = SPEC.with_(batch=1, seq_q=24, seq_kv=24)
+    return packed_case(MetaRank(), PackedCase(spec, 1, cu_as="int32", impl=PROBE_IMPL))
+
+
+def _multi_mask_case():
+    from suites.cases_balance import MultiMaskCase, case_inputs, multi_mask_case
+
+    return multi_mask_case(
+        MetaRank(), MultiMaskCase(case_inputs(1), 1, layout="work_aware", impl=PROBE_IMPL)
+    )
+
+
 RANK_FUNCTIONS = {
     "suites.cases.ring_case": _ring_case,
     "suites.cases.ring_case_twice": _ring_case_twice,
@@ -184,6 +199,8 @@ RANK_FUNCTIONS = {
     "suites.cases_strategies.strategy_case": _strategy_case,
     "suites.cases_balance.balance_case": _balance_case,
     "suites.cases_uneven.uneven_case": _uneven_case,
+    "suites.cases_balance.multi_mask_case": _multi_mask_case,
+    "suites.cases_packed.packed_case": _packed_case,
 }
 
 #: Rank functions that need no probe here, and why.
