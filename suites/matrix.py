@@ -1,6 +1,7 @@
 """The discrete axes of the conformance matrix and readable case ids.
 
-Quick tier: what ``pytest suites -n auto`` runs on 2 CPU cores in minutes. Nightly tier
+Quick tier: what ``pytest suites -n auto`` runs on 2 CPU cores in minutes: the largest matrices
+are pairwise selections of their nightly product (:mod:`suites.coverage`). Nightly tier
 (``--tier nightly``): the full matrix, world sizes up to 8, every CPU op. Which tier and world
 sizes are on comes from the harness settings (``--tier``, ``--world-sizes``), read when the
 tests are generated, so a quick run does not even collect nightly cases.

@@ -13,20 +13,30 @@ import itertools
 import pytest
 
 from suites.cases import RingCase
+from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, params, world_sizes
 
+#: Cases that tests select by id (tests/conformance/test_protocol.py, test_report.py,
+#: tests/packaging): in the quick tier whenever its world sizes hold them.
+KEEP = (
+    (2, "alltoall", "contiguous", True, ("float32", 4)),
+    (2, "allgather", "contiguous", True, ("float32", 4)),
+)
 
-def pytest_generate_tests(metafunc):
-    if "case" not in metafunc.fixturenames:
-        return
+
+def _cases(config) -> list:
     cases = []
-    for w, rotate, layout, causal, (dtype, heads_kv) in itertools.product(
-        world_sizes(metafunc.config),
+    # Quick: every world size with every rotation, and every other value and pair of values
+    # (suites.coverage); nightly: the product.
+    for w, rotate, layout, causal, (dtype, heads_kv) in combos(
+        config,
+        world_sizes(config),
         ROTATIONS,
         LAYOUTS,
         (False, True),
         (("float32", 4), ("bfloat16", 2)),
+        keep=KEEP,
     ):
         inputs = InputSpec(
             batch=2, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype
@@ -35,9 +45,7 @@ def pytest_generate_tests(metafunc):
             RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True)
         )
     # value's own head dim (capability value_head_dim): its bytes move at d_v, not at d_qk
-    for i, (w, rotate) in enumerate(
-        itertools.product(world_sizes(metafunc.config, at_least=2), ROTATIONS)
-    ):
+    for i, (w, rotate) in enumerate(itertools.product(world_sizes(config, at_least=2), ROTATIONS)):
         inputs = InputSpec(
             batch=2,
             heads=4,
@@ -58,16 +66,18 @@ def pytest_generate_tests(metafunc):
                 account=True,
             )
         )
-    metafunc.parametrize(
-        "case",
-        params(
-            cases,
-            id_extra=lambda c: (
-                f"hkv{c.inputs.heads_kv}",
-                *(() if c.inputs.head_dim_v is None else (f"dv{c.inputs.head_dim_v}",)),
-            ),
+    return params(
+        cases,
+        id_extra=lambda c: (
+            f"hkv{c.inputs.heads_kv}",
+            *(() if c.inputs.head_dim_v is None else (f"dv{c.inputs.head_dim_v}",)),
         ),
     )
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", _cases(metafunc.config))
 
 
 def _diff(expected: dict, actual: dict) -> list[str]:

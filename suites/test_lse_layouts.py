@@ -11,34 +11,30 @@ from __future__ import annotations
 import itertools
 
 from suites.cases import RingCase
+from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, padded_lse_ops, params, session_ops, tier, world_sizes
 
 
-def pytest_generate_tests(metafunc):
-    if "case" not in metafunc.fixturenames:
-        return
-    nightly = tier(metafunc.config) == "nightly"
+def _cases(config) -> list:
+    nightly = tier(config) == "nightly"
     sizes = (
-        world_sizes(metafunc.config, at_least=2)
-        if nightly
-        else world_sizes(metafunc.config, at_least=2, at_most=3)
+        world_sizes(config, at_least=2) if nightly else world_sizes(config, at_least=2, at_most=3)
     )
     dtypes = ("float64", "float32", "bfloat16", "float16") if nightly else ("float32", "bfloat16")
     cases = []
     # The session device's kernels (--device cuda: the CUDA kernels and their real LSE layouts); a
     # kernel that cannot run a dtype skips that case with its reason (suites.runner).
-    for op, w, dtype, causal, layout in itertools.product(
-        session_ops(metafunc.config), sizes, dtypes, (False, True), LAYOUTS
+    # Quick: every value and pair of values of the five axes (suites.coverage); nightly: all.
+    for op, w, dtype, causal, layout in combos(
+        config, session_ops(config), sizes, dtypes, (False, True), LAYOUTS
     ):
         inputs = InputSpec(
             batch=1, heads=2, heads_kv=2, seq_q=6 * w, seq_kv=6 * w, head_dim=16, dtype=dtype
         )
         cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, op=op))
     # Tiny and just-past-32 local lengths, where padded layouts differ most from the plain one.
-    for op, local, layout in itertools.product(
-        padded_lse_ops(metafunc.config), (1, 2, 33, 34), LAYOUTS
-    ):
+    for op, local, layout in itertools.product(padded_lse_ops(config), (1, 2, 33, 34), LAYOUTS):
         if layout == "head_tail" and local % 2:
             continue
         w = 2
@@ -52,9 +48,12 @@ def pytest_generate_tests(metafunc):
             dtype="float32",
         )
         cases.append(RingCase(inputs, w, is_causal=True, layout=layout, op=op))
-    metafunc.parametrize(
-        "case", params(cases, id_extra=lambda c: (f"s{c.inputs.seq_q // c.world_size}",))
-    )
+    return params(cases, id_extra=lambda c: (f"s{c.inputs.seq_q // c.world_size}",))
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", _cases(metafunc.config))
 
 
 def test_lse_layouts_are_normalised(ring, case: RingCase) -> None:

@@ -43,6 +43,7 @@ from suites.cases_masks import (
     mask_spec,
     masked_case,
 )
+from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.judge import format_failure
 from suites.matrix import LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
@@ -66,37 +67,56 @@ KINDS = {
 }
 
 
+#: The named masks' dtypes.
+DTYPES = ("float64", "float32", "bfloat16")
+
+
+def _turned(name: str, w: int, layout: str, dtype: str) -> tuple[str, int, bool]:
+    """The rotation, key/value heads and sinks of a named mask's case: turned with its mask, W,
+    layout and dtype, so each (mask, W, layout) meets every rotation over the dtypes, GQA on
+    every other case and sinks on every fifth (5 is prime to 2 and 3: sinks meet every rotation
+    and both head counts)."""
+    m = MASK_NAMES.index(name) + w + (*LAYOUTS, *BALANCER_LAYOUTS).index(layout)
+    m += DTYPES.index(dtype)
+    return ROTATIONS[m % 3], (4, 2)[m % 2], m % 5 == 0
+
+
+def _named(name, w, layout, dtype, rotate, heads_kv, sinks) -> bool:
+    # A balancer's layout on one rank is the whole sequence: W >= 2 only.
+    return (w > 1 or layout in LAYOUTS) and (rotate, heads_kv, sinks) == _turned(
+        name, w, layout, dtype
+    )
+
+
 def _cases(config) -> list:
     nightly = tier(config) == "nightly"
     sizes = world_sizes(config) if nightly else world_sizes(config, at_most=4)
-    dtypes = ("float64", "float32", "bfloat16")
     out = []
-    # A balancer's layout on one rank is the whole sequence: W >= 2 only.
-    combos = [
-        (n, w, lay)
-        for n, w, lay in itertools.product(MASK_NAMES, sizes, (*LAYOUTS, *BALANCER_LAYOUTS))
-        if w > 1 or lay in LAYOUTS
-    ]
-    for i, (name, w, layout) in enumerate(combos):
-        chosen = dtypes if nightly else (dtypes[i % 3],)
-        for j, dtype in enumerate(chosen):
-            rotate = ROTATIONS[(i // 3 + j) % 3]
-            heads_kv = 2 if (i + j) % 2 else 4  # GQA on every other case
-            seq = 24 * w
-            spec = InputSpec(
-                batch=_batch(name),
-                heads=4,
-                heads_kv=heads_kv,
-                seq_q=seq,
-                seq_kv=seq,
-                head_dim=16,
-                dtype=dtype,
-            )
-            out.append(
-                MaskCase(
-                    spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=(i + j) % 4 == 0
-                )
-            )
+    # Nightly: every named mask at every W, layout and dtype (rotation, GQA and sinks turned with
+    # them); quick: a selection of those holding every value and pair of values of the seven
+    # axes that the nightly cases hold (suites.coverage).
+    for name, w, layout, dtype, rotate, heads_kv, sinks in combos(
+        config,
+        MASK_NAMES,
+        sizes,
+        (*LAYOUTS, *BALANCER_LAYOUTS),
+        DTYPES,
+        ROTATIONS,
+        (4, 2),
+        (False, True),
+        where=_named,
+    ):
+        seq = 24 * w
+        spec = InputSpec(
+            batch=_batch(name),
+            heads=4,
+            heads_kv=heads_kv,
+            seq_q=seq,
+            seq_kv=seq,
+            head_dim=16,
+            dtype=dtype,
+        )
+        out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=sinks))
     out += (
         _strategy_cases(config)
         + _scale_cases(config)

@@ -1,22 +1,24 @@
 """Shapes and inputs nobody tried: GQA, cross-attention lengths, non-contiguous inputs,
 large-magnitude logits, odd sizes (head_dim 8..128, one or an odd number of tokens per rank,
-batch 1)."""
+batch 1).
+
+Each family is a product of axes: the nightly tier runs it whole, the quick tier a pairwise
+selection of it (suites.coverage: every value and every pair of values of two axes)."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 
 from suites.cases import RingCase
+from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
 
 
 def _gqa(config):
     cases = []
-    for w, (heads, heads_kv), causal, rotate in itertools.product(
-        world_sizes(config, at_least=2), ((8, 4), (8, 2), (8, 1)), (False, True), ROTATIONS
+    for w, (heads, heads_kv), causal, rotate in combos(
+        config, world_sizes(config, at_least=2), ((8, 4), (8, 2), (8, 1)), (False, True), ROTATIONS
     ):
         inputs = InputSpec(
             batch=1,
@@ -35,8 +37,8 @@ def _gqa(config):
 
 def _cross(config):
     cases = []
-    for w, (sq, skv), layout, rotate in itertools.product(
-        world_sizes(config, at_least=2), ((8, 24), (24, 8), (2, 16)), LAYOUTS, ROTATIONS
+    for w, (sq, skv), layout, rotate in combos(
+        config, world_sizes(config, at_least=2), ((8, 24), (24, 8), (2, 16)), LAYOUTS, ROTATIONS
     ):
         inputs = InputSpec(
             batch=2, heads=4, heads_kv=2, seq_q=sq * w, seq_kv=skv * w, head_dim=16, dtype="float64"
@@ -52,8 +54,8 @@ def _cross(config):
 
 def _noncontiguous(config):
     cases = []
-    for w, causal, rotate, dtype in itertools.product(
-        world_sizes(config, at_least=2), (False, True), ROTATIONS, ("float32", "bfloat16")
+    for w, causal, rotate, dtype in combos(
+        config, world_sizes(config, at_least=2), (False, True), ROTATIONS, ("float32", "bfloat16")
     ):
         inputs = InputSpec(
             batch=2,
@@ -70,8 +72,8 @@ def _noncontiguous(config):
         )
     # every other element of a wider buffer on the head dim (x[..., ::2]), W from 1: one rank
     # has no collective that would copy its inputs before the kernel reads them
-    for w, causal, dtype in itertools.product(
-        world_sizes(config), (False, True), ("float64", "float32")
+    for w, causal, dtype in combos(
+        config, world_sizes(config), (False, True), ("float64", "float32")
     ):
         inputs = InputSpec(
             batch=2,
@@ -96,7 +98,8 @@ def _noncontiguous(config):
 
 def _large_logits(config):
     cases = []
-    for w, causal, dtype, magnitude in itertools.product(
+    for w, causal, dtype, magnitude in combos(
+        config,
         world_sizes(config, at_least=2),
         (False, True),
         ("float64", "float32", "bfloat16"),
@@ -122,8 +125,8 @@ def _odd_sizes(config):
     sizes = (
         world_sizes(config, at_least=2) if nightly else world_sizes(config, at_least=2, at_most=3)
     )
-    for w, head_dim, local, causal in itertools.product(
-        sizes, (8, 24, 64, 128), (1, 3, 5), (False, True)
+    for w, head_dim, local, causal in combos(
+        config, sizes, (8, 24, 64, 128), (1, 3, 5), (False, True)
     ):
         inputs = InputSpec(
             batch=1,

@@ -8,9 +8,11 @@ adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8); ``--world-sizes 32,64`` (the simul
 world sizes (``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given).
 Key/value heads: as many as the query heads (MHA), fewer than the Ulysses degree (GQA, each head
 replicated; a replication order error shows only with two or more of them), one (MQA). Causal and
-not, both layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring (cycled over
-the quick matrix, all of them nightly), the LSE's gradient, every CPU op (their LSE layouts),
-cross-attention lengths and non-contiguous inputs.
+not, both layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring, the LSE's
+gradient, every CPU op (their LSE layouts), cross-attention lengths and non-contiguous inputs. On
+the meshes of up to 6 ranks the nightly tier runs the product of mesh, dtype, layout and causal,
+key/value heads and rotation; the quick tier a pairwise selection of it (suites.coverage: every
+value and every pair of values of two axes).
 
 Numerics: :mod:`suites.judge_strategies` (the policy of every ring case; ``world_size`` = the
 ring degree). A failure names the replayed strategy bug it matches (local attention only,
@@ -33,10 +35,11 @@ from harness.errors import CaseFailure
 from harness.pytest_plugin import settings_of
 from reference.budget import assert_verdict, check
 from suites.cases_strategies import BAD_INPUTS, StrategyCase, strategy_bad_input_case, strategy_case
+from suites.coverage import combos
 from suites.inputs import SHORT, InputSpec
 from suites.judge import QUANTITIES, baseline_for, format_failure, reference_for
 from suites.judge_strategies import diagnose_strategy_case, judge_strategy, unshard_strategy_results
-from suites.matrix import ROTATIONS, seed_for, session_ops
+from suites.matrix import LAYOUTS, ROTATIONS, seed_for, session_ops
 from suites.runner import case_properties
 
 #: (strategy, (U, R)) per world size.
@@ -104,36 +107,47 @@ def param(case: StrategyCase, kv: str, *extra: str):
     return pytest.param(case, id=cid, marks=marks)
 
 
+def _ring_dim(mesh: tuple[int, int], strategy: str) -> bool:
+    """Whether the strategy has a ring dimension (its rotation method matters)."""
+    return strategy == "hybrid" and mesh[1] > 1
+
+
 def _matrix(config: pytest.Config) -> list:
     nightly = settings_of(config).tier == "nightly"
-    out, i = [], 0
+    out = []
+    small = [(s, m) for s, m in meshes(config) if m[0] * m[1] <= 6]
+    # Meshes of up to 6 ranks: (mesh, dtype, layout and causal, key/value heads, rotation) with
+    # the rotation of a mesh without a ring dimension fixed (it has none to rotate); quick:
+    # every value and pair of values (suites.coverage), nightly: the product.
+    rows = combos(
+        config,
+        small,
+        ("float64", "float32", "bfloat16"),
+        [(lay, c) for lay in LAYOUTS for c in (False, True)] if nightly else LAYOUT_CAUSAL,
+        ("mha", "gqa", "mqa"),
+        ROTATIONS,
+        where=lambda sm, dtype, lc, kv, rotate: _ring_dim(sm[1], sm[0]) or rotate == ROTATIONS[0],
+    )
+    # Larger meshes (the nightly tier's): the rotation cycled; float64 nightly only.
+    dtypes = ("float64", "float32", "bfloat16") if nightly else ("float32", "bfloat16")
+    i = 0
     for strategy, mesh in meshes(config):
-        small = mesh[0] * mesh[1] <= 6
-        dtypes = ("float64", "float32", "bfloat16") if small or nightly else ("float32", "bfloat16")
-        combos = (
-            [(lay, c) for lay in ("contiguous", "head_tail") for c in (False, True)]
-            if nightly and small
-            else LAYOUT_CAUSAL
-        )
-        ring_dim = strategy == "hybrid" and mesh[1] > 1
-        for dtype, (layout, causal), kv in itertools.product(dtypes, combos, ("mha", "gqa", "mqa")):
-            rotations = ROTATIONS if nightly and small and ring_dim else (ROTATIONS[i % 3],)
+        if mesh[0] * mesh[1] <= 6:
+            continue
+        for dtype, lc, kv in itertools.product(dtypes, LAYOUT_CAUSAL, ("mha", "gqa", "mqa")):
+            rows.append(((strategy, mesh), dtype, lc, kv, ROTATIONS[i % 3]))
             i += 1
-            for rotate in rotations:
-                spec = spec_for(mesh, dtype, kv, lse_grad=dtype == "float64")
-                out.append(
-                    param(
-                        StrategyCase(
-                            spec,
-                            strategy,
-                            mesh,
-                            is_causal=causal,
-                            layout=layout,
-                            rotate_method=rotate,
-                        ),
-                        kv,
-                    )
-                )
+    for (strategy, mesh), dtype, (layout, causal), kv, rotate in rows:
+        spec = spec_for(mesh, dtype, kv, lse_grad=dtype == "float64")
+        out.append(
+            param(
+                StrategyCase(
+                    spec, strategy, mesh, is_causal=causal, layout=layout, rotate_method=rotate
+                ),
+                kv,
+            )
+        )
+    for strategy, mesh in meshes(config):
         if mesh[0] * mesh[1] == 4:
             # every op of the session device (their LSE layouts reach the strategy), cross-attention
             # lengths, non-contiguous shards
