@@ -1,6 +1,6 @@
 """Deliberately broken rings for packed (THD) inputs and multi-mask layouts, each caught by the
-packed suite (``suites/test_packed.py``) or the balance suite's multi-mask cases
-(``suites/test_balance.py -k multi``).
+packed suite (``suites/test_packed.py``) or the multi-mask layout suite
+(``suites/test_multi_mask_layouts.py``).
 
 - ``packed_cu_seqlens_local``: ``cu_seqlens`` taken as offsets into the local shard: each token's
   document is the one its *local* index falls in, on every rank.
@@ -101,8 +101,7 @@ BROKEN_PACKED: dict[str, Broken] = {
             "balance: a layout for several weighted masks balanced for the first mask only",
             r"balances the first mask's work only",
             BalancedForFirstMaskOnly(name="balanced_for_first_mask_only"),
-            suites="suites/test_balance.py",
-            select=("-k", "multi"),
+            suites="suites/test_multi_mask_layouts.py",
         ),
     ]
 }

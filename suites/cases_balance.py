@@ -15,6 +15,7 @@ implementation's own plan.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -34,6 +35,8 @@ __all__ = [
     "MULTI_MASKS",
     "BalanceCase",
     "BlockFinding",
+    "Bound",
+    "Figures",
     "MultiMaskCase",
     "as_runs",
     "balance_case",
@@ -645,3 +648,25 @@ def _local_documents_visibility(spec, q_pos, kv_pos, local, seq) -> torch.Tensor
             out = out & p if kind == "and" else out | p
         return out
     return visibility(spec, len(q_pos), len(kv_pos), q_positions=q_pos, k_positions=kv_pos)[0, 0]
+
+
+# ---------------------------------------------------------------------- bounds
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a bound may depend on: world size ``w``, global length ``seq``, the window's reach
+    ``left`` and the row bound ``rows`` = seq * (keys the widest row sees) / (visible pairs):
+    no layout that gives each rank seq/W rows and computes only visible pairs exceeds it, since
+    no rank does more than seq/W times the widest row."""
+
+    w: int
+    seq: int
+    left: int
+    rows: float
+
+
+@dataclass(frozen=True)
+class Bound:
+    limit: Callable[[Figures], float]
+    unbalanced: bool = False  # the known-unbalanced cases: held only to what any layout meets
