@@ -752,6 +752,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
             else ""
         )
         or _wrong_axis(case, g, results, pos)
+        # With sinks no row's LSE is -inf, so the judge's -inf comparison cannot name these.
+        or _tail_padding_attended(case, g, results, pos)
+        or _lengths_rounded_down(case, g, results, pos)
     )
     if named:
         return named
@@ -762,10 +765,10 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         for r in range(w):
             rows = pos[r]
             mine, want, without = got[:, :, rows], ref.out[:, :, rows], plain[:, :, rows]
-            if (
-                float((mine - want).abs().max()) > tol
-                and float((mine - without).abs().max()) <= tol
-            ):
+            off = float((mine - want).abs().max())
+            # Nearer attention without the sinks than with them, by more than a low-precision
+            # dtype's rounding could make it (bfloat16 rows are 1e-2 off either way).
+            if off > tol and float((mine - without).abs().max()) <= off / 4:
                 dropped.append(r)
         if dropped:
             return (

@@ -16,6 +16,7 @@ import functools
 import json
 from dataclasses import dataclass
 from itertools import pairwise
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -312,7 +313,8 @@ def judge_packed(
 def _known_wrong_documents(
     case: PackedCase, g, four: list[dict[str, Any]], pos: list[torch.Tensor]
 ) -> str:
-    """Name a known wrong reading of ``cu_seqlens`` that the out and LSE match exactly, or ""."""
+    """Name a known wrong reading of the packed inputs or ``cu_seqlens`` that the out and LSE
+    match exactly, or ""."""
     if not case.return_lse:
         return ""
     masked = case.mask_case()
@@ -329,6 +331,13 @@ def _known_wrong_documents(
                 "one more document; they are padding, which sees nothing and is seen by nothing "
                 "(out 0, LSE -inf)"
             )
+    if _equals_attention_under(masked, _read_as_contiguous(g, pos), four, pos, masked.mask_data()):
+        return (
+            "the packed shards read as if contiguous: the out and LSE are attention over each "
+            "rank's (tokens_local, heads, head_dim) memory read as (heads, tokens_local, "
+            "head_dim), what a kernel that ignores the strides of the (1, heads, tokens_local, "
+            "head_dim) view of a packed shard reads; wrong only with non-contiguous inputs"
+        )
     if w > 1:
         # Each token's document read at its local index on its rank: cu_seqlens taken as offsets
         # into the local shard.
@@ -346,3 +355,20 @@ def _known_wrong_documents(
                 "of the packed sequence, equal on every rank"
             )
     return ""
+
+
+def _read_as_contiguous(g, pos: list[torch.Tensor]) -> SimpleNamespace:
+    """Global (1, heads, tokens, dim) query, key and value as a kernel reads them that takes each
+    rank's packed (tokens_local, heads, dim) shard through a (1, heads, tokens_local, dim) view
+    and ignores its strides: the shard's memory in storage order, shaped (heads, tokens_local,
+    dim)."""
+
+    def misread(t: torch.Tensor) -> torch.Tensor:
+        read = torch.empty_like(t)
+        heads, dim = t.shape[1], t.shape[3]
+        for p in pos:
+            shard = _packed(t).index_select(0, p).contiguous()  # (tokens_local, heads, dim)
+            read[0, :, p] = shard.view(heads, len(p), dim)
+        return read
+
+    return SimpleNamespace(query=misread(g.query), key=misread(g.key), value=misread(g.value))
