@@ -14,7 +14,6 @@ LSE -inf, as the contract says, whatever the kernel returns there).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 from dataclasses import dataclass
@@ -22,15 +21,15 @@ from typing import Any
 
 import torch
 
-from conformance.baseline import session_device, single_device_baseline
 from conformance.implementation import load_implementation
-from reference.budget import Verdict, check, error_scales
+from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
 from reference.strategies import kv_blocks
 from suites.cases import RingCase
 from suites.cases_balance import BALANCER_LAYOUTS, as_runs, runs_positions, runs_problem
 from suites.inputs import InputSpec, make_inputs
+from suites.judge import judge_outputs, unshard_by_positions
 
 __all__ = [
     "MASK_NAMES",
@@ -372,140 +371,42 @@ def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.
     return [runs_positions(rr) for rr in runs[0]]
 
 
-def _unshard(parts: list[torch.Tensor], pos: list[torch.Tensor]) -> torch.Tensor:
-    """The global tensor (sequence dim 2) from every
-    rank's local rows at global positions ``pos``."""
-    shape = list(parts[0].shape)
-    shape[2] = sum(len(p) for p in pos)
-    whole = parts[0].new_zeros(shape)
-    for part, p in zip(parts, pos):
-        whole[:, :, p] = part
-    return whole
-
-
-def _result_dtypes(dtype: torch.dtype) -> dict[str, torch.dtype]:
-    lse = torch.float64 if dtype == torch.float64 else torch.float32
-    return {"out": dtype, "lse": lse, "dq": dtype, "dk": dtype, "dv": dtype, "dsinks": lse}
-
-
-def _baseline(
-    spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None
-) -> dict[str, torch.Tensor]:
-    """The same kernel on one device (the session's, conformance.baseline) with the whole sequence
-    and the mask: the policy's B."""
-    return _baseline_on(spec, mask, mask_json, sinks, op_spec, str(session_device()))
-
-
-@functools.lru_cache(maxsize=64)
-def _baseline_on(
-    spec: InputSpec, mask: str, mask_json: str, sinks: bool, op_spec: str | None, device_name: str
-) -> dict[str, torch.Tensor]:
-    g = make_inputs(spec)
-    data = materialized(json.loads(mask_json)) if mask_json else mask_spec(mask, spec.seq_q)
-    vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    return single_device_baseline(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        op_spec=op_spec,
-        scale=spec.scale,
-        visible=vis,
-        sinks=_sinks(spec) if sinks else None,
-    )
-
-
 def judge_masked(
     case: MaskCase, results: list[dict[str, Any]], baseline_op: str | None = None
 ) -> list[Verdict]:
     """Verdicts for out, lse, dq, dk, dv (and dsinks) of a masked case."""
-    from reference import attention_grads
-
-    spec, w = case.inputs, case.world_size
-    g = make_inputs(spec)
-    vis = visibility(case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    sinks = _sinks(spec) if case.sinks else None
-    ref = attention_grads(
-        g.query, g.key, g.value, g.grad_out, visible=vis, sinks=sinks, scale=spec.scale
-    )
-    # Magnitudes without the sink term: it only lowers each probability, so these bound them.
-    scales = error_scales(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        visible=vis,
-        scale=spec.scale,
-        sinks=sinks,
-        input_dtype=spec.torch_dtype,
-    )
-    base = _baseline(spec, case.mask, case.mask_json, case.sinks, case.op or baseline_op)
+    spec = case.inputs
     pos = rank_positions(case, results)
-    dtypes = _result_dtypes(spec.torch_dtype)
-    # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel sees
-    # the whole sequence; the hybrid merges its ring's R).
-    blocks = w if case.mesh_shape is None else kv_blocks(case.strategy, case.mesh_shape)
-    verdicts = []
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        parts = [r.get(name) for r in results]
-        if any(p is None for p in parts):
-            raise AssertionError(
-                f"{name}: a rank returned no {name} (masked ring_attention with return_lse=True "
-                "returns (out, lse) and gradients for query, key, value)"
-            )
-        got = _unshard(parts, pos).to(torch.float64)
-        want, b = getattr(ref, name), base[name].to(torch.float64)
-        if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
-            nothing = torch.isneginf(want)
-            if not torch.equal(torch.isneginf(got), nothing):
-                named = (
-                    _stale_documents(case, g, results, pos)
-                    or _tail_padding_attended(case, g, results, pos)
-                    or _lengths_rounded_down(case, g, results, pos)
-                    or _wrong_axis(case, g, results, pos)
-                )
-                if named:
-                    raise AssertionError(f"lse: {named} [{case.label}]")
-                raise AssertionError(
-                    "lse: rows that see no key must have LSE -inf and only they: "
-                    f"{int((torch.isneginf(got) != nothing).sum())} rows differ [{case.label}]"
-                )
-            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        verdicts.append(
-            check(
-                name,
-                got,
-                want,
-                b,
-                dtype=spec.torch_dtype,
-                result_dtype=dtypes[name],
-                scales=scales[name],
-                world_size=blocks,
-                context=f"[{case.label}]",
-            )
+
+    def on_lse_mismatch(differ: int) -> str:
+        g = make_inputs(spec)
+        return (
+            _stale_documents(case, g, results, pos)
+            or _tail_padding_attended(case, g, results, pos)
+            or _lengths_rounded_down(case, g, results, pos)
+            or _wrong_axis(case, g, results, pos)
+            or f"rows that see no key must have LSE -inf and only they: {differ} rows differ"
         )
-    if case.sinks:
-        parts = [r.get("dsinks") for r in results]
-        if any(p is None for p in parts):
-            raise AssertionError(
-                "dsinks: a rank's sinks got no gradient (sinks must be differentiable)"
-            )
-        got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
-        verdicts.append(
-            check(
-                "dsinks",
-                got,
-                ref.dsinks,
-                base["dsinks"].to(torch.float64),
-                dtype=spec.torch_dtype,
-                result_dtype=dtypes["dsinks"],
-                world_size=w,
-                roundings=spec.batch * spec.seq_q,
-                scales=scales["dsinks"],
-                context=f"[{case.label}] (summed over ranks)",
-            )
-        )
-    return verdicts
+
+    return judge_outputs(
+        case,
+        results,
+        positions=pos,
+        visible=visibility(
+            case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads
+        ),
+        sinks=_sinks(spec) if case.sinks else None,
+        # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel
+        # sees the whole sequence; the hybrid merges its ring's R).
+        world_size=(
+            case.world_size
+            if case.mesh_shape is None
+            else kv_blocks(case.strategy, case.mesh_shape)
+        ),
+        baseline_op=baseline_op,
+        call="masked ring_attention",
+        on_lse_mismatch=on_lse_mismatch,
+    )
 
 
 def _with_document_ids(data: dict[str, Any], change) -> dict[str, Any] | None:
@@ -574,8 +475,8 @@ def _equals_attention_under(
         sinks=_sinks(spec) if case.sinks else None,
         scale=spec.scale,
     )
-    out = _unshard([r["out"] for r in results], pos).to(torch.float64)
-    lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
+    out = unshard_by_positions([r["out"] for r in results], pos).to(torch.float64)
+    lse = unshard_by_positions([r["lse"] for r in results], pos).to(torch.float64)
     if not torch.equal(torch.isneginf(lse), torch.isneginf(wrong.lse)):
         return False
     tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
@@ -725,7 +626,7 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         scale=spec.scale,
     )
     pos = rank_positions(case, results)
-    got = _unshard([r["out"] for r in results], pos).to(torch.float64)
+    got = unshard_by_positions([r["out"] for r in results], pos).to(torch.float64)
     invented = ~torch.isfinite(got) & torch.isfinite(ref.out)
     if bool(invented.any()):
         rows = sorted({int(i) for i in invented.nonzero()[:, 2].tolist()})[:8]
@@ -792,7 +693,7 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         )
 
         def off(name: str, want: torch.Tensor) -> bool:
-            mine = _unshard([r[name] for r in results], pos).to(torch.float64)
+            mine = unshard_by_positions([r[name] for r in results], pos).to(torch.float64)
             return float((mine - want).abs().max()) > 1e-2 * max(1.0, float(want.abs().max()))
 
         if not off("out", ref.out) and any(off(n, getattr(grads, n)) for n in ("dq", "dk", "dv")):

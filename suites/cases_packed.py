@@ -22,18 +22,13 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
-from reference.budget import Verdict, check, error_scales
+from reference.budget import Verdict
 from reference.layout import positions as reference_positions
 from reference.masks import visibility
 from suites.cases import RingCase
-from suites.cases_masks import (
-    MaskCase,
-    _baseline,
-    _equals_attention_under,
-    _result_dtypes,
-    _unshard,
-)
+from suites.cases_masks import MaskCase, _equals_attention_under
 from suites.inputs import make_inputs
+from suites.judge import judge_outputs
 
 __all__ = [
     "DOCUMENTS",
@@ -241,8 +236,6 @@ def judge_packed(
     """Verdicts for out (and LSE with return_lse, dq/dk/dv with backward) against the float64
     oracle under the documents of ``cu_seqlens``; AssertionError for a broken contract (a shape,
     a padding row's LSE), naming a known bug class where the results match one exactly."""
-    from reference import attention_grads
-
     problems = _shape_problems(case, results)
     if problems:
         raise AssertionError(
@@ -250,64 +243,40 @@ def judge_packed(
             + "\n  ".join(problems)
             + f"\n[{case.label}]"
         )
-    masked = case.mask_case()
     spec, w = case.inputs, case.world_size
-    g = make_inputs(spec)
-    data = masked.mask_data()
-    vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    ref = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale)
-    scales = error_scales(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        visible=vis,
-        scale=spec.scale,
-        input_dtype=spec.torch_dtype,
-    )
-    base = _baseline(spec, masked.mask, masked.mask_json, False, case.op or baseline_op)
     pos = [reference_positions(case.layout, w, r, spec.seq_q) for r in range(w)]
     four = _as_4d(case, results)
 
     @functools.cache
     def named() -> str:  # only on a failure: it runs the oracle under other documents
-        return _known_wrong_documents(case, g, four, pos)
+        return _known_wrong_documents(case, make_inputs(spec), four, pos)
 
-    dtypes = _result_dtypes(spec.torch_dtype)
-    names = (
-        ["out"]
-        + (["lse"] if case.return_lse else [])
-        + (["dq", "dk", "dv"] if case.backward else [])
-    )
-    verdicts = []
-    for name in names:
-        got = _unshard([r[name] for r in four], pos).to(torch.float64)
-        want, b = getattr(ref, name), base[name].to(torch.float64)
-        if name == "lse":  # rows that see nothing (padding): exactly -inf, compared as 0
-            nothing = torch.isneginf(want)
-            if not torch.equal(torch.isneginf(got), nothing):
-                what = named() or (
-                    "rows that see no key (padding past cu_seqlens[-1]) must have LSE -inf and "
-                    "only they"
-                )
-                differ = int((torch.isneginf(got) != nothing).sum())
-                raise AssertionError(f"lse: {what}: {differ} rows differ [{case.label}]")
-            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        verdict = check(
-            name,
-            got,
-            want,
-            b,
-            dtype=spec.torch_dtype,
-            result_dtype=dtypes[name],
-            scales=scales[name],
-            world_size=w,
-            context=f"[{case.label}]",
+    def on_lse_mismatch(differ: int) -> str:
+        what = named() or (
+            "rows that see no key (padding past cu_seqlens[-1]) must have LSE -inf and only they"
         )
-        if not verdict.passed and named():
-            raise AssertionError(f"{name}: {named()} [{case.label}]")
-        verdicts.append(verdict)
-    return verdicts
+        return f"{what}: {differ} rows differ"
+
+    return judge_outputs(
+        case,
+        four,
+        positions=pos,
+        names=(
+            ["out"]
+            + (["lse"] if case.return_lse else [])
+            + (["dq", "dk", "dv"] if case.backward else [])
+        ),
+        visible=visibility(
+            case.mask_case().mask_data(),
+            spec.seq_q,
+            spec.seq_kv,
+            batch=spec.batch,
+            heads=spec.heads,
+        ),
+        baseline_op=baseline_op,
+        on_lse_mismatch=on_lse_mismatch,
+        known_failure=named,
+    )
 
 
 def _known_wrong_documents(

@@ -10,22 +10,21 @@ conformance/implementation.py).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from conformance.baseline import session_device, single_device_baseline
 from conformance.implementation import load_implementation
-from reference.budget import Verdict, check, error_scales
+from reference.budget import Verdict
 from reference.layout import positions
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
 from reference.strategies import kv_blocks
 from suites.cases import RingCase
-from suites.cases_masks import _sinks, _unshard, mask_spec
+from suites.cases_masks import _sinks, mask_spec
 from suites.inputs import InputSpec, make_inputs
+from suites.judge import judge_outputs, unshard_by_positions
 
 __all__ = [
     "SCORE_MOD_NAMES",
@@ -203,24 +202,6 @@ def _visible(case: ScoreModCase) -> torch.Tensor | None:
     return visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
 
 
-@functools.lru_cache(maxsize=32)
-def _baseline(case: ScoreModCase, op_spec: str | None, device_name: str) -> dict[str, torch.Tensor]:
-    """The policy's B: the same kernel (one taking a score_mod) on the whole sequence."""
-    spec = case.inputs
-    g = make_inputs(spec)
-    return single_device_baseline(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        op_spec=op_spec,
-        scale=spec.scale,
-        visible=_visible(case),
-        sinks=_sinks(spec) if case.sinks else None,
-        score_mod=oracle_data(case.score_mod_data(), spec.torch_dtype),
-    )
-
-
 def _rank_positions(case: ScoreModCase) -> list[torch.Tensor]:
     if case.mesh_shape is not None:
         from reference.strategies import positions as strategy_positions
@@ -240,98 +221,31 @@ def judge_scored(
 ) -> list[Verdict]:
     """Verdicts for out, lse, dq, dk, dv (and dsinks) against the float64 oracle with the same
     score_mod (and mask, sinks)."""
-    from reference import attention_grads
+    spec = case.inputs
 
-    spec, w = case.inputs, case.world_size
-    g = make_inputs(spec)
-    vis = _visible(case)
-    sinks = _sinks(spec) if case.sinks else None
-    data = oracle_data(case.score_mod_data(), spec.torch_dtype)
-    ref = attention_grads(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        visible=vis,
-        sinks=sinks,
-        scale=spec.scale,
-        score_mod=data,
-    )
-    scales = error_scales(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        visible=vis,
-        scale=spec.scale,
-        sinks=sinks,
-        input_dtype=spec.torch_dtype,
-        score_mod=data,
-    )
-    base = _baseline(case, case.op or baseline_op, str(session_device()))
-    pos = _rank_positions(case)
-    lse_dtype = torch.float64 if spec.torch_dtype == torch.float64 else torch.float32
-    # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel sees
-    # the whole sequence; the hybrid merges its ring's R).
-    blocks = w if case.mesh_shape is None else kv_blocks(case.strategy, case.mesh_shape)
-    verdicts = []
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        parts = [r.get(name) for r in results]
-        if any(p is None for p in parts):
-            raise AssertionError(
-                f"{name}: a rank returned no {name} (ring_attention with return_lse=True returns "
-                "(out, lse) and gradients for query, key, value)"
-            )
-        got = _unshard(parts, pos).to(torch.float64)
-        want, b = getattr(ref, name), base[name].to(torch.float64)
-        if (
-            name == "lse"
-        ):  # rows that see nothing (a mask's, and no sink): -inf on both sides, compared as 0
-            nothing = torch.isneginf(want)
-            if not torch.equal(torch.isneginf(got), nothing):
-                named = diagnose_scored(case, results)
-                if named:
-                    raise AssertionError(f"lse: {named} [{case.label}]")
-                raise AssertionError(
-                    f"lse: {int((torch.isneginf(got) != nothing).sum())} rows are -inf where the "
-                    f"oracle's are not, or the reverse (-inf: the row sees nothing) [{case.label}]"
-                )
-            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        verdicts.append(
-            check(
-                name,
-                got,
-                want,
-                b,
-                dtype=spec.torch_dtype,
-                result_dtype=lse_dtype if name == "lse" else spec.torch_dtype,
-                scales=scales[name],
-                world_size=blocks,
-                context=f"[{case.label}]",
-            )
+    def on_lse_mismatch(differ: int) -> str:
+        return diagnose_scored(case, results) or (
+            f"{differ} rows are -inf where the oracle's are not, or the reverse (-inf: the row "
+            "sees nothing)"
         )
-    if case.sinks:
-        parts = [r.get("dsinks") for r in results]
-        if any(p is None for p in parts):
-            raise AssertionError(
-                "dsinks: a rank's sinks got no gradient (sinks must be differentiable)"
-            )
-        got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
-        verdicts.append(
-            check(
-                "dsinks",
-                got,
-                ref.dsinks,
-                base["dsinks"].to(torch.float64),
-                dtype=spec.torch_dtype,
-                result_dtype=lse_dtype,
-                world_size=w,
-                roundings=spec.batch * spec.seq_q,
-                scales=scales["dsinks"],
-                context=f"[{case.label}] (summed over ranks)",
-            )
-        )
-    return verdicts
+
+    return judge_outputs(
+        case,
+        results,
+        positions=_rank_positions(case),
+        visible=_visible(case),
+        sinks=_sinks(spec) if case.sinks else None,
+        score_mod=oracle_data(case.score_mod_data(), spec.torch_dtype),
+        # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel
+        # sees the whole sequence; the hybrid merges its ring's R).
+        world_size=(
+            case.world_size
+            if case.mesh_shape is None
+            else kv_blocks(case.strategy, case.mesh_shape)
+        ),
+        baseline_op=baseline_op,
+        on_lse_mismatch=on_lse_mismatch,
+    )
 
 
 def _at_local_positions(data: dict[str, Any], local: torch.Tensor) -> dict[str, Any]:
@@ -377,8 +291,8 @@ def diagnose_scored(case: ScoreModCase, results: list[dict[str, Any]]) -> str:
     """Name the score_mod bug class the output points at, or ""."""
     spec = case.inputs
     pos = _rank_positions(case)
-    out = _unshard([r["out"] for r in results], pos).to(torch.float64)
-    lse = _unshard([r["lse"] for r in results], pos).to(torch.float64)
+    out = unshard_by_positions([r["out"] for r in results], pos).to(torch.float64)
+    lse = unshard_by_positions([r["lse"] for r in results], pos).to(torch.float64)
     data = oracle_data(case.score_mod_data(), spec.torch_dtype)
     if _equals(case, out, lse, None) or (data["kind"] == "softcap" and _out_without(case, out)):
         if data["kind"] != "softcap":

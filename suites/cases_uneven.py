@@ -17,20 +17,19 @@ tokens of ranks ``0 .. r-1``), padding rows not trimmed from the output or the L
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from conformance.baseline import session_device, single_device_baseline
 from conformance.implementation import load_implementation
-from reference.budget import Verdict, check, error_scales
+from reference.budget import Verdict
 from reference.layout import split_lengths, split_positions
 from reference.masks import visibility
 from suites.cases import RingCase
-from suites.cases_masks import _unshard, mask_spec
+from suites.cases_masks import mask_spec
 from suites.inputs import make_inputs
+from suites.judge import judge_outputs, unshard_by_positions
 
 __all__ = [
     "MASKS",
@@ -157,25 +156,6 @@ def _visible(case: UnevenCase) -> torch.Tensor | None:
     return visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
 
 
-@functools.lru_cache(maxsize=32)
-def _baseline(case: UnevenCase, op_spec: str | None, device_name: str) -> dict[str, torch.Tensor]:
-    """The policy's B: the same kernel on the whole sequence (the kernel's causal path for
-    ``is_causal``, the mask otherwise)."""
-    spec = case.inputs
-    g = make_inputs(spec)
-    causal = case.mask == "causal"
-    return single_device_baseline(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        op_spec=op_spec,
-        is_causal=causal,
-        scale=spec.scale,
-        visible=None if causal else _visible(case),
-    )
-
-
 def _contract(case: UnevenCase, results: list[dict[str, Any]]) -> None:
     """Shapes of what every rank returned: its own ``n_r`` rows, never the padding's."""
     __tracebackhide__ = True
@@ -220,59 +200,30 @@ def judge_uneven(
 ) -> list[Verdict]:
     """The contract (AssertionError naming what is wrong), then verdicts for out, lse, dq, dk, dv
     against the float64 oracle on the global sequence."""
-    from reference import attention_grads
-
     __tracebackhide__ = True
     _contract(case, results)
-    spec, w = case.inputs, case.world_size
-    g = make_inputs(spec)
-    vis = _visible(case)
-    ref = attention_grads(g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale)
-    scales = error_scales(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        visible=vis,
-        scale=spec.scale,
-        input_dtype=spec.torch_dtype,
-    )
-    base = _baseline(case, case.op or baseline_op, str(session_device()))
-    pos = rank_positions(case)
-    lse_dtype = torch.float64 if spec.torch_dtype == torch.float64 else torch.float32
-    names = (
-        ["out"]
-        + (["lse"] if case.return_lse else [])
-        + (["dq", "dk", "dv"] if case.backward else [])
-    )
-    verdicts = []
-    for name in names:
-        got = _unshard([r[name] for r in results], pos).to(torch.float64)
-        want, b = getattr(ref, name), base[name].to(torch.float64)
-        if name == "lse":  # rows that see nothing: -inf on both sides, compared as 0
-            nothing = torch.isneginf(want)
-            if not torch.equal(torch.isneginf(got), nothing):
-                named = diagnose_uneven(case, results)
-                raise AssertionError(
-                    f"lse: {int((torch.isneginf(got) != nothing).sum())} rows are -inf where the "
-                    f"oracle's are not, or the reverse (-inf: the row sees nothing). {named} "
-                    f"[{case.label}]"
-                )
-            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        verdicts.append(
-            check(
-                name,
-                got,
-                want,
-                b,
-                dtype=spec.torch_dtype,
-                result_dtype=lse_dtype if name == "lse" else spec.torch_dtype,
-                scales=scales[name],
-                world_size=w,
-                context=f"[{case.label}]",
-            )
+
+    def on_lse_mismatch(differ: int) -> str:
+        return (
+            f"{differ} rows are -inf where the oracle's are not, or the reverse (-inf: the row "
+            f"sees nothing). {diagnose_uneven(case, results)}"
         )
-    return verdicts
+
+    return judge_outputs(
+        case,
+        results,
+        positions=rank_positions(case),
+        names=(
+            ["out"]
+            + (["lse"] if case.return_lse else [])
+            + (["dq", "dk", "dv"] if case.backward else [])
+        ),
+        visible=_visible(case),
+        # the kernel's causal path for is_causal, the mask otherwise
+        causal_kernel=case.mask == "causal",
+        baseline_op=baseline_op,
+        on_lse_mismatch=on_lse_mismatch,
+    )
 
 
 # ----------------------------------------------------------------------------------- diagnosis
@@ -313,7 +264,7 @@ def diagnose_uneven(case: UnevenCase, results: list[dict[str, Any]]) -> str:
     total = w * longest
     pos = rank_positions(case)
     try:
-        out = _unshard([r["out"] for r in results], pos).to(torch.float64)
+        out = unshard_by_positions([r["out"] for r in results], pos).to(torch.float64)
     except Exception:  # a broken contract: the judge names it
         return ""
     g = make_inputs(spec)

@@ -4,7 +4,10 @@ For each of out, lse, dq, dk, dv the global result X (unsharded with the referen
 code) is judged by :func:`reference.budget.check` against the float64 reference R on the same
 dtype-rounded inputs, relative to the single-device baseline B of the same kernel and dtype.
 R and B depend only on the inputs (not on world size, rotation or layout), so they are
-computed once per input spec and cached for the session.
+computed once per input spec and cached for the session (:func:`baseline`, the one B of every
+suite). The masked suites (masks, score_mods, uneven shards, packed) judge through
+:func:`judge_outputs`: their results unsharded by each rank's global positions, the rows that
+see nothing held to LSE -inf first, and dsinks summed over ranks.
 
 A failure is re-run with per-step recording (when the implementation can record) and
 diagnosed against the float64 ring simulation, so the message says which rank and ring step
@@ -14,7 +17,9 @@ first diverges, and ends with a copy-pasteable repro.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -30,13 +35,16 @@ from suites.inputs import InputSpec, make_inputs
 
 __all__ = [
     "QUANTITIES",
+    "baseline",
     "baseline_for",
     "contract_violations",
     "diagnose_case",
     "format_failure",
     "judge",
+    "judge_outputs",
     "reference_for",
     "scales_for",
+    "unshard_by_positions",
     "unshard_results",
 ]
 
@@ -76,17 +84,51 @@ def scales_for(spec: InputSpec, is_causal: bool) -> dict[str, ErrorScale]:
 
 
 def baseline_for(spec: InputSpec, is_causal: bool, op_spec: str | None) -> dict[str, torch.Tensor]:
-    """The same kernel, same dtype, on one device of the session's kind (the ranks' ``--device``)
-    and the whole sequence: the numerics policy's B, as CPU tensors (conformance.baseline)."""
-    return _baseline_on(spec, is_causal, op_spec, str(session_device()))
+    """The ring suites' B: :func:`baseline` with the kernel's causal path for ``is_causal`` and
+    the spec's grad_lse."""
+    return baseline(spec, op_spec, is_causal=is_causal, grad_lse=True)
 
 
-@functools.lru_cache(maxsize=128)
-def _baseline_on(
-    spec: InputSpec, is_causal: bool, op_spec: str | None, device_name: str
+#: The baselines computed this session, by :func:`baseline`'s key, the oldest first.
+_BASELINES: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+_BASELINES_KEPT = 128
+
+
+def baseline(
+    spec: InputSpec,
+    op_spec: str | None,
+    *,
+    is_causal: bool = False,
+    visible: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    score_mod: dict[str, Any] | None = None,
+    grad_lse: bool = False,
 ) -> dict[str, torch.Tensor]:
+    """The numerics policy's B of every suite: the same kernel, same dtype, on one device of the
+    session's kind (the ranks' ``--device``) and the whole sequence of ``spec``'s inputs
+    (:func:`conformance.baseline.single_device_baseline`), as CPU tensors.
+
+    ``is_causal``: the kernel's causal path; visible (b or 1, h or 1, sq, skv) bool, sinks
+    (h,), score_mod (reference.score_mods' plain data) as the single-device baseline takes them;
+    ``grad_lse``: the loss also uses the LSE (the spec's drawn grad_lse, ``spec.lse_grad``).
+    B depends only on these (not on world size, rotation or layout): it is computed once per
+    session device and content of these arguments, and kept for the session.
+    """
+    key = (
+        spec,
+        op_spec,
+        str(session_device()),
+        is_causal,
+        grad_lse,
+        _content_key(visible),
+        _content_key(sinks),
+        _content_key(score_mod),
+    )
+    if key in _BASELINES:
+        _BASELINES.move_to_end(key)
+        return _BASELINES[key]
     g = make_inputs(spec)
-    return single_device_baseline(
+    result = single_device_baseline(
         g.query,
         g.key,
         g.value,
@@ -94,8 +136,30 @@ def _baseline_on(
         op_spec=op_spec,
         is_causal=is_causal,
         scale=spec.scale,
-        grad_lse=g.grad_lse,
+        grad_lse=g.grad_lse if grad_lse else None,
+        visible=visible,
+        sinks=sinks,
+        score_mod=score_mod,
     )
+    _BASELINES[key] = result
+    if len(_BASELINES) > _BASELINES_KEPT:
+        _BASELINES.popitem(last=False)
+    return result
+
+
+def _content_key(value: Any) -> Hashable:
+    """A hashable stand-in for ``value`` that equal contents share: a tensor by its dtype, shape
+    and bytes; dicts, lists and tuples by their items; anything else (numbers, strings, a
+    score_mod's function) as it is."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        digest = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        return ("tensor", str(t.dtype), tuple(t.shape), digest)
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _content_key(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(_content_key(v) for v in value))
+    return value
 
 
 def unshard_results(
@@ -113,6 +177,140 @@ def unshard_results(
         t = ref_layout.unshard(parts, layout, dim=2)
         merged[name] = t.squeeze(-1) if name == "lse" else t
     return merged
+
+
+def unshard_by_positions(
+    parts: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """The global tensor (sequence dim 2) from every rank's local rows ``parts[r]`` at the global
+    positions ``positions[r]`` (rows no rank holds are 0)."""
+    shape = list(parts[0].shape)
+    shape[2] = sum(len(p) for p in positions)
+    whole = parts[0].new_zeros(shape)
+    for part, p in zip(parts, positions):
+        whole[:, :, p] = part
+    return whole
+
+
+def judge_outputs(
+    case: RingCase,
+    results: Sequence[dict[str, Any]],
+    *,
+    positions: Sequence[torch.Tensor],
+    visible: torch.Tensor | None,
+    on_lse_mismatch: Callable[[int], str],
+    baseline_op: str | None = None,
+    names: Sequence[str] = QUANTITIES,
+    sinks: torch.Tensor | None = None,
+    score_mod: dict[str, Any] | None = None,
+    causal_kernel: bool = False,
+    world_size: int | None = None,
+    call: str = "ring_attention",
+    known_failure: Callable[[], str] | None = None,
+) -> list[Verdict]:
+    """Verdicts for ``names`` (of out, lse, dq, dk, dv) and, with ``sinks``, dsinks summed over
+    ranks, each against the float64 oracle under ``visible``, ``sinks`` and ``score_mod``
+    (reference.attention_grads), relative to the single-device :func:`baseline` of the same
+    kernel given the same (``case.op``, else ``baseline_op``).
+
+    results: per rank, local tensors with the sequence on dim 2 (out (b, h, n_r, dv), lse
+    (b, h, n_r), dq, dk, dv, dsinks (h,)); positions: per rank, the global positions (n_r,) of
+    its rows. visible (b or 1, h or 1, seq_q, seq_kv) bool or None; ``causal_kernel``: B runs the
+    kernel's causal path (``visible`` is then the causal mask, for the oracle only).
+    world_size: the policy's key/value blocks a row's result merges (default the case's);
+    dsinks, summed over every rank, is judged with the case's.
+
+    Rows that see nothing (LSE -inf in the oracle) must be -inf exactly: otherwise an
+    AssertionError ``"lse: {on_lse_mismatch(rows that differ)} [label]"``; they are then
+    compared as 0. A rank that returned none of a quantity: AssertionError naming ``call``. With
+    ``known_failure``, a failed verdict raises ``"{name}: {known_failure()} [label]"`` when it
+    names a bug class (it runs only then).
+    """
+    __tracebackhide__ = True
+    spec = case.inputs
+    g = make_inputs(spec)
+    ref = attention_grads(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        visible=visible,
+        sinks=sinks,
+        scale=spec.scale,
+        score_mod=score_mod,
+    )
+    scales = error_scales(
+        g.query,
+        g.key,
+        g.value,
+        g.grad_out,
+        visible=visible,
+        scale=spec.scale,
+        sinks=sinks,
+        input_dtype=spec.torch_dtype,
+        score_mod=score_mod,
+    )
+    base = baseline(
+        spec,
+        case.op or baseline_op,
+        is_causal=causal_kernel,
+        visible=None if causal_kernel else visible,
+        sinks=sinks,
+        score_mod=score_mod,
+    )
+    lse_dtype = compute_dtype(spec.torch_dtype)
+    verdicts = []
+    for name in names:
+        parts = [r.get(name) for r in results]
+        if any(p is None for p in parts):
+            raise AssertionError(
+                f"{name}: a rank returned no {name} ({call} with return_lse=True returns "
+                "(out, lse) and gradients for query, key, value)"
+            )
+        got = unshard_by_positions(parts, positions).to(torch.float64)
+        want, b = getattr(ref, name), base[name].to(torch.float64)
+        if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
+            nothing = torch.isneginf(want)
+            if not torch.equal(torch.isneginf(got), nothing):
+                differ = int((torch.isneginf(got) != nothing).sum())
+                raise AssertionError(f"lse: {on_lse_mismatch(differ)} [{case.label}]")
+            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
+        verdict = check(
+            name,
+            got,
+            want,
+            b,
+            dtype=spec.torch_dtype,
+            result_dtype=lse_dtype if name == "lse" else spec.torch_dtype,
+            scales=scales[name],
+            world_size=world_size or case.world_size,
+            context=f"[{case.label}]",
+        )
+        if known_failure is not None and not verdict.passed and known_failure():
+            raise AssertionError(f"{name}: {known_failure()} [{case.label}]")
+        verdicts.append(verdict)
+    if sinks is not None:
+        parts = [r.get("dsinks") for r in results]
+        if any(p is None for p in parts):
+            raise AssertionError(
+                "dsinks: a rank's sinks got no gradient (sinks must be differentiable)"
+            )
+        got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
+        verdicts.append(
+            check(
+                "dsinks",
+                got,
+                ref.dsinks,
+                base["dsinks"].to(torch.float64),
+                dtype=spec.torch_dtype,
+                result_dtype=lse_dtype,
+                world_size=case.world_size,
+                roundings=spec.batch * spec.seq_q,
+                scales=scales["dsinks"],
+                context=f"[{case.label}] (summed over ranks)",
+            )
+        )
+    return verdicts
 
 
 def contract_violations(case: RingCase, results: Sequence[dict[str, Any]]) -> list[str]:

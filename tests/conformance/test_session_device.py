@@ -4,10 +4,10 @@ A suite that builds its baseline or its ranks' tensors on a hard-coded device pa
 run and fails every GPU run (a CUDA-only kernel cannot run on the CPU). This file finds that on
 a CPU machine:
 
-- **Parent side.** With the session's device set to ``meta``, each suite's single-device
-  baseline is run with a probe kernel (tests/conformance/device_probe.py) that records the
-  device of the tensors it is handed: anything but ``meta`` means the baseline bypassed
-  :mod:`conformance.baseline`.
+- **Parent side.** With the session's device set to ``meta``, the single-device baseline of
+  every suite (:func:`suites.judge.baseline`, with each suite's kind of inputs) is run with a
+  probe kernel (tests/conformance/device_probe.py) that records the device of the tensors it is
+  handed: anything but ``meta`` means the baseline bypassed :mod:`conformance.baseline`.
 - **Rank side.** Each suite's rank function runs in this process with a rank context whose
   device is ``meta`` and a probe implementation: the tensors handed to ``ring_attention`` must be
   on ``meta``. Every rank function of ``suites/`` (a function whose first parameter is ``ctx``)
@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from harness import settings as harness_settings
+from reference.masks import visibility
 from suites.inputs import InputSpec
 from tests.conformance.device_probe import Probed
 
@@ -50,18 +51,36 @@ def meta_session():
         harness_settings.install(before)
 
 
+def _mask_baseline(mask: str, sinks: bool):
+    from suites.cases_masks import MaskCase, _sinks
+    from suites.judge import baseline
+
+    case = MaskCase(SPEC, 1, mask=mask, sinks=sinks)
+    vis = visibility(case.mask_data(), SPEC.seq_q, SPEC.seq_kv, batch=SPEC.batch, heads=SPEC.heads)
+    return baseline(SPEC, PROBE_OP, visible=vis, sinks=_sinks(SPEC) if sinks else None)
+
+
 def _score_mod_baseline():
-    from suites.cases_score_mods import ScoreModCase, _baseline
+    from suites.cases_masks import _sinks
+    from suites.cases_score_mods import ScoreModCase, _visible, oracle_data
+    from suites.judge import baseline
 
     case = ScoreModCase(SPEC, 1, score_mod="alibi", mask="documents", sinks=True)
-    return _baseline(case, PROBE_OP, "meta")
+    return baseline(
+        SPEC,
+        PROBE_OP,
+        visible=_visible(case),
+        sinks=_sinks(SPEC),
+        score_mod=oracle_data(case.score_mod_data(), SPEC.torch_dtype),
+    )
 
 
 def _uneven_baseline():
-    from suites.cases_uneven import UnevenCase, _baseline
+    from suites.cases_uneven import UnevenCase, _visible
+    from suites.judge import baseline
 
     case = UnevenCase(SPEC, 1, lengths=(SPEC.seq_q,), mask="documents")
-    return _baseline(case, PROBE_OP, "meta")
+    return baseline(SPEC, PROBE_OP, visible=_visible(case))
 
 
 def _probed(run) -> tuple[str, ...]:
@@ -76,12 +95,8 @@ BASELINES = {
     "ring suites (suites.judge)": lambda: __import__("suites.judge", fromlist=["x"]).baseline_for(
         SPEC, True, PROBE_OP
     ),
-    "mask suite": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(
-        SPEC, "documents", "", False, PROBE_OP
-    ),
-    "mask suite with sinks": lambda: __import__("suites.cases_masks", fromlist=["x"])._baseline(
-        SPEC, "window_narrow", "", True, PROBE_OP
-    ),
+    "mask suite": lambda: _mask_baseline("documents", sinks=False),
+    "mask suite with sinks": lambda: _mask_baseline("window_narrow", sinks=True),
     "score_mod suite": lambda: _score_mod_baseline(),
     "uneven-shard suite": lambda: _uneven_baseline(),
 }
