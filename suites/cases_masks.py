@@ -25,7 +25,6 @@ from conformance.implementation import load_implementation
 from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
-from reference.strategies import kv_blocks
 from suites.cases import RingCase
 from suites.cases_balance import BALANCER_LAYOUTS, as_runs, runs_positions, runs_problem
 from suites.inputs import InputSpec, make_inputs
@@ -396,13 +395,6 @@ def judge_masked(
             case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads
         ),
         sinks=_sinks(spec) if case.sinks else None,
-        # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel
-        # sees the whole sequence; the hybrid merges its ring's R).
-        world_size=(
-            case.world_size
-            if case.mesh_shape is None
-            else kv_blocks(case.strategy, case.mesh_shape)
-        ),
         baseline_op=baseline_op,
         call="masked ring_attention",
         on_lse_mismatch=on_lse_mismatch,

@@ -28,7 +28,7 @@ from reference.masks import visibility
 from suites.cases import RingCase
 from suites.cases_masks import MaskCase, _equals_attention_under
 from suites.inputs import make_inputs
-from suites.judge import judge_outputs
+from suites.judge import judge_outputs, produced
 
 __all__ = [
     "DOCUMENTS",
@@ -182,13 +182,8 @@ def _shape_problems(case: PackedCase, results: list[dict[str, Any]]) -> list[str
         "dk": (n, s.heads_kv, s.head_dim),
         "dv": (n, s.heads_kv, s.value_head_dim),
     }
-    names = (
-        ["out"]
-        + (["lse"] if case.return_lse else [])
-        + (["dq", "dk", "dv"] if case.backward else [])
-    )
     problems = []
-    for name in names:
+    for name in produced(case):
         for rank, res in enumerate(results):
             got = res.get(name)
             if got is None:
@@ -261,11 +256,7 @@ def judge_packed(
         case,
         four,
         positions=pos,
-        names=(
-            ["out"]
-            + (["lse"] if case.return_lse else [])
-            + (["dq", "dk", "dv"] if case.backward else [])
-        ),
+        names=produced(case),
         visible=visibility(
             case.mask_case().mask_data(),
             spec.seq_q,

@@ -20,7 +20,6 @@ from reference.budget import Verdict
 from reference.layout import positions
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
-from reference.strategies import kv_blocks
 from suites.cases import RingCase
 from suites.cases_masks import _sinks, mask_spec
 from suites.inputs import InputSpec, make_inputs
@@ -236,13 +235,6 @@ def judge_scored(
         visible=_visible(case),
         sinks=_sinks(spec) if case.sinks else None,
         score_mod=oracle_data(case.score_mod_data(), spec.torch_dtype),
-        # The policy's world_size: the key/value blocks a row's result merges (Ulysses' kernel
-        # sees the whole sequence; the hybrid merges its ring's R).
-        world_size=(
-            case.world_size
-            if case.mesh_shape is None
-            else kv_blocks(case.strategy, case.mesh_shape)
-        ),
         baseline_op=baseline_op,
         on_lse_mismatch=on_lse_mismatch,
     )

@@ -29,7 +29,7 @@ from reference.masks import visibility
 from suites.cases import RingCase
 from suites.cases_masks import mask_spec
 from suites.inputs import make_inputs
-from suites.judge import judge_outputs, unshard_by_positions
+from suites.judge import judge_outputs, produced, unshard_by_positions
 
 __all__ = [
     "MASKS",
@@ -213,11 +213,7 @@ def judge_uneven(
         case,
         results,
         positions=rank_positions(case),
-        names=(
-            ["out"]
-            + (["lse"] if case.return_lse else [])
-            + (["dq", "dk", "dv"] if case.backward else [])
-        ),
+        names=produced(case),
         visible=_visible(case),
         # the kernel's causal path for is_causal, the mask otherwise
         causal_kernel=case.mask == "causal",

@@ -30,6 +30,7 @@ from reference.attention import attention_grads
 from reference.budget import ErrorScale, Verdict, check, compute_dtype, error_scales
 from reference.diagnose import diagnose
 from reference.simulate import simulate_ring
+from reference.strategies import kv_blocks
 from suites.cases import RingCase
 from suites.inputs import InputSpec, make_inputs
 
@@ -42,6 +43,8 @@ __all__ = [
     "format_failure",
     "judge",
     "judge_outputs",
+    "merged_blocks",
+    "produced",
     "reference_for",
     "scales_for",
     "unshard_by_positions",
@@ -49,6 +52,16 @@ __all__ = [
 ]
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+
+
+def produced(case: RingCase) -> tuple[str, ...]:
+    """The quantities of :data:`QUANTITIES` a case asks for: out, the LSE with ``return_lse``,
+    dq, dk, dv with ``backward``."""
+    return (
+        ("out",)
+        + (("lse",) if case.return_lse else ())
+        + (("dq", "dk", "dv") if case.backward else ())
+    )
 
 
 @functools.lru_cache(maxsize=128)
@@ -192,6 +205,14 @@ def unshard_by_positions(
     return whole
 
 
+def merged_blocks(case: RingCase) -> int:
+    """The policy's world_size of a case: the key/value blocks a row's result merges. The ring's
+    W; a case with a ``strategy`` on a ``mesh_shape`` (U, R): Ulysses' 1 (its kernel sees the
+    whole sequence), the hybrid's R (reference.strategies.kv_blocks)."""
+    mesh_shape = getattr(case, "mesh_shape", None)
+    return case.world_size if mesh_shape is None else kv_blocks(case.strategy, mesh_shape)
+
+
 def judge_outputs(
     case: RingCase,
     results: Sequence[dict[str, Any]],
@@ -204,7 +225,6 @@ def judge_outputs(
     sinks: torch.Tensor | None = None,
     score_mod: dict[str, Any] | None = None,
     causal_kernel: bool = False,
-    world_size: int | None = None,
     call: str = "ring_attention",
     known_failure: Callable[[], str] | None = None,
 ) -> list[Verdict]:
@@ -216,9 +236,9 @@ def judge_outputs(
     results: per rank, local tensors with the sequence on dim 2 (out (b, h, n_r, dv), lse
     (b, h, n_r), dq, dk, dv, dsinks (h,)); positions: per rank, the global positions (n_r,) of
     its rows. visible (b or 1, h or 1, seq_q, seq_kv) bool or None; ``causal_kernel``: B runs the
-    kernel's causal path (``visible`` is then the causal mask, for the oracle only).
-    world_size: the policy's key/value blocks a row's result merges (default the case's);
-    dsinks, summed over every rank, is judged with the case's.
+    kernel's causal path (``visible`` is then the causal mask, for the oracle only). The
+    policy's world_size is :func:`merged_blocks` (dsinks, summed over every rank, is judged with
+    the case's).
 
     Rows that see nothing (LSE -inf in the oracle) must be -inf exactly: otherwise an
     AssertionError ``"lse: {on_lse_mismatch(rows that differ)} [label]"``; they are then
@@ -259,6 +279,7 @@ def judge_outputs(
         score_mod=score_mod,
     )
     lse_dtype = compute_dtype(spec.torch_dtype)
+    blocks = merged_blocks(case)
     verdicts = []
     for name in names:
         parts = [r.get(name) for r in results]
@@ -283,7 +304,7 @@ def judge_outputs(
             dtype=spec.torch_dtype,
             result_dtype=lse_dtype if name == "lse" else spec.torch_dtype,
             scales=scales[name],
-            world_size=world_size or case.world_size,
+            world_size=blocks,
             context=f"[{case.label}]",
         )
         if known_failure is not None and not verdict.passed and known_failure():
@@ -372,15 +393,10 @@ def judge(
     """Verdicts for every quantity the case produced; AssertionError for a broken contract."""
     __tracebackhide__ = True
     spec = case.inputs
-    expected = (
-        {"out"}
-        | ({"lse"} if case.return_lse else set())
-        | ({"dq", "dk", "dv"} if case.backward else set())
-    )
     missing = [
         f"{name}[rank={rank}]"
         for rank, r in enumerate(results)
-        for name in sorted(expected)
+        for name in sorted(produced(case))
         if r.get(name) is None
     ]
     if missing:
