@@ -241,6 +241,7 @@ def judge_packed(
     spec, w = case.inputs, case.world_size
     pos = [reference_positions(case.layout, w, r, spec.seq_q) for r in range(w)]
     four = _as_4d(case, results)
+    data = case.mask_case().mask_data()
 
     @functools.cache
     def named() -> str:  # only on a failure: it runs the oracle under other documents
@@ -257,13 +258,7 @@ def judge_packed(
         four,
         positions=pos,
         names=produced(case),
-        visible=visibility(
-            case.mask_case().mask_data(),
-            spec.seq_q,
-            spec.seq_kv,
-            batch=spec.batch,
-            heads=spec.heads,
-        ),
+        visible=visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads),
         baseline_op=baseline_op,
         on_lse_mismatch=on_lse_mismatch,
         known_failure=named,

@@ -249,27 +249,10 @@ def judge_outputs(
     __tracebackhide__ = True
     spec = case.inputs
     g = make_inputs(spec)
-    ref = attention_grads(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        visible=visible,
-        sinks=sinks,
-        scale=spec.scale,
-        score_mod=score_mod,
-    )
-    scales = error_scales(
-        g.query,
-        g.key,
-        g.value,
-        g.grad_out,
-        visible=visible,
-        scale=spec.scale,
-        sinks=sinks,
-        input_dtype=spec.torch_dtype,
-        score_mod=score_mod,
-    )
+    inputs = (g.query, g.key, g.value, g.grad_out)
+    oracle = dict(visible=visible, sinks=sinks, scale=spec.scale, score_mod=score_mod)
+    ref = attention_grads(*inputs, **oracle)
+    scales = error_scales(*inputs, **oracle, input_dtype=spec.torch_dtype)
     base = baseline(
         spec,
         case.op or baseline_op,
