@@ -23,8 +23,10 @@ world size; register it with :func:`ring_impl.register_layout` on every rank, or
     cuts the sequence into equal chunks (as ``torch.tensor_split`` does for a length they do not
     divide: an uneven layout), weighs each chunk by the score area its query rows see under the
     mask (on the whole sequence), and deals the chunks out greedily, heaviest first, each to the
-    rank with the least work that still has room (every rank holds the same number of chunks);
-    each rank's chunks stay in sequence order. For a causal
+    rank with the least work that still has room (every rank holds the same number of chunks),
+    then swaps chunks between the heaviest rank and the others while a swap lowers its work
+    (where heavy chunks are few per rank, the ranks that fill up last cannot be evened by the
+    deal alone); each rank's chunks stay in sequence order. For a causal
     mask it reproduces head-tail's balance; for packed documents of very different lengths it
     balances where head_tail cannot (a long document's tail is heavy wherever it lands).
 
@@ -173,6 +175,7 @@ def work_balanced_layout(
         )
         held[r].append(c)
         load[r] += weight[c]
+    _refine_by_swaps(held, weight)
     assignment = [tuple(sorted(h)) for h in held]
 
     def runs(length: int, world: int, rank: int):
@@ -186,6 +189,45 @@ def work_balanced_layout(
         chunks=lambda world, rank: assignment[rank],
         uneven=bool(longer),
     )
+
+
+def _refine_by_swaps(held: list[list[int]], weight: Sequence[float]) -> None:
+    """Lower the heaviest rank's work by swapping chunks, in place, until no swap helps; every
+    rank keeps its number of chunks.
+
+    The greedy deal (heaviest chunk first, to the least loaded rank with room) leaves a rank up
+    to a heavy chunk above the mean when heavy chunks are few per rank, since the ranks that
+    fill up last must take what is left whatever their load (a long document's tail at W=64:
+    1.064 max/mean, 1.007 after the swaps). Each round swaps a chunk a of the heaviest rank h
+    for a lighter chunk b of another rank r (d = weight[a] - weight[b] moved), choosing the swap
+    with the smallest max(load[h] - d, load[r] + d) below load[h]. Pure arithmetic on equal
+    inputs: every rank builds the same layout.
+    """
+    w = len(held)
+    if w < 2:
+        return
+    k = max(len(h) for h in held)
+    # (W, k) chunk weights; NaN where a rank holds fewer chunks (uneven layouts): never swapped.
+    table = torch.full((w, k), float("nan"), dtype=torch.float64)
+    for r, h in enumerate(held):
+        table[r, : len(h)] = torch.tensor([weight[c] for c in h], dtype=torch.float64)
+    load = table.nan_to_num(0.0).sum(1)
+    tolerance = 1e-9 * max(1.0, float(load.sum()))
+    for _ in range(4 * w * k):  # each round lowers the heaviest load or ends; a cap all the same
+        h = int(load.argmax())
+        d = table[h][:, None, None] - table[None, :, :]  # (k, W, k): moved from h to r
+        new_max = torch.maximum(load[h] - d, load[None, :, None] + d)
+        new_max[:, h] = float("inf")
+        new_max = torch.where(d > 0, new_max, float("inf"))  # NaN compares False
+        best = int(new_max.argmin())
+        if not float(new_max.flatten()[best]) < float(load[h]) - tolerance:
+            return
+        a, r, b = best // (w * k), best // k % w, best % k
+        moved = float(d[a, r, b])
+        held[h][a], held[r][b] = held[r][b], held[h][a]
+        table[h, a], table[r, b] = table[r, b].clone(), table[h, a].clone()
+        load[h] -= moved
+        load[r] += moved
 
 
 def document_spans(documents, seq_len: int) -> list[tuple[int, int]]:
