@@ -81,6 +81,7 @@ def test_any_shape_matches_reference(ring, pytestconfig, data) -> None:
         raise failure from None
     pytest.fail(
         f"{failure}\nThe same case with value's head dim equal to query's and key's ({dv}) "
-        f"passes: the implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv})",
+        f"passes: the implementation is wrong only when d_v != d_qk (d_qk={d}, d_v={dv}) "
+        f"[{case.label}]\nrepro: {ring.repro()}",
         pytrace=False,
     )
