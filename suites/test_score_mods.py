@@ -202,9 +202,7 @@ def _params(data, name: str, heads: int) -> tuple[tuple[str, Any], ...]:
 
 
 @settings(
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    max_examples=max(1, settings.default.max_examples // 2),  # half the profile's: a case is slow
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 @given(data=st.data())
 def test_any_score_mod_matches_reference(ring, pytestconfig, data) -> None:
