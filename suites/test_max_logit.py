@@ -10,7 +10,9 @@ serve), with sinks on some (no part of the max logit); a NaN in a key and in a q
 reaches are NaN, on every rank); softmax scales <= 0. Every rank must return the same (heads,)
 tensor in the compute dtype, without a gradient; the output's backward still runs. With
 ``collective_schedule`` claimed, the collectives of a call are asserted against
-``collective_schedule(..., return_max_logit=True)``.
+``collective_schedule(..., return_max_logit=True)``. A Hypothesis property draws the world
+size, layout, rotation, dtype, shape (GQA, head dim, length), causality or a named mask (with
+sinks), the softmax scale and ``return_lse``.
 
 Capability ``max_logit`` (undeclared: claimed); the mask cases also need ``masks`` (their kinds)
 and ``sinks``.

@@ -14,6 +14,9 @@ of :data:`suites.cases_packed.DOCUMENTS` (documents crossing shard edges, one-to
 a padding tail longer than a shard), ``return_lse`` on and off, forward only and forward with
 backward. Quick tier: 12 cases, W 1..4, every axis value at least once; nightly: every world
 size x layout x dtype x causal x document set, the other axes drawn per case by a stable hash.
+A Hypothesis property draws ``cu_seqlens`` (documents of any lengths, one-token ones often, an
+optional padding tail of up to all tokens but one) with every axis above but the dtype's
+half-precision values.
 
 Capabilities: ``packed`` (N/A when declared False), ``layouts``, ``rotate_methods``, ``dtypes``,
 ``gqa``, ``lse``, ``backward``.

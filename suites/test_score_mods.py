@@ -6,7 +6,9 @@ every rotation, both built-in layouts, W 1, 2 and 4 (nightly: every enabled worl
 dtype), float64/float32/bfloat16, GQA; ALiBi and the function under Ulysses and the hybrid on
 the 4-rank meshes (capability ``strategies``). Judged against the float64 oracle with the same
 score_mod (reference.score_mods, written apart from ring_impl) by the numerics policy, the
-baseline being the same kernel with the score_mod on one device.
+baseline being the same kernel with the score_mod on one device. A Hypothesis property draws the
+score_mod and its parameter (the soft-cap, per-head ALiBi slopes, the bias's scale) with the world
+size, layout, rotation, float64/float32, GQA, batch, head dim, length, mask and sinks.
 
 Failures name the bug classes the output points at: a soft-cap (any score_mod) not applied in
 the blocks (the output is attention without it: applied after the merge, or not at all), a
