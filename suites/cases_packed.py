@@ -85,13 +85,18 @@ def document_spec(cu: list[int], tokens: int, causal: bool) -> dict[str, Any]:
 @dataclass(frozen=True)
 class PackedCase(RingCase):
     """``documents``: a name of :data:`DOCUMENTS`; ``cu_as``: ``"list"`` (Python ints) or
-    ``"int32"`` (a 1-D int32 tensor on the rank's device)."""
+    ``"int32"`` (a 1-D int32 tensor on the rank's device); ``cuts``: the cumulative document
+    lengths themselves (a Hypothesis draw, ``documents`` then only names them), None: those of
+    ``documents``."""
 
     documents: str = "crossing"
     cu_as: str = "list"
+    cuts: tuple[int, ...] | None = None
 
     @property
     def cu_seqlens(self) -> list[int]:
+        if self.cuts is not None:
+            return list(self.cuts)
         return cu_seqlens_for(self.documents, self.inputs.seq_q, self.world_size)
 
     def mask_case(self) -> MaskCase:

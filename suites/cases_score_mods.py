@@ -108,7 +108,9 @@ def oracle_data(data: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ScoreModCase(RingCase):
     """``score_mod``: a name of :data:`SCORE_MOD_NAMES`; ``mask``: a named mask of the mask suite
-    (suites.cases_masks.MASK_NAMES) or "" (``is_causal`` alone, or none)."""
+    (suites.cases_masks.MASK_NAMES) or "" (``is_causal`` alone, or none); ``params``: drawn
+    parameters over the named score_mod's (``("cap", c)``, ``("slopes", (s_0, ..., s_{H-1}))``,
+    ``("bias_scale", x)``: the bias times x), () for the named ones."""
 
     score_mod: str = "softcap"
     mask: str = ""
@@ -117,9 +119,16 @@ class ScoreModCase(RingCase):
     #: (suites.cases_strategies' groups, reference.strategies' layouts)
     strategy: str = "ring"
     mesh_shape: tuple[int, int] | None = None
+    params: tuple[tuple[str, Any], ...] = ()
 
     def score_mod_data(self) -> dict[str, Any]:
-        return score_mod_spec(self.score_mod, self.inputs)
+        data = score_mod_spec(self.score_mod, self.inputs)
+        for key, value in self.params:
+            if key == "bias_scale":
+                data["bias"] = data["bias"] * value
+            else:
+                data[key] = list(value) if isinstance(value, tuple) else value
+        return data
 
     def mask_data(self) -> dict[str, Any] | None:
         if self.mask:
@@ -133,7 +142,9 @@ class ScoreModCase(RingCase):
             mask += f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
         return (
             RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
-            + f", score_mod={self.score_mod}{mask}, sinks={self.sinks})"
+            + f", score_mod={self.score_mod}{mask}, sinks={self.sinks}"
+            + "".join(f", {k}={v}" for k, v in self.params)
+            + ")"
         )
 
 

@@ -10,7 +10,9 @@ serve), with sinks on some (no part of the max logit); a NaN in a key and in a q
 reaches are NaN, on every rank); softmax scales <= 0. Every rank must return the same (heads,)
 tensor in the compute dtype, without a gradient; the output's backward still runs. With
 ``collective_schedule`` claimed, the collectives of a call are asserted against
-``collective_schedule(..., return_max_logit=True)``.
+``collective_schedule(..., return_max_logit=True)``. A Hypothesis property draws the world
+size, layout, rotation, dtype, shape (GQA, head dim, length), causality or a named mask (with
+sinks), the softmax scale and ``return_lse``.
 
 Capability ``max_logit`` (undeclared: claimed); the mask cases also need ``masks`` (their kinds)
 and ``sinks``.
@@ -21,11 +23,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
 from suites.inputs import InputSpec
 from suites.judge import format_failure
-from suites.matrix import DTYPES, LAYOUTS, ROTATIONS, params, tier, world_sizes
+from suites.matrix import DTYPES, LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
 
 #: Named masks of the mask suite run here (suites.cases_masks.mask_spec) and the mask kinds each
 #: uses: documents with padding between them (rows that see nothing), a narrow window (the halo
@@ -200,6 +204,68 @@ def _run_and_judge(ring, case: MaxLogitCase) -> list[dict]:
 
 def test_max_logit_matches_reference(ring, case: MaxLogitCase) -> None:
     """The group's per-head max logit against the float64 oracle, the same on every rank."""
+    _run_and_judge(ring, _prepare(ring, case))
+
+
+@settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(data=st.data())
+def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
+    """A drawn world size, layout, rotation, dtype, shape (batch, heads, GQA, head dim, tokens
+    per rank), causality or a named mask (with sinks), softmax scale (<= 0 included) and
+    return_lse: the group's per-head max logit against the float64 oracle, as the named cases."""
+    caps = ring.caps
+    sizes = world_sizes(pytestconfig)
+    if not sizes:
+        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
+    w = data.draw(st.sampled_from(sizes), label="world_size")
+    layout = data.draw(
+        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
+        label="layout",
+    )
+    rotate = data.draw(
+        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
+        label="rotate_method",
+    )
+    # The named masks need room for their documents and windows (24 tokens, as their cases);
+    # the narrow window is the halo exchange's, which runs contiguous.
+    masks = [
+        m
+        for m in MASKS
+        if all(caps.claims("masks", k) for k in KINDS[m])
+        and (layout == "contiguous" or m != "window_narrow")
+    ]
+    mask = data.draw(st.sampled_from([None, *masks]), label="mask")
+    step = 2 if layout == "head_tail" else 1
+    least = 1 if mask is None else -(-24 // (w * step))
+    seq = data.draw(st.integers(least, least + 6), label="tokens_per_rank") * step * w
+    causal = mask is None and data.draw(st.booleans(), label="is_causal")
+    sinks = mask is not None and caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
+    heads_kv = data.draw(st.integers(1, 3), label="heads_kv")
+    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
+    dtypes = [d for d in DTYPES[:3] if caps.claims("dtypes", d)] or ["float64"]
+    spec = InputSpec(
+        batch=data.draw(st.integers(1, 2), label="batch"),
+        heads=heads_kv * group,
+        heads_kv=heads_kv,
+        seq_q=seq,
+        seq_kv=seq,
+        head_dim=data.draw(st.sampled_from((8, 16, 40)), label="head_dim"),
+        dtype=data.draw(st.sampled_from(dtypes), label="dtype"),
+        scale=data.draw(st.sampled_from((None, 0.5, -0.3, 0.0)), label="scale"),
+    )
+    lse = caps.claims("lse") and data.draw(st.booleans(), label="return_lse")
+    case = MaxLogitCase(
+        spec.with_(seed=seed_for(f"{spec!r} {mask}")),
+        w,
+        is_causal=causal,
+        layout=layout,
+        rotate_method=rotate,
+        return_lse=lse,
+        mask=mask,
+        sinks=sinks,
+    )
     _run_and_judge(ring, _prepare(ring, case))
 
 

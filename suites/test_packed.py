@@ -14,6 +14,9 @@ of :data:`suites.cases_packed.DOCUMENTS` (documents crossing shard edges, one-to
 a padding tail longer than a shard), ``return_lse`` on and off, forward only and forward with
 backward. Quick tier: 12 cases, W 1..4, every axis value at least once; nightly: every world
 size x layout x dtype x causal x document set, the other axes drawn per case by a stable hash.
+A Hypothesis property draws ``cu_seqlens`` (documents of any lengths, one-token ones often, an
+optional padding tail of up to all tokens but one) with every axis above but the dtype's
+half-precision values.
 
 Capabilities: ``packed`` (N/A when declared False), ``layouts``, ``rotate_methods``, ``dtypes``,
 ``gqa``, ``lse``, ``backward``.
@@ -25,6 +28,8 @@ import itertools
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from suites.cases_packed import (
     DOCUMENTS,
@@ -137,9 +142,8 @@ def _prepare(ring, case: PackedCase) -> PackedCase:
     return replace(case, impl=ring.impl.spec, op=op)
 
 
-def test_packed_documents_match_reference(ring, packed_case_: PackedCase) -> None:
-    """out (LSE, dQ, dK, dV) of packed shards under cu_seqlens against the float64 oracle."""
-    case = _prepare(ring, packed_case_)
+def _run_and_judge(ring, case: PackedCase) -> None:
+    __tracebackhide__ = True
     results = ring.rank_pool(case.world_size).run(packed_case, case, timeout=ring.timeout_for(case))
     try:
         verdicts = judge_packed(
@@ -151,3 +155,86 @@ def test_packed_documents_match_reference(ring, packed_case_: PackedCase) -> Non
     failed = [v for v in verdicts if not v.passed]
     if failed:
         pytest.fail(format_failure(failed, None, ring.repro()), pytrace=False)
+
+
+def test_packed_documents_match_reference(ring, packed_case_: PackedCase) -> None:
+    """out (LSE, dQ, dK, dV) of packed shards under cu_seqlens against the float64 oracle."""
+    _run_and_judge(ring, _prepare(ring, packed_case_))
+
+
+def _cuts(data, tokens: int) -> tuple[int, ...]:
+    """Drawn ``cu_seqlens`` over ``tokens`` packed tokens: documents of any lengths (one-token
+    ones drawn often), then an optional padding tail past ``cu_seqlens[-1]`` (up to all tokens
+    but one)."""
+    padding = 0
+    if data.draw(st.booleans(), label="padding_tail"):
+        padding = data.draw(st.integers(1, tokens - 1), label="padding") if tokens > 1 else 0
+    used = tokens - padding
+    lengths = data.draw(
+        st.lists(st.one_of(st.just(1), st.integers(1, used)), min_size=1, max_size=8),
+        label="document_lengths",
+    )
+    # Documents past cu_seqlens[-1] are cut off there; the last one drawn takes what is left.
+    cuts = [0]
+    for n in lengths:
+        if cuts[-1] + n >= used:
+            break
+        cuts.append(cuts[-1] + n)
+    return (*cuts, used)
+
+
+@settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(data=st.data())
+def test_any_cu_seqlens_matches_reference(ring, pytestconfig, data) -> None:
+    """Drawn documents (one-token ones, a padding tail of any length) at any world size, layout,
+    rotation, float64/float32, GQA, causal or not, cu_seqlens as a list or an int32 tensor,
+    return_lse and backward on or off: judged as the named document sets."""
+    caps = ring.caps
+    ring.require("packed", why="ring_attention(cu_seqlens=...) on packed (THD) shards")
+    sizes = world_sizes(pytestconfig)
+    if not sizes:
+        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
+    w = data.draw(st.sampled_from(sizes), label="world_size")
+    layout = data.draw(
+        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
+        label="layout",
+    )
+    rotate = data.draw(
+        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
+        label="rotate_method",
+    )
+    dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
+    dtype = data.draw(st.sampled_from(dtypes), label="dtype")
+    heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
+    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
+    causal = data.draw(st.booleans(), label="is_causal")
+    step = 2 if layout == "head_tail" else 1
+    tokens = data.draw(st.integers(1, 8), label="tokens_per_rank") * step * w
+    cuts = _cuts(data, tokens)
+    cu_as = data.draw(st.sampled_from(("list", "int32")), label="cu_seqlens_as")
+    lse = caps.claims("lse") and data.draw(st.booleans(), label="return_lse")
+    backward = caps.claims("backward") and data.draw(st.booleans(), label="backward")
+    spec = InputSpec(
+        batch=1,
+        heads=heads_kv * group,
+        heads_kv=heads_kv,
+        seq_q=tokens,
+        seq_kv=tokens,
+        head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
+        dtype=dtype,
+    )
+    case = PackedCase(
+        spec.with_(seed=seed_for(f"{spec!r} {cuts}")),
+        w,
+        is_causal=causal,
+        layout=layout,
+        rotate_method=rotate,
+        return_lse=lse,
+        backward=backward,
+        documents="drawn",
+        cu_as=cu_as,
+        cuts=cuts,
+    )
+    _run_and_judge(ring, _prepare(ring, case))

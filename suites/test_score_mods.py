@@ -6,7 +6,9 @@ every rotation, both built-in layouts, W 1, 2 and 4 (nightly: every enabled worl
 dtype), float64/float32/bfloat16, GQA; ALiBi and the function under Ulysses and the hybrid on
 the 4-rank meshes (capability ``strategies``). Judged against the float64 oracle with the same
 score_mod (reference.score_mods, written apart from ring_impl) by the numerics policy, the
-baseline being the same kernel with the score_mod on one device.
+baseline being the same kernel with the score_mod on one device. A Hypothesis property draws the
+score_mod and its parameter (the soft-cap, per-head ALiBi slopes, the bias's scale) with the world
+size, layout, rotation, float64/float32, GQA, batch, head dim, length, mask and sinks.
 
 Failures name the bug classes the output points at: a soft-cap (any score_mod) not applied in
 the blocks (the output is attention without it: applied after the merge, or not at all), a
@@ -19,8 +21,11 @@ Capability ``score_mod`` (undeclared claims it); ``lse`` (the LSE is judged), ``
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from harness.pytest_plugin import settings_of
 from suites.cases_score_mods import (
@@ -32,7 +37,7 @@ from suites.cases_score_mods import (
 )
 from suites.inputs import InputSpec
 from suites.judge import format_failure
-from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
 from suites.runner import case_properties
 
 #: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
@@ -159,10 +164,8 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
     return case.with_(impl=ring.impl.spec, op=op)
 
 
-def test_score_mod_matches_reference(ring, case: ScoreModCase) -> None:
-    """out, LSE, dQ, dK, dV (and dSinks) with the score_mod against the float64 oracle."""
-    case = _prepare(ring, case)
-    assert case.score_mod in SCORE_MOD_NAMES
+def _run_and_judge(ring, case: ScoreModCase) -> None:
+    __tracebackhide__ = True
     results = ring.rank_pool(case.world_size).run(scored_case, case, timeout=ring.timeout_for(case))
     try:
         verdicts = judge_scored(
@@ -176,3 +179,88 @@ def test_score_mod_matches_reference(ring, case: ScoreModCase) -> None:
         pytest.fail(
             format_failure(failed, diagnose_scored(case, results), ring.repro()), pytrace=False
         )
+
+
+def test_score_mod_matches_reference(ring, case: ScoreModCase) -> None:
+    """out, LSE, dQ, dK, dV (and dSinks) with the score_mod against the float64 oracle."""
+    case = _prepare(ring, case)
+    assert case.score_mod in SCORE_MOD_NAMES
+    _run_and_judge(ring, case)
+
+
+def _params(data, name: str, heads: int) -> tuple[tuple[str, Any], ...]:
+    """The drawn parameter of score_mod ``name`` (ScoreModCase.params): a soft-cap from well
+    below the logits' size to well above, per-head ALiBi slopes (zero included), the post-scale
+    bias times 0..4; the flex-style function has none."""
+    finite = dict(allow_nan=False, allow_infinity=False)
+    if name == "softcap":
+        return (("cap", data.draw(st.floats(0.1, 8.0, **finite), label="cap")),)
+    if name in ("alibi", "alibi_symmetric"):
+        slopes = st.lists(st.floats(0.0, 4.0, **finite), min_size=heads, max_size=heads)
+        return (("slopes", tuple(data.draw(slopes, label="slopes"))),)
+    if name == "bias":
+        return (("bias_scale", data.draw(st.floats(0.0, 4.0, **finite), label="bias_scale")),)
+    return ()
+
+
+@settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(data=st.data())
+def test_any_score_mod_matches_reference(ring, pytestconfig, data) -> None:
+    """A drawn score_mod and its parameter (soft-cap, ALiBi slopes, post-scale bias scale, the
+    flex-style function) with a drawn world size, layout, rotation, float64/float32, GQA, mask
+    (none, is_causal, documents with a window) and sinks: judged as the named cases."""
+    caps = ring.caps
+    nightly = tier(pytestconfig) == "nightly"
+    sizes = world_sizes(pytestconfig) if nightly else world_sizes(pytestconfig, at_most=4)
+    if not sizes:
+        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
+    w = data.draw(st.sampled_from(sizes), label="world_size")
+    layout = data.draw(
+        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
+        label="layout",
+    )
+    rotate = data.draw(
+        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
+        label="rotate_method",
+    )
+    name = data.draw(st.sampled_from(SCORE_MOD_NAMES), label="score_mod")
+    heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
+    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
+    params = _params(data, name, heads_kv * group)
+    step = 2 if layout == "head_tail" else 1
+    seq = data.draw(st.integers(2, 12), label="tokens_per_rank") * step * w
+    # The named mask of documents needs room for its five documents; symmetric ALiBi is for
+    # attention that sees both ways (as the named cases).
+    masks = [""]
+    if name != "alibi_symmetric":
+        masks.append("causal")
+        if seq >= 24 and all(
+            caps.claims("masks", k) for k in ("and", "document", "sliding_window")
+        ):
+            masks.append("documents_window")
+    mask = data.draw(st.sampled_from(masks), label="mask")
+    dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
+    spec = InputSpec(
+        batch=data.draw(st.integers(1, 2), label="batch"),
+        heads=heads_kv * group,
+        heads_kv=heads_kv,
+        seq_q=seq,
+        seq_kv=seq,
+        head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
+        dtype=data.draw(st.sampled_from(dtypes), label="dtype"),
+    )
+    sinks = caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
+    case = ScoreModCase(
+        spec.with_(seed=seed_for(f"{spec!r} {name} {params}")),
+        w,
+        is_causal=mask == "causal",
+        layout=layout,
+        rotate_method=rotate,
+        score_mod=name,
+        mask="" if mask == "causal" else mask,
+        sinks=sinks,
+        params=params,
+    )
+    _run_and_judge(ring, _prepare(ring, case))
