@@ -206,11 +206,11 @@ def _refine_by_swaps(held: list[list[int]], weight: Sequence[float]) -> None:
     w = len(held)
     if w < 2:
         return
-    k = max(len(h) for h in held)
+    k = max(len(chunks) for chunks in held)
     # (W, k) chunk weights; NaN where a rank holds fewer chunks (uneven layouts): never swapped.
     table = torch.full((w, k), float("nan"), dtype=torch.float64)
-    for r, h in enumerate(held):
-        table[r, : len(h)] = torch.tensor([weight[c] for c in h], dtype=torch.float64)
+    for r, chunks in enumerate(held):
+        table[r, : len(chunks)] = torch.tensor([weight[c] for c in chunks], dtype=torch.float64)
     load = table.nan_to_num(0.0).sum(1)
     tolerance = 1e-9 * max(1.0, float(load.sum()))
     for _ in range(4 * w * k):  # each round lowers the heaviest load or ends; a cap all the same
