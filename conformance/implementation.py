@@ -106,10 +106,10 @@ implementation pads a shard with must be seen by no query and returned to no cal
     ``mask`` may also be a list of ``(mask, weight)`` pairs (capability ``multi_mask_layouts``):
     the masks of one model's layers (documents everywhere, a sliding window in some layers),
     ``weight`` a positive number (how many layers run that mask, or any relative cost); the one
-    layout balances the weighted sum of their work. The balance suite's multi-mask cases hold
-    each rank's weighted work to the balancer's bound and judge every mask's outputs and
-    gradients on that one layout against the oracle. Declare ``multi_mask_layouts=False`` for a
-    balancer that takes one mask only.
+    layout balances the weighted sum of their work. The multi-mask layout suite
+    (``suites/test_multi_mask_layouts.py``) holds each rank's weighted work to the balancer's
+    bound and judges every mask's outputs and gradients on that one layout against the oracle.
+    Declare ``multi_mask_layouts=False`` for a balancer that takes one mask only.
 
 ``cu_seqlens`` (capability ``packed``) is passed to ``ring_attention`` by the packed suite
 (``suites/test_packed.py``): packed (THD) inputs, query/key/value ``(tokens_local, heads,
