@@ -101,3 +101,13 @@ def params(cases: Iterable[RingCase], *, id_extra=lambda case: ()) -> list:
         seeded = case.with_(inputs=case.inputs.with_(seed=seed_for(cid)))
         out.append(pytest.param(seeded, id=cid))
     return out
+
+
+def draw_claimed(data, caps, capability: str, values, label: str):
+    """A Hypothesis draw (``data``: ``st.data()``) of one of ``values`` that the implementation
+    claims for ``capability`` (undeclared is claimed); all of ``values`` when it claims none of
+    them, so the property still runs and the case is N/A where declared lacking."""
+    from hypothesis import strategies as st
+
+    claimed = [v for v in values if caps.claims(capability, v)]
+    return data.draw(st.sampled_from(claimed or list(values)), label=label)

@@ -29,7 +29,16 @@ from hypothesis import strategies as st
 from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
 from suites.inputs import InputSpec
 from suites.judge import format_failure
-from suites.matrix import DTYPES, LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
+from suites.matrix import (
+    DTYPES,
+    LAYOUTS,
+    ROTATIONS,
+    draw_claimed,
+    params,
+    seed_for,
+    tier,
+    world_sizes,
+)
 
 #: Named masks of the mask suite run here (suites.cases_masks.mask_spec) and the mask kinds each
 #: uses: documents with padding between them (rows that see nothing), a narrow window (the halo
@@ -220,14 +229,8 @@ def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     if not sizes:
         pytest.skip("no world size is enabled (--world-sizes); the property needs one")
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layout = data.draw(
-        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
-        label="layout",
-    )
-    rotate = data.draw(
-        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
-        label="rotate_method",
-    )
+    layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
+    rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     # The named masks need room for their documents and windows (24 tokens, as their cases);
     # the narrow window is the halo exchange's, which runs contiguous.
     masks = [

@@ -40,7 +40,16 @@ from suites.cases_packed import (
 )
 from suites.inputs import InputSpec
 from suites.judge import format_failure
-from suites.matrix import DTYPES, LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
+from suites.matrix import (
+    DTYPES,
+    LAYOUTS,
+    ROTATIONS,
+    draw_claimed,
+    params,
+    seed_for,
+    tier,
+    world_sizes,
+)
 from suites.runner import case_properties
 
 HEADS, HEAD_DIM = 4, 8
@@ -197,14 +206,8 @@ def test_any_cu_seqlens_matches_reference(ring, pytestconfig, data) -> None:
     if not sizes:
         pytest.skip("no world size is enabled (--world-sizes); the property needs one")
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layout = data.draw(
-        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
-        label="layout",
-    )
-    rotate = data.draw(
-        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
-        label="rotate_method",
-    )
+    layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
+    rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
     dtype = data.draw(st.sampled_from(dtypes), label="dtype")
     heads_kv = data.draw(st.integers(1, 2), label="heads_kv")

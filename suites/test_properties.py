@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.matrix import LAYOUTS, ROTATIONS, seed_for, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, draw_claimed, seed_for, world_sizes
 
 
 @settings(
@@ -25,15 +25,9 @@ def test_any_shape_matches_reference(ring, pytestconfig, data) -> None:
     # has its own N/A cases.
     sizes = world_sizes(pytestconfig, at_least=2) or [1]
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layout = data.draw(
-        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
-        label="layout",
-    )
+    layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     causal = data.draw(st.booleans(), label="is_causal")
-    rotate = data.draw(
-        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
-        label="rotate_method",
-    )
+    rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     dtype = data.draw(st.sampled_from(("float64", "float32")), label="dtype")
     batch = data.draw(st.integers(1, 2), label="batch")
     heads_kv = data.draw(st.integers(1, 3), label="heads_kv")

@@ -37,7 +37,7 @@ from suites.cases_score_mods import (
 )
 from suites.inputs import InputSpec
 from suites.judge import format_failure
-from suites.matrix import LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, draw_claimed, params, seed_for, tier, world_sizes
 from suites.runner import case_properties
 
 #: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
@@ -217,14 +217,8 @@ def test_any_score_mod_matches_reference(ring, pytestconfig, data) -> None:
     if not sizes:
         pytest.skip("no world size is enabled (--world-sizes); the property needs one")
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layout = data.draw(
-        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
-        label="layout",
-    )
-    rotate = data.draw(
-        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
-        label="rotate_method",
-    )
+    layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
+    rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     name = data.draw(st.sampled_from(SCORE_MOD_NAMES), label="score_mod")
     heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
     group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1

@@ -39,7 +39,16 @@ from suites.cases_uneven import (
 )
 from suites.inputs import InputSpec
 from suites.judge import format_failure
-from suites.matrix import DTYPES, LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
+from suites.matrix import (
+    DTYPES,
+    LAYOUTS,
+    ROTATIONS,
+    draw_claimed,
+    params,
+    seed_for,
+    tier,
+    world_sizes,
+)
 
 #: (split, layout) pairs: head_tail has its own split only.
 SPLIT_LAYOUTS = (*((s, "contiguous") for s in SPLITS), ("layout", "head_tail"))
@@ -151,10 +160,7 @@ def test_any_split_matches_reference(ring, pytestconfig, data) -> None:
     if not sizes:
         pytest.skip("no world size in 2..4 is enabled (--world-sizes); the property needs one")
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layout = data.draw(
-        st.sampled_from([x for x in LAYOUTS if caps.claims("layouts", x)] or LAYOUTS),
-        label="layout",
-    )
+    layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     if layout == "contiguous":
         lengths = tuple(data.draw(st.lists(st.integers(0, 6), min_size=w, max_size=w), "lengths"))
         if sum(lengths) == 0:
@@ -164,10 +170,7 @@ def test_any_split_matches_reference(ring, pytestconfig, data) -> None:
         lengths = split_lengths(layout, w, data.draw(st.integers(1, 7 * w), label="seq_len"))
         split = "layout"
     causal = data.draw(st.booleans(), label="is_causal")
-    rotate = data.draw(
-        st.sampled_from([m for m in ROTATIONS if caps.claims("rotate_methods", m)] or ROTATIONS),
-        label="rotate_method",
-    )
+    rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     dtype = data.draw(st.sampled_from(("float64", "float32")), label="dtype")
     heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
     group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
