@@ -104,15 +104,11 @@ class CountingOp:
 def resolve_case_op(case: RingCase, device: torch.device):
     """The op object a case runs with (the registered
     default for the device when ``op`` is None)."""
-    from ring_impl.ops import resolve_op
+    from conformance.kernels import default_op
 
     if case.op is None:
-        return resolve_op(
-            "auto",
-            device,
-            case.inputs.torch_dtype,
-            case.inputs.head_dim,
-            head_dim_v=case.inputs.value_head_dim,
+        return default_op(
+            device, case.inputs.torch_dtype, case.inputs.head_dim, case.inputs.value_head_dim
         )
     return load_op(case.op)
 

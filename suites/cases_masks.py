@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
@@ -243,8 +244,6 @@ def _sinks(spec: InputSpec) -> torch.Tensor:
 
 def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
-    from ring_impl.masks import from_spec
-
     group = ctx.group
     if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
         from suites.cases_strategies import strategy_group
@@ -254,7 +253,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     spec = case.inputs
     g = make_inputs(spec)
     w, r = ctx.world_size, ctx.rank
-    mask = from_spec(case.mask_data())
+    mask = MaskSpec(case.mask_data())
     layout, runs = case.layout, None
     if case.mesh_shape is not None:
         from reference.strategies import shard as strategy_shard
@@ -303,9 +302,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         attention = torch.compile(attention, backend=case.compile, fullgraph=True)
         # First the same kind of mask with other data (documents' ids, a window's width), whose
         # result is dropped: a graph that baked that mask's plan in would serve it to the next.
-        warm = attention(
-            q, k, v, **{**kwargs, "mask": from_spec(other_mask_data(case.mask_data()))}
-        )
+        warm = attention(q, k, v, **{**kwargs, "mask": MaskSpec(other_mask_data(case.mask_data()))})
         del warm
     out, lse = attention(q, k, v, **kwargs)
     out.backward(dout)
@@ -326,14 +323,18 @@ def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[s
     counter does not see). Returns the same mask object, now holding the case's ids."""
     import numpy as np
 
-    from ring_impl.masks import Documents
-
     if data["kind"] != "document" or "doc_ids" not in data:
         raise ValueError(
             f"a refill case needs a plain documents mask with doc_ids, got kind {data['kind']!r}"
         )
     buffer = np.asarray(other_mask_data(data)["doc_ids"], dtype=np.int32)
-    mask = Documents(torch.from_numpy(buffer), bool(data.get("causal", True)))
+    mask = MaskSpec(
+        {
+            "kind": "document",
+            "doc_ids": torch.from_numpy(buffer),
+            "causal": bool(data.get("causal", True)),
+        }
+    )
     with torch.no_grad():
         attention(q, k, v, **{**kwargs, "mask": mask})
     buffer[:] = np.asarray(data["doc_ids"], dtype=np.int32)

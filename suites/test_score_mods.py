@@ -152,9 +152,9 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
     ring.require("rotate_methods", case.rotate_method)
     ring.require("backward")
     if isinstance(op, str) and ":" not in op and op != "auto":
-        from ring_impl.ops import get_op
+        from conformance.kernels import kernel_computes_scores
 
-        if not getattr(get_op(op).capabilities, "score_mod", False):
+        if not kernel_computes_scores(op):
             pytest.skip(
                 f"the session's op {op!r} declares no OpCapabilities.score_mod (a fused kernel "
                 "computes no "
