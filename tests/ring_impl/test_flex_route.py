@@ -11,6 +11,7 @@ import torch
 from conformance.implementation import DEFAULT_IMPL_SPEC
 
 from .oracle import assert_ring_matches_oracle
+from .rank_results import local_results
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -62,14 +63,7 @@ def _run(ctx, layout, dtype, via_module):
         out, lse = fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
     out.backward(dout)
     routed_back = flex_module.flex_attention is not ring_impl.flex_attention
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "restored": routed_back,
-    }
+    return local_results(out, lse, q, k, v, restored=routed_back)
 
 
 def _skip_other_impls(ring):

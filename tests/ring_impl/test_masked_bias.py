@@ -17,6 +17,7 @@ from ring_impl.ops.cpu import _checked_bias
 from ring_impl.ops.cuda import BIAS_ALIGNMENT, additive_bias
 
 from .oracle import assert_masked_op_matches_math, assert_ring_matches_oracle
+from .rank_results import local_results
 
 
 @pytest.mark.parametrize(
@@ -150,14 +151,7 @@ def _ring_with_the_emulation(ctx, dtype):
         return_lse=True,
     )
     out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "masked": Counted.masked,
-    }
+    return local_results(out, lse, q, k, v, masked=Counted.masked)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

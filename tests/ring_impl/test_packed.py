@@ -13,9 +13,11 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
+from tests.ring_impl.rank_results import local_results
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -61,14 +63,7 @@ def _run(ctx, total: int, dtype, layout: str, causal: bool, exchange: str, cu_as
         op="math",
     )
     out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "contiguous": out.is_contiguous(),
-    }
+    return local_results(out, lse, q, k, v, contiguous=out.is_contiguous())
 
 
 @pytest.mark.parametrize(
@@ -109,7 +104,6 @@ def test_packed_inputs_match_the_oracle(
     )
     ref = attention_grads(q4, k4, v4, dout4, visible=vis)
     scales = error_scales(q4, k4, v4, dout4, visible=vis, input_dtype=dtype)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for r in results:
         assert r["contiguous"], "the packed output is (tokens_local, heads, head_dim), contiguous"
         assert r["out"].shape == (total // world, HEADS, HEAD_DIM) and r["lse"].shape == (
@@ -117,30 +111,20 @@ def test_packed_inputs_match_the_oracle(
             total // world,
         )
         assert r["dk"].shape == (total // world, HEADS_KV, HEAD_DIM)
-    for n in ("out", "lse", "dq", "dk", "dv"):
+    got = {}
+    for n in QUANTITIES:
         dim = 1 if n == "lse" else 0
-        got = ring_impl.unshard([r[n] for r in results], layout=layout, dim=dim).to(torch.float64)
-        got = (
-            got.unsqueeze(0) if n == "lse" else got.transpose(0, 1).unsqueeze(0)
-        )  # the oracle's layout
-        want = getattr(ref, n)
-        if n == "lse":  # padding rows see nothing: exactly -inf
-            nothing = torch.isneginf(want)
-            assert nothing.any() and torch.equal(torch.isneginf(got), nothing), (
-                "lse: padding rows must be -inf"
-            )
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        result_dtype = lse_dtype if n == "lse" else dtype
-        assert_close(
-            f"{n} [W={world}, {layout}, causal={causal}, {exchange}]",
-            got,
-            want,
-            want.to(result_dtype),
-            world_size=world if exchange != "ulysses" else 1,
-            dtype=dtype,
-            result_dtype=result_dtype,
-            scales=scales[n],
-        )
+        x = ring_impl.unshard([r[n] for r in results], layout=layout, dim=dim)
+        got[n] = x.unsqueeze(0) if n == "lse" else x.transpose(0, 1).unsqueeze(0)  # the oracle's
+    assert torch.isneginf(ref.lse).any(), "the case has padding rows, which see nothing"
+    assert_results_match_oracle(
+        f"W={world}, {layout}, causal={causal}, {exchange}",
+        got,
+        ref,
+        scales,
+        world_size=world if exchange != "ulysses" else 1,
+        dtype=dtype,
+    )
 
 
 def _bad(ctx, kind: str) -> str:

@@ -13,6 +13,8 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle
+from tests.ring_impl.rank_results import local_results
 
 HEADS, HEADS_KV, HEAD_DIM, BATCH = 4, 2, 8, 2
 
@@ -97,14 +99,7 @@ def _run(ctx, lengths, layout, kind, exchange, dtype, extras):
     )
     out, lse = result[0], result[1]
     out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "max_logit": result[2] if len(result) > 2 else None,
-    }
+    return local_results(out, lse, q, k, v, max_logit=result[2] if len(result) > 2 else None)
 
 
 CASES = [
@@ -134,31 +129,21 @@ def test_uneven_shards_match_the_oracle(
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis, input_dtype=dtype)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for r, res in enumerate(results):
         n = lengths[r]
         assert res["out"].shape == (BATCH, HEADS, n, HEAD_DIM), res["out"].shape
         assert res["lse"].shape == (BATCH, HEADS, n) and res["dk"].shape[2] == n
     order = [p for r in range(world) for p in _positions(layout, lengths, r)]
     inverse = torch.argsort(torch.tensor(order))
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        got = torch.cat([res[name] for res in results], dim=2).to(torch.float64)[:, :, inverse]
-        want = getattr(ref, name)
-        if name == "lse":  # rows that see nothing: exactly -inf
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), "lse: -inf exactly where none seen"
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        result_dtype = lse_dtype if name == "lse" else dtype
-        assert_close(
-            f"{name} [W={world}, {lengths}, {layout}, {kind}, {exchange}]",
-            got,
-            want,
-            want.to(result_dtype),
-            world_size=world if exchange != "ulysses" else 1,
-            dtype=dtype,
-            result_dtype=result_dtype,
-            scales=scales[name],
-        )
+    got = {n: torch.cat([res[n] for res in results], dim=2)[:, :, inverse] for n in QUANTITIES}
+    assert_results_match_oracle(
+        f"W={world}, {lengths}, {layout}, {kind}, {exchange}",
+        got,
+        ref,
+        scales,
+        world_size=world if exchange != "ulysses" else 1,
+        dtype=dtype,
+    )
     if extras.get("return_max_logit"):
         scale = HEAD_DIM**-0.5
         kk = k.repeat_interleave(HEADS // HEADS_KV, dim=1)

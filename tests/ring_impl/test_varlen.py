@@ -31,6 +31,7 @@ from ring_impl.ops.varlen import MAX_LAYERS, UNBOUNDED, VarlenOp, varlen_plan
 from ring_impl.ops.varlen_emulation import emulated_varlen_forward, varlen_visibility
 
 from .oracle import assert_masked_op_matches_math, assert_ring_matches_oracle
+from .rank_results import local_results
 
 
 def _cu(*lengths: int) -> torch.Tensor:
@@ -478,14 +479,7 @@ def _ring_with_the_varlen_op(ctx, dtype, name, layout, rotate):
         return_lse=True,
     )
     out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "sequences": sum(n for _, n, _ in op.calls),
-    }
+    return local_results(out, lse, q, k, v, sequences=sum(n for _, n, _ in op.calls))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
