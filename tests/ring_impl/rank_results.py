@@ -1,9 +1,28 @@
-"""What the rank functions of the ring tests share: the loss they backpropagate and the local
-results they hand back to the parent (``tests.ring_impl.oracle`` judges them)."""
+"""What the rank functions of the ring tests share: their seeded inputs, the call and the loss
+they backpropagate, and the local results they hand back to the parent
+(``tests.ring_impl.oracle`` judges them)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+def seeded_inputs(
+    seed: int, dtype: torch.dtype, batch: int, heads: int, heads_kv: int, seq: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global (query, key, value, grad_out): query (batch, heads, seq, head_dim), key and value
+    (batch, heads_kv, seq, head_dim), drawn in float64 (query and grad_out first) and rounded to
+    ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(h: int) -> torch.Tensor:
+        return torch.randn(batch, h, seq, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+
+    q, dout = draw(heads), draw(heads)
+    k, v = draw(heads_kv), draw(heads_kv)
+    return q, k, v, dout
 
 
 def backward(
@@ -16,6 +35,31 @@ def backward(
     if glse is not None:
         loss = loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
     loss.backward()
+
+
+def forward_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    glse: torch.Tensor | None = None,
+    *,
+    log=None,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ring_attention(q, k, v, return_lse=True, **options)`` and its ``backward`` (out's
+    gradient ``dout``, the LSE's ``glse``), each in its own phase of ``log`` (a
+    ``harness.accounting.CollectiveLog``) where one is given. Returns (out, lse)."""
+    import ring_impl
+
+    def phase(name: str):
+        return contextlib.nullcontext() if log is None else log.phase(name)
+
+    with phase("forward"):
+        out, lse = ring_impl.ring_attention(q, k, v, return_lse=True, **options)
+    with phase("backward"):
+        backward(out, lse, dout, glse)
+    return out, lse
 
 
 def local_results(

@@ -25,7 +25,7 @@ from reference.budget import error_scales
 from reference.masks import visibility
 from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
-from tests.ring_impl.rank_results import backward, leaves, local_results
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 
 BATCH, HEADS, HEAD_DIM = 1, 4, 8
 SHARD = 12  # local sequence length
@@ -124,23 +124,22 @@ def _run(
     q, k, v, dout, glse = (ring_impl.shard(t, w, r, layout=layout) for t in (q, k, v, dout, glse))
     q, k, v, s = leaves(q, k, v, s)
     with CollectiveLog() as log:
-        with log.phase("forward"):
-            out, lse = ring_impl.ring_attention(
-                q,
-                k,
-                v,
-                group=ctx.group,
-                mask=from_spec(spec),
-                is_causal=is_causal,
-                sinks=s,
-                layout=layout,
-                rotate_method="alltoall",
-                op=op,
-                return_lse=True,
-                halo=halo,
-            )
-        with log.phase("backward"):
-            backward(out, lse, dout, glse if lse_grad else None)
+        out, lse = forward_backward(
+            q,
+            k,
+            v,
+            dout,
+            glse if lse_grad else None,
+            log=log,
+            group=ctx.group,
+            mask=from_spec(spec),
+            is_causal=is_causal,
+            sinks=s,
+            layout=layout,
+            rotate_method="alltoall",
+            op=op,
+            halo=halo,
+        )
     return local_results(out, lse, q, k, v, s, log=log.summary())
 
 
@@ -372,31 +371,11 @@ def test_what_the_halo_cannot_serve_runs_on_the_ring(ring, name, world, layout, 
     _skip_other_impl(ring)
 
     spec, is_causal, _ = _case(name, world)
-    dtype, heads_kv = torch.float32, 2
+    dtype, op, heads_kv, label = torch.float32, "cpu_flash", 2, f"ring, {name}, W={world}, {layout}"
     results = ring.rank_pool(world).run(
-        _run,
-        spec,
-        is_causal,
-        dtype,
-        "cpu_flash",
-        heads_kv,
-        False,
-        layout=layout,
-        halo=halo,
-        timeout=120.0,
+        _run, spec, is_causal, dtype, op, heads_kv, False, layout=layout, halo=halo, timeout=120.0
     )
-    _judge(
-        results,
-        spec,
-        is_causal,
-        world,
-        dtype,
-        heads_kv,
-        False,
-        "cpu_flash",
-        layout=layout,
-        label=f"ring, {name}, W={world}, {layout}",
-    )
+    _judge(results, spec, is_causal, world, dtype, heads_kv, False, op, layout=layout, label=label)
     ring_sched = _nonzero(_schedule(world, dtype, heads_kv))
     for rank, r in enumerate(results):
         declared = _nonzero(

@@ -19,7 +19,7 @@ from reference.masks import visibility
 from ring_impl.ops.math import MathOp
 from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
 from tests.ring_impl.outcomes import assert_every_rank_raised
-from tests.ring_impl.rank_results import backward, leaves, local_results
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 from tests.ring_impl.test_halo import (
     BATCH,
     HEAD_DIM,
@@ -111,24 +111,12 @@ def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad, nan_keys
     )
     glse = ring_impl.shard(glse.unsqueeze(-1), ctx.world_size, ctx.rank, layout=layout).squeeze(-1)
     q, k, v, s = leaves(q, k, v, s)
+    kernel = NanHidingMath() if op == "nan_hiding" else op
+    kernel = kernel or ("math" if dtype == torch.float64 else "cpu_flash")
+    options = dict(mask=from_spec(spec), sinks=s, layout=layout, op=kernel, sparse_kv=True)
     with CollectiveLog() as log:
-        with log.phase("forward"):
-            out, lse = ring_impl.ring_attention(
-                q,
-                k,
-                v,
-                group=ctx.group,
-                mask=from_spec(spec),
-                sinks=s,
-                layout=layout,
-                op=NanHidingMath()
-                if op == "nan_hiding"
-                else op or ("math" if dtype == torch.float64 else "cpu_flash"),
-                return_lse=True,
-                sparse_kv=True,
-            )
-        with log.phase("backward"):
-            backward(out, lse, dout, glse if lse_grad else None)
+        glse = glse if lse_grad else None
+        out, lse = forward_backward(q, k, v, dout, glse, log=log, group=ctx.group, **options)
     declared = ring_impl.collective_schedule(
         ctx.world_size,
         "alltoall",

@@ -17,7 +17,7 @@ from reference.budget import error_scales
 from reference.masks import visibility
 from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle, unshard_results
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
-from tests.ring_impl.rank_results import leaves, local_results
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 
 BATCH, HEADS, HEADS_KV, HEAD_DIM = 1, 4, 2, 8
 
@@ -80,21 +80,9 @@ def _run(ctx, spec, seq, dtype, layout, rotate, op, sinks, strategy="ring"):
     q, k, v, s = leaves(q, k, v, s)
     from harness.accounting import CollectiveLog
 
+    options = dict(mask=from_spec(spec), sinks=s, layout=layout, rotate_method=rotate, op=op)
     with CollectiveLog() as log:
-        out, lse = ring_impl.ring_attention(
-            q,
-            k,
-            v,
-            group=ctx.group,
-            mask=from_spec(spec),
-            sinks=s,
-            layout=layout,
-            rotate_method=rotate,
-            op=op,
-            return_lse=True,
-            strategy=strategy,
-        )
-        out.backward(dout)
+        out, lse = forward_backward(q, k, v, dout, group=ctx.group, strategy=strategy, **options)
     return local_results(out, lse, q, k, v, s, log=log.summary())
 
 
@@ -280,7 +268,6 @@ def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) 
 def _run_hybrid(
     ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, heads_kv=HEADS_KV, head_chunks=1
 ):
-    import ring_impl
     from reference.strategies import shard as strategy_shard
     from ring_impl.masks import from_spec
 
@@ -292,21 +279,10 @@ def _run_hybrid(
         for t in (q, k, v, dout)
     )
     q, k, v, s = leaves(q, k, v, s)
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=mesh,
-        strategy="hybrid",
-        mask=from_spec(spec),
-        sinks=s,
-        layout=layout,
-        rotate_method=rotate,
-        op=op,
-        return_lse=True,
-        head_chunks=head_chunks,
+    options = dict(mask=from_spec(spec), sinks=s, layout=layout, rotate_method=rotate, op=op)
+    out, lse = forward_backward(
+        q, k, v, dout, group=mesh, strategy="hybrid", head_chunks=head_chunks, **options
     )
-    out.backward(dout)
     return local_results(out, lse, q, k, v, s)
 
 

@@ -17,7 +17,7 @@ from reference.budget import error_scales
 from reference.masks import visibility
 from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
-from tests.ring_impl.rank_results import local_results
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -47,22 +47,11 @@ def _run(ctx, total: int, dtype, layout: str, causal: bool, exchange: str, cu_as
         ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout, dim=0)
         for t in _inputs(total, dtype)
     )
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    q, k, v = leaves(q, k, v)
     cu = _cu(total)
     cu = torch.tensor(cu, dtype=torch.int32) if cu_as == "int32" else cu
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=ctx.group,
-        cu_seqlens=cu,
-        is_causal=causal,
-        layout=layout,
-        return_lse=True,
-        exchange=exchange,
-        op="math",
-    )
-    out.backward(dout)
+    options = dict(cu_seqlens=cu, is_causal=causal, layout=layout, exchange=exchange, op="math")
+    out, lse = forward_backward(q, k, v, dout, group=ctx.group, **options)
     return local_results(out, lse, q, k, v, contiguous=out.is_contiguous())
 
 
