@@ -104,6 +104,19 @@ def assert_results_match_oracle(
         )
 
 
+def assert_float64_results_match_oracle(
+    label: str, got: dict[str, torch.Tensor], ref, scales: dict, *, world_size: int
+) -> None:
+    """``got``: some of a float64 run's global results by name (out, lse, dq, dk, dv), each
+    against the oracle's by the numerics policy, the oracle its own baseline (an exact kernel)."""
+    __tracebackhide__ = True
+    from reference.budget import assert_close
+
+    for n, x in got.items():
+        want = getattr(ref, n)
+        assert_close(f"{n} [{label}]", x, want, want, world_size=world_size, scales=scales[n])
+
+
 def unshard_results(results: list[dict], layout: str) -> dict[str, torch.Tensor | None]:
     """Each rank's dict of local shards (out, lse, dq, dk, dv under ``layout``, dsinks its share
     or None) as the global results ``assert_results_match_oracle`` takes."""

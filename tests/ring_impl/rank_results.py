@@ -10,16 +10,27 @@ import torch
 
 
 def seeded_inputs(
-    seed: int, dtype: torch.dtype, batch: int, heads: int, heads_kv: int, seq: int, head_dim: int
+    seed: int,
+    dtype: torch.dtype,
+    batch: int,
+    heads: int,
+    heads_kv: int,
+    seq: int,
+    head_dim: int,
+    *,
+    dout_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global (query, key, value, grad_out): query (batch, heads, seq, head_dim), key and value
-    (batch, heads_kv, seq, head_dim), drawn in float64 (query and grad_out first) and rounded to
-    ``dtype``."""
+    (batch, heads_kv, seq, head_dim), drawn in float64 and rounded to ``dtype``; drawn in the
+    order query, grad_out, key, value (``dout_last``: query, key, value, grad_out)."""
     gen = torch.Generator().manual_seed(seed)
 
     def draw(h: int) -> torch.Tensor:
         return torch.randn(batch, h, seq, head_dim, generator=gen, dtype=torch.float64).to(dtype)
 
+    if dout_last:
+        q, k, v = draw(heads), draw(heads_kv), draw(heads_kv)
+        return q, k, v, draw(heads)
     q, dout = draw(heads), draw(heads)
     k, v = draw(heads_kv), draw(heads_kv)
     return q, k, v, dout

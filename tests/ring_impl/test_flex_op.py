@@ -14,6 +14,7 @@ from reference.budget import assert_close, error_scales
 from ring_impl import ops
 from ring_impl.lse import normalize_lse
 from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
+from tests.ring_impl.rank_results import seeded_inputs
 
 BATCH, HEADS, SEQ_Q, SEQ_K, HEAD_DIM = 2, 4, 6, 6, 8
 
@@ -229,14 +230,7 @@ RING_HEADS, RING_HEADS_KV = 4, 2
 
 
 def _ring_inputs(seq: int, dtype: torch.dtype):
-    gen = torch.Generator().manual_seed(seq)
-    q = torch.randn(1, RING_HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (
-        torch.randn(1, RING_HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(2)
-    )
-    dout = torch.randn(1, RING_HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    return q, k, v, dout
+    return seeded_inputs(seq, dtype, 1, RING_HEADS, RING_HEADS_KV, seq, HEAD_DIM, dout_last=True)
 
 
 def _ring_run(ctx, spec, seq, dtype, layout, rotate):

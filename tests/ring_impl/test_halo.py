@@ -23,6 +23,7 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
+from ring_impl.masks import Causal, ChunkedCausal, Documents, Full, MaskMod, PrefixLM, SlidingWindow
 from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 from tests.ring_impl.rank_results import forward_backward, leaves, local_results
@@ -464,7 +465,6 @@ def assert_nan_where_the_oracle_has_it(
 
 def _bad(ctx, kind: str):
     import ring_impl
-    from ring_impl.masks import SlidingWindow
 
     q = torch.randn(1, 2, 8, 8)
     k = v = torch.randn(1, 2, 8, 8)
@@ -506,16 +506,6 @@ def test_bad_halo_input_raises_on_every_rank(ring, kind: str, pattern: str) -> N
 
 
 def test_mask_reach() -> None:
-    from ring_impl.masks import (
-        Causal,
-        ChunkedCausal,
-        Documents,
-        Full,
-        MaskMod,
-        PrefixLM,
-        SlidingWindow,
-    )
-
     docs = Documents(torch.zeros(16, dtype=torch.int64))
     assert SlidingWindow(3, 2).reach() == (3, 2)
     assert SlidingWindow(None, 0).reach() == (None, 0)
@@ -590,7 +580,6 @@ def test_reach_bounds_the_mask(data) -> None:
 
 def test_halo_schedule_declaration_errors_and_fallbacks() -> None:
     import ring_impl
-    from ring_impl.masks import Documents, SlidingWindow
 
     kw = dict(batch=1, heads_kv=2, seq_kv=8, head_dim=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="pass rank="):

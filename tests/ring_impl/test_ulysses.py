@@ -138,6 +138,25 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
     assert hybrid["forward"]["all_reduce"] == {"calls": 2, "bytes": 2 * 8 * 6 * 23}
 
 
+def _problem_options(mesh: tuple[int, int], **overrides) -> dict:
+    """``strategy_problem``'s options on ``mesh``: a full contiguous call with the alltoall
+    rotation and the math op, one head chunk, no LSE, ``overrides`` applied."""
+    from ring_impl.ops import get_op
+
+    options = dict(
+        mesh_shape=mesh,
+        is_causal=False,
+        scale=None,
+        layout="contiguous",
+        rotate_method="alltoall",
+        op=get_op("math"),
+        op_error=None,
+        head_chunks=1,
+        return_lse=False,
+    )
+    return options | overrides
+
+
 _SHAPE = (1, 4, 8, 4)  # (batch, heads, seq_local, head_dim) the local problems share
 
 
@@ -189,20 +208,7 @@ _SHAPE = (1, 4, 8, 4)  # (batch, heads, seq_local, head_dim) the local problems 
     ],
 )
 def test_local_problems_say_what_to_do(strategy, mesh, shape_q, shape_kv, extra, words) -> None:
-    from ring_impl.ops import get_op
-
-    kw = dict(
-        mesh_shape=mesh,
-        is_causal=extra.get("layout") == "head_tail",
-        scale=None,
-        layout="contiguous",
-        rotate_method="alltoall",
-        op=get_op("math"),
-        op_error=None,
-        head_chunks=1,
-        return_lse=False,
-    )
-    kw.update(extra)
+    kw = _problem_options(mesh, is_causal=extra.get("layout") == "head_tail", **extra)
     q, k = torch.randn(*shape_q), torch.randn(*shape_kv)
     problem = strategy_problem(strategy, q, k, k.clone(), **kw)
     assert problem is not None and words in problem, problem
@@ -344,7 +350,6 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
     """Ulysses and the hybrid take the built-in layouts only; a registered one is refused as such,
     not as unknown (ring_attention accepts it with exchange='ring')."""
     import ring_impl
-    from ring_impl.ops import get_op
     from ring_impl.strategies.validate import strategy_problem
 
     ring_impl.register_layout(
@@ -355,21 +360,8 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
     )
     q = torch.zeros(1, 4, 8, 8)
     for strategy, mesh in (("ulysses", (2, 1)), ("hybrid", (2, 2))):
-        problem = strategy_problem(
-            strategy,
-            q,
-            q,
-            q,
-            mesh_shape=mesh,
-            is_causal=False,
-            scale=None,
-            layout="test_registered_for_ulysses",
-            rotate_method="alltoall",
-            op=get_op("math"),
-            op_error=None,
-            head_chunks=1,
-            return_lse=False,
-        )
+        layout = "test_registered_for_ulysses"
+        problem = strategy_problem(strategy, q, q, q, **_problem_options(mesh, layout=layout))
         assert (
             problem is not None and "is registered" in problem and "exchange='ring'" in problem
         ), problem

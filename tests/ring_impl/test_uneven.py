@@ -11,9 +11,13 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
-from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle
+from tests.ring_impl.oracle import (
+    QUANTITIES,
+    assert_float64_results_match_oracle,
+    assert_results_match_oracle,
+)
 from tests.ring_impl.rank_results import local_results
 
 HEADS, HEADS_KV, HEAD_DIM, BATCH = 4, 2, 8, 2
@@ -84,18 +88,9 @@ def _run(ctx, lengths, layout, kind, exchange, dtype, extras):
     q, k, v, dout = (t[:, :, rows] for t in (q, k, v, dout))
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     mask, causal, _ = _mask(kind, seq)
+    options = dict(is_causal=causal, mask=mask, layout=layout, shard_lengths=lengths)
     result = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=ctx.group,
-        is_causal=causal,
-        mask=mask,
-        layout=layout,
-        shard_lengths=lengths,
-        exchange=exchange,
-        return_lse=True,
-        **extras,
+        q, k, v, group=ctx.group, exchange=exchange, return_lse=True, **options, **extras
     )
     out, lse = result[0], result[1]
     out.backward(dout)
@@ -179,16 +174,11 @@ def test_packed_inputs_on_uneven_shards_match_the_oracle(ring) -> None:
     vis = visibility({"kind": "document", "doc_ids": ids, "causal": True}, seq, seq, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis)
-    for name in ("out", "dq"):
-        got = torch.cat([res[name] for res in results], dim=0).transpose(0, 1).unsqueeze(0)
-        assert_close(
-            f"{name} [packed, uneven {lengths}]",
-            got,
-            getattr(ref, name),
-            getattr(ref, name),
-            world_size=3,
-            scales=scales[name],
-        )
+    got = {
+        n: torch.cat([res[n] for res in results], dim=0).transpose(0, 1).unsqueeze(0)
+        for n in ("out", "dq")
+    }
+    assert_float64_results_match_oracle(f"packed, uneven {lengths}", got, ref, scales, world_size=3)
 
 
 def _bad(ctx, kind: str) -> str:
@@ -307,16 +297,9 @@ def test_a_balanced_layout_of_an_uneven_length_runs_uneven_shards(ring) -> None:
     scales = error_scales(q, k, v, dout, visible=vis)
     order = torch.cat([res["positions"] for res in results])
     inverse = torch.argsort(order)
-    for name in ("out", "dk"):
-        got = torch.cat([res[name] for res in results], dim=2)[:, :, inverse]
-        assert_close(
-            f"{name} [work_aware, 50 tokens over 3]",
-            got,
-            getattr(ref, name),
-            getattr(ref, name),
-            world_size=3,
-            scales=scales[name],
-        )
+    got = {n: torch.cat([res[n] for res in results], dim=2)[:, :, inverse] for n in ("out", "dk")}
+    label = "work_aware, 50 tokens over 3"
+    assert_float64_results_match_oracle(label, got, ref, scales, world_size=3)
 
 
 def _run_balanced(ctx, seq):
