@@ -65,15 +65,8 @@ def make_problem(
 
 def simulate(p: Problem, world_size: int, layout: str) -> RingSimulation:
     """The chunked single-process ring simulation of ``p`` on ``world_size`` ranks."""
-    return simulate_ring(
-        p.query,
-        p.key,
-        p.value,
-        world_size=world_size,
-        layout=layout,
-        is_causal=p.is_causal,
-        scale=p.scale,
-    )
+    options = dict(is_causal=p.is_causal, scale=p.scale)
+    return simulate_ring(p.query, p.key, p.value, world_size=world_size, layout=layout, **options)
 
 
 def draw_problem(

@@ -124,23 +124,11 @@ def _run(
     q, k, v, dout, glse, s = _inputs(SHARD * w, dtype, heads_kv, sinks, nan_key)
     q, k, v, dout, glse = (ring_impl.shard(t, w, r, layout=layout) for t in (q, k, v, dout, glse))
     q, k, v, s = leaves(q, k, v, s)
+    ring = dict(group=ctx.group, rotate_method="alltoall", op=op, halo=halo)
+    masked = dict(mask=from_spec(spec), is_causal=is_causal, sinks=s, layout=layout)
+    glse = glse if lse_grad else None
     with CollectiveLog() as log:
-        out, lse = forward_backward(
-            q,
-            k,
-            v,
-            dout,
-            glse if lse_grad else None,
-            log=log,
-            group=ctx.group,
-            mask=from_spec(spec),
-            is_causal=is_causal,
-            sinks=s,
-            layout=layout,
-            rotate_method="alltoall",
-            op=op,
-            halo=halo,
-        )
+        out, lse = forward_backward(q, k, v, dout, glse, log=log, **ring, **masked)
     return local_results(out, lse, q, k, v, s, log=log.summary())
 
 
