@@ -31,36 +31,25 @@ def _spec(w: int, dtype: str, heads_kv: int = 2) -> InputSpec:
     )
 
 
+def _ring(w: int, dtype: str, heads_kv: int = 2, **options) -> RingCase:
+    """A ring case of ``w`` ranks with its collectives accounted."""
+    return RingCase(_spec(w, dtype, heads_kv), w, account=True, **options)
+
+
 CASES = [
     pytest.param(
         2,
-        RingCase(
-            _spec(2, "float32"),
-            2,
-            is_causal=True,
-            layout="head_tail",
-            rotate_method="p2p",
-            account=True,
-        ),
+        _ring(2, "float32", is_causal=True, layout="head_tail", rotate_method="p2p"),
         id="W2-f32-causal-p2p-head_tail",
     ),
     pytest.param(
         4,
-        RingCase(
-            _spec(4, "bfloat16", 4), 4, layout="contiguous", rotate_method="alltoall", account=True
-        ),
+        _ring(4, "bfloat16", heads_kv=4, layout="contiguous", rotate_method="alltoall"),
         id="W4-bf16-full-alltoall-contiguous",
     ),
     pytest.param(
         4,
-        RingCase(
-            _spec(4, "float64"),
-            4,
-            is_causal=True,
-            layout="contiguous",
-            rotate_method="allgather",
-            account=True,
-        ),
+        _ring(4, "float64", is_causal=True, layout="contiguous", rotate_method="allgather"),
         id="W4-f64-causal-allgather-contiguous",
     ),
     pytest.param(
