@@ -14,7 +14,7 @@ the meshes of up to 6 ranks the nightly tier runs the product of mesh, dtype, la
 key/value heads and rotation; the quick tier a pairwise selection of it (suites.coverage: every
 value and every pair of values of two axes).
 
-Numerics: :mod:`suites.judge_strategies` (the policy of every ring case; ``world_size`` = the
+Numerics: :func:`suites.judge.judge` (the policy of every ring case; ``world_size`` = the
 ring degree). A failure names the replayed strategy bug it matches (local attention only,
 key/value heads in the wrong order, the all-to-all on the wrong dim, the head_tail reorder missing),
 an output whose heads are permuted (head i holds head j's attention), and an LSE returned in the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -34,13 +33,12 @@ import torch
 from harness.errors import CaseFailure
 from harness.pytest_plugin import settings_of
 from reference.budget import assert_verdict, check
-from suites.cases_strategies import BAD_INPUTS, StrategyCase, strategy_bad_input_case, strategy_case
+from suites.cases import RingCase
+from suites.cases_strategies import BAD_INPUTS, strategy_bad_input_case
 from suites.coverage import combos
 from suites.inputs import SHORT, InputSpec
-from suites.judge import QUANTITIES, baseline_for, format_failure, reference_for
-from suites.judge_strategies import diagnose_strategy_case, judge_strategy, unshard_strategy_results
+from suites.judge import QUANTITIES, baseline_for, reference_for, unshard_case
 from suites.matrix import LAYOUTS, ROTATIONS, seed_for, session_ops
-from suites.runner import case_properties
 
 #: (strategy, (U, R)) per world size.
 MESHES: dict[int, list[tuple[str, tuple[int, int]]]] = {
@@ -81,7 +79,12 @@ def spec_for(mesh: tuple[int, int], dtype: str, kv: str, **changes: Any) -> Inpu
     ).with_(**changes)
 
 
-def case_id(case: StrategyCase, kv: str, *extra: str) -> str:
+def mesh_case(inputs: InputSpec, strategy: str, mesh: tuple[int, int], **options: Any) -> RingCase:
+    """A ring case of ``strategy`` on the ``(U, R)`` mesh ``mesh`` (its U * R ranks)."""
+    return RingCase(inputs, mesh[0] * mesh[1], strategy=strategy, mesh_shape=mesh, **options)
+
+
+def case_id(case: RingCase, kv: str, *extra: str) -> str:
     """e.g. ``hybrid-2x2-bf16-causal-head_tail-gqa-p2p``."""
     parts = [
         case.strategy,
@@ -91,14 +94,14 @@ def case_id(case: StrategyCase, kv: str, *extra: str) -> str:
         case.layout,
         kv,
     ]
-    if case.strategy == "hybrid" and case.mesh_shape[1] > 1:
+    if case.rotates:
         parts.append(case.rotate_method)
     return "-".join(
         [*parts, *([case.op] if case.op else []), *([case.compile] if case.compile else []), *extra]
     )
 
 
-def param(case: StrategyCase, kv: str, *extra: str):
+def param(case: RingCase, kv: str, *extra: str):
     cid = case_id(case, kv, *extra)
     case = case.with_(inputs=case.inputs.with_(seed=seed_for(cid)))
     marks = [pytest.mark.world_size(n=case.world_size)] + (
@@ -141,7 +144,7 @@ def _matrix(config: pytest.Config) -> list:
         spec = spec_for(mesh, dtype, kv, lse_grad=dtype == "float64")
         out.append(
             param(
-                StrategyCase(
+                mesh_case(
                     spec, strategy, mesh, is_causal=causal, layout=layout, rotate_method=rotate
                 ),
                 kv,
@@ -155,7 +158,7 @@ def _matrix(config: pytest.Config) -> list:
                 spec = spec_for(mesh, "float32", "gqa")
                 out.append(
                     param(
-                        StrategyCase(
+                        mesh_case(
                             spec,
                             strategy,
                             mesh,
@@ -169,13 +172,11 @@ def _matrix(config: pytest.Config) -> list:
                 )
             cross = spec_for(mesh, "float32", "mqa")
             cross = cross.with_(seq_kv=cross.seq_kv // 2)
-            out.append(
-                param(StrategyCase(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross")
-            )
+            out.append(param(mesh_case(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross"))
             nc = spec_for(mesh, "float32", "gqa", noncontiguous=True)
             out.append(
                 param(
-                    StrategyCase(nc, strategy, mesh, is_causal=True, layout="head_tail"),
+                    mesh_case(nc, strategy, mesh, is_causal=True, layout="head_tail"),
                     "gqa",
                     "noncontig",
                 )
@@ -185,7 +186,7 @@ def _matrix(config: pytest.Config) -> list:
             )  # x[..., ::2] views, NaN between
             out.append(
                 param(
-                    StrategyCase(st, strategy, mesh, layout="contiguous", rotate_method="p2p"),
+                    mesh_case(st, strategy, mesh, layout="contiguous", rotate_method="p2p"),
                     "gqa",
                     "strided",
                 )
@@ -205,7 +206,7 @@ def _collectives_matrix(config: pytest.Config) -> list:
                 spec = spec_for(mesh, dtype, kv)
                 out.append(
                     param(
-                        StrategyCase(
+                        mesh_case(
                             spec,
                             strategy,
                             mesh,
@@ -235,7 +236,7 @@ def _compile_matrix(config: pytest.Config) -> list:
             spec = spec_for(mesh, "float32", "gqa")
             out.append(
                 param(
-                    StrategyCase(
+                    mesh_case(
                         spec,
                         strategy,
                         mesh,
@@ -291,52 +292,9 @@ def pytest_generate_tests(metafunc):
 # ---------------------------------------------------------------------- running and judging
 
 
-def prepare(ring, case: StrategyCase) -> StrategyCase:
-    """N/A for what the implementation declares it lacks;
-    the session's implementation and op filled in."""
-    __tracebackhide__ = True
-    op = case.op if case.op is not None else ring.op_spec
-    ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
-    ring.request.node.user_properties.append(
-        ("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)})
-    )
-    ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
-    ring.require("layouts", case.layout)
-    if case.strategy == "hybrid" and case.mesh_shape[1] > 1:
-        ring.require("rotate_methods", case.rotate_method, why="the hybrid's ring dimension")
-    ring.require_inputs(case, op)
-    return replace(
-        case, impl=ring.impl.spec, op=op, return_lse=case.return_lse and ring.caps.claims("lse")
-    )
-
-
-def run(ring, case: StrategyCase) -> list[dict]:
-    return ring.rank_pool(case.world_size).run(strategy_case, case, timeout=ring.timeout_for(case))
-
-
-def judged(ring, case: StrategyCase, results: list[dict]) -> list:
-    """Judge every quantity; fail with the strategy diagnosis and a repro."""
-    __tracebackhide__ = True
-    try:
-        verdicts = judge_strategy(
-            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
-        )
-    except AssertionError as exc:  # a broken contract: no numbers to judge
-        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
-    ring.record(case, verdicts)
-    failed = [v for v in verdicts if not v.passed]
-    if failed:
-        pytest.fail(
-            format_failure(failed, diagnose_strategy_case(case, results, verdicts), ring.repro()),
-            pytrace=False,
-        )
-    return verdicts
-
-
-def test_strategy_matches_reference(ring, case: StrategyCase) -> None:
+def test_strategy_matches_reference(ring, case: RingCase) -> None:
     """out, LSE, dQ, dK, dV of the strategy against the float64 oracle (numerics policy)."""
-    case = prepare(ring, case)
-    judged(ring, case, run(ring, case))
+    ring.check(ring.prepare(case))
 
 
 def _diff(expected: dict, actual: dict) -> list[str]:
@@ -353,13 +311,14 @@ def _diff(expected: dict, actual: dict) -> list[str]:
     return lines
 
 
-def test_strategy_collectives_match_schedule(ring, case: StrategyCase) -> None:
+def test_strategy_collectives_match_schedule(ring, case: RingCase) -> None:
     """Every rank issues exactly the declared schedule: the all-to-alls of the Ulysses rows, the
     ring's transfers across rows, the input check."""
-    case = prepare(ring, case)
+    case = ring.prepare(case)
     schedule = ring.protocol(
         "collective_schedule", why="the collectives of every rank are asserted against it"
     )
+    assert case.mesh_shape is not None
     spec, (u, r) = case.inputs, case.mesh_shape
     expected = schedule(
         case.world_size,
@@ -376,8 +335,8 @@ def test_strategy_collectives_match_schedule(ring, case: StrategyCase) -> None:
         seq_q=spec.seq_q // case.world_size,
         return_lse=case.return_lse,
     )
-    results = run(ring, case)
-    judged(ring, case, results)  # a wrong result is reported for that, not for its traffic
+    results = ring.run(case)
+    ring.check(case, results=results)  # a wrong result is reported for that, not for its traffic
     expected = {p: k for p, k in expected.items() if k}
     problems = []
     for rank, res in enumerate(results):
@@ -395,16 +354,16 @@ def test_strategy_collectives_match_schedule(ring, case: StrategyCase) -> None:
         )
 
 
-def test_strategy_compiles(ring, case: StrategyCase) -> None:
+def test_strategy_compiles(ring, case: RingCase) -> None:
     """torch.compile(fullgraph=True): no graph break, the oracle's verdict, and eager's result
     (bitwise with aot_eager; within the policy with inductor, eager standing in for the
     reference)."""
-    compiled = prepare(ring, case)
+    compiled = ring.prepare(case)
     try:
-        got = run(ring, compiled)
+        got = ring.run(compiled)
     except CaseFailure as exc:
         try:
-            run(ring, compiled.with_(compile=None))
+            ring.run(compiled.with_(compile=None))
         except CaseFailure:
             raise exc from None
         pytest.fail(
@@ -413,10 +372,10 @@ def test_strategy_compiles(ring, case: StrategyCase) -> None:
             f"torch.compile [{case.label}]\n{exc}",
             pytrace=False,
         )
-    judged(ring, compiled, got)
+    ring.check(compiled, results=got)
     eager_case = compiled.with_(compile=None)
-    eager = unshard_strategy_results(eager_case, run(ring, eager_case))
-    mine = unshard_strategy_results(compiled, got)
+    eager = unshard_case(eager_case, ring.run(eager_case))
+    mine = unshard_case(compiled, got)
     ref, base = (
         reference_for(case.inputs, case.is_causal),
         baseline_for(case.inputs, case.is_causal, compiled.op),
