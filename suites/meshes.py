@@ -1,44 +1,52 @@
-"""Ulysses and the hybrid (Ulysses x ring on a 2-D mesh) against the float64 oracle, their
-declared collectives, torch.compile and bad input on every rank.
+"""The strategy axis of the capability suites: Ulysses and the hybrid (Ulysses x ring on a 2-D
+mesh) on meshes ``U x R`` (Ulysses degree x ring degree), as cases of the forward/backward,
+collectives, compile and bad-input suites.
 
-Parametrized over strategy and mesh shape ``U x R`` (ulysses degree x ring degree): quick W=4
-(``ulysses`` 4; ``hybrid`` 4x1, 2x2, 1x4) and W=6 (``ulysses`` 6; ``hybrid`` 2x3, 3x2); nightly
-adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8); ``--world-sizes 32,64`` (the simulated tier,
-``--launcher simulated``) W=32 (8x4, 4x8) and W=64 (8x8). The world sizes are the session's mesh
-world sizes (``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes`` when given).
-Key/value heads: as many as the query heads (MHA), fewer than the Ulysses degree (GQA, each head
-replicated; a replication order error shows only with two or more of them), one (MQA). Causal and
-not, both layouts, float64 / float32 / bfloat16, every rotation of the hybrid's ring, the LSE's
-gradient, every CPU op (their LSE layouts), cross-attention lengths and non-contiguous inputs. On
-the meshes of up to 6 ranks the nightly tier runs the product of mesh, dtype, layout and causal,
-key/value heads and rotation; the quick tier a pairwise selection of it (suites.coverage: every
-value and every pair of values of two axes).
+Meshes: quick W=4 (``ulysses`` 4; ``hybrid`` 4x1, 2x2, 1x4) and W=6 (``ulysses`` 6; ``hybrid``
+2x3, 3x2); nightly adds W=8 (8x1, 2x4, 4x2) and W=16 (4x4, 2x8); ``--world-sizes 32,64`` (the
+simulated tier, ``--launcher simulated``) W=32 (8x4, 4x8) and W=64 (8x8). The world sizes are the
+session's mesh world sizes (``harness.settings.DEFAULT_MESH_WORLD_SIZES``, or ``--world-sizes``
+when given). Key/value heads: as many as the query heads (MHA), fewer than the Ulysses degree
+(GQA, each head replicated; a replication order error shows only with two or more of them), one
+(MQA). Causal and not, both layouts, float64 / float32 / bfloat16, every rotation of the hybrid's
+ring, the LSE's gradient, every CPU op (their LSE layouts), cross-attention lengths and
+non-contiguous inputs. On the meshes of up to 6 ranks the nightly tier runs the product of mesh,
+dtype, layout and causal, key/value heads and rotation; the quick tier a pairwise selection of it
+(suites.coverage: every value and every pair of values of two axes).
 
-Numerics: :func:`suites.judge.judge` (the policy of every ring case; ``world_size`` = the
-ring degree). A failure names the replayed strategy bug it matches (local attention only,
-key/value heads in the wrong order, the all-to-all on the wrong dim, the head_tail reorder missing),
-an output whose heads are permuted (head i holds head j's attention), and an LSE returned in the
-head-sharded layout instead of the sequence shard.
+A case is a :class:`suites.cases.RingCase` with ``strategy`` and ``mesh_shape``; its id starts
+with the strategy (``hybrid-2x2-bf16-causal-head_tail-gqa-p2p``), so ``-k "ulysses or hybrid"``
+selects the axis. Judged by :func:`suites.judge.judge` (the policy of every ring case;
+``world_size`` = the ring degree): a failure names the replayed strategy bug it matches (local
+attention only, key/value heads in the wrong order, the all-to-all on the wrong dim, the
+head_tail reorder missing), an output whose heads are permuted (head i holds head j's
+attention), and an LSE returned in the head-sharded layout instead of the sequence shard.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Any
 
 import pytest
-import torch
 
-from harness.errors import CaseFailure
 from harness.pytest_plugin import settings_of
-from reference.budget import assert_verdict, check
 from suites.cases import RingCase
-from suites.cases_strategies import BAD_INPUTS, strategy_bad_input_case
+from suites.cases_strategies import BAD_INPUTS
 from suites.coverage import combos
 from suites.inputs import SHORT, InputSpec
-from suites.judge import QUANTITIES, baseline_for, reference_for, unshard_case
 from suites.matrix import LAYOUTS, ROTATIONS, seed_for, session_ops
+
+__all__ = [
+    "MESHES",
+    "bad_input_cases",
+    "collectives_cases",
+    "compile_cases",
+    "heads_of",
+    "mesh_case",
+    "meshes",
+    "reference_cases",
+]
 
 #: (strategy, (U, R)) per world size.
 MESHES: dict[int, list[tuple[str, tuple[int, int]]]] = {
@@ -52,7 +60,6 @@ MESHES: dict[int, list[tuple[str, tuple[int, int]]]] = {
 }
 #: (layout, causal): non-causal head_tail only where the matrix is full (nightly).
 LAYOUT_CAUSAL = (("contiguous", False), ("contiguous", True), ("head_tail", True))
-TIMEOUT_S = 30.0
 
 
 def meshes(config: pytest.Config) -> list[tuple[str, tuple[int, int]]]:
@@ -115,7 +122,7 @@ def _ring_dim(mesh: tuple[int, int], strategy: str) -> bool:
     return strategy == "hybrid" and mesh[1] > 1
 
 
-def _matrix(config: pytest.Config) -> list:
+def reference_cases(config: pytest.Config) -> list:
     nightly = settings_of(config).tier == "nightly"
     out = []
     small = [(s, m) for s, m in meshes(config) if m[0] * m[1] <= 6]
@@ -194,7 +201,7 @@ def _matrix(config: pytest.Config) -> list:
     return out
 
 
-def _collectives_matrix(config: pytest.Config) -> list:
+def collectives_cases(config: pytest.Config) -> list:
     nightly = settings_of(config).tier == "nightly"
     out = []
     for strategy, mesh in meshes(config):
@@ -223,7 +230,7 @@ def _collectives_matrix(config: pytest.Config) -> list:
     return out
 
 
-def _compile_matrix(config: pytest.Config) -> list:
+def compile_cases(config: pytest.Config) -> list:
     nightly = settings_of(config).tier == "nightly"
     out = []
     for strategy, mesh in meshes(config):
@@ -251,7 +258,7 @@ def _compile_matrix(config: pytest.Config) -> list:
     return out
 
 
-def _bad_matrix(config: pytest.Config) -> list:
+def bad_input_cases(config: pytest.Config) -> list:
     out = []
     for strategy, mesh in meshes(config):
         if (
@@ -274,158 +281,3 @@ def _bad_matrix(config: pytest.Config) -> list:
                 )
             )
     return out
-
-
-def pytest_generate_tests(metafunc):
-    name = metafunc.function.__name__
-    if "case" in metafunc.fixturenames:
-        make = {
-            "test_strategy_matches_reference": _matrix,
-            "test_strategy_collectives_match_schedule": _collectives_matrix,
-            "test_strategy_compiles": _compile_matrix,
-        }[name]
-        metafunc.parametrize("case", make(metafunc.config))
-    if "bad" in metafunc.fixturenames:
-        metafunc.parametrize("bad", _bad_matrix(metafunc.config))
-
-
-# ---------------------------------------------------------------------- running and judging
-
-
-def test_strategy_matches_reference(ring, case: RingCase) -> None:
-    """out, LSE, dQ, dK, dV of the strategy against the float64 oracle (numerics policy)."""
-    ring.check(ring.prepare(case))
-
-
-def _diff(expected: dict, actual: dict) -> list[str]:
-    lines = []
-    for phase in sorted(set(expected) | set(actual)):
-        exp, act = expected.get(phase, {}), actual.get(phase, {})
-        for kind in sorted(set(exp) | set(act)):
-            e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
-            if e != a:
-                lines.append(
-                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; "
-                    f"issued {a['calls']} calls, {a['bytes']} bytes"
-                )
-    return lines
-
-
-def test_strategy_collectives_match_schedule(ring, case: RingCase) -> None:
-    """Every rank issues exactly the declared schedule: the all-to-alls of the Ulysses rows, the
-    ring's transfers across rows, the input check."""
-    case = ring.prepare(case)
-    schedule = ring.protocol(
-        "collective_schedule", why="the collectives of every rank are asserted against it"
-    )
-    assert case.mesh_shape is not None
-    spec, (u, r) = case.inputs, case.mesh_shape
-    expected = schedule(
-        case.world_size,
-        case.rotate_method,
-        batch=spec.batch,
-        heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim,
-        dtype=spec.torch_dtype,
-        compiled=False,
-        strategy=case.strategy,
-        mesh_shape=(u, r),
-        heads=spec.heads,
-        seq_q=spec.seq_q // case.world_size,
-        return_lse=case.return_lse,
-    )
-    results = ring.run(case)
-    ring.check(case, results=results)  # a wrong result is reported for that, not for its traffic
-    expected = {p: k for p, k in expected.items() if k}
-    problems = []
-    for rank, res in enumerate(results):
-        actual = {p: k for p, k in (res["collectives"] or {}).items() if k}
-        problems += [
-            f"rank {rank} (ulysses {rank % u}, ring {rank // u}): {line}"
-            for line in _diff(expected, actual)
-        ]
-    if problems:
-        pytest.fail(
-            f"collectives differ from the declared schedule [{case.label}]:\n"
-            + "\n".join(problems)
-            + f"\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
-
-
-def test_strategy_compiles(ring, case: RingCase) -> None:
-    """torch.compile(fullgraph=True): no graph break, the oracle's verdict, and eager's result
-    (bitwise with aot_eager; within the policy with inductor, eager standing in for the
-    reference)."""
-    compiled = ring.prepare(case)
-    try:
-        got = ring.run(compiled)
-    except CaseFailure as exc:
-        try:
-            ring.run(compiled.with_(compile=None))
-        except CaseFailure:
-            raise exc from None
-        pytest.fail(
-            f"torch.compile(backend={case.compile!r}, fullgraph=True) of the {case.strategy} "
-            "strategy raised on the ranks and the eager run does not: it fails only under "
-            f"torch.compile [{case.label}]\n{exc}",
-            pytrace=False,
-        )
-    ring.check(compiled, results=got)
-    eager_case = compiled.with_(compile=None)
-    eager = unshard_case(eager_case, ring.run(eager_case))
-    mine = unshard_case(compiled, got)
-    ref, base = (
-        reference_for(case.inputs, case.is_causal),
-        baseline_for(case.inputs, case.is_causal, compiled.op),
-    )
-    for name in QUANTITIES:
-        if mine[name] is None:
-            continue
-        if case.compile == "aot_eager":
-            assert torch.equal(mine[name], eager[name]), (
-                f"{name}: aot_eager differs from eager (max "
-                f"{float((mine[name].double() - eager[name].double()).abs().max()):.2e}); it runs "
-                f"the same ops and must be bitwise equal [{case.label}]"
-            )
-        else:
-            shifted = base[name].double() + (eager[name].double() - ref[name])
-            assert_verdict(
-                check(
-                    f"{name} compiled vs eager",
-                    mine[name],
-                    eager[name],
-                    shifted,
-                    dtype=case.inputs.torch_dtype,
-                    context=f"[{case.label}]",
-                )
-            )
-
-
-def test_strategy_bad_input_raises_on_every_rank(ring, bad) -> None:
-    """Bad input on any rank: the same InputError (or
-    TypeError for a wrong group) on every rank, no hang."""
-    strategy, mesh, kind = bad
-    ring.require("strategies", strategy, why=f"strategy={strategy!r}")
-    ring.require("input_errors", why="raises on every rank for bad input")
-    pattern, _ = BAD_INPUTS[kind]
-    pool = ring.rank_pool(mesh[0] * mesh[1])
-    outcomes = pool.run_outcomes(
-        strategy_bad_input_case,
-        ring.impl.spec,
-        strategy,
-        mesh,
-        kind,
-        timeout=min(TIMEOUT_S, ring.timeout),
-    )
-    summary = "\n".join(
-        f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}")
-        for o in outcomes
-    )
-    assert all(not o.ok for o in outcomes), f"{strategy} {kind}: not every rank raised\n{summary}"
-    assert all(
-        re.search(pattern, o.exc_message, re.IGNORECASE) or "rejected their input" in o.exc_message
-        for o in outcomes
-    ), f"{strategy} {kind}: an error does not say what was wrong (/{pattern}/)\n{summary}"
-    assert any(re.search(pattern, o.exc_message, re.IGNORECASE) for o in outcomes), summary
