@@ -122,8 +122,9 @@ equal on every rank). Attention stays inside each document (causal within it wit
 zero gradients. Returns out ``(tokens_local, heads, head_dim_v)`` and, with ``return_lse=True``,
 the LSE as ``(heads, tokens_local)`` (FlashAttention's varlen layout).
 
-``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
-(``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
+``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy axis of
+the forward/backward, collectives, compile and bad-input suites (``suites/meshes.py``; the mask
+and score_mod suites run it too): ``"ulysses"`` with ``group=`` the Ulysses process group,
 ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
 shards follow :mod:`reference.strategies`' layouts. Undeclared claims all three.
 

@@ -198,10 +198,6 @@ class MaskCase(RingCase):
     mask: str = "causal"
     sinks: bool = False
     mask_json: str = ""
-    #: "ring", or "ulysses" / "hybrid" on a (U, R) mesh of world_size = U * R ranks
-    #: (suites.cases_strategies' groups, reference.strategies' layouts)
-    strategy: str = "ring"
-    mesh_shape: tuple[int, int] | None = None
     #: a documents mask whose ids live in an int32 buffer the rank refills in place between two
     #: calls (as a data pipeline refills a ``torch.from_numpy`` buffer: torch's version counter
     #: does not move); the second call, on the same mask object, is judged
@@ -222,15 +218,10 @@ class MaskCase(RingCase):
     @property
     def label(self) -> str:
         data = f", mask_data={self.mask_json}" if self.mask_json else ""
-        mesh = (
-            f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
-            if self.mesh_shape
-            else ""
-        )
         refill = ", ids refilled in place after a first call" if self.refill else ""
         return (
             RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
-            + f"{mesh}, mask={self.mask}, sinks={self.sinks}{data}{refill})"
+            + f", mask={self.mask}, sinks={self.sinks}{data}{refill})"
         )
 
 
@@ -246,7 +237,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
     group = ctx.group
     if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
-        from suites.cases_strategies import strategy_group
+        from suites.cases import strategy_group
 
         group = strategy_group(ctx, case.strategy, case.mesh_shape)
     impl = load_implementation(case.impl)

@@ -121,10 +121,6 @@ class ScoreModCase(RingCase):
     score_mod: str = "softcap"
     mask: str = ""
     sinks: bool = False
-    #: "ring", or "ulysses" / "hybrid" on a (U, R) mesh of world_size = U * R ranks
-    #: (suites.cases_strategies' groups, reference.strategies' layouts)
-    strategy: str = "ring"
-    mesh_shape: tuple[int, int] | None = None
     params: tuple[tuple[str, Any], ...] = ()
 
     def score_mod_data(self) -> dict[str, Any]:
@@ -144,8 +140,6 @@ class ScoreModCase(RingCase):
     @property
     def label(self) -> str:
         mask = f", mask={self.mask}" if self.mask else ""
-        if self.mesh_shape is not None:
-            mask += f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
         return (
             RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
             + f", score_mod={self.score_mod}{mask}, sinks={self.sinks}"
@@ -160,7 +154,7 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     w, r = ctx.world_size, ctx.rank
     if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
         from reference.strategies import shard as strategy_shard
-        from suites.cases_strategies import strategy_group
+        from suites.cases import strategy_group
 
         group = strategy_group(ctx, case.strategy, case.mesh_shape)
 

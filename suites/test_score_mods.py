@@ -91,7 +91,7 @@ def _cases(config) -> list:
     )
 
 
-#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/test_strategies.py's).
+#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/meshes.py's).
 STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
 
 

@@ -12,10 +12,8 @@ from harness import get_pool
 from harness.simulated import shutdown_simulated_pools, simulated_pool
 from suites.cases import RingCase, ring_case
 from suites.cases_masks import MaskCase, judge_masked, masked_case
-from suites.cases_strategies import StrategyCase, strategy_case
 from suites.inputs import InputSpec
 from suites.judge import judge
-from suites.judge_strategies import judge_strategy
 
 
 def _spec(w: int, dtype: str, heads_kv: int = 2) -> InputSpec:
@@ -66,10 +64,11 @@ CASES = [
     ),
     pytest.param(
         4,
-        StrategyCase(
+        RingCase(
             InputSpec(batch=2, heads=12, heads_kv=2, seq_q=32, seq_kv=32, head_dim=8, seed=3),
-            "hybrid",
-            (2, 2),
+            4,
+            strategy="hybrid",
+            mesh_shape=(2, 2),
             is_causal=True,
             layout="head_tail",
             rotate_method="alltoall",
@@ -77,8 +76,8 @@ CASES = [
         id="W4-f32-hybrid-2x2-causal-head_tail-gqa",
     ),
 ]
-RUN = {RingCase: ring_case, MaskCase: masked_case, StrategyCase: strategy_case}
-JUDGE = {RingCase: judge, MaskCase: judge_masked, StrategyCase: judge_strategy}
+RUN = {RingCase: ring_case, MaskCase: masked_case}
+JUDGE = {RingCase: judge, MaskCase: judge_masked}
 
 
 def _same(a, b, where: str) -> None:

@@ -14,9 +14,8 @@ from reference.attention import attention
 from ring_impl import collective_schedule
 from ring_impl.strategies import kv_replication, strategy_schedule
 from ring_impl.strategies.validate import strategy_problem
-from suites.cases_strategies import StrategyCase
+from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.test_strategies import judged, prepare, run
 
 
 @pytest.mark.parametrize(
@@ -281,12 +280,12 @@ def test_hybrid_ring_runs_head_chunks(ring, rotate: str, chunks: int) -> None:
     spec = InputSpec(
         batch=1, heads=12, heads_kv=6, seq_q=16, seq_kv=16, head_dim=8, dtype="float32", seed=11
     )
-    case = prepare(
-        ring,
-        StrategyCase(
+    case = ring.prepare(
+        RingCase(
             spec,
-            "hybrid",
-            (2, 2),
+            4,
+            strategy="hybrid",
+            mesh_shape=(2, 2),
             is_causal=True,
             layout="head_tail",
             rotate_method=rotate,
@@ -294,8 +293,8 @@ def test_hybrid_ring_runs_head_chunks(ring, rotate: str, chunks: int) -> None:
             extras=(("head_chunks", chunks),),
         ),
     )
-    results = run(ring, case)
-    judged(ring, case, results)
+    results = ring.run(case)
+    ring.check(case, results=results)
     expected = strategy_schedule(
         "hybrid",
         (2, 2),
