@@ -8,6 +8,7 @@ with the reference's own layout code and never with the implementation's.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -60,6 +61,13 @@ class InputSpec:
 
     def with_(self, **changes) -> InputSpec:
         return replace(self, **changes)
+
+    @classmethod
+    def per_rank(cls, world_size: int, rows: int = 8, **fields: Any) -> InputSpec:
+        """Self-attention inputs of ``rows`` query and key rows per rank over ``world_size``
+        ranks (``seq_q = seq_kv = rows * world_size``), the other fields as given (the
+        defaults otherwise: batch 2, 4 heads, 4 key/value heads, head_dim 16, float32)."""
+        return cls(seq_q=rows * world_size, seq_kv=rows * world_size, **fields)
 
 
 @dataclass(frozen=True)

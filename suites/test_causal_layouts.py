@@ -23,9 +23,7 @@ def _cases(config, **extra):
     for w, layout, causal in itertools.product(
         world_sizes(config, at_least=2), LAYOUTS, (True, False)
     ):
-        inputs = InputSpec(
-            batch=1, heads=2, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float64"
-        )
+        inputs = InputSpec.per_rank(w, batch=1, heads=2, heads_kv=2, dtype="float64")
         out.append(RingCase(inputs, w, is_causal=causal, layout=layout, **extra))
     return params(out)
 

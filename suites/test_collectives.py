@@ -44,24 +44,13 @@ def _cases(config) -> list:
         (("float32", 4), ("bfloat16", 2)),
         keep=KEEP,
     ):
-        inputs = InputSpec(
-            batch=2, heads=4, heads_kv=heads_kv, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype
-        )
+        inputs = InputSpec.per_rank(w, heads_kv=heads_kv, dtype=dtype)
         cases.append(
             RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, account=True)
         )
     # value's own head dim (capability value_head_dim): its bytes move at d_v, not at d_qk
     for i, (w, rotate) in enumerate(itertools.product(world_sizes(config, at_least=2), ROTATIONS)):
-        inputs = InputSpec(
-            batch=2,
-            heads=4,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            head_dim_v=(8, 40)[i % 2],
-            dtype="bfloat16",
-        )
+        inputs = InputSpec.per_rank(w, heads_kv=2, head_dim_v=(8, 40)[i % 2], dtype="bfloat16")
         cases.append(
             RingCase(
                 inputs,

@@ -43,9 +43,7 @@ def pytest_generate_tests(metafunc):
         ]
         combos = [c for c in combos if c[0] in world_sizes(metafunc.config)]
     for w, backend, rotate, layout, causal in combos:
-        inputs = InputSpec(
-            batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype="float32"
-        )
+        inputs = InputSpec.per_rank(w, batch=1, heads_kv=2, dtype="float32")
         cases.append(
             RingCase(
                 inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, compile=backend

@@ -18,15 +18,7 @@ def pytest_generate_tests(metafunc):
     sizes = world_sizes(metafunc.config, at_least=2)
     cases = [
         RingCase(
-            InputSpec(
-                batch=1,
-                heads=4,
-                heads_kv=2,
-                seq_q=8 * w,
-                seq_kv=8 * w,
-                head_dim=16,
-                dtype="bfloat16",
-            ),
+            InputSpec.per_rank(w, batch=1, heads_kv=2, dtype="bfloat16"),
             w,
             is_causal=causal,
             layout=layout,

@@ -35,16 +35,7 @@ def _nan_cases(config):
         world_sizes(config, at_least=2), ("query", "key", "value"), (False, True), LAYOUTS
     )
     for i, (w, where, causal, layout) in enumerate(combos):
-        inputs = InputSpec(
-            batch=2,
-            heads=4,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            dtype="float32",
-            nan_in=where,
-        )
+        inputs = InputSpec.per_rank(w, heads_kv=2, dtype="float32", nan_in=where)
         cases.append(
             RingCase(
                 inputs,
@@ -62,16 +53,7 @@ def _scale_cases(config):
     for w, scale, layout, dtype in itertools.product(
         world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0), LAYOUTS, ("float32", "bfloat16")
     ):
-        inputs = InputSpec(
-            batch=1,
-            heads=2,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            dtype=dtype,
-            scale=scale,
-        )
+        inputs = InputSpec.per_rank(w, batch=1, heads=2, heads_kv=2, dtype=dtype, scale=scale)
         cases.append(RingCase(inputs, w, is_causal=True, layout=layout, rotate_method="alltoall"))
     return params(cases, id_extra=lambda c: (f"scale{c.inputs.scale:g}",))
 

@@ -43,16 +43,7 @@ def pytest_generate_tests(metafunc):
             else []
         )
         for w, dtype, causal, layout in combos:
-            inputs = InputSpec(
-                batch=1,
-                heads=4,
-                heads_kv=2,
-                seq_q=8 * w,
-                seq_kv=8 * w,
-                head_dim=16,
-                dtype=dtype,
-                lse_grad=True,
-            )
+            inputs = InputSpec.per_rank(w, batch=1, heads_kv=2, dtype=dtype, lse_grad=True)
             cases.append(
                 RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, op=op)
             )

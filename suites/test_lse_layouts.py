@@ -29,9 +29,7 @@ def _cases(config) -> list:
     for op, w, dtype, causal, layout in combos(
         config, session_ops(config), sizes, dtypes, (False, True), LAYOUTS
     ):
-        inputs = InputSpec(
-            batch=1, heads=2, heads_kv=2, seq_q=6 * w, seq_kv=6 * w, head_dim=16, dtype=dtype
-        )
+        inputs = InputSpec.per_rank(w, rows=6, batch=1, heads=2, heads_kv=2, dtype=dtype)
         cases.append(RingCase(inputs, w, is_causal=causal, layout=layout, op=op))
     # Tiny and just-past-32 local lengths, where padded layouts differ most from the plain one.
     for op, local, layout in itertools.product(padded_lse_ops(config), (1, 2, 33, 34), LAYOUTS):

@@ -149,9 +149,7 @@ def _refill_cases(config) -> list[MaskCase]:
     sizes = world_sizes(config, at_most=2)
     out = []
     for i, (w, name) in enumerate(itertools.product(sizes, ("documents", "documents_with_gaps"))):
-        spec = InputSpec(
-            batch=1, heads=2, heads_kv=2, seq_q=24 * w, seq_kv=24 * w, head_dim=16, dtype="float64"
-        )
+        spec = InputSpec.per_rank(w, rows=24, batch=1, heads=2, heads_kv=2, dtype="float64")
         out.append(
             MaskCase(
                 spec,
@@ -175,12 +173,11 @@ def _value_head_dim_cases(config) -> list[MaskCase]:
             (("documents", "head_tail"), ("window_narrow", "contiguous"))
         ):
             d, dv = ((16, 24), (24, 8))[(i + j) % 2]
-            spec = InputSpec(
+            spec = InputSpec.per_rank(
+                w,
+                rows=24,
                 batch=1,
-                heads=4,
                 heads_kv=2,
-                seq_q=24 * w,
-                seq_kv=24 * w,
                 head_dim=d,
                 head_dim_v=dv,
                 dtype=("float64", "float32")[(i + j) % 2],
@@ -236,15 +233,8 @@ def _scale_cases(config) -> list[MaskCase]:
     out = []
     names = ("causal", "documents", "window_narrow", "documents_window")
     for i, (w, scale, name) in enumerate(itertools.product(sizes, (-0.3, 0.0), names)):
-        spec = InputSpec(
-            batch=1,
-            heads=2,
-            heads_kv=2,
-            seq_q=24 * w,
-            seq_kv=24 * w,
-            head_dim=16,
-            dtype="float32",
-            scale=scale,
+        spec = InputSpec.per_rank(
+            w, rows=24, batch=1, heads=2, heads_kv=2, dtype="float32", scale=scale
         )
         out.append(
             MaskCase(
@@ -272,13 +262,11 @@ def _compile_cases(config) -> list[MaskCase]:
     out = []
     for i, (name, w, backend) in enumerate(itertools.product(names, sizes, backends)):
         j, b = divmod(i, len(backends))  # cycled per (mask, W), turned per backend
-        spec = InputSpec(
+        spec = InputSpec.per_rank(
+            w,
+            rows=24,
             batch=_batch(name),
-            heads=4,
             heads_kv=2 if (j // 2 + b) % 2 else 4,
-            seq_q=24 * w,
-            seq_kv=24 * w,
-            head_dim=16,
             dtype=("float32", "float64")[j % 2],
         )
         out.append(

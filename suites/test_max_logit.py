@@ -62,15 +62,7 @@ def _cases(config) -> list[MaxLogitCase]:
     ):
         for j, dtype in enumerate(dtypes if nightly else (dtypes[i % 3],)):
             heads_kv = 2 if (i + j) % 2 else 4
-            spec = InputSpec(
-                batch=2,
-                heads=4,
-                heads_kv=heads_kv,
-                seq_q=8 * w,
-                seq_kv=8 * w,
-                head_dim=16,
-                dtype=dtype,
-            )
+            spec = InputSpec.per_rank(w, heads_kv=heads_kv, dtype=dtype)
             out.append(
                 MaxLogitCase(
                     spec,
@@ -84,14 +76,8 @@ def _cases(config) -> list[MaxLogitCase]:
     for i, (name, w) in enumerate(
         itertools.product(MASKS, world_sizes(config, at_least=2, at_most=None if nightly else 3))
     ):
-        spec = InputSpec(
-            batch=1,
-            heads=4,
-            heads_kv=2 if i % 2 else 4,
-            seq_q=24 * w,
-            seq_kv=24 * w,
-            head_dim=16,
-            dtype=dtypes[i % 3],
+        spec = InputSpec.per_rank(
+            w, rows=24, batch=1, heads_kv=2 if i % 2 else 4, dtype=dtypes[i % 3]
         )
         out.append(
             MaxLogitCase(
@@ -106,16 +92,7 @@ def _cases(config) -> list[MaxLogitCase]:
     for i, (w, where) in enumerate(
         itertools.product(world_sizes(config, at_least=2, at_most=3), ("key", "query"))
     ):
-        spec = InputSpec(
-            batch=2,
-            heads=4,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            dtype="float32",
-            nan_in=where,
-        )
+        spec = InputSpec.per_rank(w, heads_kv=2, dtype="float32", nan_in=where)
         out.append(
             MaxLogitCase(
                 spec,
@@ -130,9 +107,7 @@ def _cases(config) -> list[MaxLogitCase]:
     for i, (w, scale) in enumerate(
         itertools.product(world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0))
     ):
-        spec = InputSpec(
-            batch=1, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, scale=scale
-        )
+        spec = InputSpec.per_rank(w, batch=1, heads_kv=2, scale=scale)
         out.append(
             MaxLogitCase(
                 spec, w, is_causal=True, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3]
@@ -146,15 +121,7 @@ def _accounted(config) -> list[MaxLogitCase]:
     for i, (w, rotate) in enumerate(
         itertools.product(world_sizes(config, at_least=2, at_most=4), ROTATIONS)
     ):
-        spec = InputSpec(
-            batch=2,
-            heads=4,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            dtype=("float32", "float64")[i % 2],
-        )
+        spec = InputSpec.per_rank(w, heads_kv=2, dtype=("float32", "float64")[i % 2])
         out.append(
             MaxLogitCase(
                 spec, w, is_causal=True, layout=LAYOUTS[i % 2], rotate_method=rotate, account=True

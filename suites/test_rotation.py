@@ -27,9 +27,7 @@ def pytest_generate_tests(metafunc):
     for w, dtype, causal, layout in itertools.product(
         world_sizes(metafunc.config, at_least=2), ("float32", "bfloat16"), (False, True), LAYOUTS
     ):
-        inputs = InputSpec(
-            batch=2, heads=4, heads_kv=2, seq_q=8 * w, seq_kv=8 * w, head_dim=16, dtype=dtype
-        )
+        inputs = InputSpec.per_rank(w, heads_kv=2, dtype=dtype)
         cases.append(
             RingCase(inputs, w, is_causal=causal, layout=layout, rotate_method="allgather")
         )

@@ -58,13 +58,11 @@ def _cases(config) -> list:
                 name == "alibi_symmetric" and mask
             ):  # symmetric ALiBi is for attention that sees both ways
                 mask = ""
-            spec = InputSpec(
+            spec = InputSpec.per_rank(
+                w,
+                rows=24,
                 batch=2 if (i + j) % 4 == 1 else 1,
-                heads=4,
                 heads_kv=2 if (i + j) % 2 else 4,
-                seq_q=24 * w,
-                seq_kv=24 * w,
-                head_dim=16,
                 dtype=dtype,
             )
             out.append(

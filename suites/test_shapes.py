@@ -20,14 +20,8 @@ def _gqa(config):
     for w, (heads, heads_kv), causal, rotate in combos(
         config, world_sizes(config, at_least=2), ((8, 4), (8, 2), (8, 1)), (False, True), ROTATIONS
     ):
-        inputs = InputSpec(
-            batch=1,
-            heads=heads,
-            heads_kv=heads_kv,
-            seq_q=4 * w,
-            seq_kv=4 * w,
-            head_dim=16,
-            dtype="float32",
+        inputs = InputSpec.per_rank(
+            w, rows=4, batch=1, heads=heads, heads_kv=heads_kv, dtype="float32"
         )
         cases.append(
             RingCase(inputs, w, is_causal=causal, layout="head_tail", rotate_method=rotate)
@@ -57,16 +51,7 @@ def _noncontiguous(config):
     for w, causal, rotate, dtype in combos(
         config, world_sizes(config, at_least=2), (False, True), ROTATIONS, ("float32", "bfloat16")
     ):
-        inputs = InputSpec(
-            batch=2,
-            heads=4,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            dtype=dtype,
-            noncontiguous=True,
-        )
+        inputs = InputSpec.per_rank(w, heads_kv=2, dtype=dtype, noncontiguous=True)
         cases.append(
             RingCase(inputs, w, is_causal=causal, layout="head_tail", rotate_method=rotate)
         )
@@ -75,16 +60,7 @@ def _noncontiguous(config):
     for w, causal, dtype in combos(
         config, world_sizes(config), (False, True), ("float64", "float32")
     ):
-        inputs = InputSpec(
-            batch=2,
-            heads=4,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            dtype=dtype,
-            strided_head_dim=True,
-        )
+        inputs = InputSpec.per_rank(w, heads_kv=2, dtype=dtype, strided_head_dim=True)
         cases.append(
             RingCase(
                 inputs, w, is_causal=causal, layout="contiguous", rotate_method=ROTATIONS[w % 3]
@@ -105,15 +81,8 @@ def _large_logits(config):
         ("float64", "float32", "bfloat16"),
         (30.0, 300.0),
     ):
-        inputs = InputSpec(
-            batch=1,
-            heads=2,
-            heads_kv=2,
-            seq_q=8 * w,
-            seq_kv=8 * w,
-            head_dim=16,
-            dtype=dtype,
-            magnitude=magnitude,
+        inputs = InputSpec.per_rank(
+            w, batch=1, heads=2, heads_kv=2, dtype=dtype, magnitude=magnitude
         )
         cases.append(RingCase(inputs, w, is_causal=causal, layout="head_tail", rotate_method="p2p"))
     return params(cases, id_extra=lambda c: (f"x{c.inputs.magnitude:g}",))
