@@ -253,6 +253,32 @@ class RingRunner:
             pytest.fail(format_failure(failed, diagnosis, self.repro()), pytrace=False)
         return verdicts
 
+    def judged(self, case, fn, judge, diagnose=None, *, baseline: bool = True) -> list:
+        """Run the rank function ``fn`` for ``case`` on the pool, judge its per-rank results
+        with ``judge(case, results[, baseline_op=])`` (with ``baseline``: the implementation's
+        ``baseline_op``), record the verdicts, and fail with ``diagnose(case, results)`` (None:
+        no diagnosis) and a repro when one fails; a broken contract (AssertionError from the
+        judge) fails with its message. Returns the results."""
+        __tracebackhide__ = True
+        from suites.judge import format_failure
+
+        results = self.run(case, fn)
+        try:
+            if baseline:
+                verdicts = judge(
+                    case, results, baseline_op=getattr(self.impl.obj, "baseline_op", None)
+                )
+            else:
+                verdicts = judge(case, results)
+        except AssertionError as exc:  # a broken contract or a named bug: no numbers to judge
+            pytest.fail(f"{exc}\nrepro: {self.repro()}", pytrace=False)
+        self.record(case, verdicts)
+        failed = [v for v in verdicts if not v.passed]
+        if failed:
+            diagnosis = None if diagnose is None else diagnose(case, results)
+            pytest.fail(format_failure(failed, diagnosis, self.repro()), pytrace=False)
+        return results
+
     def eager_comparison(self, case) -> str:
         """One sentence on the same case run without torch.compile (for a failed compiled case)."""
         from suites.judge import judge

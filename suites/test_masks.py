@@ -27,7 +27,6 @@ import itertools
 import json
 from dataclasses import replace
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,7 +44,6 @@ from suites.cases_masks import (
 )
 from suites.coverage import combos
 from suites.inputs import InputSpec
-from suites.judge import format_failure
 from suites.matrix import LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
 from suites.runner import case_properties
 
@@ -397,19 +395,7 @@ def test_masked_attention_matches_reference(ring, case: MaskCase) -> None:
 
 def _run_and_judge(ring, case: MaskCase) -> None:
     __tracebackhide__ = True
-    results = ring.rank_pool(case.world_size).run(masked_case, case, timeout=ring.timeout_for(case))
-    try:
-        verdicts = judge_masked(
-            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
-        )
-    except AssertionError as exc:  # a broken contract: no numbers to judge
-        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
-    ring.record(case, verdicts)
-    failed = [v for v in verdicts if not v.passed]
-    if failed:
-        pytest.fail(
-            format_failure(failed, diagnose_masked(case, results), ring.repro()), pytrace=False
-        )
+    ring.judged(case, masked_case, judge_masked, diagnose_masked)
 
 
 # ---------------------------------------------------------------------- drawn masks

@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 
 from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
 from suites.inputs import InputSpec
-from suites.judge import format_failure
 from suites.matrix import (
     DTYPES,
     LAYOUTS,
@@ -164,18 +163,7 @@ def _prepare(ring, case: MaxLogitCase) -> MaxLogitCase:
 
 def _run_and_judge(ring, case: MaxLogitCase) -> list[dict]:
     __tracebackhide__ = True
-    results = ring.run(case, max_logit_case)
-    try:
-        verdicts = judge_max_logit(case, results)
-    except AssertionError as exc:  # a broken contract: no numbers to judge
-        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
-    ring.record(case, verdicts)
-    failed = [v for v in verdicts if not v.passed]
-    if failed:
-        pytest.fail(
-            format_failure(failed, diagnose_max_logit(case, results), ring.repro()), pytrace=False
-        )
-    return results
+    return ring.judged(case, max_logit_case, judge_max_logit, diagnose_max_logit, baseline=False)
 
 
 def test_max_logit_matches_reference(ring, case: MaxLogitCase) -> None:

@@ -39,7 +39,6 @@ from suites.cases_packed import (
     packed_case,
 )
 from suites.inputs import InputSpec
-from suites.judge import format_failure
 from suites.matrix import (
     DTYPES,
     LAYOUTS,
@@ -153,17 +152,7 @@ def _prepare(ring, case: PackedCase) -> PackedCase:
 
 def _run_and_judge(ring, case: PackedCase) -> None:
     __tracebackhide__ = True
-    results = ring.rank_pool(case.world_size).run(packed_case, case, timeout=ring.timeout_for(case))
-    try:
-        verdicts = judge_packed(
-            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
-        )
-    except AssertionError as exc:  # a broken contract or a named bug: no numbers to judge
-        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
-    ring.record(case, verdicts)
-    failed = [v for v in verdicts if not v.passed]
-    if failed:
-        pytest.fail(format_failure(failed, None, ring.repro()), pytrace=False)
+    ring.judged(case, packed_case, judge_packed)
 
 
 def test_packed_documents_match_reference(ring, packed_case_: PackedCase) -> None:

@@ -36,7 +36,6 @@ from suites.cases_score_mods import (
     scored_case,
 )
 from suites.inputs import InputSpec
-from suites.judge import format_failure
 from suites.matrix import LAYOUTS, ROTATIONS, draw_claimed, params, seed_for, tier, world_sizes
 from suites.runner import case_properties
 
@@ -164,19 +163,7 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
 
 def _run_and_judge(ring, case: ScoreModCase) -> None:
     __tracebackhide__ = True
-    results = ring.rank_pool(case.world_size).run(scored_case, case, timeout=ring.timeout_for(case))
-    try:
-        verdicts = judge_scored(
-            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
-        )
-    except AssertionError as exc:  # a broken contract: no numbers to judge
-        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
-    ring.record(case, verdicts)
-    failed = [v for v in verdicts if not v.passed]
-    if failed:
-        pytest.fail(
-            format_failure(failed, diagnose_scored(case, results), ring.repro()), pytrace=False
-        )
+    ring.judged(case, scored_case, judge_scored, diagnose_scored)
 
 
 def test_score_mod_matches_reference(ring, case: ScoreModCase) -> None:

@@ -38,7 +38,6 @@ from suites.cases_uneven import (
     uneven_case,
 )
 from suites.inputs import InputSpec
-from suites.judge import format_failure
 from suites.matrix import (
     DTYPES,
     LAYOUTS,
@@ -128,19 +127,7 @@ def _prepare(ring, case: UnevenCase) -> UnevenCase:
 
 def _run_and_judge(ring, case: UnevenCase) -> None:
     __tracebackhide__ = True
-    results = ring.run(case, uneven_case)
-    try:
-        verdicts = judge_uneven(
-            case, results, baseline_op=getattr(ring.impl.obj, "baseline_op", None)
-        )
-    except AssertionError as exc:  # a broken contract: no numbers to judge
-        pytest.fail(f"{exc}\nrepro: {ring.repro()}", pytrace=False)
-    ring.record(case, verdicts)
-    failed = [v for v in verdicts if not v.passed]
-    if failed:
-        pytest.fail(
-            format_failure(failed, diagnose_uneven(case, results), ring.repro()), pytrace=False
-        )
+    ring.judged(case, uneven_case, judge_uneven, diagnose_uneven)
 
 
 def test_uneven_shards_match_reference(ring, case: UnevenCase) -> None:
