@@ -13,6 +13,8 @@ import zlib
 from collections.abc import Iterable
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from harness.pytest_plugin import settings_of
 from suites.cases import RingCase
@@ -101,6 +103,17 @@ def params(cases: Iterable[RingCase], *, id_extra=lambda case: ()) -> list:
         seeded = case.with_(inputs=case.inputs.with_(seed=seed_for(cid)))
         out.append(pytest.param(seeded, id=cid))
     return out
+
+
+def drawn(test):
+    """``test(ring, ..., data)`` as a Hypothesis property drawing from ``data`` (``st.data()``)
+    with the suites' settings: no deadline (a drawn case runs collectives on a rank pool) and the
+    function-scoped ``ring`` fixture allowed (it is the same runner for every example). The
+    number of examples is the tier's profile's."""
+    return settings(
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )(given(data=st.data())(test))
 
 
 def draw_claimed(data, caps, capability: str, values, label: str):

@@ -27,7 +27,6 @@ import itertools
 import json
 from dataclasses import replace
 
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.pytest_plugin import settings_of
@@ -44,7 +43,7 @@ from suites.cases_masks import (
 )
 from suites.coverage import combos
 from suites.inputs import InputSpec
-from suites.matrix import LAYOUTS, ROTATIONS, params, seed_for, tier, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, drawn, params, seed_for, tier, world_sizes
 from suites.runner import case_properties
 
 #: The mask kinds (reference.masks) each named mask uses.
@@ -444,10 +443,7 @@ def _tokens_per_rank(layout: str) -> st.SearchStrategy[int]:
     return st.integers(1, 12)
 
 
-@settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(data=st.data())
+@drawn
 def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
     """A drawn mask, layout (the balancers' included), rotation, world size, dtype, GQA and
     sinks: out, LSE, dQ, dK, dV (and dSinks) against the float64 oracle, as the named cases."""

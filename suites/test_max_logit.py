@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
@@ -33,6 +32,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    drawn,
     params,
     seed_for,
     tier,
@@ -171,10 +171,7 @@ def test_max_logit_matches_reference(ring, case: MaxLogitCase) -> None:
     _run_and_judge(ring, _prepare(ring, case))
 
 
-@settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(data=st.data())
+@drawn
 def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     """A drawn world size, layout, rotation, dtype, shape (batch, heads, GQA, head dim, tokens
     per rank), causality or a named mask (with sinks), softmax scale (<= 0 included) and

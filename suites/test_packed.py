@@ -28,7 +28,6 @@ import itertools
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from suites.cases_packed import (
@@ -44,6 +43,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    drawn,
     params,
     seed_for,
     tier,
@@ -181,10 +181,7 @@ def _cuts(data, tokens: int) -> tuple[int, ...]:
     return (*cuts, used)
 
 
-@settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(data=st.data())
+@drawn
 def test_any_cu_seqlens_matches_reference(ring, pytestconfig, data) -> None:
     """Drawn documents (one-token ones, a padding tail of any length) at any world size, layout,
     rotation, float64/float32, GQA, causal or not, cu_seqlens as a list or an int32 tensor,

@@ -7,18 +7,14 @@ every rerun draws the same examples."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.matrix import LAYOUTS, ROTATIONS, draw_claimed, seed_for, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, draw_claimed, drawn, seed_for, world_sizes
 
 
-@settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(data=st.data())
+@drawn
 def test_any_shape_matches_reference(ring, pytestconfig, data) -> None:
     caps = ring.caps
     # Draw only what the implementation claims (undeclared is claimed); what it declares it lacks

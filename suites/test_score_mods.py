@@ -24,7 +24,6 @@ import itertools
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.pytest_plugin import settings_of
@@ -36,7 +35,16 @@ from suites.cases_score_mods import (
     scored_case,
 )
 from suites.inputs import InputSpec
-from suites.matrix import LAYOUTS, ROTATIONS, draw_claimed, params, seed_for, tier, world_sizes
+from suites.matrix import (
+    LAYOUTS,
+    ROTATIONS,
+    draw_claimed,
+    drawn,
+    params,
+    seed_for,
+    tier,
+    world_sizes,
+)
 from suites.runner import case_properties
 
 #: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
@@ -188,10 +196,7 @@ def _params(data, name: str, heads: int) -> tuple[tuple[str, Any], ...]:
     return ()
 
 
-@settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(data=st.data())
+@drawn
 def test_any_score_mod_matches_reference(ring, pytestconfig, data) -> None:
     """A drawn score_mod and its parameter (soft-cap, ALiBi slopes, post-scale bias scale, the
     flex-style function) with a drawn world size, layout, rotation, float64/float32, GQA, mask

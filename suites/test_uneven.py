@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reference.layout import split_lengths
@@ -43,6 +42,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    drawn,
     params,
     seed_for,
     tier,
@@ -135,10 +135,7 @@ def test_uneven_shards_match_reference(ring, case: UnevenCase) -> None:
     _run_and_judge(ring, _prepare(ring, case))
 
 
-@settings(
-    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-)
-@given(data=st.data())
+@drawn
 def test_any_split_matches_reference(ring, pytestconfig, data) -> None:
     """Any split at W 2..4 (ranks with no token included; head_tail: its own split of any
     length), causal or not, every rotation, float64/float32, GQA."""
