@@ -6,7 +6,7 @@ modules through ``pytest11`` entry points named after them, so pytest loads each
 
 pytest_plugins = [
     "harness.pytest_plugin",
-    "conformance.plugin",
-    "conformance.reporting",
-    "suites.runner",
+    "conformance.pytest_plugin",
+    "conformance.report_plugin",
+    "suites.pytest_plugin",
 ]

@@ -6,9 +6,9 @@
 - :mod:`conformance.adapters`: the implementations shipped with the project (``ring_impl``, the
   default, and PyTorch's own context parallel).
 - :mod:`conformance.report`: the report matrix (capability x rotation x dtype) and its files.
-- :mod:`conformance.plugin` and :mod:`conformance.reporting`: their pytest glue (options, N/A,
-  tier markers, vendor files, report files), loaded through ``pytest11`` entry points when the
-  package is installed and through the root ``conftest.py`` in a checkout.
+- :mod:`conformance.pytest_plugin` and :mod:`conformance.report_plugin`: their pytest glue
+  (options, N/A, tier markers, vendor files, report files), loaded through ``pytest11`` entry
+  points when the package is installed and through the root ``conftest.py`` in a checkout.
 
 A vendor's adapter needs only::
 

@@ -1,7 +1,8 @@
 """The conformance report: a matrix on the terminal, and JSON and Markdown files.
 
-Input: one :class:`CaseRecord` per test (built from pytest reports by conformance/reporting.py, so
-it works the same under xdist, where reports reach the controller with their ``user_properties``).
+Input: one :class:`CaseRecord` per test (built from pytest reports by
+conformance/report_plugin.py, so it works the same under xdist, where reports reach the
+controller with their ``user_properties``).
 
 The matrix has a row per (capability, rotation) and a column per dtype; a capability is a suite
 module (``suites/test_<capability>.py``). A cell names the state of its cases and the worst error

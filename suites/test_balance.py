@@ -44,7 +44,7 @@ from suites.cases_balance import (
     window_left,
 )
 from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
-from suites.runner import case_properties
+from suites.pytest_plugin import case_properties
 
 #: The mask kinds (reference.masks) each family uses.
 KINDS = {

@@ -24,7 +24,7 @@ def _cases(config) -> list:
     dtypes = ("float64", "float32", "bfloat16", "float16") if nightly else ("float32", "bfloat16")
     cases = []
     # The session device's kernels (--device cuda: the CUDA kernels and their real LSE layouts); a
-    # kernel that cannot run a dtype skips that case with its reason (suites.runner).
+    # kernel that cannot run a dtype skips that case with its reason (suites.pytest_plugin).
     # Quick: every value and pair of values of the five axes (suites.coverage); nightly: all.
     for op, w, dtype, causal, layout in combos(
         config, session_ops(config), sizes, dtypes, (False, True), LAYOUTS

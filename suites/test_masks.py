@@ -44,7 +44,7 @@ from suites.cases_masks import (
 from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, drawn, params, seed_for, tier, world_sizes
-from suites.runner import case_properties
+from suites.pytest_plugin import case_properties
 
 #: The mask kinds (reference.masks) each named mask uses.
 KINDS = {

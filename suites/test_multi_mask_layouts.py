@@ -42,7 +42,7 @@ from suites.cases_balance import (
     window_left,
 )
 from suites.matrix import ROTATIONS, params, tier, world_sizes
-from suites.runner import case_properties
+from suites.pytest_plugin import case_properties
 
 
 def _multi_cases(config) -> list:

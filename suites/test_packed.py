@@ -49,7 +49,7 @@ from suites.matrix import (
     tier,
     world_sizes,
 )
-from suites.runner import case_properties
+from suites.pytest_plugin import case_properties
 
 HEADS, HEAD_DIM = 4, 8
 

@@ -45,7 +45,7 @@ from suites.matrix import (
     tier,
     world_sizes,
 )
-from suites.runner import case_properties
+from suites.pytest_plugin import case_properties
 
 #: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
 #: documents and a window (masked blocks, rows that see nothing).

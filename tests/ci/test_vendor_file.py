@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance.reporting import parse_vendor_file
+from conformance.report_plugin import parse_vendor_file
 from harness.procs import run_tree
 
 ROOT = Path(__file__).resolve().parents[2]

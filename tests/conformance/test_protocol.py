@@ -5,6 +5,7 @@ the api_module resolution."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -167,13 +168,16 @@ def test_all_skipped_and_all_deselected_runs_exit_nonzero(tmp_path: Path) -> Non
     assert skipped.returncode == 1 and "of 1 suite cases 0 N/A, 1 skipped" in skipped.stdout, (
         skipped.stdout[-3000:]
     )
-    # quick tier: no case is nightly-only, so -m nightly leaves nothing
+    # quick tier: no case is nightly-only, so -m nightly leaves nothing: every case deselected
+    collected = run_pytest("suites/test_compile.py", "-q", "--collect-only", "--report-dir", "none")
+    count = re.search(r"(\d+) tests? collected", collected.stdout)
+    assert count and int(count.group(1)) > 0, collected.stdout[-3000:]
     deselected = run_pytest("suites/test_compile.py", "-q", "-m", "nightly", "--report-dir", "none")
     assert deselected.returncode != 0, deselected.stdout[-3000:]
     assert (
-        "4 deselected by -k/-m" in deselected.stdout
+        f"{count.group(1)} deselected by -k/-m" in deselected.stdout
         and "nightly cases exist only with --tier nightly" in deselected.stdout
-    )
+    ), deselected.stdout[-3000:]
 
 
 def test_project_tests_alone_are_not_a_conformance_run() -> None:

@@ -16,7 +16,7 @@ from conformance.report import (
     render_terminal,
     to_json,
 )
-from conformance.reporting import parse_vendor_file
+from conformance.report_plugin import parse_vendor_file
 from tests.conformance.subproc import run_pytest
 
 
@@ -101,7 +101,7 @@ def test_minimal_vendor_impl_gets_na_not_failures_and_a_report(tmp_path: Path) -
         "-k",
         "W2-f32 and contiguous and allgather or W2-bf16",
         "-W",
-        "always::conformance.reporting.VendorFileWarning",
+        "always::conformance.report_plugin.VendorFileWarning",
         "--vendor-file",
         str(vendor),
     )
@@ -223,7 +223,7 @@ def test_report_dir_that_cannot_be_a_directory_is_a_usage_error_at_start(
 
 
 def test_report_dir_check_covers_unwritable_parents(tmp_path: Path) -> None:
-    from conformance.reporting import check_report_dir
+    from conformance.report_plugin import check_report_dir
 
     check_report_dir(tmp_path / "new" / "deeper")  # creatable: fine, and nothing is created
     assert not (tmp_path / "new").exists()

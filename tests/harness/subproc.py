@@ -50,11 +50,11 @@ ISOLATION_ARGS = (
     "-p",
     "harness.pytest_plugin",
     "-p",
-    "no:conformance.plugin",
+    "no:conformance.pytest_plugin",
     "-p",
-    "no:conformance.reporting",
+    "no:conformance.report_plugin",
     "-p",
-    "no:suites.runner",
+    "no:suites.pytest_plugin",
 )
 
 

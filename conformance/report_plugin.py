@@ -1,6 +1,6 @@
 """pytest glue for the conformance report and vendor expectation files.
 
-Registered through the ``conformance.reporting`` ``pytest11`` entry point of the installed
+Registered through the ``conformance.report_plugin`` ``pytest11`` entry point of the installed
 package, and from the root ``conftest.py`` in a checkout. Options (group "ring attention"):
 
 ``--report-dir DIR`` (``RING_REPORT_DIR``, default ``reports``)
@@ -17,7 +17,7 @@ package, and from the root ``conftest.py`` in a checkout. Options (group "ring a
     ``xfail``/``skip``, a test-id prefix, then the reason (required). ``#`` starts a comment. An
     entry that matches no collected test warns, so a typo or a renamed test does not hide.
 
-Only the tests of the suites package are conformance cases (:func:`conformance.plugin.suite_id`);
+Only the tests of the suites package are conformance cases (:func:`conformance.pytest_plugin.suite_id`);
 the project's own tests are not reported. Vendor-file prefixes and the report's ids are the
 stable ids ``suites/<module>.py::<name>``, the same for a checkout and an installed package.
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from conformance.plugin import (
+from conformance.pytest_plugin import (
     _IMPL_KEY,
     _OP_KEY,
     NA_PREFIX,

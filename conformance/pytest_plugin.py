@@ -1,8 +1,9 @@
 """pytest glue of the conformance layer: the implementation under test, N/A, which tests are
 conformance cases, and the tier markers of suite cases.
 
-Registered through the ``conformance.plugin`` ``pytest11`` entry point of the installed package,
-and from the root ``conftest.py`` in a checkout (options must be known before test collection).
+Registered through the ``conformance.pytest_plugin`` ``pytest11`` entry point of the installed
+package, and from the root ``conftest.py`` in a checkout (options must be known before test
+collection).
 Adds to the "ring attention" option group:
 
 ``--impl package.module:object`` (``RING_IMPL``)
@@ -25,7 +26,7 @@ controller as the user property ``suite_id``.
 Tier markers of suite cases (applied at collection, so ``-m`` selects by them): ``quick`` for a
 case of the quick tier and ``nightly`` for a case only the nightly tier has (with ``--tier
 nightly`` a case is ``quick`` when the quick tier generates the very same case). The case
-markers ``world_size(n=N)`` and ``compile`` come from the suites' runner (suites/runner.py).
+markers ``world_size(n=N)`` and ``compile`` come from the suites' runner (suites/pytest_plugin.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ It records each case's parameters and error figures in the test report (user pro
 
 Markers of suite cases (applied at collection, so ``-m`` selects by them): ``world_size(n=N)``
 from the case's world size, ``compile`` for a case with a torch.compile backend. The tier
-markers (``quick``, ``nightly``) come from :mod:`conformance.plugin`.
+markers (``quick``, ``nightly``) come from :mod:`conformance.pytest_plugin`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from conformance.implementation import PROTOCOL_ATTRIBUTES, Capabilities, Implementation
-from conformance.plugin import not_applicable, suite_id
+from conformance.pytest_plugin import not_applicable, suite_id
 from harness.pytest_plugin import repro_command, settings_of
 
 __all__ = ["RingRunner", "case_properties", "repro_words"]
