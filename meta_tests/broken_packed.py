@@ -23,7 +23,7 @@ import torch
 
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, function_adapter, ring_adapter
 from meta_tests.broken_masks import DocumentsAtLocalPositions
 from ring_impl.balance import weighted_masks
 from ring_impl.group import resolve_group
@@ -63,12 +63,6 @@ class BalancedForFirstMaskOnly(RingImplAdapter):
         return super().balanced_layout(balancer, first, seq_len, world_size)
 
 
-def _wrapped(name: str, fn) -> RingImplAdapter:
-    adapter = RingImplAdapter(name=name)
-    adapter.ring_attention = fn
-    return adapter
-
-
 BROKEN_PACKED: dict[str, Broken] = {
     b.name: b
     for b in [
@@ -78,14 +72,14 @@ BROKEN_PACKED: dict[str, Broken] = {
             r"cu_seqlens read as offsets into the local shard",
             # ring_impl runs a packed call as a 4-D call under the documents of cu_seqlens: with
             # those documents read at each token's local index, cu_seqlens cut the local shard.
-            RingImplAdapter(DocumentsAtLocalPositions(), name="packed_cu_seqlens_local"),
+            ring_adapter("packed_cu_seqlens_local", DocumentsAtLocalPositions()),
             suites="suites/test_packed.py",
         ),
         Broken(
             "packed_padding_attended",
             "packed: the padding past cu_seqlens[-1] attended as one more document",
             r"padding past cu_seqlens\[-1\] attended",
-            _wrapped("packed_padding_attended", _padding_attended),
+            function_adapter("packed_padding_attended", _padding_attended),
             suites="suites/test_packed.py",
         ),
         Broken(
@@ -93,7 +87,7 @@ BROKEN_PACKED: dict[str, Broken] = {
             "packed: the LSE returned in the 4-D call's (1, heads, tokens) layout",
             r"the packed LSE in the layout \(1, heads, tokens_local\) instead of \(heads, "
             r"tokens_local\)",
-            _wrapped("packed_lse_bhs", _lse_bhs),
+            function_adapter("packed_lse_bhs", _lse_bhs),
             suites="suites/test_packed.py",
         ),
         Broken(

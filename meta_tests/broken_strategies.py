@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, function_adapter
 from ring_impl import RingAttention, bind
 from ring_impl.ops import accumulation_dtype
 from ring_impl.strategies import Hybrid, Ulysses
@@ -156,9 +156,7 @@ def _strategies(bug: type) -> dict[str, Ulysses]:
 
 
 def _adapter(name: str, bug: type) -> RingImplAdapter:
-    adapter = RingImplAdapter(name=name)
-    adapter.ring_attention = bind(RingAttention(), strategies=_strategies(bug))
-    return adapter
+    return function_adapter(name, bind(RingAttention(), strategies=_strategies(bug)))
 
 
 BROKEN_STRATEGIES: dict[str, Broken] = {

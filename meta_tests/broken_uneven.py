@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, function_adapter
 from ring_impl.masks import Documents, snapshot
 from ring_impl.uneven import extended_mask, padded_layout, real_tokens, uneven_views
 
@@ -98,16 +98,12 @@ def _padded(
 
 
 def _adapter(bug: str) -> RingImplAdapter:
-    name = f"uneven_{bug}"
-    adapter = RingImplAdapter(name=name)
-
     def ring_attention(query, key, value, *, strategy=None, **options):
         if strategy not in (None, "ring"):  # Ulysses and the hybrid: ring_impl's own
             return RingImplAdapter().ring_attention(query, key, value, strategy=strategy, **options)
         return _padded(query, key, value, bug=bug, **options)
 
-    adapter.ring_attention = ring_attention
-    return adapter
+    return function_adapter(f"uneven_{bug}", ring_attention)
 
 
 #: Case selections of suites/test_uneven.py: non-causal cases without a mask (the padding is
