@@ -24,7 +24,7 @@ from ring_impl import RingAttention, collective_schedule, debug
 from ring_impl.ops import call_backward, call_forward, default_scale
 from ring_impl.plan import Block
 
-__all__ = ["BROKEN", "Broken", "function_adapter", "ring_adapter"]
+__all__ = ["BROKEN", "Broken", "by_name", "function_adapter", "ring_adapter"]
 
 
 # ------------------------------------------------------------------------ causal handling
@@ -716,6 +716,17 @@ class Broken:
     min_failures: int = 0
 
 
+def by_name(*entries: Broken) -> dict[str, Broken]:
+    """``{entry.name: entry}`` in the order given: a module's table of broken implementations. A
+    name given twice raises (the later entry would hide the earlier one from the meta-tests)."""
+    table: dict[str, Broken] = {}
+    for entry in entries:
+        if entry.name in table:
+            raise ValueError(f"two broken implementations are named {entry.name!r}")
+        table[entry.name] = entry
+    return table
+
+
 def ring_adapter(name: str, ring: RingAttention) -> RingImplAdapter:
     """The implementation under test ``name``: ring_impl's adapter around the broken ``ring``."""
     return RingImplAdapter(ring, name=name)
@@ -729,231 +740,228 @@ def function_adapter(name: str, ring_attention) -> RingImplAdapter:
     return adapter
 
 
-BROKEN: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        Broken(
-            "nan_hidden",
-            "NaN in the inputs hidden by a kernel that drops it",
-            r"the NaN was hidden",
-            ring_adapter("nan_hidden", NanHidden()),
-        ),
-        Broken(
-            "scale_not_agreed",
-            "per-rank option disagreement: scale not part of the cross-rank check",
-            r"scale_differs_between_ranks: no rank raised",
-            function_adapter("scale_not_agreed", ScaleNotAgreed()),
-        ),
-        Broken(
-            "lse_not_differentiable",
-            "autograd: the LSE returned without a gradient",
-            r"does not require grad while query, key and value do",
-            function_adapter("lse_not_differentiable", LseNotDifferentiable()),
-        ),
-        Broken(
-            "skipped_step_computed",
-            "causal: a step computed that must be skipped",
-            r"computed, but no query of this rank sees any key of that block",
-            ring_adapter("skipped_step_computed", SkippedStepComputed()),
-        ),
-        Broken(
-            "needed_step_skipped",
-            "causal: a step skipped that was needed",
-            r"skipped, but \d+ query-key pairs are visible",
-            ring_adapter("needed_step_skipped", NeededStepSkipped()),
-        ),
-        Broken(
-            "causal_mask_on_full_step",
-            "causal: a step computed with the wrong mask",
-            r"computed with a causal \(diagonal\) mask, though this block is full",
-            ring_adapter("causal_mask_on_full_step", CausalMaskOnFullStep()),
-        ),
-        Broken(
-            "head_tail_wrong_pairing",
-            "head_tail: wrong chunk pairing",
-            r"wrong key/value chunk of the head_tail pair",
-            ring_adapter("head_tail_wrong_pairing", HeadTailWrongPairing()),
-        ),
-        Broken(
-            "load_balance_assumes_causal",
-            "head_tail: load balancing used with non-causal attention",
-            r"causal mask of these positions, though attention is not causal",
-            ring_adapter("load_balance_assumes_causal", LoadBalanceAssumesCausal()),
-        ),
-        Broken(
-            "padded_lse_untrimmed",
-            "LSE: memory-efficient padding not trimmed",
-            r"(?s)^(?=.*cpu_efficient_layout).*its LSE does not: the kernel's LSE was misread",
-            ring_adapter("padded_lse_untrimmed", PaddedLseTrimmedFromTheEnd()),
-        ),
-        Broken(
-            "cudnn_lse_misread",
-            "LSE: cuDNN trailing-dim layout misread",
-            r"(?s)^(?=.*cpu_cudnn_layout).*its LSE does not: the kernel's LSE was misread",
-            ring_adapter("cudnn_lse_misread", CudnnLseMisread()),
-        ),
-        Broken(
-            "naive_exp_merge",
-            "unstable merge: exp of large LSE overflows",
-            r"an exp of the LSE \(or of raw scores\) overflowed",
-            ring_adapter("naive_exp_merge", NaiveExpMerge()),
-        ),
-        Broken(
-            "partials_in_input_dtype",
-            "accumulation dtype: partials kept in bf16/fp16",
-            r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank "
-            r"[-\d, ]+: every value of the float32 result is a bfloat16 number",
-            ring_adapter("partials_in_input_dtype", PartialsInInputDtype()),
-        ),
-        Broken(
-            "grad_cast_to_bf16",
-            "accumulation dtype: gradient cast to a hard-coded dtype",
-            r"d[qkv] on rank [-\d, ]+: every value of the float64 result is a bfloat16 number",
-            ring_adapter("grad_cast_to_bf16", GradCastToBf16()),
-        ),
-        Broken(
-            "float64_computed_in_float32",
-            "accumulation dtype: float64 silently computed in float32",
-            r"(partial of this float64 ring|float64 result) is a float32 number",
-            ring_adapter("float64_computed_in_float32", Float64ComputedInFloat32()),
-        ),
-        Broken(
-            "noncontiguous_misread",
-            "non-contiguous inputs passed to a kernel as if contiguous",
-            r"wrong only with non-contiguous inputs",
-            ring_adapter("noncontiguous_misread", NoncontiguousMisread()),
-        ),
-        Broken(
-            "head_dim_stride_ignored",
-            "inputs with a strided head dim passed to a kernel as if its stride were 1",
-            r"wrong only with a strided head dim",
-            ring_adapter("head_dim_stride_ignored", HeadDimStrideIgnored()),
-            suites="suites/test_shapes.py",
-        ),
-        Broken(
-            "backward_reuses_step0_kv",
-            "stale per-step state: backward reuses step-0 keys/values",
-            r"the backward used each rank's own key/value block at every ring step",
-            ring_adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV()),
-        ),
-        Broken(
-            "backward_uses_block_output",
-            "backward: each chunk's own output instead of the merged output in the dO.O term",
-            r"each ring step's own partial output",
-            ring_adapter("backward_uses_block_output", BackwardUsesBlockOutput()),
-        ),
-        Broken(
-            "value_buffer_sized_by_key",
-            "MLA: d_v assumed equal to d_qk in a buffer",
-            r"wrong only when d_v != d_qk",
-            ring_adapter("value_buffer_sized_by_key", ValueBufferSizedByKey()),
-            suites="suites/test_forward_backward.py",
-            select=("-k", "value_head_dim"),
-        ),
-        Broken(
-            "wrong_neighbour",
-            "rotation: sending to the wrong neighbour",
-            r"used the key/value block of rank \d+ instead of rank \d+",
-            ring_adapter("wrong_neighbour", WrongNeighbour()),
-        ),
-        Broken(
-            "grads_not_returned_home",
-            "rotation: dK/dV not returned to the owning rank (last hop missing)",
-            r"dq matches on every rank, but [^\n]*dK/dV accumulators",
-            ring_adapter("grads_not_returned_home", GradsNotReturnedHome()),
-        ),
-        Broken(
-            "scale_dropped_after_step0",
-            "scale not passed through to every step",
-            r"used scale -?[\d.]+ instead of -?[\d.]+",
-            ring_adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero()),
-        ),
-        Broken(
-            "gqa_heads_tiled",
-            "GQA head mapping wrong for some steps",
-            r"tiled the key/value heads",
-            ring_adapter("gqa_heads_tiled", GqaHeadsTiledOnLaterSteps()),
-        ),
-        Broken(
-            "last_rank_skips_grad_hop",
-            "hang: a collective skipped on one rank only",
-            r"did not finish within [\d.]+ s|collectives differ from the declared schedule",
-            ring_adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop()),
-        ),
-        Broken(
-            "raises_on_one_rank_only",
-            "hang: an exception on one rank leaving the others blocked",
-            r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others "
-            r"waiting",
-            function_adapter("raises_on_one_rank_only", RaisesOnOneRankOnly()),
-        ),
-        Broken(
-            "value_gradient_dropped",
-            "autograd: gradients not flowing to inputs that need them",
-            r"no result for dv\[rank=\d+\]|gradient did not reach",
-            function_adapter("value_gradient_dropped", ValueGradientDropped()),
-        ),
-        Broken(
-            "graph_break_in_loop",
-            "torch.compile: graph break in the ring loop",
-            r"fails only under torch\.compile",
-            ring_adapter("graph_break_in_loop", GraphBreakInLoop()),
-        ),
-        Broken(
-            "wrong_only_when_compiled",
-            "torch.compile: wrong results only when compiled",
-            r"wrong only when compiled",
-            ring_adapter("wrong_only_when_compiled", WrongOnlyWhenCompiled()),
-        ),
-        Broken(
-            "declares_nothing_lse_base_2",
-            "undeclared capabilities: an implementation that declares nothing, with a bug",
-            r"is in base 2, the contract",
-            DeclaresNothing("declares_nothing_lse_base_2", _lse_in_base_2),
-        ),
-        Broken(
-            "float32_output_for_half",
-            "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
-            r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype",
-            function_adapter("float32_output_for_half", _float32_output_for_half),
-        ),
-        Broken(
-            "lse_offset_in_bf16",
-            "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
-            r"lse is shifted by a constant on every row",
-            function_adapter("lse_offset_in_bf16", _lse_offset_in_bf16),
-        ),
-        Broken(
-            "masked_rows_keep_kernel_lse",
-            "masks: a row the mask hides completely merged with the kernel's LSE 0",
-            r"rows that see no key must have LSE -inf|rows a masked block hides must merge as "
-            r"nothing",
-            ring_adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
-            suites="suites/test_masks.py",
-        ),
-        Broken(
-            "max_logit_last_step_only",
-            "stale per-step state: the max logit of the last ring step returned as the call's",
-            r"running maximum across ring steps\s+was not kept",
-            ring_adapter("max_logit_last_step_only", MaxLogitLastStepOnly()),
-            suites="suites/test_max_logit.py",
-        ),
-        Broken(
-            "max_logit_not_reduced",
-            "max logit: each rank's own maximum returned, not reduced over the group",
-            r"per-rank maxima\s+were not reduced over the group",
-            ring_adapter("max_logit_not_reduced", MaxLogitNotReduced()),
-            suites="suites/test_max_logit.py",
-        ),
-        Broken(
-            "sinks_dropped_on_one_rank",
-            "sinks: the sink term applied on some ranks only",
-            r"the sinks were not applied on those ranks",
-            function_adapter("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
-            suites="suites/test_masks.py",
-        ),
-    ]
-}
+BROKEN: dict[str, Broken] = by_name(
+    Broken(
+        "nan_hidden",
+        "NaN in the inputs hidden by a kernel that drops it",
+        r"the NaN was hidden",
+        ring_adapter("nan_hidden", NanHidden()),
+    ),
+    Broken(
+        "scale_not_agreed",
+        "per-rank option disagreement: scale not part of the cross-rank check",
+        r"scale_differs_between_ranks: no rank raised",
+        function_adapter("scale_not_agreed", ScaleNotAgreed()),
+    ),
+    Broken(
+        "lse_not_differentiable",
+        "autograd: the LSE returned without a gradient",
+        r"does not require grad while query, key and value do",
+        function_adapter("lse_not_differentiable", LseNotDifferentiable()),
+    ),
+    Broken(
+        "skipped_step_computed",
+        "causal: a step computed that must be skipped",
+        r"computed, but no query of this rank sees any key of that block",
+        ring_adapter("skipped_step_computed", SkippedStepComputed()),
+    ),
+    Broken(
+        "needed_step_skipped",
+        "causal: a step skipped that was needed",
+        r"skipped, but \d+ query-key pairs are visible",
+        ring_adapter("needed_step_skipped", NeededStepSkipped()),
+    ),
+    Broken(
+        "causal_mask_on_full_step",
+        "causal: a step computed with the wrong mask",
+        r"computed with a causal \(diagonal\) mask, though this block is full",
+        ring_adapter("causal_mask_on_full_step", CausalMaskOnFullStep()),
+    ),
+    Broken(
+        "head_tail_wrong_pairing",
+        "head_tail: wrong chunk pairing",
+        r"wrong key/value chunk of the head_tail pair",
+        ring_adapter("head_tail_wrong_pairing", HeadTailWrongPairing()),
+    ),
+    Broken(
+        "load_balance_assumes_causal",
+        "head_tail: load balancing used with non-causal attention",
+        r"causal mask of these positions, though attention is not causal",
+        ring_adapter("load_balance_assumes_causal", LoadBalanceAssumesCausal()),
+    ),
+    Broken(
+        "padded_lse_untrimmed",
+        "LSE: memory-efficient padding not trimmed",
+        r"(?s)^(?=.*cpu_efficient_layout).*its LSE does not: the kernel's LSE was misread",
+        ring_adapter("padded_lse_untrimmed", PaddedLseTrimmedFromTheEnd()),
+    ),
+    Broken(
+        "cudnn_lse_misread",
+        "LSE: cuDNN trailing-dim layout misread",
+        r"(?s)^(?=.*cpu_cudnn_layout).*its LSE does not: the kernel's LSE was misread",
+        ring_adapter("cudnn_lse_misread", CudnnLseMisread()),
+    ),
+    Broken(
+        "naive_exp_merge",
+        "unstable merge: exp of large LSE overflows",
+        r"an exp of the LSE \(or of raw scores\) overflowed",
+        ring_adapter("naive_exp_merge", NaiveExpMerge()),
+    ),
+    Broken(
+        "partials_in_input_dtype",
+        "accumulation dtype: partials kept in bf16/fp16",
+        r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank "
+        r"[-\d, ]+: every value of the float32 result is a bfloat16 number",
+        ring_adapter("partials_in_input_dtype", PartialsInInputDtype()),
+    ),
+    Broken(
+        "grad_cast_to_bf16",
+        "accumulation dtype: gradient cast to a hard-coded dtype",
+        r"d[qkv] on rank [-\d, ]+: every value of the float64 result is a bfloat16 number",
+        ring_adapter("grad_cast_to_bf16", GradCastToBf16()),
+    ),
+    Broken(
+        "float64_computed_in_float32",
+        "accumulation dtype: float64 silently computed in float32",
+        r"(partial of this float64 ring|float64 result) is a float32 number",
+        ring_adapter("float64_computed_in_float32", Float64ComputedInFloat32()),
+    ),
+    Broken(
+        "noncontiguous_misread",
+        "non-contiguous inputs passed to a kernel as if contiguous",
+        r"wrong only with non-contiguous inputs",
+        ring_adapter("noncontiguous_misread", NoncontiguousMisread()),
+    ),
+    Broken(
+        "head_dim_stride_ignored",
+        "inputs with a strided head dim passed to a kernel as if its stride were 1",
+        r"wrong only with a strided head dim",
+        ring_adapter("head_dim_stride_ignored", HeadDimStrideIgnored()),
+        suites="suites/test_shapes.py",
+    ),
+    Broken(
+        "backward_reuses_step0_kv",
+        "stale per-step state: backward reuses step-0 keys/values",
+        r"the backward used each rank's own key/value block at every ring step",
+        ring_adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV()),
+    ),
+    Broken(
+        "backward_uses_block_output",
+        "backward: each chunk's own output instead of the merged output in the dO.O term",
+        r"each ring step's own partial output",
+        ring_adapter("backward_uses_block_output", BackwardUsesBlockOutput()),
+    ),
+    Broken(
+        "value_buffer_sized_by_key",
+        "MLA: d_v assumed equal to d_qk in a buffer",
+        r"wrong only when d_v != d_qk",
+        ring_adapter("value_buffer_sized_by_key", ValueBufferSizedByKey()),
+        suites="suites/test_forward_backward.py",
+        select=("-k", "value_head_dim"),
+    ),
+    Broken(
+        "wrong_neighbour",
+        "rotation: sending to the wrong neighbour",
+        r"used the key/value block of rank \d+ instead of rank \d+",
+        ring_adapter("wrong_neighbour", WrongNeighbour()),
+    ),
+    Broken(
+        "grads_not_returned_home",
+        "rotation: dK/dV not returned to the owning rank (last hop missing)",
+        r"dq matches on every rank, but [^\n]*dK/dV accumulators",
+        ring_adapter("grads_not_returned_home", GradsNotReturnedHome()),
+    ),
+    Broken(
+        "scale_dropped_after_step0",
+        "scale not passed through to every step",
+        r"used scale -?[\d.]+ instead of -?[\d.]+",
+        ring_adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero()),
+    ),
+    Broken(
+        "gqa_heads_tiled",
+        "GQA head mapping wrong for some steps",
+        r"tiled the key/value heads",
+        ring_adapter("gqa_heads_tiled", GqaHeadsTiledOnLaterSteps()),
+    ),
+    Broken(
+        "last_rank_skips_grad_hop",
+        "hang: a collective skipped on one rank only",
+        r"did not finish within [\d.]+ s|collectives differ from the declared schedule",
+        ring_adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop()),
+    ),
+    Broken(
+        "raises_on_one_rank_only",
+        "hang: an exception on one rank leaving the others blocked",
+        r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others "
+        r"waiting",
+        function_adapter("raises_on_one_rank_only", RaisesOnOneRankOnly()),
+    ),
+    Broken(
+        "value_gradient_dropped",
+        "autograd: gradients not flowing to inputs that need them",
+        r"no result for dv\[rank=\d+\]|gradient did not reach",
+        function_adapter("value_gradient_dropped", ValueGradientDropped()),
+    ),
+    Broken(
+        "graph_break_in_loop",
+        "torch.compile: graph break in the ring loop",
+        r"fails only under torch\.compile",
+        ring_adapter("graph_break_in_loop", GraphBreakInLoop()),
+    ),
+    Broken(
+        "wrong_only_when_compiled",
+        "torch.compile: wrong results only when compiled",
+        r"wrong only when compiled",
+        ring_adapter("wrong_only_when_compiled", WrongOnlyWhenCompiled()),
+    ),
+    Broken(
+        "declares_nothing_lse_base_2",
+        "undeclared capabilities: an implementation that declares nothing, with a bug",
+        r"is in base 2, the contract",
+        DeclaresNothing("declares_nothing_lse_base_2", _lse_in_base_2),
+    ),
+    Broken(
+        "float32_output_for_half",
+        "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
+        r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype",
+        function_adapter("float32_output_for_half", _float32_output_for_half),
+    ),
+    Broken(
+        "lse_offset_in_bf16",
+        "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
+        r"lse is shifted by a constant on every row",
+        function_adapter("lse_offset_in_bf16", _lse_offset_in_bf16),
+    ),
+    Broken(
+        "masked_rows_keep_kernel_lse",
+        "masks: a row the mask hides completely merged with the kernel's LSE 0",
+        r"rows that see no key must have LSE -inf|rows a masked block hides must merge as "
+        r"nothing",
+        ring_adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
+        suites="suites/test_masks.py",
+    ),
+    Broken(
+        "max_logit_last_step_only",
+        "stale per-step state: the max logit of the last ring step returned as the call's",
+        r"running maximum across ring steps\s+was not kept",
+        ring_adapter("max_logit_last_step_only", MaxLogitLastStepOnly()),
+        suites="suites/test_max_logit.py",
+    ),
+    Broken(
+        "max_logit_not_reduced",
+        "max logit: each rank's own maximum returned, not reduced over the group",
+        r"per-rank maxima\s+were not reduced over the group",
+        ring_adapter("max_logit_not_reduced", MaxLogitNotReduced()),
+        suites="suites/test_max_logit.py",
+    ),
+    Broken(
+        "sinks_dropped_on_one_rank",
+        "sinks: the sink term applied on some ranks only",
+        r"the sinks were not applied on those ranks",
+        function_adapter("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
+        suites="suites/test_masks.py",
+    ),
+)
 
 # Module attributes, so each is loadable as --impl meta_tests.broken:<name>.
 globals().update({name: b.impl for name, b in BROKEN.items()})
