@@ -40,7 +40,7 @@ __all__ = [
     "ROOT",
     "PeakRss",
     "Sizes",
-    "bench_parser",
+    "bench_args",
     "load_average",
     "no_cuda",
     "recorded_run",
@@ -71,10 +71,12 @@ class Sizes:
     warmup: int = 1
 
 
-def bench_parser(doc: str, *, quick: str, repeat: int, json_name: str) -> argparse.ArgumentParser:
-    """The command line of a one-table benchmark, its own options to be added: the description
-    (``doc``'s first paragraph), ``--quick`` (``quick`` says what it keeps), ``--repeat``
-    (default ``repeat``) and ``--out``/``--json``, the JSON written (default
+def bench_args(
+    argv: list[str] | None, doc: str, *, quick: str, repeat: int, json_name: str
+) -> argparse.Namespace:
+    """The command line ``argv`` of a one-table benchmark, parsed: the description (``doc``'s first
+    paragraph), ``--quick`` (``quick`` says what it keeps), ``--repeat`` (default ``repeat``) and
+    ``--out``/``--json`` (``args.out``), the JSON written (default
     ``reports/bench/<json_name>``)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=quick)
@@ -86,7 +88,7 @@ def bench_parser(doc: str, *, quick: str, repeat: int, json_name: str) -> argpar
         default=f"reports/bench/{json_name}",
         help="the JSON written (rows and settings)",
     )
-    return parser
+    return parser.parse_args(argv)
 
 
 def no_cuda(script: str) -> bool:

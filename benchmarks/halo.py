@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import bench_parser, run_world, write_rows
+from benchmarks.common import bench_args, run_world, write_rows
 from benchmarks.runner import Candidate, across_ranks, interleave, measure, summarize
 
 PATHS = {"halo": "auto", "ring": "ring"}  # the exchange= each path is asked by
@@ -169,8 +169,7 @@ def print_report(b: Bench, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(__doc__, quick="sequence 4096 only", repeat=3, json_name="halo.json")
-    args = parser.parse_args(argv)
+    args = bench_args(argv, __doc__, quick="sequence 4096 only", repeat=3, json_name="halo.json")
     b = Bench(repeat=args.repeat)
     if args.quick:
         b.seqs = (4096,)

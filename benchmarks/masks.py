@@ -81,7 +81,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import Sizes, recorded_run, run_world
 from benchmarks.ring import KernelTimer, _sent_bytes, _timed_ring_op
-from benchmarks.runner import Candidate, across_ranks, interleave, summarize, write_json
+from benchmarks.runner import Candidate, across_ranks, interleave, timing_row, write_json
 
 #: the layouts of the documents benchmark; "work_balanced" is registered per (seq, W)
 DOC_LAYOUTS = ("work_balanced", "head_tail", "contiguous")
@@ -527,14 +527,8 @@ def run(b: Bench) -> dict:
             ]
             # the single process runs on rank 0 alone; a ring's round ends with its slowest rank
             ranks = [r0] if c["impl"] == "single" else [p["results"][name] for p in per_rank]
-            slowest = across_ranks([r["elapsed"] for r in ranks])
-            stats = summarize({name: slowest})[name]
             rows[name] = {
-                "config": c,
-                "time": stats.min,
-                "time_median": stats.median,
-                "spread": stats.spread,
-                "times": slowest,
+                **timing_row(c, across_ranks([r["elapsed"] for r in ranks])),
                 "forward": min(across_ranks([r["forward"] for r in ranks])),
                 "cpu": min(across_ranks([r["cpu"] for r in ranks], sum)),
                 "error": max(errors, default=None),

@@ -85,6 +85,7 @@ from benchmarks.runner import (
     interleave,
     median,
     summarize,
+    timing_row,
     write_json,
 )
 
@@ -522,14 +523,8 @@ def run_speed(b: Bench) -> dict:
             def rounds(key: str, reduce=max, ranks=ranks, name=name) -> list[float]:
                 return across_ranks([r[name][key] for r in ranks], reduce)
 
-            slowest = rounds("elapsed")
-            stats = summarize({name: slowest})[name]
             rows[name] = {
-                "config": c,
-                "time": stats.min,
-                "time_median": stats.median,
-                "spread": stats.spread,
-                "times": slowest,
+                **timing_row(c, rounds("elapsed")),
                 "forward": min(rounds("forward")),
                 "cpu": median(rounds("cpu", sum)),
             }

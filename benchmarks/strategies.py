@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import bench_parser, run_world, write_rows
+from benchmarks.common import bench_args, run_world, write_rows
 from benchmarks.runner import Candidate, across_ranks, interleave, summarize
 
 STRATEGIES = ("ring", "ulysses", "hybrid")
@@ -289,10 +289,13 @@ def print_report(b: Bench, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(
-        __doc__, quick="heads 4, 16 and sequences 1024, 4096", repeat=3, json_name="strategies.json"
+    args = bench_args(
+        argv,
+        __doc__,
+        quick="heads 4, 16 and sequences 1024, 4096",
+        repeat=3,
+        json_name="strategies.json",
     )
-    args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat)
     if args.quick:
         b.seqs = (1024, 4096)
