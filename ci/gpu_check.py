@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: suite modules in the order a job lists them: the mask suite first (it has the most
 #: CUDA-only kernels), then the rest as pytest would find them
-FIRST_SUITES = ("test_masks.py", "test_forward_backward.py", "test_strategies.py")
+FIRST_SUITES = ("test_masks.py", "test_forward_backward.py")
 
 
 TORCH_CP = "conformance.adapters.torch_cp:IMPLEMENTATION"

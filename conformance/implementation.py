@@ -48,8 +48,9 @@ Optional, with defaults:
 
 ``mask`` (capability ``masks``) and ``sinks`` (capability ``sinks``) are passed to
 ``ring_attention`` by the mask suite (``suites/test_masks.py``): ``mask`` a
-:class:`ring_impl.masks.Mask` on global positions (``mask.visible(b, h, q_idx, kv_idx)`` on index
-tensors evaluates it; built from the plain-data spec of :mod:`reference.masks`), ``sinks`` a
+:class:`conformance.specs.MaskSpec` on global positions, the plain data of
+:mod:`reference.masks` as a read-only mapping (``mask["kind"]``, ``mask["doc_ids"]``, ...;
+``mask.visible(b, h, q_idx, kv_idx)`` on index tensors evaluates it), ``sinks`` a
 (heads,) tensor of per-head sink logits that requires grad; the suite sums every rank's
 ``sinks.grad``. Rows that see nothing must come back as out 0, LSE -inf (the sink logit with
 sinks), zero gradients.
@@ -61,9 +62,9 @@ attention's convention, called on broadcastable tensors (score (B, H, rows, cols
 scores; ``q_idx``/``kv_idx`` are *global* token positions and ``h`` the global query head. It
 changes the scaled logit ``scale * q . k`` before the mask and the softmax, inside each ring
 step's block (before the merge). The built-in kinds (:data:`reference.score_mods.SCORE_MOD_KINDS`:
-soft-capping, ALiBi, a post-scale bias) come as :mod:`ring_impl.score_mods` descriptors, which are
-such callables too and carry their data as fields (``SoftCap.cap``, ``Alibi.slopes``/``symmetric``,
-``PostScaleBias.bias``); any callable is one kind, ``score_mod``. Gradients must reach query, key
+soft-capping, ALiBi, a post-scale bias) come as :class:`conformance.specs.ScoreModSpec`, such a
+callable that is also the kind's plain data (``score_mod["cap"]``, ``["slopes"]``/``["symmetric"]``,
+``["bias"]``); any other callable is one kind, ``score_mod``. Gradients must reach query, key
 and value through it.
 
 ``return_max_logit`` (capability ``max_logit``) is passed to ``ring_attention`` by the max-logit
@@ -92,8 +93,8 @@ implementation pads a shard with must be seen by no query and returned to no cal
 ``balanced_layout(balancer, mask, seq_len, world_size)``
     (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``
     (head_tail per packed document) and ``"work_aware"`` (chunks dealt by their work under the
-    mask)) builds the balancer's layout for ``mask`` (a :class:`ring_impl.masks.Mask` on global
-    positions) on a sequence of ``seq_len`` tokens over ``world_size`` ranks, makes
+    mask)) builds the balancer's layout for ``mask`` (a :class:`conformance.specs.MaskSpec` on
+    global positions) on a sequence of ``seq_len`` tokens over ``world_size`` ranks, makes
     ``ring_attention`` accept it, and returns ``(layout, runs)``: the name to pass as
     ``layout=`` and, per rank, the half-open runs ``((start, stop), ...)`` of global positions
     it holds in local order. The balance suite (``suites/test_balance.py``) and the mask suite
@@ -121,8 +122,9 @@ equal on every rank). Attention stays inside each document (causal within it wit
 zero gradients. Returns out ``(tokens_local, heads, head_dim_v)`` and, with ``return_lse=True``,
 the LSE as ``(heads, tokens_local)`` (FlashAttention's varlen layout).
 
-``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy suite
-(``suites/test_strategies.py``): ``"ulysses"`` with ``group=`` the Ulysses process group,
+``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy axis of
+the forward/backward, collectives, compile and bad-input suites (``suites/meshes.py``; the mask
+and score_mod suites run it too): ``"ulysses"`` with ``group=`` the Ulysses process group,
 ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
 shards follow :mod:`reference.strategies`' layouts. Undeclared claims all three.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import ring_impl
-from conformance.adapters.ring_impl import RingImplAdapter
+from conformance.adapters.ring_impl import RingImplAdapter, speaking_specs
 from ring_impl import RingAttention, collective_schedule, debug
 from ring_impl.ops import call_backward, call_forward, default_scale
 from ring_impl.plan import Block
@@ -612,7 +612,7 @@ class DeclaresNothing:
 
     def __init__(self, name: str, fn):
         self.name = name
-        self.ring_attention = fn
+        self.ring_attention = speaking_specs(fn)
 
     @staticmethod
     def collective_schedule(world_size, rotate_method, **kwargs):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import ring_impl
-from conformance.adapters.ring_impl import RingImplAdapter
+from conformance.adapters.ring_impl import RingImplAdapter, ring_impl_mask
 from meta_tests.broken import Broken, by_name, function_adapter, ring_adapter
 from ring_impl import RingAttention
 from ring_impl.balance import document_spans
@@ -237,6 +237,7 @@ def _longest_first_runs(mask, seq_len: int, world_size: int) -> list[tuple[tuple
 
 class LongDocumentsOnOneRank(RingImplAdapter):
     def balanced_layout(self, balancer, mask, seq_len, world_size):
+        mask = ring_impl_mask(mask)
         if (
             balancer != "work_aware" or len(document_spans(mask, seq_len)) < 2
         ):  # right without documents

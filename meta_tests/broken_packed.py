@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 import ring_impl
-from conformance.adapters.ring_impl import RingImplAdapter
+from conformance.adapters.ring_impl import RingImplAdapter, ring_impl_masks
 from meta_tests.broken import Broken, by_name, function_adapter, ring_adapter
 from meta_tests.broken_masks import DocumentsAtLocalPositions
 from ring_impl.balance import weighted_masks
@@ -59,7 +59,7 @@ def _lse_bhs(query, key, value, *, cu_seqlens=None, **kwargs):
 
 class BalancedForFirstMaskOnly(RingImplAdapter):
     def balanced_layout(self, balancer, mask, seq_len, world_size):
-        first = weighted_masks(mask)[0][0]
+        first = weighted_masks(ring_impl_masks(mask))[0][0]
         return super().balanced_layout(balancer, first, seq_len, world_size)
 
 

@@ -4,7 +4,9 @@ hybrid (USP-style) context parallelism.
 Each is ``ring_impl``'s Ulysses and hybrid with one seam overridden the way a real implementation
 got it wrong, wrapped as an implementation under test (``--impl
 meta_tests.broken_strategies:<NAME>``; its ring is ring_impl's, correct).
-``meta_tests/test_strategies_caught.py`` runs ``suites/test_strategies.py`` against each and
+``meta_tests/test_strategies_caught.py`` runs the strategy cases of
+``suites/test_forward_backward.py`` (its strategy axis; the mask suite for a mask bug) against
+each and
 requires a failure whose message matches the bug's own ``expect`` pattern and no other broken
 implementation's.
 """
@@ -159,48 +161,57 @@ def _adapter(name: str, bug: type) -> RingImplAdapter:
     return function_adapter(name, bind(RingAttention(), strategies=_strategies(bug)))
 
 
+#: The strategy cases of a capability suite (their ids start with the strategy).
+STRATEGY_AXIS = ("-k", "ulysses or hybrid")
+
 BROKEN_STRATEGIES: dict[str, Broken] = by_name(
     Broken(
         "heads_sequence_swapped",
         "Ulysses/hybrid: all-to-all on the wrong dimension after a transpose",
         r"heads and sequence swapped in the all-to-all",
         _adapter("heads_sequence_swapped", HeadsAndSequenceSwapped),
-        suites="suites/test_strategies.py",
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
     ),
     Broken(
         "out_heads_interleaved",
         "Ulysses/hybrid: head slices put back in the wrong order after the output all-to-all",
         r"output's heads are permuted",
         _adapter("out_heads_interleaved", HeadsInterleavedBack),
-        suites="suites/test_strategies.py",
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
     ),
     Broken(
         "lse_in_head_shards",
         "Ulysses/hybrid: the LSE returned in the head-sharded layout, not the sequence shard",
         r"LSE is returned in the head-sharded layout",
         _adapter("lse_in_head_shards", LseLeftInHeadShards),
-        suites="suites/test_strategies.py",
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
     ),
     Broken(
         "kv_heads_wrong_order",
         "Ulysses/hybrid: key/value heads fewer than the degree replicated in the wrong order",
         r"key/value heads replicated in the wrong order",
         _adapter("kv_heads_wrong_order", KVHeadsTiled),
-        suites="suites/test_strategies.py",
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
     ),
     Broken(
         "hybrid_without_head_tail_reorder",
         "hybrid: the ring dimension missing the load-balancing reorder",
         r"head_tail reorder is missing",
         _adapter("hybrid_without_head_tail_reorder", RingDimWithoutReorder),
-        suites="suites/test_strategies.py",
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
     ),
     Broken(
         "local_attention_only",
         "silent fallback: a strategy that runs local attention only",
         r"local attention, context parallelism silently off",
         _adapter("local_attention_only", LocalOnly),
-        suites="suites/test_strategies.py",
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
     ),
     Broken(
         "mask_at_local_head_index",

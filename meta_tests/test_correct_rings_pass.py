@@ -20,6 +20,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -42,15 +43,21 @@ MIN_PASSED = {"quick": 400, "nightly": 1100}
 
 
 def run_suites(
-    impl: str, tier: str, junit: Path, timeout: float, path: str = "suites"
+    impl: str,
+    tier: str,
+    junit: Path,
+    timeout: float,
+    paths: Sequence[str] = ("suites",),
+    select: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    """``pytest <path>`` (every suite by default) at ``tier`` (its default world sizes) against
-    ``impl`` in a fresh process."""
+    """``pytest <paths> <select>`` (every suite by default) at ``tier`` (its default world
+    sizes) against ``impl`` in a fresh process."""
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        path,
+        *paths,
+        *select,
         "-q",
         "-p",
         "no:cacheprovider",
@@ -160,12 +167,24 @@ def test_correct_ring_passes_the_suites(
 MIN_STRATEGY_PASSED = {"quick": 30, "nightly": 150}
 
 
+#: The strategy axis: its cases in the capability suites (ids that start with the strategy).
+STRATEGY_AXIS = (
+    (
+        "suites/test_forward_backward.py",
+        "suites/test_collectives.py",
+        "suites/test_compile.py",
+        "suites/test_bad_input.py",
+    ),
+    ("-k", "ulysses or hybrid"),
+)
+
+
 def test_correct_strategies_pass_the_strategy_suite(
     tmp_path: Path, pytestconfig: pytest.Config
 ) -> None:
     """gather_strategies (meta_tests/correct/gather_strategies.py: every rank all-gathers the
     key/value sequence and attends its own rows; no all-to-all, no ring_impl) passes the whole
-    strategy suite of this session's tier with no failure."""
+    strategy axis of this session's tier with no failure."""
     impl = "meta_tests.correct.gather_strategies:IMPLEMENTATION"
     tier = settings_of(pytestconfig).tier
     junit = tmp_path / "junit.xml"
@@ -174,11 +193,12 @@ def test_correct_strategies_pass_the_strategy_suite(
         tier,
         junit,
         timeout=1200 if tier == "quick" else 3600,
-        path="suites/test_strategies.py",
+        paths=STRATEGY_AXIS[0],
+        select=STRATEGY_AXIS[1],
     )
     tail = f"\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
     assert junit.exists(), (
-        f"pytest suites/test_strategies.py --impl {impl} wrote no JUnit report{tail}"
+        f"pytest {' '.join(STRATEGY_AXIS[0])} -k ... --impl {impl} wrote no JUnit report{tail}"
     )
     totals = sum(outcomes_by_module(junit).values(), Counter())
     figures = (
@@ -186,7 +206,7 @@ def test_correct_strategies_pass_the_strategy_suite(
         f"{totals['n/a']} N/A, {totals['skipped']} skipped"
     )
     assert totals["failed"] == 0 and totals["error"] == 0, (
-        f"the strategy suite failed a correct implementation (gather_strategies): {figures}{tail}"
+        f"the strategy axis failed a correct implementation (gather_strategies): {figures}{tail}"
     )
     assert proc.returncode == 0, f"pytest exited {proc.returncode} ({figures}){tail}"
     reasons = [key[1] for key in totals if isinstance(key, tuple)]

@@ -1,7 +1,8 @@
 """Attention masks as visibility on global token positions, for the float64 oracle.
 
 A mask is described by a plain-data *spec* (a dict), the same description an implementation under
-test receives (ring_impl.masks builds its mask objects from it; the oracle never uses them):
+test receives (as a :class:`conformance.specs.MaskSpec`, this data with a ``visible`` view; an
+implementation builds its own mask objects from it, which the oracle never uses):
 
 ``{"kind": "full"}``                        every query sees every key
 ``{"kind": "causal"}``                      key j <= query i (top-left aligned)
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MASK_KINDS", "document_ids", "visibility"]
+__all__ = ["MASK_KINDS", "document_ids", "visibility", "visible_at"]
 
 MASK_KINDS = (
     "full",
@@ -74,11 +75,15 @@ def document_ids(spec: Mapping[str, Any], seq_len: int) -> Tensor:
     return ids
 
 
-def _visible(spec: Mapping[str, Any], q: Tensor, k: Tensor, b: Tensor, h: Tensor) -> Tensor:
-    """Visibility for index tensors that broadcast to (batch, heads, seq_q, seq_k)."""
+def visible_at(spec: Mapping[str, Any], b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """Bool visibility of ``spec`` at index tensors in flex attention's ``mask_mod`` convention:
+    ``b``, ``h``, ``q`` (query positions) and ``k`` (key positions) broadcast to (batch, heads,
+    seq_q, seq_k); positions are global. The result is on the positions' device."""
     kind = spec.get("kind")
     if kind == "full":
-        return torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool)
+        return torch.ones(
+            torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool, device=q.device
+        )
     if kind == "causal":
         return k <= q
     if kind == "document":
@@ -86,13 +91,15 @@ def _visible(spec: Mapping[str, Any], q: Tensor, k: Tensor, b: Tensor, h: Tensor
             n = len(spec["doc_ids"])
         else:  # positions past the last boundary are padding, however long the sequence
             n = max(int(max(q.max(), k.max())) + 1, int(spec["cu_seqlens"][-1]))
-        ids = document_ids(spec, n)
+        ids = document_ids(spec, n).to(q.device)
         dq, dk = ids[q], ids[k]
         same = (dq == dk) & (dq >= 0)
         return same & (k <= q) if spec.get("causal", True) else same
     if kind == "sliding_window":
         left, right = spec.get("left"), spec.get("right")
-        seen = torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool)
+        seen = torch.ones(
+            torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool, device=q.device
+        )
         if left is not None:
             seen = seen & (k >= q - int(left))
         if right is not None:
@@ -104,7 +111,7 @@ def _visible(spec: Mapping[str, Any], q: Tensor, k: Tensor, b: Tensor, h: Tensor
     if kind == "prefix_lm":
         return (k <= q) | (k < int(spec["prefix"]))
     if kind in ("and", "or"):
-        parts = [_visible(m, q, k, b, h) for m in spec["masks"]]
+        parts = [visible_at(m, b, h, q, k) for m in spec["masks"]]
         out = parts[0]
         for p in parts[1:]:
             out = (out & p) if kind == "and" else (out | p)
@@ -141,5 +148,5 @@ def visibility(
     )
     b = torch.arange(batch).view(-1, 1, 1, 1)
     h = torch.arange(heads).view(1, -1, 1, 1)
-    seen = _visible(spec or {"kind": "full"}, q.view(1, 1, -1, 1), k.view(1, 1, 1, -1), b, h)
+    seen = visible_at(spec or {"kind": "full"}, b, h, q.view(1, 1, -1, 1), k.view(1, 1, 1, -1))
     return seen.expand(batch, heads, q.numel(), k.numel())

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SCORE_MOD_KINDS", "apply_score_mod"]
+__all__ = ["SCORE_MOD_KINDS", "apply_score_mod", "score_mod_at"]
 
 SCORE_MOD_KINDS = ("softcap", "alibi", "bias", "score_mod")
 
@@ -57,22 +57,42 @@ def apply_score_mod(
         .to(dev)
         .view(1, 1, 1, -1)
     )
+    if spec.get("kind") == "alibi" and len(spec["slopes"]) != heads:
+        raise ValueError(f"alibi: {len(spec['slopes'])} slopes for {heads} heads")
+    return score_mod_at(spec, scores, b, h, i, j).to(torch.float64).expand(scores.shape)
+
+
+def _as_float(values: Any, score: Tensor) -> Tensor:
+    """``values`` on ``score``'s device in the wider of its own float dtype (float64 for plain
+    numbers) and ``score``'s: a float32 constant stays float32 on float32 scores, and the oracle's
+    float64 scores take it exactly."""
+    t = values if isinstance(values, Tensor) else torch.as_tensor(values, dtype=torch.float64)
+    return t.to(device=score.device, dtype=torch.promote_types(t.dtype, score.dtype))
+
+
+def score_mod_at(
+    spec: Mapping[str, Any], score: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor
+) -> Tensor:
+    """``spec`` applied in flex attention's ``score_mod`` convention: ``score`` (B, H, rows,
+    cols) and index tensors that broadcast to it (``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1), ``q``
+    the query positions (1, 1, rows, 1), ``k`` the key positions (1, 1, 1, cols), all global).
+    Returns the modified scores in ``score``'s dtype."""
     kind = spec.get("kind")
     if kind == "softcap":
         cap = float(spec["cap"])
-        return cap * torch.tanh(scores / cap)
-    if kind == "alibi":
-        slopes = torch.as_tensor(spec["slopes"], dtype=torch.float64, device=dev).view(1, -1, 1, 1)
-        if slopes.shape[1] != heads:
-            raise ValueError(f"alibi: {slopes.shape[1]} slopes for {heads} heads")
-        dist = (j - i).to(torch.float64)
-        return scores + slopes * (-dist.abs() if spec.get("symmetric", False) else dist)
-    if kind == "bias":
-        bias = torch.as_tensor(spec["bias"]).to(device=dev, dtype=torch.float64)
-        return scores + bias[:, :, i.flatten()][:, :, :, j.flatten()].expand(
-            batch, heads, seq_q, seq_k
-        )
-    if kind == "score_mod":
-        out = torch.as_tensor(spec["fn"](scores, b, h, i, j))
-        return out.to(torch.float64).expand(scores.shape)
-    raise ValueError(f"unknown score_mod kind {kind!r}; expected one of {SCORE_MOD_KINDS}")
+        out = cap * torch.tanh(score / cap)
+    elif kind == "alibi":
+        slopes = _as_float(spec["slopes"], score).flatten()[h]
+        dist = (k - q).to(slopes.dtype)
+        out = score + slopes * (-dist.abs() if spec.get("symmetric", False) else dist)
+    elif kind == "bias":
+        bias = _as_float(spec["bias"], score)
+        # a size-1 batch or head dim of the bias is shared by every batch row or head
+        at_b = b if bias.shape[0] > 1 else torch.zeros_like(b)
+        at_h = h if bias.shape[1] > 1 else torch.zeros_like(h)
+        out = score + bias[at_b, at_h, q, k]
+    elif kind == "score_mod":
+        out = torch.as_tensor(spec["fn"](score, b, h, q, k))
+    else:
+        raise ValueError(f"unknown score_mod kind {kind!r}; expected one of {SCORE_MOD_KINDS}")
+    return out.to(score.dtype)

@@ -755,7 +755,12 @@ def from_spec(spec) -> Mask:
     if kind == "document":
         causal = bool(spec.get("causal", True))
         if "doc_ids" in spec:
-            return Documents(torch.as_tensor(spec["doc_ids"], dtype=torch.int64), causal)
+            ids = spec["doc_ids"]
+            # a tensor is held as given (the caller's, in its dtype: a refill in place is seen
+            # by the call's snapshot); plain numbers become int64 ids
+            if not isinstance(ids, torch.Tensor):
+                ids = torch.as_tensor(ids, dtype=torch.int64)
+            return Documents(ids, causal)
         return Documents.from_cu_seqlens(spec["cu_seqlens"], int(spec["seq_len"]), causal)
     if kind == "sliding_window":
         return SlidingWindow(spec.get("left"), spec.get("right", 0))

@@ -503,9 +503,10 @@ def from_spec(spec) -> ScoreMod:
     if kind == "softcap":
         return SoftCap(spec["cap"])
     if kind == "alibi":
-        return Alibi(
-            torch.as_tensor(spec["slopes"], dtype=torch.float64), bool(spec.get("symmetric", False))
-        )
+        slopes = spec["slopes"]  # a tensor keeps its dtype; plain numbers become float64
+        if not isinstance(slopes, torch.Tensor):
+            slopes = torch.as_tensor(slopes, dtype=torch.float64)
+        return Alibi(slopes, bool(spec.get("symmetric", False)))
     if kind == "bias":
         return PostScaleBias(torch.as_tensor(spec["bias"]))
     if kind == "score_mod":

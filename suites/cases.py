@@ -1,5 +1,13 @@
 """Rank-side case functions: what every rank of a pool runs for one conformance case.
 
+A case of the ring runs on the pool's group, its inputs sharded by the oracle's layout
+(:mod:`reference.layout`); a strategy case (``strategy`` "ulysses" / "hybrid" on a
+``mesh_shape`` ``(U, R)``) on :func:`strategy_group`: the hybrid's group is the pool's 2-D mesh
+``(R, U)`` with dims ``("ring", "ulysses")`` (created once per pool and shape,
+:meth:`harness.RankContext.device_mesh`), so a Ulysses row is ``U`` consecutive ranks and a rank's
+mesh rank (``r * U + u``) is its pool rank; Ulysses runs on the pool's group. Its inputs are
+sharded by :mod:`reference.strategies`' layouts, never the implementation's.
+
 Functions here are pickled by reference to the ranks, so they live in this plain module (cheap
 to import on a rank) rather than in the test modules. Each takes the rank's
 :class:`harness.RankContext` first and returns plain data (CPU tensors, dicts) to the pytest
@@ -15,14 +23,30 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation, load_op
-from suites.inputs import InputSpec, local_inputs
+from reference.strategies import shard as strategy_shard
+from suites.inputs import Inputs, InputSpec, in_memory, local_inputs, make_inputs
 
-__all__ = ["CountingOp", "RingCase", "resolve_case_op", "ring_case", "ring_case_twice"]
+__all__ = [
+    "MESH_DIMS",
+    "CountingOp",
+    "RingCase",
+    "resolve_case_op",
+    "ring_case",
+    "ring_case_twice",
+    "strategy_group",
+    "strategy_inputs",
+]
 
 
 @dataclass(frozen=True)
 class RingCase:
-    """One call of an implementation's ``ring_attention`` (and its backward) on every rank."""
+    """One call of an implementation's ``ring_attention`` (and its backward) on every rank.
+
+    ``strategy``: "ring" (the default: the sequence over ``world_size`` ranks in ``layout``), or
+    "ulysses" / "hybrid" on a ``mesh_shape`` ``(U, R)`` (Ulysses degree x ring degree) of
+    ``world_size = U * R`` ranks: the group is :func:`suites.cases_strategies.strategy_group`'s and
+    the shards follow :mod:`reference.strategies`' layouts; ``rotate_method`` is then the hybrid's
+    ring dimension's."""
 
     inputs: InputSpec
     world_size: int
@@ -42,17 +66,46 @@ class RingCase:
     extras: tuple[tuple[str, Any], ...] = field(
         default=()
     )  # extra keyword arguments for ring_attention
+    strategy: str = "ring"
+    mesh_shape: tuple[int, int] | None = None  # (U, R) for "ulysses" / "hybrid"
+
+    def __post_init__(self) -> None:
+        if self.mesh_shape is not None and self.mesh_shape[0] * self.mesh_shape[1] != (
+            self.world_size
+        ):
+            raise ValueError(
+                f"a {self.mesh} mesh has {self.mesh_shape[0] * self.mesh_shape[1]} ranks, not "
+                f"world_size {self.world_size}"
+            )
 
     def with_(self, **changes: Any) -> RingCase:
         return replace(self, **changes)
 
     @property
+    def mesh(self) -> str:
+        """``"UxR"`` of a strategy case ("" for the ring)."""
+        return "" if self.mesh_shape is None else f"{self.mesh_shape[0]}x{self.mesh_shape[1]}"
+
+    @property
+    def rotates(self) -> bool:
+        """Whether the case has a ring dimension, so that its rotation method matters."""
+        return self.mesh_shape is None or (self.strategy == "hybrid" and self.mesh_shape[1] > 1)
+
+    @property
     def label(self) -> str:
         s = self.inputs
         dims = "" if s.head_dim_v is None else f", head_dim={s.head_dim}, head_dim_v={s.head_dim_v}"
+        where = (
+            f"W={self.world_size}"
+            if self.mesh_shape is None
+            else f"strategy={self.strategy}, mesh {self.mesh} (ulysses x ring)"
+        )
+        heads = "" if s.heads == s.heads_kv else f", heads {s.heads}/{s.heads_kv}"
+        rotate = f", rotate={self.rotate_method}" if self.rotates else ""
+        compiled = f", compile={self.compile}" if self.compile else ""
         return (
-            f"ring_attention(W={self.world_size}, {s.dtype}, causal={self.is_causal}, "
-            f"rotate={self.rotate_method}, layout={self.layout}, op={self.op or 'default'}{dims})"
+            f"ring_attention({where}, {s.dtype}, causal={self.is_causal}{rotate}, "
+            f"layout={self.layout}, op={self.op or 'default'}{dims}{heads}{compiled})"
         )
 
 
@@ -101,18 +154,44 @@ class CountingOp:
         )
 
 
+#: The pool mesh's dim names, outer (ring) first: Ulysses rows are consecutive ranks.
+MESH_DIMS = ("ring", "ulysses")
+
+
+def strategy_group(ctx, strategy: str, mesh_shape: tuple[int, int]):
+    """The ``group=`` of a strategy on this pool."""
+    u, r = mesh_shape
+    if u * r != ctx.world_size:
+        raise ValueError(f"a {u}x{r} mesh needs {u * r} ranks but the pool has {ctx.world_size}")
+    if strategy == "hybrid":
+        return ctx.device_mesh((r, u), MESH_DIMS)
+    return ctx.group
+
+
+def strategy_inputs(case: RingCase, rank: int, device) -> Inputs:
+    """This rank's shards of a strategy case's global inputs (reference.strategies' layouts, in
+    the case's memory layout); query, key and value are leaves that require grad."""
+    assert case.mesh_shape is not None, "a ring case has no strategy shards"
+    spec, mesh = case.inputs, case.mesh_shape
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        part = strategy_shard(t, case.strategy, case.layout, mesh, rank).contiguous().to(device)
+        return in_memory(part, spec) if part.dim() == 4 else part
+
+    g = make_inputs(spec)
+    q, k, v = (local(t).requires_grad_() for t in (g.query, g.key, g.value))
+    grad_lse = None if g.grad_lse is None else local(g.grad_lse.unsqueeze(-1)).squeeze(-1)
+    return Inputs(q, k, v, local(g.grad_out), grad_lse)
+
+
 def resolve_case_op(case: RingCase, device: torch.device):
     """The op object a case runs with (the registered
     default for the device when ``op`` is None)."""
-    from ring_impl.ops import resolve_op
+    from conformance.kernels import default_op
 
     if case.op is None:
-        return resolve_op(
-            "auto",
-            device,
-            case.inputs.torch_dtype,
-            case.inputs.head_dim,
-            head_dim_v=case.inputs.value_head_dim,
+        return default_op(
+            device, case.inputs.torch_dtype, case.inputs.head_dim, case.inputs.value_head_dim
         )
     return load_op(case.op)
 
@@ -127,17 +206,24 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
     """
     if case.world_size != ctx.world_size:
         raise ValueError(f"case is for {case.world_size} ranks but the pool has {ctx.world_size}")
+    group = ctx.group
+    if case.mesh_shape is None:
+        inp = local_inputs(case.inputs, case.layout, ctx.world_size, ctx.rank, ctx.device)
+    else:
+        group = strategy_group(ctx, case.strategy, case.mesh_shape)  # first: a mesh is collective
+        inp = strategy_inputs(case, ctx.rank, ctx.device)
     impl = load_implementation(case.impl)
     caps = impl.capabilities
-    inp = local_inputs(case.inputs, case.layout, ctx.world_size, ctx.rank, ctx.device)
     kwargs: dict[str, Any] = dict(
-        group=ctx.group,
+        group=group,
         is_causal=case.is_causal,
         scale=case.inputs.scale,
         rotate_method=case.rotate_method,
         layout=case.layout,
         return_lse=case.return_lse,
     )
+    if case.mesh_shape is not None:
+        kwargs["strategy"] = case.strategy
     kwargs.update(case.extras)
     op = None
     if case.op is not None or case.count_work:
@@ -173,7 +259,14 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         lse_requires_grad = lse is not None and lse.requires_grad
         if case.backward:
             with phase("backward"):
-                if inp.grad_lse is not None and lse_requires_grad:  # the loss uses the LSE too
+                # the loss uses the LSE too; an LSE of the wrong shape takes no gradient (autograd
+                # would raise on the ranks): the judge names its layout from the returned tensor
+                if (
+                    inp.grad_lse is not None
+                    and lse is not None
+                    and lse_requires_grad
+                    and lse.shape == inp.grad_lse.shape
+                ):
                     torch.autograd.backward([out, lse], [inp.grad_out, inp.grad_lse])
                 else:  # (an LSE without a gradient is reported, the judge says what it costs)
                     out.backward(inp.grad_out)

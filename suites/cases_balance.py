@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conformance.implementation import load_implementation, load_op
+from conformance.specs import MaskSpec
 from reference.layout import positions as reference_positions
 from reference.masks import document_ids, visibility
 from suites.cases import CountingOp, RingCase
@@ -217,13 +218,11 @@ def builtin_runs(layout: str, seq: int, world_size: int) -> tuple[tuple[tuple[in
 def balance_case(ctx, case: BalanceCase) -> dict[str, Any]:
     """Rank side: build the layout (a balancer's on every rank), shard the positioned inputs by
     its runs, run the forward with the recording op; the calls, the work and the runs."""
-    from ring_impl.masks import from_spec
-
     if case.world_size != ctx.world_size:
         raise ValueError(f"case is for {case.world_size} ranks but the pool has {ctx.world_size}")
     impl = load_implementation(case.impl)
     seq, w = case.inputs.seq_q, ctx.world_size
-    mask = from_spec(family_spec(case.family, seq, w))
+    mask = MaskSpec(family_spec(case.family, seq, w))
     if case.balancer is not None:
         layout, runs = impl.obj.balanced_layout(case.balancer, mask, seq, w)
         runs = as_runs(runs)
@@ -304,13 +303,11 @@ class MultiMaskCase(BalanceCase):
 def multi_mask_case(ctx, case: MultiMaskCase) -> dict[str, Any]:
     """Rank side: the balancer's one layout for every weighted mask; per mask the recorded
     forward (work, calls) and the oracle inputs' out, LSE and gradients on that layout."""
-    from ring_impl.masks import from_spec
-
     if case.world_size != ctx.world_size:
         raise ValueError(f"case is for {case.world_size} ranks but the pool has {ctx.world_size}")
     impl = load_implementation(case.impl)
     seq, w = case.inputs.seq_q, ctx.world_size
-    masks = [(from_spec(spec), weight) for spec, weight in multi_specs(seq, w)]
+    masks = [(MaskSpec(spec), weight) for spec, weight in multi_specs(seq, w)]
     layout, runs = impl.obj.balanced_layout(case.balancer, masks, seq, w)
     runs = as_runs(runs)
     mine = runs_positions(runs[ctx.rank])

@@ -60,7 +60,7 @@ _MASK_MOD_DIFFERENCE = {
 def _differing_mask_mod(kind: str, last: bool):
     """A causal mask_mod; on the last rank it also hides the entries of
     ``_MASK_MOD_DIFFERENCE[kind]``."""
-    from ring_impl.masks import MaskMod
+    from conformance.specs import MaskSpec
 
     hidden = _MASK_MOD_DIFFERENCE[kind]
 
@@ -68,7 +68,7 @@ def _differing_mask_mod(kind: str, last: bool):
         seen = kv_idx <= q_idx
         return seen & ~hidden(b, h, q_idx, kv_idx) if last else seen
 
-    return MaskMod(causal_mask_mod)
+    return MaskSpec({"kind": "mask_mod", "fn": causal_mask_mod})
 
 
 def _qkv(ctx, batch=2, heads=4, heads_kv=4, seq=8, seq_kv=None, head_dim=16, dtype=torch.float32):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
@@ -197,10 +198,6 @@ class MaskCase(RingCase):
     mask: str = "causal"
     sinks: bool = False
     mask_json: str = ""
-    #: "ring", or "ulysses" / "hybrid" on a (U, R) mesh of world_size = U * R ranks
-    #: (suites.cases_strategies' groups, reference.strategies' layouts)
-    strategy: str = "ring"
-    mesh_shape: tuple[int, int] | None = None
     #: a documents mask whose ids live in an int32 buffer the rank refills in place between two
     #: calls (as a data pipeline refills a ``torch.from_numpy`` buffer: torch's version counter
     #: does not move); the second call, on the same mask object, is judged
@@ -221,15 +218,10 @@ class MaskCase(RingCase):
     @property
     def label(self) -> str:
         data = f", mask_data={self.mask_json}" if self.mask_json else ""
-        mesh = (
-            f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
-            if self.mesh_shape
-            else ""
-        )
         refill = ", ids refilled in place after a first call" if self.refill else ""
         return (
             RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
-            + f"{mesh}, mask={self.mask}, sinks={self.sinks}{data}{refill})"
+            + f", mask={self.mask}, sinks={self.sinks}{data}{refill})"
         )
 
 
@@ -243,18 +235,16 @@ def _sinks(spec: InputSpec) -> torch.Tensor:
 
 def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
-    from ring_impl.masks import from_spec
-
     group = ctx.group
     if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
-        from suites.cases_strategies import strategy_group
+        from suites.cases import strategy_group
 
         group = strategy_group(ctx, case.strategy, case.mesh_shape)
     impl = load_implementation(case.impl)
     spec = case.inputs
     g = make_inputs(spec)
     w, r = ctx.world_size, ctx.rank
-    mask = from_spec(case.mask_data())
+    mask = MaskSpec(case.mask_data())
     layout, runs = case.layout, None
     if case.mesh_shape is not None:
         from reference.strategies import shard as strategy_shard
@@ -303,9 +293,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         attention = torch.compile(attention, backend=case.compile, fullgraph=True)
         # First the same kind of mask with other data (documents' ids, a window's width), whose
         # result is dropped: a graph that baked that mask's plan in would serve it to the next.
-        warm = attention(
-            q, k, v, **{**kwargs, "mask": from_spec(other_mask_data(case.mask_data()))}
-        )
+        warm = attention(q, k, v, **{**kwargs, "mask": MaskSpec(other_mask_data(case.mask_data()))})
         del warm
     out, lse = attention(q, k, v, **kwargs)
     out.backward(dout)
@@ -326,14 +314,18 @@ def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[s
     counter does not see). Returns the same mask object, now holding the case's ids."""
     import numpy as np
 
-    from ring_impl.masks import Documents
-
     if data["kind"] != "document" or "doc_ids" not in data:
         raise ValueError(
             f"a refill case needs a plain documents mask with doc_ids, got kind {data['kind']!r}"
         )
     buffer = np.asarray(other_mask_data(data)["doc_ids"], dtype=np.int32)
-    mask = Documents(torch.from_numpy(buffer), bool(data.get("causal", True)))
+    mask = MaskSpec(
+        {
+            "kind": "document",
+            "doc_ids": torch.from_numpy(buffer),
+            "causal": bool(data.get("causal", True)),
+        }
+    )
     with torch.no_grad():
         attention(q, k, v, **{**kwargs, "mask": mask})
     buffer[:] = np.asarray(data["doc_ids"], dtype=np.int32)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec
 from reference.attention import max_logit as oracle_max_logit
 from reference.budget import Verdict, check, compute_dtype, fmt_err, max_logit_scale
 from reference.layout import positions, shard
@@ -49,8 +50,6 @@ class MaxLogitCase(RingCase):
 def max_logit_case(ctx, case: MaxLogitCase) -> dict[str, Any]:
     """Run the case on this rank: the returned max logit (CPU), what the call returned, and with
     ``case.account`` the collectives per phase."""
-    from ring_impl.masks import from_spec
-
     impl = load_implementation(case.impl)
     spec = case.inputs
     g = make_inputs(spec)
@@ -69,7 +68,7 @@ def max_logit_case(ctx, case: MaxLogitCase) -> dict[str, Any]:
         return_max_logit=True,
     )
     if case.mask is not None:
-        kwargs["mask"] = from_spec(mask_spec(case.mask, spec.seq_q))
+        kwargs["mask"] = MaskSpec(mask_spec(case.mask, spec.seq_q))
     if case.sinks:
         kwargs["sinks"] = _sinks(spec).to(ctx.device).requires_grad_()
     log = None

@@ -3,8 +3,8 @@ optionally a mask (``is_causal`` or a named mask of the mask suite) and sinks; t
 the judge and the diagnosis.
 
 A score_mod's plain data (reference.score_mods) is built from its name on both sides: the
-oracle reads the data, the implementation gets a callable in flex attention's convention (the
-ring_impl descriptor for the built-in kinds, which is such a callable with its data as fields:
+oracle reads the data, the implementation gets a callable in flex attention's convention (a
+:class:`conformance.specs.ScoreModSpec` for the built-in kinds: the same data, callable:
 conformance/implementation.py).
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec, ScoreModSpec
 from reference.budget import Verdict
 from reference.layout import positions
 from reference.layout import shard as oracle_shard
@@ -75,19 +76,24 @@ def score_mod_spec(name: str, spec: InputSpec) -> dict[str, Any]:
 
 
 def implementation_score_mod(data: dict[str, Any], dtype: torch.dtype):
-    """What the implementation gets for ``data``: the ring_impl descriptor (a flex-style callable
-    carrying its data) for the built-in kinds, the function itself for ``score_mod``. Tensors in
-    the input dtype's accumulation dtype (float64 for float64, else float32)."""
-    from ring_impl.score_mods import Alibi, PostScaleBias, SoftCap
-
+    """What the implementation gets for ``data``: a :class:`conformance.specs.ScoreModSpec` (the
+    data, callable as a flex-style score_mod) for the built-in kinds, the function itself for
+    ``score_mod``. Tensors in the input dtype's accumulation dtype (float64 for float64, else
+    float32)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     kind = data["kind"]
     if kind == "softcap":
-        return SoftCap(data["cap"])
+        return ScoreModSpec({"kind": "softcap", "cap": data["cap"]})
     if kind == "alibi":
-        return Alibi(torch.tensor(data["slopes"], dtype=acc), bool(data["symmetric"]))
+        return ScoreModSpec(
+            {
+                "kind": "alibi",
+                "slopes": torch.tensor(data["slopes"], dtype=acc),
+                "symmetric": bool(data["symmetric"]),
+            }
+        )
     if kind == "bias":
-        return PostScaleBias(data["bias"].to(acc))
+        return ScoreModSpec({"kind": "bias", "bias": data["bias"].to(acc)})
     return data["fn"]
 
 
@@ -115,10 +121,6 @@ class ScoreModCase(RingCase):
     score_mod: str = "softcap"
     mask: str = ""
     sinks: bool = False
-    #: "ring", or "ulysses" / "hybrid" on a (U, R) mesh of world_size = U * R ranks
-    #: (suites.cases_strategies' groups, reference.strategies' layouts)
-    strategy: str = "ring"
-    mesh_shape: tuple[int, int] | None = None
     params: tuple[tuple[str, Any], ...] = ()
 
     def score_mod_data(self) -> dict[str, Any]:
@@ -138,8 +140,6 @@ class ScoreModCase(RingCase):
     @property
     def label(self) -> str:
         mask = f", mask={self.mask}" if self.mask else ""
-        if self.mesh_shape is not None:
-            mask += f", strategy={self.strategy} {self.mesh_shape[0]}x{self.mesh_shape[1]}"
         return (
             RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
             + f", score_mod={self.score_mod}{mask}, sinks={self.sinks}"
@@ -154,7 +154,7 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     w, r = ctx.world_size, ctx.rank
     if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
         from reference.strategies import shard as strategy_shard
-        from suites.cases_strategies import strategy_group
+        from suites.cases import strategy_group
 
         group = strategy_group(ctx, case.strategy, case.mesh_shape)
 
@@ -181,9 +181,7 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
         score_mod=implementation_score_mod(case.score_mod_data(), spec.torch_dtype),
     )
     if case.mask:
-        from ring_impl.masks import from_spec
-
-        kwargs["mask"] = from_spec(mask_spec(case.mask, spec.seq_q))
+        kwargs["mask"] = MaskSpec(mask_spec(case.mask, spec.seq_q))
     if case.mesh_shape is not None:
         kwargs["strategy"] = case.strategy
     if sinks is not None:

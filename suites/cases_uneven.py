@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import split_lengths, split_positions
 from reference.masks import visibility
@@ -124,9 +125,7 @@ def uneven_case(ctx, case: UnevenCase) -> dict[str, Any]:
     )
     data = case.mask_data()
     if data is not None and case.mask != "causal":
-        from ring_impl.masks import from_spec
-
-        kwargs["mask"] = from_spec(data)
+        kwargs["mask"] = MaskSpec(data)
     if case.op is not None:
         from suites.cases import resolve_case_op
 

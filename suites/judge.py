@@ -9,9 +9,17 @@ suite). The masked suites (masks, score_mods, uneven shards, packed) judge throu
 :func:`judge_outputs`: their results unsharded by each rank's global positions, the rows that
 see nothing held to LSE -inf first, and dsinks summed over ranks.
 
-A failure is re-run with per-step recording (when the implementation can record) and
-diagnosed against the float64 ring simulation, so the message says which rank and ring step
-first diverges, and ends with a copy-pasteable repro.
+A strategy case (Ulysses, the hybrid) is unsharded with the oracle's layout of its strategy
+(:mod:`reference.strategies`), and the policy's ``world_size`` is the number of key/value blocks
+a row's result merges (:func:`merged_blocks`: the ring degree R, Ulysses' 1).
+
+A failure of the ring is re-run with per-step recording (when the implementation can record)
+and diagnosed against the float64 ring simulation, so the message says which rank and ring step
+first diverges; a strategy's by replaying the strategies' known bugs in float64
+(:func:`reference.diagnose.diagnose_strategy`) and matching the output's heads against the
+reference's (:func:`reference.diagnose.heads_permutation`); an LSE returned in the head-sharded
+layout is named as such (:func:`lse_layout_problem`) before the shape contract. Every message
+ends with a copy-pasteable repro.
 """
 
 from __future__ import annotations
@@ -26,11 +34,11 @@ import torch
 
 from conformance.baseline import session_device, single_device_baseline
 from reference import layout as ref_layout
+from reference import strategies as ref_strategies
 from reference.attention import attention_grads
 from reference.budget import ErrorScale, Verdict, check, compute_dtype, error_scales
-from reference.diagnose import diagnose
+from reference.diagnose import diagnose, diagnose_strategy, head_sharded_lse, heads_permutation
 from reference.simulate import simulate_ring
-from reference.strategies import kv_blocks
 from suites.cases import RingCase
 from suites.inputs import InputSpec, make_inputs
 
@@ -40,15 +48,19 @@ __all__ = [
     "baseline_for",
     "contract_violations",
     "diagnose_case",
+    "diagnose_strategy_case",
     "format_failure",
     "judge",
     "judge_outputs",
+    "lse_layout_problem",
     "merged_blocks",
     "produced",
     "reference_for",
     "scales_for",
     "unshard_by_positions",
+    "unshard_case",
     "unshard_results",
+    "worst_location",
 ]
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -176,9 +188,15 @@ def _content_key(value: Any) -> Hashable:
 
 
 def unshard_results(
-    results: Sequence[dict[str, Any]], layout: str
+    results: Sequence[dict[str, Any]],
+    layout: str,
+    unshard: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor | None]:
-    """Global tensors from per-rank local results (None where a rank returned None)."""
+    """Global tensors from per-rank local results (None where a rank returned None), put
+    together by ``unshard`` (default: the ring's ``layout`` on dim 2; the LSE gets a trailing
+    dim for it)."""
+    if unshard is None:
+        unshard = functools.partial(ref_layout.unshard, layout=layout, dim=2)
     merged: dict[str, torch.Tensor | None] = {}
     for name in QUANTITIES:
         parts = [r.get(name) for r in results]
@@ -187,9 +205,23 @@ def unshard_results(
             continue
         if name == "lse":
             parts = [p.unsqueeze(-1) for p in parts]
-        t = ref_layout.unshard(parts, layout, dim=2)
+        t = unshard(parts)
         merged[name] = t.squeeze(-1) if name == "lse" else t
     return merged
+
+
+def unshard_case(
+    case: RingCase, results: Sequence[dict[str, Any]]
+) -> dict[str, torch.Tensor | None]:
+    """:func:`unshard_results` by the case's layout: the ring's, or its strategy's on its mesh
+    (index = mesh rank)."""
+    if case.mesh_shape is None:
+        return unshard_results(results, case.layout)
+    return unshard_results(
+        results,
+        case.layout,
+        lambda parts: ref_strategies.unshard(parts, case.strategy, case.layout, case.mesh_shape),
+    )
 
 
 def unshard_by_positions(
@@ -210,7 +242,11 @@ def merged_blocks(case: RingCase) -> int:
     W; a case with a ``strategy`` on a ``mesh_shape`` (U, R): Ulysses' 1 (its kernel sees the
     whole sequence), the hybrid's R (reference.strategies.kv_blocks)."""
     mesh_shape = getattr(case, "mesh_shape", None)
-    return case.world_size if mesh_shape is None else kv_blocks(case.strategy, mesh_shape)
+    return (
+        case.world_size
+        if mesh_shape is None
+        else ref_strategies.kv_blocks(case.strategy, mesh_shape)
+    )
 
 
 def judge_outputs(
@@ -389,12 +425,15 @@ def judge(
             f"it) [{case.label}]"
         )
     broken = contract_violations(case, results)
+    layout_problem = lse_layout_problem(case, results)
+    if layout_problem:
+        broken = [layout_problem, *broken]
     if broken:
         raise AssertionError("\n".join([*broken, f"[{case.label}]"]))
     ref = reference_for(spec, case.is_causal)
     base = baseline_for(spec, case.is_causal, case.op or baseline_op)
     scales = scales_for(spec, case.is_causal)
-    got = unshard_results(results, case.layout)
+    got = unshard_case(case, results)
     verdicts = []
     for name in QUANTITIES:
         x = got[name]
@@ -415,12 +454,81 @@ def judge(
                 dtype=spec.torch_dtype,
                 result_dtype=compute_dtype(spec.torch_dtype) if name == "lse" else spec.torch_dtype,
                 scales=scales[name],
-                layout=case.layout,
-                world_size=case.world_size,
+                # (the rank of the worst element: the ring's layout; a strategy's is located by
+                # worst_location)
+                layout=case.layout if case.mesh_shape is None else None,
+                world_size=merged_blocks(case),
                 context=f"[{case.label}]",
             )
         )
     return verdicts
+
+
+def lse_layout_problem(case: RingCase, results: Sequence[dict[str, Any]]) -> str | None:
+    """In words, when the ranks of a strategy case returned the LSE in the head-sharded layout of
+    the inner attention instead of the sequence shard; else None
+    (:func:`reference.diagnose.head_sharded_lse` on the shapes the ranks returned)."""
+    if case.mesh_shape is None:
+        return None
+    spec = case.inputs
+    return head_sharded_lse(
+        [None if r.get("lse") is None else tuple(r["lse"].shape) for r in results],
+        batch=spec.batch,
+        heads=spec.heads,
+        seq_local=spec.seq_q // case.world_size,
+        ulysses=case.mesh_shape[0],
+    )
+
+
+def worst_location(case: RingCase, verdict: Verdict) -> str:
+    """Where the worst element of a strategy case's verdict lives: mesh rank, its coordinates
+    and local index ("" for the ring, whose verdicts carry their rank)."""
+    if case.mesh_shape is None or len(verdict.worst_index) < 3:
+        return ""
+    seq = case.inputs.seq_q if verdict.name in ("out", "lse", "dq") else case.inputs.seq_kv
+    rank, local = ref_strategies.locate(
+        verdict.worst_index, case.strategy, case.layout, case.mesh_shape, seq
+    )
+    u = case.mesh_shape[0]
+    return (
+        f"{verdict.name}: worst element on mesh rank {rank} (ulysses {rank % u}, ring "
+        f"{rank // u}) at local {local}"
+    )
+
+
+def diagnose_strategy_case(
+    case: RingCase, results: Sequence[dict[str, Any]], verdicts: Sequence[Verdict]
+) -> str:
+    """The strategy diagnosis of a failed strategy case (from its output), and where the worst
+    elements are."""
+    assert case.mesh_shape is not None, "a ring case is diagnosed by diagnose_case"
+    g = make_inputs(case.inputs)
+    got = unshard_case(case, results)
+    out_verdict = next((v for v in verdicts if v.name == "out"), None)
+    tolerance = None if out_verdict is None else max(out_verdict.max_bound, 1e-300)
+    lines = []
+    if got["out"] is not None:
+        lines.append(
+            diagnose_strategy(
+                g.query,
+                g.key,
+                g.value,
+                got["out"],
+                strategy=case.strategy,
+                layout=case.layout,
+                mesh_shape=case.mesh_shape,
+                is_causal=case.is_causal,
+                scale=case.inputs.scale,
+                tolerance=tolerance,
+            )
+        )
+    if got["out"] is not None and tolerance is not None:
+        ref_out = reference_for(case.inputs, case.is_causal)["out"]
+        permuted = heads_permutation(got["out"], ref_out, tolerance)
+        if permuted:
+            lines.insert(0, permuted)
+    lines += [worst_location(case, v) for v in verdicts if not v.passed]
+    return "; ".join(line for line in lines if line)
 
 
 def diagnose_case(

@@ -127,8 +127,18 @@ class RingRunner:
         self.request.node.user_properties.append(
             ("ring_case", case_properties(replace(case, op=op)))
         )
+        if case.mesh_shape is not None:
+            self.request.node.user_properties.append(
+                ("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)})
+            )
+            self.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
         self.require("layouts", case.layout)
-        self.require("rotate_methods", case.rotate_method)
+        if case.rotates:
+            self.require(
+                "rotate_methods",
+                case.rotate_method,
+                why="" if case.mesh_shape is None else "the hybrid's ring dimension",
+            )
         if case.count_work:
             self.require("ops", "*", why="counting work wraps the attention op")
         if case.record:
@@ -168,18 +178,16 @@ class RingRunner:
             return
         import torch
 
-        from ring_impl.ops import available_ops, default_scale, get_op
+        from conformance.kernels import kernel_cannot_run
 
-        if op not in available_ops():
-            return  # an unknown name fails in the implementation, as it should
         spec = case.inputs
         device = torch.device(self.request.getfixturevalue("device"))
-        scale = spec.scale if spec.scale is not None else default_scale(spec.head_dim)
-        why = get_op(op).capabilities.unsupported(
+        why = kernel_cannot_run(  # (None too for a name the registry lacks: the impl refuses it)
+            op,
             device,
             spec.torch_dtype,
             spec.head_dim,
-            scale=scale,
+            scale=spec.scale,
             is_causal=case.is_causal,
             head_dim_v=spec.value_head_dim,
         )
@@ -206,7 +214,7 @@ class RingRunner:
     def check(self, case, *, results: Sequence[dict] | None = None) -> list:
         """Run (unless results are given), judge every quantity, diagnose and raise on failure."""
         __tracebackhide__ = True
-        from suites.judge import diagnose_case, format_failure, judge
+        from suites.judge import diagnose_case, diagnose_strategy_case, format_failure, judge
 
         if results is None:
             results = self.run(case)
@@ -218,6 +226,11 @@ class RingRunner:
             pytest.fail(f"{exc}\nrepro: {self.repro()}", pytrace=False)
         self.record(case, verdicts)
         failed = [v for v in verdicts if not v.passed]
+        if failed and case.mesh_shape is not None:  # no ring simulation of a strategy's steps
+            diagnosis = diagnose_strategy_case(case, results, verdicts)
+            if case.compile:
+                diagnosis += " " + self.eager_comparison(case)
+            pytest.fail(format_failure(failed, diagnosis, self.repro()), pytrace=False)
         if failed:
             records, note = None, ""
             if case.compile:

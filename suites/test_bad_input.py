@@ -1,7 +1,8 @@
 """Bad input: every error class raises on every rank with a clear message, never a hang.
 
 A hang would surface as the harness's CaseTimeout with every rank's stack; a rank that returns
-normally while another raises fails here with the outcome of each rank.
+normally while another raises fails here with the outcome of each rank. The strategy axis
+(:mod:`suites.meshes`): Ulysses and the hybrid's own bad input on their meshes.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import re
 import pytest
 
 from harness.errors import ABORTED, CaseTimeout
+from suites import meshes
 from suites.cases_errors import BAD_INPUTS, bad_input_case
+from suites.cases_strategies import BAD_INPUTS as STRATEGY_BAD_INPUTS
+from suites.cases_strategies import strategy_bad_input_case
 from suites.matrix import world_sizes
 
 TIMEOUT_S = 30.0
 
 
 def pytest_generate_tests(metafunc):
+    if "bad" in metafunc.fixturenames:
+        metafunc.parametrize("bad", meshes.bad_input_cases(metafunc.config))
     if "w" in metafunc.fixturenames:
         sizes = world_sizes(metafunc.config, at_least=2, at_most=4)
         ends = sorted({sizes[0], sizes[-1]}) if sizes else []  # the smallest and largest ring
@@ -41,11 +47,58 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
         ring.require("ops", "*", why="selecting an op by name")
     if needs == "mask_mod":
         ring.require("masks", "mask_mod", why="a mask_mod that differs between ranks")
+    _assert_every_rank_raises(
+        ring,
+        kind,
+        pattern,
+        lambda timeout: ring.rank_pool(w).run_outcomes(
+            bad_input_case, ring.impl.spec, kind, timeout=timeout
+        ),
+    )
+
+
+def test_strategy_bad_input_raises_on_every_rank(ring, bad) -> None:
+    """The strategy axis (:mod:`suites.meshes`): bad input to Ulysses or the hybrid on any rank,
+    the same InputError (or TypeError for a wrong group) on every rank, no hang."""
+    strategy, mesh, kind = bad
+    ring.require("strategies", strategy, why=f"strategy={strategy!r}")
+    ring.require("input_errors", why="raises on every rank for bad input")
+    pattern, _ = STRATEGY_BAD_INPUTS[kind]
+    outcomes = _assert_every_rank_raises(
+        ring,
+        f"{strategy} {kind}",
+        pattern,
+        lambda timeout: ring.rank_pool(mesh[0] * mesh[1]).run_outcomes(
+            strategy_bad_input_case, ring.impl.spec, strategy, mesh, kind, timeout=timeout
+        ),
+    )
+    # a rank whose input was right may say only that others rejected theirs
+    vague = [
+        o.rank
+        for o in outcomes
+        if not re.search(pattern, o.exc_message, re.IGNORECASE)
+        and "rejected their input" not in o.exc_message
+    ]
+    assert not vague, (
+        f"{strategy} {kind}: the error of rank(s) {vague} says neither what was wrong "
+        f"(/{pattern}/) nor that other ranks rejected their input\n{_summary(outcomes)}"
+    )
+
+
+def _summary(outcomes) -> str:
+    return "\n".join(
+        f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}")
+        for o in outcomes
+    )
+
+
+def _assert_every_rank_raises(ring, kind: str, pattern: str, run_outcomes) -> list:
+    """Run ``run_outcomes(timeout)`` (each rank's outcome) and fail unless every rank raised, none
+    hung, some rank's error mentions /pattern/ and none is too terse to act on; the outcomes."""
+    __tracebackhide__ = True
     timeout = min(TIMEOUT_S, ring.timeout)
     try:
-        outcomes = ring.rank_pool(w).run_outcomes(
-            bad_input_case, ring.impl.spec, kind, timeout=timeout
-        )
+        outcomes = run_outcomes(timeout)
     except CaseTimeout as exc:
         states = ", ".join(
             f"rank {o.rank} {'raised ' + o.exc_type if not o.ok and o.exc_type else o.status}"
@@ -56,10 +109,7 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
             f"left the others waiting in a collective\nrepro: {ring.repro()}",
             pytrace=False,
         )
-    summary = "\n".join(
-        f"rank {o.rank}: " + (f"returned {o.value!r}" if o.ok else f"{o.exc_type}: {o.exc_message}")
-        for o in outcomes
-    )
+    summary = _summary(outcomes)
     waiting = [o.rank for o in outcomes if o.status == ABORTED]  # the harness ended their wait
     if waiting:
         pytest.fail(
@@ -82,3 +132,4 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
         assert len(o.exc_message) >= 20, (
             f"{kind}: rank {o.rank}'s error is too terse to act on: {o.exc_message!r}"
         )
+    return outcomes

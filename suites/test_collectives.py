@@ -4,6 +4,11 @@ The implementation declares ``collective_schedule(world_size, rotate_method, ...
 recorded calls and bytes (harness.accounting) must equal it. A rank that skips a collective, an
 extra hop, a dK/dV return trip that is missing or a transfer of the wrong size shows up here
 as a difference on the rank that made it.
+
+The strategy axis (:mod:`suites.meshes`): Ulysses and the hybrid declare the all-to-alls of
+their Ulysses rows and the ring's transfers across rows (``collective_schedule(...,
+strategy=, mesh_shape=, heads=, seq_q=, return_lse=)``); a difference names the rank's mesh
+coordinates.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import itertools
 
 import pytest
 
+from suites import meshes
 from suites.cases import RingCase
 from suites.coverage import combos
 from suites.inputs import InputSpec
@@ -77,7 +83,9 @@ def _cases(config) -> list:
 
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", _cases(metafunc.config))
+        metafunc.parametrize(
+            "case", _cases(metafunc.config) + meshes.collectives_cases(metafunc.config)
+        )
 
 
 def _diff(expected: dict, actual: dict) -> list[str]:
@@ -104,6 +112,14 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
     # head_dim_v only where value's head dim differs
     # (a schedule without the keyword serves the rest)
     value_dim = {} if spec.head_dim_v is None else {"head_dim_v": spec.head_dim_v}
+    if case.mesh_shape is not None:  # the strategy's own keywords
+        value_dim.update(
+            strategy=case.strategy,
+            mesh_shape=case.mesh_shape,
+            heads=spec.heads,
+            seq_q=spec.seq_q // case.world_size,
+            return_lse=case.return_lse,
+        )
     expected = schedule(
         case.world_size,
         case.rotate_method,
@@ -120,10 +136,13 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
     ring.check(case, results=results)
     problems = []
     for rank, r in enumerate(results):
-        actual = {phase: kinds for phase, kinds in r["collectives"].items() if kinds}
+        actual = {phase: kinds for phase, kinds in (r["collectives"] or {}).items() if kinds}
+        where = f"rank {rank}"
+        if case.mesh_shape is not None:
+            u = case.mesh_shape[0]
+            where += f" (ulysses {rank % u}, ring {rank // u})"
         problems += [
-            f"rank {rank}: {line}"
-            for line in _diff({p: k for p, k in expected.items() if k}, actual)
+            f"{where}: {line}" for line in _diff({p: k for p, k in expected.items() if k}, actual)
         ]
     if problems:
         pytest.fail(

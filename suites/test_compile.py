@@ -3,6 +3,9 @@
 Quick tier: ``aot_eager`` (bitwise equal to eager: same ops, no codegen). Nightly: ``inductor``
 over the rotation/layout/causal matrix, equal to eager within the numerics policy (inductor
 fuses and reorders floating-point work).
+
+The strategy axis (:mod:`suites.meshes`): Ulysses and the hybrid on 4-rank meshes, compiled
+the same way.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import torch
 
 from harness.errors import CaseFailure
 from reference.budget import assert_verdict, check
+from suites import meshes
 from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.judge import QUANTITIES, baseline_for, reference_for, unshard_results
+from suites.judge import QUANTITIES, baseline_for, reference_for, unshard_case
 from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
 
 
@@ -47,7 +51,7 @@ def pytest_generate_tests(metafunc):
                 inputs, w, is_causal=causal, layout=layout, rotate_method=rotate, compile=backend
             )
         )
-    metafunc.parametrize("case", params(cases))
+    metafunc.parametrize("case", params(cases) + meshes.compile_cases(metafunc.config))
 
 
 def test_compiled_matches_eager_and_reference(ring, case: RingCase) -> None:
@@ -60,16 +64,17 @@ def test_compiled_matches_eager_and_reference(ring, case: RingCase) -> None:
         except CaseFailure:
             raise exc from None  # fails eagerly too: not a compile problem
         head = "\n".join(str(exc).splitlines()[:2])
+        what = "ring_attention" if case.mesh_shape is None else f"the {case.strategy} strategy"
         pytest.fail(
-            f"torch.compile(backend={case.compile!r}, fullgraph=True) of ring_attention raised on "
+            f"torch.compile(backend={case.compile!r}, fullgraph=True) of {what} raised on "
             "the ranks, and the same case run eagerly does not: it fails only under "
             "torch.compile (a graph break in the ring, or code dynamo cannot trace) "
             f"[{case.label}]\n{head}\n{exc}",
             pytrace=False,
         )
     ring.check(compiled, results=compiled_results)
-    eager = unshard_results(ring.run(compiled.with_(compile=None)), case.layout)
-    got = unshard_results(compiled_results, case.layout)
+    eager = unshard_case(case, ring.run(compiled.with_(compile=None)))
+    got = unshard_case(case, compiled_results)
     ref, base = (
         reference_for(case.inputs, case.is_causal),
         baseline_for(case.inputs, case.is_causal, compiled.op),

@@ -9,6 +9,9 @@ d_v != d_qk; capability ``value_head_dim``) runs through every rotation, both la
 not, GQA and the LSE's gradient, wider and narrower than d_qk. A failing one is run again with
 d_v = d_qk: when that passes, the failure says the implementation is wrong only with its own
 value head dim (the typical bug: a key/value buffer, or a dK/dV accumulator, sized by d_qk).
+
+The strategy axis (:mod:`suites.meshes`): Ulysses and the hybrid on the session's meshes, by
+the same test and judge (ids ``ulysses-4x1-...``, ``hybrid-2x2-...``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import itertools
 
 import pytest
 
+from suites import meshes
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 from suites.judge import detached_lse
@@ -84,7 +88,9 @@ def _value_head_dim_cases(config) -> list:
 
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", _cases(metafunc.config))
+        metafunc.parametrize(
+            "case", _cases(metafunc.config) + meshes.reference_cases(metafunc.config)
+        )
     if "dv_case" in metafunc.fixturenames:
         metafunc.parametrize("dv_case", _value_head_dim_cases(metafunc.config))
 

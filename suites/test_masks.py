@@ -295,7 +295,7 @@ def _compile_cases(config) -> list[MaskCase]:
     return out
 
 
-#: Ulysses and the hybrid with masks, on the session's 4-rank meshes (suites/test_strategies.py's).
+#: Ulysses and the hybrid with masks, on the session's 4-rank meshes (suites/meshes.py's).
 STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
 
 

@@ -91,7 +91,7 @@ def _cases(config) -> list:
     )
 
 
-#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/test_strategies.py's).
+#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/meshes.py's).
 STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
 
 
@@ -152,9 +152,9 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
     ring.require("rotate_methods", case.rotate_method)
     ring.require("backward")
     if isinstance(op, str) and ":" not in op and op != "auto":
-        from ring_impl.ops import get_op
+        from conformance.kernels import kernel_computes_scores
 
-        if not getattr(get_op(op).capabilities, "score_mod", False):
+        if not kernel_computes_scores(op):
             pytest.skip(
                 f"the session's op {op!r} declares no OpCapabilities.score_mod (a fused kernel "
                 "computes no "

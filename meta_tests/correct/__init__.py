@@ -8,8 +8,8 @@ the conformance suites judge rightly: each must pass the whole quick tier
   LSE-weighted merge at the end in float64 (``meta_tests/correct/flash_ring.py``).
 
 For the strategies, ``meta_tests/correct/gather_strategies.py`` (Ulysses and the hybrid by one
-all-gather of the key/value sequence per mesh dim) passes ``suites/test_strategies.py``; it runs
-no ``strategy="ring"``, so it is not in :data:`CORRECT`.
+all-gather of the key/value sequence per mesh dim) passes the strategy axis
+(``suites/meshes.py``); it runs no ``strategy="ring"``, so it is not in :data:`CORRECT`.
 
 None of them imports ring_impl; they share only what holds no attention math, in
 ``meta_tests/correct/common.py``: the layouts, the accumulation dtype, the input checks, the

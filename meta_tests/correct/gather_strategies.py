@@ -1,7 +1,7 @@
 """gather_strategies: Ulysses and the hybrid by the plainest correct means, written without
 ring_impl: every rank all-gathers the whole key/value sequence and attends its own query rows.
 
-The false-failure side of the strategy suite (``suites/test_strategies.py``): a result that is
+The false-failure side of the strategy axis (``suites/meshes.py``' cases): a result that is
 right by construction, reached by a different road from any head-parallel implementation (no
 all-to-all, no head shards, no inner ring), so a suite that fails it judges a correct result
 wrongly.

@@ -25,9 +25,10 @@ def _lines(path: Path, records: list[dict]) -> None:
     )  # a line cut by the stop
 
 
-def test_a_stopped_job_reports_what_it_did_not_run(tmp_path: Path) -> None:
-    args = argparse.Namespace(
-        out=str(tmp_path),
+def _args(out: Path) -> argparse.Namespace:
+    """gpu_check's options for a CPU run without benchmarks, results under ``out``."""
+    return argparse.Namespace(
+        out=str(out),
         device="cpu",
         no_bench=True,
         quick_bench=False,
@@ -35,6 +36,10 @@ def test_a_stopped_job_reports_what_it_did_not_run(tmp_path: Path) -> None:
         sample_w3="0/2",
         sample_w4="0/4",
     )
+
+
+def test_a_stopped_job_reports_what_it_did_not_run(tmp_path: Path) -> None:
+    args = _args(tmp_path)
     jobs = {j.name: j for j in gpu_check.jobs(args)}
     done, stopped = jobs["kernels"], jobs["suites-W4-gloo"]
     _lines(
@@ -98,15 +103,7 @@ def test_a_stopped_job_reports_what_it_did_not_run(tmp_path: Path) -> None:
 
 
 def test_a_job_that_breaks_is_not_a_pass(tmp_path: Path) -> None:
-    args = argparse.Namespace(
-        out=str(tmp_path),
-        device="cpu",
-        no_bench=True,
-        quick_bench=False,
-        budget=60.0,
-        sample_w3="0/2",
-        sample_w4="0/4",
-    )
+    args = _args(tmp_path)
     job = next(j for j in gpu_check.jobs(args) if j.name == "kernels")
     job.status, job.rc = "finished", 4  # pytest's usage error: nothing ran
     gpu_check.read_results(job, tmp_path)

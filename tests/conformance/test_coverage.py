@@ -20,11 +20,11 @@ import pytest
 from harness.pytest_plugin import SETTINGS_KEY
 from harness.settings import DEFAULT_WORLD_SIZES, HarnessSettings
 from suites import (
+    meshes,
     test_collectives,
     test_lse_layouts,
     test_masks,
     test_shapes,
-    test_strategies,
 )
 from suites.cases_balance import BALANCER_LAYOUTS
 from suites.cases_masks import MASK_NAMES
@@ -127,7 +127,7 @@ class Matrix:
 
 
 def _kv(case) -> str:
-    _, kvs = test_strategies.heads_of(case.mesh_shape[0])
+    _, kvs = meshes.heads_of(case.mesh_shape[0])
     return next(name for name, n in kvs.items() if n == case.inputs.heads_kv)
 
 
@@ -150,12 +150,12 @@ def _plain_strategy_case(case) -> bool:
 
 MATRICES = {
     "strategies": Matrix(
-        test_strategies._matrix,
+        meshes.reference_cases,
         _strategy_row,
         (
-            test_strategies.MESHES[4] + test_strategies.MESHES[6],
+            meshes.MESHES[4] + meshes.MESHES[6],
             ("float64", "float32", "bfloat16"),
-            test_strategies.LAYOUT_CAUSAL,
+            meshes.LAYOUT_CAUSAL,
             ("mha", "gqa", "mqa"),
             ROTATIONS,
         ),

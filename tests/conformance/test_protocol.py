@@ -5,9 +5,6 @@ the api_module resolution."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,29 +17,7 @@ from conformance.implementation import (
     ProtocolError,
     load_implementation,
 )
-from harness.procs import run_tree  # the command's process tree dies with the test
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _pytest(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 600
-) -> subprocess.CompletedProcess:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))
-    }
-    clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), clean.get("PYTHONPATH", "")])
-    clean.update(env or {})
-    return run_tree(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
-        cwd=ROOT,
-        env=clean,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.conformance.subproc import run_pytest
 
 
 def test_undeclared_is_claimed_and_only_declared_lacking_is_not() -> None:
@@ -118,7 +93,7 @@ def test_api_module_resolution() -> None:
 def test_bare_implementation_is_tested_and_missing_pieces_fail(tmp_path: Path) -> None:
     """An object with ring_attention only: nothing is N/A; the cases that need a piece it lacks
     fail naming the attribute; the others run and pass."""
-    proc = _pytest(
+    proc = run_pytest(
         "suites/test_forward_backward.py",
         "suites/test_collectives.py",
         "suites/test_causal_layouts.py",
@@ -164,7 +139,7 @@ def test_bare_implementation_is_tested_and_missing_pieces_fail(tmp_path: Path) -
 
 
 def test_all_na_run_exits_nonzero_saying_why(tmp_path: Path) -> None:
-    proc = _pytest(
+    proc = run_pytest(
         "suites/test_forward_backward.py",
         "-q",
         "--world-sizes",
@@ -186,12 +161,14 @@ def test_all_na_run_exits_nonzero_saying_why(tmp_path: Path) -> None:
 
 def test_all_skipped_and_all_deselected_runs_exit_nonzero(tmp_path: Path) -> None:
     # --world-sizes 1: test_rotation generates no case at W >= 2, so its one item is skipped
-    skipped = _pytest("suites/test_rotation.py", "-q", "--world-sizes", "1", "--report-dir", "none")
+    skipped = run_pytest(
+        "suites/test_rotation.py", "-q", "--world-sizes", "1", "--report-dir", "none"
+    )
     assert skipped.returncode == 1 and "of 1 suite cases 0 N/A, 1 skipped" in skipped.stdout, (
         skipped.stdout[-3000:]
     )
     # quick tier: no case is nightly-only, so -m nightly leaves nothing
-    deselected = _pytest("suites/test_compile.py", "-q", "-m", "nightly", "--report-dir", "none")
+    deselected = run_pytest("suites/test_compile.py", "-q", "-m", "nightly", "--report-dir", "none")
     assert deselected.returncode != 0, deselected.stdout[-3000:]
     assert (
         "4 deselected by -k/-m" in deselected.stdout
@@ -200,7 +177,7 @@ def test_all_skipped_and_all_deselected_runs_exit_nonzero(tmp_path: Path) -> Non
 
 
 def test_project_tests_alone_are_not_a_conformance_run() -> None:
-    proc = _pytest(
+    proc = run_pytest(
         "tests/conformance/test_report.py",
         "suites/test_compile.py",
         "-q",

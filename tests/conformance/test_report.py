@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,7 @@ from conformance.report import (
     to_json,
 )
 from conformance.reporting import parse_vendor_file
-from harness.procs import run_tree  # the command's process tree dies with the test
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conformance.subproc import run_pytest
 
 
 def _verdict(max_err: float, base: float, floor: float = 1e-6, k: float = 2.0) -> dict:
@@ -45,29 +41,17 @@ def test_effective_ratio_folds_the_floor_in_and_is_finite_for_exact_baselines() 
 
 
 def test_matrix_cells_scores_and_files() -> None:
+    def a(n: int, outcome: str, dtype: str, verdicts=(), message: str = "") -> CaseRecord:
+        """Case ``n`` of suite a, its dtype ``dtype`` on the p2p rotation."""
+        axes = {"dtype": dtype, "rotate_method": "p2p"}
+        return CaseRecord(
+            f"suites/test_a.py::t[{n}]", outcome, "a", axes, [*verdicts], message=message
+        )
+
     records = [
-        CaseRecord(
-            "suites/test_a.py::t[1]",
-            "passed",
-            "a",
-            {"dtype": "float32", "rotate_method": "p2p"},
-            [_verdict(1e-3, 1e-3)],
-        ),
-        CaseRecord(
-            "suites/test_a.py::t[2]",
-            "failed",
-            "a",
-            {"dtype": "float32", "rotate_method": "p2p"},
-            [_verdict(9e-3, 1e-3)],
-            message="boom",
-        ),
-        CaseRecord(
-            "suites/test_a.py::t[3]",
-            "n/a",
-            "a",
-            {"dtype": "bfloat16", "rotate_method": "p2p"},
-            message="N/A: no bf16",
-        ),
+        a(1, "passed", "float32", [_verdict(1e-3, 1e-3)]),
+        a(2, "failed", "float32", [_verdict(9e-3, 1e-3)], message="boom"),
+        a(3, "n/a", "bfloat16", message="N/A: no bf16"),
         CaseRecord("suites/test_b.py::t", "passed", "b"),
     ]
     report = build_report("impl-x", {"torch": "2.13"}, records)
@@ -97,23 +81,6 @@ def test_vendor_file_parsing_rejects_lines_without_reason(tmp_path: Path) -> Non
         parse_vendor_file(bad)
 
 
-def _pytest(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return run_tree(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_minimal_vendor_impl_gets_na_not_failures_and_a_report(tmp_path: Path) -> None:
     vendor = tmp_path / "vendor.txt"
     vendor.write_text(
@@ -121,7 +88,7 @@ def test_minimal_vendor_impl_gets_na_not_failures_and_a_report(tmp_path: Path) -
         "fails)\n"
         "skip suites/test_no_such_module.py  typo on purpose\n"
     )
-    proc = _pytest(
+    proc = run_pytest(
         "suites/test_forward_backward.py",
         "suites/test_collectives.py",
         "-q",
@@ -137,7 +104,6 @@ def test_minimal_vendor_impl_gets_na_not_failures_and_a_report(tmp_path: Path) -
         "always::conformance.reporting.VendorFileWarning",
         "--vendor-file",
         str(vendor),
-        tmp_path=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "matches no collected test" in proc.stdout, "an unmatched vendor entry must warn"
@@ -168,7 +134,7 @@ def test_minimal_vendor_impl_gets_na_not_failures_and_a_report(tmp_path: Path) -
 
 
 def test_bad_impl_option_fails_at_start_naming_the_option(tmp_path: Path) -> None:
-    proc = _pytest("suites/test_determinism.py", "--impl", "no_such_pkg.mod:obj", tmp_path=tmp_path)
+    proc = run_pytest("suites/test_determinism.py", "--impl", "no_such_pkg.mod:obj")
     assert proc.returncode != 0
     assert "--impl" in proc.stderr and "cannot import module" in proc.stderr
 
@@ -247,9 +213,7 @@ def test_report_dir_that_cannot_be_a_directory_is_a_usage_error_at_start(
     afile = tmp_path / "taken"
     afile.write_text("not a directory")
     target = afile if where == "file" else afile / "reports"
-    proc = _pytest(
-        "suites/test_forward_backward.py", "-q", "--report-dir", str(target), tmp_path=tmp_path
-    )
+    proc = run_pytest("suites/test_forward_backward.py", "-q", "--report-dir", str(target))
     assert proc.returncode == 4, (
         proc.stdout[-2000:] + proc.stderr[-2000:]
     )  # pytest's usage error, before any test

@@ -177,9 +177,12 @@ def _uneven_case():
 
 
 def _strategy_case():
-    from suites.cases_strategies import StrategyCase, strategy_case
+    """ring_case's strategy path (its shards by reference.strategies, its group)."""
+    from suites.cases import RingCase, ring_case
 
-    return strategy_case(MetaRank(), StrategyCase(SPEC, "ulysses", (1, 1), impl=PROBE_IMPL))
+    return ring_case(
+        MetaRank(), RingCase(SPEC, 1, strategy="ulysses", mesh_shape=(1, 1), impl=PROBE_IMPL)
+    )
 
 
 def _balance_case():
@@ -211,7 +214,6 @@ RANK_FUNCTIONS = {
     "suites.cases_masks.masked_case": _masked_case,
     "suites.cases_score_mods.scored_case": _scored_case,
     "suites.cases_max_logit.max_logit_case": _max_logit_case,
-    "suites.cases_strategies.strategy_case": _strategy_case,
     "suites.cases_balance.balance_case": _balance_case,
     "suites.cases_uneven.uneven_case": _uneven_case,
     "suites.cases_balance.multi_mask_case": _multi_mask_case,
@@ -220,7 +222,7 @@ RANK_FUNCTIONS = {
 
 #: Rank functions that need no probe here, and why.
 NOT_PROBED = {
-    "suites.cases_strategies.strategy_group": "builds the group of a strategy case; no tensors",
+    "suites.cases.strategy_group": "builds the group of a strategy case; no tensors",
     "suites.cases_errors.bad_input_case": (
         "bad input is refused before any kernel runs; its tensors use ctx.device"
     ),
@@ -240,6 +242,14 @@ def test_rank_function_hands_the_session_device(name: str) -> None:
     assert set(devices) == {"meta"}, (
         f"{name}: ring_attention was handed tensors on {devices} on a rank whose device is meta: "
         "put the case's tensors on ctx.device"
+    )
+
+
+def test_a_strategy_case_hands_the_session_device() -> None:
+    devices = _probed(_strategy_case)
+    assert set(devices) == {"meta"}, (
+        f"suites.cases.ring_case (a strategy case): ring_attention was handed tensors on "
+        f"{devices} on a rank whose device is meta: put the case's tensors on ctx.device"
     )
 
 

@@ -12,10 +12,8 @@ from harness import get_pool
 from harness.simulated import shutdown_simulated_pools, simulated_pool
 from suites.cases import RingCase, ring_case
 from suites.cases_masks import MaskCase, judge_masked, masked_case
-from suites.cases_strategies import StrategyCase, strategy_case
 from suites.inputs import InputSpec
 from suites.judge import judge
-from suites.judge_strategies import judge_strategy
 
 
 def _spec(w: int, dtype: str, heads_kv: int = 2) -> InputSpec:
@@ -31,36 +29,25 @@ def _spec(w: int, dtype: str, heads_kv: int = 2) -> InputSpec:
     )
 
 
+def _ring(w: int, dtype: str, heads_kv: int = 2, **options) -> RingCase:
+    """A ring case of ``w`` ranks with its collectives accounted."""
+    return RingCase(_spec(w, dtype, heads_kv), w, account=True, **options)
+
+
 CASES = [
     pytest.param(
         2,
-        RingCase(
-            _spec(2, "float32"),
-            2,
-            is_causal=True,
-            layout="head_tail",
-            rotate_method="p2p",
-            account=True,
-        ),
+        _ring(2, "float32", is_causal=True, layout="head_tail", rotate_method="p2p"),
         id="W2-f32-causal-p2p-head_tail",
     ),
     pytest.param(
         4,
-        RingCase(
-            _spec(4, "bfloat16", 4), 4, layout="contiguous", rotate_method="alltoall", account=True
-        ),
+        _ring(4, "bfloat16", heads_kv=4, layout="contiguous", rotate_method="alltoall"),
         id="W4-bf16-full-alltoall-contiguous",
     ),
     pytest.param(
         4,
-        RingCase(
-            _spec(4, "float64"),
-            4,
-            is_causal=True,
-            layout="contiguous",
-            rotate_method="allgather",
-            account=True,
-        ),
+        _ring(4, "float64", is_causal=True, layout="contiguous", rotate_method="allgather"),
         id="W4-f64-causal-allgather-contiguous",
     ),
     pytest.param(
@@ -77,10 +64,11 @@ CASES = [
     ),
     pytest.param(
         4,
-        StrategyCase(
+        RingCase(
             InputSpec(batch=2, heads=12, heads_kv=2, seq_q=32, seq_kv=32, head_dim=8, seed=3),
-            "hybrid",
-            (2, 2),
+            4,
+            strategy="hybrid",
+            mesh_shape=(2, 2),
             is_causal=True,
             layout="head_tail",
             rotate_method="alltoall",
@@ -88,8 +76,8 @@ CASES = [
         id="W4-f32-hybrid-2x2-causal-head_tail-gqa",
     ),
 ]
-RUN = {RingCase: ring_case, MaskCase: masked_case, StrategyCase: strategy_case}
-JUDGE = {RingCase: judge, MaskCase: judge_masked, StrategyCase: judge_strategy}
+RUN = {RingCase: ring_case, MaskCase: masked_case}
+JUDGE = {RingCase: judge, MaskCase: judge_masked}
 
 
 def _same(a, b, where: str) -> None:

@@ -62,6 +62,19 @@ def pytest_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "pytest", *ISOLATION_ARGS, *args]
 
 
+def torchrun_command(*args: str) -> list[str]:
+    """torchrun (``python -m torch.distributed.run``), standalone, two ranks each running
+    ``args``."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        *args,
+    ]
+
+
 def run_pytest(
     *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0
 ) -> subprocess.CompletedProcess[str]:

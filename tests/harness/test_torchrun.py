@@ -4,27 +4,23 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 from harness.procs import run_tree
-from tests.harness.subproc import ISOLATION_ARGS, REPO_ROOT, TARGETS, clean_env
+from tests.harness.subproc import (
+    ISOLATION_ARGS,
+    REPO_ROOT,
+    TARGETS,
+    clean_env,
+    torchrun_command,
+)
 
 SUMMARY = "1 failed, 2 passed, 1 skipped"
 
 
 def test_torchrun_two_ranks_run_the_same_cases_in_lockstep() -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "pytest",
-        *ISOLATION_ARGS,
-        "-rA",
-        str(TARGETS / "target_torchrun.py"),
-    ]
+    command = torchrun_command(
+        "-m", "pytest", *ISOLATION_ARGS, "-rA", str(TARGETS / "target_torchrun.py")
+    )
     result = run_tree(
         command,
         cwd=REPO_ROOT,

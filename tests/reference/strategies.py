@@ -9,6 +9,8 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from reference.simulate import RingSimulation, simulate_ring
+
 # The oracle is tested harder than the code under test, and its cases are cheap: at least 50
 # examples per property, more when the active profile (dev/ci/nightly, chosen by the root
 # conftest before this module is imported) asks for more.
@@ -32,18 +34,21 @@ class Problem:
 
 def make_problem(
     seed: int,
-    batch: int,
-    heads_kv: int,
-    groups: int,
+    *,
     seq_q: int,
-    seq_k: int,
     head_dim: int,
-    is_causal: bool,
-    scale: float | None,
+    seq_k: int | None = None,
+    batch: int = 1,
+    heads_kv: int = 1,
+    groups: int = 1,
+    is_causal: bool = False,
+    scale: float | None = None,
     magnitude: float = 1.0,
     head_dim_v: int | None = None,
 ) -> Problem:
-    """``head_dim_v``: value's head dim (None: ``head_dim``)."""
+    """``seq_k``: the keys' length (None: ``seq_q``); ``head_dim_v``: value's head dim (None:
+    ``head_dim``); ``magnitude`` scales query and key (logits grow by its square)."""
+    seq_k = seq_q if seq_k is None else seq_k
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads_kv * groups, seq_q, head_dim, generator=gen, dtype=torch.float64)
     k = torch.randn(batch, heads_kv, seq_k, head_dim, generator=gen, dtype=torch.float64)
@@ -56,6 +61,12 @@ def make_problem(
         dtype=torch.float64,
     )
     return Problem(q * magnitude, k * magnitude, v, is_causal, scale)
+
+
+def simulate(p: Problem, world_size: int, layout: str) -> RingSimulation:
+    """The chunked single-process ring simulation of ``p`` on ``world_size`` ranks."""
+    options = dict(is_causal=p.is_causal, scale=p.scale)
+    return simulate_ring(p.query, p.key, p.value, world_size=world_size, layout=layout, **options)
 
 
 def draw_problem(

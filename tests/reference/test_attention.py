@@ -33,97 +33,26 @@ def math_sdpa(
 
 
 CASES = [
+    pytest.param(dict(batch=2, heads_kv=3, seq_q=17, head_dim=8), id="mha"),
+    pytest.param(dict(batch=2, heads_kv=3, seq_q=17, head_dim=8, is_causal=True), id="mha-causal"),
     pytest.param(
-        dict(
-            batch=2,
-            heads_kv=3,
-            groups=1,
-            seq_q=17,
-            seq_k=17,
-            head_dim=8,
-            is_causal=False,
-            scale=None,
-        ),
-        id="mha",
-    ),
-    pytest.param(
-        dict(
-            batch=2,
-            heads_kv=3,
-            groups=1,
-            seq_q=17,
-            seq_k=17,
-            head_dim=8,
-            is_causal=True,
-            scale=None,
-        ),
-        id="mha-causal",
-    ),
-    pytest.param(
-        dict(
-            batch=1,
-            heads_kv=2,
-            groups=4,
-            seq_q=16,
-            seq_k=16,
-            head_dim=16,
-            is_causal=True,
-            scale=0.3,
-        ),
+        dict(heads_kv=2, groups=4, seq_q=16, head_dim=16, is_causal=True, scale=0.3),
         id="gqa-causal-scale",
     ),
-    pytest.param(
-        dict(
-            batch=1,
-            heads_kv=1,
-            groups=4,
-            seq_q=5,
-            seq_k=23,
-            head_dim=4,
-            is_causal=False,
-            scale=None,
-        ),
-        id="mqa-cross",
-    ),
+    pytest.param(dict(groups=4, seq_q=5, seq_k=23, head_dim=4), id="mqa-cross"),
     pytest.param(
         dict(
             batch=2, heads_kv=2, groups=2, seq_q=23, seq_k=7, head_dim=3, is_causal=True, scale=1.7
         ),
         id="gqa-causal-cross-longer-q",
     ),
-    pytest.param(
-        dict(
-            batch=1, heads_kv=1, groups=1, seq_q=1, seq_k=1, head_dim=1, is_causal=True, scale=None
-        ),
-        id="tiny",
-    ),
+    pytest.param(dict(seq_q=1, head_dim=1, is_causal=True), id="tiny"),
     # value's own head dim (multi-head latent attention): wider and narrower than query's and key's
     pytest.param(
-        dict(
-            batch=2,
-            heads_kv=2,
-            groups=1,
-            seq_q=11,
-            seq_k=11,
-            head_dim=8,
-            head_dim_v=13,
-            is_causal=False,
-            scale=None,
-        ),
-        id="mla-wider-value",
+        dict(batch=2, heads_kv=2, seq_q=11, head_dim=8, head_dim_v=13), id="mla-wider-value"
     ),
     pytest.param(
-        dict(
-            batch=1,
-            heads_kv=2,
-            groups=2,
-            seq_q=12,
-            seq_k=12,
-            head_dim=24,
-            head_dim_v=8,
-            is_causal=True,
-            scale=0.2,
-        ),
+        dict(heads_kv=2, groups=2, seq_q=12, head_dim=24, head_dim_v=8, is_causal=True, scale=0.2),
         id="mla-narrower-value-gqa-causal",
     ),
 ]
@@ -165,17 +94,7 @@ def test_gradients_match_numpy_analytic(case: dict) -> None:
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_gradcheck_float64(is_causal: bool) -> None:
-    p = make_problem(
-        seed=4,
-        batch=1,
-        heads_kv=1,
-        groups=2,
-        seq_q=4,
-        seq_k=4,
-        head_dim=3,
-        is_causal=is_causal,
-        scale=0.7,
-    )
+    p = make_problem(seed=4, groups=2, seq_q=4, head_dim=3, is_causal=is_causal, scale=0.7)
     inputs = tuple(t.clone().requires_grad_() for t in (p.query, p.key, p.value))
     assert torch.autograd.gradcheck(
         lambda q, k, v: attention(q, k, v, is_causal=is_causal, scale=0.7), inputs
@@ -183,17 +102,7 @@ def test_gradcheck_float64(is_causal: bool) -> None:
 
 
 def test_low_precision_inputs_are_upcast_not_recomputed_in_low_precision() -> None:
-    p = make_problem(
-        seed=5,
-        batch=1,
-        heads_kv=2,
-        groups=2,
-        seq_q=9,
-        seq_k=9,
-        head_dim=8,
-        is_causal=True,
-        scale=None,
-    )
+    p = make_problem(seed=5, heads_kv=2, groups=2, seq_q=9, head_dim=8, is_causal=True)
     q, k, v = (t.to(torch.bfloat16) for t in (p.query, p.key, p.value))
     out, lse = attention(q, k, v, is_causal=True)
     want_out, want_lse = attention(q.double(), k.double(), v.double(), is_causal=True)
@@ -217,17 +126,7 @@ def test_logits_of_1e4_are_finite_and_exact() -> None:
 
 
 def test_masked_attention_rows_that_see_nothing_are_neutral() -> None:
-    p = make_problem(
-        seed=6,
-        batch=1,
-        heads_kv=1,
-        groups=1,
-        seq_q=3,
-        seq_k=4,
-        head_dim=2,
-        is_causal=False,
-        scale=None,
-    )
+    p = make_problem(seed=6, seq_q=3, seq_k=4, head_dim=2)
     visible = torch.tensor([[True, False, True, False], [False] * 4, [True] * 4])
     out, lse = masked_attention(p.query, p.key, p.value, visible)
     assert torch.equal(out[0, 0, 1], torch.zeros(2, dtype=torch.float64))

@@ -223,25 +223,21 @@ def test_lse_is_judged_in_float32_for_16_bit_inputs() -> None:
     lse = attention(q, k, v).lse
     scales = budget.error_scales(q, k, v)["lse"]
     off = lse + 4e-3
-    v32 = check(
-        "lse",
-        off.float(),
-        lse,
-        lse.float(),
-        dtype=torch.bfloat16,
-        result_dtype=torch.float32,
-        scales=scales,
-    )
+
+    def judged_as(result_dtype: torch.dtype) -> budget.Verdict:
+        return check(
+            "lse",
+            off.float(),
+            lse,
+            lse.float(),
+            dtype=torch.bfloat16,
+            result_dtype=result_dtype,
+            scales=scales,
+        )
+
+    v32 = judged_as(torch.float32)
     assert not v32.passed and "float32 result of bfloat16 inputs" in v32.message
-    as_bf16 = check(
-        "lse",
-        off.float(),
-        lse,
-        lse.float(),
-        dtype=torch.bfloat16,
-        result_dtype=torch.bfloat16,
-        scales=scales,
-    )
+    as_bf16 = judged_as(torch.bfloat16)
     assert as_bf16.passed  # what judging it by its input dtype let through
 
 

@@ -11,8 +11,8 @@ import torch
 from reference.attention import attention_grads, masked_attention
 from reference.diagnose import diagnose
 from reference.layout import shard
-from reference.simulate import RingSimulation, merge_partials, simulate_ring
-from tests.reference.strategies import make_problem
+from reference.simulate import RingSimulation, merge_partials
+from tests.reference.strategies import make_problem, simulate
 
 Partial = tuple[torch.Tensor, torch.Tensor]
 
@@ -21,26 +21,8 @@ def make_sim(
     world_size: int, layout: str, is_causal: bool, scale: float | None = None, chunk: int = 2
 ) -> RingSimulation:
     seq = world_size * chunk * (2 if layout == "head_tail" else 1)
-    p = make_problem(
-        seed=7,
-        batch=1,
-        heads_kv=1,
-        groups=2,
-        seq_q=seq,
-        seq_k=seq,
-        head_dim=4,
-        is_causal=is_causal,
-        scale=scale,
-    )
-    return simulate_ring(
-        p.query,
-        p.key,
-        p.value,
-        world_size=world_size,
-        layout=layout,
-        is_causal=is_causal,
-        scale=scale,
-    )
+    p = make_problem(seed=7, groups=2, seq_q=seq, head_dim=4, is_causal=is_causal, scale=scale)
+    return simulate(p, world_size, layout)
 
 
 def block(
@@ -217,6 +199,16 @@ def find(recs: list[dict], rank: int, step: int) -> dict:
     return next(e for e in recs if (e["rank"], e["step"]) == (rank, step))
 
 
+def assert_records_pinned(
+    sim: RingSimulation, recs: list[dict], rank_step: tuple[int, int], phrase: str
+) -> None:
+    """Diagnosing ``recs`` alone pins ``rank_step`` (rank, ring step) and says ``phrase``."""
+    __tracebackhide__ = True
+    d = diagnose(sim, None, records=recs)
+    assert (d.rank, d.step) == rank_step, d.summary
+    assert phrase in d.summary, d.summary
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
 def test_correct_records_are_ok(layout: str) -> None:
     sim = make_sim(3, layout, True)
@@ -244,26 +236,20 @@ def test_record_of_a_step_that_must_be_skipped() -> None:
     recs.append(
         {"rank": 0, "step": 1, "kv_rank": 2, "q_rows": (0, 2), "out": wrong_out, "lse": wrong_lse}
     )
-    d = diagnose(sim, None, records=recs)
-    assert (d.rank, d.step) == (0, 1)
-    assert "must be skipped" in d.summary
+    assert_records_pinned(sim, recs, (0, 1), "must be skipped")
 
 
 def test_missing_record_of_a_needed_step() -> None:
     sim = make_sim(3, "contiguous", True)
     recs = [e for e in records_of(sim) if (e["rank"], e["step"]) != (2, 2)]
-    d = diagnose(sim, None, records=recs)
-    assert (d.rank, d.step) == (2, 2)
-    assert "skipped, but 4 query-key pairs are visible" in d.summary
+    assert_records_pinned(sim, recs, (2, 2), "skipped, but 4 query-key pairs are visible")
 
 
 def test_record_with_wrong_kv_rank() -> None:
     sim = make_sim(4, "contiguous", False)
     recs = records_of(sim)
     find(recs, 1, 1)["kv_rank"] = 2
-    d = diagnose(sim, None, records=recs)
-    assert (d.rank, d.step) == (1, 1)
-    assert "key/value block of rank [2]" in d.summary
+    assert_records_pinned(sim, recs, (1, 1), "key/value block of rank [2]")
 
 
 def test_record_with_untrimmed_lse_padding() -> None:
@@ -272,9 +258,7 @@ def test_record_with_untrimmed_lse_padding() -> None:
     e = find(recs, 1, 0)
     # Memory-efficient attention pads LSE to a multiple of 32 with garbage.
     e["lse"] = torch.cat([e["lse"], torch.full((1, 2, 30), 123.0, dtype=torch.float64)], dim=-1)
-    d = diagnose(sim, None, records=recs)
-    assert (d.rank, d.step) == (1, 0)
-    assert "LSE padding not trimmed" in d.summary
+    assert_records_pinned(sim, recs, (1, 0), "LSE padding not trimmed")
 
 
 def test_records_fine_but_output_wrong_blames_the_merge() -> None:

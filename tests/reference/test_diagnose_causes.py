@@ -13,8 +13,8 @@ import torch
 from reference.attention import attention_grads
 from reference.diagnose import _replay_backward, compare_records, diagnose, narrowest_dtype
 from reference.layout import shard
-from reference.simulate import lower_triangular, simulate_ring
-from tests.reference.strategies import make_problem
+from reference.simulate import lower_triangular
+from tests.reference.strategies import make_problem, simulate
 from tests.reference.test_diagnose import block, find, make_sim, records_of
 
 
@@ -145,19 +145,7 @@ def test_overflow_is_named_only_where_the_lse_is_beyond_exp() -> None:
         calm, [torch.full_like(calm.local_out(r), math.nan) for r in range(2)], dtype=torch.float32
     )
     assert not d.ok and "overflowed" not in d.summary
-    p = make_problem(
-        seed=3,
-        batch=1,
-        heads_kv=1,
-        groups=1,
-        seq_q=8,
-        seq_k=8,
-        head_dim=8,
-        is_causal=False,
-        scale=None,
-        magnitude=30.0,
-    )
-    hot = simulate_ring(p.query, p.key, p.value, world_size=2, layout="contiguous")
+    hot = simulate(make_problem(seed=3, seq_q=8, head_dim=8, magnitude=30.0), 2, "contiguous")
     assert float(hot.lse.abs().max()) > math.log(torch.finfo(torch.float32).max)
     d = diagnose(
         hot, [torch.full_like(hot.local_out(r), math.nan) for r in range(2)], dtype=torch.float32

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reference.attention import attention
 from reference.layout import LAYOUTS
 from reference.simulate import logsigmoid, lower_triangular, merge_partials, simulate_ring
-from tests.reference.strategies import REFERENCE_SETTINGS, make_problem
+from tests.reference.strategies import REFERENCE_SETTINGS, make_problem, simulate
 
 
 def held_positions(layout: str, world_size: int, rank: int, seq_len: int) -> list[int]:
@@ -31,27 +31,7 @@ def problem(
 ):
     seq = world_size * chunk * (2 if layout == "head_tail" else 1)
     return make_problem(
-        seed=world_size,
-        batch=1,
-        heads_kv=1,
-        groups=2,
-        seq_q=seq,
-        seq_k=seq if seq_k is None else seq_k,
-        head_dim=4,
-        is_causal=is_causal,
-        scale=None,
-    )
-
-
-def simulate(p, world_size: int, layout: str):
-    return simulate_ring(
-        p.query,
-        p.key,
-        p.value,
-        world_size=world_size,
-        layout=layout,
-        is_causal=p.is_causal,
-        scale=p.scale,
+        seed=world_size, groups=2, seq_q=seq, seq_k=seq_k, head_dim=4, is_causal=is_causal
     )
 
 

@@ -44,6 +44,90 @@ def assert_ring_matches_oracle(
         )
 
 
+def assert_results_match_oracle(
+    label: str,
+    got: dict[str, torch.Tensor | None],
+    ref,
+    scales: dict,
+    *,
+    world_size: int,
+    dtype: torch.dtype,
+    base: dict[str, torch.Tensor] | None = None,
+    sink_shares: int | None = None,
+) -> None:
+    """``got``: a run's global out, lse, dq, dk, dv in the oracle's layout (any dtype), and its
+    ``dsinks`` summed over ranks where the case has sinks (absent or None: no sinks); ``ref``:
+    the float64 oracle's (``reference.attention_grads``); ``scales``: the policy's magnitudes
+    (``reference.budget.error_scales``); ``base``: the policy's baseline B by quantity (None: the
+    oracle rounded once to each result dtype, as an exact kernel gives it). Rows that see nothing
+    (the oracle's LSE -inf) must have an LSE of exactly -inf, and only they; every other value is
+    finite and within the policy's bound. ``world_size``: the key/value blocks each row's result
+    merges; ``sink_shares``: the ranks whose shares dsinks sums (None: ``world_size``). The LSE
+    is judged in float32 where ``dtype`` is lower, dsinks in float32 over one rounding a row."""
+    __tracebackhide__ = True
+    from reference.budget import assert_close
+
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for n in QUANTITIES:
+        result_dtype = lse_dtype if n == "lse" else dtype
+        want = getattr(ref, n)
+        b = want.to(result_dtype) if base is None else base[n]
+        x, b = got[n].to(torch.float64), b.to(torch.float64)
+        if n == "lse":
+            nothing = torch.isneginf(want)
+            assert torch.equal(torch.isneginf(x), nothing), (
+                f"lse: rows that see nothing must be -inf, and only they [{label}]"
+            )
+            x, want, b = (t.masked_fill(nothing, 0.0) for t in (x, want, b))
+        assert torch.isfinite(x).all(), f"{n}: NaN/inf where every input is finite [{label}]"
+        assert_close(
+            f"{n} [{label}]",
+            x,
+            want,
+            b,
+            world_size=world_size,
+            dtype=dtype,
+            result_dtype=result_dtype,
+            scales=scales[n],
+        )
+    if got.get("dsinks") is not None:
+        assert_close(
+            f"dsinks [{label}]",
+            got["dsinks"],
+            ref.dsinks,
+            ref.dsinks.float() if base is None else base["dsinks"],
+            world_size=world_size if sink_shares is None else sink_shares,
+            dtype=dtype,
+            result_dtype=torch.float32,
+            roundings=ref.out.shape[2],  # the sum over every query row
+            scales=scales["dsinks"],
+        )
+
+
+def assert_float64_results_match_oracle(
+    label: str, got: dict[str, torch.Tensor], ref, scales: dict, *, world_size: int
+) -> None:
+    """``got``: some of a float64 run's global results by name (out, lse, dq, dk, dv), each
+    against the oracle's by the numerics policy, the oracle its own baseline (an exact kernel)."""
+    __tracebackhide__ = True
+    from reference.budget import assert_close
+
+    for n, x in got.items():
+        want = getattr(ref, n)
+        assert_close(f"{n} [{label}]", x, want, want, world_size=world_size, scales=scales[n])
+
+
+def unshard_results(results: list[dict], layout: str) -> dict[str, torch.Tensor | None]:
+    """Each rank's dict of local shards (out, lse, dq, dk, dv under ``layout``, dsinks its share
+    or None) as the global results ``assert_results_match_oracle`` takes."""
+    import ring_impl
+
+    got = {n: ring_impl.unshard([r[n] for r in results], layout=layout) for n in QUANTITIES}
+    shares = [r.get("dsinks") for r in results]
+    got["dsinks"] = None if shares[0] is None else sum(shares)
+    return got
+
+
 def assert_masked_op_matches_math(
     op,
     q: torch.Tensor,

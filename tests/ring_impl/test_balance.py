@@ -13,6 +13,7 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import assert_float64_results_match_oracle
 
 
 def _lognormal_doc_ids(seq: int, seed: int) -> torch.Tensor:
@@ -309,17 +310,13 @@ def test_ring_is_right_on_the_balanced_layouts(ring, rotate: str, balancer: str)
     vis = visibility({"kind": "document", "doc_ids": doc_ids.tolist(), "causal": True}, seq, seq)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis)
-    for name in ("out", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[name] for r in results], layout=layout)
-        want = getattr(ref, name)
-        assert_close(
-            f"{name} [{balancer} layout, {rotate}]",
-            got,
-            want,
-            want,
-            world_size=world,
-            scales=scales[name],
-        )
+    got = {
+        n: ring_impl.unshard([r[n] for r in results], layout=layout)
+        for n in ("out", "dq", "dk", "dv")
+    }
+    assert_float64_results_match_oracle(
+        f"{balancer} layout, {rotate}", got, ref, scales, world_size=world
+    )
 
 
 def _model_masks(seq: int):

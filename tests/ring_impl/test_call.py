@@ -181,33 +181,12 @@ def _both_ways(ctx, exchange: str, aliases: dict):
     )
     with pytest.warns(DeprecationWarning):
         old = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask, op="math", **aliases)
+    sizes = dict(batch=1, heads=2, heads_kv=2, seq_kv=16, seq_q=16, head_dim=8, dtype=torch.float32)
     schedule = ring_impl.collective_schedule(
-        ctx.world_size,
-        "allgather",
-        batch=1,
-        heads=2,
-        heads_kv=2,
-        seq_kv=16,
-        seq_q=16,
-        head_dim=8,
-        dtype=torch.float32,
-        mask=mask,
-        rank=ctx.rank,
-        exchange=exchange,
+        ctx.world_size, "allgather", mask=mask, rank=ctx.rank, exchange=exchange, **sizes
     )
     aliased = ring_impl.collective_schedule(
-        ctx.world_size,
-        "allgather",
-        batch=1,
-        heads=2,
-        heads_kv=2,
-        seq_kv=16,
-        seq_q=16,
-        head_dim=8,
-        dtype=torch.float32,
-        mask=mask,
-        rank=ctx.rank,
-        **aliases,
+        ctx.world_size, "allgather", mask=mask, rank=ctx.rank, **aliases, **sizes
     )
     return torch.equal(new, old), schedule == aliased, schedule
 

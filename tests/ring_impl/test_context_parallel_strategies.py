@@ -12,13 +12,9 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention
 from reference.budget import assert_close
 from tests.ring_impl.outcomes import assert_every_rank_raised
+from tests.ring_impl.routes import CausalSDPA, sdpa_both_routes
 
 HEADS, HEAD_DIM, LOCAL = 4, 8, 8
-
-
-class _Attention(torch.nn.Module):
-    def forward(self, q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _inputs(world: int):
@@ -30,41 +26,7 @@ def _inputs(world: int):
 
 
 def _routed(ctx, strategy: str) -> dict:
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    import ring_impl
-    from harness.accounting import CollectiveLog
-
-    q, k, v = _inputs(ctx.world_size)
-    out: dict = {}
-    qs, ks, vs = q.clone(), k.clone(), v.clone()
-    with (
-        CollectiveLog() as log,
-        ring_impl.context_parallel(
-            ctx.group,
-            buffers=[qs, ks, vs],
-            buffer_seq_dims=[2, 2, 2],
-            rotate_method="alltoall",
-            strategy=strategy,
-        ),
-    ):
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-    out["cp"] = (o, log.summary())
-    mesh = DeviceMesh.from_group(ctx.group, "cpu")
-    module = parallelize_module(
-        _Attention(), mesh, ring_impl.ContextParallel(rotate_method="alltoall", strategy=strategy)
-    )
-    with CollectiveLog() as log:
-        o = module(
-            *(
-                ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail", dim=2)
-                for t in (q, k, v)
-            )
-        )
-    out["style"] = (o, log.summary())
-    return out
+    return sdpa_both_routes(ctx, *_inputs(ctx.world_size), strategy=strategy)
 
 
 def _calls(summary: dict, kind: str) -> int:
@@ -133,7 +95,7 @@ def _hybrid_routed(ctx) -> dict:
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         out["cp"] = ring_impl.context_parallel_unshard(mesh, [o], [2], strategy="hybrid")[0]
     module = parallelize_module(
-        _Attention(), mesh, ring_impl.ContextParallel(rotate_method="p2p", strategy="hybrid")
+        CausalSDPA(), mesh, ring_impl.ContextParallel(rotate_method="p2p", strategy="hybrid")
     )
     from ring_impl.strategies.cp import hybrid_sharding
 
@@ -175,7 +137,7 @@ def _hybrid_refused(ctx, where: str):
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(
-            _Attention(),
+            CausalSDPA(),
             DeviceMesh.from_group(ctx.group, "cpu"),
             ring_impl.ContextParallel(strategy="hybrid"),
         )

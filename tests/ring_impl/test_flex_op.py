@@ -13,6 +13,8 @@ from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from ring_impl import ops
 from ring_impl.lse import normalize_lse
+from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
+from tests.ring_impl.rank_results import seeded_inputs
 
 BATCH, HEADS, SEQ_Q, SEQ_K, HEAD_DIM = 2, 4, 6, 6, 8
 
@@ -228,14 +230,7 @@ RING_HEADS, RING_HEADS_KV = 4, 2
 
 
 def _ring_inputs(seq: int, dtype: torch.dtype):
-    gen = torch.Generator().manual_seed(seq)
-    q = torch.randn(1, RING_HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (
-        torch.randn(1, RING_HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(2)
-    )
-    dout = torch.randn(1, RING_HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    return q, k, v, dout
+    return seeded_inputs(seq, dtype, 1, RING_HEADS, RING_HEADS_KV, seq, HEAD_DIM, dout_last=True)
 
 
 def _ring_run(ctx, spec, seq, dtype, layout, rotate):
@@ -277,7 +272,6 @@ def test_ring_with_flex_op_matches_the_oracle(ring, name: str, layout: str, rota
             "mask= and op= are ring_impl's API here; the implementation under test is "
             f"{ring.impl.spec}"
         )
-    import ring_impl
     from reference.masks import visibility
 
     world, seq, dtype = 2, 48, torch.float64
@@ -290,23 +284,12 @@ def test_ring_with_flex_op_matches_the_oracle(ring, name: str, layout: str, rota
     vis = visibility(spec, seq, seq, batch=1, heads=RING_HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis, input_dtype=dtype)
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
-        want = getattr(ref, n)
-        if n == "lse":  # rows that see nothing: exactly -inf
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), (
-                f"lse: rows that see nothing must be -inf [{name}]"
-            )
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
-        assert_close(
-            f"{n} [flex, {name}, W={world}, {layout}, {rotate}]",
-            got,
-            want,
-            want,
-            world_size=world,
-            dtype=dtype,
-            result_dtype=dtype,
-            scales=scales[n],
-        )
+    got = unshard_results(results, layout)
+    assert_results_match_oracle(
+        f"flex, {name}, W={world}, {layout}, {rotate}",
+        got,
+        ref,
+        scales,
+        world_size=world,
+        dtype=dtype,
+    )

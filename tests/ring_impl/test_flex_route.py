@@ -11,6 +11,7 @@ import torch
 from conformance.implementation import DEFAULT_IMPL_SPEC
 
 from .oracle import assert_ring_matches_oracle
+from .rank_results import local_results, seeded_inputs
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -32,14 +33,7 @@ def _oracle_visibility(seq: int) -> torch.Tensor:
 
 
 def _inputs(seq: int, dtype: torch.dtype):
-    gen = torch.Generator().manual_seed(11)
-    q = torch.randn(1, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    k, v = (
-        torch.randn(1, HEADS_KV, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(2)
-    )
-    dout = torch.randn(1, HEADS, seq, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    return q, k, v, dout
+    return seeded_inputs(11, dtype, 1, HEADS, HEADS_KV, seq, HEAD_DIM, dout_last=True)
 
 
 def _run(ctx, layout, dtype, via_module):
@@ -62,14 +56,7 @@ def _run(ctx, layout, dtype, via_module):
         out, lse = fn(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
     out.backward(dout)
     routed_back = flex_module.flex_attention is not ring_impl.flex_attention
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "restored": routed_back,
-    }
+    return local_results(out, lse, q, k, v, restored=routed_back)
 
 
 def _skip_other_impls(ring):

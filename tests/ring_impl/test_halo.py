@@ -21,9 +21,12 @@ from hypothesis import strategies as st
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
+from ring_impl.masks import Causal, ChunkedCausal, Documents, Full, MaskMod, PrefixLM, SlidingWindow
+from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 
 BATCH, HEADS, HEAD_DIM = 1, 4, 8
 SHARD = 12  # local sequence length
@@ -120,46 +123,18 @@ def _run(
     w, r = ctx.world_size, ctx.rank
     q, k, v, dout, glse, s = _inputs(SHARD * w, dtype, heads_kv, sinks, nan_key)
     q, k, v, dout, glse = (ring_impl.shard(t, w, r, layout=layout) for t in (q, k, v, dout, glse))
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    if s is not None:
-        s.requires_grad_(True)
+    q, k, v, s = leaves(q, k, v, s)
+    ring = dict(group=ctx.group, rotate_method="alltoall", op=op, halo=halo)
+    masked = dict(mask=from_spec(spec), is_causal=is_causal, sinks=s, layout=layout)
+    glse = glse if lse_grad else None
     with CollectiveLog() as log:
-        with log.phase("forward"):
-            out, lse = ring_impl.ring_attention(
-                q,
-                k,
-                v,
-                group=ctx.group,
-                mask=from_spec(spec),
-                is_causal=is_causal,
-                sinks=s,
-                layout=layout,
-                rotate_method="alltoall",
-                op=op,
-                return_lse=True,
-                halo=halo,
-            )
-        with log.phase("backward"):
-            loss = (out * dout).sum()  # its gradient reaching out is dout, exactly
-            if lse_grad:
-                loss = (
-                    loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
-                )
-            loss.backward()
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "dsinks": None if s is None else s.grad,
-        "log": log.summary(),
-    }
+        out, lse = forward_backward(q, k, v, dout, glse, log=log, **ring, **masked)
+    return local_results(out, lse, q, k, v, s, log=log.summary())
 
 
-def _declared(spec, is_causal, world, rank, dtype, heads_kv, layout="contiguous", halo=None):
+def _schedule(world, dtype, heads_kv, **kwargs) -> dict:
+    """The declared alltoall schedule of a case's shards (``kwargs``: the mask, rank, ...)."""
     import ring_impl
-    from ring_impl.masks import from_spec
 
     return ring_impl.collective_schedule(
         world,
@@ -169,11 +144,16 @@ def _declared(spec, is_causal, world, rank, dtype, heads_kv, layout="contiguous"
         seq_kv=SHARD,
         head_dim=HEAD_DIM,
         dtype=dtype,
-        mask=from_spec(spec),
-        is_causal=is_causal,
-        layout=layout,
-        rank=rank,
-        halo=halo,
+        **kwargs,
+    )
+
+
+def _declared(spec, is_causal, world, rank, dtype, heads_kv, layout="contiguous", halo=None):
+    from ring_impl.masks import from_spec
+
+    mask = from_spec(spec)
+    return _schedule(
+        world, dtype, heads_kv, mask=mask, is_causal=is_causal, layout=layout, rank=rank, halo=halo
     )
 
 
@@ -223,8 +203,6 @@ def _judge(
     lse_grad=False,
     label="",
 ):
-    import ring_impl
-
     seq = SHARD * world
     q, k, v, dout, glse, s = _inputs(seq, dtype, heads_kv, sinks)
     glse = glse if lse_grad else None
@@ -232,41 +210,8 @@ def _judge(
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s, grad_lse=glse)
     scales = error_scales(q, k, v, dout, visible=vis, grad_lse=glse, sinks=s, input_dtype=dtype)
     base = _baseline(q, k, v, dout, glse, vis, s, op)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {"lse": lse_dtype}
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
-        want, b = getattr(ref, n), base[n].to(torch.float64)
-        if n == "lse":  # rows that see nothing (and no sink): exactly -inf
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), (
-                f"lse: rows that see nothing must be -inf, only they [{label}]"
-            )
-            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{label}]"
-        assert_close(
-            f"{n} [{label}]",
-            got,
-            want,
-            b,
-            world_size=world,
-            dtype=dtype,
-            result_dtype=out_dtype[n],
-            scales=scales[n],
-        )
-    if sinks:
-        dsinks = sum(r["dsinks"] for r in results)
-        assert_close(
-            f"dsinks [{label}]",
-            dsinks,
-            ref.dsinks,
-            base["dsinks"],
-            world_size=world,
-            dtype=dtype,
-            result_dtype=torch.float32,
-            roundings=seq,
-            scales=scales["dsinks"],
-        )
+    got = unshard_results(results, layout)
+    assert_results_match_oracle(label, got, ref, scales, world_size=world, dtype=dtype, base=base)
     return vis
 
 
@@ -413,45 +358,14 @@ _FALLBACK = [
 def test_what_the_halo_cannot_serve_runs_on_the_ring(ring, name, world, layout, halo) -> None:
     """The oracle's result, and the ring's schedule (the declaration falls back with the call)."""
     _skip_other_impl(ring)
-    import ring_impl
 
     spec, is_causal, _ = _case(name, world)
-    dtype, heads_kv = torch.float32, 2
+    dtype, op, heads_kv, label = torch.float32, "cpu_flash", 2, f"ring, {name}, W={world}, {layout}"
     results = ring.rank_pool(world).run(
-        _run,
-        spec,
-        is_causal,
-        dtype,
-        "cpu_flash",
-        heads_kv,
-        False,
-        layout=layout,
-        halo=halo,
-        timeout=120.0,
+        _run, spec, is_causal, dtype, op, heads_kv, False, layout=layout, halo=halo, timeout=120.0
     )
-    _judge(
-        results,
-        spec,
-        is_causal,
-        world,
-        dtype,
-        heads_kv,
-        False,
-        "cpu_flash",
-        layout=layout,
-        label=f"ring, {name}, W={world}, {layout}",
-    )
-    ring_sched = _nonzero(
-        ring_impl.collective_schedule(
-            world,
-            "alltoall",
-            batch=BATCH,
-            heads_kv=heads_kv,
-            seq_kv=SHARD,
-            head_dim=HEAD_DIM,
-            dtype=dtype,
-        )
-    )
+    _judge(results, spec, is_causal, world, dtype, heads_kv, False, op, layout=layout, label=label)
+    ring_sched = _nonzero(_schedule(world, dtype, heads_kv))
     for rank, r in enumerate(results):
         declared = _nonzero(
             _declared(spec, is_causal, world, rank, dtype, heads_kv, layout=layout, halo=halo)
@@ -539,7 +453,6 @@ def assert_nan_where_the_oracle_has_it(
 
 def _bad(ctx, kind: str):
     import ring_impl
-    from ring_impl.masks import SlidingWindow
 
     q = torch.randn(1, 2, 8, 8)
     k = v = torch.randn(1, 2, 8, 8)
@@ -581,16 +494,6 @@ def test_bad_halo_input_raises_on_every_rank(ring, kind: str, pattern: str) -> N
 
 
 def test_mask_reach() -> None:
-    from ring_impl.masks import (
-        Causal,
-        ChunkedCausal,
-        Documents,
-        Full,
-        MaskMod,
-        PrefixLM,
-        SlidingWindow,
-    )
-
     docs = Documents(torch.zeros(16, dtype=torch.int64))
     assert SlidingWindow(3, 2).reach() == (3, 2)
     assert SlidingWindow(None, 0).reach() == (None, 0)
@@ -665,7 +568,6 @@ def test_reach_bounds_the_mask(data) -> None:
 
 def test_halo_schedule_declaration_errors_and_fallbacks() -> None:
     import ring_impl
-    from ring_impl.masks import Documents, SlidingWindow
 
     kw = dict(batch=1, heads_kv=2, seq_kv=8, head_dim=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="pass rank="):

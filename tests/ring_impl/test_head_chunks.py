@@ -20,6 +20,7 @@ from ring_impl.heads import check_head_chunks, head_spans
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
+from tests.ring_impl.routes import sdpa_both_routes
 
 
 @pytest.mark.parametrize(
@@ -232,20 +233,8 @@ def test_bad_head_chunks_raise_on_every_rank(ring, kind: str, pattern: str) -> N
     assert_input_error_on_every_rank(outcomes, pattern)
 
 
-class _Attention(torch.nn.Module):
-    def forward(self, q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 def _routed_with_chunks(ctx) -> dict:
     """SDPA under ``context_parallel`` and under ``ContextParallel``, head_chunks 1 and 2."""
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    import ring_impl
-    from harness.accounting import CollectiveLog
-
     gen = torch.Generator().manual_seed(3)
     q, k, v = (
         torch.randn(1, 4, 8 * ctx.world_size, 8, dtype=torch.float64, generator=gen)
@@ -253,33 +242,8 @@ def _routed_with_chunks(ctx) -> dict:
     )
     out: dict = {}
     for chunks in (1, 2):
-        qs, ks, vs = q.clone(), k.clone(), v.clone()
-        with (
-            CollectiveLog() as log,
-            ring_impl.context_parallel(
-                ctx.group,
-                buffers=[qs, ks, vs],
-                buffer_seq_dims=[2, 2, 2],
-                rotate_method="alltoall",
-                head_chunks=chunks,
-            ),
-        ):
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-        out[f"cp{chunks}"] = (o, log.summary())
-        mesh = DeviceMesh.from_group(ctx.group, "cpu")
-        module = parallelize_module(
-            _Attention(),
-            mesh,
-            ring_impl.ContextParallel(rotate_method="alltoall", head_chunks=chunks),
-        )
-        with CollectiveLog() as log:
-            o = module(
-                *(
-                    ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail", dim=2)
-                    for t in (q, k, v)
-                )
-            )
-        out[f"style{chunks}"] = (o, log.summary())
+        routed = sdpa_both_routes(ctx, q, k, v, head_chunks=chunks)
+        out[f"cp{chunks}"], out[f"style{chunks}"] = routed["cp"], routed["style"]
     return out
 
 

@@ -14,10 +14,12 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
 from ring_impl.ops.math import MathOp
+from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
 from tests.ring_impl.outcomes import assert_every_rank_raised
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 from tests.ring_impl.test_halo import (
     BATCH,
     HEAD_DIM,
@@ -108,32 +110,13 @@ def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad, nan_keys
         ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
     )
     glse = ring_impl.shard(glse.unsqueeze(-1), ctx.world_size, ctx.rank, layout=layout).squeeze(-1)
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    if s is not None:
-        s.requires_grad_(True)
+    q, k, v, s = leaves(q, k, v, s)
+    kernel = NanHidingMath() if op == "nan_hiding" else op
+    kernel = kernel or ("math" if dtype == torch.float64 else "cpu_flash")
+    options = dict(mask=from_spec(spec), sinks=s, layout=layout, op=kernel, sparse_kv=True)
     with CollectiveLog() as log:
-        with log.phase("forward"):
-            out, lse = ring_impl.ring_attention(
-                q,
-                k,
-                v,
-                group=ctx.group,
-                mask=from_spec(spec),
-                sinks=s,
-                layout=layout,
-                op=NanHidingMath()
-                if op == "nan_hiding"
-                else op or ("math" if dtype == torch.float64 else "cpu_flash"),
-                return_lse=True,
-                sparse_kv=True,
-            )
-        with log.phase("backward"):
-            loss = (out * dout).sum()
-            if lse_grad:
-                loss = (
-                    loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
-                )
-            loss.backward()
+        glse = glse if lse_grad else None
+        out, lse = forward_backward(q, k, v, dout, glse, log=log, group=ctx.group, **options)
     declared = ring_impl.collective_schedule(
         ctx.world_size,
         "alltoall",
@@ -154,18 +137,18 @@ def _run(ctx, name, seq, dtype, layout_name, heads_kv, sinks, lse_grad, nan_keys
         ).flatten()
         for r in range(ctx.world_size)
     ]
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "dsinks": None if s is None else s.grad,
-        "log": log.summary(),
-        "declared": declared,
-        "layout": layout,
-        "positions": positions,
-    }
+    return local_results(
+        out,
+        lse,
+        q,
+        k,
+        v,
+        s,
+        log=log.summary(),
+        declared=declared,
+        layout=layout,
+        positions=positions,
+    )
 
 
 CASES = [
@@ -193,7 +176,6 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
     ring, name, world, layout, dtype, heads_kv, sinks, lse_grad
 ) -> None:
     _skip_other_impls(ring)
-    import ring_impl
 
     seq = 24 * world
     results = ring.rank_pool(world).run(
@@ -209,47 +191,13 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s, grad_lse=glse)
     scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype, grad_lse=glse)
     op = "math" if dtype == torch.float64 else "cpu_flash"
-    base = _baseline(
-        q, k, v, dout, glse, vis, s, op
-    )  # the same kernel on one device (the policy's B)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    base = _baseline(q, k, v, dout, glse, vis, s, op)  # the same kernel on one device (B)
     label = (
         f"sparse_kv, {name}, W={world}, {layout}, {dtype}, hkv={heads_kv}, sinks={sinks}, "
         f"lse_grad={lse_grad}"
     )
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout=used_layout).to(torch.float64)
-        want, b = getattr(ref, n), base[n].to(torch.float64)
-        if n == "lse":  # rows that see nothing (and no sink): exactly -inf
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), (
-                f"lse: rows that see nothing must be -inf [{label}]"
-            )
-            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{label}]"
-        assert_close(
-            f"{n} [{label}]",
-            got,
-            want,
-            b,
-            world_size=world,
-            dtype=dtype,
-            result_dtype=lse_dtype if n == "lse" else dtype,
-            scales=scales[n],
-        )
-    if sinks:
-        dsinks = sum(r["dsinks"] for r in results)
-        assert_close(
-            f"dsinks [{label}]",
-            dsinks,
-            ref.dsinks,
-            base["dsinks"],
-            world_size=world,
-            dtype=dtype,
-            result_dtype=torch.float32,
-            roundings=seq,
-            scales=scales["dsinks"],
-        )
+    got = unshard_results(results, used_layout)
+    assert_results_match_oracle(label, got, ref, scales, world_size=world, dtype=dtype, base=base)
     seen = vis.any(0).any(0)  # (query, key): some batch entry and head sees it
     row = 2 * BATCH * heads_kv * HEAD_DIM
     acc = 8 if dtype == torch.float64 else 4

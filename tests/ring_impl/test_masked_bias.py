@@ -17,6 +17,7 @@ from ring_impl.ops.cpu import _checked_bias
 from ring_impl.ops.cuda import BIAS_ALIGNMENT, additive_bias
 
 from .oracle import assert_masked_op_matches_math, assert_ring_matches_oracle
+from .rank_results import forward_backward, leaves, local_results, seeded_inputs
 
 
 @pytest.mark.parametrize(
@@ -109,16 +110,7 @@ def _oracle_visibility() -> torch.Tensor:
 
 
 def _inputs(dtype: torch.dtype):
-    gen = torch.Generator().manual_seed(5)
-    q, dout = (
-        torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(2)
-    )
-    k, v = (
-        torch.randn(1, HEADS_KV, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(2)
-    )
-    return q, k, v, dout
+    return seeded_inputs(5, dtype, 1, HEADS, HEADS_KV, SEQ, HEAD_DIM)
 
 
 def _ring_with_the_emulation(ctx, dtype):
@@ -138,26 +130,10 @@ def _ring_with_the_emulation(ctx, dtype):
     q, k, v, dout = (
         ring_impl.shard(t, ctx.world_size, ctx.rank, layout="head_tail") for t in _inputs(dtype)
     )
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        mask=MaskMod(_band_per_head),
-        layout="head_tail",
-        op=Counted(),
-        rotate_method="alltoall",
-        return_lse=True,
-    )
-    out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "masked": Counted.masked,
-    }
+    q, k, v = leaves(q, k, v)
+    options = dict(mask=MaskMod(_band_per_head), layout="head_tail", op=Counted())
+    out, lse = forward_backward(q, k, v, dout, rotate_method="alltoall", **options)
+    return local_results(out, lse, q, k, v, masked=Counted.masked)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

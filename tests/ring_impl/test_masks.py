@@ -13,9 +13,11 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle, unshard_results
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 
 BATCH, HEADS, HEADS_KV, HEAD_DIM = 1, 4, 2, 8
 
@@ -75,35 +77,13 @@ def _run(ctx, spec, seq, dtype, layout, rotate, op, sinks, strategy="ring"):
     q, k, v, dout = (
         ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in (q, k, v, dout)
     )
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    if s is not None:
-        s.requires_grad_(True)
+    q, k, v, s = leaves(q, k, v, s)
     from harness.accounting import CollectiveLog
 
+    options = dict(mask=from_spec(spec), sinks=s, layout=layout, rotate_method=rotate, op=op)
     with CollectiveLog() as log:
-        out, lse = ring_impl.ring_attention(
-            q,
-            k,
-            v,
-            group=ctx.group,
-            mask=from_spec(spec),
-            sinks=s,
-            layout=layout,
-            rotate_method=rotate,
-            op=op,
-            return_lse=True,
-            strategy=strategy,
-        )
-        out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "dsinks": None if s is None else s.grad,
-        "log": log.summary(),
-    }
+        out, lse = forward_backward(q, k, v, dout, group=ctx.group, strategy=strategy, **options)
+    return local_results(out, lse, q, k, v, s, log=log.summary())
 
 
 def _cases(strategy: str = "ring"):
@@ -157,7 +137,6 @@ def test_masked_ring_matches_the_oracle(
         pytest.skip(
             f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
         )
-    import ring_impl
 
     seq = 24 * world
     spec = _masks(seq)[name]
@@ -170,43 +149,15 @@ def test_masked_ring_matches_the_oracle(
     # The policy's magnitudes of this case (without the sink term, which only lowers every
     # probability: its magnitudes are at most these).
     scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype)
-    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {
-        "lse": torch.float64 if dtype == torch.float64 else torch.float32
-    }
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
-        want = getattr(ref, n)
-        if n == "lse":  # rows that see nothing (and no sink): exactly -inf
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), (
-                f"lse: rows that see nothing must be -inf [{name}]"
-            )
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
-        base = want.to(out_dtype[n])  # an exact kernel, rounded once to its output dtype
-        assert_close(
-            f"{n} [{strategy}, {name}, W={world}, {layout}, {rotate}, {op}, sinks={sinks}]",
-            got,
-            want,
-            base,
-            world_size=world if strategy == "ring" else 1,
-            dtype=dtype,
-            result_dtype=out_dtype[n],
-            scales=scales[n],
-        )
-    if sinks:  # world_size: the roundings of the sum over ranks
-        dsinks = sum(r["dsinks"] for r in results)  # each rank's share covers its own rows
-        assert_close(
-            f"dsinks [{name}]",
-            dsinks,
-            ref.dsinks,
-            ref.dsinks.float(),
-            world_size=world,
-            dtype=dtype,
-            result_dtype=torch.float32,
-            roundings=seq,
-            scales=scales["dsinks"],
-        )
+    assert_results_match_oracle(
+        f"{strategy}, {name}, W={world}, {layout}, {rotate}, {op}, sinks={sinks}",
+        unshard_results(results, layout),
+        ref,
+        scales,
+        world_size=world if strategy == "ring" else 1,
+        dtype=dtype,
+        sink_shares=world,  # the roundings of the sum over ranks
+    )
 
 
 def _work(ctx, spec, seq, layout):
@@ -317,7 +268,6 @@ def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) 
 def _run_hybrid(
     ctx, spec, seq, dtype, layout, rotate, op, sinks, mesh_shape, heads_kv=HEADS_KV, head_chunks=1
 ):
-    import ring_impl
     from reference.strategies import shard as strategy_shard
     from ring_impl.masks import from_spec
 
@@ -328,32 +278,12 @@ def _run_hybrid(
         strategy_shard(t, "hybrid", layout, mesh_shape, ctx.rank).contiguous()
         for t in (q, k, v, dout)
     )
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    if s is not None:
-        s.requires_grad_(True)
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=mesh,
-        strategy="hybrid",
-        mask=from_spec(spec),
-        sinks=s,
-        layout=layout,
-        rotate_method=rotate,
-        op=op,
-        return_lse=True,
-        head_chunks=head_chunks,
+    q, k, v, s = leaves(q, k, v, s)
+    options = dict(mask=from_spec(spec), sinks=s, layout=layout, rotate_method=rotate, op=op)
+    out, lse = forward_backward(
+        q, k, v, dout, group=mesh, strategy="hybrid", head_chunks=head_chunks, **options
     )
-    out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "dsinks": None if s is None else s.grad,
-    }
+    return local_results(out, lse, q, k, v, s)
 
 
 def _hybrid_cases():
@@ -470,48 +400,26 @@ def _check_hybrid(
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis, sinks=s)
     scales = error_scales(q, k, v, dout, visible=vis, sinks=s, input_dtype=dtype)
-    out_dtype = {n: dtype for n in ("out", "dq", "dk", "dv")} | {
-        "lse": torch.float64 if dtype == torch.float64 else torch.float32
-    }
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = strategy_unshard(
+    got = {
+        n: strategy_unshard(
             [r[n] if n != "lse" else r[n].unsqueeze(-1) for r in results],
             "hybrid",
             layout,
             mesh_shape,
-        ).to(torch.float64)
-        got = got.squeeze(-1) if n == "lse" else got
-        want = getattr(ref, n)
-        if n == "lse":
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), (
-                f"lse: rows that see nothing must be -inf [{name}]"
-            )
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        assert torch.isfinite(got).all(), f"{n}: NaN/inf where every input is finite [{name}]"
-        assert_close(
-            f"{n} [hybrid 2x2, {name}, {layout}, {rotate}, {op}, sinks={sinks}]",
-            got,
-            want,
-            want.to(out_dtype[n]),
-            world_size=mesh_shape[1],
-            dtype=dtype,
-            result_dtype=out_dtype[n],
-            scales=scales[n],
         )
-    if sinks:
-        dsinks = sum(r["dsinks"] for r in results)
-        assert_close(
-            f"dsinks [hybrid {name}]",
-            dsinks,
-            ref.dsinks,
-            ref.dsinks.float(),
-            world_size=4,
-            dtype=dtype,
-            result_dtype=torch.float32,
-            roundings=seq,
-            scales=scales["dsinks"],
-        )
+        for n in QUANTITIES
+    }
+    got["lse"] = got["lse"].squeeze(-1)
+    got["dsinks"] = sum(r["dsinks"] for r in results) if sinks else None
+    assert_results_match_oracle(
+        f"hybrid 2x2, {name}, {layout}, {rotate}, {op}, sinks={sinks}",
+        got,
+        ref,
+        scales,
+        world_size=mesh_shape[1],
+        dtype=dtype,
+        sink_shares=4,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

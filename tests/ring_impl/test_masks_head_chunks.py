@@ -9,8 +9,9 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
 from tests.ring_impl.test_masks import BATCH, HEADS, _inputs, _masks
 
 
@@ -65,7 +66,6 @@ def test_head_chunks_with_masks_match_the_oracle(ring, name, world, layout, head
             "mask= and head_chunks= are ring_impl's API here; the implementation under test is "
             f"{ring.impl.spec}"
         )
-    import ring_impl
 
     seq, dtype = 24 * world, torch.float64
     spec = _spec(name, seq)
@@ -74,22 +74,12 @@ def test_head_chunks_with_masks_match_the_oracle(ring, name, world, layout, head
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis)
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout=layout).to(torch.float64)
-        want = getattr(ref, n)
-        if n == "lse":
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), (
-                f"lse: rows that see nothing must be -inf [{name}]"
-            )
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        assert_close(
-            f"{n} [{name}, W={world}, {layout}, head_chunks={head_chunks}]",
-            got,
-            want,
-            want,
-            world_size=world,
-            dtype=dtype,
-            result_dtype=torch.float64,
-            scales=scales[n],
-        )
+    got = unshard_results(results, layout)
+    assert_results_match_oracle(
+        f"{name}, W={world}, {layout}, head_chunks={head_chunks}",
+        got,
+        ref,
+        scales,
+        world_size=world,
+        dtype=dtype,
+    )

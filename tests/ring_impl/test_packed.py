@@ -13,9 +13,11 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
+from tests.ring_impl.rank_results import forward_backward, leaves, local_results
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -45,30 +47,12 @@ def _run(ctx, total: int, dtype, layout: str, causal: bool, exchange: str, cu_as
         ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout, dim=0)
         for t in _inputs(total, dtype)
     )
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    q, k, v = leaves(q, k, v)
     cu = _cu(total)
     cu = torch.tensor(cu, dtype=torch.int32) if cu_as == "int32" else cu
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=ctx.group,
-        cu_seqlens=cu,
-        is_causal=causal,
-        layout=layout,
-        return_lse=True,
-        exchange=exchange,
-        op="math",
-    )
-    out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "contiguous": out.is_contiguous(),
-    }
+    options = dict(cu_seqlens=cu, is_causal=causal, layout=layout, exchange=exchange, op="math")
+    out, lse = forward_backward(q, k, v, dout, group=ctx.group, **options)
+    return local_results(out, lse, q, k, v, contiguous=out.is_contiguous())
 
 
 @pytest.mark.parametrize(
@@ -109,7 +93,6 @@ def test_packed_inputs_match_the_oracle(
     )
     ref = attention_grads(q4, k4, v4, dout4, visible=vis)
     scales = error_scales(q4, k4, v4, dout4, visible=vis, input_dtype=dtype)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for r in results:
         assert r["contiguous"], "the packed output is (tokens_local, heads, head_dim), contiguous"
         assert r["out"].shape == (total // world, HEADS, HEAD_DIM) and r["lse"].shape == (
@@ -117,30 +100,16 @@ def test_packed_inputs_match_the_oracle(
             total // world,
         )
         assert r["dk"].shape == (total // world, HEADS_KV, HEAD_DIM)
-    for n in ("out", "lse", "dq", "dk", "dv"):
+    got = {}
+    for n in QUANTITIES:
         dim = 1 if n == "lse" else 0
-        got = ring_impl.unshard([r[n] for r in results], layout=layout, dim=dim).to(torch.float64)
-        got = (
-            got.unsqueeze(0) if n == "lse" else got.transpose(0, 1).unsqueeze(0)
-        )  # the oracle's layout
-        want = getattr(ref, n)
-        if n == "lse":  # padding rows see nothing: exactly -inf
-            nothing = torch.isneginf(want)
-            assert nothing.any() and torch.equal(torch.isneginf(got), nothing), (
-                "lse: padding rows must be -inf"
-            )
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        result_dtype = lse_dtype if n == "lse" else dtype
-        assert_close(
-            f"{n} [W={world}, {layout}, causal={causal}, {exchange}]",
-            got,
-            want,
-            want.to(result_dtype),
-            world_size=world if exchange != "ulysses" else 1,
-            dtype=dtype,
-            result_dtype=result_dtype,
-            scales=scales[n],
-        )
+        x = ring_impl.unshard([r[n] for r in results], layout=layout, dim=dim)
+        got[n] = x.unsqueeze(0) if n == "lse" else x.transpose(0, 1).unsqueeze(0)  # the oracle's
+    assert torch.isneginf(ref.lse).any(), "the case has padding rows, which see nothing"
+    label, blocks = f"W={world}, {layout}, causal={causal}, {exchange}", world
+    if exchange == "ulysses":  # each rank attends over the whole sequence at once
+        blocks = 1
+    assert_results_match_oracle(label, got, ref, scales, world_size=blocks, dtype=dtype)
 
 
 def _bad(ctx, kind: str) -> str:

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
+from tests.ring_impl.oracle import QUANTITIES, assert_float64_results_match_oracle
+from tests.ring_impl.rank_results import leaves, local_results
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
 
@@ -63,6 +65,17 @@ def _inputs(seq: int, batch: int = 2):
     return q, k, v, dout, dlse
 
 
+def _scored(q, k, v, dout, dlse, mod, **options) -> dict:
+    """``ring_attention`` of this rank's shards with the score_mod ``mod`` and ``options``, and its
+    backward (out's gradient ``dout``, the LSE's ``dlse``): this rank's results."""
+    import ring_impl
+
+    q, k, v = leaves(q, k, v)
+    out, lse = ring_impl.ring_attention(q, k, v, return_lse=True, score_mod=mod, **options)
+    torch.autograd.backward([out, lse], [dout, dlse])
+    return local_results(out, lse, q, k, v)
+
+
 def _run(ctx, name, seq, layout, rotate, head_chunks, is_causal):
     import ring_impl
 
@@ -70,21 +83,10 @@ def _run(ctx, name, seq, layout, rotate, head_chunks, is_causal):
     q, k, v, dout, dlse = (
         ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(seq)
     )
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=ctx.group,
-        is_causal=is_causal,
-        layout=layout,
-        rotate_method=rotate,
-        head_chunks=head_chunks,
-        return_lse=True,
-        score_mod=mod,
+    options = dict(
+        is_causal=is_causal, layout=layout, rotate_method=rotate, head_chunks=head_chunks
     )
-    torch.autograd.backward([out, lse], [dout, dlse])
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return _scored(q, k, v, dout, dlse, mod, group=ctx.group, **options)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +115,7 @@ def test_float64_ring_with_a_score_mod_matches_the_oracle(
     _skip_other_impls(ring)
     import ring_impl
     from reference import attention_grads
-    from reference.budget import assert_close, error_scales
+    from reference.budget import error_scales
 
     seq = 24
     results = ring.rank_pool(world).run(
@@ -125,21 +127,14 @@ def test_float64_ring_with_a_score_mod_matches_the_oracle(
     ref = attention_grads(q, k, v, dout, visible=vis, grad_lse=dlse, score_mod=data)
     plain = attention_grads(q, k, v, dout, visible=vis, grad_lse=dlse)
     scales = error_scales(q, k, v, dout, visible=vis, grad_lse=dlse, score_mod=data)
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = ring_impl.unshard([r[n] for r in results], layout=layout)
-        want = getattr(ref, n)
-        assert_close(
-            f"{n} [{name}, W={world}, {layout}, {rotate}, head_chunks={head_chunks}]",
-            got,
-            want,
-            want,
-            world_size=world,
-            dtype=torch.float64,
-            result_dtype=torch.float64,
-            scales=scales[n],
-        )
+    got = {n: ring_impl.unshard([r[n] for r in results], layout=layout) for n in QUANTITIES}
+    label = f"{name}, W={world}, {layout}, {rotate}, head_chunks={head_chunks}"
+    assert_float64_results_match_oracle(label, got, ref, scales, world_size=world)
+    for n in QUANTITIES:
         # the score_mod changed the result: a ring that ignored it would not pass the check above
-        assert float((want - getattr(plain, n)).abs().max()) > 1e-3, f"{name} does not change {n}"
+        assert float((getattr(ref, n) - getattr(plain, n)).abs().max()) > 1e-3, (
+            f"{name} does not change {n}"
+        )
 
 
 def test_math_op_backward_through_a_score_mod_is_autograd_of_its_forward() -> None:
@@ -324,7 +319,6 @@ def test_softcap_derivative() -> None:
 
 
 def _strategy_run(ctx, strategy, mesh_shape, layout, name, is_causal):
-    import ring_impl
     from reference.strategies import shard
 
     seq = 32
@@ -335,20 +329,8 @@ def _strategy_run(ctx, strategy, mesh_shape, layout, name, is_causal):
     )
     mod = _mods(HEADS, seq)[name][0]
     q, k, v, dout, dlse = (shard(t, strategy, layout, mesh_shape, ctx.rank) for t in _inputs(seq))
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=group,
-        strategy=strategy,
-        is_causal=is_causal,
-        layout=layout,
-        return_lse=True,
-        score_mod=mod,
-    )
-    torch.autograd.backward([out, lse], [dout, dlse])
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    options = dict(strategy=strategy, is_causal=is_causal, layout=layout)
+    return _scored(q, k, v, dout, dlse, mod, group=group, **options)
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,8 @@ from reference.attention import attention
 from ring_impl import collective_schedule
 from ring_impl.strategies import kv_replication, strategy_schedule
 from ring_impl.strategies.validate import strategy_problem
-from suites.cases_strategies import StrategyCase
+from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.test_strategies import judged, prepare, run
 
 
 @pytest.mark.parametrize(
@@ -93,18 +92,8 @@ def test_alltoall_moves_head_slices_and_back(rank_pool, w: int) -> None:
 def test_ulysses_schedule_worked_out_by_hand() -> None:
     # U=4, batch 2, 8 query heads, 2 key/value heads (each replicated twice: 4), local length 4,
     # head_dim 8, bfloat16 (2 bytes), LSE float32 (4 bytes).
-    got = strategy_schedule(
-        "ulysses",
-        (4, 1),
-        batch=2,
-        heads=8,
-        heads_kv=2,
-        seq_q=4,
-        seq_kv=4,
-        head_dim=8,
-        dtype=torch.bfloat16,
-        return_lse=True,
-    )
+    sizes = dict(batch=2, heads_kv=2, seq_kv=4, head_dim=8, dtype=torch.bfloat16)
+    got = strategy_schedule("ulysses", (4, 1), heads=8, seq_q=4, return_lse=True, **sizes)
     q, kv, out, lse = 2 * 8 * 4 * 8 * 2, 2 * (2 * 4 * 4 * 8 * 2), 2 * 8 * 4 * 8 * 2, 2 * 8 * 4 * 4
     # int64 rows of 4 ranks: problem flag, 16 ring fields (the mask digest last), 5 strategy
     # fields, the ring's finiteness flag
@@ -117,17 +106,7 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
         "backward": {"all_to_all": {"calls": 2, "bytes": out + lse + q + kv}},
     }
     no_lse = strategy_schedule(
-        "ulysses",
-        (4, 1),
-        batch=2,
-        heads=8,
-        heads_kv=2,
-        seq_q=4,
-        seq_kv=4,
-        head_dim=8,
-        dtype=torch.bfloat16,
-        return_lse=False,
-        compiled=True,
+        "ulysses", (4, 1), heads=8, seq_q=4, return_lse=False, compiled=True, **sizes
     )
     # compiled: the same, the cross-rank check included (ring_impl.compiled_checks)
     assert no_lse == {
@@ -137,18 +116,7 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
         },
         "backward": {"all_to_all": {"calls": 2, "bytes": out + q + kv}},
     }
-    via_entry = collective_schedule(
-        4,
-        "alltoall",
-        batch=2,
-        heads_kv=2,
-        seq_kv=4,
-        head_dim=8,
-        dtype=torch.bfloat16,
-        strategy="ulysses",
-        heads=8,
-        seq_q=4,
-    )
+    via_entry = collective_schedule(4, "alltoall", strategy="ulysses", heads=8, seq_q=4, **sizes)
     assert via_entry == got
 
 
@@ -167,6 +135,28 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
             assert hybrid[phase][kind] == ring[phase][kind]
     # one check over the mesh: an all-reduce per mesh dim, each over the 6-rank table
     assert hybrid["forward"]["all_reduce"] == {"calls": 2, "bytes": 2 * 8 * 6 * 23}
+
+
+def _problem_options(mesh: tuple[int, int], **overrides) -> dict:
+    """``strategy_problem``'s options on ``mesh``: a full contiguous call with the alltoall
+    rotation and the math op, one head chunk, no LSE, ``overrides`` applied."""
+    from ring_impl.ops import get_op
+
+    options = dict(
+        mesh_shape=mesh,
+        is_causal=False,
+        scale=None,
+        layout="contiguous",
+        rotate_method="alltoall",
+        op=get_op("math"),
+        op_error=None,
+        head_chunks=1,
+        return_lse=False,
+    )
+    return options | overrides
+
+
+_SHAPE = (1, 4, 8, 4)  # (batch, heads, seq_local, head_dim) the local problems share
 
 
 @pytest.mark.parametrize(
@@ -191,16 +181,16 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
         (
             "ulysses",
             (2, 1),
-            (1, 4, 8, 4),
-            (1, 4, 8, 4),
+            _SHAPE,
+            _SHAPE,
             {"head_chunks": 2},
             "head_chunks=2 applies to the ring",
         ),
         (
             "ulysses",
             (2, 1),
-            (1, 4, 8, 4),
-            (1, 4, 8, 4),
+            _SHAPE,
+            _SHAPE,
             {"head_chunks": 1.0},
             "head_chunks=1.0 applies to the ring",
         ),
@@ -213,31 +203,11 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
             {"head_chunks": 2},
             "1 key/value heads per rank",
         ),
-        (
-            "hybrid",
-            (2, 2),
-            (1, 4, 8, 4),
-            (1, 4, 8, 4),
-            {"return_lse": "yes"},
-            "return_lse must be a bool",
-        ),
+        ("hybrid", (2, 2), _SHAPE, _SHAPE, {"return_lse": "yes"}, "return_lse must be a bool"),
     ],
 )
 def test_local_problems_say_what_to_do(strategy, mesh, shape_q, shape_kv, extra, words) -> None:
-    from ring_impl.ops import get_op
-
-    kw = dict(
-        mesh_shape=mesh,
-        is_causal=extra.get("layout") == "head_tail",
-        scale=None,
-        layout="contiguous",
-        rotate_method="alltoall",
-        op=get_op("math"),
-        op_error=None,
-        head_chunks=1,
-        return_lse=False,
-    )
-    kw.update(extra)
+    kw = _problem_options(mesh, is_causal=extra.get("layout") == "head_tail", **extra)
     q, k = torch.randn(*shape_q), torch.randn(*shape_kv)
     problem = strategy_problem(strategy, q, k, k.clone(), **kw)
     assert problem is not None and words in problem, problem
@@ -310,12 +280,12 @@ def test_hybrid_ring_runs_head_chunks(ring, rotate: str, chunks: int) -> None:
     spec = InputSpec(
         batch=1, heads=12, heads_kv=6, seq_q=16, seq_kv=16, head_dim=8, dtype="float32", seed=11
     )
-    case = prepare(
-        ring,
-        StrategyCase(
+    case = ring.prepare(
+        RingCase(
             spec,
-            "hybrid",
-            (2, 2),
+            4,
+            strategy="hybrid",
+            mesh_shape=(2, 2),
             is_causal=True,
             layout="head_tail",
             rotate_method=rotate,
@@ -323,8 +293,8 @@ def test_hybrid_ring_runs_head_chunks(ring, rotate: str, chunks: int) -> None:
             extras=(("head_chunks", chunks),),
         ),
     )
-    results = run(ring, case)
-    judged(ring, case, results)
+    results = ring.run(case)
+    ring.check(case, results=results)
     expected = strategy_schedule(
         "hybrid",
         (2, 2),
@@ -379,7 +349,6 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
     """Ulysses and the hybrid take the built-in layouts only; a registered one is refused as such,
     not as unknown (ring_attention accepts it with exchange='ring')."""
     import ring_impl
-    from ring_impl.ops import get_op
     from ring_impl.strategies.validate import strategy_problem
 
     ring_impl.register_layout(
@@ -390,21 +359,8 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
     )
     q = torch.zeros(1, 4, 8, 8)
     for strategy, mesh in (("ulysses", (2, 1)), ("hybrid", (2, 2))):
-        problem = strategy_problem(
-            strategy,
-            q,
-            q,
-            q,
-            mesh_shape=mesh,
-            is_causal=False,
-            scale=None,
-            layout="test_registered_for_ulysses",
-            rotate_method="alltoall",
-            op=get_op("math"),
-            op_error=None,
-            head_chunks=1,
-            return_lse=False,
-        )
+        layout = "test_registered_for_ulysses"
+        problem = strategy_problem(strategy, q, q, q, **_problem_options(mesh, layout=layout))
         assert (
             problem is not None and "is registered" in problem and "exchange='ring'" in problem
         ), problem

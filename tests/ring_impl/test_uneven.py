@@ -11,8 +11,14 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import (
+    QUANTITIES,
+    assert_float64_results_match_oracle,
+    assert_results_match_oracle,
+)
+from tests.ring_impl.rank_results import local_results
 
 HEADS, HEADS_KV, HEAD_DIM, BATCH = 4, 2, 8, 2
 
@@ -82,29 +88,13 @@ def _run(ctx, lengths, layout, kind, exchange, dtype, extras):
     q, k, v, dout = (t[:, :, rows] for t in (q, k, v, dout))
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     mask, causal, _ = _mask(kind, seq)
+    options = dict(is_causal=causal, mask=mask, layout=layout, shard_lengths=lengths)
     result = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        group=ctx.group,
-        is_causal=causal,
-        mask=mask,
-        layout=layout,
-        shard_lengths=lengths,
-        exchange=exchange,
-        return_lse=True,
-        **extras,
+        q, k, v, group=ctx.group, exchange=exchange, return_lse=True, **options, **extras
     )
     out, lse = result[0], result[1]
     out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "max_logit": result[2] if len(result) > 2 else None,
-    }
+    return local_results(out, lse, q, k, v, max_logit=result[2] if len(result) > 2 else None)
 
 
 CASES = [
@@ -134,31 +124,21 @@ def test_uneven_shards_match_the_oracle(
     vis = visibility(spec, seq, seq, batch=BATCH, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis, input_dtype=dtype)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for r, res in enumerate(results):
         n = lengths[r]
         assert res["out"].shape == (BATCH, HEADS, n, HEAD_DIM), res["out"].shape
         assert res["lse"].shape == (BATCH, HEADS, n) and res["dk"].shape[2] == n
     order = [p for r in range(world) for p in _positions(layout, lengths, r)]
     inverse = torch.argsort(torch.tensor(order))
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        got = torch.cat([res[name] for res in results], dim=2).to(torch.float64)[:, :, inverse]
-        want = getattr(ref, name)
-        if name == "lse":  # rows that see nothing: exactly -inf
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), "lse: -inf exactly where none seen"
-            got, want = got.masked_fill(nothing, 0.0), want.masked_fill(nothing, 0.0)
-        result_dtype = lse_dtype if name == "lse" else dtype
-        assert_close(
-            f"{name} [W={world}, {lengths}, {layout}, {kind}, {exchange}]",
-            got,
-            want,
-            want.to(result_dtype),
-            world_size=world if exchange != "ulysses" else 1,
-            dtype=dtype,
-            result_dtype=result_dtype,
-            scales=scales[name],
-        )
+    got = {n: torch.cat([res[n] for res in results], dim=2)[:, :, inverse] for n in QUANTITIES}
+    assert_results_match_oracle(
+        f"W={world}, {lengths}, {layout}, {kind}, {exchange}",
+        got,
+        ref,
+        scales,
+        world_size=world if exchange != "ulysses" else 1,
+        dtype=dtype,
+    )
     if extras.get("return_max_logit"):
         scale = HEAD_DIM**-0.5
         kk = k.repeat_interleave(HEADS // HEADS_KV, dim=1)
@@ -194,16 +174,11 @@ def test_packed_inputs_on_uneven_shards_match_the_oracle(ring) -> None:
     vis = visibility({"kind": "document", "doc_ids": ids, "causal": True}, seq, seq, heads=HEADS)
     ref = attention_grads(q, k, v, dout, visible=vis)
     scales = error_scales(q, k, v, dout, visible=vis)
-    for name in ("out", "dq"):
-        got = torch.cat([res[name] for res in results], dim=0).transpose(0, 1).unsqueeze(0)
-        assert_close(
-            f"{name} [packed, uneven {lengths}]",
-            got,
-            getattr(ref, name),
-            getattr(ref, name),
-            world_size=3,
-            scales=scales[name],
-        )
+    got = {
+        n: torch.cat([res[n] for res in results], dim=0).transpose(0, 1).unsqueeze(0)
+        for n in ("out", "dq")
+    }
+    assert_float64_results_match_oracle(f"packed, uneven {lengths}", got, ref, scales, world_size=3)
 
 
 def _bad(ctx, kind: str) -> str:
@@ -322,16 +297,9 @@ def test_a_balanced_layout_of_an_uneven_length_runs_uneven_shards(ring) -> None:
     scales = error_scales(q, k, v, dout, visible=vis)
     order = torch.cat([res["positions"] for res in results])
     inverse = torch.argsort(order)
-    for name in ("out", "dk"):
-        got = torch.cat([res[name] for res in results], dim=2)[:, :, inverse]
-        assert_close(
-            f"{name} [work_aware, 50 tokens over 3]",
-            got,
-            getattr(ref, name),
-            getattr(ref, name),
-            world_size=3,
-            scales=scales[name],
-        )
+    got = {n: torch.cat([res[n] for res in results], dim=2)[:, :, inverse] for n in ("out", "dk")}
+    label = "work_aware, 50 tokens over 3"
+    assert_float64_results_match_oracle(label, got, ref, scales, world_size=3)
 
 
 def _run_balanced(ctx, seq):

@@ -20,8 +20,10 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
-from reference.budget import assert_close, error_scales
+from reference.budget import error_scales
 from reference.masks import visibility
+from tests.ring_impl.oracle import QUANTITIES, assert_results_match_oracle
+from tests.ring_impl.rank_results import backward, leaves, local_results
 
 BATCH, HEADS = 1, 4
 D_QK, D_V = 12, 20  # value's head dim wider than query's and key's...
@@ -225,26 +227,14 @@ def _run(ctx, dtype, d, dv, heads_kv, kwargs, lse_grad, mask_spec=None, mesh=Non
         glse = strategy_shard(glse.unsqueeze(-1), strategy, layout, mesh, r).squeeze(-1)
     if mask_spec is not None:
         kwargs["mask"] = from_spec(mask_spec)
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    q, k, v = leaves(q, k, v)
     with CollectiveLog() as log:
         with log.phase("forward"):
             out, lse = ring_impl.ring_attention(q, k, v, group=group, return_lse=True, **kwargs)
         with log.phase("backward"):
-            loss = (out * dout).sum()
-            if lse_grad:
-                loss = (
-                    loss + torch.where(torch.isfinite(lse), lse, 0.0).mul(glse.to(lse.dtype)).sum()
-                )
-            loss.backward()
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "log": log.summary(),
-        "shapes": [tuple(t.shape) for t in (out, q.grad, k.grad, v.grad)],
-    }
+            backward(out, lse, dout, glse if lse_grad else None)
+    shapes = [tuple(t.shape) for t in (out, q.grad, k.grad, v.grad)]
+    return local_results(out, lse, q, k, v, log=log.summary(), shapes=shapes)
 
 
 def _unshard(parts, kwargs, world, mesh):
@@ -284,7 +274,6 @@ def _judge(
     scales = error_scales(q, k, v, dout, visible=vis, grad_lse=glse, input_dtype=dtype)
     # B: the kernel every call here runs (op="auto" on CPU: the math op) on one device
     base = single_device_baseline(q, k, v, dout, op_spec="auto", visible=vis, grad_lse=glse)
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     for rank, r in enumerate(results):
         sq = seq // world
         assert r["shapes"] == [
@@ -293,24 +282,34 @@ def _judge(
             (BATCH, heads_kv, sq, d),
             (BATCH, heads_kv, sq, dv),
         ], f"rank {rank}: out, dq, dk, dv shapes {r['shapes']} [{label}]"
-    for n in ("out", "lse", "dq", "dk", "dv"):
-        got = _unshard([r[n] for r in results], kwargs, world, mesh).to(torch.float64)
-        want, b = getattr(ref, n), base[n].to(torch.float64)
-        if n == "lse" and vis is not None:  # rows that see nothing: -inf, and only they
-            nothing = torch.isneginf(want)
-            assert torch.equal(torch.isneginf(got), nothing), (
-                f"lse: rows that see nothing must be -inf [{label}]"
-            )
-            got, want, b = (t.masked_fill(nothing, 0.0) for t in (got, want, b))
-        assert_close(
-            f"{n} [{label}]",
-            got,
-            want,
-            b,
-            world_size=world,
-            dtype=dtype,
-            result_dtype=lse_dtype if n == "lse" else dtype,
-            scales=scales[n],
+    got = {n: _unshard([r[n] for r in results], kwargs, world, mesh) for n in QUANTITIES}
+    assert_results_match_oracle(label, got, ref, scales, world_size=world, dtype=dtype, base=base)
+
+
+def _schedule(world, rotate, dtype, d, dv, heads_kv, **kwargs) -> dict:
+    """The declared schedule of a case's shards (``kwargs``: the mask, strategy, ...)."""
+    import ring_impl
+
+    return ring_impl.collective_schedule(
+        world,
+        rotate,
+        batch=BATCH,
+        heads_kv=heads_kv,
+        seq_kv=SHARD,
+        head_dim=d,
+        dtype=dtype,
+        head_dim_v=dv,
+        **kwargs,
+    )
+
+
+def _assert_issued_as_declared(results, declared, label: str) -> None:
+    """Each rank's collectives (its ``log``) are ``declared(rank)``'s, less the empty kinds."""
+    __tracebackhide__ = True
+    for rank, r in enumerate(results):
+        want = declared(rank)
+        assert r["log"] == {p: k for p, k in want.items() if k}, (
+            f"rank {rank}: {r['log']} != {want} [{label}]"
         )
 
 
@@ -358,7 +357,6 @@ def test_ring_with_a_value_head_dim_matches_the_oracle_and_its_schedule(
     ring, world, rotate, layout, causal, dtype, d, dv, heads_kv, chunks, lse_grad
 ) -> None:
     _skip_other_impl(ring)
-    import ring_impl
 
     kwargs = {"rotate_method": rotate, "layout": layout, "is_causal": causal, "head_chunks": chunks}
     results = ring.rank_pool(world).run(
@@ -369,21 +367,8 @@ def test_ring_with_a_value_head_dim_matches_the_oracle_and_its_schedule(
         f"chunks={chunks}"
     )
     _judge(results, dtype, d, dv, heads_kv, kwargs, lse_grad, label=label)
-    declared = ring_impl.collective_schedule(
-        world,
-        rotate,
-        batch=BATCH,
-        heads_kv=heads_kv,
-        seq_kv=SHARD,
-        head_dim=d,
-        dtype=dtype,
-        head_chunks=chunks,
-        head_dim_v=dv,
-    )
-    for rank, r in enumerate(results):
-        assert r["log"] == {p: k for p, k in declared.items() if k}, (
-            f"rank {rank}: {r['log']} != {declared} [{label}]"
-        )
+    declared = _schedule(world, rotate, dtype, d, dv, heads_kv, head_chunks=chunks)
+    _assert_issued_as_declared(results, lambda rank: declared, label)
     if (
         world > 1
     ):  # the forward moves key and value as they are: (d + dv) per row, no padding to the wider
@@ -413,7 +398,6 @@ def test_masked_paths_with_a_value_head_dim_match_the_oracle_and_their_schedule(
     ring, path, world
 ) -> None:
     _skip_other_impl(ring)
-    import ring_impl
     from ring_impl.masks import from_spec
 
     seq = SHARD * world
@@ -435,27 +419,19 @@ def test_masked_paths_with_a_value_head_dim_match_the_oracle_and_their_schedule(
     results = ring.rank_pool(world).run(_run, dtype, d, dv, hkv, kwargs, True, spec, timeout=120.0)
     label = f"{path} W={world} {dtype} d={d} dv={dv}"
     _judge(results, dtype, d, dv, hkv, kwargs, True, spec, label=label)
-    for rank, r in enumerate(results):
-        declared = ring_impl.collective_schedule(
-            world,
-            "alltoall",
-            batch=BATCH,
-            heads_kv=hkv,
-            seq_kv=SHARD,
-            head_dim=d,
-            dtype=dtype,
-            head_dim_v=dv,
-            mask=from_spec(spec),
-            layout=kwargs["layout"],
-            rank=rank,
-            halo=kwargs["halo"],
-            sparse_kv=path == "sparse",
-            heads=HEADS,
-            seq_q=SHARD,
-        )
-        assert r["log"] == {p: k for p, k in declared.items() if k}, (
-            f"rank {rank}: {r['log']} != {declared} [{label}]"
-        )
+    masked = {
+        "mask": from_spec(spec),
+        "layout": kwargs["layout"],
+        "halo": kwargs["halo"],
+        "sparse_kv": path == "sparse",
+    }
+    _assert_issued_as_declared(
+        results,
+        lambda rank: _schedule(
+            world, "alltoall", dtype, d, dv, hkv, rank=rank, heads=HEADS, seq_q=SHARD, **masked
+        ),
+        label,
+    )
     if path == "halo":  # no block around the ring
         assert all(set(r["log"]["forward"]) <= {"all_reduce", "send", "recv"} for r in results)
 
@@ -466,7 +442,6 @@ def test_masked_paths_with_a_value_head_dim_match_the_oracle_and_their_schedule(
 )
 def test_head_parallel_strategies_with_a_value_head_dim(ring, strategy, mesh, heads_kv) -> None:
     _skip_other_impl(ring)
-    import ring_impl
 
     world = mesh[0] * mesh[1]
     kwargs = {
@@ -480,25 +455,20 @@ def test_head_parallel_strategies_with_a_value_head_dim(ring, strategy, mesh, he
     )
     label = f"{strategy} mesh={mesh} hkv={heads_kv}"
     _judge(results, torch.float64, D_QK, D_V, heads_kv, kwargs, True, mesh=mesh, label=label)
-    declared = ring_impl.collective_schedule(
+    declared = _schedule(
         world,
         "p2p",
-        batch=BATCH,
-        heads_kv=heads_kv,
-        seq_kv=SHARD,
-        head_dim=D_QK,
-        dtype=torch.float64,
-        head_dim_v=D_V,
+        torch.float64,
+        D_QK,
+        D_V,
+        heads_kv,
         strategy=strategy,
         mesh_shape=mesh,
         heads=HEADS,
         seq_q=SHARD,
         return_lse=True,
     )
-    for rank, r in enumerate(results):
-        assert r["log"] == {p: k for p, k in declared.items() if k}, (
-            f"rank {rank}: {r['log']} != {declared} [{label}]"
-        )
+    _assert_issued_as_declared(results, lambda rank: declared, label)
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -31,6 +31,7 @@ from ring_impl.ops.varlen import MAX_LAYERS, UNBOUNDED, VarlenOp, varlen_plan
 from ring_impl.ops.varlen_emulation import emulated_varlen_forward, varlen_visibility
 
 from .oracle import assert_masked_op_matches_math, assert_ring_matches_oracle
+from .rank_results import forward_backward, leaves, local_results, seeded_inputs
 
 
 def _cu(*lengths: int) -> torch.Tensor:
@@ -447,16 +448,7 @@ _RING_MASKS = {
 
 
 def _inputs(dtype: torch.dtype):
-    gen = torch.Generator().manual_seed(5)
-    q, dout = (
-        torch.randn(2, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(2)
-    )
-    k, v = (
-        torch.randn(2, HEADS_KV, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for _ in range(2)
-    )
-    return q, k, v, dout
+    return seeded_inputs(5, dtype, 2, HEADS, HEADS_KV, SEQ, HEAD_DIM)
 
 
 def _ring_with_the_varlen_op(ctx, dtype, name, layout, rotate):
@@ -466,26 +458,12 @@ def _ring_with_the_varlen_op(ctx, dtype, name, layout, rotate):
     q, k, v, dout = (
         ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs(dtype)
     )
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = ring_impl.ring_attention(
-        q,
-        k,
-        v,
-        mask=_RING_MASKS[name](),
-        layout=layout,
-        op=op,
-        rotate_method=rotate,
-        return_lse=True,
+    q, k, v = leaves(q, k, v)
+    mask = _RING_MASKS[name]()
+    out, lse = forward_backward(
+        q, k, v, dout, mask=mask, layout=layout, op=op, rotate_method=rotate
     )
-    out.backward(dout)
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "sequences": sum(n for _, n, _ in op.calls),
-    }
+    return local_results(out, lse, q, k, v, sequences=sum(n for _, n, _ in op.calls))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from harness.procs import run_tree
+from tests.harness.subproc import torchrun_command
 
 TARGETS = Path(__file__).resolve().parent
 
@@ -20,15 +21,7 @@ TARGETS = Path(__file__).resolve().parent
 def test_run_a_tree_until_killed() -> None:
     pids_file = os.environ["HARNESS_TEST_PIDS_FILE"]
     if os.environ["HARNESS_TREE_COMMAND"] == "torchrun":
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(TARGETS / "rank_sleeper.py"),
-            pids_file,
-        ]
+        command = torchrun_command(str(TARGETS / "rank_sleeper.py"), pids_file)
     else:
         command = [sys.executable, str(TARGETS / "launcher_like.py"), pids_file]
     run_tree(command, timeout=600)
