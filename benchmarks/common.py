@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: rank processes over gloo, memory high-water marks, output.
+"""Helpers shared by the benchmarks: the problem sizes, the command line, rank processes over
+gloo, memory high-water marks, the run's environment and output.
 
 The benchmarks run as ``python benchmarks/<name>.py`` or ``python -m benchmarks.<name>`` from the
 repository root; importing this module puts the root on ``sys.path`` so ``ring_impl``,
@@ -19,12 +20,15 @@ allocation above 64 KiB with its own mmap and returns it to the kernel when free
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import platform
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +39,11 @@ __all__ = [
     "MEMORY_ENV",
     "ROOT",
     "PeakRss",
+    "Sizes",
+    "bench_args",
     "load_average",
+    "no_cuda",
+    "recorded_run",
     "run_world",
     "write_rows",
 ]
@@ -43,6 +51,77 @@ __all__ = [
 #: Environment for memory measurements: every allocation above 64 KiB is its own mmap, given
 #: back to the kernel on free, so the RSS high-water mark follows the live tensors.
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+@dataclass
+class Sizes:
+    """The problem and the repetitions of a ring benchmark, the first fields of its settings:
+    query/key/value (batch, heads, seq, head_dim) in ``dtype`` over the world sizes W, the
+    global sequence ``seq`` measured ``repeat`` times after ``warmup`` calls at ``warmup_seq`` (a
+    smaller size that runs every code path)."""
+
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    seq: int = 8192
+    warmup_seq: int = 2048
+    dtype: str = "float32"
+    world_sizes: tuple[int, ...] = (2, 4)
+    repeat: int = 3
+    warmup: int = 1
+
+
+def bench_args(
+    argv: list[str] | None, doc: str, *, quick: str, repeat: int, json_name: str
+) -> argparse.Namespace:
+    """The command line ``argv`` of a one-table benchmark, parsed: the description (``doc``'s first
+    paragraph), ``--quick`` (``quick`` says what it keeps), ``--repeat`` (default ``repeat``) and
+    ``--out``/``--json`` (``args.out``), the JSON written (default
+    ``reports/bench/<json_name>``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default=f"reports/bench/{json_name}",
+        help="the JSON written (rows and settings)",
+    )
+    return parser.parse_args(argv)
+
+
+def no_cuda(script: str) -> bool:
+    """Whether this machine has no CUDA GPU; if so, ``script`` (the benchmark's path) says so on
+    stderr, and the CUDA benchmark exits with status 2."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{script}: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    return True
+
+
+@contextlib.contextmanager
+def recorded_run(cores: int) -> Iterator[dict[str, Any]]:
+    """``with recorded_run(cores) as env:`` around a benchmark's measurements: ``env`` holds the
+    torch and python versions, ``cores``, the machine, the load average before (``load_before``)
+    and the command line; on leaving, the load average after (``load_after``) and the seconds
+    the block took (``wall_s``)."""
+    import torch
+
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cores": cores,
+        "machine": platform.machine(),
+        "load_before": load_average(),
+        "argv": sys.argv[1:],
+    }
+    t0 = time.perf_counter()
+    yield env
+    env["load_after"] = load_average()
+    env["wall_s"] = time.perf_counter() - t0
 
 
 def load_average() -> str:

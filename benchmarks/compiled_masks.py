@@ -28,7 +28,6 @@ way's output and gradients are compared with eager's (max abs difference, printe
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_world, write_rows
+from benchmarks.common import bench_args, run_world, write_rows
 from benchmarks.runner import Candidate, across_ranks, interleave, summarize
 
 WAYS = ("eager", "in_graph", "graph_break")
@@ -199,17 +198,13 @@ def print_report(b: Bench, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="sequence 4096 only")
-    parser.add_argument("--repeat", type=int, default=Bench.repeat)
-    parser.add_argument(
-        "--out",
-        "--json",
-        dest="out",
-        default="reports/bench/compiled_masks.json",
-        help="the JSON written (rows and settings)",
+    args = bench_args(
+        argv,
+        __doc__,
+        quick="sequence 4096 only",
+        repeat=Bench.repeat,
+        json_name="compiled_masks.json",
     )
-    args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat, seqs=(4096,) if args.quick else Bench.seqs)
     t0 = time.perf_counter()
     rows = analyse(b, run_world(b.world, _rank, asdict(b), timeout=3600))

@@ -24,7 +24,6 @@ nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_world, write_rows
+from benchmarks.common import bench_args, run_world, write_rows
 from benchmarks.runner import Candidate, across_ranks, interleave, summarize
 
 WAYS = ("eager", "compiled", "compiled_lse_used")
@@ -121,17 +120,9 @@ def analyse(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="head_dim 64 only")
-    parser.add_argument("--repeat", type=int, default=Bench.repeat)
-    parser.add_argument(
-        "--out",
-        "--json",
-        dest="out",
-        default="reports/bench/compiled_ring.json",
-        help="the JSON written (rows and settings)",
+    args = bench_args(
+        argv, __doc__, quick="head_dim 64 only", repeat=Bench.repeat, json_name="compiled_ring.json"
     )
-    args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat, head_dims=(64,) if args.quick else Bench.head_dims)
     t0 = time.perf_counter()
     rows = analyse(run_world(b.world, _rank, asdict(b), timeout=3600))

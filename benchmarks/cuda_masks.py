@@ -48,6 +48,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.common import no_cuda  # noqa: E402
 from benchmarks.runner import cuda_median_ms, write_json  # noqa: E402
 
 #: (seq, documents) of the default run: the figures of the speed issue
@@ -276,11 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile-dir", default=None, help="write each row's profiler table here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            "benchmarks/cuda_masks.py: needs a CUDA GPU (torch.cuda.is_available() is False)",
-            file=sys.stderr,
-        )
+    if no_cuda("benchmarks/cuda_masks.py"):
         return 2
     shapes = SHAPES[:1] if args.quick else SHAPES
     warmup, repeat = (1, 3) if args.quick else (args.warmup, args.repeat)

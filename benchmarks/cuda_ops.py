@@ -41,6 +41,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.common import no_cuda  # noqa: E402
 from benchmarks.runner import CudaClock, interleave, median  # noqa: E402
 
 OPS = ("cuda_flash", "cuda_efficient", "cudnn")
@@ -102,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            "benchmarks/cuda_ops.py: needs a CUDA GPU (torch.cuda.is_available() is False)",
-            file=sys.stderr,
-        )
+    if no_cuda("benchmarks/cuda_ops.py"):
         return 2
     seqs = (
         [int(s) for s in args.seqs.split(",")]

@@ -24,7 +24,6 @@ ranks, against the halo minimum: each rank's last ``window`` key/value rows to t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import os
@@ -34,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_world, write_rows
+from benchmarks.common import bench_args, run_world, write_rows
 from benchmarks.runner import Candidate, across_ranks, interleave, measure, summarize
 
 PATHS = {"halo": "auto", "ring": "ring"}  # the exchange= each path is asked by
@@ -170,17 +169,7 @@ def print_report(b: Bench, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="sequence 4096 only")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--out",
-        "--json",
-        dest="out",
-        default="reports/bench/halo.json",
-        help="the JSON written (rows and settings)",
-    )
-    args = parser.parse_args(argv)
+    args = bench_args(argv, __doc__, quick="sequence 4096 only", repeat=3, json_name="halo.json")
     b = Bench(repeat=args.repeat)
     if args.quick:
         b.seqs = (4096,)

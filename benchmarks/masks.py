@@ -72,7 +72,6 @@ import contextlib
 import itertools
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,9 +79,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import load_average, run_world
+from benchmarks.common import Sizes, recorded_run, run_world
 from benchmarks.ring import KernelTimer, _sent_bytes, _timed_ring_op
-from benchmarks.runner import Candidate, across_ranks, interleave, summarize, write_json
+from benchmarks.runner import Candidate, across_ranks, interleave, timing_row, write_json
 
 #: the layouts of the documents benchmark; "work_balanced" is registered per (seq, W)
 DOC_LAYOUTS = ("work_balanced", "head_tail", "contiguous")
@@ -100,16 +99,7 @@ AIM_WORK = 1.05
 
 
 @dataclass
-class Bench:
-    batch: int = 1
-    heads: int = 8
-    head_dim: int = 64
-    seq: int = 8192
-    warmup_seq: int = 2048
-    dtype: str = "float32"
-    world_sizes: tuple[int, ...] = (2, 4)
-    repeat: int = 3
-    warmup: int = 1
+class Bench(Sizes):
     rotate: str = "alltoall"
     window: int = 256
     doc_median: int = 150
@@ -537,14 +527,8 @@ def run(b: Bench) -> dict:
             ]
             # the single process runs on rank 0 alone; a ring's round ends with its slowest rank
             ranks = [r0] if c["impl"] == "single" else [p["results"][name] for p in per_rank]
-            slowest = across_ranks([r["elapsed"] for r in ranks])
-            stats = summarize({name: slowest})[name]
             rows[name] = {
-                "config": c,
-                "time": stats.min,
-                "time_median": stats.median,
-                "spread": stats.spread,
-                "times": slowest,
+                **timing_row(c, across_ranks([r["elapsed"] for r in ranks])),
                 "forward": min(across_ranks([r["forward"] for r in ranks])),
                 "cpu": min(across_ranks([r["cpu"] for r in ranks], sum)),
                 "error": max(errors, default=None),
@@ -1052,20 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if args.halo is not None:
         b.halo = args.halo
-    import torch
-
-    env = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cores": b.cores,
-        "machine": platform.machine(),
-        "load_before": load_average(),
-        "argv": sys.argv[1:],
-    }
-    t0 = time.perf_counter()
-    raw = run(b)
-    env["load_after"] = load_average()
-    env["wall_s"] = time.perf_counter() - t0
+    with recorded_run(b.cores) as env:
+        raw = run(b)
     analysis = analyse(b, raw)
     lengths = document_lengths(b, b.seq)
     print_report(b, analysis, env, lengths)

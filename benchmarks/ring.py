@@ -78,13 +78,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import MEMORY_ENV, PeakRss, load_average, run_world
+from benchmarks.common import MEMORY_ENV, PeakRss, Sizes, load_average, recorded_run, run_world
 from benchmarks.runner import (
     Candidate,
     across_ranks,
     interleave,
     median,
     summarize,
+    timing_row,
     write_json,
 )
 
@@ -96,16 +97,7 @@ MiB = 1024 * 1024
 
 
 @dataclass
-class Bench:
-    batch: int = 1
-    heads: int = 8
-    head_dim: int = 64
-    seq: int = 8192
-    warmup_seq: int = 2048  # the warm-up call runs every code path at this smaller size
-    dtype: str = "float32"
-    world_sizes: tuple[int, ...] = (2, 4)
-    repeat: int = 3
-    warmup: int = 1
+class Bench(Sizes):
     ring_rotations: tuple[str, ...] = RING_ROTATIONS
     torch_rotations: tuple[str, ...] = TORCH_ROTATIONS
     scaling_seqs: tuple[int, ...] = (2048, 4096, 8192, 16384)
@@ -531,14 +523,8 @@ def run_speed(b: Bench) -> dict:
             def rounds(key: str, reduce=max, ranks=ranks, name=name) -> list[float]:
                 return across_ranks([r[name][key] for r in ranks], reduce)
 
-            slowest = rounds("elapsed")
-            stats = summarize({name: slowest})[name]
             rows[name] = {
-                "config": c,
-                "time": stats.min,
-                "time_median": stats.median,
-                "spread": stats.spread,
-                "times": slowest,
+                **timing_row(c, rounds("elapsed")),
                 "forward": min(rounds("forward")),
                 "cpu": median(rounds("cpu", sum)),
             }
@@ -1079,21 +1065,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         args.skip_scaling = True
-    import torch
-
-    env = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cores": b.cores,
-        "machine": platform.machine(),
-        "load_before": load_average(),
-        "argv": sys.argv[1:],
-    }
-    t0 = time.perf_counter()
-    speed = {} if args.skip_speed else run_speed(b)
-    scaling = {} if args.skip_scaling else run_scaling(b)
-    env["load_after"] = load_average()
-    env["wall_s"] = time.perf_counter() - t0
+    with recorded_run(b.cores) as env:
+        speed = {} if args.skip_speed else run_speed(b)
+        scaling = {} if args.skip_scaling else run_scaling(b)
     analysis = _analysis(b, speed, scaling)
     print_report(b, analysis, env)
     path = args.json or os.path.join(args.out, "bench.json")

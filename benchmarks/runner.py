@@ -24,6 +24,8 @@ API (seconds throughout):
 - :func:`summarize` ``(times, baseline=None)``: per candidate :class:`Stats`: count, fastest,
   median, slowest, spread (``(slowest - fastest) / median``) and, with a named ``baseline``
   measured in the same run, the ratios of the median and of the fastest to the baseline's.
+- :func:`timing_row` ``(config, slowest)``: a configuration's row of a report: its fastest and
+  median round (``time``, ``time_median``), their spread and every round's time.
 - :func:`across_ranks` ``(per_rank, reduce=max)``: per recorded round, one value over the ranks
   (``max``: the slowest rank, the time of a collective call; ``sum``: work summed over ranks).
 - :func:`write_json` ``(path, data)``: the ``--json`` output of a benchmark, written atomically
@@ -56,6 +58,7 @@ __all__ = [
     "measure",
     "median",
     "summarize",
+    "timing_row",
     "write_json",
 ]
 
@@ -255,6 +258,21 @@ def summarize(
             ratio_min=lo / base[1] if base else None,
         )
     return out
+
+
+def timing_row(config: Any, slowest: list[float]) -> dict[str, Any]:
+    """The timing of one configuration in a benchmark's rows, its other figures to be added:
+    ``config``, the fastest (``time``, the least disturbed round, the one reported) and median
+    (``time_median``) of ``slowest`` (per recorded round, the slowest rank's seconds), their
+    ``spread``, and ``times``: ``slowest`` itself."""
+    stats = summarize({"time": slowest})["time"]
+    return {
+        "config": config,
+        "time": stats.min,
+        "time_median": stats.median,
+        "spread": stats.spread,
+        "times": slowest,
+    }
 
 
 def across_ranks(

@@ -36,7 +36,6 @@ The input check's all-reduce (a few hundred bytes) is reported apart. The crosso
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import os
@@ -47,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_world, write_rows
+from benchmarks.common import bench_args, run_world, write_rows
 from benchmarks.runner import Candidate, across_ranks, interleave, summarize
 
 STRATEGIES = ("ring", "ulysses", "hybrid")
@@ -290,17 +289,13 @@ def print_report(b: Bench, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="heads 4, 16 and sequences 1024, 4096")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--out",
-        "--json",
-        dest="out",
-        default="reports/bench/strategies.json",
-        help="the JSON written (rows and settings)",
+    args = bench_args(
+        argv,
+        __doc__,
+        quick="heads 4, 16 and sequences 1024, 4096",
+        repeat=3,
+        json_name="strategies.json",
     )
-    args = parser.parse_args(argv)
     b = Bench(repeat=args.repeat)
     if args.quick:
         b.seqs = (1024, 4096)

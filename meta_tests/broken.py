@@ -24,7 +24,7 @@ from ring_impl import RingAttention, collective_schedule, debug
 from ring_impl.ops import call_backward, call_forward, default_scale
 from ring_impl.plan import Block
 
-__all__ = ["BROKEN", "Broken"]
+__all__ = ["BROKEN", "Broken", "by_name", "function_adapter", "ring_adapter"]
 
 
 # ------------------------------------------------------------------------ causal handling
@@ -97,38 +97,44 @@ class LoadBalanceAssumesCausal(RingAttention):
 # ------------------------------------------------------------------------ LSE layout
 
 
-class PaddedLseTrimmedFromTheEnd(RingAttention):
+class _LseLayoutMisread(RingAttention):
+    """The kernel's LSE brought from its declared layout to (batch, heads, seq_q) wrongly, by
+    :meth:`misread`. Masked blocks run as ring_impl runs them: the bug is the LSE layout only."""
+
+    def block_forward(self, cfg, q, k, v, plan):
+        if plan.visible is not None:
+            return super().block_forward(cfg, q, k, v, plan)
+        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
+        return out, self.misread(lse, q.shape, cfg.op.capabilities.lse_layout)
+
+    def misread(self, lse: torch.Tensor, q_shape: torch.Size, layout: str) -> torch.Tensor:
+        """The kernel's ``lse`` in ``layout`` (``bhs``, ``bhs1`` or ``bhs_padded32``) for a
+        query block of ``q_shape`` (b, h, s, d) -> what the ring merges as its (b, h, s) LSE."""
+        raise NotImplementedError
+
+
+class PaddedLseTrimmedFromTheEnd(_LseLayoutMisread):
     """Memory-efficient layout: keeps the *last* seq_q LSE entries, garbage padding included."""
 
-    def block_forward(self, cfg, q, k, v, plan):
-        if (
-            plan.visible is not None
-        ):  # masked blocks as ring_impl runs them: the bug is the LSE layout only
-            return super().block_forward(cfg, q, k, v, plan)
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
-        rows = q.shape[2]
-        if cfg.op.capabilities.lse_layout == "bhs_padded32":
-            return out, lse[..., -rows:].contiguous()
-        if cfg.op.capabilities.lse_layout == "bhs1":
-            return out, lse.squeeze(-1)
-        return out, lse
+    def misread(self, lse, q_shape, layout):
+        rows = q_shape[2]
+        if layout == "bhs_padded32":
+            return lse[..., -rows:].contiguous()
+        if layout == "bhs1":
+            return lse.squeeze(-1)
+        return lse
 
 
-class CudnnLseMisread(RingAttention):
+class CudnnLseMisread(_LseLayoutMisread):
     """cuDNN layout (b, h, s, 1) read as if it were (b, s, h)."""
 
-    def block_forward(self, cfg, q, k, v, plan):
-        if (
-            plan.visible is not None
-        ):  # masked blocks as ring_impl runs them: the bug is the LSE layout only
-            return super().block_forward(cfg, q, k, v, plan)
-        out, lse = call_forward(cfg.op, q, k, v, is_causal=plan.is_causal, scale=cfg.scale)
-        b, h, s, _ = q.shape
-        if cfg.op.capabilities.lse_layout == "bhs1":
-            return out, lse.reshape(b, s, h).transpose(1, 2).contiguous()
-        if cfg.op.capabilities.lse_layout == "bhs_padded32":
-            return out, lse[..., :s].contiguous()
-        return out, lse
+    def misread(self, lse, q_shape, layout):
+        b, h, s, _ = q_shape
+        if layout == "bhs1":
+            return lse.reshape(b, s, h).transpose(1, 2).contiguous()
+        if layout == "bhs_padded32":
+            return lse[..., :s].contiguous()
+        return lse
 
 
 # ------------------------------------------------------------------------ merge and dtypes
@@ -710,241 +716,252 @@ class Broken:
     min_failures: int = 0
 
 
-def _adapter(name: str, ring: RingAttention) -> RingImplAdapter:
+def by_name(*entries: Broken) -> dict[str, Broken]:
+    """``{entry.name: entry}`` in the order given: a module's table of broken implementations. A
+    name given twice raises (the later entry would hide the earlier one from the meta-tests)."""
+    table: dict[str, Broken] = {}
+    for entry in entries:
+        if entry.name in table:
+            raise ValueError(f"two broken implementations are named {entry.name!r}")
+        table[entry.name] = entry
+    return table
+
+
+def ring_adapter(name: str, ring: RingAttention) -> RingImplAdapter:
+    """The implementation under test ``name``: ring_impl's adapter around the broken ``ring``."""
     return RingImplAdapter(ring, name=name)
 
 
-def _wrapped(name: str, fn) -> RingImplAdapter:
+def function_adapter(name: str, ring_attention) -> RingImplAdapter:
+    """The implementation under test ``name``: ring_impl's adapter whose ``ring_attention`` is the
+    broken function ``ring_attention`` (query, key, value, **options), in place of ring_impl's."""
     adapter = RingImplAdapter(name=name)
-    adapter.ring_attention = fn
+    adapter.ring_attention = ring_attention
     return adapter
 
 
-BROKEN: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        Broken(
-            "nan_hidden",
-            "NaN in the inputs hidden by a kernel that drops it",
-            r"the NaN was hidden",
-            _adapter("nan_hidden", NanHidden()),
-        ),
-        Broken(
-            "scale_not_agreed",
-            "per-rank option disagreement: scale not part of the cross-rank check",
-            r"scale_differs_between_ranks: no rank raised",
-            _wrapped("scale_not_agreed", ScaleNotAgreed()),
-        ),
-        Broken(
-            "lse_not_differentiable",
-            "autograd: the LSE returned without a gradient",
-            r"does not require grad while query, key and value do",
-            _wrapped("lse_not_differentiable", LseNotDifferentiable()),
-        ),
-        Broken(
-            "skipped_step_computed",
-            "causal: a step computed that must be skipped",
-            r"computed, but no query of this rank sees any key of that block",
-            _adapter("skipped_step_computed", SkippedStepComputed()),
-        ),
-        Broken(
-            "needed_step_skipped",
-            "causal: a step skipped that was needed",
-            r"skipped, but \d+ query-key pairs are visible",
-            _adapter("needed_step_skipped", NeededStepSkipped()),
-        ),
-        Broken(
-            "causal_mask_on_full_step",
-            "causal: a step computed with the wrong mask",
-            r"computed with a causal \(diagonal\) mask, though this block is full",
-            _adapter("causal_mask_on_full_step", CausalMaskOnFullStep()),
-        ),
-        Broken(
-            "head_tail_wrong_pairing",
-            "head_tail: wrong chunk pairing",
-            r"wrong key/value chunk of the head_tail pair",
-            _adapter("head_tail_wrong_pairing", HeadTailWrongPairing()),
-        ),
-        Broken(
-            "load_balance_assumes_causal",
-            "head_tail: load balancing used with non-causal attention",
-            r"causal mask of these positions, though attention is not causal",
-            _adapter("load_balance_assumes_causal", LoadBalanceAssumesCausal()),
-        ),
-        Broken(
-            "padded_lse_untrimmed",
-            "LSE: memory-efficient padding not trimmed",
-            r"(?s)^(?=.*cpu_efficient_layout).*its LSE does not: the kernel's LSE was misread",
-            _adapter("padded_lse_untrimmed", PaddedLseTrimmedFromTheEnd()),
-        ),
-        Broken(
-            "cudnn_lse_misread",
-            "LSE: cuDNN trailing-dim layout misread",
-            r"(?s)^(?=.*cpu_cudnn_layout).*its LSE does not: the kernel's LSE was misread",
-            _adapter("cudnn_lse_misread", CudnnLseMisread()),
-        ),
-        Broken(
-            "naive_exp_merge",
-            "unstable merge: exp of large LSE overflows",
-            r"an exp of the LSE \(or of raw scores\) overflowed",
-            _adapter("naive_exp_merge", NaiveExpMerge()),
-        ),
-        Broken(
-            "partials_in_input_dtype",
-            "accumulation dtype: partials kept in bf16/fp16",
-            r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank "
-            r"[-\d, ]+: every value of the float32 result is a bfloat16 number",
-            _adapter("partials_in_input_dtype", PartialsInInputDtype()),
-        ),
-        Broken(
-            "grad_cast_to_bf16",
-            "accumulation dtype: gradient cast to a hard-coded dtype",
-            r"d[qkv] on rank [-\d, ]+: every value of the float64 result is a bfloat16 number",
-            _adapter("grad_cast_to_bf16", GradCastToBf16()),
-        ),
-        Broken(
-            "float64_computed_in_float32",
-            "accumulation dtype: float64 silently computed in float32",
-            r"(partial of this float64 ring|float64 result) is a float32 number",
-            _adapter("float64_computed_in_float32", Float64ComputedInFloat32()),
-        ),
-        Broken(
-            "noncontiguous_misread",
-            "non-contiguous inputs passed to a kernel as if contiguous",
-            r"wrong only with non-contiguous inputs",
-            _adapter("noncontiguous_misread", NoncontiguousMisread()),
-        ),
-        Broken(
-            "head_dim_stride_ignored",
-            "inputs with a strided head dim passed to a kernel as if its stride were 1",
-            r"wrong only with a strided head dim",
-            _adapter("head_dim_stride_ignored", HeadDimStrideIgnored()),
-            suites="suites/test_shapes.py",
-        ),
-        Broken(
-            "backward_reuses_step0_kv",
-            "stale per-step state: backward reuses step-0 keys/values",
-            r"the backward used each rank's own key/value block at every ring step",
-            _adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV()),
-        ),
-        Broken(
-            "backward_uses_block_output",
-            "backward: each chunk's own output instead of the merged output in the dO.O term",
-            r"each ring step's own partial output",
-            _adapter("backward_uses_block_output", BackwardUsesBlockOutput()),
-        ),
-        Broken(
-            "value_buffer_sized_by_key",
-            "MLA: d_v assumed equal to d_qk in a buffer",
-            r"wrong only when d_v != d_qk",
-            _adapter("value_buffer_sized_by_key", ValueBufferSizedByKey()),
-            suites="suites/test_forward_backward.py",
-            select=("-k", "value_head_dim"),
-        ),
-        Broken(
-            "wrong_neighbour",
-            "rotation: sending to the wrong neighbour",
-            r"used the key/value block of rank \d+ instead of rank \d+",
-            _adapter("wrong_neighbour", WrongNeighbour()),
-        ),
-        Broken(
-            "grads_not_returned_home",
-            "rotation: dK/dV not returned to the owning rank (last hop missing)",
-            r"dq matches on every rank, but [^\n]*dK/dV accumulators",
-            _adapter("grads_not_returned_home", GradsNotReturnedHome()),
-        ),
-        Broken(
-            "scale_dropped_after_step0",
-            "scale not passed through to every step",
-            r"used scale -?[\d.]+ instead of -?[\d.]+",
-            _adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero()),
-        ),
-        Broken(
-            "gqa_heads_tiled",
-            "GQA head mapping wrong for some steps",
-            r"tiled the key/value heads",
-            _adapter("gqa_heads_tiled", GqaHeadsTiledOnLaterSteps()),
-        ),
-        Broken(
-            "last_rank_skips_grad_hop",
-            "hang: a collective skipped on one rank only",
-            r"did not finish within [\d.]+ s|collectives differ from the declared schedule",
-            _adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop()),
-        ),
-        Broken(
-            "raises_on_one_rank_only",
-            "hang: an exception on one rank leaving the others blocked",
-            r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others "
-            r"waiting",
-            _wrapped("raises_on_one_rank_only", RaisesOnOneRankOnly()),
-        ),
-        Broken(
-            "value_gradient_dropped",
-            "autograd: gradients not flowing to inputs that need them",
-            r"no result for dv\[rank=\d+\]|gradient did not reach",
-            _wrapped("value_gradient_dropped", ValueGradientDropped()),
-        ),
-        Broken(
-            "graph_break_in_loop",
-            "torch.compile: graph break in the ring loop",
-            r"fails only under torch\.compile",
-            _adapter("graph_break_in_loop", GraphBreakInLoop()),
-        ),
-        Broken(
-            "wrong_only_when_compiled",
-            "torch.compile: wrong results only when compiled",
-            r"wrong only when compiled",
-            _adapter("wrong_only_when_compiled", WrongOnlyWhenCompiled()),
-        ),
-        Broken(
-            "declares_nothing_lse_base_2",
-            "undeclared capabilities: an implementation that declares nothing, with a bug",
-            r"is in base 2, the contract",
-            DeclaresNothing("declares_nothing_lse_base_2", _lse_in_base_2),
-        ),
-        Broken(
-            "float32_output_for_half",
-            "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
-            r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype",
-            _wrapped("float32_output_for_half", _float32_output_for_half),
-        ),
-        Broken(
-            "lse_offset_in_bf16",
-            "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
-            r"lse is shifted by a constant on every row",
-            _wrapped("lse_offset_in_bf16", _lse_offset_in_bf16),
-        ),
-        Broken(
-            "masked_rows_keep_kernel_lse",
-            "masks: a row the mask hides completely merged with the kernel's LSE 0",
-            r"rows that see no key must have LSE -inf|rows a masked block hides must merge as "
-            r"nothing",
-            _adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
-            suites="suites/test_masks.py",
-        ),
-        Broken(
-            "max_logit_last_step_only",
-            "stale per-step state: the max logit of the last ring step returned as the call's",
-            r"running maximum across ring steps\s+was not kept",
-            _adapter("max_logit_last_step_only", MaxLogitLastStepOnly()),
-            suites="suites/test_max_logit.py",
-        ),
-        Broken(
-            "max_logit_not_reduced",
-            "max logit: each rank's own maximum returned, not reduced over the group",
-            r"per-rank maxima\s+were not reduced over the group",
-            _adapter("max_logit_not_reduced", MaxLogitNotReduced()),
-            suites="suites/test_max_logit.py",
-        ),
-        Broken(
-            "sinks_dropped_on_one_rank",
-            "sinks: the sink term applied on some ranks only",
-            r"the sinks were not applied on those ranks",
-            _wrapped("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
-            suites="suites/test_masks.py",
-        ),
-    ]
-}
+BROKEN: dict[str, Broken] = by_name(
+    Broken(
+        "nan_hidden",
+        "NaN in the inputs hidden by a kernel that drops it",
+        r"the NaN was hidden",
+        ring_adapter("nan_hidden", NanHidden()),
+    ),
+    Broken(
+        "scale_not_agreed",
+        "per-rank option disagreement: scale not part of the cross-rank check",
+        r"scale_differs_between_ranks: no rank raised",
+        function_adapter("scale_not_agreed", ScaleNotAgreed()),
+    ),
+    Broken(
+        "lse_not_differentiable",
+        "autograd: the LSE returned without a gradient",
+        r"does not require grad while query, key and value do",
+        function_adapter("lse_not_differentiable", LseNotDifferentiable()),
+    ),
+    Broken(
+        "skipped_step_computed",
+        "causal: a step computed that must be skipped",
+        r"computed, but no query of this rank sees any key of that block",
+        ring_adapter("skipped_step_computed", SkippedStepComputed()),
+    ),
+    Broken(
+        "needed_step_skipped",
+        "causal: a step skipped that was needed",
+        r"skipped, but \d+ query-key pairs are visible",
+        ring_adapter("needed_step_skipped", NeededStepSkipped()),
+    ),
+    Broken(
+        "causal_mask_on_full_step",
+        "causal: a step computed with the wrong mask",
+        r"computed with a causal \(diagonal\) mask, though this block is full",
+        ring_adapter("causal_mask_on_full_step", CausalMaskOnFullStep()),
+    ),
+    Broken(
+        "head_tail_wrong_pairing",
+        "head_tail: wrong chunk pairing",
+        r"wrong key/value chunk of the head_tail pair",
+        ring_adapter("head_tail_wrong_pairing", HeadTailWrongPairing()),
+    ),
+    Broken(
+        "load_balance_assumes_causal",
+        "head_tail: load balancing used with non-causal attention",
+        r"causal mask of these positions, though attention is not causal",
+        ring_adapter("load_balance_assumes_causal", LoadBalanceAssumesCausal()),
+    ),
+    Broken(
+        "padded_lse_untrimmed",
+        "LSE: memory-efficient padding not trimmed",
+        r"(?s)^(?=.*cpu_efficient_layout).*its LSE does not: the kernel's LSE was misread",
+        ring_adapter("padded_lse_untrimmed", PaddedLseTrimmedFromTheEnd()),
+    ),
+    Broken(
+        "cudnn_lse_misread",
+        "LSE: cuDNN trailing-dim layout misread",
+        r"(?s)^(?=.*cpu_cudnn_layout).*its LSE does not: the kernel's LSE was misread",
+        ring_adapter("cudnn_lse_misread", CudnnLseMisread()),
+    ),
+    Broken(
+        "naive_exp_merge",
+        "unstable merge: exp of large LSE overflows",
+        r"an exp of the LSE \(or of raw scores\) overflowed",
+        ring_adapter("naive_exp_merge", NaiveExpMerge()),
+    ),
+    Broken(
+        "partials_in_input_dtype",
+        "accumulation dtype: partials kept in bf16/fp16",
+        r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank "
+        r"[-\d, ]+: every value of the float32 result is a bfloat16 number",
+        ring_adapter("partials_in_input_dtype", PartialsInInputDtype()),
+    ),
+    Broken(
+        "grad_cast_to_bf16",
+        "accumulation dtype: gradient cast to a hard-coded dtype",
+        r"d[qkv] on rank [-\d, ]+: every value of the float64 result is a bfloat16 number",
+        ring_adapter("grad_cast_to_bf16", GradCastToBf16()),
+    ),
+    Broken(
+        "float64_computed_in_float32",
+        "accumulation dtype: float64 silently computed in float32",
+        r"(partial of this float64 ring|float64 result) is a float32 number",
+        ring_adapter("float64_computed_in_float32", Float64ComputedInFloat32()),
+    ),
+    Broken(
+        "noncontiguous_misread",
+        "non-contiguous inputs passed to a kernel as if contiguous",
+        r"wrong only with non-contiguous inputs",
+        ring_adapter("noncontiguous_misread", NoncontiguousMisread()),
+    ),
+    Broken(
+        "head_dim_stride_ignored",
+        "inputs with a strided head dim passed to a kernel as if its stride were 1",
+        r"wrong only with a strided head dim",
+        ring_adapter("head_dim_stride_ignored", HeadDimStrideIgnored()),
+        suites="suites/test_shapes.py",
+    ),
+    Broken(
+        "backward_reuses_step0_kv",
+        "stale per-step state: backward reuses step-0 keys/values",
+        r"the backward used each rank's own key/value block at every ring step",
+        ring_adapter("backward_reuses_step0_kv", BackwardReusesStepZeroKV()),
+    ),
+    Broken(
+        "backward_uses_block_output",
+        "backward: each chunk's own output instead of the merged output in the dO.O term",
+        r"each ring step's own partial output",
+        ring_adapter("backward_uses_block_output", BackwardUsesBlockOutput()),
+    ),
+    Broken(
+        "value_buffer_sized_by_key",
+        "MLA: d_v assumed equal to d_qk in a buffer",
+        r"wrong only when d_v != d_qk",
+        ring_adapter("value_buffer_sized_by_key", ValueBufferSizedByKey()),
+        suites="suites/test_forward_backward.py",
+        select=("-k", "value_head_dim"),
+    ),
+    Broken(
+        "wrong_neighbour",
+        "rotation: sending to the wrong neighbour",
+        r"used the key/value block of rank \d+ instead of rank \d+",
+        ring_adapter("wrong_neighbour", WrongNeighbour()),
+    ),
+    Broken(
+        "grads_not_returned_home",
+        "rotation: dK/dV not returned to the owning rank (last hop missing)",
+        r"dq matches on every rank, but [^\n]*dK/dV accumulators",
+        ring_adapter("grads_not_returned_home", GradsNotReturnedHome()),
+    ),
+    Broken(
+        "scale_dropped_after_step0",
+        "scale not passed through to every step",
+        r"used scale -?[\d.]+ instead of -?[\d.]+",
+        ring_adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero()),
+    ),
+    Broken(
+        "gqa_heads_tiled",
+        "GQA head mapping wrong for some steps",
+        r"tiled the key/value heads",
+        ring_adapter("gqa_heads_tiled", GqaHeadsTiledOnLaterSteps()),
+    ),
+    Broken(
+        "last_rank_skips_grad_hop",
+        "hang: a collective skipped on one rank only",
+        r"did not finish within [\d.]+ s|collectives differ from the declared schedule",
+        ring_adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop()),
+    ),
+    Broken(
+        "raises_on_one_rank_only",
+        "hang: an exception on one rank leaving the others blocked",
+        r"the ranks hung \([^\n]*\)[^\n]*: a rank that rejected its input left the others "
+        r"waiting",
+        function_adapter("raises_on_one_rank_only", RaisesOnOneRankOnly()),
+    ),
+    Broken(
+        "value_gradient_dropped",
+        "autograd: gradients not flowing to inputs that need them",
+        r"no result for dv\[rank=\d+\]|gradient did not reach",
+        function_adapter("value_gradient_dropped", ValueGradientDropped()),
+    ),
+    Broken(
+        "graph_break_in_loop",
+        "torch.compile: graph break in the ring loop",
+        r"fails only under torch\.compile",
+        ring_adapter("graph_break_in_loop", GraphBreakInLoop()),
+    ),
+    Broken(
+        "wrong_only_when_compiled",
+        "torch.compile: wrong results only when compiled",
+        r"wrong only when compiled",
+        ring_adapter("wrong_only_when_compiled", WrongOnlyWhenCompiled()),
+    ),
+    Broken(
+        "declares_nothing_lse_base_2",
+        "undeclared capabilities: an implementation that declares nothing, with a bug",
+        r"is in base 2, the contract",
+        DeclaresNothing("declares_nothing_lse_base_2", _lse_in_base_2),
+    ),
+    Broken(
+        "float32_output_for_half",
+        "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
+        r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype",
+        function_adapter("float32_output_for_half", _float32_output_for_half),
+    ),
+    Broken(
+        "lse_offset_in_bf16",
+        "numerics: LSE off by 4e-3 in bfloat16 (judged with the float32 floor of the LSE)",
+        r"lse is shifted by a constant on every row",
+        function_adapter("lse_offset_in_bf16", _lse_offset_in_bf16),
+    ),
+    Broken(
+        "masked_rows_keep_kernel_lse",
+        "masks: a row the mask hides completely merged with the kernel's LSE 0",
+        r"rows that see no key must have LSE -inf|rows a masked block hides must merge as "
+        r"nothing",
+        ring_adapter("masked_rows_keep_kernel_lse", MaskedRowsKeepKernelLse()),
+        suites="suites/test_masks.py",
+    ),
+    Broken(
+        "max_logit_last_step_only",
+        "stale per-step state: the max logit of the last ring step returned as the call's",
+        r"running maximum across ring steps\s+was not kept",
+        ring_adapter("max_logit_last_step_only", MaxLogitLastStepOnly()),
+        suites="suites/test_max_logit.py",
+    ),
+    Broken(
+        "max_logit_not_reduced",
+        "max logit: each rank's own maximum returned, not reduced over the group",
+        r"per-rank maxima\s+were not reduced over the group",
+        ring_adapter("max_logit_not_reduced", MaxLogitNotReduced()),
+        suites="suites/test_max_logit.py",
+    ),
+    Broken(
+        "sinks_dropped_on_one_rank",
+        "sinks: the sink term applied on some ranks only",
+        r"the sinks were not applied on those ranks",
+        function_adapter("sinks_dropped_on_one_rank", _sinks_dropped_on_last_rank),
+        suites="suites/test_masks.py",
+    ),
+)
 
 # Module attributes, so each is loadable as --impl meta_tests.broken:<name>.
 globals().update({name: b.impl for name, b in BROKEN.items()})

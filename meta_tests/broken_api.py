@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, by_name
 from ring_impl import sdpa_route
 from ring_impl.context_parallel import ShardedBuffers, context_parallel_unshard, sharded_and_routed
 from ring_impl.parallel_style import ContextParallel
@@ -202,50 +202,46 @@ def _broken(name: str, bug_class: str, expect: str, **parts) -> Broken:
     )
 
 
-BROKEN_API: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        _broken(
-            "routing_lost_under_compile",
-            "silent fallback: a parallelised module compiled with torch.compile attends to the "
-            "local shard",
-            r"compiled parallelized module: ContextParallel then torch\.compile",
-            style=RoutingInvisibleToCompile,
-        ),
-        _broken(
-            "compiled_sdpa_fails",
-            "torch.compile: SDPA compiled inside context_parallel fails (the route is not a "
-            "function)",
-            r"function calling SDPA inside context_parallel failed",
-            route_ctx=_routing_through_an_object,
-        ),
-        _broken(
-            "mha_weights_path_local",
-            "silent fallback: nn.MultiheadAttention's default need_weights=True path attends to "
-            "the local shard",
-            r"MultiheadAttention with need_weights=True \(its default\)",
-            route_ctx=_routing_allowing_weights,
-        ),
-        _broken(
-            "buffers_sharded_per_listing",
-            "buffers: a tensor listed more than once is sharded once per listing",
-            r"sharded once per listing",
-            sharding=_ShardedPerListing,
-        ),
-        _broken(
-            "nesting_shards_again",
-            "buffers: nested context_parallel shards a buffer again",
-            r"nested context_parallel over a buffer the outer one already sharded sharded it again",
-            sharding=_NestingShardsAgain,
-        ),
-        _broken(
-            "grad_left_shard_shaped",
-            "buffers: a Parameter buffer keeps a shard-shaped .grad after the context",
-            r"shard-shaped \.grad left behind",
-            sharding=_GradLeftShardShaped,
-        ),
-    ]
-}
+BROKEN_API: dict[str, Broken] = by_name(
+    _broken(
+        "routing_lost_under_compile",
+        "silent fallback: a parallelised module compiled with torch.compile attends to the "
+        "local shard",
+        r"compiled parallelized module: ContextParallel then torch\.compile",
+        style=RoutingInvisibleToCompile,
+    ),
+    _broken(
+        "compiled_sdpa_fails",
+        "torch.compile: SDPA compiled inside context_parallel fails (the route is not a function)",
+        r"function calling SDPA inside context_parallel failed",
+        route_ctx=_routing_through_an_object,
+    ),
+    _broken(
+        "mha_weights_path_local",
+        "silent fallback: nn.MultiheadAttention's default need_weights=True path attends to "
+        "the local shard",
+        r"MultiheadAttention with need_weights=True \(its default\)",
+        route_ctx=_routing_allowing_weights,
+    ),
+    _broken(
+        "buffers_sharded_per_listing",
+        "buffers: a tensor listed more than once is sharded once per listing",
+        r"sharded once per listing",
+        sharding=_ShardedPerListing,
+    ),
+    _broken(
+        "nesting_shards_again",
+        "buffers: nested context_parallel shards a buffer again",
+        r"nested context_parallel over a buffer the outer one already sharded sharded it again",
+        sharding=_NestingShardsAgain,
+    ),
+    _broken(
+        "grad_left_shard_shaped",
+        "buffers: a Parameter buffer keeps a shard-shaped .grad after the context",
+        r"shard-shaped \.grad left behind",
+        sharding=_GradLeftShardShaped,
+    ),
+)
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_api:<name>.
 globals().update({name: b.impl for name, b in BROKEN_API.items()})

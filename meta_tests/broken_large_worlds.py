@@ -13,8 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, by_name, ring_adapter
 from ring_impl import RingAttention
 
 __all__ = ["BROKEN_LARGE"]
@@ -72,34 +71,27 @@ class StepFlagsInUint8(RingAttention):
         return [p if kept >> p.step & 1 else replace(p, blocks=()) for p in plans]
 
 
-def _adapter(name: str, ring: RingAttention) -> RingImplAdapter:
-    return RingImplAdapter(ring, name=name)
-
-
 #: ``select`` narrows both runs (simulated above 8, process pool up to 8) to the cases that
 #: exercise the bug.
-BROKEN_LARGE: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        Broken(
-            "hop_table_of_one_node",
-            "rotation: the hop order wrong past 8 hops (a table of one 8-GPU node)",
-            r"first divergence at rank \d+, ring step (?:[89]|[1-9]\d+):[^\n]*"
-            r"used the key/value block of rank \d+ instead of rank \d+",
-            _adapter("hop_table_of_one_node", HopTableOfOneNode()),
-            suites="suites/test_forward_backward.py",
-            select=("-k", "allgather and f32"),
-        ),
-        Broken(
-            "step_flags_in_uint8",
-            "integer overflow: one bit per ring step in a uint8",
-            r"first divergence at rank \d+, ring step (?:[89]|[1-9]\d+):[^\n]*"
-            r"skipped, but \d+ query-key pairs are visible",
-            _adapter("step_flags_in_uint8", StepFlagsInUint8()),
-            suites="suites/test_forward_backward.py",
-            select=("-k", "p2p and f32"),
-        ),
-    ]
-}
+BROKEN_LARGE: dict[str, Broken] = by_name(
+    Broken(
+        "hop_table_of_one_node",
+        "rotation: the hop order wrong past 8 hops (a table of one 8-GPU node)",
+        r"first divergence at rank \d+, ring step (?:[89]|[1-9]\d+):[^\n]*"
+        r"used the key/value block of rank \d+ instead of rank \d+",
+        ring_adapter("hop_table_of_one_node", HopTableOfOneNode()),
+        suites="suites/test_forward_backward.py",
+        select=("-k", "allgather and f32"),
+    ),
+    Broken(
+        "step_flags_in_uint8",
+        "integer overflow: one bit per ring step in a uint8",
+        r"first divergence at rank \d+, ring step (?:[89]|[1-9]\d+):[^\n]*"
+        r"skipped, but \d+ query-key pairs are visible",
+        ring_adapter("step_flags_in_uint8", StepFlagsInUint8()),
+        suites="suites/test_forward_backward.py",
+        select=("-k", "p2p and f32"),
+    ),
+)
 
 globals().update({name: b.impl for name, b in BROKEN_LARGE.items()})

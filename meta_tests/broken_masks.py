@@ -41,7 +41,7 @@ import torch
 
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter, ring_impl_mask
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, by_name, function_adapter, ring_adapter
 from ring_impl import RingAttention
 from ring_impl.balance import document_spans
 from ring_impl.layout import Layout, layout_runs
@@ -275,9 +275,7 @@ def _stale_documents_ring():
             mask = entry[1]
         return ring_impl.ring_attention(query, key, value, mask=mask, **kwargs)
 
-    adapter = RingImplAdapter(name="stale_documents_after_refill")
-    adapter.ring_attention = ring_attention
-    return adapter
+    return function_adapter("stale_documents_after_refill", ring_attention)
 
 
 # ------------------------------------------------------------------------ a mask on the wrong axis
@@ -330,109 +328,100 @@ def _probed_at_the_start_ring():
             )
         return ring_impl.ring_attention(query, key, value, mask=mask, **kwargs)
 
-    adapter = RingImplAdapter(name="mask_mod_probed_at_the_start")
-    adapter.ring_attention = ring_attention
-    return adapter
+    return function_adapter("mask_mod_probed_at_the_start", ring_attention)
 
 
-BROKEN_MASKS: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        Broken(
-            "window_off_by_one_at_block_edge",
-            "masks: a window off by one at a block edge",
-            r"sliding window off by one",
-            RingImplAdapter(WindowOffByOneAtBlockEdge(), name="window_off_by_one_at_block_edge"),
-            suites="suites/test_balance.py",
-        ),
-        Broken(
-            "documents_at_local_positions",
-            "masks: document boundaries computed from local instead of global positions",
-            r"document boundaries taken from local positions",
-            RingImplAdapter(DocumentsAtLocalPositions(), name="documents_at_local_positions"),
-            suites="suites/test_balance.py",
-        ),
-        Broken(
-            "tail_padding_attended",
-            "masks: tail padding ignored when detecting padding",
-            r"tail padding attended: the \d+ padding tokens after the last document see each other",
-            RingImplAdapter(
-                _DocumentsRebuiltWrong(_TailPaddingAsDocument), name="tail_padding_attended"
-            ),
-            suites="suites/test_masks.py",
-        ),
-        Broken(
-            "odd_lengths_rounded_down",
-            "masks: odd document lengths rounded down",
-            r"document lengths rounded down to even",
-            RingImplAdapter(
-                _DocumentsRebuiltWrong(_LengthsRoundedToEven), name="odd_lengths_rounded_down"
-            ),
-            suites="suites/test_masks.py",
-        ),
-        Broken(
-            "balancer_long_documents_on_one_rank",
-            "balance: a correct per-document balancer that gives one rank most of the work",
-            r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
-            LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"),
-            suites="suites/test_balance.py",
-        ),
-        Broken(
-            "stale_documents_after_refill",
-            "masks: document ids refilled in place served stale",
-            r"stale documents: the second call ran the documents its mask's ids held at the first "
-            r"call",
-            _stale_documents_ring(),
-            suites="suites/test_masks.py",
-            select=("-k", "refilled"),
-        ),
-        Broken(
-            "mask_mod_probed_at_the_start",
-            "masks: ranks whose mask_mods differ beyond a probe of their start run silently",
-            r"mask_mod_differs_\w+: no rank raised",
-            _probed_at_the_start_ring(),
-            suites="suites/test_bad_input.py",
-            select=("-k", "mask_mod"),
-        ),
-        Broken(
-            "mask_evaluated_at_batch_0",
-            "masks: a mask_mod evaluated at batch 0 for every batch row",
-            r"the mask was evaluated at batch 0 for every batch row",
-            RingImplAdapter(_MaskRewritten(_at_zero("batch")), name="mask_evaluated_at_batch_0"),
-            suites="suites/test_masks.py",
-            select=("-k", "mask_mod_batch_head"),
-            min_failures=3,
-        ),
-        Broken(
-            "mask_evaluated_at_head_0",
-            "masks: a mask_mod evaluated at head 0 for every head",
-            r"the mask was evaluated at head 0 for every head",
-            RingImplAdapter(_MaskRewritten(_at_zero("head")), name="mask_evaluated_at_head_0"),
-            suites="suites/test_masks.py",
-            select=("-k", "mask_mod_batch_head"),
-            min_failures=3,
-        ),
-        Broken(
-            "window_right_side_dropped",
-            "masks: a sliding window's right side dropped",
-            r"the sliding window's right side was dropped",
-            RingImplAdapter(_MaskRewritten(_right_dropped), name="window_right_side_dropped"),
-            suites="suites/test_masks.py",
-            select=("-k", "window_wide or prefix_lm_window"),
-            min_failures=3,
-        ),
-        Broken(
+BROKEN_MASKS: dict[str, Broken] = by_name(
+    Broken(
+        "window_off_by_one_at_block_edge",
+        "masks: a window off by one at a block edge",
+        r"sliding window off by one",
+        ring_adapter("window_off_by_one_at_block_edge", WindowOffByOneAtBlockEdge()),
+        suites="suites/test_balance.py",
+    ),
+    Broken(
+        "documents_at_local_positions",
+        "masks: document boundaries computed from local instead of global positions",
+        r"document boundaries taken from local positions",
+        ring_adapter("documents_at_local_positions", DocumentsAtLocalPositions()),
+        suites="suites/test_balance.py",
+    ),
+    Broken(
+        "tail_padding_attended",
+        "masks: tail padding ignored when detecting padding",
+        r"tail padding attended: the \d+ padding tokens after the last document see each other",
+        ring_adapter("tail_padding_attended", _DocumentsRebuiltWrong(_TailPaddingAsDocument)),
+        suites="suites/test_masks.py",
+    ),
+    Broken(
+        "odd_lengths_rounded_down",
+        "masks: odd document lengths rounded down",
+        r"document lengths rounded down to even",
+        ring_adapter("odd_lengths_rounded_down", _DocumentsRebuiltWrong(_LengthsRoundedToEven)),
+        suites="suites/test_masks.py",
+    ),
+    Broken(
+        "balancer_long_documents_on_one_rank",
+        "balance: a correct per-document balancer that gives one rank most of the work",
+        r"load imbalance: max/mean work [\d.]+ > [\d.]+ declared for the work_aware balancer",
+        LongDocumentsOnOneRank(name="balancer_long_documents_on_one_rank"),
+        suites="suites/test_balance.py",
+    ),
+    Broken(
+        "stale_documents_after_refill",
+        "masks: document ids refilled in place served stale",
+        r"stale documents: the second call ran the documents its mask's ids held at the first "
+        r"call",
+        _stale_documents_ring(),
+        suites="suites/test_masks.py",
+        select=("-k", "refilled"),
+    ),
+    Broken(
+        "mask_mod_probed_at_the_start",
+        "masks: ranks whose mask_mods differ beyond a probe of their start run silently",
+        r"mask_mod_differs_\w+: no rank raised",
+        _probed_at_the_start_ring(),
+        suites="suites/test_bad_input.py",
+        select=("-k", "mask_mod"),
+    ),
+    Broken(
+        "mask_evaluated_at_batch_0",
+        "masks: a mask_mod evaluated at batch 0 for every batch row",
+        r"the mask was evaluated at batch 0 for every batch row",
+        ring_adapter("mask_evaluated_at_batch_0", _MaskRewritten(_at_zero("batch"))),
+        suites="suites/test_masks.py",
+        select=("-k", "mask_mod_batch_head"),
+        min_failures=3,
+    ),
+    Broken(
+        "mask_evaluated_at_head_0",
+        "masks: a mask_mod evaluated at head 0 for every head",
+        r"the mask was evaluated at head 0 for every head",
+        ring_adapter("mask_evaluated_at_head_0", _MaskRewritten(_at_zero("head"))),
+        suites="suites/test_masks.py",
+        select=("-k", "mask_mod_batch_head"),
+        min_failures=3,
+    ),
+    Broken(
+        "window_right_side_dropped",
+        "masks: a sliding window's right side dropped",
+        r"the sliding window's right side was dropped",
+        ring_adapter("window_right_side_dropped", _MaskRewritten(_right_dropped)),
+        suites="suites/test_masks.py",
+        select=("-k", "window_wide or prefix_lm_window"),
+        min_failures=3,
+    ),
+    Broken(
+        "backward_plans_balanced_layout_as_contiguous",
+        "balance: the backward plans a balancer's layout as another (the forward is right)",
+        r"the backward did not run the layout the forward ran",
+        ring_adapter(
             "backward_plans_balanced_layout_as_contiguous",
-            "balance: the backward plans a balancer's layout as another (the forward is right)",
-            r"the backward did not run the layout the forward ran",
-            RingImplAdapter(
-                BackwardPlansBalancedLayoutAsContiguous(),
-                name="backward_plans_balanced_layout_as_contiguous",
-            ),
-            suites="suites/test_masks.py",
+            BackwardPlansBalancedLayoutAsContiguous(),
         ),
-    ]
-}
+        suites="suites/test_masks.py",
+    ),
+)
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_masks:<name>.
 globals().update({name: b.impl for name, b in BROKEN_MASKS.items()})

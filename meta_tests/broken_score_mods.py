@@ -20,8 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, by_name, ring_adapter
 from ring_impl.plan import StepPlan
 from ring_impl.ring import RingAttention
 from ring_impl.score_mods import SoftCap
@@ -61,28 +60,25 @@ class ScoreModOnLocalPositions(RingAttention):
         ]
 
 
-BROKEN_SCORE_MODS: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        Broken(
-            "softcap_after_merge",
-            "score_mod: soft-cap applied after the merge",
-            r"soft-cap applied after the merge",
-            RingImplAdapter(SoftCapAfterMerge(), name="softcap_after_merge"),
-            suites="suites/test_score_mods.py",
-            select=("-k", "softcap"),
-            min_failures=3,
-        ),
-        Broken(
-            "alibi_on_local_positions",
-            "score_mod: ALiBi on local instead of global positions",
-            r"alibi\w* on local instead of global positions",
-            RingImplAdapter(ScoreModOnLocalPositions(), name="alibi_on_local_positions"),
-            suites="suites/test_score_mods.py",
-            select=("-k", "alibi and not W1 and not ulysses and not hybrid"),
-            min_failures=3,
-        ),
-    ]
-}
+BROKEN_SCORE_MODS: dict[str, Broken] = by_name(
+    Broken(
+        "softcap_after_merge",
+        "score_mod: soft-cap applied after the merge",
+        r"soft-cap applied after the merge",
+        ring_adapter("softcap_after_merge", SoftCapAfterMerge()),
+        suites="suites/test_score_mods.py",
+        select=("-k", "softcap"),
+        min_failures=3,
+    ),
+    Broken(
+        "alibi_on_local_positions",
+        "score_mod: ALiBi on local instead of global positions",
+        r"alibi\w* on local instead of global positions",
+        ring_adapter("alibi_on_local_positions", ScoreModOnLocalPositions()),
+        suites="suites/test_score_mods.py",
+        select=("-k", "alibi and not W1 and not ulysses and not hybrid"),
+        min_failures=3,
+    ),
+)
 
 globals().update({name: b.impl for name, b in BROKEN_SCORE_MODS.items()})

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, by_name, function_adapter
 from ring_impl import RingAttention, bind
 from ring_impl.ops import accumulation_dtype
 from ring_impl.strategies import Hybrid, Ulysses
@@ -158,74 +158,69 @@ def _strategies(bug: type) -> dict[str, Ulysses]:
 
 
 def _adapter(name: str, bug: type) -> RingImplAdapter:
-    adapter = RingImplAdapter(name=name)
-    adapter.ring_attention = bind(RingAttention(), strategies=_strategies(bug))
-    return adapter
+    return function_adapter(name, bind(RingAttention(), strategies=_strategies(bug)))
 
 
 #: The strategy cases of a capability suite (their ids start with the strategy).
 STRATEGY_AXIS = ("-k", "ulysses or hybrid")
 
-BROKEN_STRATEGIES: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        Broken(
-            "heads_sequence_swapped",
-            "Ulysses/hybrid: all-to-all on the wrong dimension after a transpose",
-            r"heads and sequence swapped in the all-to-all",
-            _adapter("heads_sequence_swapped", HeadsAndSequenceSwapped),
-            suites="suites/test_forward_backward.py",
-            select=STRATEGY_AXIS,
-        ),
-        Broken(
-            "out_heads_interleaved",
-            "Ulysses/hybrid: head slices put back in the wrong order after the output all-to-all",
-            r"output's heads are permuted",
-            _adapter("out_heads_interleaved", HeadsInterleavedBack),
-            suites="suites/test_forward_backward.py",
-            select=STRATEGY_AXIS,
-        ),
-        Broken(
-            "lse_in_head_shards",
-            "Ulysses/hybrid: the LSE returned in the head-sharded layout, not the sequence shard",
-            r"LSE is returned in the head-sharded layout",
-            _adapter("lse_in_head_shards", LseLeftInHeadShards),
-            suites="suites/test_forward_backward.py",
-            select=STRATEGY_AXIS,
-        ),
-        Broken(
-            "kv_heads_wrong_order",
-            "Ulysses/hybrid: key/value heads fewer than the degree replicated in the wrong order",
-            r"key/value heads replicated in the wrong order",
-            _adapter("kv_heads_wrong_order", KVHeadsTiled),
-            suites="suites/test_forward_backward.py",
-            select=STRATEGY_AXIS,
-        ),
-        Broken(
-            "hybrid_without_head_tail_reorder",
-            "hybrid: the ring dimension missing the load-balancing reorder",
-            r"head_tail reorder is missing",
-            _adapter("hybrid_without_head_tail_reorder", RingDimWithoutReorder),
-            suites="suites/test_forward_backward.py",
-            select=STRATEGY_AXIS,
-        ),
-        Broken(
-            "local_attention_only",
-            "silent fallback: a strategy that runs local attention only",
-            r"local attention, context parallelism silently off",
-            _adapter("local_attention_only", LocalOnly),
-            suites="suites/test_forward_backward.py",
-            select=STRATEGY_AXIS,
-        ),
-        Broken(
-            "mask_at_local_head_index",
-            "Ulysses/hybrid: a head-dependent mask evaluated at the rank's own head index",
-            r"mask evaluated at each rank's own head index",
-            _adapter("mask_at_local_head_index", MaskAtLocalHeadIndex),
-            suites="suites/test_masks.py",
-        ),
-    ]
-}
+BROKEN_STRATEGIES: dict[str, Broken] = by_name(
+    Broken(
+        "heads_sequence_swapped",
+        "Ulysses/hybrid: all-to-all on the wrong dimension after a transpose",
+        r"heads and sequence swapped in the all-to-all",
+        _adapter("heads_sequence_swapped", HeadsAndSequenceSwapped),
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
+    ),
+    Broken(
+        "out_heads_interleaved",
+        "Ulysses/hybrid: head slices put back in the wrong order after the output all-to-all",
+        r"output's heads are permuted",
+        _adapter("out_heads_interleaved", HeadsInterleavedBack),
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
+    ),
+    Broken(
+        "lse_in_head_shards",
+        "Ulysses/hybrid: the LSE returned in the head-sharded layout, not the sequence shard",
+        r"LSE is returned in the head-sharded layout",
+        _adapter("lse_in_head_shards", LseLeftInHeadShards),
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
+    ),
+    Broken(
+        "kv_heads_wrong_order",
+        "Ulysses/hybrid: key/value heads fewer than the degree replicated in the wrong order",
+        r"key/value heads replicated in the wrong order",
+        _adapter("kv_heads_wrong_order", KVHeadsTiled),
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
+    ),
+    Broken(
+        "hybrid_without_head_tail_reorder",
+        "hybrid: the ring dimension missing the load-balancing reorder",
+        r"head_tail reorder is missing",
+        _adapter("hybrid_without_head_tail_reorder", RingDimWithoutReorder),
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
+    ),
+    Broken(
+        "local_attention_only",
+        "silent fallback: a strategy that runs local attention only",
+        r"local attention, context parallelism silently off",
+        _adapter("local_attention_only", LocalOnly),
+        suites="suites/test_forward_backward.py",
+        select=STRATEGY_AXIS,
+    ),
+    Broken(
+        "mask_at_local_head_index",
+        "Ulysses/hybrid: a head-dependent mask evaluated at the rank's own head index",
+        r"mask evaluated at each rank's own head index",
+        _adapter("mask_at_local_head_index", MaskAtLocalHeadIndex),
+        suites="suites/test_masks.py",
+    ),
+)
 
 # Module attributes, so each is loadable as --impl meta_tests.broken_strategies:<name>.
 globals().update({name: b.impl for name, b in BROKEN_STRATEGIES.items()})

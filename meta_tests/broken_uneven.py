@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
-from meta_tests.broken import Broken
+from meta_tests.broken import Broken, by_name, function_adapter
 from ring_impl.masks import Documents, snapshot
 from ring_impl.uneven import extended_mask, padded_layout, real_tokens, uneven_views
 
@@ -98,16 +98,12 @@ def _padded(
 
 
 def _adapter(bug: str) -> RingImplAdapter:
-    name = f"uneven_{bug}"
-    adapter = RingImplAdapter(name=name)
-
     def ring_attention(query, key, value, *, strategy=None, **options):
         if strategy not in (None, "ring"):  # Ulysses and the hybrid: ring_impl's own
             return RingImplAdapter().ring_attention(query, key, value, strategy=strategy, **options)
         return _padded(query, key, value, bug=bug, **options)
 
-    adapter.ring_attention = ring_attention
-    return adapter
+    return function_adapter(f"uneven_{bug}", ring_attention)
 
 
 #: Case selections of suites/test_uneven.py: non-causal cases without a mask (the padding is
@@ -121,37 +117,34 @@ _POSITIONAL = (
 )
 _WITH_LSE = "test_uneven_shards_match_reference and not nolse"
 
-BROKEN_UNEVEN: dict[str, Broken] = {
-    b.name: b
-    for b in [
-        Broken(
-            "uneven_padding_attended",
-            "uneven shards: the padding keys are attended",
-            r"padding keys were attended",
-            _adapter("padding_attended"),
-            suites="suites/test_uneven.py",
-            select=("-k", _UNMASKED),
-            min_failures=3,
-        ),
-        Broken(
-            "uneven_positions_from_even_split",
-            "uneven shards: global positions from an even split",
-            r"global positions from an even split",
-            _adapter("positions_from_even_split"),
-            suites="suites/test_uneven.py",
-            select=("-k", _POSITIONAL),
-            min_failures=3,
-        ),
-        Broken(
-            "uneven_lse_untrimmed",
-            "uneven shards: the LSE keeps the padding rows",
-            r"padding rows not trimmed",
-            _adapter("lse_untrimmed"),
-            suites="suites/test_uneven.py",
-            select=("-k", _WITH_LSE),
-            min_failures=5,
-        ),
-    ]
-}
+BROKEN_UNEVEN: dict[str, Broken] = by_name(
+    Broken(
+        "uneven_padding_attended",
+        "uneven shards: the padding keys are attended",
+        r"padding keys were attended",
+        _adapter("padding_attended"),
+        suites="suites/test_uneven.py",
+        select=("-k", _UNMASKED),
+        min_failures=3,
+    ),
+    Broken(
+        "uneven_positions_from_even_split",
+        "uneven shards: global positions from an even split",
+        r"global positions from an even split",
+        _adapter("positions_from_even_split"),
+        suites="suites/test_uneven.py",
+        select=("-k", _POSITIONAL),
+        min_failures=3,
+    ),
+    Broken(
+        "uneven_lse_untrimmed",
+        "uneven shards: the LSE keeps the padding rows",
+        r"padding rows not trimmed",
+        _adapter("lse_untrimmed"),
+        suites="suites/test_uneven.py",
+        select=("-k", _WITH_LSE),
+        min_failures=5,
+    ),
+)
 
 globals().update({name: b.impl for name, b in BROKEN_UNEVEN.items()})

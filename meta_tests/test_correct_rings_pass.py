@@ -14,7 +14,6 @@ test.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from conformance.implementation import Capabilities, load_implementation
 from harness.procs import run_tree  # the command's process tree dies with the test
 from harness.pytest_plugin import settings_of
 from meta_tests.correct import CORRECT
+from meta_tests.test_suite_catches_bugs import suite_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,12 +52,6 @@ def run_suites(
 ) -> subprocess.CompletedProcess:
     """``pytest <paths> <select>`` (every suite by default) at ``tier`` (its default world
     sizes) against ``impl`` in a fresh process."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))
-    }  # the tier's defaults, not ours
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [
         sys.executable,
         "-m",
@@ -77,7 +71,7 @@ def run_suites(
         "none",
         f"--junitxml={junit}",
     ]
-    return run_tree(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_tree(cmd, cwd=ROOT, env=suite_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def outcomes_by_module(junit: Path) -> dict[str, Counter]:

@@ -7,6 +7,7 @@ a pytest of its own (about a minute, and two to three on the process pool)."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
@@ -26,18 +27,26 @@ SIMULATED = (
 PROCESS_POOL = ("--launcher", "pool", "--tier", "nightly", "--world-sizes", "1,2,3,4,5,6,7,8")
 
 
+def _run(name: str, launcher: tuple[str, ...], **options) -> subprocess.CompletedProcess:
+    """The suite and cases of the broken ring ``name`` on ``launcher`` (:data:`SIMULATED` or
+    :data:`PROCESS_POOL`); ``options`` go to :func:`run_suites`."""
+    broken = BROKEN_LARGE[name]
+    return run_suites(
+        f"meta_tests.broken_large_worlds:{name}",
+        "--report-dir",
+        "none",
+        *launcher,
+        *broken.select,
+        suites=broken.suites,
+        **options,
+    )
+
+
 @pytest.mark.nightly
 @pytest.mark.parametrize("name", sorted(BROKEN_LARGE))
 def test_simulated_tier_catches_the_bug_by_name(name: str) -> None:
     broken = BROKEN_LARGE[name]
-    proc = run_suites(
-        f"meta_tests.broken_large_worlds:{name}",
-        "--report-dir",
-        "none",
-        *SIMULATED,
-        *broken.select,
-        suites=broken.suites,
-    )
+    proc = _run(name, SIMULATED)
     assert proc.returncode == 1, (
         f"the simulated tier did not fail on {name!r} ({broken.bug_class}): "
         f"exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
@@ -55,17 +64,7 @@ def test_simulated_tier_catches_the_bug_by_name(name: str) -> None:
 def test_process_pool_up_to_w8_passes_it(name: str) -> None:
     """The bug escapes every world size the process-pool harness runs: only the simulated tier
     sees it."""
-    broken = BROKEN_LARGE[name]
-    proc = run_suites(
-        f"meta_tests.broken_large_worlds:{name}",
-        "--report-dir",
-        "none",
-        *PROCESS_POOL,
-        *broken.select,
-        suites=broken.suites,
-        exitfirst=False,
-        timeout=900,
-    )
+    proc = _run(name, PROCESS_POOL, exitfirst=False, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 16, proc.stdout[-2000:]

@@ -6,14 +6,12 @@ test_suite_catches_bugs.py does."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from meta_tests.broken import BROKEN as BROKEN_RINGS
 from meta_tests.broken_api import BROKEN_API
 from meta_tests.broken_strategies import BROKEN_STRATEGIES
-from meta_tests.test_suite_catches_bugs import failure_text, run_suites
+from meta_tests.test_suite_catches_bugs import assert_names_its_cause, failure_text, run_suites
 
 EVERY_BROKEN = {**BROKEN_RINGS, **BROKEN_API, **BROKEN_STRATEGIES}
 
@@ -29,21 +27,4 @@ def test_strategy_suite_fails_on_broken_strategy(name: str) -> None:
         suites=broken.suites,
     )
     text = failure_text(proc, name).replace(f"meta_tests.broken_strategies:{name}", "<impl>")
-    assert proc.returncode == 1, (
-        f"the strategy suite did not fail on {name!r} ({broken.bug_class}): exit code "
-        f"{proc.returncode}\n"
-        f"{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-    )
-    assert re.search(broken.expect, text, re.IGNORECASE), (
-        f"the strategy suite failed on {name!r} ({broken.bug_class}) but the failure does not "
-        f"name the cause (no match for /{broken.expect}/):\n{text[-4000:]}"
-    )
-    others = {
-        o.name: o.expect
-        for o in EVERY_BROKEN.values()
-        if o.name != name and re.search(o.expect, text, re.IGNORECASE)
-    }
-    assert not others, (
-        f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of "
-        f"{sorted(others)}; the message must tell these causes apart\n{text[-4000:]}"
-    )
+    assert_names_its_cause(proc, text, name, EVERY_BROKEN, suite="the strategy suite")

@@ -17,12 +17,14 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
 from harness.procs import run_tree  # the command's process tree dies with the test
 from meta_tests.broken import BROKEN as BROKEN_RINGS
+from meta_tests.broken import Broken
 from meta_tests.broken_api import BROKEN_API
 from meta_tests.broken_masks import BROKEN_MASKS
 from meta_tests.broken_packed import BROKEN_PACKED
@@ -52,15 +54,22 @@ MODULES = {
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_suites(
-    impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True, suites: str = "suites"
-) -> subprocess.CompletedProcess:
+def suite_env() -> dict[str, str]:
+    """The environment of a suite run in a fresh pytest process: this one's without the variables
+    of xdist, of pytest's current test and of this project (``RING_*``), so the run takes its own
+    settings and the tier's defaults, not this session's; the checkout first on PYTHONPATH."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT", "RING_"))
     }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_suites(
+    impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True, suites: str = "suites"
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -78,7 +87,7 @@ def run_suites(
     ]
     if "-n" not in extra:
         cmd += ["-p", "no:xdist"]
-    return run_tree(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_tree(cmd, cwd=ROOT, env=suite_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def failure_text(proc: subprocess.CompletedProcess, impl_name: str) -> str:
@@ -92,6 +101,43 @@ def failure_text(proc: subprocess.CompletedProcess, impl_name: str) -> str:
     for module in sorted(set(MODULES.values()), key=len, reverse=True):
         text = text.replace(f"{module}:{impl_name}", "<impl>")
     return text.replace(impl_name, "<impl>")
+
+
+def others_matching(name: str, text: str, among: Mapping[str, Broken]) -> dict[str, str]:
+    """``{other name: its expect}``: the broken implementations of ``among`` but ``name`` whose
+    ``expect`` pattern matches ``text`` (a failure must name its own cause and no other)."""
+    return {
+        o.name: o.expect
+        for o in among.values()
+        if o.name != name and re.search(o.expect, text, re.IGNORECASE)
+    }
+
+
+def assert_names_its_cause(
+    proc: subprocess.CompletedProcess,
+    text: str,
+    name: str,
+    among: Mapping[str, Broken],
+    suite: str = "the suites",
+) -> None:
+    """``proc``, ``suite`` run against the broken implementation ``name`` (of ``among``),
+    failed, and its failures ``text`` match that implementation's ``expect`` and no other pattern
+    of ``among``."""
+    __tracebackhide__ = True
+    broken = among[name]
+    assert proc.returncode == 1, (
+        f"{suite} did not fail on {name!r} ({broken.bug_class}): exit code "
+        f"{proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+    )
+    assert re.search(broken.expect, text, re.IGNORECASE), (
+        f"{suite} failed on {name!r} ({broken.bug_class}) but the failure does not name the "
+        f"cause (no match for /{broken.expect}/):\n{text[-4000:]}"
+    )
+    others = others_matching(name, text, among)
+    assert not others, (
+        f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of "
+        f"{sorted(others)}: {others}; the message must tell these causes apart\n{text[-4000:]}"
+    )
 
 
 def _died_of_a_fatal_signal(text: str) -> bool:
@@ -127,23 +173,7 @@ def test_suite_fails_on_broken_implementation(name: str) -> None:
             f"{MODULES[name]}:{name}", "--report-dir", "none", *broken.select, suites=broken.suites
         )
         text = failure_text(proc, name)
-    assert proc.returncode == 1, (
-        f"the suites did not fail on {name!r} ({broken.bug_class}): exit code "
-        f"{proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-    )
-    assert re.search(broken.expect, text, re.IGNORECASE), (
-        f"the suites failed on {name!r} ({broken.bug_class}) but the failure does not name the "
-        f"cause (no match for /{broken.expect}/):\n{text[-4000:]}"
-    )
-    others = {
-        o.name: o.expect
-        for o in BROKEN.values()
-        if o.name != name and re.search(o.expect, text, re.IGNORECASE)
-    }
-    assert not others, (
-        f"the failure on {name!r} ({broken.bug_class}) also matches the pattern of "
-        f"{sorted(others)}: {others}; the message must tell these causes apart\n{text[-4000:]}"
-    )
+    assert_names_its_cause(proc, text, name, BROKEN)
 
 
 def _caught_by_several(name: str, broken) -> None:
@@ -181,11 +211,7 @@ def _caught_by_several(name: str, broken) -> None:
     assert not unnamed, (
         f"failures on {name!r} that do not name the cause /{broken.expect}/: {unnamed[:5]}"
     )
-    others = {
-        o.name: o.expect
-        for o in BROKEN.values()
-        if o.name != name and re.search(o.expect, text, re.IGNORECASE)
-    }
+    others = others_matching(name, text, BROKEN)
     assert not others, f"the failures on {name!r} also match the patterns of {sorted(others)}"
 
 

@@ -11,8 +11,9 @@ For the strategies, ``meta_tests/correct/gather_strategies.py`` (Ulysses and the
 all-gather of the key/value sequence per mesh dim) passes the strategy axis
 (``suites/meshes.py``); it runs no ``strategy="ring"``, so it is not in :data:`CORRECT`.
 
-Neither ring imports ring_impl; both share only the layouts, input checks and step recording of
-``meta_tests/correct/common.py``.
+None of them imports ring_impl; they share only what holds no attention math, in
+``meta_tests/correct/common.py``: the layouts, the accumulation dtype, the input checks, the
+capabilities all of them declare, the bytes of a key/value block and the step recording.
 """
 
 from meta_tests.correct.flash_ring import flash_ring

@@ -1,5 +1,6 @@
-"""What both correct rings share and what holds no attention math: the sequence layouts, the
-input checks that raise on every rank, and per-step recording for diagnosis.
+"""What the correct implementations share and what holds no attention math: the sequence layouts,
+the dtypes they compute in, the input checks that raise on every rank, the capabilities they all
+declare, the bytes of a key/value block for their schedules, and per-step recording for diagnosis.
 
 Written from the layout definition (design.md, "Layouts"), not from ring_impl: ``contiguous``
 cuts the sequence into W chunks and rank r holds chunk r; ``head_tail`` cuts it into 2W chunks and
@@ -17,21 +18,29 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from conformance import Capabilities
+
 __all__ = [
     "LAYOUTS",
+    "ROTATE_METHODS",
     "CorrectRingError",
     "RingSetup",
     "StepRecords",
+    "accumulation_dtype",
     "all_gather",
+    "block_bytes",
     "check_bytes",
     "check_inputs",
+    "check_schedule_request",
     "chunk_ids",
     "chunk_rows",
+    "correct_capabilities",
     "local_positions",
     "record_step",
     "record_steps",
     "recording",
     "reduce_scatter",
+    "widened",
 ]
 
 LAYOUTS = ("contiguous", "head_tail")
@@ -45,6 +54,23 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 class CorrectRingError(ValueError):
     """Bad input to a correct ring; raised on every rank before any ring collective."""
+
+
+# ------------------------------------------------------------------------------------- dtypes
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results, the LSE and dK/dV in flight are kept in for inputs of
+    ``dtype``: float64 for float64, float32 for every other dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An input ``t`` (any shape) in ``dtype``, the same shape, with ±inf made NaN: attention is
+    undefined wherever an infinite input reaches, and NaN (unlike an inf score that exp turns into
+    a weight of 0) carries that through every later operation."""
+    t = t.to(dtype)
+    return torch.where(torch.isinf(t), torch.full((), float("nan"), dtype=dtype), t)
 
 
 # ------------------------------------------------------------------------------------ layouts
@@ -125,23 +151,12 @@ _ARGUMENTS = ("query/key/value", "is_causal", "scale", "layout", "rotate_method"
 Problem = tuple[str, str]  # (argument from _ARGUMENTS, what is wrong and what to do)
 
 
-def _local_problem(
-    query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods, op_problem
-) -> Problem | None:
-    """Everything this rank can see alone; never raises (an exception here, on one rank only,
-    would leave the other ranks waiting in the check's all-gather)."""
+def _local_problem(query, key, value, **options) -> Problem | None:
+    """Everything this rank can see alone (``options``: :func:`_checked`'s); never raises (an
+    exception here, on one rank only, would leave the other ranks waiting in the check's
+    all-gather)."""
     try:
-        return _checked(
-            query,
-            key,
-            value,
-            is_causal=is_causal,
-            scale=scale,
-            layout=layout,
-            rotate_method=rotate_method,
-            rotate_methods=rotate_methods,
-            op_problem=op_problem,
-        )
+        return _checked(query, key, value, **options)
     except Exception as exc:  # an argument so odd that even looking at it raised
         return (
             "arguments",
@@ -364,6 +379,49 @@ def check_inputs(
 
 def _resolved_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+# ------------------------------------------------------------------ capabilities and schedules
+
+
+def correct_capabilities(**declared) -> Capabilities:
+    """What every correct implementation here declares, with ``declared`` (its own fields of
+    :class:`conformance.Capabilities`) added: both layouts, every rotation method, every dtype the
+    input check takes, the CPU only, backward with the LSE, grouped-query and cross attention, no
+    torch.compile and no context-parallel API."""
+    return Capabilities(
+        layouts=frozenset(LAYOUTS),
+        rotate_methods=frozenset(ROTATE_METHODS),
+        dtypes=frozenset(_DTYPE_NAMES.values()),
+        devices=frozenset({"cpu"}),
+        backward=True,
+        lse=True,
+        gqa=True,
+        cross_attention=True,
+        compile=False,
+        context_parallel=False,
+        **declared,
+    )
+
+
+def check_schedule_request(ring: str, rotate_method: str, compiled: bool) -> None:
+    """Raise ValueError for a schedule that ring ``ring`` cannot have: an unknown
+    ``rotate_method``, or a compiled call (no correct ring runs under torch.compile)."""
+    if rotate_method not in ROTATE_METHODS:
+        raise ValueError(
+            f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
+        )
+    if compiled:
+        raise ValueError(f"{ring} does not run under torch.compile (capabilities.compile is False)")
+
+
+def block_bytes(
+    *, batch: int, heads_kv: int, seq_kv: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, int]:
+    """(kv, dkv): the bytes of one rank's key/value block, (2, batch, heads_kv, seq_kv, head_dim)
+    in the input ``dtype``, and of the same elements of dK/dV in :func:`accumulation_dtype`."""
+    elems = 2 * batch * heads_kv * seq_kv * head_dim
+    return elems * dtype.itemsize, elems * accumulation_dtype(dtype).itemsize
 
 
 # ---------------------------------------------------------------------------- step recording

@@ -37,37 +37,48 @@ float64; summed in float64 there):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-from conformance import Capabilities
 from meta_tests.correct.common import (
-    LAYOUTS,
+    ROTATE_METHODS,
     RingSetup,
+    accumulation_dtype,
     all_gather,
+    block_bytes,
     check_bytes,
     check_inputs,
+    check_schedule_request,
     chunk_rows,
+    correct_capabilities,
     record_step,
     record_steps,
     recording,
     reduce_scatter,
+    widened,
 )
 
 __all__ = ["FlashRing", "flash_ring"]
-
-ROTATE_METHODS = ("allgather", "alltoall", "p2p")
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _wire(dtype: torch.dtype) -> torch.dtype:
-    """dtype dK/dV travel in: float64 for float64, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # ----------------------------------------------------------------------------- exchanges
+
+
+def _p2p_exchange(setup: RingSetup, sends: Sequence[torch.Tensor], received: torch.Tensor) -> None:
+    """One ``batch_isend_irecv`` with every other rank j: ``sends[j]`` goes to rank j and
+    ``received[j]`` is filled from rank j. ``sends``: W tensors (entry r, this rank's, unused);
+    ``received`` (W, ...): row j from rank j, this rank's own row left as it is."""
+    r = setup.rank
+    peers = [j for j in range(setup.world_size) if j != r]
+    ops = [dist.P2POp(dist.isend, sends[j], setup.peer(j), setup.group) for j in peers]
+    ops += [dist.P2POp(dist.irecv, received[j], setup.peer(j), setup.group) for j in peers]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _gather_blocks(setup: RingSetup, method: str, kv: torch.Tensor) -> torch.Tensor:
@@ -85,14 +96,7 @@ def _gather_blocks(setup: RingSetup, method: str, kv: torch.Tensor) -> torch.Ten
         )
     else:
         blocks[r] = kv
-        ops = [dist.P2POp(dist.isend, kv, setup.peer(j), setup.group) for j in range(w) if j != r]
-        ops += [
-            dist.P2POp(dist.irecv, blocks[j], setup.peer(j), setup.group)
-            for j in range(w)
-            if j != r
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        _p2p_exchange(setup, [kv] * w, blocks)
     return blocks
 
 
@@ -117,16 +121,7 @@ def _return_grads(
     if method == "alltoall":
         dist.all_to_all_single(received, sent, group=setup.group)
     else:
-        ops = [
-            dist.P2POp(dist.isend, sent[j], setup.peer(j), setup.group) for j in range(w) if j != r
-        ]
-        ops += [
-            dist.P2POp(dist.irecv, received[j], setup.peer(j), setup.group)
-            for j in range(w)
-            if j != r
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        _p2p_exchange(setup, sent, received)
         received[r] = sent[r]
     return received.to(torch.float64).sum(0)
 
@@ -221,11 +216,8 @@ class _Exact:
 
     @staticmethod
     def _input(t: torch.Tensor) -> torch.Tensor:
-        """An input in float64 with ±inf made NaN: attention is undefined wherever an infinite
-        input reaches, and NaN (unlike an inf score that exp turns into a weight of 0) carries
-        that through every later operation."""
-        t = t.to(torch.float64)
-        return torch.where(torch.isinf(t), torch.full((), float("nan"), dtype=torch.float64), t)
+        """An input in float64, ±inf made NaN (see :func:`widened`)."""
+        return widened(t, torch.float64)
 
     @classmethod
     def _scores(cls, q, k, *, is_causal, scale):
@@ -371,7 +363,7 @@ class _FlashRingFn(torch.autograd.Function):
                 partials.setdefault(span, []).append((o, lse))
                 if recording():
                     record_step(rank=r, step=step, kv_rank=kv_rank, q_rows=span, out=o, lse=lse)
-        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        lse_dtype = accumulation_dtype(query.dtype)
         out = torch.empty_like(q)
         lse = torch.empty((b, h, sq), dtype=lse_dtype)
         for (start, stop), parts in partials.items():
@@ -439,7 +431,7 @@ class _FlashRingFn(torch.autograd.Function):
                 dq[:, :, q_rows] += dq_c[..., :d].to(torch.float64)
                 grads[kv_rank, 0, :, :, k_rows] += _fold(dk_c[..., :d], hkv)
                 grads[kv_rank, 1, :, :, k_rows] += _fold(dv_c[..., :d], hkv)
-        dkv = _return_grads(setup, method, grads, _wire(query.dtype))
+        dkv = _return_grads(setup, method, grads, accumulation_dtype(query.dtype))
         return (
             dq.to(query.dtype),
             dkv[0].to(key.dtype),
@@ -504,20 +496,13 @@ def collective_schedule(
     elements in float32 (float64 for float64). Forward adds the input check's all-gather.
     W = 1 issues nothing.
     """
-    if rotate_method not in ROTATE_METHODS:
-        raise ValueError(
-            f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
-        )
-    if compiled:
-        raise ValueError(
-            "flash_ring does not run under torch.compile (capabilities.compile is False)"
-        )
+    check_schedule_request("flash_ring", rotate_method, compiled)
     w = world_size
     if w == 1:
         return {"forward": {}, "backward": {}}
-    elems = 2 * batch * heads_kv * seq_kv * head_dim
-    kv = elems * dtype.itemsize
-    dkv = elems * (8 if dtype == torch.float64 else 4)
+    kv, dkv = block_bytes(
+        batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype
+    )
     check = {"calls": 1, "bytes": check_bytes()}
     if rotate_method == "allgather":
         return {
@@ -546,20 +531,10 @@ class FlashRing:
     #: the CPU flash kernel, and plain math where it is known to fault (causal, scale <= 0): the
     #: same routing as flash_ring's own (its per-call float64 math there is at least as exact)
     baseline_op = "auto"
-    capabilities = Capabilities(
-        layouts=frozenset(LAYOUTS),
-        rotate_methods=frozenset(ROTATE_METHODS),
-        dtypes=frozenset({"float64", "float32", "bfloat16", "float16"}),
-        devices=frozenset({"cpu"}),
+    capabilities = correct_capabilities(
         ops=frozenset({"*"}),  # attention-op objects; op names are not resolved (an error says so)
-        backward=True,
-        lse=True,
-        gqa=True,
-        cross_attention=True,
         value_head_dim=False,  # the CPU flash kernel needs value's head dim equal to query's
-        compile=False,
         input_errors=True,
-        context_parallel=False,
         strategies=frozenset({"ring"}),
         masks=frozenset(),
         sinks=False,

@@ -37,17 +37,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from conformance import Capabilities
-from meta_tests.correct.common import LAYOUTS, all_gather, local_positions
+from meta_tests.correct.common import (
+    LAYOUTS,
+    ROTATE_METHODS,
+    accumulation_dtype,
+    all_gather,
+    correct_capabilities,
+    local_positions,
+)
 
 __all__ = ["IMPLEMENTATION", "GatherStrategies", "gather_strategies"]
 
 STRATEGIES = ("ulysses", "hybrid")
-ROTATE_METHODS = ("allgather", "alltoall", "p2p")
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _Gather(torch.autograd.Function):
@@ -162,7 +163,7 @@ def ring_attention(
     ug, rg, u_size, r_size, u, r = _mesh(strategy, group)
     if h % u_size:
         raise ValueError(f"query heads {h} are not divisible by the Ulysses degree {u_size}")
-    acc = _acc(query.dtype)
+    acc = accumulation_dtype(query.dtype)
     scale = d**-0.5 if scale is None else scale
 
     def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -202,21 +203,11 @@ class GatherStrategies:
 
     name = "gather_strategies"
     baseline_op = "math"
-    capabilities = Capabilities(
-        layouts=frozenset(LAYOUTS),
-        rotate_methods=frozenset(ROTATE_METHODS),
-        dtypes=frozenset({"float64", "float32", "bfloat16", "float16"}),
-        devices=frozenset({"cpu"}),
+    capabilities = correct_capabilities(
         ops=frozenset(),
-        backward=True,
-        lse=True,
         lse_grad=True,
-        gqa=True,
-        cross_attention=True,
         value_head_dim=True,
-        compile=False,
         input_errors=False,
-        context_parallel=False,
         collective_schedule=False,
         record_steps=False,
         strategies=frozenset(STRATEGIES),

@@ -36,35 +36,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from conformance import Capabilities
 from meta_tests.correct.common import (
-    LAYOUTS,
+    ROTATE_METHODS,
     RingSetup,
+    accumulation_dtype,
     all_gather,
+    block_bytes,
     check_bytes,
     check_inputs,
+    check_schedule_request,
+    correct_capabilities,
     local_positions,
     record_step,
     record_steps,
     recording,
+    widened,
 )
 
 __all__ = ["MathRing", "math_ring"]
-
-ROTATE_METHODS = ("allgather", "alltoall", "p2p")
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 for float64, float32 for every other dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _widen(t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """An input in the accumulation dtype, ±inf made NaN: attention is undefined wherever an
-    infinite input reaches, and NaN (unlike an inf score that exp turns into a weight of 0)
-    carries that through every later operation."""
-    t = t.to(acc)
-    return torch.where(torch.isinf(t), torch.full((), float("nan"), dtype=acc), t)
 
 
 # ----------------------------------------------------------------------------- transport
@@ -228,11 +217,11 @@ class _MathRingFn(torch.autograd.Function):
         with_max_logit: bool = False,
         lengths: tuple[int, ...] | None = None,
     ):
-        acc = _acc(query.dtype)
+        acc = accumulation_dtype(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
-        q5 = _grouped(_widen(query, acc), hkv)
+        q5 = _grouped(widened(query, acc), hkv)
         kv = torch.stack([key, value])  # (2, b, hkv, sk, d): one transfer per hop
         gathered = None
         if method == "allgather" and w > 1:
@@ -246,7 +235,7 @@ class _MathRingFn(torch.autograd.Function):
             block = gathered[kv_rank] if gathered is not None else kv
             kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk, lengths)
             if kind != "skip":
-                k, v = _widen(block[0], acc), _widen(block[1], acc)
+                k, v = widened(block[0], acc), widened(block[1], acc)
                 s = _scores(q5, k, setup.scale, visible)
                 if best is not None:  # s (b, hkv, g, sq, sk): head kv * g + j
                     best = torch.maximum(best, s.amax(dim=(0, 3, 4)).reshape(h))
@@ -277,18 +266,18 @@ class _MathRingFn(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, _grad_max_logit=None):
         query, key, value, out, lse, gathered = ctx.saved_tensors
         setup, is_causal, layout, method = ctx.setup, ctx.is_causal, ctx.layout, ctx.method
-        acc = _acc(query.dtype)
+        acc = accumulation_dtype(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
-        q5 = _grouped(_widen(query, acc), hkv)
-        do5 = _grouped(_widen(grad_out, acc), hkv)
+        q5 = _grouped(widened(query, acc), hkv)
+        do5 = _grouped(widened(grad_out, acc), hkv)
         lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
         # rowsum(dO * O) of the final output; an LSE gradient adds P * dLSE to dS,
         # i.e. lowers the row term.
         delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
         if grad_lse is not None:
-            delta = delta - _grouped(_widen(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
+            delta = delta - _grouped(widened(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
         dq5 = torch.zeros_like(q5)
 
         def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:
@@ -297,7 +286,7 @@ class _MathRingFn(torch.autograd.Function):
             kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk, ctx.lengths)
             if kind == "skip":
                 return None
-            k, v = _widen(block[0], acc), _widen(block[1], acc)
+            k, v = widened(block[0], acc), widened(block[1], acc)
             s = _scores(q5, k, setup.scale, visible)
             p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there ...
             if visible is not None:
@@ -453,20 +442,14 @@ def collective_schedule(
     the accumulation dtype. Forward adds the input check's all-gather, and with
     ``return_max_logit`` an all-gather of ``heads`` maxima. W = 1 issues nothing.
     """
-    if rotate_method not in ROTATE_METHODS:
-        raise ValueError(
-            f"unknown rotate_method {rotate_method!r}; expected one of {ROTATE_METHODS}"
-        )
-    if compiled:
-        raise ValueError(
-            "math_ring does not run under torch.compile (capabilities.compile is False)"
-        )
+    check_schedule_request("math_ring", rotate_method, compiled)
     w = world_size
     if w == 1:
         return {"forward": {}, "backward": {}}
-    elems = 2 * batch * heads_kv * seq_kv * head_dim
-    kv, dkv = elems * dtype.itemsize, elems * _acc(dtype).itemsize
-    extra = heads * _acc(dtype).itemsize if return_max_logit else 0
+    kv, dkv = block_bytes(
+        batch=batch, heads_kv=heads_kv, seq_kv=seq_kv, head_dim=head_dim, dtype=dtype
+    )
+    extra = heads * accumulation_dtype(dtype).itemsize if return_max_logit else 0
     fwd = {"all_gather": {"calls": 1 + bool(return_max_logit), "bytes": check_bytes() + extra}}
     if rotate_method == "allgather":
         fwd["all_gather"] = {
@@ -486,20 +469,10 @@ class MathRing:
 
     name = "math_ring"
     baseline_op = "math"
-    capabilities = Capabilities(
-        layouts=frozenset(LAYOUTS),
-        rotate_methods=frozenset(ROTATE_METHODS),
-        dtypes=frozenset({"float64", "float32", "bfloat16", "float16"}),
-        devices=frozenset({"cpu"}),
+    capabilities = correct_capabilities(
         ops=frozenset(),
-        backward=True,
-        lse=True,
-        gqa=True,
-        cross_attention=True,
         value_head_dim=False,  # its hops carry key and value stacked: one head dim
-        compile=False,
         input_errors=True,
-        context_parallel=False,
         strategies=frozenset({"ring"}),
         masks=frozenset(),
         sinks=False,
