@@ -4,11 +4,10 @@ hybrid (USP-style) context parallelism.
 Each is ``ring_impl``'s Ulysses and hybrid with one seam overridden the way a real implementation
 got it wrong, wrapped as an implementation under test (``--impl
 meta_tests.broken_strategies:<NAME>``; its ring is ring_impl's, correct).
-``meta_tests/test_strategies_caught.py`` runs the strategy cases of
+``meta_tests/test_suite_catches_bugs.py`` runs the strategy cases of
 ``suites/test_forward_backward.py`` (its strategy axis; the mask suite for a mask bug) against
-each and
-requires a failure whose message matches the bug's own ``expect`` pattern and no other broken
-implementation's.
+each and requires a failure whose message matches the bug's own ``expect`` pattern and no other
+broken implementation's.
 """
 
 from __future__ import annotations

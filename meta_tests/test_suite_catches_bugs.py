@@ -1,8 +1,10 @@
 """Proof that the conformance suites catch real bugs: each broken implementation of
-meta_tests/broken.py (one per bug class of shared/bug-classes.md) makes ``pytest suites`` fail,
-with a failure message that matches the ring's own ``expect`` pattern and no other broken ring's,
-so the message names the cause rather than a symptom every bug shares. And the correct side: an
-implementation that declares nothing is tested on everything (no case N/A) and passes.
+meta_tests/broken*.py (one per bug class of shared/bug-classes.md: rings, context-parallel APIs,
+masks and load balance, score_mods, uneven shards, packed inputs, head-parallel strategies) makes
+the suites it names fail, with a failure message that matches its own ``expect`` pattern and no
+other broken implementation's, so the message names the cause rather than a symptom every bug
+shares. And the correct side: an implementation that declares nothing is tested on everything
+(no case N/A) and passes.
 
 Each run is a separate pytest process (``-x``: the first failure is enough) so a broken
 implementation can hang or crash its ranks without touching this session's pools. Each test
@@ -29,27 +31,30 @@ from meta_tests.broken_api import BROKEN_API
 from meta_tests.broken_masks import BROKEN_MASKS
 from meta_tests.broken_packed import BROKEN_PACKED
 from meta_tests.broken_score_mods import BROKEN_SCORE_MODS
+from meta_tests.broken_strategies import BROKEN_STRATEGIES
 from meta_tests.broken_uneven import BROKEN_UNEVEN
 
-#: Every deliberately broken implementation: rings, context-parallel APIs around a correct ring,
-#: rings with mask, load-balance, packed-input and uneven-shard bugs, and score_mod bugs.
-BROKEN = {
-    **BROKEN_RINGS,
-    **BROKEN_API,
-    **BROKEN_MASKS,
-    **BROKEN_SCORE_MODS,
-    **BROKEN_UNEVEN,
-    **BROKEN_PACKED,
+#: The module of each registry of broken implementations: rings, context-parallel APIs around a
+#: correct ring, rings with mask, load-balance, packed-input and uneven-shard bugs, score_mod
+#: bugs, and head-parallel strategies.
+REGISTRIES = {
+    "meta_tests.broken": BROKEN_RINGS,
+    "meta_tests.broken_api": BROKEN_API,
+    "meta_tests.broken_masks": BROKEN_MASKS,
+    "meta_tests.broken_score_mods": BROKEN_SCORE_MODS,
+    "meta_tests.broken_uneven": BROKEN_UNEVEN,
+    "meta_tests.broken_packed": BROKEN_PACKED,
+    "meta_tests.broken_strategies": BROKEN_STRATEGIES,
 }
+#: Every deliberately broken implementation, by name (names are unique across the registries).
+BROKEN: dict[str, Broken] = {}
 #: The module that holds each broken implementation.
-MODULES = {
-    **dict.fromkeys(BROKEN_RINGS, "meta_tests.broken"),
-    **dict.fromkeys(BROKEN_API, "meta_tests.broken_api"),
-    **dict.fromkeys(BROKEN_MASKS, "meta_tests.broken_masks"),
-    **dict.fromkeys(BROKEN_SCORE_MODS, "meta_tests.broken_score_mods"),
-    **dict.fromkeys(BROKEN_UNEVEN, "meta_tests.broken_uneven"),
-    **dict.fromkeys(BROKEN_PACKED, "meta_tests.broken_packed"),
-}
+MODULES: dict[str, str] = {}
+for _module, _registry in REGISTRIES.items():
+    _taken = sorted(set(_registry) & set(BROKEN))
+    assert not _taken, f"{_module} reuses the names {_taken} of another registry"
+    BROKEN.update(_registry)
+    MODULES.update(dict.fromkeys(_registry, _module))
 
 ROOT = Path(__file__).resolve().parents[1]
 
