@@ -54,7 +54,16 @@ if TYPE_CHECKING:
     from .masks import Mask
     from .score_mods import ScoreMod
 
-__all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath", "split_kv"]
+__all__ = [
+    "Path",
+    "PathFunction",
+    "RingAttention",
+    "RingConfig",
+    "RingPath",
+    "blank_hidden_rows",
+    "blank_hidden_rows_grad",
+    "split_kv",
+]
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,46 @@ def _gradient_inputs(grad_out, lse, grad_lse=None) -> tuple[torch.Tensor, ...]:
     grad_lse when there is one."""
     seen = lse.masked_fill(torch.isneginf(lse), 0.0)
     return (grad_out, seen) if grad_lse is None else (grad_out, seen, grad_lse)
+
+
+def blank_hidden_rows(
+    hidden: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's (out, lse) with its ``hidden`` rows, which see none of its keys, set to nothing:
+    out 0, LSE -inf (kernels leave what they like there, LSE 0 for most).
+
+    hidden, lse: (batch, heads, rows); out: (batch, heads, rows, head_dim_v)."""
+    out = torch.where(
+        hidden.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out
+    )
+    lse = torch.where(
+        hidden, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse
+    )
+    return out, lse
+
+
+def blank_hidden_rows_grad(
+    hidden: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A block backward's (grad_out, lse, grad_lse) with its ``hidden`` rows contributing
+    nothing. Their final LSE may be -inf (rows that see nothing at all), which kernels would turn
+    into NaN: a finite LSE (0) and zero output and LSE gradients make their terms exactly 0.
+
+    hidden, lse, grad_lse: (batch, heads, rows); grad_out: (batch, heads, rows, head_dim_v)."""
+    lse = torch.where(hidden, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+    grad_out = torch.where(
+        hidden.unsqueeze(-1),
+        torch.zeros((), dtype=grad_out.dtype, device=grad_out.device),
+        grad_out,
+    )
+    if grad_lse is not None:
+        grad_lse = torch.where(
+            hidden, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse
+        )
+    return grad_out, lse, grad_lse
 
 
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -239,17 +288,9 @@ class RingAttention:
             layout=op.capabilities.lse_layout,
             op_name=getattr(op, "name", "math"),
         )
-        dead = plan.hidden_rows_on(q.device)
-        if (
-            dead is not None
-        ):  # rows the block hides completely: nothing (kernels return LSE 0 there)
-            dead = dead.expand(b, h, rows)
-            out = torch.where(
-                dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out
-            )
-            lse = torch.where(
-                dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse
-            )
+        hidden = plan.hidden_rows_on(q.device)
+        if hidden is not None:  # rows the block hides completely: nothing
+            out, lse = blank_hidden_rows(hidden.expand(b, h, rows), out, lse)
         return out, lse
 
     def block_backward(
@@ -259,23 +300,12 @@ class RingAttention:
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
         visible, bounds = plan.masking_on(q.device)
-        dead = plan.hidden_rows_on(q.device)
-        if dead is not None:
-            # Rows the block hides completely contribute nothing; their final LSE may be -inf
-            # (rows that see nothing at all), which kernels would turn into NaN: a finite LSE and
-            # a zero output gradient make their terms exactly 0.
+        hidden = plan.hidden_rows_on(q.device)
+        if hidden is not None:  # rows the block hides completely contribute nothing
             b, h, rows, _ = q.shape
-            dead = dead.expand(b, h, rows)
-            lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-            grad_out = torch.where(
-                dead.unsqueeze(-1),
-                torch.zeros((), dtype=grad_out.dtype, device=grad_out.device),
-                grad_out,
+            grad_out, lse, grad_lse = blank_hidden_rows_grad(
+                hidden.expand(b, h, rows), grad_out, lse, grad_lse
             )
-            if grad_lse is not None:
-                grad_lse = torch.where(
-                    dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse
-                )
         return call_backward(
             cfg.op,
             grad_out,
