@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -62,6 +62,7 @@ __all__ = [
     "RingPath",
     "blank_hidden_rows",
     "blank_hidden_rows_grad",
+    "run_block",
     "split_kv",
 ]
 
@@ -128,6 +129,45 @@ def _gradient_inputs(grad_out, lse, grad_lse=None) -> tuple[torch.Tensor, ...]:
     grad_lse when there is one."""
     seen = lse.masked_fill(torch.isneginf(lse), 0.0)
     return (grad_out, seen) if grad_lse is None else (grad_out, seen, grad_lse)
+
+
+def run_block(
+    op: AttentionOp,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    visible: torch.Tensor | None = None,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    score_mod=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's (out, lse) as :func:`ring_impl.ops.call_forward` runs it (with ``op``, or the
+    op :func:`ring_impl.ops.block_op` names for what ``op`` cannot run), the LSE taken from that
+    op's own layout to (batch, heads, rows).
+
+    q: (batch, heads, rows, head_dim); k, v: (batch, heads_kv, cols, head_dim / head_dim_v);
+    out: (batch, heads, rows, head_dim_v)."""
+    call: dict[str, Any] = {
+        "is_causal": is_causal,
+        "scale": scale,
+        "visible": visible,
+        "row_bounds": row_bounds,
+        "score_mod": score_mod,
+    }
+    out, lse = call_forward(op, q, k, v, **call)
+    ran = block_op(op, **call)
+    b, h, rows, _ = q.shape
+    lse = normalize_lse(
+        lse,
+        batch=b,
+        heads=h,
+        seq_q=rows,
+        layout=ran.capabilities.lse_layout,
+        op_name=getattr(ran, "name", "math"),
+    )
+    return out, lse
 
 
 def blank_hidden_rows(
@@ -260,7 +300,7 @@ class RingAttention:
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
         visible, bounds = plan.masking_on(q.device)
         scores = self.block_scores(cfg, q, plan)
-        out, lse = call_forward(
+        out, lse = run_block(
             cfg.op,
             q,
             k,
@@ -271,26 +311,9 @@ class RingAttention:
             row_bounds=bounds,
             score_mod=scores,
         )
-        b, h, rows, _ = q.shape
-        op = block_op(
-            cfg.op,
-            is_causal=plan.is_causal,
-            scale=cfg.scale,
-            visible=visible,
-            row_bounds=bounds,
-            score_mod=scores,
-        )  # the op that ran it
-        lse = normalize_lse(
-            lse,
-            batch=b,
-            heads=h,
-            seq_q=rows,
-            layout=op.capabilities.lse_layout,
-            op_name=getattr(op, "name", "math"),
-        )
         hidden = plan.hidden_rows_on(q.device)
         if hidden is not None:  # rows the block hides completely: nothing
-            out, lse = blank_hidden_rows(hidden.expand(b, h, rows), out, lse)
+            out, lse = blank_hidden_rows(hidden.expand(lse.shape), out, lse)
         return out, lse
 
     def block_backward(

@@ -39,10 +39,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layout import chunk_ids
-from ..lse import normalize_lse
 from ..nonfinite import finite_parts, poison_backward, poison_forward
-from ..ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
-from ..ring import RingAttention, RingConfig, blank_hidden_rows, blank_hidden_rows_grad
+from ..ops import AttentionOp, accumulation_dtype, call_backward
+from ..ring import (
+    RingAttention,
+    RingConfig,
+    blank_hidden_rows,
+    blank_hidden_rows_grad,
+    run_block,
+)
 from .alltoall import heads_to_sequence, sequence_to_heads
 from .groups import HeadGroup
 
@@ -215,7 +220,7 @@ class Ulysses:
         # The kernel on finite numbers; NaN goes exactly
         # where the inputs take it (ring_impl.nonfinite).
         scores = self.scores(cfg, q, k)
-        out, lse = call_forward(
+        out, lse = run_block(
             cfg.op,
             *finite_parts(q, k, v),
             is_causal=causal,
@@ -223,20 +228,8 @@ class Ulysses:
             visible=vis,
             score_mod=scores,
         )
-        b, h, s, _ = q.shape
-        op = block_op(
-            cfg.op, is_causal=causal, scale=cfg.scale, visible=vis, score_mod=scores
-        )  # the op that ran it
-        lse = normalize_lse(
-            lse,
-            batch=b,
-            heads=h,
-            seq_q=s,
-            layout=op.capabilities.lse_layout,
-            op_name=getattr(op, "name", "math"),
-        )
         if vis is not None:  # rows that see nothing: nothing
-            out, lse = blank_hidden_rows(~vis.any(-1).expand(b, h, s), out, lse)
+            out, lse = blank_hidden_rows(~vis.any(-1).expand(lse.shape), out, lse)
         out, lse = poison_forward(out, lse, q, k, v, kind, vis)
         return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
 
