@@ -103,6 +103,12 @@ class VarlenCall:
     def sequences(self) -> int:
         return self.cu_q.numel() - 1
 
+    @property
+    def packing(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(cu_q, cu_k, max_q, max_k): how the call's rows pack into sequences, as the kernel
+        takes them after query, key and value (and before ``scale`` and ``window``)."""
+        return self.cu_q, self.cu_k, self.max_q, self.max_k
+
 
 @dataclass(frozen=True)
 class VarlenPlan:
@@ -513,10 +519,7 @@ class VarlenOp:
             _take(q, c.q_index),
             _take(k, c.k_index),
             _take(v, c.k_index),
-            c.cu_q,
-            c.cu_k,
-            c.max_q,
-            c.max_k,
+            *c.packing,
             scale=scale,
             window=c.window,
         )
@@ -543,10 +546,7 @@ class VarlenOp:
             _take(v, c.k_index),
             _take(o, qi),
             lse.contiguous() if qi is None else lse.index_select(1, qi),
-            c.cu_q,
-            c.cu_k,
-            c.max_q,
-            c.max_k,
+            *c.packing,
             scale=scale,
             window=c.window,
         )
