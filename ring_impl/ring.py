@@ -132,30 +132,15 @@ def _gradient_inputs(grad_out, lse, grad_lse=None) -> tuple[torch.Tensor, ...]:
 
 
 def run_block(
-    op: AttentionOp,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    is_causal: bool,
-    scale: float,
-    visible: torch.Tensor | None = None,
-    row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
-    score_mod=None,
+    op: AttentionOp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's (out, lse) as :func:`ring_impl.ops.call_forward` runs it (with ``op``, or the
-    op :func:`ring_impl.ops.block_op` names for what ``op`` cannot run), the LSE taken from that
-    op's own layout to (batch, heads, rows).
+    """A block's (out, lse) as :func:`ring_impl.ops.call_forward` runs it with the keywords
+    ``call`` (``is_causal``, ``scale``, ``visible``, ``row_bounds``, ``score_mod``): with ``op``,
+    or the op :func:`ring_impl.ops.block_op` names for what ``op`` cannot run; the LSE taken from
+    that op's own layout to (batch, heads, rows).
 
     q: (batch, heads, rows, head_dim); k, v: (batch, heads_kv, cols, head_dim / head_dim_v);
     out: (batch, heads, rows, head_dim_v)."""
-    call: dict[str, Any] = {
-        "is_causal": is_causal,
-        "scale": scale,
-        "visible": visible,
-        "row_bounds": row_bounds,
-        "score_mod": score_mod,
-    }
     out, lse = call_forward(op, q, k, v, **call)
     ran = block_op(op, **call)
     b, h, rows, _ = q.shape
@@ -170,6 +155,13 @@ def run_block(
     return out, lse
 
 
+def _on_hidden(hidden: torch.Tensor, t: torch.Tensor, value: float) -> torch.Tensor:
+    """``t`` (batch, heads, rows[, features]) with ``value`` on the ``hidden`` rows (batch, heads,
+    rows)."""
+    rows = hidden if t.dim() == hidden.dim() else hidden.unsqueeze(-1)
+    return torch.where(rows, torch.full((), value, dtype=t.dtype, device=t.device), t)
+
+
 def blank_hidden_rows(
     hidden: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,13 +169,7 @@ def blank_hidden_rows(
     out 0, LSE -inf (kernels leave what they like there, LSE 0 for most).
 
     hidden, lse: (batch, heads, rows); out: (batch, heads, rows, head_dim_v)."""
-    out = torch.where(
-        hidden.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out
-    )
-    lse = torch.where(
-        hidden, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse
-    )
-    return out, lse
+    return _on_hidden(hidden, out, 0.0), _on_hidden(hidden, lse, float("-inf"))
 
 
 def blank_hidden_rows_grad(
@@ -197,17 +183,11 @@ def blank_hidden_rows_grad(
     into NaN: a finite LSE (0) and zero output and LSE gradients make their terms exactly 0.
 
     hidden, lse, grad_lse: (batch, heads, rows); grad_out: (batch, heads, rows, head_dim_v)."""
-    lse = torch.where(hidden, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-    grad_out = torch.where(
-        hidden.unsqueeze(-1),
-        torch.zeros((), dtype=grad_out.dtype, device=grad_out.device),
-        grad_out,
+    return (
+        _on_hidden(hidden, grad_out, 0.0),
+        _on_hidden(hidden, lse, 0.0),
+        None if grad_lse is None else _on_hidden(hidden, grad_lse, 0.0),
     )
-    if grad_lse is not None:
-        grad_lse = torch.where(
-            hidden, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse
-        )
-    return grad_out, lse, grad_lse
 
 
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
