@@ -67,7 +67,7 @@ SIGNATURE_FIELDS = (
     "mask",
 )
 
-P = ParamSpec("P")
+_P = ParamSpec("_P")
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -164,14 +164,14 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def never_raises(check: Callable[P, str | None]) -> Callable[P, str | None]:
+def never_raises(check: Callable[_P, str | None]) -> Callable[_P, str | None]:
     """``check`` (one rank's checks: its problem in words, or None) made total: an exception it
     trips into over an argument is returned as the problem too, so a rank with a bad argument
     still reaches the cross-rank exchange (:func:`agree`) instead of raising alone and leaving the
     other ranks waiting in it."""
 
     @functools.wraps(check)
-    def checked(*args: P.args, **kwargs: P.kwargs) -> str | None:
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> str | None:
         try:
             return check(*args, **kwargs)
         except Exception as exc:  # a check that trips over an argument is a problem, not a crash
