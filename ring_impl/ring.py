@@ -62,7 +62,7 @@ __all__ = [
     "RingPath",
     "blank_hidden_rows",
     "blank_hidden_rows_grad",
-    "run_block",
+    "block_lse",
     "split_kv",
 ]
 
@@ -131,20 +131,15 @@ def _gradient_inputs(grad_out, lse, grad_lse=None) -> tuple[torch.Tensor, ...]:
     return (grad_out, seen) if grad_lse is None else (grad_out, seen, grad_lse)
 
 
-def run_block(
-    op: AttentionOp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's (out, lse) as :func:`ring_impl.ops.call_forward` runs it with the keywords
-    ``call`` (``is_causal``, ``scale``, ``visible``, ``row_bounds``, ``score_mod``): with ``op``,
-    or the op :func:`ring_impl.ops.block_op` names for what ``op`` cannot run; the LSE taken from
-    that op's own layout to (batch, heads, rows).
-
-    q: (batch, heads, rows, head_dim); k, v: (batch, heads_kv, cols, head_dim / head_dim_v);
-    out: (batch, heads, rows, head_dim_v)."""
-    out, lse = call_forward(op, q, k, v, **call)
+def block_lse(op: AttentionOp, lse: torch.Tensor, q: torch.Tensor, **call: Any) -> torch.Tensor:
+    """The LSE :func:`ring_impl.ops.call_forward` returned for ``op``, the block's queries ``q``
+    (batch, heads, rows, head_dim) and its keywords ``call``, taken from the layout of the op that
+    ran the block (:func:`ring_impl.ops.block_op`: ``op``, or the one that runs what ``op``
+    cannot) to (batch, heads, rows). Called after the kernel, not around it: no frame is added
+    between the ring and the kernel."""
     ran = block_op(op, **call)
     b, h, rows, _ = q.shape
-    lse = normalize_lse(
+    return normalize_lse(
         lse,
         batch=b,
         heads=h,
@@ -152,7 +147,6 @@ def run_block(
         layout=ran.capabilities.lse_layout,
         op_name=getattr(ran, "name", "math"),
     )
-    return out, lse
 
 
 def _on_hidden(hidden: torch.Tensor, t: torch.Tensor, value: float) -> torch.Tensor:
@@ -280,17 +274,15 @@ class RingAttention:
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
         visible, bounds = plan.masking_on(q.device)
         scores = self.block_scores(cfg, q, plan)
-        out, lse = run_block(
-            cfg.op,
-            q,
-            k,
-            v,
-            is_causal=plan.is_causal,
-            scale=cfg.scale,
-            visible=visible,
-            row_bounds=bounds,
-            score_mod=scores,
-        )
+        call: dict[str, Any] = {
+            "is_causal": plan.is_causal,
+            "scale": cfg.scale,
+            "visible": visible,
+            "row_bounds": bounds,
+            "score_mod": scores,
+        }
+        out, lse = call_forward(cfg.op, q, k, v, **call)
+        lse = block_lse(cfg.op, lse, q, **call)
         hidden = plan.hidden_rows_on(q.device)
         if hidden is not None:  # rows the block hides completely: nothing
             out, lse = blank_hidden_rows(hidden.expand(lse.shape), out, lse)

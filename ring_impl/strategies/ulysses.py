@@ -34,19 +34,19 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..layout import chunk_ids
 from ..nonfinite import finite_parts, poison_backward, poison_forward
-from ..ops import AttentionOp, accumulation_dtype, call_backward
+from ..ops import AttentionOp, accumulation_dtype, call_backward, call_forward
 from ..ring import (
     RingAttention,
     RingConfig,
     blank_hidden_rows,
     blank_hidden_rows_grad,
-    run_block,
+    block_lse,
 )
 from .alltoall import heads_to_sequence, sequence_to_heads
 from .groups import HeadGroup
@@ -220,14 +220,14 @@ class Ulysses:
         # The kernel on finite numbers; NaN goes exactly
         # where the inputs take it (ring_impl.nonfinite).
         scores = self.scores(cfg, q, k)
-        out, lse = run_block(
-            cfg.op,
-            *finite_parts(q, k, v),
-            is_causal=causal,
-            scale=cfg.scale,
-            visible=vis,
-            score_mod=scores,
-        )
+        call: dict[str, Any] = {
+            "is_causal": causal,
+            "scale": cfg.scale,
+            "visible": vis,
+            "score_mod": scores,
+        }
+        out, lse = call_forward(cfg.op, *finite_parts(q, k, v), **call)
+        lse = block_lse(cfg.op, lse, q, **call)
         if vis is not None:  # rows that see nothing: nothing
             out, lse = blank_hidden_rows(~vis.any(-1).expand(lse.shape), out, lse)
         out, lse = poison_forward(out, lse, q, k, v, kind, vis)
