@@ -10,9 +10,10 @@ A launcher starts ranks its own way (:mod:`harness.pool`: rank processes per pyt
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from harness.errors import (
     CRASHED,
@@ -25,7 +26,7 @@ from harness.errors import (
     RankOutcome,
 )
 
-__all__ = ["Pool", "case_failure", "case_label"]
+__all__ = ["Pool", "case_failure", "case_label", "shutdown_pools"]
 
 
 class Pool(ABC):
@@ -93,6 +94,23 @@ class Pool(ABC):
         if failure is not None and not isinstance(failure, RankError):
             raise failure
         return outcomes
+
+
+_P = TypeVar("_P", bound=Pool)
+
+
+def shutdown_pools(pools: dict[Any, _P], lock: threading.Lock) -> None:
+    """Empty a launcher's registry of this process's pools (``pools``, guarded by ``lock``) and
+    shut down every pool it held, each whatever the others raise: safe to call more than once
+    (session end, atexit, signals)."""
+    with lock:
+        held = list(pools.values())
+        pools.clear()
+    for pool in held:
+        try:
+            pool.shutdown()
+        except Exception:
+            pass
 
 
 def case_label(fallback: str) -> str:

@@ -54,7 +54,7 @@ from harness.errors import (
     RankOutcome,
     unfinished_outcome,
 )
-from harness.launch import Pool, case_failure, case_label
+from harness.launch import Pool, case_failure, case_label, shutdown_pools
 from harness.procs import install_parent_hooks, pid_alive, signal_name
 from harness.rank_output import RankOutput
 from harness.rank_start import mp_context, rank_env
@@ -579,11 +579,4 @@ def active_pools() -> list[RankPool]:
 def shutdown_rank_pools() -> None:
     """Stop every pool of this process; safe to call
     more than once (session end, atexit, signals)."""
-    with _registry_lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        try:
-            pool.shutdown()
-        except Exception:
-            pass
+    shutdown_pools(_pools, _registry_lock)

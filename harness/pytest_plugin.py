@@ -267,28 +267,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+#: Markers of what the simulated world's rank threads cannot run, and why.
+_NEEDS_RANK_PROCESSES = {
+    "compile": "uses torch.compile, which cannot run on the simulated world's rank threads "
+    "(dynamo is not thread-safe)",
+    "process_state": "changes process-wide state on every rank, which the simulated world's rank "
+    "threads share",
+}
+
+
 def _skip_what_threads_cannot_run(item: pytest.Item) -> None:
     """On the simulated launcher (ranks are threads of one process): skip what needs a process
     per rank, saying why and how to run it."""
-    how = "run it with --launcher pool (the default)"
-    if item.get_closest_marker("compile"):
-        item.add_marker(
-            pytest.mark.skip(
-                reason=(
-                    "uses torch.compile, which cannot run on the simulated world's rank threads "
-                    f"(dynamo is not thread-safe): {how}"
-                )
+    for marker, why in _NEEDS_RANK_PROCESSES.items():
+        if item.get_closest_marker(marker):
+            item.add_marker(
+                pytest.mark.skip(reason=f"{why}: run it with --launcher pool (the default)")
             )
-        )
-    elif item.get_closest_marker("process_state"):
-        item.add_marker(
-            pytest.mark.skip(
-                reason=(
-                    "changes process-wide state on every rank, which the simulated world's rank "
-                    f"threads share: {how}"
-                )
-            )
-        )
+            return
 
 
 def marker_world_size(marker: pytest.Mark | None) -> int | None:

@@ -42,7 +42,7 @@ from harness.errors import (
     RankOutcome,
     unfinished_outcome,
 )
-from harness.launch import Pool, case_failure, case_label
+from harness.launch import Pool, case_failure, case_label, shutdown_pools
 from harness.settings import current
 
 __all__ = ["SimulatedPool", "shutdown_simulated_pools", "simulated_pool"]
@@ -349,11 +349,4 @@ def simulated_pool(
 
 def shutdown_simulated_pools() -> None:
     """Stop every simulated pool of this process; safe to call more than once."""
-    with _registry_lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        try:
-            pool.shutdown()
-        except Exception:
-            pass
+    shutdown_pools(_pools, _registry_lock)

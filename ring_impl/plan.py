@@ -308,35 +308,10 @@ def masked_plan(
     kv_runs = tuple(
         layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size)
     )
-    args = (
-        rank,
-        world_size,
-        mask,
-        seq_q,
-        seq_kv,
-        batch,
-        heads,
-        device,
-        head_span,
-        q_runs,
-        kv_runs,
-        ranges,
-    )
-    key = (
-        "ring",
-        rank,
-        world_size,
-        seq_q,
-        seq_kv,
-        batch,
-        heads,
-        str(device),
-        head_span,
-        q_runs,
-        kv_runs,
-        ranges,
-    )
-    return list(cached_by_mask(mask, key, lambda: _masked_plan(*args), memo=memo))
+    # What the plan depends on besides the mask (whose description cached_by_mask adds).
+    args = (rank, world_size, seq_q, seq_kv, batch, heads, head_span, q_runs, kv_runs, ranges)
+    key = ("ring", str(device), *args)
+    return list(cached_by_mask(mask, key, lambda: _masked_plan(mask, device, *args), memo=memo))
 
 
 _PLAN_CACHE: dict[tuple, tuple[Any, int]] = {}  # key -> (plan, bytes of visibility it holds)
@@ -401,14 +376,14 @@ def _visibility_bytes(plan) -> int:
 
 
 def _masked_plan(
+    mask,
+    device,
     rank,
     world_size,
-    mask,
     seq_q,
     seq_kv,
     batch,
     heads,
-    device,
     head_span,
     q_runs,
     kv_runs,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -54,7 +54,17 @@ if TYPE_CHECKING:
     from .masks import Mask
     from .score_mods import ScoreMod
 
-__all__ = ["Path", "PathFunction", "RingAttention", "RingConfig", "RingPath", "split_kv"]
+__all__ = [
+    "Path",
+    "PathFunction",
+    "RingAttention",
+    "RingConfig",
+    "RingPath",
+    "blank_hidden_rows",
+    "blank_hidden_rows_grad",
+    "block_lse",
+    "split_kv",
+]
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,59 @@ def _gradient_inputs(grad_out, lse, grad_lse=None) -> tuple[torch.Tensor, ...]:
     grad_lse when there is one."""
     seen = lse.masked_fill(torch.isneginf(lse), 0.0)
     return (grad_out, seen) if grad_lse is None else (grad_out, seen, grad_lse)
+
+
+def block_lse(op: AttentionOp, lse: torch.Tensor, q: torch.Tensor, **call: Any) -> torch.Tensor:
+    """The LSE :func:`ring_impl.ops.call_forward` returned for ``op``, the block's queries ``q``
+    (batch, heads, rows, head_dim) and its keywords ``call``, taken from the layout of the op that
+    ran the block (:func:`ring_impl.ops.block_op`: ``op``, or the one that runs what ``op``
+    cannot) to (batch, heads, rows). Called after the kernel, not around it: no frame is added
+    between the ring and the kernel."""
+    ran = block_op(op, **call)
+    b, h, rows, _ = q.shape
+    return normalize_lse(
+        lse,
+        batch=b,
+        heads=h,
+        seq_q=rows,
+        layout=ran.capabilities.lse_layout,
+        op_name=getattr(ran, "name", "math"),
+    )
+
+
+def _on_hidden(hidden: torch.Tensor, t: torch.Tensor, value: float) -> torch.Tensor:
+    """``t`` (batch, heads, rows[, features]) with ``value`` on the ``hidden`` rows (batch, heads,
+    rows)."""
+    rows = hidden if t.dim() == hidden.dim() else hidden.unsqueeze(-1)
+    return torch.where(rows, torch.full((), value, dtype=t.dtype, device=t.device), t)
+
+
+def blank_hidden_rows(
+    hidden: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's (out, lse) with its ``hidden`` rows, which see none of its keys, set to nothing:
+    out 0, LSE -inf (kernels leave what they like there, LSE 0 for most).
+
+    hidden, lse: (batch, heads, rows); out: (batch, heads, rows, head_dim_v)."""
+    return _on_hidden(hidden, out, 0.0), _on_hidden(hidden, lse, float("-inf"))
+
+
+def blank_hidden_rows_grad(
+    hidden: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A block backward's (grad_out, lse, grad_lse) with its ``hidden`` rows contributing
+    nothing. Their final LSE may be -inf (rows that see nothing at all), which kernels would turn
+    into NaN: a finite LSE (0) and zero output and LSE gradients make their terms exactly 0.
+
+    hidden, lse, grad_lse: (batch, heads, rows); grad_out: (batch, heads, rows, head_dim_v)."""
+    return (
+        _on_hidden(hidden, grad_out, 0.0),
+        _on_hidden(hidden, lse, 0.0),
+        None if grad_lse is None else _on_hidden(hidden, grad_lse, 0.0),
+    )
 
 
 def _as_accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -211,45 +274,18 @@ class RingAttention:
         """One block's partial (out, lse) with lse normalised to (batch, heads, rows)."""
         visible, bounds = plan.masking_on(q.device)
         scores = self.block_scores(cfg, q, plan)
-        out, lse = call_forward(
-            cfg.op,
-            q,
-            k,
-            v,
-            is_causal=plan.is_causal,
-            scale=cfg.scale,
-            visible=visible,
-            row_bounds=bounds,
-            score_mod=scores,
-        )
-        b, h, rows, _ = q.shape
-        op = block_op(
-            cfg.op,
-            is_causal=plan.is_causal,
-            scale=cfg.scale,
-            visible=visible,
-            row_bounds=bounds,
-            score_mod=scores,
-        )  # the op that ran it
-        lse = normalize_lse(
-            lse,
-            batch=b,
-            heads=h,
-            seq_q=rows,
-            layout=op.capabilities.lse_layout,
-            op_name=getattr(op, "name", "math"),
-        )
-        dead = plan.hidden_rows_on(q.device)
-        if (
-            dead is not None
-        ):  # rows the block hides completely: nothing (kernels return LSE 0 there)
-            dead = dead.expand(b, h, rows)
-            out = torch.where(
-                dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out
-            )
-            lse = torch.where(
-                dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse
-            )
+        call: dict[str, Any] = {
+            "is_causal": plan.is_causal,
+            "scale": cfg.scale,
+            "visible": visible,
+            "row_bounds": bounds,
+            "score_mod": scores,
+        }
+        out, lse = call_forward(cfg.op, q, k, v, **call)
+        lse = block_lse(cfg.op, lse, q, **call)
+        hidden = plan.hidden_rows_on(q.device)
+        if hidden is not None:  # rows the block hides completely: nothing
+            out, lse = blank_hidden_rows(hidden.expand(lse.shape), out, lse)
         return out, lse
 
     def block_backward(
@@ -259,23 +295,12 @@ class RingAttention:
 
         grad_lse (batch, heads, rows): the gradient reaching the final LSE, or None."""
         visible, bounds = plan.masking_on(q.device)
-        dead = plan.hidden_rows_on(q.device)
-        if dead is not None:
-            # Rows the block hides completely contribute nothing; their final LSE may be -inf
-            # (rows that see nothing at all), which kernels would turn into NaN: a finite LSE and
-            # a zero output gradient make their terms exactly 0.
+        hidden = plan.hidden_rows_on(q.device)
+        if hidden is not None:  # rows the block hides completely contribute nothing
             b, h, rows, _ = q.shape
-            dead = dead.expand(b, h, rows)
-            lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-            grad_out = torch.where(
-                dead.unsqueeze(-1),
-                torch.zeros((), dtype=grad_out.dtype, device=grad_out.device),
-                grad_out,
+            grad_out, lse, grad_lse = blank_hidden_rows_grad(
+                hidden.expand(b, h, rows), grad_out, lse, grad_lse
             )
-            if grad_lse is not None:
-                grad_lse = torch.where(
-                    dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse
-                )
         return call_backward(
             cfg.op,
             grad_out,

@@ -83,6 +83,19 @@ class _RingSizes(TypedDict):
     head_chunks: int
 
 
+class _KVSizes(TypedDict):
+    """The sizes of a call's local key/value shards (``seq_kv`` rows, value's head dim
+    ``head_dim_v``; None: ``head_dim``), from which every path's bytes follow: what
+    :func:`ring_impl.ring_schedule.ring_schedule` checks and sizes a ring by."""
+
+    batch: int
+    heads_kv: int
+    seq_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    head_dim_v: int | None
+
+
 def collective_schedule(
     world_size: int,
     rotate_method: str,
@@ -161,25 +174,28 @@ def collective_schedule(
             entry["calls"] += 1
             entry["bytes"] += 2 * heads * accumulation_dtype(dtype).itemsize
         return schedule
+    kv = _KVSizes(
+        batch=batch,
+        heads_kv=heads_kv,
+        seq_kv=seq_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        head_dim_v=head_dim_v,
+    )
     if sparse_kv and world_size > 1:
         return _gather_schedule(
             world_size,
             rotate_method,
+            kv,
             mask=mask,
             is_causal=is_causal,
             layout=layout,
             rank=rank,
-            batch=batch,
             heads=heads,
-            heads_kv=heads_kv,
             seq_q=seq_q,
-            seq_kv=seq_kv,
-            head_dim=head_dim,
-            dtype=dtype,
             compiled=compiled,
             strategy=strategy,
             head_chunks=head_chunks,
-            head_dim_v=head_dim_v,
         )
     if strategy != "ring":
         mesh_shape = (world_size, 1) if mesh_shape is None and strategy == "ulysses" else mesh_shape
@@ -196,17 +212,12 @@ def collective_schedule(
             strategy,
             (mesh_shape[0], mesh_shape[1]),
             rotate_method,
-            batch=batch,
             heads=heads,
-            heads_kv=heads_kv,
             seq_q=seq_q,
-            seq_kv=seq_kv,
-            head_dim=head_dim,
-            dtype=dtype,
             compiled=compiled,
             head_chunks=head_chunks,
             return_lse=return_lse,
-            head_dim_v=head_dim_v,
+            **kv,
         )
     if mask is not None and halo is not False and world_size > 1 and strategy == "ring":
         folded = fold_causal(mask, is_causal)
@@ -220,14 +231,9 @@ def collective_schedule(
                 "and the others",
                 world_size,
                 rotate_method,
+                kv,
                 rank=rank,
                 compiled=compiled,
-                batch=batch,
-                heads_kv=heads_kv,
-                seq_kv=seq_kv,
-                head_dim=head_dim,
-                dtype=dtype,
-                head_dim_v=head_dim_v,
             )
             reach = halo_reach(
                 folded, layout=layout, world_size=world_size, seq_q=seq_q, seq_kv=seq_kv
@@ -250,16 +256,7 @@ def collective_schedule(
                 f"{refusal}"
             )
     return ring_schedule(
-        world_size,
-        rotate_method,
-        batch=batch,
-        heads_kv=heads_kv,
-        seq_kv=seq_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        compiled=compiled,
-        head_chunks=head_chunks,
-        head_dim_v=head_dim_v,
+        world_size, rotate_method, compiled=compiled, head_chunks=head_chunks, **kv
     )
 
 
@@ -288,22 +285,17 @@ def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | 
 def _gather_schedule(
     world_size,
     rotate_method,
+    kv: _KVSizes,
     *,
     mask,
     is_causal,
     layout,
     rank,
-    batch,
     heads,
-    heads_kv,
     seq_q,
-    seq_kv,
-    head_dim,
-    dtype,
     compiled,
     strategy,
     head_chunks,
-    head_dim_v,
 ) -> Schedule:
     """The sparse gather's collectives on ``rank`` (ring_impl.kv_gather.gather_schedule)."""
     from .kv_gather import gather_plan, gather_refusal, gather_schedule
@@ -317,33 +309,28 @@ def _gather_schedule(
         "the sparse gather's collectives differ between ranks",
         world_size,
         rotate_method,
+        kv,
         rank=rank,
         compiled=compiled,
-        batch=batch,
-        heads_kv=heads_kv,
-        seq_kv=seq_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        head_dim_v=head_dim_v,
     )
     plan = gather_plan(
         fold_causal(mask, is_causal),
         rank=rank,
         world_size=world_size,
         layout=layout,
-        seq_q=seq_kv if seq_q is None else seq_q,
-        seq_kv=seq_kv,
-        batch=batch,
+        seq_q=kv["seq_kv"] if seq_q is None else seq_q,
+        seq_kv=kv["seq_kv"],
+        batch=kv["batch"],
         heads=heads or 1,
     )
     return gather_schedule(
         plan,
         world_size=world_size,
-        batch=batch,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        head_dim_v=head_dim_v,
+        batch=kv["batch"],
+        heads_kv=kv["heads_kv"],
+        head_dim=kv["head_dim"],
+        dtype=kv["dtype"],
+        head_dim_v=kv["head_dim_v"],
     )
 
 
@@ -351,15 +338,10 @@ def _check_per_rank_path(
     why_rank: str,
     world_size: int,
     rotate_method: str,
+    kv: _KVSizes,
     *,
     rank,
     compiled: bool,
-    batch: int,
-    heads_kv: int,
-    seq_kv: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    head_dim_v: int | None = None,
 ) -> None:
     """The checks of a masked path whose collectives depend on the rank (the halo exchange, the
     sparse gather): eager only, ``rank`` given, and the sizes as the ring checks them."""
@@ -369,13 +351,4 @@ def _check_per_rank_path(
         raise ValueError(
             f"collective_schedule: {why_rank}: pass rank= (0 <= rank < {world_size}), got {rank!r}"
         )
-    ring_schedule(
-        world_size,
-        rotate_method,
-        batch=batch,
-        heads_kv=heads_kv,
-        seq_kv=seq_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        head_dim_v=head_dim_v,
-    )
+    ring_schedule(world_size, rotate_method, **kv)

@@ -14,10 +14,12 @@ graph.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec
 
 import torch
 import torch.distributed as dist
@@ -32,9 +34,11 @@ __all__ = [
     "STRATEGIES",
     "STRATEGY_FIELDS",
     "InputError",
+    "agree",
     "agree_across_ranks",
     "exchange_nbytes",
     "local_problem",
+    "never_raises",
     "routed_error",
     "row_width",
     "signature",
@@ -62,6 +66,8 @@ SIGNATURE_FIELDS = (
     "head_chunks",
     "mask",
 )
+
+_P = ParamSpec("_P")
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -158,6 +164,23 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def never_raises(check: Callable[_P, str | None]) -> Callable[_P, str | None]:
+    """``check`` (one rank's checks: its problem in words, or None) made total: an exception it
+    trips into over an argument is returned as the problem too, so a rank with a bad argument
+    still reaches the cross-rank exchange (:func:`agree`) instead of raising alone and leaving the
+    other ranks waiting in it."""
+
+    @functools.wraps(check)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> str | None:
+        try:
+            return check(*args, **kwargs)
+        except Exception as exc:  # a check that trips over an argument is a problem, not a crash
+            return f"invalid arguments ({type(exc).__name__}: {exc})"
+
+    return checked
+
+
+@never_raises
 def local_problem(
     query,
     key,
@@ -177,40 +200,6 @@ def local_problem(
 
     world_size: the ring's size, to check the local lengths against the layout (None: not checked
     beyond the built-in layouts' own rule)."""
-    try:
-        return _local_problem(
-            query,
-            key,
-            value,
-            is_causal=is_causal,
-            scale=scale,
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op,
-            op_error=op_error,
-            head_chunks=head_chunks,
-            return_lse=return_lse,
-            world_size=world_size,
-        )
-    except Exception as exc:  # a check that trips over an argument is still a problem, not a crash
-        return f"invalid arguments ({type(exc).__name__}: {exc})"
-
-
-def _local_problem(
-    query,
-    key,
-    value,
-    *,
-    is_causal,
-    scale,
-    layout,
-    rotate_method,
-    op,
-    op_error,
-    head_chunks,
-    return_lse,
-    world_size=None,
-) -> str | None:
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         if _is_dtensor(t):
@@ -481,6 +470,82 @@ def disagreement(
     return text
 
 
+def agree(
+    problem: str | None,
+    codes: list[int] | None,
+    *,
+    row: int,
+    size: int,
+    groups: Sequence[dist.ProcessGroup],
+    device: torch.device,
+    op: AttentionOp | None,
+    world_size: int | None,
+    where: str,
+    refused: Callable[[list[int]], str] = _ranks,
+    numbering: str = "",
+    finite: tuple[torch.Tensor, ...] = (),
+) -> list[list[int]]:
+    """The cross-rank check of every strategy: raise the same InputError on every rank if any
+    rank has a problem or the ranks' rows differ; else return the table's ``size`` rows.
+
+    The table is ``size`` rows of :func:`row_width` int64 entries. This rank fills row ``row``:
+    the problem flag (1 when ``problem`` is not None), else ``codes`` (its :func:`signature` and
+    :func:`strategy_codes`; None with a problem) and, with ``finite``, the last entry: "these
+    tensors are finite". The table is SUM-all-reduced over each of ``groups`` in turn, so every
+    entry is added once by the rank that fills it (the ring: its one group; a 2-D mesh: the
+    Ulysses group, then the ring group). Nothing raises before the last all-reduce, so no rank is
+    left waiting in one.
+
+    The errors start with ``where``; ``refused`` names the rows that flagged a problem,
+    ``world_size`` is the one :func:`signature` got (the layout codes carry the ring's positions
+    for it; None: by name), and ``numbering`` follows a disagreement to say how rows are
+    numbered."""
+    n = row_width()
+    table = [0] * (size * n)
+    if problem is not None:
+        table[row * n] = 1
+    else:
+        assert codes is not None
+        table[row * n + 1 : (row + 1) * n - 1] = codes
+    vec = torch.tensor(table, dtype=torch.int64)
+    for i, pg in enumerate(groups):
+        staged = device.type != "cpu" and str(dist.get_backend(pg)).lower() == "gloo"
+        vec = vec if staged else vec.to(device)
+        if i == 0 and finite and problem is None and not staged:
+            if all(t.device == vec.device for t in finite):
+                # A sum is NaN/inf when any element is (finite tensors whose sum overflows only
+                # lose the shortcut); written into the table on the device: read with it, no sync
+                # of its own. (Tensors staged through a CPU table would need a read: they report
+                # 0, "maybe not".)
+                total = sum(
+                    (t.sum(dtype=torch.float32) for t in finite), torch.zeros((), device=vec.device)
+                )
+                vec[row * n + n - 1] = torch.isfinite(total).to(torch.int64)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
+    agreed: list[int] = vec.cpu().tolist()
+    rows = [agreed[r * n : (r + 1) * n] for r in range(size)]
+    if problem is not None:
+        raise InputError(f"{where}: {problem}")
+    bad = [r for r in range(size) if rows[r][0]]
+    if bad:
+        raise InputError(
+            f"{where}: {refused(bad)} rejected their input (see the error on those ranks); "
+            "every rank raises so none is left waiting in a collective"
+        )
+    op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
+    base = 1 + len(SIGNATURE_FIELDS)
+    own = rows[row][1:base]
+    seq_q, seq_kv = (own[SIGNATURE_FIELDS.index(f)] for f in ("seq_q", "seq_kv"))
+    names = layout_names(world_size, seq_q, seq_kv)
+    texts = [
+        disagreement([r[1:base] for r in rows], op_names, names),
+        strategy_disagreement([r[base : n - 1] for r in rows]),
+    ]
+    if any(texts):
+        raise InputError(f"{where}: " + "; ".join(t for t in texts if t) + numbering)
+    return rows
+
+
 def agree_across_ranks(
     problem: str | None,
     query,
@@ -500,8 +565,9 @@ def agree_across_ranks(
     value=None,
     finite: tuple[torch.Tensor, ...] = (),
 ) -> bool | None:
-    """Raise InputError on every rank if any rank has a problem or the ranks disagree
-    (``value``: the call's, whose head dim is compared; None: key's).
+    """The ring's :func:`agree` over ``group``: raise InputError on every rank if any rank has a
+    problem or the ranks disagree (``value``: the call's, whose head dim is compared; None:
+    key's).
 
     ``finite``: tensors (the call's query, key, value) whose finiteness every rank reports in
     the same all-reduce, computed on their device and read with the table, so no read of its
@@ -509,13 +575,10 @@ def agree_across_ranks(
     every block, :meth:`ring_impl.ring.RingAttention.forward`), False when some rank's may not
     be, None without ``finite``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = row_width()
-    table = [0] * (world * n)
-    if problem is not None:
-        table[rank * n] = 1
-    else:
+    codes = None
+    if problem is None:
         assert op is not None and scale is not None
-        table[rank * n + 1 : (rank + 1) * n - 1] = signature(
+        codes = signature(
             query,
             key,
             is_causal=is_causal,
@@ -528,35 +591,16 @@ def agree_across_ranks(
             world_size=world,
             value=value,
         ) + strategy_codes("ring", (1, world), return_lse, return_max_logit)
-    vec = torch.tensor(table, dtype=torch.int64)
-    staged = device.type != "cpu" and str(dist.get_backend(group)).lower() == "gloo"
-    vec = vec if staged else vec.to(device)
-    if finite and problem is None and not staged and all(t.device == vec.device for t in finite):
-        # A sum is NaN/inf when any element is (finite tensors whose sum overflows only lose
-        # the shortcut); written into the table on the device: read with it, no sync of its own.
-        # (Tensors staged through a CPU table would need a read: they report 0, "maybe not".)
-        total = sum(
-            (t.sum(dtype=torch.float32) for t in finite), torch.zeros((), device=vec.device)
-        )
-        vec[rank * n + n - 1] = torch.isfinite(total).to(torch.int64)
-    dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
-    agreed: list[int] = vec.cpu().tolist()
-    rows = [agreed[r * n : (r + 1) * n] for r in range(world)]
-    if problem is not None:
-        raise InputError(f"ring_attention (rank {rank}): {problem}")
-    bad_ranks = [r for r in range(world) if rows[r][0]]
-    if bad_ranks:
-        raise InputError(
-            f"ring_attention (rank {rank}): {_ranks(bad_ranks)} rejected their input (see the "
-            "error on those ranks); every rank raises so none is left waiting in a collective"
-        )
-    op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
-    base = 1 + len(SIGNATURE_FIELDS)
-    names = layout_names(world, query.shape[2], key.shape[2])
-    texts = [
-        disagreement([row[1:base] for row in rows], op_names, names),
-        strategy_disagreement([row[base : n - 1] for row in rows]),
-    ]
-    if any(texts):
-        raise InputError(f"ring_attention (rank {rank}): " + "; ".join(t for t in texts if t))
-    return all(row[n - 1] == 1 for row in rows) if finite else None
+    rows = agree(
+        problem,
+        codes,
+        row=rank,
+        size=world,
+        groups=(group,),
+        device=device,
+        op=op,
+        world_size=world,
+        where=f"ring_attention (rank {rank})",
+        finite=finite,
+    )
+    return all(row[-1] == 1 for row in rows) if finite else None

@@ -232,32 +232,21 @@ def call_backward(
         row_bounds=row_bounds,
         score_mod=score_mod,
     )
-    mask = _masking(op, key, visible, row_bounds)
+    # The op's keywords beyond the contract's backward: mask, score_mod and grad_lse.
+    extra = _masking(op, key, visible, row_bounds)
     lse_grad_padded = grad_lse is not None and not op.capabilities.lse_grad
-    if ("attn_mask" in mask or score_mod is not None) and lse_grad_padded:
+    if ("attn_mask" in extra or score_mod is not None) and lse_grad_padded:
         op = _MATH  # the LSE-gradient padding trick would need the mask (or score_mod) padded
-    mask.update(_scoring(score_mod))
+    extra.update(_scoring(score_mod))
     heads_kv = key.shape[1]
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-    if grad_lse is None:
+    if grad_lse is None or op.capabilities.lse_grad:
+        if grad_lse is not None:
+            extra["grad_lse"] = grad_lse  # the op declares lse_grad: it takes the keyword
         dq, dk, dv = op.backward(
-            grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **mask
+            grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **extra
         )
-    elif op.capabilities.lse_grad:
-        # (mypy cannot tie grad_lse= to capabilities.lse_grad: the contract's backward lacks it)
-        dq, dk, dv = op.backward(
-            grad_out,
-            query,
-            key,
-            value,
-            out,
-            lse,
-            is_causal=is_causal,
-            scale=scale,
-            grad_lse=grad_lse,
-            **mask,
-        )  # type: ignore[call-arg]
     else:  # no mask, or row bounds (the padded head dim leaves them as they are)
         dq, dk, dv = _with_lse_grad(
             op,
@@ -270,6 +259,6 @@ def call_backward(
             grad_lse,
             is_causal=is_causal,
             scale=scale,
-            row_bounds=mask.get("row_bounds"),
+            row_bounds=extra.get("row_bounds"),
         )
     return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)

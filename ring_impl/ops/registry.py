@@ -65,47 +65,6 @@ def get_op(name: str) -> AttentionOp:
         ) from None
 
 
-def _auto_op(
-    device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int,
-    *,
-    scale: float | None = None,
-    is_causal: bool = False,
-    masked: bool = False,
-    score_mod: bool = False,
-    head_dim_v: int | None = None,
-) -> AttentionOp:
-    """The fastest registered op that supports the call; ``math`` where no fused kernel does
-    (float64 on CUDA, a value head dim other than query's on CPU, or a fused kernel's known fault
-    such as cpu_flash's causal scale <= 0).
-    A masked call on CUDA takes the varlen kernel first: it runs a ring step of documents, a
-    window or any other mask of key ranges in one call (``OpCapabilities.row_bounds``), where
-    the dense kernels take one call per document and the math op for the rest. A call with a
-    score_mod takes the math op (the one built-in op with ``OpCapabilities.score_mod``: the
-    fused kernels compute no explicit scores to modify)."""
-    if score_mod:
-        return get_op("math")
-    if device.type == "cpu":
-        candidates: tuple[str, ...] = ("cpu_flash",)
-    else:
-        candidates = (
-            ("cuda_flash_varlen", "cuda_flash", "cuda_efficient")
-            if masked
-            else ("cuda_flash", "cuda_efficient")
-        )
-    for name in candidates:
-        op = get_op(name)
-        if (
-            op.capabilities.unsupported(
-                device, dtype, head_dim, scale=scale, is_causal=is_causal, head_dim_v=head_dim_v
-            )
-            is None
-        ):
-            return op
-    return get_op("math")
-
-
 def resolve_op(
     op: str | AttentionOp | None,
     device: torch.device,
@@ -121,27 +80,46 @@ def resolve_op(
     """Turn the ``op=`` argument into an op object; "auto"/None picks by device, dtype, the
     call's scale and causality (routing around a kernel's known faults), whether it has a mask
     or a score_mod, and value's head dim (``head_dim_v``, None: ``head_dim``;
-    OpCapabilities.value_head_dim)."""
-    if op is None or op == "auto":
-        return _auto_op(
-            device,
-            dtype,
-            head_dim,
-            scale=scale,
-            is_causal=is_causal,
-            masked=masked,
-            score_mod=score_mod,
-            head_dim_v=head_dim_v,
+    OpCapabilities.value_head_dim).
+
+    "auto" picks the fastest registered op that supports the call; ``math`` where no fused
+    kernel does (float64 on CUDA, a value head dim other than query's on CPU, or a fused kernel's
+    known fault such as cpu_flash's causal scale <= 0).
+    A masked call on CUDA takes the varlen kernel first: it runs a ring step of documents, a
+    window or any other mask of key ranges in one call (``OpCapabilities.row_bounds``), where
+    the dense kernels take one call per document and the math op for the rest. A call with a
+    score_mod takes the math op (the one built-in op with ``OpCapabilities.score_mod``: the
+    fused kernels compute no explicit scores to modify)."""
+    if op is not None and op != "auto":
+        if isinstance(op, str):
+            return get_op(op)
+        missing = missing_members(op)
+        if missing:
+            raise TypeError(
+                f"op must be 'auto', a registered name ({available_ops()}) or an object with "
+                f"forward/backward/capabilities (ring_impl.ops.AttentionOp); {op!r} lacks {missing}"
+            )
+        return op
+    if score_mod:
+        return get_op("math")
+    if device.type == "cpu":
+        candidates: tuple[str, ...] = ("cpu_flash",)
+    else:
+        candidates = (
+            ("cuda_flash_varlen", "cuda_flash", "cuda_efficient")
+            if masked
+            else ("cuda_flash", "cuda_efficient")
         )
-    if isinstance(op, str):
-        return get_op(op)
-    missing = missing_members(op)
-    if missing:
-        raise TypeError(
-            f"op must be 'auto', a registered name ({available_ops()}) or an object with "
-            f"forward/backward/capabilities (ring_impl.ops.AttentionOp); {op!r} lacks {missing}"
-        )
-    return op
+    for name in candidates:
+        auto = get_op(name)
+        if (
+            auto.capabilities.unsupported(
+                device, dtype, head_dim, scale=scale, is_causal=is_causal, head_dim_v=head_dim_v
+            )
+            is None
+        ):
+            return auto
+    return get_op("math")
 
 
 for _op in (

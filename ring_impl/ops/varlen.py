@@ -103,6 +103,12 @@ class VarlenCall:
     def sequences(self) -> int:
         return self.cu_q.numel() - 1
 
+    @property
+    def packing(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(cu_q, cu_k, max_q, max_k): how the call's rows pack into sequences, as the kernel
+        takes them after query, key and value (and before ``scale`` and ``window``)."""
+        return self.cu_q, self.cu_k, self.max_q, self.max_k
+
 
 @dataclass(frozen=True)
 class VarlenPlan:
@@ -498,6 +504,53 @@ class VarlenOp:
         """Packed as :meth:`kernel_forward`; lse (heads, total_q) -> dq, dk, dv packed."""
         raise NotImplementedError
 
+    def _forward_call(
+        self,
+        c: VarlenCall,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kernel call ``c`` on the packed block: q (batch * rows, heads, d), k/v (batch * cols,
+        heads_kv, d) -> out (total_q, heads, d), LSE (heads, total_q) of the call's query rows
+        (``c.q_index``, in that order)."""
+        return self.kernel_forward(
+            _take(q, c.q_index),
+            _take(k, c.k_index),
+            _take(v, c.k_index),
+            *c.packing,
+            scale=scale,
+            window=c.window,
+        )
+
+    def _backward_call(
+        self,
+        c: VarlenCall,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gradients of :meth:`_forward_call`: do/o packed as q, lse (heads, batch * rows) ->
+        dq (total_q, heads, d) of the call's query rows, dk/dv (total_k, heads_kv, d) of its key
+        rows (``c.k_index``, which may repeat a row: add them, never copy)."""
+        qi = c.q_index
+        return self.kernel_backward(
+            _take(do, qi),
+            _take(q, qi),
+            _take(k, c.k_index),
+            _take(v, c.k_index),
+            _take(o, qi),
+            lse.contiguous() if qi is None else lse.index_select(1, qi),
+            *c.packing,
+            scale=scale,
+            window=c.window,
+        )
+
     def plan(
         self,
         query: torch.Tensor,
@@ -541,35 +594,14 @@ class VarlenOp:
         if _one_call(plan):
             # Every row in order in one call (a ring step of documents, a window): the kernel's
             # output is the block's, with no accumulator in the accumulation dtype.
-            c = plan.calls[0]
-            o, l_ = self.kernel_forward(
-                q,
-                _take(k, c.k_index),
-                _take(v, c.k_index),
-                c.cu_q,
-                c.cu_k,
-                c.max_q,
-                c.max_k,
-                scale=scale,
-                window=c.window,
-            )
+            o, l_ = self._forward_call(plan.calls[0], q, k, v, scale)
             return o.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype), l_.to(acc).reshape(
                 h, b, rows
             ).transpose(0, 1)
         out = torch.zeros(b * rows, h, d, dtype=acc, device=query.device)
         lse = torch.full((h, b * rows), float("-inf"), dtype=acc, device=query.device)
         for c in plan.calls:
-            o, l_ = self.kernel_forward(
-                _take(q, c.q_index),
-                _take(k, c.k_index),
-                _take(v, c.k_index),
-                c.cu_q,
-                c.cu_k,
-                c.max_q,
-                c.max_k,
-                scale=scale,
-                window=c.window,
-            )
+            o, l_ = self._forward_call(c, q, k, v, scale)
             _into_rows(out, lse, c.q_index, o, l_, merge=c.layer > 0)
         out = out.view(b, rows, h, d).transpose(1, 2)
         lse = lse.view(h, b, rows).transpose(0, 1)
@@ -622,21 +654,7 @@ class VarlenOp:
         if (
             _one_call(plan) and plan.calls[0].k_index is None
         ):  # every row and key in order: no accumulators
-            c = plan.calls[0]
-            dq, dk, dv = self.kernel_backward(
-                do,
-                q,
-                k,
-                v,
-                o,
-                lse_packed.contiguous(),
-                c.cu_q,
-                c.cu_k,
-                c.max_q,
-                c.max_k,
-                scale=scale,
-                window=c.window,
-            )
+            dq, dk, dv = self._backward_call(plan.calls[0], do, q, k, v, o, lse_packed, scale)
             return (
                 dq.reshape(b, rows, h, d).transpose(1, 2).to(query.dtype),
                 dk.reshape(b, cols, hkv, d).transpose(1, 2).to(key.dtype),
@@ -647,21 +665,7 @@ class VarlenOp:
         dv = torch.zeros_like(dk)
         for c in plan.calls:
             qi = c.q_index
-            l_ = lse_packed.contiguous() if qi is None else lse_packed.index_select(1, qi)
-            dq_c, dk_c, dv_c = self.kernel_backward(
-                _take(do, qi),
-                _take(q, qi),
-                _take(k, c.k_index),
-                _take(v, c.k_index),
-                _take(o, qi),
-                l_,
-                c.cu_q,
-                c.cu_k,
-                c.max_q,
-                c.max_k,
-                scale=scale,
-                window=c.window,
-            )
+            dq_c, dk_c, dv_c = self._backward_call(c, do, q, k, v, o, lse_packed, scale)
             # A row in several layers gets the sum of their gradients: each layer is a disjoint
             # part of its keys, under the row's final output and LSE.
             if qi is None:

@@ -19,6 +19,8 @@ must send those calls to the math op: the kernel's masking gives NaN there).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .contract import accumulation_dtype
@@ -56,10 +58,21 @@ def varlen_visibility(
     """(total_q, total_k) bool: packed query row ``a`` sees packed key row ``c`` iff both are in
     one sequence and :func:`sequence_visibility` shows them there."""
     vis = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool, device=cu_q.device)
+    for rows_q, rows_k, seen in _sequences(cu_q, cu_k, window, cu_q.device):
+        vis[rows_q, rows_k] = seen
+    return vis
+
+
+def _sequences(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, window: tuple[int, int], device: torch.device
+) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """Each sequence of the packing that has queries and keys, in order: its packed query rows,
+    its packed key rows and its (sq, sk) :func:`sequence_visibility` on ``device``."""
     q_at, k_at = cu_q.tolist(), cu_k.tolist()
     for a, b, c, d in zip(q_at, q_at[1:], k_at, k_at[1:]):
-        vis[a:b, c:d] = sequence_visibility(b - a, d - c, window, cu_q.device)
-    return vis
+        if b == a or d == c:
+            continue
+        yield slice(a, b), slice(c, d), sequence_visibility(b - a, d - c, window, device)
 
 
 def _check(
@@ -132,17 +145,16 @@ def _forward(
     lse = torch.full(
         (q.shape[1], q.shape[0]), float("inf"), dtype=accumulation_dtype(q.dtype), device=q.device
     )
-    q_at, k_at = cu_q.tolist(), cu_k.tolist()
-    for a, b, c, d in zip(q_at, q_at[1:], k_at, k_at[1:]):
-        if b == a or d == c:
-            continue
-        vis = sequence_visibility(b - a, d - c, (left, right), q.device)
+    for rows_q, rows_k, vis in _sequences(cu_q, cu_k, (left, right), q.device):
         o, l_ = _MATH.forward(
-            *_heads_first(q[a:b], k[c:d], v[c:d]), is_causal=False, scale=scale, attn_mask=vis
+            *_heads_first(q[rows_q], k[rows_k], v[rows_k]),
+            is_causal=False,
+            scale=scale,
+            attn_mask=vis,
         )
         live = vis.any(1)  # a row that sees nothing keeps the kernel's out 0 and LSE +inf
-        out[a:b][live] = o[0].transpose(0, 1)[live]
-        lse[:, a:b][:, live] = l_[0][:, live].to(lse.dtype)
+        out[rows_q][live] = o[0].transpose(0, 1)[live]
+        lse[:, rows_q][:, live] = l_[0][:, live].to(lse.dtype)
     return out, lse
 
 
@@ -176,24 +188,22 @@ def _backward(
             f"{tuple(q.shape)}, lse {tuple(lse.shape)} (heads, total_q)"
         )
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    q_at, k_at = cu_q.tolist(), cu_k.tolist()
-    for a, b, c, d in zip(q_at, q_at[1:], k_at, k_at[1:]):
-        if b == a or d == c:
-            continue
-        vis = sequence_visibility(b - a, d - c, (left, right), q.device)
-        do_, q_, k_, v_, o_ = _heads_first(grad_out[a:b], q[a:b], k[c:d], v[c:d], out[a:b])
+    for rows_q, rows_k, vis in _sequences(cu_q, cu_k, (left, right), q.device):
+        do_, q_, k_, v_, o_ = _heads_first(
+            grad_out[rows_q], q[rows_q], k[rows_k], v[rows_k], out[rows_q]
+        )
         grads = _MATH.backward(
             do_,
             q_,
             k_,
             v_,
             o_,
-            lse[:, a:b].unsqueeze(0),
+            lse[:, rows_q].unsqueeze(0),
             is_causal=False,
             scale=scale,
             attn_mask=vis,
         )
-        for acc, g in zip((dq[a:b], dk[c:d], dv[c:d]), grads):
+        for acc, g in zip((dq[rows_q], dk[rows_k], dv[rows_k]), grads):
             acc.copy_(g[0].transpose(0, 1))
     return dq, dk, dv
 

@@ -20,6 +20,8 @@ independent ones, and pay the latency once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..transports.link import Transfer, stage_on_host
@@ -70,28 +72,42 @@ def _widest_first(parts: list[torch.Tensor]) -> list[int]:
     return sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
 
 
+def _all_to_all(
+    parts: list[torch.Tensor],
+    g: HeadGroup,
+    stage: Callable[[torch.Tensor], torch.Tensor],
+    unstage: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """One all-to-all for all ``parts``: ``stage(part)`` lays a part out as ``(U, ...)``, row
+    ``j`` for rank ``j``; ``unstage(received, part)`` lays the ``(U, n)`` rows received for it,
+    row ``i`` from rank ``i``, out as its result. The parts travel widest element first
+    (:func:`_pack`) and come back in their own order."""
+    order = _widest_first(parts)
+    rows, layout = _pack([stage(parts[i]) for i in order], g)
+    received = _unpack(_exchange(rows, g), layout)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(parts)
+    for i, r in zip(order, received):
+        out[i] = unstage(r, parts[i])
+    return out
+
+
 def sequence_to_heads(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
     """``(b, h, s, f)`` sequence shards -> ``(b, h/U, U*s, f)`` head shards,
     one all-to-all for all parts."""
     if g.size == 1:
         return list(parts)
     u = g.size
-    order = _widest_first(parts)
-    # (b, h, s, f) -> (U, b, h/U, s, f): head slice j is row j.
-    staged = [
-        parts[i]
-        .reshape(parts[i].shape[0], u, parts[i].shape[1] // u, *parts[i].shape[2:])
-        .transpose(0, 1)
-        for i in order
-    ]
-    rows, layout = _pack(staged, g)
-    received = _unpack(_exchange(rows, g), layout)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(parts)
-    for i, r in zip(order, received):
-        b, h, s, f = parts[i].shape
+
+    def stage(p: torch.Tensor) -> torch.Tensor:
+        # (b, h, s, f) -> (U, b, h/U, s, f): head slice j is row j.
+        return p.reshape(p.shape[0], u, p.shape[1] // u, *p.shape[2:]).transpose(0, 1)
+
+    def unstage(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        b, h, s, f = p.shape
         # row i came from rank i: its sequence shard of this rank's heads -> (b, h/U, U*s, f).
-        out[i] = r.reshape(u, b, h // u, s, f).permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, f)
-    return out
+        return r.reshape(u, b, h // u, s, f).permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, f)
+
+    return _all_to_all(parts, g, stage, unstage)
 
 
 def heads_to_sequence(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
@@ -100,19 +116,16 @@ def heads_to_sequence(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Ten
     if g.size == 1:
         return list(parts)
     u = g.size
-    order = _widest_first(parts)
-    # (b, h/U, U*s, f) -> (U, b, h/U, s, f): sequence shard j is row j.
-    staged = [
-        parts[i]
-        .reshape(parts[i].shape[0], parts[i].shape[1], u, parts[i].shape[2] // u, parts[i].shape[3])
-        .permute(2, 0, 1, 3, 4)
-        for i in order
-    ]
-    rows, layout = _pack(staged, g)
-    received = _unpack(_exchange(rows, g), layout)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(parts)
-    for i, r in zip(order, received):
-        b, hu, us, f = parts[i].shape
+
+    def stage(p: torch.Tensor) -> torch.Tensor:
+        # (b, h/U, U*s, f) -> (U, b, h/U, s, f): sequence shard j is row j.
+        return p.reshape(p.shape[0], p.shape[1], u, p.shape[2] // u, p.shape[3]).permute(
+            2, 0, 1, 3, 4
+        )
+
+    def unstage(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        b, hu, us, f = p.shape
         # row i came from rank i: its head slice of this rank's sequence -> (b, U*h/U, s, f).
-        out[i] = r.reshape(u, b, hu, us // u, f).transpose(0, 1).reshape(b, u * hu, us // u, f)
-    return out
+        return r.reshape(u, b, hu, us // u, f).transpose(0, 1).reshape(b, u * hu, us // u, f)
+
+    return _all_to_all(parts, g, stage, unstage)

@@ -34,15 +34,20 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..layout import chunk_ids
-from ..lse import normalize_lse
 from ..nonfinite import finite_parts, poison_backward, poison_forward
-from ..ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
-from ..ring import RingAttention, RingConfig
+from ..ops import AttentionOp, accumulation_dtype, call_backward, call_forward
+from ..ring import (
+    RingAttention,
+    RingConfig,
+    blank_hidden_rows,
+    blank_hidden_rows_grad,
+    block_lse,
+)
 from .alltoall import heads_to_sequence, sequence_to_heads
 from .groups import HeadGroup
 
@@ -215,34 +220,16 @@ class Ulysses:
         # The kernel on finite numbers; NaN goes exactly
         # where the inputs take it (ring_impl.nonfinite).
         scores = self.scores(cfg, q, k)
-        out, lse = call_forward(
-            cfg.op,
-            *finite_parts(q, k, v),
-            is_causal=causal,
-            scale=cfg.scale,
-            visible=vis,
-            score_mod=scores,
-        )
-        b, h, s, _ = q.shape
-        op = block_op(
-            cfg.op, is_causal=causal, scale=cfg.scale, visible=vis, score_mod=scores
-        )  # the op that ran it
-        lse = normalize_lse(
-            lse,
-            batch=b,
-            heads=h,
-            seq_q=s,
-            layout=op.capabilities.lse_layout,
-            op_name=getattr(op, "name", "math"),
-        )
-        if vis is not None:
-            dead = ~vis.any(-1).expand(b, h, s)
-            out = torch.where(
-                dead.unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device), out
-            )
-            lse = torch.where(
-                dead, torch.full((), float("-inf"), dtype=lse.dtype, device=lse.device), lse
-            )
+        call: dict[str, Any] = {
+            "is_causal": causal,
+            "scale": cfg.scale,
+            "visible": vis,
+            "score_mod": scores,
+        }
+        out, lse = call_forward(cfg.op, *finite_parts(q, k, v), **call)
+        lse = block_lse(cfg.op, lse, q, **call)
+        if vis is not None:  # rows that see nothing: nothing
+            out, lse = blank_hidden_rows(~vis.any(-1).expand(lse.shape), out, lse)
         out, lse = poison_forward(out, lse, q, k, v, kind, vis)
         return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
 
@@ -250,17 +237,9 @@ class Ulysses:
         vis = self.visible(cfg, q, k)
         kind = "masked" if vis is not None else "causal" if cfg.is_causal else "full"
         if vis is not None:  # rows that see nothing: zero terms (their LSE -inf would give NaN)
-            dead = ~vis.any(-1).expand(lse.shape)
-            lse = torch.where(dead, torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
-            grad_out = torch.where(
-                dead.unsqueeze(-1),
-                torch.zeros((), dtype=grad_out.dtype, device=grad_out.device),
-                grad_out,
+            grad_out, lse, grad_lse = blank_hidden_rows_grad(
+                ~vis.any(-1).expand(lse.shape), grad_out, lse, grad_lse
             )
-            if grad_lse is not None:
-                grad_lse = torch.where(
-                    dead, torch.zeros((), dtype=grad_lse.dtype, device=grad_lse.device), grad_lse
-                )
         fq, fk, fv, fo, fl, fdo, fglse = finite_parts(q, k, v, out, lse, grad_out, grad_lse)
         dq, dk, dv = call_backward(
             cfg.op,

@@ -19,19 +19,14 @@ from ..heads import check_head_chunks
 from ..layout import LAYOUTS
 from ..ops import AttentionOp
 from ..validate import (
-    SIGNATURE_FIELDS,
     STRATEGY_FIELDS,
-    InputError,
     _is_bool,
-    _op_code,
-    disagreement,
+    agree,
     exchange_nbytes,
-    layout_names,
     local_problem,
-    row_width,
+    never_raises,
     signature,
     strategy_codes,
-    strategy_disagreement,
 )
 from .groups import StrategyGroups
 from .ulysses import kv_replication
@@ -50,6 +45,7 @@ def exchange_calls(mesh_shape: tuple[int, int]) -> int:
     return int(mesh_shape[0] > 1) + int(mesh_shape[1] > 1)
 
 
+@never_raises
 def strategy_problem(
     strategy: str,
     query,
@@ -67,42 +63,6 @@ def strategy_problem(
     return_lse,
 ) -> str | None:
     """Everything one rank can check alone (the ring's checks and the strategy's); never raises."""
-    try:
-        return _problem(
-            strategy,
-            query,
-            key,
-            value,
-            mesh_shape=mesh_shape,
-            is_causal=is_causal,
-            scale=scale,
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op,
-            op_error=op_error,
-            head_chunks=head_chunks,
-            return_lse=return_lse,
-        )
-    except Exception as exc:  # a check that trips over an argument is still a problem, not a crash
-        return f"invalid arguments ({type(exc).__name__}: {exc})"
-
-
-def _problem(
-    strategy,
-    query,
-    key,
-    value,
-    *,
-    mesh_shape,
-    is_causal,
-    scale,
-    layout,
-    rotate_method,
-    op,
-    op_error,
-    head_chunks,
-    return_lse,
-) -> str | None:
     if not _is_bool(return_lse):
         return f"return_lse must be a bool, got {return_lse!r} ({type(return_lse).__name__})"
     # The ring's checks, with the layout and head_chunks checked below for the strategy.
@@ -190,20 +150,17 @@ def agree_on_mesh(
     mask_code: int = 0,
     value=None,
 ) -> None:
-    """Raise InputError on every rank of the mesh if any rank has a problem or the ranks disagree.
+    """The mesh's :func:`ring_impl.validate.agree`: raise InputError on every rank of the mesh if
+    any rank has a problem or the ranks disagree.
 
-    Rows of the table are mesh ranks (``r * U + u``); ``value``: the call's (its head dim is
-    compared; None: key's)."""
+    Rows of the table are mesh ranks (``r * U + u``), its last entry (the ring's finiteness flag)
+    stays 0; layouts are compared by name; ``value``: the call's (its head dim is compared; None:
+    key's)."""
     mesh_shape, mesh_rank = groups.shape, groups.mesh_rank
-    size = mesh_shape[0] * mesh_shape[1]
-    n = row_width()  # (its last entry, the ring's finiteness flag, stays 0 here)
-    table = [0] * (size * n)
-    row = mesh_rank * n
-    if problem is not None:
-        table[row] = 1
-    else:
+    codes = None
+    if problem is None:
         assert op is not None and scale is not None
-        table[row + 1 : row + n - 1] = signature(
+        codes = signature(
             query,
             key,
             is_causal=is_causal,
@@ -215,34 +172,23 @@ def agree_on_mesh(
             mask_code=mask_code,
             value=value,
         ) + strategy_codes(strategy, mesh_shape, return_lse)
-    vec = torch.tensor(table, dtype=torch.int64)
-    for pg in (groups.ulysses, groups.ring):
-        if pg is None or dist.get_world_size(pg) == 1:
-            continue
-        staged = device.type != "cpu" and str(dist.get_backend(pg)).lower() == "gloo"
-        vec = vec if staged else vec.to(device)
-        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
-    agreed: list[int] = vec.cpu().tolist()
-    rows = [agreed[i * n : (i + 1) * n] for i in range(size)]
-    where = (
-        f"{strategy} attention (mesh rank {mesh_rank}, ulysses {groups.coords[0]}, ring "
-        f"{groups.coords[1]})"
+    agree(
+        problem,
+        codes,
+        row=mesh_rank,
+        size=mesh_shape[0] * mesh_shape[1],
+        groups=[
+            pg
+            for pg in (groups.ulysses, groups.ring)
+            if pg is not None and dist.get_world_size(pg) > 1
+        ],
+        device=device,
+        op=op,
+        world_size=None,
+        where=(
+            f"{strategy} attention (mesh rank {mesh_rank}, ulysses {groups.coords[0]}, ring "
+            f"{groups.coords[1]})"
+        ),
+        refused=lambda bad: f"mesh rank(s) {bad}",
+        numbering=" (ranks numbered as mesh ranks, ring * U + ulysses)",
     )
-    if problem is not None:
-        raise InputError(f"{where}: {problem}")
-    bad = [i for i in range(size) if rows[i][0]]
-    if bad:
-        raise InputError(
-            f"{where}: mesh rank(s) {bad} rejected their input (see the error on those ranks); "
-            "every rank raises so none is left waiting in a collective"
-        )
-    op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
-    base = len(SIGNATURE_FIELDS) + 1
-    text = disagreement(
-        [rw[1:base] for rw in rows], op_names, layout_names()
-    )  # built-in layouts: by name
-    extra = strategy_disagreement([rw[base : n - 1] for rw in rows])
-    if extra:
-        text = ((text + "; ") if text else "") + extra
-    if text is not None:
-        raise InputError(f"{where}: {text} (ranks numbered as mesh ranks, ring * U + ulysses)")
