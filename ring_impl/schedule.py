@@ -81,6 +81,7 @@ class _RingSizes(TypedDict):
     head_dim: int
     dtype: torch.dtype
     head_chunks: int
+    head_dim_v: int | None
 
 
 class _KVSizes(TypedDict):
@@ -165,6 +166,7 @@ def collective_schedule(
             head_dim=head_dim,
             dtype=dtype,
             head_chunks=head_chunks,
+            head_dim_v=head_dim_v,
         )
         ring_schedule(world_size, rotate_method, compiled=compiled, **sizes)  # (checks arguments)
         # Under torch.compile the call runs eagerly (ring_impl.api.MAX_LOGIT_RUNS_EAGERLY).

@@ -101,15 +101,16 @@ def test_max_logit_problem_names_the_exchange() -> None:
 
 def test_schedule_adds_one_all_reduce_of_the_heads_and_their_nan_flags() -> None:
     kw = dict(batch=2, heads_kv=2, seq_kv=8, head_dim=16)
-    for w, method, dtype, chunks in [
-        (2, "p2p", torch.bfloat16, 1),
-        (4, "allgather", torch.float64, 2),
-        (3, "alltoall", torch.float32, 2),
+    # (value's own head dim, MLA's d_v != d_qk, moves at its own width with the max logit too)
+    for w, method, dtype, chunks, dv in [
+        (2, "p2p", torch.bfloat16, 1, None),
+        (4, "allgather", torch.float64, 2, 24),
+        (3, "alltoall", torch.float32, 2, 8),
+        (2, "p2p", torch.float32, 1, 4),
     ]:
-        plain = collective_schedule(w, method, dtype=dtype, head_chunks=chunks, **kw)
-        with_max = collective_schedule(
-            w, method, dtype=dtype, head_chunks=chunks, heads=6, return_max_logit=True, **kw
-        )
+        sizes = dict(dtype=dtype, head_chunks=chunks, head_dim_v=dv, **kw)
+        plain = collective_schedule(w, method, **sizes)
+        with_max = collective_schedule(w, method, heads=6, return_max_logit=True, **sizes)
         acc = 8 if dtype == torch.float64 else 4
         assert with_max["forward"]["all_reduce"] == {
             "calls": plain["forward"]["all_reduce"]["calls"] + 1,
