@@ -123,8 +123,8 @@ zero gradients. Returns out ``(tokens_local, heads, head_dim_v)`` and, with ``re
 the LSE as ``(heads, tokens_local)`` (FlashAttention's varlen layout).
 
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy axis of
-the forward/backward, collectives, compile and bad-input suites (``suites/meshes.py``; the mask
-and score_mod suites run it too): ``"ulysses"`` with ``group=`` the Ulysses process group,
+the forward/backward, collectives, compile, bad-input, LSE-layout and shapes suites
+(``suites/meshes.py``; the mask and score_mod suites run it too): ``"ulysses"`` with ``group=`` the Ulysses process group,
 ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
 shards follow :mod:`reference.strategies`' layouts. Undeclared claims all three.
 

@@ -174,6 +174,8 @@ STRATEGY_AXIS = (
         "suites/test_collectives.py",
         "suites/test_compile.py",
         "suites/test_bad_input.py",
+        "suites/test_lse_layouts.py",
+        "suites/test_shapes.py",
     ),
     ("-k", "ulysses or hybrid"),
 )

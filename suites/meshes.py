@@ -14,6 +14,12 @@ non-contiguous inputs. On the meshes of up to 6 ranks the nightly tier runs the 
 dtype, layout and causal, key/value heads and rotation; the quick tier a pairwise selection of it
 (suites.coverage: every value and every pair of values of two axes).
 
+The axis's cases by suite: :func:`reference_cases` (forward/backward), :func:`collectives_cases`,
+:func:`compile_cases`, :func:`bad_input_cases`, :func:`kernel_cases` (LSE layouts),
+:func:`cross_cases` and :func:`noncontiguous_cases` (shapes). Each runs where the suite's own
+ring cases run first, so a ring bug is named by the ring's diagnosis before a strategy case
+meets it.
+
 A case is a :class:`suites.cases.RingCase` with ``strategy`` and ``mesh_shape``; its id starts
 with the strategy (``hybrid-2x2-bf16-causal-head_tail-gqa-p2p``), so ``-k "ulysses or hybrid"``
 selects the axis. Judged by :func:`suites.judge.judge` (the policy of every ring case;
@@ -42,9 +48,12 @@ __all__ = [
     "bad_input_cases",
     "collectives_cases",
     "compile_cases",
+    "cross_cases",
     "heads_of",
+    "kernel_cases",
     "mesh_case",
     "meshes",
+    "noncontiguous_cases",
     "reference_cases",
 ]
 
@@ -157,47 +166,53 @@ def reference_cases(config: pytest.Config) -> list:
                 kv,
             )
         )
-    for strategy, mesh in meshes(config):
-        if mesh[0] * mesh[1] == 4:
-            # every op of the session device (their LSE layouts reach the strategy), cross-attention
-            # lengths, non-contiguous shards
-            for op in session_ops(config):
-                spec = spec_for(mesh, "float32", "gqa")
-                out.append(
-                    param(
-                        mesh_case(
-                            spec,
-                            strategy,
-                            mesh,
-                            is_causal=True,
-                            layout="head_tail",
-                            op=op,
-                            rotate_method="alltoall",
-                        ),
-                        "gqa",
-                    )
-                )
-            cross = spec_for(mesh, "float32", "mqa")
-            cross = cross.with_(seq_kv=cross.seq_kv // 2)
-            out.append(param(mesh_case(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross"))
-            nc = spec_for(mesh, "float32", "gqa", noncontiguous=True)
-            out.append(
-                param(
-                    mesh_case(nc, strategy, mesh, is_causal=True, layout="head_tail"),
-                    "gqa",
-                    "noncontig",
-                )
-            )
-            st = spec_for(
-                mesh, "float64", "gqa", strided_head_dim=True
-            )  # x[..., ::2] views, NaN between
-            out.append(
-                param(
-                    mesh_case(st, strategy, mesh, layout="contiguous", rotate_method="p2p"),
-                    "gqa",
-                    "strided",
-                )
-            )
+    return out
+
+
+def _four_rank_meshes(config: pytest.Config) -> list[tuple[str, tuple[int, int]]]:
+    return [(s, m) for s, m in meshes(config) if m[0] * m[1] == 4]
+
+
+def kernel_cases(config: pytest.Config) -> list:
+    """The LSE-layout suite's axis: every op of the session device on the 4-rank meshes (their
+    LSE layouts reach the strategy's merge)."""
+    out = []
+    for (strategy, mesh), op in itertools.product(_four_rank_meshes(config), session_ops(config)):
+        spec = spec_for(mesh, "float32", "gqa")
+        case = mesh_case(
+            spec,
+            strategy,
+            mesh,
+            is_causal=True,
+            layout="head_tail",
+            op=op,
+            rotate_method="alltoall",
+        )
+        out.append(param(case, "gqa"))
+    return out
+
+
+def cross_cases(config: pytest.Config) -> list:
+    """The shapes suite's cross-attention axis: key/value half the query length (MQA)."""
+    out = []
+    for strategy, mesh in _four_rank_meshes(config):
+        cross = spec_for(mesh, "float32", "mqa")
+        cross = cross.with_(seq_kv=cross.seq_kv // 2)
+        out.append(param(mesh_case(cross, strategy, mesh, rotate_method="p2p"), "mqa", "cross"))
+    return out
+
+
+def noncontiguous_cases(config: pytest.Config) -> list:
+    """The shapes suite's memory-layout axis: shards as transposed (batch, seq, heads, dim)
+    views, and as every other element of a head dim twice as wide (NaN between)."""
+    out = []
+    for strategy, mesh in _four_rank_meshes(config):
+        nc = spec_for(mesh, "float32", "gqa", noncontiguous=True)
+        case = mesh_case(nc, strategy, mesh, is_causal=True, layout="head_tail")
+        out.append(param(case, "gqa", "noncontig"))
+        st = spec_for(mesh, "float64", "gqa", strided_head_dim=True)
+        case = mesh_case(st, strategy, mesh, layout="contiguous", rotate_method="p2p")
+        out.append(param(case, "gqa", "strided"))
     return out
 
 

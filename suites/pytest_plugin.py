@@ -144,6 +144,9 @@ class RingRunner:
         if case.record:
             self.require("record_steps", why="per-step partials")
         self.require_inputs(case, op)
+        if case.inputs.lse_grad and not (self.caps.claims("lse") and self.caps.claims("lse_grad")):
+            # the loss on the output only: the LSE's gradient has its own suite (test_lse_gradient)
+            case = replace(case, inputs=case.inputs.with_(lse_grad=False))
         return replace(
             case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse")
         )
@@ -214,10 +217,19 @@ class RingRunner:
     def check(self, case, *, results: Sequence[dict] | None = None) -> list:
         """Run (unless results are given), judge every quantity, diagnose and raise on failure."""
         __tracebackhide__ = True
-        from suites.judge import diagnose_case, diagnose_strategy_case, format_failure, judge
+        from suites.judge import (
+            detached_lse,
+            diagnose_case,
+            diagnose_strategy_case,
+            format_failure,
+            judge,
+        )
 
         if results is None:
             results = self.run(case)
+        detached = detached_lse(case, results) if case.inputs.lse_grad else None
+        if detached:  # the gradients would be off by the LSE's share: name why
+            pytest.fail(f"{detached}\nrepro: {self.repro()}", pytrace=False)
         try:
             verdicts = judge(case, results, baseline_op=getattr(self.impl.obj, "baseline_op", None))
         except (

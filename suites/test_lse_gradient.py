@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from suites.cases import RingCase
 from suites.inputs import InputSpec
-from suites.judge import detached_lse
 from suites.matrix import LAYOUTS, ROTATIONS, params, session_ops, tier, world_sizes
 
 
@@ -70,9 +67,4 @@ def pytest_generate_tests(metafunc):
 def test_lse_gradient_matches_float64_autograd(ring, case: RingCase) -> None:
     ring.require("lse", why="the loss uses the returned LSE")
     ring.require("lse_grad", why="the loss backpropagates through the returned LSE")
-    case = ring.prepare(case)
-    results = ring.run(case)
-    detached = detached_lse(case, results)
-    if detached:
-        pytest.fail(f"{detached}\nrepro: {ring.repro()}", pytrace=False)
-    ring.check(case, results=results)
+    ring.check(ring.prepare(case))  # (a detached LSE is named before the verdicts)

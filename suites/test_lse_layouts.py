@@ -3,13 +3,15 @@
 The CPU ops ``cpu_efficient_layout`` (LSE padded to a multiple of 32 with garbage in the padding,
 as CUDA memory-efficient attention) and ``cpu_cudnn_layout`` (LSE with a trailing dim of 1, as
 cuDNN) exercise the trimming and reshaping paths without a GPU, including local lengths of 1 and
-2 (a 32-wide LSE for a single query) and lengths just past a multiple of 32.
+2 (a 32-wide LSE for a single query) and lengths just past a multiple of 32. The strategy axis
+(:mod:`suites.meshes`): every op under Ulysses and the hybrid on the 4-rank meshes.
 """
 
 from __future__ import annotations
 
 import itertools
 
+from suites import meshes
 from suites.cases import RingCase
 from suites.coverage import combos
 from suites.inputs import InputSpec
@@ -51,7 +53,7 @@ def _cases(config) -> list:
 
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", _cases(metafunc.config))
+        metafunc.parametrize("case", _cases(metafunc.config) + meshes.kernel_cases(metafunc.config))
 
 
 def test_lse_layouts_are_normalised(ring, case: RingCase) -> None:

@@ -3,12 +3,15 @@ large-magnitude logits, odd sizes (head_dim 8..128, one or an odd number of toke
 batch 1).
 
 Each family is a product of axes: the nightly tier runs it whole, the quick tier a pairwise
-selection of it (suites.coverage: every value and every pair of values of two axes)."""
+selection of it (suites.coverage: every value and every pair of values of two axes). The strategy
+axis (:mod:`suites.meshes`): cross-attention lengths and non-contiguous shards under Ulysses and
+the hybrid on the 4-rank meshes."""
 
 from __future__ import annotations
 
 import pytest
 
+from suites import meshes
 from suites.cases import RingCase
 from suites.coverage import combos
 from suites.inputs import InputSpec
@@ -118,8 +121,11 @@ def _odd_sizes(config):
 def pytest_generate_tests(metafunc):
     for name, make in (
         ("gqa_case", _gqa),
-        ("cross_case", _cross),
-        ("noncontig_case", _noncontiguous),
+        ("cross_case", lambda config: _cross(config) + meshes.cross_cases(config)),
+        (
+            "noncontig_case",
+            lambda config: _noncontiguous(config) + meshes.noncontiguous_cases(config),
+        ),
         ("large_case", _large_logits),
         ("odd_case", _odd_sizes),
     ):
