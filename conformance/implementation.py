@@ -124,9 +124,10 @@ the LSE as ``(heads, tokens_local)`` (FlashAttention's varlen layout).
 
 ``strategy`` (capability ``strategies``) is passed to ``ring_attention`` by the strategy axis of
 the forward/backward, collectives, compile, bad-input, LSE-layout and shapes suites
-(``suites/meshes.py``; the mask and score_mod suites run it too): ``"ulysses"`` with ``group=`` the Ulysses process group,
-``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are named ``"ring"`` and ``"ulysses"``;
-shards follow :mod:`reference.strategies`' layouts. Undeclared claims all three.
+(``suites/meshes.py``; the mask and score_mod suites run it too): ``"ulysses"`` with
+``group=`` the Ulysses process group, ``"hybrid"`` with ``group=`` a 2-D DeviceMesh whose dims are
+named ``"ring"`` and ``"ulysses"``; shards follow :mod:`reference.strategies`' layouts.
+Undeclared claims all three.
 
 ``value_head_dim`` (capability ``value_head_dim``): ``value`` may have a head dim ``head_dim_v``
 other than query's and key's (DeepSeek's multi-head latent attention): value ``(batch,
