@@ -220,9 +220,10 @@ def collectives_cases(config: pytest.Config) -> list:
     nightly = settings_of(config).tier == "nightly"
     out = []
     for strategy, mesh in meshes(config):
-        ring_dim = strategy == "hybrid" and mesh[1] > 1
         for rotate in (
-            ROTATIONS if ring_dim and (nightly or mesh[0] * mesh[1] == 4) else ("allgather",)
+            ROTATIONS
+            if _ring_dim(mesh, strategy) and (nightly or mesh[0] * mesh[1] == 4)
+            else ("allgather",)
         ):
             for dtype, kv, lse in (("float32", "mha", True), ("bfloat16", "gqa", False)):
                 spec = spec_for(mesh, dtype, kv)
