@@ -11,15 +11,15 @@ ways in one process per rank, interleaved:
 
 ``eager``        no compile;
 ``in_graph``     ``torch.compile(fullgraph=True)`` (inductor): the masked call as the custom ops
-                 of ``ring_impl.compiled_masks``, the projections compiled around them;
+                 of ``ring_impl.compiled.masked_call``, the projections compiled around them;
 ``graph_break``  ``torch.compile`` (inductor) with the masked call run eagerly inside the
                  compiled region, as before the ops (two graphs around a break).
 
 Masks: packed documents (one of S/2 and 8 of S/16, causal within each) under ``head_tail``; the
 same documents as a ``MaskMod`` closing over the ids (``ids[q] == ids[kv] & kv <= q``, flex
 style), which in the graph is evaluated into a table of bits on the global grid
-(``ring_impl.mask_table``) and eagerly block by block; and a causal sliding window of 256 under
-``contiguous`` (the halo exchange). Every way gets two
+(``ring_impl.planning.mask_table``) and eagerly block by block; and a causal sliding window of 256
+under ``contiguous`` (the halo exchange). Every way gets two
 untimed calls (compiles, warms the plan cache), then ``--repeat`` timed repetitions; a
 repetition's time is the slowest rank's, and the fastest repetition is reported (the median is in
 the JSON). Only the ratios to ``eager`` within one run mean anything; nothing is asserted. Each
@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, b_dict: dict) -> list[dict]:
     import torch.distributed as dist
 
     import ring_impl
-    import ring_impl.compiled_masks as compiled_masks
+    import ring_impl.compiled.masked_call as compiled_masks
     from ring_impl.masks import Documents, MaskMod, SlidingWindow
 
     b = Bench(**b_dict)

@@ -8,12 +8,12 @@ Run from the repository root::
 Forward + backward of ``ring_impl.ring_attention(mask=SlidingWindow(window))`` (a causal window:
 ``window`` keys back, none forward) on CPU + gloo, every rank a process with one intra-op thread,
 ``contiguous`` layout, the CPU flash kernel, float32, batch 1, 8 heads (key/value heads too),
-head_dim 64: ``exchange="auto"`` (the halo exchange, ring_impl.halo) against ``exchange="ring"``
-(the ring, ``p2p`` rotation, skipping the blocks the window does not reach but moving every block).
-One warm-up call at a small size, one untimed call per point that records the collectives, then
-``--repeat`` rounds with both paths interleaved (``benchmarks.runner``); a round's time is that of
-the slowest rank and the fastest round is reported (the median and the spread are kept in the
-JSON). Only the ratio halo /
+head_dim 64: ``exchange="auto"`` (the halo exchange, ring_impl.exchanges.halo) against
+``exchange="ring"`` (the ring, ``p2p`` rotation, skipping the blocks the window does not reach but
+moving every block). One warm-up call at a small size, one untimed call per point that records the
+collectives, then ``--repeat`` rounds with both paths interleaved (``benchmarks.runner``); a round's
+time is that of the slowest rank and the fastest round is reported (the median and the spread are
+kept in the JSON). Only the ratio halo /
 ring within this run means anything; nothing is asserted.
 
 Bytes: every collective of the first measured call is recorded (harness.accounting) and the

@@ -19,7 +19,7 @@ documents
     ``ring_impl.masks.Documents``, causal within documents: packed documents with lognormal
     lengths (median ``--doc-median`` tokens, sigma 1) plus one long document of a quarter of the
     sequence at a seeded place, no padding. Forward + backward of ``ring_impl.ring_attention(...,
-    mask=docs)`` under the work-aware layout (``ring_impl.balance.work_balanced_layout``,
+    mask=docs)`` under the work-aware layout (``ring_impl.planning.balance.work_balanced_layout``,
     registered on every rank), ``head_tail`` and ``contiguous``, against two single-process
     baselines: *full mask*, the same kernel with the same additive mask on the whole sequence
     (the issue's baseline; what ``ring_attention`` at W=1 runs), and *per document*, the kernel
@@ -27,11 +27,11 @@ documents
     computes). The CPU flash kernel does not skip tiles its mask hides, so the full-mask
     baseline computes every score of the S x S square while the ring computes only each step's
     trimmed rectangle: ratios against it favour the ring; the per-document one is the floor.
-    The work-aware layout also runs with ``exchange="gather"`` (``ring_impl.kv_gather``: each rank
-    receives only the key/value rows its queries see, in one all-to-all, instead of the ring).
-    Balance per layout: ``ring_impl.balance.rank_work`` (visible score entries per rank, the
-    balancer's own measure), the *kernel area* per rank (the entries the kernel really computes:
-    each step's trimmed rectangle, the triangle for causal-shaped blocks) and the measured
+    The work-aware layout also runs with ``exchange="gather"`` (``ring_impl.exchanges.kv_gather``:
+    each rank receives only the key/value rows its queries see, in one all-to-all, instead of the
+    ring). Balance per layout: ``ring_impl.planning.balance.rank_work`` (visible score entries per
+    rank, the balancer's own measure), the *kernel area* per rank (the entries the kernel really
+    computes: each step's trimmed rectangle, the triangle for causal-shaped blocks) and the measured
     seconds inside the kernel per rank (the op wrapped with a timer, as in benchmarks/ring.py;
     each rank's fastest repetition), each as max / mean; and the seconds outside the kernel
     (elapsed minus kernel: plan, mask evaluation, NaN propagation, merging, transfers, waiting;
@@ -85,7 +85,8 @@ from benchmarks.runner import Candidate, across_ranks, interleave, timing_row, w
 
 #: the layouts of the documents benchmark; "work_balanced" is registered per (seq, W)
 DOC_LAYOUTS = ("work_balanced", "head_tail", "contiguous")
-#: The documents' ring configurations: (layout, sparse_kv: the sparse gather, ring_impl.kv_gather).
+#: The documents' ring configurations: (layout, sparse_kv: the sparse gather,
+#: ring_impl.exchanges.kv_gather).
 DOC_RUNS = (("work_balanced", True), *((layout, False) for layout in DOC_LAYOUTS))
 
 
@@ -148,7 +149,7 @@ def balanced_layout_name(seq: int, world: int) -> str:
 def register_balanced(b: Bench, docs, seq: int, world: int) -> str:
     """Register (again, if needed) the work-aware layout of ``docs`` and return its name."""
     import ring_impl
-    from ring_impl.balance import work_balanced_layout
+    from ring_impl.planning.balance import work_balanced_layout
 
     name = balanced_layout_name(seq, world)
     ring_impl.register_layout(
@@ -556,14 +557,14 @@ def run(b: Bench) -> dict:
 def kernel_area(layout: str, mask, seq: int, world: int, sparse: bool = False) -> list[int]:
     """Per rank, the score entries the kernel computes: every planned call's rectangle (the
     triangle for a causal one; the CPU flash kernel skips no tile a mask hides): Block.area;
-    with ``sparse``, the sparse gather's calls (ring_impl.kv_gather)."""
-    from ring_impl.plan import masked_plan
+    with ``sparse``, the sparse gather's calls (ring_impl.exchanges.kv_gather)."""
+    from ring_impl.planning.plan import masked_plan
 
     local = seq // world
     area = []
     for r in range(world):
         if sparse:
-            from ring_impl.kv_gather import gather_plan
+            from ring_impl.exchanges.kv_gather import gather_plan
 
             plan = gather_plan(
                 mask,
@@ -593,8 +594,8 @@ def _max_over_mean(xs: list[float]) -> float:
 def analyse(b: Bench, raw: dict) -> dict:
     import torch
 
-    from ring_impl.balance import rank_work
     from ring_impl.masks import SlidingWindow
+    from ring_impl.planning.balance import rank_work
 
     itemsize = getattr(torch, b.dtype).itemsize
     docs, _ = documents(b, b.seq)

@@ -43,8 +43,8 @@ memory
 memory-lean configurations (``hcN``)
     the ring with ``head_chunks=N`` (``--lean-head-chunks``, default 4): N rings one after
     another over groups of heads, so the blocks and accumulators in flight and the kernel's
-    step results are 1/N as large (``ring_impl.heads``). In the speed, balance, traffic and
-    memory tables beside the default (``head_chunks=1``).
+    step results are 1/N as large (``ring_impl.exchanges.heads``). In the speed, balance, traffic
+    and memory tables beside the default (``head_chunks=1``).
 traffic
     the collectives each rank issued in the first measured call, recorded per phase with
     ``harness.accounting.CollectiveLog``, turned into bytes the rank sends: all-gather

@@ -127,7 +127,7 @@ def _rank(rank: int, world: int, b_dict: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import ring_impl
-    from ring_impl.strategies import shard
+    from ring_impl.planning.mesh_layout import shard
 
     b = Bench(**{**b_dict, "mesh": tuple(b_dict["mesh"])})
     u, r = b.mesh

@@ -75,7 +75,7 @@ def single_device_baseline(
     case asks for something the session cannot do, and says so instead of running it elsewhere.
     """
     from conformance.implementation import load_op
-    from ring_impl.lse import normalize_lse
+    from ring_impl.numerics.lse import normalize_lse
     from ring_impl.ops import call_backward, call_forward, default_scale, resolve_op
     from ring_impl.ops.calls import block_op
 
@@ -206,7 +206,7 @@ def _with_the_kernels_own_error(result, op, q, k, v, do, vis, sinks, *, scale, g
     of a masked case whose kernel takes no mask")."""
     from reference.attention import attention_grads
     from reference.budget import baseline_error_of_both
-    from ring_impl.lse import normalize_lse
+    from ring_impl.numerics.lse import normalize_lse
     from ring_impl.ops import call_backward, call_forward
 
     batch, heads, seq_q, _ = q.shape

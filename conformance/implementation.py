@@ -435,7 +435,7 @@ def load_op(spec: str):
     registered name.
 
     One object per spec, registered under its ``name`` unless that name is taken: compiled,
-    ring_impl carries an op by its registered name (ring_impl.compiled_checks), and an op it
+    ring_impl carries an op by its registered name (ring_impl.compiled.checks), and an op it
     cannot name runs without the compiled cross-rank check the schedule declares."""
     from ring_impl import ops
 

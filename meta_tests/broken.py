@@ -22,7 +22,7 @@ import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter, speaking_specs
 from ring_impl import RingAttention, collective_schedule, debug
 from ring_impl.ops import call_backward, call_forward, default_scale
-from ring_impl.plan import Block
+from ring_impl.planning.plan import Block
 
 __all__ = ["BROKEN", "Broken", "by_name", "function_adapter", "ring_adapter"]
 
@@ -439,8 +439,8 @@ class RaisesOnOneRankOnly:
         return_lse=False,
     ):
         from ring_impl.api import get_rotate_method
+        from ring_impl.checks.inputs import local_problem
         from ring_impl.ops import resolve_op
-        from ring_impl.validate import local_problem
 
         rotate_method = rotate_method or get_rotate_method()
         op_obj, op_error = None, None

@@ -13,7 +13,6 @@ against it; the suite must fail with a message matching ``expect``.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 import types
 from collections.abc import Iterator
@@ -23,14 +22,16 @@ import torch.nn.functional as F
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
 from meta_tests.broken import Broken, by_name
-from ring_impl import sdpa_route
-from ring_impl.context_parallel import ShardedBuffers, context_parallel_unshard, sharded_and_routed
-from ring_impl.parallel_style import ContextParallel
+from ring_impl.torch_api import context_parallel as _cp
+from ring_impl.torch_api import sdpa_route
+from ring_impl.torch_api.context_parallel import (
+    ShardedBuffers,
+    context_parallel_unshard,
+    sharded_and_routed,
+)
+from ring_impl.torch_api.parallel_style import ContextParallel
 
 __all__ = ["BROKEN_API"]
-
-# The module (ring_impl.context_parallel the attribute is the function of that name).
-_cp = importlib.import_module("ring_impl.context_parallel")
 
 
 # ------------------------------------------------------------------------ torch.compile

@@ -43,9 +43,9 @@ import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter, ring_impl_mask
 from meta_tests.broken import Broken, by_name, function_adapter, ring_adapter
 from ring_impl import RingAttention
-from ring_impl.balance import document_spans
 from ring_impl.layout import Layout, layout_runs
 from ring_impl.masks import And, Documents, Mask, MaskMod, Or, SlidingWindow
+from ring_impl.planning.balance import document_spans
 
 __all__ = ["BROKEN_MASKS"]
 

@@ -25,8 +25,8 @@ import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter, ring_impl_masks
 from meta_tests.broken import Broken, by_name, function_adapter, ring_adapter
 from meta_tests.broken_masks import DocumentsAtLocalPositions
-from ring_impl.balance import weighted_masks
 from ring_impl.group import resolve_group
+from ring_impl.planning.balance import weighted_masks
 
 __all__ = ["BROKEN_PACKED"]
 

@@ -21,8 +21,8 @@ from dataclasses import replace
 import torch
 
 from meta_tests.broken import Broken, by_name, ring_adapter
-from ring_impl.plan import StepPlan
-from ring_impl.ring import RingAttention
+from ring_impl.exchanges.ring import RingAttention
+from ring_impl.planning.plan import StepPlan
 from ring_impl.score_mods import SoftCap
 
 __all__ = ["BROKEN_SCORE_MODS"]

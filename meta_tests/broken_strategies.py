@@ -17,9 +17,10 @@ from dataclasses import replace
 from conformance.adapters.ring_impl import RingImplAdapter
 from meta_tests.broken import Broken, by_name, function_adapter
 from ring_impl import RingAttention, bind
+from ring_impl.exchanges.head_alltoall import _exchange, _pack, _unpack, _widest_first
+from ring_impl.exchanges.hybrid import Hybrid
+from ring_impl.exchanges.ulysses import Ulysses
 from ring_impl.ops import accumulation_dtype
-from ring_impl.strategies import Hybrid, Ulysses
-from ring_impl.strategies.alltoall import _exchange, _pack, _unpack, _widest_first
 
 __all__ = ["BROKEN_STRATEGIES"]
 

@@ -2,7 +2,7 @@
 uneven-shard suite (``suites/test_uneven.py``) with a failure that names the bug:
 
 - ``uneven_padding_attended``: every shard padded at its end to the longest one (the padding at
-  global positions ``S ..``, as ring_impl.uneven does), but the mask that hides the padding
+  global positions ``S ..``, as ring_impl.planning.uneven does), but the mask that hides the padding
   dropped: the padding keys (zeros) are seen wherever causality and the call's mask let them be.
 - ``uneven_positions_from_even_split``: every shard padded to the longest, ``L`` rows, and run as
   an even contiguous call with the padding hidden: rank ``r``'s tokens sit at global positions
@@ -27,7 +27,7 @@ import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter
 from meta_tests.broken import Broken, by_name, function_adapter
 from ring_impl.masks import Documents, snapshot
-from ring_impl.uneven import extended_mask, padded_layout, real_tokens, uneven_views
+from ring_impl.planning.uneven import extended_mask, padded_layout, real_tokens, uneven_views
 
 __all__ = ["BROKEN_UNEVEN"]
 

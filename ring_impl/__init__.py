@@ -7,7 +7,7 @@ Public API::
                    head_chunks=1, mask=None, sinks=None,  # masks on global positions; sink logits
                    score_mod=None,                   # soft-cap, ALiBi, bias, fn: ring_impl.score_mods
                    exchange="auto", cu_seqlens=None, # "ring", "halo", "gather", "ulysses", "hybrid"; THD
-                   shard_lengths=None)               # uneven shards: tokens per rank (ring_impl.uneven)
+                   shard_lengths=None)               # uneven shards: tokens per rank (ring_impl.planning.uneven)
     set_rotate_method(name)            # "allgather" (default), "alltoall", "p2p" (ring_impl.transports)
     shard / unshard / shard_lengths    # layouts "contiguous", "head_tail", registered ones
     register_layout / Layout / layouts # a layout is the global positions each rank holds (ring_impl.layout)
@@ -19,18 +19,30 @@ Public API::
 
 from __future__ import annotations
 
-from . import masks, score_mods
+from . import masks, moved, score_mods
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
-from .context_parallel import ContextParallelError, context_parallel, context_parallel_unshard
-from .flex_route import flex_attention
+from .checks.inputs import InputError
+from .exchanges.ring import RingAttention
 from .layout import LAYOUTS, Layout, layouts, register_layout, shard, shard_lengths, unshard
 from .ops import AttentionOp, OpCapabilities, available_ops, get_op, register_op
-from .parallel_style import ContextParallel
-from .ring import RingAttention
+from .planning.mesh_layout import STRATEGIES
 from .schedule import collective_schedule
-from .strategies import STRATEGIES
+from .torch_api.context_parallel import (
+    ContextParallelError,
+    context_parallel,
+    context_parallel_unshard,
+)
+from .torch_api.flex_route import flex_attention
+from .torch_api.parallel_style import ContextParallel
 from .transports import ROTATE_METHODS, Transport, get_transport, register_transport, rotate_methods
-from .validate import InputError
+
+moved.install()
+
+
+def __getattr__(name: str):
+    """An old flat module path as an attribute (``ring_impl.plan``): :mod:`ring_impl.moved`."""
+    return moved.module_getattr(name)
+
 
 __all__ = [
     "LAYOUTS",

@@ -9,22 +9,28 @@ from typing import Any, NamedTuple, Protocol, TypedDict, cast
 import torch
 
 from .call import Call, exchange_of
+from .checks.inputs import InputError, agree_across_ranks, local_problem, routed_error
+from .exchanges.halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
+from .exchanges.heads import plan_chunks
+from .exchanges.kv_gather import gather_path, gather_refusal
+from .exchanges.ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .group import RingGroup, resolve_group
-from .halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
-from .heads import plan_chunks
-from .kv_gather import gather_path, gather_refusal
 from .layout import layout_divisor
 from .masks import Mask, fold_causal, mask_code, masking_problem, snapshot
-from .max_logit import max_logit_problem
+from .numerics.max_logit import max_logit_problem
 from .ops import AttentionOp, resolve_scale_and_op
-from .packed import packed_problem, packed_result, packed_views, sequence_place
-from .plan import plan_ahead
-from .ring import Path, PathFunction, RingAttention, RingConfig, RingPath
+from .planning.packed import packed_problem, packed_result, packed_views, sequence_place
+from .planning.plan import plan_ahead
+from .planning.uneven import (
+    lengths_problem,
+    uneven_call,
+    uneven_problem,
+    uneven_result,
+    uneven_views,
+)
 from .score_mods import as_score_mod, score_mod_problem
 from .sinks import with_sinks
 from .transports import check_rotate_method
-from .uneven import lengths_problem, uneven_call, uneven_problem, uneven_result, uneven_views
-from .validate import InputError, agree_across_ranks, local_problem, routed_error
 
 __all__ = ["Bound", "attend", "bind", "get_rotate_method", "ring_attention", "set_rotate_method"]
 
@@ -60,19 +66,21 @@ SCORE_MODS_RUN_EAGERLY = (
 #: Why a masked call leaves the compiled graph (dynamo's message names it under fullgraph=True).
 MASKS_RUN_EAGERLY = (
     "ring_attention(mask=...) runs eagerly inside torch.compile (a graph break) for a MaskMod "
-    "whose bit table on the global grid would exceed ring_impl.mask_table.MAX_TABLE_BITS, that "
+    "whose bit table on the global grid would exceed "
+    "ring_impl.planning.mask_table.MAX_TABLE_BITS, that "
     "does not return bool or whose function asserts or raises (in the graph its failure would "
     "raise on its own rank only), a Mask subclass (Python the compiled graph cannot carry), or "
     "mask values that are not plain ints/bools/tensors: its plan is data (the mask on global "
     "positions) that a graph could only bake in and serve stale. Built-in masks and MaskMods (as "
-    "a table of bits), with any op, run in the graph, every strategy (ring_impl.compiled_masks). "
+    "a table of bits), with any op, run in the graph, every strategy "
+    "(ring_impl.compiled.masked_call). "
     "Compile without fullgraph=True, or call such masked attention outside the compiled region"
 )
 
 
 class Bound(NamedTuple):
     """What ``bind`` binds: a RingAttention variant, its head-parallel algorithms (None: the
-    defaults) and the name compiled calls find both by (ring_impl.compiled_masks)."""
+    defaults) and the name compiled calls find both by (ring_impl.compiled.masked_call)."""
 
     impl: RingAttention
     algorithms: Mapping[str, Any] | None
@@ -92,7 +100,7 @@ class RingAttentionFunction(Protocol):
 
 
 class _HaloWhere(TypedDict):
-    """The call's sizes :func:`ring_impl.halo.halo_reach` and ``halo_refusal`` take."""
+    """The call's sizes :func:`ring_impl.exchanges.halo.halo_reach` and ``halo_refusal`` take."""
 
     layout: str
     world_size: int
@@ -119,13 +127,13 @@ def _eager(bound: Bound, call: Call, query, key, value):
 
 
 def _traced(bound: Bound, call: Call, query, key, value):
-    """A call inside torch.compile. Masked: custom ops in the graph (ring_impl.compiled_masks: the
-    plan is made when the op runs, so a new mask is never served an old plan) or, for what those
+    """A call inside torch.compile. Masked: custom ops in the graph (ring_impl.compiled.masked_call:
+    the plan is made when the op runs, so a new mask is never served an old plan) or, for what those
     cannot carry, eagerly (MASKS_RUN_EAGERLY). Unmasked: traced, behind the cross-rank check as
-    an op the graph keeps (ring_impl.compiled_checks). With a score_mod: eagerly
+    an op the graph keeps (ring_impl.compiled.checks). With a score_mod: eagerly
     (SCORE_MODS_RUN_EAGERLY)."""
-    from .compiled_checks import checked_call
-    from .compiled_masks import masked_ring_call
+    from .compiled.checks import checked_call
+    from .compiled.masked_call import masked_ring_call
 
     if call.score_mod is not None:
         return _scored_eagerly(bound, call, query, key, value)
@@ -140,9 +148,10 @@ def _traced(bound: Bound, call: Call, query, key, value):
 
 
 def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens, shard_lengths=None):
-    """A packed (THD) call as the 4-D call with its documents as the mask (ring_impl.packed);
-    a problem with the packed arguments is raised on every rank by the call's checks. With
-    ``shard_lengths`` the global packed sequence is their sum (ring_impl.uneven)."""
+    """A packed (THD) call as the 4-D call with its documents as the mask
+    (ring_impl.planning.packed); a problem with the packed arguments is raised on every rank by the
+    call's checks. With ``shard_lengths`` the global packed sequence is their sum
+    (ring_impl.planning.uneven)."""
     place = sequence_place(call.strategy, call.group)
     world = None if place is None else place[0]
     problem = call.problem
@@ -167,8 +176,8 @@ def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens, shard_lengt
 
 def _uneven(bound: Bound, call: Call, query, key, value, shard_lengths):
     """A call on shards of unequal lengths as the even call on shards padded to the longest, the
-    padding hidden by the mask (ring_impl.uneven); a problem with the lengths is raised on every
-    rank by the call's checks."""
+    padding hidden by the mask (ring_impl.planning.uneven); a problem with the lengths is raised on
+    every rank by the call's checks."""
     place = sequence_place(call.strategy, call.group)
     if place is None or call.problem is not None:  # the checks refuse the group or the call
         return attend(bound, call, query, key, value)
@@ -199,9 +208,9 @@ def _uneven(bound: Bound, call: Call, query, key, value, shard_lengths):
 
 
 def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) -> Path:
-    """The :class:`ring_impl.ring.Path` serving ``call`` on these tensors (``ring_path`` for the
-    ring's exchanges, ``ring_impl.strategies.strategy_path`` for Ulysses and the hybrid), checked
-    on this rank and across the group (InputError on every rank for bad input). Its LSE is
+    """The :class:`ring_impl.exchanges.ring.Path` serving ``call`` on these tensors (``ring_path``
+    for the ring's exchanges, ``ring_impl.exchanges.strategy_path`` for Ulysses and the hybrid),
+    checked on this rank and across the group (InputError on every rank for bad input). Its LSE is
     computed when ``return_lse`` or ``sinks`` (the sink term needs it).
 
     A ``mask`` holding tensors (``Documents``) is copied first (ring_impl.masks.snapshot): the
@@ -213,7 +222,7 @@ def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) ->
     try:
         if call.strategy == "ring":
             return ring_path(impl, call, query, key, value)
-        from .strategies import strategy_path
+        from .exchanges.head_parallel import strategy_path
 
         return strategy_path(impl, algorithms, call, query, key, value)
     except InputError as exc:  # (on every rank alike)
@@ -225,9 +234,9 @@ def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) ->
 def ring_path(
     impl: RingAttention, call: Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> Path:
-    """The :class:`ring_impl.ring.Path` (the ring, the halo exchange or the sparse gather) that
-    serves ``call`` (an exchange of the ring's: "auto", "ring", "halo", "gather"), after checking
-    it on this rank and across the group (InputError on every rank for bad input)."""
+    """The :class:`ring_impl.exchanges.ring.Path` (the ring, the halo exchange or the sparse gather)
+    that serves ``call`` (an exchange of the ring's: "auto", "ring", "halo", "gather"), after
+    checking it on this rank and across the group (InputError on every rank for bad input)."""
     mask, sinks, layout, head_chunks = call.mask, call.sinks, call.layout, call.head_chunks
     try:
         pg = resolve_group(call.group)
@@ -281,7 +290,7 @@ def ring_path(
     max_logit = call.return_max_logit is True
     folded = fold_causal(mask, call.is_causal)
     reach = None
-    gather = False  # the sparse gather (ring_impl.kv_gather) serves the call
+    gather = False  # the sparse gather (ring_impl.exchanges.kv_gather) serves the call
     if problem is None:
         if call.exchange == "gather":
             problem = gather_refusal(
@@ -403,10 +412,10 @@ def _path_code(code: int, path: str) -> int:
 
 def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
     """A ``ring_attention`` with the same signature that runs ``impl`` (a RingAttention variant),
-    and ``strategies`` ({"ulysses": ..., "hybrid": ...}: variants of ``ring_impl.strategies``'
+    and ``strategies`` ({"ulysses": ..., "hybrid": ...}: variants of ``ring_impl.exchanges``'
     algorithms) for the head-parallel strategies."""
 
-    from .compiled_masks import register_impl
+    from .compiled.masked_call import register_impl
 
     bound = Bound(impl, strategies, register_impl(impl, strategies, call_path))
 
@@ -458,7 +467,7 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
             return_lse: also return the local LSE (batch, heads, seq_q_local), float32 (float64
                 for float64 inputs); differentiable like the output (its gradient enters the
                 backward's row term). NaN/inf in the inputs give NaN wherever they reach (see
-                ring_impl.nonfinite).
+                ring_impl.numerics.nonfinite).
             return_max_logit: also return the per-head maximum attention logit (what QK-clip
                 optimisers such as MuonClip read; TransformerEngine's return_max_logit):
                 (heads,), float32 (float64 for float64 inputs), the maximum over the batch,
@@ -477,7 +486,8 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 (and their query heads), one after another (1 <= head_chunks <= heads_kv). The
                 key/value blocks and dK/dV accumulators in flight and the kernel's per-step
                 results shrink by that factor, so per-rank memory beyond inputs and outputs
-                does; collectives multiply by it, bytes sent stay the same. See ring_impl.heads.
+                does; collectives multiply by it, bytes sent stay the same. See
+                ring_impl.exchanges.heads.
             mask: a ring_impl.masks.Mask on *global* positions (Documents, SlidingWindow,
                 ChunkedCausal, PrefixLM, MaskMod, combined with & and |; with is_causal=True it
                 is intersected with causal), equal on every rank. Each ring step computes only
@@ -490,7 +500,7 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 with the math op). Rows that see nothing give out 0, LSE -inf and zero
                 gradients. Under torch.compile the call runs in the graph as custom ops (a
                 MaskMod evaluated into a table of bits on the global grid:
-                ring_impl.mask_table), or for what they cannot carry eagerly inside the
+                ring_impl.planning.mask_table), or for what they cannot carry eagerly inside the
                 compiled region (a graph break; see MASKS_RUN_EAGERLY).
             sinks: (heads,) per-head sink logits (a softmax term with no value),
                 differentiable; each rank's gradient covers its own rows (reduce it over the
@@ -516,17 +526,17 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 / Documents; ChunkedCausal) under layout "contiguous" with equal local lengths,
                 each rank receives only the last ``left`` key/value rows of rank - 1 and the
                 first ``right`` of rank + 1 and sends their dK/dV home in the backward
-                (ring_impl.halo); InputError on every rank saying why when it cannot (W=1 runs
-                the ring: there is nothing to exchange). "gather", with a mask: each rank
+                (ring_impl.exchanges.halo); InputError on every rank saying why when it cannot (W=1
+                runs the ring: there is nothing to exchange). "gather", with a mask: each rank
                 receives in one all-to-all only the key/value rows its queries see and sends
-                their dK/dV home in one all-to-all (ring_impl.kv_gather): the fewest bytes of
-                any exchange, not overlapped with compute; any layout, head_chunks 1.
+                their dK/dV home in one all-to-all (ring_impl.exchanges.kv_gather): the fewest bytes
+                of any exchange, not overlapped with compute; any layout, head_chunks 1.
                 "ulysses": an all-to-all turns sequence shards into head shards, each rank
                 attends heads / U heads over the whole sequence, and an all-to-all turns the
                 output back (heads divisible by the group size; key/value heads fewer than it
                 are replicated). "hybrid": Ulysses inside each row of a 2-D mesh and the ring
                 across rows. Ulysses' and the hybrid's shards follow their layouts
-                (ring_impl.strategies.shard). The collectives of each:
+                (ring_impl.exchanges.shard). The collectives of each:
                 collective_schedule(..., exchange=).
             cu_seqlens: packed (THD) inputs, as FlashAttention's varlen functions take them:
                 query, key and value are (tokens_local, heads, head_dim), this rank's shard
@@ -535,7 +545,7 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 lengths [0, l0, l0 + l1, ...], equal on every rank. Each token attends its own
                 document (causally with is_causal), intersected with ``mask`` if given; tokens
                 past cu_seqlens[-1] are padding. Returns (tokens_local, heads, head_dim) and the
-                LSE as (heads, tokens_local). See ring_impl.packed.
+                LSE as (heads, tokens_local). See ring_impl.planning.packed.
             shard_lengths: uneven shards: rank r holds shard_lengths[r] tokens (query, key and
                 value alike; >= 0, one per rank of the sequence, equal on every rank) of a
                 global sequence of sum(shard_lengths) tokens: any split for layout
@@ -543,7 +553,8 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 (ring_impl.shard_lengths; ring_impl.shard(..., lengths=) cuts them). Runs padded
                 to the longest shard with the padding hidden by the mask, on exchanges "auto",
                 "ring", "gather" and "ulysses" (not "halo" or "hybrid"); with cu_seqlens, the
-                packed tokens per rank. Returns this rank's rows only. See ring_impl.uneven.
+                packed tokens per rank. Returns this rank's rows only. See
+                ring_impl.planning.uneven.
             strategy, halo, sparse_kv: deprecated aliases of ``exchange`` (strategy="ulysses"
                 -> "ulysses", halo=True -> "halo", halo=False -> "ring", sparse_kv=True ->
                 "gather"); a DeprecationWarning, and InputError when they contradict.
@@ -586,7 +597,7 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
 
     # The function itself (what torch.compile inlines), given the protocol's two attributes here.
     bound_fn = cast(RingAttentionFunction, ring_attention)
-    bound_fn.impl_name = bound.name  # how compiled calls name it (ring_impl.compiled_masks)
+    bound_fn.impl_name = bound.name  # how compiled calls name it (ring_impl.compiled.masked_call)
     bound_fn.bound = bound
     return bound_fn
 

@@ -8,8 +8,8 @@ aliases that contradict each other) is kept in :attr:`Call.problem` rather than 
 raised through the cross-rank agreement like any other bad input: on every rank together.
 
 The checks, the cross-rank agreement, the compiled call's description
-(:func:`ring_impl.compiled_masks.describe_call`) and the path take the Call; the path's own
-configuration (:class:`ring_impl.ring.RingConfig`) is built from it and the tensors.
+(:func:`ring_impl.compiled.masked_call.describe_call`) and the path take the Call; the path's own
+configuration (:class:`ring_impl.exchanges.ring.RingConfig`) is built from it and the tensors.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 __all__ = ["EXCHANGES", "Call", "exchange_of", "strategy_of"]
 
 #: ``exchange=`` values. ``"auto"``: the halo exchange where the mask is narrow enough
-#: (:func:`ring_impl.halo.halo_reach`), else the ring. ``"ring"``: the ring always. ``"halo"``:
-#: the halo exchange or an error saying why not. ``"gather"``: the sparse key/value gather
-#: (:mod:`ring_impl.kv_gather`). ``"ulysses"``, ``"hybrid"``: the head-parallel strategies
-#: (:mod:`ring_impl.strategies`).
+#: (:func:`ring_impl.exchanges.halo.halo_reach`), else the ring. ``"ring"``: the ring always.
+#: ``"halo"``: the halo exchange or an error saying why not. ``"gather"``: the sparse key/value
+#: gather (:mod:`ring_impl.exchanges.kv_gather`). ``"ulysses"``, ``"hybrid"``: the head-parallel
+#: strategies (:mod:`ring_impl.exchanges`).
 EXCHANGES = ("auto", "ring", "halo", "gather", "ulysses", "hybrid")
 
 #: The strategy each exchange belongs to: the first three exchanges and the gather are the ring's.
@@ -52,7 +52,7 @@ class Call(NamedTuple):
     ``problem``: what is wrong with the options themselves, or a route's own refusal (the SDPA
     route's ``attn_mask``), raised on every rank by the cross-rank check. ``routed_from``: the
     function the user called when a context-parallel route runs it as ring attention; refusals
-    name it (:func:`ring_impl.validate.routed_error`). A NamedTuple: immutable, and traced by
+    name it (:func:`ring_impl.checks.inputs.routed_error`). A NamedTuple: immutable, and traced by
     torch.compile as plain values.
     """
 
@@ -84,8 +84,8 @@ class Call(NamedTuple):
 
     def options(self) -> dict[str, Any]:
         """The plain options (every field but group, mask, sinks and score_mod), by name: what
-        a compiled call carries as a literal (:func:`ring_impl.compiled_masks.describe_call`; a
-        call with a score_mod runs eagerly)."""
+        a compiled call carries as a literal (:func:`ring_impl.compiled.masked_call.describe_call`;
+        a call with a score_mod runs eagerly)."""
         skip = ("group", "mask", "sinks", "score_mod")
         return {
             name: value for name, value in zip(self._fields, self, strict=True) if name not in skip

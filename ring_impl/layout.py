@@ -3,8 +3,8 @@
 A layout is a permutation of the global positions ``0 .. S-1``: rank ``r`` holds ``S / W`` of
 them, in its local order, written as runs ``(start, stop)`` of consecutive positions. Everything
 else follows from the runs: :func:`shard` and :func:`unshard`, :func:`permutation`, and the ring's
-per-step plan (:mod:`ring_impl.plan` derives from them which local query rows see which local
-key/value rows). A new layout (a load balancer) is one function registered with
+per-step plan (:mod:`ring_impl.planning.plan` derives from them which local query rows see which
+local key/value rows). A new layout (a load balancer) is one function registered with
 :func:`register_layout`; the ring, ``context_parallel`` and the input checks then accept its name.
 
 Built in:
@@ -28,7 +28,7 @@ the way ``torch.tensor_split`` does (the first ``S mod divisor`` chunks one long
 ``contiguous`` over 4 ranks splits 10 tokens 3, 3, 2, 2. :func:`shard_lengths` says how many
 tokens each rank gets; :func:`shard` and :func:`unshard` follow it (``contiguous`` takes any split
 given as ``lengths=``). ``ring_attention(..., shard_lengths=...)`` runs on such shards
-(:mod:`ring_impl.uneven`).
+(:mod:`ring_impl.planning.uneven`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def get_layout(layout: str) -> Layout:
     return found
 
 
-#: Name prefix -> the builder of a derived layout from its whole name (ring_impl.uneven's
+#: Name prefix -> the builder of a derived layout from its whole name (ring_impl.planning.uneven's
 #: ``padded(...)``): any process that meets the name builds the same layout, so a name made on
 #: one rank, or inside a compiled graph, needs no registration on the others.
 _DERIVED: dict[str, Callable[[str], Layout]] = {}

@@ -2,9 +2,9 @@
 
 A mask says which key/value positions each query position sees, in global positions of the
 whole sequence, whatever the layout and the rank: the ring evaluates it on the positions each
-rank holds (:mod:`ring_impl.layout`) and plans every ring step from it (:mod:`ring_impl.plan`:
-blocks nobody sees are skipped, fully visible ones run unmasked, causal-shaped ones with the
-kernel's causal flag, the rest with the block's mask).
+rank holds (:mod:`ring_impl.layout`) and plans every ring step from it
+(:mod:`ring_impl.planning.plan`: blocks nobody sees are skipped, fully visible ones run unmasked,
+causal-shaped ones with the kernel's causal flag, the rest with the block's mask).
 
 Masks (``visible(q_pos, kv_pos)`` -> bool, True = sees):
 
@@ -25,7 +25,8 @@ head. Every rank must pass an equal mask; each mask has a :meth:`Mask.digest` th
 
 :meth:`Mask.reach` bounds how far a query looks: ``(left, right)`` with every visible pair
 satisfying ``q - left <= kv <= q + right`` (None on a side: not bounded, or not known to be). A
-mask bounded on both sides by less than a shard runs as a halo exchange (:mod:`ring_impl.halo`).
+mask bounded on both sides by less than a shard runs as a halo exchange
+(:mod:`ring_impl.exchanges.halo`).
 """
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ class Mask:
     @property
     def exact_digest(self) -> bool:
         """Whether :meth:`describe` determines :meth:`visible` completely, so that plans may be
-        cached by it (ring_impl.plan.masked_plan): the built-in masks themselves (and ``&``/``|``
-        of them), not ``MaskMod`` (its description only probes its fn) and not subclasses, which
-        may change ``visible`` under the parent's description. A subclass whose description
-        covers all its data may override this."""
+        cached by it (ring_impl.planning.plan.masked_plan): the built-in masks themselves (and
+        ``&``/``|`` of them), not ``MaskMod`` (its description only probes its fn) and not
+        subclasses, which may change ``visible`` under the parent's description. A subclass whose
+        description covers all its data may override this."""
         return type(self) in _EXACT_TYPES
 
     def digest(self) -> int:

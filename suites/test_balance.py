@@ -65,9 +65,9 @@ BOUNDS: dict[tuple[str, str], Bound] = {
     ("head_tail", "causal"): Bound(lambda f: 1.0),
     # document_head_tail: one document of seq tokens, seq a multiple of 2W: head_tail itself.
     ("document_head_tail", "causal"): Bound(lambda f: 1.0),
-    # work_aware: its promise (ring_impl.balance: greedy over 8 weighted chunks per rank, heaviest
-    # first, to the least loaded rank with room, then swaps off the heaviest rank); measured
-    # 1.000 causal, at most 1.008 on the documents at W 2..64.
+    # work_aware: its promise (ring_impl.planning.balance: greedy over 8 weighted chunks per rank,
+    # heaviest first, to the least loaded rank with room, then swaps off the heaviest rank);
+    # measured 1.000 causal, at most 1.008 on the documents at W 2..64.
     ("work_aware", "causal"): Bound(lambda f: 1.05),
     # Causal packed documents. contiguous and head_tail (known unbalanced): whoever holds the
     # long document's tail does most of the work (contiguous 1.10-2.02, head_tail 1.25-1.66 at

@@ -13,7 +13,7 @@ from conformance.implementation import Capabilities
 from conformance.specs import MaskSpec, ScoreModSpec
 from reference.masks import MASK_KINDS
 from ring_impl import debug, masks, score_mods
-from ring_impl.balance import BALANCERS, register_balanced_layout
+from ring_impl.planning.balance import BALANCERS, register_balanced_layout
 
 ALL_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
 

@@ -40,8 +40,8 @@ def block_op(
     block ``op`` cannot mask (row bounds count as a mask for an op that does not take them), or
     a causal block with ``scale <= 0`` on an op whose causal kernel returns NaN there
     (``causal_needs_positive_scale``). ``is_causal=True`` calls refuse or reroute that case
-    before any collective; a mask's causal tiles (ring_impl.tiling) reach it here, since the
-    tiler, not the caller, chose the causal kernel. A block with a ``score_mod`` on an op
+    before any collective; a mask's causal tiles (ring_impl.planning.tiling) reach it here, since
+    the tiler, not the caller, chose the causal kernel. A block with a ``score_mod`` on an op
     without ``OpCapabilities.score_mod`` (the calls' checks refuse an op so named; this covers
     ops a variant hands over) runs on the math op too."""
     if score_mod is not None and not getattr(op.capabilities, "score_mod", False):

@@ -6,7 +6,7 @@ layout for the log-sum-exp (LSE) the merge depends on. An :class:`AttentionOp` h
 
 - ``forward(query, key, value, *, is_causal, scale) -> (out, lse)``: ``out`` in the input dtype,
   ``lse`` in the op's *native* layout (declared by ``capabilities.lse_layout``; the ring
-  normalises it with :func:`ring_impl.lse.normalize_lse`).
+  normalises it with :func:`ring_impl.numerics.lse.normalize_lse`).
 - ``backward(grad_out, query, key, value, out, lse, *, is_causal, scale) -> (dq, dk, dv)``:
   ``out`` and ``lse`` are the *final* merged output and the normalised LSE ``(batch, heads,
   seq_q)``; the op converts the LSE to whatever its kernel wants. An op that declares
@@ -88,7 +88,7 @@ class OpCapabilities:
     #: and head (``lo >= hi``: none; the caller sets such rows). A kernel that packs rows by their
     #: key ranges (varlen) runs a whole ring step of documents or a window in one call this way,
     #: so the ring plans one block per step for it instead of a call per document
-    #: (ring_impl.row_bounds). Ops without it get the block as ``attn_mask``.
+    #: (ring_impl.planning.row_bounds). Ops without it get the block as ``attn_mask``.
     row_bounds: bool = False
     #: forward and backward read strided views: rows [a, b) of the sequence dim of a larger
     #: tensor (any batch/head/sequence strides, unit head-dim stride) instead of a contiguous copy.

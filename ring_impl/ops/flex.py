@@ -51,8 +51,9 @@ import warnings
 
 import torch
 
-# flex_attention bound at import: ring_impl.flex_route swaps the module's flex_attention for its
-# router while a route is active, and the router would send this kernel's call back into the ring.
+# flex_attention bound at import: ring_impl.torch_api.flex_route swaps the module's flex_attention
+# for its router while a route is active, and the router would send this kernel's call back into the
+# ring.
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 from torch.nn.attention.flex_attention import flex_attention as _builtin_flex
 

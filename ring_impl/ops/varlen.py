@@ -25,8 +25,8 @@ are each exactly one varlen sequence (``_sequences``), rows ``t = 0 .. n-1`` of 
 t``). A run that fits several windows (one row; a causal run no window cuts) joins one the
 others need, so a block of many short documents, or a window over documents, is one kernel
 call computing their visible entries only, where a bias kernel computes the whole rectangle.
-A block given as row bounds (``row_bounds=``, :mod:`ring_impl.row_bounds`) is planned from them
-in O(rows); one given as a visibility, from its rows' runs of keys.
+A block given as row bounds (``row_bounds=``, :mod:`ring_impl.planning.row_bounds`) is planned from
+them in O(rows); one given as a visibility, from its rows' runs of keys.
 
 A row that sees several runs of keys (sink tokens and a window; prefix-LM with chunks) is in
 one *layer* per run: layer ``k`` is the ``k``-th run of every row, packed as above, and the
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..merge import merge_into
-from ..tiling import row_runs
+from ..numerics.merge import merge_into
+from ..planning.tiling import row_runs
 from .contract import OpCapabilities, accumulation_dtype
 from .math import MathOp
 
@@ -433,7 +433,8 @@ def _into_rows(
 ) -> None:
     """A call's (o (n, heads, d), l_ (heads, n)) into rows ``index`` (None: all, in order) of
     ``out`` (rows, heads, d) / ``lse`` (heads, rows): written (the rows' first layer) or merged
-    with what is there by LSE (:func:`ring_impl.merge.merge_into`, the ring's own merge)."""
+    with what is there by LSE (:func:`ring_impl.numerics.merge.merge_into`, the ring's own
+    merge)."""
     if merge:
         cur_o = out if index is None else out.index_select(0, index)
         cur_l = lse if index is None else lse.index_select(1, index)

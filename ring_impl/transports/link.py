@@ -68,7 +68,7 @@ class Transfer:
 
 class Staging(Protocol):
     """A group that says whether its collectives run on host copies (a RingGroup, a
-    ring_impl.strategies HeadGroup: gloo with CUDA tensors)."""
+    ring_impl.exchanges HeadGroup: gloo with CUDA tensors)."""
 
     @property
     def stage_on_host(self) -> bool: ...

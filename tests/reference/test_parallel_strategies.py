@@ -13,7 +13,7 @@ from reference import strategies as rs
 from reference.attention import attention
 from reference.diagnose import diagnose_strategy
 from reference.diagnose.strategies import _local_only
-from ring_impl.strategies import layout as impl_layout
+from ring_impl.planning import mesh_layout as impl_layout
 
 MESHES = [
     ("ulysses", (4, 1)),

@@ -10,9 +10,9 @@ import torch
 
 from reference.attention import attention_grads
 from ring_impl import ring_attention, shard, unshard
-from ring_impl.nonfinite import poison_forward
+from ring_impl.checks.inputs import SIGNATURE_FIELDS, disagreement
+from ring_impl.numerics.nonfinite import poison_forward
 from ring_impl.ops import call_backward, call_forward, get_op
-from ring_impl.validate import SIGNATURE_FIELDS, disagreement
 
 
 def _raise_on_dtype_or_length(ctx, what: str) -> str:
@@ -40,7 +40,7 @@ def test_disagreement_says_which_rank_has_what(rank_pool, what: str) -> None:
 
 
 def test_disagreement_table_in_words() -> None:
-    from ring_impl.validate import layout_code, layout_names
+    from ring_impl.checks.inputs import layout_code, layout_names
 
     rows = [[0] * len(SIGNATURE_FIELDS) for _ in range(4)]
     for row in rows:

@@ -4,8 +4,8 @@ covers.
 The backward's first key/value hop (step 1's block) and its last dK/dV hop (this rank's own
 accumulator coming home) have no other step to overlap. With the own block computed last, the
 first hop was waited for with nothing computed: 10-60 ms of a 0.31 s call on packed documents at
-W=2 (benchmarks/masks.py). ``ring_impl.ring.backward_order`` cuts an own step of several blocks in
-two by kernel area, one part before step 1 and the rest after step W-1.
+W=2 (benchmarks/masks.py). ``ring_impl.exchanges.ring.backward_order`` cuts an own step of several
+blocks in two by kernel area, one part before step 1 and the rest after step W-1.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
-from ring_impl.plan import Block, StepPlan
-from ring_impl.ring import backward_order
+from ring_impl.exchanges.ring import backward_order
+from ring_impl.planning.plan import Block, StepPlan
 
 
 def _block(step: int, rows: tuple[int, int], cols: tuple[int, int], kind: str = "full") -> Block:

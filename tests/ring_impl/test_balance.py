@@ -34,8 +34,8 @@ def _imbalance(work: list[int]) -> float:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_work_aware_layout_balances_packed_documents(seed: int) -> None:
     from ring_impl import register_layout
-    from ring_impl.balance import rank_work, work_balanced_layout
     from ring_impl.masks import Documents
+    from ring_impl.planning.balance import rank_work, work_balanced_layout
 
     seq, world = 2048, 4
     mask = Documents(_lognormal_doc_ids(seq, seed))
@@ -61,8 +61,8 @@ def test_work_aware_layout_balances_a_long_document_at_large_worlds(world: int) 
     chunks, few per rank, where the greedy deal alone leaves the heaviest rank 3-6% above the
     mean; with the swaps after it the layout keeps the balancer's promise (1.05). Work is
     counted from the mask's visible pairs per row on the layout's global positions."""
-    from ring_impl.balance import work_balanced_layout
     from ring_impl.masks import Documents
+    from ring_impl.planning.balance import work_balanced_layout
 
     seq = 128 * world
     rng = random.Random(1000 * world + seq)  # the suite's seed (suites/cases_balance.py)
@@ -90,7 +90,7 @@ def test_work_aware_layout_balances_a_long_document_at_large_worlds(world: int) 
 def test_swaps_after_the_deal_never_raise_the_heaviest_rank(seed: int) -> None:
     """The swap pass keeps every chunk once and each rank's chunk count, and its heaviest rank
     is never heavier than the greedy deal's."""
-    from ring_impl.balance import _refine_by_swaps
+    from ring_impl.planning.balance import _refine_by_swaps
 
     rng = random.Random(seed)
     world, k = rng.choice([(2, 3), (4, 8), (7, 5), (16, 8)])
@@ -109,8 +109,8 @@ def test_swaps_after_the_deal_never_raise_the_heaviest_rank(seed: int) -> None:
 
 def test_work_is_the_visible_area() -> None:
     """Per-rank work sums to the mask's visible area: nothing invisible computed, nothing lost."""
-    from ring_impl.balance import rank_work, register_balanced_layout
     from ring_impl.masks import Causal, Documents, SlidingWindow
+    from ring_impl.planning.balance import rank_work, register_balanced_layout
 
     seq, world = 96, 3
     pos = torch.arange(seq)
@@ -136,8 +136,8 @@ def _registered(layout) -> str:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_document_head_tail_gives_each_rank_a_head_and_a_tail_of_every_document(world: int) -> None:
-    from ring_impl.balance import document_head_tail_layout
     from ring_impl.layout import layout_runs
+    from ring_impl.planning.balance import document_head_tail_layout
 
     lengths = [4 * world, 6 * world, 2 * world]  # multiples of 2W: no leftovers
     seq = sum(lengths)
@@ -164,8 +164,8 @@ def test_document_head_tail_keeps_the_layout_rules_for_any_lengths(
 ) -> None:
     """Leftovers and documents shorter than 2W: every rank S/W tokens, each once, in increasing
     order (layout_runs checks them), and each rank holds at most two runs per document."""
-    from ring_impl.balance import document_head_tail_layout, document_spans
     from ring_impl.layout import layout_runs
+    from ring_impl.planning.balance import document_head_tail_layout, document_spans
 
     seq = -(-sum(lengths) // world) * world
     ids = torch.cat(
@@ -185,9 +185,9 @@ def test_balancers_split_a_length_the_ranks_do_not_divide() -> None:
     """10 tokens over 4 ranks: an uneven layout (ring_attention(shard_lengths=)) whose counts
     are as close as the balancer deals them, every position held once; shorter than the ranks
     is refused."""
-    from ring_impl.balance import document_head_tail_layout, work_balanced_layout
     from ring_impl.layout import layout_runs, shard_lengths
     from ring_impl.masks import Causal
+    from ring_impl.planning.balance import document_head_tail_layout, work_balanced_layout
 
     for layout, spread in (
         (document_head_tail_layout("test_dht_uneven", _ids([5, 5]), 10, 4), 1),
@@ -205,9 +205,9 @@ def test_balancers_split_a_length_the_ranks_do_not_divide() -> None:
 
 
 def test_document_head_tail_is_head_tail_without_documents() -> None:
-    from ring_impl.balance import register_balanced_layout
     from ring_impl.layout import permutation
     from ring_impl.masks import Causal, SlidingWindow
+    from ring_impl.planning.balance import register_balanced_layout
 
     for mask in (Causal(), SlidingWindow(5)):
         name, _ = register_balanced_layout("document_head_tail", mask, 48, 3)
@@ -218,8 +218,8 @@ def test_document_head_tail_is_head_tail_without_documents() -> None:
 def test_work_of_head_tail_per_document_against_head_tail_and_work_aware(seed: int) -> None:
     """Packed documents: head_tail per document and the work-aware layout balance (<= 1.05),
     head_tail does not; causal without documents: head_tail per document is head_tail (1.0)."""
-    from ring_impl.balance import imbalance, rank_work, register_balanced_layout
     from ring_impl.masks import Causal, Documents
+    from ring_impl.planning.balance import imbalance, rank_work, register_balanced_layout
 
     seq, world = 2048, 4
     mask = Documents(_lognormal_doc_ids(seq, seed))
@@ -243,8 +243,8 @@ def test_work_of_head_tail_per_document_against_head_tail_and_work_aware(seed: i
 
 
 def test_balanced_layout_names_are_equal_for_equal_arguments() -> None:
-    from ring_impl.balance import register_balanced_layout
     from ring_impl.masks import Documents
+    from ring_impl.planning.balance import register_balanced_layout
 
     mask = Documents(_lognormal_doc_ids(256, 4))
     first, second = (register_balanced_layout("work_aware", mask, 256, 4) for _ in range(2))
@@ -257,8 +257,8 @@ def test_balanced_layout_names_are_equal_for_equal_arguments() -> None:
 
 def _balanced(balancer: str, doc_ids: torch.Tensor, seq: int, world: int) -> str:
     import ring_impl
-    from ring_impl.balance import document_head_tail_layout, work_balanced_layout
     from ring_impl.masks import Documents
+    from ring_impl.planning.balance import document_head_tail_layout, work_balanced_layout
 
     if balancer == "work_aware":
         layout = work_balanced_layout(
@@ -333,7 +333,7 @@ def test_one_layout_balances_a_model_of_several_masks() -> None:
     model's work less imbalance than a layout balanced for any one of its masks, and the
     built-in layouts."""
     import ring_impl
-    from ring_impl.balance import imbalance, rank_work, work_balanced_layout
+    from ring_impl.planning.balance import imbalance, rank_work, work_balanced_layout
 
     seq, world = 1024, 4
     docs, window = _model_masks(seq)
@@ -364,8 +364,8 @@ def test_one_layout_balances_a_model_of_several_masks() -> None:
 
 
 def test_several_masks_are_named_by_all_of_them_and_checked() -> None:
-    from ring_impl.balance import register_balanced_layout, weighted_masks
     from ring_impl.masks import Causal, Documents, SlidingWindow
+    from ring_impl.planning.balance import register_balanced_layout, weighted_masks
 
     docs, window = _model_masks(256)
     assert weighted_masks(docs) == [(docs, 1.0)]
@@ -401,7 +401,7 @@ def test_several_masks_are_named_by_all_of_them_and_checked() -> None:
 
 def _model_run(ctx, seq: int, layout_masks):
     import ring_impl
-    from ring_impl.balance import register_balanced_layout
+    from ring_impl.planning.balance import register_balanced_layout
 
     layout, _ = register_balanced_layout("work_aware", layout_masks, seq, ctx.world_size)
     docs, window = _model_masks(seq)
@@ -434,7 +434,7 @@ def test_every_mask_of_the_model_is_right_on_its_one_layout(ring) -> None:
             f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}"
         )
     import ring_impl
-    from ring_impl.balance import register_balanced_layout
+    from ring_impl.planning.balance import register_balanced_layout
 
     seq, world = 256, 2
     docs, window = _model_masks(seq)

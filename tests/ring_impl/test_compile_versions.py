@@ -4,8 +4,8 @@ Dynamo before torch 2.12 hands a zero gradient to an ``autograd.Function`` outpu
 forward wrote in place or returned through a no-op ``.to()``: the ring's merged output and LSE
 are both, so on torch 2.11 (the GPU images' release) a compiled call's dQ, dK and dV were wrong
 by O(1) while the eager call was right. There the ring returns copies of them when compiled
-(``ring_impl.ring._COPY_COMPILED_OUTPUTS``). Here the compiled call, with its loss through the
-output and the LSE, equals the eager call bitwise with the copies forced on and with the running
+(``ring_impl.exchanges.ring._COPY_COMPILED_OUTPUTS``). Here the compiled call, with its loss through
+the output and the LSE, equals the eager call bitwise with the copies forced on and with the running
 release's own choice: on torch 2.11 the second is the regression test, on newer releases the
 first proves the copies change nothing.
 """
@@ -18,7 +18,7 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 
 
 def _compiled_against_eager(ctx, copy: bool | None) -> list[float]:
-    import ring_impl.ring as ring_module
+    import ring_impl.exchanges.ring as ring_module
 
     default = ring_module._COPY_COMPILED_OUTPUTS
     ring_module._COPY_COMPILED_OUTPUTS = default if copy is None else copy
@@ -73,6 +73,6 @@ def test_compiled_gradients_equal_eager(ring, copy) -> None:
     [("2.11.0+cu130", (2, 11)), ("2.13.0+cpu", (2, 13)), ("2.15.0.dev20261101", (2, 15))],
 )
 def test_release_is_read_from_the_version_string(version, release) -> None:
-    from ring_impl.ring import _release
+    from ring_impl.exchanges.ring import _release
 
     assert _release(version) == release

@@ -1,4 +1,4 @@
-"""The cross-rank input check inside ``torch.compile`` (``ring_impl.compiled_checks``): a compiled
+"""The cross-rank input check inside ``torch.compile`` (``ring_impl.compiled.checks``): a compiled
 unmasked call whose input is bad on one rank, or whose ranks disagree, raises InputError on every
 rank when the graph runs, with the eager call's words, instead of leaving the other ranks in their
 ring collectives; the next good call runs on every rank. Ring, Ulysses and routed SDPA calls,
@@ -117,7 +117,7 @@ def test_compiled_call_refuses_bad_input_on_every_rank(
 
 
 def _routed_sdpa_mask_on_one_rank(ctx) -> dict:
-    from ring_impl.sdpa_route import sdpa_routed_to_ring
+    from ring_impl.torch_api.sdpa_route import sdpa_routed_to_ring
 
     torch._dynamo.reset()
     x = torch.randn(1, 2, LOCAL, HEAD_DIM)

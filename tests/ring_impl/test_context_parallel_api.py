@@ -21,7 +21,7 @@ import torch
 import ring_impl
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from harness.procs import run_tree
-from ring_impl.context_parallel import ContextParallelError
+from ring_impl.torch_api.context_parallel import ContextParallelError
 from tests.ring_impl.outcomes import assert_every_rank_raised
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -97,7 +97,7 @@ def _hybrid_routed(ctx) -> dict:
     module = parallelize_module(
         CausalSDPA(), mesh, ring_impl.ContextParallel(rotate_method="p2p", strategy="hybrid")
     )
-    from ring_impl.strategies.cp import hybrid_sharding
+    from ring_impl.torch_api.hybrid_cp import hybrid_sharding
 
     _, layout = hybrid_sharding(mesh, "head_tail")
     o = module(

@@ -46,7 +46,7 @@ def _inputs():
 
 def _run(ctx, rotate: str) -> dict:
     import ring_impl
-    from ring_impl.plan import ring_plan
+    from ring_impl.planning.plan import ring_plan
 
     layout = ring_impl.register_layout(dealt_chunks(), replace=True).name
     q, k, v, dout = (ring_impl.shard(t, ctx.world_size, ctx.rank, layout=layout) for t in _inputs())

@@ -12,7 +12,7 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from ring_impl import ops
-from ring_impl.lse import normalize_lse
+from ring_impl.numerics.lse import normalize_lse
 from tests.ring_impl.oracle import assert_results_match_oracle, unshard_results
 from tests.ring_impl.rank_results import seeded_inputs
 

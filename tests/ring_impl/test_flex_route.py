@@ -40,7 +40,7 @@ def _run(ctx, layout, dtype, via_module):
     import torch.nn.attention.flex_attention as flex_module
 
     import ring_impl
-    from ring_impl.sdpa_route import sdpa_routed_to_ring
+    from ring_impl.torch_api.sdpa_route import sdpa_routed_to_ring
 
     seq = DOC_IDS.numel()
     block_mask = flex_module.create_block_mask(document_causal, None, None, seq, seq, device="cpu")
@@ -97,7 +97,7 @@ def _refused(ctx, kind, compiled):
     import torch.nn.attention.flex_attention as flex_module
 
     import ring_impl
-    from ring_impl.sdpa_route import sdpa_routed_to_ring
+    from ring_impl.torch_api.sdpa_route import sdpa_routed_to_ring
 
     seq_local = DOC_IDS.numel() // ctx.world_size
     q = torch.randn(1, 2, seq_local, 8)

@@ -1,4 +1,5 @@
-"""The halo exchange (ring_impl.halo): masks that reach at most a shard, contiguous layout.
+"""The halo exchange (ring_impl.exchanges.halo): masks that reach at most a shard, contiguous
+layout.
 
 Judged against the float64 oracle (reference.attention / reference.masks, written independently
 of ring_impl) by the numerics policy (reference.budget), at W = 2, 3, 4, for windows narrower
@@ -219,7 +220,7 @@ def _baseline(q, k, v, dout, glse, vis, sinks, op_name: str) -> dict[str, torch.
     """The policy's B: the same kernel on one device over the whole sequence with the mask (rows
     that see nothing set as the contract says), the sink term applied as ring_impl applies it;
     as the mask suite's baseline (suites/cases_masks.py)."""
-    from ring_impl.lse import normalize_lse
+    from ring_impl.numerics.lse import normalize_lse
     from ring_impl.ops import call_backward, call_forward, default_scale, get_op
     from ring_impl.sinks import with_sinks
 
@@ -418,7 +419,8 @@ def test_one_kernel_call_per_rank_and_none_where_nothing_is_seen(ring) -> None:
 def test_a_nan_in_a_halo_key_reaches_the_neighbour_rows_that_see_it(ring) -> None:
     """A NaN in rank 0's last key travels in the halo: exactly the rows that see it (rank 0's last
     row, rank 1's first three) get NaN outputs and LSEs, as the oracle's dependency rule says;
-    gradients are NaN wherever the oracle's are (a superset, as the ring's: ring_impl.nonfinite)."""
+    gradients are NaN wherever the oracle's are (a superset, as the ring's:
+    ring_impl.numerics.nonfinite)."""
     _skip_other_impl(ring)
     world, spec, nan_key = 2, _window(3), SHARD - 1
     results = ring.rank_pool(world).run(
@@ -434,7 +436,7 @@ def assert_nan_where_the_oracle_has_it(
     results: list[dict], ref, layout: str = "contiguous"
 ) -> None:
     """The ranks' unsharded out and LSE are NaN exactly where the oracle's ``ref`` are; dQ, dK and
-    dV at least there (a superset, as the ring's NaN propagation: ring_impl.nonfinite)."""
+    dV at least there (a superset, as the ring's NaN propagation: ring_impl.numerics.nonfinite)."""
     import ring_impl
 
     for n in ("out", "lse", "dq", "dk", "dv"):

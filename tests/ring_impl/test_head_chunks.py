@@ -1,4 +1,4 @@
-"""``head_chunks``: the ring run over groups of heads one after another (ring_impl.heads).
+"""``head_chunks``: the ring run over groups of heads one after another (ring_impl.exchanges.heads).
 
 The chunked ring must give the same results as one ring over every head (judged against the
 float64 reference with the suites' policy), issue exactly the declared schedule (calls times
@@ -16,7 +16,7 @@ import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from ring_impl import collective_schedule
-from ring_impl.heads import check_head_chunks, head_spans
+from ring_impl.exchanges.heads import check_head_chunks, head_spans
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank

@@ -25,8 +25,8 @@ SEQ = 2048
 
 def _syncs(ctx, case: str) -> int:
     import ring_impl
+    from ring_impl.exchanges.ring import RingAttention
     from ring_impl.masks import Documents, SlidingWindow
-    from ring_impl.ring import RingAttention
 
     options = {
         "causal": dict(is_causal=True, op="cpu_efficient_layout"),
@@ -77,7 +77,7 @@ def _propagations(ctx, nan_rank: int | None) -> tuple[int, int]:
     """(forward blocks that went through the NaN propagation, forward blocks) in one call at W=2
     with reads as on a GPU; ``nan_rank``: the rank whose key holds a NaN (None: all finite)."""
     import ring_impl
-    from ring_impl.ring import RingAttention
+    from ring_impl.exchanges.ring import RingAttention
 
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 4, SEQ // 8, 32, generator=gen) for _ in range(3))

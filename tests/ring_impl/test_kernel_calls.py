@@ -42,7 +42,7 @@ def _counted_call(ctx, name: str, seq: int, layout: str):
     """(kernel calls forward, backward, planned blocks per step, aten ops) of this rank's second
     call (the first builds the plans)."""
     import ring_impl
-    from ring_impl.plan import masked_plan
+    from ring_impl.planning.plan import masked_plan
 
     world, rank = ctx.world_size, ctx.rank
     mask = _mask(name, seq)

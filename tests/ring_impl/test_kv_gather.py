@@ -1,4 +1,4 @@
-"""``ring_attention(mask=..., sparse_kv=True)``: the sparse gather (ring_impl.kv_gather).
+"""``ring_attention(mask=..., sparse_kv=True)``: the sparse gather (ring_impl.exchanges.kv_gather).
 
 Judged against the float64 oracle (reference.masks / reference.attention, written apart from
 ring_impl) by the numerics policy, over masks, layouts (the balancers' included), dtypes, GQA,
@@ -70,8 +70,8 @@ def _layout(name: str, spec: dict, seq: int, world: int) -> str:
     if name != "work_balanced":
         return name
     import ring_impl
-    from ring_impl.balance import work_balanced_layout
     from ring_impl.masks import from_spec
+    from ring_impl.planning.balance import work_balanced_layout
 
     registered = f"test_gather_work_{seq}_{world}"
     ring_impl.register_layout(
@@ -224,7 +224,7 @@ def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
 
 class NanHidingMath(MathOp):
     """The math op with every NaN in its results replaced by 0 (as kernels do for some inputs):
-    whatever NaN a path returns, its own propagation (ring_impl.nonfinite) put there."""
+    whatever NaN a path returns, its own propagation (ring_impl.numerics.nonfinite) put there."""
 
     def forward(self, *args, **kwargs):
         return tuple(t.nan_to_num(0.0) for t in super().forward(*args, **kwargs))
@@ -239,9 +239,9 @@ def test_a_nan_key_reaches_the_rows_that_see_it_whether_sent_or_kept(ring, op, n
     """NaN in a key under ``head_tail`` at W=2: key 8 (rank 0) is in a document that crosses to
     rank 1, so it travels in the gather; key 30 (rank 1) stays in its rank's own document. Exactly
     the rows that see one (the oracle's dependency rule) get NaN outputs and LSEs; gradients are
-    NaN wherever the oracle's are (a superset, as the ring's: ring_impl.nonfinite). The own rows'
-    kernel calls run while the gathered rows travel, so each part must carry its own NaN check:
-    with a kernel that hides NaN, only that check puts them there."""
+    NaN wherever the oracle's are (a superset, as the ring's: ring_impl.numerics.nonfinite). The own
+    rows' kernel calls run while the gathered rows travel, so each part must carry its own NaN
+    check: with a kernel that hides NaN, only that check puts them there."""
     _skip_other_impls(ring)
 
     seq = 48
@@ -269,7 +269,7 @@ def _events(ctx):
     """Each phase's events in order: "s" the gather's all-to-all posted, "w" waited for, "k" a
     kernel call."""
     import ring_impl
-    from ring_impl import kv_gather
+    from ring_impl.exchanges import kv_gather
     from ring_impl.masks import from_spec
     from ring_impl.ops.cpu import CpuFlashOp
 
@@ -352,8 +352,8 @@ def test_sparse_gather_sends_a_fraction_of_the_ring_for_documents() -> None:
     the ring's (W - 1) blocks per rank (benchmarks/masks.py measures 0.22 of them at W=2 and 0.31
     at W=4 on its mix)."""
     import ring_impl
-    from ring_impl.balance import work_balanced_layout
     from ring_impl.masks import Documents
+    from ring_impl.planning.balance import work_balanced_layout
 
     seq, world = 4096, 4
     lengths = [1024] + [60, 7, 130, 33, 90, 18, 200, 45] * 5

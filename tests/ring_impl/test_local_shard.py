@@ -1,4 +1,4 @@
-"""``ring_impl.strategies.local_shard``: a rank's shard for Ulysses and the hybrid, read from the
+"""``ring_impl.exchanges.local_shard``: a rank's shard for Ulysses and the hybrid, read from the
 groups the call uses, on a hybrid mesh with its dims in either order. Cutting shards by global
 rank as if the dims were the other way round runs without complaint and gives wrong attention
 (error 0.65 in a trial); local_shard gives the float64 oracle's answer on both orders."""
@@ -16,7 +16,7 @@ SEQ = 32
 def _run(ctx, dims: tuple[str, str]) -> dict:
     import ring_impl
     from reference.attention import attention
-    from ring_impl.strategies import local_shard, mesh_coords, shard
+    from ring_impl.planning.mesh_layout import local_shard, mesh_coords, shard
 
     mesh = ctx.device_mesh((2, 2), dims)
     gen = torch.Generator().manual_seed(3)
@@ -46,7 +46,7 @@ def test_local_shard_follows_the_mesh(ring, dims) -> None:
 
 def _ring_shard_equal(ctx) -> bool:
     from ring_impl import shard
-    from ring_impl.strategies import local_shard
+    from ring_impl.planning.mesh_layout import local_shard
 
     x = torch.arange(2 * SEQ, dtype=torch.float32).view(1, 1, 2 * SEQ, 1)
     return torch.equal(

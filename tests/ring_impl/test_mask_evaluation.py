@@ -1,5 +1,5 @@
 """A mask known only by evaluating it (a ``MaskMod``, alone or combined) is evaluated, before the
-cross-rank check, on every position the rank will attend (``ring_impl.plan.plan_ahead``).
+cross-rank check, on every position the rank will attend (``ring_impl.planning.plan.plan_ahead``).
 
 The check itself probes a strided grid of positions. A ``mask_mod`` failing elsewhere (one
 corrupt table entry) used to fail while one rank planned its first ring step, after its first
@@ -187,8 +187,8 @@ def test_a_compiled_mask_mod_failing_on_some_ranks_data_raises_on_every_rank(
 ) -> None:
     """Compiled, the table is evaluated in the graph, where a failure raised on one rank's data
     left the others waiting in the op's cross-rank check. Evaluated under
-    ring_impl.mask_table.EvaluationGuard, it is refused with InputError on every rank, and the
-    same graph then runs good data."""
+    ring_impl.planning.mask_table.EvaluationGuard, it is refused with InputError on every rank, and
+    the same graph then runs good data."""
     _skip_other_impls(ring)
     runs = ring.rank_pool(2).run(_compiled_call, backend, failure, corrupt_ranks, timeout=240.0)
     for rank, r in enumerate(runs):

@@ -196,7 +196,7 @@ def test_a_problem_found_once_belongs_to_its_mask_alone() -> None:
 
 def test_packed_calls_share_the_documents_of_equal_cu_seqlens() -> None:
     """THD calls with equal cu_seqlens (a model's layers) share one snapshot of their documents."""
-    from ring_impl.packed import packed_views
+    from ring_impl.planning.packed import packed_views
 
     q = torch.zeros(SEQ, 2, 8)
     cu = [0, 10, 24, 44]

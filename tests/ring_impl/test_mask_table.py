@@ -1,5 +1,5 @@
-"""``ring_impl.mask_table``: a mask packed into bits on the global grid (how a MaskMod enters a
-compiled graph) reads back exactly as the float64 oracle's visibility (``reference.masks``,
+"""``ring_impl.planning.mask_table``: a mask packed into bits on the global grid (how a MaskMod
+enters a compiled graph) reads back exactly as the float64 oracle's visibility (``reference.masks``,
 written independently), for key lengths that are and are not multiples of 8, masks that depend
 on the batch or the head, any row chunking; its description changes with any single bit, it
 refuses a grid it was not built for, and a table over the limit is not built."""
@@ -54,9 +54,9 @@ def _read_back(table, batch: int, heads: int, seq_q: int, seq_kv: int) -> torch.
 )
 @pytest.mark.parametrize("chunk_entries", [None, 8])  # one chunk; a row or less per chunk
 def test_table_reads_back_as_the_oracle(monkeypatch, name, seq_kv, chunk_entries) -> None:
-    import ring_impl.mask_table as mask_table
-    from ring_impl.mask_table import VisibilityTable, pack_visibility
+    import ring_impl.planning.mask_table as mask_table
     from ring_impl.masks import from_spec
+    from ring_impl.planning.mask_table import VisibilityTable, pack_visibility
 
     spec = _spec(name)
     seq_q, batch, heads = 21, 2, 3
@@ -80,8 +80,8 @@ def test_table_reads_back_as_the_oracle(monkeypatch, name, seq_kv, chunk_entries
 
 
 def test_description_follows_every_bit() -> None:
-    from ring_impl.mask_table import VisibilityTable, pack_visibility
     from ring_impl.masks import Causal
+    from ring_impl.planning.mask_table import VisibilityTable, pack_visibility
 
     bits = pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1)
     same = VisibilityTable(bits.clone(), 16)
@@ -94,8 +94,8 @@ def test_description_follows_every_bit() -> None:
 
 
 def test_table_refuses_another_grid_and_the_limit_is_kept() -> None:
-    from ring_impl.mask_table import VisibilityTable, pack_visibility
     from ring_impl.masks import Causal, mask_problem
+    from ring_impl.planning.mask_table import VisibilityTable, pack_visibility
 
     bits = pack_visibility(Causal(), seq_q=16, seq_kv=16, batch=1, heads=1)
     problem = mask_problem(VisibilityTable(bits, 16), seq_q=32, seq_kv=32, batch=1, heads=1)
@@ -151,7 +151,7 @@ _FAILS_ON = {
 
 
 def _guarded(form: str, i: torch.Tensor, d: torch.Tensor):
-    from ring_impl.mask_table import EvaluationGuard
+    from ring_impl.planning.mask_table import EvaluationGuard
 
     guard = EvaluationGuard()
     with guard:

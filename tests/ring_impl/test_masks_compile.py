@@ -1,8 +1,9 @@
 """Masks under ``torch.compile``. Built-in masks and ``MaskMod`` (as a table of bits on the global
-grid, ``ring_impl.mask_table``) run in the graph as custom ops (``ring_impl.compiled_masks``),
-``fullgraph=True`` included, with every strategy and path (ring, halo exchange, sparse gather,
-Ulysses, the hybrid); a MaskMod whose table would be too large runs eagerly inside the compiled
-region (a graph break, ``ring_impl.api.MASKS_RUN_EAGERLY``), with the code around it compiled.
+grid, ``ring_impl.planning.mask_table``) run in the graph as custom ops
+(``ring_impl.compiled.masked_call``), ``fullgraph=True`` included, with every strategy and path
+(ring, halo exchange, sparse gather, Ulysses, the hybrid); a MaskMod whose table would be too large
+runs eagerly inside the compiled region (a graph break, ``ring_impl.api.MASKS_RUN_EAGERLY``), with
+the code around it compiled.
 
 Judged against the same call run eagerly, bitwise: the code around the attention is exact
 (multiplications by powers of two), so any difference is the ring's. A second mask after the
@@ -115,7 +116,7 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
             results[name, variant] = (
                 [out.detach()] + [t.grad for t in leaves] + ([] if s is None else [s.grad])
             )
-    from ring_impl.compiled_masks import saved_states
+    from ring_impl.compiled.masked_call import saved_states
 
     return {"results": results, "frames": counter.frame_count, "saved": saved_states()}
 
@@ -180,7 +181,7 @@ def test_masked_attention_under_compile_equals_eager(
 
 def _saved_state_lifetime(ctx):
     import ring_impl
-    from ring_impl.compiled_masks import saved_states
+    from ring_impl.compiled.masked_call import saved_states
     from ring_impl.masks import Documents
 
     mask = _mask("documents", 0)
@@ -266,7 +267,7 @@ def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> Non
 
 def _fullgraph(ctx):
     import ring_impl
-    import ring_impl.mask_table as mask_table
+    import ring_impl.planning.mask_table as mask_table
     from ring_impl.masks import MaskMod
 
     q = torch.randn(1, 2, 8, 8)
@@ -336,7 +337,7 @@ def test_a_mask_mod_that_asserts_is_refused_on_every_rank(ring, fullgraph) -> No
 
 
 def test_raises_itself_reads_the_code() -> None:
-    from ring_impl.compiled_masks import raises_itself
+    from ring_impl.compiled.masked_call import raises_itself
 
     def plain(b, h, q, kv):
         return kv <= q
@@ -375,7 +376,7 @@ def _flex_compiled(ctx):
     import torch.nn.attention.flex_attention as flex_module
 
     import ring_impl
-    from ring_impl.sdpa_route import sdpa_routed_to_ring
+    from ring_impl.torch_api.sdpa_route import sdpa_routed_to_ring
 
     seq = _DOC_IDS.numel()
     block_mask = flex_module.create_block_mask(_document_causal, None, None, seq, seq, device="cpu")

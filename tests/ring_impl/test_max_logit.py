@@ -1,5 +1,5 @@
-"""``ring_attention(..., return_max_logit=True)`` (ring_impl.max_logit): the per-head maximum
-scaled logit, what QK-clip optimisers read.
+"""``ring_attention(..., return_max_logit=True)`` (ring_impl.numerics.max_logit): the per-head
+maximum scaled logit, what QK-clip optimisers read.
 
 A block's maximum for every block kind of the plan (full, causal, ranges, masked; GQA; sliced
 rows), the ring's value against the float64 oracle with head_chunks, a head that sees nothing
@@ -15,12 +15,12 @@ import math
 import pytest
 import torch
 
-import ring_impl.max_logit as max_logit_module
+import ring_impl.numerics.max_logit as max_logit_module
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference.attention import max_logit as oracle_max_logit
 from reference.layout import shard, unshard
 from ring_impl import collective_schedule
-from ring_impl.max_logit import block_max_logit, max_logit_problem
+from ring_impl.numerics.max_logit import block_max_logit, max_logit_problem
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ring_impl import collective_schedule
-from ring_impl.merge import merge_into
+from ring_impl.numerics.merge import merge_into
 
 
 def test_merge_equals_joint_softmax_and_survives_huge_logits() -> None:
@@ -48,8 +48,8 @@ def test_schedule_by_hand_for_four_ranks() -> None:
     # eager: 3 key/value and 3 dK/dV hops, one transfer each
     assert p2p["backward"]["recv"] == {"calls": 6, "bytes": 3 * 3840 + 3 * 3840}
     a2a = collective_schedule(4, "alltoall", dtype=torch.float32, compiled=True, **args)
-    # compiled too, the cross-rank input check (ring_impl.compiled_checks):
-    # 4 int64 rows of ring_impl.validate.row_width() (23) entries
+    # compiled too, the cross-rank input check (ring_impl.compiled.checks):
+    # 4 int64 rows of ring_impl.checks.inputs.row_width() (23) entries
     assert (
         a2a["forward"]["all_reduce"] == {"calls": 1, "bytes": 8 * 4 * 23}
         and a2a["forward"]["all_to_all"]["calls"] == 3

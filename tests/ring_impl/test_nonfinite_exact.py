@@ -1,7 +1,7 @@
 """NaN reaches exactly the outputs and gradients it reaches in exact arithmetic, on every path.
 
 The oracle is the float64 reference's dependency rule (reference.attention.nonfinite_reach,
-written apart from ring_impl.nonfinite): row i depends on the keys and values it sees and
+written apart from ring_impl.numerics.nonfinite): row i depends on the keys and values it sees and
 nothing else; dV never depends on a value. Each case puts one NaN somewhere, runs ring_impl's
 forward and backward, and requires out, LSE, dQ, dK and dV to be non-finite exactly where the
 oracle's are: a NaN hidden fails, and so does one spread to entries that do not depend on it
@@ -139,7 +139,7 @@ def _run(ctx, case: str) -> dict:
     from reference.attention import attention_grads
     from reference.masks import visibility
     from ring_impl.masks import from_spec
-    from ring_impl.strategies import local_shard
+    from ring_impl.planning.mesh_layout import local_shard
 
     _w, options, mask_name, _ = CASES[case]
     options = dict(options)

@@ -1,5 +1,5 @@
-"""The causal prefix/suffix ``any`` of ``ring_impl.nonfinite`` against the running maximum it
-replaces (``torch.cummax``, a scan that on CUDA also writes int64 indices per element)."""
+"""The causal prefix/suffix ``any`` of ``ring_impl.numerics.nonfinite`` against the running maximum
+it replaces (``torch.cummax``, a scan that on CUDA also writes int64 indices per element)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ring_impl.nonfinite import _prefix_any, _suffix_any
+from ring_impl.numerics.nonfinite import _prefix_any, _suffix_any
 
 
 @settings(max_examples=200, deadline=None)
@@ -33,7 +33,7 @@ def test_prefix_and_suffix_any_equal_running_maximum(b, h, n, d, density, seed) 
 def test_the_all_finite_shortcut_is_taken_only_when_nothing_is_non_finite() -> None:
     """The ring skips the NaN propagation for a block only when all_finite says so: it must say
     False for any NaN or inf (and may say False for a finite tensor whose sum overflows)."""
-    from ring_impl.ring import RingAttention
+    from ring_impl.exchanges.ring import RingAttention
 
     impl = RingAttention()
     x = torch.randn(2, 3, 5, 4)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ring_impl import ops
-from ring_impl.lse import normalize_lse
+from ring_impl.numerics.lse import normalize_lse
 
 CPU_OPS = ["math", "cpu_flash", "cpu_efficient_layout", "cpu_cudnn_layout"]
 

@@ -1,5 +1,5 @@
-"""Packed (THD) inputs, ``ring_attention(q, k, v, cu_seqlens=...)`` (ring_impl.packed): each
-rank's shard of the global packed sequence, ``(tokens_local, heads, head_dim)``, judged against
+"""Packed (THD) inputs, ``ring_attention(q, k, v, cu_seqlens=...)`` (ring_impl.planning.packed):
+each rank's shard of the global packed sequence, ``(tokens_local, heads, head_dim)``, judged against
 the float64 oracle on the documents the global ``cu_seqlens`` describe (the oracle's own
 document mask, written apart from ring_impl), with the numerics policy's bounds; bad packed
 arguments raise on every rank."""

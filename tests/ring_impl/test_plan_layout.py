@@ -9,7 +9,7 @@ import torch
 
 from reference.layout import positions
 from ring_impl.layout import Layout, layout_runs, permutation, register_layout, shard, unshard
-from ring_impl.plan import ring_plan
+from ring_impl.planning.plan import ring_plan
 
 
 def _shuffled_chunks(seed: int, per_rank: int) -> Layout:
@@ -108,7 +108,8 @@ def test_shard_unshard_round_trip(layout: str, dim: int) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_builtin_layouts_plan_one_block_per_step_as_documented(world: int) -> None:
-    """The derived plan of the built-ins is the hand-written one of ring_impl.plan's docstring."""
+    """The derived plan of the built-ins is the hand-written one of ring_impl.planning.plan's
+    docstring."""
     n = 4
     for layout, seq in (("contiguous", n), ("head_tail", 2 * n)):
         for rank in range(world):
@@ -190,7 +191,7 @@ def _random_runs(rng: random.Random, length: int) -> tuple[tuple[int, int], ...]
 def test_step_blocks_cover_the_causal_pairs_of_any_positions(seed: int) -> None:
     """Queries and keys at arbitrary increasing positions (overlapping or not): every visible
     pair computed exactly once, no invisible one, blocks trimmed to visible rows."""
-    from ring_impl.plan import step_blocks
+    from ring_impl.planning.plan import step_blocks
 
     rng = random.Random(seed)
     q_runs, kv_runs = _random_runs(rng, 24), _random_runs(rng, 24)
@@ -210,7 +211,7 @@ def test_step_blocks_cover_the_causal_pairs_of_any_positions(seed: int) -> None:
 
 def test_step_blocks_split_a_diagonal_that_starts_inside_the_keys() -> None:
     """Queries 4..7 over keys 0..7: a full block left of the diagonal, then the diagonal."""
-    from ring_impl.plan import step_blocks
+    from ring_impl.planning.plan import step_blocks
 
     assert step_blocks(((4, 8),), ((0, 8),)) == [
         ("full", (0, 4), (0, 4)),

@@ -1,6 +1,7 @@
-"""Masks as one key range per query row (ring_impl.row_bounds) and the one-block steps the ring
-plans from them (ring_impl.plan.range_blocks): exact against the dense visibility for every
-built-in mask on any increasing key positions, refused (None) where a row's keys are no range."""
+"""Masks as one key range per query row (ring_impl.planning.row_bounds) and the one-block steps the
+ring plans from them (ring_impl.planning.plan.range_blocks): exact against the dense visibility for
+every built-in mask on any increasing key positions, refused (None) where a row's keys are no
+range."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from ring_impl.masks import (
     SlidingWindow,
     visibility,
 )
-from ring_impl.plan import masked_plan, range_blocks
-from ring_impl.row_bounds import column_bounds
+from ring_impl.planning.plan import masked_plan, range_blocks
+from ring_impl.planning.row_bounds import column_bounds
 
 
 def _dense(bounds: tuple[torch.Tensor, torch.Tensor], cols: int) -> torch.Tensor:

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from conformance.implementation import DEFAULT_IMPL_SPEC
+from ring_impl.exchanges.ring import block_rows
 from ring_impl.ops.cpu import CpuFlashOp, CpuFlashVarlenLayoutOp
 from ring_impl.ops.math import MathOp
-from ring_impl.ring import block_rows
 
 SEQ, HEADS, HEAD_DIM = 96, 4, 16
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ring_impl.sdpa_route import Route, _ops_from_sdpa_kernel
+from ring_impl.torch_api.sdpa_route import Route, _ops_from_sdpa_kernel
 
 ALL_CUDA = ("cuda_flash", "cudnn", "cuda_efficient", "math")
 

@@ -1,4 +1,4 @@
-"""ring_impl.tiling: one step's visibility cut into kernel calls.
+"""ring_impl.planning.tiling: one step's visibility cut into kernel calls.
 
 The property every cut must have, for any mask: the calls' rectangles are disjoint, and for
 every batch and head the pairs they show (a full call: its rectangle; causal: its top-left
@@ -24,8 +24,8 @@ from ring_impl.masks import (
     SlidingWindow,
     visibility,
 )
-from ring_impl.plan import masked_plan
-from ring_impl.tiling import CALL_COST, split_visibility
+from ring_impl.planning.plan import masked_plan
+from ring_impl.planning.tiling import CALL_COST, split_visibility
 
 
 def _shown(calls, batch: int, heads: int, rows: int, cols: int) -> torch.Tensor:
@@ -204,7 +204,7 @@ def test_masked_plan_is_cached_for_exact_masks_only() -> None:
 def test_plans_holding_much_visibility_are_not_kept(monkeypatch) -> None:
     """The cache keeps plans of built-in masks only while the visibility they hold is small: an
     irregular mask on long shards would otherwise pin its masked blocks' booleans."""
-    from ring_impl import plan as plan_module
+    from ring_impl.planning import plan as plan_module
 
     docs = _documents([30, 34]) | ChunkedCausal(5)  # irregular rows: masked blocks
     monkeypatch.setattr(plan_module, "_PLAN_ENTRY_BYTES", 0)

@@ -1,4 +1,4 @@
-"""ring_impl.strategies: the key/value head replication, the all-to-all's data movement, the
+"""ring_impl.exchanges: the key/value head replication, the all-to-all's data movement, the
 declared schedule worked out by hand, the local checks, group resolution, head_chunks in the
 hybrid's ring and a loss through the LSE only."""
 
@@ -12,8 +12,9 @@ import torch
 from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference.attention import attention
 from ring_impl import collective_schedule
-from ring_impl.strategies import kv_replication, strategy_schedule
-from ring_impl.strategies.validate import strategy_problem
+from ring_impl.checks.mesh import strategy_problem
+from ring_impl.exchanges.ulysses import kv_replication
+from ring_impl.schedule.head_parallel import strategy_schedule
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 
@@ -52,8 +53,8 @@ def test_replicated_kv_heads_split_evenly_and_keep_the_gqa_map(
 def _alltoall(ctx, heads: int):
     import torch.distributed as dist
 
-    from ring_impl.strategies.alltoall import heads_to_sequence, sequence_to_heads
-    from ring_impl.strategies.groups import HeadGroup
+    from ring_impl.exchanges.head_alltoall import heads_to_sequence, sequence_to_heads
+    from ring_impl.exchanges.mesh_groups import HeadGroup
 
     g = HeadGroup(dist.group.WORLD.group_name, ctx.rank, ctx.world_size, False)
     s = 3
@@ -108,7 +109,7 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
     no_lse = strategy_schedule(
         "ulysses", (4, 1), heads=8, seq_q=4, return_lse=False, compiled=True, **sizes
     )
-    # compiled: the same, the cross-rank check included (ring_impl.compiled_checks)
+    # compiled: the same, the cross-rank check included (ring_impl.compiled.checks)
     assert no_lse == {
         "forward": {
             "all_reduce": {"calls": 1, "bytes": check_table},
@@ -224,7 +225,7 @@ def test_local_problems_say_what_to_do(strategy, mesh, shape_q, shape_kv, extra,
 
 
 def _groups(ctx, kind: str) -> str:
-    from ring_impl.strategies import resolve_strategy_groups
+    from ring_impl.exchanges.mesh_groups import resolve_strategy_groups
 
     if kind == "unnamed_mesh":
         group = ctx.device_mesh((2, 2), ("a", "b"))
@@ -349,7 +350,7 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
     """Ulysses and the hybrid take the built-in layouts only; a registered one is refused as such,
     not as unknown (ring_attention accepts it with exchange='ring')."""
     import ring_impl
-    from ring_impl.strategies.validate import strategy_problem
+    from ring_impl.checks.mesh import strategy_problem
 
     ring_impl.register_layout(
         ring_impl.layout.chunked_layout(

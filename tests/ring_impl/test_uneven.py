@@ -1,5 +1,5 @@
-"""Uneven shards, ``ring_attention(..., shard_lengths=...)`` (ring_impl.uneven): rank ``r`` holds
-``shard_lengths[r]`` tokens of a sequence no layout divides. Judged against the float64 oracle
+"""Uneven shards, ``ring_attention(..., shard_lengths=...)`` (ring_impl.planning.uneven): rank ``r``
+holds ``shard_lengths[r]`` tokens of a sequence no layout divides. Judged against the float64 oracle
 on the global sequence (the oracle's own masks, score mods and shards cut here with plain
 slicing, apart from ring_impl's layouts), with the numerics policy's bounds; bad lengths raise
 on every rank."""
@@ -304,9 +304,9 @@ def test_a_balanced_layout_of_an_uneven_length_runs_uneven_shards(ring) -> None:
 
 def _run_balanced(ctx, seq):
     import ring_impl
-    from ring_impl.balance import register_balanced_layout
     from ring_impl.layout import permutation, shard_lengths
     from ring_impl.masks import Causal
+    from ring_impl.planning.balance import register_balanced_layout
 
     name, _ = register_balanced_layout("work_aware", Causal(), seq, ctx.world_size)
     lengths = shard_lengths(seq, ctx.world_size, name)
@@ -330,7 +330,7 @@ def test_padded_layouts_are_built_from_their_name_and_kept_boundedly() -> None:
     and only the most recent DERIVED_KEPT are kept (a loader whose split changes every step
     must not grow the registry without end); names it cannot have made are no layout."""
     import ring_impl.layout as layout
-    from ring_impl.uneven import padded_layout
+    from ring_impl.planning.uneven import padded_layout
 
     name = padded_layout("head_tail", (3, 3, 2, 2))
     assert layout.layout_runs(name, 12, 4, 2) == ((4, 5), (7, 8), (10, 11))  # real runs, padding

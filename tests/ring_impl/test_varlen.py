@@ -5,7 +5,7 @@ float64 oracle.
 The CUDA op (``cuda_flash_varlen``) is checked on a GPU by
 ``tests/ring_impl/test_cuda_kernels.py -k varlen --device cuda`` (``ci/gpu_check.py`` runs it).
 Everything here runs the same packing with the kernel emulated (``cpu_flash_varlen_layout``):
-given a visibility, or row bounds (one key range per row, ring_impl.row_bounds).
+given a visibility, or row bounds (one key range per row, ring_impl.planning.row_bounds).
 """
 
 from __future__ import annotations
@@ -504,12 +504,12 @@ def test_ring_with_the_emulated_varlen_op_matches_the_oracle(
 
 @pytest.mark.parametrize("name", sorted(set(_MASKS) - {"sink_and_window"}))
 def test_a_mask_of_key_ranges_is_one_call_per_window_it_needs(name: str) -> None:
-    """From a step's row bounds (ring_impl.row_bounds): documents (causal or not, one of a single
-    token), windows (their growing first rows and their band in one sequence), chunks and causal
-    are one call; prefix-LM is two (its full prefix and its causal rest need two windows). The
-    calls show exactly the mask's pairs."""
+    """From a step's row bounds (ring_impl.planning.row_bounds): documents (causal or not, one of a
+    single token), windows (their growing first rows and their band in one sequence), chunks and
+    causal are one call; prefix-LM is two (its full prefix and its causal rest need two windows).
+    The calls show exactly the mask's pairs."""
     from ring_impl.ops.varlen import bounds_varlen_plan, bounds_visible
-    from ring_impl.row_bounds import column_bounds
+    from ring_impl.planning.row_bounds import column_bounds
 
     s = 64
     pos = torch.arange(s)

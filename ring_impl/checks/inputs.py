@@ -1,0 +1,606 @@
+"""Input checks that fail on every rank, before any ring collective, never with a hang.
+
+A check that fails on one rank only (a shape that differs between ranks, a dtype one rank got
+wrong, an option of the wrong type on one rank) would leave the other ranks blocked in the first
+ring collective. So every rank first runs its local checks *without raising* (:func:`local_problem`,
+which never raises whatever the arguments are), then all ranks exchange one small table (a SUM
+all-reduce in which each rank fills its own row: its problem flag and its :data:`SIGNATURE_FIELDS`),
+and every rank raises the same :class:`InputError` if any rank found a problem or the rows
+differ, naming which rank has what. The exchange is one tiny all-reduce per call, declared in the
+collective schedule (phase ``forward``, kind ``all_reduce``); it is skipped under
+``torch.compile``, where shapes are static per graph and a data-dependent branch would break the
+graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec
+
+import torch
+import torch.distributed as dist
+
+from ..exchanges.heads import check_head_chunks
+from ..layout import is_layout, layout_divisor, layout_runs, layouts
+from ..ops import AttentionOp
+from ..transports import rotate_methods
+
+__all__ = [
+    "SIGNATURE_FIELDS",
+    "STRATEGIES",
+    "STRATEGY_FIELDS",
+    "InputError",
+    "agree",
+    "agree_across_ranks",
+    "exchange_nbytes",
+    "local_problem",
+    "never_raises",
+    "routed_error",
+    "row_width",
+    "signature",
+    "strategy_codes",
+    "strategy_disagreement",
+]
+
+#: Fields compared across ranks; each must be equal on every rank. (``op``: different kernels on
+#: different ranks would still give a valid result, but is always a mistake: rejected too.)
+SIGNATURE_FIELDS = (
+    "batch",
+    "heads",
+    "heads_kv",
+    "seq_q",
+    "seq_kv",
+    "head_dim",
+    "head_dim_v",
+    "dtype",
+    "device",
+    "is_causal",
+    "scale",
+    "layout",
+    "rotate_method",
+    "op",
+    "head_chunks",
+    "mask",
+)
+
+_P = ParamSpec("_P")
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class InputError(ValueError):
+    """Bad input to ring attention; raised on every rank of the group."""
+
+
+def routed_error(exc: InputError, caller: str) -> InputError:
+    """``exc`` worded for a call the user made as ``caller`` (``scaled_dot_product_attention``,
+    ``flex_attention``), which a context-parallel route ran as ring attention: the message then
+    names the function the user called, not only the one that refused it."""
+    return InputError(f"{caller} under context parallel (run as ring attention): {exc}")
+
+
+#: The strategies (``strategy=``), in the order their codes use.
+STRATEGIES = ("ring", "ulysses", "hybrid")
+#: Fields beyond :data:`SIGNATURE_FIELDS` in every row, each equal on every rank: the ring's own
+#: check carries them too (strategy "ring", a 1 x W mesh), so ranks that disagree on
+#: ``strategy=`` exchange tables of one size and all raise, instead of pairing a ring rank's
+#: all-reduce with a head-parallel rank's of another size.
+STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse", "return_max_logit")
+
+
+def strategy_codes(
+    strategy: str, mesh_shape: tuple[int, int], return_lse, return_max_logit=False
+) -> list[int]:
+    """A row's :data:`STRATEGY_FIELDS`. The ring compares no ``return_lse`` (nothing of the LSE
+    travels): 0. ``return_max_logit`` adds the ring's all-reduce of the max logit: ranks that
+    disagree on it would pair it with another collective."""
+    lse = int(bool(return_lse)) if strategy != "ring" else 0
+    max_logit = int(bool(return_max_logit))
+    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse, max_logit]
+
+
+def strategy_disagreement(codes: list[list[int]]) -> str | None:
+    """Which :data:`STRATEGY_FIELDS` differ between the rows ``codes``, in words, or None."""
+    differing = []
+    strategies_differ = len({row[0] for row in codes}) > 1
+    for i, field in enumerate(STRATEGY_FIELDS):
+        if field == "return_lse" and strategies_differ:
+            continue  # the ring's rows carry none
+        values: dict[int, list[int]] = {}
+        for r, row in enumerate(codes):
+            values.setdefault(row[i], []).append(r)
+        if len(values) > 1:
+            shown = {
+                "strategy": lambda c: repr(STRATEGIES[c]),
+                "return_lse": lambda c: str(bool(c)),
+                "return_max_logit": lambda c: str(bool(c)),
+            }.get(field, str)
+            differing.append(
+                f"{field} ("
+                + "; ".join(f"ranks {ranks} {shown(c)}" for c, ranks in values.items())
+                + ")"
+            )
+    if not differing:
+        return None
+    return (
+        "ranks disagree on "
+        + ", ".join(differing)
+        + "; every rank must call the same strategy with the same "
+        "options (return_lse too: under Ulysses and the hybrid the LSE travels in the all-to-all)"
+    )
+
+
+def row_width() -> int:
+    """Entries of a rank's row in the cross-rank check's table: the problem flag, the signature
+    and strategy fields, and the flag "my query, key and value are finite" (the ring's
+    :func:`agree_across_ranks` fills it; 0 elsewhere)."""
+    return 1 + len(SIGNATURE_FIELDS) + len(STRATEGY_FIELDS) + 1
+
+
+def exchange_nbytes(world_size: int) -> int:
+    """Bytes of the cross-rank check's all-reduce input: a row per rank (:func:`row_width`),
+    int64; the same for every strategy."""
+    return 8 * world_size * row_width()
+
+
+def _is_bool(value: Any) -> bool:
+    return (
+        isinstance(value, bool)
+        or (type(value).__name__ == "bool_" and value in (True, False))
+        or (isinstance(value, int) and value in (0, 1))
+    )
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    return isinstance(t, DTensor)
+
+
+def never_raises(check: Callable[_P, str | None]) -> Callable[_P, str | None]:
+    """``check`` (one rank's checks: its problem in words, or None) made total: an exception it
+    trips into over an argument is returned as the problem too, so a rank with a bad argument
+    still reaches the cross-rank exchange (:func:`agree`) instead of raising alone and leaving the
+    other ranks waiting in it."""
+
+    @functools.wraps(check)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> str | None:
+        try:
+            return check(*args, **kwargs)
+        except Exception as exc:  # a check that trips over an argument is a problem, not a crash
+            return f"invalid arguments ({type(exc).__name__}: {exc})"
+
+    return checked
+
+
+@never_raises
+def local_problem(
+    query,
+    key,
+    value,
+    *,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    op: AttentionOp | None,
+    op_error: str | None,
+    head_chunks=1,
+    return_lse=False,
+    world_size: int | None = None,
+) -> str | None:
+    """Everything one rank can check alone; returns the problem or None. Never raises.
+
+    world_size: the ring's size, to check the local lengths against the layout (None: not checked
+    beyond the built-in layouts' own rule)."""
+    names = ("query", "key", "value")
+    for name, t in zip(names, (query, key, value)):
+        if _is_dtensor(t):
+            return (
+                f"{name} is a DTensor; ring_attention takes this rank's local shard as a plain "
+                f"tensor: pass {name}.to_local() of a tensor sharded on the sequence dim in the "
+                "layout you name (layout='contiguous' for DTensor's Shard(2)), or shard a global "
+                "tensor with ring_impl.shard, or use context_parallel"
+            )
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dim() != 4:
+            return (
+                f"{name} must be 4-D (batch, heads, seq_local, head_dim), got shape "
+                f"{tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            return f"{name} must be floating point, got {t.dtype}"
+    if query.dtype != key.dtype or query.dtype != value.dtype:
+        return (
+            f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}; cast them "
+            "to one dtype"
+        )
+    if query.dtype not in _DTYPES:
+        return f"dtype {query.dtype} is not supported; use one of {[str(d) for d in _DTYPES]}"
+    if query.device != key.device or query.device != value.device:
+        return f"query/key/value devices differ: {query.device}, {key.device}, {value.device}"
+    if query.device.type not in _DEVICE_TYPES:
+        return f"device {query.device} is not supported; use one of {_DEVICE_TYPES}"
+    if key.shape[:3] != value.shape[:3]:
+        return (
+            f"key and value shapes differ before the head dim: {tuple(key.shape)} vs "
+            f"{tuple(value.shape)}; they must agree on (batch, heads_kv, seq_kv_local) (value's "
+            "head dim may differ)"
+        )
+    b, h, sq, d = query.shape
+    bk, hkv, skv, dk = key.shape
+    dv = value.shape[-1]
+    if b != bk:
+        return f"batch differs: query has {b}, key/value have {bk}"
+    if d != dk:
+        return (
+            f"head_dim differs: query has {d}, key has {dk}; query and key must share it (value's "
+            "may differ)"
+        )
+    if hkv == 0 or h % hkv:
+        return (
+            f"query heads ({h}) must be a multiple of key/value heads ({hkv}) for grouped-query "
+            "attention"
+        )
+    if min(b, h, sq, skv, d, dv) == 0:
+        return (
+            f"empty input: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)}"
+        )
+    if not _is_bool(is_causal):
+        return f"is_causal must be a bool, got {is_causal!r} ({type(is_causal).__name__})"
+    if not _is_bool(return_lse):
+        return f"return_lse must be a bool, got {return_lse!r} ({type(return_lse).__name__})"
+    if is_causal and sq != skv:
+        return (
+            f"causal ring attention needs equal local query and key/value lengths, got {sq} and "
+            f"{skv}; use is_causal=False for cross attention"
+        )
+    if not is_layout(layout):
+        return f"unknown layout {layout!r}; expected one of {layouts()}"
+    if layout == "head_tail" and (sq % 2 or skv % 2):
+        return (
+            "layout 'head_tail' holds two equal chunks per rank, so local lengths must be even; "
+            f"got query {sq}, key/value {skv}; shard a sequence that is a multiple of 2 * "
+            "world_size"
+        )
+    if is_causal and world_size is not None:  # the causal plan follows the layout's positions
+        divisor = layout_divisor(layout, world_size)
+        if (sq * world_size) % divisor:
+            return (
+                f"layout {layout!r} over {world_size} ranks splits global lengths that are "
+                f"multiples of {divisor}; local length {sq} x {world_size} ranks is not: shard a "
+                f"sequence whose length is a multiple of {divisor}"
+            )
+    if not isinstance(rotate_method, str) or rotate_method not in rotate_methods():
+        return f"unknown rotate_method {rotate_method!r}; expected one of {rotate_methods()}"
+    chunks_problem = check_head_chunks(head_chunks, hkv)
+    if chunks_problem is not None:
+        return chunks_problem
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+    ):
+        return f"scale must be a finite number or None, got {scale!r}"
+    if op_error is not None:
+        return op_error
+    if op is None:
+        return "no attention op resolved"
+    effective_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    why = op.capabilities.unsupported(
+        query.device,
+        query.dtype,
+        d,
+        scale=effective_scale,
+        is_causal=bool(is_causal),
+        head_dim_v=dv,
+    )
+    if why is not None:
+        hint = (
+            " (op='auto' picks one that takes value's head dim; ring_impl.available_ops() lists "
+            "them all)"
+            if dv != d and not getattr(op.capabilities, "value_head_dim", False)
+            else ""
+        )
+        return (
+            f"attention op {getattr(op, 'name', op)!r} does not support this input: {why}; choose "
+            f"another op={hint}"
+        )
+    return None
+
+
+def _scale_code(scale: float) -> int:
+    """The float64 bits of the scale as an int64: equal codes iff equal scales."""
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def _op_code(op: AttentionOp) -> int:
+    return zlib.crc32(str(getattr(op, "name", type(op).__name__)).encode()) & 0x7FFFFFFF
+
+
+def layout_code(layout: str, world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0) -> int:
+    """31 bits for the cross-rank check: the layout's name and, for a ring over ``world_size``
+    ranks, the global positions every rank holds for local lengths ``seq_q``/``seq_kv``. So a
+    layout registered under one name with other positions on another rank disagrees (it would
+    pair wrong rows silently), and names registered in another order on another rank agree."""
+    text = layout
+    if world_size is not None:
+        try:
+            runs = [
+                layout_runs(layout, n * world_size, world_size, r)
+                for n in (seq_q, seq_kv)
+                for r in range(world_size)
+            ]
+            text += "|" + repr(runs)
+        except ValueError:
+            # Lengths the layout cannot split: a call that needs no positions (non-causal,
+            # unmasked) still runs, so the code never raises here, before the check's collective.
+            text += "|unsplit"
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def layout_names(world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0) -> dict[int, str]:
+    """:func:`layout_code` of every layout registered on this rank that can split these lengths."""
+    names = {}
+    for name in layouts(derived=True):
+        try:
+            names[layout_code(name, world_size, seq_q, seq_kv)] = name
+        except ValueError:
+            continue
+    return names
+
+
+def signature(
+    query,
+    key,
+    *,
+    is_causal,
+    scale: float,
+    layout: str,
+    rotate_method: str,
+    op: AttentionOp,
+    head_chunks: int,
+    mask_code: int = 0,
+    world_size: int | None = None,
+    value=None,
+) -> list[int]:
+    """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
+    local problem); ``world_size``: the ring's, whose layout positions are compared too
+    (:func:`layout_code`); ``value``: the call's (its head dim; None: key's)."""
+    b, h, sq, d = query.shape
+    hkv, skv = key.shape[1], key.shape[2]
+    dv = key.shape[-1] if value is None else value.shape[-1]
+    return [
+        b,
+        h,
+        hkv,
+        sq,
+        skv,
+        d,
+        dv,
+        _DTYPES.index(query.dtype),
+        _DEVICE_TYPES.index(query.device.type),
+        int(bool(is_causal)),
+        _scale_code(scale),
+        layout_code(layout, world_size, sq, skv),
+        rotate_methods().index(rotate_method),
+        _op_code(op),
+        head_chunks,
+        mask_code,
+    ]
+
+
+def _shown(field: str, code: int, op_names: dict[int, str], layout_names: dict[int, str]) -> str:
+    """A field's integer code in words."""
+    if field == "dtype":
+        return str(_DTYPES[code]).removeprefix("torch.")
+    if field == "device":
+        return _DEVICE_TYPES[code]
+    if field == "is_causal":
+        return str(bool(code))
+    if field == "scale":
+        return f"{struct.unpack('<d', struct.pack('<q', code))[0]:.6g}"
+    if field == "layout":
+        if code in layout_names:
+            return repr(layout_names[code])
+        return (
+            f"layout #{code:#010x} (none registered here holds those positions: a name registered "
+            "with other runs on another rank?)"
+        )
+    if field == "rotate_method":
+        return repr(rotate_methods()[code])
+    if field == "op":
+        return repr(op_names.get(code, f"op #{code}"))
+    if field == "mask":
+        if code == 0:
+            return "no mask, sinks or score_mod"
+        return f"mask/sinks/score_mod digest {code:#010x}"
+    return str(code)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)
+
+
+def disagreement(
+    table: list[list[int]], op_names: dict[int, str], layout_names: dict[int, str]
+) -> str | None:
+    """Which signature fields differ between the ranks' rows, in words, or None; ``op_names`` and
+    ``layout_names`` name the codes this rank knows."""
+    differing = []
+    for i, field in enumerate(SIGNATURE_FIELDS):
+        by_value: dict[int, list[int]] = {}
+        for rank, row in enumerate(table):
+            by_value.setdefault(row[i], []).append(rank)
+        if len(by_value) > 1:
+            held = "; ".join(
+                f"{_ranks(ranks)} {_shown(field, code, op_names, layout_names)}"
+                for code, ranks in by_value.items()
+            )
+            differing.append(f"{field} ({held})")
+    if not differing:
+        return None
+    text = (
+        "ranks disagree on "
+        + ", ".join(differing)
+        + "; every rank must pass shards of equal shape and the same options"
+    )
+    if any(f.startswith(("seq_q", "seq_kv")) for f in differing):
+        lengths = [row[SIGNATURE_FIELDS.index("seq_q")] for row in table]
+        text += (
+            f" (local lengths differ: for uneven shards pass shard_lengths={lengths}, the "
+            "tokens each rank holds (ring_impl.planning.uneven), or pad the global sequence to a "
+            "multiple of the layout's chunk count, W or 2W)"
+        )
+    return text
+
+
+def agree(
+    problem: str | None,
+    codes: list[int] | None,
+    *,
+    row: int,
+    size: int,
+    groups: Sequence[dist.ProcessGroup],
+    device: torch.device,
+    op: AttentionOp | None,
+    world_size: int | None,
+    where: str,
+    refused: Callable[[list[int]], str] = _ranks,
+    numbering: str = "",
+    finite: tuple[torch.Tensor, ...] = (),
+) -> list[list[int]]:
+    """The cross-rank check of every strategy: raise the same InputError on every rank if any
+    rank has a problem or the ranks' rows differ; else return the table's ``size`` rows.
+
+    The table is ``size`` rows of :func:`row_width` int64 entries. This rank fills row ``row``:
+    the problem flag (1 when ``problem`` is not None), else ``codes`` (its :func:`signature` and
+    :func:`strategy_codes`; None with a problem) and, with ``finite``, the last entry: "these
+    tensors are finite". The table is SUM-all-reduced over each of ``groups`` in turn, so every
+    entry is added once by the rank that fills it (the ring: its one group; a 2-D mesh: the
+    Ulysses group, then the ring group). Nothing raises before the last all-reduce, so no rank is
+    left waiting in one.
+
+    The errors start with ``where``; ``refused`` names the rows that flagged a problem,
+    ``world_size`` is the one :func:`signature` got (the layout codes carry the ring's positions
+    for it; None: by name), and ``numbering`` follows a disagreement to say how rows are
+    numbered."""
+    n = row_width()
+    table = [0] * (size * n)
+    if problem is not None:
+        table[row * n] = 1
+    else:
+        assert codes is not None
+        table[row * n + 1 : (row + 1) * n - 1] = codes
+    vec = torch.tensor(table, dtype=torch.int64)
+    for i, pg in enumerate(groups):
+        staged = device.type != "cpu" and str(dist.get_backend(pg)).lower() == "gloo"
+        vec = vec if staged else vec.to(device)
+        if i == 0 and finite and problem is None and not staged:
+            if all(t.device == vec.device for t in finite):
+                # A sum is NaN/inf when any element is (finite tensors whose sum overflows only
+                # lose the shortcut); written into the table on the device: read with it, no sync
+                # of its own. (Tensors staged through a CPU table would need a read: they report
+                # 0, "maybe not".)
+                total = sum(
+                    (t.sum(dtype=torch.float32) for t in finite), torch.zeros((), device=vec.device)
+                )
+                vec[row * n + n - 1] = torch.isfinite(total).to(torch.int64)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
+    agreed: list[int] = vec.cpu().tolist()
+    rows = [agreed[r * n : (r + 1) * n] for r in range(size)]
+    if problem is not None:
+        raise InputError(f"{where}: {problem}")
+    bad = [r for r in range(size) if rows[r][0]]
+    if bad:
+        raise InputError(
+            f"{where}: {refused(bad)} rejected their input (see the error on those ranks); "
+            "every rank raises so none is left waiting in a collective"
+        )
+    op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
+    base = 1 + len(SIGNATURE_FIELDS)
+    own = rows[row][1:base]
+    seq_q, seq_kv = (own[SIGNATURE_FIELDS.index(f)] for f in ("seq_q", "seq_kv"))
+    names = layout_names(world_size, seq_q, seq_kv)
+    texts = [
+        disagreement([r[1:base] for r in rows], op_names, names),
+        strategy_disagreement([r[base : n - 1] for r in rows]),
+    ]
+    if any(texts):
+        raise InputError(f"{where}: " + "; ".join(t for t in texts if t) + numbering)
+    return rows
+
+
+def agree_across_ranks(
+    problem: str | None,
+    query,
+    key,
+    *,
+    is_causal,
+    scale: float | None,
+    layout,
+    rotate_method,
+    op: AttentionOp | None,
+    head_chunks=1,
+    return_lse=False,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    mask_code: int = 0,
+    return_max_logit: bool = False,
+    value=None,
+    finite: tuple[torch.Tensor, ...] = (),
+) -> bool | None:
+    """The ring's :func:`agree` over ``group``: raise InputError on every rank if any rank has a
+    problem or the ranks disagree (``value``: the call's, whose head dim is compared; None:
+    key's).
+
+    ``finite``: tensors (the call's query, key, value) whose finiteness every rank reports in
+    the same all-reduce, computed on their device and read with the table, so no read of its
+    own: returns True when every rank's are finite (the ring then skips the NaN propagation of
+    every block, :meth:`ring_impl.exchanges.ring.RingAttention.forward`), False when some rank's may
+    not be, None without ``finite``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    codes = None
+    if problem is None:
+        assert op is not None and scale is not None
+        codes = signature(
+            query,
+            key,
+            is_causal=is_causal,
+            scale=scale,
+            layout=layout,
+            rotate_method=rotate_method,
+            op=op,
+            head_chunks=head_chunks,
+            mask_code=mask_code,
+            world_size=world,
+            value=value,
+        ) + strategy_codes("ring", (1, world), return_lse, return_max_logit)
+    rows = agree(
+        problem,
+        codes,
+        row=rank,
+        size=world,
+        groups=(group,),
+        device=device,
+        op=op,
+        world_size=world,
+        where=f"ring_attention (rank {rank})",
+        finite=finite,
+    )
+    return all(row[-1] == 1 for row in rows) if finite else None
