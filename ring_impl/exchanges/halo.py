@@ -22,8 +22,9 @@ Each exchange is one batched isend/irecv with the neighbours (``c10d`` p2p; host
 gloo with CUDA tensors, as :mod:`ring_impl.transports.link`). What a rank sends is exactly what
 its neighbours' queries need, so the key/value bytes are the minimum of any exchange; the
 dK/dV bytes are the same rows in the accumulation dtype (a 16-bit transfer would halve them for
-16-bit inputs at the cost of a rounding before the sum). :func:`halo_schedule` declares them per
-rank (the two end ranks have one neighbour).
+16-bit inputs at the cost of a rounding before the sum).
+:func:`ring_impl.schedule.halo.halo_schedule` declares them per rank (the two end ranks have one
+neighbour).
 
 The seams of :class:`ring_impl.exchanges.ring.RingAttention` the block goes through are the ring's
 own (``pack_kv``, ``block_forward``, ``block_backward``, ``nonfinite_forward``,
@@ -39,14 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checks.inputs import exchange_nbytes
 from ..numerics.nonfinite import finite_parts
-from ..ops import accumulation_dtype
 from ..planning.plan import Block, cached_by_mask, mask_blocks
 from ..transports.link import stage_on_host
 from .ring import RingAttention, RingConfig, block_rows, split_kv
 
-__all__ = ["HaloPath", "HaloRows", "halo_reach", "halo_refusal", "halo_rows", "halo_schedule"]
+__all__ = ["HaloPath", "HaloRows", "halo_reach", "halo_refusal", "halo_rows"]
 
 
 def halo_refusal(mask, *, layout: str, world_size: int, seq_q: int, seq_kv: int) -> str | None:
@@ -117,50 +116,6 @@ def halo_rows(rank: int, world_size: int, left: int, right: int) -> HaloRows:
         to_prev=0 if first else right,
         to_next=0 if last else left,
     )
-
-
-def halo_schedule(
-    world_size: int,
-    rank: int,
-    left: int,
-    right: int,
-    *,
-    batch: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    head_dim_v: int | None = None,
-) -> dict[str, dict[str, dict[str, int]]]:
-    """The collectives of one halo call on ``rank`` (forward and backward), eager.
-
-    Forward: the input check's all_reduce; a ``send`` per neighbour that needs this rank's rows
-    (their key/value, input dtype) and a ``recv`` per halo. Backward: the reverse: a ``send`` per
-    halo (its dK/dV, accumulation dtype) and a ``recv`` per neighbour's part of this rank's rows.
-    ``head_dim_v``: value's head dim (None: ``head_dim``).
-    """
-    h = halo_rows(rank, world_size, left, right)
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    row = batch * heads_kv * (head_dim + head_dim_v)  # elements of one packed key/value row
-    kv, acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
-
-    def entry(rows: tuple[int, int], itemsize: int) -> dict[str, int] | None:
-        calls = sum(1 for n in rows if n)
-        return {"calls": calls, "bytes": row * sum(rows) * itemsize} if calls else None
-
-    out: dict[str, dict[str, dict[str, int]]] = {
-        "forward": {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)}},
-        "backward": {},
-    }
-    for phase, kind, rows, itemsize in (
-        ("forward", "send", (h.to_prev, h.to_next), kv),
-        ("forward", "recv", (h.left, h.right), kv),
-        ("backward", "send", (h.left, h.right), acc),
-        ("backward", "recv", (h.to_prev, h.to_next), acc),
-    ):
-        e = entry(rows, itemsize)
-        if e is not None:
-            out[phase][kind] = e
-    return out
 
 
 def _exchange(

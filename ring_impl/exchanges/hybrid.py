@@ -1,13 +1,13 @@
 """The hybrid: Ulysses inside each row of a ``(ulysses, ring)`` mesh, the ring across rows.
 
-Rank ``(u, r)`` holds piece ``u`` of row ``r``'s ring shard (see :mod:`.layout`). The row's
-sequence-to-head all-to-all gives every rank of the row the whole ring shard for ``heads / U``
-query heads (and their key/value heads, replicated as :mod:`.ulysses` describes), already in the
-ring's local order. The ring then runs across the rows, among the ranks that hold the same head
-slice (the ring group of column ``u``), with every rotation method, layout, op and
-``head_chunks`` of :func:`ring_impl.ring_attention`: it is ``ring_impl``'s own ring
-(:class:`ring_impl.RingAttention`, forward and explicit backward) on the ring sub-group. The
-output (and LSE) go back to sequence pieces by the row's all-to-all; the backward mirrors it.
+Rank ``(u, r)`` holds piece ``u`` of row ``r``'s ring shard (see
+:mod:`ring_impl.planning.mesh_layout`). The row's sequence-to-head all-to-all gives every rank of
+the row the whole ring shard for ``heads / U`` query heads (and their key/value heads, replicated as
+:mod:`.ulysses` describes), already in the ring's local order. The ring then runs across the rows,
+among the ranks that hold the same head slice (the ring group of column ``u``), with every rotation
+method, layout, op and ``head_chunks`` of :func:`ring_impl.ring_attention`: it is ``ring_impl``'s
+own ring (:class:`ring_impl.RingAttention`, forward and explicit backward) on the ring sub-group.
+The output (and LSE) go back to sequence pieces by the row's all-to-all; the backward mirrors it.
 
 Load balance is the ring's: under causal attention a ``head_tail`` layout balances the rows,
 and every rank of a row computes the whole row for its heads, so ranks are balanced too.

@@ -23,8 +23,8 @@ Every rank calls both all-to-alls, with zero rows where it has nothing to send. 
 are the minimum of any exchange (each row a receiver's queries see, once); the ring's are
 ``(W - 1) S`` rows per rank forward and again backward. What it costs: the received rows held
 from forward to backward; a transfer is overlapped only by the calls on own rows (under a
-balanced layout, the documents whole on the rank). :func:`gather_schedule` declares the
-collectives per rank.
+balanced layout, the documents whole on the rank).
+:func:`ring_impl.schedule.kv_gather.gather_schedule` declares the collectives per rank.
 
 Any layout, any mask (a head-dependent one: the union over heads travels), ``seq_q != seq_kv``
 when not causal, W >= 2. ``rotate_method`` and ``head_chunks`` do not apply (there is no ring).
@@ -39,9 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checks.inputs import exchange_nbytes
 from ..layout import layout_runs
-from ..ops import accumulation_dtype
 from ..planning.plan import Block, cached_by_mask, visibility_blocks
 from .halo import extended_backward, extended_forward
 from .ring import RingAttention, RingConfig, split_kv
@@ -52,7 +50,6 @@ __all__ = [
     "gather_path",
     "gather_plan",
     "gather_refusal",
-    "gather_schedule",
 ]
 
 
@@ -183,33 +180,6 @@ def gather_plan(
         ),
     )
     return cached_by_mask(mask, key, build)
-
-
-def gather_schedule(
-    plan: GatherPlan,
-    *,
-    world_size: int,
-    batch: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    head_dim_v: int | None = None,
-) -> dict[str, dict[str, dict[str, int]]]:
-    """The collectives of one sparse-gather call on the rank ``plan`` is for, eager: forward,
-    the input check's all_reduce and one all_to_all whose input is the rows sent (packed key and
-    value, input dtype); backward, one all_to_all whose input is the received rows' dK/dV
-    (accumulation dtype). ``head_dim_v``: value's head dim (None: ``head_dim``)."""
-    row = batch * heads_kv * (head_dim + (head_dim if head_dim_v is None else head_dim_v))
-    sent, received = sum(plan.send_counts), sum(plan.recv_counts)
-    return {
-        "forward": {
-            "all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)},
-            "all_to_all": {"calls": 1, "bytes": sent * row * dtype.itemsize},
-        },
-        "backward": {
-            "all_to_all": {"calls": 1, "bytes": received * row * accumulation_dtype(dtype).itemsize}
-        },
-    }
 
 
 class _Exchange:

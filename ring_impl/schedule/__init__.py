@@ -62,9 +62,10 @@ from typing import TypedDict
 
 import torch
 
-from ..exchanges.halo import halo_reach, halo_refusal, halo_schedule
+from ..exchanges.halo import halo_reach, halo_refusal
 from ..masks import fold_causal
 from ..ops import accumulation_dtype
+from .halo import halo_schedule
 from .head_parallel import strategy_schedule
 from .ring import Schedule, ring_schedule
 
@@ -300,8 +301,9 @@ def _gather_schedule(
     head_chunks,
 ) -> Schedule:
     """The sparse gather's collectives on ``rank``
-    (ring_impl.exchanges.kv_gather.gather_schedule)."""
-    from ..exchanges.kv_gather import gather_plan, gather_refusal, gather_schedule
+    (:func:`.kv_gather.gather_schedule`)."""
+    from ..exchanges.kv_gather import gather_plan, gather_refusal
+    from .kv_gather import gather_schedule
 
     refusal = gather_refusal(
         mask, world_size=world_size, head_chunks=head_chunks, strategy=strategy

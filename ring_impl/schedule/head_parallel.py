@@ -4,7 +4,7 @@ Accounting convention as :mod:`ring_impl.schedule` (one entry per call a rank is
 of an ``all_to_all`` are its whole input, this rank's own part included). Per rank, with local
 lengths ``s_q``, ``s_kv``, ``it`` the input dtype's item size and ``acc`` the accumulation
 dtype's, ``hkv' = heads_kv * e`` key/value heads after replication (``e = U / gcd(heads_kv, U)``,
-see :mod:`.ulysses`), and ``U`` the Ulysses degree:
+see :mod:`ring_impl.exchanges.ulysses`), and ``U`` the Ulysses degree:
 
 =========  ===================================================  =================================================
 phase      all_to_all over the Ulysses group (U > 1)            the ring over the ring group (hybrid, R > 1)
@@ -19,7 +19,7 @@ backward   1 call, dO (+ dLSE): ``b*h*s_q*(dv*it [+ acc])``;
 ``d``: query's and key's head dim, ``dv``: value's (``head_dim_v``, default ``d``). ``[+ acc]``:
 only with ``return_lse`` (the LSE and its gradient then travel with the output).
 The forward's input check adds ``all_reduce``: one call per mesh dim of size > 1 (eager, and
-compiled through :mod:`ring_impl.compiled.checks`), each of :func:`.validate.exchange_nbytes` bytes.
+compiled through :mod:`ring_impl.compiled.checks`), each of :func:`ring_impl.checks.inputs.exchange_nbytes` bytes.
 A rank's all-to-all bytes are the minimum for the two exchanges: every rank needs the whole sequence
 of its heads; only ``e > 1`` with ``heads_kv`` not dividing ``U`` sends a key/value head to a rank
 twice.
