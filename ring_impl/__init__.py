@@ -15,11 +15,15 @@ Public API::
     flex_attention                     # flex attention; ring attention with its block mask under a route
     register_op / available_ops / AttentionOp / OpCapabilities
     collective_schedule                # the collectives a call issues, per phase
+    exchanges.local_shard / shard / unshard  # sharding for exchange="ulysses" / "hybrid"
+
+Rooms: exchanges/ (ring, halo, kv_gather, ulysses, hybrid), planning/, schedule/, numerics/,
+checks/, compiled/, torch_api/, ops/, transports/ (docs/architecture.md).
 """  # noqa: E501
 
 from __future__ import annotations
 
-from . import masks, moved, score_mods
+from . import exchanges, masks, moved, score_mods
 from .api import bind, get_rotate_method, ring_attention, set_rotate_method
 from .checks.inputs import InputError
 from .exchanges.ring import RingAttention
@@ -61,6 +65,7 @@ __all__ = [
     "collective_schedule",
     "context_parallel",
     "context_parallel_unshard",
+    "exchanges",
     "flex_attention",
     "get_op",
     "get_rotate_method",

@@ -68,9 +68,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in MOVED:
             return None
-        return importlib.machinery.ModuleSpec(
-            fullname, self, is_package=fullname.endswith("strategies")
-        )
+        # a package's old path keeps serving its submodules' old paths
+        package = any(old.startswith(fullname + ".") for old in MOVED)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=package)
 
     def create_module(self, spec):
         _warn(spec.name)

@@ -12,15 +12,17 @@ autograd Function (:class:`.ring.Path`), chosen by ``ring_attention(exchange=...
 - :mod:`.head_parallel`: what ``exchange="ulysses"`` / ``"hybrid"`` runs.
 
 Their layouts live in :mod:`ring_impl.planning.mesh_layout`, their collective schedules in
-:mod:`ring_impl.schedule`, their checks in :mod:`ring_impl.checks`.
+:mod:`ring_impl.schedule`, their checks in :mod:`ring_impl.checks`. The names a user of the
+head-parallel strategies needs (``local_shard``, ``shard``, ``unshard``, ``STRATEGIES``,
+``Ulysses``, ``Hybrid``, ...) are served here, ``ring_impl.exchanges.local_shard``.
 """
 
 from __future__ import annotations
 
 import importlib
 
-#: the strategies' names, served from their modules on first use (PEP 562), so that importing
-#: one exchange (the ring, by every path) does not import every other
+#: the head-parallel strategies' public names, served from their modules on first use (PEP 562),
+#: so that importing one exchange (the ring, which every path imports) does not import every other
 _NAMES = {
     "DEFAULT_ALGORITHMS": ".head_parallel",
     "strategy_path": ".head_parallel",
