@@ -9,7 +9,13 @@ from typing import Any, NamedTuple, Protocol, TypedDict, cast
 import torch
 
 from .call import Call, exchange_of
-from .checks.inputs import InputError, agree_across_ranks, local_problem, routed_error
+from .checks.inputs import (
+    InputError,
+    LocalCall,
+    agree_across_ranks,
+    local_problem,
+    routed_error,
+)
 from .exchanges.halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
 from .exchanges.heads import plan_chunks
 from .exchanges.kv_gather import gather_path, gather_refusal
@@ -18,7 +24,7 @@ from .group import RingGroup, resolve_group
 from .layout import layout_divisor
 from .masks import Mask, fold_causal, mask_code, masking_problem, snapshot
 from .numerics.max_logit import max_logit_problem
-from .ops import AttentionOp, resolve_scale_and_op
+from .ops import AttentionOp
 from .planning.packed import packed_problem, packed_result, packed_views, sequence_place
 from .planning.plan import plan_ahead
 from .planning.uneven import (
@@ -247,34 +253,14 @@ def ring_path(
         # every rank given the same options raises it here.
         raise InputError(f"ring_attention: {call.problem}") from None
     score_mod = as_score_mod(call.score_mod)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(
-        query,
-        call.scale,
-        call.op,
-        call.is_causal,
-        masked=mask is not None,
-        score_mod=score_mod is not None,
-        value=value,
-    )
+    local = LocalCall.of(call, query, key, value, score_mod=score_mod)
+    effective_scale, op_obj = local.effective_scale, local.op
     # call.problem: the options' own (an unknown exchange) or a route's (the SDPA route's
     # attn_mask), raised through the same cross-rank agreement so every rank raises together.
     world = torch.distributed.get_world_size(pg)
     problem = (
         call.problem
-        or local_problem(
-            query,
-            key,
-            value,
-            is_causal=call.is_causal,
-            scale=call.scale,
-            layout=layout,
-            rotate_method=call.rotate_method,
-            op=op_obj,
-            op_error=op_error,
-            head_chunks=head_chunks,
-            return_lse=call.return_lse,
-            world_size=world,
-        )
+        or local_problem(local, world_size=world)
         or masking_problem(query, key, mask, sinks, world_size=world)
         or score_mod_problem(
             score_mod,
@@ -346,18 +332,9 @@ def ring_path(
         ring_blocks = problem is None and not gather and reach is None
         group_finite = agree_across_ranks(
             problem,
-            query,
-            key,
-            is_causal=call.is_causal,
-            scale=effective_scale,
-            layout=layout,
-            rotate_method=call.rotate_method,
-            op=op_obj,
-            head_chunks=head_chunks,
-            return_lse=call.return_lse,
+            local,
             return_max_logit=max_logit if problem is None else False,
             group=pg,
-            value=value,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=_path_code(
                 mask_code(

@@ -14,6 +14,7 @@ graph.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import struct
@@ -24,9 +25,10 @@ from typing import Any, ParamSpec
 import torch
 import torch.distributed as dist
 
+from ..call import Call
 from ..exchanges.heads import check_head_chunks
 from ..layout import is_layout, layout_divisor, layout_runs, layouts
-from ..ops import AttentionOp
+from ..ops import AttentionOp, resolve_scale_and_op
 from ..transports import rotate_methods
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "STRATEGIES",
     "STRATEGY_FIELDS",
     "InputError",
+    "LocalCall",
     "agree",
     "agree_across_ranks",
     "exchange_nbytes",
@@ -180,26 +183,66 @@ def never_raises(check: Callable[_P, str | None]) -> Callable[_P, str | None]:
     return checked
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalCall:
+    """One rank's call as its checks and the cross-rank agreement see it: the local tensors and
+    the :class:`ring_impl.call.Call`'s options, with the op and the effective scale resolved
+    (``op`` None and ``op_error`` saying why when that failed). Built once per call
+    (:meth:`of`); :func:`local_problem`, :func:`signature` and the agreement take it. Fields hold
+    whatever the caller passed: the checks say what is wrong with them."""
+
+    query: Any
+    key: Any
+    value: Any
+    is_causal: Any
+    scale: Any  # as given (checked); the kernel's is ``effective_scale``
+    layout: Any
+    rotate_method: Any
+    head_chunks: Any
+    return_lse: Any
+    op: AttentionOp | None
+    effective_scale: float | None
+    op_error: str | None
+
+    @classmethod
+    def of(cls, call: Call, query, key, value, *, score_mod: object = None) -> LocalCall:
+        """``call`` on these tensors, its op and scale resolved for them (``score_mod``: the
+        call's resolved one, which narrows the ops that can serve it)."""
+        effective_scale, op, op_error = resolve_scale_and_op(
+            query,
+            call.scale,
+            call.op,
+            call.is_causal,
+            masked=call.mask is not None,
+            score_mod=score_mod is not None,
+            value=value,
+        )
+        return cls(
+            query=query,
+            key=key,
+            value=value,
+            is_causal=call.is_causal,
+            scale=call.scale,
+            layout=call.layout,
+            rotate_method=call.rotate_method,
+            head_chunks=call.head_chunks,
+            return_lse=call.return_lse,
+            op=op,
+            effective_scale=effective_scale,
+            op_error=op_error,
+        )
+
+
 @never_raises
-def local_problem(
-    query,
-    key,
-    value,
-    *,
-    is_causal,
-    scale,
-    layout,
-    rotate_method,
-    op: AttentionOp | None,
-    op_error: str | None,
-    head_chunks=1,
-    return_lse=False,
-    world_size: int | None = None,
-) -> str | None:
+def local_problem(local: LocalCall, world_size: int | None = None) -> str | None:
     """Everything one rank can check alone; returns the problem or None. Never raises.
 
     world_size: the ring's size, to check the local lengths against the layout (None: not checked
     beyond the built-in layouts' own rule)."""
+    query, key, value = local.query, local.key, local.value
+    is_causal, scale, layout = local.is_causal, local.scale, local.layout
+    rotate_method, head_chunks = local.rotate_method, local.head_chunks
+    return_lse, op, op_error = local.return_lse, local.op, local.op_error
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value)):
         if _is_dtensor(t):
@@ -357,26 +400,15 @@ def layout_names(world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0)
     return names
 
 
-def signature(
-    query,
-    key,
-    *,
-    is_causal,
-    scale: float,
-    layout: str,
-    rotate_method: str,
-    op: AttentionOp,
-    head_chunks: int,
-    mask_code: int = 0,
-    world_size: int | None = None,
-    value=None,
-) -> list[int]:
+def signature(local: LocalCall, *, mask_code: int = 0, world_size: int | None = None) -> list[int]:
     """This rank's values of :data:`SIGNATURE_FIELDS` as integers (only for a call without a
     local problem); ``world_size``: the ring's, whose layout positions are compared too
-    (:func:`layout_code`); ``value``: the call's (its head dim; None: key's)."""
+    (:func:`layout_code`)."""
+    query, key, op = local.query, local.key, local.op
+    assert op is not None and local.effective_scale is not None, "a call with a local problem"
     b, h, sq, d = query.shape
     hkv, skv = key.shape[1], key.shape[2]
-    dv = key.shape[-1] if value is None else value.shape[-1]
+    dv = local.value.shape[-1]
     return [
         b,
         h,
@@ -387,12 +419,12 @@ def signature(
         dv,
         _DTYPES.index(query.dtype),
         _DEVICE_TYPES.index(query.device.type),
-        int(bool(is_causal)),
-        _scale_code(scale),
-        layout_code(layout, world_size, sq, skv),
-        rotate_methods().index(rotate_method),
+        int(bool(local.is_causal)),
+        _scale_code(local.effective_scale),
+        layout_code(local.layout, world_size, sq, skv),
+        rotate_methods().index(local.rotate_method),
         _op_code(op),
-        head_chunks,
+        local.head_chunks,
         mask_code,
     ]
 
@@ -548,26 +580,16 @@ def agree(
 
 def agree_across_ranks(
     problem: str | None,
-    query,
-    key,
+    local: LocalCall,
     *,
-    is_causal,
-    scale: float | None,
-    layout,
-    rotate_method,
-    op: AttentionOp | None,
-    head_chunks=1,
-    return_lse=False,
     group: dist.ProcessGroup,
     device: torch.device,
     mask_code: int = 0,
     return_max_logit: bool = False,
-    value=None,
     finite: tuple[torch.Tensor, ...] = (),
 ) -> bool | None:
     """The ring's :func:`agree` over ``group``: raise InputError on every rank if any rank has a
-    problem or the ranks disagree (``value``: the call's, whose head dim is compared; None:
-    key's).
+    problem or the ranks disagree on ``local``'s :func:`signature`.
 
     ``finite``: tensors (the call's query, key, value) whose finiteness every rank reports in
     the same all-reduce, computed on their device and read with the table, so no read of its
@@ -577,20 +599,9 @@ def agree_across_ranks(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     codes = None
     if problem is None:
-        assert op is not None and scale is not None
-        codes = signature(
-            query,
-            key,
-            is_causal=is_causal,
-            scale=scale,
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op,
-            head_chunks=head_chunks,
-            mask_code=mask_code,
-            world_size=world,
-            value=value,
-        ) + strategy_codes("ring", (1, world), return_lse, return_max_logit)
+        codes = signature(local, mask_code=mask_code, world_size=world) + strategy_codes(
+            "ring", (1, world), local.return_lse, return_max_logit
+        )
     rows = agree(
         problem,
         codes,
@@ -598,7 +609,7 @@ def agree_across_ranks(
         size=world,
         groups=(group,),
         device=device,
-        op=op,
+        op=local.op,
         world_size=world,
         where=f"ring_attention (rank {rank})",
         finite=finite,

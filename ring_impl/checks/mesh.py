@@ -12,6 +12,8 @@ column). Nothing is raised between the two, so no rank is left waiting. Skipped 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -19,9 +21,9 @@ from ..exchanges.heads import check_head_chunks
 from ..exchanges.mesh_groups import StrategyGroups
 from ..exchanges.ulysses import kv_replication
 from ..layout import LAYOUTS
-from ..ops import AttentionOp
 from .inputs import (
     STRATEGY_FIELDS,
+    LocalCall,
     _is_bool,
     agree,
     exchange_nbytes,
@@ -46,39 +48,13 @@ def exchange_calls(mesh_shape: tuple[int, int]) -> int:
 
 
 @never_raises
-def strategy_problem(
-    strategy: str,
-    query,
-    key,
-    value,
-    *,
-    mesh_shape: tuple[int, int],
-    is_causal,
-    scale,
-    layout,
-    rotate_method,
-    op: AttentionOp | None,
-    op_error: str | None,
-    head_chunks,
-    return_lse,
-) -> str | None:
+def strategy_problem(strategy: str, local: LocalCall, *, mesh_shape: tuple[int, int]) -> str | None:
     """Everything one rank can check alone (the ring's checks and the strategy's); never raises."""
-    if not _is_bool(return_lse):
+    query, key, layout, head_chunks = local.query, local.key, local.layout, local.head_chunks
+    if not _is_bool(return_lse := local.return_lse):
         return f"return_lse must be a bool, got {return_lse!r} ({type(return_lse).__name__})"
     # The ring's checks, with the layout and head_chunks checked below for the strategy.
-    base = local_problem(
-        query,
-        key,
-        value,
-        is_causal=is_causal,
-        scale=scale,
-        layout="contiguous",
-        rotate_method=rotate_method,
-        op=op,
-        op_error=op_error,
-        head_chunks=1,
-        return_lse=return_lse,
-    )
+    base = local_problem(dataclasses.replace(local, layout="contiguous", head_chunks=1))
     if base is not None:
         return base
     u, r = mesh_shape
@@ -137,42 +113,22 @@ def agree_on_mesh(
     problem: str | None,
     strategy: str,
     groups: StrategyGroups,
-    query,
-    key,
+    local: LocalCall,
     *,
-    is_causal,
-    scale,
-    layout,
-    rotate_method,
-    op: AttentionOp | None,
-    head_chunks,
-    return_lse,
     device: torch.device,
     mask_code: int = 0,
-    value=None,
 ) -> None:
     """The mesh's :func:`ring_impl.checks.inputs.agree`: raise InputError on every rank of the mesh
     if any rank has a problem or the ranks disagree.
 
     Rows of the table are mesh ranks (``r * U + u``), its last entry (the ring's finiteness flag)
-    stays 0; layouts are compared by name; ``value``: the call's (its head dim is compared; None:
-    key's)."""
+    stays 0; layouts are compared by name."""
     mesh_shape, mesh_rank = groups.shape, groups.mesh_rank
     codes = None
     if problem is None:
-        assert op is not None and scale is not None
-        codes = signature(
-            query,
-            key,
-            is_causal=is_causal,
-            scale=scale,
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op,
-            head_chunks=head_chunks,
-            mask_code=mask_code,
-            value=value,
-        ) + strategy_codes(strategy, mesh_shape, return_lse)
+        codes = signature(local, mask_code=mask_code) + strategy_codes(
+            strategy, mesh_shape, local.return_lse
+        )
     agree(
         problem,
         codes,
@@ -184,7 +140,7 @@ def agree_on_mesh(
             if pg is not None and dist.get_world_size(pg) > 1
         ],
         device=device,
-        op=op,
+        op=local.op,
         world_size=None,
         where=(
             f"{strategy} attention (mesh rank {mesh_rank}, ulysses {groups.coords[0]}, ring "

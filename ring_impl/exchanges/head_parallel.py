@@ -7,10 +7,9 @@ from collections.abc import Mapping
 import torch
 
 from ..call import Call
-from ..checks.inputs import InputError
+from ..checks.inputs import InputError, LocalCall
 from ..checks.mesh import agree_on_mesh, strategy_problem
 from ..masks import fold_causal, mask_code, masking_problem
-from ..ops import resolve_scale_and_op
 from ..planning.mesh_layout import STRATEGIES
 from ..planning.plan import plan_ahead
 from .heads import plan_chunks
@@ -46,18 +45,11 @@ def strategy_path(
     if strategy not in ("ulysses", "hybrid"):
         raise InputError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     mask, sinks, layout, head_chunks = call.mask, call.sinks, call.layout, call.head_chunks
-    is_causal, rotate_method, return_lse = call.is_causal, call.rotate_method, call.return_lse
+    is_causal, rotate_method = call.is_causal, call.rotate_method
     algo = (algorithms or DEFAULT_ALGORITHMS).get(strategy) or DEFAULT_ALGORITHMS[strategy]
     groups = resolve_strategy_groups(strategy, call.group)
-    effective_scale, op_obj, op_error = resolve_scale_and_op(
-        query,
-        call.scale,
-        call.op,
-        is_causal,
-        masked=mask is not None,
-        score_mod=score_mod is not None,
-        value=value,
-    )
+    local = LocalCall.of(call, query, key, value, score_mod=score_mod)
+    effective_scale, op_obj = local.effective_scale, local.op
     mesh_shape = groups.shape
     problem = (
         call.problem
@@ -69,21 +61,7 @@ def strategy_path(
                 "it); pass exchange='auto'"
             )
         )
-        or strategy_problem(
-            strategy,
-            query,
-            key,
-            value,
-            mesh_shape=mesh_shape,
-            is_causal=is_causal,
-            scale=call.scale,
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op_obj,
-            op_error=op_error,
-            head_chunks=head_chunks,
-            return_lse=return_lse,
-        )
+        or strategy_problem(strategy, local, mesh_shape=mesh_shape)
         or _masking_problem(query, key, mask, sinks, mesh_shape)
         or score_mod_problem(
             score_mod,
@@ -138,22 +116,13 @@ def strategy_path(
             problem,
             strategy,
             groups,
-            query,
-            key,
-            is_causal=is_causal,
-            scale=effective_scale,
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op_obj,
-            head_chunks=head_chunks,
-            return_lse=return_lse,
+            local,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=mask_code(
                 mask, sinks, _global_dims(query, key, mesh_shape), query.device, score_mod=score_mod
             )
             if problem is None
             else 0,
-            value=value,
         )
     elif problem is not None:
         raise InputError(f"{strategy} attention: {problem}")

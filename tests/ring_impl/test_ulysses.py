@@ -138,23 +138,25 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
     assert hybrid["forward"]["all_reduce"] == {"calls": 2, "bytes": 2 * 8 * 6 * 23}
 
 
-def _problem_options(mesh: tuple[int, int], **overrides) -> dict:
-    """``strategy_problem``'s options on ``mesh``: a full contiguous call with the alltoall
-    rotation and the math op, one head chunk, no LSE, ``overrides`` applied."""
+def _problem(strategy: str, mesh: tuple[int, int], q, k, v, **overrides) -> str | None:
+    """``strategy_problem`` on ``mesh`` of a full contiguous call with the alltoall rotation and
+    the math op, one head chunk, no LSE, ``overrides`` applied."""
+    from ring_impl.checks.inputs import LocalCall
     from ring_impl.ops import get_op
 
     options = dict(
-        mesh_shape=mesh,
         is_causal=False,
         scale=None,
         layout="contiguous",
         rotate_method="alltoall",
         op=get_op("math"),
+        effective_scale=q.shape[-1] ** -0.5,
         op_error=None,
         head_chunks=1,
         return_lse=False,
     )
-    return options | overrides
+    local = LocalCall(query=q, key=k, value=v, **(options | overrides))
+    return strategy_problem(strategy, local, mesh_shape=mesh)
 
 
 _SHAPE = (1, 4, 8, 4)  # (batch, heads, seq_local, head_dim) the local problems share
@@ -208,20 +210,13 @@ _SHAPE = (1, 4, 8, 4)  # (batch, heads, seq_local, head_dim) the local problems 
     ],
 )
 def test_local_problems_say_what_to_do(strategy, mesh, shape_q, shape_kv, extra, words) -> None:
-    kw = _problem_options(mesh, is_causal=extra.get("layout") == "head_tail", **extra)
+    kw = {"is_causal": extra.get("layout") == "head_tail", **extra}
     q, k = torch.randn(*shape_q), torch.randn(*shape_kv)
-    problem = strategy_problem(strategy, q, k, k.clone(), **kw)
+    problem = _problem(strategy, mesh, q, k, k.clone(), **kw)
     assert problem is not None and words in problem, problem
-    assert (
-        strategy_problem(
-            strategy,
-            torch.randn(1, 24, 8, 4),
-            torch.randn(1, 24, 8, 4),
-            torch.randn(1, 24, 8, 4),
-            **{**kw, "layout": "contiguous", "head_chunks": 1, "return_lse": False},
-        )
-        is None
-    )
+    full = torch.randn(1, 24, 8, 4)
+    fixed = {**kw, "layout": "contiguous", "head_chunks": 1, "return_lse": False}
+    assert _problem(strategy, mesh, full, full.clone(), full.clone(), **fixed) is None
 
 
 def _groups(ctx, kind: str) -> str:
@@ -350,7 +345,6 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
     """Ulysses and the hybrid take the built-in layouts only; a registered one is refused as such,
     not as unknown (ring_attention accepts it with exchange='ring')."""
     import ring_impl
-    from ring_impl.checks.mesh import strategy_problem
 
     ring_impl.register_layout(
         ring_impl.layout.chunked_layout(
@@ -361,7 +355,7 @@ def test_a_registered_layout_is_named_as_registered_when_a_strategy_refuses_it()
     q = torch.zeros(1, 4, 8, 8)
     for strategy, mesh in (("ulysses", (2, 1)), ("hybrid", (2, 2))):
         layout = "test_registered_for_ulysses"
-        problem = strategy_problem(strategy, q, q, q, **_problem_options(mesh, layout=layout))
+        problem = _problem(strategy, mesh, q, q, q, layout=layout)
         assert (
             problem is not None and "is registered" in problem and "exchange='ring'" in problem
         ), problem
