@@ -17,6 +17,7 @@ process, which owns every verdict.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +81,26 @@ class RingCase:
 
     def with_(self, **changes: Any) -> RingCase:
         return replace(self, **changes)
+
+    def declared_schedule(
+        self, collective_schedule: Callable[..., Any], **keywords: Any
+    ) -> dict[str, dict[str, dict[str, int]]]:
+        """What ``collective_schedule`` (the implementation's, in the protocol's signature)
+        declares for this case's call: ``{phase: {kind: {"calls", "bytes"}}}``, asked with the
+        world size, the rotation and each rank's key/value block (``seq_kv`` local, the input
+        dtype), uncompiled unless ``keywords`` say ``compiled=``; ``keywords`` add what the call
+        adds (``head_dim_v=``, ``heads=``, ``return_max_logit=``, a strategy's ``mesh_shape=``)."""
+        spec = self.inputs
+        return collective_schedule(
+            self.world_size,
+            self.rotate_method,
+            batch=spec.batch,
+            heads_kv=spec.heads_kv,
+            seq_kv=spec.seq_kv // self.world_size,
+            head_dim=spec.head_dim,
+            dtype=spec.torch_dtype,
+            **{"compiled": False, **keywords},
+        )
 
     @property
     def mesh(self) -> str:

@@ -109,17 +109,7 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
             seq_q=spec.seq_q // case.world_size,
             return_lse=case.return_lse,
         )
-    expected = schedule(
-        case.world_size,
-        case.rotate_method,
-        batch=spec.batch,
-        heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim,
-        dtype=spec.torch_dtype,
-        compiled=False,
-        **value_dim,
-    )
+    expected = case.declared_schedule(schedule, **value_dim)
     results = ring.run(case)
     # The result first: a ring that computes wrongly is reported for that, not for its traffic.
     ring.check(case, results=results)

@@ -232,18 +232,8 @@ def test_max_logit_collectives_accounted(ring, case: MaxLogitCase) -> None:
         "collective_schedule", why="the max logit's collectives are asserted against it"
     )
     spec = case.inputs
-    expected = schedule(
-        case.world_size,
-        case.rotate_method,
-        batch=spec.batch,
-        heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim,
-        dtype=spec.torch_dtype,
-        compiled=False,
-        heads=spec.heads,
-        seq_q=spec.seq_q // case.world_size,
-        return_max_logit=True,
+    expected = case.declared_schedule(
+        schedule, heads=spec.heads, seq_q=spec.seq_q // case.world_size, return_max_logit=True
     )
     results = _run_and_judge(ring, case)
     problems = []
