@@ -82,6 +82,20 @@ class RingCase:
     def with_(self, **changes: Any) -> RingCase:
         return replace(self, **changes)
 
+    def call_keywords(self, group: Any, **more: Any) -> dict[str, Any]:
+        """The keywords of this case's ``ring_attention`` call on ``group`` (a process group, or a
+        strategy's mesh): causality, scale, rotation, layout and ``return_lse`` as the case has
+        them; ``more`` adds the call's other keywords or overrides these."""
+        return {
+            "group": group,
+            "is_causal": self.is_causal,
+            "scale": self.inputs.scale,
+            "rotate_method": self.rotate_method,
+            "layout": self.layout,
+            "return_lse": self.return_lse,
+            **more,
+        }
+
     def declared_schedule(
         self, collective_schedule: Callable[..., Any], **keywords: Any
     ) -> dict[str, dict[str, dict[str, int]]]:
@@ -235,14 +249,7 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         inp = strategy_inputs(case, ctx.rank, ctx.device)
     impl = load_implementation(case.impl)
     caps = impl.capabilities
-    kwargs: dict[str, Any] = dict(
-        group=group,
-        is_causal=case.is_causal,
-        scale=case.inputs.scale,
-        rotate_method=case.rotate_method,
-        layout=case.layout,
-        return_lse=case.return_lse,
-    )
+    kwargs = case.call_keywords(group)
     if case.mesh_shape is not None:
         kwargs["strategy"] = case.strategy
     kwargs.update(case.extras)

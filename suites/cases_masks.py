@@ -301,15 +301,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
     dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
-    kwargs: dict[str, Any] = dict(
-        group=group,
-        is_causal=False,
-        scale=spec.scale,
-        rotate_method=case.rotate_method,
-        layout=layout,
-        return_lse=True,
-        mask=mask,
-    )
+    kwargs = case.call_keywords(group, is_causal=False, layout=layout, return_lse=True, mask=mask)
     kwargs.update(optional_keywords(ctx, case, sinks))
     attention = impl.obj.ring_attention
     if case.refill:

@@ -171,12 +171,8 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
     dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
-    kwargs: dict[str, Any] = dict(
-        group=group,
-        is_causal=case.is_causal,
-        scale=spec.scale,
-        rotate_method=case.rotate_method,
-        layout=case.layout,
+    kwargs = case.call_keywords(
+        group,
         return_lse=True,
         score_mod=implementation_score_mod(case.score_mod_data(), spec.torch_dtype),
     )
