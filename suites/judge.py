@@ -36,7 +36,14 @@ from conformance.baseline import session_device, single_device_baseline
 from reference import layout as ref_layout
 from reference import strategies as ref_strategies
 from reference.attention import attention_grads
-from reference.budget import ErrorScale, Verdict, check, compute_dtype, error_scales
+from reference.budget import (
+    ErrorScale,
+    Verdict,
+    assert_verdict,
+    check,
+    compute_dtype,
+    error_scales,
+)
 from reference.diagnose import diagnose, diagnose_strategy, head_sharded_lse, heads_permutation
 from reference.simulate import simulate_ring
 from suites.cases import RingCase
@@ -51,6 +58,7 @@ __all__ = [
     "diagnose_strategy_case",
     "format_failure",
     "judge",
+    "judge_float64_model",
     "judge_outputs",
     "lse_layout_problem",
     "merged_blocks",
@@ -64,6 +72,32 @@ __all__ = [
 ]
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+
+
+def judge_float64_model(
+    rank: int, name: str, got: torch.Tensor, ref: torch.Tensor, what: str, tokens: int
+) -> None:
+    """Fail with the numerics policy's message unless ``got`` (rank ``rank``'s ``name`` of a
+    float64 model run under context parallelism) matches ``ref`` (the unsharded float64 run's).
+
+    The unsharded run is both reference and baseline (error 0), so the policy reduces to its
+    float64 floor. A model's outputs and parameter gradients sum one contribution per token, in
+    another order when sharded (per rank, then the all-reduce): up to ``tokens`` (batch x seq)
+    roundings more than the unsharded run's (reference.budget, ``roundings``). ``what`` names the
+    run in the message."""
+    __tracebackhide__ = True
+    assert_verdict(
+        check(
+            name,
+            got,
+            ref,
+            ref,
+            dtype=torch.float64,
+            rank=rank,
+            roundings=tokens,
+            context=f"[{what}]",
+        )
+    )
 
 
 def produced(case: RingCase) -> tuple[str, ...]:
