@@ -249,6 +249,22 @@ def optional_keywords(ctx, case: RingCase, sinks: torch.Tensor | None) -> dict[s
     return kwargs
 
 
+def call_with_sinks(attention, q, k, v, dout, sinks, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """This rank's call ``attention(q, k, v, **kwargs)`` (returning out and LSE) and its backward
+    from ``dout``: out, lse, dq, dk, dv and ``dsinks`` (the gradient of this rank's ``sinks``, None
+    without), on CPU."""
+    out, lse = attention(q, k, v, **kwargs)
+    out.backward(dout)
+    return {
+        "out": out.detach().cpu(),
+        "lse": lse.detach().cpu(),
+        "dq": q.grad.cpu(),
+        "dk": k.grad.cpu(),
+        "dv": v.grad.cpu(),
+        "dsinks": None if sinks is None else sinks.grad.cpu(),
+    }
+
+
 def oracle_attention(case: RingCase, g, visible: torch.Tensor | None, **options: Any):
     """The float64 oracle's attention (``reference.attention``: out, LSE) of the case's global
     inputs ``g`` (:func:`suites.inputs.make_inputs`) under ``visible`` ((batch or 1, heads or 1,
@@ -315,17 +331,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         # result is dropped: a graph that baked that mask's plan in would serve it to the next.
         warm = attention(q, k, v, **{**kwargs, "mask": MaskSpec(other_mask_data(case.mask_data()))})
         del warm
-    out, lse = attention(q, k, v, **kwargs)
-    out.backward(dout)
-    return {
-        "out": out.detach().cpu(),
-        "lse": lse.detach().cpu(),
-        "dq": q.grad.cpu(),
-        "dk": k.grad.cpu(),
-        "dv": v.grad.cpu(),
-        "dsinks": None if sinks is None else sinks.grad.cpu(),
-        "runs": runs,
-    }
+    return {**call_with_sinks(attention, q, k, v, dout, sinks, kwargs), "runs": runs}
 
 
 def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[str, Any]):

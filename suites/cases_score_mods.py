@@ -22,7 +22,13 @@ from reference.layout import positions
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
 from suites.cases import RingCase
-from suites.cases_masks import _sinks, mask_spec, optional_keywords, oracle_attention
+from suites.cases_masks import (
+    _sinks,
+    call_with_sinks,
+    mask_spec,
+    optional_keywords,
+    oracle_attention,
+)
 from suites.inputs import InputSpec, make_inputs
 from suites.judge import judge_outputs, unshard_by_positions
 
@@ -179,16 +185,7 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     if case.mask:
         kwargs["mask"] = MaskSpec(mask_spec(case.mask, spec.seq_q))
     kwargs.update(optional_keywords(ctx, case, sinks))
-    out, lse = impl.obj.ring_attention(q, k, v, **kwargs)
-    out.backward(dout)
-    return {
-        "out": out.detach().cpu(),
-        "lse": lse.detach().cpu(),
-        "dq": q.grad.cpu(),
-        "dk": k.grad.cpu(),
-        "dv": v.grad.cpu(),
-        "dsinks": None if sinks is None else sinks.grad.cpu(),
-    }
+    return call_with_sinks(impl.obj.ring_attention, q, k, v, dout, sinks, kwargs)
 
 
 def _visible(case: ScoreModCase) -> torch.Tensor | None:
