@@ -265,6 +265,38 @@ class RingRunner:
             pytest.fail(format_failure(failed, diagnosis, self.repro()), pytrace=False)
         return verdicts
 
+    def check_collectives(self, case, expected: dict, results: Sequence[dict]) -> None:
+        """Fail with every difference, per rank, phase and kind of collective, between the
+        schedule the implementation declared for ``case`` (``expected``: ``{phase: {kind:
+        {"calls", "bytes"}}}``) and what each rank issued (``results[rank]["collectives"]``); a
+        kind missing on one side counts 0 calls, 0 bytes. A strategy case names each rank's place
+        on its mesh."""
+        __tracebackhide__ = True
+        problems = []
+        for rank, r in enumerate(results):
+            issued = r["collectives"] or {}
+            where = f"rank {rank}"
+            if case.mesh_shape is not None:
+                u = case.mesh_shape[0]
+                where += f" (ulysses {rank % u}, ring {rank // u})"
+            for phase in sorted(set(expected) | set(issued)):
+                exp, act = expected.get(phase, {}), issued.get(phase, {})
+                for kind in sorted(set(exp) | set(act)):
+                    none = {"calls": 0, "bytes": 0}
+                    e, a = exp.get(kind, none), act.get(kind, none)
+                    if e != a:
+                        problems.append(
+                            f"{where}: {phase}/{kind}: declared {e['calls']} calls, "
+                            f"{e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
+                        )
+        if problems:
+            pytest.fail(
+                f"collectives differ from the declared schedule [{case.label}]:\n"
+                + "\n".join(problems)
+                + f"\nrepro: {self.repro()}",
+                pytrace=False,
+            )
+
     def judged(self, case, fn, judge, diagnose=None, *, baseline: bool = True) -> list:
         """Run the rank function ``fn`` for ``case`` on the pool, judge its per-rank results
         with ``judge(case, results[, baseline_op=])`` (with ``baseline``: the implementation's

@@ -236,24 +236,4 @@ def test_max_logit_collectives_accounted(ring, case: MaxLogitCase) -> None:
         schedule, heads=spec.heads, seq_q=spec.seq_q // case.world_size, return_max_logit=True
     )
     results = _run_and_judge(ring, case)
-    problems = []
-    for rank, r in enumerate(results):
-        for phase in sorted(set(expected) | set(r["collectives"])):
-            exp, act = expected.get(phase, {}), r["collectives"].get(phase, {})
-            for kind in sorted(set(exp) | set(act)):
-                e, a = (
-                    exp.get(kind, {"calls": 0, "bytes": 0}),
-                    act.get(kind, {"calls": 0, "bytes": 0}),
-                )
-                if e != a:
-                    problems.append(
-                        f"rank {rank}: {phase}/{kind}: declared {e['calls']} calls, "
-                        f"{e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
-                    )
-    if problems:
-        pytest.fail(
-            f"collectives differ from the declared schedule [{case.label}]:\n"
-            + "\n".join(problems)
-            + f"\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
+    ring.check_collectives(case, expected, results)
