@@ -27,6 +27,7 @@ __all__ = [
     "LAYOUTS",
     "ROTATIONS",
     "case_id",
+    "draw_world_size",
     "padded_lse_ops",
     "params",
     "seed_for",
@@ -114,6 +115,16 @@ def drawn(test):
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )(given(data=st.data())(test))
+
+
+def draw_world_size(data, config: pytest.Config, **bounds: int | None) -> int:
+    """A Hypothesis draw (``data``: ``st.data()``, labelled ``world_size``) of one of the
+    session's enabled world sizes (``bounds``: :func:`world_sizes`' ``at_most`` / ``at_least``);
+    the property is skipped, saying why, when none is enabled."""
+    sizes = world_sizes(config, **bounds)
+    if not sizes:
+        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
+    return data.draw(st.sampled_from(sizes), label="world_size")
 
 
 def draw_claimed(data, caps, capability: str, values, label: str):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import strategies as st
 
 from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
@@ -32,6 +31,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_world_size,
     drawn,
     params,
     seed_for,
@@ -177,10 +177,7 @@ def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     per rank), causality or a named mask (with sinks), softmax scale (<= 0 included) and
     return_lse: the group's per-head max logit against the float64 oracle, as the named cases."""
     caps = ring.caps
-    sizes = world_sizes(pytestconfig)
-    if not sizes:
-        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     # The named masks need room for their documents and windows (24 tokens, as their cases);

@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-import pytest
 from hypothesis import strategies as st
 
 from suites.cases_packed import (
@@ -43,6 +42,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_world_size,
     drawn,
     params,
     seed_for,
@@ -188,10 +188,7 @@ def test_any_cu_seqlens_matches_reference(ring, pytestconfig, data) -> None:
     return_lse and backward on or off: judged as the named document sets."""
     caps = ring.caps
     ring.require("packed", why="ring_attention(cu_seqlens=...) on packed (THD) shards")
-    sizes = world_sizes(pytestconfig)
-    if not sizes:
-        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]

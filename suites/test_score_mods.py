@@ -39,6 +39,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_world_size,
     drawn,
     params,
     seed_for,
@@ -203,10 +204,7 @@ def test_any_score_mod_matches_reference(ring, pytestconfig, data) -> None:
     (none, is_causal, documents with a window) and sinks: judged as the named cases."""
     caps = ring.caps
     nightly = tier(pytestconfig) == "nightly"
-    sizes = world_sizes(pytestconfig) if nightly else world_sizes(pytestconfig, at_most=4)
-    if not sizes:
-        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig, at_most=None if nightly else 4)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     name = data.draw(st.sampled_from(SCORE_MOD_NAMES), label="score_mod")
