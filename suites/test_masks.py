@@ -44,6 +44,7 @@ from suites.cases_masks import (
 from suites.coverage import combos
 from suites.inputs import InputSpec
 from suites.matrix import LAYOUTS, ROTATIONS, drawn, params, seed_for, tier, world_sizes
+from suites.meshes import STRATEGY_MESHES
 from suites.pytest_plugin import case_properties
 
 #: The mask kinds (reference.masks) each named mask uses.
@@ -278,10 +279,6 @@ def _compile_cases(config) -> list[MaskCase]:
             )
         )
     return out
-
-
-#: Ulysses and the hybrid with masks, on the session's 4-rank meshes (suites/meshes.py's).
-STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
 
 
 def _strategy_cases(config) -> list[MaskCase]:

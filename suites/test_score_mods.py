@@ -46,6 +46,7 @@ from suites.matrix import (
     tier,
     world_sizes,
 )
+from suites.meshes import STRATEGY_MESHES
 from suites.pytest_plugin import case_properties
 
 #: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
@@ -95,10 +96,6 @@ def _cases(config) -> list:
             *(("sinks",) if c.sinks else ()),
         ),
     )
-
-
-#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/meshes.py's).
-STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
 
 
 def _strategy_cases(config) -> list[ScoreModCase]:
