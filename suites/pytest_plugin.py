@@ -119,14 +119,20 @@ class RingRunner:
         self.require(field, why=why)
         return self.impl.protocol(field)
 
-    def prepare(self, case):
-        """Check capabilities (N/A) and fill in the session's implementation and op."""
-        __tracebackhide__ = True
+    def record_case(self, case) -> Any:
+        """Record ``case`` (its op the session's where it names none) in the test's report
+        properties, and return that op. Called first, so a case that ends N/A, skipped or raising
+        still lands in its cell of the report."""
         op = case.op if case.op is not None else self.op_spec
-        # Recorded first, so a case that ends N/A, skipped or raising still lands in its cell.
         self.request.node.user_properties.append(
             ("ring_case", case_properties(replace(case, op=op)))
         )
+        return op
+
+    def prepare(self, case):
+        """Check capabilities (N/A) and fill in the session's implementation and op."""
+        __tracebackhide__ = True
+        op = self.record_case(case)
         if case.mesh_shape is not None:
             self.request.node.user_properties.append(
                 ("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)})

@@ -31,6 +31,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_inputs,
     draw_world_size,
     drawn,
     params,
@@ -194,19 +195,8 @@ def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     seq = data.draw(st.integers(least, least + 6), label="tokens_per_rank") * step * w
     causal = mask is None and data.draw(st.booleans(), label="is_causal")
     sinks = mask is not None and caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
-    heads_kv = data.draw(st.integers(1, 3), label="heads_kv")
-    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
-    dtypes = [d for d in DTYPES[:3] if caps.claims("dtypes", d)] or ["float64"]
-    spec = InputSpec(
-        batch=data.draw(st.integers(1, 2), label="batch"),
-        heads=heads_kv * group,
-        heads_kv=heads_kv,
-        seq_q=seq,
-        seq_kv=seq,
-        head_dim=data.draw(st.sampled_from((8, 16, 40)), label="head_dim"),
-        dtype=data.draw(st.sampled_from(dtypes), label="dtype"),
-        scale=data.draw(st.sampled_from((None, 0.5, -0.3, 0.0)), label="scale"),
-    )
+    spec = draw_inputs(data, caps, seq, dtypes=DTYPES[:3], most_kv=3, head_dims=(8, 16, 40))
+    spec = spec.with_(scale=data.draw(st.sampled_from((None, 0.5, -0.3, 0.0)), label="scale"))
     lse = caps.claims("lse") and data.draw(st.booleans(), label="return_lse")
     case = MaxLogitCase(
         spec.with_(seed=seed_for(f"{spec!r} {mask}")),

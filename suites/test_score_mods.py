@@ -47,7 +47,6 @@ from suites.matrix import (
     world_sizes,
 )
 from suites.meshes import STRATEGY_MESHES
-from suites.pytest_plugin import case_properties
 
 #: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
 #: documents and a window (masked blocks, rows that see nothing).
@@ -140,8 +139,7 @@ def pytest_generate_tests(metafunc):
 
 def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
     __tracebackhide__ = True
-    op = case.op if case.op is not None else ring.op_spec
-    ring.request.node.user_properties.append(("ring_case", case_properties(case.with_(op=op))))
+    op = ring.record_case(case)
     ring.require("score_mod", why=f"score_mod {case.score_mod!r}")
     ring.require("lse", why="the LSE of the modified scores is part of the contract")
     if case.mask:
