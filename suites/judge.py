@@ -65,6 +65,7 @@ __all__ = [
     "produced",
     "reference_for",
     "scales_for",
+    "simulation_for",
     "unshard_by_positions",
     "unshard_case",
     "unshard_results",
@@ -565,6 +566,22 @@ def diagnose_strategy_case(
     return "; ".join(line for line in lines if line)
 
 
+def simulation_for(case: RingCase, g):
+    """The float64 chunked ring simulation (:func:`reference.simulate.simulate_ring`) of the
+    case's global inputs ``g`` (:func:`suites.inputs.make_inputs`): every (rank, step)'s partial
+    on ``case.world_size`` ranks in its layout, with its causality and scale. ValueError for a
+    shape the simulation cannot shard."""
+    return simulate_ring(
+        g.query,
+        g.key,
+        g.value,
+        world_size=case.world_size,
+        layout=case.layout,
+        is_causal=case.is_causal,
+        scale=case.inputs.scale,
+    )
+
+
 def diagnose_case(
     case: RingCase, results: Sequence[dict[str, Any]], records: Sequence[dict] | None
 ) -> str:
@@ -572,15 +589,7 @@ def diagnose_case(
     spec = case.inputs
     g = make_inputs(spec)
     try:
-        sim = simulate_ring(
-            g.query,
-            g.key,
-            g.value,
-            world_size=case.world_size,
-            layout=case.layout,
-            is_causal=case.is_causal,
-            scale=spec.scale,
-        )
+        sim = simulation_for(case, g)
     except ValueError as exc:  # a shape the simulation cannot shard: nothing to compare
         return f"(no diagnosis: {exc})"
     grads = None
