@@ -152,17 +152,7 @@ def schedule_problems(
     impl: Implementation, case: RingCase, results: list[dict[str, Any]]
 ) -> list[str]:
     """Every rank's recorded collectives against the implementation's declared schedule."""
-    spec = case.inputs
-    schedule = impl.obj.collective_schedule(
-        case.world_size,
-        case.rotate_method,
-        batch=spec.batch,
-        heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim,
-        dtype=spec.torch_dtype,
-        compiled=False,
-    )
+    schedule = case.declared_schedule(impl.obj.collective_schedule)
     declared = {phase: schedule.get(phase, {}) for phase in ("forward", "backward")}
     problems = []
     for rank, r in enumerate(results):

@@ -2,9 +2,10 @@
 
 A launcher starts ranks its own way (:mod:`harness.pool`: rank processes per pytest process;
 :mod:`harness.torchrun`: this process is one rank of a torchrun job) and implements
-:meth:`Pool._execute`: run ``fn(ctx, *args, **kwargs)`` on every rank and return every rank's
-:class:`~harness.errors.RankOutcome` with the :class:`~harness.errors.CaseFailure` they amount to
-(None when every rank returned). ``run`` and ``run_outcomes`` are written once, here, on top of it.
+:meth:`Pool._execute`: run a :class:`CaseCall` (``fn(ctx, *args, **kwargs)``) on every rank and
+return every rank's :class:`~harness.errors.RankOutcome` with the
+:class:`~harness.errors.CaseFailure` they amount to (None when every rank returned). ``run`` and
+``run_outcomes`` are written once, here, on top of it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from harness import wire
 from harness.errors import (
     CRASHED,
     ERROR,
@@ -25,8 +28,39 @@ from harness.errors import (
     RankError,
     RankOutcome,
 )
+from harness.settings import current
 
-__all__ = ["Pool", "case_failure", "case_label", "shutdown_pools"]
+__all__ = ["CaseCall", "Pool", "case_failure", "case_label", "shutdown_pools"]
+
+
+@dataclass(frozen=True)
+class CaseCall:
+    """One case as :meth:`Pool.run` hands it to a launcher: ``fn(ctx, *args, **kwargs)`` on every
+    rank, seeded with ``seed``, within ``timeout`` seconds (None: the pool's or the session's
+    limit)."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    timeout: float | None
+    seed: int
+
+    @property
+    def fn_name(self) -> str:
+        """``module.qualname`` of ``fn``, as failures and reports name the case's function."""
+        return wire.qualified_name(self.fn)
+
+    def timeout_s(self, pool_timeout: float | None = None) -> float:
+        """The case's time limit in seconds: its own ``timeout``, else the pool's
+        ``pool_timeout``, else the session's ``case_timeout`` setting."""
+        if self.timeout is not None:
+            return float(self.timeout)
+        return float(pool_timeout or current().case_timeout)
+
+    def label(self, case_id: int) -> str:
+        """The case's name in failures: the running pytest node id, or ``fn_name #case_id``
+        outside pytest (``case_id`` counts the pool's cases)."""
+        return case_label(f"{self.fn_name} #{case_id}")
 
 
 class Pool(ABC):
@@ -42,16 +76,9 @@ class Pool(ABC):
         """Process ids of the ranks this pool drives (torchrun: this process only)."""
 
     @abstractmethod
-    def _execute(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        seed: int,
-    ) -> tuple[list[RankOutcome], CaseFailure | None]:
-        """Run ``fn(ctx, *args, **kwargs)`` on every rank: each rank's outcome (index = rank) and
-        the failure they amount to, or None when every rank returned."""
+    def _execute(self, case: CaseCall) -> tuple[list[RankOutcome], CaseFailure | None]:
+        """Run ``case.fn(ctx, *case.args, **case.kwargs)`` on every rank: each rank's outcome
+        (index = rank) and the failure they amount to, or None when every rank returned."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -71,7 +98,7 @@ class Pool(ABC):
         :class:`CaseFailure`) when any rank did not return.
         """
         __tracebackhide__ = True  # pytest: show the test's line, not the harness internals
-        outcomes, failure = self._execute(fn, args, kwargs, timeout, seed)
+        outcomes, failure = self._execute(CaseCall(fn, args, kwargs, timeout, seed))
         if failure is not None:
             raise failure
         return [o.value for o in outcomes]
@@ -90,7 +117,7 @@ class Pool(ABC):
         raises (:class:`RankCrashed`, :class:`CaseTimeout`): those are never an expected result.
         """
         __tracebackhide__ = True
-        outcomes, failure = self._execute(fn, args, kwargs, timeout, seed)
+        outcomes, failure = self._execute(CaseCall(fn, args, kwargs, timeout, seed))
         if failure is not None and not isinstance(failure, RankError):
             raise failure
         return outcomes

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from harness import wire
@@ -54,7 +54,7 @@ from harness.errors import (
     RankOutcome,
     unfinished_outcome,
 )
-from harness.launch import Pool, case_failure, case_label, shutdown_pools
+from harness.launch import CaseCall, Pool, case_failure, shutdown_pools
 from harness.procs import install_parent_hooks, pid_alive, signal_name
 from harness.rank_output import RankOutput
 from harness.rank_start import mp_context, rank_env
@@ -359,23 +359,13 @@ class RankPool(Pool):
 
     # ------------------------------------------------------------------ cases
 
-    def _execute(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        seed: int,
-    ) -> tuple[list[RankOutcome], CaseFailure | None]:
-        fn_name = wire.qualified_name(fn)
-        timeout = float(
-            timeout if timeout is not None else (self.case_timeout or current().case_timeout)
-        )
+    def _execute(self, case: CaseCall) -> tuple[list[RankOutcome], CaseFailure | None]:
+        fn_name, timeout = case.fn_name, case.timeout_s(self.case_timeout)
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         grace = min(self.grace if self.grace is not None else current().grace, timeout)
         try:
-            inner = wire.dumps((fn, tuple(args), dict(kwargs)))
+            inner = wire.dumps((case.fn, case.args, case.kwargs))
         except Exception as exc:
             raise TypeError(
                 f"cannot send {fn_name} and its arguments to the ranks: {exc}. The function must "
@@ -385,7 +375,7 @@ class RankPool(Pool):
         with self._lock:
             self._case_counter += 1
             case_id = self._case_counter
-            label = case_label(f"{fn_name} #{case_id}")
+            label = case.label(case_id)
             if not self._healthy:
                 try:
                     self.start()
@@ -400,7 +390,7 @@ class RankPool(Pool):
                         note=exc.note,
                         headline="the ranks could not be (re)started for this case",
                     ) from None
-            message = wire.dumps(("case", case_id, int(seed), label, inner))
+            message = wire.dumps(("case", case_id, int(case.seed), label, inner))
             try:
                 for conn in self._conns:
                     try:

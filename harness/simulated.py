@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
 from queue import Empty, Queue
 from typing import Any
 
@@ -42,7 +41,7 @@ from harness.errors import (
     RankOutcome,
     unfinished_outcome,
 )
-from harness.launch import Pool, case_failure, case_label, shutdown_pools
+from harness.launch import CaseCall, Pool, case_failure, shutdown_pools
 from harness.settings import current
 
 __all__ = ["SimulatedPool", "shutdown_simulated_pools", "simulated_pool"]
@@ -238,28 +237,20 @@ class SimulatedPool(Pool):
 
     # ------------------------------------------------------------------ pytest side
 
-    def _execute(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        seed: int,
-    ) -> tuple[list[RankOutcome], CaseFailure | None]:
-        fn_name = wire.qualified_name(fn)
-        timeout = float(timeout if timeout is not None else current().case_timeout)
+    def _execute(self, case: CaseCall) -> tuple[list[RankOutcome], CaseFailure | None]:
+        fn_name, timeout = case.fn_name, case.timeout_s()
         with self._lock:
             if self._broken:
                 raise PoolUnavailable(self._broken)
             self.cases_run += 1
             case_id = self.cases_run
-            label = case_label(f"{fn_name} #{case_id}")
+            label = case.label(case_id)
             # The arguments travel as they would to rank processes: a copy each, never shared.
-            inner = wire.dumps((tuple(args), dict(kwargs)))
+            inner = wire.dumps((case.args, case.kwargs))
             self._world.begin_case()
             for rank in range(self.world_size):
                 a, k = wire.loads(inner)
-                self._jobs[rank].put((case_id, fn, a, k, int(seed), label))
+                self._jobs[rank].put((case_id, case.fn, a, k, int(case.seed), label))
             outcomes: dict[int, RankOutcome] = {}
             deadline = time.monotonic() + timeout
             note = ""

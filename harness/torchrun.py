@@ -20,14 +20,13 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from harness import wire
 from harness.context import RankContext
 from harness.errors import CRASHED, ERROR, OK, CaseFailure, PoolUnavailable, RankOutcome
-from harness.launch import Pool, case_failure, case_label
+from harness.launch import CaseCall, Pool, case_failure
 from harness.settings import current
 
 __all__ = ["TorchrunPool", "get_torchrun_pool", "shutdown_torchrun_pool", "torchrun_rank"]
@@ -81,33 +80,25 @@ class TorchrunPool(Pool):
         """Only this rank's process is known here; the others live on their own hosts."""
         return [os.getpid()]
 
-    def _execute(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        seed: int,
-    ) -> tuple[list[RankOutcome], CaseFailure | None]:
-        """Run ``fn(ctx, *args, **kwargs)`` here, in lockstep with the other torchrun ranks, and
-        share every rank's outcome with every rank."""
+    def _execute(self, case: CaseCall) -> tuple[list[RankOutcome], CaseFailure | None]:
+        """Run ``case.fn(ctx, *case.args, **case.kwargs)`` here, in lockstep with the other
+        torchrun ranks, and share every rank's outcome with every rank."""
         import torch
         import torch.distributed as dist
 
         from harness.rank_main import seed_everything
 
-        fn_name = wire.qualified_name(fn)
+        fn_name, timeout = case.fn_name, case.timeout_s()
         self.cases_run += 1
-        label = case_label(f"{fn_name} #{self.cases_run}")
-        timeout = float(timeout if timeout is not None else current().case_timeout)
-        self.ctx.case, self.ctx.seed = label, seed
+        label = case.label(self.cases_run)
+        self.ctx.case, self.ctx.seed = label, case.seed
         default_dtype = torch.get_default_dtype()
-        seed_everything(seed)
+        seed_everything(case.seed)
         faulthandler.dump_traceback_later(timeout + _EXIT_MARGIN_S, exit=True, file=sys.stderr)
         start = time.perf_counter()
         try:
             try:
-                value = fn(self.ctx, *args, **kwargs)
+                value = case.fn(self.ctx, *case.args, **case.kwargs)
                 mine: tuple[Any, ...] = (True, wire.dumps_to_host(value), "", "", "")
             except BaseException as exc:
                 mine = (False, b"", wire.exception_type_name(exc), str(exc), traceback.format_exc())

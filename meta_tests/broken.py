@@ -424,58 +424,38 @@ class RaisesOnOneRankOnly:
     cross-rank agreement: a problem on one rank only leaves the others blocked in the first
     ring collective."""
 
-    def __call__(
-        self,
-        query,
-        key,
-        value,
-        *,
-        group=None,
-        is_causal=False,
-        scale=None,
-        rotate_method=None,
-        op=None,
-        layout="contiguous",
-        return_lse=False,
-    ):
+    def __call__(self, query, key, value, **options):
         from ring_impl.api import get_rotate_method
         from ring_impl.checks.inputs import local_problem
         from ring_impl.ops import resolve_op
 
-        rotate_method = rotate_method or get_rotate_method()
         op_obj, op_error = None, None
         try:
             op_obj = resolve_op(
-                op, query.device, query.dtype, query.shape[-1], head_dim_v=value.shape[-1]
+                options.get("op"),
+                query.device,
+                query.dtype,
+                query.shape[-1],
+                head_dim_v=value.shape[-1],
             )
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
             op_error = str(exc)
+        # the options ring_impl.ring_attention checks on this rank, at its defaults
         problem = local_problem(
             query,
             key,
             value,
-            is_causal=is_causal,
-            scale=scale,
-            layout=layout,
-            rotate_method=rotate_method,
+            is_causal=options.get("is_causal", False),
+            scale=options.get("scale"),
+            layout=options.get("layout", "contiguous"),
+            rotate_method=options.get("rotate_method") or get_rotate_method(),
             op=op_obj,
             op_error=op_error,
-            return_lse=return_lse,
+            return_lse=options.get("return_lse", False),
         )
         if problem is not None:
             raise ValueError(f"ring_attention: {problem}")
-        return _RING(
-            query,
-            key,
-            value,
-            group=group,
-            is_causal=is_causal,
-            scale=scale,
-            rotate_method=rotate_method,
-            op=op,
-            layout=layout,
-            return_lse=return_lse,
-        )
+        return _RING(query, key, value, **options)
 
 
 # ------------------------------------------------------------------------ autograd, compile

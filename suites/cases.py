@@ -17,6 +17,7 @@ process, which owns every verdict.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +81,40 @@ class RingCase:
 
     def with_(self, **changes: Any) -> RingCase:
         return replace(self, **changes)
+
+    def call_keywords(self, group: Any, **more: Any) -> dict[str, Any]:
+        """The keywords of this case's ``ring_attention`` call on ``group`` (a process group, or a
+        strategy's mesh): causality, scale, rotation, layout and ``return_lse`` as the case has
+        them; ``more`` adds the call's other keywords or overrides these."""
+        return {
+            "group": group,
+            "is_causal": self.is_causal,
+            "scale": self.inputs.scale,
+            "rotate_method": self.rotate_method,
+            "layout": self.layout,
+            "return_lse": self.return_lse,
+            **more,
+        }
+
+    def declared_schedule(
+        self, collective_schedule: Callable[..., Any], **keywords: Any
+    ) -> dict[str, dict[str, dict[str, int]]]:
+        """What ``collective_schedule`` (the implementation's, in the protocol's signature)
+        declares for this case's call: ``{phase: {kind: {"calls", "bytes"}}}``, asked with the
+        world size, the rotation and each rank's key/value block (``seq_kv`` local, the input
+        dtype), uncompiled unless ``keywords`` say ``compiled=``; ``keywords`` add what the call
+        adds (``head_dim_v=``, ``heads=``, ``return_max_logit=``, a strategy's ``mesh_shape=``)."""
+        spec = self.inputs
+        return collective_schedule(
+            self.world_size,
+            self.rotate_method,
+            batch=spec.batch,
+            heads_kv=spec.heads_kv,
+            seq_kv=spec.seq_kv // self.world_size,
+            head_dim=spec.head_dim,
+            dtype=spec.torch_dtype,
+            **{"compiled": False, **keywords},
+        )
 
     @property
     def mesh(self) -> str:
@@ -214,14 +249,7 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         inp = strategy_inputs(case, ctx.rank, ctx.device)
     impl = load_implementation(case.impl)
     caps = impl.capabilities
-    kwargs: dict[str, Any] = dict(
-        group=group,
-        is_causal=case.is_causal,
-        scale=case.inputs.scale,
-        rotate_method=case.rotate_method,
-        layout=case.layout,
-        return_lse=case.return_lse,
-    )
+    kwargs = case.call_keywords(group)
     if case.mesh_shape is not None:
         kwargs["strategy"] = case.strategy
     kwargs.update(case.extras)

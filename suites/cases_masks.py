@@ -233,6 +233,57 @@ def _sinks(spec: InputSpec) -> torch.Tensor:
     return s if spec.torch_dtype == torch.float64 else s.float()
 
 
+def optional_keywords(ctx, case: RingCase, sinks: torch.Tensor | None) -> dict[str, Any]:
+    """The ``ring_attention`` keywords a masked or scored case passes only when it has them:
+    ``strategy`` on a mesh, ``sinks`` (this rank's (heads,) sink logits), ``op`` (the case's
+    kernel, resolved on this rank's device)."""
+    kwargs: dict[str, Any] = {}
+    if case.mesh_shape is not None:
+        kwargs["strategy"] = case.strategy
+    if sinks is not None:
+        kwargs["sinks"] = sinks
+    if case.op is not None:
+        from suites.cases import resolve_case_op
+
+        kwargs["op"] = resolve_case_op(case, ctx.device)
+    return kwargs
+
+
+def call_with_sinks(attention, q, k, v, dout, sinks, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """This rank's call ``attention(q, k, v, **kwargs)`` (returning out and LSE) and its backward
+    from ``dout``: out, lse, dq, dk, dv and ``dsinks`` (the gradient of this rank's ``sinks``, None
+    without), on CPU."""
+    out, lse = attention(q, k, v, **kwargs)
+    out.backward(dout)
+    return {
+        "out": out.detach().cpu(),
+        "lse": lse.detach().cpu(),
+        "dq": q.grad.cpu(),
+        "dk": k.grad.cpu(),
+        "dv": v.grad.cpu(),
+        "dsinks": None if sinks is None else sinks.grad.cpu(),
+    }
+
+
+def oracle_attention(case: RingCase, g, visible: torch.Tensor | None, **options: Any):
+    """The float64 oracle's attention (``reference.attention``: out, LSE) of the case's global
+    inputs ``g`` (:func:`suites.inputs.make_inputs`) under ``visible`` ((batch or 1, heads or 1,
+    seq_q, seq_kv) bool, None: every key), with the case's sinks (``case.sinks``) and scale;
+    ``options``: the oracle's other keywords (``score_mod=``)."""
+    from reference import attention
+
+    spec = case.inputs
+    return attention(
+        g.query,
+        g.key,
+        g.value,
+        visible=visible,
+        sinks=_sinks(spec) if case.sinks else None,
+        scale=spec.scale,
+        **options,
+    )
+
+
 def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
     group = ctx.group
@@ -266,23 +317,8 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
     dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
-    kwargs: dict[str, Any] = dict(
-        group=group,
-        is_causal=False,
-        scale=spec.scale,
-        rotate_method=case.rotate_method,
-        layout=layout,
-        return_lse=True,
-        mask=mask,
-    )
-    if case.mesh_shape is not None:
-        kwargs["strategy"] = case.strategy
-    if sinks is not None:
-        kwargs["sinks"] = sinks
-    if case.op is not None:
-        from suites.cases import resolve_case_op
-
-        kwargs["op"] = resolve_case_op(case, ctx.device)
+    kwargs = case.call_keywords(group, is_causal=False, layout=layout, return_lse=True, mask=mask)
+    kwargs.update(optional_keywords(ctx, case, sinks))
     attention = impl.obj.ring_attention
     if case.refill:
         mask = _refilled_documents(attention, q, k, v, kwargs, case.mask_data())
@@ -295,17 +331,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         # result is dropped: a graph that baked that mask's plan in would serve it to the next.
         warm = attention(q, k, v, **{**kwargs, "mask": MaskSpec(other_mask_data(case.mask_data()))})
         del warm
-    out, lse = attention(q, k, v, **kwargs)
-    out.backward(dout)
-    return {
-        "out": out.detach().cpu(),
-        "lse": lse.detach().cpu(),
-        "dq": q.grad.cpu(),
-        "dk": k.grad.cpu(),
-        "dv": v.grad.cpu(),
-        "dsinks": None if sinks is None else sinks.grad.cpu(),
-        "runs": runs,
-    }
+    return {**call_with_sinks(attention, q, k, v, dout, sinks, kwargs), "runs": runs}
 
 
 def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[str, Any]):
@@ -447,18 +473,9 @@ def _equals_attention_under(
 ) -> bool:
     """Whether the ranks' out and LSE are attention under the mask ``data`` (plain form): rows
     that see nothing exactly, the others within 1% of the largest output."""
-    from reference import attention
-
     spec = case.inputs
     vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    wrong = attention(
-        g.query,
-        g.key,
-        g.value,
-        visible=vis,
-        sinks=_sinks(spec) if case.sinks else None,
-        scale=spec.scale,
-    )
+    wrong = oracle_attention(case, g, vis)
     out = unshard_by_positions([r["out"] for r in results], pos).to(torch.float64)
     lse = unshard_by_positions([r["lse"] for r in results], pos).to(torch.float64)
     if not torch.equal(torch.isneginf(lse), torch.isneginf(wrong.lse)):
@@ -601,14 +618,7 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
     spec, w = case.inputs, case.world_size
     g = make_inputs(spec)
     vis = visibility(case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
-    ref = attention(
-        g.query,
-        g.key,
-        g.value,
-        visible=vis,
-        sinks=_sinks(spec) if case.sinks else None,
-        scale=spec.scale,
-    )
+    ref = oracle_attention(case, g, vis)
     pos = rank_positions(case, results)
     got = unshard_by_positions([r["out"] for r in results], pos).to(torch.float64)
     invented = ~torch.isfinite(got) & torch.isfinite(ref.out)
@@ -719,7 +729,6 @@ def _diagnose_head_parallel(
     """Ulysses / hybrid: a head-dependent mask evaluated at each rank's own head index (0 ..
     H/U - 1) instead of the global one. (The ring's block heuristics do not apply: a
     head-parallel rank attends more than its ring block.)"""
-    from reference import attention
 
     heads, u = vis.shape[1], case.mesh_shape[0]
     if heads == 1 or u == 1:
@@ -727,15 +736,7 @@ def _diagnose_head_parallel(
     local = vis[:, [h % (heads // u) for h in range(heads)]]
     if torch.equal(local, vis):
         return ""
-    spec = case.inputs
-    wrong = attention(
-        g.query,
-        g.key,
-        g.value,
-        visible=local,
-        sinks=_sinks(spec) if case.sinks else None,
-        scale=spec.scale,
-    ).out
+    wrong = oracle_attention(case, g, local).out
     tol = 1e-2 * max(1.0, float(want.abs().max()))
     if float((got - wrong).abs().max()) <= tol < float((got - want).abs().max()):
         return (

@@ -58,15 +58,7 @@ def max_logit_case(ctx, case: MaxLogitCase) -> dict[str, Any]:
         shard(t, case.layout, w, r, dim=2).to(ctx.device).requires_grad_()
         for t in (g.query, g.key, g.value)
     )
-    kwargs: dict[str, Any] = dict(
-        group=ctx.group,
-        is_causal=case.is_causal,
-        scale=spec.scale,
-        rotate_method=case.rotate_method,
-        layout=case.layout,
-        return_lse=case.return_lse,
-        return_max_logit=True,
-    )
+    kwargs = case.call_keywords(ctx.group, return_max_logit=True)
     if case.mask is not None:
         kwargs["mask"] = MaskSpec(mask_spec(case.mask, spec.seq_q))
     if case.sinks:

@@ -145,15 +145,7 @@ def packed_case(ctx, case: PackedCase) -> dict[str, Any]:
     cu: Any = case.cu_seqlens
     if case.cu_as == "int32":
         cu = torch.tensor(cu, dtype=torch.int32, device=ctx.device)
-    kwargs: dict[str, Any] = dict(
-        group=ctx.group,
-        is_causal=case.is_causal,
-        scale=spec.scale,
-        rotate_method=case.rotate_method,
-        layout=case.layout,
-        return_lse=case.return_lse,
-        cu_seqlens=cu,
-    )
+    kwargs = case.call_keywords(ctx.group, cu_seqlens=cu)
     if case.op is not None:
         from suites.cases import resolve_case_op
 

@@ -22,7 +22,13 @@ from reference.layout import positions
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
 from suites.cases import RingCase
-from suites.cases_masks import _sinks, mask_spec
+from suites.cases_masks import (
+    _sinks,
+    call_with_sinks,
+    mask_spec,
+    optional_keywords,
+    oracle_attention,
+)
 from suites.inputs import InputSpec, make_inputs
 from suites.judge import judge_outputs, unshard_by_positions
 
@@ -171,35 +177,15 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
     dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
-    kwargs: dict[str, Any] = dict(
-        group=group,
-        is_causal=case.is_causal,
-        scale=spec.scale,
-        rotate_method=case.rotate_method,
-        layout=case.layout,
+    kwargs = case.call_keywords(
+        group,
         return_lse=True,
         score_mod=implementation_score_mod(case.score_mod_data(), spec.torch_dtype),
     )
     if case.mask:
         kwargs["mask"] = MaskSpec(mask_spec(case.mask, spec.seq_q))
-    if case.mesh_shape is not None:
-        kwargs["strategy"] = case.strategy
-    if sinks is not None:
-        kwargs["sinks"] = sinks
-    if case.op is not None:
-        from suites.cases import resolve_case_op
-
-        kwargs["op"] = resolve_case_op(case, ctx.device)
-    out, lse = impl.obj.ring_attention(q, k, v, **kwargs)
-    out.backward(dout)
-    return {
-        "out": out.detach().cpu(),
-        "lse": lse.detach().cpu(),
-        "dq": q.grad.cpu(),
-        "dk": k.grad.cpu(),
-        "dv": v.grad.cpu(),
-        "dsinks": None if sinks is None else sinks.grad.cpu(),
-    }
+    kwargs.update(optional_keywords(ctx, case, sinks))
+    return call_with_sinks(impl.obj.ring_attention, q, k, v, dout, sinks, kwargs)
 
 
 def _visible(case: ScoreModCase) -> torch.Tensor | None:
@@ -267,19 +253,7 @@ def _equals(
 ) -> bool:
     """Whether the ranks' out and LSE are attention under ``data`` (None: no score_mod): within
     1% of the largest output, the LSE within 1% of its largest."""
-    from reference import attention
-
-    spec = case.inputs
-    g = make_inputs(spec)
-    wrong = attention(
-        g.query,
-        g.key,
-        g.value,
-        visible=_visible(case),
-        sinks=_sinks(spec) if case.sinks else None,
-        scale=spec.scale,
-        score_mod=data,
-    )
+    wrong = oracle_attention(case, make_inputs(case.inputs), _visible(case), score_mod=data)
     tol = 1e-2 * max(1.0, float(wrong.out.abs().max()))
     seen = torch.isfinite(wrong.lse)
     lse_err = (got_lse - wrong.lse).masked_fill(~seen, 0.0).abs().max()
@@ -326,16 +300,5 @@ def diagnose_scored(case: ScoreModCase, results: list[dict[str, Any]]) -> str:
 def _out_without(case: ScoreModCase, out: torch.Tensor) -> bool:
     """Whether the output alone is attention without the score_mod (the LSE may have been
     changed after the merge)."""
-    from reference import attention
-
-    spec = case.inputs
-    g = make_inputs(spec)
-    plain = attention(
-        g.query,
-        g.key,
-        g.value,
-        visible=_visible(case),
-        sinks=_sinks(spec) if case.sinks else None,
-        scale=spec.scale,
-    ).out
+    plain = oracle_attention(case, make_inputs(case.inputs), _visible(case)).out
     return float((out - plain).abs().max()) <= 1e-2 * max(1.0, float(plain.abs().max()))

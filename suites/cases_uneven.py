@@ -114,14 +114,8 @@ def uneven_case(ctx, case: UnevenCase) -> dict[str, Any]:
     g = make_inputs(spec)
     rows = split_positions(case.layout, case.lengths, ctx.rank)
     q, k, v = (t[:, :, rows].to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
-    kwargs: dict[str, Any] = dict(
-        group=ctx.group,
-        is_causal=case.mask == "causal",
-        scale=spec.scale,
-        rotate_method=case.rotate_method,
-        layout=case.layout,
-        return_lse=case.return_lse,
-        shard_lengths=list(case.lengths),
+    kwargs = case.call_keywords(
+        ctx.group, is_causal=case.mask == "causal", shard_lengths=list(case.lengths)
     )
     data = case.mask_data()
     if data is not None and case.mask != "causal":

@@ -36,7 +36,14 @@ from conformance.baseline import session_device, single_device_baseline
 from reference import layout as ref_layout
 from reference import strategies as ref_strategies
 from reference.attention import attention_grads
-from reference.budget import ErrorScale, Verdict, check, compute_dtype, error_scales
+from reference.budget import (
+    ErrorScale,
+    Verdict,
+    assert_verdict,
+    check,
+    compute_dtype,
+    error_scales,
+)
 from reference.diagnose import diagnose, diagnose_strategy, head_sharded_lse, heads_permutation
 from reference.simulate import simulate_ring
 from suites.cases import RingCase
@@ -51,12 +58,14 @@ __all__ = [
     "diagnose_strategy_case",
     "format_failure",
     "judge",
+    "judge_float64_model",
     "judge_outputs",
     "lse_layout_problem",
     "merged_blocks",
     "produced",
     "reference_for",
     "scales_for",
+    "simulation_for",
     "unshard_by_positions",
     "unshard_case",
     "unshard_results",
@@ -64,6 +73,32 @@ __all__ = [
 ]
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+
+
+def judge_float64_model(
+    rank: int, name: str, got: torch.Tensor, ref: torch.Tensor, what: str, tokens: int
+) -> None:
+    """Fail with the numerics policy's message unless ``got`` (rank ``rank``'s ``name`` of a
+    float64 model run under context parallelism) matches ``ref`` (the unsharded float64 run's).
+
+    The unsharded run is both reference and baseline (error 0), so the policy reduces to its
+    float64 floor. A model's outputs and parameter gradients sum one contribution per token, in
+    another order when sharded (per rank, then the all-reduce): up to ``tokens`` (batch x seq)
+    roundings more than the unsharded run's (reference.budget, ``roundings``). ``what`` names the
+    run in the message."""
+    __tracebackhide__ = True
+    assert_verdict(
+        check(
+            name,
+            got,
+            ref,
+            ref,
+            dtype=torch.float64,
+            rank=rank,
+            roundings=tokens,
+            context=f"[{what}]",
+        )
+    )
 
 
 def produced(case: RingCase) -> tuple[str, ...]:
@@ -531,6 +566,22 @@ def diagnose_strategy_case(
     return "; ".join(line for line in lines if line)
 
 
+def simulation_for(case: RingCase, g):
+    """The float64 chunked ring simulation (:func:`reference.simulate.simulate_ring`) of the
+    case's global inputs ``g`` (:func:`suites.inputs.make_inputs`): every (rank, step)'s partial
+    on ``case.world_size`` ranks in its layout, with its causality and scale. ValueError for a
+    shape the simulation cannot shard."""
+    return simulate_ring(
+        g.query,
+        g.key,
+        g.value,
+        world_size=case.world_size,
+        layout=case.layout,
+        is_causal=case.is_causal,
+        scale=case.inputs.scale,
+    )
+
+
 def diagnose_case(
     case: RingCase, results: Sequence[dict[str, Any]], records: Sequence[dict] | None
 ) -> str:
@@ -538,15 +589,7 @@ def diagnose_case(
     spec = case.inputs
     g = make_inputs(spec)
     try:
-        sim = simulate_ring(
-            g.query,
-            g.key,
-            g.value,
-            world_size=case.world_size,
-            layout=case.layout,
-            is_causal=case.is_causal,
-            scale=spec.scale,
-        )
+        sim = simulation_for(case, g)
     except ValueError as exc:  # a shape the simulation cannot shard: nothing to compare
         return f"(no diagnosis: {exc})"
     grads = None

@@ -10,7 +10,7 @@ tests are generated, so a quick run does not even collect nightly cases.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from harness.pytest_plugin import settings_of
 from suites.cases import RingCase
-from suites.inputs import SHORT
+from suites.inputs import SHORT, InputSpec
 
 __all__ = [
     "CPU_OPS",
@@ -27,6 +27,8 @@ __all__ = [
     "LAYOUTS",
     "ROTATIONS",
     "case_id",
+    "draw_inputs",
+    "draw_world_size",
     "padded_lse_ops",
     "params",
     "seed_for",
@@ -114,6 +116,53 @@ def drawn(test):
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )(given(data=st.data())(test))
+
+
+def draw_world_size(data, config: pytest.Config, **bounds: int | None) -> int:
+    """A Hypothesis draw (``data``: ``st.data()``, labelled ``world_size``) of one of the
+    session's enabled world sizes (``bounds``: :func:`world_sizes`' ``at_most`` / ``at_least``);
+    the property is skipped, saying why, when none is enabled."""
+    sizes = world_sizes(config, **bounds)
+    if not sizes:
+        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
+    return data.draw(st.sampled_from(sizes), label="world_size")
+
+
+def draw_inputs(
+    data,
+    caps,
+    seq: int,
+    *,
+    dtype: str | None = None,
+    dtypes: Sequence[str] = ("float64", "float32"),
+    heads_kv: int | None = None,
+    most_kv: int = 2,
+    batch: int | None = None,
+    head_dims: Sequence[int] = (8, 16),
+) -> InputSpec:
+    """Self-attention inputs of ``seq`` tokens for a Hypothesis property (``data``:
+    ``st.data()``), drawn in this order and labelled: ``heads_kv`` key/value heads (unless given:
+    1 to ``most_kv``), a GQA group of 1 or 2 query heads each where the implementation (``caps``)
+    claims ``gqa``, the batch (unless given: 1 or 2), the head dim (of ``head_dims``) and the dtype
+    (unless given: of ``dtypes``, those the implementation claims; float64 when it claims none)."""
+    if heads_kv is None:
+        heads_kv = data.draw(st.integers(1, most_kv), label="heads_kv")
+    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
+    if batch is None:
+        batch = data.draw(st.integers(1, 2), label="batch")
+    head_dim = data.draw(st.sampled_from(tuple(head_dims)), label="head_dim")
+    if dtype is None:
+        claimed = [d for d in dtypes if caps.claims("dtypes", d)] or ["float64"]
+        dtype = data.draw(st.sampled_from(claimed), label="dtype")
+    return InputSpec(
+        batch=batch,
+        heads=heads_kv * group,
+        heads_kv=heads_kv,
+        seq_q=seq,
+        seq_kv=seq,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
 
 
 def draw_claimed(data, caps, capability: str, values, label: str):

@@ -67,6 +67,9 @@ MESHES: dict[int, list[tuple[str, tuple[int, int]]]] = {
     32: [("hybrid", (8, 4)), ("hybrid", (4, 8))],
     64: [("hybrid", (8, 8))],
 }
+#: One Ulysses and one hybrid mesh of 4 ranks (of :data:`MESHES`): the strategy cases of the mask
+#: and score_mod suites, run when the session enables 4-rank meshes.
+STRATEGY_MESHES: tuple[tuple[str, tuple[int, int]], ...] = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
 #: (layout, causal): non-causal head_tail only where the matrix is full (nightly).
 LAYOUT_CAUSAL = (("contiguous", False), ("contiguous", True), ("head_tail", True))
 

@@ -119,14 +119,20 @@ class RingRunner:
         self.require(field, why=why)
         return self.impl.protocol(field)
 
-    def prepare(self, case):
-        """Check capabilities (N/A) and fill in the session's implementation and op."""
-        __tracebackhide__ = True
+    def record_case(self, case) -> Any:
+        """Record ``case`` (its op the session's where it names none) in the test's report
+        properties, and return that op. Called first, so a case that ends N/A, skipped or raising
+        still lands in its cell of the report."""
         op = case.op if case.op is not None else self.op_spec
-        # Recorded first, so a case that ends N/A, skipped or raising still lands in its cell.
         self.request.node.user_properties.append(
             ("ring_case", case_properties(replace(case, op=op)))
         )
+        return op
+
+    def prepare(self, case):
+        """Check capabilities (N/A) and fill in the session's implementation and op."""
+        __tracebackhide__ = True
+        op = self.record_case(case)
         if case.mesh_shape is not None:
             self.request.node.user_properties.append(
                 ("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)})
@@ -264,6 +270,38 @@ class RingRunner:
             diagnosis = diagnose_case(case, results, records) + note
             pytest.fail(format_failure(failed, diagnosis, self.repro()), pytrace=False)
         return verdicts
+
+    def check_collectives(self, case, expected: dict, results: Sequence[dict]) -> None:
+        """Fail with every difference, per rank, phase and kind of collective, between the
+        schedule the implementation declared for ``case`` (``expected``: ``{phase: {kind:
+        {"calls", "bytes"}}}``) and what each rank issued (``results[rank]["collectives"]``); a
+        kind missing on one side counts 0 calls, 0 bytes. A strategy case names each rank's place
+        on its mesh."""
+        __tracebackhide__ = True
+        problems = []
+        for rank, r in enumerate(results):
+            issued = r["collectives"] or {}
+            where = f"rank {rank}"
+            if case.mesh_shape is not None:
+                u = case.mesh_shape[0]
+                where += f" (ulysses {rank % u}, ring {rank // u})"
+            for phase in sorted(set(expected) | set(issued)):
+                exp, act = expected.get(phase, {}), issued.get(phase, {})
+                for kind in sorted(set(exp) | set(act)):
+                    none = {"calls": 0, "bytes": 0}
+                    e, a = exp.get(kind, none), act.get(kind, none)
+                    if e != a:
+                        problems.append(
+                            f"{where}: {phase}/{kind}: declared {e['calls']} calls, "
+                            f"{e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
+                        )
+        if problems:
+            pytest.fail(
+                f"collectives differ from the declared schedule [{case.label}]:\n"
+                + "\n".join(problems)
+                + f"\nrepro: {self.repro()}",
+                pytrace=False,
+            )
 
     def judged(self, case, fn, judge, diagnose=None, *, baseline: bool = True) -> list:
         """Run the rank function ``fn`` for ``case`` on the pool, judge its per-rank results

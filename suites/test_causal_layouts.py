@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 
 from reference.diagnose import compare_records
-from reference.simulate import simulate_ring
 from suites.cases import RingCase
 from suites.inputs import InputSpec, make_inputs
+from suites.judge import simulation_for
 from suites.matrix import LAYOUTS, params, world_sizes
 
 
@@ -35,25 +35,15 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("work_case", _cases(metafunc.config, count_work=True, backward=False))
 
 
-def _simulation(case: RingCase):
-    g = make_inputs(case.inputs)
-    return simulate_ring(
-        g.query,
-        g.key,
-        g.value,
-        world_size=case.world_size,
-        layout=case.layout,
-        is_causal=case.is_causal,
-    )
-
-
 def test_every_ring_step_matches_the_simulation(ring, step_case: RingCase) -> None:
     case = ring.prepare(
         step_case
     )  # needs record_steps: N/A if declared lacking, a failure if missing
     results = ring.run(case)
     records = [rec for r in results for rec in r["records"]]
-    findings = compare_records(_simulation(case), records, dtype=case.inputs.torch_dtype)
+    findings = compare_records(
+        simulation_for(case, make_inputs(case.inputs)), records, dtype=case.inputs.torch_dtype
+    )
     assert not findings, f"ring steps diverge from the simulation [{case.label}]:\n" + "\n".join(
         f.what for f in findings
     )
@@ -62,7 +52,7 @@ def test_every_ring_step_matches_the_simulation(ring, step_case: RingCase) -> No
 
 def test_work_per_rank_is_minimal_and_balanced(ring, work_case: RingCase) -> None:
     case = ring.prepare(work_case)
-    sim = _simulation(case)
+    sim = simulation_for(case, make_inputs(case.inputs))
     expected = (
         sim.work_per_rank()
     )  # visible score entries per (batch, head), like CountingOp counts

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from suites import meshes
 from suites.cases import RingCase
 from suites.coverage import combos
@@ -77,20 +75,6 @@ def pytest_generate_tests(metafunc):
         )
 
 
-def _diff(expected: dict, actual: dict) -> list[str]:
-    lines = []
-    for phase in sorted(set(expected) | set(actual)):
-        exp, act = expected.get(phase, {}), actual.get(phase, {})
-        for kind in sorted(set(exp) | set(act)):
-            e, a = exp.get(kind, {"calls": 0, "bytes": 0}), act.get(kind, {"calls": 0, "bytes": 0})
-            if e != a:
-                lines.append(
-                    f"{phase}/{kind}: declared {e['calls']} calls, {e['bytes']} bytes; issued "
-                    f"{a['calls']} calls, {a['bytes']} bytes"
-                )
-    return lines
-
-
 def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
     case = ring.prepare(case)
     # N/A only with capabilities.collective_schedule=False; claimed but missing fails.
@@ -109,34 +93,8 @@ def test_collectives_match_declared_schedule(ring, case: RingCase) -> None:
             seq_q=spec.seq_q // case.world_size,
             return_lse=case.return_lse,
         )
-    expected = schedule(
-        case.world_size,
-        case.rotate_method,
-        batch=spec.batch,
-        heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim,
-        dtype=spec.torch_dtype,
-        compiled=False,
-        **value_dim,
-    )
+    expected = case.declared_schedule(schedule, **value_dim)
     results = ring.run(case)
     # The result first: a ring that computes wrongly is reported for that, not for its traffic.
     ring.check(case, results=results)
-    problems = []
-    for rank, r in enumerate(results):
-        actual = {phase: kinds for phase, kinds in (r["collectives"] or {}).items() if kinds}
-        where = f"rank {rank}"
-        if case.mesh_shape is not None:
-            u = case.mesh_shape[0]
-            where += f" (ulysses {rank % u}, ring {rank // u})"
-        problems += [
-            f"{where}: {line}" for line in _diff({p: k for p, k in expected.items() if k}, actual)
-        ]
-    if problems:
-        pytest.fail(
-            f"collectives differ from the declared schedule [{case.label}]:\n"
-            + "\n".join(problems)
-            + f"\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
+    ring.check_collectives(case, expected, results)

@@ -24,6 +24,7 @@ from reference.attention import attention
 from reference.budget import assert_verdict, check
 from suites import cases_api
 from suites.checkout import ROOT, checkout_file
+from suites.judge import judge_float64_model
 from suites.matrix import tier, world_sizes
 
 # context_parallel patches F.scaled_dot_product_attention, a module attribute of the rank's process.
@@ -86,15 +87,7 @@ def test_buffers_sharded_routed_and_restored(
     q, k, v = results[0]["inputs"]
     ref = attention(q, k, v, is_causal=is_causal).out
     for rank, r in enumerate(results):
-        assert_verdict(
-            check(
-                "out",
-                r["full"],
-                ref,
-                r["expected"],
-                context=f"[context_parallel_unshard on rank {rank}, {layout}]",
-            )
-        )
+        _judge_unsharded_out(r, ref, f"[context_parallel_unshard on rank {rank}, {layout}]")
 
 
 def test_exception_inside_restores_buffers_and_sdpa(cp, w: int) -> None:
@@ -159,6 +152,14 @@ def test_tutorial_script_under_torchrun(cp, device, tmp_path) -> None:
     assert "matches single-process SDPA" in proc.stdout
 
 
+def _judge_unsharded_out(r: dict, ref: torch.Tensor, context: str) -> None:
+    """A rank's attention output inside the context, unsharded (``r["full"]``), against the
+    float64 oracle ``ref``, with single-process SDPA on the same inputs in their dtype
+    (``r["expected"]``) as the policy's baseline."""
+    __tracebackhide__ = True
+    assert_verdict(check("out", r["full"], ref, r["expected"], context=context))
+
+
 def _summary(outcomes) -> str:
     return "\n".join(
         f"rank {o.rank}: "
@@ -170,26 +171,13 @@ def _summary(outcomes) -> str:
 def _judge_float64(
     rank: int, name: str, got: torch.Tensor, ref: torch.Tensor, what: str, tokens: int
 ) -> None:
-    """float64 run against the float64 unsharded one: reference and baseline are the same (error
-    0), so the policy reduces to its float64 floor. A model's outputs and parameter gradients sum
-    one contribution per token, in another order when sharded: up to ``tokens`` (batch x seq)
-    roundings more than the unsharded run's (reference.budget, ``roundings``)."""
+    """:func:`suites.judge.judge_float64_model`, after the shapes: float64 run against the
+    float64 unsharded one."""
     __tracebackhide__ = True
     assert tuple(got.shape) == tuple(ref.shape), (
         f"rank {rank}: {name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)} [{what}]"
     )
-    assert_verdict(
-        check(
-            name,
-            got,
-            ref,
-            ref,
-            dtype=torch.float64,
-            rank=rank,
-            roundings=tokens,
-            context=f"[{what}]",
-        )
-    )
+    judge_float64_model(rank, name, got, ref, what, tokens)
 
 
 # ---------------------------------------------------------------------- buffers
@@ -214,15 +202,7 @@ def test_buffer_listed_three_times_is_sharded_once(cp, w: int, layout: str) -> N
         assert r["restored"], f"rank {rank}: the buffer listed three times was not restored on exit"
         x = r["x"]
         ref = attention(x, x, x, is_causal=True).out
-        assert_verdict(
-            check(
-                "out",
-                r["full"],
-                ref,
-                r["expected"],
-                context=f"[buffer listed three times, {layout}, rank {rank}]",
-            )
-        )
+        _judge_unsharded_out(r, ref, f"[buffer listed three times, {layout}, rank {rank}]")
 
 
 def test_buffer_listed_with_two_seq_dims_is_rejected(cp, w: int) -> None:

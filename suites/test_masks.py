@@ -43,8 +43,17 @@ from suites.cases_masks import (
 )
 from suites.coverage import combos
 from suites.inputs import InputSpec
-from suites.matrix import LAYOUTS, ROTATIONS, drawn, params, seed_for, tier, world_sizes
-from suites.pytest_plugin import case_properties
+from suites.matrix import (
+    LAYOUTS,
+    ROTATIONS,
+    draw_inputs,
+    drawn,
+    params,
+    seed_for,
+    tier,
+    world_sizes,
+)
+from suites.meshes import STRATEGY_MESHES
 
 #: The mask kinds (reference.masks) each named mask uses.
 KINDS = {
@@ -280,10 +289,6 @@ def _compile_cases(config) -> list[MaskCase]:
     return out
 
 
-#: Ulysses and the hybrid with masks, on the session's 4-rank meshes (suites/meshes.py's).
-STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
-
-
 def _strategy_cases(config) -> list[MaskCase]:
     """Every named mask under Ulysses and the hybrid on 4 ranks, the layout and dtype cycled
     (nightly: all of them): each rank attends its heads' whole sequence (Ulysses), or a ring of
@@ -366,8 +371,7 @@ def _kinds(data: dict) -> set[str]:
 
 def _prepare(ring, case: MaskCase) -> MaskCase:
     __tracebackhide__ = True
-    op = case.op if case.op is not None else ring.op_spec
-    ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
+    op = ring.record_case(case)
     for kind in sorted(KINDS[case.mask] if not case.mask_json else _kinds(case.mask_data())):
         ring.require("masks", kind, why=f"mask {case.mask!r}")
     if case.sinks:
@@ -478,18 +482,8 @@ def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
     per_row = "batch_head_window" in json.dumps(
         mask
     )  # differs between batch rows and heads: 2 of each at least
-    heads_kv = 2 if per_row else data.draw(st.integers(1, 2), label="heads_kv")
-    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
-    dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
-    spec = InputSpec(
-        batch=2 if per_row else data.draw(st.integers(1, 2), label="batch"),
-        heads=heads_kv * group,
-        heads_kv=heads_kv,
-        seq_q=seq,
-        seq_kv=seq,
-        head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
-        dtype=data.draw(st.sampled_from(dtypes), label="dtype"),
-    )
+    pairs = 2 if per_row else None  # 2 batch rows and 2 key/value heads, or drawn
+    spec = draw_inputs(data, caps, seq, heads_kv=pairs, batch=pairs)
     rotate = data.draw(
         st.sampled_from(
             [m for m in ROTATIONS if caps.claims("rotate_methods", m)] or list(ROTATIONS)

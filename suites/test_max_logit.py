@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import strategies as st
 
 from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
@@ -32,6 +31,8 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_inputs,
+    draw_world_size,
     drawn,
     params,
     seed_for,
@@ -177,10 +178,7 @@ def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     per rank), causality or a named mask (with sinks), softmax scale (<= 0 included) and
     return_lse: the group's per-head max logit against the float64 oracle, as the named cases."""
     caps = ring.caps
-    sizes = world_sizes(pytestconfig)
-    if not sizes:
-        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     # The named masks need room for their documents and windows (24 tokens, as their cases);
@@ -197,19 +195,8 @@ def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     seq = data.draw(st.integers(least, least + 6), label="tokens_per_rank") * step * w
     causal = mask is None and data.draw(st.booleans(), label="is_causal")
     sinks = mask is not None and caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
-    heads_kv = data.draw(st.integers(1, 3), label="heads_kv")
-    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
-    dtypes = [d for d in DTYPES[:3] if caps.claims("dtypes", d)] or ["float64"]
-    spec = InputSpec(
-        batch=data.draw(st.integers(1, 2), label="batch"),
-        heads=heads_kv * group,
-        heads_kv=heads_kv,
-        seq_q=seq,
-        seq_kv=seq,
-        head_dim=data.draw(st.sampled_from((8, 16, 40)), label="head_dim"),
-        dtype=data.draw(st.sampled_from(dtypes), label="dtype"),
-        scale=data.draw(st.sampled_from((None, 0.5, -0.3, 0.0)), label="scale"),
-    )
+    spec = draw_inputs(data, caps, seq, dtypes=DTYPES[:3], most_kv=3, head_dims=(8, 16, 40))
+    spec = spec.with_(scale=data.draw(st.sampled_from((None, 0.5, -0.3, 0.0)), label="scale"))
     lse = caps.claims("lse") and data.draw(st.booleans(), label="return_lse")
     case = MaxLogitCase(
         spec.with_(seed=seed_for(f"{spec!r} {mask}")),
@@ -232,38 +219,8 @@ def test_max_logit_collectives_accounted(ring, case: MaxLogitCase) -> None:
         "collective_schedule", why="the max logit's collectives are asserted against it"
     )
     spec = case.inputs
-    expected = schedule(
-        case.world_size,
-        case.rotate_method,
-        batch=spec.batch,
-        heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim,
-        dtype=spec.torch_dtype,
-        compiled=False,
-        heads=spec.heads,
-        seq_q=spec.seq_q // case.world_size,
-        return_max_logit=True,
+    expected = case.declared_schedule(
+        schedule, heads=spec.heads, seq_q=spec.seq_q // case.world_size, return_max_logit=True
     )
     results = _run_and_judge(ring, case)
-    problems = []
-    for rank, r in enumerate(results):
-        for phase in sorted(set(expected) | set(r["collectives"])):
-            exp, act = expected.get(phase, {}), r["collectives"].get(phase, {})
-            for kind in sorted(set(exp) | set(act)):
-                e, a = (
-                    exp.get(kind, {"calls": 0, "bytes": 0}),
-                    act.get(kind, {"calls": 0, "bytes": 0}),
-                )
-                if e != a:
-                    problems.append(
-                        f"rank {rank}: {phase}/{kind}: declared {e['calls']} calls, "
-                        f"{e['bytes']} bytes; issued {a['calls']} calls, {a['bytes']} bytes"
-                    )
-    if problems:
-        pytest.fail(
-            f"collectives differ from the declared schedule [{case.label}]:\n"
-            + "\n".join(problems)
-            + f"\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
+    ring.check_collectives(case, expected, results)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-import pytest
 from hypothesis import strategies as st
 
 from suites.cases_packed import (
@@ -43,13 +42,14 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_inputs,
+    draw_world_size,
     drawn,
     params,
     seed_for,
     tier,
     world_sizes,
 )
-from suites.pytest_plugin import case_properties
 
 HEADS, HEAD_DIM = 4, 8
 
@@ -139,8 +139,7 @@ def pytest_generate_tests(metafunc):
 
 def _prepare(ring, case: PackedCase) -> PackedCase:
     __tracebackhide__ = True
-    op = case.op if case.op is not None else ring.op_spec
-    ring.request.node.user_properties.append(("ring_case", case_properties(replace(case, op=op))))
+    op = ring.record_case(case)
     ring.require("packed", why="ring_attention(cu_seqlens=...) on packed (THD) shards")
     ring.require("layouts", case.layout)
     ring.require("rotate_methods", case.rotate_method)
@@ -188,16 +187,11 @@ def test_any_cu_seqlens_matches_reference(ring, pytestconfig, data) -> None:
     return_lse and backward on or off: judged as the named document sets."""
     caps = ring.caps
     ring.require("packed", why="ring_attention(cu_seqlens=...) on packed (THD) shards")
-    sizes = world_sizes(pytestconfig)
-    if not sizes:
-        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     dtypes = [d for d in ("float64", "float32") if caps.claims("dtypes", d)] or ["float64"]
     dtype = data.draw(st.sampled_from(dtypes), label="dtype")
-    heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
-    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
     causal = data.draw(st.booleans(), label="is_causal")
     step = 2 if layout == "head_tail" else 1
     tokens = data.draw(st.integers(1, 8), label="tokens_per_rank") * step * w
@@ -205,15 +199,7 @@ def test_any_cu_seqlens_matches_reference(ring, pytestconfig, data) -> None:
     cu_as = data.draw(st.sampled_from(("list", "int32")), label="cu_seqlens_as")
     lse = caps.claims("lse") and data.draw(st.booleans(), label="return_lse")
     backward = caps.claims("backward") and data.draw(st.booleans(), label="backward")
-    spec = InputSpec(
-        batch=1,
-        heads=heads_kv * group,
-        heads_kv=heads_kv,
-        seq_q=tokens,
-        seq_kv=tokens,
-        head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
-        dtype=dtype,
-    )
+    spec = draw_inputs(data, caps, tokens, dtype=dtype, batch=1)
     case = PackedCase(
         spec.with_(seed=seed_for(f"{spec!r} {cuts}")),
         w,

@@ -39,13 +39,14 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_world_size,
     drawn,
     params,
     seed_for,
     tier,
     world_sizes,
 )
-from suites.pytest_plugin import case_properties
+from suites.meshes import STRATEGY_MESHES
 
 #: Masks the cases cycle through: none, is_causal (the kernel's causal blocks), a mask of
 #: documents and a window (masked blocks, rows that see nothing).
@@ -96,10 +97,6 @@ def _cases(config) -> list:
     )
 
 
-#: Ulysses and the hybrid, on the session's 4-rank meshes (suites/meshes.py's).
-STRATEGY_MESHES = (("ulysses", (4, 1)), ("hybrid", (2, 2)))
-
-
 def _strategy_cases(config) -> list[ScoreModCase]:
     """ALiBi (slopes of each rank's global heads) and the flex-style function (the head and both
     positions) under Ulysses and the hybrid on 4 ranks, GQA with fewer key/value heads than the
@@ -142,8 +139,7 @@ def pytest_generate_tests(metafunc):
 
 def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
     __tracebackhide__ = True
-    op = case.op if case.op is not None else ring.op_spec
-    ring.request.node.user_properties.append(("ring_case", case_properties(case.with_(op=op))))
+    op = ring.record_case(case)
     ring.require("score_mod", why=f"score_mod {case.score_mod!r}")
     ring.require("lse", why="the LSE of the modified scores is part of the contract")
     if case.mask:
@@ -203,10 +199,7 @@ def test_any_score_mod_matches_reference(ring, pytestconfig, data) -> None:
     (none, is_causal, documents with a window) and sinks: judged as the named cases."""
     caps = ring.caps
     nightly = tier(pytestconfig) == "nightly"
-    sizes = world_sizes(pytestconfig) if nightly else world_sizes(pytestconfig, at_most=4)
-    if not sizes:
-        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig, at_most=None if nightly else 4)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     name = data.draw(st.sampled_from(SCORE_MOD_NAMES), label="score_mod")

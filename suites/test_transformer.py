@@ -4,10 +4,9 @@ gradients (after the all-reduce a CP training step needs) equal the unsharded mo
 from __future__ import annotations
 
 import pytest
-import torch
 
-from reference.budget import assert_verdict, check
 from suites import cases_api
+from suites.judge import judge_float64_model
 from suites.matrix import world_sizes
 
 # context_parallel patches F.scaled_dot_product_attention, a module attribute of the rank's process.
@@ -22,41 +21,16 @@ def pytest_generate_tests(metafunc):
 
 
 def _judge_model(results, what: str, tokens: int) -> None:
-    """float64 model: the unsharded float64 model is both reference and baseline (error 0), so
-    the policy reduces to its float64 floor. A parameter gradient sums one contribution per
-    token, and the sharded run sums them in another order (per rank, then the all-reduce):
-    each element may carry up to ``tokens`` roundings more than the unsharded run's."""
+    """Every rank's output and parameter gradients (after the all-reduce) against the unsharded
+    float64 model's (:func:`suites.judge.judge_float64_model`)."""
     __tracebackhide__ = True
     for rank, r in enumerate(results):
-        assert_verdict(
-            check(
-                "out",
-                r["out"],
-                r["ref_out"],
-                r["ref_out"],
-                dtype=torch.float64,
-                rank=rank,
-                roundings=tokens,
-                context=f"[{what}]",
-            )
-        )
+        judge_float64_model(rank, "out", r["out"], r["ref_out"], what, tokens)
         assert r["grads"].keys() == r["ref_grads"].keys(), (
             f"rank {rank}: parameters without gradients differ"
         )
         for name, g in r["grads"].items():
-            ref = r["ref_grads"][name]
-            assert_verdict(
-                check(
-                    f"grad {name}",
-                    g,
-                    ref,
-                    ref,
-                    dtype=torch.float64,
-                    rank=rank,
-                    roundings=tokens,
-                    context=f"[{what}]",
-                )
-            )
+            judge_float64_model(rank, f"grad {name}", g, r["ref_grads"][name], what, tokens)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])

@@ -42,6 +42,7 @@ from suites.matrix import (
     LAYOUTS,
     ROTATIONS,
     draw_claimed,
+    draw_inputs,
     drawn,
     params,
     seed_for,
@@ -156,18 +157,7 @@ def test_any_split_matches_reference(ring, pytestconfig, data) -> None:
     causal = data.draw(st.booleans(), label="is_causal")
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     dtype = data.draw(st.sampled_from(("float64", "float32")), label="dtype")
-    heads_kv = data.draw(st.integers(1, 2), label="heads_kv")
-    group = data.draw(st.integers(1, 2), label="gqa_group") if caps.claims("gqa") else 1
-    seq = sum(lengths)
-    spec = InputSpec(
-        batch=data.draw(st.integers(1, 2), label="batch"),
-        heads=heads_kv * group,
-        heads_kv=heads_kv,
-        seq_q=seq,
-        seq_kv=seq,
-        head_dim=data.draw(st.sampled_from((8, 16)), label="head_dim"),
-        dtype=dtype,
-    )
+    spec = draw_inputs(data, caps, sum(lengths), dtype=dtype)
     spec = spec.with_(seed=seed_for(f"{spec!r} {lengths}"))
     case = UnevenCase(
         spec,

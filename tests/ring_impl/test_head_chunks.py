@@ -143,16 +143,8 @@ def test_chunked_ring_matches_reference_and_schedule(ring, case: RingCase) -> No
     case = ring.prepare(case)
     results = ring.run(case)
     ring.check(case, results=results)
-    spec, chunks = case.inputs, dict(case.extras)["head_chunks"]
-    expected = collective_schedule(
-        case.world_size,
-        case.rotate_method,
-        batch=spec.batch,
-        heads_kv=spec.heads_kv,
-        seq_kv=spec.seq_kv // case.world_size,
-        head_dim=spec.head_dim,
-        dtype=spec.torch_dtype,
-        head_chunks=chunks,
+    expected = case.declared_schedule(
+        collective_schedule, head_chunks=dict(case.extras)["head_chunks"]
     )
     for rank, r in enumerate(results):
         issued = {phase: kinds for phase, kinds in r["collectives"].items() if kinds}
