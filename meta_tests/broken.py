@@ -426,7 +426,7 @@ class RaisesOnOneRankOnly:
 
     def __call__(self, query, key, value, **options):
         from ring_impl.api import get_rotate_method
-        from ring_impl.checks.inputs import local_problem
+        from ring_impl.checks.inputs import LocalCall, local_problem
         from ring_impl.ops import resolve_op
 
         op_obj, op_error = None, None
@@ -441,18 +441,21 @@ class RaisesOnOneRankOnly:
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
             op_error = str(exc)
         # the options ring_impl.ring_attention checks on this rank, at its defaults
-        problem = local_problem(
-            query,
-            key,
-            value,
+        local = LocalCall(
+            query=query,
+            key=key,
+            value=value,
             is_causal=options.get("is_causal", False),
             scale=options.get("scale"),
             layout=options.get("layout", "contiguous"),
             rotate_method=options.get("rotate_method") or get_rotate_method(),
-            op=op_obj,
-            op_error=op_error,
+            head_chunks=1,
             return_lse=options.get("return_lse", False),
+            op=op_obj,
+            effective_scale=None,  # (local_problem derives it)
+            op_error=op_error,
         )
+        problem = local_problem(local)
         if problem is not None:
             raise ValueError(f"ring_attention: {problem}")
         return _RING(query, key, value, **options)
