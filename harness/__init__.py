@@ -17,7 +17,7 @@ returns every rank's :class:`RankOutcome` for tests that expect ranks to raise.
 :class:`CollectiveLog` counts the collectives a rank issues, per phase.
 
 Modules by role: :mod:`harness.launchers` (``get_pool``: the launchers by name),
-:mod:`harness.launch` (what every pool does), :mod:`harness.pool` (rank processes owned by this
+:mod:`harness.pool_base` (what every pool does), :mod:`harness.pool` (rank processes owned by this
 process) with :mod:`harness.rank_start`, :mod:`harness.rank_main`, :mod:`harness.waiting`,
 :mod:`harness.stacks` and :mod:`harness.rank_output`; :mod:`harness.torchrun` (this process is one
 torchrun rank); :mod:`harness.simulated` with :mod:`harness.simulated_group` (every rank a
@@ -45,9 +45,9 @@ from harness.errors import (
     RankError,
     RankOutcome,
 )
-from harness.launch import Pool
 from harness.launchers import get_pool, shutdown_all_pools
 from harness.pool import RankPool, active_pools
+from harness.pool_base import Pool
 
 if TYPE_CHECKING:
     from harness.accounting import CollectiveCall, CollectiveLog

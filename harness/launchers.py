@@ -1,6 +1,6 @@
 """The launchers of ranks, by name, and ``get_pool``, which picks the session's.
 
-A launcher is a way to get a :class:`~harness.launch.Pool` for (world size, backend, device):
+A launcher is a way to get a :class:`~harness.pool_base.Pool` for (world size, backend, device):
 
 ``pool``
     rank processes started and owned by this process (:mod:`harness.pool`), cached per key;
@@ -12,7 +12,7 @@ A launcher is a way to get a :class:`~harness.launch.Pool` for (world size, back
 
 ``--launcher`` (``RING_LAUNCHER``, :mod:`harness.settings`) names the session's; ``auto`` means
 torchrun when the torchrun environment is present, else pool. A new launcher is a module with a
-:class:`~harness.launch.Pool` subclass, an entry in :data:`LAUNCHERS` and its name in
+:class:`~harness.pool_base.Pool` subclass, an entry in :data:`LAUNCHERS` and its name in
 :data:`harness.settings.LAUNCHERS`.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness import pool, rank_start, simulated, torchrun
-from harness.launch import Pool
+from harness.pool_base import Pool
 from harness.settings import current, default_backend
 
 __all__ = ["LAUNCHERS", "Launcher", "get_pool", "shutdown_all_pools", "warm_up"]

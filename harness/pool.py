@@ -54,7 +54,7 @@ from harness.errors import (
     RankOutcome,
     unfinished_outcome,
 )
-from harness.launch import CaseCall, Pool, case_failure, shutdown_pools
+from harness.pool_base import CaseCall, Pool, case_failure, shutdown_pools
 from harness.procs import install_parent_hooks, pid_alive, signal_name
 from harness.rank_output import RankOutput
 from harness.rank_start import mp_context, rank_env

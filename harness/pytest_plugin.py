@@ -39,8 +39,8 @@ import pytest
 
 from harness import settings as harness_settings_module
 from harness.errors import PoolUnavailable
-from harness.launch import Pool
 from harness.launchers import get_pool, shutdown_all_pools, warm_up
+from harness.pool_base import Pool
 from harness.settings import OPTIONS, HarnessSettings, SettingsError
 
 OPTION_GROUP = "ring attention"

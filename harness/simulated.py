@@ -41,7 +41,7 @@ from harness.errors import (
     RankOutcome,
     unfinished_outcome,
 )
-from harness.launch import CaseCall, Pool, case_failure, shutdown_pools
+from harness.pool_base import CaseCall, Pool, case_failure, shutdown_pools
 from harness.settings import current
 
 __all__ = ["SimulatedPool", "shutdown_simulated_pools", "simulated_pool"]

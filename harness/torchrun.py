@@ -26,7 +26,7 @@ from typing import Any
 from harness import wire
 from harness.context import RankContext
 from harness.errors import CRASHED, ERROR, OK, CaseFailure, PoolUnavailable, RankOutcome
-from harness.launch import CaseCall, Pool, case_failure
+from harness.pool_base import CaseCall, Pool, case_failure
 from harness.settings import current
 
 __all__ = ["TorchrunPool", "get_torchrun_pool", "shutdown_torchrun_pool", "torchrun_rank"]
