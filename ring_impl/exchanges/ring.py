@@ -418,7 +418,8 @@ class RingAttention:
         finite (the propagation only ever adds NaN where a non-finite input reaches; with none it
         changes nothing), read where reading costs nothing (:meth:`reads_are_free`: on CPU) or,
         with ``once``, where the caller decides for a whole direction of a call with one read
-        (a one-rank call on a GPU: one device sync instead of the propagation's passes over every
+        (on a GPU, a one-rank call's forward and backward, and a multi-rank backward whose group
+        holds finite inputs: one device sync instead of the propagation's passes over every
         block). Otherwise, and under compile, False: the blocks go through the propagation, with
         no data-dependent branch."""
         if torch.compiler.is_compiling():
@@ -650,18 +651,26 @@ class RingAttention:
         #   grads_home       after the loop: this rank's own accumulator, plus its step-0 part
         rotation.block(0)
         alone = cfg.group.world_size == 1
-        # as the forward: one rank decides once for its call, else per step where reads are free
-        rows_finite = (
-            self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse)
-            if alone
-            else self.rows_finite(query, out, grad_out, lse, grad_lse)
-        )
+        # Every rank's query, key and value finite (the forward's cross-rank verdict): whatever
+        # rotates in is finite, so this rank's own gradients decide every block, with one read
+        # (a NaN in another rank's gradients reaches this rank's dK/dV through the accumulators
+        # that rank poisons). Else, as the forward: one rank decides once, more decide per step
+        # where reads are free.
+        group_finite = cfg.verdicts is not None and cfg.verdicts.get("group_finite") is True
+        if alone:
+            rows_finite = self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse)
+        elif group_finite:
+            rows_finite = self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse), once=True)
+        else:
+            rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse)
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
             kv = split_kv(rotation.block(plan.step), key.shape[-1]) if plan.step else (key, value)
             finite = (
-                len(plan.blocks) > 0 and rows_finite and (alone or self.all_finite(kv[0], kv[1]))
+                len(plan.blocks) > 0
+                and rows_finite
+                and (alone or group_finite or self.all_finite(kv[0], kv[1]))
             )
             contribution = []  # (kv_rows, dk, dv) per block
             for block in plan.blocks:

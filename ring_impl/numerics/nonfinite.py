@@ -13,12 +13,12 @@ So a block whose inputs are not all finite runs its kernel on :func:`finite_part
 block's own inputs and its visibility, with no host sync (no branch on whether a flag is set:
 the ring reads a flag only where that is free, on CPU, or once per direction of a one-rank call;
 a multi-rank forward learns whether every rank's inputs are finite from the cross-rank check's
-all-reduce, read with it; on a GPU every other block of a multi-rank call, and every block of
-its backward, takes this path) (``"full"``, top-left ``"causal"``,
-``"masked"`` with the block's visibility, or ``"ranges"`` with its rows' key ranges: a prefix count
-over the keys): elementwise flags and a prefix ``any`` over keys (one reduction), O(seq * head_dim)
-per step against the kernel's O(seq^2 * head_dim), with no data-dependent branch
-(compiles into the graph). The rule is the float64 oracle's
+all-reduce, read with it, and its backward then reads one flag of the rank's own gradients; on
+a GPU the blocks of a call whose group holds a non-finite input take this path) (``"full"``,
+top-left ``"causal"``, ``"masked"`` with the block's visibility, or ``"ranges"`` with its rows' key
+ranges: a prefix count over the keys): elementwise flags and a prefix ``any`` over keys (one
+reduction), O(seq * head_dim) per step against the kernel's O(seq^2 * head_dim), with no
+data-dependent branch (compiles into the graph). The rule is the float64 oracle's
 (``reference.attention.nonfinite_reach``): dependency through the visibility.
 
 Shapes: query/out/grad_out (batch, heads, rows, head_dim), lse (batch, heads, rows),

@@ -4,8 +4,9 @@ ring may not make one per block.
 
 The ring skips the NaN propagation for blocks whose inputs are finite, a check that reads a
 flag: free on CPU, where it is made per ring step; a sync on a GPU, where a one-rank call makes
-it once per direction (forward, backward: one read each) and a multi-rank call never (its forward
-learns the group's verdict from the cross-rank check's all-reduce, its backward's blocks go
+it once per direction (forward, backward: one read each) and a multi-rank call once (its forward
+learns the group's verdict from the cross-rank check's all-reduce; its backward, when every
+rank's inputs are finite, reads one flag of the rank's own gradients; otherwise its blocks go
 through the propagation). Here reads are made to count as on a GPU
 (``RingAttention.reads_are_free``), and they are counted in one warm call, forward and backward,
 at W=1 and W=2 with the CUDA kernels' CPU emulations. Counts are exact, not timings.
@@ -66,57 +67,73 @@ def test_no_host_sync_per_block(ring, case: str, world: int) -> None:
             "without --impl to check it)"
         )
     syncs = ring.rank_pool(world).run(_syncs, case)
-    # W=2: the forward's verdict comes with the cross-rank check; nothing else is read
-    limit = LIMITS[case] if world == 1 else LIMITS[case] - 2
+    # W=2: the forward's verdict comes with the cross-rank check; the backward reads one flag
+    limit = LIMITS[case] if world == 1 else LIMITS[case] - 1
     assert max(syncs) <= limit, (
         f"{case}: {syncs} host syncs per rank in one call at W={world}, at most {limit} allowed"
     )
 
 
-def _propagations(ctx, nan_rank: int | None) -> tuple[int, int]:
-    """(forward blocks that went through the NaN propagation, forward blocks) in one call at W=2
-    with reads as on a GPU; ``nan_rank``: the rank whose key holds a NaN (None: all finite)."""
+def _propagations(ctx, nan_in: str | None) -> dict[str, tuple[int, int]]:
+    """Per direction, (blocks that went through the NaN propagation, blocks) of one call at W=2
+    with reads as on a GPU; ``nan_in``: rank 1's tensor holding a NaN, "key" or "grad_out"
+    (None: all finite)."""
     import ring_impl
     from ring_impl.exchanges.ring import RingAttention
 
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 4, SEQ // 8, 32, generator=gen) for _ in range(3))
-    if nan_rank == ctx.rank:
+    q, k, v, do = (torch.randn(1, 4, SEQ // 8, 32, generator=gen) for _ in range(4))
+    if ctx.rank == 1 and nan_in == "key":
         k[0, 1, 3, 5] = float("nan")
-    calls = {"propagated": 0, "blocks": 0}
-    shortcut, propagate, block = (
-        RingAttention.reads_are_free,
-        RingAttention.nonfinite_forward,
-        RingAttention.block_forward,
-    )
+    if ctx.rank == 1 and nan_in == "grad_out":
+        do[0, 2, 7, 1] = float("nan")
+    counts = {name: 0 for name in ("forward", "forward_blocks", "backward", "backward_blocks")}
+    patched = {
+        "nonfinite_forward": "forward",
+        "block_forward": "forward_blocks",
+        "nonfinite_backward": "backward",
+        "block_backward": "backward_blocks",
+    }
+    originals = {name: getattr(RingAttention, name) for name in (*patched, "reads_are_free")}
 
-    def counted_propagate(self, *args, **kwargs):
-        calls["propagated"] += 1
-        return propagate(self, *args, **kwargs)
+    def counted(name: str):
+        def method(self, *args, **kwargs):
+            counts[patched[name]] += 1
+            return originals[name](self, *args, **kwargs)
 
-    def counted_block(self, *args, **kwargs):
-        calls["blocks"] += 1
-        return block(self, *args, **kwargs)
+        return method
 
     RingAttention.reads_are_free = lambda self, tensors: False  # as on a GPU
-    RingAttention.nonfinite_forward = counted_propagate
-    RingAttention.block_forward = counted_block
+    for name in patched:
+        setattr(RingAttention, name, counted(name))
     try:
-        ring_impl.ring_attention(q, k, v, group=ctx.group, is_causal=True, layout="head_tail")
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ring_impl.ring_attention(*leaves, group=ctx.group, is_causal=True, layout="head_tail")
+        out.backward(do)
     finally:
-        RingAttention.reads_are_free = shortcut
-        RingAttention.nonfinite_forward = propagate
-        RingAttention.block_forward = block
-    return calls["propagated"], calls["blocks"]
+        for name, method in originals.items():
+            setattr(RingAttention, name, method)
+    return {
+        "forward": (counts["forward"], counts["forward_blocks"]),
+        "backward": (counts["backward"], counts["backward_blocks"]),
+    }
 
 
-def test_a_multi_rank_forward_skips_the_propagation_on_the_groups_verdict(ring) -> None:
+def test_a_multi_rank_call_skips_the_propagation_on_the_groups_verdict(ring) -> None:
     """As on a GPU: with every rank's inputs finite (reported in the cross-rank check's
-    all-reduce) no forward block goes through the NaN propagation; a NaN in one rank's key puts
-    every block of every rank back through it (the verdict is the group's)."""
+    all-reduce) no block of the forward goes through the NaN propagation, nor any of the backward
+    on a rank whose gradients are finite (one read); a NaN in one rank's key puts every block of
+    every rank back through it (the verdict is the group's); a NaN in one rank's output gradient
+    puts that rank's backward blocks through it and no others (what it poisons elsewhere travels
+    in that rank's dK/dV accumulators)."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
-    finite = ring.rank_pool(2).run(_propagations, None)
-    assert all(p == 0 and b > 0 for p, b in finite), finite
-    poisoned = ring.rank_pool(2).run(_propagations, 1)
-    assert all(p == b > 0 for p, b in poisoned), poisoned
+    pool = ring.rank_pool(2)
+    for rank, calls in enumerate(pool.run(_propagations, None)):
+        assert all(p == 0 and b > 0 for p, b in calls.values()), (rank, calls)
+    for rank, calls in enumerate(pool.run(_propagations, "key")):
+        assert all(p == b > 0 for p, b in calls.values()), (rank, calls)
+    for rank, calls in enumerate(pool.run(_propagations, "grad_out")):
+        (pf, bf), (pb, bb) = calls["forward"], calls["backward"]
+        assert pf == 0 and bf > 0, (rank, calls)
+        assert bb > 0 and pb == (bb if rank == 1 else 0), (rank, calls)

@@ -6,7 +6,9 @@ nothing else; dV never depends on a value. Each case puts one NaN somewhere, run
 forward and backward, and requires out, LSE, dQ, dK and dV to be non-finite exactly where the
 oracle's are: a NaN hidden fails, and so does one spread to entries that do not depend on it
 (a NaN value making a whole head's dV NaN; a NaN at a padding key that no query sees poisoning
-the rows of the kernel call it sits in).
+the rows of the kernel call it sits in). Each case runs twice: with the finiteness flags read
+per ring step (free on CPU) and with reads as on a GPU, where the ring decides once per direction
+or from the group's verdict.
 """
 
 from __future__ import annotations
@@ -134,7 +136,23 @@ def _global(case: str):
     return t["query"], t["key"], t["value"], t["grad_out"]
 
 
-def _run(ctx, case: str) -> dict:
+def _run(ctx, case: str, reads: str = "free") -> dict:
+    """Per quantity (hidden, spread, expected) non-finite entries on this rank; ``reads``:
+    ``"free"`` (CPU: the ring reads its finiteness flags per step) or ``"as_on_gpu"`` (a read
+    costs a device sync: the ring decides once per direction, or from the group's verdict)."""
+    from ring_impl.exchanges.ring import RingAttention
+
+    if reads == "free":
+        return _judged(ctx, case)
+    shortcut = RingAttention.reads_are_free
+    RingAttention.reads_are_free = lambda self, tensors: False
+    try:
+        return _judged(ctx, case)
+    finally:
+        RingAttention.reads_are_free = shortcut
+
+
+def _judged(ctx, case: str) -> dict:
     import ring_impl
     from reference.attention import attention_grads
     from reference.masks import visibility
@@ -186,20 +204,20 @@ def _run(ctx, case: str) -> dict:
     return report
 
 
+@pytest.mark.parametrize("reads", ["free", "as_on_gpu"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_nan_reaches_exactly_what_depends_on_it(ring, case: str) -> None:
+def test_nan_reaches_exactly_what_depends_on_it(ring, case: str, reads: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
             f"ring_impl's guarantee (suites/test_edge_values.py holds vendors to no hidden NaN); "
             f"the implementation under test is {ring.impl.spec}"
         )
     w = CASES[case][0]
-    for rank, report in enumerate(ring.rank_pool(w).run(_run, case)):
+    reports = ring.rank_pool(w).run(_run, case, reads)
+    for rank, report in enumerate(reports):
         wrong = {name: counts for name, counts in report.items() if counts[0] or counts[1]}
         assert not wrong, (
             f"{case}, rank {rank}: (hidden, spread, expected) non-finite entries per quantity: "
             f"{wrong}; all: {report}"
         )
-    assert any(counts[2] for r in ring.rank_pool(w).run(_run, case) for counts in r.values()), (
-        "the case put no NaN anywhere"
-    )
+    assert any(counts[2] for r in reports for counts in r.values()), "the case put no NaN anywhere"
