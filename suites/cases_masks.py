@@ -233,10 +233,12 @@ def _sinks(spec: InputSpec) -> torch.Tensor:
     return s if spec.torch_dtype == torch.float64 else s.float()
 
 
-def optional_keywords(ctx, case: RingCase, sinks: torch.Tensor | None) -> dict[str, Any]:
+def optional_keywords(
+    case: RingCase, sinks: torch.Tensor | None, device: torch.device
+) -> dict[str, Any]:
     """The ``ring_attention`` keywords a masked or scored case passes only when it has them:
     ``strategy`` on a mesh, ``sinks`` (this rank's (heads,) sink logits), ``op`` (the case's
-    kernel, resolved on this rank's device)."""
+    kernel, resolved on ``device``, the rank's)."""
     kwargs: dict[str, Any] = {}
     if case.mesh_shape is not None:
         kwargs["strategy"] = case.strategy
@@ -245,7 +247,7 @@ def optional_keywords(ctx, case: RingCase, sinks: torch.Tensor | None) -> dict[s
     if case.op is not None:
         from suites.cases import resolve_case_op
 
-        kwargs["op"] = resolve_case_op(case, ctx.device)
+        kwargs["op"] = resolve_case_op(case, device)
     return kwargs
 
 
@@ -318,7 +320,7 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     dout = shard(g.grad_out).to(ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
     kwargs = case.call_keywords(group, is_causal=False, layout=layout, return_lse=True, mask=mask)
-    kwargs.update(optional_keywords(ctx, case, sinks))
+    kwargs.update(optional_keywords(case, sinks, ctx.device))
     attention = impl.obj.ring_attention
     if case.refill:
         mask = _refilled_documents(attention, q, k, v, kwargs, case.mask_data())

@@ -184,7 +184,7 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     )
     if case.mask:
         kwargs["mask"] = MaskSpec(mask_spec(case.mask, spec.seq_q))
-    kwargs.update(optional_keywords(ctx, case, sinks))
+    kwargs.update(optional_keywords(case, sinks, ctx.device))
     return call_with_sinks(impl.obj.ring_attention, q, k, v, dout, sinks, kwargs)
 
 
