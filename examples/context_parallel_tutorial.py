@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ring_impl import context_parallel_unshard
-from ring_impl.torch_api import context_parallel
+from ring_impl import context_parallel, context_parallel_unshard
 
 
 def context_parallel_sdpa_example(world_size: int, rank: int) -> None:

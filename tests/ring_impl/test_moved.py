@@ -35,6 +35,8 @@ def test_old_names_serve_from_imports_and_attributes() -> None:
         "from ring_impl.planning.mesh_layout import local_shard as ls, shard as sh\n"
         "assert Ulysses is U and local_shard is ls and shard is sh\n"
         "assert InputError is ring_impl.InputError\n"
+        "from ring_impl import context_parallel\n"
+        "assert callable(context_parallel), 'ring_impl.context_parallel is the function'\n"
         "assert ring_impl.plan is __import__('ring_impl.planning.plan').planning.plan\n"
         "try:\n"
         "    ring_impl.no_such_module\n"
