@@ -215,9 +215,9 @@ def _uneven(bound: Bound, call: Call, query, key, value, shard_lengths):
 
 def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) -> Path:
     """The :class:`ring_impl.exchanges.ring.Path` serving ``call`` on these tensors (``ring_path``
-    for the ring's exchanges, ``ring_impl.exchanges.strategy_path`` for Ulysses and the hybrid),
-    checked on this rank and across the group (InputError on every rank for bad input). Its LSE is
-    computed when ``return_lse`` or ``sinks`` (the sink term needs it).
+    for the ring's exchanges, ``ring_impl.exchanges.head_parallel.strategy_path`` for Ulysses and
+    the hybrid), checked on this rank and across the group (InputError on every rank for bad input).
+    Its LSE is computed when ``return_lse`` or ``sinks`` (the sink term needs it).
 
     A ``mask`` holding tensors (``Documents``) is copied first (ring_impl.masks.snapshot): the
     path plans with that copy, so what the caller writes into its ids later cannot reach a plan

@@ -300,8 +300,7 @@ def _gather_schedule(
     strategy,
     head_chunks,
 ) -> Schedule:
-    """The sparse gather's collectives on ``rank``
-    (:func:`.kv_gather.gather_schedule`)."""
+    """The sparse gather's collectives on ``rank`` (:func:`.kv_gather.gather_schedule`)."""
     from ..exchanges.kv_gather import gather_plan, gather_refusal
     from .kv_gather import gather_schedule
 
