@@ -499,6 +499,9 @@ class NanHidden(RingAttention):
     def nonfinite_backward(self, dq, dk, dv, q, k, v, out, lse, grad_out, plan, grad_lse=None):
         return dq, dk, dv
 
+    def nonfinite_gradients(self, dq, dk, dv, flags, plan):
+        return dq, dk, dv
+
 
 class _OwnScaleOp:
     """The rank's own scale inside the kernel while the checks see scale=None on every rank."""

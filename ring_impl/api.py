@@ -327,9 +327,8 @@ def ring_path(
         # that fails on this rank's positions is a problem every rank raises (plan_ahead).
         problem = plan_ahead(make_ahead, folded)
     if world > 1 and not torch.compiler.is_compiling():
-        # The ring's blocks: every rank's query, key and value finite, reported in the check's
-        # own all-reduce (no read of its own), lets the forward skip the NaN propagation.
-        ring_blocks = problem is None and not gather and reach is None
+        # Every rank's query, key and value finite, reported in the check's own all-reduce (no
+        # read of its own), lets every path skip the NaN propagation of the inputs.
         group_finite = agree_across_ranks(
             problem,
             local,
@@ -348,7 +347,7 @@ def ring_path(
             )
             if problem is None
             else 0,
-            finite=(query, key, value) if ring_blocks else (),
+            finite=(query, key, value) if problem is None else (),
         )
         if group_finite is not None and cfg is not None and cfg.verdicts is not None:
             cfg.verdicts["group_finite"] = group_finite

@@ -27,10 +27,11 @@ dK/dV bytes are the same rows in the accumulation dtype (a 16-bit transfer would
 neighbour).
 
 The seams of :class:`ring_impl.exchanges.ring.RingAttention` the block goes through are the ring's
-own (``pack_kv``, ``block_forward``, ``block_backward``, ``nonfinite_forward``,
-``nonfinite_backward``), so a variant's kernel handling applies to both paths; its plan and
-transports do not (there is no ring). The step recorder (:mod:`ring_impl.debug`) records nothing
-here: the block mixes three ranks' keys, which the ring simulation has no step for.
+own (``pack_kv``, ``block_forward``, ``block_backward``, ``nonfinite_forward``, and through
+``block_grads`` ``nonfinite_backward`` and ``nonfinite_gradients``), so a variant's kernel
+handling and non-finite decisions apply to both paths; its plan and transports do not (there is
+no ring). The step recorder (:mod:`ring_impl.debug`) records nothing here: the block mixes three
+ranks' keys, which the ring simulation has no step for.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..numerics.nonfinite import finite_parts
+from ..numerics.nonfinite import GradientFlags, finite_parts
 from ..planning.plan import Block, cached_by_mask, mask_blocks
 from ..transports.link import stage_on_host
 from .ring import RingAttention, RingConfig, block_rows, split_kv
@@ -222,8 +223,10 @@ def extended_forward(
         lse = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
     else:
         out, lse = into
-    if finite is None:
-        finite = len(blocks) > 0 and impl.all_finite(query, ext)
+    if finite is None:  # every rank's finite (the group's verdict), or read where that is free
+        finite = len(blocks) > 0 and (
+            impl.inputs_known_finite(cfg) is True or impl.all_finite(query, ext)
+        )
     view = cfg.op.capabilities.row_views
     for block in blocks:
         (q0, q1) = block.q_rows
@@ -257,11 +260,14 @@ def extended_backward(
     blocks: tuple[Block, ...],
     *,
     finite: bool | None = None,
+    flags: GradientFlags | None = None,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, d ext) in the accumulation dtype for :func:`extended_forward`'s call: ``out``/``lse``
-    as it returned them, ``grad_lse`` the LSE's gradient or None. ``finite`` as there (checked
-    here when None); ``into``: (dq, d ext) accumulators to add into, instead of new zeros."""
+    as it returned them, ``grad_lse`` the LSE's gradient or None. ``finite`` as there and
+    ``flags`` as :meth:`RingAttention.gradient_decision` gives them (decided here when
+    ``finite`` is None); ``into``: (dq, d ext) accumulators to add into, instead of new
+    zeros."""
     acc = impl.accumulation_dtype(query.dtype)
     if into is None:
         dq = torch.zeros(query.shape, dtype=acc, device=query.device)
@@ -269,35 +275,17 @@ def extended_backward(
     else:
         dq, dkv = into
     if finite is None:
-        finite = (
-            len(blocks) > 0
-            and impl.rows_finite(query, out, grad_out, lse, grad_lse)
-            and impl.all_finite(ext)
-        )
-    view = cfg.op.capabilities.row_views
-    (ext_k, ext_v), (dext_k, dext_v) = (
-        split_kv(ext, query.shape[-1]),
-        split_kv(dkv, query.shape[-1]),
-    )
+        finite, flags = impl.gradient_decision(cfg, query, out, lse, grad_out, grad_lse)
+        if impl.inputs_known_finite(cfg) is not True:  # the rows received: read where free
+            finite = finite and impl.all_finite(ext)
+        finite = finite and len(blocks) > 0
+    kv = split_kv(ext, query.shape[-1])
+    dext_k, dext_v = split_kv(dkv, query.shape[-1])
     for block in blocks:
-        (q0, q1), (k0, k1) = block.q_rows, block.kv_rows
-        extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
-        do_, q_, o_, l_ = (block_rows(t, block.q_rows, view) for t in (grad_out, query, out, lse))
-        k_, v_ = block_rows(ext_k, block.kv_rows, view), block_rows(ext_v, block.kv_rows, view)
-        if finite:
-            bq, bk, bv = impl.block_backward(cfg, do_, q_, k_, v_, o_, l_, block, **extra)
-        else:
-            # the kernel on finite numbers, NaN put exactly where the inputs take it
-            # (ring_impl.numerics.nonfinite)
-            bq, bk, bv = impl.block_backward(
-                cfg,
-                *finite_parts(do_, q_, k_, v_, o_, l_),
-                block,
-                **{n: finite_parts(t)[0] for n, t in extra.items()},
-            )
-            bq, bk, bv = impl.nonfinite_backward(
-                bq, bk, bv, q_, k_, v_, o_, l_, do_, block, **extra
-            )
+        (q0, q1), bq, bk, bv = impl.block_grads(
+            cfg, block, grad_out, query, kv, out, lse, grad_lse, finite, flags
+        )
+        (k0, k1) = block.kv_rows
         dq[:, :, q0:q1] += bq
         dext_k[:, :, k0:k1] += bk
         dext_v[:, :, k0:k1] += bv

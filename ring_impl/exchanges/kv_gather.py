@@ -240,12 +240,14 @@ class GatherPath:
         ext.index_copy_(ext.dim() - 2, plan.own_at, kv)
         del kv
         own, remote = plan.blocks[: plan.own_blocks], plan.blocks[plan.own_blocks :]
-        finite = impl.all_finite(query, key, value)
+        # every rank's finite (the group's verdict), or read where that is free
+        known = impl.inputs_known_finite(cfg) is True
+        finite = known or impl.all_finite(query, key, value)
         out, lse = extended_forward(impl, cfg, query, ext, own, finite=finite, result=False)
         received = exchange.result()  # rows first (_rows_first)
         if received.shape[0]:
             ext.index_copy_(ext.dim() - 2, plan.received_at, received.movedim(0, -2))
-        finite = finite and impl.all_finite(received)
+        finite = finite and (known or impl.all_finite(received))
         del received
         out, lse = extended_forward(impl, cfg, query, ext, remote, finite=finite, into=(out, lse))
         return out, lse, (query, out, lse, ext), (key.dtype, value.dtype, key.shape[-1])
@@ -255,17 +257,30 @@ class GatherPath:
         cfg, impl, plan = self.cfg, self.impl, self.plan
         dk_dtype, dv_dtype, head_dim = meta
         own, remote = plan.blocks[: plan.own_blocks], plan.blocks[plan.own_blocks :]
-        finite = impl.rows_finite(query, out, grad_out, lse, grad_lse) and impl.all_finite(ext)
+        finite, flags = impl.gradient_decision(cfg, query, out, lse, grad_out, grad_lse)
+        if impl.inputs_known_finite(cfg) is not True:
+            finite = finite and impl.all_finite(ext)
         # The blocks on received rows first: their dK/dV go home while the own blocks compute.
         dq, dext = extended_backward(
-            impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite
+            impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite, flags=flags
         )
         rows = dext.dim() - 2
         d_received = _rows_first(dext.index_select(rows, plan.received_at))
         exchange = _Exchange(cfg.group, d_received, plan.recv_counts, plan.send_counts)
         del d_received
         dq, dext = extended_backward(
-            impl, cfg, query, ext, out, lse, grad_out, grad_lse, own, finite=finite, into=(dq, dext)
+            impl,
+            cfg,
+            query,
+            ext,
+            out,
+            lse,
+            grad_out,
+            grad_lse,
+            own,
+            finite=finite,
+            flags=flags,
+            into=(dq, dext),
         )
         del ext
         dkv = dext.index_select(rows, plan.own_at)  # pack_kv's shape, seq_kv rows

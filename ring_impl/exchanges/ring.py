@@ -45,7 +45,14 @@ from ..layout import layout_runs
 from ..numerics.lse import normalize_lse
 from ..numerics.max_logit import block_max_logit, reduce_max_logit
 from ..numerics.merge import merge_into
-from ..numerics.nonfinite import finite_parts, poison_backward, poison_forward
+from ..numerics.nonfinite import (
+    GradientFlags,
+    finite_parts,
+    gradient_flags,
+    poison_backward,
+    poison_forward,
+    poison_gradients,
+)
 from ..ops import AttentionOp, accumulation_dtype, block_op, call_backward, call_forward
 from ..planning.plan import Block, StepPlan, masked_plan, ring_plan, with_positions
 from ..transports import Link, Transport, after, get_transport
@@ -375,6 +382,22 @@ class RingAttention:
             bounds=bounds,
         )
 
+    def nonfinite_gradients(self, dq, dk, dv, flags: GradientFlags, plan: Block):
+        """The block's (dq, dk, dv) with NaN wherever its rows' non-finite gradients reach them,
+        the call's query, key and value being finite (``flags``: the call's, of every local
+        row)."""
+        visible, bounds = plan.masking_on(dq.device)
+        return poison_gradients(
+            dq,
+            dk,
+            dv,
+            block_rows(flags.row_bad, plan.q_rows, view=True),
+            block_rows(flags.feature_bad, plan.q_rows, view=True),
+            plan.kind,
+            visible,
+            bounds,
+        )
+
     def block_grads(
         self,
         cfg: RingConfig,
@@ -386,10 +409,13 @@ class RingAttention:
         lse,
         grad_lse,
         finite: bool,
+        flags: GradientFlags | None = None,
     ):
         """``(q_rows, dq, dk, dv)`` of one block of the backward: ``kv`` the step's (key, value),
         the other tensors the call's whole local ones; ``finite``: every input the block reads is
-        finite (else the kernel runs on their finite parts and NaN goes where they reach)."""
+        finite (else the kernel runs on their finite parts and NaN goes where they reach);
+        ``flags``: the call's gradients made safe, when only they may carry NaN
+        (:meth:`gradient_decision`)."""
         view = cfg.op.capabilities.row_views
         # grad_lse only when there is one: variants may override block_backward without it.
         extra = {} if grad_lse is None else {"grad_lse": block_rows(grad_lse, block.q_rows, view)}
@@ -403,6 +429,16 @@ class RingAttention:
         )
         if finite:
             return (block.q_rows, *self.block_backward(cfg, *args, block, **extra))
+        if flags is not None:  # query, key and value are finite: only the gradients need care
+            safe = (
+                {}
+                if flags.grad_lse is None
+                else {"grad_lse": block_rows(flags.grad_lse, block.q_rows, view)}
+            )
+            dq, dk, dv = self.block_backward(
+                cfg, block_rows(flags.grad_out, block.q_rows, view), *args[1:], block, **safe
+            )
+            return (block.q_rows, *self.nonfinite_gradients(dq, dk, dv, flags, block))
         # the kernel on finite numbers, NaN put exactly where the inputs take it
         do_, q_, k_, v_, o_, l_ = args
         dq, dk, dv = self.block_backward(
@@ -417,11 +453,11 @@ class RingAttention:
         """Whether the NaN propagation can be skipped for blocks of these inputs: every element
         finite (the propagation only ever adds NaN where a non-finite input reaches; with none it
         changes nothing), read where reading costs nothing (:meth:`reads_are_free`: on CPU) or,
-        with ``once``, where the caller decides for a whole direction of a call with one read
-        (on a GPU, a one-rank call's forward and backward, and a multi-rank backward whose group
-        holds finite inputs: one device sync instead of the propagation's passes over every
-        block). Otherwise, and under compile, False: the blocks go through the propagation, with
-        no data-dependent branch."""
+        with ``once``, where the caller decides for a whole call with one read (on a GPU, a
+        one-rank forward: one device sync instead of the propagation's passes over every block;
+        its backward then knows its query, key and value, :meth:`gradient_decision`). Otherwise,
+        and under compile, False: the blocks go through the propagation, with no data-dependent
+        branch."""
         if torch.compiler.is_compiling():
             return False
         if not (once or self.reads_are_free(tensors)):
@@ -447,23 +483,42 @@ class RingAttention:
             query, out, *_gradient_inputs(grad_out, lse, grad_lse), *others, once=once
         )
 
-    def alone_finite(
-        self, cfg: RingConfig, query, key, value, out, lse, grad_out, grad_lse=None
-    ) -> bool:
-        """A one-rank backward's decision, with one read at most: what its forward read of query,
-        key and value (``cfg.verdicts``), then the gradients and the LSE only (out is finite
-        when they are: a convex combination of finite values), or everything when the forward
-        kept nothing."""
-        known = (
-            cfg.verdicts.get("inputs_finite")
-            if cfg.verdicts is not None and cfg.head_chunks == 1
-            else None
-        )
-        if known is None:
-            return self.rows_finite(query, out, grad_out, lse, grad_lse, key, value, once=True)
-        if not known:
-            return False
-        return self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse), once=True)
+    def inputs_known_finite(self, cfg: RingConfig) -> bool | None:
+        """Whether the call's query, key and value are all finite, known without a read of its
+        own: every rank's (more than one rank: the cross-rank check's verdict) or this rank's
+        (one rank: what its forward read, kept for the backward); None: unknown (compiled,
+        head chunks of one rank)."""
+        verdicts = cfg.verdicts
+        if verdicts is None:
+            return None
+        if cfg.group.world_size > 1:
+            return verdicts.get("group_finite")
+        return verdicts.get("inputs_finite") if cfg.head_chunks == 1 else None
+
+    def gradient_decision(
+        self, cfg: RingConfig, query, out, lse, grad_out, grad_lse=None, kv=()
+    ) -> tuple[bool, GradientFlags | None]:
+        """How a backward treats non-finite numbers, decided once per call: ``(finite, flags)``.
+
+        With query, key and value known finite (:meth:`inputs_known_finite`), only the gradients
+        can carry NaN: where reading them is free (CPU) ``finite`` says whether they are all
+        finite; where it would cost a device sync, nothing is read and ``flags``
+        (:class:`GradientFlags`, a few elementwise passes over grad_out) let every block run its
+        kernel on their finite parts and put NaN where they reach. Unknown on one rank: one
+        read of everything (``kv``: its key and value); known not finite on one rank: False.
+        More ranks otherwise: ``finite`` is this rank's rows' read where free, else False, and
+        the caller decides by the key and value rows it has as it can."""
+        known = self.inputs_known_finite(cfg)
+        gradients = _gradient_inputs(grad_out, lse, grad_lse)
+        if known:
+            if self.reads_are_free(gradients) or torch.compiler.is_compiling():
+                return self.all_finite(*gradients), None
+            return False, gradient_flags(grad_out, grad_lse)
+        if cfg.group.world_size == 1:  # its forward read a non-finite input, or kept nothing
+            if known is None:
+                return self.rows_finite(query, out, grad_out, lse, grad_lse, *kv, once=True), None
+            return False, None
+        return self.rows_finite(query, out, grad_out, lse, grad_lse), None
 
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
@@ -614,10 +669,12 @@ class RingAttention:
         """
         plans = self.plan(cfg, query.shape[2], key.shape[2])
         whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
+        finite, flags = self.gradient_decision(
+            cfg, query, out, lse, grad_out, grad_lse, kv=(key, value)
+        )
         if whole is not None:  # one rank, one block: the kernel's gradients are the gradients
-            finite = self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse)
             _, dq, dk, dv = self.block_grads(
-                cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite
+                cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite, flags
             )
             return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
         acc = self.accumulation_dtype(query.dtype)
@@ -652,30 +709,24 @@ class RingAttention:
         rotation.block(0)
         alone = cfg.group.world_size == 1
         # Every rank's query, key and value finite (the forward's cross-rank verdict): whatever
-        # rotates in is finite, so this rank's own gradients decide every block, with one read
-        # (a NaN in another rank's gradients reaches this rank's dK/dV through the accumulators
-        # that rank poisons). Else, as the forward: one rank decides once, more decide per step
-        # where reads are free.
-        group_finite = cfg.verdicts is not None and cfg.verdicts.get("group_finite") is True
-        if alone:
-            rows_finite = self.alone_finite(cfg, query, key, value, out, lse, grad_out, grad_lse)
-        elif group_finite:
-            rows_finite = self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse), once=True)
-        else:
-            rows_finite = self.rows_finite(query, out, grad_out, lse, grad_lse)
+        # rotates in is finite, so this rank's own gradients decide every block (a NaN in another
+        # rank's gradients reaches this rank's dK/dV through the accumulators that rank
+        # poisons). Else, as the forward: one rank decides once, more per step where reads are
+        # free.
+        group_finite = not alone and self.inputs_known_finite(cfg) is True
         order = backward_order(plans, transport.own_block_first(cfg.group.world_size))
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
             kv = split_kv(rotation.block(plan.step), key.shape[-1]) if plan.step else (key, value)
-            finite = (
+            step_finite = (
                 len(plan.blocks) > 0
-                and rows_finite
+                and finite
                 and (alone or group_finite or self.all_finite(kv[0], kv[1]))
             )
             contribution = []  # (kv_rows, dk, dv) per block
             for block in plan.blocks:
                 (q0, q1), dq, dk, dv = self.block_grads(
-                    cfg, block, grad_out, query, kv, out, lse, grad_lse, finite
+                    cfg, block, grad_out, query, kv, out, lse, grad_lse, step_finite, flags
                 )
                 dq_acc[:, :, q0:q1] += dq
                 contribution.append((block.kv_rows, dk, dv))

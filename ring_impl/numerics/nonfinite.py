@@ -11,10 +11,12 @@ additive mask adds -inf to a NaN score, which stays NaN) returns NaN for rows th
 So a block whose inputs are not all finite runs its kernel on :func:`finite_parts` of them
 (non-finite entries as 0) and its result is then passed through these masks, computed from the
 block's own inputs and its visibility, with no host sync (no branch on whether a flag is set:
-the ring reads a flag only where that is free, on CPU, or once per direction of a one-rank call;
-a multi-rank forward learns whether every rank's inputs are finite from the cross-rank check's
-all-reduce, read with it, and its backward then reads one flag of the rank's own gradients; on
-a GPU the blocks of a call whose group holds a non-finite input take this path) (``"full"``,
+the ring reads a flag only where that is free, on CPU, or once per call: a one-rank forward
+reads one flag of its query, key and value; a multi-rank forward learns whether every rank's
+are finite from the cross-rank check's all-reduce, read with it; on a GPU the blocks of a call
+whose group holds a non-finite input take this path). A backward whose query, key and value
+are known finite needs the propagation of its gradients alone (:class:`GradientFlags`,
+:func:`poison_gradients`), made once per call from grad_out's flags, with no read (``"full"``,
 top-left ``"causal"``, ``"masked"`` with the block's visibility, or ``"ranges"`` with its rows' key
 ranges: a prefix count over the keys): elementwise flags and a prefix ``any`` over keys (one
 reduction), O(seq * head_dim) per step against the kernel's O(seq^2 * head_dim), with no
@@ -28,11 +30,18 @@ h // (heads // heads_kv).
 
 from __future__ import annotations
 
-from typing import Any, TypeVarTuple
+from typing import Any, NamedTuple, TypeVarTuple
 
 import torch
 
-__all__ = ["finite_parts", "poison_backward", "poison_forward"]
+__all__ = [
+    "GradientFlags",
+    "finite_parts",
+    "gradient_flags",
+    "poison_backward",
+    "poison_forward",
+    "poison_gradients",
+]
 
 #: the types of :func:`finite_parts`' arguments, each torch.Tensor or None (a TypeVarTuple has no
 #: bound): its results have them too, so a caller unpacks tensors as tensors
@@ -84,7 +93,7 @@ def _prefix_any(flags: torch.Tensor, rows: int) -> torch.Tensor:
     also writes int64 indices for every element)."""
     cols = flags.shape[2]
     first = torch.where(
-        flags.any(dim=2, keepdim=True), flags.to(torch.uint8).argmax(dim=2, keepdim=True), cols
+        flags.any(dim=2, keepdim=True), flags.view(torch.uint8).argmax(dim=2, keepdim=True), cols
     )
     pos = torch.arange(rows, device=flags.device).view(1, 1, rows, *([1] * (flags.dim() - 3)))
     return pos >= first
@@ -95,8 +104,10 @@ def _suffix_any(flags: torch.Tensor, cols: int) -> torch.Tensor:
     col j has a flag among rows j..end."""
     rows = flags.shape[2]
     trailing = [1] * (flags.dim() - 3)
-    pos = torch.arange(rows, device=flags.device).view(1, 1, rows, *trailing)
-    last = torch.where(flags, pos, -1).amax(dim=2, keepdim=True)  # -1: no flagged row
+    # the last flagged row, as the first one counted from the end (bytes, as in _prefix_any:
+    # no int64 position per element); -1: none
+    from_end = flags.view(torch.uint8).flip(2).argmax(dim=2, keepdim=True)
+    last = torch.where(flags.any(dim=2, keepdim=True), rows - 1 - from_end, -1)
     return torch.arange(cols, device=flags.device).view(1, 1, cols, *trailing) <= last
 
 
@@ -224,36 +235,112 @@ def poison_backward(
     poisoned only by the probabilities of the rows that see key j and by feature d of their
     output gradients, never by a value.
     """
-    heads, heads_kv, rows, cols = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
+    heads, rows = query.shape[1], query.shape[2]
     probs_bad = (
         _bad(query).any(-1)
         | _bad(lse)
         | _seen_by_rows(_to_query_heads(_bad(key).any(-1), heads), kind, rows, visible, bounds)
     )  # (b, h, rows)
+    feature_bad = _bad(grad_out)
     row_bad = (
         probs_bad
         | _bad(out).any(-1)
-        | _bad(grad_out).any(-1)
+        | feature_bad.any(-1)
         | _seen_by_rows(_to_query_heads(_bad(value).any(-1), heads), kind, rows, visible, bounds)
     )
     if grad_lse is not None:
         row_bad = row_bad | _bad(grad_lse)
-    if bounds is not None:  # a row this block hides computes nothing here
-        sees = (bounds[1] > bounds[0]).view(1, 1, -1).expand(row_bad.shape)
-        probs_bad, row_bad = probs_bad & sees, row_bad & sees
+    return _poisoned(dq, dk, dv, probs_bad, row_bad, feature_bad, kind, visible, bounds)
+
+
+class GradientFlags(NamedTuple):
+    """A backward's output gradients made safe for its kernels, and where they were not: the NaN
+    propagation of a call whose query, key and value are known finite (so are out and the LSE:
+    a row's output is a convex combination of finite values), where only the gradients can carry
+    NaN. Built once per call from the rank's whole gradients, with no host read; each block takes
+    its rows. Costs a few elementwise passes over grad_out per call (and per block, one over its
+    gradients), where a decision by reading a flag costs a device sync.
+
+    grad_out (batch, heads, rows, head_dim_v) with its non-finite entries as 0; grad_lse (batch,
+    heads, rows) likewise, or None; feature_bad (batch, heads, rows, head_dim_v): grad_out's
+    non-finite entries; row_bad (batch, heads, rows): rows whose grad_out or grad_lse holds one."""
+
+    grad_out: torch.Tensor
+    grad_lse: torch.Tensor | None
+    feature_bad: torch.Tensor
+    row_bad: torch.Tensor
+
+
+def gradient_flags(grad_out: torch.Tensor, grad_lse: torch.Tensor | None = None) -> GradientFlags:
+    """:class:`GradientFlags` of a backward's gradients."""
+    feature_bad = _bad(grad_out)
+    row_bad = feature_bad.any(-1)
+    safe = grad_out.masked_fill(feature_bad, 0.0)
+    if grad_lse is not None:
+        lse_bad = _bad(grad_lse)
+        row_bad = row_bad | lse_bad
+        grad_lse = grad_lse.masked_fill(lse_bad, 0.0)
+    return GradientFlags(safe, grad_lse, feature_bad, row_bad)
+
+
+def poison_gradients(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    row_bad: torch.Tensor,
+    feature_bad: torch.Tensor,
+    kind: str,
+    visible: torch.Tensor | None = None,
+    bounds: Bounds | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`poison_backward` for a block whose query, key, value, out and LSE are finite: its
+    rows' :class:`GradientFlags` (``row_bad``, ``feature_bad``, the block's rows of them) alone
+    say where NaN goes. A poisoned row poisons its dQ row and the dK rows of the keys it sees;
+    a non-finite grad_out feature, that feature of the dV rows of the keys its row sees. The
+    kernel's results are written in place (they are the block's own)."""
+    return _poisoned(dq, dk, dv, None, row_bad, feature_bad, kind, visible, bounds, in_place=True)
+
+
+def _poisoned(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    probs_bad: torch.Tensor | None,
+    row_bad: torch.Tensor,
+    feature_bad: torch.Tensor,
+    kind: str,
+    visible: torch.Tensor | None,
+    bounds: Bounds | None,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) with NaN where the block's poisoned rows reach: ``probs_bad`` (batch, heads,
+    rows) rows whose probabilities are poisoned (None: none are), ``row_bad`` rows whose dS is,
+    ``feature_bad`` (batch, heads, rows, head_dim_v) the non-finite entries of grad_out. A row
+    the block hides computes nothing here, whatever it holds."""
+    heads_kv, cols = dk.shape[1], dk.shape[2]
+    sees = None
+    if bounds is not None:
+        sees = (bounds[1] > bounds[0]).view(1, 1, -1)
     elif visible is not None:
-        sees = visible.any(-1).expand(row_bad.shape)
-        probs_bad, row_bad = probs_bad & sees, row_bad & sees
+        sees = visible.any(-1)
+    if sees is not None:
+        row_bad = row_bad & sees
+        probs_bad = None if probs_bad is None else probs_bad & sees
     dk_bad = _to_kv_heads(_seeing_cols(row_bad, kind, cols, visible, bounds), heads_kv).unsqueeze(
         -1
     )  # (b, hkv, cols, 1)
-    dv_bad = _to_kv_heads(
-        _seeing_cols(probs_bad.unsqueeze(-1) | _bad(grad_out), kind, cols, visible, bounds),
-        heads_kv,
-    )
-    nan = torch.full((), float("nan"), dtype=dq.dtype, device=dq.device)
+    dv_flags = feature_bad if probs_bad is None else probs_bad.unsqueeze(-1) | feature_bad
+    dv_bad = _to_kv_heads(_seeing_cols(dv_flags, kind, cols, visible, bounds), heads_kv)
     return (
-        torch.where(row_bad.unsqueeze(-1), nan, dq),
-        torch.where(dk_bad, nan.to(dk.dtype), dk),
-        torch.where(dv_bad, nan.to(dv.dtype), dv),
+        _nan_where(dq, row_bad.unsqueeze(-1), in_place),
+        _nan_where(dk, dk_bad, in_place),
+        _nan_where(dv, dv_bad, in_place),
     )
+
+
+def _nan_where(t: torch.Tensor, flags: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``t`` with NaN where ``flags`` (broadcast to it) are set; written into ``t`` itself when
+    ``in_place`` and it is dense (a kernel's output: no second gradient-sized tensor)."""
+    if in_place and t.is_contiguous():
+        return t.masked_fill_(flags, float("nan"))
+    return t.masked_fill(flags, float("nan"))

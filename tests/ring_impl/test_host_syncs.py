@@ -3,13 +3,15 @@
 ring may not make one per block.
 
 The ring skips the NaN propagation for blocks whose inputs are finite, a check that reads a
-flag: free on CPU, where it is made per ring step; a sync on a GPU, where a one-rank call makes
-it once per direction (forward, backward: one read each) and a multi-rank call once (its forward
-learns the group's verdict from the cross-rank check's all-reduce; its backward, when every
-rank's inputs are finite, reads one flag of the rank's own gradients; otherwise its blocks go
-through the propagation). Here reads are made to count as on a GPU
-(``RingAttention.reads_are_free``), and they are counted in one warm call, forward and backward,
-at W=1 and W=2 with the CUDA kernels' CPU emulations. Counts are exact, not timings.
+flag: free on CPU, where it is made per ring step; a sync on a GPU, where a call makes it once at
+most. A one-rank forward reads one flag of its query, key and value; a multi-rank forward learns
+the group's verdict from the cross-rank check's all-reduce (the one read it makes, of the table
+that check reads anyway: with gloo that table is host memory, so it does not show here). A
+backward whose query, key and value are known finite reads nothing: its blocks run on the
+gradients' finite parts and NaN is put where those reach (``GradientFlags``). Otherwise the
+blocks go through the whole propagation, again without a read. Here reads are made to count as
+on a GPU (``RingAttention.reads_are_free``), and they are counted in one warm call, forward and
+backward, at W=1 and W=2 with the CUDA kernels' CPU emulations. Counts are exact, not timings.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ def _syncs(ctx, case: str) -> int:
     return reads.ops["aten._local_scalar_dense"]
 
 
-#: case -> device-to-host reads of one call at W=1: the non-finite decision once per direction
-#: (2), plus, for documents, the checks of ids that live on the CPU (2, host memory)
-LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 4}
+#: case -> device-to-host reads of one call (forward and backward) at W=1: the forward's
+#: non-finite decision
+LIMITS = {"causal": 1, "window": 1, "window_varlen": 1, "documents": 1}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -67,33 +69,48 @@ def test_no_host_sync_per_block(ring, case: str, world: int) -> None:
             "without --impl to check it)"
         )
     syncs = ring.rank_pool(world).run(_syncs, case)
-    # W=2: the forward's verdict comes with the cross-rank check; the backward reads one flag
+    # W=2: the forward's verdict comes with the cross-rank check's own read; the backward reads
+    # nothing
     limit = LIMITS[case] if world == 1 else LIMITS[case] - 1
     assert max(syncs) <= limit, (
         f"{case}: {syncs} host syncs per rank in one call at W={world}, at most {limit} allowed"
     )
 
 
-def _propagations(ctx, nan_in: str | None) -> dict[str, tuple[int, int]]:
-    """Per direction, (blocks that went through the NaN propagation, blocks) of one call at W=2
-    with reads as on a GPU; ``nan_in``: rank 1's tensor holding a NaN, "key" or "grad_out"
-    (None: all finite)."""
+def _propagations(ctx, exchange: str, nan_in: str | None) -> dict[str, tuple[int, int]]:
+    """Per direction, (blocks that went through the whole NaN propagation, blocks) of one call at
+    W=2 over ``exchange`` ("ring", "halo", "gather") with reads as on a GPU, and
+    ``"gradients"``: (backward blocks that went through the gradients' propagation, backward
+    blocks); ``nan_in``: rank 1's tensor holding a NaN, "key" or "grad_out" (None: all
+    finite)."""
     import ring_impl
     from ring_impl.exchanges.ring import RingAttention
+    from ring_impl.masks import Documents, SlidingWindow
+
+    seq = SEQ // 8
+    options = {
+        "ring": dict(is_causal=True, layout="head_tail"),
+        "halo": dict(mask=SlidingWindow(16, 0), exchange="halo"),
+        "gather": dict(
+            mask=Documents.from_cu_seqlens([0, 100, seq + 20, 2 * seq], 2 * seq),
+            exchange="gather",
+        ),
+    }[exchange]
 
     gen = torch.Generator().manual_seed(1)
-    q, k, v, do = (torch.randn(1, 4, SEQ // 8, 32, generator=gen) for _ in range(4))
+    q, k, v, do = (torch.randn(1, 4, seq, 32, generator=gen) for _ in range(4))
     if ctx.rank == 1 and nan_in == "key":
         k[0, 1, 3, 5] = float("nan")
     if ctx.rank == 1 and nan_in == "grad_out":
         do[0, 2, 7, 1] = float("nan")
-    counts = {name: 0 for name in ("forward", "forward_blocks", "backward", "backward_blocks")}
     patched = {
         "nonfinite_forward": "forward",
         "block_forward": "forward_blocks",
         "nonfinite_backward": "backward",
+        "nonfinite_gradients": "gradients",
         "block_backward": "backward_blocks",
     }
+    counts = dict.fromkeys(patched.values(), 0)
     originals = {name: getattr(RingAttention, name) for name in (*patched, "reads_are_free")}
 
     def counted(name: str):
@@ -108,7 +125,7 @@ def _propagations(ctx, nan_in: str | None) -> dict[str, tuple[int, int]]:
         setattr(RingAttention, name, counted(name))
     try:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ring_impl.ring_attention(*leaves, group=ctx.group, is_causal=True, layout="head_tail")
+        out = ring_impl.ring_attention(*leaves, group=ctx.group, **options)
         out.backward(do)
     finally:
         for name, method in originals.items():
@@ -116,24 +133,24 @@ def _propagations(ctx, nan_in: str | None) -> dict[str, tuple[int, int]]:
     return {
         "forward": (counts["forward"], counts["forward_blocks"]),
         "backward": (counts["backward"], counts["backward_blocks"]),
+        "gradients": (counts["gradients"], counts["backward_blocks"]),
     }
 
 
-def test_a_multi_rank_call_skips_the_propagation_on_the_groups_verdict(ring) -> None:
-    """As on a GPU: with every rank's inputs finite (reported in the cross-rank check's
-    all-reduce) no block of the forward goes through the NaN propagation, nor any of the backward
-    on a rank whose gradients are finite (one read); a NaN in one rank's key puts every block of
-    every rank back through it (the verdict is the group's); a NaN in one rank's output gradient
-    puts that rank's backward blocks through it and no others (what it poisons elsewhere travels
-    in that rank's dK/dV accumulators)."""
+@pytest.mark.parametrize("exchange", ["ring", "halo", "gather"])
+def test_a_multi_rank_call_skips_the_propagation_on_the_groups_verdict(ring, exchange) -> None:
+    """As on a GPU, on every exchange: with every rank's query, key and value finite (reported in
+    the cross-rank check's all-reduce) no block goes through the whole NaN propagation, forward
+    or backward, whatever the gradients hold: every backward block takes the gradients'
+    propagation, which needs no read. A NaN in one rank's key puts every block of every rank
+    through the whole propagation (the verdict is the group's)."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     pool = ring.rank_pool(2)
-    for rank, calls in enumerate(pool.run(_propagations, None)):
-        assert all(p == 0 and b > 0 for p, b in calls.values()), (rank, calls)
-    for rank, calls in enumerate(pool.run(_propagations, "key")):
-        assert all(p == b > 0 for p, b in calls.values()), (rank, calls)
-    for rank, calls in enumerate(pool.run(_propagations, "grad_out")):
-        (pf, bf), (pb, bb) = calls["forward"], calls["backward"]
-        assert pf == 0 and bf > 0, (rank, calls)
-        assert bb > 0 and pb == (bb if rank == 1 else 0), (rank, calls)
+    for nan_in in (None, "grad_out"):
+        for rank, calls in enumerate(pool.run(_propagations, exchange, nan_in)):
+            (pf, bf), (pb, bb), (pg, _) = calls["forward"], calls["backward"], calls["gradients"]
+            assert pf == 0 and bf > 0 and pb == 0 and pg == bb > 0, (nan_in, rank, calls)
+    for rank, calls in enumerate(pool.run(_propagations, exchange, "key")):
+        (pf, bf), (pb, bb), (pg, _) = calls["forward"], calls["backward"], calls["gradients"]
+        assert pf == bf > 0 and pb == bb > 0 and pg == 0, (rank, calls)

@@ -7,8 +7,9 @@ forward and backward, and requires out, LSE, dQ, dK and dV to be non-finite exac
 oracle's are: a NaN hidden fails, and so does one spread to entries that do not depend on it
 (a NaN value making a whole head's dV NaN; a NaN at a padding key that no query sees poisoning
 the rows of the kernel call it sits in). Each case runs twice: with the finiteness flags read
-per ring step (free on CPU) and with reads as on a GPU, where the ring decides once per direction
-or from the group's verdict.
+per ring step (free on CPU) and with reads as on a GPU, where the ring decides once per call
+or from the group's verdict (a backward whose query, key and value are known finite then reads
+nothing: only its gradients may carry NaN).
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ CASES = {
         ("key", (0, 0, None, 2)),
     ),
     "ring-documents-nan-value": (2, {"layout": "contiguous"}, "documents", ("value", (0, 1, 2, 1))),
+    "ring-head_tail-causal-nan-grad-out": (
+        2,
+        {"is_causal": True, "layout": "head_tail"},
+        None,
+        ("grad_out", (1, 2, 12, 3)),
+    ),
     "ring-documents-nan-grad-out": (
         2,
         {"layout": "contiguous"},
@@ -85,9 +92,10 @@ CASES = {
         "documents",
         ("value", (1, 1, 26, 7)),
     ),
-    # one rank decides once per direction: its forward's read serves its backward
+    # one rank decides once per call: its forward's read serves its backward
     "one-rank-documents-nan-grad-out": (1, {}, "documents", ("grad_out", (0, 2, 4, 5))),
     "one-rank-causal-nan-key": (1, {"is_causal": True}, None, ("key", (1, 1, 9, 0))),
+    "one-rank-causal-nan-grad-out": (1, {"is_causal": True}, None, ("grad_out", (0, 3, 6, 2))),
     "one-rank-documents-nan-at-unseen-padding-key": (1, {}, "documents", ("key", (0, 0, None, 2))),
     "one-rank-head-chunks-nan-value": (
         1,
@@ -139,7 +147,7 @@ def _global(case: str):
 def _run(ctx, case: str, reads: str = "free") -> dict:
     """Per quantity (hidden, spread, expected) non-finite entries on this rank; ``reads``:
     ``"free"`` (CPU: the ring reads its finiteness flags per step) or ``"as_on_gpu"`` (a read
-    costs a device sync: the ring decides once per direction, or from the group's verdict)."""
+    costs a device sync: the ring decides once per call, or from the group's verdict)."""
     from ring_impl.exchanges.ring import RingAttention
 
     if reads == "free":
