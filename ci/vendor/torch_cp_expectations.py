@@ -90,7 +90,8 @@ def main() -> int:
     lines = [
         "# Expected failures of PyTorch's own context parallel (conformance.adapters.torch_cp) on "
         "CPU + gloo,",
-        f"# torch {torch.__version__.split('+')[0]}, quick tier; written by "
+        f"# torch {torch.__version__.split('+')[0]}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, quick tier; written by "
         "ci/vendor/torch_cp_expectations.py from:",
         "#   pytest suites -n auto --impl conformance.adapters.torch_cp:IMPLEMENTATION "
         "--report-dir reports/torch_cp",

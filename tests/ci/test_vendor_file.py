@@ -34,6 +34,13 @@ def _written_for() -> str:
     return match.group(1)
 
 
+def _written_on() -> str | None:
+    """The CPU capability (``torch.backends.cpu.get_cpu_capability()``) the file was written on,
+    or None where its header names none."""
+    match = re.search(r"^# torch \S+, CPU capability (\S+),", FILE.read_text(), re.M)
+    return match.group(1) if match else None
+
+
 def test_every_line_names_a_known_cause_with_its_reproduction() -> None:
     entries = parse_vendor_file(FILE)
     assert entries, f"{FILE} lists no expected failure"
@@ -93,6 +100,16 @@ def test_each_cause_still_reproduces(cause: str) -> None:
     done = run_tree(
         [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
+    here = torch.backends.cpu.get_cpu_capability()
+    if done.returncode == 0 and _written_on() != here:
+        # The CPU kernels' NaN and rounding behaviour differs by vector ISA (the flash kernel
+        # hides NaN on some CPUs and not on an AVX2 one): a defect absent here is judged only on
+        # the capability the file was written on.
+        pytest.skip(
+            f"{script.name} shows no defect on this CPU ({here}); {FILE.name} was written on "
+            f"{_written_on() or 'a CPU its header does not name'}: run "
+            "ci/vendor/torch_cp_expectations.py here to judge it"
+        )
     assert done.returncode == 1, (
         f"{script.name} exits {done.returncode}: the defect behind [{cause}] no longer reproduces "
         f"on torch {torch.__version__} (fixed upstream?). Rerun the torch_cp suite and regenerate "
