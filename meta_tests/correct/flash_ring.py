@@ -10,9 +10,9 @@ expanded per call for grouped-query attention and dK/dV summed back over each gr
 Calls the kernel cannot be trusted with run in plain float64 math instead (:class:`_Exact`): a
 call whose inputs hold NaN or inf (the CPU flash kernel returns a NaN query row as out 0, LSE 0
 when its key block is short, and sharding makes short blocks; NaN in an input must reach every
-result that depends on it), and a causal call with a scale <= 0 (the CPU flash kernel returns
-NaN there). The check is per call and on the call's own inputs, so the rest of the ring keeps
-the kernel.
+result that depends on it), and every block of a causal ring call with a scale <= 0 (the CPU
+flash kernel returns NaN there). The non-finite check is per kernel call and on its own inputs,
+so the rest of the ring keeps the kernel.
 
 With ``op=`` an attention-op object (the contract of ring_impl/ops.py, what the suites pass as
 ``--op``), that kernel runs per step instead, its LSE brought from its declared layout to
@@ -265,8 +265,11 @@ class _Exact:
 
 
 def _kernel_for(kernel, *tensors: torch.Tensor, is_causal: bool, scale: float):
-    """The kernel to run one call on: ``kernel``, or :class:`_Exact` where its inputs hold a
-    non-finite value or ``kernel`` is known to fault on the call."""
+    """The kernel to run one kernel call on: ``kernel``, or :class:`_Exact` where its inputs hold
+    a non-finite value or ``kernel`` is known to fault on the ring call (``is_causal``: the ring
+    call's, not the block's: every block of a causal call with a scale <= 0 runs exact, as the
+    single-device baseline runs that whole call on the math kernel, whose LSE is more exact than
+    the flash kernel's on some CPUs)."""
     if kernel.faults(is_causal=is_causal, scale=scale):
         return _Exact
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
@@ -357,7 +360,7 @@ class _FlashRingFn(torch.autograd.Function):
                 k, v = _expand(k, h), _expand(v, h)
             for q_rows, k_rows, causal in _calls(setup, layout, is_causal, kv_rank, sq, sk):
                 args = _rows(q, q_rows), _rows(k, k_rows), _rows(v, k_rows)
-                run = _kernel_for(kernel, *args, is_causal=causal, scale=setup.scale)
+                run = _kernel_for(kernel, *args, is_causal=is_causal, scale=setup.scale)
                 o, lse = run.forward(*args, is_causal=causal, scale=setup.scale)
                 span = (q_rows.start, q_rows.stop)
                 partials.setdefault(span, []).append((o, lse))
@@ -426,7 +429,7 @@ class _FlashRingFn(torch.autograd.Function):
                     _rows(o, q_rows),
                     _rows(lse, q_rows),
                 )
-                run = _kernel_for(kernel, *args, is_causal=causal, scale=setup.scale)
+                run = _kernel_for(kernel, *args, is_causal=is_causal, scale=setup.scale)
                 dq_c, dk_c, dv_c = run.backward(*args, is_causal=causal, scale=setup.scale)
                 dq[:, :, q_rows] += dq_c[..., :d].to(torch.float64)
                 grads[kv_rank, 0, :, :, k_rows] += _fold(dk_c[..., :d], hkv)
