@@ -275,9 +275,7 @@ def extended_backward(
     else:
         dq, dkv = into
     if finite is None:
-        finite, flags = impl.gradient_decision(cfg, query, out, lse, grad_out, grad_lse)
-        if impl.inputs_known_finite(cfg) is not True:  # the rows received: read where free
-            finite = finite and impl.all_finite(ext)
+        finite, flags = impl.gradient_decision(cfg, query, out, lse, grad_out, grad_lse, kv=(ext,))
         finite = finite and len(blocks) > 0
     kv = split_kv(ext, query.shape[-1])
     dext_k, dext_v = split_kv(dkv, query.shape[-1])

@@ -257,9 +257,7 @@ class GatherPath:
         cfg, impl, plan = self.cfg, self.impl, self.plan
         dk_dtype, dv_dtype, head_dim = meta
         own, remote = plan.blocks[: plan.own_blocks], plan.blocks[plan.own_blocks :]
-        finite, flags = impl.gradient_decision(cfg, query, out, lse, grad_out, grad_lse)
-        if impl.inputs_known_finite(cfg) is not True:
-            finite = finite and impl.all_finite(ext)
+        finite, flags = impl.gradient_decision(cfg, query, out, lse, grad_out, grad_lse, kv=(ext,))
         # The blocks on received rows first: their dK/dV go home while the own blocks compute.
         dq, dext = extended_backward(
             impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite, flags=flags

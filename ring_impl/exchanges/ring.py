@@ -505,20 +505,19 @@ class RingAttention:
         finite; where it would cost a device sync, nothing is read and ``flags``
         (:class:`GradientFlags`, a few elementwise passes over grad_out) let every block run its
         kernel on their finite parts and put NaN where they reach. Unknown on one rank: one
-        read of everything (``kv``: its key and value); known not finite on one rank: False.
-        More ranks otherwise: ``finite`` is this rank's rows' read where free, else False, and
-        the caller decides by the key and value rows it has as it can."""
+        read of everything (``kv``: the key and value rows the caller holds); known not finite
+        on one rank: False. More ranks otherwise: ``finite`` is the read of this rank's rows and
+        ``kv`` where free, else False (a ring step then decides by the rows it receives)."""
         known = self.inputs_known_finite(cfg)
-        gradients = _gradient_inputs(grad_out, lse, grad_lse)
         if known:
-            if self.reads_are_free(gradients) or torch.compiler.is_compiling():
-                return self.all_finite(*gradients), None
+            if self.reads_are_free((grad_out,)) or torch.compiler.is_compiling():
+                return self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse)), None
             return False, gradient_flags(grad_out, grad_lse)
         if cfg.group.world_size == 1:  # its forward read a non-finite input, or kept nothing
             if known is None:
                 return self.rows_finite(query, out, grad_out, lse, grad_lse, *kv, once=True), None
             return False, None
-        return self.rows_finite(query, out, grad_out, lse, grad_lse), None
+        return self.rows_finite(query, out, grad_out, lse, grad_lse, *kv), None
 
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
