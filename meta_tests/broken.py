@@ -685,8 +685,9 @@ class Broken:
     ``expect``: a regex the failure must match and no other broken ring's failure may (it names
     this cause). ``pending``: the suite check that catches it when that check is not in this
     tree yet; the proof then reports the ring as an expected failure while the suites pass it.
-    ``suites``: the suite path the proof runs (a broken API only fails the API suite; its ring
-    is correct, and running every other module first would only cost time); ``select``: more
+    ``suites``: the suite path the proof runs: the module whose cases catch the bug (the whole
+    tree, stopped at its first failure, runs every module before that one, which costs a proof
+    minutes on a 2-core machine and proves nothing more); ``select``: more
     pytest arguments narrowing the run to the cases that exercise the bug (``("-k", "refilled")``);
     ``min_failures``: when set, the selected cases run to the end and at least this many must fail,
     every one naming the bug (a bug class caught by one case only is one case from escaping).
@@ -732,6 +733,7 @@ BROKEN: dict[str, Broken] = by_name(
         "NaN in the inputs hidden by a kernel that drops it",
         r"the NaN was hidden",
         ring_adapter("nan_hidden", NanHidden()),
+        suites="suites/test_edge_values.py",
     ),
     Broken(
         "scale_not_agreed",
@@ -744,6 +746,7 @@ BROKEN: dict[str, Broken] = by_name(
         "autograd: the LSE returned without a gradient",
         r"does not require grad while query, key and value do",
         function_adapter("lse_not_differentiable", LseNotDifferentiable()),
+        suites="suites/test_lse_gradient.py",
     ),
     Broken(
         "skipped_step_computed",
@@ -780,18 +783,21 @@ BROKEN: dict[str, Broken] = by_name(
         "LSE: memory-efficient padding not trimmed",
         r"(?s)^(?=.*cpu_efficient_layout).*its LSE does not: the kernel's LSE was misread",
         ring_adapter("padded_lse_untrimmed", PaddedLseTrimmedFromTheEnd()),
+        suites="suites/test_lse_layouts.py",
     ),
     Broken(
         "cudnn_lse_misread",
         "LSE: cuDNN trailing-dim layout misread",
         r"(?s)^(?=.*cpu_cudnn_layout).*its LSE does not: the kernel's LSE was misread",
         ring_adapter("cudnn_lse_misread", CudnnLseMisread()),
+        suites="suites/test_lse_layouts.py",
     ),
     Broken(
         "naive_exp_merge",
         "unstable merge: exp of large LSE overflows",
         r"an exp of the LSE \(or of raw scores\) overflowed",
         ring_adapter("naive_exp_merge", NaiveExpMerge()),
+        suites="suites/test_shapes.py",
     ),
     Broken(
         "partials_in_input_dtype",
@@ -799,6 +805,7 @@ BROKEN: dict[str, Broken] = by_name(
         r"contract: lse must be float32[^\n]*returned (bfloat16|float16)|lse on rank "
         r"[-\d, ]+: every value of the float32 result is a bfloat16 number",
         ring_adapter("partials_in_input_dtype", PartialsInInputDtype()),
+        suites="suites/test_forward_backward.py",
     ),
     Broken(
         "grad_cast_to_bf16",
@@ -811,12 +818,14 @@ BROKEN: dict[str, Broken] = by_name(
         "accumulation dtype: float64 silently computed in float32",
         r"(partial of this float64 ring|float64 result) is a float32 number",
         ring_adapter("float64_computed_in_float32", Float64ComputedInFloat32()),
+        suites="suites/test_forward_backward.py",
     ),
     Broken(
         "noncontiguous_misread",
         "non-contiguous inputs passed to a kernel as if contiguous",
         r"wrong only with non-contiguous inputs",
         ring_adapter("noncontiguous_misread", NoncontiguousMisread()),
+        suites="suites/test_packed.py",
     ),
     Broken(
         "head_dim_stride_ignored",
@@ -862,6 +871,7 @@ BROKEN: dict[str, Broken] = by_name(
         "scale not passed through to every step",
         r"used scale -?[\d.]+ instead of -?[\d.]+",
         ring_adapter("scale_dropped_after_step0", ScaleDroppedAfterStepZero()),
+        suites="suites/test_edge_values.py",
     ),
     Broken(
         "gqa_heads_tiled",
@@ -874,6 +884,7 @@ BROKEN: dict[str, Broken] = by_name(
         "hang: a collective skipped on one rank only",
         r"did not finish within [\d.]+ s|collectives differ from the declared schedule",
         ring_adapter("last_rank_skips_grad_hop", LastRankSkipsGradHop()),
+        suites="suites/test_collectives.py",
     ),
     Broken(
         "raises_on_one_rank_only",
@@ -893,12 +904,14 @@ BROKEN: dict[str, Broken] = by_name(
         "torch.compile: graph break in the ring loop",
         r"fails only under torch\.compile",
         ring_adapter("graph_break_in_loop", GraphBreakInLoop()),
+        suites="suites/test_compile.py",
     ),
     Broken(
         "wrong_only_when_compiled",
         "torch.compile: wrong results only when compiled",
         r"wrong only when compiled",
         ring_adapter("wrong_only_when_compiled", WrongOnlyWhenCompiled()),
+        suites="suites/test_compile.py",
     ),
     Broken(
         "declares_nothing_lse_base_2",
@@ -911,6 +924,7 @@ BROKEN: dict[str, Broken] = by_name(
         "contract: output dtype differs from the input dtype (float32 out for bf16/fp16)",
         r"\bout\b[^\n]{0,120}\bdtype\b[^\n]{0,120}float32|output dtype",
         function_adapter("float32_output_for_half", _float32_output_for_half),
+        suites="suites/test_forward_backward.py",
     ),
     Broken(
         "lse_offset_in_bf16",

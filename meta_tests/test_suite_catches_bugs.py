@@ -72,6 +72,12 @@ def suite_env() -> dict[str, str]:
     return env
 
 
+#: The case timeout of a proof's suite run. A proof runs beside the outer session's workers, so on a
+#: 2-core machine four processes share the cores and a rank's first import can take 20 s; a hang
+#: (the broken implementations that skip a collective) still ends the run within a minute.
+SUITE_CASE_TIMEOUT_S = 60.0
+
+
 def run_suites(
     impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True, suites: str = "suites"
 ) -> subprocess.CompletedProcess:
@@ -87,7 +93,7 @@ def run_suites(
         "--impl",
         impl,
         "--case-timeout",
-        "20",
+        f"{SUITE_CASE_TIMEOUT_S:g}",
         *extra,
     ]
     if "-n" not in extra:
