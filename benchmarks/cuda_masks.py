@@ -25,6 +25,9 @@ and ring rows take ``(1, heads, seq, head_dim)`` views of them, as SDPA callers 
 ``ring-thd:auto``
     the packed call, ``ring_attention(q, k, v, is_causal=True, cu_seqlens=...)`` on the
     ``(tokens, heads, head_dim)`` tensors the varlen row takes.
+``ring-mod:auto``
+    the same documents as a ``MaskMod`` reading a document-id table on the device (up to 16k
+    tokens): what a general mask costs over the built-in one.
 
 Each row is timed with CUDA events (median of ``--repeat`` after ``--warmup``), and one more call
 is profiled with ``torch.profiler``: kernel launches, host-device synchronisations
@@ -53,6 +56,8 @@ from benchmarks.runner import cuda_median_ms, write_json  # noqa: E402
 
 #: (seq, documents) of the default run: the figures of the speed issue
 SHAPES = ((16384, 16), (65536, 32))
+#: the longest sequence the ``ring-mod`` row runs at (its visibility is seq x seq booleans)
+MASK_MOD_MAX_SEQ = 16384
 RING_OPS = ("auto", "cuda_flash_varlen", "cuda_efficient_masked")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
@@ -135,7 +140,7 @@ def _shape_rows(
     from torch.nn.attention.flex_attention import create_block_mask
 
     from ring_impl import ring_attention
-    from ring_impl.masks import Documents, SlidingWindow
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow
 
     h, d = args.heads, args.head_dim
     lengths = document_lengths(seq, docs)
@@ -195,6 +200,14 @@ def _shape_rows(
                 for op in args.ring_ops.split(",")
             ],
             ("ring-thd:auto", thd_ring_fn()),
+            # the same documents as a mask_mod reading a device table (evaluated on every call,
+            # its steps' blocks cached by their visibility): at most MASK_MOD_MAX_SEQ, since a
+            # call evaluates the whole seq x seq visibility
+            *(
+                [("ring-mod:auto", ring_fn("auto", MaskMod(doc_mod)))]
+                if seq <= MASK_MOD_MAX_SEQ
+                else []
+            ),
         ],
         "window": [
             ("window", lambda: _flash(*bshd, window=window)),

@@ -497,7 +497,10 @@ class MaskMod(Mask):
                 )
             except (IndexError, RuntimeError, ValueError):
                 continue
-            bits = probe.to(torch.bool).expand(1, 1, size, size).contiguous().numpy().tobytes()
+            # (.cpu(): a fn reading a table on the GPU returns its values there)
+            bits = (
+                probe.to(torch.bool).expand(1, 1, size, size).cpu().contiguous().numpy().tobytes()
+            )
             return f"mask_mod({name},{size},{zlib.crc32(bits)})"
         return f"mask_mod({name},unprobed)"
 
