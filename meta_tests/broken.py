@@ -685,9 +685,10 @@ class Broken:
     ``expect``: a regex the failure must match and no other broken ring's failure may (it names
     this cause). ``pending``: the suite check that catches it when that check is not in this
     tree yet; the proof then reports the ring as an expected failure while the suites pass it.
-    ``suites``: the suite path the proof runs: the module whose cases catch the bug (the whole
-    tree, stopped at its first failure, runs every module before that one, which costs a proof
-    minutes on a 2-core machine and proves nothing more); ``select``: more
+    ``suites``: the suite path the proof runs, by default the whole tree; a proof whose bug the
+    tree catches only in a later module names that module (the whole tree, stopped at its first
+    failure, would run every module before it, minutes on a 2-core machine that prove nothing
+    more); ``select``: more
     pytest arguments narrowing the run to the cases that exercise the bug (``("-k", "refilled")``);
     ``min_failures``: when set, the selected cases run to the end and at least this many must fail,
     every one naming the bug (a bug class caught by one case only is one case from escaping).
