@@ -471,7 +471,8 @@ class MaskMod(Mask):
     tensors of shapes (B, 1, 1, 1), (1, H, 1, 1), (1, 1, rows, 1), (1, 1, 1, cols).
 
     Its description is its qualified name plus its values on the first 64 positions at batch 0,
-    head 0 (plans are never cached by it: a MaskMod is planned on every call). What the ranks
+    head 0 (plans are never cached by it: a MaskMod is evaluated on every call, and each step's
+    blocks are cached by a hash of every bit of its evaluated visibility). What the ranks
     of a call compare (:meth:`agreement_text`) is its values over the call's whole range:
     :func:`probe_text`."""
 

@@ -28,6 +28,7 @@ A plan is plain Python on ints (cached), so it is a constant under ``torch.compi
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -296,7 +297,8 @@ def masked_plan(
     digest covers all their data (:attr:`ring_impl.masks.Mask.exact_digest`: every built-in
     mask, not ``MaskMod``) are cached by digest and the layout's runs, so the forward, the
     backward and every layer of a step share one; other plans are kept in ``memo`` (one call's,
-    see :func:`cached_by_mask`) when given.
+    see :func:`cached_by_mask`) when given, and each of their steps is evaluated on every call
+    but cut into blocks once per distinct visibility (:func:`visibility_digest`).
 
     ``ranges`` (the op takes row bounds, ``OpCapabilities.row_bounds``): a step whose mask is one
     key range per query row (:mod:`ring_impl.planning.row_bounds`: every built-in mask but unions)
@@ -343,7 +345,13 @@ def cached_by_mask(mask, key: tuple, build: Callable[[], T], memo: dict | None =
         if _visibility_bytes(kept) > _PLAN_ENTRY_BYTES:
             del memo[key]
         return kept
-    full = (mask.describe(), *key)
+    return _remembered((mask.describe(), *key), build)
+
+
+def _remembered(full: tuple, build: Callable[[], T]) -> T:
+    """``build()``, kept in the plan cache under ``full`` (a key that determines the result);
+    least recently used entries go first, and a result holding more than ``_PLAN_ENTRY_BYTES`` of
+    visibility is not kept."""
     hit = _PLAN_CACHE.pop(full, None)
     if hit is None:
         plan = build()
@@ -358,6 +366,24 @@ def cached_by_mask(mask, key: tuple, build: Callable[[], T], memo: dict | None =
             _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
     _PLAN_CACHE[full] = hit  # most recently used last
     return hit[0]
+
+
+def visibility_digest(vis: torch.Tensor) -> str:
+    """A 128-bit hash of every bit of a boolean visibility ``vis`` and of its shape: the key of
+    the blocks cut from it, for a mask whose description does not determine it (a ``MaskMod``).
+    Costs one copy of the bits to the host (one eighth of the bool tensor's bytes)."""
+    bits = _packed_bits(vis.contiguous().view(-1))
+    data = bits.cpu().numpy().tobytes()
+    shape = "x".join(map(str, vis.shape)).encode()
+    return hashlib.blake2b(shape + b"|" + data, digest_size=16).hexdigest()
+
+
+def _packed_bits(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (n,) bool as ceil(n / 8) uint8, eight positions a byte, on its own device."""
+    n = flat.numel()
+    padded = torch.nn.functional.pad(flat.to(torch.uint8), (0, -n % 8))
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
+    return (padded.view(-1, 8) * weights).sum(-1, dtype=torch.uint8)
 
 
 def _visibility_bytes(plan) -> int:
@@ -439,7 +465,12 @@ def mask_blocks(
     vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads)
     if head_span is not None and vis.shape[1] > 1:
         vis = vis[:, head_span[0] : head_span[1]]
-    return visibility_blocks(vis, step, kv_rank, device)
+    if getattr(mask, "exact_digest", False):  # (its plan is cached whole, by its description)
+        return visibility_blocks(vis, step, kv_rank, device)
+    # A mask known only by evaluating it (a MaskMod): evaluated on every call, as its function
+    # may read data that changed, but cut once per distinct visibility, keyed by every bit of it.
+    key = ("visibility", visibility_digest(vis), step, kv_rank, str(device))
+    return _remembered(key, lambda: visibility_blocks(vis, step, kv_rank, device))
 
 
 def visibility_blocks(

@@ -267,3 +267,80 @@ def test_unsigned_ids_are_checked_as_their_values() -> None:
     assert "meta device" in Documents(torch.zeros(SEQ, dtype=torch.int64, device="meta")).check(
         SEQ, SEQ
     )
+
+
+MOD_OLD = [0] * 10 + [1] * 14 + [2] * 24
+MOD_NEW = [0] * 20 + [1] * 6 + [2] * 22
+
+
+def _mod_of(ids: torch.Tensor):
+    def same_document_causal(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (q >= kv)
+
+    return same_document_causal
+
+
+def _maskmod_calls(ctx) -> dict:
+    import ring_impl
+    import ring_impl.planning.tiling as tiling
+    from reference.layout import shard
+    from ring_impl.masks import MaskMod
+
+    q, k, v = (shard(t, "contiguous", ctx.world_size, ctx.rank, dim=2) for t in _inputs())
+    cuts = []
+    split = tiling.split_visibility
+
+    def counted(*args, **kwargs):
+        cuts.append(1)
+        return split(*args, **kwargs)
+
+    tiling.split_visibility = counted
+    try:
+        ids = torch.tensor(MOD_OLD)
+        mask = MaskMod(_mod_of(ids))
+        outs, splits = [], []
+        for write in (None, None, MOD_NEW):
+            if write is not None:
+                ids.copy_(torch.tensor(write))
+            before = len(cuts)
+            outs.append(ring_impl.ring_attention(q, k, v, group=ctx.group, mask=mask))
+            splits.append(len(cuts) - before)
+    finally:
+        tiling.split_visibility = split
+    return {"outs": outs, "splits": splits}
+
+
+def test_a_mask_mod_is_cut_once_per_visibility_and_never_runs_stale(ring) -> None:
+    """A MaskMod's function may read data the caller rewrites (here document ids, refilled in
+    place between calls): every call evaluates it, the second call on unchanged data cuts no
+    block (its blocks are kept by a hash of every bit of each step's visibility), and the call
+    after the write runs the new documents."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            "a ring_impl property (its plan cache); the implementation under test is "
+            f"{ring.impl.spec}"
+        )
+    from reference.layout import unshard
+
+    runs = ring.rank_pool(2).run(_maskmod_calls)
+    got = [unshard([r["outs"][i] for r in runs], "contiguous", dim=2) for i in range(3)]
+    pos = torch.arange(SEQ)
+    q, k, v = _inputs()
+
+    def oracle(ids: list[int]) -> torch.Tensor:
+        seen = _mod_of(torch.tensor(ids))(None, None, pos.view(-1, 1), pos.view(1, -1))
+        return attention(q, k, v, visible=seen).out
+
+    old, new = oracle(MOD_OLD), oracle(MOD_NEW)
+    assert float((got[0] - old).abs().max()) < 1e-12
+    assert float((got[1] - old).abs().max()) < 1e-12
+    assert float((got[2] - new).abs().max()) < 1e-12, (
+        "the call after the ids were refilled did not run the new documents (a stale plan)"
+    )
+    for rank, run in enumerate(runs):
+        first, again, rewritten = run["splits"]
+        assert first > 0 and rewritten > 0, (rank, run["splits"])
+        assert again == 0, (
+            f"rank {rank}: the second call on unchanged data cut its visibility into blocks "
+            f"again ({again} cuts): the MaskMod's blocks are not kept"
+        )
