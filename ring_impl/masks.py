@@ -621,27 +621,69 @@ def _bound(pick, a: int | None, b: int | None) -> int | None:
     return None
 
 
+def _holds_mask_mod(mask) -> bool:
+    if isinstance(mask, _Join):
+        return _holds_mask_mod(mask.a) or _holds_mask_mod(mask.b)
+    return isinstance(mask, MaskMod)
+
+
+def _evaluation_device(mask, dev: torch.device, device) -> torch.device:
+    """Where :func:`visibility` evaluates ``mask``: a MaskMod on ``device`` when given (its
+    tables live with the inputs), everything else on the positions' own device ``dev``."""
+    if device is not None and _holds_mask_mod(mask):
+        return torch.device(device)
+    return dev
+
+
+def _evaluated(mask, q_pos, kv_pos, batch: int, heads: int, where: torch.device) -> torch.Tensor:
+    b = torch.arange(batch, device=where).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=where).view(1, -1, 1, 1)
+    q = q_pos.to(where, torch.int64).view(1, 1, -1, 1)
+    kv = kv_pos.to(where, torch.int64).view(1, 1, 1, -1)
+    return torch.as_tensor(mask.visible(b, h, q, kv), device=where)
+
+
 def visibility(
-    mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, batch: int = 1, heads: int = 1
+    mask: Mask,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """(batch or 1, heads or 1, len(q_pos), len(kv_pos)) bool: what each query position sees."""
+    """(batch or 1, heads or 1, len(q_pos), len(kv_pos)) bool: what each query position sees, on
+    ``q_pos``'s device.
+
+    A ``MaskMod`` whose function reads tables on a GPU (``doc_ids[q] == doc_ids[kv]`` with
+    ``doc_ids`` on CUDA, as flex attention's mask_mods are written) cannot run on CPU positions:
+    it is evaluated on ``device`` (the call's inputs' device) when given, else, where CPU
+    positions fail, on the current CUDA device, and its result brought back."""
     dev = q_pos.device
-    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
-    q = q_pos.to(torch.int64).view(1, 1, -1, 1)
-    kv = kv_pos.to(torch.int64).view(1, 1, 1, -1)
-    v = torch.as_tensor(mask.visible(b, h, q, kv), device=dev)
+    where = _evaluation_device(mask, dev, device)
+    try:
+        v = _evaluated(mask, q_pos, kv_pos, batch, heads, where)
+    except RuntimeError:
+        if where.type != "cpu" or not (_holds_mask_mod(mask) and torch.cuda.is_available()):
+            raise
+        where = torch.device("cuda", torch.cuda.current_device())
+        v = _evaluated(mask, q_pos, kv_pos, batch, heads, where)
+    if v.device != dev:
+        v = v.to(dev)
     if v.dtype != torch.bool:
         raise TypeError(f"mask {mask.describe()} returned {v.dtype}, not bool")
     while v.dim() < 4:
         v = v.unsqueeze(0)
     bm, hm = (batch if v.shape[0] == batch else 1), (heads if v.shape[1] == heads else 1)
-    return v.expand(bm, hm, q.shape[2], kv.shape[3])
+    return v.expand(bm, hm, q_pos.numel(), kv_pos.numel())
 
 
-def mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> str | None:
+def mask_problem(
+    mask, *, seq_q: int, seq_kv: int, batch: int, heads: int, device=None
+) -> str | None:
     """What is wrong with ``mask`` for global lengths ``seq_q``/``seq_kv``, or None. Never raises:
-    a mask whose evaluation fails on some positions is a problem here, before any collective."""
+    a mask whose evaluation fails on some positions is a problem here, before any collective.
+    ``device``: the inputs' (where a MaskMod's function runs, :func:`visibility`)."""
     if mask is None:
         return None
     if not isinstance(mask, Mask):
@@ -650,7 +692,9 @@ def mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> st
             f"MaskMod), got {type(mask).__name__}"
         )
     if not _settled(mask):
-        return _mask_problem(mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads)
+        return _mask_problem(
+            mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads, device=device
+        )
     # A mask its description determines has the same problem whenever it is described alike:
     # found once per (description, sizes), as its plans are (a model's layers, its steps)
     try:
@@ -680,7 +724,9 @@ _PROBLEMS: dict[tuple, str | None] = {}
 _PROBLEMS_KEPT = 256
 
 
-def _mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> str | None:
+def _mask_problem(
+    mask, *, seq_q: int, seq_kv: int, batch: int, heads: int, device=None
+) -> str | None:
     try:
         problem = mask.check(seq_q, seq_kv)
         if problem is not None:
@@ -693,7 +739,7 @@ def _mask_problem(mask, *, seq_q: int, seq_kv: int, batch: int, heads: int) -> s
         ks = torch.unique(
             torch.cat([torch.arange(0, seq_kv, max(1, seq_kv // 16)), torch.tensor([seq_kv - 1])])
         )
-        visibility(mask, qs, ks, batch=batch, heads=heads)
+        visibility(mask, qs, ks, batch=batch, heads=heads, device=device)
         mask.digest()
     except Exception as exc:  # a mask that cannot be evaluated is bad input, not a crash
         return (
@@ -718,7 +764,12 @@ def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
         return None  # the shape problem is reported by the input checks
     b, h, sq, _ = query.shape
     problem = mask_problem(
-        mask, seq_q=sq * world_size, seq_kv=key.shape[2] * world_size, batch=b, heads=h
+        mask,
+        seq_q=sq * world_size,
+        seq_kv=key.shape[2] * world_size,
+        batch=b,
+        heads=h,
+        device=query.device,
     )
     return problem or sinks_problem(sinks, h)
 

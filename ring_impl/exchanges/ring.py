@@ -501,17 +501,21 @@ class RingAttention:
         """How a backward treats non-finite numbers, decided once per call: ``(finite, flags)``.
 
         With query, key and value known finite (:meth:`inputs_known_finite`), only the gradients
-        can carry NaN: where reading them is free (CPU) ``finite`` says whether they are all
-        finite; where it would cost a device sync, nothing is read and ``flags``
-        (:class:`GradientFlags`, a few elementwise passes over grad_out) let every block run its
+        can carry NaN: one read (on a GPU, the backward's one device sync) says whether they are
+        all finite; when they are not, ``flags`` (:class:`GradientFlags`) let every block run its
         kernel on their finite parts and put NaN where they reach. Unknown on one rank: one
         read of everything (``kv``: the key and value rows the caller holds); known not finite
         on one rank: False. More ranks otherwise: ``finite`` is the read of this rank's rows and
         ``kv`` where free, else False (a ring step then decides by the rows it receives)."""
         known = self.inputs_known_finite(cfg)
         if known:
-            if self.reads_are_free((grad_out,)) or torch.compiler.is_compiling():
-                return self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse)), None
+            if torch.compiler.is_compiling():  # no read in a graph: every block propagates
+                return False, None
+            # One read of the gradients (a device sync on a GPU) against the flags' propagation:
+            # its per-feature range counts are scans over (batch, heads, rows, head_dim), 1.5x
+            # the kernel's own backward at 64k tokens on an H200 (docs/benchmarks.md).
+            if self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse), once=True):
+                return True, None
             return False, gradient_flags(grad_out, grad_lse)
         if cfg.group.world_size == 1:  # its forward read a non-finite input, or kept nothing
             if known is None:

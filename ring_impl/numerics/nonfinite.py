@@ -15,8 +15,9 @@ the ring reads a flag only where that is free, on CPU, or once per call: a one-r
 reads one flag of its query, key and value; a multi-rank forward learns whether every rank's
 are finite from the cross-rank check's all-reduce, read with it; on a GPU the blocks of a call
 whose group holds a non-finite input take this path). A backward whose query, key and value
-are known finite needs the propagation of its gradients alone (:class:`GradientFlags`,
-:func:`poison_gradients`), made once per call from grad_out's flags, with no read (``"full"``,
+are known finite reads one flag of its gradients, and only when one is not finite needs their
+propagation alone (:class:`GradientFlags`, :func:`poison_gradients`: its per-feature range
+counts over every row cost more than the read's sync on a GPU), made once per call (``"full"``,
 top-left ``"causal"``, ``"masked"`` with the block's visibility, or ``"ranges"`` with its rows' key
 ranges: a prefix count over the keys): elementwise flags and a prefix ``any`` over keys (one
 reduction), O(seq * head_dim) per step against the kernel's O(seq^2 * head_dim), with no

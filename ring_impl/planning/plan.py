@@ -462,7 +462,7 @@ def mask_blocks(
         blocks = range_blocks(mask, q_pos, kv_pos, step, kv_rank)
         if blocks is not None:
             return blocks
-    vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads)
+    vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads, device=device)
     if head_span is not None and vis.shape[1] > 1:
         vis = vis[:, head_span[0] : head_span[1]]
     if getattr(mask, "exact_digest", False):  # (its plan is cached whole, by its description)

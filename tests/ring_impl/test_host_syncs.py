@@ -7,11 +7,14 @@ flag: free on CPU, where it is made per ring step; a sync on a GPU, where a call
 most. A one-rank forward reads one flag of its query, key and value; a multi-rank forward learns
 the group's verdict from the cross-rank check's all-reduce (the one read it makes, of the table
 that check reads anyway: with gloo that table is host memory, so it does not show here). A
-backward whose query, key and value are known finite reads nothing: its blocks run on the
-gradients' finite parts and NaN is put where those reach (``GradientFlags``). Otherwise the
-blocks go through the whole propagation, again without a read. Here reads are made to count as
-on a GPU (``RingAttention.reads_are_free``), and they are counted in one warm call, forward and
-backward, at W=1 and W=2 with the CUDA kernels' CPU emulations. Counts are exact, not timings.
+backward whose query, key and value are known finite reads one flag of its gradients (one sync
+per backward): the alternative, its blocks run on the gradients' finite parts with NaN put where
+those reach (``GradientFlags``), needs per-feature range counts over every row, 1.5x the
+kernel's own backward at 64k tokens on an H200. That path runs only when the read finds a
+non-finite gradient. Otherwise the blocks go through the whole propagation, without a read.
+Here reads are made to count as on a GPU (``RingAttention.reads_are_free``), and they are
+counted in one warm call, forward and backward, at W=1 and W=2 with the CUDA kernels' CPU
+emulations. Counts are exact, not timings.
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ def _syncs(ctx, case: str) -> int:
     return reads.ops["aten._local_scalar_dense"]
 
 
-#: case -> device-to-host reads of one call (forward and backward) at W=1: the forward's
-#: non-finite decision
-LIMITS = {"causal": 1, "window": 1, "window_varlen": 1, "documents": 1}
+#: case -> device-to-host reads of one call at W=1: the forward's non-finite decision and the
+#: backward's (of its gradients)
+LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 2}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -70,7 +73,7 @@ def test_no_host_sync_per_block(ring, case: str, world: int) -> None:
         )
     syncs = ring.rank_pool(world).run(_syncs, case)
     # W=2: the forward's verdict comes with the cross-rank check's own read; the backward reads
-    # nothing
+    # one flag of its gradients
     limit = LIMITS[case] if world == 1 else LIMITS[case] - 1
     assert max(syncs) <= limit, (
         f"{case}: {syncs} host syncs per rank in one call at W={world}, at most {limit} allowed"
@@ -141,16 +144,20 @@ def _propagations(ctx, exchange: str, nan_in: str | None) -> dict[str, tuple[int
 def test_a_multi_rank_call_skips_the_propagation_on_the_groups_verdict(ring, exchange) -> None:
     """As on a GPU, on every exchange: with every rank's query, key and value finite (reported in
     the cross-rank check's all-reduce) no block goes through the whole NaN propagation, forward
-    or backward, whatever the gradients hold: every backward block takes the gradients'
-    propagation, which needs no read. A NaN in one rank's key puts every block of every rank
-    through the whole propagation (the verdict is the group's)."""
+    or backward, whatever the gradients hold. The backward reads one flag of its gradients: a rank
+    whose gradients are finite propagates nothing, and the rank holding a NaN in its grad_out
+    puts every one of its backward blocks through the gradients' propagation. A NaN in one rank's
+    key puts every block of every rank through the whole propagation (the verdict is the
+    group's)."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     pool = ring.rank_pool(2)
     for nan_in in (None, "grad_out"):
         for rank, calls in enumerate(pool.run(_propagations, exchange, nan_in)):
             (pf, bf), (pb, bb), (pg, _) = calls["forward"], calls["backward"], calls["gradients"]
-            assert pf == 0 and bf > 0 and pb == 0 and pg == bb > 0, (nan_in, rank, calls)
+            holds_nan = nan_in == "grad_out" and rank == 1
+            assert pf == 0 and bf > 0 and pb == 0 and bb > 0, (nan_in, rank, calls)
+            assert pg == (bb if holds_nan else 0), (nan_in, rank, calls)
     for rank, calls in enumerate(pool.run(_propagations, exchange, "key")):
         (pf, bf), (pb, bb), (pg, _) = calls["forward"], calls["backward"], calls["gradients"]
         assert pf == bf > 0 and pb == bb > 0 and pg == 0, (rank, calls)
