@@ -651,6 +651,7 @@ def visibility(
     batch: int = 1,
     heads: int = 1,
     device: torch.device | str | None = None,
+    keep: bool = False,
 ) -> torch.Tensor:
     """(batch or 1, heads or 1, len(q_pos), len(kv_pos)) bool: what each query position sees, on
     ``q_pos``'s device.
@@ -658,7 +659,8 @@ def visibility(
     A ``MaskMod`` whose function reads tables on a GPU (``doc_ids[q] == doc_ids[kv]`` with
     ``doc_ids`` on CUDA, as flex attention's mask_mods are written) cannot run on CPU positions:
     it is evaluated on ``device`` (the call's inputs' device) when given, else, where CPU
-    positions fail, on the current CUDA device, and its result brought back."""
+    positions fail, on the current CUDA device, and its result brought back (``keep``: left on
+    the device it was evaluated on)."""
     dev = q_pos.device
     where = _evaluation_device(mask, dev, device)
     try:
@@ -668,7 +670,7 @@ def visibility(
             raise
         where = torch.device("cuda", torch.cuda.current_device())
         v = _evaluated(mask, q_pos, kv_pos, batch, heads, where)
-    if v.device != dev:
+    if v.device != dev and not keep:
         v = v.to(dev)
     if v.dtype != torch.bool:
         raise TypeError(f"mask {mask.describe()} returned {v.dtype}, not bool")

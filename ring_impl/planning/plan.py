@@ -462,11 +462,17 @@ def mask_blocks(
         blocks = range_blocks(mask, q_pos, kv_pos, step, kv_rank)
         if blocks is not None:
             return blocks
-    vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads, device=device)
+    exact = getattr(mask, "exact_digest", False)
+    vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads, device=device, keep=not exact)
     if head_span is not None and vis.shape[1] > 1:
         vis = vis[:, head_span[0] : head_span[1]]
-    if getattr(mask, "exact_digest", False):  # (its plan is cached whole, by its description)
+    if exact:  # (its plan is cached whole, by its description)
         return visibility_blocks(vis, step, kv_rank, device)
+    if ranges:  # a MaskMod whose rows each see one range of keys: one block, as Documents
+        bounds = visible_ranges(vis)
+        if bounds is not None:
+            return bounds_blocks(bounds[0].cpu(), bounds[1].cpu(), step, kv_rank)
+    vis = vis.to(q_pos.device)
     # A mask known only by evaluating it (a MaskMod): evaluated on every call, as its function
     # may read data that changed, but cut once per distinct visibility, keyed by every bit of it.
     key = ("visibility", visibility_digest(vis), step, kv_rank, str(device))
@@ -499,7 +505,35 @@ def range_blocks(
     bounds = column_bounds(mask, q_pos, kv_pos)
     if bounds is None:
         return None
-    lo, hi = bounds
+    return bounds_blocks(*bounds, step, kv_rank)
+
+
+def visible_ranges(vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's visible columns as one range ``[lo, hi)`` (``lo == hi``: none), int64 (rows,)
+    on ``vis``'s device, when ``vis`` (batch or 1, heads or 1, rows, cols) is the same for every
+    batch entry and head and each of its rows sees one range; else None. Reductions over
+    ``vis`` and one read."""
+    if vis.shape[-1] == 0 or vis.shape[-2] == 0:
+        return None
+    if vis.shape[0] * vis.shape[1] != 1 and not bool(
+        (vis.all(0).all(0) == vis.any(0).any(0)).all()
+    ):
+        return None
+    rows = vis[0, 0]
+    cols = rows.shape[-1]
+    count = rows.sum(-1)
+    seen = count > 0
+    as_bytes = rows.view(torch.uint8)
+    lo = torch.where(seen, as_bytes.argmax(-1), 0)
+    hi = torch.where(seen, cols - as_bytes.flip(-1).argmax(-1), 0)
+    if not bool((count == hi - lo).all()):
+        return None
+    return lo, hi
+
+
+def bounds_blocks(lo: torch.Tensor, hi: torch.Tensor, step: int, kv_rank: int) -> tuple[Block, ...]:
+    """The one block of a step whose query row ``r`` sees key columns ``lo[r] .. hi[r] - 1``
+    (host int64 tensors (rows,)): :func:`range_blocks`."""
     live = (hi > lo).nonzero().flatten()
     if live.numel() == 0:
         return ()

@@ -200,3 +200,80 @@ def test_a_compiled_mask_mod_failing_on_some_ranks_data_raises_on_every_rank(
         assert "an index out of range or an integer divided by zero" in runs[rank]["refused"], runs[
             rank
         ]
+
+
+def _calls_and_results(ctx, layout: str) -> dict:
+    """Kernel calls of the forward and (out, dq, dk, dv) of one call per mask: packed causal
+    documents as ``Documents`` and as a mask_mod that spells them, on the varlen emulation."""
+    import ring_impl
+    from ring_impl.exchanges.ring import RingAttention
+    from ring_impl.masks import Documents, MaskMod
+    from ring_impl.planning.mesh_layout import local_shard
+
+    seq = SEQ_LOCAL * 8 * ctx.world_size
+    cuts = [0, 5, 40, 41, 90, seq - 7, seq]
+    ids = torch.repeat_interleave(torch.arange(len(cuts) - 1), torch.diff(torch.tensor(cuts)))
+
+    def same_document(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (kv <= q)
+
+    calls = [0]
+    kernel = RingAttention.block_forward
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return kernel(self, *args, **kwargs)
+
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, 4, seq, 16, generator=gen, dtype=torch.float64) for _ in range(4)]
+    q, k, v, do = (local_shard(t, ctx.group, strategy="ring", layout=layout) for t in full)
+    results = {}
+    RingAttention.block_forward = counted
+    try:
+        for name, mask in (
+            ("documents", Documents.from_cu_seqlens(cuts, seq)),
+            ("mask_mod", MaskMod(same_document)),
+        ):
+            calls[0] = 0
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            out = ring_impl.ring_attention(
+                *leaves, group=ctx.group, mask=mask, layout=layout, op="cpu_flash_varlen_layout"
+            )
+            out.backward(do)
+            results[name] = (calls[0], [out.detach(), *(t.grad for t in leaves)])
+    finally:
+        RingAttention.block_forward = kernel
+    (c_doc, r_doc), (c_mod, r_mod) = results["documents"], results["mask_mod"]
+    return {
+        "calls": (c_doc, c_mod),
+        "diff": max(float((a - b).abs().max()) for a, b in zip(r_doc, r_mod)),
+    }
+
+
+@pytest.mark.parametrize("world,layout", [(1, "contiguous"), (2, "contiguous"), (2, "head_tail")])
+def test_a_mask_mod_of_one_key_range_per_row_runs_as_the_built_in_mask(ring, world, layout) -> None:
+    """A mask_mod whose rows each see one range of keys (packed causal documents spelled as a
+    function) reaches an op taking row bounds as one call per block, as ``Documents`` does
+    (evaluated on every call, its ranges read from what it shows), with the same results."""
+    _skip_other_impls(ring)
+    for rank, got in enumerate(ring.rank_pool(world).run(_calls_and_results, layout)):
+        c_doc, c_mod = got["calls"]
+        assert c_mod == c_doc > 0, f"rank {rank}: kernel calls {got['calls']} (Documents, MaskMod)"
+        assert got["diff"] < 1e-12, f"rank {rank}: max |MaskMod - Documents| {got['diff']:.2e}"
+
+
+def test_visible_ranges_are_read_only_from_one_range_per_row() -> None:
+    """Each row's range, rows seeing nothing as empty ranges; None where a row sees two ranges
+    or the visibility differs between heads."""
+    from ring_impl.planning.plan import visible_ranges
+
+    i, j = torch.arange(6).view(-1, 1), torch.arange(8).view(1, -1)
+    window = (j <= i + 2) & (j >= i)
+    window[3] = False  # a row that sees nothing
+    lo, hi = visible_ranges(window.view(1, 1, 6, 8).expand(2, 3, 6, 8))
+    assert lo.tolist() == [0, 1, 2, 0, 4, 5] and hi.tolist() == [3, 4, 5, 0, 7, 8]
+    two = window.clone()
+    two[1, 7] = True  # row 1 sees 1..3 and 7
+    assert visible_ranges(two.view(1, 1, 6, 8)) is None
+    per_head = torch.stack([window, j <= i]).view(1, 2, 6, 8)
+    assert visible_ranges(per_head) is None
