@@ -462,29 +462,17 @@ class RingAttention:
             return False
         if not (once or self.reads_are_free(tensors)):
             return False
-        return bool(self.finite_flag(*tensors))
-
-    def finite_flag(self, *tensors: torch.Tensor) -> torch.Tensor:
-        """A 0-dim bool on the tensors' device, not read: whether the propagation can be skipped
-        for them (:meth:`all_finite`)."""
         # A sum is NaN/inf when any element is (inf - inf too), and 40x faster than
         # isfinite(t).all(); finite tensors whose sums overflow only lose the shortcut. The sums
         # added up on the device: one read.
         total = tensors[0].sum()
         for t in tensors[1:]:
             total = total + t.sum()
-        return torch.isfinite(total)
+        return bool(torch.isfinite(total))
 
     def reads_are_free(self, tensors) -> bool:
         """Whether reading a flag of these tensors on the host costs no device sync (on CPU)."""
         return all(t.device.type == "cpu" for t in tensors)
-
-    def speculates(self, tensors) -> bool:
-        """Whether a one-rank call runs its kernels as if these tensors were finite and reads
-        their flag after the launches (:meth:`finite_flag`), running again with the NaN
-        propagation when it finds one not finite: where a read is a device sync (a GPU), so that
-        the device computes while the host waits for it; never under compile (nothing is read)."""
-        return not (torch.compiler.is_compiling() or self.reads_are_free(tensors))
 
     def rows_finite(
         self, query, out, grad_out, lse, grad_lse=None, *others: torch.Tensor, once: bool = False
@@ -592,67 +580,34 @@ class RingAttention:
         query (batch, heads, seq_q, head_dim); key (batch, heads_kv, seq_kv, head_dim); value
         (batch, heads_kv, seq_kv, head_dim_v); out (batch, heads, seq_q, head_dim_v).
         """
-        sq = query.shape[2]
+        sq, d = query.shape[2], key.shape[-1]
         out_shape = (*query.shape[:3], value.shape[-1])
         acc = self.accumulation_dtype(query.dtype)
+        out_acc: torch.Tensor | None = None
+        lse_acc: torch.Tensor | None = None
         # One rank: its own key and value are the only block, nothing travels (no packed copy)
         alone = cfg.group.world_size == 1
         rotation = None if alone else self.kv_rotation(cfg, self.pack_kv(key, value))
         recorder = debug.active_recorder()
+        view = cfg.op.capabilities.row_views
         plans = self.plan(cfg, sq, key.shape[2])
-        # One rank decides once for its call; else per step, where reads are free.
+        # One rank decides once for its call (one read, after the host's own preparation, so the
+        # device waits for the launch as briefly as it can); else per step, where reads are free.
         group_finite = False
-        speculative = False
         if alone:
-            # Where the read is a device sync, a one-rank call launches its kernels as if its
-            # inputs were finite and reads the flag after (the device computes while the host
-            # waits); a non-finite input, found then, runs the call again with the propagation.
-            # Else (on CPU, or recording blocks) one read before the kernels.
-            speculative = recorder is None and self.speculates((query,))
-            if speculative:
-                pending = self.finite_flag(query, key, value)
-                query_finite = True
-            else:
-                query_finite = self.all_finite(query, key, value, once=True)
+            query_finite = self.all_finite(query, key, value, once=True)
+            # (head chunks: each its own; compiled: nothing is read, nothing kept)
+            if (
+                cfg.verdicts is not None
+                and cfg.head_chunks == 1
+                and not torch.compiler.is_compiling()
+            ):
+                cfg.verdicts["inputs_finite"] = query_finite
         else:
             # every rank's query, key and value finite (the cross-rank check's verdict): no
             # block needs the propagation, whatever rotates in; else decided per step below
             group_finite = cfg.verdicts is not None and cfg.verdicts.get("group_finite") is True
             query_finite = group_finite or self.all_finite(query)
-        out_acc, lse_acc, max_logit = self._forward_steps(
-            cfg, plans, query, key, value, rotation, query_finite, group_finite
-        )
-        if speculative:
-            query_finite = bool(pending)  # the read, once the kernel is launched
-            if not query_finite:
-                out_acc, lse_acc, max_logit = self._forward_steps(
-                    cfg, plans, query, key, value, rotation, False, group_finite
-                )
-        # (head chunks: each its own; compiled: nothing is read, nothing kept)
-        if alone and cfg.verdicts is not None and cfg.head_chunks == 1:
-            if not torch.compiler.is_compiling():
-                cfg.verdicts["inputs_finite"] = query_finite
-        if out_acc is None or lse_acc is None:  # a mask that hides everything from this rank's rows
-            out_acc = torch.zeros(out_shape, dtype=acc, device=query.device)
-            lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
-        if max_logit is not None:
-            return out_acc.to(query.dtype), lse_acc, max_logit
-        return out_acc.to(query.dtype), lse_acc
-
-    def _forward_steps(
-        self, cfg: RingConfig, plans, query, key, value, rotation, query_finite, group_finite
-    ):
-        """The forward's steps: (out_acc, lse_acc, max_logit or None), the accumulators None
-        when no block reached this rank's rows. ``query_finite``/``group_finite``: what is known
-        finite (:meth:`forward`)."""
-        sq, d = query.shape[2], key.shape[-1]
-        out_shape = (*query.shape[:3], value.shape[-1])
-        acc = self.accumulation_dtype(query.dtype)
-        alone = cfg.group.world_size == 1
-        recorder = debug.active_recorder()
-        view = cfg.op.capabilities.row_views
-        out_acc: torch.Tensor | None = None
-        lse_acc: torch.Tensor | None = None
         # the running maximum over every step's blocks (a head nothing is seen of stays -inf)
         max_logit = None
         if cfg.max_logit:
@@ -700,7 +655,12 @@ class RingAttention:
                     self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
                 del block_out, block_lse  # not held through the next block's kernel
             del kv
-        return out_acc, lse_acc, max_logit
+        if out_acc is None or lse_acc is None:  # a mask that hides everything from this rank's rows
+            out_acc = torch.zeros(out_shape, dtype=acc, device=query.device)
+            lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
+        if max_logit is not None:
+            return out_acc.to(query.dtype), lse_acc, max_logit
+        return out_acc.to(query.dtype), lse_acc
 
     def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse=None):
         """(dq, dk, dv) in the input dtype; shapes as query, key, value (grad_out and out:
@@ -710,32 +670,11 @@ class RingAttention:
         the LSE is not used. It enters every block's dS as ``P * grad_lse`` (d lse_i / d s_ij
         = p_ij), i.e. the row term ``rowsum(dO * O)`` becomes ``rowsum(dO * O) - grad_lse``.
         """
-        if (
-            cfg.group.world_size == 1
-            and self.inputs_known_finite(cfg) is True
-            and self.speculates((grad_out,))
-        ):
-            # as the forward: the kernels first, the read of the gradients' flag after them
-            pending = self.finite_flag(*_gradient_inputs(grad_out, lse, grad_lse))
-            grads = self._backward(
-                cfg, grad_out, query, key, value, out, lse, grad_lse, (True, None)
-            )
-            if bool(pending):
-                return grads
-            del grads
-            decision = (False, gradient_flags(grad_out, grad_lse))
-        else:
-            decision = self.gradient_decision(
-                cfg, query, out, lse, grad_out, grad_lse, kv=(key, value)
-            )
-        return self._backward(cfg, grad_out, query, key, value, out, lse, grad_lse, decision)
-
-    def _backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse, decision):
-        """:meth:`backward` with its non-finite ``decision`` made: ``(finite, flags)`` of
-        :meth:`gradient_decision`."""
-        finite, flags = decision
         plans = self.plan(cfg, query.shape[2], key.shape[2])
         whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
+        finite, flags = self.gradient_decision(
+            cfg, query, out, lse, grad_out, grad_lse, kv=(key, value)
+        )
         if whole is not None:  # one rank, one block: the kernel's gradients are the gradients
             _, dq, dk, dv = self.block_grads(
                 cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite, flags
