@@ -56,6 +56,25 @@ CHUNK_ENTRIES = 1 << 22
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def packed_bits(seen: torch.Tensor) -> torch.Tensor:
+    """``seen`` (..., n) bool as (..., ceil(n / 8)) uint8 on its own device: position 8j + i is
+    bit i of byte j, the last byte's missing positions 0."""
+    n = seen.shape[-1]
+    width = -(-n // 8)
+    if width * 8 != n:
+        seen = torch.nn.functional.pad(seen, (0, width * 8 - n), value=False)
+    # summed in int64: with a uint8 sum the table compiled by inductor differed from eager
+    bits = seen.reshape(*seen.shape[:-1], width, 8).to(torch.int64)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int64, device=seen.device)
+    return (bits * weights).sum(-1).to(torch.uint8)
+
+
+def bits_digest(bits: torch.Tensor) -> str:
+    """A 128-bit hash (hex) of the bytes of a uint8 tensor, read to the host."""
+    data = bits.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def _is_int(x) -> bool:
     return (
         isinstance(x, torch.Tensor)
@@ -201,16 +220,11 @@ def pack_visibility(
     width = -(-seq_kv // 8)
     if bm * hm * seq_q * width * 8 > (MAX_TABLE_BITS if max_bits is None else max_bits):
         return None
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int64)
     rows = max(1, CHUNK_ENTRIES // (bm * hm * width * 8))
     pieces = []
     for r0 in range(0, seq_q, rows):
         r1 = min(seq_q, r0 + rows)
-        seen = seen_by(qs[r0:r1], ks)
-        if width * 8 != seq_kv:  # pad the last byte's missing keys as not seen
-            seen = torch.nn.functional.pad(seen, (0, width * 8 - seq_kv), value=False)
-        bits = seen.reshape(bm, hm, r1 - r0, width, 8).to(torch.int64)
-        pieces.append((bits * weights).sum(-1).to(torch.uint8))
+        pieces.append(packed_bits(seen_by(qs[r0:r1], ks)))
     return torch.cat(pieces, dim=2)
 
 
@@ -245,8 +259,7 @@ class VisibilityTable(Mask):
 
     def describe(self) -> str:
         if "describe" not in self._cache:
-            data = self.bits.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
-            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            digest = bits_digest(self.bits)
             self._cache["describe"] = (
                 f"table({'x'.join(map(str, self.bits.shape))},{self.seq_kv},{digest})"
             )

@@ -28,7 +28,6 @@ A plan is plain Python on ints (cached), so it is a constant under ``torch.compi
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -369,21 +368,12 @@ def _remembered(full: tuple, build: Callable[[], T]) -> T:
 
 
 def visibility_digest(vis: torch.Tensor) -> str:
-    """A 128-bit hash of every bit of a boolean visibility ``vis`` and of its shape: the key of
+    """A 128-bit hash of every bit of a boolean visibility ``vis``, with its shape: the key of
     the blocks cut from it, for a mask whose description does not determine it (a ``MaskMod``).
     Costs one copy of the bits to the host (one eighth of the bool tensor's bytes)."""
-    bits = _packed_bits(vis.contiguous().view(-1))
-    data = bits.cpu().numpy().tobytes()
-    shape = "x".join(map(str, vis.shape)).encode()
-    return hashlib.blake2b(shape + b"|" + data, digest_size=16).hexdigest()
+    from .mask_table import bits_digest, packed_bits
 
-
-def _packed_bits(flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` (n,) bool as ceil(n / 8) uint8, eight positions a byte, on its own device."""
-    n = flat.numel()
-    padded = torch.nn.functional.pad(flat.to(torch.uint8), (0, -n % 8))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
-    return (padded.view(-1, 8) * weights).sum(-1, dtype=torch.uint8)
+    return f"{'x'.join(map(str, vis.shape))}:{bits_digest(packed_bits(vis))}"
 
 
 def _visibility_bytes(plan) -> int:
