@@ -462,17 +462,30 @@ class RingAttention:
             return False
         if not (once or self.reads_are_free(tensors)):
             return False
+        return bool(self.finite_flag(*tensors))
+
+    def finite_flag(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """Whether every element of ``tensors`` is finite, as a 0-dim bool on their device, not
+        read (:meth:`all_finite` reads it)."""
         # A sum is NaN/inf when any element is (inf - inf too), and 40x faster than
         # isfinite(t).all(); finite tensors whose sums overflow only lose the shortcut. The sums
         # added up on the device: one read.
         total = tensors[0].sum()
         for t in tensors[1:]:
             total = total + t.sum()
-        return bool(torch.isfinite(total))
+        return torch.isfinite(total)
 
     def reads_are_free(self, tensors) -> bool:
         """Whether reading a flag of these tensors on the host costs no device sync (on CPU)."""
         return all(t.device.type == "cpu" for t in tensors)
+
+    def speculates(self, tensors) -> bool:
+        """Whether a one-rank call launches its kernels as if ``tensors`` were finite and reads
+        their flag (:meth:`finite_flag`) only after the launches, running again with the NaN
+        propagation when it finds one that is not: where a read is a device sync (a GPU), so
+        that the device computes while the host waits for the read. Never under compile (a
+        graph reads nothing) nor where reads are free."""
+        return not (torch.compiler.is_compiling() or self.reads_are_free(tensors))
 
     def rows_finite(
         self, query, out, grad_out, lse, grad_lse=None, *others: torch.Tensor, once: bool = False
@@ -572,13 +585,22 @@ class RingAttention:
     ) -> None:
         merge_into(out_acc, lse_acc, block_out, block_lse)
 
-    def forward(self, cfg: RingConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    def forward(
+        self,
+        cfg: RingConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        inputs_finite: bool | None = None,
+    ):
         """Local (out in the input dtype, lse in the accumulation dtype) of this rank's queries;
         with ``cfg.max_logit`` also this rank's max logit (heads,) in the accumulation dtype, the
         maximum over every ring step's blocks (not yet reduced over the group).
 
         query (batch, heads, seq_q, head_dim); key (batch, heads_kv, seq_kv, head_dim); value
         (batch, heads_kv, seq_kv, head_dim_v); out (batch, heads, seq_q, head_dim_v).
+        ``inputs_finite``: one rank's verdict on its query, key and value when already read
+        (None: this call decides).
         """
         sq, d = query.shape[2], key.shape[-1]
         out_shape = (*query.shape[:3], value.shape[-1])
@@ -591,18 +613,20 @@ class RingAttention:
         recorder = debug.active_recorder()
         view = cfg.op.capabilities.row_views
         plans = self.plan(cfg, sq, key.shape[2])
-        # One rank decides once for its call (one read, after the host's own preparation, so the
-        # device waits for the launch as briefly as it can); else per step, where reads are free.
+        # One rank decides once for its call; else per step, where reads are free.
         group_finite = False
+        pending = None  # a flag read once the kernels are launched
         if alone:
-            query_finite = self.all_finite(query, key, value, once=True)
-            # (head chunks: each its own; compiled: nothing is read, nothing kept)
-            if (
-                cfg.verdicts is not None
-                and cfg.head_chunks == 1
-                and not torch.compiler.is_compiling()
-            ):
-                cfg.verdicts["inputs_finite"] = query_finite
+            if inputs_finite is not None:
+                query_finite = inputs_finite
+            elif recorder is None and self.speculates((query,)):
+                # Where a read is a device sync: the kernels launched as if the inputs were
+                # finite, the flag read after them (the device computes while the host waits);
+                # a non-finite input, found then, runs the call again with the propagation.
+                pending = self.finite_flag(query, key, value)
+                query_finite = True
+            else:
+                query_finite = self.all_finite(query, key, value, once=True)
         else:
             # every rank's query, key and value finite (the cross-rank check's verdict): no
             # block needs the propagation, whatever rotates in; else decided per step below
@@ -655,6 +679,15 @@ class RingAttention:
                     self.merge(out_acc[:, :, q0:q1], lse_acc[:, :, q0:q1], block_out, block_lse)
                 del block_out, block_lse  # not held through the next block's kernel
             del kv
+        if pending is not None:
+            query_finite = bool(pending)  # the read, once the kernels are launched
+            if not query_finite:
+                del out_acc, lse_acc, max_logit
+                return self.forward(cfg, query, key, value, inputs_finite=False)
+        # (head chunks: each its own; compiled: nothing is read, nothing kept)
+        if alone and cfg.verdicts is not None and cfg.head_chunks == 1:
+            if not torch.compiler.is_compiling():
+                cfg.verdicts["inputs_finite"] = query_finite
         if out_acc is None or lse_acc is None:  # a mask that hides everything from this rank's rows
             out_acc = torch.zeros(out_shape, dtype=acc, device=query.device)
             lse_acc = torch.full(query.shape[:3], float("-inf"), dtype=acc, device=query.device)
@@ -662,23 +695,43 @@ class RingAttention:
             return out_acc.to(query.dtype), lse_acc, max_logit
         return out_acc.to(query.dtype), lse_acc
 
-    def backward(self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse=None):
+    def backward(
+        self, cfg: RingConfig, grad_out, query, key, value, out, lse, grad_lse=None, decision=None
+    ):
         """(dq, dk, dv) in the input dtype; shapes as query, key, value (grad_out and out:
         (batch, heads, seq_q, head_dim_v)).
 
         grad_lse: the gradient reaching the returned LSE (batch, heads, seq_q), or None when
         the LSE is not used. It enters every block's dS as ``P * grad_lse`` (d lse_i / d s_ij
         = p_ij), i.e. the row term ``rowsum(dO * O)`` becomes ``rowsum(dO * O) - grad_lse``.
+        ``decision``: the non-finite decision (:meth:`gradient_decision`) when already made.
         """
         plans = self.plan(cfg, query.shape[2], key.shape[2])
         whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
-        finite, flags = self.gradient_decision(
-            cfg, query, out, lse, grad_out, grad_lse, kv=(key, value)
-        )
+        pending = None  # a flag read once the kernels are launched
+        if decision is not None:
+            finite, flags = decision
+        elif (
+            cfg.group.world_size == 1
+            and self.inputs_known_finite(cfg) is True
+            and self.speculates((grad_out,))
+        ):
+            # as the forward: the kernels launched as if the gradients were finite, their flag
+            # read after them, the call run again with GradientFlags when one is not
+            pending = self.finite_flag(*_gradient_inputs(grad_out, lse, grad_lse))
+            finite, flags = True, None
+        else:
+            finite, flags = self.gradient_decision(
+                cfg, query, out, lse, grad_out, grad_lse, kv=(key, value)
+            )
         if whole is not None:  # one rank, one block: the kernel's gradients are the gradients
             _, dq, dk, dv = self.block_grads(
                 cfg, whole, grad_out, query, (key, value), out, lse, grad_lse, finite, flags
             )
+            if pending is not None and not bool(pending):  # the read, after the kernel
+                del dq, dk, dv
+                again = (False, gradient_flags(grad_out, grad_lse))
+                return self.backward(cfg, grad_out, query, key, value, out, lse, grad_lse, again)
             return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
         acc = self.accumulation_dtype(query.dtype)
         dq_acc = torch.zeros(query.shape, dtype=acc, device=query.device)
@@ -744,6 +797,10 @@ class RingAttention:
             del kv, contribution  # not held through the next step's kernel
         dk, dv = split_kv(self.grads_home(cfg, link, like), key.shape[-1])
         _accumulate((dk, dv), own)
+        if pending is not None and not bool(pending):  # one rank's read, after its kernels
+            del dq_acc, dk, dv
+            again = (False, gradient_flags(grad_out, grad_lse))
+            return self.backward(cfg, grad_out, query, key, value, out, lse, grad_lse, again)
         return dq_acc.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 

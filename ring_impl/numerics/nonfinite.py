@@ -12,7 +12,8 @@ So a block whose inputs are not all finite runs its kernel on :func:`finite_part
 (non-finite entries as 0) and its result is then passed through these masks, computed from the
 block's own inputs and its visibility, with no host sync (no branch on whether a flag is set:
 the ring reads a flag only where that is free, on CPU, or once per call: a one-rank forward
-reads one flag of its query, key and value; a multi-rank forward learns whether every rank's
+reads one flag of its query, key and value (after launching its kernels as if they were finite,
+running again when they are not); a multi-rank forward learns whether every rank's
 are finite from the cross-rank check's all-reduce, read with it; on a GPU the blocks of a call
 whose group holds a non-finite input take this path). A backward whose query, key and value
 are known finite reads one flag of its gradients, and only when one is not finite needs their

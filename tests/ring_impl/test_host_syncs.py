@@ -11,7 +11,10 @@ backward whose query, key and value are known finite reads one flag of its gradi
 per backward): the alternative, its blocks run on the gradients' finite parts with NaN put where
 those reach (``GradientFlags``), needs per-feature range counts over every row, 1.5x the
 kernel's own backward at 64k tokens on an H200. That path runs only when the read finds a
-non-finite gradient. Otherwise the blocks go through the whole propagation, without a read.
+non-finite gradient. Otherwise the blocks go through the whole propagation, without a read. A
+one-rank call makes each read after launching its kernels, as if its inputs were finite, and
+runs again with the propagation when the read finds one that is not (so the device computes
+while the host waits).
 Here reads are made to count as on a GPU (``RingAttention.reads_are_free``), and they are
 counted in one warm call, forward and backward, at W=1 and W=2 with the CUDA kernels' CPU
 emulations. Counts are exact, not timings.
@@ -161,3 +164,69 @@ def test_a_multi_rank_call_skips_the_propagation_on_the_groups_verdict(ring, exc
     for rank, calls in enumerate(pool.run(_propagations, exchange, "key")):
         (pf, bf), (pb, bb), (pg, _) = calls["forward"], calls["backward"], calls["gradients"]
         assert pf == bf > 0 and pb == bb > 0 and pg == 0, (rank, calls)
+
+
+def _order(ctx, case: str) -> dict[str, list[str]]:
+    """Per direction, the kernel calls and device reads of one warm one-rank call in the order
+    they happen, reads as on a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ring_impl
+    from ring_impl.exchanges.ring import RingAttention
+
+    options = {
+        "causal": dict(is_causal=True, op="cpu_efficient_layout"),
+        "documents": dict(
+            mask=ring_impl.masks.Documents.from_cu_seqlens([0, 100, 400, 2000], SEQ),
+            op="cpu_flash_varlen_layout",
+        ),
+    }[case]
+    events: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                events.append("read")
+            return func(*args, **(kwargs or {}))
+
+    originals = {n: getattr(RingAttention, n) for n in ("block_forward", "block_backward")}
+
+    def kernel(name):
+        def method(self, *args, **kwargs):
+            events.append("kernel")
+            return originals[name](self, *args, **kwargs)
+
+        return method
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 4, SEQ, 32, generator=gen) for _ in range(4))
+    shortcut = RingAttention.reads_are_free
+    RingAttention.reads_are_free = lambda self, tensors: False  # as on a GPU
+    for name in originals:
+        setattr(RingAttention, name, kernel(name))
+    try:
+        for _ in range(2):  # the second call is recorded: plans are cached by then
+            events.clear()
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with Reads():
+                out = ring_impl.ring_attention(*leaves, group=ctx.group, **options)
+            forward = list(events)
+            events.clear()
+            with Reads():
+                out.backward(do)
+    finally:
+        RingAttention.reads_are_free = shortcut
+        for name, method in originals.items():
+            setattr(RingAttention, name, method)
+    return {"forward": forward, "backward": list(events)}
+
+
+@pytest.mark.parametrize("case", ["causal", "documents"])
+def test_a_one_rank_call_reads_after_launching_its_kernel(ring, case: str) -> None:
+    """Where a read is a device sync, a one-rank call of one block launches its kernel first and
+    reads whether its inputs (forward) or gradients (backward) were finite after it, so the device
+    computes while the host waits: one kernel call and one read per direction, in that order."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
+    (events,) = ring.rank_pool(1).run(_order, case)
+    assert events == {"forward": ["kernel", "read"], "backward": ["kernel", "read"]}, events
