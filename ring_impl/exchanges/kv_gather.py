@@ -103,13 +103,13 @@ def _positions(layout: str, length: int, world_size: int, rank: int) -> torch.Te
 
 
 def _seen_rows(
-    mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int
+    mask, q_pos: torch.Tensor, kv_pos: torch.Tensor, batch: int, heads: int, device
 ) -> torch.Tensor:
     """Local indices (ascending) of the keys at ``kv_pos`` that some query at ``q_pos`` sees,
-    for some batch entry and head."""
+    for some batch entry and head (the mask evaluated on ``device``, the inputs')."""
     from ..masks import visibility
 
-    vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads)
+    vis = visibility(mask, q_pos, kv_pos, batch=batch, heads=heads, device=device)
     return vis.any(-2).flatten(0, 1).any(0).nonzero().flatten()
 
 
@@ -136,16 +136,16 @@ def gather_plan(
         kv_pos = [_positions(layout, seq_kv, world_size, r) for r in range(world_size)]
         empty = torch.zeros(0, dtype=torch.int64)
         send = tuple(
-            empty if t == rank else _seen_rows(mask, q_pos[t], kv_pos[rank], batch, heads)
+            empty if t == rank else _seen_rows(mask, q_pos[t], kv_pos[rank], batch, heads, device)
             for t in range(world_size)
         )
         recv = tuple(
-            empty if s == rank else _seen_rows(mask, q_pos[rank], kv_pos[s], batch, heads)
+            empty if s == rank else _seen_rows(mask, q_pos[rank], kv_pos[s], batch, heads, device)
             for s in range(world_size)
         )
         ext_pos = torch.cat([kv_pos[rank]] + [kv_pos[s][recv[s]] for s in range(world_size)])
         order = torch.argsort(ext_pos, stable=True)  # extended row -> its [own | received] row
-        vis = visibility(mask, q_pos[rank], ext_pos[order], batch=batch, heads=heads)
+        vis = visibility(mask, q_pos[rank], ext_pos[order], batch=batch, heads=heads, device=device)
         at = torch.argsort(order)  # [own | received] row -> its extended row
         own_row = order < seq_kv  # extended row -> whether it is one of this rank's own
         own: list[Block] = []

@@ -169,7 +169,9 @@ class Ulysses:
 
         def build() -> torch.Tensor:
             pos_q, pos_kv = permutation(cfg.layout, seq_q, u), permutation(cfg.layout, seq_kv, u)
-            vis = visibility(mask, pos_q, pos_kv, batch=batch, heads=heads * u)
+            vis = visibility(
+                mask, pos_q, pos_kv, batch=batch, heads=heads * u, device=device, keep=True
+            )
             if vis.shape[1] > 1:  # a head-dependent mask: this rank's heads are slice rank of U
                 vis = vis[:, rank * heads : (rank + 1) * heads]
             return vis.to(device)

@@ -339,9 +339,10 @@ def test_value_head_dim_where_declared(name, d, dv, causal) -> None:
             )
 
 
-def _mask_mod_on_a_device_table(ctx) -> list[float]:
+def _mask_mod_on_a_device_table(ctx, exchange: str) -> list[float]:
     """max |MaskMod - Documents| of out, dq, dk, dv: the same packed documents as a built-in mask
-    and as a mask_mod reading a document-id table on the rank's GPU, as flex's are written."""
+    and as a mask_mod reading a document-id table on the rank's GPU, as flex's are written,
+    through ``exchange``."""
     import ring_impl
     from ring_impl.masks import Documents, MaskMod
 
@@ -362,18 +363,21 @@ def _mask_mod_on_a_device_table(ctx) -> list[float]:
     results = []
     for mask in (Documents.from_cu_seqlens(cuts, seq), MaskMod(same_document)):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = ring_impl.ring_attention(*leaves, group=ctx.group, mask=mask)
+        out = ring_impl.ring_attention(*leaves, group=ctx.group, mask=mask, exchange=exchange)
         out.backward(do)
         results.append([out.detach(), *(t.grad for t in leaves)])
     return [float((a - b).abs().max()) for a, b in zip(*results)]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_mask_mod_reads_a_table_on_the_gpu(ring, world) -> None:
+@pytest.mark.parametrize(
+    "world, exchange", [(1, "ring"), (2, "ring"), (2, "gather"), (2, "ulysses")]
+)
+def test_mask_mod_reads_a_table_on_the_gpu(ring, world, exchange) -> None:
     """A mask_mod indexing a CUDA tensor with the positions it is given runs (its positions are
-    put on the inputs' device) and masks as the built-in mask it spells (float32: the kernels'
-    rounding is far below 1e-4 here)."""
-    for rank, diffs in enumerate(ring.rank_pool(world).run(_mask_mod_on_a_device_table)):
+    put on the inputs' device, by every exchange that plans from the mask) and masks as the
+    built-in mask it spells (float32: the kernels' rounding is far below 1e-4 here)."""
+    pool = ring.rank_pool(world)
+    for rank, diffs in enumerate(pool.run(_mask_mod_on_a_device_table, exchange)):
         assert max(diffs) < 1e-4, (
             f"rank {rank}: max |MaskMod - Documents| (out, dq, dk, dv) {diffs}"
         )
