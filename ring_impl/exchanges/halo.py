@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..numerics.nonfinite import GradientFlags, finite_parts
+from ..numerics.nonfinite import GradientFlags, finite_parts, gradient_flags
 from ..planning.plan import Block, cached_by_mask, mask_blocks
 from ..transports.link import stage_on_host
 from .ring import RingAttention, RingConfig, block_rows, split_kv
@@ -323,10 +323,16 @@ class HaloPath:
         (cfg, impl), (h, blocks) = (self.cfg, self.impl), meta
         seq = query.shape[2]
         ext = _extended(impl.pack_kv(key, value), from_prev, from_next)
-        dq, dkv = extended_backward(
-            impl, cfg, query, ext, out, lse, grad_out, grad_lse, blocks
-        )  # [left | local | right]
-        del ext
+        inputs = (impl, cfg, query, ext, out, lse, grad_out, grad_lse, blocks)
+        pending = impl.speculated_gradients(cfg, grad_out, lse, grad_lse)
+        if pending is None:
+            dq, dkv = extended_backward(*inputs)  # [left | local | right]
+        else:  # the kernels first, the gradients' flag read before their results are sent
+            dq, dkv = extended_backward(*inputs, finite=True)
+            if not bool(pending):
+                flags = gradient_flags(grad_out, grad_lse)
+                dq, dkv = extended_backward(*inputs, finite=False, flags=flags)
+        del ext, inputs
         # The halos' dK/dV go home; this rank's rows that its neighbours saw come back.
         to_prev = dkv[..., : h.left, :] if h.left else None
         to_next = dkv[..., h.left + seq :, :] if h.right else None

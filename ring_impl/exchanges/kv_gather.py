@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import layout_runs
+from ..numerics.nonfinite import gradient_flags
 from ..planning.plan import Block, cached_by_mask, visibility_blocks
 from .halo import extended_backward, extended_forward
 from .ring import RingAttention, RingConfig, split_kv
@@ -257,11 +258,20 @@ class GatherPath:
         cfg, impl, plan = self.cfg, self.impl, self.plan
         dk_dtype, dv_dtype, head_dim = meta
         own, remote = plan.blocks[: plan.own_blocks], plan.blocks[plan.own_blocks :]
-        finite, flags = impl.gradient_decision(cfg, query, out, lse, grad_out, grad_lse, kv=(ext,))
+        pending = impl.speculated_gradients(cfg, grad_out, lse, grad_lse)
+        if pending is None:
+            finite, flags = impl.gradient_decision(
+                cfg, query, out, lse, grad_out, grad_lse, kv=(ext,)
+            )
+        else:  # the kernels first, the gradients' flag read before their results are sent
+            finite, flags = True, None
         # The blocks on received rows first: their dK/dV go home while the own blocks compute.
-        dq, dext = extended_backward(
-            impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote, finite=finite, flags=flags
-        )
+        inputs = (impl, cfg, query, ext, out, lse, grad_out, grad_lse, remote)
+        dq, dext = extended_backward(*inputs, finite=finite, flags=flags)
+        if pending is not None and not bool(pending):
+            finite, flags = False, gradient_flags(grad_out, grad_lse)
+            dq, dext = extended_backward(*inputs, finite=finite, flags=flags)
+        del inputs
         rows = dext.dim() - 2
         d_received = _rows_first(dext.index_select(rows, plan.received_at))
         exchange = _Exchange(cfg.group, d_received, plan.recv_counts, plan.send_counts)

@@ -536,6 +536,19 @@ class RingAttention:
             return False, None
         return self.rows_finite(query, out, grad_out, lse, grad_lse, *kv), None
 
+    def speculated_gradients(
+        self, cfg: RingConfig, grad_out, lse, grad_lse=None
+    ) -> torch.Tensor | None:
+        """The unread flag (:meth:`finite_flag`) of a backward's gradients when it speculates:
+        where its query, key and value are known finite and a read is a device sync
+        (:meth:`speculates`), the backward launches its first kernels as if the gradients were
+        finite and reads this flag after them, before anything they computed leaves the rank;
+        when it finds one that is not, those kernels run again with :class:`GradientFlags`.
+        None: :meth:`gradient_decision` decides before the kernels."""
+        if self.inputs_known_finite(cfg) is True and self.speculates((grad_out,)):
+            return self.finite_flag(*_gradient_inputs(grad_out, lse, grad_lse))
+        return None
+
     def transport(self, cfg: RingConfig) -> Transport:
         """The rotation method's transport (ring_impl.transports)."""
         return get_transport(cfg.rotate_method)
@@ -708,17 +721,10 @@ class RingAttention:
         """
         plans = self.plan(cfg, query.shape[2], key.shape[2])
         whole = _whole_block(plans, cfg.group.world_size, query.shape[2], key.shape[2])
-        pending = None  # a flag read once the kernels are launched
+        pending = None  # a flag read once the first kernels are launched
         if decision is not None:
             finite, flags = decision
-        elif (
-            cfg.group.world_size == 1
-            and self.inputs_known_finite(cfg) is True
-            and self.speculates((grad_out,))
-        ):
-            # as the forward: the kernels launched as if the gradients were finite, their flag
-            # read after them, the call run again with GradientFlags when one is not
-            pending = self.finite_flag(*_gradient_inputs(grad_out, lse, grad_lse))
+        elif (pending := self.speculated_gradients(cfg, grad_out, lse, grad_lse)) is not None:
             finite, flags = True, None
         else:
             finite, flags = self.gradient_decision(
@@ -774,19 +780,29 @@ class RingAttention:
         own = []  # this rank's contribution to its own block: added once that accumulator is home
         for plan in order:
             kv = split_kv(rotation.block(plan.step), key.shape[-1]) if plan.step else (key, value)
-            step_finite = (
-                len(plan.blocks) > 0
-                and finite
-                and (alone or group_finite or self.all_finite(kv[0], kv[1]))
-            )
-            contribution = []  # (kv_rows, dk, dv) per block
-            for block in plan.blocks:
-                (q0, q1), dq, dk, dv = self.block_grads(
-                    cfg, block, grad_out, query, kv, out, lse, grad_lse, step_finite, flags
+            for _attempt in range(2):  # again only after the speculated read finds a non-finite
+                contribution = []  # (kv_rows, dk, dv) per block
+                step_finite = (
+                    len(plan.blocks) > 0
+                    and finite
+                    and (alone or group_finite or self.all_finite(kv[0], kv[1]))
                 )
-                dq_acc[:, :, q0:q1] += dq
-                contribution.append((block.kv_rows, dk, dv))
-                del dq, dk, dv
+                for block in plan.blocks:
+                    (q0, q1), dq, dk, dv = self.block_grads(
+                        cfg, block, grad_out, query, kv, out, lse, grad_lse, step_finite, flags
+                    )
+                    dq_acc[:, :, q0:q1] += dq
+                    contribution.append((block.kv_rows, dk, dv))
+                    del dq, dk, dv
+                if pending is None or not contribution:
+                    break
+                # The read, after this rank's first kernels and before their results are
+                # accumulated or sent on: only this step's blocks used the gradients yet.
+                finite_grads, pending = bool(pending), None
+                if finite_grads:
+                    break
+                finite, flags = False, gradient_flags(grad_out, grad_lse)
+                dq_acc.zero_()
             if plan.step == 0:
                 own += contribution
             else:
@@ -797,10 +813,6 @@ class RingAttention:
             del kv, contribution  # not held through the next step's kernel
         dk, dv = split_kv(self.grads_home(cfg, link, like), key.shape[-1])
         _accumulate((dk, dv), own)
-        if pending is not None and not bool(pending):  # one rank's read, after its kernels
-            del dq_acc, dk, dv
-            again = (False, gradient_flags(grad_out, grad_lse))
-            return self.backward(cfg, grad_out, query, key, value, out, lse, grad_lse, again)
         return dq_acc.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 

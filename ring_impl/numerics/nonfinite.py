@@ -16,7 +16,8 @@ reads one flag of its query, key and value (after launching its kernels as if th
 running again when they are not); a multi-rank forward learns whether every rank's
 are finite from the cross-rank check's all-reduce, read with it; on a GPU the blocks of a call
 whose group holds a non-finite input take this path). A backward whose query, key and value
-are known finite reads one flag of its gradients, and only when one is not finite needs their
+are known finite reads one flag of its gradients (after launching its first kernels as if they
+were finite, running those again when they are not), and only when one is not finite needs their
 propagation alone (:class:`GradientFlags`, :func:`poison_gradients`: its per-feature range
 counts over every row cost more than the read's sync on a GPU), made once per call (``"full"``,
 top-left ``"causal"``, ``"masked"`` with the block's visibility, or ``"ranges"`` with its rows' key

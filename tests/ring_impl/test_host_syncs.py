@@ -14,7 +14,8 @@ kernel's own backward at 64k tokens on an H200. That path runs only when the rea
 non-finite gradient. Otherwise the blocks go through the whole propagation, without a read. A
 one-rank call makes each read after launching its kernels, as if its inputs were finite, and
 runs again with the propagation when the read finds one that is not (so the device computes
-while the host waits).
+while the host waits); a multi-rank backward reads after its first step's kernels, before
+anything they computed leaves the rank.
 Here reads are made to count as on a GPU (``RingAttention.reads_are_free``), and they are
 counted in one warm call, forward and backward, at W=1 and W=2 with the CUDA kernels' CPU
 emulations. Counts are exact, not timings.
@@ -147,20 +148,25 @@ def _propagations(ctx, exchange: str, nan_in: str | None) -> dict[str, tuple[int
 def test_a_multi_rank_call_skips_the_propagation_on_the_groups_verdict(ring, exchange) -> None:
     """As on a GPU, on every exchange: with every rank's query, key and value finite (reported in
     the cross-rank check's all-reduce) no block goes through the whole NaN propagation, forward
-    or backward, whatever the gradients hold. The backward reads one flag of its gradients: a rank
-    whose gradients are finite propagates nothing, and the rank holding a NaN in its grad_out
-    puts every one of its backward blocks through the gradients' propagation. A NaN in one rank's
-    key puts every block of every rank through the whole propagation (the verdict is the
-    group's)."""
+    or backward, whatever the gradients hold. The backward reads one flag of its gradients,
+    after launching its first step's kernels as if they were finite: a rank whose gradients are
+    finite propagates nothing and runs each block once, and the rank holding a NaN in its
+    grad_out puts every one of its backward blocks through the gradients' propagation (its first
+    step's blocks run twice, the speculated results dropped). A NaN in one rank's key puts every
+    block of every rank through the whole propagation (the verdict is the group's)."""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     pool = ring.rank_pool(2)
+    blocks = []  # per rank, the backward's blocks of a finite call
     for nan_in in (None, "grad_out"):
         for rank, calls in enumerate(pool.run(_propagations, exchange, nan_in)):
             (pf, bf), (pb, bb), (pg, _) = calls["forward"], calls["backward"], calls["gradients"]
             holds_nan = nan_in == "grad_out" and rank == 1
             assert pf == 0 and bf > 0 and pb == 0 and bb > 0, (nan_in, rank, calls)
-            assert pg == (bb if holds_nan else 0), (nan_in, rank, calls)
+            if nan_in is None:
+                blocks.append(bb)
+            assert pg == (blocks[rank] if holds_nan else 0), (nan_in, rank, calls)
+            assert (bb > blocks[rank]) if holds_nan else (bb == blocks[rank]), (nan_in, rank, calls)
     for rank, calls in enumerate(pool.run(_propagations, exchange, "key")):
         (pf, bf), (pb, bb), (pg, _) = calls["forward"], calls["backward"], calls["gradients"]
         assert pf == bf > 0 and pb == bb > 0 and pg == 0, (rank, calls)
@@ -177,7 +183,9 @@ def _order(ctx, case: str) -> dict[str, list[str]]:
     options = {
         "causal": dict(is_causal=True, op="cpu_efficient_layout"),
         "documents": dict(
-            mask=ring_impl.masks.Documents.from_cu_seqlens([0, 100, 400, 2000], SEQ),
+            mask=ring_impl.masks.Documents.from_cu_seqlens(
+                [0, 100, 400, 2000 * ctx.world_size], SEQ * ctx.world_size
+            ),
             op="cpu_flash_varlen_layout",
         ),
     }[case]
@@ -230,3 +238,16 @@ def test_a_one_rank_call_reads_after_launching_its_kernel(ring, case: str) -> No
         pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     (events,) = ring.rank_pool(1).run(_order, case)
     assert events == {"forward": ["kernel", "read"], "backward": ["kernel", "read"]}, events
+
+
+@pytest.mark.parametrize("case", ["causal", "documents"])
+def test_a_multi_rank_backward_reads_after_its_first_kernels(ring, case: str) -> None:
+    """At W=2, as on a GPU: the forward reads nothing (the group's verdict comes with the
+    cross-rank check), and the backward reads its gradients' flag once, after its first kernel
+    is launched."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
+    for rank, events in enumerate(ring.rank_pool(2).run(_order, case)):
+        forward, backward = events["forward"], events["backward"]
+        assert forward and set(forward) == {"kernel"}, (rank, events)
+        assert backward[0] == "kernel" and backward.count("read") == 1, (rank, events)
