@@ -28,6 +28,9 @@ and ring rows take ``(1, heads, seq, head_dim)`` views of them, as SDPA callers 
 ``ring-mod:auto``
     the same documents as a ``MaskMod`` reading a document-id table on the device (up to 16k
     tokens): what a general mask costs over the built-in one.
+``ring-tab:auto``
+    that ``MaskMod`` evaluated once by ``ring_impl.masks.tabulate`` (outside the timing, as the
+    flex row's block mask) into ``KeyRanges``, which every call takes.
 
 Each row is timed with CUDA events (median of ``--repeat`` after ``--warmup``), and one more call
 is profiled with ``torch.profiler``: kernel launches, host-device synchronisations
@@ -140,7 +143,7 @@ def _shape_rows(
     from torch.nn.attention.flex_attention import create_block_mask
 
     from ring_impl import ring_attention
-    from ring_impl.masks import Documents, MaskMod, SlidingWindow
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow, tabulate
 
     h, d = args.heads, args.head_dim
     lengths = document_lengths(seq, docs)
@@ -208,6 +211,8 @@ def _shape_rows(
                 if seq <= MASK_MOD_MAX_SEQ
                 else []
             ),
+            # that mask_mod tabulated once, outside the timing (as flex's block mask is made)
+            ("ring-tab:auto", ring_fn("auto", tabulate(MaskMod(doc_mod), seq, device="cuda"))),
         ],
         "window": [
             ("window", lambda: _flash(*bshd, window=window)),

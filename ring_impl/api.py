@@ -465,8 +465,10 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 does; collectives multiply by it, bytes sent stay the same. See
                 ring_impl.exchanges.heads.
             mask: a ring_impl.masks.Mask on *global* positions (Documents, SlidingWindow,
-                ChunkedCausal, PrefixLM, MaskMod, combined with & and |; with is_causal=True it
-                is intersected with causal), equal on every rank. Each ring step computes only
+                ChunkedCausal, PrefixLM, KeyRanges, MaskMod, combined with & and |; with
+                is_causal=True it is intersected with causal), equal on every rank (a MaskMod
+                showing one range of keys per query: ring_impl.masks.tabulate once, the
+                KeyRanges it gives to every call). Each ring step computes only
                 the rows and columns some query sees (skipped when none: the block is still
                 rotated). With an op taking row bounds (``cuda_flash_varlen``, what op="auto"
                 picks for a masked call on CUDA) a step of a mask of key ranges (every built-in

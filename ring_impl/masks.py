@@ -19,6 +19,8 @@ Masks (``visible(q_pos, kv_pos)`` -> bool, True = sees):
 ``a & b``, ``a | b``             intersection, union
 ``MaskMod(fn)``                  flex attention's convention: ``fn(b, h, q_idx, kv_idx)`` -> bool
                                  tensor, called on broadcastable index tensors
+``KeyRanges(start, end)``        ``start[q] <= kv < end[q]``: one range of keys per query;
+                                 ``tabulate(mask, seq)`` evaluates a mask of that form once
 
 Visibility is ``(batch or 1, heads or 1, rows, cols)``: only ``MaskMod`` may depend on batch and
 head. Every rank must pass an equal mask; each mask has a :meth:`Mask.digest` the ranks compare.
@@ -45,6 +47,7 @@ __all__ = [
     "ChunkedCausal",
     "Documents",
     "Full",
+    "KeyRanges",
     "Mask",
     "MaskMod",
     "Or",
@@ -57,7 +60,9 @@ __all__ = [
     "probe_grid",
     "probe_text",
     "snapshot",
+    "tabulate",
     "visibility",
+    "visible_ranges",
 ]
 
 
@@ -506,6 +511,179 @@ class MaskMod(Mask):
         return f"mask_mod({name},unprobed)"
 
 
+@dataclass(frozen=True, eq=False)
+class KeyRanges(Mask):
+    """One range of keys per query: the query at global position ``i`` sees the keys at positions
+    ``start[i] <= j < end[i]`` (``start[i] >= end[i]``: none). ``start``, ``end``: (seq_q,)
+    integer tensors, copied (int64, on the host) when the mask is made, so writes to the tensors
+    given never reach it; the same for every batch entry and head.
+
+    Every mask that shows each query one contiguous run of keys has this form: causal, sliding
+    windows, packed documents, chunked causal, prefix-LM and their intersections, and any
+    ``MaskMod`` spelling one of them. :func:`tabulate` evaluates such a mask once into this
+    form. Its description hashes both tensors, so calls with an equal ``KeyRanges`` (a model's
+    layers, forward and backward) share their plans, and a kernel that takes row bounds
+    (``OpCapabilities.row_bounds``) runs each ring step as one call."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        for name in ("start", "end"):
+            given = getattr(self, name)
+            if isinstance(given, (list, tuple)):
+                given = torch.as_tensor(given)
+            if (
+                isinstance(given, torch.Tensor)
+                and given.device.type != "meta"
+                and not (
+                    given.is_floating_point() or given.is_complex() or given.dtype == torch.bool
+                )
+            ):
+                given = given.detach().to(device="cpu", dtype=torch.int64, copy=True)
+            object.__setattr__(self, name, given)  # else as given, for check to refuse
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._cache:
+            self._cache[device] = (self.start.to(device), self.end.to(device))
+        return self._cache[device]
+
+    def visible(self, b, h, q, kv):
+        start, end = self._on(q.device)
+        return (kv >= start[q]) & (kv < end[q])
+
+    def bounds(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(start, end)`` of the queries at positions ``q`` (int64, on ``q``'s device)."""
+        start, end = self._on(q.device)
+        return start[q], end[q]
+
+    def reach(self):
+        if "reach" not in self._cache:
+            q = torch.arange(self.start.numel())
+            seen = self.end > self.start
+            if not bool(seen.any()):
+                self._cache["reach"] = (0, 0)
+            else:
+                left = int((q - self.start)[seen].max())
+                right = int((self.end - 1 - q)[seen].max())
+                self._cache["reach"] = (max(left, 0), max(right, 0))
+        return self._cache["reach"]
+
+    def describe(self) -> str:
+        if "describe" not in self._cache:
+            parts = (self.start, self.end)
+            if not all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 for t in parts):
+                return f"key_ranges({type(self.start).__name__},{type(self.end).__name__})"
+            # 128 bits of both tensors: plans are cached by this description
+            data = torch.cat([t.flatten() for t in parts]).numpy().tobytes()
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            sizes = "x".join(str(t.numel()) for t in parts)
+            self._cache["describe"] = f"key_ranges({sizes},{digest})"
+        return self._cache["describe"]
+
+    def check(self, seq_q, seq_kv):
+        key = ("check", seq_q, seq_kv)  # its tensors are its own: checked once per sizes
+        if key not in self._cache:
+            self._cache[key] = self._check(seq_q, seq_kv)
+        return self._cache[key]
+
+    def _check(self, seq_q, seq_kv):
+        for name in ("start", "end"):
+            t = getattr(self, name)
+            if not (
+                isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.device.type == "cpu"
+            ):
+                got = (
+                    f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                )
+                return f"KeyRanges.{name} must be an integer tensor with values, got {got}"
+            if t.dim() != 1 or t.numel() != seq_q:
+                return (
+                    f"KeyRanges.{name} has shape {tuple(t.shape)} but the global query sequence "
+                    f"has {seq_q} tokens (local length x world size): give one entry per query"
+                )
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) > seq_kv):
+                return (
+                    f"KeyRanges.{name} must lie in [0, {seq_kv}] (the global key sequence), got "
+                    f"values in [{int(t.min())}, {int(t.max())}]"
+                )
+        return None
+
+
+def tabulate(
+    mask: Mask,
+    seq_q: int,
+    seq_kv: int | None = None,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    device: torch.device | str | None = None,
+) -> KeyRanges:
+    """``mask`` evaluated once over a global sequence of ``seq_q`` queries and ``seq_kv`` keys
+    (default ``seq_q``), as :class:`KeyRanges`: build it once (per batch of data, as flex
+    attention's ``create_block_mask``) and pass it to every layer's call, which then neither
+    evaluates the mask nor plans again. Meant for a ``MaskMod`` (evaluated on every call
+    otherwise); ``device``: where its function runs (a function reading a table on a GPU runs
+    there). The mask is evaluated a band of query rows at a time (about 2^26 entries), so memory
+    stays O(seq) whatever the length.
+
+    Raises ValueError when the mask is refused by its checks, or when some query sees keys that
+    are not one contiguous range or that differ between batch entries or heads (``batch``,
+    ``heads``: how many to evaluate it for; a mask that depends on them has no KeyRanges form):
+    pass such a mask to the call as it is."""
+    seq_kv = seq_q if seq_kv is None else seq_kv
+    problem = mask_problem(
+        mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads, device=device
+    )
+    if problem is not None:
+        raise ValueError(f"tabulate: {problem}")
+    kv = torch.arange(seq_kv)
+    band = max(1, _TABULATE_ENTRIES // max(1, seq_kv * batch * heads))
+    starts, ends = [], []
+    for r0 in range(0, seq_q, band):
+        q = torch.arange(r0, min(seq_q, r0 + band))
+        vis = visibility(mask, q, kv, batch=batch, heads=heads, device=device, keep=True)
+        bounds = visible_ranges(vis)
+        if bounds is None:
+            raise ValueError(
+                f"tabulate: {mask.describe()} shows some query among positions {r0}.."
+                f"{r0 + q.numel() - 1} keys that are not one contiguous range, or that differ "
+                "between batch entries or heads: it has no KeyRanges form; pass it to the call "
+                "as it is"
+            )
+        starts.append(bounds[0].cpu())
+        ends.append(bounds[1].cpu())
+    return KeyRanges(torch.cat(starts), torch.cat(ends))
+
+
+#: How many (batch, head, query, key) entries :func:`tabulate` evaluates at once.
+_TABULATE_ENTRIES = 1 << 26
+
+
+def visible_ranges(vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's visible columns as one range ``[lo, hi)`` (``lo == hi``: none), int64 (rows,)
+    on ``vis``'s device, when ``vis`` (batch or 1, heads or 1, rows, cols) is the same for every
+    batch entry and head and each of its rows sees one range; else None. Reductions over
+    ``vis`` and one read."""
+    if vis.shape[-1] == 0 or vis.shape[-2] == 0:
+        return None
+    if vis.shape[0] * vis.shape[1] != 1 and not bool(
+        (vis.all(0).all(0) == vis.any(0).any(0)).all()
+    ):
+        return None
+    rows = vis[0, 0]
+    cols = rows.shape[-1]
+    count = rows.sum(-1)
+    seen = count > 0
+    as_bytes = rows.view(torch.uint8)
+    lo = torch.where(seen, as_bytes.argmax(-1), 0)
+    hi = torch.where(seen, cols - as_bytes.flip(-1).argmax(-1), 0)
+    if not bool((count == hi - lo).all()):
+        return None
+    return lo, hi
+
+
 #: How many (batch, head, query, key) entries a MaskMod's cross-rank probe evaluates at most.
 PROBE_ENTRIES = 1 << 20
 #: In a sampled probe: the first and last positions of each sequence always, the rest drawn.
@@ -609,7 +787,9 @@ def fold_causal(mask: Mask | None, is_causal) -> Mask | None:
 
 
 #: The masks whose description determines them (Mask.exact_digest).
-_EXACT_TYPES = frozenset({Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM, Documents, And, Or})
+_EXACT_TYPES = frozenset(
+    {Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM, Documents, KeyRanges, And, Or}
+)
 
 
 def _bound(pick, a: int | None, b: int | None) -> int | None:
@@ -718,7 +898,7 @@ def _settled(mask) -> bool:
         return _settled(mask.a) and _settled(mask.b)
     if type(mask) is Documents:
         return mask._owned
-    return type(mask) in (Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM)
+    return type(mask) in (Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM, KeyRanges)
 
 
 #: (description, seq_q, seq_kv, batch, heads) -> problem of masks its description determines

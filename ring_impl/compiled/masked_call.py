@@ -63,6 +63,7 @@ from ..masks import (
     ChunkedCausal,
     Documents,
     Full,
+    KeyRanges,
     MaskMod,
     Or,
     PrefixLM,
@@ -186,6 +187,11 @@ def _structure(mask, tensors: list, grid: dict) -> str:
             else:
                 raise _NotLiteral("Documents ids that are not a tensor")
         return f"('documents', {ids[0]}, {ids[1]}, {_literal(mask.causal)})"
+    if kind is KeyRanges:
+        if not all(isinstance(t, torch.Tensor) for t in (mask.start, mask.end)):
+            raise _NotLiteral("KeyRanges bounds that are not a tensor")
+        tensors.extend((mask.start, mask.end))
+        return f"('ranges', {len(tensors) - 2}, {len(tensors) - 1})"
     if kind is MaskMod:
         if raises_itself(mask.fn):
             # An assert (or raise) on the data would fail in the graph on its own rank, while
@@ -223,6 +229,9 @@ def _rebuild(structure, tensors):
     if kind == "documents":
         ids, kv_ids, causal = args
         return Documents(tensors[ids], causal, None if kv_ids is None else tensors[kv_ids])
+    if kind == "ranges":
+        start, end = args
+        return KeyRanges(tensors[start], tensors[end])
     if kind == "table":
         bits, seq_kv, failed = args
         return VisibilityTable(tensors[bits], seq_kv, tensors[failed])

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..layout import Runs, check_layout, layout_runs
+from ..masks import visible_ranges
 
 __all__ = [
     "Block",
@@ -496,29 +497,6 @@ def range_blocks(
     if bounds is None:
         return None
     return bounds_blocks(*bounds, step, kv_rank)
-
-
-def visible_ranges(vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Each row's visible columns as one range ``[lo, hi)`` (``lo == hi``: none), int64 (rows,)
-    on ``vis``'s device, when ``vis`` (batch or 1, heads or 1, rows, cols) is the same for every
-    batch entry and head and each of its rows sees one range; else None. Reductions over
-    ``vis`` and one read."""
-    if vis.shape[-1] == 0 or vis.shape[-2] == 0:
-        return None
-    if vis.shape[0] * vis.shape[1] != 1 and not bool(
-        (vis.all(0).all(0) == vis.any(0).any(0)).all()
-    ):
-        return None
-    rows = vis[0, 0]
-    cols = rows.shape[-1]
-    count = rows.sum(-1)
-    seen = count > 0
-    as_bytes = rows.view(torch.uint8)
-    lo = torch.where(seen, as_bytes.argmax(-1), 0)
-    hi = torch.where(seen, cols - as_bytes.flip(-1).argmax(-1), 0)
-    if not bool((count == hi - lo).all()):
-        return None
-    return lo, hi
 
 
 def bounds_blocks(lo: torch.Tensor, hi: torch.Tensor, step: int, kv_rank: int) -> tuple[Block, ...]:

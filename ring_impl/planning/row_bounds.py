@@ -22,7 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import And, Causal, ChunkedCausal, Documents, Full, Mask, PrefixLM, SlidingWindow
+from ..masks import (
+    And,
+    Causal,
+    ChunkedCausal,
+    Documents,
+    Full,
+    KeyRanges,
+    Mask,
+    PrefixLM,
+    SlidingWindow,
+)
 
 __all__ = ["column_bounds", "key_bounds"]
 
@@ -111,6 +121,10 @@ def _documents(mask: Documents, q, kv):
     return lo, hi
 
 
+def _key_ranges(mask: KeyRanges, q, kv):
+    return mask.bounds(q)
+
+
 def _and(mask: And, q, kv):
     a = key_bounds(mask.a, q, kv)
     b = None if a is None else key_bounds(mask.b, q, kv)
@@ -126,5 +140,6 @@ _RULES = {
     ChunkedCausal: _chunked,
     PrefixLM: _prefix,
     Documents: _documents,
+    KeyRanges: _key_ranges,
     And: _and,
 }

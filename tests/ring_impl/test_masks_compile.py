@@ -35,16 +35,19 @@ def _skip_other_impls(ring):
 
 
 def _mask(kind: str, variant: int):
-    from ring_impl.masks import Documents, MaskMod, SlidingWindow
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow, tabulate
 
     if kind in (
         "documents",
+        "key_ranges",
         "mask_mod",
     ):  # variant 1: other boundaries, crossing the shards differently
         lengths = ([5, 1, 19, 7], [16, 3, 13])[variant]
         ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
         if kind == "documents":
             return Documents(ids)
+        if kind == "key_ranges":  # the documents as one range of keys per query
+            return tabulate(Documents(ids), SEQ)
 
         def documents_per_head_window(
             b, h, q_idx, kv_idx
@@ -130,6 +133,7 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
         ("documents", "ulysses", "contiguous", "aot_eager", False, False),
         ("window", "hybrid", "head_tail", "aot_eager", True, False),  # 4 ranks, a 2 x 2 mesh
         ("documents", "ring", "head_tail", "inductor", False, False),
+        ("key_ranges", "ring", "head_tail", "aot_eager", False, False),
         ("window", "ring", "contiguous", "inductor", False, False),
         # A MaskMod (documents per head window, closing over the ids) as a table of bits
         ("mask_mod", "ring", "head_tail", "aot_eager", True, False),
@@ -159,8 +163,9 @@ def test_masked_attention_under_compile_equals_eager(
     names = ["out", "dq", "dk", "dv", "dsinks"]
     for rank, run in enumerate(runs):
         res = run["results"]
-        # In the graph (fullgraph=True compiled): the documents' ids are an input of the graph
-        # (also closed over by a MaskMod), a window's width a constant it was specialised on.
+        # In the graph (fullgraph=True compiled): the documents' ids (and key ranges) are an input
+        # of the graph (also closed over by a MaskMod), a window's width a constant it was
+        # specialised on.
         want = 2 if kind == "window" else 1
         assert run["frames"] == want, (
             f"rank {rank}: {run['frames']} compiled frames for two {kind} masks, expected {want}"
