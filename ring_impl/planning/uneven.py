@@ -39,6 +39,7 @@ from ..masks import (
     ChunkedCausal,
     Documents,
     Full,
+    KeyRanges,
     Mask,
     MaskMod,
     Or,
@@ -194,8 +195,8 @@ def _memo_real_tokens(seq: int, total: int, causal: bool) -> Documents:
 def extended_mask(mask: Mask, seq: int, total: int) -> Mask:
     """``mask`` on global positions ``[0, seq)`` as a mask on ``[0, total)`` that agrees with it
     there (what it says beyond is hidden by :func:`real_tokens`): document ids extended with
-    padding (-1), a function's positions clamped into ``[0, seq)``, length-free masks as they
-    are."""
+    padding (-1), key ranges with empty ones for the padding queries, a function's positions
+    clamped into ``[0, seq)``, length-free masks as they are."""
     if type(mask) in _LENGTHLESS:
         return mask
     if type(mask) is And or type(mask) is Or:
@@ -206,6 +207,8 @@ def extended_mask(mask: Mask, seq: int, total: int) -> Mask:
             return None if t is None else F.pad(torch.as_tensor(t), (0, total - seq), value=-1)
 
         return Documents(ids(mask.doc_ids), mask.causal, ids(mask.kv_doc_ids)).frozen()
+    if type(mask) is KeyRanges and mask.check(seq, seq) is None:  # padding queries see nothing
+        return KeyRanges(*(F.pad(t, (0, total - seq)) for t in (mask.start, mask.end)))
     fn = mask.fn if type(mask) is MaskMod else mask.visible
     return MaskMod(_clamped(fn, seq, 0))
 

@@ -56,7 +56,7 @@ def _positions(layout: str, lengths: list[int], rank: int) -> list[int]:
 
 def _mask(kind: str, seq: int):
     """(ring_impl mask or None, is_causal, the oracle's mask spec) for ``kind``."""
-    from ring_impl.masks import Documents, MaskMod, SlidingWindow
+    from ring_impl.masks import Documents, MaskMod, SlidingWindow, tabulate
 
     if kind == "causal":
         return None, True, {"kind": "causal"}
@@ -64,11 +64,14 @@ def _mask(kind: str, seq: int):
         return None, False, {"kind": "full"}
     if kind == "window":
         return SlidingWindow(3, 1), False, {"kind": "sliding_window", "left": 3, "right": 1}
-    if kind == "documents":
+    if kind in ("documents", "key_ranges"):
         third = seq // 3  # three documents crossing the shard borders, two padding tokens
         ids = [0] * third + [1] * third + [2] * (seq - 2 * third - 2) + [-1] * 2
         spec = {"kind": "document", "doc_ids": ids, "causal": True}
-        return Documents(torch.tensor(ids, dtype=torch.int32)), False, spec
+        documents = Documents(torch.tensor(ids, dtype=torch.int32))
+        if kind == "key_ranges":  # the same documents as one range of keys per query
+            return tabulate(documents, seq), False, spec
+        return documents, False, spec
     assert kind == "mask_mod"  # depends on the batch row, the head and a table of the sequence
 
     table = torch.arange(seq) % 4  # indexes positions: fails beyond the sequence unless clamped
@@ -103,6 +106,7 @@ CASES = [
     (3, [1, 7, 2], "contiguous", "window", "ring", torch.float64, {"rotate_method": "p2p"}),
     (4, [3, 3, 2, 2], "head_tail", "causal", "auto", torch.float32, {}),
     (4, [7, 0, 1, 4], "contiguous", "documents", "gather", torch.float64, {}),
+    (3, [6, 2, 5], "contiguous", "key_ranges", "ring", torch.float64, {}),
     (2, [2, 5], "contiguous", "causal", "ulysses", torch.float32, {}),
     (3, [4, 2, 5], "contiguous", "mask_mod", "ring", torch.float64, {"head_chunks": 2}),
     (3, [6, 1, 3], "contiguous", "full", "ring", torch.float64, {"return_max_logit": True}),
