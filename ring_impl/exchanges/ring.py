@@ -480,11 +480,12 @@ class RingAttention:
         return all(t.device.type == "cpu" for t in tensors)
 
     def speculates(self, tensors) -> bool:
-        """Whether a one-rank call launches its kernels as if ``tensors`` were finite and reads
-        their flag (:meth:`finite_flag`) only after the launches, running again with the NaN
-        propagation when it finds one that is not: where a read is a device sync (a GPU), so
-        that the device computes while the host waits for the read. Never under compile (a
-        graph reads nothing) nor where reads are free."""
+        """Whether a call that reads one flag of ``tensors`` (a one-rank forward, a backward
+        whose query, key and value are known finite) launches its kernels as if they were finite
+        and reads the flag (:meth:`finite_flag`) only after the launches, running those kernels
+        again with the NaN propagation when it finds one that is not: where a read is a device
+        sync (a GPU), so that the device computes while the host waits for the read. Never under
+        compile (a graph reads nothing) nor where reads are free."""
         return not (torch.compiler.is_compiling() or self.reads_are_free(tensors))
 
     def rows_finite(
