@@ -40,6 +40,15 @@ def _expected_visibility(ids: torch.Tensor) -> torch.Tensor:
     return same & (kv <= q) & (kv >= q - WINDOW)
 
 
+def _inputs(seq: int) -> tuple[torch.Tensor, ...]:
+    """Global float64 (query, key, value, grad_out), GQA: HEADS query heads on HEADS_KV."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, HEADS, seq, DIM, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64) for _ in "kv")
+    do = torch.randn(1, HEADS, seq, DIM, generator=gen, dtype=torch.float64)
+    return q, k, v, do
+
+
 def _run(ctx, exchange: str, layout: str) -> dict:
     import ring_impl
     from ring_impl.masks import KeyRanges, MaskMod, tabulate
@@ -56,10 +65,7 @@ def _run(ctx, exchange: str, layout: str) -> dict:
     mask = tabulate(MaskMod(windowed_documents), seq)
     assert type(mask) is KeyRanges
     evaluations[0] = 0
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(1, HEADS, seq, DIM, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(1, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64) for _ in "kv")
-    do = torch.randn(1, HEADS, seq, DIM, generator=gen, dtype=torch.float64)
+    q, k, v, do = _inputs(seq)
     strategy = "ulysses" if exchange == "ulysses" else "ring"
     leaves = [
         local_shard(t, ctx.group, strategy=strategy, layout=layout).requires_grad_(True)
@@ -99,14 +105,10 @@ def test_a_tabulated_mask_mod_matches_the_oracle_without_being_evaluated(
     results = ring.rank_pool(world).run(_run, exchange, layout)
     assert [r.pop("evaluations") for r in results] == [0] * world
     seq = SEQ_LOCAL * world
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(1, HEADS, seq, DIM, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(1, HEADS_KV, seq, DIM, generator=gen, dtype=torch.float64) for _ in "kv")
-    do = torch.randn(1, HEADS, seq, DIM, generator=gen, dtype=torch.float64)
     assert_ring_matches_oracle(
         f"KeyRanges {exchange} {layout} W={world}",
         results,
-        (q, k, v, do),
+        _inputs(seq),
         _expected_visibility(_document_ids(seq)),
         layout=layout,
         world_size=world,
