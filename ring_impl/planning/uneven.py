@@ -208,7 +208,7 @@ def extended_mask(mask: Mask, seq: int, total: int) -> Mask:
 
         return Documents(ids(mask.doc_ids), mask.causal, ids(mask.kv_doc_ids)).frozen()
     if type(mask) is KeyRanges and mask.check(seq, seq) is None:  # padding queries see nothing
-        return KeyRanges(*(F.pad(t, (0, total - seq)) for t in (mask.start, mask.end)))
+        return KeyRanges(F.pad(mask.start, (0, total - seq)), F.pad(mask.end, (0, total - seq)))
     fn = mask.fn if type(mask) is MaskMod else mask.visible
     return MaskMod(_clamped(fn, seq, 0))
 
