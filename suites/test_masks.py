@@ -30,6 +30,7 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from harness.pytest_plugin import settings_of
+from suites import matrix
 from suites.cases_balance import BALANCER_LAYOUTS, require_balancer
 from suites.cases_masks import (
     BATCH_DEPENDENT,
@@ -43,16 +44,6 @@ from suites.cases_masks import (
 )
 from suites.coverage import combos
 from suites.inputs import InputSpec
-from suites.matrix import (
-    LAYOUTS,
-    ROTATIONS,
-    draw_inputs,
-    drawn,
-    params,
-    seed_for,
-    tier,
-    world_sizes,
-)
 from suites.meshes import STRATEGY_MESHES
 
 #: The mask kinds (reference.masks) each named mask uses.
@@ -82,21 +73,21 @@ def _turned(name: str, w: int, layout: str, dtype: str) -> tuple[str, int, bool]
     layout and dtype, so each (mask, W, layout) meets every rotation over the dtypes, GQA on
     every other case and sinks on every fifth (5 is prime to 2 and 3: sinks meet every rotation
     and both head counts)."""
-    m = MASK_NAMES.index(name) + w + (*LAYOUTS, *BALANCER_LAYOUTS).index(layout)
+    m = MASK_NAMES.index(name) + w + (*matrix.LAYOUTS, *BALANCER_LAYOUTS).index(layout)
     m += DTYPES.index(dtype)
-    return ROTATIONS[m % 3], (4, 2)[m % 2], m % 5 == 0
+    return matrix.ROTATIONS[m % 3], (4, 2)[m % 2], m % 5 == 0
 
 
 def _named(name, w, layout, dtype, rotate, heads_kv, sinks) -> bool:
     # A balancer's layout on one rank is the whole sequence: W >= 2 only.
-    return (w > 1 or layout in LAYOUTS) and (rotate, heads_kv, sinks) == _turned(
+    return (w > 1 or layout in matrix.LAYOUTS) and (rotate, heads_kv, sinks) == _turned(
         name, w, layout, dtype
     )
 
 
 def _cases(config) -> list:
-    nightly = tier(config) == "nightly"
-    sizes = world_sizes(config) if nightly else world_sizes(config, at_most=4)
+    nightly = matrix.tier(config) == "nightly"
+    sizes = matrix.world_sizes(config) if nightly else matrix.world_sizes(config, at_most=4)
     out = []
     # Nightly: every named mask at every W, layout and dtype (rotation, GQA and sinks turned with
     # them); quick: a selection of those holding every value and pair of values of the seven
@@ -105,9 +96,9 @@ def _cases(config) -> list:
         config,
         MASK_NAMES,
         sizes,
-        (*LAYOUTS, *BALANCER_LAYOUTS),
+        (*matrix.LAYOUTS, *BALANCER_LAYOUTS),
         DTYPES,
-        ROTATIONS,
+        matrix.ROTATIONS,
         (4, 2),
         (False, True),
         where=_named,
@@ -130,7 +121,7 @@ def _cases(config) -> list:
         + _refill_cases(config)
         + _value_head_dim_cases(config)
     )
-    return params(
+    return matrix.params(
         out,
         id_extra=lambda c: (
             *((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
@@ -152,7 +143,7 @@ def _refill_cases(config) -> list[MaskCase]:
     same mask object (cases_masks.MaskCase.refill): the second call must run the new documents,
     whatever the implementation keeps between calls (converted ids, plans keyed by the ids'
     description)."""
-    sizes = world_sizes(config, at_most=2)
+    sizes = matrix.world_sizes(config, at_most=2)
     out = []
     for i, (w, name) in enumerate(itertools.product(sizes, ("documents", "documents_with_gaps"))):
         spec = InputSpec.per_rank(w, rows=24, batch=1, heads=2, heads_kv=2, dtype="float64")
@@ -160,8 +151,8 @@ def _refill_cases(config) -> list[MaskCase]:
             MaskCase(
                 spec,
                 w,
-                layout=LAYOUTS[i % 2],
-                rotate_method=ROTATIONS[i % 3],
+                layout=matrix.LAYOUTS[i % 2],
+                rotate_method=matrix.ROTATIONS[i % 3],
                 mask=name,
                 refill=True,
             )
@@ -174,7 +165,7 @@ def _value_head_dim_cases(config) -> list[MaskCase]:
     documents on the ring with sinks, a window the halo exchange serves (contiguous), and under
     Ulysses and the hybrid on 4 ranks; value wider and narrower than query and key."""
     out = []
-    for i, w in enumerate(world_sizes(config, at_least=2, at_most=4)):
+    for i, w in enumerate(matrix.world_sizes(config, at_least=2, at_most=4)):
         for j, (name, layout) in enumerate(
             (("documents", "head_tail"), ("window_narrow", "contiguous"))
         ):
@@ -193,7 +184,7 @@ def _value_head_dim_cases(config) -> list[MaskCase]:
                     spec,
                     w,
                     layout=layout,
-                    rotate_method=ROTATIONS[(i + j) % 3],
+                    rotate_method=matrix.ROTATIONS[(i + j) % 3],
                     mask=name,
                     sinks=j == 0,
                 )
@@ -214,8 +205,8 @@ def _value_head_dim_cases(config) -> list[MaskCase]:
                 MaskCase(
                     spec,
                     4,
-                    layout=LAYOUTS[i % 2],
-                    rotate_method=ROTATIONS[i % 3],
+                    layout=matrix.LAYOUTS[i % 2],
+                    rotate_method=matrix.ROTATIONS[i % 3],
                     mask="documents_window",
                     sinks=i % 2 == 1,
                     strategy=strategy,
@@ -235,7 +226,7 @@ def _scale_cases(config) -> list[MaskCase]:
     temperature is legitimate): a kernel whose causal path returns NaN there (the CPU flash
     kernel) must not get a mask's causal tiles (suites/test_edge_values.py has the is_causal
     case)."""
-    sizes = world_sizes(config, at_least=2, at_most=3)
+    sizes = matrix.world_sizes(config, at_least=2, at_most=3)
     out = []
     names = ("causal", "documents", "window_narrow", "documents_window")
     for i, (w, scale, name) in enumerate(itertools.product(sizes, (-0.3, 0.0), names)):
@@ -246,8 +237,8 @@ def _scale_cases(config) -> list[MaskCase]:
             MaskCase(
                 spec,
                 w,
-                layout=LAYOUTS[(i + i // 4) % 2],
-                rotate_method=ROTATIONS[i % 3],
+                layout=matrix.LAYOUTS[(i + i // 4) % 2],
+                rotate_method=matrix.ROTATIONS[i % 3],
                 mask=name,
                 sinks=i % 3 == 0,
             )
@@ -261,8 +252,8 @@ def _compile_cases(config) -> list[MaskCase]:
     (cases_masks.other_mask_data): a stale plan shows. Quick: ``aot_eager`` at W=2, the layout,
     rotation, dtype and sinks cycled; nightly: ``inductor`` too, at W 2..4. ``mask_mod`` included:
     its function closes over a tensor, which the warm-up call changes."""
-    nightly = tier(config) == "nightly"
-    sizes = world_sizes(config, at_least=2, at_most=4 if nightly else 2)
+    nightly = matrix.tier(config) == "nightly"
+    sizes = matrix.world_sizes(config, at_least=2, at_most=4 if nightly else 2)
     backends = ("aot_eager", "inductor") if nightly else ("aot_eager",)
     names = list(MASK_NAMES)
     out = []
@@ -279,8 +270,8 @@ def _compile_cases(config) -> list[MaskCase]:
             MaskCase(
                 spec,
                 w,
-                layout=LAYOUTS[(j + b) % 2],
-                rotate_method=ROTATIONS[(j + b) % 3],
+                layout=matrix.LAYOUTS[(j + b) % 2],
+                rotate_method=matrix.ROTATIONS[(j + b) % 3],
                 mask=name,
                 sinks=(j + b) % 3 == 0,
                 compile=backend,
@@ -295,13 +286,13 @@ def _strategy_cases(config) -> list[MaskCase]:
     its heads across rows (the hybrid), under the mask on global positions."""
     if 4 not in settings_of(config).mesh_world_sizes:
         return []
-    nightly = tier(config) == "nightly"
+    nightly = matrix.tier(config) == "nightly"
     dtypes = ("float64", "float32", "bfloat16")
     out = []
     for i, (name, (strategy, mesh)) in enumerate(itertools.product(MASK_NAMES, STRATEGY_MESHES)):
         # i alternates the strategy: the layout and GQA turn every other pair,
         # so each strategy gets both.
-        layouts = LAYOUTS if nightly else (LAYOUTS[(i // 2 + i) % 2],)
+        layouts = matrix.LAYOUTS if nightly else (matrix.LAYOUTS[(i // 2 + i) % 2],)
         for j, layout in enumerate(layouts):
             dtype = dtypes[(i + j) % 3]
             spec = InputSpec(
@@ -318,7 +309,7 @@ def _strategy_cases(config) -> list[MaskCase]:
                     spec,
                     4,
                     layout=layout,
-                    rotate_method=ROTATIONS[(i // 2 + j) % 3],
+                    rotate_method=matrix.ROTATIONS[(i // 2 + j) % 3],
                     mask=name,
                     sinks=(i + j) % 3 == 0,
                     strategy=strategy,
@@ -347,8 +338,8 @@ def _strategy_cases(config) -> list[MaskCase]:
             MaskCase(
                 spec,
                 4,
-                layout=LAYOUTS[(i // 2) % 2],
-                rotate_method=ROTATIONS[i % 3],
+                layout=matrix.LAYOUTS[(i // 2) % 2],
+                rotate_method=matrix.ROTATIONS[i % 3],
                 mask=name,
                 sinks=i % 2 == 0,
                 strategy=strategy,
@@ -447,7 +438,7 @@ def _tokens_per_rank(layout: str) -> st.SearchStrategy[int]:
     return st.integers(1, 12)
 
 
-@drawn
+@matrix.drawn
 def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
     """A drawn mask, layout (the balancers' included), rotation, world size, dtype, GQA and
     sinks: out, LSE, dQ, dK, dV (and dSinks) against the float64 oracle, as the named cases."""
@@ -459,12 +450,12 @@ def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
             _LEAVES[0],
             why=f"it claims none of the mask kinds the property draws ({list(_LEAVES)})",
         )
-    sizes = world_sizes(pytestconfig, at_least=2) or [1]
+    sizes = matrix.world_sizes(pytestconfig, at_least=2) or [1]
     w = data.draw(st.sampled_from(sizes), label="world_size")
-    layouts = [x for x in LAYOUTS if caps.claims("layouts", x)]
+    layouts = [x for x in matrix.LAYOUTS if caps.claims("layouts", x)]
     if w > 1:
         layouts += [b for b in BALANCER_LAYOUTS if caps.claims("balancers", b)]
-    layout = data.draw(st.sampled_from(layouts or list(LAYOUTS)), label="layout")
+    layout = data.draw(st.sampled_from(layouts or list(matrix.LAYOUTS)), label="layout")
     seq = data.draw(_tokens_per_rank(layout), label="tokens_per_rank") * w
     mask = data.draw(_leaf(seq, kinds), label="mask")
     joins = [j for j in ("and", "or") if caps.claims("masks", j)]
@@ -483,17 +474,18 @@ def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
         mask
     )  # differs between batch rows and heads: 2 of each at least
     pairs = 2 if per_row else None  # 2 batch rows and 2 key/value heads, or drawn
-    spec = draw_inputs(data, caps, seq, heads_kv=pairs, batch=pairs)
+    spec = matrix.draw_inputs(data, caps, seq, heads_kv=pairs, batch=pairs)
     rotate = data.draw(
         st.sampled_from(
-            [m for m in ROTATIONS if caps.claims("rotate_methods", m)] or list(ROTATIONS)
+            [m for m in matrix.ROTATIONS if caps.claims("rotate_methods", m)]
+            or list(matrix.ROTATIONS)
         ),
         label="rotate_method",
     )
     sinks = caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
     mask_json = json.dumps(mask, sort_keys=True)
     case = MaskCase(
-        spec.with_(seed=seed_for(repr(spec) + mask_json)),
+        spec.with_(seed=matrix.seed_for(repr(spec) + mask_json)),
         w,
         layout=layout,
         rotate_method=rotate,

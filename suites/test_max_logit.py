@@ -24,21 +24,9 @@ import itertools
 
 from hypothesis import strategies as st
 
+from suites import matrix
 from suites.cases_max_logit import MaxLogitCase, diagnose_max_logit, judge_max_logit, max_logit_case
 from suites.inputs import InputSpec
-from suites.matrix import (
-    DTYPES,
-    LAYOUTS,
-    ROTATIONS,
-    draw_claimed,
-    draw_inputs,
-    draw_world_size,
-    drawn,
-    params,
-    seed_for,
-    tier,
-    world_sizes,
-)
 
 #: Named masks of the mask suite run here (suites.cases_masks.mask_spec) and the mask kinds each
 #: uses: documents with padding between them (rows that see nothing), a narrow window (the halo
@@ -54,11 +42,11 @@ MASKS = tuple(KINDS)
 
 
 def _cases(config) -> list[MaxLogitCase]:
-    nightly = tier(config) == "nightly"
-    dtypes = DTYPES[:3]
+    nightly = matrix.tier(config) == "nightly"
+    dtypes = matrix.DTYPES[:3]
     out = []
     for i, (w, causal, layout) in enumerate(
-        itertools.product(world_sizes(config), (False, True), LAYOUTS)
+        itertools.product(matrix.world_sizes(config), (False, True), matrix.LAYOUTS)
     ):
         for j, dtype in enumerate(dtypes if nightly else (dtypes[i % 3],)):
             heads_kv = 2 if (i + j) % 2 else 4
@@ -69,12 +57,14 @@ def _cases(config) -> list[MaxLogitCase]:
                     w,
                     is_causal=causal,
                     layout=layout,
-                    rotate_method=ROTATIONS[(i + j) % 3],
+                    rotate_method=matrix.ROTATIONS[(i + j) % 3],
                     return_lse=(i + j) % 2 == 0,
                 )
             )
     for i, (name, w) in enumerate(
-        itertools.product(MASKS, world_sizes(config, at_least=2, at_most=None if nightly else 3))
+        itertools.product(
+            MASKS, matrix.world_sizes(config, at_least=2, at_most=None if nightly else 3)
+        )
     ):
         spec = InputSpec.per_rank(
             w, rows=24, batch=1, heads_kv=2 if i % 2 else 4, dtype=dtypes[i % 3]
@@ -83,14 +73,14 @@ def _cases(config) -> list[MaxLogitCase]:
             MaxLogitCase(
                 spec,
                 w,
-                layout=LAYOUTS[i % 2] if name != "window_narrow" else "contiguous",
-                rotate_method=ROTATIONS[i % 3],
+                layout=matrix.LAYOUTS[i % 2] if name != "window_narrow" else "contiguous",
+                rotate_method=matrix.ROTATIONS[i % 3],
                 mask=name,
                 sinks=i % 3 == 0,
             )
         )
     for i, (w, where) in enumerate(
-        itertools.product(world_sizes(config, at_least=2, at_most=3), ("key", "query"))
+        itertools.product(matrix.world_sizes(config, at_least=2, at_most=3), ("key", "query"))
     ):
         spec = InputSpec.per_rank(w, heads_kv=2, dtype="float32", nan_in=where)
         out.append(
@@ -98,19 +88,23 @@ def _cases(config) -> list[MaxLogitCase]:
                 spec,
                 w,
                 is_causal=where == "key",
-                layout=LAYOUTS[i % 2],
-                rotate_method=ROTATIONS[i % 3],
+                layout=matrix.LAYOUTS[i % 2],
+                rotate_method=matrix.ROTATIONS[i % 3],
             )
         )
     # softmax scales <= 0 (a negative temperature is legitimate): the largest logit is then
     # the scale times the smallest score
     for i, (w, scale) in enumerate(
-        itertools.product(world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0))
+        itertools.product(matrix.world_sizes(config, at_least=2, at_most=3), (-0.3, 0.0))
     ):
         spec = InputSpec.per_rank(w, batch=1, heads_kv=2, scale=scale)
         out.append(
             MaxLogitCase(
-                spec, w, is_causal=True, layout=LAYOUTS[i % 2], rotate_method=ROTATIONS[i % 3]
+                spec,
+                w,
+                is_causal=True,
+                layout=matrix.LAYOUTS[i % 2],
+                rotate_method=matrix.ROTATIONS[i % 3],
             )
         )
     return out
@@ -119,12 +113,17 @@ def _cases(config) -> list[MaxLogitCase]:
 def _accounted(config) -> list[MaxLogitCase]:
     out = []
     for i, (w, rotate) in enumerate(
-        itertools.product(world_sizes(config, at_least=2, at_most=4), ROTATIONS)
+        itertools.product(matrix.world_sizes(config, at_least=2, at_most=4), matrix.ROTATIONS)
     ):
         spec = InputSpec.per_rank(w, heads_kv=2, dtype=("float32", "float64")[i % 2])
         out.append(
             MaxLogitCase(
-                spec, w, is_causal=True, layout=LAYOUTS[i % 2], rotate_method=rotate, account=True
+                spec,
+                w,
+                is_causal=True,
+                layout=matrix.LAYOUTS[i % 2],
+                rotate_method=rotate,
+                account=True,
             )
         )
     return out
@@ -148,7 +147,7 @@ def pytest_generate_tests(metafunc):
             if "accounted" in metafunc.function.__name__
             else _cases(metafunc.config)
         )
-        metafunc.parametrize("case", params(cases, id_extra=_id))
+        metafunc.parametrize("case", matrix.params(cases, id_extra=_id))
 
 
 def _prepare(ring, case: MaxLogitCase) -> MaxLogitCase:
@@ -172,15 +171,15 @@ def test_max_logit_matches_reference(ring, case: MaxLogitCase) -> None:
     _run_and_judge(ring, _prepare(ring, case))
 
 
-@drawn
+@matrix.drawn
 def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     """A drawn world size, layout, rotation, dtype, shape (batch, heads, GQA, head dim, tokens
     per rank), causality or a named mask (with sinks), softmax scale (<= 0 included) and
     return_lse: the group's per-head max logit against the float64 oracle, as the named cases."""
     caps = ring.caps
-    w = draw_world_size(data, pytestconfig)
-    layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
-    rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
+    w = matrix.draw_world_size(data, pytestconfig)
+    layout = matrix.draw_claimed(data, caps, "layouts", matrix.LAYOUTS, "layout")
+    rotate = matrix.draw_claimed(data, caps, "rotate_methods", matrix.ROTATIONS, "rotate_method")
     # The named masks need room for their documents and windows (24 tokens, as their cases);
     # the narrow window is the halo exchange's, which runs contiguous.
     masks = [
@@ -195,11 +194,13 @@ def test_any_max_logit_matches_reference(ring, pytestconfig, data) -> None:
     seq = data.draw(st.integers(least, least + 6), label="tokens_per_rank") * step * w
     causal = mask is None and data.draw(st.booleans(), label="is_causal")
     sinks = mask is not None and caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
-    spec = draw_inputs(data, caps, seq, dtypes=DTYPES[:3], most_kv=3, head_dims=(8, 16, 40))
+    spec = matrix.draw_inputs(
+        data, caps, seq, dtypes=matrix.DTYPES[:3], most_kv=3, head_dims=(8, 16, 40)
+    )
     spec = spec.with_(scale=data.draw(st.sampled_from((None, 0.5, -0.3, 0.0)), label="scale"))
     lse = caps.claims("lse") and data.draw(st.booleans(), label="return_lse")
     case = MaxLogitCase(
-        spec.with_(seed=seed_for(f"{spec!r} {mask}")),
+        spec.with_(seed=matrix.seed_for(f"{spec!r} {mask}")),
         w,
         is_causal=causal,
         layout=layout,

@@ -6,21 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu, cuda
 from .contract import AttentionOp, default_scale, missing_members
-from .cpu import (
-    CpuCudnnLayoutOp,
-    CpuEfficientLayoutOp,
-    CpuEfficientMaskedLayoutOp,
-    CpuFlashOp,
-    CpuFlashVarlenLayoutOp,
-)
-from .cuda import (
-    CudaCudnnOp,
-    CudaEfficientMaskedOp,
-    CudaEfficientOp,
-    CudaFlashOp,
-    CudaFlashVarlenOp,
-)
 from .flex import FlexOp
 from .math import MathOp
 
@@ -124,16 +111,16 @@ def resolve_op(
 
 for _op in (
     MathOp(),
-    CpuFlashOp(),
-    CpuEfficientLayoutOp(),
-    CpuEfficientMaskedLayoutOp(),
-    CpuCudnnLayoutOp(),
-    CpuFlashVarlenLayoutOp(),
-    CudaFlashOp(),
-    CudaEfficientOp(),
-    CudaEfficientMaskedOp(),
-    CudaFlashVarlenOp(),
-    CudaCudnnOp(),
+    cpu.CpuFlashOp(),
+    cpu.CpuEfficientLayoutOp(),
+    cpu.CpuEfficientMaskedLayoutOp(),
+    cpu.CpuCudnnLayoutOp(),
+    cpu.CpuFlashVarlenLayoutOp(),
+    cuda.CudaFlashOp(),
+    cuda.CudaEfficientOp(),
+    cuda.CudaEfficientMaskedOp(),
+    cuda.CudaFlashVarlenOp(),
+    cuda.CudaCudnnOp(),
     FlexOp(),
 ):
     register_op(_op)

@@ -22,17 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import (
-    And,
-    Causal,
-    ChunkedCausal,
-    Documents,
-    Full,
-    KeyRanges,
-    Mask,
-    PrefixLM,
-    SlidingWindow,
-)
+from .. import masks
 
 __all__ = ["column_bounds", "key_bounds"]
 
@@ -41,7 +31,7 @@ _FAR = 1 << 62
 
 
 def key_bounds(
-    mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor
+    mask: masks.Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(lo, hi)``: query ``q_pos[r]`` sees exactly the keys at positions ``p`` with
     ``lo[r] <= p < hi[r]`` among ``kv_pos`` (``lo >= hi``: none); None when ``mask`` is not one
@@ -51,7 +41,7 @@ def key_bounds(
 
 
 def column_bounds(
-    mask: Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor
+    mask: masks.Mask, q_pos: torch.Tensor, kv_pos: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`key_bounds` as local key columns: query row ``r`` sees columns ``lo[r] .. hi[r] - 1``
     of ``kv_pos`` (``lo == hi``: none). None also when ``kv_pos`` does not increase strictly
@@ -75,21 +65,21 @@ def _causal(mask, q, kv):
     return torch.full_like(q, -_FAR), q + 1
 
 
-def _window(mask: SlidingWindow, q, kv):
+def _window(mask: masks.SlidingWindow, q, kv):
     lo = torch.full_like(q, -_FAR) if mask.left is None else q - mask.left
     hi = torch.full_like(q, _FAR) if mask.right is None else q + mask.right + 1
     return lo, hi
 
 
-def _chunked(mask: ChunkedCausal, q, kv):
+def _chunked(mask: masks.ChunkedCausal, q, kv):
     return torch.div(q, mask.chunk, rounding_mode="floor") * mask.chunk, q + 1
 
 
-def _prefix(mask: PrefixLM, q, kv):
+def _prefix(mask: masks.PrefixLM, q, kv):
     return torch.full_like(q, -_FAR), torch.clamp(q + 1, min=mask.prefix)
 
 
-def _documents(mask: Documents, q, kv):
+def _documents(mask: masks.Documents, q, kv):
     """A query sees the keys of its document (up to itself when causal): one range when every
     document's keys are contiguous (no padding inside a document), which is checked here."""
     q_ids = mask._ids(False, q.device)[q]
@@ -121,11 +111,11 @@ def _documents(mask: Documents, q, kv):
     return lo, hi
 
 
-def _key_ranges(mask: KeyRanges, q, kv):
+def _key_ranges(mask: masks.KeyRanges, q, kv):
     return mask.bounds(q)
 
 
-def _and(mask: And, q, kv):
+def _and(mask: masks.And, q, kv):
     a = key_bounds(mask.a, q, kv)
     b = None if a is None else key_bounds(mask.b, q, kv)
     if a is None or b is None:
@@ -134,12 +124,12 @@ def _and(mask: And, q, kv):
 
 
 _RULES = {
-    Full: _full,
-    Causal: _causal,
-    SlidingWindow: _window,
-    ChunkedCausal: _chunked,
-    PrefixLM: _prefix,
-    Documents: _documents,
-    KeyRanges: _key_ranges,
-    And: _and,
+    masks.Full: _full,
+    masks.Causal: _causal,
+    masks.SlidingWindow: _window,
+    masks.ChunkedCausal: _chunked,
+    masks.PrefixLM: _prefix,
+    masks.Documents: _documents,
+    masks.KeyRanges: _key_ranges,
+    masks.And: _and,
 }

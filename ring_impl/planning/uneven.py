@@ -32,22 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import masks
 from ..layout import Layout, Runs, check_layout, register_derived, split_runs
-from ..masks import (
-    And,
-    Causal,
-    ChunkedCausal,
-    Documents,
-    Full,
-    KeyRanges,
-    Mask,
-    MaskMod,
-    Or,
-    PrefixLM,
-    SlidingWindow,
-    mask_problem,
-    snapshot,
-)
 
 __all__ = [
     "extended_mask",
@@ -63,7 +49,7 @@ __all__ = [
 EXCHANGES = ("auto", "ring", "gather", "ulysses")
 
 #: Built-in masks whose parameters hold no sequence length: the same mask on the padded sequence.
-_LENGTHLESS = (Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM)
+_LENGTHLESS = (masks.Full, masks.Causal, masks.SlidingWindow, masks.ChunkedCausal, masks.PrefixLM)
 
 
 def lengths_problem(shard_lengths, world: int) -> str | None:
@@ -122,7 +108,7 @@ def _problem(query, key, value, lengths, rank, layout, exchange, mask, score_mod
         return str(exc)
     seq = sum(lengths)
     b, h = query.shape[0], query.shape[1]
-    problem = mask_problem(mask, seq_q=seq, seq_kv=seq, batch=b, heads=h)
+    problem = masks.mask_problem(mask, seq_q=seq, seq_kv=seq, batch=b, heads=h)
     if problem is None and score_mod is not None:
         from ..score_mods import ScoreMod, as_score_mod
 
@@ -172,7 +158,7 @@ def _from_name(name: str) -> Layout:
 register_derived(_PREFIX, _from_name)
 
 
-def real_tokens(seq: int, total: int, causal: bool) -> Documents:
+def real_tokens(seq: int, total: int, causal: bool) -> masks.Documents:
     """Documents over ``total`` positions: ``[0, seq)`` one document (causal when ``causal``),
     the rest padding (id -1: sees nothing, seen by nothing). Kept for the 64 most recent shapes
     (a snapshot: its ids, checks and plans made once); made anew inside a compiled graph."""
@@ -181,36 +167,40 @@ def real_tokens(seq: int, total: int, causal: bool) -> Documents:
     return _memo_real_tokens(seq, total, causal)
 
 
-def _real_tokens(seq: int, total: int, causal: bool) -> Documents:
+def _real_tokens(seq: int, total: int, causal: bool) -> masks.Documents:
     ids = torch.zeros(total, dtype=torch.int64)
     ids[seq:] = -1
-    return Documents(ids, causal)
+    return masks.Documents(ids, causal)
 
 
 @functools.lru_cache(maxsize=64)
-def _memo_real_tokens(seq: int, total: int, causal: bool) -> Documents:
+def _memo_real_tokens(seq: int, total: int, causal: bool) -> masks.Documents:
     return _real_tokens(seq, total, causal).frozen()
 
 
-def extended_mask(mask: Mask, seq: int, total: int) -> Mask:
+def extended_mask(mask: masks.Mask, seq: int, total: int) -> masks.Mask:
     """``mask`` on global positions ``[0, seq)`` as a mask on ``[0, total)`` that agrees with it
     there (what it says beyond is hidden by :func:`real_tokens`): document ids extended with
     padding (-1), key ranges with empty ones for the padding queries, a function's positions
     clamped into ``[0, seq)``, length-free masks as they are."""
     if type(mask) in _LENGTHLESS:
         return mask
-    if type(mask) is And or type(mask) is Or:
+    if type(mask) is masks.And or type(mask) is masks.Or:
         return type(mask)(extended_mask(mask.a, seq, total), extended_mask(mask.b, seq, total))
-    if type(mask) is Documents:
+    if type(mask) is masks.Documents:
 
         def ids(t):
             return None if t is None else F.pad(torch.as_tensor(t), (0, total - seq), value=-1)
 
-        return Documents(ids(mask.doc_ids), mask.causal, ids(mask.kv_doc_ids)).frozen()
-    if type(mask) is KeyRanges and mask.check(seq, seq) is None:  # padding queries see nothing
-        return KeyRanges(F.pad(mask.start, (0, total - seq)), F.pad(mask.end, (0, total - seq)))
-    fn = mask.fn if type(mask) is MaskMod else mask.visible
-    return MaskMod(_clamped(fn, seq, 0))
+        return masks.Documents(ids(mask.doc_ids), mask.causal, ids(mask.kv_doc_ids)).frozen()
+    if (
+        type(mask) is masks.KeyRanges and mask.check(seq, seq) is None
+    ):  # padding queries see nothing
+        return masks.KeyRanges(
+            F.pad(mask.start, (0, total - seq)), F.pad(mask.end, (0, total - seq))
+        )
+    fn = mask.fn if type(mask) is masks.MaskMod else mask.visible
+    return masks.MaskMod(_clamped(fn, seq, 0))
 
 
 def _clamped(fn, seq: int, positions_at: int):
@@ -253,9 +243,9 @@ def uneven_call(call, lengths: tuple[int, ...]) -> Any:
     """The padded call's options: its layout (:func:`padded_layout`), causality and mask folded
     into the real tokens' documents & the extended mask, the score_mod extended."""
     seq, total = sum(lengths), max(lengths) * len(lengths)
-    mask: Mask = real_tokens(seq, total, bool(call.is_causal))
+    mask: masks.Mask = real_tokens(seq, total, bool(call.is_causal))
     if call.mask is not None:
-        mask = mask & extended_mask(snapshot(call.mask), seq, total)
+        mask = mask & extended_mask(masks.snapshot(call.mask), seq, total)
     score_mod = None if call.score_mod is None else extended_score_mod(call.score_mod, seq, total)
     return call.with_(
         layout=padded_layout(call.layout, lengths), is_causal=False, mask=mask, score_mod=score_mod

@@ -10,20 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from conformance.implementation import (
-    DEFAULT_IMPL_SPEC,
-    Capabilities,
-    Implementation,
-    ImplSpecError,
-    ProtocolError,
-    load_implementation,
-)
+from conformance import implementation
 from tests.conformance.subproc import run_pytest
 
 
 def test_undeclared_is_claimed_and_only_declared_lacking_is_not() -> None:
-    caps = Capabilities(layouts=frozenset({"contiguous"}), lse=False, ops=frozenset())
-    assert Capabilities().claims("gqa") and Capabilities().claims("layouts", "head_tail")
+    caps = implementation.Capabilities(
+        layouts=frozenset({"contiguous"}), lse=False, ops=frozenset()
+    )
+    assert implementation.Capabilities().claims("gqa") and implementation.Capabilities().claims(
+        "layouts", "head_tail"
+    )
     assert caps.claims("layouts", "contiguous") and not caps.claims("layouts", "head_tail")
     assert not caps.claims("lse") and not caps.claims("ops", "*") and caps.claims("compile")
     assert caps.declares("compile") is None and caps.declares("lse") is False
@@ -32,23 +29,26 @@ def test_undeclared_is_claimed_and_only_declared_lacking_is_not() -> None:
         == "declares capabilities.layouts=['contiguous'], without 'head_tail'"
     )
     assert caps.lacking("lse") == "declares capabilities.lse=False" and caps.lacking("gqa") == ""
-    assert Capabilities(ops=frozenset({"*"})).claims("ops", "cpu_flash")
+    assert implementation.Capabilities(ops=frozenset({"*"})).claims("ops", "cpu_flash")
 
 
 def test_impl_ring_impl_means_the_default_implementation() -> None:
-    impl = load_implementation("ring_impl")
-    assert impl.spec == DEFAULT_IMPL_SPEC and impl is load_implementation(DEFAULT_IMPL_SPEC)
+    impl = implementation.load_implementation("ring_impl")
+    assert (
+        impl.spec == implementation.DEFAULT_IMPL_SPEC
+        and impl is implementation.load_implementation(implementation.DEFAULT_IMPL_SPEC)
+    )
     # A module named alone stands for its IMPLEMENTATION when it has one.
     assert (
-        load_implementation("conformance.adapters.torch_cp").spec
+        implementation.load_implementation("conformance.adapters.torch_cp").spec
         == "conformance.adapters.torch_cp:IMPLEMENTATION"
     )
-    with pytest.raises(ImplSpecError, match="has no callable ring_attention"):
-        load_implementation("tests.conformance")
+    with pytest.raises(implementation.ImplSpecError, match="has no callable ring_attention"):
+        implementation.load_implementation("tests.conformance")
 
 
 def test_missing_protocol_pieces_are_named() -> None:
-    bare = load_implementation("tests.conformance.undeclared_impl:IMPLEMENTATION")
+    bare = implementation.load_implementation("tests.conformance.undeclared_impl:IMPLEMENTATION")
     for capability, attribute in (
         ("collective_schedule", "collective_schedule"),
         ("record_steps", "record_steps"),
@@ -58,37 +58,39 @@ def test_missing_protocol_pieces_are_named() -> None:
         assert f"has no {attribute}" in message and f"capabilities.{capability}=False" in message, (
             message
         )
-    with pytest.raises(ProtocolError, match="has no api_module"):
+    with pytest.raises(implementation.ProtocolError, match="has no api_module"):
         bare.api_module()
 
 
 def test_api_module_resolution() -> None:
     import ring_impl
 
-    assert load_implementation().api_module() is ring_impl
+    assert implementation.load_implementation().api_module() is ring_impl
 
     class Declared:
         name = "declared"
         ring_attention = staticmethod(ring_impl.ring_attention)
-        capabilities = Capabilities(context_parallel=False)
+        capabilities = implementation.Capabilities(context_parallel=False)
 
     class WrongModule(Declared):
-        capabilities = Capabilities()
+        capabilities = implementation.Capabilities()
         api_module = "conformance.report"  # importable, but offers no context_parallel
 
     class Unimportable(Declared):
-        capabilities = Capabilities()
+        capabilities = implementation.Capabilities()
         api_module = "no_such_package.api"
 
-    with pytest.raises(ProtocolError, match=r"declares capabilities.context_parallel=False"):
-        Implementation("x:Declared", Declared()).api_module()
     with pytest.raises(
-        ProtocolError,
+        implementation.ProtocolError, match=r"declares capabilities.context_parallel=False"
+    ):
+        implementation.Implementation("x:Declared", Declared()).api_module()
+    with pytest.raises(
+        implementation.ProtocolError,
         match=r"lacks \['context_parallel', 'context_parallel_unshard', 'ContextParallel'\]",
     ):
-        Implementation("x:WrongModule", WrongModule()).api_module()
-    with pytest.raises(ProtocolError, match="cannot be imported"):
-        Implementation("x:Unimportable", Unimportable()).api_module()
+        implementation.Implementation("x:WrongModule", WrongModule()).api_module()
+    with pytest.raises(implementation.ProtocolError, match="cannot be imported"):
+        implementation.Implementation("x:Unimportable", Unimportable()).api_module()
 
 
 def test_bare_implementation_is_tested_and_missing_pieces_fail(tmp_path: Path) -> None:

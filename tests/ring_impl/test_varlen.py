@@ -17,15 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ring_impl.masks import (
-    Causal,
-    ChunkedCausal,
-    Documents,
-    MaskMod,
-    PrefixLM,
-    SlidingWindow,
-    visibility,
-)
+from ring_impl import masks
 from ring_impl.ops import MathOp, get_op
 from ring_impl.ops.varlen import MAX_LAYERS, UNBOUNDED, VarlenOp, varlen_plan
 from ring_impl.ops.varlen_emulation import emulated_varlen_forward, varlen_visibility
@@ -228,18 +220,18 @@ def test_any_visibility_is_packed_exactly(data) -> None:
 
 
 _MASKS = {
-    "documents": lambda s: Documents(
+    "documents": lambda s: masks.Documents(
         torch.repeat_interleave(torch.arange(6), torch.tensor([13, 1, 2, 30, 9, s - 55]))
     ),
-    "documents_full": lambda s: Documents(
+    "documents_full": lambda s: masks.Documents(
         torch.repeat_interleave(torch.arange(3), torch.tensor([20, 7, s - 27])), causal=False
     ),
-    "window": lambda s: SlidingWindow(7),
-    "window_both": lambda s: SlidingWindow(5, 3),
-    "chunked": lambda s: ChunkedCausal(10),
-    "prefix": lambda s: PrefixLM(9),
-    "causal": lambda s: Causal(),
-    "sink_and_window": lambda s: MaskMod(
+    "window": lambda s: masks.SlidingWindow(7),
+    "window_both": lambda s: masks.SlidingWindow(5, 3),
+    "chunked": lambda s: masks.ChunkedCausal(10),
+    "prefix": lambda s: masks.PrefixLM(9),
+    "causal": lambda s: masks.Causal(),
+    "sink_and_window": lambda s: masks.MaskMod(
         lambda b, h, q, kv: (kv <= q) & ((kv < 4) | (kv >= q - 6))
     ),
 }
@@ -270,7 +262,7 @@ def test_structured_masks_are_packed_without_the_math_op(name: str) -> None:
     computes the rectangle)."""
     s = 64
     pos = torch.arange(s)
-    vis = visibility(_MASKS[name](s), pos, pos, batch=1, heads=1)
+    vis = masks.visibility(_MASKS[name](s), pos, pos, batch=1, heads=1)
     plan = varlen_plan(vis, 2)
     assert plan.math_rows is None
     layers = 2 if name == "sink_and_window" else 1
@@ -287,7 +279,9 @@ def test_structured_masks_are_packed_without_the_math_op(name: str) -> None:
 def test_many_short_documents_are_one_call() -> None:
     s = 256
     pos = torch.arange(s)
-    vis = visibility(Documents(torch.arange(s) // 4), pos, pos)  # 64 causal documents of 4 tokens
+    vis = masks.visibility(
+        masks.Documents(torch.arange(s) // 4), pos, pos
+    )  # 64 causal documents of 4 tokens
     plan = varlen_plan(vis, 1)
     assert [(c.window, c.sequences) for c in plan.calls] == [((UNBOUNDED, 0), 64)]
 
@@ -389,7 +383,7 @@ def test_a_packer_with_its_band_window_off_by_one_is_caught(monkeypatch) -> None
 
     monkeypatch.setattr(varlen, "_runs", slipped)
     pos = torch.arange(48)
-    vis = visibility(SlidingWindow(7), pos, pos)
+    vis = masks.visibility(masks.SlidingWindow(7), pos, pos)
     with pytest.raises(AssertionError, match="hides, or miss"):
         _check_packing(vis, 1)
     q, k, v = (torch.randn(1, 2, 48, 8, dtype=torch.float64) for _ in range(3))
@@ -402,7 +396,7 @@ def test_a_packer_with_its_band_window_off_by_one_is_caught(monkeypatch) -> None
 
 def test_the_plan_of_a_kept_visibility_is_made_once() -> None:
     pos = torch.arange(32)
-    vis = visibility(SlidingWindow(5), pos, pos)
+    vis = masks.visibility(masks.SlidingWindow(5), pos, pos)
     op = get_op("cpu_flash_varlen_layout")
     q = torch.randn(1, 1, 32, 8)
     first, _ = op.plan(q, q, is_causal=False, attn_mask=vis)
@@ -439,11 +433,11 @@ def test_auto_picks_the_varlen_kernel_for_masked_calls_on_cuda_only() -> None:
 
 HEADS, HEADS_KV, HEAD_DIM, SEQ = 4, 2, 8, 64
 _RING_MASKS = {
-    "documents": lambda: Documents(
+    "documents": lambda: masks.Documents(
         torch.repeat_interleave(torch.arange(5), torch.tensor([21, 3, 1, 30, 9]))
     ),
-    "window": lambda: SlidingWindow(6),
-    "prefix_chunked": lambda: PrefixLM(5) | ChunkedCausal(12),
+    "window": lambda: masks.SlidingWindow(6),
+    "prefix_chunked": lambda: masks.PrefixLM(5) | masks.ChunkedCausal(12),
 }
 
 
@@ -495,7 +489,7 @@ def test_ring_with_the_emulated_varlen_op_matches_the_oracle(
         f"cpu_flash_varlen_layout, {name}, W=2, {layout}, {rotate}",
         results,
         _inputs(dtype),
-        visibility(_RING_MASKS[name](), pos, pos),
+        masks.visibility(_RING_MASKS[name](), pos, pos),
         layout=layout,
         world_size=2,
         dtype=dtype,
@@ -517,7 +511,7 @@ def test_a_mask_of_key_ranges_is_one_call_per_window_it_needs(name: str) -> None
     lo, hi = column_bounds(mask, pos, pos)
     plan = bounds_varlen_plan(lo, hi, 2, s)
     assert len(plan.calls) == (2 if name == "prefix" else 1), [c.window for c in plan.calls]
-    vis = visibility(mask, pos, pos)
+    vis = masks.visibility(mask, pos, pos)
     assert torch.equal(bounds_visible(lo, hi, s), vis)
     shown = _shown(plan, vis, 2)
     assert int(shown.max()) <= 1 and torch.equal(shown.to(torch.bool), vis[0].expand(2, s, s))
