@@ -190,30 +190,7 @@ class FlexOp:
             query.detach(), key.detach(), value.detach(), attn_mask, bool(is_causal), float(scale)
         )
 
-    def backward(
-        self,
-        grad_out,
-        query,
-        key,
-        value,
-        out,
-        lse,
-        *,
-        is_causal,
-        scale,
-        grad_lse=None,
-        attn_mask=None,
-    ):
-        """The math op's backward with the same visibility (flex has none on CPU)."""
-        return _MATH.backward(
-            grad_out,
-            query,
-            key,
-            value,
-            out,
-            lse,
-            is_causal=is_causal,
-            scale=scale,
-            grad_lse=grad_lse,
-            attn_mask=attn_mask,
-        )
+    def backward(self, grad_out, query, key, value, out, lse, **options):
+        """The math op's backward with the same visibility (flex has none on CPU); ``options``:
+        the contract's keywords (``is_causal``, ``scale``, ``grad_lse``, ``attn_mask``)."""
+        return _MATH.backward(grad_out, query, key, value, out, lse, **options)

@@ -37,21 +37,7 @@ class ProbeOp:
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None, score_mod=None):
         raise Probed("the baseline's kernel", _devices(query, key, value, attn_mask))
 
-    def backward(
-        self,
-        grad_out,
-        query,
-        key,
-        value,
-        out,
-        lse,
-        *,
-        is_causal,
-        scale,
-        grad_lse=None,
-        attn_mask=None,
-        score_mod=None,
-    ):
+    def backward(self, grad_out, query, key, value, out, lse, **options):
         raise Probed("the baseline's kernel backward", _devices(grad_out, query, key, value))
 
 

@@ -165,24 +165,12 @@ def test_the_lse_gradient_padding_goes_on_values_side() -> None:
         name = "math_without_lse_grad"
         capabilities = replace(MathOp.capabilities, lse_grad=False)
 
-        def backward(
-            self, grad_out, query, key, value, out, lse, *, is_causal, scale, attn_mask=None
-        ):
+        def backward(self, grad_out, query, key, value, out, lse, **options):
             assert query.shape[-1] == key.shape[-1] == D_QK, (
                 "query and key are padded only to match value"
             )
             assert value.shape[-1] == out.shape[-1] == grad_out.shape[-1] > D_V
-            return super().backward(
-                grad_out,
-                query,
-                key,
-                value,
-                out,
-                lse,
-                is_causal=is_causal,
-                scale=scale,
-                attn_mask=attn_mask,
-            )
+            return super().backward(grad_out, query, key, value, out, lse, **options)
 
     q, k, v, dout, glse = _inputs(16, torch.float64, 4, D_QK, D_V)
     scale = default_scale(D_QK)
