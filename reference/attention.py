@@ -119,7 +119,9 @@ def nonfinite_reach(
     those and on feature d of the values it sees; the LSE on the scores. dQ[i] depends on row i's
     scores, its output and output gradient (D = rowsum(dO * O)) and every value it sees (dP);
     dK[j] on every row that sees key j, through dQ's dependencies; dV[j, d] on the scores of
-    every row that sees j and on feature d of their output gradients.
+    every row that sees j and on feature d of their output gradients. A row that sees no key
+    depends on nothing: its output is 0, its LSE -inf and its dQ 0, whatever its query and
+    output gradient hold.
     """
     q, k, v = query, expand_kv_heads(key, query.shape[1]), expand_kv_heads(value, query.shape[1])
     vis = (
@@ -144,12 +146,14 @@ def nonfinite_reach(
         return flags.reshape(b, hkv, h // hkv, *flags.shape[2:]).any(2)
 
     bad_v = ~torch.isfinite(v)
-    row = (~torch.isfinite(q)).any(-1) | seen((~torch.isfinite(k)).any(-1))
+    # A row that sees no key has out 0 and LSE -inf whatever its query and output gradient hold.
+    sees = seen(torch.ones(k.shape[:-1], dtype=torch.bool, device=k.device))
+    row = ((~torch.isfinite(q)).any(-1) & sees) | seen((~torch.isfinite(k)).any(-1))
     reach = {"out": row.unsqueeze(-1) | seen(bad_v), "lse": row}
     if grad_out is None:
         return reach
     bad_do = ~torch.isfinite(grad_out)
-    row_grad = row | bad_do.any(-1) | seen(bad_v.any(-1))
+    row_grad = row | (bad_do.any(-1) & sees) | seen(bad_v.any(-1))
     reach["dq"] = row_grad.unsqueeze(-1).expand(query.shape)
     reach["dk"] = to_kv_heads(seen_by(row_grad)).unsqueeze(-1).expand(key.shape)
     reach["dv"] = to_kv_heads(seen_by(row.unsqueeze(-1) | bad_do))
@@ -294,9 +298,11 @@ def attention_grads(
     Returns out, lse, dq (shape of query), dk (shape of key: heads_kv heads, GQA groups summed),
     dv (shape of value), dsinks ((heads,), with sinks), all float64.
     """
-    q = query.detach().to(torch.float64).requires_grad_(True)
-    k = key.detach().to(torch.float64).requires_grad_(True)
-    v = value.detach().to(torch.float64).requires_grad_(True)
+    # Finite copies as the leaves (non-finite entries as 0): a gradient entry then never passes
+    # through the replacement, so dV at a non-finite value is P^T dO as everywhere else.
+    q, k, v = (
+        _finite(t.detach().to(torch.float64)).requires_grad_(True) for t in (query, key, value)
+    )
     sk = None if sinks is None else sinks.detach().to(torch.float64).requires_grad_(True)
     if is_causal:
         if visible is not None:
@@ -306,16 +312,13 @@ def attention_grads(
     grad_out = _finite(grad_out.detach().to(torch.float64))
     with torch.enable_grad():
         # The gradients of finite copies, NaN where a non-finite input reaches (nonfinite_reach).
-        out, lse = masked_attention(
-            _finite(q), _finite(k), _finite(v), visible, scale=scale, sinks=sk, score_mod=score_mod
-        )
-        out = torch.where(reach["out"], torch.zeros_like(out), out)
+        out, lse = masked_attention(q, k, v, visible, scale=scale, sinks=sk, score_mod=score_mod)
         if grad_out.shape != out.shape:
             raise ValueError(
                 f"grad_out has shape {tuple(grad_out.shape)}, expected the output's "
                 f"{tuple(out.shape)}"
             )
-        loss = (out * grad_out).sum()
+        lse_term: Tensor | float = 0.0
         if grad_lse is not None:
             if grad_lse.shape != lse.shape:
                 raise ValueError(
@@ -324,16 +327,33 @@ def attention_grads(
                 )
             # Rows that see nothing have LSE -inf and no gradient: keep 0 * -inf out of the loss.
             used = torch.isfinite(lse) & ~reach["lse"]
-            loss = (
-                loss
-                + torch.where(used, lse, torch.zeros_like(lse))
+            lse_term = (
+                torch.where(used, lse, torch.zeros_like(lse))
                 .mul(_finite(grad_lse.to(torch.float64)))
                 .sum()
             )
+        # The loss of the finite copies: every gradient entry no non-finite input reaches
+        # (nonfinite_reach) is then the exact one. dV never depends on a value, so the rows whose
+        # output a non-finite value reaches still count in it (dV = P^T dO).
+        loss = (out * grad_out).sum() + lse_term
         inputs = (q, k, v) if sk is None else (q, k, v, sk)
-        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    dq, dk, dv = grads[:3]
-    dsinks = None if sk is None else (grads[3] if grads[3] is not None else torch.zeros_like(sk))
+        reached = bool(reach["out"].any())
+        grads = torch.autograd.grad(
+            loss,
+            inputs[:3] if reached else inputs,
+            retain_graph=reached and sk is not None,
+            allow_unused=True,
+        )
+        dq, dk, dv = grads[:3]
+        dsinks = None
+        if sk is not None:
+            if reached:  # the sinks' gradient leaves out the outputs a non-finite input reaches
+                kept = torch.where(reach["out"], torch.zeros_like(out), out)
+                kept_loss = (kept * grad_out).sum() + lse_term
+                (dsinks,) = torch.autograd.grad(kept_loss, (sk,), allow_unused=True)
+            else:
+                dsinks = grads[3]
+            dsinks = torch.zeros_like(sk) if dsinks is None else dsinks
     nan = torch.full((), math.nan, dtype=torch.float64)
     out, lse = (
         torch.where(reach["out"], nan, out.detach()),

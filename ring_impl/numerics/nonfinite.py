@@ -2,7 +2,8 @@
 the local kernel does with them.
 
 Attention in exact arithmetic turns a non-finite input into NaN in everything that depends on
-it: a query row poisons its own output row and LSE; a key poisons the rows that see it; a value
+it: a query row poisons its own output row and LSE (when it sees a key: a row that sees none
+is out 0 and LSE -inf whatever it holds); a key poisons the rows that see it; a value
 element poisons that feature of the rows that see it; in the backward, a poisoned row poisons
 its dQ row and the dK/dV rows of every key it sees. Kernels do not all honour this (the CPU
 flash kernel returns a query row holding NaN as out 0, LSE 0), and a ring must not hide a NaN
@@ -203,9 +204,11 @@ def poison_forward(
     heads, rows = query.shape[1], query.shape[2]
     bad_k = _to_query_heads(_bad(key).any(-1), heads)  # (b, h, cols)
     bad_v = _to_query_heads(_bad(value), heads)  # (b, h, cols, d)
-    row_bad = _bad(query).any(-1) | _seen_by_rows(
-        bad_k, kind, rows, visible, bounds
-    )  # (b, h, rows)
+    bad_q = _bad(query).any(-1)  # (b, h, rows)
+    sees = _rows_seeing(visible, bounds)
+    if sees is not None:  # a row the block hides computes nothing here, whatever its query
+        bad_q = bad_q & sees
+    row_bad = bad_q | _seen_by_rows(bad_k, kind, rows, visible, bounds)  # (b, h, rows)
     feature_bad = row_bad.unsqueeze(-1) | _seen_by_rows(
         bad_v, kind, rows, visible, bounds
     )  # (b, h, rows, d)
@@ -321,11 +324,7 @@ def _poisoned(
     ``feature_bad`` (batch, heads, rows, head_dim_v) the non-finite entries of grad_out. A row
     the block hides computes nothing here, whatever it holds."""
     heads_kv, cols = dk.shape[1], dk.shape[2]
-    sees = None
-    if bounds is not None:
-        sees = (bounds[1] > bounds[0]).view(1, 1, -1)
-    elif visible is not None:
-        sees = visible.any(-1)
+    sees = _rows_seeing(visible, bounds)
     if sees is not None:
         row_bad = row_bad & sees
         probs_bad = None if probs_bad is None else probs_bad & sees
@@ -339,6 +338,16 @@ def _poisoned(
         _nan_where(dk, dk_bad, in_place),
         _nan_where(dv, dv_bad, in_place),
     )
+
+
+def _rows_seeing(visible: torch.Tensor | None, bounds: Bounds | None) -> torch.Tensor | None:
+    """(batch or 1, heads or 1, rows) True where a row of the block sees one of its keys; None
+    when every row does (full and causal blocks)."""
+    if bounds is not None:
+        return (bounds[1] > bounds[0]).view(1, 1, -1)
+    if visible is not None:
+        return visible.any(-1)
+    return None
 
 
 def _nan_where(t: torch.Tensor, flags: torch.Tensor, in_place: bool) -> torch.Tensor:

@@ -137,6 +137,41 @@ def test_masked_attention_rows_that_see_nothing_are_neutral() -> None:
     assert_tight(lse[:, :, :1], sub_lse)
 
 
+def _with_grad_out(seed: int, **sizes) -> tuple[torch.Tensor, ...]:
+    """(query, key, value, grad_out) float64 of a :func:`make_problem` problem."""
+    p = make_problem(seed=seed, **sizes)
+    gen = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(p.query.shape, generator=gen, dtype=torch.float64)
+    return p.query.clone(), p.key.clone(), p.value.clone(), grad_out
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_value_reaches_no_dv(bad: float) -> None:
+    """dV = P^T dO reads no value: with one value entry non-finite every dV entry, that entry's
+    own included, is the one computed from the probabilities directly."""
+    q, k, v, do = _with_grad_out(8, seq_q=5, seq_k=6, head_dim=3)
+    v[0, 0, 2, 1] = bad
+    ref = attention_grads(q, k, v, do)
+    probs = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+    assert_tight(ref.dv, probs.transpose(-2, -1) @ do)
+    assert ref.out[0, 0, :, 1].isnan().all() and ref.out[0, 0, :, [0, 2]].isfinite().all()
+
+
+def test_a_row_that_sees_nothing_depends_on_nothing() -> None:
+    """Row 1 sees no key: a NaN query and an inf output gradient there reach nothing (out 0,
+    LSE -inf, dQ 0), and every other result is the one of the same problem without them."""
+    q, k, v, do = _with_grad_out(9, seq_q=3, seq_k=4, head_dim=2)
+    visible = torch.tensor([[True, False, True, False], [False] * 4, [True] * 4])
+    clean = attention_grads(q, k, v, do, visible=visible)
+    q[0, 0, 1, 0], do[0, 0, 1, 1] = math.nan, math.inf
+    ref = attention_grads(q, k, v, do, visible=visible)
+    assert torch.equal(ref.out[0, 0, 1], torch.zeros(2, dtype=torch.float64))
+    assert ref.lse[0, 0, 1].item() == -math.inf
+    assert torch.equal(ref.dq[0, 0, 1], torch.zeros(2, dtype=torch.float64))
+    for name in ("out", "dq", "dk", "dv"):
+        assert_tight(getattr(ref, name), getattr(clean, name))
+
+
 @pytest.mark.parametrize(
     ("q_shape", "k_shape", "v_shape", "match"),
     [
