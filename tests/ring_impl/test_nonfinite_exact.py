@@ -6,13 +6,18 @@ nothing else; dV never depends on a value. Each case puts one NaN somewhere, run
 forward and backward, and requires out, LSE, dQ, dK and dV to be non-finite exactly where the
 oracle's are: a NaN hidden fails, and so does one spread to entries that do not depend on it
 (a NaN value making a whole head's dV NaN; a NaN at a padding key that no query sees poisoning
-the rows of the kernel call it sits in). Each case runs twice: with the finiteness flags read
-per ring step (free on CPU) and with reads as on a GPU, where the ring decides once per call
-or from the group's verdict (a backward whose query, key and value are known finite then reads
-nothing: only its gradients may carry NaN).
+the rows of the kernel call it sits in), and the entries no NaN reaches must equal the oracle's.
+Named cases pin the known traps; drawn cases (a fixed seed) add a NaN or an infinity anywhere
+under drawn masks, layouts, ops, exchanges and head chunks. Each case runs twice: with the
+finiteness flags read per ring step (free on CPU) and with reads as on a GPU, where the ring
+decides once per call or from the group's verdict (a backward whose query, key and value are
+known finite then reads nothing: only its gradients may carry NaN).
 """
 
 from __future__ import annotations
+
+import math
+import random
 
 import pytest
 import torch
@@ -155,9 +160,15 @@ def _mask_spec(name: str | None, seq: int) -> dict | None:
     return None
 
 
-def _global(case: str):
-    """(q, k, v, grad_out) float64 with the case's NaN."""
-    w, _, _mask, (where, pos) = CASES[case]
+def _case(case: str | tuple) -> tuple:
+    """A case's (world size, options, mask name, (tensor, position[, value])): a name of
+    :data:`CASES` or the tuple itself (:func:`_drawn_cases`)."""
+    return CASES[case] if isinstance(case, str) else case
+
+
+def _global(case: str | tuple):
+    """(q, k, v, grad_out) float64 with the case's non-finite value (NaN unless it names one)."""
+    w, _, _mask, (where, pos, *value) = _case(case)
     seq = 16 * w
     gen = torch.Generator().manual_seed(11)
     t = {
@@ -169,11 +180,11 @@ def _global(case: str):
     b, h, s, d = pos
     if s is None:  # the first padding position after the documents: it sees and is seen by none
         s = _documents(seq).index(-1)
-    t[where][b, h, s, d] = float("nan")
+    t[where][b, h, s, d] = value[0] if value else float("nan")
     return t["query"], t["key"], t["value"], t["grad_out"]
 
 
-def _run(ctx, case: str, reads: str = "free") -> dict:
+def _run(ctx, case: str | tuple, reads: str = "free") -> dict:
     """Per quantity (hidden, spread, expected) non-finite entries on this rank; ``reads``:
     ``"free"`` (CPU: the ring reads its finiteness flags per step) or ``"as_on_gpu"`` (a read
     costs a device sync: the ring decides once per call, or from the group's verdict)."""
@@ -189,14 +200,14 @@ def _run(ctx, case: str, reads: str = "free") -> dict:
         RingAttention.reads_are_free = shortcut
 
 
-def _judged(ctx, case: str) -> dict:
+def _judged(ctx, case: str | tuple) -> dict:
     import ring_impl
     from reference.attention import attention_grads
     from reference.masks import visibility
     from ring_impl.masks import from_spec
     from ring_impl.planning.mesh_layout import local_shard
 
-    _w, options, mask_name, _ = CASES[case]
+    _w, options, mask_name, _ = _case(case)
     options = dict(options)
     strategy = options.get("strategy", "ring")
     layout = options.setdefault("layout", "contiguous")
@@ -272,3 +283,66 @@ def test_nan_reaches_exactly_what_depends_on_it(ring, case: str, reads: str) -> 
         assert not reached, f"{case}: the oracle lets the NaN reach a result; the case expects none"
     else:
         assert reached, "the case put no NaN anywhere"
+
+
+def _drawn_cases(world_size: int, count: int, seed: int) -> list[tuple]:
+    """``count`` cases drawn from ``seed``: one NaN, inf or -inf anywhere in query, key, value or
+    grad_out (padding rows and keys included), with the mask, layout, op, exchange and head
+    chunks drawn among those that serve it."""
+    rng = random.Random(seed)
+    seq = 16 * world_size
+    shapes = {"query": HEADS, "key": HEADS_KV, "value": HEADS_KV, "grad_out": HEADS}
+    out = []
+    for _ in range(count):
+        mask = rng.choice([None, "documents", "window"])
+        options: dict = {"layout": rng.choice(["contiguous", "head_tail"])}
+        if mask is None:
+            options["is_causal"] = rng.random() < 0.5
+        options["op"] = rng.choice(["auto", "math", "cpu_flash_varlen_layout"])
+        exchanges = ["ring"]
+        if world_size > 1:
+            exchanges += ["ulysses"] + (["gather"] if mask else [])
+            if mask == "window" and options["layout"] == "contiguous":
+                exchanges.append("halo")
+        options["exchange"] = rng.choice(exchanges)
+        if options["exchange"] == "ring" and rng.random() < 0.3:
+            options["head_chunks"] = 2
+        where = rng.choice(sorted(shapes))
+        rows = list(range(seq))
+        if mask == "documents" and rng.random() < 0.4:  # a row or key that sees and is seen by none
+            rows = [i for i, doc in enumerate(_documents(seq)) if doc < 0]
+        pos = (rng.randrange(2), rng.randrange(shapes[where]), rng.choice(rows), rng.randrange(DIM))
+        value = rng.choice([math.nan, math.inf, -math.inf])
+        out.append((world_size, options, mask, (where, pos, value)))
+    return out
+
+
+def _run_all(ctx, cases: list[tuple]) -> list[tuple]:
+    """(case, reads, report) of every case under both ways of reading flags."""
+    return [(c, reads, _run(ctx, c, reads)) for c in cases for reads in ("free", "as_on_gpu")]
+
+
+@pytest.mark.parametrize(("world_size", "count"), [(1, 32), (2, 16)])
+def test_drawn_nonfinite_values_reach_exactly_what_depends_on_them(
+    ring, world_size: int, count: int
+) -> None:
+    """The named cases' check over cases drawn at random (a fixed seed): masks, layouts, ops,
+    exchanges and head chunks, with a NaN or an infinity anywhere."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(f"ring_impl's guarantee; the implementation under test is {ring.impl.spec}")
+    cases = _drawn_cases(world_size, count, seed=20261128 + world_size)
+    per_rank = ring.rank_pool(world_size).run(_run_all, cases, timeout=240.0)
+    wrong = []
+    for rank, runs in enumerate(per_rank):
+        for case, reads, report in runs:
+            bad = {
+                name: counts
+                for name, counts in report.items()
+                if counts[0] or counts[1] or counts[3] > FLOAT64_AGREEMENT
+            }
+            if bad:
+                wrong.append(f"rank {rank}, {case}, reads {reads}: {bad}")
+    assert not wrong, (
+        "(hidden, spread, expected NaN entries, relative error of the finite ones) where a case "
+        "goes wrong:\n" + "\n".join(wrong)
+    )
