@@ -147,7 +147,7 @@ def nonfinite_reach(
 
     bad_v = ~torch.isfinite(v)
     # A row that sees no key has out 0 and LSE -inf whatever its query and output gradient hold.
-    sees = seen(torch.ones(k.shape[:-1], dtype=torch.bool, device=k.device))
+    sees = vis.sum(-1) > 0  # (seq_q,) or broadcastable to (b, h, seq_q)
     row = ((~torch.isfinite(q)).any(-1) & sees) | seen((~torch.isfinite(k)).any(-1))
     reach = {"out": row.unsqueeze(-1) | seen(bad_v), "lse": row}
     if grad_out is None:
@@ -336,23 +336,15 @@ def attention_grads(
         # (nonfinite_reach) is then the exact one. dV never depends on a value, so the rows whose
         # output a non-finite value reaches still count in it (dV = P^T dO).
         loss = (out * grad_out).sum() + lse_term
-        inputs = (q, k, v) if sk is None else (q, k, v, sk)
-        reached = bool(reach["out"].any())
-        grads = torch.autograd.grad(
-            loss,
-            inputs[:3] if reached else inputs,
-            retain_graph=reached and sk is not None,
-            allow_unused=True,
+        dq, dk, dv = torch.autograd.grad(
+            loss, (q, k, v), retain_graph=sk is not None, allow_unused=True
         )
-        dq, dk, dv = grads[:3]
         dsinks = None
-        if sk is not None:
-            if reached:  # the sinks' gradient leaves out the outputs a non-finite input reaches
-                kept = torch.where(reach["out"], torch.zeros_like(out), out)
-                kept_loss = (kept * grad_out).sum() + lse_term
-                (dsinks,) = torch.autograd.grad(kept_loss, (sk,), allow_unused=True)
-            else:
-                dsinks = grads[3]
+        if sk is not None:  # its gradient leaves out the outputs a non-finite input reaches
+            kept = torch.where(reach["out"], torch.zeros_like(out), out)
+            (dsinks,) = torch.autograd.grad(
+                (kept * grad_out).sum() + lse_term, (sk,), allow_unused=True
+            )
             dsinks = torch.zeros_like(sk) if dsinks is None else dsinks
     nan = torch.full((), math.nan, dtype=torch.float64)
     out, lse = (
