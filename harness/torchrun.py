@@ -16,6 +16,7 @@ torchrun mode a hang therefore ends the session (with stacks), where a pool woul
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import sys
 import time
@@ -95,6 +96,7 @@ class TorchrunPool(Pool):
         default_dtype = torch.get_default_dtype()
         seed_everything(case.seed)
         faulthandler.dump_traceback_later(timeout + _EXIT_MARGIN_S, exit=True, file=sys.stderr)
+        failure = functools.partial(case_failure, self, label, fn_name, timeout=timeout)
         start = time.perf_counter()
         try:
             try:
@@ -128,14 +130,7 @@ class TorchrunPool(Pool):
                     )
                     for r in range(self.world_size)
                 ]
-                return outcomes, case_failure(
-                    self,
-                    label,
-                    fn_name,
-                    outcomes,
-                    timeout=timeout,
-                    headline="a torchrun rank stopped answering",
-                )
+                return outcomes, failure(outcomes, headline="a torchrun rank stopped answering")
         finally:
             faulthandler.cancel_dump_traceback_later()
         outcomes = []
@@ -157,13 +152,8 @@ class TorchrunPool(Pool):
                         duration_s=duration,
                     )
                 )
-        return outcomes, case_failure(
-            self,
-            label,
-            fn_name,
-            outcomes,
-            timeout=timeout,
-            note=f"reported by torchrun rank {self.rank} of {self.world_size}",
+        return outcomes, failure(
+            outcomes, note=f"reported by torchrun rank {self.rank} of {self.world_size}"
         )
 
     def shutdown(self) -> None:

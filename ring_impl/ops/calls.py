@@ -80,6 +80,41 @@ def _masking(
     return {} if visible is None else {"attn_mask": visible}
 
 
+def _resolve(
+    op: AttentionOp,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    visible: torch.Tensor | None,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None,
+    score_mod,
+    grad_lse: torch.Tensor | None = None,
+) -> tuple[AttentionOp, torch.Tensor, torch.Tensor, dict]:
+    """The op that runs a block (:func:`block_op`), key and value with their heads expanded to
+    the query's when that op lacks native GQA, and the op's keywords beyond the contract's
+    (mask, score_mod). ``grad_lse``: a backward's; an op that takes none gets it folded into a
+    padded head dim (:func:`_with_lse_grad`), which a mask or score_mod would need padded too,
+    so such a block runs on the math op."""
+    op = block_op(
+        op,
+        is_causal=is_causal,
+        scale=scale,
+        visible=visible,
+        row_bounds=row_bounds,
+        score_mod=score_mod,
+    )
+    extra = _masking(op, key, visible, row_bounds)
+    lse_grad_padded = grad_lse is not None and not op.capabilities.lse_grad
+    if ("attn_mask" in extra or score_mod is not None) and lse_grad_padded:
+        op = _MATH
+    extra.update(_scoring(score_mod))
+    if not op.capabilities.gqa:
+        key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+    return op, key, value, extra
+
+
 def call_forward(
     op: AttentionOp,
     query: torch.Tensor,
@@ -101,25 +136,10 @@ def call_forward(
     the kernel leaves them: the caller sets them (out 0, LSE -inf). score_mod: the block's
     ring_impl.score_mods.BlockScores, for ops declaring ``score_mod`` (else the math op runs it).
     """
-    op = block_op(
-        op,
-        is_causal=is_causal,
-        scale=scale,
-        visible=visible,
-        row_bounds=row_bounds,
-        score_mod=score_mod,
+    op, key, value, extra = _resolve(
+        op, query, key, value, is_causal, scale, visible, row_bounds, score_mod
     )
-    if not op.capabilities.gqa:
-        key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
-    return op.forward(
-        query,
-        key,
-        value,
-        is_causal=is_causal,
-        scale=scale,
-        **_masking(op, key, visible, row_bounds),
-        **_scoring(score_mod),
-    )
+    return op.forward(query, key, value, is_causal=is_causal, scale=scale, **extra)
 
 
 def _with_lse_grad(
@@ -224,23 +244,10 @@ def call_backward(
     finite LSE and a zero output gradient: the caller's job). score_mod: as for
     :func:`call_forward`.
     """
-    op = block_op(
-        op,
-        is_causal=is_causal,
-        scale=scale,
-        visible=visible,
-        row_bounds=row_bounds,
-        score_mod=score_mod,
-    )
-    # The op's keywords beyond the contract's backward: mask, score_mod and grad_lse.
-    extra = _masking(op, key, visible, row_bounds)
-    lse_grad_padded = grad_lse is not None and not op.capabilities.lse_grad
-    if ("attn_mask" in extra or score_mod is not None) and lse_grad_padded:
-        op = _MATH  # the LSE-gradient padding trick would need the mask (or score_mod) padded
-    extra.update(_scoring(score_mod))
     heads_kv = key.shape[1]
-    if not op.capabilities.gqa:
-        key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
+    op, key, value, extra = _resolve(
+        op, query, key, value, is_causal, scale, visible, row_bounds, score_mod, grad_lse
+    )
     if grad_lse is None or op.capabilities.lse_grad:
         if grad_lse is not None:
             extra["grad_lse"] = grad_lse  # the op declares lse_grad: it takes the keyword

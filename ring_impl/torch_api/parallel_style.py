@@ -76,13 +76,8 @@ class ContextParallel(ParallelStyle):
         )
         if problem is not None:
             raise ContextParallelError(f"ContextParallel: {problem}")
-        self.layout, self.rotate_method, self.op, self.head_chunks = (
-            layout,
-            rotate_method,
-            op,
-            head_chunks,
-        )
-        self.strategy = strategy
+        self.layout, self.rotate_method, self.op = layout, rotate_method, op
+        self.head_chunks, self.strategy = head_chunks, strategy
 
     #: The routing context entered around each forward (see ring_impl.torch_api.sdpa_route).
     route_ctx = staticmethod(routing)
