@@ -231,10 +231,9 @@ class CudaEfficientMaskedOp(CudaEfficientOp):
     """:class:`CudaEfficientOp` that also runs masked blocks, with the block's visibility as the
     kernel's additive bias (:func:`additive_bias`).
 
-    NOT YET RUN ON A GPU: written without one (the kernel calls are those of CudaEfficientOp,
-    which have run on an H100, plus the bias). Opt in with ``op="cuda_efficient_masked"``; ``auto``
-    does not pick it, and masked blocks of ``cuda_efficient`` run with the math op. Verify on a GPU
-    runner with ``pytest tests/ring_impl/test_cuda_kernels.py --device cuda`` and ``pytest
+    Opt in with ``op="cuda_efficient_masked"``; ``auto`` does not pick it, and masked blocks of
+    ``cuda_efficient`` run with the math op. Checked on a GPU runner (``ci/gpu_check.py``, see
+    docs/gpu.md) with ``pytest tests/ring_impl/test_cuda_kernels.py --device cuda`` and ``pytest
     suites/test_masks.py --device cuda --op cuda_efficient_masked``. On CPU,
     ``cpu_efficient_masked_layout`` (ring_impl.ops.cpu) emulates it: the same bias, the kernel's
     alignment check and its padded LSE.
@@ -250,8 +249,9 @@ class CudaFlashVarlenOp(VarlenOp):
     sequences, a masked block's runs of rows as one sequence each, so a block of many short
     documents is one call computing only what its queries see (:mod:`ring_impl.ops.varlen`).
 
-    NOT YET RUN ON A GPU: written without one. Opt in with ``op="cuda_flash_varlen"``; ``auto``
-    does not pick it. Verify on a GPU runner with ``pytest tests/ring_impl/test_cuda_kernels.py
+    ``op="auto"`` picks it for masked calls on CUDA (:func:`ring_impl.ops.resolve_op`). Checked
+    on a GPU runner
+    (``ci/gpu_check.py``, see docs/gpu.md) with ``pytest tests/ring_impl/test_cuda_kernels.py
     --device cuda -k varlen`` and ``pytest suites/test_masks.py --device cuda --op
     cuda_flash_varlen``. On CPU, ``cpu_flash_varlen_layout`` (ring_impl.ops.cpu) runs the same
     packing with the kernel emulated (:mod:`ring_impl.ops.varlen_emulation`).

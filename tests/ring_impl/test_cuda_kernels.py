@@ -11,10 +11,10 @@ Each check here is a fault seen on an H100 (torch 2.11) that the ring's suites f
 - FlashAttention and cuDNN return inf/NaN for causal attention with scale <= 0, which their
   capabilities declare (so ``op="auto"`` and routed SDPA calls avoid them there).
 
-Checks of ops written without a GPU, not yet run on one: the masked memory-efficient op
+Checks of the ops whose CPU emulations the CPU tests run: the masked memory-efficient op
 (``cuda_efficient_masked``), the varlen flash op (``cuda_flash_varlen``, the bottom-right
 window rule it packs by included) and the memory-efficient kernels' value head dim of its own
-(``OpCapabilities.value_head_dim``).
+(``OpCapabilities.value_head_dim``, declared from SDPA's checks).
 
 Run: ``pytest tests/ring_impl/test_cuda_kernels.py --device cuda`` on a CUDA machine.
 """

@@ -2,7 +2,7 @@
 emulation ``cpu_efficient_masked_layout`` (the same bias, the kernel's alignment check, its
 padded LSE) against the math op and, through the ring, against the float64 oracle.
 
-The CUDA op itself (``cuda_efficient_masked``) has not run on a GPU yet; its check is
+The CUDA op itself (``cuda_efficient_masked``) is checked on a GPU runner by
 ``tests/ring_impl/test_cuda_kernels.py::test_masked_efficient_op_against_float64``
 (``--device cuda``).
 """
