@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..call import Call
 from ..exchanges.heads import check_head_chunks
 from ..layout import is_layout, layout_divisor, layout_runs, layouts
-from ..ops import AttentionOp, resolve_scale_and_op
+from ..ops import AttentionOp, available_ops, resolve_scale_and_op
 from ..transports import rotate_methods
 
 __all__ = [
@@ -68,6 +68,7 @@ SIGNATURE_FIELDS = (
     "op",
     "head_chunks",
     "mask",
+    "backward",
 )
 
 _P = ParamSpec("_P")
@@ -203,6 +204,10 @@ class LocalCall:
     op: AttentionOp | None
     effective_scale: float | None
     op_error: str | None
+    #: Whether the output will need a backward: grad mode on and query, key, value or sinks
+    #: requiring grad. A rank's backward takes part in the others' (key/value gradients travel),
+    #: so the ranks must agree on it.
+    needs_grad: bool = False
 
     @classmethod
     def of(cls, call: Call, query, key, value, *, score_mod: object = None) -> LocalCall:
@@ -230,6 +235,11 @@ class LocalCall:
             op=op,
             effective_scale=effective_scale,
             op_error=op_error,
+            needs_grad=torch.is_grad_enabled()
+            and any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in (query, key, value, call.sinks)
+            ),
         )
 
 
@@ -365,7 +375,20 @@ def _scale_code(scale: float) -> int:
 
 
 def _op_code(op: AttentionOp) -> int:
-    return zlib.crc32(str(getattr(op, "name", type(op).__name__)).encode()) & 0x7FFFFFFF
+    return _name_code(str(getattr(op, "name", type(op).__name__)))
+
+
+def _name_code(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def op_names(op: AttentionOp | None) -> dict[int, str]:
+    """:func:`_op_code` -> name for every op registered on this rank and ``op``: the names a
+    disagreement can show for the other ranks' ops."""
+    names = {_name_code(name): name for name in available_ops()}
+    if op is not None:
+        names[_op_code(op)] = str(getattr(op, "name", type(op).__name__))
+    return names
 
 
 def layout_code(layout: str, world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0) -> int:
@@ -426,6 +449,7 @@ def signature(local: LocalCall, *, mask_code: int = 0, world_size: int | None = 
         _op_code(op),
         local.head_chunks,
         mask_code,
+        int(local.needs_grad),
     ]
 
 
@@ -435,7 +459,7 @@ def _shown(field: str, code: int, op_names: dict[int, str], layout_names: dict[i
         return str(_DTYPES[code]).removeprefix("torch.")
     if field == "device":
         return _DEVICE_TYPES[code]
-    if field == "is_causal":
+    if field in ("is_causal", "backward"):
         return str(bool(code))
     if field == "scale":
         return f"{struct.unpack('<d', struct.pack('<q', code))[0]:.6g}"
@@ -492,6 +516,12 @@ def disagreement(
         + ", ".join(differing)
         + "; every rank must pass shards of equal shape and the same options"
     )
+    if any(f.startswith("backward") for f in differing):
+        text += (
+            " (backward: whether the output needs one, from torch.is_grad_enabled() and the "
+            "requires_grad of query, key, value and sinks; a rank's backward exchanges gradients "
+            "with the others', so every rank runs one or none)"
+        )
     if any(f.startswith(("seq_q", "seq_kv")) for f in differing):
         lengths = [row[SIGNATURE_FIELDS.index("seq_q")] for row in table]
         text += (
@@ -564,13 +594,12 @@ def agree(
             f"{where}: {refused(bad)} rejected their input (see the error on those ranks); "
             "every rank raises so none is left waiting in a collective"
         )
-    op_names = {} if op is None else {_op_code(op): str(getattr(op, "name", type(op).__name__))}
     base = 1 + len(SIGNATURE_FIELDS)
     own = rows[row][1:base]
     seq_q, seq_kv = (own[SIGNATURE_FIELDS.index(f)] for f in ("seq_q", "seq_kv"))
     names = layout_names(world_size, seq_q, seq_kv)
     texts = [
-        disagreement([r[1:base] for r in rows], op_names, names),
+        disagreement([r[1:base] for r in rows], op_names(op), names),
         strategy_disagreement([r[base : n - 1] for r in rows]),
     ]
     if any(texts):

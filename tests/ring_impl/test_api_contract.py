@@ -1,5 +1,6 @@
-"""ring_impl's public call: errors that say which rank has what, ranks outside the group,
-gradients with ``create_graph=True``, the LSE's gradient, and NaN/inf in the inputs."""
+"""ring_impl's public call: errors that say which rank has what (a backward on some ranks only
+too), ranks outside the group, gradients of the inputs each rank asks for, gradients with
+``create_graph=True``, the LSE's gradient, and NaN/inf in the inputs."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from reference.attention import attention_grads
+from reference.masks import visibility
 from ring_impl import ring_attention, shard, unshard
 from ring_impl.checks.inputs import SIGNATURE_FIELDS, disagreement
+from ring_impl.masks import SlidingWindow
 from ring_impl.numerics.nonfinite import poison_forward
 from ring_impl.ops import call_backward, call_forward, get_op
 
@@ -51,6 +54,61 @@ def test_disagreement_table_in_words() -> None:
         "pass shards of equal shape and the same options"
     )
     assert disagreement([rows[0], rows[0]], {}, {}) is None
+
+
+def _backward_on_some_ranks(ctx, how: str, exchange: str) -> str:
+    last = ctx.rank == ctx.world_size - 1
+    q, k, v = (torch.randn(1, 2, 8, 8, dtype=torch.float64) for _ in range(3))
+    if how == "requires_grad":  # the last rank's inputs are constants
+        q, k, v = (t.requires_grad_(not last) for t in (q, k, v))
+    else:  # the last rank runs under torch.no_grad()
+        q.requires_grad_()
+    with torch.set_grad_enabled(how == "requires_grad" or not last):
+        out = ring_attention(q, k, v, group=ctx.group, exchange=exchange)
+    if out.requires_grad:
+        out.sum().backward()  # would wait for the last rank's share of the gradients forever
+    return "ran"
+
+
+@pytest.mark.parametrize("exchange", ["ring", "ulysses"])
+@pytest.mark.parametrize("how", ["requires_grad", "no_grad"])
+def test_ranks_that_disagree_on_running_a_backward_raise_together(
+    rank_pool, how: str, exchange: str
+) -> None:
+    outcomes = rank_pool(2).run_outcomes(_backward_on_some_ranks, how, exchange, timeout=30.0)
+    messages = [o.exc_message for o in outcomes]
+    assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), messages
+    assert all("backward (rank 0 True; rank 1 False)" in m for m in messages), messages
+    assert all("torch.is_grad_enabled()" in m for m in messages), messages
+
+
+def _some_inputs_need_grad(ctx, exchange: str) -> dict:
+    """Rank 0 differentiates its query only, rank 1 its key and value only: both run a
+    backward, and each gets the gradients it asked for."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    w, r = ctx.world_size, ctx.rank
+    wants = (True, False, False) if r == 0 else (False, True, True)
+    leaves = [shard(t, w, r).requires_grad_(want) for t, want in zip((q, k, v), wants)]
+    window = SlidingWindow(5, 0)  # the halo exchange serves it too
+    out = ring_attention(*leaves, group=ctx.group, mask=window, exchange=exchange)
+    (out * shard(do, w, r)).sum().backward()
+    return {name: t.grad for name, t in zip(("dq", "dk", "dv"), leaves)}
+
+
+@pytest.mark.parametrize("exchange", ["ring", "halo", "ulysses"])
+def test_ranks_that_differentiate_different_inputs_get_their_gradients(
+    rank_pool, exchange: str
+) -> None:
+    results = rank_pool(2).run(_some_inputs_need_grad, exchange, timeout=60.0)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    window = visibility({"kind": "sliding_window", "left": 5, "right": 0}, 16, 16)
+    ref = attention_grads(q, k, v, do, visible=window)
+    assert results[0]["dk"] is None and results[1]["dq"] is None
+    for name, rank, want in (("dq", 0, ref.dq), ("dk", 1, ref.dk), ("dv", 1, ref.dv)):
+        got = results[rank][name]
+        assert float((got - shard(want, 2, rank)).abs().max()) < 1e-12, (name, exchange)
 
 
 def _outside_the_group(ctx) -> str:

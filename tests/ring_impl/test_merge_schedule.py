@@ -49,9 +49,9 @@ def test_schedule_by_hand_for_four_ranks() -> None:
     assert p2p["backward"]["recv"] == {"calls": 6, "bytes": 3 * 3840 + 3 * 3840}
     a2a = collective_schedule(4, "alltoall", dtype=torch.float32, compiled=True, **args)
     # compiled too, the cross-rank input check (ring_impl.compiled.checks):
-    # 4 int64 rows of ring_impl.checks.inputs.row_width() (23) entries
+    # 4 int64 rows of ring_impl.checks.inputs.row_width() (24) entries
     assert (
-        a2a["forward"]["all_reduce"] == {"calls": 1, "bytes": 8 * 4 * 23}
+        a2a["forward"]["all_reduce"] == {"calls": 1, "bytes": 8 * 4 * 24}
         and a2a["forward"]["all_to_all"]["calls"] == 3
     )
     # Compiled p2p hops go by all-to-all (see

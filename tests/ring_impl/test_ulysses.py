@@ -96,9 +96,9 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
     sizes = dict(batch=2, heads_kv=2, seq_kv=4, head_dim=8, dtype=torch.bfloat16)
     got = strategy_schedule("ulysses", (4, 1), heads=8, seq_q=4, return_lse=True, **sizes)
     q, kv, out, lse = 2 * 8 * 4 * 8 * 2, 2 * (2 * 4 * 4 * 8 * 2), 2 * 8 * 4 * 8 * 2, 2 * 8 * 4 * 4
-    # int64 rows of 4 ranks: problem flag, 16 ring fields (the mask digest last), 5 strategy
+    # int64 rows of 4 ranks: problem flag, 17 ring fields (the backward flag last), 5 strategy
     # fields, the ring's finiteness flag
-    check_table = 8 * 4 * 23
+    check_table = 8 * 4 * 24
     assert got == {
         "forward": {
             "all_reduce": {"calls": 1, "bytes": check_table},
@@ -135,7 +135,7 @@ def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() ->
         for kind in ("send", "recv"):
             assert hybrid[phase][kind] == ring[phase][kind]
     # one check over the mesh: an all-reduce per mesh dim, each over the 6-rank table
-    assert hybrid["forward"]["all_reduce"] == {"calls": 2, "bytes": 2 * 8 * 6 * 23}
+    assert hybrid["forward"]["all_reduce"] == {"calls": 2, "bytes": 2 * 8 * 6 * 24}
 
 
 def _problem(strategy: str, mesh: tuple[int, int], q, k, v, **overrides) -> str | None:
