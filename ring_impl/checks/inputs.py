@@ -503,6 +503,9 @@ def disagreement(
         by_value: dict[int, list[int]] = {}
         for rank, row in enumerate(table):
             by_value.setdefault(row[i], []).append(rank)
+        named = {layout_names.get(c) for c in by_value}
+        if field == "layout" and len(named) == 1 and None not in named:
+            continue  # one layout, its positions differing only with the lengths (said there)
         if len(by_value) > 1:
             held = "; ".join(
                 f"{_ranks(ranks)} {_shown(field, code, op_names, layout_names)}"
@@ -595,9 +598,12 @@ def agree(
             "every rank raises so none is left waiting in a collective"
         )
     base = 1 + len(SIGNATURE_FIELDS)
-    own = rows[row][1:base]
-    seq_q, seq_kv = (own[SIGNATURE_FIELDS.index(f)] for f in ("seq_q", "seq_kv"))
-    names = layout_names(world_size, seq_q, seq_kv)
+    # Every row's layout code named with that row's lengths
+    names: dict[int, str] = {}
+    for lengths in {
+        tuple(r[1 + SIGNATURE_FIELDS.index(f)] for f in ("seq_q", "seq_kv")) for r in rows
+    }:
+        names.update(layout_names(world_size, *lengths))
     texts = [
         disagreement([r[1:base] for r in rows], op_names(op), names),
         strategy_disagreement([r[base : n - 1] for r in rows]),

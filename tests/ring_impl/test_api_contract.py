@@ -40,6 +40,8 @@ def test_disagreement_says_which_rank_has_what(rank_pool, what: str) -> None:
             "seq_q (ranks 0-1 8; rank 2 10)" in m and "pad the global sequence" in m
             for m in messages
         ), messages
+        # every rank passed the same layout: its positions differ with the lengths alone
+        assert not any("layout (" in m for m in messages), messages
 
 
 def test_disagreement_table_in_words() -> None:
