@@ -126,7 +126,7 @@ def strategy_disagreement(codes: list[list[int]]) -> str | None:
             }.get(field, str)
             differing.append(
                 f"{field} ("
-                + "; ".join(f"ranks {ranks} {shown(c)}" for c, ranks in values.items())
+                + "; ".join(f"{_ranks(ranks)} {shown(c)}" for c, ranks in values.items())
                 + ")"
             )
     if not differing:

@@ -377,7 +377,7 @@ def _bad(ctx, kind: str):
         ("halo", "asks for the halo exchange; pass exchange='auto'"),
         ("sparse", "asks for the sparse gather; pass exchange='auto'"),
         ("ulysses", "return_max_logit runs on the ring only (exchange='ulysses'"),
-        ("differ", "return_max_logit (ranks [0] True; ranks [1] False)"),
+        ("differ", "return_max_logit (rank 0 True; rank 1 False)"),
     ],
 )
 def test_bad_max_logit_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
