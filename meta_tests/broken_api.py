@@ -146,29 +146,8 @@ def _api(
 ):
     """A module offering the context-parallel API with the given parts."""
 
-    def context_parallel(
-        mesh,
-        *,
-        buffers=None,
-        buffer_seq_dims=None,
-        no_restore_buffers=None,
-        layout=None,
-        rotate_method=None,
-        op=None,
-        head_chunks=1,
-    ):
-        return sharded_and_routed(
-            sharding,
-            route_ctx,
-            mesh,
-            buffers=buffers,
-            buffer_seq_dims=buffer_seq_dims,
-            no_restore_buffers=no_restore_buffers,
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op,
-            head_chunks=head_chunks,
-        )
+    def context_parallel(mesh, **options):
+        return sharded_and_routed(sharding, route_ctx, mesh, **options)
 
     if route_ctx is not sdpa_route.routing:
         style = type(

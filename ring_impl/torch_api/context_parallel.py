@@ -356,16 +356,17 @@ def sharded_and_routed(
     route_ctx,
     mesh,
     *,
-    buffers,
-    buffer_seq_dims,
-    no_restore_buffers,
-    layout,
-    rotate_method,
-    op,
-    head_chunks,
+    buffers=None,
+    buffer_seq_dims=None,
+    no_restore_buffers=None,
+    layout=None,
+    rotate_method=None,
+    op=None,
+    head_chunks=1,
     strategy: str = "ring",
 ) -> Iterator[None]:
-    """``context_parallel`` with its two parts given: the buffer handling and the routing."""
+    """``context_parallel`` with its two parts given: the buffer handling and the routing (the
+    options, and their defaults, as :func:`context_parallel`'s)."""
     layout = DEFAULT_CP_LAYOUT if layout is None else layout
     problem = check_options(
         layout=layout,
