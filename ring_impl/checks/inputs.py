@@ -374,21 +374,23 @@ def _scale_code(scale: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
 
 
-def _op_code(op: AttentionOp) -> int:
-    return _name_code(str(getattr(op, "name", type(op).__name__)))
+def _op_name(op: AttentionOp) -> str:
+    return str(getattr(op, "name", type(op).__name__))
 
 
 def _name_code(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
+def _op_code(op: AttentionOp) -> int:
+    return _name_code(_op_name(op))
+
+
 def op_names(op: AttentionOp | None) -> dict[int, str]:
     """:func:`_op_code` -> name for every op registered on this rank and ``op``: the names a
     disagreement can show for the other ranks' ops."""
-    names = {_name_code(name): name for name in available_ops()}
-    if op is not None:
-        names[_op_code(op)] = str(getattr(op, "name", type(op).__name__))
-    return names
+    names = [*available_ops(), *([] if op is None else [_op_name(op)])]
+    return {_name_code(name): name for name in names}
 
 
 def layout_code(layout: str, world_size: int | None = None, seq_q: int = 0, seq_kv: int = 0) -> int:
@@ -503,9 +505,9 @@ def disagreement(
         by_value: dict[int, list[int]] = {}
         for rank, row in enumerate(table):
             by_value.setdefault(row[i], []).append(rank)
-        named = {layout_names.get(c) for c in by_value}
-        if field == "layout" and len(named) == 1 and None not in named:
-            continue  # one layout, its positions differing only with the lengths (said there)
+        if field == "layout" and len(named := {layout_names.get(c) for c in by_value}) == 1:
+            if None not in named:
+                continue  # one layout, its positions differing only with the lengths (said there)
         if len(by_value) > 1:
             held = "; ".join(
                 f"{_ranks(ranks)} {_shown(field, code, op_names, layout_names)}"

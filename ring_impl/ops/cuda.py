@@ -250,11 +250,11 @@ class CudaFlashVarlenOp(VarlenOp):
     documents is one call computing only what its queries see (:mod:`ring_impl.ops.varlen`).
 
     ``op="auto"`` picks it for masked calls on CUDA (:func:`ring_impl.ops.resolve_op`). Checked
-    on a GPU runner
-    (``ci/gpu_check.py``, see docs/gpu.md) with ``pytest tests/ring_impl/test_cuda_kernels.py
-    --device cuda -k varlen`` and ``pytest suites/test_masks.py --device cuda --op
-    cuda_flash_varlen``. On CPU, ``cpu_flash_varlen_layout`` (ring_impl.ops.cpu) runs the same
-    packing with the kernel emulated (:mod:`ring_impl.ops.varlen_emulation`).
+    on a GPU runner (``ci/gpu_check.py``, see docs/gpu.md) with ``pytest
+    tests/ring_impl/test_cuda_kernels.py --device cuda -k varlen`` and ``pytest
+    suites/test_masks.py --device cuda --op cuda_flash_varlen``. On CPU,
+    ``cpu_flash_varlen_layout`` (ring_impl.ops.cpu) runs the same packing with the kernel emulated
+    (:mod:`ring_impl.ops.varlen_emulation`).
     """
 
     name = "cuda_flash_varlen"
