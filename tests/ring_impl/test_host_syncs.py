@@ -12,10 +12,9 @@ per backward): the alternative, its blocks run on the gradients' finite parts wi
 those reach (``GradientFlags``), needs per-feature range counts over every row, 1.5x the
 kernel's own backward at 64k tokens on an H200. That path runs only when the read finds a
 non-finite gradient. Otherwise the blocks go through the whole propagation, without a read. A
-one-rank call makes each read after launching its kernels, as if its inputs were finite, and
-runs again with the propagation when the read finds one that is not (so the device computes
-while the host waits); a multi-rank backward reads after its first step's kernels, before
-anything they computed leaves the rank.
+one-rank call makes each read right before its kernel's launch, so what the host does after the
+launch overlaps the kernel; a multi-rank backward reads after its first step's kernels (the next
+hop already in flight), before anything they computed leaves the rank.
 Here reads are made to count as on a GPU (``RingAttention.reads_are_free``), and they are
 counted in one warm call, forward and backward, at W=1 and W=2 with the CUDA kernels' CPU
 emulations. Counts are exact, not timings.
@@ -230,14 +229,17 @@ def _order(ctx, case: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("case", ["causal", "documents"])
-def test_a_one_rank_call_reads_after_launching_its_kernel(ring, case: str) -> None:
-    """Where a read is a device sync, a one-rank call of one block launches its kernel first and
-    reads whether its inputs (forward) or gradients (backward) were finite after it, so the device
-    computes while the host waits: one kernel call and one read per direction, in that order."""
+def test_a_one_rank_call_reads_right_before_its_kernel(ring, case: str) -> None:
+    """Where a read is a device sync, a one-rank call of one block reads whether its inputs
+    (forward) or gradients (backward) are finite and then launches its kernel, so that what the
+    host does after the launch (the output's return, autograd, the backward's preparation)
+    overlaps the kernel: one read and one kernel call per direction, in that order. (Read after
+    the launch, the read waits for the kernel and all of that follows it: on an H200, packed
+    documents at 16k tokens took 1.82x the direct varlen call, against 1.35x.)"""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     (events,) = ring.rank_pool(1).run(_order, case)
-    assert events == {"forward": ["kernel", "read"], "backward": ["kernel", "read"]}, events
+    assert events == {"forward": ["read", "kernel"], "backward": ["read", "kernel"]}, events
 
 
 @pytest.mark.parametrize("case", ["causal", "documents"])
