@@ -531,7 +531,7 @@ class RingAttention:
             if torch.compiler.is_compiling():  # no read in a graph: every block propagates
                 return False, None
             # One read of the gradients (a device sync on a GPU) against the flags' propagation:
-            # its per-feature range counts are scans over (batch, heads, rows, head_dim), 1.5x
+            # its per-feature range counts are scans over (batch, heads, rows, head_dim), 2.5x
             # the kernel's own backward at 64k tokens on an H200 (docs/benchmarks.md).
             if self.all_finite(*_gradient_inputs(grad_out, lse, grad_lse), once=True):
                 return True, None

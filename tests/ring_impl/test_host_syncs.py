@@ -9,7 +9,7 @@ the group's verdict from the cross-rank check's all-reduce (the one read it make
 that check reads anyway: with gloo that table is host memory, so it does not show here). A
 backward whose query, key and value are known finite reads one flag of its gradients (one sync
 per backward): the alternative, its blocks run on the gradients' finite parts with NaN put where
-those reach (``GradientFlags``), needs per-feature range counts over every row, 1.5x the
+those reach (``GradientFlags``), needs per-feature range counts over every row, 2.5x the
 kernel's own backward at 64k tokens on an H200. That path runs only when the read finds a
 non-finite gradient. Otherwise the blocks go through the whole propagation, without a read. A
 one-rank call makes each read right before its kernel's launch, so what the host does after the
