@@ -505,9 +505,9 @@ def disagreement(
         by_value: dict[int, list[int]] = {}
         for rank, row in enumerate(table):
             by_value.setdefault(row[i], []).append(rank)
-        if field == "layout" and len(named := {layout_names.get(c) for c in by_value}) == 1:
-            if None not in named:
-                continue  # one layout, its positions differing only with the lengths (said there)
+        named = {layout_names.get(c) for c in by_value} if field == "layout" else set()
+        if len(named) == 1 and None not in named:
+            continue  # one layout, its positions differing only with the lengths (said there)
         if len(by_value) > 1:
             held = "; ".join(
                 f"{_ranks(ranks)} {_shown(field, code, op_names, layout_names)}"

@@ -632,8 +632,8 @@ class RingAttention:
         # One rank decides once for its call, with its plan made: the read (a device sync on a
         # GPU) comes right before the kernel's launch, so what the host does after the launch
         # (the merge, autograd, the backward's preparation) overlaps the kernel. Read after the
-        # launch, it waits for the kernel and puts all of that after it: on an H200, packed
-        # documents at 16k tokens took 1.82x the direct varlen call that way, 1.32x this way.
+        # launch, it waits for the kernel and puts all of that after it (measured on an H200:
+        # docs/benchmarks.md, "Where each read goes").
         # More ranks: per step, where reads are free.
         group_finite = False
         if alone:

@@ -14,12 +14,11 @@ So a block whose inputs are not all finite runs its kernel on :func:`finite_part
 block's own inputs and its visibility, with no host sync (no branch on whether a flag is set:
 the ring reads a flag only where that is free, on CPU, or once per call: a one-rank forward
 reads one flag of its query, key and value, right before its kernel; a multi-rank forward
-learns whether every rank's
-are finite from the cross-rank check's all-reduce, read with it; on a GPU the blocks of a call
-whose group holds a non-finite input take this path). A backward whose query, key and value
-are known finite reads one flag of its gradients (one rank: right before its kernel; more: after
-launching its first step's kernels as if they were finite, running those again when they are
-not), and only when one is not finite needs their
+learns whether every rank's are finite from the cross-rank check's all-reduce, read with it; on
+a GPU the blocks of a call whose group holds a non-finite input take this path). A backward
+whose query, key and value are known finite reads one flag of its gradients (one rank: right
+before its kernel; more: after launching its first step's kernels as if they were finite,
+running those again when they are not), and only when one is not finite needs their
 propagation alone (:class:`GradientFlags`, :func:`poison_gradients`: its per-feature range
 counts over every row cost more than the read's sync on a GPU), made once per call (``"full"``,
 top-left ``"causal"``, ``"masked"`` with the block's visibility, or ``"ranges"`` with its rows' key

@@ -234,8 +234,8 @@ def test_a_one_rank_call_reads_right_before_its_kernel(ring, case: str) -> None:
     (forward) or gradients (backward) are finite and then launches its kernel, so that what the
     host does after the launch (the output's return, autograd, the backward's preparation)
     overlaps the kernel: one read and one kernel call per direction, in that order. (Read after
-    the launch, the read waits for the kernel and all of that follows it: on an H200, packed
-    documents at 16k tokens took 1.82x the direct varlen call, against 1.35x.)"""
+    the launch, the read waits for the kernel and all of that follows it: docs/benchmarks.md,
+    "Where each read goes".)"""
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     (events,) = ring.rank_pool(1).run(_order, case)
