@@ -253,3 +253,143 @@ def test_a_multi_rank_backward_reads_after_its_first_kernels(ring, case: str) ->
         forward, backward = events["forward"], events["backward"]
         assert forward and set(forward) == {"kernel"}, (rank, events)
         assert backward[0] == "kernel" and backward.count("read") == 1, (rank, events)
+
+
+#: aten ops that make no kernel launch on a GPU: views and metadata
+_NO_LAUNCH = frozenset(
+    f"aten.{name}"
+    for name in (
+        "alias",
+        "as_strided",
+        "detach",
+        "expand",
+        "permute",
+        "select",
+        "slice",
+        "squeeze",
+        "t",
+        "transpose",
+        "unsqueeze",
+        "view",
+        "_unsafe_view",
+        "_local_scalar_dense",  # (a read: counted by the test above)
+        "equal",  # (the mask snapshot's compare of the document ids, which live in host memory)
+    )
+)
+
+#: the varlen kernel's emulation, one custom op as the CUDA kernel is one launch
+_KERNELS = frozenset({"ring_impl.emulated_varlen_forward", "ring_impl.emulated_varlen_backward"})
+
+
+class _RingOps(AtenOps):
+    """:class:`AtenOps` of the ring's own work: nothing while ``kernel[0]`` (inside the method of
+    an op that emulates one CUDA kernel call)."""
+
+    def __init__(self, kernel: list[bool]):
+        super().__init__()
+        self.kernel = kernel
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.kernel[0]:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _launches(ctx, case: str) -> dict[str, dict[str, int]]:
+    import ring_impl
+    from ring_impl.exchanges.ring import RingAttention
+    from ring_impl.masks import Documents, SlidingWindow
+    from ring_impl.ops.cpu import CpuEfficientLayoutOp
+
+    options = {
+        # (cpu_efficient_layout's methods emulate one call of CUDA's memory-efficient kernel)
+        "causal": dict(is_causal=True, op="cpu_efficient_layout"),
+        # (every row in a document: one block, nothing to merge)
+        "documents": dict(
+            mask=Documents.from_cu_seqlens([0, 100, 400, 401, 900, 1500, SEQ], SEQ),
+            op="cpu_flash_varlen_layout",
+        ),
+        "window": dict(mask=SlidingWindow(256, 0), op="cpu_flash_varlen_layout"),
+    }[case]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 4, SEQ, 32, generator=gen) for _ in range(4))
+    kernel = [False]
+    methods = {name: getattr(CpuEfficientLayoutOp, name) for name in ("forward", "backward")}
+
+    def one_kernel(method):
+        def run(*args, **kwargs):
+            kernel[0] = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                kernel[0] = False
+
+        return run
+
+    shortcut = RingAttention.reads_are_free
+    RingAttention.reads_are_free = lambda self, tensors: False  # as on a GPU
+    for name, method in methods.items():
+        setattr(CpuEfficientLayoutOp, name, one_kernel(method))
+    try:
+        for _ in range(2):  # the second call is counted: plans are cached by then
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with _RingOps(kernel) as forward:
+                out = ring_impl.ring_attention(*leaves, group=ctx.group, **options)
+            with _RingOps(kernel) as backward:  # (grad, not backward: no copies into .grad)
+                torch.autograd.grad(out, leaves, do)
+    finally:
+        RingAttention.reads_are_free = shortcut
+        for name, method in methods.items():
+            setattr(CpuEfficientLayoutOp, name, method)
+    return {
+        direction: {
+            op: n for op, n in ops.ops.items() if op not in _NO_LAUNCH and op not in _KERNELS
+        }
+        for direction, ops in (("forward", forward), ("backward", backward))
+    }
+
+
+#: direction -> kernels a one-rank call launches beside its attention kernel: the sums of its
+#: one read (forward: query, key and value, three sums added twice; backward: grad_out and the
+#: LSE, its -inf lifted by one clamp, two sums added once)
+LAUNCHES = {"forward": 5, "backward": 4}
+
+
+@pytest.mark.parametrize("case", ["causal", "documents", "window"])
+def test_a_one_rank_call_launches_little_beside_its_kernel(ring, case: str) -> None:
+    """On a GPU a one-rank call is host-bound below tens of thousands of tokens: every launch
+    beside the kernel costs the host more than the device. Counted with the kernels' CPU
+    emulations, reads as on a GPU, in a warm call (counts are exact)."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
+            "without --impl to check it)"
+        )
+    (launches,) = ring.rank_pool(1).run(_launches, case)
+    for direction, limit in LAUNCHES.items():
+        n = sum(launches[direction].values())
+        assert n <= limit, f"{case}: {direction} launches {launches[direction]}, at most {limit}"
+
+
+def test_the_read_judges_the_sums_on_the_host() -> None:
+    """What a read finds: 16-bit tensors summed past their own range still count as finite (the
+    sums are float32); NaN and inf anywhere do not; an LSE of -inf (a row that sees nothing) is
+    finite to the backward's decision, NaN and +inf in it are not."""
+    from ring_impl.exchanges.ring import RingAttention, _gradient_inputs
+
+    impl = RingAttention()
+    for dtype in (torch.float16, torch.bfloat16):
+        ones = torch.ones(4, 70_000, dtype=dtype)  # a sum of 280,000: past float16's 65,504
+        assert impl.all_finite(ones, once=True)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            spoiled = ones.clone()
+            spoiled[3, 5] = bad
+            assert not impl.all_finite(ones, spoiled, once=True), (dtype, bad)
+            assert not bool(impl.finite_flag(ones, spoiled)), (dtype, bad)
+    grad_out = torch.zeros(1, 2, 3, 4)
+    lse = torch.tensor([[[float("-inf"), 1.5, -2.0]] * 2])
+    assert impl.all_finite(*_gradient_inputs(grad_out, lse), once=True)
+    for bad in (float("nan"), float("inf")):
+        spoiled = lse.clone()
+        spoiled[0, 1, 2] = bad
+        assert not impl.all_finite(*_gradient_inputs(grad_out, spoiled), once=True), bad
