@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypedDict, cast
@@ -16,6 +17,7 @@ from .checks.inputs import (
     local_problem,
     routed_error,
 )
+from .checks.remembered import CHECKED, Checked, for_this_call
 from .exchanges.halo import HaloPath, halo_blocks, halo_reach, halo_refusal, halo_rows
 from .exchanges.heads import plan_chunks
 from .exchanges.kv_gather import gather_path, gather_refusal
@@ -252,6 +254,9 @@ def ring_path(
         # The options' own problem (an unknown exchange beside a hybrid's 2-D mesh) is the cause:
         # every rank given the same options raises it here.
         raise InputError(f"ring_attention: {call.problem}") from None
+    remembered = CHECKED.key(impl, call, pg, query, key, value)
+    if remembered is not None and (hit := CHECKED.get(remembered)) is not None:
+        return _checked_again(impl, hit, pg, query, key, value)
     score_mod = as_score_mod(call.score_mod)
     local = LocalCall.of(call, query, key, value, score_mod=score_mod)
     effective_scale, op_obj = local.effective_scale, local.op
@@ -326,16 +331,10 @@ def ring_path(
         # A mask known only by evaluating it: the path is made and planned now, so a mask_mod
         # that fails on this rank's positions is a problem every rank raises (plan_ahead).
         problem = plan_ahead(make_ahead, folded)
+    code = 0  # what the cross-rank check compares of the mask, sinks and score_mod
     if world > 1 and not torch.compiler.is_compiling():
-        # Every rank's query, key and value finite, reported in the check's own all-reduce (no
-        # read of its own), lets every path skip the NaN propagation of the inputs.
-        group_finite = agree_across_ranks(
-            problem,
-            local,
-            return_max_logit=max_logit if problem is None else False,
-            group=pg,
-            device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
-            mask_code=_path_code(
+        if problem is None:
+            code = _path_code(
                 mask_code(
                     mask,
                     sinks,
@@ -345,8 +344,15 @@ def ring_path(
                 ),
                 "gather" if gather else "halo" if reach is not None else "ring",
             )
-            if problem is None
-            else 0,
+        # Every rank's query, key and value finite, reported in the check's own all-reduce (no
+        # read of its own), lets every path skip the NaN propagation of the inputs.
+        group_finite = agree_across_ranks(
+            problem,
+            local,
+            return_max_logit=max_logit if problem is None else False,
+            group=pg,
+            device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
+            mask_code=code,
             finite=(query, key, value) if problem is None else (),
         )
         if group_finite is not None and cfg is not None and cfg.verdicts is not None:
@@ -354,7 +360,34 @@ def ring_path(
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
     assert cfg is not None
+    if remembered is not None:
+        held = (impl, pg, call.op)
+        template = dataclasses.replace(cfg, plan_memo=None, verdicts=None)
+        unbound = dataclasses.replace(local, query=None, key=None, value=None)
+        CHECKED.keep(remembered, Checked(unbound, template, gather, reach, code, world, held))
     return ahead if ahead is not None else _path(impl, cfg, query, key, gather, reach, plan=False)
+
+
+def _checked_again(impl: RingAttention, hit: Checked, pg, query, key, value) -> Path:
+    """The path of a call whose key was checked before (ring_impl.checks.remembered): that call's
+    configuration with this call's own ``plan_memo`` and ``verdicts``, after the cross-rank check
+    where there are other ranks (they may have changed what they pass; this rank's inputs may
+    hold non-finite numbers now)."""
+    cfg = for_this_call(hit.cfg)
+    if hit.world > 1:
+        local = dataclasses.replace(hit.local, query=query, key=key, value=value)
+        group_finite = agree_across_ranks(
+            None,
+            local,
+            return_max_logit=cfg.max_logit,
+            group=pg,
+            device=query.device,
+            mask_code=hit.mask_code,
+            finite=(query, key, value),
+        )
+        if group_finite is not None:
+            cfg.verdicts["group_finite"] = group_finite
+    return _path(impl, cfg, query, key, hit.gather, hit.reach, plan=False)
 
 
 def _path(

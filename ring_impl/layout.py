@@ -49,6 +49,7 @@ __all__ = [
     "chunk_ids",
     "get_layout",
     "layout_divisor",
+    "layout_generation",
     "layout_runs",
     "layouts",
     "permutation",
@@ -103,6 +104,14 @@ def chunked_layout(
 
 
 _REGISTRY: dict[str, Layout] = {}
+#: registrations so far (a name registered again may mean another layout: what was derived from
+#: a name, ring_impl.checks.remembered, is keyed by this too)
+_GENERATION = [0]
+
+
+def layout_generation() -> int:
+    """How many registrations the layout registry has taken."""
+    return _GENERATION[0]
 
 
 def register_layout(layout: Layout, *, replace: bool = False) -> Layout:
@@ -114,6 +123,7 @@ def register_layout(layout: Layout, *, replace: bool = False) -> Layout:
         )
     replaced = layout.name in _REGISTRY
     _REGISTRY[layout.name] = layout
+    _GENERATION[0] += 1
     if replaced:  # (the caches are keyed by name: a new name has nothing stale in them)
         for cached in (layout_runs, _rank_runs, _check_cover, split_runs):
             cached.cache_clear()

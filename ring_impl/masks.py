@@ -873,7 +873,7 @@ def mask_problem(
             "mask must be a ring_impl.masks.Mask (Causal, Documents, SlidingWindow, ..., "
             f"MaskMod), got {type(mask).__name__}"
         )
-    if not _settled(mask):
+    if not settled(mask):
         return _mask_problem(
             mask, seq_q=seq_q, seq_kv=seq_kv, batch=batch, heads=heads, device=device
         )
@@ -890,12 +890,12 @@ def mask_problem(
     return _PROBLEMS[key]
 
 
-def _settled(mask) -> bool:
+def settled(mask) -> bool:
     """Whether the description of ``mask`` determines it and its problems: built-in masks of
     plain values, snapshots of documents (ids this module owns and has checked as they are), and
     ``&``/``|`` of them. Not ids the caller holds (their dtype is not in the description)."""
     if type(mask) in (And, Or):
-        return _settled(mask.a) and _settled(mask.b)
+        return settled(mask.a) and settled(mask.b)
     if type(mask) is Documents:
         return mask._owned
     return type(mask) in (Full, Causal, SlidingWindow, ChunkedCausal, PrefixLM, KeyRanges)

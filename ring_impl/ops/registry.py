@@ -11,12 +11,22 @@ from .contract import AttentionOp, default_scale, missing_members
 from .flex import FlexOp
 from .math import MathOp
 
-__all__ = ["available_ops", "get_op", "register_op", "resolve_op", "resolve_scale_and_op"]
+__all__ = [
+    "available_ops",
+    "get_op",
+    "register_op",
+    "registry_generation",
+    "resolve_op",
+    "resolve_scale_and_op",
+]
 
 
 @dataclass
 class _Registry:
     ops: dict[str, AttentionOp] = field(default_factory=dict)
+    #: registrations so far: a name registered again may mean another op, so what was derived
+    #: from a name (ring_impl.checks.remembered) is keyed by this too
+    generation: int = 0
 
 
 _REGISTRY = _Registry()
@@ -33,7 +43,14 @@ def register_op(op: AttentionOp, *, name: str | None = None, replace: bool = Fal
             f"register_op: an op named {key!r} is already registered; pass replace=True"
         )
     _REGISTRY.ops[key] = op
+    _REGISTRY.generation += 1
     return op
+
+
+def registry_generation() -> int:
+    """How many registrations the op registry has taken (it changes whenever a name may mean
+    another op)."""
+    return _REGISTRY.generation
 
 
 def available_ops() -> list[str]:

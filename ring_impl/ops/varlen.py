@@ -141,7 +141,29 @@ def dense_varlen_plan(
     batch: int, rows: int, cols: int, is_causal: bool, device: torch.device
 ) -> VarlenPlan:
     """An unmasked block (``is_causal`` only with ``rows == cols``): one sequence per batch
-    element. Built from shapes only, so a compiled ring traces it without a graph break."""
+    element. Built from shapes only, so a compiled ring traces it without a graph break; eager
+    calls take it from a small cache (its two ``cu_seqlens`` would be two launches per kernel
+    call on a GPU)."""
+    if torch.compiler.is_compiling():
+        return _dense_varlen_plan(batch, rows, cols, is_causal, device)
+    key = (batch, rows, cols, bool(is_causal), device)
+    plan = _DENSE_PLANS.pop(key, None)
+    if plan is None:
+        plan = _dense_varlen_plan(batch, rows, cols, is_causal, device)
+        while len(_DENSE_PLANS) >= _DENSE_PLANS_KEPT:
+            _DENSE_PLANS.pop(next(iter(_DENSE_PLANS)))
+    _DENSE_PLANS[key] = plan  # most recently used last
+    return plan
+
+
+#: dense plans by (batch, rows, cols, is_causal, device): a few shapes per model
+_DENSE_PLANS: dict[tuple, VarlenPlan] = {}
+_DENSE_PLANS_KEPT = 32
+
+
+def _dense_varlen_plan(
+    batch: int, rows: int, cols: int, is_causal: bool, device: torch.device
+) -> VarlenPlan:
     cu_q = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32, device=device)
     cu_k = torch.arange(0, (batch + 1) * cols, cols, dtype=torch.int32, device=device)
     window = (UNBOUNDED, 0) if is_causal else (UNBOUNDED, UNBOUNDED)

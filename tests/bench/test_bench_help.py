@@ -21,6 +21,7 @@ BENCHMARKS = (
     "cuda_ops",
     "halo",
     "harnesses",
+    "host_work",
     "masks",
     "mesh_pools",
     "profile_masks",
