@@ -896,6 +896,9 @@ class RingPath:
 
     def backward(self, saved, meta, grad_out, grad_lse):
         query, key, value, out, lse = saved
+        if self.cfg.head_chunks == 1:  # as the forward: straight to the ring
+            extra = {} if grad_lse is None else {"grad_lse": grad_lse}  # (variants may lack it)
+            return self.impl.backward(self.cfg, grad_out, query, key, value, out, lse, **extra)
         return heads.run_backward(
             self.impl, self.cfg, grad_out, query, key, value, out, lse, grad_lse
         )
