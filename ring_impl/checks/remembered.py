@@ -112,10 +112,12 @@ class CheckedCalls:
         hashed: such a call is checked in full, every time)."""
         try:
             hit = self._kept.get(key)
+            if hit is not None:
+                self._kept.move_to_end(key)
         except TypeError:
             return None
-        if hit is not None:
-            self._kept.move_to_end(key)
+        except KeyError:  # (another thread's call dropped it meanwhile: it was found all the same)
+            pass
         return hit
 
     def keep(self, key: tuple, checked: Checked) -> None:
