@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return forward, both
 
-    report = {"device": str(device), "torch": torch.__version__, "args": vars(args), "rows": {}}
+    report: dict = {"device": str(device), "torch": torch.__version__, "args": vars(args)}
+    report["rows"] = []
     calls = {}
     for name in rows:
         forward, both = candidates(name)
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<28}{us:>10.0f}{counts['aten_ops']:>10}{counts['launches']:>10}"
             f"{counts['reads']:>7}"
         )
-        report["rows"][name] = {"us": us, "spread": stats[name].spread, **counts}
-    print("launches:", {name: row["launched"] for name, row in report["rows"].items()})
+        report["rows"].append({"row": name, "us": us, "spread": stats[name].spread, **counts})
+    print("launches:", {row["row"]: row["launched"] for row in report["rows"]})
     if args.json:
         write_json(args.json, report)
     dist.destroy_process_group()

@@ -15,8 +15,9 @@ What runs, in two phases:
    (packed documents and a sliding window at 16k and 64k tokens: the ring against
    FlashAttention's varlen and window calls and compiled flex; each row's profiler table under
    ``--out``/profiles) and ``benchmarks/cuda_ops.py --seqs 16384,65536`` (the unmasked kernels
-   through the ring at W=1): about 45 and 30 s on an H200; ``--quick-bench`` runs their
-   ``--quick`` forms. At most ``--bench-budget`` seconds.
+   through the ring at W=1): about 45 and 30 s on an H200; then ``benchmarks/host_work.py
+   --device cuda`` (a one-rank call's host work, its kernels stubbed). ``--quick-bench`` runs
+   their ``--quick`` forms (fewer rounds). At most ``--bench-budget`` seconds.
 2. The test jobs side by side, each a pytest process with its own xdist workers: the CUDA kernel
    contracts and the compiled-gradient test; the suites' quick tier with ``--device cuda`` at
    W=1 on NCCL and at W=2, 3, 4 on gloo (one GPU: NCCL refuses two ranks on one device), one job
@@ -208,6 +209,20 @@ def jobs(args) -> list[Job]:
             ["benchmarks/cuda_ops.py", *ops_args, "--json", str(out / "bench_cuda_ops.json")],
             kind="bench",
             json_out=str(out / "bench_cuda_ops.json"),
+        ),
+        Job(
+            "bench-host",
+            [
+                "benchmarks/host_work.py",
+                "--device",
+                "cuda",
+                *(["--repeat", "50"] if args.quick_bench else []),
+                "--json",
+                str(out / "bench_host_work.json"),
+            ],
+            kind="bench",
+            json_out=str(out / "bench_host_work.json"),
+            share=0.5,
         ),
     ]
     return ([] if args.no_bench else bench_jobs) + test_jobs
