@@ -44,6 +44,7 @@ signature: :class:`ring_impl.ops.cuda.CudaFlashVarlenOp` (``aten._flash_attentio
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -146,19 +147,7 @@ def dense_varlen_plan(
     call on a GPU)."""
     if torch.compiler.is_compiling():
         return _dense_varlen_plan(batch, rows, cols, is_causal, device)
-    key = (batch, rows, cols, bool(is_causal), device)
-    plan = _DENSE_PLANS.pop(key, None)
-    if plan is None:
-        plan = _dense_varlen_plan(batch, rows, cols, is_causal, device)
-        while len(_DENSE_PLANS) >= _DENSE_PLANS_KEPT:
-            _DENSE_PLANS.pop(next(iter(_DENSE_PLANS)))
-    _DENSE_PLANS[key] = plan  # most recently used last
-    return plan
-
-
-#: dense plans by (batch, rows, cols, is_causal, device): a few shapes per model
-_DENSE_PLANS: dict[tuple, VarlenPlan] = {}
-_DENSE_PLANS_KEPT = 32
+    return _kept_dense_plan(batch, rows, cols, bool(is_causal), device)
 
 
 def _dense_varlen_plan(
@@ -168,6 +157,10 @@ def _dense_varlen_plan(
     cu_k = torch.arange(0, (batch + 1) * cols, cols, dtype=torch.int32, device=device)
     window = (UNBOUNDED, 0) if is_causal else (UNBOUNDED, UNBOUNDED)
     return VarlenPlan((VarlenCall(window, None, None, cu_q, cu_k, rows, cols),), None)
+
+
+#: dense plans of eager calls, by (batch, rows, cols, is_causal, device): a few shapes per model
+_kept_dense_plan = functools.lru_cache(maxsize=32)(_dense_varlen_plan)
 
 
 #: A run of rows as one varlen sequence: (r0, r1, c0, c1, window), rows ``[r0, r1)`` against keys
