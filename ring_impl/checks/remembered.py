@@ -10,16 +10,15 @@ call with the same key takes its result. Nothing a call reads of its tensors' va
 the cross-rank check (with the group's finite verdict) runs on every call of more than one rank,
 and every path decides its non-finite handling per call.
 
-The key holds, each option with its type (``head_chunks=True`` is not ``head_chunks=1``):
-query, key and value's shape, strides, dtype, device and ``requires_grad`` (plain tensors only: a
-subclass such as DTensor is checked every time); grad mode; the
-resolved group; the implementation; every option of the :class:`ring_impl.call.Call`; the
-mask's description where it determines the mask and its problems (``settled``: built-in masks
-and snapshots of documents, whose ids are this library's own copy, so ids refilled in place
-give another description); and the generations of the op and layout registries (a name
-registered again may mean something else). A call with sinks, a score_mod, a mask its
-description does not determine (a MaskMod) or an option that cannot be hashed is never kept:
-it is checked in full every time.
+The key holds, each option with its type (``head_chunks=True`` is not ``head_chunks=1``): query,
+key and value's shape, strides, dtype, device and ``requires_grad`` (plain tensors only: a
+subclass such as DTensor is checked every time); grad mode; the resolved group; the
+implementation; every option of the :class:`ring_impl.call.Call`; the mask's description where it
+determines the mask and its problems (``settled``: built-in masks and snapshots of documents,
+whose ids are this library's own copy, so ids refilled in place give another description); and
+the generations of the op and layout registries (a name registered again may mean something
+else). A call with sinks, a score_mod, a mask its description does not determine (a MaskMod) or
+an option that cannot be hashed is never kept: it is checked in full every time.
 """
 
 from __future__ import annotations
@@ -138,8 +137,8 @@ class CheckedCalls:
 
 def for_this_call(cfg):
     """A copy of the kept RingConfig ``cfg`` with this call's own (empty) ``plan_memo`` and
-    ``verdicts``: written into the copy's fields directly, a tenth of what
-    ``dataclasses.replace`` costs (it re-runs the constructor on every field)."""
+    ``verdicts``, its fields written directly: ``dataclasses.replace`` re-runs the constructor
+    over every field, several times the cost, on the path this module exists to shorten."""
     fresh = object.__new__(type(cfg))
     fresh.__dict__.update(cfg.__dict__, plan_memo={}, verdicts={})
     return fresh
