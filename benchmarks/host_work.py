@@ -13,8 +13,10 @@ that return outputs of the right shapes at once, and everything else runs as in 
 Rows, bfloat16 (float32 on CPU), batch 1, ``--heads`` heads of ``--head-dim``, seq ``--seq``
 (small on CPU, where the flags' sums are the host's own arithmetic; 16k tokens of 16 heads x 128
 on CUDA, as docs/benchmarks.md's rows):
-``documents`` (``--docs`` causal documents), ``window`` (a causal window of 1024) and ``thd``
-(the documents as a packed call with ``cu_seqlens``). Each row reports its forward alone and its
+``documents`` (``--docs`` causal documents, their ids on the CPU), ``documents on device`` (the
+same ids on the device, where comparing them with their snapshot on the host is a read; on CPU
+they are treated as such), ``window`` (a causal window of 1024) and ``thd`` (the documents as a
+packed call with ``cu_seqlens``). Each row reports its forward alone and its
 forward + backward, in microseconds: the median of ``--repeat`` interleaved rounds after
 ``--warmup`` (benchmarks/runner.py; on CUDA the device is synchronised after each call, so a
 read's wait is counted). Printed with them: per call, the aten ops the host dispatches, the
@@ -77,7 +79,9 @@ def _stub_kernels(op_class) -> None:
     op_class.kernel_forward, op_class.kernel_backward = forward, backward
 
 
-def _counts(fn) -> dict[str, int]:
+def _counts(fn, equal_reads: bool = False) -> dict[str, int]:
+    """Per call of ``fn``: aten ops, launches (ops that are not views) and device reads;
+    ``equal_reads``: ``aten.equal`` compares device tensors, a read."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen: dict[str, int] = {}
@@ -90,12 +94,9 @@ def _counts(fn) -> dict[str, int]:
 
     with Count():
         fn()
-    reads = seen.get("aten._local_scalar_dense", 0)
-    launched = {
-        name: n
-        for name, n in seen.items()
-        if name not in VIEWS and name != "aten._local_scalar_dense"
-    }
+    read_ops = {"aten._local_scalar_dense", *(("aten.equal",) if equal_reads else ())}
+    reads = sum(seen.get(name, 0) for name in read_ops)
+    launched = {name: n for name, n in seen.items() if name not in VIEWS and name not in read_ops}
     return {
         "aten_ops": sum(seen.values()),
         "launches": sum(launched.values()),
@@ -138,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     op = "cuda_flash_varlen" if cuda else "cpu_flash_varlen_layout"
     dtype = torch.bfloat16 if cuda else torch.float32
     if not cuda:
+        from ring_impl import masks
         from ring_impl.exchanges.ring import RingAttention
 
         RingAttention.reads_are_free = lambda self, tensors: False  # read once, as on a GPU
+        masks.reads_are_free = lambda t: t.device.type == "cpu" and t is not device_ids
 
     gen = torch.Generator().manual_seed(0)
     seq, docs = args.seq, args.docs
@@ -149,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = (1, args.heads, seq, args.head_dim)
     q, k, v, do = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(4))
     packed = [t[0].transpose(0, 1) for t in (q, k, v, do)]  # (tokens, heads, head_dim) views
+    documents = Documents.from_cu_seqlens(cu, seq)
+    device_ids = documents.doc_ids.to(device, copy=True)
     rows = {
-        "documents": ((q, k, v, do), dict(mask=Documents.from_cu_seqlens(cu, seq), op=op)),
+        "documents": ((q, k, v, do), dict(mask=documents, op=op)),
+        "documents on device": ((q, k, v, do), dict(mask=Documents(device_ids), op=op)),
         "window": ((q, k, v, do), dict(mask=SlidingWindow(1024, 0), op=op)),
         "thd": (tuple(packed), dict(is_causal=True, cu_seqlens=cu, op=op)),
     }
@@ -178,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     samples = interleave(calls, args.repeat, args.warmup, clock=clock_for(device))
     stats = summarize(samples.times)
     print(f"{device}, torch {torch.__version__}, seq {seq}, {docs} documents, kernels stubbed")
-    print(f"{'row':<28}{'us/call':>10}{'aten ops':>10}{'launches':>10}{'reads':>7}")
+    print(f"{'row':<38}{'us/call':>10}{'aten ops':>10}{'launches':>10}{'reads':>7}")
     for name, fn in calls.items():
-        counts = _counts(fn)
+        counts = _counts(fn, equal_reads=name.startswith("documents on device"))
         us = stats[name].median * 1e6
         print(
-            f"{name:<28}{us:>10.0f}{counts['aten_ops']:>10}{counts['launches']:>10}"
+            f"{name:<38}{us:>10.0f}{counts['aten_ops']:>10}{counts['launches']:>10}"
             f"{counts['reads']:>7}"
         )
         report["rows"].append({"row": name, "us": us, "spread": stats[name].spread, **counts})

@@ -24,7 +24,7 @@ from .exchanges.kv_gather import gather_path, gather_refusal
 from .exchanges.ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .group import RingGroup, resolve_group
 from .layout import layout_divisor
-from .masks import Mask, fold_causal, mask_code, masking_problem, snapshot
+from .masks import IdsCheck, Mask, StaleIds, fold_causal, mask_code, masking_problem, snapshot
 from .numerics.max_logit import max_logit_problem
 from .ops import AttentionOp
 from .planning.packed import packed_problem, packed_result, packed_views, sequence_place
@@ -125,8 +125,21 @@ def attend(bound: Bound, call: Call, query, key, value):
 
 
 def _eager(bound: Bound, call: Call, query, key, value):
-    path = call_path(bound.impl, bound.algorithms, call, query, key, value)
-    out, lse, *max_logit = PathFunction.apply(query, key, value, path, call.lse_needed)
+    # Document ids on a device serve their last snapshot with the compare read later, together
+    # with a read the call makes anyway (IdsCheck); ids found changed run the call again,
+    # compared on the host.
+    ids: IdsCheck | None = IdsCheck() if call.mask is not None else None
+    while True:
+        try:
+            path = call_path(bound.impl, bound.algorithms, call, query, key, value, ids)
+            out, lse, *max_logit = PathFunction.apply(query, key, value, path, call.lse_needed)
+            if ids is not None:
+                ids.settle()
+            break
+        except StaleIds:
+            if ids is None:
+                raise
+            ids = None
     if call.sinks is not None:
         out, lse = with_sinks(out, lse, call.sinks)
     if call.return_lse or max_logit:  # (out, lse), (out, max_logit) or (out, lse, max_logit)
@@ -215,7 +228,9 @@ def _uneven(bound: Bound, call: Call, query, key, value, shard_lengths):
     return uneven_result(result, lengths[rank], call.return_lse, call.return_max_logit is True)
 
 
-def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) -> Path:
+def call_path(
+    impl: RingAttention, algorithms, call: Call, query, key, value, ids: IdsCheck | None = None
+) -> Path:
     """The :class:`ring_impl.exchanges.ring.Path` serving ``call`` on these tensors (``ring_path``
     for the ring's exchanges, ``ring_impl.exchanges.head_parallel.strategy_path`` for Ulysses and
     the hybrid), checked on this rank and across the group (InputError on every rank for bad input).
@@ -223,13 +238,18 @@ def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) ->
 
     A ``mask`` holding tensors (``Documents``) is copied first (ring_impl.masks.snapshot): the
     path plans with that copy, so what the caller writes into its ids later cannot reach a plan
-    or the plan cache's key. A routed call's refusals name the function the user called
-    (``call.routed_from``), compiled calls' too (it is part of the call's description)."""
+    or the plan cache's key. With ``ids``, ids on a device may serve their last snapshot
+    unverified (ring_impl.masks.IdsCheck): the ring reads the compare with the cross-rank check
+    or a one-rank forward's read, the other strategies here. A routed call's refusals name the
+    function the user called (``call.routed_from``), compiled calls' too (it is part of the
+    call's description)."""
     if call.mask is not None and not torch.compiler.is_compiling():
-        call = call.with_(mask=snapshot(call.mask))
+        call = call.with_(mask=snapshot(call.mask, ids))
     try:
         if call.strategy == "ring":
-            return ring_path(impl, call, query, key, value)
+            return ring_path(impl, call, query, key, value, ids)
+        if ids is not None:
+            ids.settle()  # (a local read, before any collective: a rank may run again alone)
         from .exchanges.head_parallel import strategy_path
 
         return strategy_path(impl, algorithms, call, query, key, value)
@@ -240,11 +260,18 @@ def call_path(impl: RingAttention, algorithms, call: Call, query, key, value) ->
 
 
 def ring_path(
-    impl: RingAttention, call: Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    impl: RingAttention,
+    call: Call,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ids: IdsCheck | None = None,
 ) -> Path:
     """The :class:`ring_impl.exchanges.ring.Path` (the ring, the halo exchange or the sparse gather)
     that serves ``call`` (an exchange of the ring's: "auto", "ring", "halo", "gather"), after
-    checking it on this rank and across the group (InputError on every rank for bad input)."""
+    checking it on this rank and across the group (InputError on every rank for bad input).
+    ``ids``: the unread compare of the call's document ids, read with the cross-rank check's
+    all-reduce (more ranks) or the forward's read (one rank)."""
     mask, sinks, layout, head_chunks = call.mask, call.sinks, call.layout, call.head_chunks
     try:
         pg = resolve_group(call.group)
@@ -256,7 +283,7 @@ def ring_path(
         raise InputError(f"ring_attention: {call.problem}") from None
     remembered = CHECKED.key(impl, call, pg, query, key, value)
     if remembered is not None and (hit := CHECKED.get(remembered)) is not None:
-        return _checked_again(impl, hit, pg, query, key, value)
+        return _checked_again(impl, hit, pg, query, key, value, ids)
     score_mod = as_score_mod(call.score_mod)
     local = LocalCall.of(call, query, key, value, score_mod=score_mod)
     effective_scale, op_obj = local.effective_scale, local.op
@@ -354,12 +381,15 @@ def ring_path(
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=code,
             finite=(query, key, value) if problem is None else (),
+            ids=ids,
         )
         if group_finite is not None and cfg is not None and cfg.verdicts is not None:
             cfg.verdicts["group_finite"] = group_finite
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
     assert cfg is not None
+    if ids is not None and cfg.verdicts is not None:
+        cfg.verdicts["ids"] = ids  # (taken by then with more ranks)
     if remembered is not None:
         held = (impl, pg, call.op)
         template = dataclasses.replace(cfg, plan_memo=None, verdicts=None)
@@ -368,7 +398,9 @@ def ring_path(
     return ahead if ahead is not None else _path(impl, cfg, query, key, gather, reach, plan=False)
 
 
-def _checked_again(impl: RingAttention, hit: Checked, pg, query, key, value) -> Path:
+def _checked_again(
+    impl: RingAttention, hit: Checked, pg, query, key, value, ids: IdsCheck | None
+) -> Path:
     """The path of a call whose key was checked before (ring_impl.checks.remembered): that call's
     configuration with this call's own ``plan_memo`` and ``verdicts``, after the cross-rank check
     where there are other ranks (they may have changed what they pass; this rank's inputs may
@@ -384,9 +416,12 @@ def _checked_again(impl: RingAttention, hit: Checked, pg, query, key, value) -> 
             device=query.device,
             mask_code=hit.mask_code,
             finite=(query, key, value),
+            ids=ids,
         )
         if group_finite is not None:
             cfg.verdicts["group_finite"] = group_finite
+    if ids is not None:
+        cfg.verdicts["ids"] = ids
     return _path(impl, cfg, query, key, hit.gather, hit.reach, plan=False)
 
 

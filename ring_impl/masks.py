@@ -33,6 +33,7 @@ mask bounded on both sides by less than a shard runs as a halo exchange
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import operator
 import zlib
@@ -47,12 +48,14 @@ __all__ = [
     "ChunkedCausal",
     "Documents",
     "Full",
+    "IdsCheck",
     "KeyRanges",
     "Mask",
     "MaskMod",
     "Or",
     "PrefixLM",
     "SlidingWindow",
+    "StaleIds",
     "from_spec",
     "mask_code",
     "mask_problem",
@@ -291,14 +294,18 @@ class Documents(Mask):
 
         # The last snapshot serves again while the ids equal the copy kept of them (one compare
         # per call instead of a copy, a hash and the checks of a new snapshot); the kept copy is
-        # this object's own, so no write to the caller's ids can reach it.
+        # this object's own, so no write to the caller's ids can reach it. Ids on a device are
+        # compared there, read later with a read the call makes anyway (IdsCheck).
         last = self._cache.get("snapshot")
-        if (
-            last is not None
-            and len(last[0]) == len(tensors)
-            and all(map(_same_values, tensors, last[0]))
-        ):
-            return last[1]
+        if last is not None and len(last[0]) == len(tensors):
+            if all(map(_same_layout, tensors, last[0])):
+                check = _UNVERIFIED.get()
+                if check is not None and not all(map(reads_are_free, tensors)):
+                    # Ids on a device: the compare stays there, unread (IdsCheck)
+                    check.compare(tensors, last[0])
+                    return last[1]
+                if all(map(torch.equal, tensors, last[0])):
+                    return last[1]
 
         def copy(t):
             return None if t is None else t.detach().to(dtype=torch.int64, copy=True)
@@ -761,21 +768,79 @@ def probe_text(fn, batch: int, heads: int, seq_q: int, seq_kv: int, device=None)
     return failure
 
 
-def _same_values(t: torch.Tensor, kept: torch.Tensor) -> bool:
-    """Whether ``t`` holds what ``kept`` does: dtype, shape, device and every value."""
-    return (
-        t.dtype == kept.dtype
-        and t.shape == kept.shape
-        and t.device == kept.device
-        and torch.equal(t, kept)
-    )
+def _same_layout(t: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Whether ``t`` may hold what ``kept`` does: dtype, shape and device (the host knows them)."""
+    return t.dtype == kept.dtype and t.shape == kept.shape and t.device == kept.device
 
 
-def snapshot(mask):
+def reads_are_free(t: torch.Tensor) -> bool:
+    """Whether the host reads ``t``'s values without a device sync (it lives on the CPU)."""
+    return t.device.type == "cpu"
+
+
+class StaleIds(Exception):
+    """Document ids a call served from their last snapshot without reading them
+    (:class:`IdsCheck`) differ from it: the call runs again from a snapshot of what they hold
+    now, its first run's results unused."""
+
+
+class IdsCheck:
+    """The unread compare of one call's document ids with the snapshot it serves.
+
+    Comparing ids that live on a GPU with the copy kept of them is a device sync. A call
+    that passes an IdsCheck to :func:`snapshot` instead serves the last snapshot of ids whose
+    dtype, shape and device match it, and the compare stays on the device as a 0-dim bool
+    (True: they differ). The call then reads it together with a read it makes anyway, before a
+    kernel works on the plan: a one-rank forward's finiteness read
+    (:meth:`ring_impl.exchanges.ring.RingAttention.all_finite`) or the cross-rank check's
+    all-reduce (:func:`ring_impl.checks.inputs.agree`). Where the ids differ, the call raises
+    :class:`StaleIds` and runs again without an IdsCheck. A call that ends with the compare
+    still unread reads it then (:meth:`settle`), so no stale snapshot serves a call
+    unnoticed."""
+
+    def __init__(self) -> None:
+        self._differs: torch.Tensor | None = None
+
+    def compare(self, tensors, kept) -> None:
+        """Add "``tensors`` differ from ``kept``" to the unread compare."""
+        for t, k in zip(tensors, kept):
+            differs = torch.ne(t, k).any()
+            self._differs = differs if self._differs is None else self._differs | differs
+
+    def take(self) -> torch.Tensor | None:
+        """The unread compare (None: nothing to compare), for the caller to read with its own
+        read; the check holds nothing afterwards."""
+        differs, self._differs = self._differs, None
+        return differs
+
+    def settle(self) -> None:
+        """Read what nobody took (one device sync): StaleIds when the ids differ."""
+        differs = self.take()
+        if differs is not None and bool(differs):
+            raise StaleIds()
+
+
+#: The IdsCheck of the snapshot being taken (:func:`snapshot`); None: compare on the host.
+_UNVERIFIED: contextvars.ContextVar[IdsCheck | None] = contextvars.ContextVar(
+    "ring_impl_unverified_ids", default=None
+)
+
+
+def snapshot(mask, check: IdsCheck | None = None):
     """The mask a call plans with: ``mask.frozen()`` (its tensors copied once, when the call
     starts), so the plan and the description that keys the plan cache are made from the same
-    data; anything that is not a Mask is returned as it is, for the input checks to refuse."""
-    return mask.frozen() if isinstance(mask, Mask) else mask
+    data; anything that is not a Mask is returned as it is, for the input checks to refuse.
+
+    ``check``: ids on a device that match their last snapshot's dtype, shape and device serve it
+    with their compare left in ``check``, unread (:class:`IdsCheck`); without it they are
+    compared on the host."""
+    if not isinstance(mask, Mask):
+        return mask
+    token = _UNVERIFIED.set(check)
+    try:
+        return mask.frozen()
+    finally:
+        _UNVERIFIED.reset(token)
 
 
 def fold_causal(mask: Mask | None, is_causal) -> Mask | None:

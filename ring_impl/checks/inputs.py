@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..call import Call
 from ..exchanges.heads import check_head_chunks
 from ..layout import is_layout, layout_divisor, layout_runs, layouts
+from ..masks import IdsCheck, StaleIds
 from ..ops import AttentionOp, available_ops, resolve_scale_and_op
 from ..transports import rotate_methods
 
@@ -551,14 +552,18 @@ def agree(
     refused: Callable[[list[int]], str] = _ranks,
     numbering: str = "",
     finite: tuple[torch.Tensor, ...] = (),
+    ids: IdsCheck | None = None,
 ) -> list[list[int]]:
     """The cross-rank check of every strategy: raise the same InputError on every rank if any
     rank has a problem or the ranks' rows differ; else return the table's ``size`` rows.
 
     The table is ``size`` rows of :func:`row_width` int64 entries. This rank fills row ``row``:
     the problem flag (1 when ``problem`` is not None), else ``codes`` (its :func:`signature` and
-    :func:`strategy_codes`; None with a problem) and, with ``finite``, the last entry: "these
-    tensors are finite". The table is SUM-all-reduced over each of ``groups`` in turn, so every
+    :func:`strategy_codes`; None with a problem) and, with ``finite``, the last entry: 1 for
+    "these tensors are finite"; ``ids`` (the call's unread compare of its document ids) adds 2
+    to it when they differ from the snapshot the call plans with: every rank then raises
+    StaleIds, before any other verdict (that rank's codes describe the stale snapshot), and
+    the call runs again. The table is SUM-all-reduced over each of ``groups`` in turn, so every
     entry is added once by the rank that fills it (the ring: its one group; a 2-D mesh: the
     Ulysses group, then the ring group). Nothing raises before the last all-reduce, so no rank is
     left waiting in one.
@@ -574,23 +579,18 @@ def agree(
     else:
         assert codes is not None
         table[row * n + 1 : (row + 1) * n - 1] = codes
+    differs = None if ids is None else ids.take()
     vec = torch.tensor(table, dtype=torch.int64)
     for i, pg in enumerate(groups):
         staged = device.type != "cpu" and str(dist.get_backend(pg)).lower() == "gloo"
         vec = vec if staged else vec.to(device)
-        if i == 0 and finite and problem is None and not staged:
-            if all(t.device == vec.device for t in finite):
-                # A sum is NaN/inf when any element is (finite tensors whose sum overflows only
-                # lose the shortcut); written into the table on the device: read with it, no sync
-                # of its own. (Tensors staged through a CPU table would need a read: they report
-                # 0, "maybe not".)
-                total = sum(
-                    (t.sum(dtype=torch.float32) for t in finite), torch.zeros((), device=vec.device)
-                )
-                vec[row * n + n - 1] = torch.isfinite(total).to(torch.int64)
+        if i == 0:
+            _write_last_entry(vec, row * n + n - 1, problem, finite, differs)
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=pg)
     agreed: list[int] = vec.cpu().tolist()
     rows = [agreed[r * n : (r + 1) * n] for r in range(size)]
+    if any(r[n - 1] >= 2 for r in rows):
+        raise StaleIds()  # (on every rank: the call runs again, its ids compared on the host)
     if problem is not None:
         raise InputError(f"{where}: {problem}")
     bad = [r for r in range(size) if rows[r][0]]
@@ -616,6 +616,42 @@ def agree(
     raise InputError(f"{where}: {said}{numbering}")
 
 
+def _write_last_entry(
+    vec: torch.Tensor,
+    at: int,
+    problem: str | None,
+    finite: tuple[torch.Tensor, ...],
+    differs: torch.Tensor | None,
+) -> None:
+    """Write this rank's last table entry, 0 until then, into ``vec`` (:func:`agree`): 1 when
+    every tensor of ``finite`` is, plus 2 when ``differs`` (the unread compare of the call's ids)
+    is True.
+
+    Written on the device, read with the table: no read of its own. A table staged through the
+    host (gloo with device tensors) cannot take device values without a read: its finiteness
+    reports 0, "maybe not" (the blocks then decide for themselves), and the compare is read."""
+    stale = 0
+    if differs is not None and differs.device != vec.device:
+        stale = 2 * int(bool(differs))  # (a read: the table is host memory)
+        differs = None
+    entry: torch.Tensor | int = stale
+    if finite and problem is None and all(t.device == vec.device for t in finite):
+        # A sum is NaN/inf when any element is (finite tensors whose sum overflows only lose the
+        # shortcut).
+        total = sum(
+            (t.sum(dtype=torch.float32) for t in finite), torch.zeros((), device=vec.device)
+        )
+        entry = torch.isfinite(total).to(torch.int64)
+        entry = entry + stale if stale else entry
+    if differs is not None:  # (on the table's device: stale is 0)
+        if isinstance(entry, torch.Tensor):
+            entry = torch.add(entry, differs, alpha=2)
+        else:
+            entry = differs.to(torch.int64) * 2
+    if isinstance(entry, torch.Tensor) or entry:
+        vec[at] = entry
+
+
 def agree_across_ranks(
     problem: str | None,
     local: LocalCall,
@@ -625,6 +661,7 @@ def agree_across_ranks(
     mask_code: int = 0,
     return_max_logit: bool = False,
     finite: tuple[torch.Tensor, ...] = (),
+    ids: IdsCheck | None = None,
 ) -> bool | None:
     """The ring's :func:`agree` over ``group``: raise InputError on every rank if any rank has a
     problem or the ranks disagree on ``local``'s :func:`signature`.
@@ -651,5 +688,6 @@ def agree_across_ranks(
         world_size=world,
         where=f"ring_attention (rank {rank})",
         finite=finite,
+        ids=ids,
     )
     return all(row[-1] == 1 for row in rows) if finite else None

@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from .. import debug
 from ..group import RingGroup
 from ..layout import layout_runs
+from ..masks import IdsCheck, StaleIds
 from ..numerics.lse import normalize_lse
 from ..numerics.max_logit import block_max_logit, reduce_max_logit
 from ..numerics.merge import merge_into
@@ -456,7 +457,9 @@ class RingAttention:
             *self.nonfinite_backward(dq, dk, dv, q_, k_, v_, o_, l_, do_, block, **extra),
         )
 
-    def all_finite(self, *tensors: torch.Tensor, once: bool = False) -> bool:
+    def all_finite(
+        self, *tensors: torch.Tensor, once: bool = False, ids: IdsCheck | None = None
+    ) -> bool:
         """Whether the NaN propagation can be skipped for blocks of these inputs: every element
         finite (the propagation only ever adds NaN where a non-finite input reaches; with none it
         changes nothing), read where reading costs nothing (:meth:`reads_are_free`: on CPU) or,
@@ -464,14 +467,24 @@ class RingAttention:
         one-rank forward: one device sync instead of the propagation's passes over every block;
         its backward then knows its query, key and value, :meth:`gradient_decision`). Otherwise,
         and under compile, False: the blocks go through the propagation, with no data-dependent
-        branch."""
+        branch.
+
+        ``ids``: the call's unread compare of its document ids (:class:`ring_impl.masks.IdsCheck`),
+        read with the sum: StaleIds when they differ from the snapshot the call plans with."""
         if torch.compiler.is_compiling():
             return False
         if not (once or self.reads_are_free(tensors)):
             return False
+        total = self.finite_sum(*tensors)
+        differs = None if ids is None else ids.take()
+        if differs is not None:  # (NaN where the ids differ: one read says both)
+            total = total.masked_fill(differs, math.nan)
         # The sum itself is read and judged on the host: a device-side isfinite would be four
         # more kernel launches per read (aten's isfinite is abs, ne, eq and mul).
-        return math.isfinite(self.finite_sum(*tensors).item())
+        finite = math.isfinite(total.item())
+        if not finite and differs is not None and bool(differs):
+            raise StaleIds()
+        return finite
 
     def finite_sum(self, *tensors: torch.Tensor) -> torch.Tensor:
         """A 0-dim tensor on their device, not read, finite when every element of ``tensors`` is
@@ -651,7 +664,8 @@ class RingAttention:
         # More ranks: per step, where reads are free.
         group_finite = False
         if alone:
-            query_finite = self.all_finite(query, key, value, once=True)
+            ids = None if cfg.verdicts is None else cfg.verdicts.get("ids")
+            query_finite = self.all_finite(query, key, value, once=True, ids=ids)
         else:
             # every rank's query, key and value finite (the cross-rank check's verdict): no
             # block needs the propagation, whatever rotates in; else decided per step below

@@ -35,6 +35,7 @@ SEQ = 2048
 
 def _syncs(ctx, case: str) -> int:
     import ring_impl
+    from ring_impl import masks
     from ring_impl.exchanges.ring import RingAttention
     from ring_impl.masks import Documents, SlidingWindow
 
@@ -47,24 +48,32 @@ def _syncs(ctx, case: str) -> int:
             mask=Documents.from_cu_seqlens([0, 100, 400, 401, 900, 1500, 2000], SEQ),
             op="cpu_flash_varlen_layout",
         ),
+        # (the ids live on the device: comparing them with their snapshot on the host is a read)
+        "documents_on_device": dict(
+            mask=Documents(Documents.from_cu_seqlens([0, 100, 400, 900, 2000], SEQ).doc_ids),
+            op="cpu_flash_varlen_layout",
+        ),
     }[case]
+    on_device = case == "documents_on_device"
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 4, SEQ // ctx.world_size, 32, generator=gen) for _ in range(4))
-    shortcut = RingAttention.reads_are_free
+    shortcut, free = RingAttention.reads_are_free, masks.reads_are_free
     RingAttention.reads_are_free = lambda self, tensors: False  # as on a GPU
+    if on_device:
+        masks.reads_are_free = lambda t: False
     try:
         for _ in range(2):  # the second call is counted: plans are cached by then
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             with AtenOps() as reads:
                 ring_impl.ring_attention(*leaves, group=ctx.group, **options).backward(do)
     finally:
-        RingAttention.reads_are_free = shortcut
-    return reads.ops["aten._local_scalar_dense"]
+        RingAttention.reads_are_free, masks.reads_are_free = shortcut, free
+    return reads.ops["aten._local_scalar_dense"] + (reads.ops["aten.equal"] if on_device else 0)
 
 
 #: case -> device-to-host reads of one call at W=1: the forward's non-finite decision and the
 #: backward's (of its gradients)
-LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 2}
+LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 2, "documents_on_device": 2}
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -344,3 +344,151 @@ def test_a_mask_mod_is_cut_once_per_visibility_and_never_runs_stale(ring) -> Non
             f"rank {rank}: the second call on unchanged data cut its visibility into blocks "
             f"again ({again} cuts): the MaskMod's blocks are not kept"
         )
+
+
+def _device_ids_calls(ctx, refilling: tuple[int, ...]) -> list[dict]:
+    """Four calls with the masks' reads as on a GPU (``ring_impl.masks.reads_are_free``):
+    the first snapshots int32 ids, the second repeats it, the ranks in ``refilling`` then refill
+    the ids in place before the third, and the fourth passes a new Documents of the new ids.
+    Per call: the output (or the InputError's message), host compares of ids (``aten.equal``),
+    compares left on the device (``IdsCheck.compare``) and StaleIds raised."""
+    import ring_impl
+    from reference.layout import shard
+    from ring_impl import masks
+    from ring_impl.masks import Documents, IdsCheck, StaleIds
+
+    from .counting import AtenOps
+
+    q, k, v = (shard(t, "contiguous", ctx.world_size, ctx.rank, dim=2) for t in _inputs())
+    ids = torch.tensor(OLD, dtype=torch.int32)
+    mask = Documents(ids)
+    counts = {"compares": 0, "stale": 0}
+    compare, stale_init, free = IdsCheck.compare, StaleIds.__init__, masks.reads_are_free
+
+    def counted_compare(self, *args):
+        counts["compares"] += 1
+        return compare(self, *args)
+
+    def counted_stale(self, *args):
+        counts["stale"] += 1
+        stale_init(self, *args)
+
+    def call(m) -> dict:
+        before = dict(counts)
+        with AtenOps() as ops:
+            try:
+                out = ring_impl.ring_attention(q, k, v, group=ctx.group, mask=m)
+            except ring_impl.InputError as exc:
+                out = str(exc)
+        return {
+            "out": out,
+            "equal": ops.ops["aten.equal"],
+            **{name: counts[name] - before[name] for name in counts},
+        }
+
+    IdsCheck.compare, StaleIds.__init__ = counted_compare, counted_stale  # type: ignore[method-assign]
+    masks.reads_are_free = lambda t: False  # as on a GPU
+    try:
+        rows = [call(mask), call(mask)]
+        if ctx.rank in refilling:
+            ids.copy_(torch.tensor(NEW, dtype=ids.dtype))
+        rows.append(call(mask))
+        rows.append(call(Documents(torch.tensor(NEW, dtype=torch.int32))))
+    finally:
+        IdsCheck.compare, StaleIds.__init__ = compare, stale_init  # type: ignore[method-assign]
+        masks.reads_are_free = free
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ids_on_a_device_are_compared_with_a_read_the_call_makes_anyway(ring, world: int) -> None:
+    """Ids on a GPU are not compared on the host (a device sync per call): a repeat serves the
+    last snapshot with the compare left on the device, read with the one-rank forward's read or
+    the cross-rank check's all-reduce. Ids refilled in place are found by that read, and the
+    call runs again from a snapshot of the new ids: the new documents, every rank."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            "a ring_impl property (its snapshots); the implementation under test is "
+            f"{ring.impl.spec}"
+        )
+    from reference.layout import unshard
+
+    runs = ring.rank_pool(world).run(_device_ids_calls, tuple(range(world)))
+    old, new = _oracle(OLD), _oracle(NEW)
+    for i, want in enumerate((old, old, new, new)):
+        got = unshard([r[i]["out"] for r in runs], "contiguous", dim=2)
+        assert float((got - want).abs().max()) < 1e-12, (
+            f"call {i + 1} at W={world} ran other documents than its ids held"
+            + (" (a stale snapshot served the refilled ids)" if i == 2 else "")
+        )
+    for rank, rows in enumerate(runs):
+        seen = [{k: row[k] for k in ("equal", "compares", "stale")} for row in rows]
+        assert seen[1] == {"equal": 0, "compares": 1, "stale": 0}, (
+            f"rank {rank}: the repeat with unchanged ids compared them on the host or found them "
+            f"stale: {seen}"
+        )
+        assert seen[2]["compares"] == 1 and seen[2]["stale"] == 1, (
+            f"rank {rank}: the refilled ids were not compared on the device and found stale "
+            f"once: {seen}"
+        )
+
+
+def test_a_rank_whose_ids_alone_changed_makes_every_rank_run_again(ring) -> None:
+    """One rank refills its ids: every rank learns it in the cross-rank check's all-reduce and
+    runs the call again (no rank raises on the stale rank's old description, none is left
+    waiting); the second run finds the ranks' masks differ, and every rank raises that."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            "a ring_impl property (its snapshots); the implementation under test is "
+            f"{ring.impl.spec}"
+        )
+    runs = ring.rank_pool(2).run(_device_ids_calls, (1,))
+    for rank, rows in enumerate(runs):
+        third = rows[2]
+        assert third["stale"] == 1, f"rank {rank} did not run the call again: {third}"
+        assert isinstance(third["out"], str) and "disagree" in third["out"], (
+            f"rank {rank}: ranks passing different documents did not raise the disagreement: "
+            f"{third['out']!r}"
+        )
+
+
+def _unread_compare_calls(ctx) -> list[torch.Tensor]:
+    """Two one-rank calls, with ids refilled between them, of a ring whose forward reads its
+    inputs' finiteness without the ids' compare (``all_finite`` without ``ids``)."""
+    import ring_impl
+    from ring_impl import masks
+    from ring_impl.exchanges.ring import RingAttention
+    from ring_impl.masks import Documents
+
+    class UnreadCompare(RingAttention):
+        def all_finite(self, *tensors, once=False, ids=None):
+            return super().all_finite(*tensors, once=once)
+
+    attend = ring_impl.bind(UnreadCompare())
+    q, k, v = _inputs()
+    ids = torch.tensor(OLD, dtype=torch.int32)
+    mask = Documents(ids)
+    free = masks.reads_are_free
+    masks.reads_are_free = lambda t: False  # as on a GPU
+    try:
+        outs = [attend(q, k, v, group=ctx.group, mask=mask)]
+        ids.copy_(torch.tensor(NEW, dtype=ids.dtype))
+        outs.append(attend(q, k, v, group=ctx.group, mask=mask))
+    finally:
+        masks.reads_are_free = free
+    return outs
+
+
+def test_a_compare_nobody_read_is_read_before_the_call_returns(ring) -> None:
+    """A path that leaves the ids' compare unread (a variant's forward) still never returns what
+    a stale snapshot computed: the call reads the compare at its end and runs again."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            "a ring_impl property (its snapshots); the implementation under test is "
+            f"{ring.impl.spec}"
+        )
+    old, new = ring.rank_pool(1).run(_unread_compare_calls)[0]
+    assert float((old - _oracle(OLD)).abs().max()) < 1e-12
+    assert float((new - _oracle(NEW)).abs().max()) < 1e-12, (
+        "the call after the refill returned the stale snapshot's documents"
+    )
