@@ -15,13 +15,16 @@ Rows, bfloat16 (float32 on CPU), batch 1, ``--heads`` heads of ``--head-dim``, s
 on CUDA, as docs/benchmarks.md's rows):
 ``documents`` (``--docs`` causal documents, their ids on the CPU), ``documents on device`` (the
 same ids on the device, where comparing them with their snapshot on the host is a read; on CPU
-they are treated as such), ``window`` (a causal window of 1024) and ``thd`` (the documents as a
-packed call with ``cu_seqlens``). Each row reports its forward alone and its
-forward + backward, in microseconds: the median of ``--repeat`` interleaved rounds after
-``--warmup`` (benchmarks/runner.py; on CUDA the device is synchronised after each call, so a
-read's wait is counted). Printed with them: per call, the aten ops the host dispatches, the
-launches among them (ops that are not views) and the device reads (``.item()``). These counts are
+they are treated as such), ``window`` (a causal window of 1024), ``thd`` (the documents as a
+packed call with ``cu_seqlens`` a list) and ``thd on device`` (``cu_seqlens`` an int32 tensor on
+the device). Each row reports its forward alone and its forward + backward, in microseconds:
+the median of ``--repeat`` interleaved rounds after ``--warmup`` (benchmarks/runner.py; on CUDA
+the device is synchronised after each call, so a read's wait is counted). Printed with them:
+per call, the aten ops the host dispatches, the launches among them (ops that are not views) and
+the device reads (``.item()``; a compare of device ids, ``aten.equal``, too). These counts are
 exact; the times vary with the machine and are meaningful only against each other in one run.
+A read of ``cu_seqlens`` (``tolist``) dispatches no aten op: on CPU the ``thd`` rows cannot show
+it.
 """
 
 from __future__ import annotations
@@ -143,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         from ring_impl.exchanges.ring import RingAttention
 
         RingAttention.reads_are_free = lambda self, tensors: False  # read once, as on a GPU
-        masks.reads_are_free = lambda t: t.device.type == "cpu" and t is not device_ids
+        masks.reads_are_free = lambda t: (
+            t.device.type == "cpu" and all(t is not held for held in (device_ids, device_cu))
+        )
 
     gen = torch.Generator().manual_seed(0)
     seq, docs = args.seq, args.docs
@@ -154,11 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     packed = [t[0].transpose(0, 1) for t in (q, k, v, do)]  # (tokens, heads, head_dim) views
     documents = Documents.from_cu_seqlens(cu, seq)
     device_ids = documents.doc_ids.to(device, copy=True)
+    device_cu = torch.tensor(cu, dtype=torch.int32, device=device)
     rows = {
         "documents": ((q, k, v, do), dict(mask=documents, op=op)),
         "documents on device": ((q, k, v, do), dict(mask=Documents(device_ids), op=op)),
         "window": ((q, k, v, do), dict(mask=SlidingWindow(1024, 0), op=op)),
         "thd": (tuple(packed), dict(is_causal=True, cu_seqlens=cu, op=op)),
+        "thd on device": (tuple(packed), dict(is_causal=True, cu_seqlens=device_cu, op=op)),
     }
 
     def candidates(name):

@@ -27,7 +27,15 @@ from .layout import layout_divisor
 from .masks import IdsCheck, Mask, StaleIds, fold_causal, mask_code, masking_problem, snapshot
 from .numerics.max_logit import max_logit_problem
 from .ops import AttentionOp
-from .planning.packed import packed_problem, packed_result, packed_views, sequence_place
+from .planning.packed import (
+    keep_documents,
+    kept_documents,
+    packed_documents,
+    packed_problem,
+    packed_result,
+    packed_views,
+    sequence_place,
+)
 from .planning.plan import plan_ahead
 from .planning.uneven import (
     lengths_problem,
@@ -116,19 +124,21 @@ class _HaloWhere(TypedDict):
     seq_kv: int
 
 
-def attend(bound: Bound, call: Call, query, key, value):
+def attend(bound: Bound, call: Call, query, key, value, ids: IdsCheck | None = None):
     """Run ``call`` on query, key and value: ``ring_attention``'s body (which inlines it), for the
-    torch API routes that build their own Call (``problem``, ``routed_from``)."""
+    torch API routes that build their own Call (``problem``, ``routed_from``). ``ids``: the
+    caller's unread compare of data its mask was made from (ring_impl.masks.IdsCheck); StaleIds
+    reaches the caller, to make the mask again."""
     if torch.compiler.is_compiling():
         return _traced(bound, call, query, key, value)
-    return _eager(bound, call, query, key, value)
+    return _eager(bound, call, query, key, value, ids)
 
 
-def _eager(bound: Bound, call: Call, query, key, value):
+def _eager(bound: Bound, call: Call, query, key, value, given: IdsCheck | None = None):
     # Document ids on a device serve their last snapshot with the compare read later, together
     # with a read the call makes anyway (IdsCheck); ids found changed run the call again,
-    # compared on the host.
-    ids: IdsCheck | None = IdsCheck() if call.mask is not None else None
+    # compared on the host (a compare the caller gave: the caller runs it again).
+    ids = given if given is not None else IdsCheck() if call.mask is not None else None
     while True:
         try:
             path = call_path(bound.impl, bound.algorithms, call, query, key, value, ids)
@@ -137,7 +147,7 @@ def _eager(bound: Bound, call: Call, query, key, value):
                 ids.settle()
             break
         except StaleIds:
-            if ids is None:
+            if ids is None or given is not None:
                 raise
             ids = None
     if call.sinks is not None:
@@ -172,22 +182,49 @@ def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens, shard_lengt
     """A packed (THD) call as the 4-D call with its documents as the mask
     (ring_impl.planning.packed); a problem with the packed arguments is raised on every rank by the
     call's checks. With ``shard_lengths`` the global packed sequence is their sum
-    (ring_impl.planning.uneven)."""
+    (ring_impl.planning.uneven). ``cu_seqlens`` on a device are read on the host once, and a
+    repeat with lengths of the same kind serves the documents they made without a read, their
+    compare left unread (ring_impl.planning.packed.kept_documents)."""
     place = sequence_place(call.strategy, call.group)
     world = None if place is None else place[0]
     problem = call.problem
+    if problem is None and world is not None and shard_lengths is None:
+        tokens, causal = query.shape[0] * world, bool(call.is_causal)
+        ids = IdsCheck()
+        documents = kept_documents(cu_seqlens, tokens, causal, ids)
+        if (
+            documents is not None
+            and packed_problem(query, key, value, cu_seqlens, world, values=False) is None
+        ):
+            try:
+                mask = documents if call.mask is None else documents & call.mask
+                result = attend(
+                    bound,
+                    call.with_(mask=mask, is_causal=False),
+                    *packed_views(query, key, value),
+                    ids=ids,
+                )
+                return packed_result(result, call.return_lse, call.return_max_logit is True)
+            except StaleIds:
+                pass  # other lengths: read below
     if problem is None and world is not None and shard_lengths is not None:
         problem = lengths_problem(shard_lengths, world)
     total = None
+    read = cu_seqlens  # (lengths on a device copied to the host once, for the checks and the plan)
+    if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling():
+        read = cu_seqlens.cpu()
     if problem is None and world is not None:
         total = sum(shard_lengths) if shard_lengths is not None else None
-        problem = packed_problem(query, key, value, cu_seqlens, world, total)
+        problem = packed_problem(query, key, value, read, world, total)
     if problem is not None or world is None:  # the checks refuse it (or the group) on every rank
         return attend(bound, call.with_(problem=problem), query, key, value)
-    q, k, v, mask = packed_views(
-        query, key, value, cu_seqlens, call.mask, call.is_causal, world, total
-    )
+    tokens = query.shape[0] * world if total is None else total
+    documents = packed_documents(read, tokens, bool(call.is_causal))
+    if shard_lengths is None:
+        keep_documents(cu_seqlens, tokens, bool(call.is_causal), documents)
+    mask = documents if call.mask is None else documents & call.mask
     call = call.with_(mask=mask, is_causal=False)
+    q, k, v = packed_views(query, key, value)
     if shard_lengths is None:
         result = attend(bound, call, q, k, v)
     else:

@@ -20,17 +20,26 @@ Returns ``(tokens_local, heads, head_dim_v)`` (contiguous) and, with ``return_ls
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import numbers
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from ..masks import Documents
+from .. import masks
+from ..masks import Documents, IdsCheck
 
-__all__ = ["packed_problem", "packed_result", "packed_views", "sequence_place"]
+__all__ = [
+    "keep_documents",
+    "kept_documents",
+    "packed_documents",
+    "packed_problem",
+    "packed_result",
+    "packed_views",
+    "sequence_place",
+]
 
 
 def sequence_place(strategy: str, group) -> tuple[int, int] | None:
@@ -53,18 +62,29 @@ def sequence_place(strategy: str, group) -> tuple[int, int] | None:
 
 
 def packed_problem(
-    query, key, value, cu_seqlens, world: int | None, total: int | None = None
+    query,
+    key,
+    value,
+    cu_seqlens,
+    world: int | None,
+    total: int | None = None,
+    *,
+    values: bool = True,
 ) -> str | None:
     """What is wrong with a packed call's tensors and ``cu_seqlens``, or None; never raises.
     ``total``: the global token count (None: ``tokens_local x world``, equal shards). Reads
-    ``cu_seqlens`` on the host (one copy per call when it lives on a device)."""
+    ``cu_seqlens`` on the host (a copy when it lives on a device) unless ``values`` is False:
+    a tensor's values are then known good (:func:`kept_documents`) and only its kind is
+    checked."""
     try:
-        return _problem(query, key, value, cu_seqlens, world, total)
+        return _problem(query, key, value, cu_seqlens, world, total, values)
     except Exception as exc:  # a check that trips over an argument is still a problem
         return f"invalid packed arguments ({type(exc).__name__}: {exc})"
 
 
-def _problem(query, key, value, cu_seqlens, world: int | None, total: int | None) -> str | None:
+def _problem(
+    query, key, value, cu_seqlens, world: int | None, total: int | None, read: bool
+) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -89,13 +109,14 @@ def _problem(query, key, value, cu_seqlens, world: int | None, total: int | None
                 f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
                 f"{tuple(cu_seqlens.shape)}"
             )
-        if torch.compiler.is_compiling():
-            return (
-                None  # its values are data: the documents they make are checked when the call runs
-            )
+        if torch.compiler.is_compiling() or not read:
+            # its values are data in a graph: the documents they make are checked when the call
+            # runs; not read: known good
+            return None
         values = cu_seqlens.tolist()
-    elif isinstance(cu_seqlens, Sequence) and all(
-        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens
+    elif isinstance(cu_seqlens, Sequence) and (
+        all(type(x) is int for x in cu_seqlens)  # (the common case, without abc checks)
+        or all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu_seqlens)
     ):
         values = [int(x) for x in cu_seqlens]
     else:
@@ -118,27 +139,70 @@ def _problem(query, key, value, cu_seqlens, world: int | None, total: int | None
 
 
 def packed_views(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens,
-    mask,
-    is_causal: bool,
-    world: int,
-    total: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """The 4-D call of a packed one: ``(1, heads, tokens_local, head_dim)`` views of query, key
-    and value (gradients flow back through them) and the documents of ``cu_seqlens`` on the
-    global packed sequence of ``total`` tokens (None: ``tokens_local x world``) as the mask
-    (``& mask`` when one is given)."""
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 4-D call's ``(1, heads, tokens_local, head_dim)`` views of a packed call's query, key
+    and value (gradients flow back through them)."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    cu = torch.as_tensor(cu_seqlens)
-    total = query.shape[0] * world if total is None else total
+    return q, k, v
+
+
+def packed_documents(cu_seqlens, total: int, causal: bool) -> Documents:
+    """The documents of ``cu_seqlens`` on the global packed sequence of ``total`` tokens (the 4-D
+    call's mask, causal within each document when ``causal``); kept per values
+    (:func:`_memo_documents`), so a model's layers share one, read on the host once per call."""
     if torch.compiler.is_compiling():  # cu_seqlens are data in a graph: no values to key a memo by
-        documents = _documents(cu, total, bool(is_causal))
-    else:
-        documents = _memo_documents(tuple(cu.tolist()), total, bool(is_causal))
-    return q, k, v, documents if mask is None else documents & mask
+        return _documents(torch.as_tensor(cu_seqlens), total, causal)
+    if isinstance(cu_seqlens, torch.Tensor):
+        return _memo_documents(tuple(cu_seqlens.tolist()), total, causal)
+    return _memo_documents(tuple(int(x) for x in cu_seqlens), total, causal)
+
+
+#: (dtype, length, device, total tokens, causal) -> (a copy of the last packed call's
+#: cu_seqlens that lived on that device, their documents): served again unread, the copy
+#: compared on the device (kept_documents). The 8 most recent kinds.
+_ON_DEVICE: collections.OrderedDict[tuple, tuple[torch.Tensor, Documents]] = (
+    collections.OrderedDict()
+)
+
+
+def _device_key(cu_seqlens, total: int, causal: bool) -> tuple | None:
+    """The :data:`_ON_DEVICE` key of ``cu_seqlens``; None where reading them costs no device
+    sync (a list, a CPU tensor) or nothing is read (compiling)."""
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or masks.reads_are_free(cu_seqlens)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return (cu_seqlens.dtype, tuple(cu_seqlens.shape), cu_seqlens.device, total, causal)
+
+
+def kept_documents(cu_seqlens, total: int, causal: bool, ids: IdsCheck) -> Documents | None:
+    """The documents of the last packed call whose ``cu_seqlens`` lived on the same device, with
+    the same dtype and length, over ``total`` tokens (:func:`keep_documents`), served without
+    reading ``cu_seqlens`` (a device sync per call): their compare with the kept copy is left in
+    ``ids``, unread (:class:`ring_impl.masks.IdsCheck`; lengths that differ make the call raise
+    StaleIds and run again, read). None where nothing is kept or reading is free."""
+    key = _device_key(cu_seqlens, total, causal)
+    hit = None if key is None else _ON_DEVICE.get(key)
+    if hit is None:
+        return None
+    ids.compare([cu_seqlens], [hit[0]])
+    return hit[1]
+
+
+def keep_documents(cu_seqlens, total: int, causal: bool, documents: Documents) -> None:
+    """Keep ``documents``, made from ``cu_seqlens`` read on the host and found good, for the next
+    call with lengths on the same device (:func:`kept_documents`); lengths whose read costs
+    nothing are not kept."""
+    key = _device_key(cu_seqlens, total, causal)
+    if key is None:
+        return
+    _ON_DEVICE[key] = (cu_seqlens.detach().clone(), documents)
+    _ON_DEVICE.move_to_end(key)
+    while len(_ON_DEVICE) > 8:
+        _ON_DEVICE.popitem(last=False)
 
 
 def _documents(cu: torch.Tensor, total: int, causal: bool) -> Documents:

@@ -196,13 +196,12 @@ def test_a_problem_found_once_belongs_to_its_mask_alone() -> None:
 
 def test_packed_calls_share_the_documents_of_equal_cu_seqlens() -> None:
     """THD calls with equal cu_seqlens (a model's layers) share one snapshot of their documents."""
-    from ring_impl.planning.packed import packed_views
+    from ring_impl.planning.packed import packed_documents
 
-    q = torch.zeros(SEQ, 2, 8)
     cu = [0, 10, 24, 44]
-    *_, a = packed_views(q, q, q, cu, None, True, world=1)
-    *_, b = packed_views(q, q, q, torch.tensor(cu, dtype=torch.int32), None, True, world=1)
-    *_, c = packed_views(q, q, q, [0, 10, 25, 44], None, True, world=1)
+    a = packed_documents(cu, SEQ, True)
+    b = packed_documents(torch.tensor(cu, dtype=torch.int32), SEQ, True)
+    c = packed_documents([0, 10, 25, 44], SEQ, True)
     assert a is b and c is not a
     assert a.doc_ids.tolist() == [0] * 10 + [1] * 14 + [2] * 20 + [-1] * 4
 
@@ -492,3 +491,97 @@ def test_a_compare_nobody_read_is_read_before_the_call_returns(ring) -> None:
     assert float((new - _oracle(NEW)).abs().max()) < 1e-12, (
         "the call after the refill returned the stale snapshot's documents"
     )
+
+
+OLD_CU, NEW_CU = [0, 10, 24, 44], [0, 20, 26, 44]  # the documents of OLD and NEW
+
+
+def _thd_calls(ctx) -> list[dict]:
+    """Three packed calls with ``cu_seqlens`` as on a GPU (``ring_impl.masks.reads_are_free``):
+    the first reads them, the second repeats it, the third follows a refill in place. Per call:
+    the output, the host reads of ``cu_seqlens`` (``tolist``, ``cpu``), the compares left on
+    the device and the StaleIds raised."""
+    import ring_impl
+    from reference.layout import shard
+    from ring_impl import masks
+    from ring_impl.masks import IdsCheck, StaleIds
+
+    q, k, v = (
+        shard(t[0].transpose(0, 1), "contiguous", ctx.world_size, ctx.rank, dim=0)
+        for t in _inputs()
+    )
+    cu = torch.tensor(OLD_CU, dtype=torch.int32)
+    counts = {"reads": 0, "compares": 0, "stale": 0}
+    originals = {
+        "tolist": torch.Tensor.tolist,
+        "cpu": torch.Tensor.cpu,
+        "compare": IdsCheck.compare,
+        "stale": StaleIds.__init__,
+        "free": masks.reads_are_free,
+    }
+
+    def reading(name):
+        def method(self, *args, **kwargs):
+            counts["reads"] += self is cu
+            got = originals[name](self, *args, **kwargs)
+            # (a copy to the host is a new tensor, as from a device)
+            return got.clone() if name == "cpu" and got is cu else got
+
+        return method
+
+    def counted_compare(self, *args):
+        counts["compares"] += 1
+        return originals["compare"](self, *args)
+
+    def counted_stale(self, *args):
+        counts["stale"] += 1
+        originals["stale"](self, *args)
+
+    def call() -> dict:
+        before = dict(counts)
+        out = ring_impl.ring_attention(q, k, v, group=ctx.group, cu_seqlens=cu, is_causal=True)
+        return {"out": out, **{name: counts[name] - before[name] for name in counts}}
+
+    torch.Tensor.tolist, torch.Tensor.cpu = reading("tolist"), reading("cpu")  # type: ignore[method-assign]
+    IdsCheck.compare, StaleIds.__init__ = counted_compare, counted_stale  # type: ignore[method-assign]
+    masks.reads_are_free = lambda t: False  # as on a GPU
+    try:
+        rows = [call(), call()]
+        cu.copy_(torch.tensor(NEW_CU, dtype=cu.dtype))
+        rows.append(call())
+    finally:
+        torch.Tensor.tolist, torch.Tensor.cpu = originals["tolist"], originals["cpu"]  # type: ignore[method-assign]
+        IdsCheck.compare, StaleIds.__init__ = originals["compare"], originals["stale"]  # type: ignore[method-assign]
+        masks.reads_are_free = originals["free"]
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_packed_lengths_on_a_device_are_read_once_and_then_compared_there(ring, world: int) -> None:
+    """``cu_seqlens`` on a GPU: the first packed call reads them on the host once (checks and
+    plan from that one copy); a repeat reads nothing, its documents served with the lengths'
+    compare left on the device; lengths refilled in place are found by that compare and the call
+    runs the new documents."""
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            "a ring_impl property (its packed documents); the implementation under test is "
+            f"{ring.impl.spec}"
+        )
+    from reference.layout import unshard
+
+    runs = ring.rank_pool(world).run(_thd_calls)
+    old, new = (_oracle(ids)[0].transpose(0, 1) for ids in (OLD, NEW))
+    for i, want in enumerate((old, old, new)):
+        got = unshard([r[i]["out"] for r in runs], "contiguous", dim=0)
+        assert float((got - want).abs().max()) < 1e-12, (
+            f"packed call {i + 1} at W={world} ran other documents than its cu_seqlens held"
+        )
+    for rank, rows in enumerate(runs):
+        seen = [{k: row[k] for k in ("reads", "compares", "stale")} for row in rows]
+        assert seen[0]["reads"] == 1, f"rank {rank}: the first call read cu_seqlens: {seen}"
+        assert seen[1] == {"reads": 0, "compares": 1, "stale": 0}, (
+            f"rank {rank}: the repeat read cu_seqlens on the host or found them stale: {seen}"
+        )
+        assert seen[2]["stale"] == 1 and seen[2]["reads"] == 1, (
+            f"rank {rank}: the refilled lengths were not found stale and read once: {seen}"
+        )
