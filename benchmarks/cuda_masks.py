@@ -22,9 +22,13 @@ and ring rows take ``(1, heads, seq, head_dim)`` views of them, as SDPA callers 
 ``ring:<op>``
     ``ring_impl.ring_attention(..., mask=...)`` with that op on a one-rank NCCL group: the
     ring's own cost over the kernel (plan, tiling, merges, checks).
-``ring-thd:auto``
+``ring-ids-on-device:auto``
+    ``ring:auto`` with the document ids on the device, as a model's batch holds them: their
+    compare with the kept snapshot stays on the device (``ring_impl.masks.IdsCheck``).
+``ring-thd:auto``, ``ring-thd-cu-on-device:auto``
     the packed call, ``ring_attention(q, k, v, is_causal=True, cu_seqlens=...)`` on the
-    ``(tokens, heads, head_dim)`` tensors the varlen row takes.
+    ``(tokens, heads, head_dim)`` tensors the varlen row takes, ``cu_seqlens`` a list, then the
+    int32 tensor on the device the varlen row takes.
 ``ring-mod:auto``
     the same documents as a ``MaskMod`` reading a document-id table on the device (up to 16k
     tokens): what a general mask costs over the built-in one.
@@ -181,10 +185,10 @@ def _shape_rows(
 
         return run
 
-    def thd_ring_fn():
+    def thd_ring_fn(lengths_as):
         def run():  # the packed (THD) call: the documents as cu_seqlens, no mask object
             q, k, v = (t.detach().requires_grad_(True) for t in thd[:3])
-            ring_attention(q, k, v, is_causal=True, cu_seqlens=cu_list).backward(thd[3])
+            ring_attention(q, k, v, is_causal=True, cu_seqlens=lengths_as).backward(thd[3])
 
         return run
 
@@ -203,7 +207,11 @@ def _shape_rows(
                 (f"ring:{op}", ring_fn(op, Documents.from_cu_seqlens(cu_list, seq_len=seq)))
                 for op in args.ring_ops.split(",")
             ],
-            ("ring-thd:auto", thd_ring_fn()),
+            # the ids, then cu_seqlens, on the device, as a model's batch holds them (their
+            # compare with the kept snapshot stays on the device)
+            ("ring-ids-on-device:auto", ring_fn("auto", Documents(doc_ids))),
+            ("ring-thd:auto", thd_ring_fn(cu_list)),
+            ("ring-thd-cu-on-device:auto", thd_ring_fn(cu)),
             # the same documents as a mask_mod reading a device table (evaluated on every call,
             # its steps' blocks cached by their visibility): at most MASK_MOD_MAX_SEQ, since a
             # call evaluates the whole seq x seq visibility
