@@ -35,6 +35,11 @@ and ring rows take ``(1, heads, seq, head_dim)`` views of them, as SDPA callers 
 ``ring-tab:auto``
     that ``MaskMod`` evaluated once by ``ring_impl.masks.tabulate`` (outside the timing, as the
     flex row's block mask) into ``KeyRanges``, which every call takes.
+``documents x8 layers``: ``varlen``, ``ring:auto``
+    8 layers back to back, each layer's output the next one's query, forward then backward: the
+    kernels called directly against ``ring_attention`` with the ids on the device. A single
+    call's device waits for the host at its start; in a model a layer's host work overlaps the
+    kernels queued before it, up to the reads.
 
 Each row is timed with CUDA events (median of ``--repeat`` after ``--warmup``), and one more call
 is profiled with ``torch.profiler``: kernel launches, host-device synchronisations
@@ -67,6 +72,8 @@ SHAPES = ((16384, 16), (65536, 32))
 #: the longest sequence the ``ring-mod`` row runs at (its visibility is seq x seq booleans)
 MASK_MOD_MAX_SEQ = 16384
 RING_OPS = ("auto", "cuda_flash_varlen", "cuda_efficient_masked")
+#: the layers of the stacked rows
+STACKED = 8
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -124,6 +131,25 @@ def _profile(fn, table_path: str | None = None) -> dict[str, float]:
         "profiled_wall_ms": wall,
         "gpu_busy_ms": gpu_us / 1e3,
     }
+
+
+def _flash_stack(q, k, v, do, *, cu, max_len, layers):
+    """``layers`` varlen FlashAttention-2 calls in a row, each layer's output the next one's
+    query, then their backwards in reverse order, called directly (no autograd): the kernels of a
+    model's attention layers back to back. Shapes as :func:`_flash`'s varlen call."""
+    scale = q.shape[-1] ** -0.5
+    saved = []
+    x = q
+    for _ in range(layers):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            x, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+        )
+        saved.append((x, out, lse, rng, unused))
+        x = out
+    for x, out, lse, rng, unused in reversed(saved):
+        torch.ops.aten._flash_attention_backward(
+            do, x, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, rng, unused, scale=scale
+        )
 
 
 def _flash(q, k, v, do, *, cu=None, max_len=0, causal=True, window=None):
@@ -185,6 +211,16 @@ def _shape_rows(
 
         return run
 
+    def ring_stack_fn(mask, layers):
+        def run():  # each layer's output the next one's query, as _flash_stack
+            q, k, v = (t.detach().requires_grad_(True) for t in bshd[:3])
+            x, kk, vv = (t.transpose(1, 2) for t in (q, k, v))
+            for _ in range(layers):
+                x = ring_attention(x, kk, vv, mask=mask)
+            x.backward(bhsd[3])
+
+        return run
+
     def thd_ring_fn(lengths_as):
         def run():  # the packed (THD) call: the documents as cu_seqlens, no mask object
             q, k, v = (t.detach().requires_grad_(True) for t in thd[:3])
@@ -223,6 +259,15 @@ def _shape_rows(
             # that mask_mod tabulated once, outside the timing (as flex's block mask is made)
             ("ring-tab:auto", ring_fn("auto", tabulate(MaskMod(doc_mod), seq, device="cuda"))),
         ],
+        # a model's view: 8 layers back to back, where a layer's host work can overlap the
+        # kernels queued before it (a single call above waits for the host at its start)
+        "documents x8 layers": [
+            (
+                "varlen",
+                lambda: _flash_stack(*thd, cu=cu, max_len=max(lengths), layers=STACKED),
+            ),
+            ("ring:auto", ring_stack_fn(Documents(doc_ids), STACKED)),
+        ],
         "window": [
             ("window", lambda: _flash(*bshd, window=window)),
             ("flex", None),
@@ -238,7 +283,7 @@ def _shape_rows(
             row = {
                 "mask": family,
                 "seq": seq,
-                "documents": docs if family == "documents" else None,
+                "documents": docs if family.startswith("documents") else None,
                 "row": row_name,
             }
             try:

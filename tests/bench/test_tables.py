@@ -1,0 +1,84 @@
+"""Tables in the docs are made from benchmarks' JSON by ``benchmarks/tables.py``: every marked
+table in this repository equals what its JSON renders, a stale one is found and rewritten, and a
+marker naming a benchmark without a renderer is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from harness.procs import run_tree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REPORT = {
+    "device": "cpu",
+    "torch": "9.9.9",
+    "args": {"seq": 64, "docs": 3, "heads": 2, "head_dim": 8, "repeat": 7, "warmup": 2},
+    "rows": [
+        {"row": "documents forward", "us": 123.4, "aten_ops": 17, "launches": 6, "reads": 1},
+        {"row": "window forward", "us": 98.6, "aten_ops": 16, "launches": 5, "reads": 1},
+    ],
+}
+
+
+def _tables(*args: str) -> tuple[int, str]:
+    done = run_tree(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "tables.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_repositorys_tables_are_their_json() -> None:
+    code, said = _tables("--check")
+    assert code == 0, said
+
+
+def test_marked_tables_exist() -> None:
+    """(The check above cannot fail on a repository without markers.)"""
+    from benchmarks.tables import MARKED, markdown_files
+
+    found = [m["name"] for path in markdown_files(ROOT) for m in MARKED.finditer(open(path).read())]
+    assert "host_work" in found, found
+
+
+def _repo(tmp_path, body: str) -> str:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "hw.json").write_text(json.dumps(REPORT))
+    (tmp_path / "docs" / "bench.md").write_text(
+        "before\n<!-- table: host_work docs/results/hw.json -->\n"
+        + body
+        + "<!-- end table -->\nafter\n"
+    )
+    return str(tmp_path)
+
+
+def test_a_stale_table_is_found_and_made_from_its_json(tmp_path) -> None:
+    root = _repo(tmp_path, "| row | hand-edited |\n")
+    code, said = _tables("--check", "--root", root)
+    assert code == 1 and "docs/bench.md: host_work docs/results/hw.json" in said, said
+    code, said = _tables("--root", root)
+    assert code == 0, said
+    text = (tmp_path / "docs" / "bench.md").read_text()
+    assert text.startswith("before\n<!-- table: host_work docs/results/hw.json -->\n")
+    assert text.endswith("<!-- end table -->\nafter\n")
+    assert "| documents forward | 123 | 17 | 6 | 1 |" in text
+    assert "| window forward | 99 | 16 | 5 | 1 |" in text
+    assert "torch 9.9.9, seq 64, 3 documents, 2 heads of 8, float32" in text
+    assert "hand-edited" not in text
+    code, said = _tables("--check", "--root", root)
+    assert code == 0, said
+
+
+def test_a_table_without_a_renderer_is_refused(tmp_path) -> None:
+    from benchmarks.tables import rendered
+
+    with pytest.raises(ValueError, match="'nonesuch' has no renderer"):
+        rendered("<!-- table: nonesuch docs/results/hw.json -->\nx\n<!-- end table -->", ROOT)
