@@ -12,8 +12,10 @@ repository root:
     python benchmarks/tables.py --check    # exit 1 naming each table its JSON disagrees with
 
 To refresh a table, run its benchmark with ``--json`` at the path the marker names, then this
-script. ``RENDERERS`` holds how each benchmark's report becomes a table; a table whose
-benchmark has none is an error, so every marker has a renderer.
+script (a GPU run: ``ci/gpu_check.py`` writes ``bench_cuda_masks.json``, ``bench_cuda_ops.json``
+and ``bench_host_work.json`` under its ``--out``; copy them under ``docs/results/``).
+``RENDERERS`` holds how each benchmark's report becomes a table; a table whose benchmark has none
+is an error, so every marker has a renderer.
 """
 
 from __future__ import annotations
@@ -56,8 +58,59 @@ def host_work_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cuda_masks_table(report: dict) -> str:
+    """``benchmarks/cuda_masks.py``'s rows: per family and length, each row's median
+    milliseconds, its ratio to the family's first row (the kernel called directly), and the
+    profiled call's launches, reads and GPU busy share (its GPU time over the timed call's
+    wall time); a row that failed shows its error."""
+    lines = [
+        f"{report['device']}, torch {report['torch']}, CUDA {report['cuda']}; {report['dtype']}, "
+        f"batch 1, {report['heads']} heads, head_dim {report['head_dim']}, window "
+        f"{report['window']}; forward + backward, median of {report['repeat']} after "
+        f"{report['warmup']} warm-ups; the ring at W=1 on NCCL:",
+        "",
+        "| family | seq | documents | row | ms | ratio | launches | reads | GPU busy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        head = f"| {row['mask']} | {row['seq']} | {row['documents'] or ''} | {row['row']} |"
+        if "error" in row:
+            lines.append(f"{head} error: {row['error']} |||||")
+            continue
+        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        busy = row["gpu_busy_ms"] / row["ms"] if row["ms"] else float("nan")
+        lines.append(
+            f"{head} {row['ms']:.2f} | {ratio} | {row['launches']} | {row['items']} | {busy:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def cuda_ops_table(report: dict) -> str:
+    """``benchmarks/cuda_ops.py``'s rows: the unmasked ring at W=1 against the bare kernel, time
+    and peak memory above the inputs."""
+    lines = [
+        f"{report['device']}, torch {report['torch']}:",
+        "",
+        "| op | seq | causal | bare ms | ring ms | ring / bare | bare peak MiB | ring peak MiB "
+        "| ring / bare peak |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        peak = row["ring_peak_mib"] / max(row["bare_peak_mib"], 2**-20)
+        lines.append(
+            f"| {row['op']} | {row['seq']} | {row['causal']} | {row['bare_ms']:.2f} | "
+            f"{row['ring_ms']:.2f} | {row['ring_ms'] / row['bare_ms']:.3f}x | "
+            f"{row['bare_peak_mib']:.0f} | {row['ring_peak_mib']:.0f} | {peak:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 #: benchmark name (a script in benchmarks/) -> its report as a Markdown table
-RENDERERS: dict[str, Callable[[dict], str]] = {"host_work": host_work_table}
+RENDERERS: dict[str, Callable[[dict], str]] = {
+    "cuda_masks": cuda_masks_table,
+    "cuda_ops": cuda_ops_table,
+    "host_work": host_work_table,
+}
 
 
 def markdown_files(root: str) -> Iterator[str]:

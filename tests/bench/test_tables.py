@@ -82,3 +82,59 @@ def test_a_table_without_a_renderer_is_refused(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="'nonesuch' has no renderer"):
         rendered("<!-- table: nonesuch docs/results/hw.json -->\nx\n<!-- end table -->", ROOT)
+
+
+def test_the_gpu_benchmarks_reports_render() -> None:
+    """The reports of benchmarks/cuda_masks.py and cuda_ops.py (their JSON's keys, as those
+    scripts write them) become tables; a failed row shows its error."""
+    from benchmarks.tables import RENDERERS
+
+    masks = {
+        "device": "NVIDIA H200",
+        "torch": "2.11.0",
+        "cuda": "13.0",
+        "dtype": "bfloat16",
+        "heads": 16,
+        "head_dim": 128,
+        "window": 1024,
+        "warmup": 2,
+        "repeat": 5,
+        "rows": [
+            {
+                "mask": "documents",
+                "seq": 16384,
+                "documents": 16,
+                "row": "varlen",
+                "ms": 2.5,
+                "ratio": 1.0,
+                "launches": 4,
+                "syncs": 0,
+                "items": 0,
+                "copies_to_host": 0,
+                "profiled_wall_ms": 2.6,
+                "gpu_busy_ms": 2.45,
+            },
+            {"mask": "documents", "seq": 16384, "documents": 16, "row": "flex", "error": "E: x"},
+        ],
+    }
+    table = RENDERERS["cuda_masks"](masks)
+    assert "| documents | 16384 | 16 | varlen | 2.50 | 1.00x | 4 | 0 | 0.98 |" in table
+    assert "| documents | 16384 | 16 | flex | error: E: x |" in table
+    ops = {
+        "device": "NVIDIA H200",
+        "torch": "2.11.0",
+        "rows": [
+            {
+                "op": "cuda_flash",
+                "seq": 16384,
+                "causal": True,
+                "bare_ms": 2.0,
+                "ring_ms": 2.1,
+                "bare_peak_mib": 100.0,
+                "ring_peak_mib": 125.0,
+            }
+        ],
+    }
+    assert "| cuda_flash | 16384 | True | 2.00 | 2.10 | 1.050x | 100 | 125 | 1.25x |" in (
+        RENDERERS["cuda_ops"](ops)
+    )
