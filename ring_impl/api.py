@@ -212,7 +212,10 @@ def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens, shard_lengt
     total = None
     read = cu_seqlens  # (lengths on a device copied to the host once, for the checks and the plan)
     if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling():
-        read = cu_seqlens.cpu()
+        try:
+            read = cu_seqlens.cpu()
+        except Exception:  # (a tensor without data, meta: the checks refuse it, on every rank)
+            pass
     if problem is None and world is not None:
         total = sum(shard_lengths) if shard_lengths is not None else None
         problem = packed_problem(query, key, value, read, world, total)

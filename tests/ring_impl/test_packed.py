@@ -131,6 +131,8 @@ def _bad(ctx, kind: str) -> str:
         k = v = torch.randn(6, 2, 4)
     elif kind == "differ":  # ranks disagree on the documents
         cu = [0, 5 + ctx.rank, total]
+    elif kind == "meta":  # lengths without data (a tensor made on the meta device)
+        cu = torch.tensor([0, 5, total], device="meta")
     ring_impl.ring_attention(q, k, v, group=ctx.group, cu_seqlens=cu)
     return "no error"
 
@@ -144,6 +146,7 @@ def _bad(ctx, kind: str) -> str:
         ("four_d", "query must be packed (tokens_local, heads, head_dim)"),
         ("cross", "key and value hold the query's tokens"),
         ("differ", "ranks disagree on mask"),
+        ("meta", "invalid packed arguments"),
     ],
 )
 def test_bad_packed_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
