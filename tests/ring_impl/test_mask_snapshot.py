@@ -10,6 +10,8 @@ Judged against the float64 oracle (reference.masks, written apart from ring_impl
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -345,6 +347,33 @@ def test_a_mask_mod_is_cut_once_per_visibility_and_never_runs_stale(ring) -> Non
         )
 
 
+@contextlib.contextmanager
+def _as_on_a_gpu(counts: dict[str, int]):
+    """Inside it, reads of ids and lengths cost a sync as on a GPU (``masks.reads_are_free`` is
+    False for every tensor), and ``counts`` counts compares left on the device (``"compares"``:
+    ``IdsCheck.compare``) and StaleIds raised (``"stale"``)."""
+    from ring_impl import masks
+    from ring_impl.masks import IdsCheck, StaleIds
+
+    compare, stale_init, free = IdsCheck.compare, StaleIds.__init__, masks.reads_are_free
+
+    def counted_compare(self, *args):
+        counts["compares"] = counts.get("compares", 0) + 1
+        return compare(self, *args)
+
+    def counted_stale(self, *args):
+        counts["stale"] = counts.get("stale", 0) + 1
+        stale_init(self, *args)
+
+    IdsCheck.compare, StaleIds.__init__ = counted_compare, counted_stale  # type: ignore[method-assign]
+    masks.reads_are_free = lambda t: False
+    try:
+        yield
+    finally:
+        IdsCheck.compare, StaleIds.__init__ = compare, stale_init  # type: ignore[method-assign]
+        masks.reads_are_free = free
+
+
 def _device_ids_calls(ctx, refilling: tuple[int, ...]) -> list[dict]:
     """Four calls with the masks' reads as on a GPU (``ring_impl.masks.reads_are_free``):
     the first snapshots int32 ids, the second repeats it, the ranks in ``refilling`` then refill
@@ -353,8 +382,7 @@ def _device_ids_calls(ctx, refilling: tuple[int, ...]) -> list[dict]:
     compares left on the device (``IdsCheck.compare``) and StaleIds raised."""
     import ring_impl
     from reference.layout import shard
-    from ring_impl import masks
-    from ring_impl.masks import Documents, IdsCheck, StaleIds
+    from ring_impl.masks import Documents
 
     from .counting import AtenOps
 
@@ -362,15 +390,6 @@ def _device_ids_calls(ctx, refilling: tuple[int, ...]) -> list[dict]:
     ids = torch.tensor(OLD, dtype=torch.int32)
     mask = Documents(ids)
     counts = {"compares": 0, "stale": 0}
-    compare, stale_init, free = IdsCheck.compare, StaleIds.__init__, masks.reads_are_free
-
-    def counted_compare(self, *args):
-        counts["compares"] += 1
-        return compare(self, *args)
-
-    def counted_stale(self, *args):
-        counts["stale"] += 1
-        stale_init(self, *args)
 
     def call(m) -> dict:
         before = dict(counts)
@@ -385,17 +404,12 @@ def _device_ids_calls(ctx, refilling: tuple[int, ...]) -> list[dict]:
             **{name: counts[name] - before[name] for name in counts},
         }
 
-    IdsCheck.compare, StaleIds.__init__ = counted_compare, counted_stale  # type: ignore[method-assign]
-    masks.reads_are_free = lambda t: False  # as on a GPU
-    try:
+    with _as_on_a_gpu(counts):
         rows = [call(mask), call(mask)]
         if ctx.rank in refilling:
             ids.copy_(torch.tensor(NEW, dtype=ids.dtype))
         rows.append(call(mask))
         rows.append(call(Documents(torch.tensor(NEW, dtype=torch.int32))))
-    finally:
-        IdsCheck.compare, StaleIds.__init__ = compare, stale_init  # type: ignore[method-assign]
-        masks.reads_are_free = free
     return rows
 
 
@@ -455,7 +469,6 @@ def _unread_compare_calls(ctx) -> list[torch.Tensor]:
     """Two one-rank calls, with ids refilled between them, of a ring whose forward reads its
     inputs' finiteness without the ids' compare (``all_finite`` without ``ids``)."""
     import ring_impl
-    from ring_impl import masks
     from ring_impl.exchanges.ring import RingAttention
     from ring_impl.masks import Documents
 
@@ -467,14 +480,10 @@ def _unread_compare_calls(ctx) -> list[torch.Tensor]:
     q, k, v = _inputs()
     ids = torch.tensor(OLD, dtype=torch.int32)
     mask = Documents(ids)
-    free = masks.reads_are_free
-    masks.reads_are_free = lambda t: False  # as on a GPU
-    try:
+    with _as_on_a_gpu({}):
         outs = [attend(q, k, v, group=ctx.group, mask=mask)]
         ids.copy_(torch.tensor(NEW, dtype=ids.dtype))
         outs.append(attend(q, k, v, group=ctx.group, mask=mask))
-    finally:
-        masks.reads_are_free = free
     return outs
 
 
@@ -503,8 +512,6 @@ def _thd_calls(ctx) -> list[dict]:
     the device and the StaleIds raised."""
     import ring_impl
     from reference.layout import shard
-    from ring_impl import masks
-    from ring_impl.masks import IdsCheck, StaleIds
 
     q, k, v = (
         shard(t[0].transpose(0, 1), "contiguous", ctx.world_size, ctx.rank, dim=0)
@@ -512,13 +519,7 @@ def _thd_calls(ctx) -> list[dict]:
     )
     cu = torch.tensor(OLD_CU, dtype=torch.int32)
     counts = {"reads": 0, "compares": 0, "stale": 0}
-    originals = {
-        "tolist": torch.Tensor.tolist,
-        "cpu": torch.Tensor.cpu,
-        "compare": IdsCheck.compare,
-        "stale": StaleIds.__init__,
-        "free": masks.reads_are_free,
-    }
+    originals = {"tolist": torch.Tensor.tolist, "cpu": torch.Tensor.cpu}
 
     def reading(name):
         def method(self, *args, **kwargs):
@@ -529,30 +530,19 @@ def _thd_calls(ctx) -> list[dict]:
 
         return method
 
-    def counted_compare(self, *args):
-        counts["compares"] += 1
-        return originals["compare"](self, *args)
-
-    def counted_stale(self, *args):
-        counts["stale"] += 1
-        originals["stale"](self, *args)
-
     def call() -> dict:
         before = dict(counts)
         out = ring_impl.ring_attention(q, k, v, group=ctx.group, cu_seqlens=cu, is_causal=True)
         return {"out": out, **{name: counts[name] - before[name] for name in counts}}
 
     torch.Tensor.tolist, torch.Tensor.cpu = reading("tolist"), reading("cpu")  # type: ignore[method-assign]
-    IdsCheck.compare, StaleIds.__init__ = counted_compare, counted_stale  # type: ignore[method-assign]
-    masks.reads_are_free = lambda t: False  # as on a GPU
     try:
-        rows = [call(), call()]
-        cu.copy_(torch.tensor(NEW_CU, dtype=cu.dtype))
-        rows.append(call())
+        with _as_on_a_gpu(counts):
+            rows = [call(), call()]
+            cu.copy_(torch.tensor(NEW_CU, dtype=cu.dtype))
+            rows.append(call())
     finally:
         torch.Tensor.tolist, torch.Tensor.cpu = originals["tolist"], originals["cpu"]  # type: ignore[method-assign]
-        IdsCheck.compare, StaleIds.__init__ = originals["compare"], originals["stale"]  # type: ignore[method-assign]
-        masks.reads_are_free = originals["free"]
     return rows
 
 
