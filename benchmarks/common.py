@@ -133,12 +133,26 @@ def load_average() -> str:
 
 
 def write_rows(path: str, bench: dict[str, Any], rows: list[Any], t0: float) -> None:
-    """Print the wall time since ``t0`` and the load, and write ``{"bench", "rows", "platform"}``
-    as JSON to ``path`` (its directory created)."""
+    """Print the wall time since ``t0`` and the load, and write ``{"bench", "rows", "platform",
+    "torch", "load", "wall_s"}`` as JSON to ``path`` (its directory created): the torch version
+    and the load average at the end are what a table made from the rows names its run by."""
+    import torch
+
     from benchmarks.runner import write_json
 
-    print(f"\nwall {time.perf_counter() - t0:.0f} s; load average {load_average()}")
-    write_json(path, {"bench": bench, "rows": rows, "platform": platform.platform()})
+    wall, load = time.perf_counter() - t0, load_average()
+    print(f"\nwall {wall:.0f} s; load average {load}")
+    write_json(
+        path,
+        {
+            "bench": bench,
+            "rows": rows,
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "load": load,
+            "wall_s": wall,
+        },
+    )
 
 
 def _status_kib(field: str) -> int:

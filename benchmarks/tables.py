@@ -105,11 +105,359 @@ def cuda_ops_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _span(xs: list[float], fmt: str = "{:.2f}x") -> str:
+    """``lo .. hi`` of ``xs`` (one value alone when they agree to the format)."""
+    lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
+    return lo if lo == hi else f"{lo} .. {hi}"
+
+
+def _verdict(aims: list[dict], bound: str) -> str:
+    """``bound``, then "met" when every one of ``aims`` (a benchmark's own aim records:
+    ``aim``, ``measured``, ``met``) is met, else each missed one with what it measured."""
+    if not aims:
+        return ""
+    missed = [a for a in aims if not a["met"]]
+    if not missed:
+        return f"{bound}: met"
+    return (
+        f"{bound}: **not met** ("
+        + "; ".join(f"{a['aim'].split(':')[0]} {a['measured']}" for a in missed)
+        + ")"
+    )
+
+
+def _cpu_caption(cores: int, torch: str, load: str | None) -> str:
+    load_text = f" (load average {load})" if load else ""
+    return f"{cores} CPU cores{load_text}, torch {torch}"
+
+
+def _sizes(bench: dict) -> str:
+    return (
+        f"batch {bench['batch']}, {bench['heads']} heads, head_dim {bench['head_dim']}, "
+        f"{bench['dtype']}"
+    )
+
+
+def ring_table(report: dict) -> str:
+    """``benchmarks/ring.py``'s speed, balance, memory and traffic summary: per world size the
+    ring against single-process SDPA (ranges over the rotation methods; ``hcN``: the ring over
+    N head groups), against PyTorch's ring with the same kernel, the causal balance, the
+    per-rank peak memory at the longest sequence and the bytes sent against the minimum, each
+    with the benchmark's aim and whether the run met it."""
+    from benchmarks.ring import AIM_CAUSAL, AIM_FULL, AIM_MEMORY
+
+    bench, env, a = report["bench"], report["env"], report["analysis"]
+    worlds = list(bench["world_sizes"])
+    speed = {(r["W"], r["name"]): r for r in a["speed"]}
+    hc = f" hc{bench['lean_head_chunks']}" if bench["lean_head_chunks"] > 1 else ""
+
+    def ring_ratio(world: int, kind: str) -> str:
+        plain = [speed[(world, f"ring {kind} {rot}")]["vs_sdpa"] for rot in bench["ring_rotations"]]
+        text = _span(plain)
+        lean = [
+            speed[(world, f"ring {kind} {rot}{hc}")]["vs_sdpa"]
+            for rot in bench["lean_rotations"]
+            if hc and (world, f"ring {kind} {rot}{hc}") in speed
+        ]
+        return text + (f" ({hc.strip()} {_span(lean)})" if lean else "")
+
+    def aims(*words: str) -> list[dict]:
+        return [x for x in a["aims"] if all(w in x["aim"] for w in words)]
+
+    rows = [
+        (
+            "non-causal ring / SDPA",
+            [ring_ratio(w, "full contiguous") for w in worlds],
+            _verdict(aims("non-causal ring <="), f"<= {AIM_FULL}x"),
+        ),
+        (
+            "causal `head_tail` ring / SDPA",
+            [ring_ratio(w, "causal head_tail") for w in worlds],
+            _verdict(aims("causal head_tail ring <="), f"<= {AIM_CAUSAL}x"),
+        ),
+        (
+            "causal `contiguous` ring / SDPA",
+            [ring_ratio(w, "causal contiguous") for w in worlds],
+            "",
+        ),
+    ]
+    versus = {
+        w: [
+            r["vs_torch_same_rotation"]
+            for r in a["speed"]
+            if r["W"] == w and r["impl"] == "ring" and r.get("vs_torch_same_rotation") is not None
+        ]
+        for w in worlds
+    }
+    if any(versus.values()):
+        parity = aims("<= PyTorch's ring")
+        rows.append(
+            (
+                "ring / PyTorch's ring, same inputs, kernel and rotation",
+                [_span(versus[w]) if versus[w] else "" for w in worlds],
+                f"parity: at or below in {sum(x['met'] for x in parity)} of {len(parity)} "
+                "configurations",
+            )
+        )
+    balance = {}
+    for w in worlds:
+        parts = []
+        for layout in ("head_tail", "contiguous"):
+            xs = [
+                r["max_over_mean"]
+                for r in a["balance"]
+                if r["W"] == w and r["impl"] == "ring" and r["layout"] == layout
+            ]
+            if xs:
+                parts.append(f"`{layout}` {_span(xs, '{:.2f}')}")
+        balance[w] = ", ".join(parts)
+    rows.append(
+        ("balance, causal: max / mean kernel time per rank", [balance[w] for w in worlds], "")
+    )
+    longest = max((m["seq"] for m in a["memory"]), default=None)
+    if longest is not None:
+        memory = {
+            w: ", ".join(
+                f"{m['name'].split(' ', 2)[2]} {m['vs_single']:.2f}x"
+                for m in a["memory"]
+                if m["seq"] == longest
+                and m["W"] == w
+                and " ring " in f" {m['name']} "
+                and m["vs_single"] is not None
+            )
+            for w in worlds
+        }
+        # (an aim reads "seq=N W=4 ring <configuration>: per-rank peak <= ...")
+        met = [
+            "`" + x["aim"].split(":")[0].split(" ring ", 1)[1] + "`"
+            for x in aims("per-rank peak")
+            if x["met"]
+        ]
+        rows.append(
+            (
+                f"per-rank peak memory / one process (seq {longest})",
+                [memory[w] for w in worlds],
+                f"<= {AIM_MEMORY}x at W=4: "
+                + (f"met by {', '.join(met)}" if met else "**not met**"),
+            )
+        )
+    sent = {
+        w: [t["ratio"] for t in a["traffic"] if t["W"] == w and t["impl"] == "ring"] for w in worlds
+    }
+    if any(sent.values()):
+        torch_bwd = {
+            w: [
+                t["ratio"]
+                for t in a["traffic"]
+                if t["W"] == w and t["impl"] == "torch" and t["phase"] == "backward"
+            ]
+            for w in worlds
+        }
+        theirs = "; ".join(f"W={w} {_span(torch_bwd[w], '{:.2f}')}" for w in worlds if torch_bwd[w])
+        rows.append(
+            (
+                "bytes sent / minimum, forward and backward",
+                [_span(sent[w], "{:.2f}") if sent[w] else "" for w in worlds],
+                _verdict(aims("traffic = minimum"), "= 1")
+                + (f" (PyTorch's backward: {theirs})" if theirs else ""),
+            )
+        )
+    lines = [
+        f"{_cpu_caption(bench['cores'], env['torch'], env.get('load_after'))}; "
+        f"{_sizes(bench)}, "
+        f"seq {bench['seq']}, fastest of {bench['repeat']}, forward + backward of the slowest "
+        "rank; ranges over the rotation methods:",
+        "",
+        "| | " + " | ".join(f"W={w}" for w in worlds) + " | aim |",
+        "|---|" + "---|" * len(worlds) + "---|",
+    ]
+    lines += [f"| {name} | " + " | ".join(cells) + f" | {aim} |" for name, cells, aim in rows]
+    return "\n".join(lines) + "\n"
+
+
+def masks_table(report: dict) -> str:
+    """``benchmarks/masks.py``'s summary: packed documents per layout against one process
+    running the same kernel per document (the varlen floor; against the faster of W and the
+    machine's cores threads) and over the full mask, the core-per-rank estimate, the layouts'
+    balance, and the sliding window against the banded single process with its bytes against
+    the halo minimum; each with its aim and whether the run met it."""
+    from benchmarks.masks import AIM_TIME, AIM_WORK
+
+    bench, env, a = report["bench"], report["env"], report["analysis"]
+    worlds = list(bench["world_sizes"])
+    docs = {(d["W"], d["layout"]): d for d in a["documents"]}
+    window = {w["W"]: w for w in a["window"]}
+    sparse, ring = "work_balanced + sparse_kv", "work_balanced"
+
+    def values(layouts: tuple[str, ...], key: str) -> list[list[float]]:
+        """Per world size, ``key`` of each of ``layouts``' rows (those the run has)."""
+        return [
+            [docs[(w, x)][key] for x in layouts if docs.get((w, x), {}).get(key) is not None]
+            for w in worlds
+        ]
+
+    def row(label: str, per_world: list[list[float]], fmt: str, bound: float | None = None):
+        """A table row: per world size its values in ``fmt``, and the aim: every value at most
+        ``bound`` (none: no aim)."""
+        cells = [" / ".join(fmt.format(x) for x in xs) for xs in per_world]
+        if bound is None or not any(per_world):
+            return label, cells, ""
+        unit = "x" if fmt.endswith("x") else ""
+        missed = [f"W={w}" for w, xs in zip(worlds, per_world) if xs and max(xs) > bound]
+        verdict = "met" if not missed else f"**not met** at {', '.join(missed)}"
+        return label, cells, f"<= {bound:g}{unit}: {verdict}"
+
+    per_doc = "vs_single_per_document_best_threads"
+    estimate = "core_per_rank_estimate_vs_single_per_document"
+    rows = [
+        row(
+            "work-aware, sparse gather / single per document",
+            values((sparse,), per_doc),
+            "{:.2f}x",
+            AIM_TIME,
+        ),
+        row("work-aware ring / single per document", values((ring,), per_doc), "{:.2f}x", AIM_TIME),
+        row(
+            "core-per-rank estimate: sparse gather / ring",
+            values((sparse, ring), estimate),
+            "{:.2f}x",
+            AIM_TIME,
+        ),
+        row(
+            "`head_tail` / `contiguous` ring / single per document",
+            values(("head_tail", "contiguous"), per_doc),
+            "{:.2f}x",
+        ),
+        row(
+            "work-aware ring / sparse gather / single full mask",
+            values((ring, sparse), "vs_single_full_mask"),
+            "{:.2f}x",
+            AIM_TIME,
+        ),
+        row(
+            "`rank_work` max / mean: work-aware layout",
+            values((ring,), "work_max_over_mean"),
+            "{:.3f}",
+            AIM_WORK,
+        ),
+        row(
+            "`rank_work` max / mean: `head_tail` / `contiguous`",
+            values(("head_tail", "contiguous"), "work_max_over_mean"),
+            "{:.3f}",
+        ),
+    ]
+    if window:
+        banded = [
+            [window[w]["vs_single_banded_best_threads"]] if w in window else [] for w in worlds
+        ]
+        sent = [
+            [window[w]["forward_ratio"], window[w]["backward_ratio"]] if w in window else []
+            for w in worlds
+        ]
+        rows.append(
+            row(
+                f"window {bench['window']}, `contiguous`: ring / single banded",
+                banded,
+                "{:.2f}x",
+                AIM_TIME,
+            )
+        )
+        rows.append(
+            row(
+                f"window {bench['window']}: bytes sent / halo minimum, forward / backward",
+                sent,
+                "{:.2f}",
+                1.0,
+            )
+        )
+    visible = next(iter(a["documents"]), {}).get("visible_over_s2")
+    shown = f" ({visible:.1%} of S² visible)" if visible is not None else ""
+    lines = [
+        f"{_cpu_caption(bench['cores'], env['torch'], env.get('load_after'))}; {_sizes(bench)}, "
+        f"documents over seq {bench['seq']}{shown}, fastest of {bench['repeat']}; single per "
+        f"document: against the faster of W and {bench['cores']} threads:",
+        "",
+        "| | " + " | ".join(f"W={w}" for w in worlds) + " | aim |",
+        "|---|" + "---|" * len(worlds) + "---|",
+    ]
+    lines += [f"| {name} | " + " | ".join(c) + f" | {aim} |" for name, c, aim in rows]
+    return "\n".join(lines) + "\n"
+
+
+def strategies_table(report: dict) -> str:
+    """``benchmarks/strategies.py``'s grid: per heads and sequence, non-causal / causal, each
+    strategy's time over single-process SDPA, the fastest, and the bytes each strategy sends
+    per rank against its minimum."""
+    from benchmarks.strategies import STRATEGIES
+
+    bench, rows = report["bench"], report["rows"]
+    u, r = bench["mesh"]
+    names = {"ring": "ring", "ulysses": "Ulysses", "hybrid": f"hybrid {u}x{r}"}
+    lines = [
+        f"{_cpu_caption(bench['cores'], report.get('torch', '?'), report.get('load'))}; W="
+        f"{bench['world']} as {bench['world']} single-threaded ranks, float32, batch "
+        f"{bench['batch']}, head_dim {bench['head_dim']}; forward + backward of the slowest rank, "
+        f"fastest of {bench['repeat']}, against one process's SDPA on {bench['world']} threads "
+        "(non-causal / causal):",
+        "",
+        "| heads | seq | " + " | ".join(f"{names[s]} / SDPA" for s in STRATEGIES) + " | fastest |",
+        "|---|---|" + "---|" * len(STRATEGIES) + "---|",
+    ]
+    by_point = {(x["heads"], x["seq"], x["causal"]): x for x in rows}
+    for heads, seq in sorted({(x["heads"], x["seq"]) for x in rows}):
+        pair = [by_point.get((heads, seq, c)) for c in (False, True)]
+        ratios = [
+            " / ".join(f"{p[s + '_ratio']:.2f}x" if p else "-" for p in pair) for s in STRATEGIES
+        ]
+        fastest = " / ".join(names[p["winner"]] if p else "-" for p in pair)
+        lines.append(f"| {heads} | {seq} | " + " | ".join(ratios) + f" | {fastest} |")
+    sent = {s: max(max(x[f"{s}_bytes_ratio"].values()) for x in rows) for s in STRATEGIES}
+    heads, seq = min(x["heads"] for x in rows), max(x["seq"] for x in rows)
+    point = by_point.get((heads, seq, False)) or by_point[(heads, seq, True)]
+    mib = {s: sum(point[f"{s}_bytes"].values()) / 2**20 for s in STRATEGIES}
+    lines += [
+        "",
+        "Bytes sent per rank / the strategy's minimum, the largest over the grid and both phases: "
+        + ", ".join(f"{names[s]} {sent[s]:.2f}" for s in STRATEGIES)
+        + f"; sent per rank, forward + backward, at {heads} heads x {seq}: "
+        + ", ".join(f"{names[s]} {mib[s]:.0f} MiB" for s in STRATEGIES)
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def score_mod_table(report: dict) -> str:
+    """``benchmarks/ring.py --score-mod``: per world size the plain call on CPU flash and on the
+    math op, the soft-capped call (math), and the soft-capped call's ratios to both."""
+    bench = report["bench"]
+    lines = [
+        f"{_cpu_caption(bench['cores'], report.get('torch', '?'), report.get('load'))}; causal "
+        f"`head_tail`, `alltoall`, {bench['dtype']}, batch {bench['batch']}, {bench['heads']} "
+        f"heads, head_dim {bench['head_dim']}, seq {bench['seq']}; forward + backward of the "
+        f"slowest rank, fastest of {bench['repeat']}:",
+        "",
+        "| W | plain CPU flash | plain math | softcap (math) | softcap / plain math "
+        "| softcap / plain CPU flash |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"| {row['world']} | {row['plain cpu_flash']:.2f} s | {row['plain math']:.2f} s | "
+            f"{row['softcap math']:.2f} s | {row['softcap / plain math']:.2f}x | "
+            f"{row['softcap / plain cpu_flash']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 #: benchmark name (a script in benchmarks/) -> its report as a Markdown table
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "cuda_masks": cuda_masks_table,
     "cuda_ops": cuda_ops_table,
     "host_work": host_work_table,
+    "masks": masks_table,
+    "ring": ring_table,
+    "score_mod": score_mod_table,
+    "strategies": strategies_table,
 }
 
 
@@ -154,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--root", default=ROOT, help="the repository root (default: this one)")
     args = parser.parse_args(argv)
+    if ROOT not in sys.path:  # (the renderers import their benchmark's aims)
+        sys.path.insert(0, ROOT)
     stale = []
     for path in markdown_files(args.root):
         with open(path) as f:
