@@ -484,7 +484,8 @@ class MaskMod(Mask):
 
     Its description is its qualified name plus its values on the first 64 positions at batch 0,
     head 0 (plans are never cached by it: a MaskMod is evaluated on every call, and each step's
-    blocks are cached by a hash of every bit of its evaluated visibility). What the ranks
+    blocks are cached by a hash of what it shows: each row's key range, or every bit of its
+    visibility). What the ranks
     of a call compare (:meth:`agreement_text`) is its values over the call's whole range:
     :func:`probe_text`."""
 
@@ -659,8 +660,8 @@ def tabulate(
                 "between batch entries or heads: it has no KeyRanges form; pass it to the call "
                 "as it is"
             )
-        starts.append(bounds[0].cpu())
-        ends.append(bounds[1].cpu())
+        starts.append(bounds[0])
+        ends.append(bounds[1])
     return KeyRanges(torch.cat(starts), torch.cat(ends))
 
 
@@ -670,9 +671,10 @@ _TABULATE_ENTRIES = 1 << 26
 
 def visible_ranges(vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Each row's visible columns as one range ``[lo, hi)`` (``lo == hi``: none), int64 (rows,)
-    on ``vis``'s device, when ``vis`` (batch or 1, heads or 1, rows, cols) is the same for every
-    batch entry and head and each of its rows sees one range; else None. Reductions over
-    ``vis`` and one read."""
+    on the host, when ``vis`` (batch or 1, heads or 1, rows, cols) is the same for every batch
+    entry and head and each of its rows sees one range; else None. Reductions over ``vis`` on its
+    device and one read of their results (two where ``vis`` has more than one batch entry or
+    head: whether they agree is read first, so a mask that depends on them costs no more)."""
     if vis.shape[-1] == 0 or vis.shape[-2] == 0:
         return None
     if vis.shape[0] * vis.shape[1] != 1 and not bool(
@@ -686,9 +688,13 @@ def visible_ranges(vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     as_bytes = rows.view(torch.uint8)
     lo = torch.where(seen, as_bytes.argmax(-1), 0)
     hi = torch.where(seen, cols - as_bytes.flip(-1).argmax(-1), 0)
-    if not bool((count == hi - lo).all()):
+    # lo, hi and whether every row is one range, read together (one device sync)
+    one_range = (count == hi - lo).all().view(1).to(torch.int64)
+    read = torch.cat([lo, hi, one_range]).cpu()
+    if not bool(read[-1]):
         return None
-    return lo, hi
+    n = lo.numel()
+    return read[:n], read[n : 2 * n]
 
 
 #: How many (batch, head, query, key) entries a MaskMod's cross-rank probe evaluates at most.

@@ -28,6 +28,7 @@ A plan is plain Python on ints (cached), so it is a constant under ``torch.compi
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -298,7 +299,8 @@ def masked_plan(
     mask, not ``MaskMod``) are cached by digest and the layout's runs, so the forward, the
     backward and every layer of a step share one; other plans are kept in ``memo`` (one call's,
     see :func:`cached_by_mask`) when given, and each of their steps is evaluated on every call
-    but cut into blocks once per distinct visibility (:func:`visibility_digest`).
+    but cut into blocks once per distinct result (:func:`ranges_digest` of the rows' key ranges
+    with ``ranges``, else :func:`visibility_digest`).
 
     ``ranges`` (the op takes row bounds, ``OpCapabilities.row_bounds``): a step whose mask is one
     key range per query row (:mod:`ring_impl.planning.row_bounds`: every built-in mask but unions)
@@ -375,6 +377,13 @@ def visibility_digest(vis: torch.Tensor) -> str:
     from .mask_table import bits_digest, packed_bits
 
     return f"{'x'.join(map(str, vis.shape))}:{bits_digest(packed_bits(vis))}"
+
+
+def ranges_digest(lo: torch.Tensor, hi: torch.Tensor) -> str:
+    """A 128-bit hash of row bounds ``lo``, ``hi`` (host int64 (rows,)), with their length: the
+    key of the block cut from them, for a mask whose description does not determine them."""
+    data = torch.cat([lo, hi]).numpy().tobytes()
+    return f"{lo.numel()}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
 
 
 def _visibility_bytes(plan) -> int:
@@ -459,13 +468,16 @@ def mask_blocks(
         vis = vis[:, head_span[0] : head_span[1]]
     if exact:  # (its plan is cached whole, by its description)
         return visibility_blocks(vis, step, kv_rank, device)
-    if ranges:  # a MaskMod whose rows each see one range of keys: one block, as Documents
+    # A mask known only by evaluating it (a MaskMod): evaluated on every call, as its function
+    # may read data that changed, but cut once per distinct result, keyed by every bit of it, so
+    # that repeated calls (and layers) share the blocks and the kernels' plans of them.
+    if ranges:  # rows that each see one range of keys: one block, as Documents
         bounds = visible_ranges(vis)
         if bounds is not None:
-            return bounds_blocks(bounds[0].cpu(), bounds[1].cpu(), step, kv_rank)
+            lo, hi = bounds
+            cut = ("ranges", ranges_digest(lo, hi), step, kv_rank)
+            return _remembered(cut, lambda: bounds_blocks(lo, hi, step, kv_rank))
     vis = vis.to(q_pos.device)
-    # A mask known only by evaluating it (a MaskMod): evaluated on every call, as its function
-    # may read data that changed, but cut once per distinct visibility, keyed by every bit of it.
     key = ("visibility", visibility_digest(vis), step, kv_rank, str(device))
     return _remembered(key, lambda: visibility_blocks(vis, step, kv_rank, device))
 

@@ -46,6 +46,8 @@ def column_bounds(
     """:func:`key_bounds` as local key columns: query row ``r`` sees columns ``lo[r] .. hi[r] - 1``
     of ``kv_pos`` (``lo == hi``: none). None also when ``kv_pos`` does not increase strictly
     (a range of positions would then not be a range of columns)."""
+    if type(mask) not in _RULES:  # (before the order check, which reads: a sync on a GPU)
+        return None
     kv = kv_pos.to(torch.int64)
     if kv.numel() > 1 and not bool((kv[1:] > kv[:-1]).all()):
         return None

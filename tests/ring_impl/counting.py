@@ -1,11 +1,15 @@
 """Exact counts of what a call does: aten ops dispatched (host work; ``aten._local_scalar_dense``
-is a device-to-host read, a full sync on a GPU) and calls of the varlen kernel's CPU emulation."""
+is a device-to-host read, a full sync on a GPU), reads of tensors standing for device tensors,
+and calls of the varlen kernel's CPU emulation."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -52,3 +56,43 @@ def varlen_kernel_calls():
             forward,
             backward,
         )
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts device-to-host reads as a GPU would make them, on CPU tensors: ``on_device``
+    stand for tensors on the device, and so does every tensor a torch function computes from
+    one of them; a read (``.cpu()``, ``.item()``, ``.tolist()``, ``.numpy()``, ``bool``, ``int``,
+    ``float``, an index) of such a tensor is counted in ``reads``. What ``.cpu()`` returns is a
+    host copy (a clone here, since on CPU it returns the tensor itself): reading it is free."""
+
+    READS = frozenset(
+        {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+    )
+
+    def __init__(self, *on_device: torch.Tensor):
+        super().__init__()
+        self.reads = 0
+        self._device = {id(t) for t in on_device}
+        self._held = list(on_device)  # (the ids above stay theirs while counted)
+
+    def _on_device(self, tree) -> bool:
+        return any(
+            isinstance(x, torch.Tensor) and id(x) in self._device for x in pytree.tree_leaves(tree)
+        )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        on_device = self._on_device((args, kwargs))
+        name = getattr(func, "__name__", "")
+        if on_device and name in self.READS:
+            self.reads += 1
+        result = func(*args, **kwargs)
+        if name == "cpu":
+            with torch._C.DisableTorchFunction():
+                return result.clone()
+        if on_device:
+            for x in pytree.tree_leaves(result):
+                if isinstance(x, torch.Tensor):
+                    self._device.add(id(x))
+                    self._held.append(x)
+        return result

@@ -277,3 +277,155 @@ def test_visible_ranges_are_read_only_from_one_range_per_row() -> None:
     assert visible_ranges(two.view(1, 1, 6, 8)) is None
     per_head = torch.stack([window, j <= i]).view(1, 2, 6, 8)
     assert visible_ranges(per_head) is None
+
+
+# --- a MaskMod of key ranges: evaluated on every call, cut once per distinct result ------------
+
+
+def _ranges_reuse(ctx) -> dict:
+    """Builds of the ring's blocks (``bounds_blocks``) and of the varlen kernel's plans
+    (``bounds_varlen_plan``) per call of a mask_mod spelling packed causal documents over a
+    table it closes over: a first call, a repeat, a new closure over the same table (a model's
+    next layer), and a call after the table is refilled in place; with each call's largest
+    error against the float64 oracle of the documents the table held."""
+    import ring_impl
+    from ring_impl.masks import MaskMod
+    from ring_impl.ops import varlen
+    from ring_impl.planning import plan
+    from ring_impl.planning.mesh_layout import local_shard
+
+    seq = SEQ_LOCAL * 8 * ctx.world_size
+    old = [0, 5, 40, 41, 90, seq - 7, seq]
+    new = [0, 30, 31, 70, seq]
+
+    def ids_of(cuts):
+        return torch.repeat_interleave(torch.arange(len(cuts) - 1), torch.diff(torch.tensor(cuts)))
+
+    table = ids_of(old)
+
+    def mask_mod():
+        def same_document(b, h, q, kv):  # a new closure per call of mask_mod (per layer)
+            return (table[q] == table[kv]) & (kv <= q)
+
+        return MaskMod(same_document)
+
+    builds = {"blocks": 0, "plans": 0}
+    blocks, plans = plan.bounds_blocks, varlen.bounds_varlen_plan
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            builds[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    plan._PLAN_CACHE.clear()  # (the pool's earlier calls may have cut these ranges already)
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    q, k, v = (local_shard(t, ctx.group, strategy="ring", layout="contiguous") for t in full)
+    runs = []
+    plan.bounds_blocks = counted("blocks", blocks)
+    varlen.bounds_varlen_plan = counted("plans", plans)
+    try:
+        for what, mask in (
+            ("first", mask_mod()),
+            ("repeat", None),
+            ("next layer", mask_mod()),
+            ("refilled", "refill"),
+        ):
+            if mask == "refill":
+                table.copy_(ids_of(new))
+                mask = runs[-1]["mask"]
+            mask = runs[-1]["mask"] if mask is None else mask
+            before = dict(builds)
+            out = ring_impl.ring_attention(
+                q, k, v, group=ctx.group, mask=mask, op="cpu_flash_varlen_layout"
+            )
+            expected = local_shard(
+                _documents_oracle(full, table), ctx.group, strategy="ring", layout="contiguous"
+            )
+            runs.append(
+                {
+                    "what": what,
+                    "mask": mask,
+                    "blocks": builds["blocks"] - before["blocks"],
+                    "plans": builds["plans"] - before["plans"],
+                    "error": float((out - expected).abs().max()),
+                }
+            )
+    finally:
+        plan.bounds_blocks, varlen.bounds_varlen_plan = blocks, plans
+    return {r["what"]: {k: r[k] for k in ("blocks", "plans", "error")} for r in runs}
+
+
+def _documents_oracle(full: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    from reference.attention import attention
+    from reference.masks import visibility
+
+    seq = ids.numel()
+    vis = visibility({"kind": "document", "doc_ids": ids.tolist(), "causal": True}, seq, seq)
+    return attention(*full, visible=vis).out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_mask_mod_of_key_ranges_is_cut_once_per_distinct_result(ring, world) -> None:
+    """A mask_mod is evaluated on every call (its function may read data that changed), but the
+    blocks cut from the ranges it shows, and the kernel's plans of them, are built once per
+    distinct ranges: a repeated call and another layer's mask_mod over the same table build
+    nothing, a table refilled in place builds anew, and every call matches the oracle of the
+    documents the table held."""
+    _skip_other_impls(ring)
+    for rank, runs in enumerate(ring.rank_pool(world).run(_ranges_reuse)):
+        # (a block whose rows all see the same keys is full or causal: no plan of its bounds)
+        assert runs["first"]["blocks"] > 0 and runs["first"]["plans"] > 0, f"rank {rank}: {runs}"
+        for again in ("repeat", "next layer"):
+            assert runs[again]["blocks"] == runs[again]["plans"] == 0, f"rank {rank}: {runs}"
+        assert runs["refilled"]["blocks"] > 0, f"rank {rank}: {runs}"
+        worst = max(r["error"] for r in runs.values())
+        assert worst < 1e-12, f"rank {rank}: {runs}"
+
+
+def test_a_mask_mod_step_reads_the_device_once() -> None:
+    """Cutting a step of a mask_mod evaluated on the device (its table and the positions there)
+    reads back one thing, its rows' ranges and whether each row is one range (on a GPU, one
+    device sync; cut again, the same ranges are its cached block); a visibility with several batch
+    entries or heads reads whether they agree first."""
+    from ring_impl.masks import MaskMod, visible_ranges
+    from ring_impl.planning import plan
+
+    from .counting import DeviceReads
+
+    table = torch.tensor([0] * 9 + [1] * 20 + [2] * 3)
+    q_pos, kv_pos = torch.arange(16, 32), torch.arange(0, 32)
+
+    def same_document(b, h, q, kv):
+        return (table[q] == table[kv]) & (kv <= q)
+
+    plan._PLAN_CACHE.clear()
+    for cut in ("first", "again"):
+        with DeviceReads(table, q_pos, kv_pos) as counted:
+            (block,) = plan.mask_blocks(
+                MaskMod(same_document),
+                q_pos,
+                kv_pos,
+                0,
+                0,
+                batch=1,
+                heads=1,
+                head_span=None,
+                device=None,
+                ranges=True,
+            )
+        assert block.kind == "ranges" and counted.reads == 1, (cut, block, counted.reads)
+    i, j = torch.arange(6).view(-1, 1), torch.arange(8).view(1, -1)
+    window = (j <= i + 2) & (j >= i)
+    two = window.clone()
+    two[1, 7] = True  # row 1 sees two ranges
+    for vis, reads, ranges in (
+        (window.view(1, 1, 6, 8), 1, True),
+        (two.view(1, 1, 6, 8), 1, False),
+        (window.view(1, 1, 6, 8).expand(2, 3, 6, 8), 2, True),
+    ):
+        with DeviceReads(vis) as counted:
+            got = visible_ranges(vis)
+        assert (got is not None) == ranges and counted.reads == reads, (tuple(vis.shape), got)
