@@ -138,6 +138,19 @@ def _sizes(bench: dict) -> str:
     )
 
 
+def _per_world(caption: str, worlds: list[int], rows: list) -> str:
+    """``caption``, then a table of one column per world size and an aim column: ``rows`` are
+    ``(label, cells (one per world size), aim)``."""
+    lines = [
+        caption,
+        "",
+        "| | " + " | ".join(f"W={w}" for w in worlds) + " | aim |",
+        "|---|" + "---|" * len(worlds) + "---|",
+    ]
+    lines += [f"| {label} | " + " | ".join(cells) + f" | {aim} |" for label, cells, aim in rows]
+    return "\n".join(lines) + "\n"
+
+
 def ring_table(report: dict) -> str:
     """``benchmarks/ring.py``'s speed, balance, memory and traffic summary: per world size the
     ring against single-process SDPA (ranges over the rotation methods; ``hcN``: the ring over
@@ -262,17 +275,12 @@ def ring_table(report: dict) -> str:
                 + (f" (PyTorch's backward: {theirs})" if theirs else ""),
             )
         )
-    lines = [
-        f"{_cpu_caption(bench['cores'], env['torch'], env.get('load_after'))}; "
-        f"{_sizes(bench)}, "
+    caption = (
+        f"{_cpu_caption(bench['cores'], env['torch'], env.get('load_after'))}; {_sizes(bench)}, "
         f"seq {bench['seq']}, fastest of {bench['repeat']}, forward + backward of the slowest "
-        "rank; ranges over the rotation methods:",
-        "",
-        "| | " + " | ".join(f"W={w}" for w in worlds) + " | aim |",
-        "|---|" + "---|" * len(worlds) + "---|",
-    ]
-    lines += [f"| {name} | " + " | ".join(cells) + f" | {aim} |" for name, cells, aim in rows]
-    return "\n".join(lines) + "\n"
+        "rank; ranges over the rotation methods:"
+    )
+    return _per_world(caption, worlds, rows)
 
 
 def masks_table(report: dict) -> str:
@@ -372,16 +380,12 @@ def masks_table(report: dict) -> str:
         )
     visible = next(iter(a["documents"]), {}).get("visible_over_s2")
     shown = f" ({visible:.1%} of S² visible)" if visible is not None else ""
-    lines = [
+    caption = (
         f"{_cpu_caption(bench['cores'], env['torch'], env.get('load_after'))}; {_sizes(bench)}, "
         f"documents over seq {bench['seq']}{shown}, fastest of {bench['repeat']}; single per "
-        f"document: against the faster of W and {bench['cores']} threads:",
-        "",
-        "| | " + " | ".join(f"W={w}" for w in worlds) + " | aim |",
-        "|---|" + "---|" * len(worlds) + "---|",
-    ]
-    lines += [f"| {name} | " + " | ".join(c) + f" | {aim} |" for name, c, aim in rows]
-    return "\n".join(lines) + "\n"
+        f"document: against the faster of W and {bench['cores']} threads:"
+    )
+    return _per_world(caption, worlds, rows)
 
 
 def strategies_table(report: dict) -> str:
