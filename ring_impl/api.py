@@ -214,7 +214,7 @@ def _packed(bound: Bound, call: Call, query, key, value, cu_seqlens, shard_lengt
     if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling():
         try:
             read = cu_seqlens.cpu()
-        except Exception:  # (a tensor without data, meta: the checks refuse it, on every rank)
+        except RuntimeError:  # (a tensor without data, meta: the checks refuse it, on every rank)
             pass
     if problem is None and world is not None:
         total = sum(shard_lengths) if shard_lengths is not None else None

@@ -56,6 +56,7 @@ __all__ = [
     "PrefixLM",
     "SlidingWindow",
     "StaleIds",
+    "bounds_hash",
     "from_spec",
     "mask_code",
     "mask_problem",
@@ -485,9 +486,8 @@ class MaskMod(Mask):
     Its description is its qualified name plus its values on the first 64 positions at batch 0,
     head 0 (plans are never cached by it: a MaskMod is evaluated on every call, and each step's
     blocks are cached by a hash of what it shows: each row's key range, or every bit of its
-    visibility). What the ranks
-    of a call compare (:meth:`agreement_text`) is its values over the call's whole range:
-    :func:`probe_text`."""
+    visibility). What the ranks of a call compare (:meth:`agreement_text`) is its values over
+    the call's whole range: :func:`probe_text`."""
 
     fn: Callable
 
@@ -584,8 +584,7 @@ class KeyRanges(Mask):
             if not all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 for t in parts):
                 return f"key_ranges({type(self.start).__name__},{type(self.end).__name__})"
             # 128 bits of both tensors: plans are cached by this description
-            data = torch.cat([t.flatten() for t in parts]).numpy().tobytes()
-            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            digest = bounds_hash(*parts)
             sizes = "x".join(str(t.numel()) for t in parts)
             self._cache["describe"] = f"key_ranges({sizes},{digest})"
         return self._cache["describe"]
@@ -667,6 +666,13 @@ def tabulate(
 
 #: How many (batch, head, query, key) entries :func:`tabulate` evaluates at once.
 _TABULATE_ENTRIES = 1 << 26
+
+
+def bounds_hash(lo: torch.Tensor, hi: torch.Tensor) -> str:
+    """A 128-bit hash (hex) of every entry of two host int64 tensors of row bounds: what plans
+    cut from those bounds are cached by (:class:`KeyRanges`, and a MaskMod's ranges)."""
+    data = torch.cat([lo.flatten(), hi.flatten()]).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def visible_ranges(vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -28,7 +28,6 @@ A plan is plain Python on ints (cached), so it is a constant under ``torch.compi
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -38,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..layout import Runs, check_layout, layout_runs
-from ..masks import visible_ranges
+from ..masks import bounds_hash, visible_ranges
 
 __all__ = [
     "Block",
@@ -382,8 +381,7 @@ def visibility_digest(vis: torch.Tensor) -> str:
 def ranges_digest(lo: torch.Tensor, hi: torch.Tensor) -> str:
     """A 128-bit hash of row bounds ``lo``, ``hi`` (host int64 (rows,)), with their length: the
     key of the block cut from them, for a mask whose description does not determine them."""
-    data = torch.cat([lo, hi]).numpy().tobytes()
-    return f"{lo.numel()}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+    return f"{lo.numel()}:{bounds_hash(lo, hi)}"
 
 
 def _visibility_bytes(plan) -> int:
