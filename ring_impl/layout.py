@@ -36,10 +36,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import pairwise
 
 import torch
+
+from .memo import host_memo
 
 __all__ = [
     "LAYOUTS",
@@ -126,7 +127,7 @@ def register_layout(layout: Layout, *, replace: bool = False) -> Layout:
     _GENERATION[0] += 1
     if replaced:  # (the caches are keyed by name: a new name has nothing stale in them)
         for cached in (layout_runs, _rank_runs, _check_cover, split_runs):
-            cached.cache_clear()
+            cached.cache_clear()  # type: ignore[union-attr]  # (host_memo keeps it)
     return layout
 
 
@@ -217,7 +218,7 @@ def chunk_ids(layout: str, world_size: int, rank: int) -> tuple[int, ...]:
     return lay.chunks(world_size, rank)
 
 
-@lru_cache(maxsize=1024)
+@host_memo(maxsize=1024)
 def layout_runs(layout: str, seq_len: int, world_size: int, rank: int) -> Runs:
     """Rank ``rank``'s runs of global positions for a global length ``seq_len``, checked
     (ValueError for a length the layout cannot split, or a layout that breaks its rules).
@@ -229,7 +230,7 @@ def layout_runs(layout: str, seq_len: int, world_size: int, rank: int) -> Runs:
     return _rank_runs(layout, seq_len, world_size, rank)
 
 
-@lru_cache(maxsize=1024)
+@host_memo(maxsize=1024)
 def _rank_runs(layout: str, seq_len: int, world_size: int, rank: int) -> Runs:
     lay = get_layout(layout)
     divisor = lay.divisor(world_size)
@@ -254,7 +255,7 @@ def _rank_runs(layout: str, seq_len: int, world_size: int, rank: int) -> Runs:
     return runs
 
 
-@lru_cache(maxsize=256)
+@host_memo(maxsize=256)
 def _check_cover(layout: str, seq_len: int, world_size: int) -> None:
     """Every position in ``[0, seq_len)`` held by exactly one rank."""
     end = 0
@@ -282,7 +283,7 @@ def shard_lengths(seq_len: int, world_size: int, layout: str = "contiguous") -> 
     )
 
 
-@lru_cache(maxsize=1024)
+@host_memo(maxsize=1024)
 def split_runs(layout: str, lengths: tuple[int, ...], rank: int) -> Runs:
     """Rank ``rank``'s runs of global positions when rank ``r`` holds ``lengths[r]`` tokens:
     ``contiguous`` takes any split (rank ``r`` holds the next ``lengths[r]`` positions), another

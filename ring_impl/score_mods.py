@@ -429,8 +429,9 @@ def score_mod_problem(
     try:
         from .layout import layout_runs
 
-        for n in {sq, skv} if layout is not None else ():  # the ring's positions: the layout's
-            layout_runs(layout, n * world_size, world_size, 0)
+        if layout is not None:  # the ring's positions: the layout's
+            for n in {sq, skv}:
+                layout_runs(layout, n * world_size, world_size, 0)
     except Exception as exc:
         return (
             f"score_mod reads global positions, but layout {layout!r} cannot place local length(s) "

@@ -55,18 +55,19 @@ __all__ = [
 
 
 def gather_refusal(mask, *, world_size: int, head_chunks: int, strategy: str) -> str | None:
-    """Why ``sparse_kv=True`` cannot serve a call, or None."""
+    """Why the sparse gather (``exchange="gather"``, alias ``sparse_kv=True``) cannot serve a
+    call, or None."""
     if mask is None:
         return (
-            "sparse_kv=True needs a mask (without one every query sees every key: the ring serves "
-            "it)"
+            "exchange='gather' (sparse_kv=True) needs a mask (without one every query sees every "
+            "key: the ring serves it)"
         )
     if strategy != "ring":
-        return f"sparse_kv=True runs with strategy='ring' only, got {strategy!r}"
+        return f"exchange='gather' (sparse_kv=True) runs alone, not with strategy {strategy!r}"
     if head_chunks != 1:
         return (
-            "sparse_kv=True sends no blocks around a ring for head_chunks to split; pass "
-            f"head_chunks=1, got {head_chunks}"
+            "exchange='gather' (sparse_kv=True) sends no blocks around a ring for head_chunks to "
+            f"split; pass head_chunks=1, got {head_chunks}"
         )
     return None
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import pairwise
 from typing import Any, TypeVar
 
@@ -38,6 +37,7 @@ import torch
 
 from ..layout import Runs, check_layout, layout_runs
 from ..masks import bounds_hash, visible_ranges
+from ..memo import host_memo
 
 __all__ = [
     "Block",
@@ -216,7 +216,7 @@ def ring_plan(
     return list(_ring_plan(rank, world_size, layout, bool(is_causal), seq_q, seq_kv))
 
 
-@lru_cache(maxsize=512)
+@host_memo(maxsize=512)
 def _ring_plan(
     rank: int, world_size: int, layout: str, is_causal: bool, seq_q: int, seq_kv: int
 ) -> tuple[StepPlan, ...]:

@@ -403,7 +403,7 @@ def _bad(ctx, kind: str):
 @pytest.mark.parametrize(
     "kind,pattern",
     [
-        ("no_mask", "sparse_kv=True needs a mask"),
+        ("no_mask", "(sparse_kv=True) needs a mask"),
         ("head_chunks", "pass head_chunks=1"),
         ("halo_too", "two different exchanges"),
         ("not_bool", "sparse_kv must be True or False"),
