@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypedDict, cast
 
@@ -401,15 +400,12 @@ def ring_path(
     code = 0  # what the cross-rank check compares of the mask, sinks and score_mod
     if world > 1 and not torch.compiler.is_compiling():
         if problem is None:
-            code = _path_code(
-                mask_code(
-                    mask,
-                    sinks,
-                    (query.shape[0], query.shape[1], query.shape[2] * world, key.shape[2] * world),
-                    query.device,
-                    score_mod=score_mod,
-                ),
-                "gather" if gather else "halo" if reach is not None else "ring",
+            code = mask_code(
+                mask,
+                sinks,
+                (query.shape[0], query.shape[1], query.shape[2] * world, key.shape[2] * world),
+                query.device,
+                score_mod=score_mod,
             )
         # Every rank's query, key and value finite, reported in the check's own all-reduce (no
         # read of its own), lets every path skip the NaN propagation of the inputs.
@@ -420,6 +416,7 @@ def ring_path(
             group=pg,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=code,
+            exchange=_exchange_taken(gather, reach),
             finite=(query, key, value) if problem is None else (),
             ids=ids,
         )
@@ -455,6 +452,7 @@ def _checked_again(
             group=pg,
             device=query.device,
             mask_code=hit.mask_code,
+            exchange=_exchange_taken(hit.gather, hit.reach),
             finite=(query, key, value),
             ids=ids,
         )
@@ -487,11 +485,10 @@ _scored_eagerly = torch._dynamo.disable(_eager, reason=SCORE_MODS_RUN_EAGERLY)
 _max_logit_eagerly = torch._dynamo.disable(_eager, reason=MAX_LOGIT_RUNS_EAGERLY)
 
 
-def _path_code(code: int, path: str) -> int:
-    """The mask digest the ranks compare, marked with the path the call takes ("ring", "halo",
-    "gather"): ranks that would take different paths (one passed exchange="ring", another
-    "gather") disagree on it and raise together."""
-    return code if path == "ring" else zlib.crc32(f"{code}|{path}".encode()) & 0x7FFFFFFF
+def _exchange_taken(gather: bool, reach) -> str:
+    """The exchange a ring call takes, as the cross-rank check compares it: ranks that would take
+    different ones (one passed exchange="ring", another "gather") raise together, naming them."""
+    return "gather" if gather else "halo" if reach is not None else "ring"
 
 
 def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:

@@ -33,6 +33,7 @@ from ..ops import AttentionOp, available_ops, resolve_scale_and_op
 from ..transports import rotate_methods
 
 __all__ = [
+    "EXCHANGE_PATHS",
     "SIGNATURE_FIELDS",
     "STRATEGIES",
     "STRATEGY_FIELDS",
@@ -91,37 +92,39 @@ def routed_error(exc: InputError, caller: str) -> InputError:
 
 #: The strategies (``strategy=``), in the order their codes use.
 STRATEGIES = ("ring", "ulysses", "hybrid")
+#: The exchanges a call can take (``exchange=`` resolved: "auto" takes the halo or the ring), in
+#: the order the cross-rank check codes them; the strategies first, in their own order.
+EXCHANGE_PATHS = (*STRATEGIES, "halo", "gather")
 #: Fields beyond :data:`SIGNATURE_FIELDS` in every row, each equal on every rank: the ring's own
-#: check carries them too (strategy "ring", a 1 x W mesh), so ranks that disagree on
-#: ``strategy=`` exchange tables of one size and all raise, instead of pairing a ring rank's
-#: all-reduce with a head-parallel rank's of another size.
-STRATEGY_FIELDS = ("strategy", "ulysses_degree", "ring_degree", "return_lse", "return_max_logit")
+#: check carries them too (a 1 x W mesh), so ranks that take different exchanges exchange tables
+#: of one size and all raise, naming the exchanges, instead of pairing one rank's collectives
+#: with another's.
+STRATEGY_FIELDS = ("exchange", "ulysses_degree", "ring_degree", "return_lse", "return_max_logit")
 
 
 def strategy_codes(
-    strategy: str, mesh_shape: tuple[int, int], return_lse, return_max_logit=False
+    exchange: str, mesh_shape: tuple[int, int], return_lse, return_max_logit=False
 ) -> list[int]:
-    """A row's :data:`STRATEGY_FIELDS`. The ring compares no ``return_lse`` (nothing of the LSE
-    travels): 0. ``return_max_logit`` adds the ring's all-reduce of the max logit: ranks that
-    disagree on it would pair it with another collective."""
-    lse = int(bool(return_lse)) if strategy != "ring" else 0
+    """A row's :data:`STRATEGY_FIELDS` for a call taking ``exchange`` (one of
+    :data:`EXCHANGE_PATHS`). Only Ulysses and the hybrid compare ``return_lse`` (their LSE
+    travels); the others send 0. ``return_max_logit`` adds the ring's all-reduce of the max
+    logit: ranks that disagree on it would pair it with another collective."""
+    lse = int(bool(return_lse)) if exchange in ("ulysses", "hybrid") else 0
     max_logit = int(bool(return_max_logit))
-    return [STRATEGIES.index(strategy), mesh_shape[0], mesh_shape[1], lse, max_logit]
+    return [EXCHANGE_PATHS.index(exchange), mesh_shape[0], mesh_shape[1], lse, max_logit]
 
 
 def strategy_disagreement(codes: list[list[int]]) -> str | None:
-    """Which :data:`STRATEGY_FIELDS` differ between the rows ``codes``, in words, or None."""
+    """Which :data:`STRATEGY_FIELDS` differ between the rows ``codes``, in words, or None. Ranks
+    taking different exchanges are told only that: the other fields follow from it."""
     differing = []
-    strategies_differ = len({row[0] for row in codes}) > 1
     for i, field in enumerate(STRATEGY_FIELDS):
-        if field == "return_lse" and strategies_differ:
-            continue  # the ring's rows carry none
         values: dict[int, list[int]] = {}
         for r, row in enumerate(codes):
             values.setdefault(row[i], []).append(r)
         if len(values) > 1:
             shown = {
-                "strategy": lambda c: repr(STRATEGIES[c]),
+                "exchange": lambda c: repr(EXCHANGE_PATHS[c]),
                 "return_lse": lambda c: str(bool(c)),
                 "return_max_logit": lambda c: str(bool(c)),
             }.get(field, str)
@@ -130,13 +133,16 @@ def strategy_disagreement(codes: list[list[int]]) -> str | None:
                 + "; ".join(f"{_ranks(ranks)} {shown(c)}" for c, ranks in values.items())
                 + ")"
             )
+            if field == "exchange":
+                break
     if not differing:
         return None
     return (
         "ranks disagree on "
         + ", ".join(differing)
-        + "; every rank must call the same strategy with the same "
-        "options (return_lse too: under Ulysses and the hybrid the LSE travels in the all-to-all)"
+        + "; every rank must take the same exchange with the same options (exchange= as given, "
+        "'auto' resolved: the halo where the mask allows it; return_lse too: under Ulysses and "
+        "the hybrid the LSE travels in the all-to-all)"
     )
 
 
@@ -608,10 +614,10 @@ def agree(
         tuple(r[1 + SIGNATURE_FIELDS.index(f)] for f in ("seq_q", "seq_kv")) for r in rows
     }:
         names.update(layout_names(world_size, *lengths))
-    texts = [
-        disagreement([r[1:base] for r in rows], op_names(op), names),
-        strategy_disagreement([r[base : n - 1] for r in rows]),
-    ]
+    exchanges = strategy_disagreement([r[base : n - 1] for r in rows])
+    if len({r[base] for r in rows}) > 1:  # (other exchanges: the other fields follow from it)
+        raise InputError(f"{where}: {exchanges}{numbering}")
+    texts = [disagreement([r[1:base] for r in rows], op_names(op), names), exchanges]
     said = "; ".join(t for t in texts if t) or "ranks disagree on the call's options"
     raise InputError(f"{where}: {said}{numbering}")
 
@@ -659,12 +665,14 @@ def agree_across_ranks(
     group: dist.ProcessGroup,
     device: torch.device,
     mask_code: int = 0,
+    exchange: str = "ring",
     return_max_logit: bool = False,
     finite: tuple[torch.Tensor, ...] = (),
     ids: IdsCheck | None = None,
 ) -> bool | None:
     """The ring's :func:`agree` over ``group``: raise InputError on every rank if any rank has a
-    problem or the ranks disagree on ``local``'s :func:`signature`.
+    problem or the ranks disagree on ``local``'s :func:`signature` or on the ``exchange`` the
+    call takes ("ring", "halo" or "gather").
 
     ``finite``: tensors (the call's query, key, value) whose finiteness every rank reports in
     the same all-reduce, computed on their device and read with the table, so no read of its
@@ -675,7 +683,7 @@ def agree_across_ranks(
     codes = None
     if problem is None:
         codes = signature(local, mask_code=mask_code, world_size=world) + strategy_codes(
-            "ring", (1, world), local.return_lse, return_max_logit
+            exchange, (1, world), local.return_lse, return_max_logit
         )
     rows = agree(
         problem,

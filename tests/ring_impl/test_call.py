@@ -220,6 +220,10 @@ def _bad_exchange(ctx, kind: str) -> str:
         options.update(exchange="ring", halo=True)
     elif kind == "ranks_differ":
         options["exchange"] = "ring" if ctx.rank == 0 else "halo"
+    elif kind == "ring_or_ulysses":
+        options["exchange"] = "ulysses" if ctx.rank == 0 else "ring"
+    elif kind == "auto_resolves_apart":  # the halo serves rank 0's window, not rank 1's
+        options["mask"] = SlidingWindow(3 if ctx.rank == 0 else None)
     elif kind == "halo_cannot":
         options.update(exchange="halo", mask=SlidingWindow(9))
     with warnings.catch_warnings():
@@ -233,7 +237,9 @@ def _bad_exchange(ctx, kind: str) -> str:
     [
         ("unknown", "unknown exchange 'sideways'"),
         ("contradicting", "ask for different exchanges"),
-        ("ranks_differ", "ranks disagree on mask"),
+        ("ranks_differ", "ranks disagree on exchange (rank 0 'ring'; rank 1 'halo')"),
+        ("ring_or_ulysses", "ranks disagree on exchange (rank 0 'ulysses'; rank 1 'ring')"),
+        ("auto_resolves_apart", "ranks disagree on exchange (rank 0 'halo'; rank 1 'ring')"),
         ("halo_cannot", "exchange='halo' but the halo exchange cannot serve this call"),
     ],
 )

@@ -482,7 +482,7 @@ def _bad(ctx, kind: str):
         ("forced_head_tail", "needs layout='contiguous'"),
         ("forced_unbounded", "does not bound how far a query looks back"),
         ("not_a_bool", "halo must be None (automatic), True or False, got 'yes'"),
-        ("differs", "ranks disagree on mask"),
+        ("differs", "ranks disagree on exchange (rank 0 'ring'; rank 1 'halo')"),
         ("forced_ulysses", "runs with strategy='ring' only"),
     ],
 )

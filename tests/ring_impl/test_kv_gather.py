@@ -407,7 +407,7 @@ def _bad(ctx, kind: str):
         ("head_chunks", "pass head_chunks=1"),
         ("halo_too", "two different exchanges"),
         ("not_bool", "sparse_kv must be True or False"),
-        ("one_rank_only", "ranks disagree on mask"),
+        ("one_rank_only", "ranks disagree on exchange (rank 0 'gather'; rank 1 'halo')"),
     ],
 )
 def test_bad_sparse_options_raise_on_every_rank(ring, kind, pattern) -> None:
