@@ -14,6 +14,7 @@ from .checks.inputs import (
     LocalCall,
     agree_across_ranks,
     local_problem,
+    needs_backward,
     routed_error,
 )
 from .checks.remembered import CHECKED, Checked, for_this_call
@@ -170,6 +171,8 @@ def _traced(bound: Bound, call: Call, query, key, value):
     if call.return_max_logit is not False:
         return _max_logit_eagerly(bound, call, query, key, value)
 
+    # The custom ops' inputs carry no requires_grad: the ranks compare what the trace saw.
+    call = call.with_(backward=needs_backward(query, key, value, call.sinks))
     if call.mask is not None:
         result = masked_ring_call(bound.name, query, key, value, call)
         return _masked_eagerly(bound, call, query, key, value) if result is None else result

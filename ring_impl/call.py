@@ -52,8 +52,10 @@ class Call(NamedTuple):
     ``problem``: what is wrong with the options themselves, or a route's own refusal (the SDPA
     route's ``attn_mask``), raised on every rank by the cross-rank check. ``routed_from``: the
     function the user called when a context-parallel route runs it as ring attention; refusals
-    name it (:func:`ring_impl.checks.inputs.routed_error`). A NamedTuple: immutable, and traced by
-    torch.compile as plain values.
+    name it (:func:`ring_impl.checks.inputs.routed_error`). ``backward``: whether the output
+    needs a backward, as a compiled call traced it (grad mode and the inputs' ``requires_grad``,
+    which the tensors inside the compiled custom ops no longer carry); None: read from the
+    tensors (eager calls). A NamedTuple: immutable, and traced by torch.compile as plain values.
     """
 
     group: Any = None
@@ -71,6 +73,7 @@ class Call(NamedTuple):
     exchange: str = "auto"
     problem: str | None = None
     routed_from: str | None = None
+    backward: bool | None = None
 
     @property
     def strategy(self) -> str:

@@ -43,6 +43,7 @@ __all__ = [
     "agree_across_ranks",
     "exchange_nbytes",
     "local_problem",
+    "needs_backward",
     "never_raises",
     "routed_error",
     "row_width",
@@ -242,12 +243,18 @@ class LocalCall:
             op=op,
             effective_scale=effective_scale,
             op_error=op_error,
-            needs_grad=torch.is_grad_enabled()
-            and any(
-                isinstance(t, torch.Tensor) and t.requires_grad
-                for t in (query, key, value, call.sinks)
-            ),
+            needs_grad=needs_backward(query, key, value, call.sinks)
+            if call.backward is None
+            else call.backward,
         )
+
+
+def needs_backward(*tensors) -> bool:
+    """Whether an output made of ``tensors`` (None allowed) needs a backward: grad mode on and one
+    of them requiring grad."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
 
 
 @never_raises

@@ -50,10 +50,17 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
         q, k, v = (t[..., : HEAD_DIM // 2].contiguous() for t in (q, k, v))
     elif case == "ulysses_head_dim_differs":
         good["strategy"] = bad["strategy"] = "ulysses"
+    elif case == "windowed_grad_on_rank_1_only":
+        from ring_impl.masks import SlidingWindow
+
+        bad["mask"] = SlidingWindow(3, 0)
+    # Inside the graph the check op's tensors carry no requires_grad: only the trace knows that
+    # rank 0's output needs no backward (rank 1 would wait in its backward's collectives).
+    grad = not (case.endswith("grad_on_rank_1_only") and ctx.rank == 0)
 
     op = _unregistered_op() if op_kind == "object" else None
 
-    def attention(q, k, v, layout, scale, strategy):
+    def attention(q, k, v, layout, scale, strategy, mask=None):
         return (
             ring_impl.ring_attention(
                 q,
@@ -65,6 +72,7 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
                 strategy=strategy,
                 rotate_method="alltoall",
                 op=op,
+                mask=mask,
             )
             * 2.0
         )
@@ -72,7 +80,7 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
     result: dict = {}
     try:
-        compiled(q.requires_grad_(), k, v, **bad).sum().backward()
+        compiled(q.requires_grad_(grad), k, v, **bad).sum().backward()
         result["bad"] = "no error"
     except Exception as exc:  # the message is the result
         result["bad"] = f"{type(exc).__name__}: {exc}"
@@ -92,6 +100,12 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
         ("layout_bad_on_rank_0", 0, r"layout 'no_such_layout'|unknown layout|no_such_layout"),
         ("scales_differ", None, r"ranks disagree on scale"),
         ("ulysses_head_dim_differs", None, r"head_dim"),
+        ("grad_on_rank_1_only", None, r"ranks disagree on backward \(rank 0 False; rank 1 True\)"),
+        (
+            "windowed_grad_on_rank_1_only",
+            None,
+            r"ranks disagree on backward \(rank 0 False; rank 1 True\)",
+        ),
     ],
 )
 @pytest.mark.parametrize("op_kind", ["name", "object"])
