@@ -141,9 +141,9 @@ def strategy_disagreement(codes: list[list[int]]) -> str | None:
     return (
         "ranks disagree on "
         + ", ".join(differing)
-        + "; every rank must take the same exchange with the same options (exchange= as given, "
-        "'auto' resolved: the halo where the mask allows it; return_lse too: under Ulysses and "
-        "the hybrid the LSE travels in the all-to-all)"
+        + "; every rank must take the same exchange with the same options (exchange=, or its "
+        "aliases strategy=, halo= and sparse_kv=; 'auto' resolved: the halo where the mask allows "
+        "it; return_lse too: under Ulysses and the hybrid the LSE travels in the all-to-all)"
     )
 
 
