@@ -60,22 +60,11 @@ def _compiled_refusal(ctx, case: str, op_kind: str = "name") -> dict:
 
     op = _unregistered_op() if op_kind == "object" else None
 
-    def attention(q, k, v, layout, scale, strategy, mask=None):
-        return (
-            ring_impl.ring_attention(
-                q,
-                k,
-                v,
-                group=ctx.group,
-                layout=layout,
-                scale=scale,
-                strategy=strategy,
-                rotate_method="alltoall",
-                op=op,
-                mask=mask,
-            )
-            * 2.0
+    def attention(q, k, v, **options):  # (layout, scale, strategy and mask)
+        out = ring_impl.ring_attention(
+            q, k, v, group=ctx.group, rotate_method="alltoall", op=op, **options
         )
+        return out * 2.0
 
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
     result: dict = {}
