@@ -91,7 +91,7 @@ def routed_error(exc: InputError, caller: str) -> InputError:
     return InputError(f"{caller} under context parallel (run as ring attention): {exc}")
 
 
-#: The strategies (``strategy=``), in the order their codes use.
+#: The strategies (``strategy=``); the first codes of :data:`EXCHANGE_PATHS`.
 STRATEGIES = ("ring", "ulysses", "hybrid")
 #: The exchanges a call can take (``exchange=`` resolved: "auto" takes the halo or the ring), in
 #: the order the cross-rank check codes them; the strategies first, in their own order.
