@@ -19,7 +19,9 @@ import torch
 from conformance.implementation import DEFAULT_IMPL_SPEC
 
 
-def _compiled_warnings(ctx) -> list[str]:
+def _compiled_warnings(ctx) -> list[str] | None:
+    """The first line of every warning three compiled calls give; None where this torch keeps no
+    ``warn_once_cache`` to clear (a warning given earlier in the process would then be missed)."""
     import torch._dynamo
     import torch._dynamo.utils
 
@@ -27,7 +29,10 @@ def _compiled_warnings(ctx) -> list[str]:
     from ring_impl.masks import Documents, SlidingWindow
 
     torch._dynamo.reset()
-    getattr(torch._dynamo.utils, "warn_once_cache", set()).clear()
+    warned = getattr(torch._dynamo.utils, "warn_once_cache", None)
+    if not isinstance(warned, set):
+        return None
+    warned.clear()
     gen = torch.Generator().manual_seed(ctx.rank)
     q = torch.randn(1, 4, 8, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(1, 2, 8, 8, generator=gen, requires_grad=True) for _ in range(2))
@@ -50,6 +55,12 @@ def test_a_compiled_call_warns_nothing_of_the_librarys(ring) -> None:
             f"a ring_impl compile property; the implementation under test is {ring.impl.spec}"
         )
     for rank, messages in enumerate(ring.rank_pool(2).run(_compiled_warnings, timeout=240.0)):
+        if messages is None:
+            pytest.skip(
+                "this torch keeps no torch._dynamo.utils.warn_once_cache, so warnings already "
+                "given in the rank process cannot be seen again; run on a torch that keeps it "
+                "(2.13 does)"
+            )
         ours = [m for m in messages if "lru_cache" in m or "ring_impl" in m]
         assert not ours, f"rank {rank}: a compiled call warned: {ours}"
 
