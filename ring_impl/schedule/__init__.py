@@ -58,44 +58,15 @@ A call with ``sparse_kv=True`` (:mod:`ring_impl.exchanges.kv_gather`) has no rin
 
 from __future__ import annotations
 
-from typing import TypedDict
-
 import torch
 
 from ..exchanges.halo import halo_reach, halo_refusal
 from ..masks import fold_causal
-from ..ops import accumulation_dtype
 from .halo import halo_schedule
 from .head_parallel import strategy_schedule
-from .ring import Schedule, ring_schedule
+from .ring import KVShards, Schedule, ring_schedule
 
 __all__ = ["collective_schedule"]
-
-
-class _RingSizes(TypedDict):
-    """The sizes of a ring call, as :func:`ring_impl.schedule.ring.ring_schedule` and
-    :func:`collective_schedule` take them."""
-
-    batch: int
-    heads_kv: int
-    seq_kv: int
-    head_dim: int
-    dtype: torch.dtype
-    head_chunks: int
-    head_dim_v: int | None
-
-
-class _KVSizes(TypedDict):
-    """The sizes of a call's local key/value shards (``seq_kv`` rows, value's head dim
-    ``head_dim_v``; None: ``head_dim``), from which every path's bytes follow: what
-    :func:`ring_impl.schedule.ring.ring_schedule` checks and sizes a ring by."""
-
-    batch: int
-    heads_kv: int
-    seq_kv: int
-    head_dim: int
-    dtype: torch.dtype
-    head_dim_v: int | None
 
 
 def collective_schedule(
@@ -149,6 +120,14 @@ def collective_schedule(
         raise ValueError(
             f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}"
         )
+    kv = KVShards.of(
+        batch=batch,
+        heads_kv=heads_kv,
+        seq_kv=seq_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        head_dim_v=head_dim_v,
+    )
     if return_max_logit:
         if strategy != "ring" or sparse_kv or halo is True:
             raise ValueError(
@@ -160,31 +139,15 @@ def collective_schedule(
                 "collective_schedule: return_max_logit=True needs heads= (query "
                 f"heads, an int >= 1), got {heads!r}"
             )
-        sizes = _RingSizes(
-            batch=batch,
-            heads_kv=heads_kv,
-            seq_kv=seq_kv,
-            head_dim=head_dim,
-            dtype=dtype,
-            head_chunks=head_chunks,
-            head_dim_v=head_dim_v,
-        )
-        ring_schedule(world_size, rotate_method, compiled=compiled, **sizes)  # (checks arguments)
-        # Under torch.compile the call runs eagerly (ring_impl.api.MAX_LOGIT_RUNS_EAGERLY).
-        schedule = collective_schedule(world_size, rotate_method, compiled=False, **sizes)
+        # Under torch.compile the call runs eagerly (ring_impl.api.MAX_LOGIT_RUNS_EAGERLY), so
+        # `compiled` is checked but the eager ring's collectives are declared.
+        ring_schedule(world_size, rotate_method, kv, compiled=compiled, head_chunks=head_chunks)
+        schedule = ring_schedule(world_size, rotate_method, kv, head_chunks=head_chunks)
         if world_size > 1:
             entry = schedule["forward"].setdefault("all_reduce", {"calls": 0, "bytes": 0})
             entry["calls"] += 1
-            entry["bytes"] += 2 * heads * accumulation_dtype(dtype).itemsize
+            entry["bytes"] += 2 * heads * kv.acc_itemsize
         return schedule
-    kv = _KVSizes(
-        batch=batch,
-        heads_kv=heads_kv,
-        seq_kv=seq_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        head_dim_v=head_dim_v,
-    )
     if sparse_kv and world_size > 1:
         return _gather_schedule(
             world_size,
@@ -215,12 +178,12 @@ def collective_schedule(
             strategy,
             (mesh_shape[0], mesh_shape[1]),
             rotate_method,
+            kv,
             heads=heads,
             seq_q=seq_q,
             compiled=compiled,
             head_chunks=head_chunks,
             return_lse=return_lse,
-            **kv,
         )
     if mask is not None and halo is not False and world_size > 1 and strategy == "ring":
         folded = fold_causal(mask, is_causal)
@@ -243,24 +206,13 @@ def collective_schedule(
             )
             assert reach is not None
             assert rank is not None  # _check_per_rank_path raised unless rank is an int in range
-            return halo_schedule(
-                world_size,
-                rank,
-                *reach,
-                batch=batch,
-                heads_kv=heads_kv,
-                head_dim=head_dim,
-                dtype=dtype,
-                head_dim_v=head_dim_v,
-            )
+            return halo_schedule(world_size, rank, *reach, kv)
         if halo:
             raise ValueError(
                 "collective_schedule: halo=True but the halo exchange cannot serve this call: "
                 f"{refusal}"
             )
-    return ring_schedule(
-        world_size, rotate_method, compiled=compiled, head_chunks=head_chunks, **kv
-    )
+    return ring_schedule(world_size, rotate_method, kv, compiled=compiled, head_chunks=head_chunks)
 
 
 def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | None, bool]:
@@ -288,7 +240,7 @@ def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | 
 def _gather_schedule(
     world_size,
     rotate_method,
-    kv: _KVSizes,
+    kv: KVShards,
     *,
     mask,
     is_causal,
@@ -322,37 +274,30 @@ def _gather_schedule(
         rank=rank,
         world_size=world_size,
         layout=layout,
-        seq_q=kv["seq_kv"] if seq_q is None else seq_q,
-        seq_kv=kv["seq_kv"],
-        batch=kv["batch"],
+        seq_q=kv.seq_kv if seq_q is None else seq_q,
+        seq_kv=kv.seq_kv,
+        batch=kv.batch,
         heads=heads or 1,
     )
-    return gather_schedule(
-        plan,
-        world_size=world_size,
-        batch=kv["batch"],
-        heads_kv=kv["heads_kv"],
-        head_dim=kv["head_dim"],
-        dtype=kv["dtype"],
-        head_dim_v=kv["head_dim_v"],
-    )
+    return gather_schedule(plan, kv, world_size=world_size)
 
 
 def _check_per_rank_path(
     why_rank: str,
     world_size: int,
     rotate_method: str,
-    kv: _KVSizes,
+    kv: KVShards,
     *,
     rank,
     compiled: bool,
 ) -> None:
     """The checks of a masked path whose collectives depend on the rank (the halo exchange, the
-    sparse gather): eager only, ``rank`` given, and the sizes as the ring checks them."""
+    sparse gather): eager only, ``rank`` given, and the world size and transport as the ring
+    checks them."""
     if compiled:
         raise ValueError("collective_schedule: mask= runs eagerly only (compiled=False)")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(
             f"collective_schedule: {why_rank}: pass rank= (0 <= rank < {world_size}), got {rank!r}"
         )
-    ring_schedule(world_size, rotate_method, **kv)
+    ring_schedule(world_size, rotate_method, kv)

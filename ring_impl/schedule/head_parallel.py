@@ -27,13 +27,12 @@ twice.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
 from ..checks.mesh import exchange_calls, exchange_nbytes
 from ..exchanges.ulysses import kv_replication
-from ..ops import accumulation_dtype
 from ..planning.mesh_layout import check_strategy
-from .ring import ring_schedule
+from .ring import KVShards, check_size, ring_schedule
 
 __all__ = ["strategy_schedule"]
 
@@ -49,40 +48,25 @@ def _add(into: dict[str, dict[str, int]], kind: str, calls: int, nbytes: int) ->
 def strategy_schedule(
     strategy: str,
     mesh_shape: tuple[int, int],
-    rotate_method: str = "allgather",
+    rotate_method: str,
+    kv: KVShards,
     *,
-    batch: int,
     heads: int,
-    heads_kv: int,
     seq_q: int,
-    seq_kv: int,
-    head_dim: int,
-    dtype: torch.dtype,
     compiled: bool = False,
     head_chunks: int = 1,
     return_lse: bool = True,
-    head_dim_v: int | None = None,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` of one forward and one backward call of
-    ``strategy`` ("ulysses" on a ``(U, 1)`` mesh, "hybrid" on ``(U, R)``); ``seq_q``/``seq_kv``
-    are local lengths; ``head_dim_v`` value's head dim (None: ``head_dim``). ValueError for bad
+    ``strategy`` ("ulysses" on a ``(U, 1)`` mesh, "hybrid" on ``(U, R)``) on ranks holding the
+    shards ``kv`` and ``seq_q`` local query positions of ``heads`` heads. ValueError for bad
     sizes."""
     check_strategy(strategy)
     if strategy == "ring":
         raise ValueError("strategy_schedule: use ring_impl.collective_schedule for the ring")
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    sizes = {
-        "batch": batch,
-        "heads": heads,
-        "heads_kv": heads_kv,
-        "seq_q": seq_q,
-        "seq_kv": seq_kv,
-        "head_dim": head_dim,
-        "head_dim_v": head_dim_v,
-    }
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"strategy_schedule: {name} must be an int >= 1, got {value!r}")
+    check_size("strategy_schedule", "heads", heads)
+    check_size("strategy_schedule", "seq_q", seq_q)
+    batch, heads_kv, seq_kv, head_dim = kv.batch, kv.heads_kv, kv.seq_kv, kv.head_dim
     u, r = (int(n) for n in mesh_shape)
     if strategy == "ulysses" and r != 1:
         raise ValueError(f"strategy_schedule: Ulysses runs on a (U, 1) mesh, got {mesh_shape!r}")
@@ -93,7 +77,7 @@ def strategy_schedule(
         )
     fwd: dict[str, dict[str, int]] = {}
     bwd: dict[str, dict[str, int]] = {}
-    it, acc = dtype.itemsize, accumulation_dtype(dtype).itemsize
+    it, acc = kv.dtype.itemsize, kv.acc_itemsize
     hkv = heads_kv * kv_replication(heads_kv, u)
     if exchange_calls(
         (u, r)
@@ -105,22 +89,17 @@ def strategy_schedule(
             exchange_calls((u, r)) * exchange_nbytes(u * r),
         )
     if u > 1:
-        qkv = batch * ((heads * seq_q + hkv * seq_kv) * head_dim + hkv * seq_kv * head_dim_v) * it
-        back = batch * heads * seq_q * (head_dim_v * it + (acc if return_lse else 0))
+        qkv = (
+            batch * ((heads * seq_q + hkv * seq_kv) * head_dim + hkv * seq_kv * kv.head_dim_v) * it
+        )
+        back = batch * heads * seq_q * (kv.head_dim_v * it + (acc if return_lse else 0))
         _add(fwd, "all_to_all", 2, qkv + back)
         _add(bwd, "all_to_all", 2, back + qkv)
     if strategy == "hybrid" and r > 1:
+        # the ring of a row shard: the replicated heads split over U, U times the positions
+        row_shard = replace(kv, heads_kv=hkv // u, seq_kv=u * seq_kv)
         ring = ring_schedule(
-            r,
-            rotate_method,
-            batch=batch,
-            heads_kv=hkv // u,
-            seq_kv=u * seq_kv,
-            head_dim=head_dim,
-            dtype=dtype,
-            compiled=bool(compiled),
-            head_chunks=head_chunks,
-            head_dim_v=head_dim_v,
+            r, rotate_method, row_shard, compiled=bool(compiled), head_chunks=head_chunks
         )
         ring["forward"].pop("all_reduce", None)  # the hybrid checks its input once, on the mesh
         for phase, into in (("forward", fwd), ("backward", bwd)):

@@ -15,6 +15,7 @@ from ring_impl import collective_schedule
 from ring_impl.checks.mesh import strategy_problem
 from ring_impl.exchanges.ulysses import kv_replication
 from ring_impl.schedule.head_parallel import strategy_schedule
+from ring_impl.schedule.ring import KVShards
 from suites.cases import RingCase
 from suites.inputs import InputSpec
 
@@ -94,7 +95,8 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
     # U=4, batch 2, 8 query heads, 2 key/value heads (each replicated twice: 4), local length 4,
     # head_dim 8, bfloat16 (2 bytes), LSE float32 (4 bytes).
     sizes = dict(batch=2, heads_kv=2, seq_kv=4, head_dim=8, dtype=torch.bfloat16)
-    got = strategy_schedule("ulysses", (4, 1), heads=8, seq_q=4, return_lse=True, **sizes)
+    shards = KVShards.of(**sizes)
+    got = strategy_schedule("ulysses", (4, 1), "alltoall", shards, heads=8, seq_q=4)
     q, kv, out, lse = 2 * 8 * 4 * 8 * 2, 2 * (2 * 4 * 4 * 8 * 2), 2 * 8 * 4 * 8 * 2, 2 * 8 * 4 * 4
     # int64 rows of 4 ranks: problem flag, 17 ring fields (the backward flag last), 5 strategy
     # fields, the ring's finiteness flag
@@ -107,7 +109,7 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
         "backward": {"all_to_all": {"calls": 2, "bytes": out + lse + q + kv}},
     }
     no_lse = strategy_schedule(
-        "ulysses", (4, 1), heads=8, seq_q=4, return_lse=False, compiled=True, **sizes
+        "ulysses", (4, 1), "alltoall", shards, heads=8, seq_q=4, return_lse=False, compiled=True
     )
     # compiled: the same, the cross-rank check included (ring_impl.compiled.checks)
     assert no_lse == {
@@ -122,9 +124,9 @@ def test_ulysses_schedule_worked_out_by_hand() -> None:
 
 
 def test_hybrid_schedule_is_the_rows_alltoalls_plus_the_ring_of_a_row_shard() -> None:
-    kw = dict(batch=1, heads=4, heads_kv=1, seq_q=4, seq_kv=4, head_dim=8, dtype=torch.float32)
-    hybrid = strategy_schedule("hybrid", (2, 3), "p2p", **kw)
-    ulysses = strategy_schedule("ulysses", (2, 1), **kw)
+    shards = KVShards.of(batch=1, heads_kv=1, seq_kv=4, head_dim=8, dtype=torch.float32)
+    hybrid = strategy_schedule("hybrid", (2, 3), "p2p", shards, heads=4, seq_q=4)
+    ulysses = strategy_schedule("ulysses", (2, 1), "allgather", shards, heads=4, seq_q=4)
     # the ring across 3 rows carries the row shard (2 x 4 positions)
     # of 1 key/value head (MQA: 2 replicas, 1 per rank)
     ring = collective_schedule(
@@ -295,13 +297,9 @@ def test_hybrid_ring_runs_head_chunks(ring, rotate: str, chunks: int) -> None:
         "hybrid",
         (2, 2),
         rotate,
-        batch=1,
+        KVShards.of(batch=1, heads_kv=6, seq_kv=4, head_dim=8, dtype=torch.float32),
         heads=12,
-        heads_kv=6,
         seq_q=4,
-        seq_kv=4,
-        head_dim=8,
-        dtype=torch.float32,
         head_chunks=chunks,
     )
     for rank, r in enumerate(results):
