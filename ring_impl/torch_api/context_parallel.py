@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,8 @@ from .sdpa_route import Route, routing, sdpa_routed_to_ring
 __all__ = [
     "DEFAULT_CP_LAYOUT",
     "ContextParallelError",
+    "RouteOptions",
     "ShardedBuffers",
-    "check_options",
     "context_parallel",
     "context_parallel_unshard",
     "sdpa_routed_to_ring",
@@ -75,30 +76,53 @@ class ContextParallelError(ValueError):
 CP_STRATEGIES = ("ring", "ulysses", "hybrid")
 
 
-def check_options(*, layout, rotate_method, op, head_chunks, strategy="ring") -> str | None:
-    """The problem with the routing options, or None. Never raises.
+@dataclass(frozen=True)
+class RouteOptions:
+    """How routed SDPA calls run: the options ``context_parallel`` and ``ContextParallel`` take.
 
     layout: a ring_impl layout; rotate_method: None (the process default) or a rotation
     method; op: None / "auto", a registered op name or an AttentionOp object; head_chunks: a
-    positive int; strategy: "ring" or "ulysses".
+    positive int; strategy: one of ``CP_STRATEGIES``.
     """
-    if not isinstance(strategy, str) or strategy not in CP_STRATEGIES:
-        return (
-            f"unknown strategy {strategy!r}; context parallel routes SDPA to one of {CP_STRATEGIES}"
+
+    layout: str = DEFAULT_CP_LAYOUT
+    rotate_method: str | None = None
+    op: str | AttentionOp | None = None
+    head_chunks: int = 1
+    strategy: str = "ring"
+
+    def problem(self) -> str | None:
+        """The problem with these options, or None. Never raises."""
+        if not isinstance(self.strategy, str) or self.strategy not in CP_STRATEGIES:
+            return (
+                f"unknown strategy {self.strategy!r}; context parallel routes SDPA to one of "
+                f"{CP_STRATEGIES}"
+            )
+        try:
+            check_layout(self.layout)
+            if self.rotate_method is not None:
+                check_rotate_method(self.rotate_method)
+            if isinstance(self.op, str) and self.op != "auto":
+                get_op(self.op)
+            elif self.op is not None and not isinstance(self.op, str):
+                # checks the op object's interface
+                resolve_op(self.op, torch.device("cpu"), torch.float32, 1)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        return check_head_chunks(self.head_chunks, None)
+
+    def route(self, group: dist.ProcessGroup, mesh=None) -> Route:
+        """The route of these options over ``group`` (``mesh``: the 2-D DeviceMesh of the
+        hybrid, whose flattened group ``group`` is)."""
+        return Route(
+            group,
+            self.layout,
+            self.rotate_method,
+            self.op,
+            self.head_chunks,
+            self.strategy,
+            mesh=mesh,
         )
-    try:
-        check_layout(layout)
-        if rotate_method is not None:
-            check_rotate_method(rotate_method)
-        if isinstance(op, str) and op != "auto":
-            get_op(op)
-        elif op is not None and not isinstance(op, str):
-            resolve_op(
-                op, torch.device("cpu"), torch.float32, 1
-            )  # checks the op object's interface
-    except (TypeError, ValueError) as exc:
-        return str(exc)
-    return check_head_chunks(head_chunks, None)
 
 
 # Buffers sharded by an active context_parallel: id -> tensor (held so the id stays unique).
@@ -367,21 +391,17 @@ def sharded_and_routed(
 ) -> Iterator[None]:
     """``context_parallel`` with its two parts given: the buffer handling and the routing (the
     options, and their defaults, as :func:`context_parallel`'s)."""
-    layout = DEFAULT_CP_LAYOUT if layout is None else layout
-    problem = check_options(
-        layout=layout,
-        rotate_method=rotate_method,
-        op=op,
-        head_chunks=head_chunks,
-        strategy=strategy,
+    options = RouteOptions(
+        DEFAULT_CP_LAYOUT if layout is None else layout, rotate_method, op, head_chunks, strategy
     )
+    problem = options.problem()
     # The ranks agree over a group that depends on the mesh alone, not on the options they may
     # disagree on: a rank with a bad option still joins the all-reduce the others wait in.
     agree_group = agreement_group(mesh)
     sharded = None
     if problem is None:
         try:
-            group, shard_layout, route_mesh = cp_sharding(mesh, layout, strategy)
+            group, shard_layout, route_mesh = cp_sharding(mesh, options.layout, strategy)
         except (TypeError, ValueError) as exc:  # a mesh the strategy cannot take
             problem = str(exc)
         else:
@@ -391,9 +411,7 @@ def sharded_and_routed(
     assert sharded is not None
     try:
         sharded.shard()
-        with route_ctx(
-            Route(group, layout, rotate_method, op, head_chunks, strategy, mesh=route_mesh)
-        ):
+        with route_ctx(options.route(group, route_mesh)):
             yield
     except BaseException:
         sharded.restore(normal_exit=False)

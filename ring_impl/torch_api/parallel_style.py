@@ -38,8 +38,8 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..ops import AttentionOp
-from .context_parallel import DEFAULT_CP_LAYOUT, ContextParallelError, check_options, cp_sharding
-from .sdpa_route import Route, routing
+from .context_parallel import DEFAULT_CP_LAYOUT, ContextParallelError, RouteOptions, cp_sharding
+from .sdpa_route import routing
 
 __all__ = ["ContextParallel"]
 
@@ -67,17 +67,10 @@ class ContextParallel(ParallelStyle):
         strategy: str = "ring",
     ):
         super().__init__()
-        problem = check_options(
-            layout=layout,
-            rotate_method=rotate_method,
-            op=op,
-            head_chunks=head_chunks,
-            strategy=strategy,
-        )
+        self.options = RouteOptions(layout, rotate_method, op, head_chunks, strategy)
+        problem = self.options.problem()
         if problem is not None:
             raise ContextParallelError(f"ContextParallel: {problem}")
-        self.layout, self.rotate_method, self.op = layout, rotate_method, op
-        self.head_chunks, self.strategy = head_chunks, strategy
 
     #: The routing context entered around each forward (see ring_impl.torch_api.sdpa_route).
     route_ctx = staticmethod(routing)
@@ -85,16 +78,8 @@ class ContextParallel(ParallelStyle):
     def routing_hooks(self, device_mesh) -> tuple[Callable, Callable]:
         """The forward pre-hook that enters the routing and the forward hook that leaves it."""
         # One route object per module: compiled code guards on the route's fields, which stay equal.
-        group, _, mesh = cp_sharding(device_mesh, self.layout, self.strategy)
-        route = Route(
-            group,
-            self.layout,
-            self.rotate_method,
-            self.op,
-            self.head_chunks,
-            self.strategy,
-            mesh=mesh,
-        )
+        group, _, mesh = cp_sharding(device_mesh, self.options.layout, self.options.strategy)
+        route = self.options.route(group, mesh)
         active: list = []
 
         def enter(mod, args):
