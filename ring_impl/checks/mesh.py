@@ -39,6 +39,7 @@ __all__ = [
     "exchange_calls",
     "exchange_nbytes",
     "strategy_problem",
+    "ulysses_head_chunks_problem",
 ]
 
 
@@ -96,16 +97,21 @@ def strategy_problem(strategy: str, local: LocalCall, *, mesh_shape: tuple[int, 
                 f"{2 * u if strategy == 'ulysses' else 2 * r * u}"
             )
     if strategy == "ulysses":
-        if type(head_chunks) is not int or head_chunks != 1:  # 1.0 and True are not the int 1
-            return (
-                f"head_chunks={head_chunks!r} applies to the ring; exchange='ulysses' runs one "
-                "kernel call per rank on its slice of heads: leave head_chunks at 1"
-            )
-        return None
+        return ulysses_head_chunks_problem(head_chunks)
     heads_kv_per_rank = heads_kv * kv_replication(heads_kv, u) // u
     problem = check_head_chunks(head_chunks, heads_kv_per_rank)
     if problem is not None:
         return f"{problem} (the hybrid's ring runs on {heads_kv_per_rank} key/value heads per rank)"
+    return None
+
+
+def ulysses_head_chunks_problem(head_chunks) -> str | None:
+    """Why Ulysses cannot take ``head_chunks``, or None (only the int 1: Ulysses has no ring)."""
+    if type(head_chunks) is not int or head_chunks != 1:  # 1.0 and True are not the int 1
+        return (
+            f"head_chunks={head_chunks!r} applies to the ring; exchange='ulysses' runs one "
+            "kernel call per rank on its slice of heads: leave head_chunks at 1"
+        )
     return None
 
 

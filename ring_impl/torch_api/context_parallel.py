@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..checks.mesh import ulysses_head_chunks_problem
 from ..exchanges.heads import check_head_chunks
 from ..group import resolve_group
 from ..layout import check_layout, layout_divisor, shard, unshard
@@ -109,6 +110,8 @@ class RouteOptions:
                 resolve_op(self.op, torch.device("cpu"), torch.float32, 1)
         except (TypeError, ValueError) as exc:
             return str(exc)
+        if self.strategy == "ulysses":
+            return ulysses_head_chunks_problem(self.head_chunks)
         return check_head_chunks(self.head_chunks, None)
 
     def route(self, group: dist.ProcessGroup, mesh=None) -> Route:

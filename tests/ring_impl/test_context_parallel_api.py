@@ -121,6 +121,7 @@ def test_collective_schedule_of_one_rank_is_empty() -> None:
         ({"op": object()}, "lacks"),
         ({"head_chunks": 0}, "head_chunks must be a positive int"),
         ({"head_chunks": "2"}, "head_chunks must be a positive int"),
+        ({"strategy": "ulysses", "head_chunks": 2}, "head_chunks=2 applies to the ring"),
     ],
 )
 def test_context_parallel_style_checks_its_arguments_at_construction(
@@ -157,6 +158,8 @@ def _bad_entry(ctx, kind: str) -> dict:
         kw["op"] = "no_such_op"
     elif kind == "head_chunks":
         kw["head_chunks"] = 0
+    elif kind == "ulysses_head_chunks":
+        kw["strategy"], kw["head_chunks"] = "ulysses", 2
     elif kind == "dims_count":
         kw["buffer_seq_dims"] = [2, 2]
     elif kind == "dim_out_of_range_on_one_rank":
@@ -187,6 +190,7 @@ def _bad_entry(ctx, kind: str) -> dict:
         ("layout", "unknown layout 'zigzag'"),
         ("op", "unknown attention op 'no_such_op'"),
         ("head_chunks", "head_chunks must be a positive int"),
+        ("ulysses_head_chunks", "head_chunks=2 applies to the ring"),
         ("dims_count", "1 buffers but 2 buffer_seq_dims"),
         ("dim_out_of_range_on_one_rank", r"buffer_seq_dims\[0\]=7 is out of range"),
         ("not_a_tensor", r"buffers\[1\] is a str, not a tensor"),
