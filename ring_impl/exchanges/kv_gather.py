@@ -129,7 +129,7 @@ def gather_plan(
 ) -> GatherPlan:
     """The :class:`GatherPlan` of ``rank`` (``seq_q``/``seq_kv``: local lengths). Costs ``2W - 1``
     mask evaluations of a shard against a shard; cached by mask digest as the ring's plans are."""
-    device = torch.device(device or "cpu")
+    device = device if isinstance(device, torch.device) else torch.device(device or "cpu")
 
     def build() -> GatherPlan:
         from ..masks import visibility

@@ -1,0 +1,176 @@
+"""No call mixes device and host tensors: on a GPU such a mix raises, and CI has no GPU.
+
+Every path a GPU runs (the CUDA kernels' CPU emulations, reads made to count as on a GPU so that
+the device-side paths run: document ids and ``cu_seqlens`` on the device, one-rank reads before
+the kernel, per-call decisions) runs forward and backward under
+:class:`~tests.ring_impl.placement.DevicePlacement`, which tells the tensors that would be on
+the device from those that would be on the host, at W=1 and W=2. A mix fails the test with the
+function and the ``ring_impl`` lines that made it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.implementation import DEFAULT_IMPL_SPEC
+
+from .placement import DevicePlacement, backwards_checked
+
+SEQ = 256  # global tokens
+DOC_LENGTHS = (40, 60, 1, 100, 55)  # (sum SEQ)
+
+
+def _options(case: str, world: int) -> dict:
+    from ring_impl.masks import ChunkedCausal, Documents, MaskMod, PrefixLM, SlidingWindow
+
+    ids = torch.repeat_interleave(torch.arange(len(DOC_LENGTHS)), torch.tensor(DOC_LENGTHS) * world)
+    varlen, efficient = "cpu_flash_varlen_layout", "cpu_efficient_layout"
+    return {
+        "causal": dict(is_causal=True, op=efficient),
+        "causal_varlen": dict(is_causal=True, op=varlen),
+        "causal_head_tail_chunks": dict(
+            is_causal=True, layout="head_tail", head_chunks=2, op=efficient
+        ),
+        # the ids live on the device (made so below)
+        "documents": dict(mask=Documents(ids), op=varlen),
+        "documents_masked_efficient": dict(mask=Documents(ids), op="cpu_efficient_masked_layout"),
+        "documents_head_tail": dict(mask=Documents(ids), layout="head_tail", op=varlen),
+        "window": dict(mask=SlidingWindow(17, 0), op=varlen),
+        "window_masked_efficient": dict(
+            mask=SlidingWindow(17, 3), op="cpu_efficient_masked_layout"
+        ),
+        "chunked": dict(mask=ChunkedCausal(32), op=varlen),
+        "prefix": dict(mask=PrefixLM(50), op=varlen),
+        "mask_mod": dict(
+            mask=MaskMod(lambda b, h, q, kv: (kv <= q) & ((q - kv) % 3 != 1)), op=varlen
+        ),
+        "sinks": dict(is_causal=True, op=efficient),
+        "max_logit": dict(is_causal=True, return_max_logit=True, op=efficient),
+        "packed": dict(op=varlen),
+        "halo": dict(mask=SlidingWindow(17, 0), exchange="halo", op=varlen),
+        "gather": dict(mask=SlidingWindow(17, 0), exchange="gather", op=varlen),
+        "ulysses": dict(is_causal=True, exchange="ulysses", op=efficient),
+        "ulysses_documents": dict(mask=Documents(ids), exchange="ulysses", op=varlen),
+    }[case]
+
+
+def _mixes(ctx, case: str) -> list[str]:
+    """The mixes (function, ring_impl lines, count) of three calls of ``case`` on this rank."""
+    import ring_impl
+    from ring_impl import masks
+    from ring_impl.exchanges.ring import RingAttention
+
+    world, rank = ctx.world_size, ctx.rank
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (
+        ring_impl.shard(torch.randn(1, 4, SEQ * world, 16, generator=gen), world, rank, dim=2)
+        for _ in range(4)
+    )
+    check = DevicePlacement()
+    shortcut, free = RingAttention.reads_are_free, masks.reads_are_free
+    RingAttention.reads_are_free = lambda self, tensors: False  # as on a GPU
+    masks.reads_are_free = lambda t: False
+    try:
+        with backwards_checked(check):
+            for _ in range(3):  # the first call plans; the later ones take what it kept
+                options = _options(case, world)
+                inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+                grad = grad_out
+                if case == "sinks":
+                    options["sinks"] = torch.randn(4, generator=gen).requires_grad_()
+                if case == "packed":
+                    cu = torch.tensor([0, *DOC_LENGTHS], dtype=torch.int32).cumsum(0) * world
+                    options["cu_seqlens"] = cu.to(torch.int32)
+                    inputs = [t[0].transpose(0, 1).detach().requires_grad_() for t in inputs]
+                    grad = grad_out[0].transpose(0, 1).contiguous()
+                mask = options.get("mask")
+                for t in [*inputs, grad, *[x for x in options.values() if torch.is_tensor(x)]]:
+                    check.mark(t)
+                if isinstance(mask, masks.Documents):
+                    check.mark(mask.doc_ids)
+                with check:
+                    out = ring_impl.ring_attention(*inputs, group=ctx.group, **options)
+                    out = out[0] if isinstance(out, tuple) else out
+                    out.backward(grad)
+    finally:
+        RingAttention.reads_are_free, masks.reads_are_free = shortcut, free
+    return [
+        f"{name} at {' <- '.join(reversed(lines))} ({n}x)"
+        for (name, lines), n in check.mixes.items()
+    ]
+
+
+ONE_RANK = (
+    "causal",
+    "causal_varlen",
+    "documents",
+    "documents_masked_efficient",
+    "window",
+    "window_masked_efficient",
+    "chunked",
+    "prefix",
+    "mask_mod",
+    "sinks",
+    "max_logit",
+    "packed",
+)
+TWO_RANKS = (
+    *ONE_RANK,
+    "causal_head_tail_chunks",
+    "documents_head_tail",
+    "halo",
+    "gather",
+    "ulysses",
+    "ulysses_documents",
+)
+
+
+@pytest.mark.parametrize("world,case", [(1, c) for c in ONE_RANK] + [(2, c) for c in TWO_RANKS])
+def test_no_call_mixes_device_and_host_tensors(ring, world: int, case: str) -> None:
+    if ring.impl.spec != DEFAULT_IMPL_SPEC:
+        pytest.skip(
+            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
+            "without --impl to check it)"
+        )
+    per_rank = ring.rank_pool(world).run(_mixes, case)
+    for rank, mixes in enumerate(per_rank):
+        assert not mixes, (
+            f"{case}, W={world}, rank {rank}: device and host tensors mixed (a device mismatch "
+            "on a GPU):\n  " + "\n  ".join(mixes)
+        )
+
+
+# ---------------------------------------------------------------------- the check itself
+
+
+def test_placement_finds_a_host_tensor_beside_a_device_tensor() -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with DevicePlacement(q) as check:
+        doubled = q * 2
+        torch.cat([doubled, torch.zeros(1, 2, 1, 8, device=q.device)], dim=2)  # on the device
+        torch.cat([doubled, torch.zeros(1, 2, 4, 8).to(q)], dim=2)  # moved there
+        torch.cat([doubled, doubled.new_zeros(1, 2, 1, 8)], dim=2)  # made beside it
+        torch.cat([doubled, torch.zeros(1, 2, 1, 8)], dim=2)  # a host tensor: the mix
+        doubled[:, torch.tensor([0, 1, 0])]  # a host index: CUDA takes it
+        host = doubled.cpu()
+        torch.cat([host, torch.zeros(1, 2, 1, 8)], dim=2)  # both on the host
+        torch.cat([doubled, host], dim=2)  # the second mix
+    assert dict(check.mixes) == {("cat", ()): 2}  # (no ring_impl frame made them)
+
+
+def test_placement_checks_custom_backwards() -> None:
+    class HostOnes(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad + torch.ones(grad.shape)  # made on the host: a mix on a GPU
+
+    q = torch.randn(4, 8, requires_grad=True)
+    check = DevicePlacement(q)
+    with backwards_checked(check), check:
+        HostOnes.apply(q).sum().backward()
+    assert dict(check.mixes) == {("add", ()): 1}
