@@ -60,6 +60,15 @@ _FACTORIES = frozenset(
 _TO_HOST = frozenset({"cpu", "tolist", "numpy", "item"})
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor without one of its own (a wrapper
+    subclass, such as a functional collective's result: neither on the device nor the host)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 class DevicePlacement(TorchFunctionMode):
     """Records the mixes of device and host tensors (module docstring) inside it, in ``mixes``:
     ``{(function name, ring_impl frames): count}``."""
@@ -77,18 +86,18 @@ class DevicePlacement(TorchFunctionMode):
     def mark(self, t: torch.Tensor) -> None:
         """Put ``t`` (and whatever shares its storage) on the device."""
         self._tensors[id(t)] = t
-        ptr = t.untyped_storage().data_ptr()
+        ptr = _storage(t)
         if ptr:
             self._storages.add(ptr)
 
     def on_device(self, t: torch.Tensor) -> bool:
         if self._tensors.get(id(t)) is t:
             return True
-        return t.untyped_storage().data_ptr() in self._storages
+        return _storage(t) in self._storages
 
     def on_host(self, t: torch.Tensor) -> bool:
         """Made on the host inside the check (and not on the device)."""
-        return not self.on_device(t) and t.untyped_storage().data_ptr() in self._host
+        return not self.on_device(t) and _storage(t) in self._host
 
     def _device_object(self, x) -> bool:
         return isinstance(x, torch.device) and self._devices.get(id(x)) is x
@@ -134,8 +143,9 @@ class DevicePlacement(TorchFunctionMode):
         return result
 
     def _mark_host(self, t: torch.Tensor) -> None:
-        if not self.on_device(t):
-            self._host.add(t.untyped_storage().data_ptr())
+        ptr = _storage(t)
+        if ptr and not self.on_device(t):
+            self._host.add(ptr)
 
     def _host_copy(self, result):
         if isinstance(result, torch.Tensor):

@@ -52,7 +52,24 @@ def _options(case: str, world: int) -> dict:
         "gather": dict(mask=SlidingWindow(17, 0), exchange="gather", op=varlen),
         "ulysses": dict(is_causal=True, exchange="ulysses", op=efficient),
         "ulysses_documents": dict(mask=Documents(ids), exchange="ulysses", op=varlen),
+        "context_parallel": {},
     }[case]
+
+
+def _context_parallel(group, query, key, value, grad_out) -> None:
+    """SDPA and its backward under ``context_parallel`` on buffers holding the whole sequence
+    (sharded on entry, restored on exit; ``grad_out`` sharded with them), the output unsharded."""
+    import torch.nn.functional as F
+
+    import ring_impl
+
+    world = group.size()
+    buffers = [t.detach().repeat(1, 1, world, 1) for t in (query, key, value, grad_out)]
+    with ring_impl.context_parallel(group, buffers=buffers, buffer_seq_dims=[2] * 4):
+        q, k, v = (t.requires_grad_() for t in buffers[:3])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (out * buffers[3]).sum().backward()
+        ring_impl.context_parallel_unshard(group, [out.detach()], [2])
 
 
 def _mixes(ctx, case: str) -> list[str]:
@@ -90,6 +107,9 @@ def _mixes(ctx, case: str) -> list[str]:
                 if isinstance(mask, masks.Documents):
                     check.mark(mask.doc_ids)
                 with check:
+                    if case == "context_parallel":
+                        _context_parallel(ctx.group, *inputs, grad)
+                        continue
                     out = ring_impl.ring_attention(*inputs, group=ctx.group, **options)
                     out = out[0] if isinstance(out, tuple) else out
                     out.backward(grad)
@@ -123,6 +143,7 @@ TWO_RANKS = (
     "gather",
     "ulysses",
     "ulysses_documents",
+    "context_parallel",
 )
 
 
