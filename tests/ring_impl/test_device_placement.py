@@ -4,8 +4,8 @@ Every path a GPU runs (the CUDA kernels' CPU emulations, reads made to count as 
 the device-side paths run: document ids and ``cu_seqlens`` on the device, one-rank reads before
 the kernel, per-call decisions) runs forward and backward under
 :class:`~tests.ring_impl.placement.DevicePlacement`, which tells the tensors that would be on
-the device from those that would be on the host, at W=1 and W=2. A mix fails the test with the
-function and the ``ring_impl`` lines that made it.
+the device from those that would be on the host, at W=1 and W=2 (the hybrid at W=4). A mix
+fails the test with the function and the ``ring_impl`` lines that made it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,26 @@ from conformance.implementation import DEFAULT_IMPL_SPEC
 
 from .placement import DevicePlacement, backwards_checked
 
-SEQ = 256  # global tokens
-DOC_LENGTHS = (40, 60, 1, 100, 55)  # (sum SEQ)
+SEQ = 256  # tokens per rank
+DOC_LENGTHS = (40, 60, 1, 100, 55)  # (sum SEQ), times the world size
+KV_SEQ = 96  # key/value tokens per rank of the cross-attention case
+
+
+def _lengths(case: str, world: int) -> list[int]:
+    """Query tokens per rank: SEQ each, or uneven (``shard_lengths``) for the uneven cases."""
+    if case.startswith("uneven"):
+        return [SEQ + 44 if r % 2 == 0 else SEQ - 44 for r in range(world)]
+    return [SEQ] * world
+
+
+def _rows(case: str, world: int, rank: int) -> tuple[slice, slice]:
+    """This rank's query and key/value rows of the global sequences: consecutive rows of the
+    right lengths (what placement depends on), whatever the case's layout."""
+    lengths = _lengths(case, world)
+    q_rows = slice(sum(lengths[:rank]), sum(lengths[: rank + 1]))
+    if case == "cross_documents":
+        return q_rows, slice(rank * KV_SEQ, (rank + 1) * KV_SEQ)
+    return q_rows, q_rows
 
 
 def _options(case: str, world: int) -> dict:
@@ -53,6 +71,18 @@ def _options(case: str, world: int) -> dict:
         "ulysses": dict(is_causal=True, exchange="ulysses", op=efficient),
         "ulysses_documents": dict(mask=Documents(ids), exchange="ulysses", op=varlen),
         "context_parallel": {},
+        # ranks hold uneven shares of the SEQ * W tokens (_lengths: shard_lengths, given below)
+        "uneven": dict(is_causal=True, op=varlen),
+        "uneven_documents": dict(mask=Documents(ids), op=varlen),
+        # KV_SEQ * W keys, each query document seeing its own (kv_doc_ids on the device too)
+        "cross_documents": dict(
+            mask=Documents(
+                ids, kv_doc_ids=torch.arange(KV_SEQ * world) * len(DOC_LENGTHS) // (KV_SEQ * world)
+            ),
+            op=varlen,
+        ),
+        "hybrid": dict(is_causal=True, exchange="hybrid", op=efficient),
+        "hybrid_window": dict(mask=SlidingWindow(17, 0), exchange="hybrid", op=varlen),
     }[case]
 
 
@@ -80,10 +110,11 @@ def _mixes(ctx, case: str) -> list[str]:
 
     world, rank = ctx.world_size, ctx.rank
     gen = torch.Generator().manual_seed(0)
-    q, k, v, grad_out = (
-        ring_impl.shard(torch.randn(1, 4, SEQ * world, 16, generator=gen), world, rank, dim=2)
-        for _ in range(4)
-    )
+    q_rows, kv_rows = _rows(case, world, rank)
+    kv_seq = (KV_SEQ if case == "cross_documents" else SEQ) * world
+    q, grad_out = (torch.randn(1, 4, SEQ * world, 16, generator=gen)[:, :, q_rows] for _ in "qg")
+    k, v = (torch.randn(1, 4, kv_seq, 16, generator=gen)[:, :, kv_rows] for _ in "kv")
+    group = ctx.device_mesh((2, 2), ("ring", "ulysses")) if case.startswith("hybrid") else ctx.group
     check = DevicePlacement()
     shortcut, free = RingAttention.reads_are_free, masks.reads_are_free
     RingAttention.reads_are_free = lambda self, tensors: False  # as on a GPU
@@ -94,6 +125,8 @@ def _mixes(ctx, case: str) -> list[str]:
                 options = _options(case, world)
                 inputs = [t.clone().requires_grad_() for t in (q, k, v)]
                 grad = grad_out
+                if case.startswith("uneven"):
+                    options["shard_lengths"] = _lengths(case, world)
                 if case == "sinks":
                     options["sinks"] = torch.randn(4, generator=gen).requires_grad_()
                 if case == "packed":
@@ -106,11 +139,13 @@ def _mixes(ctx, case: str) -> list[str]:
                     check.mark(t)
                 if isinstance(mask, masks.Documents):
                     check.mark(mask.doc_ids)
+                    if mask.kv_doc_ids is not None:
+                        check.mark(mask.kv_doc_ids)
                 with check:
                     if case == "context_parallel":
-                        _context_parallel(ctx.group, *inputs, grad)
+                        _context_parallel(group, *inputs, grad)
                         continue
-                    out = ring_impl.ring_attention(*inputs, group=ctx.group, **options)
+                    out = ring_impl.ring_attention(*inputs, group=group, **options)
                     out = out[0] if isinstance(out, tuple) else out
                     out.backward(grad)
     finally:
@@ -144,10 +179,17 @@ TWO_RANKS = (
     "ulysses",
     "ulysses_documents",
     "context_parallel",
+    "uneven",
+    "uneven_documents",
+    "cross_documents",
 )
+FOUR_RANKS = ("hybrid", "hybrid_window")
 
 
-@pytest.mark.parametrize("world,case", [(1, c) for c in ONE_RANK] + [(2, c) for c in TWO_RANKS])
+@pytest.mark.parametrize(
+    "world,case",
+    [(1, c) for c in ONE_RANK] + [(2, c) for c in TWO_RANKS] + [(4, c) for c in FOUR_RANKS],
+)
 def test_no_call_mixes_device_and_host_tensors(ring, world: int, case: str) -> None:
     if ring.impl.spec != DEFAULT_IMPL_SPEC:
         pytest.skip(
