@@ -113,7 +113,9 @@ class ScoreMod:
     ) -> torch.Tensor | None:
         return None
 
-    def check(self, *, batch: int, heads: int, seq_q: int, seq_kv: int) -> str | None:
+    def check(self, *, batch: int, heads: int, seq_q: int, seq_kv: int, device=None) -> str | None:
+        """What is wrong with it for a call of these global sizes on ``device`` (the inputs'
+        device; None: the CPU), or None."""
         return None
 
     def describe(self) -> str:
@@ -141,7 +143,7 @@ class SoftCap(ScoreMod):
     def derivative(self, score, b, h, q, kv):
         return 1 - torch.tanh(score / self.cap).square()
 
-    def check(self, *, batch, heads, seq_q, seq_kv):
+    def check(self, *, batch, heads, seq_q, seq_kv, device=None):
         if (
             isinstance(self.cap, bool)
             or not isinstance(self.cap, (int, float))
@@ -176,7 +178,7 @@ class Alibi(ScoreMod):
         dist = (kv - q).to(score.dtype)
         return score + slope * (-dist.abs() if self.symmetric else dist)
 
-    def check(self, *, batch, heads, seq_q, seq_kv):
+    def check(self, *, batch, heads, seq_q, seq_kv, device=None):
         if not isinstance(self.symmetric, bool):
             return f"Alibi.symmetric must be a bool, got {self.symmetric!r}"
         if isinstance(self.slopes, bool):
@@ -237,7 +239,7 @@ class PostScaleBias(ScoreMod):
         hi = h if t.shape[1] > 1 else torch.zeros_like(h)
         return score + t[bi, hi, q, kv]
 
-    def check(self, *, batch, heads, seq_q, seq_kv):
+    def check(self, *, batch, heads, seq_q, seq_kv, device=None):
         t = self.bias
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return f"PostScaleBias.bias must be a floating tensor, got {type(t).__name__}" + (
@@ -294,18 +296,20 @@ class ScoreModFn(ScoreMod):
             (d,) = torch.autograd.grad(out, s, torch.ones_like(out), allow_unused=True)
         return torch.zeros_like(score) if d is None else d
 
-    def check(self, *, batch, heads, seq_q, seq_kv):
-        # Evaluated on the corners and a strided grid of the global positions: a function that
+    def check(self, *, batch, heads, seq_q, seq_kv, device=None):
+        # Evaluated on the corners and a strided grid of the global positions, on the device the
+        # call evaluates it on (a flex-style function reads its tables there): a function that
         # fails (an index out of range, a wrong shape) fails here on every rank alike.
+        where = _device(device)
         qs = torch.unique(
             torch.cat([torch.arange(0, seq_q, max(1, seq_q // 16)), torch.tensor([seq_q - 1])])
-        )
+        ).to(where)
         ks = torch.unique(
             torch.cat([torch.arange(0, seq_kv, max(1, seq_kv // 16)), torch.tensor([seq_kv - 1])])
-        )
-        b = torch.arange(batch).view(-1, 1, 1, 1)
-        h = torch.arange(heads).view(1, -1, 1, 1)
-        score = torch.zeros(batch, heads, qs.numel(), ks.numel(), dtype=torch.float64)
+        ).to(where)
+        b = torch.arange(batch, device=where).view(-1, 1, 1, 1)
+        h = torch.arange(heads, device=where).view(1, -1, 1, 1)
+        score = torch.zeros(batch, heads, qs.numel(), ks.numel(), dtype=torch.float64, device=where)
         try:
             out = torch.as_tensor(self.fn(score, b, h, qs.view(1, 1, -1, 1), ks.view(1, 1, 1, -1)))
         except Exception as exc:  # bad input, not a crash
@@ -343,11 +347,17 @@ class ScoreModFn(ScoreMod):
         bs, hs, qs, ks = probe_grid(min(batch, 8), min(heads, 16), seq_q, seq_kv)
         qs = torch.unique(torch.cat([qs[:: max(1, qs.numel() // 16)], qs[-1:]]))
         ks = torch.unique(torch.cat([ks[:: max(1, ks.numel() // 16)], ks[-1:]]))
+        # on the device the call evaluates it on (a flex-style function reads its tables there)
+        where = _device(device)
+        bs, hs, qs, ks = (t.to(where) for t in (bs, hs, qs, ks))
         crc = 0
         try:
             for value in _PROBE_SCORES:
                 score = torch.full(
-                    (bs.numel(), hs.numel(), qs.numel(), ks.numel()), value, dtype=torch.float64
+                    (bs.numel(), hs.numel(), qs.numel(), ks.numel()),
+                    value,
+                    dtype=torch.float64,
+                    device=where,
                 )
                 out = self.apply(
                     score,
@@ -363,6 +373,11 @@ class ScoreModFn(ScoreMod):
 
     def spec(self) -> dict:
         return {"kind": "score_mod", "fn": self.fn}
+
+
+def _device(device) -> torch.device:
+    """``device`` as a torch.device (None: the CPU); one given as a torch.device is kept."""
+    return device if isinstance(device, torch.device) else torch.device(device or "cpu")
 
 
 def as_score_mod(score_mod) -> ScoreMod | None:
@@ -438,7 +453,9 @@ def score_mod_problem(
             f"{sq}/{skv} over {world_size} ranks ({exc})"
         )
     try:
-        return score_mod.check(batch=b, heads=h, seq_q=sq * world_size, seq_kv=skv * world_size)
+        return score_mod.check(
+            batch=b, heads=h, seq_q=sq * world_size, seq_kv=skv * world_size, device=query.device
+        )
     except Exception as exc:  # a descriptor that trips over its own data is bad input
         return (
             f"score_mod {type(score_mod).__name__} cannot be checked ({type(exc).__name__}: {exc})"

@@ -114,7 +114,7 @@ def _problem(query, key, value, lengths, rank, layout, exchange, mask, score_mod
 
         sm = as_score_mod(score_mod)
         if isinstance(sm, ScoreMod):
-            problem = sm.check(batch=b, heads=h, seq_q=seq, seq_kv=seq)
+            problem = sm.check(batch=b, heads=h, seq_q=seq, seq_kv=seq, device=query.device)
     return problem
 
 

@@ -39,8 +39,17 @@ def _rows(case: str, world: int, rank: int) -> tuple[slice, slice]:
     return q_rows, q_rows
 
 
+#: a table a flex-style score_mod reads by global position (on the device: marked in _mixes)
+_TABLE = torch.linspace(-1.0, 1.0, 4096)
+
+
+def _table_score(score, b, h, q, kv):
+    return score + _TABLE[kv] - _TABLE[q]
+
+
 def _options(case: str, world: int) -> dict:
     from ring_impl.masks import ChunkedCausal, Documents, MaskMod, PrefixLM, SlidingWindow
+    from ring_impl.score_mods import Alibi, PostScaleBias, ScoreModFn, SoftCap, alibi_slopes
 
     ids = torch.repeat_interleave(torch.arange(len(DOC_LENGTHS)), torch.tensor(DOC_LENGTHS) * world)
     varlen, efficient = "cpu_flash_varlen_layout", "cpu_efficient_layout"
@@ -81,6 +90,14 @@ def _options(case: str, world: int) -> dict:
             ),
             op=varlen,
         ),
+        # score_mods run on the math op; their tensors (slopes, bias, a table) on the device
+        "alibi": dict(is_causal=True, score_mod=Alibi(4), op="math"),
+        "alibi_slopes": dict(is_causal=True, score_mod=Alibi(alibi_slopes(4).float()), op="math"),
+        "soft_cap": dict(mask=Documents(ids), score_mod=SoftCap(5.0), op="math"),
+        "bias": dict(
+            score_mod=PostScaleBias(torch.randn(1, 4, SEQ * world, SEQ * world)), op="math"
+        ),
+        "score_fn": dict(is_causal=True, score_mod=ScoreModFn(_table_score), op="math"),
         "hybrid": dict(is_causal=True, exchange="hybrid", op=efficient),
         "hybrid_window": dict(mask=SlidingWindow(17, 0), exchange="hybrid", op=varlen),
     }[case]
@@ -137,6 +154,11 @@ def _mixes(ctx, case: str) -> list[str]:
                 mask = options.get("mask")
                 for t in [*inputs, grad, *[x for x in options.values() if torch.is_tensor(x)]]:
                     check.mark(t)
+                score_mod = options.get("score_mod")
+                for held in ("slopes", "bias"):
+                    if torch.is_tensor(getattr(score_mod, held, None)):
+                        check.mark(getattr(score_mod, held))
+                check.mark(_TABLE)
                 if isinstance(mask, masks.Documents):
                     check.mark(mask.doc_ids)
                     if mask.kv_doc_ids is not None:
@@ -169,6 +191,7 @@ ONE_RANK = (
     "sinks",
     "max_logit",
     "packed",
+    "score_fn",
 )
 TWO_RANKS = (
     *ONE_RANK,
@@ -182,6 +205,10 @@ TWO_RANKS = (
     "uneven",
     "uneven_documents",
     "cross_documents",
+    "alibi",
+    "alibi_slopes",
+    "soft_cap",
+    "bias",
 )
 FOUR_RANKS = ("hybrid", "hybrid_window")
 

@@ -198,6 +198,26 @@ def test_auto_picks_an_op_that_takes_a_score_mod() -> None:
     assert not resolve_op("auto", torch.device("cpu"), torch.float32, 64).capabilities.score_mod
 
 
+def test_a_function_reading_device_tables_is_checked_and_probed_on_the_inputs_device() -> None:
+    """A flex-style score_mod closes over tables on the inputs' device (flex attention's
+    convention); evaluated on CPU positions it fails (CUDA tensor + CPU tensor), so its check
+    and its cross-rank probe run on the call's device. A table on the meta device stands in for
+    one on a GPU: it too refuses CPU operands."""
+    from ring_impl.score_mods import ScoreModFn
+
+    table = torch.zeros(64, device="meta")
+    mod = ScoreModFn(lambda score, b, h, q, kv: score + table[kv] - table[q])
+    sizes = dict(batch=1, heads=2, seq_q=8, seq_kv=8)
+    assert mod.check(**sizes, device=torch.device("meta")) is None
+    assert "cannot be evaluated" in (mod.check(**sizes) or "")  # (on the CPU: the mix fails)
+    # the probe reaches the function on the device (meta values cannot be read: unprobed there,
+    # but not for the device mismatch a CPU evaluation meets)
+    seen: list[torch.device] = []
+    probe = ScoreModFn(lambda score, b, h, q, kv: seen.append(score.device) or score + kv)
+    probe.agreement_text(1, 2, 8, 8, torch.device("meta"))
+    assert seen and all(d.type == "meta" for d in seen)
+
+
 def test_descriptor_digests_tell_data_apart() -> None:
     """What the ranks compare changes with every piece of a descriptor's data."""
     from ring_impl.score_mods import Alibi, PostScaleBias, ScoreModFn, SoftCap
