@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingGroup", "resolve_group"]
+__all__ = ["RingGroup", "as_device", "resolve_group"]
+
+
+def as_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a torch.device, the CPU for None. A torch.device is returned as it is, so
+    whatever a call builds on "its inputs' device" is built on the object read off the inputs
+    (``q.device``), which a placement check can follow (tests/ring_impl/placement.py)."""
+    return device if isinstance(device, torch.device) else torch.device(device or "cpu")
 
 
 def resolve_group(group) -> dist.ProcessGroup:

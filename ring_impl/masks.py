@@ -888,7 +888,9 @@ def _evaluation_device(mask, dev: torch.device, device) -> torch.device:
     """Where :func:`visibility` evaluates ``mask``: a MaskMod on ``device`` when given (its
     tables live with the inputs), everything else on the positions' own device ``dev``."""
     if device is not None and _holds_mask_mod(mask):
-        return torch.device(device)
+        from .group import as_device
+
+        return as_device(device)
     return dev
 
 

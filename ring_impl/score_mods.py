@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .group import as_device
+
 __all__ = [
     "Alibi",
     "BlockScores",
@@ -300,7 +302,7 @@ class ScoreModFn(ScoreMod):
         # Evaluated on the corners and a strided grid of the global positions, on the device the
         # call evaluates it on (a flex-style function reads its tables there): a function that
         # fails (an index out of range, a wrong shape) fails here on every rank alike.
-        where = _device(device)
+        where = as_device(device)
         qs = torch.unique(
             torch.cat([torch.arange(0, seq_q, max(1, seq_q // 16)), torch.tensor([seq_q - 1])])
         ).to(where)
@@ -348,7 +350,7 @@ class ScoreModFn(ScoreMod):
         qs = torch.unique(torch.cat([qs[:: max(1, qs.numel() // 16)], qs[-1:]]))
         ks = torch.unique(torch.cat([ks[:: max(1, ks.numel() // 16)], ks[-1:]]))
         # on the device the call evaluates it on (a flex-style function reads its tables there)
-        where = _device(device)
+        where = as_device(device)
         bs, hs, qs, ks = (t.to(where) for t in (bs, hs, qs, ks))
         crc = 0
         try:
@@ -373,11 +375,6 @@ class ScoreModFn(ScoreMod):
 
     def spec(self) -> dict:
         return {"kind": "score_mod", "fn": self.fn}
-
-
-def _device(device) -> torch.device:
-    """``device`` as a torch.device (None: the CPU); one given as a torch.device is kept."""
-    return device if isinstance(device, torch.device) else torch.device(device or "cpu")
 
 
 def as_score_mod(score_mod) -> ScoreMod | None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..group import as_device
 from ..layout import layout_runs
 from ..numerics.nonfinite import gradient_flags
 from ..planning.plan import Block, cached_by_mask, visibility_blocks
@@ -129,7 +130,7 @@ def gather_plan(
 ) -> GatherPlan:
     """The :class:`GatherPlan` of ``rank`` (``seq_q``/``seq_kv``: local lengths). Costs ``2W - 1``
     mask evaluations of a shard against a shard; cached by mask digest as the ring's plans are."""
-    device = device if isinstance(device, torch.device) else torch.device(device or "cpu")
+    device = as_device(device)
 
     def build() -> GatherPlan:
         from ..masks import visibility

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..group import as_device
 from ..layout import Runs, check_layout, layout_runs
 from ..masks import bounds_hash, visible_ranges
 from ..memo import host_memo
@@ -306,7 +307,7 @@ def masked_plan(
     is one block, ``full``, ``causal`` or ``ranges``, found from the mask's parameters in O(rows +
     cols) without evaluating it per pair; other steps are cut as above."""
     check_layout(layout)
-    device = torch.device(device or "cpu")
+    device = as_device(device)
     q_runs = layout_runs(layout, seq_q * world_size, world_size, rank)
     kv_runs = tuple(
         layout_runs(layout, seq_kv * world_size, world_size, r) for r in range(world_size)

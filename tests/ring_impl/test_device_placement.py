@@ -6,6 +6,11 @@ the kernel, per-call decisions) runs forward and backward under
 :class:`~tests.ring_impl.placement.DevicePlacement`, which tells the tensors that would be on
 the device from those that would be on the host, at W=1 and W=2 (the hybrid at W=4). A mix
 fails the test with the function and the ``ring_impl`` lines that made it.
+
+Not here: a ``MaskMod`` whose function reads tables on the device. The ring plans on host
+positions, and such a function fails there on a GPU by design; ``ring_impl.masks.visibility``
+then evaluates it again on the device (a fallback that a placement check cannot tell from a
+mix).
 """
 
 from __future__ import annotations
