@@ -39,7 +39,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import runner  # noqa: E402
-from harness.procs import run_tree  # noqa: E402  (each command's process tree dies with the script)
+from harness.procs import pytest_command, run_tree  # noqa: E402  (each command's process tree dies with the script)
 
 CASE_BODY = """\
     x = torch.ones(1)
@@ -190,19 +190,7 @@ def _command(kind: str, directory: Path, n: int) -> list[str]:
         return [sys.executable, str(path)]
     if kind == "harness+pytest":
         path = _write(directory, f"test_bench_{n}.py", PYTEST_FILE.format(body=body, n=n))
-        return [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "harness.pytest_plugin",
-            "--rootdir",
-            str(directory),
-            str(path),
-        ]
+        return pytest_command("-p", "harness.pytest_plugin", "--rootdir", str(directory), str(path))
     if kind == "MultiProcessTestCase":
         path = _write(
             directory,

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.procs import run_tree  # noqa: E402  (each job's process tree dies with the script)
+from harness.procs import pytest_command, run_tree  # noqa: E402  (each job's process tree dies with the script)
 
 
 @dataclass(frozen=True)
@@ -140,21 +140,7 @@ def jobs(cuda: bool) -> list[Job]:
 def run_job(job: Job, out: Path, extra: list[str], workers: str) -> dict:
     job_dir = out / job.name
     job_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        *job.paths,
-        "-n",
-        workers,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--report-dir",
-        str(job_dir),
-        *job.args,
-        *extra,
-    ]
+    cmd = pytest_command(*job.paths, "-n", workers, "--report-dir", str(job_dir), *job.args, *extra)
     env = {**os.environ, **job.env}
     started = time.time()
     with open(job_dir / "pytest.log", "w") as log:

@@ -47,6 +47,7 @@ __all__ = [
     "descendants",
     "install_parent_hooks",
     "pid_alive",
+    "pytest_command",
     "run_tree",
     "set_parent_death_signal",
     "signal_name",
@@ -529,6 +530,12 @@ def run_tree(
     if check and code:
         raise subprocess.CalledProcessError(code, list(argv), out, err)
     return subprocess.CompletedProcess(list(argv), code, out, err)
+
+
+def pytest_command(*args: str) -> list[str]:
+    """``pytest -q <args>`` as this interpreter's module (the environment under test, whatever
+    ``pytest`` is on PATH) and with no cache: runs that share the tree never share a cache."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
 
 
 def _supervise_main(args: list[str]) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 from conformance.implementation import Capabilities, load_implementation
-from harness.procs import run_tree  # the command's process tree dies with the test
+from harness.procs import pytest_command, run_tree  # the command's process tree dies with the test
 from harness.pytest_plugin import settings_of
 from meta_tests.correct import CORRECT
 from meta_tests.test_suite_catches_bugs import suite_env
@@ -52,25 +51,10 @@ def run_suites(
 ) -> subprocess.CompletedProcess:
     """``pytest <paths> <select>`` (every suite by default) at ``tier`` (its default world
     sizes) against ``impl`` in a fresh process."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        *paths,
-        *select,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:xdist",
-        "--impl",
-        impl,
-        "--tier",
-        tier,
-        "--report-dir",
-        "none",
-        f"--junitxml={junit}",
-    ]
+    cmd = pytest_command(
+        *paths, *select, "-p", "no:xdist", "--impl", impl, "--tier", tier, "--report-dir", "none"
+    )
+    cmd.append(f"--junitxml={junit}")
     return run_tree(cmd, cwd=ROOT, env=suite_env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -18,13 +18,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from harness.procs import run_tree  # the command's process tree dies with the test
+from harness.procs import pytest_command, run_tree  # the command's process tree dies with the test
 from meta_tests.broken import BROKEN as BROKEN_RINGS
 from meta_tests.broken import Broken
 from meta_tests.broken_api import BROKEN_API
@@ -81,21 +80,10 @@ SUITE_CASE_TIMEOUT_S = 60.0
 def run_suites(
     impl: str, *extra: str, timeout: float = 600, exitfirst: bool = True, suites: str = "suites"
 ) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        suites,
-        *(["-x"] if exitfirst else []),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--impl",
-        impl,
-        "--case-timeout",
-        f"{SUITE_CASE_TIMEOUT_S:g}",
-        *extra,
-    ]
+    first = ["-x"] if exitfirst else []
+    cmd = pytest_command(
+        suites, *first, "--impl", impl, "--case-timeout", f"{SUITE_CASE_TIMEOUT_S:g}", *extra
+    )
     if "-n" not in extra:
         cmd += ["-p", "no:xdist"]
     return run_tree(cmd, cwd=ROOT, env=suite_env(), capture_output=True, text=True, timeout=timeout)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-import pytest
 import torch
 
 from conformance.implementation import load_implementation, load_op
@@ -46,7 +45,6 @@ __all__ = [
     "lognormal_documents",
     "multi_mask_case",
     "multi_specs",
-    "require_balancer",
     "runs_positions",
     "runs_problem",
     "seq_len_for",
@@ -116,21 +114,6 @@ class BalanceCase(RingCase):
         return (
             f"ring_attention(W={self.world_size}, mask={self.family}, layout={self.layout}, "
             f"rotate={self.rotate_method}, seq={self.inputs.seq_q})"
-        )
-
-
-def require_balancer(ring, balancer: str) -> None:
-    """N/A unless the implementation claims ``balancer``; a claim without a callable
-    ``balanced_layout`` fails (the suite cannot build the layout it claims)."""
-    __tracebackhide__ = True
-    ring.require("balancers", balancer)
-    if not callable(getattr(ring.impl.obj, "balanced_layout", None)):
-        pytest.fail(
-            f"{ring.impl.name} claims capabilities.balancers {balancer!r} (undeclared means "
-            "claimed) but has no callable balanced_layout: add balanced_layout(balancer, mask, "
-            "seq_len, world_size) -> (layout, runs) (see conformance/implementation.py) or "
-            "declare capabilities.balancers without it",
-            pytrace=False,
         )
 
 

@@ -10,7 +10,7 @@ tests are generated, so a quick run does not even collect nightly cases.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +29,7 @@ __all__ = [
     "case_id",
     "draw_inputs",
     "draw_world_size",
+    "generate",
     "padded_lse_ops",
     "params",
     "seed_for",
@@ -44,6 +45,17 @@ LAYOUTS = ("contiguous", "head_tail")
 CPU_OPS = ("cpu_flash", "math", "cpu_efficient_layout", "cpu_cudnn_layout")
 #: Kernels that run on CUDA: the real padded-LSE (memory-efficient) and trailing-dim (cuDNN) ones.
 CUDA_OPS = ("cuda_flash", "math", "cuda_efficient", "cudnn")
+
+
+def generate(argument: str, cases: Callable[[pytest.Config], list]) -> Callable:
+    r"""A module's ``pytest_generate_tests``: each test taking ``argument`` runs once per entry of
+    ``cases(config)`` (cases or ``pytest.param``\ s)."""
+
+    def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+        if argument in metafunc.fixturenames:
+            metafunc.parametrize(argument, cases(metafunc.config))
+
+    return pytest_generate_tests
 
 
 def session_ops(config: pytest.Config) -> tuple[str, ...]:

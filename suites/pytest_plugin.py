@@ -137,14 +137,7 @@ class RingRunner:
             self.request.node.user_properties.append(
                 ("strategy_case", {"strategy": case.strategy, "mesh": list(case.mesh_shape)})
             )
-            self.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
-        self.require("layouts", case.layout)
-        if case.rotates:
-            self.require(
-                "rotate_methods",
-                case.rotate_method,
-                why="" if case.mesh_shape is None else "the hybrid's ring dimension",
-            )
+        self.require_exchange(case, rotates=case.rotates)
         if case.count_work:
             self.require("ops", "*", why="counting work wraps the attention op")
         if case.record:
@@ -156,6 +149,36 @@ class RingRunner:
         return replace(
             case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse")
         )
+
+    def require_exchange(self, case, *, rotates: bool = True) -> None:
+        """N/A unless the implementation claims how ``case`` is sharded and exchanged: its
+        strategy (a case on a mesh), its layout or load balancer, and (``rotates``) its rotation."""
+        __tracebackhide__ = True
+        mesh = case.mesh_shape
+        if mesh is not None:
+            self.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
+        balancer = getattr(case, "balancer", None)
+        if balancer is None:
+            self.require("layouts", case.layout)
+        else:
+            self.require_balancer(balancer)
+        if rotates:
+            why = "" if mesh is None else "the hybrid's ring dimension"
+            self.require("rotate_methods", case.rotate_method, why=why)
+
+    def require_balancer(self, balancer: str) -> None:
+        """N/A unless the implementation claims ``balancer``; a claim without a callable
+        ``balanced_layout`` fails (the suite cannot build the layout it claims)."""
+        __tracebackhide__ = True
+        self.require("balancers", balancer)
+        if not callable(getattr(self.impl.obj, "balanced_layout", None)):
+            pytest.fail(
+                f"{self.impl.name} claims capabilities.balancers {balancer!r} (undeclared means "
+                "claimed) but has no callable balanced_layout: add balanced_layout(balancer, mask, "
+                "seq_len, world_size) -> (layout, runs) (see conformance/implementation.py) or "
+                "declare capabilities.balancers without it",
+                pytrace=False,
+            )
 
     def require_inputs(self, case, op) -> None:
         """What every suite's case asks of its inputs and kernel (ring, strategy and mask cases

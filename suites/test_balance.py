@@ -39,11 +39,10 @@ from suites.cases_balance import (
     case_inputs,
     family_spec,
     judge_pairs,
-    require_balancer,
     runs_problem,
     window_left,
 )
-from suites.matrix import LAYOUTS, ROTATIONS, params, tier, world_sizes
+from suites.matrix import LAYOUTS, ROTATIONS, generate, params, tier, world_sizes
 from suites.pytest_plugin import case_properties
 
 #: The mask kinds (reference.masks) each family uses.
@@ -125,9 +124,7 @@ def _cases(config) -> list:
     return params(out, id_extra=lambda c: (c.family,))
 
 
-def pytest_generate_tests(metafunc):
-    if "balance_case_" in metafunc.fixturenames:
-        metafunc.parametrize("balance_case_", _cases(metafunc.config))
+pytest_generate_tests = generate("balance_case_", _cases)
 
 
 def _prepare(ring, case: BalanceCase) -> BalanceCase:
@@ -136,10 +133,7 @@ def _prepare(ring, case: BalanceCase) -> BalanceCase:
     for kind in sorted(KINDS[case.family]):
         ring.require("masks", kind, why=f"mask family {case.family!r}")
     ring.require("ops", "*", why="counting work wraps the attention op")
-    if case.balancer is None:
-        ring.require("layouts", case.layout)
-    else:
-        require_balancer(ring, case.balancer)
+    ring.require_exchange(case, rotates=False)
     rotate = next(
         (m for m in (case.rotate_method, *ROTATIONS) if ring.caps.claims("rotate_methods", m)), None
     )

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from harness.pytest_plugin import settings_of
 from suites import matrix
-from suites.cases_balance import BALANCER_LAYOUTS, require_balancer
+from suites.cases_balance import BALANCER_LAYOUTS
 from suites.cases_masks import (
     BATCH_DEPENDENT,
     MASK_NAMES,
@@ -350,9 +350,7 @@ def _strategy_cases(config) -> list[MaskCase]:
     return out
 
 
-def pytest_generate_tests(metafunc):
-    if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", _cases(metafunc.config))
+pytest_generate_tests = matrix.generate("case", _cases)
 
 
 def _kinds(data: dict) -> set[str]:
@@ -368,13 +366,7 @@ def _prepare(ring, case: MaskCase) -> MaskCase:
     if case.sinks:
         ring.require("sinks")
     ring.require("lse", why="the masked rows' LSE is part of the contract")
-    if case.mesh_shape is not None:
-        ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
-    if case.balancer is None:
-        ring.require("layouts", case.layout)
-    else:
-        require_balancer(ring, case.balancer)
-    ring.require("rotate_methods", case.rotate_method)
+    ring.require_exchange(case)
     ring.require("backward")
     ring.require_inputs(case, op)
     return replace(case, impl=ring.impl.spec, op=op)

@@ -37,11 +37,10 @@ from suites.cases_balance import (
     judge_pairs,
     multi_mask_case,
     multi_specs,
-    require_balancer,
     runs_problem,
     window_left,
 )
-from suites.matrix import ROTATIONS, params, tier, world_sizes
+from suites.matrix import ROTATIONS, generate, params, tier, world_sizes
 from suites.pytest_plugin import case_properties
 
 
@@ -70,9 +69,7 @@ def _multi_cases(config) -> list:
     return params(out, id_extra=lambda c: ("multi",))
 
 
-def pytest_generate_tests(metafunc):
-    if "multi_case_" in metafunc.fixturenames:
-        metafunc.parametrize("multi_case_", _multi_cases(metafunc.config))
+pytest_generate_tests = generate("multi_case_", _multi_cases)
 
 
 #: max/mean of the weighted work (:data:`MULTI_MASKS`) per balancer. work_aware weighs each
@@ -116,7 +113,7 @@ def test_multi_mask_layout_balanced_and_correct(ring, multi_case_: MultiMaskCase
     for kind in ("and", "document", "sliding_window"):
         ring.require("masks", kind, why="the model's masks: documents, and a window")
     ring.require("ops", "*", why="counting work wraps the attention op")
-    require_balancer(ring, case.balancer)
+    ring.require_balancer(case.balancer)
     ring.require("multi_mask_layouts", why="balanced_layout with several weighted masks")
     ring.require("rotate_methods", case.rotate_method)
     ring.require("lse", why="the masked rows' LSE is part of the contract")

@@ -45,6 +45,7 @@ from suites.matrix import (
     draw_inputs,
     draw_world_size,
     drawn,
+    generate,
     params,
     seed_for,
     tier,
@@ -132,17 +133,14 @@ def _cases(config) -> list:
     )
 
 
-def pytest_generate_tests(metafunc):
-    if "packed_case_" in metafunc.fixturenames:
-        metafunc.parametrize("packed_case_", _cases(metafunc.config))
+pytest_generate_tests = generate("packed_case_", _cases)
 
 
 def _prepare(ring, case: PackedCase) -> PackedCase:
     __tracebackhide__ = True
     op = ring.record_case(case)
     ring.require("packed", why="ring_attention(cu_seqlens=...) on packed (THD) shards")
-    ring.require("layouts", case.layout)
-    ring.require("rotate_methods", case.rotate_method)
+    ring.require_exchange(case)
     if case.return_lse:
         ring.require("lse")
     ring.require_inputs(case, op)

@@ -41,6 +41,7 @@ from suites.matrix import (
     draw_claimed,
     draw_world_size,
     drawn,
+    generate,
     params,
     seed_for,
     tier,
@@ -132,9 +133,7 @@ def _strategy_cases(config) -> list[ScoreModCase]:
     return out
 
 
-def pytest_generate_tests(metafunc):
-    if "case" in metafunc.fixturenames:
-        metafunc.parametrize("case", _cases(metafunc.config))
+pytest_generate_tests = generate("case", _cases)
 
 
 def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
@@ -147,10 +146,7 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
             ring.require("masks", kind, why=f"mask {case.mask!r}")
     if case.sinks:
         ring.require("sinks")
-    if case.mesh_shape is not None:
-        ring.require("strategies", case.strategy, why=f"strategy={case.strategy!r}")
-    ring.require("layouts", case.layout)
-    ring.require("rotate_methods", case.rotate_method)
+    ring.require_exchange(case)
     ring.require("backward")
     if isinstance(op, str) and ":" not in op and op != "auto":
         from conformance.kernels import kernel_computes_scores

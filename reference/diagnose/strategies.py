@@ -23,18 +23,9 @@ from reference.strategies import _check, positions, replay_head_parallel, shard,
 __all__ = ["diagnose_strategy", "heads_permutation"]
 
 
-def _local_only(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    strategy: str,
-    layout: str,
-    mesh_shape: tuple[int, int],
-    is_causal: bool,
-    scale: float | None,
-) -> Tensor:
-    """Every rank attending to its own shard only (the kernel's top-left causal mask on it)."""
+def _local_only(query, key, value, *, strategy, layout, mesh_shape, is_causal, scale) -> Tensor:
+    """Every rank attending to its own shard only (the kernel's top-left causal mask on it);
+    arguments as :func:`reference.strategies.replay_head_parallel`."""
     n = mesh_shape[0] * mesh_shape[1]
     outs = [
         attention(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conformance.report_plugin import parse_vendor_file
-from harness.procs import run_tree
+from harness.procs import pytest_command, run_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 VENDOR = ROOT / "ci" / "vendor"
@@ -58,22 +58,16 @@ def test_every_line_names_a_known_cause_with_its_reproduction() -> None:
 def test_every_line_matches_a_collected_test() -> None:
     """Collection only (no case runs): a line whose test was renamed or dropped fails here."""
     done = run_tree(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
+        pytest_command(
             "suites",
             "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
             "--impl",
             TORCH_CP,
             "--vendor-file",
             str(FILE),
             "--report-dir",
             "none",
-        ],
+        ),
         cwd=ROOT,
         capture_output=True,
         text=True,

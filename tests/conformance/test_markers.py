@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-from harness.procs import run_tree  # the command's process tree dies with the test
+from harness.procs import pytest_command, run_tree  # the command's process tree dies with the test
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,20 +20,7 @@ def collected(*args: str) -> list[str]:
     }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = run_tree(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            "--co",
-            "-q",
-            "--report-dir",
-            "none",
-            *args,
-        ],
+        pytest_command("-p", "no:xdist", "--co", "--report-dir", "none", *args),
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from harness.procs import run_tree  # the command's process tree dies with the test
+from harness.procs import pytest_command, run_tree  # the command's process tree dies with the test
 
 ROOT = Path(__file__).resolve().parents[2]
 CASE = (
@@ -44,19 +44,7 @@ def test_repro_line_reproduces_the_failure_with_every_option(tmp_path: Path) -> 
         "RING_CASE_TIMEOUT": "45",
         "RING_RANK_THREADS": "1",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        CASE,
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:xdist",
-        "-q",
-        "--report-dir",
-        "none",
-    ]
+    cmd = pytest_command(CASE, "-p", "no:xdist", "--report-dir", "none")
     for flag, value in options.items():
         cmd += [flag, value]
     first = run_tree(cmd, cwd=ROOT, env=_env(from_env), capture_output=True, text=True, timeout=300)
