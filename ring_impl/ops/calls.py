@@ -96,7 +96,7 @@ def _resolve(
     the query's when that op lacks native GQA, and the op's keywords beyond the contract's
     (mask, score_mod). ``grad_lse``: a backward's; an op that takes none gets it folded into a
     padded head dim (:func:`_with_lse_grad`), which a mask or score_mod would need padded too,
-    so such a block runs on the math op."""
+    so such a block runs on the math op, as does one whose op cannot take the padded head dim."""
     op = block_op(
         op,
         is_causal=is_causal,
@@ -106,9 +106,13 @@ def _resolve(
         score_mod=score_mod,
     )
     extra = _masking(op, key, visible, row_bounds)
-    lse_grad_padded = grad_lse is not None and not op.capabilities.lse_grad
-    if ("attn_mask" in extra or score_mod is not None) and lse_grad_padded:
+    if (
+        grad_lse is not None
+        and not op.capabilities.lse_grad
+        and ("attn_mask" in extra or score_mod is not None or not _takes_padding(op, query, value))
+    ):
         op = _MATH
+        extra = _masking(op, key, visible, row_bounds)
     extra.update(_scoring(score_mod))
     if not op.capabilities.gqa:
         key, value = _expand_heads(key, query.shape[1]), _expand_heads(value, query.shape[1])
@@ -142,19 +146,22 @@ def call_forward(
     return op.forward(query, key, value, is_causal=is_causal, scale=scale, **extra)
 
 
+def _padded_head_dims(query: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
+    """(query/key, value) head dims of :func:`_with_lse_grad`'s padded call."""
+    d, d_v = query.shape[-1], value.shape[-1]
+    padded = -(-(d_v + 2) // 8) * 8
+    return (padded if d == d_v else d), padded
+
+
+def _takes_padding(op: AttentionOp, query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``op`` runs the padded head dims :func:`_with_lse_grad` hands it."""
+    padded_qk, padded = _padded_head_dims(query, value)
+    caps = op.capabilities
+    return caps.unsupported(query.device, query.dtype, padded_qk, head_dim_v=padded) is None
+
+
 def _with_lse_grad(
-    op: AttentionOp,
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    grad_lse: torch.Tensor,
-    *,
-    is_causal: bool,
-    scale: float,
-    row_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    op, grad_out, query, key, value, out, lse, grad_lse, *, is_causal, scale, row_bounds=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``op.backward`` with the LSE's gradient folded into ``out``, for kernels that take none.
 
@@ -164,34 +171,14 @@ def _with_lse_grad(
     is 1 and the output is ``-g`` (in two parts, high and low, so a 16-bit dtype carries ``g``
     to about its square precision) gives ``D' = D - g`` and leaves ``dP``, and the real
     columns of dQ, dK, dV, unchanged. Padded to a multiple of 8 columns (what fused kernels
-    want); an op that cannot take the padded head dim runs the block with the math op.
+    want; :func:`_resolve` sends a block whose op cannot take them to the math op).
     ``row_bounds``: a ``ranges`` block's, handed to the op (row ranges do not change with the
     head dim). The columns go on value's side (value, out, grad_out); query and key get zero
     columns too only when their head dim equals value's (kernels that need them equal), else
     they stay as they are (an op declaring ``value_head_dim``).
     """
     d, d_v = query.shape[-1], value.shape[-1]
-    padded = -(-(d_v + 2) // 8) * 8
-    padded_qk = padded if d == d_v else d
-    if (
-        op.capabilities.unsupported(query.device, query.dtype, padded_qk, head_dim_v=padded)
-        is not None
-    ):
-        mask = (
-            {} if row_bounds is None else {"attn_mask": bounds_visible(*row_bounds, key.shape[2])}
-        )
-        return _MATH.backward(
-            grad_out,
-            query,
-            key,
-            value,
-            out,
-            lse,
-            is_causal=is_causal,
-            scale=scale,
-            grad_lse=grad_lse,
-            **mask,
-        )
+    padded_qk, padded = _padded_head_dims(query, value)
     acc = accumulation_dtype(query.dtype)
     g = -grad_lse.to(acc)
     g_hi = g.to(query.dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import traceback
 
 import torch
 import torch.utils._pytree as pytree
@@ -14,14 +15,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class AtenOps(TorchDispatchMode):
-    """Counts every aten op dispatched inside it by overload packet (``ops["aten.stack"]``)."""
+    """Counts every aten op dispatched inside it by overload packet (``ops["aten.stack"]``);
+    for the packets in ``traced``, ``where[packet]`` lists the ``ring_impl`` lines that made each
+    call (innermost first), for failure messages."""
 
-    def __init__(self):
+    def __init__(self, traced: tuple[str, ...] = ()):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.traced = frozenset(traced)
+        self.where: dict[str, list[str]] = collections.defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
+        packet = str(func.overloadpacket)
+        self.ops[packet] += 1
+        if packet in self.traced:
+            frames = traceback.extract_stack()
+            inside = [
+                f"{f.filename.rsplit('/ring_impl/', 1)[-1]}:{f.lineno}"
+                for f in frames
+                if "/ring_impl/" in f.filename and "/tests/" not in f.filename
+            ]
+            self.where[packet].append(" <- ".join(reversed(inside[-4:])))
         return func(*args, **(kwargs or {}))
 
 
