@@ -229,23 +229,17 @@ def collectives_cases(config: pytest.Config) -> list:
             else ("allgather",)
         ):
             for dtype, kv, lse in (("float32", "mha", True), ("bfloat16", "gqa", False)):
-                spec = spec_for(mesh, dtype, kv)
-                out.append(
-                    param(
-                        mesh_case(
-                            spec,
-                            strategy,
-                            mesh,
-                            is_causal=True,
-                            layout="head_tail",
-                            rotate_method=rotate,
-                            return_lse=lse,
-                            account=True,
-                        ),
-                        kv,
-                        "lse" if lse else "nolse",
-                    )
+                case = mesh_case(
+                    spec_for(mesh, dtype, kv),
+                    strategy,
+                    mesh,
+                    is_causal=True,
+                    layout="head_tail",
+                    rotate_method=rotate,
+                    return_lse=lse,
+                    account=True,
                 )
+                out.append(param(case, kv, "lse" if lse else "nolse"))
     return out
 
 
@@ -260,20 +254,8 @@ def compile_cases(config: pytest.Config) -> list:
             backends, (("head_tail", True), ("contiguous", False))
         ):
             spec = spec_for(mesh, "float32", "gqa")
-            out.append(
-                param(
-                    mesh_case(
-                        spec,
-                        strategy,
-                        mesh,
-                        is_causal=causal,
-                        layout=layout,
-                        rotate_method="alltoall",
-                        compile=backend,
-                    ),
-                    "gqa",
-                )
-            )
+            options = dict(is_causal=causal, layout=layout, rotate_method="alltoall")
+            out.append(param(mesh_case(spec, strategy, mesh, compile=backend, **options), "gqa"))
     return out
 
 

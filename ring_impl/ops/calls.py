@@ -81,18 +81,10 @@ def _masking(
 
 
 def _resolve(
-    op: AttentionOp,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    is_causal: bool,
-    scale: float,
-    visible: torch.Tensor | None,
-    row_bounds: tuple[torch.Tensor, torch.Tensor] | None,
-    score_mod,
-    grad_lse: torch.Tensor | None = None,
+    op, query, key, value, is_causal, scale, visible, row_bounds, score_mod, grad_lse=None
 ) -> tuple[AttentionOp, torch.Tensor, torch.Tensor, dict]:
-    """The op that runs a block (:func:`block_op`), key and value with their heads expanded to
+    """For :func:`call_forward` and :func:`call_backward`, whose arguments these are: the op that
+    runs a block (:func:`block_op`), key and value with their heads expanded to
     the query's when that op lacks native GQA, and the op's keywords beyond the contract's
     (mask, score_mod). ``grad_lse``: a backward's; an op that takes none gets it folded into a
     padded head dim (:func:`_with_lse_grad`), which a mask or score_mod would need padded too,
