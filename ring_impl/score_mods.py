@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from .group import as_device
 
@@ -90,14 +91,7 @@ class ScoreMod:
     (``d apply / d score``, elementwise; None: 1), :meth:`check` for bad parameters (a message, or
     None) and :meth:`agreement_text` for the cross-rank check."""
 
-    def apply(
-        self,
-        score: torch.Tensor,
-        b: torch.Tensor,
-        h: torch.Tensor,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-    ) -> torch.Tensor:
+    def apply(self, score: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         raise NotImplementedError
 
     def __call__(self, score, b, h, q_idx, kv_idx):
@@ -106,13 +100,8 @@ class ScoreMod:
         return self.apply(score, b, h, q_idx, kv_idx)
 
     def derivative(
-        self,
-        score: torch.Tensor,
-        b: torch.Tensor,
-        h: torch.Tensor,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-    ) -> torch.Tensor | None:
+        self, score: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor
+    ) -> Tensor | None:
         return None
 
     def check(self, *, batch: int, heads: int, seq_q: int, seq_kv: int, device=None) -> str | None:

@@ -476,6 +476,12 @@ def _take(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return t if index is None else t.index_select(0, index)
 
 
+def _dense_mask(key: torch.Tensor, attn_mask, row_bounds) -> torch.Tensor | None:
+    """A block's mask as the math op takes it: ``attn_mask``, or ``row_bounds`` as a dense
+    visibility."""
+    return attn_mask if row_bounds is None else bounds_visible(*row_bounds, key.shape[2])
+
+
 class VarlenOp:
     """The op contract (:mod:`ring_impl.ops.contract`) on a varlen kernel; subclasses give
     :meth:`kernel_forward` and :meth:`kernel_backward` and their ``name`` and ``capabilities``
@@ -593,13 +599,12 @@ class VarlenOp:
         ), vis
 
     def forward(self, query, key, value, *, is_causal, scale, attn_mask=None, row_bounds=None):
-        if row_bounds is not None and scale <= 0:
-            attn_mask, row_bounds = bounds_visible(*row_bounds, key.shape[2]), None
         if scale <= 0:
             # Kernels of this family give NaN for masked entries with scale <= 0 (measured for
             # causal on an H100 with the dense flash kernel; varlen masks sequence edges too).
+            mask = _dense_mask(key, attn_mask, row_bounds)
             return _MATH.forward(
-                query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask
+                query, key, value, is_causal=is_causal, scale=scale, attn_mask=mask
             )
         plan, vis = self.plan(
             query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds
@@ -644,20 +649,10 @@ class VarlenOp:
         attn_mask=None,
         row_bounds=None,
     ):
-        if row_bounds is not None and scale <= 0:
-            attn_mask, row_bounds = bounds_visible(*row_bounds, key.shape[2]), None
-        if scale <= 0:
-            return _MATH.backward(
-                grad_out,
-                query,
-                key,
-                value,
-                out,
-                lse,
-                is_causal=is_causal,
-                scale=scale,
-                attn_mask=attn_mask,
-            )
+        if scale <= 0:  # (as in forward)
+            mask = _dense_mask(key, attn_mask, row_bounds)
+            args = (grad_out, query, key, value, out, lse)
+            return _MATH.backward(*args, is_causal=is_causal, scale=scale, attn_mask=mask)
         plan, vis = self.plan(
             query, key, is_causal=is_causal, attn_mask=attn_mask, row_bounds=row_bounds
         )
