@@ -227,24 +227,11 @@ def call_backward(
     op, key, value, extra = _resolve(
         op, query, key, value, is_causal, scale, visible, row_bounds, score_mod, grad_lse
     )
+    args = (grad_out, query, key, value, out, lse)
     if grad_lse is None or op.capabilities.lse_grad:
         if grad_lse is not None:
             extra["grad_lse"] = grad_lse  # the op declares lse_grad: it takes the keyword
-        dq, dk, dv = op.backward(
-            grad_out, query, key, value, out, lse, is_causal=is_causal, scale=scale, **extra
-        )
-    else:  # no mask, or row bounds (the padded head dim leaves them as they are)
-        dq, dk, dv = _with_lse_grad(
-            op,
-            grad_out,
-            query,
-            key,
-            value,
-            out,
-            lse,
-            grad_lse,
-            is_causal=is_causal,
-            scale=scale,
-            row_bounds=extra.get("row_bounds"),
-        )
+        dq, dk, dv = op.backward(*args, is_causal=is_causal, scale=scale, **extra)
+    else:  # extra: nothing, or row bounds (the padded head dim leaves them as they are)
+        dq, dk, dv = _with_lse_grad(op, *args, grad_lse, is_causal=is_causal, scale=scale, **extra)
     return dq, _reduce_heads(dk, heads_kv), _reduce_heads(dv, heads_kv)
