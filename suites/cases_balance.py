@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+import pytest
 import torch
 
-from conformance.implementation import load_implementation, load_op
+from conformance.implementation import ProtocolError, load_implementation, load_op
 from conformance.specs import MaskSpec
 from reference.layout import positions as reference_positions
 from reference.masks import document_ids, visibility
@@ -40,6 +41,8 @@ __all__ = [
     "MultiMaskCase",
     "as_runs",
     "balance_case",
+    "balanced_results",
+    "checked_work",
     "family_spec",
     "judge_pairs",
     "lognormal_documents",
@@ -108,6 +111,13 @@ class BalanceCase(RingCase):
     @property
     def balancer(self) -> str | None:
         return self.layout if self.layout in BALANCER_LAYOUTS else None
+
+    @property
+    def layout_text(self) -> str:
+        """The layout as messages name it."""
+        if self.balancer:
+            return f"the {self.balancer} balancer's layout"
+        return f"layout {self.layout!r}"
 
     @property
     def label(self) -> str:
@@ -371,6 +381,63 @@ class BlockFinding:
 
 def _pair_key(q: torch.Tensor, kv: torch.Tensor, seq: int) -> torch.Tensor:
     return q.view(-1, 1) * seq + kv.view(1, -1)
+
+
+def balanced_results(ring, case: BalanceCase, rank_fn: Callable) -> list[dict[str, Any]]:
+    """Every rank's ``rank_fn(case)``, after failing the test where the ranks' ``balanced_layout``
+    breaks the layout rules (:func:`runs_problem`) or differs between ranks. A protocol error
+    (``balanced_layout`` missing or returning something else) fails the test too."""
+    __tracebackhide__ = True
+    try:
+        results = ring.rank_pool(case.world_size).run(rank_fn, case, timeout=ring.timeout_for(case))
+    except ProtocolError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    layouts, runs = {r["layout"] for r in results}, [r["runs"] for r in results]
+    problem = runs_problem(runs[0], case.inputs.seq_q, case.world_size)
+    if problem is None and (len(layouts) != 1 or any(rr != runs[0] for rr in runs)):
+        problem = (
+            f"the ranks got different layouts ({sorted(layouts)}) or runs from equal "
+            "balanced_layout calls"
+        )
+    if problem:
+        pytest.fail(
+            f"{case.layout_text} breaks the layout rules: {problem} [{case.label}]\n"
+            f"repro: {ring.repro()}",
+            pytrace=False,
+        )
+    return results
+
+
+def checked_work(
+    ring, case: BalanceCase, per_rank: list[dict[str, Any]], spec=None, *, what: str = ""
+) -> list[int]:
+    """The attention work per rank (score entries counted by the op), after failing the test
+    where the ranks' kernel calls do not compute exactly the pairs the mask (``spec``, default
+    the case's family: :func:`judge_pairs`) shows, or the counting op's figure differs from
+    them. ``what``: the mask, for the messages."""
+    __tracebackhide__ = True
+    findings, visible, diagnoses = judge_pairs(case, per_rank, spec)
+    on = f"{what}: " if what else ""
+    if findings:
+        more = len(findings) - 8
+        lines = [f.what for f in findings[:8]] + ([f"... {more} more blocks"] if more > 0 else [])
+        pytest.fail(
+            f"{on}the kernel calls do not compute exactly the pairs the mask shows on global "
+            f"positions [{case.label}]:\n"
+            + "\n".join(f"  {line}" for line in lines)
+            + "".join(f"\n{d}" for d in diagnoses)
+            + f"\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
+    work = [r["work"] for r in per_rank]
+    if work != visible:
+        pytest.fail(
+            f"{on}attention work per rank {work} (score entries counted by the op) differs from "
+            f"the visible pairs {visible} its calls computed [{case.label}]: the counting op's "
+            f"figure and the calls disagree\nrepro: {ring.repro()}",
+            pytrace=False,
+        )
+    return work
 
 
 def judge_pairs(

@@ -28,7 +28,6 @@ from dataclasses import replace
 
 import pytest
 
-from conformance.implementation import ProtocolError
 from suites.cases_balance import (
     BALANCER_LAYOUTS,
     FAMILIES,
@@ -36,10 +35,10 @@ from suites.cases_balance import (
     Bound,
     Figures,
     balance_case,
+    balanced_results,
     case_inputs,
+    checked_work,
     family_spec,
-    judge_pairs,
-    runs_problem,
     window_left,
 )
 from suites.matrix import LAYOUTS, ROTATIONS, generate, params, tier, world_sizes
@@ -157,51 +156,10 @@ def _figures(case: BalanceCase, visible: list[int]) -> Figures:
 
 def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase) -> None:
     case = _prepare(ring, balance_case_)
-    try:
-        results = ring.rank_pool(case.world_size).run(
-            balance_case, case, timeout=ring.timeout_for(case)
-        )
-    except ProtocolError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    layouts = {r["layout"] for r in results}
-    runs = [r["runs"] for r in results]
-    what = f"the {case.balancer} balancer's layout" if case.balancer else f"layout {case.layout!r}"
-    problem = runs_problem(runs[0], case.inputs.seq_q, case.world_size)
-    if problem is None and (len(layouts) != 1 or any(rr != runs[0] for rr in runs)):
-        problem = (
-            f"the ranks got different layouts ({sorted(layouts)}) or runs from equal "
-            "balanced_layout calls"
-        )
-    if problem:
-        pytest.fail(
-            f"{what} breaks the layout rules: {problem} [{case.label}]\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
-
-    findings, visible, diagnoses = judge_pairs(case, results)
-    if findings:
-        lines = [f.what for f in findings[:8]] + (
-            [f"... {len(findings) - 8} more blocks"] if len(findings) > 8 else []
-        )
-        pytest.fail(
-            "the kernel calls do not compute exactly the pairs the mask shows on global "
-            f"positions [{case.label}]:\n"
-            + "\n".join(f"  {line}" for line in lines)
-            + "".join(f"\n{d}" for d in diagnoses)
-            + f"\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
-
-    work = [r["work"] for r in results]
-    if work != visible:
-        pytest.fail(
-            f"attention work per rank {work} (score entries counted by the op) differs from the "
-            f"visible pairs {visible} its calls computed [{case.label}]: the counting op's figure "
-            f"and the calls disagree\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
+    results = balanced_results(ring, case, balance_case)
+    work = checked_work(ring, case, results)
     bound = BOUNDS[(case.layout, case.family)]
-    figures = _figures(case, visible)
+    figures = _figures(case, work)
     ratio, limit = max(work) * len(work) / sum(work), bound.limit(figures)
     ring.request.node.user_properties.append(
         ("balance", {"work": work, "max_over_mean": ratio, "bound": limit})
@@ -214,9 +172,9 @@ def test_work_is_the_visible_pairs_and_balanced(ring, balance_case_: BalanceCase
             else ""
         )
         pytest.fail(
-            f"load imbalance: max/mean work {ratio:.3f} > {limit:.3f} declared for {what} under "
-            f"mask {case.family}{known}; rank {heavy} does {work[heavy] / sum(work):.0%} of the "
-            f"work (per-rank work {work}) [{case.label}]\n"
+            f"load imbalance: max/mean work {ratio:.3f} > {limit:.3f} declared for "
+            f"{case.layout_text} under mask {case.family}{known}; rank {heavy} does "
+            f"{work[heavy] / sum(work):.0%} of the work (per-rank work {work}) [{case.label}]\n"
             f"repro: {ring.repro()}",
             pytrace=False,
         )

@@ -26,18 +26,17 @@ from dataclasses import replace
 
 import pytest
 
-from conformance.implementation import ProtocolError
 from suites.cases_balance import (
     BALANCER_LAYOUTS,
     MULTI_MASKS,
     Bound,
     Figures,
     MultiMaskCase,
+    balanced_results,
     case_inputs,
-    judge_pairs,
+    checked_work,
     multi_mask_case,
     multi_specs,
-    runs_problem,
     window_left,
 )
 from suites.matrix import ROTATIONS, generate, params, tier, world_sizes
@@ -121,49 +120,12 @@ def test_multi_mask_layout_balanced_and_correct(ring, multi_case_: MultiMaskCase
     ring.require("dtypes", case.oracle_dtype)
     ring.require("gqa", why="key/value with fewer heads than query")
     case = replace(case, impl=ring.impl.spec)
-    try:
-        results = ring.rank_pool(case.world_size).run(
-            multi_mask_case, case, timeout=ring.timeout_for(case)
-        )
-    except ProtocolError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    results = balanced_results(ring, case, multi_mask_case)
     seq, w = case.inputs.seq_q, case.world_size
-    what = f"the {case.balancer} balancer's layout for {len(MULTI_MASKS)} weighted masks"
-    runs = [r["runs"] for r in results]
-    problem = runs_problem(runs[0], seq, w)
-    if problem is None and (
-        len({r["layout"] for r in results}) != 1 or any(rr != runs[0] for rr in runs)
-    ):
-        problem = "the ranks got different layouts or runs from equal balanced_layout calls"
-    if problem:
-        pytest.fail(
-            f"{what} breaks the layout rules: {problem} [{case.label}]\nrepro: {ring.repro()}",
-            pytrace=False,
-        )
-
     works = []
     for i, (spec, _) in enumerate(multi_specs(seq, w)):
-        family = MULTI_MASKS[i][0]
-        per_rank = [r["masks"][i] for r in results]
-        findings, visible, diagnoses = judge_pairs(case, per_rank, spec)
-        if findings:
-            lines = [f.what for f in findings[:8]]
-            pytest.fail(
-                f"mask {i} ({family}) on {what}: the kernel calls do not compute exactly the "
-                f"pairs the mask shows on global positions [{case.label}]:\n"
-                + "\n".join(f"  {line}" for line in lines)
-                + "".join(f"\n{d}" for d in diagnoses)
-                + f"\nrepro: {ring.repro()}",
-                pytrace=False,
-            )
-        work = [p["work"] for p in per_rank]
-        if work != visible:
-            pytest.fail(
-                f"mask {i} ({family}): attention work per rank {work} (counted by the op) differs "
-                f"from the visible pairs {visible} its calls computed [{case.label}]\n"
-                f"repro: {ring.repro()}",
-                pytrace=False,
-            )
+        what = f"mask {i} ({MULTI_MASKS[i][0]})"
+        work = checked_work(ring, case, [r["masks"][i] for r in results], spec, what=what)
         works.append(work)
 
     weights = [weight for _, weight in MULTI_MASKS]
@@ -186,7 +148,8 @@ def test_multi_mask_layout_balanced_and_correct(ring, multi_case_: MultiMaskCase
         heavy = max(range(w), key=weighted.__getitem__)
         pytest.fail(
             f"load imbalance over the model's masks: weighted max/mean work {ratio:.3f} > "
-            f"{limit:.3f} declared for {what}; rank {heavy} does "
+            f"{limit:.3f} declared for {case.layout_text} for {len(MULTI_MASKS)} weighted masks; "
+            f"rank {heavy} does "
             f"{weighted[heavy] / sum(weighted):.0%} of the weighted work (per mask and rank "
             f"{works}, weights {weights}){first} [{case.label}]\nrepro: {ring.repro()}",
             pytrace=False,
