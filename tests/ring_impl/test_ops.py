@@ -136,3 +136,46 @@ def test_capabilities_explain_what_is_unsupported() -> None:
     assert "dtype float64" in caps.unsupported(torch.device("cuda"), torch.float64, 64)
     assert "multiple of 8" in caps.unsupported(torch.device("cuda"), torch.bfloat16, 12)
     assert caps.unsupported(torch.device("cuda"), torch.bfloat16, 64) is None
+
+
+class _BoundedHeadDims:
+    """CPU flash declaring head dims up to 32 (as CUDA kernels bound theirs); records the head
+    dims its backward is given."""
+
+    name = "cpu_flash_up_to_32"
+
+    def __init__(self):
+        from dataclasses import replace
+
+        self._flash = ops.get_op("cpu_flash")
+        self.capabilities = replace(self._flash.capabilities, head_dims=(8, 32))
+        self.backward_head_dims: list[int] = []
+
+    def forward(self, query, key, value, *, is_causal, scale):
+        return self._flash.forward(query, key, value, is_causal=is_causal, scale=scale)
+
+    def backward(self, grad_out, query, key, value, out, lse, *, is_causal, scale):
+        self.backward_head_dims.append(query.shape[-1])
+        args = (grad_out, query, key, value, out, lse)
+        return self._flash.backward(*args, is_causal=is_causal, scale=scale)
+
+
+@pytest.mark.parametrize("head_dim, padded", [(24, 32), (32, None)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_lse_gradient_reaches_an_op_without_it_or_the_math_op(head_dim, padded, is_causal) -> None:
+    """The LSE's gradient folded into a padded head dim (ops.calls._with_lse_grad) where the op
+    takes that head dim (24 -> 32); the math op, with the gradient as it is, where it does not
+    (32 -> 40 > the op's 32): both the float64 gradients of out . grad_out + lse . grad_lse."""
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 6, head_dim, dtype=torch.float64) for _ in range(4))
+    grad_lse = torch.randn(2, 4, 6, dtype=torch.float64)
+    op, scale = _BoundedHeadDims(), 0.3
+    out, lse = ops.call_forward(op, q, k, v, is_causal=is_causal, scale=scale)
+    dq, dk, dv = ops.call_backward(
+        op, grad, q, k, v, out, lse, is_causal=is_causal, scale=scale, grad_lse=grad_lse
+    )
+    assert op.backward_head_dims == ([padded] if padded else [])
+    rq, rk, rv, rout, rlse = _sdpa64(q, k, v, is_causal, scale)
+    ((rout * grad).sum() + (rlse * grad_lse).sum()).backward()
+    for got, want in ((dq, rq.grad), (dk, rk.grad), (dv, rv.grad)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
