@@ -476,7 +476,11 @@ def _take(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return t if index is None else t.index_select(0, index)
 
 
-def _dense_mask(key: torch.Tensor, attn_mask, row_bounds) -> torch.Tensor | None:
+def _dense_mask(
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    row_bounds: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor | None:
     """A block's mask as the math op takes it: ``attn_mask``, or ``row_bounds`` as a dense
     visibility."""
     return attn_mask if row_bounds is None else bounds_visible(*row_bounds, key.shape[2])
