@@ -23,7 +23,10 @@ compiled)``
     (capability ``collective_schedule``) ``{phase: {kind: {"calls": n, "bytes": b}}}`` for one
     forward and one backward call, in the accounting convention of :mod:`harness.accounting`;
     the suite asserts it exactly on every rank. Cases whose value has its own head dim (capability
-    ``value_head_dim``) also pass ``head_dim_v=``.
+    ``value_head_dim``) also pass ``head_dim_v=``; masked cases (capability ``masks``) pass
+    ``mask=`` (the call's :class:`conformance.specs.MaskSpec`), ``is_causal=``, ``layout=``,
+    ``rank=`` (the rank whose collectives are asked: an exchange sized by the mask, a halo or a
+    sparse gather, differs between ranks), ``heads=`` and ``seq_q=`` (local).
 ``record_steps()``
     (capability ``record_steps``) a context manager yielding an object with ``records`` (see
     :mod:`ring_impl.debug`): the per-step partials that ``test_causal_layouts`` compares with

@@ -24,6 +24,10 @@
 - ``mask_evaluated_at_batch_0`` / ``mask_evaluated_at_head_0``: every ``MaskMod`` evaluated with
   its batch (head) index 0, as ``create_block_mask(B=None)`` (``H=None``) builds a block mask.
 - ``window_right_side_dropped``: a ``SlidingWindow(left, right)`` planned as ``(left, 0)``.
+- ``halo_wider_than_the_mask``: the halo exchange sized by a window's reach plus two rows each
+  way: every output is right (the kernels mask the extra rows out), but each rank sends rows no
+  query of its neighbour sees, more than the schedule it declares; only the masked call's
+  collectives show it (``suites/test_masks.py``).
 - ``backward_plans_balanced_layout_as_contiguous``: the forward runs a balancer's layout, the
   backward plans it as ``contiguous`` (a backward that knows the built-in layouts only). The
   forward's kernel calls are exactly right, so the balance suite (forward only) passes it.
@@ -331,6 +335,30 @@ def _probed_at_the_start_ring():
     return function_adapter("mask_mod_probed_at_the_start", ring_attention)
 
 
+# ------------------------------------------------------------ a halo wider than the mask's reach
+
+
+@dataclass(frozen=True)
+class _ReachingFurther(SlidingWindow):
+    """A sliding window that says it reaches two rows further each way than it sees."""
+
+    def reach(self):
+        left, right = super().reach()
+        return tuple(None if side is None else side + 2 for side in (left, right))
+
+
+def _halo_wider_than_the_mask():
+    def ring_attention(query, key, value, *, mask=None, **kwargs):
+        if mask is not None:
+            mask = _replace_in(
+                mask,
+                lambda m: _ReachingFurther(m.left, m.right) if type(m) is SlidingWindow else None,
+            )
+        return ring_impl.ring_attention(query, key, value, mask=mask, **kwargs)
+
+    return function_adapter("halo_wider_than_the_mask", ring_attention)
+
+
 BROKEN_MASKS: dict[str, Broken] = by_name(
     Broken(
         "window_off_by_one_at_block_edge",
@@ -410,6 +438,15 @@ BROKEN_MASKS: dict[str, Broken] = by_name(
         suites="suites/test_masks.py",
         select=("-k", "window_wide or prefix_lm_window"),
         min_failures=3,
+    ),
+    Broken(
+        "halo_wider_than_the_mask",
+        "collectives: a halo exchange sends more rows than the mask's reach (outputs right)",
+        r"the masked call's collectives are not the schedule declared for its mask",
+        _halo_wider_than_the_mask(),
+        suites="suites/test_masks.py",
+        select=("-k", "collectives and window"),
+        min_failures=2,
     ),
     Broken(
         "backward_plans_balanced_layout_as_contiguous",

@@ -31,6 +31,7 @@ __all__ = [
     "MESH_DIMS",
     "CountingOp",
     "RingCase",
+    "collective_phases",
     "resolve_case_op",
     "ring_case",
     "ring_case_twice",
@@ -272,14 +273,8 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         torch._dynamo.reset()
         fn = torch.compile(fn, backend=case.compile, fullgraph=True)
 
-    log = None
     with contextlib.ExitStack() as stack:
-        phase = lambda name: contextlib.nullcontext()  # noqa: E731
-        if case.account:
-            from harness.accounting import CollectiveLog
-
-            log = stack.enter_context(CollectiveLog())
-            phase = log.phase
+        log, phase = collective_phases(stack, case.account)
         recorder = stack.enter_context(impl.obj.record_steps()) if case.record else None
         with phase("forward"):
             res = fn(inp.query, inp.key, inp.value, **kwargs)
@@ -314,6 +309,18 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         "input_strides": [tuple(t.stride()) for t in (inp.query, inp.key, inp.value)],
         "lse_requires_grad": lse_requires_grad,
     }
+
+
+def collective_phases(stack: contextlib.ExitStack, account: bool):
+    """``(log, phase)``: with ``account``, a :class:`harness.accounting.CollectiveLog` entered on
+    ``stack`` and its ``phase(name)`` context manager, which books the collectives issued inside
+    to that phase; without, None and a ``phase`` that books nothing."""
+    if not account:
+        return None, lambda name: contextlib.nullcontext()
+    from harness.accounting import CollectiveLog
+
+    log = stack.enter_context(CollectiveLog())
+    return log, log.phase
 
 
 def ring_case_twice(ctx, case: RingCase) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ LSE -inf, as the contract says, whatever the kernel returns there).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
-from suites.cases import RingCase
+from suites.cases import RingCase, collective_phases
 from suites.cases_balance import BALANCER_LAYOUTS, as_runs, runs_positions, runs_problem
 from suites.inputs import InputSpec, make_inputs
 from suites.judge import judge_outputs, unshard_by_positions
@@ -251,12 +252,19 @@ def optional_keywords(
     return kwargs
 
 
-def call_with_sinks(attention, q, k, v, dout, sinks, kwargs: dict[str, Any]) -> dict[str, Any]:
+def call_with_sinks(
+    attention, q, k, v, dout, sinks, kwargs: dict[str, Any], *, account: bool = False
+) -> dict[str, Any]:
     """This rank's call ``attention(q, k, v, **kwargs)`` (returning out and LSE) and its backward
     from ``dout``: out, lse, dq, dk, dv and ``dsinks`` (the gradient of this rank's ``sinks``, None
-    without), on CPU."""
-    out, lse = attention(q, k, v, **kwargs)
-    out.backward(dout)
+    without), on CPU; with ``account``, ``collectives``: what the rank issued per phase
+    (harness.accounting's summary)."""
+    with contextlib.ExitStack() as stack:
+        log, phase = collective_phases(stack, account)
+        with phase("forward"):
+            out, lse = attention(q, k, v, **kwargs)
+        with phase("backward"):
+            out.backward(dout)
     return {
         "out": out.detach().cpu(),
         "lse": lse.detach().cpu(),
@@ -264,6 +272,7 @@ def call_with_sinks(attention, q, k, v, dout, sinks, kwargs: dict[str, Any]) -> 
         "dk": k.grad.cpu(),
         "dv": v.grad.cpu(),
         "dsinks": None if sinks is None else sinks.grad.cpu(),
+        "collectives": None if log is None else log.summary(),
     }
 
 
@@ -333,7 +342,8 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         # result is dropped: a graph that baked that mask's plan in would serve it to the next.
         warm = attention(q, k, v, **{**kwargs, "mask": MaskSpec(other_mask_data(case.mask_data()))})
         del warm
-    return {**call_with_sinks(attention, q, k, v, dout, sinks, kwargs), "runs": runs}
+    results = call_with_sinks(attention, q, k, v, dout, sinks, kwargs, account=case.account)
+    return {**results, "runs": runs}
 
 
 def _refilled_documents(attention, q, k, v, kwargs: dict[str, Any], data: dict[str, Any]):

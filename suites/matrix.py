@@ -47,13 +47,14 @@ CPU_OPS = ("cpu_flash", "math", "cpu_efficient_layout", "cpu_cudnn_layout")
 CUDA_OPS = ("cuda_flash", "math", "cuda_efficient", "cudnn")
 
 
-def generate(argument: str, cases: Callable[[pytest.Config], list]) -> Callable:
-    r"""A module's ``pytest_generate_tests``: each test taking ``argument`` runs once per entry of
-    ``cases(config)`` (cases or ``pytest.param``\ s)."""
+def generate(**builders: Callable[[pytest.Config], list]) -> Callable:
+    r"""A module's ``pytest_generate_tests``: a test taking the argument ``name`` of
+    ``name=cases`` runs once per entry of ``cases(config)`` (cases or ``pytest.param``\ s)."""
 
     def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-        if argument in metafunc.fixturenames:
-            metafunc.parametrize(argument, cases(metafunc.config))
+        for argument, cases in builders.items():
+            if argument in metafunc.fixturenames:
+                metafunc.parametrize(argument, cases(metafunc.config))
 
     return pytest_generate_tests
 

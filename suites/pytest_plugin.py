@@ -294,15 +294,22 @@ class RingRunner:
             pytest.fail(format_failure(failed, diagnosis, self.repro()), pytrace=False)
         return verdicts
 
-    def check_collectives(self, case, expected: dict, results: Sequence[dict]) -> None:
+    def check_collectives(
+        self,
+        case,
+        expected: dict | Sequence[dict],
+        results: Sequence[dict],
+        headline: str = "collectives differ from the declared schedule",
+    ) -> None:
         """Fail with every difference, per rank, phase and kind of collective, between the
         schedule the implementation declared for ``case`` (``expected``: ``{phase: {kind:
-        {"calls", "bytes"}}}``) and what each rank issued (``results[rank]["collectives"]``); a
-        kind missing on one side counts 0 calls, 0 bytes. A strategy case names each rank's place
-        on its mesh."""
+        {"calls", "bytes"}}}``, or one such per rank) and what each rank issued
+        (``results[rank]["collectives"]``); a kind missing on one side counts 0 calls, 0 bytes. A
+        strategy case names each rank's place on its mesh; ``headline`` opens the message."""
         __tracebackhide__ = True
         problems = []
-        for rank, r in enumerate(results):
+        per_rank = expected if isinstance(expected, Sequence) else [expected] * len(results)
+        for rank, (r, expected) in enumerate(zip(results, per_rank, strict=True)):
             issued = r["collectives"] or {}
             where = f"rank {rank}"
             if case.mesh_shape is not None:
@@ -320,9 +327,7 @@ class RingRunner:
                         )
         if problems:
             pytest.fail(
-                f"collectives differ from the declared schedule [{case.label}]:\n"
-                + "\n".join(problems)
-                + f"\nrepro: {self.repro()}",
+                f"{headline} [{case.label}]:\n" + "\n".join(problems) + f"\nrepro: {self.repro()}",
                 pytrace=False,
             )
 

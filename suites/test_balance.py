@@ -123,7 +123,7 @@ def _cases(config) -> list:
     return params(out, id_extra=lambda c: (c.family,))
 
 
-pytest_generate_tests = generate("balance_case_", _cases)
+pytest_generate_tests = generate(balance_case_=_cases)
 
 
 def _prepare(ring, case: BalanceCase) -> BalanceCase:

@@ -16,6 +16,11 @@ meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws 
 prefix-LM, a window differing per batch row and head, their ``and``/``or``) with any layout,
 balancer, rotation, world size, dtype, GQA and sinks, and judges each the same way.
 
+With ``collective_schedule`` claimed, windows, documents and chunks (both layouts, W 2..4) also
+have every rank's collectives asserted against the schedule the implementation declares for the
+call's mask and that rank: an exchange sized by the mask (a halo) that sends more than it
+declares computes the right answer and shows nowhere else.
+
 Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles),
 ``sinks``, ``layouts``, ``strategies`` and ``balancers`` (with ``balanced_layout``); undeclared
 claims them.
@@ -29,6 +34,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
+from conformance.specs import MaskSpec
 from harness.pytest_plugin import settings_of
 from suites import matrix
 from suites.cases_balance import BALANCER_LAYOUTS
@@ -350,7 +356,43 @@ def _strategy_cases(config) -> list[MaskCase]:
     return out
 
 
-pytest_generate_tests = matrix.generate("case", _cases)
+#: The masks whose collectives the accounting cases assert: windows narrower and wider than a
+#: shard (an exchange may send a window's reach only: ring_impl's halo exchange), documents, a
+#: window under a prefix reaching further than the window, chunked causal.
+ACCOUNTED_MASKS = (
+    "window_narrow",
+    "window_wide",
+    "documents",
+    "prefix_lm_window",
+    "chunked_causal",
+)
+
+
+def _accounted_cases(config) -> list:
+    """Quick: each of :data:`ACCOUNTED_MASKS` in both built-in layouts, the world size (2..4)
+    and the rotation turned with them; nightly: at every world size >= 2."""
+    nightly = matrix.tier(config) == "nightly"
+    sizes = matrix.world_sizes(config, at_least=2, **({} if nightly else {"at_most": 4}))
+    if not sizes:
+        return []
+    pairs = list(itertools.product(ACCOUNTED_MASKS, matrix.LAYOUTS))
+    rows = (
+        [(name, layout, w) for (name, layout), w in itertools.product(pairs, sizes)]
+        if nightly
+        else [(name, layout, sizes[i % len(sizes)]) for i, (name, layout) in enumerate(pairs)]
+    )
+    out = []
+    for i, (name, layout, w) in enumerate(rows):
+        seq = 24 * w
+        spec = InputSpec(
+            batch=1, heads=4, heads_kv=(4, 2)[i % 2], seq_q=seq, seq_kv=seq, head_dim=16
+        )
+        rotate = matrix.ROTATIONS[i % 3]
+        out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, account=True))
+    return matrix.params(out, id_extra=lambda c: (c.mask,))
+
+
+pytest_generate_tests = matrix.generate(case=_cases, accounted_case=_accounted_cases)
 
 
 def _kinds(data: dict) -> set[str]:
@@ -377,6 +419,28 @@ def test_masked_attention_matches_reference(ring, case: MaskCase) -> None:
     case = _prepare(ring, case)
     assert mask_spec(case.mask, case.inputs.seq_q)["kind"] in KINDS[case.mask]
     _run_and_judge(ring, case)
+
+
+def test_masked_collectives_match_declared_schedule(ring, accounted_case: MaskCase) -> None:
+    """Every rank's collectives of a masked call, forward and backward, against what the
+    implementation's ``collective_schedule`` declares for that rank, asked with the call's mask
+    (plain data), ``is_causal``, ``layout``, ``rank``, ``heads`` and ``seq_q``: an exchange that
+    depends on the mask (a halo of a window's reach, a sparse gather) sends what it declares
+    and no more, which no output shows. The result is judged first: a wrong answer is reported
+    as such, not as traffic."""
+    case = _prepare(ring, accounted_case)
+    schedule = ring.protocol(
+        "collective_schedule", why="each rank's collectives of a masked call are asserted by it"
+    )
+    spec, w = case.inputs, case.world_size
+    mask = MaskSpec(case.mask_data())
+    where = dict(mask=mask, is_causal=False, layout=case.layout, heads=spec.heads)
+    expected = [
+        case.declared_schedule(schedule, rank=r, seq_q=spec.seq_q // w, **where) for r in range(w)
+    ]
+    results = ring.judged(case, masked_case, judge_masked, diagnose_masked)
+    headline = "the masked call's collectives are not the schedule declared for its mask"
+    ring.check_collectives(case, expected, results, headline=headline)
 
 
 def _run_and_judge(ring, case: MaskCase) -> None:

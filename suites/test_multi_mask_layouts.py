@@ -68,7 +68,7 @@ def _multi_cases(config) -> list:
     return params(out, id_extra=lambda c: ("multi",))
 
 
-pytest_generate_tests = generate("multi_case_", _multi_cases)
+pytest_generate_tests = generate(multi_case_=_multi_cases)
 
 
 #: max/mean of the weighted work (:data:`MULTI_MASKS`) per balancer. work_aware weighs each

@@ -133,7 +133,7 @@ def _cases(config) -> list:
     )
 
 
-pytest_generate_tests = generate("packed_case_", _cases)
+pytest_generate_tests = generate(packed_case_=_cases)
 
 
 def _prepare(ring, case: PackedCase) -> PackedCase:

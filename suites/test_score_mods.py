@@ -133,7 +133,7 @@ def _strategy_cases(config) -> list[ScoreModCase]:
     return out
 
 
-pytest_generate_tests = generate("case", _cases)
+pytest_generate_tests = generate(case=_cases)
 
 
 def _prepare(ring, case: ScoreModCase) -> ScoreModCase:

@@ -142,8 +142,10 @@ class RingImplAdapter:
         self._ring_attention = speaking_specs(fn)
 
     @staticmethod
-    def collective_schedule(world_size, rotate_method, **kwargs):
-        return ring_impl.collective_schedule(world_size, rotate_method, **kwargs)
+    def collective_schedule(world_size, rotate_method, *, mask=None, **kwargs):
+        """ring_impl's schedule; ``mask`` (plain data) as :func:`ring_impl_mask` builds it."""
+        mask = ring_impl_mask(mask)
+        return ring_impl.collective_schedule(world_size, rotate_method, mask=mask, **kwargs)
 
     @staticmethod
     def record_steps():
