@@ -32,6 +32,7 @@ import itertools
 import json
 from dataclasses import replace
 
+import pytest
 from hypothesis import strategies as st
 
 from conformance.specs import MaskSpec
@@ -435,9 +436,18 @@ def test_masked_collectives_match_declared_schedule(ring, accounted_case: MaskCa
     spec, w = case.inputs, case.world_size
     mask = MaskSpec(case.mask_data())
     where = dict(mask=mask, is_causal=False, layout=case.layout, heads=spec.heads)
-    expected = [
-        case.declared_schedule(schedule, rank=r, seq_q=spec.seq_q // w, **where) for r in range(w)
-    ]
+    try:
+        expected = [
+            case.declared_schedule(schedule, rank=r, seq_q=spec.seq_q // w, **where)
+            for r in range(w)
+        ]
+    except TypeError as exc:
+        pytest.fail(
+            f"{ring.impl.name}'s collective_schedule does not take a masked call's keywords "
+            f"(mask=, is_causal=, layout=, rank=, heads=, seq_q=; conformance/implementation.py): "
+            f"{exc}",
+            pytrace=False,
+        )
     results = ring.judged(case, masked_case, judge_masked, diagnose_masked)
     headline = "the masked call's collectives are not the schedule declared for its mask"
     ring.check_collectives(case, expected, results, headline=headline)
