@@ -20,7 +20,7 @@ import torch
 
 import ring_impl
 from conformance.adapters.ring_impl import RingImplAdapter, speaking_specs
-from ring_impl import RingAttention, collective_schedule, debug
+from ring_impl import RingAttention, debug
 from ring_impl.ops import call_backward, call_forward, default_scale
 from ring_impl.planning.plan import Block
 
@@ -602,7 +602,7 @@ class DeclaresNothing:
 
     @staticmethod
     def collective_schedule(world_size, rotate_method, **kwargs):
-        return collective_schedule(world_size, rotate_method, **kwargs)
+        return RingImplAdapter.collective_schedule(world_size, rotate_method, **kwargs)
 
     @staticmethod
     def record_steps():

@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 
 from ..exchanges.halo import halo_reach, halo_refusal
-from ..masks import fold_causal
+from ..masks import Mask, fold_causal
 from .halo import halo_schedule
 from .head_parallel import strategy_schedule
 from .ring import KVShards, Schedule, ring_schedule
@@ -114,6 +114,12 @@ def collective_schedule(
     ``return_max_logit=True`` (with ``heads``) adds the max logit's all-reduce (the ring only;
     ValueError with another strategy, ``sparse_kv`` or ``halo=True``, which refuse it).
     """
+    if mask is not None and not isinstance(mask, Mask):
+        # (ring_attention refuses such a mask on every rank: no schedule is the call's)
+        raise ValueError(
+            "collective_schedule: mask must be a ring_impl.masks.Mask (Causal, Documents, "
+            f"SlidingWindow, ..., MaskMod) as given to ring_attention, got {type(mask).__name__}"
+        )
     if exchange is not None:
         strategy, halo, sparse_kv = _exchange_options(exchange, strategy, halo, sparse_kv)
     if not isinstance(return_max_logit, bool):

@@ -574,6 +574,10 @@ def test_halo_schedule_declaration_errors_and_fallbacks() -> None:
     kw = dict(batch=1, heads_kv=2, seq_kv=8, head_dim=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="pass rank="):
         ring_impl.collective_schedule(3, "p2p", mask=SlidingWindow(3), **kw)
+    # a mask ring_attention refuses (plain data, a name) has no schedule to declare
+    for not_a_mask in ({"kind": "sliding_window", "left": 3, "right": 0}, "window"):
+        with pytest.raises(ValueError, match=r"mask must be a ring_impl\.masks\.Mask"):
+            ring_impl.collective_schedule(3, "p2p", mask=not_a_mask, rank=0, **kw)
     with pytest.raises(ValueError, match="eagerly only"):
         ring_impl.collective_schedule(3, "p2p", mask=SlidingWindow(3), rank=0, compiled=True, **kw)
     with pytest.raises(ValueError, match="halo=True but"):
