@@ -41,6 +41,7 @@ __all__ = [
     "MultiMaskCase",
     "as_runs",
     "balance_case",
+    "balanced_layout_problem",
     "balanced_results",
     "checked_work",
     "family_spec",
@@ -383,6 +384,22 @@ def _pair_key(q: torch.Tensor, kv: torch.Tensor, seq: int) -> torch.Tensor:
     return q.view(-1, 1) * seq + kv.view(1, -1)
 
 
+def balanced_layout_problem(results: list[dict[str, Any]], seq: int, world_size: int) -> str | None:
+    """What breaks the layout rules (:func:`runs_problem`) in the ``balanced_layout`` every rank
+    got (``results[rank]["runs"]``, and ``["layout"]``, its name, where kept), or that the ranks'
+    differ although their calls were equal; None when nothing does."""
+    runs = [r.get("runs") for r in results]
+    if runs[0] is None:
+        return "balanced_layout returned no runs"
+    problem = runs_problem(runs[0], seq, world_size)
+    layouts = sorted({str(r.get("layout")) for r in results})
+    if problem is None and (len(layouts) != 1 or any(rr != runs[0] for rr in runs)):
+        problem = (
+            f"the ranks got different layouts ({layouts}) or runs from equal balanced_layout calls"
+        )
+    return problem
+
+
 def balanced_results(ring, case: BalanceCase, rank_fn: Callable) -> list[dict[str, Any]]:
     """Every rank's ``rank_fn(case)``, after failing the test where the ranks' ``balanced_layout``
     breaks the layout rules (:func:`runs_problem`) or differs between ranks. A protocol error
@@ -392,13 +409,7 @@ def balanced_results(ring, case: BalanceCase, rank_fn: Callable) -> list[dict[st
         results = ring.rank_pool(case.world_size).run(rank_fn, case, timeout=ring.timeout_for(case))
     except ProtocolError as exc:
         pytest.fail(str(exc), pytrace=False)
-    layouts, runs = {r["layout"] for r in results}, [r["runs"] for r in results]
-    problem = runs_problem(runs[0], case.inputs.seq_q, case.world_size)
-    if problem is None and (len(layouts) != 1 or any(rr != runs[0] for rr in runs)):
-        problem = (
-            f"the ranks got different layouts ({sorted(layouts)}) or runs from equal "
-            "balanced_layout calls"
-        )
+    problem = balanced_layout_problem(results, case.inputs.seq_q, case.world_size)
     if problem:
         pytest.fail(
             f"{case.layout_text} breaks the layout rules: {problem} [{case.label}]\n"

@@ -28,7 +28,12 @@ from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
 from suites.cases import RingCase, collective_phases
-from suites.cases_balance import BALANCER_LAYOUTS, as_runs, runs_positions, runs_problem
+from suites.cases_balance import (
+    BALANCER_LAYOUTS,
+    as_runs,
+    balanced_layout_problem,
+    runs_positions,
+)
 from suites.inputs import InputSpec, make_inputs
 from suites.judge import judge_outputs, unshard_by_positions
 
@@ -386,18 +391,13 @@ def rank_positions(case: MaskCase, results: list[dict[str, Any]]) -> list[torch.
         ]
     if case.balancer is None:
         return [positions(case.layout, w, r, seq) for r in range(w)]
-    runs = [res.get("runs") for res in results]
-    problem = (
-        runs_problem(runs[0], seq, w) if runs[0] is not None else "balanced_layout returned no runs"
-    )
-    if problem is None and any(rr != runs[0] for rr in runs):
-        problem = "the ranks got different runs from equal balanced_layout calls"
+    problem = balanced_layout_problem(results, seq, w)
     if problem:
         raise AssertionError(
             f"the {case.balancer} balancer's layout breaks the layout rules: {problem} "
             f"[{case.label}]"
         )
-    return [runs_positions(rr) for rr in runs[0]]
+    return [runs_positions(rr) for rr in results[0]["runs"]]
 
 
 def judge_masked(

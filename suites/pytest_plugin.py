@@ -309,14 +309,14 @@ class RingRunner:
         __tracebackhide__ = True
         problems = []
         per_rank = expected if isinstance(expected, Sequence) else [expected] * len(results)
-        for rank, (r, expected) in enumerate(zip(results, per_rank, strict=True)):
+        for rank, (r, declared) in enumerate(zip(results, per_rank, strict=True)):
             issued = r["collectives"] or {}
             where = f"rank {rank}"
             if case.mesh_shape is not None:
                 u = case.mesh_shape[0]
                 where += f" (ulysses {rank % u}, ring {rank // u})"
-            for phase in sorted(set(expected) | set(issued)):
-                exp, act = expected.get(phase, {}), issued.get(phase, {})
+            for phase in sorted(set(declared) | set(issued)):
+                exp, act = declared.get(phase, {}), issued.get(phase, {})
                 for kind in sorted(set(exp) | set(act)):
                     none = {"calls": 0, "bytes": 0}
                     e, a = exp.get(kind, none), act.get(kind, none)
