@@ -207,26 +207,19 @@ class SimulatedPool(Pool):
                     status=OK,
                     duration_s=time.perf_counter() - start,
                 )
-            except SimAbort as exc:
-                return RankOutcome(
-                    rank,
-                    False,
-                    None,
-                    "harness.Aborted",
-                    str(exc),
-                    status=ABORTED,
-                    stack=traceback.format_exc(),
-                    duration_s=time.perf_counter() - start,
-                )
             except BaseException as exc:
+                # An aborted rank was stopped where it stood: its trace is where it waited (the
+                # stack a real pool samples), not an error's traceback.
+                aborted, trace = isinstance(exc, SimAbort), traceback.format_exc()
                 return RankOutcome(
                     rank,
                     False,
                     None,
-                    wire.exception_type_name(exc),
+                    "harness.Aborted" if aborted else wire.exception_type_name(exc),
                     str(exc),
-                    traceback.format_exc(),
-                    status=ERROR,
+                    "" if aborted else trace,
+                    status=ABORTED if aborted else ERROR,
+                    stack=trace if aborted else "",
                     duration_s=time.perf_counter() - start,
                 )
             finally:

@@ -161,6 +161,37 @@ def _param_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _unsharded_causal_step(
+    ctx, module: nn.Module, layout: str, mask_arg: str
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unsharded side of an encoder case: a copy of ``module`` runs (2, 8 W, 32) float64
+    tokens under a causal mask (its ``mask_arg`` keyword) and backward of ``out · g``.
+
+    Returns the copy, its output, and this rank's shards of the tokens and of ``g`` (``layout``,
+    sequence dim 1) with the causal mask of a shard.
+    """
+    w = ctx.world_size
+    seq = 8 * w
+    reference = copy.deepcopy(module)
+    x = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
+    grad_out = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
+
+    def causal(n: int) -> torch.Tensor:
+        return nn.Transformer.generate_square_subsequent_mask(
+            n, dtype=torch.float64, device=ctx.device
+        )
+
+    ref_out = reference(x, **{mask_arg: causal(seq)}, is_causal=True)
+    (ref_out * grad_out).sum().backward()
+    return (
+        reference,
+        ref_out,
+        shard(x, layout, w, ctx.rank, dim=1),
+        shard(grad_out, layout, w, ctx.rank, dim=1),
+        causal(seq // w),
+    )
+
+
 def encoder_case(ctx, impl_spec, layout: str) -> dict:
     """``nn.TransformerEncoder`` with ``ContextParallel`` on every layer vs the unsharded model.
 
@@ -170,28 +201,14 @@ def encoder_case(ctx, impl_spec, layout: str) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     api = api_of(impl_spec)
-    w = ctx.world_size
     torch.manual_seed(7)
     model = encoder_stack().to(ctx.device)
-    reference = copy.deepcopy(model)
-    seq = 8 * w
-    x = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
-    grad_out = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
-    mask = nn.Transformer.generate_square_subsequent_mask(
-        seq, dtype=torch.float64, device=ctx.device
+    reference, ref_out, x_local, g_local, local_mask = _unsharded_causal_step(
+        ctx, model, layout, "mask"
     )
-    ref_out = reference(x, mask=mask, is_causal=True)
-    (ref_out * grad_out).sum().backward()
 
     for layer in model.layers:
         parallelize_module(layer, _mesh(ctx), api.ContextParallel(layout=layout))
-    x_local, g_local = (
-        shard(x, layout, w, ctx.rank, dim=1),
-        shard(grad_out, layout, w, ctx.rank, dim=1),
-    )
-    local_mask = nn.Transformer.generate_square_subsequent_mask(
-        seq // w, dtype=torch.float64, device=ctx.device
-    )
     out = model(x_local, mask=local_mask, is_causal=True)
     (out * g_local).sum().backward()
     for p in model.parameters():
@@ -261,28 +278,14 @@ def compiled_module_case(ctx, impl_spec, backend: str, layout: str) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     api = api_of(impl_spec)
-    w = ctx.world_size
     torch.manual_seed(5)
     layer = _encoder_layer(ctx.device)
-    reference = copy.deepcopy(layer)
-    seq = 8 * w
-    x = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
-    grad_out = torch.randn(2, seq, 32, dtype=torch.float64, device=ctx.device)
-    mask = nn.Transformer.generate_square_subsequent_mask(
-        seq, dtype=torch.float64, device=ctx.device
+    reference, ref_out, x_local, g_local, local_mask = _unsharded_causal_step(
+        ctx, layer, layout, "src_mask"
     )
-    ref_out = reference(x, src_mask=mask, is_causal=True)
-    (ref_out * grad_out).sum().backward()
 
     parallelize_module(layer, _mesh(ctx), api.ContextParallel(layout=layout))
     compiled = torch.compile(layer, backend=backend)
-    x_local, g_local = (
-        shard(x, layout, w, ctx.rank, dim=1),
-        shard(grad_out, layout, w, ctx.rank, dim=1),
-    )
-    local_mask = nn.Transformer.generate_square_subsequent_mask(
-        seq // w, dtype=torch.float64, device=ctx.device
-    )
     outs = []
     for _ in range(2):
         layer.zero_grad(set_to_none=True)

@@ -237,7 +237,14 @@ def _recorded_forward(ctx, impl, case: RingCase, mask, layout: str, runs) -> dic
     # The math op: which blocks the ring asks for does not depend on the kernel, and it takes
     # every block's mask (a kernel without masks would have masked blocks run past the counter).
     op = PairRecordingOp(load_op("math"))
-    out = impl.obj.ring_attention(
+    out = _masked_call(ctx, impl, case, mask, layout, q, k, v, op=op, return_lse=False)
+    return {"work": op.work, "calls": op.records, "out_finite": bool(torch.isfinite(out).all())}
+
+
+def _masked_call(ctx, impl, case: RingCase, mask, layout: str, q, k, v, **options):
+    """The implementation's call on ``layout`` with ``mask`` alone saying what is visible
+    (``is_causal=False``, the default scale), the case's rotation and ``options``."""
+    return impl.obj.ring_attention(
         q,
         k,
         v,
@@ -245,12 +252,10 @@ def _recorded_forward(ctx, impl, case: RingCase, mask, layout: str, runs) -> dic
         is_causal=False,
         scale=None,
         rotate_method=case.rotate_method,
-        op=op,
         layout=layout,
-        return_lse=False,
         mask=mask,
+        **options,
     )
-    return {"work": op.work, "calls": op.records, "out_finite": bool(torch.isfinite(out).all())}
 
 
 # ---------------------------------------------------------------------- several masks, one layout
@@ -313,18 +318,7 @@ def multi_mask_case(ctx, case: MultiMaskCase) -> dict[str, Any]:
             t.index_select(2, mine).to(ctx.device).requires_grad_()
             for t in (g.query, g.key, g.value)
         )
-        out, lse = impl.obj.ring_attention(
-            q,
-            k,
-            v,
-            group=ctx.group,
-            is_causal=False,
-            scale=None,
-            rotate_method=case.rotate_method,
-            layout=layout,
-            return_lse=True,
-            mask=mask,
-        )
+        out, lse = _masked_call(ctx, impl, case, mask, layout, q, k, v, return_lse=True)
         out.backward(g.grad_out.index_select(2, mine).to(ctx.device))
         per_mask.append(
             {

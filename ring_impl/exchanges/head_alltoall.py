@@ -81,7 +81,9 @@ def _all_to_all(
     """One all-to-all for all ``parts``: ``stage(part)`` lays a part out as ``(U, ...)``, row
     ``j`` for rank ``j``; ``unstage(received, part)`` lays the ``(U, n)`` rows received for it,
     row ``i`` from rank ``i``, out as its result. The parts travel widest element first
-    (:func:`_pack`) and come back in their own order."""
+    (:func:`_pack`) and come back in their own order. A group of one exchanges nothing."""
+    if g.size == 1:
+        return list(parts)
     order = _widest_first(parts)
     rows, layout = _pack([stage(parts[i]) for i in order], g)
     received = _unpack(_exchange(rows, g), layout)
@@ -94,8 +96,6 @@ def _all_to_all(
 def sequence_to_heads(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
     """``(b, h, s, f)`` sequence shards -> ``(b, h/U, U*s, f)`` head shards,
     one all-to-all for all parts."""
-    if g.size == 1:
-        return list(parts)
     u = g.size
 
     def stage(p: torch.Tensor) -> torch.Tensor:
@@ -113,8 +113,6 @@ def sequence_to_heads(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Ten
 def heads_to_sequence(parts: list[torch.Tensor], g: HeadGroup) -> list[torch.Tensor]:
     """``(b, h/U, U*s, f)`` head shards -> ``(b, h, s, f)`` sequence shards,
     one all-to-all for all parts."""
-    if g.size == 1:
-        return list(parts)
     u = g.size
 
     def stage(p: torch.Tensor) -> torch.Tensor:

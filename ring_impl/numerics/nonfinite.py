@@ -157,13 +157,10 @@ def _seen_by_rows(
     if kind == "ranges" and bounds is not None:
         return _ranges_seen(flags, bounds)
     if kind == "masked" and visible is not None:
-        f = flags.to(torch.float32)
-        seen = visible.to(torch.float32) @ (f if f.dim() == 4 else f.unsqueeze(-1))
-        return (seen > 0) if f.dim() == 4 else (seen > 0).squeeze(-1)
+        return _through(visible, flags)
     if kind == "causal":
         return _prefix_any(flags, rows)
-    seen = flags.any(dim=2, keepdim=True)
-    return seen.expand(*seen.shape[:2], rows, *seen.shape[3:])
+    return _any_to_all(flags, rows)
 
 
 def _seeing_cols(
@@ -179,14 +176,24 @@ def _seeing_cols(
     if kind == "ranges" and bounds is not None:
         return _ranges_seeing(flags, bounds, cols)
     if kind == "masked" and visible is not None:
-        f = flags.to(torch.float32)
-        vt = visible.to(torch.float32).transpose(-2, -1)  # (b or 1, h or 1, cols, rows)
-        seen = vt @ (f if f.dim() == 4 else f.unsqueeze(-1))
-        return (seen > 0) if f.dim() == 4 else (seen > 0).squeeze(-1)
+        return _through(visible.transpose(-2, -1), flags)
     if kind == "causal":
         return _suffix_any(flags, cols)
+    return _any_to_all(flags, cols)
+
+
+def _through(visible: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """visible (b or 1, h or 1, m, n), flags (b, h, n[, d]) -> (b, h, m[, d]): whether each of
+    the m sees a flagged one of the n."""
+    f = flags.to(torch.float32)
+    seen = visible.to(torch.float32) @ (f if f.dim() == 4 else f.unsqueeze(-1))
+    return (seen > 0) if f.dim() == 4 else (seen > 0).squeeze(-1)
+
+
+def _any_to_all(flags: torch.Tensor, n: int) -> torch.Tensor:
+    """Flags (b, h, m[, d]) seen by all of n (an unmasked block) -> (b, h, n[, d])."""
     seen = flags.any(dim=2, keepdim=True)
-    return seen.expand(*seen.shape[:2], cols, *seen.shape[3:])
+    return seen.expand(*seen.shape[:2], n, *seen.shape[3:])
 
 
 def poison_forward(
