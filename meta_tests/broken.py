@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import ring_impl
-from conformance.adapters.ring_impl import RingImplAdapter, speaking_specs
+from conformance.adapters.ring_impl import RingImplAdapter, ring_impl_mask, speaking_specs
 from ring_impl import RingAttention, debug
 from ring_impl.ops import call_backward, call_forward, default_scale
 from ring_impl.planning.plan import Block
@@ -547,6 +547,22 @@ class ScaleNotAgreed:
         return _RING(query, key, value, op=own, **kwargs)
 
 
+class MaskNotAgreed:
+    """The mask left out of the cross-rank check (packed lengths shared in one process group but
+    not in the context-parallel one): each rank attends silently under its own documents or
+    window."""
+
+    def __call__(self, query, key, value, *, mask=None, **kwargs):
+        from ring_impl import api
+
+        checked = api.mask_code
+        api.mask_code = lambda *args, **kw: 0  # every rank reports "no mask"
+        try:
+            return _RING(query, key, value, mask=ring_impl_mask(mask), **kwargs)
+        finally:
+            api.mask_code = checked
+
+
 class LseNotDifferentiable:
     """The LSE returned detached: a loss that uses it gets no gradient through it."""
 
@@ -741,6 +757,15 @@ BROKEN: dict[str, Broken] = by_name(
         "per-rank option disagreement: scale not part of the cross-rank check",
         r"scale_differs_between_ranks: no rank raised",
         function_adapter("scale_not_agreed", ScaleNotAgreed()),
+    ),
+    Broken(
+        "mask_not_agreed",
+        "per-rank option disagreement: the mask not part of the cross-rank check",
+        r"(documents|window)_differs?_between_ranks: no rank raised",
+        function_adapter("mask_not_agreed", MaskNotAgreed()),
+        suites="suites/test_bad_input.py",
+        select=("-k", "documents_differ or window_differs"),
+        min_failures=2,
     ),
     Broken(
         "lse_not_differentiable",

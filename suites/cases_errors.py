@@ -15,11 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec
 
 __all__ = ["BAD_INPUTS", "bad_input_case"]
 
 #: kind -> (what the error message must mention (regex, case-insensitive), needs)
-#: ``needs``: None, "context_parallel" (the SDPA route), "cuda" or "mask_mod" (masks of that kind).
+#: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", or a mask kind of
+#: :data:`reference.masks.MASK_KINDS` ("mask_mod", "document", "sliding_window").
 BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "dtype_on_one_rank": (r"dtype", None),
     "device_mismatch": (r"device", "cuda"),
@@ -47,6 +49,12 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "mask_mod_differs_beyond_64": (r"mask", "mask_mod"),
     "mask_mod_differs_at_head_1": (r"mask", "mask_mod"),
     "mask_mod_differs_at_batch_1": (r"mask", "mask_mod"),
+    # packed lengths shared in one process group but not in the context-parallel one: the last
+    # rank's documents split one position later
+    "documents_differ_between_ranks": (r"mask|document", "document"),
+    "window_differs_between_ranks": (r"mask|window", "sliding_window"),
+    # a hook that drops the mask on one rank (that rank attends without it)
+    "mask_on_some_ranks_only": (r"mask", "sliding_window"),
 }
 
 #: Where the last rank's mask_mod hides one more key, per kind (global positions; seq_q >= 96)
@@ -60,8 +68,6 @@ _MASK_MOD_DIFFERENCE = {
 def _differing_mask_mod(kind: str, last: bool):
     """A causal mask_mod; on the last rank it also hides the entries of
     ``_MASK_MOD_DIFFERENCE[kind]``."""
-    from conformance.specs import MaskSpec
-
     hidden = _MASK_MOD_DIFFERENCE[kind]
 
     def causal_mask_mod(b, h, q_idx, kv_idx):
@@ -135,6 +141,17 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
     elif kind in _MASK_MOD_DIFFERENCE:
         q, k, v = _qkv(ctx, seq=48)  # a global sequence of at least 96
         kw["mask"] = _differing_mask_mod(kind, last)
+    elif kind == "documents_differ_between_ranks":
+        seq = 8 * ctx.world_size
+        split = seq // 2 + (1 if last else 0)
+        kw["mask"] = MaskSpec(
+            {"kind": "document", "doc_ids": [0] * split + [1] * (seq - split), "causal": True}
+        )
+    elif kind == "window_differs_between_ranks":
+        kw["mask"] = MaskSpec({"kind": "sliding_window", "left": 4 if last else 3, "right": 0})
+    elif kind == "mask_on_some_ranks_only":
+        if not last:
+            kw["mask"] = MaskSpec({"kind": "sliding_window", "left": 3, "right": 0})
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):

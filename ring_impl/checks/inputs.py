@@ -510,12 +510,17 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def disagreement(
-    table: list[list[int]], op_names: dict[int, str], layout_names: dict[int, str]
+    table: list[list[int]],
+    op_names: dict[int, str],
+    layout_names: dict[int, str],
+    fields: Sequence[str] = SIGNATURE_FIELDS,
 ) -> str | None:
-    """Which signature fields differ between the ranks' rows, in words, or None; ``op_names`` and
-    ``layout_names`` name the codes this rank knows."""
+    """Which signature fields (of ``fields``) differ between the ranks' rows, in words, or None;
+    ``op_names`` and ``layout_names`` name the codes this rank knows."""
     differing = []
     for i, field in enumerate(SIGNATURE_FIELDS):
+        if field not in fields:
+            continue
         by_value: dict[int, list[int]] = {}
         for rank, row in enumerate(table):
             by_value.setdefault(row[i], []).append(rank)
@@ -622,9 +627,14 @@ def agree(
     }:
         names.update(layout_names(world_size, *lengths))
     exchanges = strategy_disagreement([r[base : n - 1] for r in rows])
-    if len({r[base] for r in rows}) > 1:  # (other exchanges: the other fields follow from it)
-        raise InputError(f"{where}: {exchanges}{numbering}")
-    texts = [disagreement([r[1:base] for r in rows], op_names(op), names), exchanges]
+    signatures = [r[1:base] for r in rows]
+    if len({r[base] for r in rows}) > 1:
+        # Other exchanges: the other fields follow from it, but for the mask, which chooses the
+        # exchange under "auto" (a rank that lost its mask takes the ring, the others the halo).
+        cause = disagreement(signatures, op_names(op), names, fields=("mask",))
+        said = "; ".join(t for t in (cause, exchanges) if t)
+        raise InputError(f"{where}: {said}{numbering}")
+    texts = [disagreement(signatures, op_names(op), names), exchanges]
     said = "; ".join(t for t in texts if t) or "ranks disagree on the call's options"
     raise InputError(f"{where}: {said}{numbering}")
 

@@ -226,6 +226,8 @@ def _bad_exchange(ctx, kind: str) -> str:
         options["mask"] = SlidingWindow(3 if ctx.rank == 0 else None)
     elif kind == "halo_cannot":
         options.update(exchange="halo", mask=SlidingWindow(9))
+    elif kind == "mask_on_one_rank_only":  # (a hook that drops the mask on rank 1)
+        options["mask"] = SlidingWindow(3) if ctx.rank == 0 else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         ring_impl.ring_attention(q, q, q, group=ctx.group, **options)
@@ -240,6 +242,8 @@ def _bad_exchange(ctx, kind: str) -> str:
         ("ranks_differ", "ranks disagree on exchange (rank 0 'ring'; rank 1 'halo')"),
         ("ring_or_ulysses", "ranks disagree on exchange (rank 0 'ulysses'; rank 1 'ring')"),
         ("auto_resolves_apart", "ranks disagree on exchange (rank 0 'halo'; rank 1 'ring')"),
+        # the cause first: a mask chooses the exchange under "auto"
+        ("mask_on_one_rank_only", "ranks disagree on mask (rank 0 mask/sinks/score_mod digest"),
         ("halo_cannot", "exchange='halo' but the halo exchange cannot serve this call"),
     ],
 )
