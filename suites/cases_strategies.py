@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec
 from suites.cases import strategy_group
 
 __all__ = ["BAD_INPUTS", "strategy_bad_input_case"]
@@ -32,7 +33,11 @@ BAD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "head_chunks_for_ulysses": (r"head_chunks", ("ulysses",)),
     "hybrid_on_a_flat_group": (r"2-D DeviceMesh", ("hybrid",)),
     "unknown_strategy": (r"unknown strategy", ("ulysses", "hybrid")),
+    # packed lengths shared in one process group but not in the context-parallel mesh
+    "documents_differ_on_one_rank": (r"mask|document", ("ulysses", "hybrid")),
 }
+#: Kinds that need the masks of a kind (:data:`reference.masks.MASK_KINDS`) besides the strategy
+MASKED_BAD_INPUTS = {"documents_differ_on_one_rank": "document"}
 
 
 def strategy_bad_input_case(
@@ -72,6 +77,12 @@ def strategy_bad_input_case(
         kw["group"] = ctx.group
     elif kind == "unknown_strategy":
         kw["strategy"] = "ulysess"
+    elif kind == "documents_differ_on_one_rank":
+        total = seq * ctx.world_size
+        split = total // 2 + (1 if last else 0)
+        kw["mask"] = MaskSpec(
+            {"kind": "document", "doc_ids": [0] * split + [1] * (total - split), "causal": True}
+        )
     q = torch.randn(2, heads, seq, 8, device=ctx.device)
     k = torch.randn(2, heads_kv, seq, 8, device=ctx.device)
     impl.obj.ring_attention(q, k, torch.randn_like(k), **kw)

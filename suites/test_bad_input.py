@@ -15,7 +15,7 @@ from harness.errors import ABORTED, CaseTimeout
 from suites import meshes
 from suites.cases_errors import BAD_INPUTS, bad_input_case
 from suites.cases_strategies import BAD_INPUTS as STRATEGY_BAD_INPUTS
-from suites.cases_strategies import strategy_bad_input_case
+from suites.cases_strategies import MASKED_BAD_INPUTS, strategy_bad_input_case
 from suites.matrix import world_sizes
 
 TIMEOUT_S = 30.0
@@ -62,6 +62,8 @@ def test_strategy_bad_input_raises_on_every_rank(ring, bad) -> None:
     the same InputError (or TypeError for a wrong group) on every rank, no hang."""
     strategy, mesh, kind = bad
     ring.require("strategies", strategy, why=f"strategy={strategy!r}")
+    if kind in MASKED_BAD_INPUTS:
+        ring.require("masks", MASKED_BAD_INPUTS[kind], why=f"{strategy} {kind}")
     ring.require("input_errors", why="raises on every rank for bad input")
     pattern, _ = STRATEGY_BAD_INPUTS[kind]
     outcomes = _assert_every_rank_raises(
