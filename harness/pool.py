@@ -486,14 +486,17 @@ class RankPool(Pool):
     def _crashed(self, rank: int, what: str) -> RankOutcome:
         proc = self._procs[rank]
         proc.join(1.0)
-        return RankOutcome(
-            rank,
-            False,
-            None,
-            "harness.RankCrashed",
-            f"(pid {proc.pid}) {what}: {signal_name(proc.exitcode)}",
-            status=CRASHED,
-        )
+        message = f"(pid {proc.pid}) {what}: {signal_name(proc.exitcode)}"
+        if not os.path.exists(self._paths(rank)[0]):
+            # The entry point opens the log first: without one the process died while Python
+            # prepared it, importing the parent's main module again (spawn and forkserver).
+            message += (
+                " before the harness's entry point ran (it left no log): the spawn and "
+                "forkserver start methods import the parent's main module again, so a script "
+                'that starts a pool must do so under `if __name__ == "__main__":`; the error '
+                "went to this process's stderr"
+            )
+        return RankOutcome(rank, False, None, "harness.RankCrashed", message, status=CRASHED)
 
     def _probe(self, case_id: int) -> bool:
         """One all_reduce on every rank after a case some ranks failed:

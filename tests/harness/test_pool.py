@@ -11,7 +11,9 @@ import torch
 
 from harness import CaseFailure, PoolStartError, RankError, RankOutcome, get_pool, settings
 from harness.pool import RankPool
+from harness.procs import run_tree
 from tests.harness import rank_fns
+from tests.harness.subproc import clean_env
 
 
 def test_values_come_back_indexed_by_rank() -> None:
@@ -196,3 +198,26 @@ def test_ranks_that_cannot_form_a_process_group_fail_the_start_with_their_traceb
         assert pool.pids == [] and not pool.running
     finally:
         pool.shutdown()
+
+
+def test_a_script_starting_a_pool_at_import_time_is_told_the_fix(tmp_path) -> None:
+    """The start methods import the parent's main module again in each rank: a script that starts
+    a pool outside ``if __name__ == "__main__":`` kills every rank before the harness runs."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from harness import PoolStartError, get_pool\n"
+        "try:\n"
+        "    get_pool(2)\n"
+        "except PoolStartError as exc:\n"
+        "    print('REPORT', exc)\n"
+    )
+    done = run_tree(
+        [sys.executable, str(script)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = done.stdout[done.stdout.index("REPORT") :] if "REPORT" in done.stdout else ""
+    assert "before the harness's entry point ran" in report, done.stdout + done.stderr
+    assert 'if __name__ == "__main__":' in report
