@@ -11,7 +11,7 @@ from conformance.implementation import load_implementation
 from conformance.specs import MaskSpec
 from suites.cases import strategy_group
 
-__all__ = ["BAD_INPUTS", "strategy_bad_input_case"]
+__all__ = ["BAD_INPUTS", "MASKED_BAD_INPUTS", "strategy_bad_input_case"]
 
 # ---------------------------------------------------------------------- bad input
 
