@@ -20,8 +20,8 @@ from conformance.specs import MaskSpec
 __all__ = ["BAD_INPUTS", "bad_input_case"]
 
 #: kind -> (what the error message must mention (regex, case-insensitive), needs)
-#: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", or a mask kind of
-#: :data:`reference.masks.MASK_KINDS` ("mask_mod", "document", "sliding_window").
+#: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", "sinks", or a mask kind
+#: of :data:`reference.masks.MASK_KINDS` ("mask_mod", "document", "sliding_window").
 BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "dtype_on_one_rank": (r"dtype", None),
     "device_mismatch": (r"device", "cuda"),
@@ -55,6 +55,9 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "window_differs_between_ranks": (r"mask|window", "sliding_window"),
     # a hook that drops the mask on one rank (that rank attends without it)
     "mask_on_some_ranks_only": (r"mask", "sliding_window"),
+    # sink logits applied on one rank only, or another rank's values
+    "sinks_on_some_ranks_only": (r"sink", "sinks"),
+    "sinks_differ_between_ranks": (r"sink", "sinks"),
 }
 
 #: Where the last rank's mask_mod hides one more key, per kind (global positions; seq_q >= 96)
@@ -152,6 +155,11 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
     elif kind == "mask_on_some_ranks_only":
         if not last:
             kw["mask"] = MaskSpec({"kind": "sliding_window", "left": 3, "right": 0})
+    elif kind == "sinks_on_some_ranks_only":
+        if not last:
+            kw["sinks"] = torch.zeros(q.shape[1], device=ctx.device)
+    elif kind == "sinks_differ_between_ranks":
+        kw["sinks"] = torch.full((q.shape[1],), 0.5 if last else 0.0, device=ctx.device)
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):
