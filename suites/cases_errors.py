@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from conformance.implementation import load_implementation
-from conformance.specs import MaskSpec
+from conformance.specs import MaskSpec, ScoreModSpec
 
 __all__ = ["BAD_INPUTS", "bad_input_case"]
 
 #: kind -> (what the error message must mention (regex, case-insensitive), needs)
-#: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", "sinks", or a mask kind
-#: of :data:`reference.masks.MASK_KINDS` ("mask_mod", "document", "sliding_window").
+#: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", "sinks", "score_mod", or
+#: a mask kind of :data:`reference.masks.MASK_KINDS` ("mask_mod", "document", "sliding_window").
 BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "dtype_on_one_rank": (r"dtype", None),
     "device_mismatch": (r"device", "cuda"),
@@ -58,6 +58,7 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     # sink logits applied on one rank only, or another rank's values
     "sinks_on_some_ranks_only": (r"sink", "sinks"),
     "sinks_differ_between_ranks": (r"sink", "sinks"),
+    "softcap_differs_between_ranks": (r"score_mod|softcap|cap", "score_mod"),
 }
 
 #: Where the last rank's mask_mod hides one more key, per kind (global positions; seq_q >= 96)
@@ -160,6 +161,8 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
             kw["sinks"] = torch.zeros(q.shape[1], device=ctx.device)
     elif kind == "sinks_differ_between_ranks":
         kw["sinks"] = torch.full((q.shape[1],), 0.5 if last else 0.0, device=ctx.device)
+    elif kind == "softcap_differs_between_ranks":
+        kw["score_mod"] = ScoreModSpec({"kind": "softcap", "cap": 20.0 if last else 30.0})
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):
