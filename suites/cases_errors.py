@@ -20,8 +20,9 @@ from conformance.specs import MaskSpec, ScoreModSpec
 __all__ = ["BAD_INPUTS", "bad_input_case"]
 
 #: kind -> (what the error message must mention (regex, case-insensitive), needs)
-#: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", "sinks", "score_mod", or
-#: a mask kind of :data:`reference.masks.MASK_KINDS` ("mask_mod", "document", "sliding_window").
+#: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", "sinks", "score_mod",
+#: "packed", or a mask kind of :data:`reference.masks.MASK_KINDS` ("mask_mod", "document",
+#: "sliding_window").
 BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "dtype_on_one_rank": (r"dtype", None),
     "device_mismatch": (r"device", "cuda"),
@@ -59,6 +60,8 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "sinks_on_some_ranks_only": (r"sink", "sinks"),
     "sinks_differ_between_ranks": (r"sink", "sinks"),
     "softcap_differs_between_ranks": (r"score_mod|softcap|cap", "score_mod"),
+    # packed (THD) lengths shared in one process group but not in the context-parallel one
+    "cu_seqlens_differ_between_ranks": (r"cu_seqlens|document|mask", "packed"),
 }
 
 #: Where the last rank's mask_mod hides one more key, per kind (global positions; seq_q >= 96)
@@ -163,6 +166,11 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
         kw["sinks"] = torch.full((q.shape[1],), 0.5 if last else 0.0, device=ctx.device)
     elif kind == "softcap_differs_between_ranks":
         kw["score_mod"] = ScoreModSpec({"kind": "softcap", "cap": 20.0 if last else 30.0})
+    elif kind == "cu_seqlens_differ_between_ranks":
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (tokens, heads, d)
+        total = q.shape[0] * ctx.world_size
+        split = total // 2 + (1 if last else 0)
+        kw["cu_seqlens"] = torch.tensor([0, split, total], dtype=torch.int32, device=ctx.device)
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):
