@@ -52,16 +52,16 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "mask_mod_differs_at_batch_1": (r"mask", "mask_mod"),
     # packed lengths shared in one process group but not in the context-parallel one: the last
     # rank's documents split one position later
-    "documents_differ_between_ranks": (r"mask|document", "document"),
+    "documents_differ_between_ranks": (r"mask|doc|cu_seqlens|seqlen", "document"),
     "window_differs_between_ranks": (r"mask|window", "sliding_window"),
     # a hook that drops the mask on one rank (that rank attends without it)
-    "mask_on_some_ranks_only": (r"mask", "sliding_window"),
+    "mask_on_some_ranks_only": (r"mask|window", "sliding_window"),
     # sink logits applied on one rank only, or another rank's values
     "sinks_on_some_ranks_only": (r"sink", "sinks"),
     "sinks_differ_between_ranks": (r"sink", "sinks"),
-    "softcap_differs_between_ranks": (r"score_mod|softcap|cap", "score_mod"),
+    "softcap_differs_between_ranks": (r"score.?mod|soft.?cap", "score_mod"),
     # packed (THD) lengths shared in one process group but not in the context-parallel one
-    "cu_seqlens_differ_between_ranks": (r"cu_seqlens|document|mask", "packed"),
+    "cu_seqlens_differ_between_ranks": (r"cu_seqlens|seqlen|doc|mask", "packed"),
 }
 
 #: Where the last rank's mask_mod hides one more key, per kind (global positions; seq_q >= 96)

@@ -34,7 +34,7 @@ BAD_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hybrid_on_a_flat_group": (r"2-D DeviceMesh", ("hybrid",)),
     "unknown_strategy": (r"unknown strategy", ("ulysses", "hybrid")),
     # packed lengths shared in one process group but not in the context-parallel mesh
-    "documents_differ_on_one_rank": (r"mask|document", ("ulysses", "hybrid")),
+    "documents_differ_on_one_rank": (r"mask|doc|cu_seqlens|seqlen", ("ulysses", "hybrid")),
 }
 #: Kinds that need the masks of a kind (:data:`reference.masks.MASK_KINDS`) besides the strategy
 MASKED_BAD_INPUTS = {"documents_differ_on_one_rank": "document"}
