@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from ring_impl.exchanges.ring import backward_order
 from ring_impl.planning.plan import Block, StepPlan
 
@@ -126,11 +125,6 @@ def _events(ctx, rotate: str):
 def test_the_backward_computes_while_its_first_and_last_transfers_travel(
     ring, rotate, world
 ) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "the backward's order is ring_impl's own; the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     for rank, events in enumerate(ring.rank_pool(world).run(_events, rotate, timeout=120.0)):
         assert {"k", "s", "w"} <= set(events), f"rank {rank}: {events}"
         assert "k" in events[: events.index("w")], (

@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import assert_close, error_scales
 from reference.masks import visibility
@@ -293,10 +292,6 @@ def _run(ctx, balancer: str, doc_ids: torch.Tensor, seq: int, rotate: str):
 @pytest.mark.parametrize("balancer", ["work_aware", "document_head_tail"])
 @pytest.mark.parametrize("rotate", ["alltoall", "p2p"])
 def test_ring_is_right_on_the_balanced_layouts(ring, rotate: str, balancer: str) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}"
-        )
     import ring_impl
 
     seq, world = 96, 3
@@ -429,10 +424,6 @@ def _model_run(ctx, seq: int, layout_masks):
 
 
 def test_every_mask_of_the_model_is_right_on_its_one_layout(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"the balancers are ring_impl's API; the implementation under test is {ring.impl.spec}"
-        )
     import ring_impl
     from ring_impl.planning.balance import register_balanced_layout
 

@@ -7,20 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 SEQ = 64
-
-
-@pytest.fixture(autouse=True)
-def _default_impl_only(request) -> None:
-    ring = request.getfixturevalue("ring")
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
-            "without --impl to check it)"
-        )
 
 
 def _inputs(dtype=torch.float32, seq=SEQ, seed=0):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
-
 
 def _compiled_against_eager(ctx, copy: bool | None) -> list[float]:
     import ring_impl.exchanges.ring as ring_module
@@ -55,10 +53,6 @@ def _diffs(ctx) -> list[float]:
 
 @pytest.mark.parametrize("copy", [True, None], ids=["copies", "release_default"])
 def test_compiled_gradients_equal_eager(ring, copy) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"a ring_impl compile property; the implementation under test is {ring.impl.spec}"
-        )
     for rank, diffs in enumerate(
         ring.rank_pool(2).run(_compiled_against_eager, copy, timeout=240.0)
     ):

@@ -9,16 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
-
 HEADS, HEAD_DIM, LOCAL = 4, 8, 8
-
-
-def _skip_other_impls(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"the compiled check is ring_impl's; the implementation under test is {ring.impl.spec}"
-        )
 
 
 def _unregistered_op():
@@ -104,7 +95,6 @@ def test_compiled_call_refuses_bad_input_on_every_rank(
     """``op_kind="object"``: an op object registered under no name, carried to the check op by a
     key (before, such a call was traced without the check, and a rank refusing its own input
     left the others in their ring collectives)."""
-    _skip_other_impls(ring)
     import re
 
     for rank, run in enumerate(
@@ -144,7 +134,6 @@ def _routed_sdpa_mask_on_one_rank(ctx) -> dict:
 def test_compiled_routed_sdpa_refusal_reaches_every_rank(ring) -> None:
     """The SDPA route under torch.compile: rank 0's attn_mask is refused on both ranks (it used
     to raise on rank 0 alone, while tracing, and leave rank 1 in its ring)."""
-    _skip_other_impls(ring)
     runs = ring.rank_pool(2).run(_routed_sdpa_mask_on_one_rank, timeout=120.0)
     assert "attn_mask is not supported" in runs[0]["bad"], runs[0]
     assert "rank 0 rejected their input" in runs[1]["bad"], runs[1]

@@ -19,21 +19,11 @@ import pytest
 import torch
 
 import ring_impl
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from harness.procs import run_tree
 from ring_impl.torch_api.context_parallel import ContextParallelError
 from tests.ring_impl.outcomes import assert_every_rank_raised
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def cp_ring(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"ring_impl's own API contracts; the implementation under test is {ring.impl.spec}"
-        )
-    return ring
 
 
 # ---------------------------------------------------------------------- helpers' checks
@@ -200,9 +190,9 @@ def _bad_entry(ctx, kind: str) -> dict:
     ],
 )
 def test_context_parallel_rejects_bad_arguments_on_every_rank_before_sharding(
-    cp_ring, kind: str, pattern: str
+    ring, kind: str, pattern: str
 ) -> None:
-    outcomes = cp_ring.rank_pool(2).run_outcomes(_bad_entry, kind, timeout=30.0)
+    outcomes = ring.rank_pool(2).run_outcomes(_bad_entry, kind, timeout=30.0)
     summary = assert_every_rank_raised(outcomes, "ContextParallelError")
     assert any(re.search(pattern, o.exc_message) for o in outcomes), summary
     assert all("sharded before the error" not in o.exc_message for o in outcomes), summary
@@ -250,11 +240,11 @@ def _grad_on_exit(ctx, layout: str) -> dict:
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
-def test_parameter_buffer_grad_on_every_exit(cp_ring, layout: str) -> None:
+def test_parameter_buffer_grad_on_every_exit(ring, layout: str) -> None:
     """Normal exit: entry gradient + unshard(shard gradients), one all_reduce (which buffers
     have a gradient) and one all_gather. Exception: no collective, the entry gradient as it
     was. no_restore: data and gradient stay this rank's shard."""
-    for rank, r in enumerate(cp_ring.rank_pool(2).run(_grad_on_exit, layout, timeout=60.0)):
+    for rank, r in enumerate(ring.rank_pool(2).run(_grad_on_exit, layout, timeout=60.0)):
         entry, weight = r["entry"], r["weight"]
         assert torch.equal(r["normal"]["grad"], entry + weight), f"rank {rank}: normal exit"
         calls = {k: v["calls"] for k, v in r["normal"]["collectives"]["default"].items()}
@@ -286,10 +276,10 @@ def _mha_weights_on_one_rank(ctx) -> str:
     return "no error"
 
 
-def test_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ring) -> None:
+def test_multihead_attention_weights_on_one_rank_raise_everywhere(ring) -> None:
     """need_weights=True on rank 0 only: rank 0 rejects before SDPA, rank 1 reaches the ring's
     agreement, and both raise (no hang)."""
-    outcomes = cp_ring.rank_pool(2).run_outcomes(_mha_weights_on_one_rank, timeout=30.0)
+    outcomes = ring.rank_pool(2).run_outcomes(_mha_weights_on_one_rank, timeout=30.0)
     summary = assert_every_rank_raised(outcomes)
     assert "need_weights=False" in outcomes[0].exc_message, summary
     assert "rank 0 rejected their input" in outcomes[1].exc_message, summary
@@ -310,10 +300,10 @@ def _sdpa_attn_mask_on_one_rank(ctx) -> str:
     return "no error"
 
 
-def test_sdpa_refusal_names_the_function_called(cp_ring) -> None:
+def test_sdpa_refusal_names_the_function_called(ring) -> None:
     """An SDPA call that context parallel cannot run is refused on every rank, in words about
     scaled_dot_product_attention (the function the user called), not only ring_attention."""
-    outcomes = cp_ring.rank_pool(2).run_outcomes(_sdpa_attn_mask_on_one_rank, timeout=30.0)
+    outcomes = ring.rank_pool(2).run_outcomes(_sdpa_attn_mask_on_one_rank, timeout=30.0)
     summary = assert_every_rank_raised(outcomes, "InputError")
     assert all(
         o.exc_message.startswith("scaled_dot_product_attention under context parallel")
@@ -361,8 +351,8 @@ def _compiled_routes(ctx) -> dict:
     return out
 
 
-def test_compiled_custom_attention_follows_the_route_without_recompiling_per_call(cp_ring) -> None:
-    for rank, r in enumerate(cp_ring.rank_pool(2).run(_compiled_routes, timeout=180.0)):
+def test_compiled_custom_attention_follows_the_route_without_recompiling_per_call(ring) -> None:
+    for rank, r in enumerate(ring.rank_pool(2).run(_compiled_routes, timeout=180.0)):
         for layout, errors in r["errors"].items():
             assert max(errors) < 1e-12, f"rank {rank} {layout}: errors {errors}"
             frames = r["compiled_frames"][layout]
@@ -407,11 +397,11 @@ def _compiled_mha_weights_on_one_rank(ctx) -> str:
     return "no error"
 
 
-def test_compiled_multihead_attention_weights_on_one_rank_raise_everywhere(cp_ring) -> None:
+def test_compiled_multihead_attention_weights_on_one_rank_raise_everywhere(ring) -> None:
     """Compiled, need_weights=True on rank 0 only: rank 0's graph holds the refusing op in place
     of the module's attention, rank 1's the ring's agreement; when the graphs run, both raise
     (no rank raises alone while tracing, leaving the other waiting)."""
-    outcomes = cp_ring.rank_pool(2).run_outcomes(_compiled_mha_weights_on_one_rank, timeout=120.0)
+    outcomes = ring.rank_pool(2).run_outcomes(_compiled_mha_weights_on_one_rank, timeout=120.0)
     summary = assert_every_rank_raised(outcomes)
     assert all(
         "InputError" in (o.exc_type or "") or "need_weights" in (o.exc_message or "")

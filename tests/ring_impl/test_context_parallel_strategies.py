@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention
 from reference.budget import assert_close
 from tests.ring_impl.outcomes import assert_every_rank_raised
@@ -35,10 +34,6 @@ def _calls(summary: dict, kind: str) -> int:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_routes_sdpa_to_ulysses(ring, world: int) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}"
-        )
     import ring_impl
 
     q, k, v = _inputs(world)
@@ -110,10 +105,6 @@ def _hybrid_routed(ctx) -> dict:
 def test_context_parallel_routes_sdpa_to_the_hybrid(ring) -> None:
     """A 2x2 (ring x ulysses) mesh: buffers sharded in the hybrid's layout over the flattened
     mesh, SDPA routed to the hybrid, unshard back; equal to single-process SDPA by the policy."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}"
-        )
     q, k, v = _inputs(4)
     ref = attention(q, k, v, is_causal=True).out
     base = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -151,10 +142,6 @@ def _hybrid_refused(ctx, where: str):
 
 @pytest.mark.parametrize("where", ["context_parallel", "style"])
 def test_hybrid_on_a_1d_mesh_is_refused_on_every_rank_with_what_to_do(ring, where: str) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}"
-        )
     outcomes = ring.rank_pool(2).run_outcomes(_hybrid_refused, where, timeout=30.0)
     summary = assert_every_rank_raised(outcomes, "ContextParallelError")
     assert all(
@@ -186,10 +173,6 @@ def test_hybrid_option_bad_on_some_ranks_is_refused_on_every_rank(ring, option: 
     """Rank 0 passes good arguments and the others a bad one: rank 0 must not wait alone in the
     argument check (it agreed over the flattened mesh while the others gave up before any
     collective: a hang, found by the fuzz campaign)."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"strategy= is ring_impl's option; the implementation under test is {ring.impl.spec}"
-        )
     outcomes = ring.rank_pool(4).run_outcomes(_hybrid_option_differs, option, timeout=60.0)
     summary = assert_every_rank_raised(outcomes, "ContextParallelError", clip=200)
     assert "rejected their arguments" in outcomes[0].exc_message, summary

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import assert_close
 
@@ -71,10 +70,6 @@ def _run(ctx, rotate: str) -> dict:
 
 @pytest.mark.parametrize("rotate", ["allgather", "alltoall", "p2p"])
 def test_registered_layout_runs_right(ring, rotate: str) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"register_layout is ring_impl's API; the implementation under test is {ring.impl.spec}"
-        )
     import ring_impl
 
     layout = ring_impl.register_layout(dealt_chunks(), replace=True).name
@@ -140,10 +135,6 @@ def _layout_registered_per_rank(ctx, kind: str):
 def test_a_layout_name_with_other_positions_on_one_rank_is_refused_everywhere(ring) -> None:
     """The cross-rank check compares the positions a layout gives every rank, not only its name:
     the same name registered with other runs on one rank would pair wrong rows silently."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"register_layout is ring_impl's API; the implementation under test is {ring.impl.spec}"
-        )
     messages = ring.rank_pool(2).run(_layout_registered_per_rank, "other_positions", timeout=60.0)
     for rank, msg in enumerate(messages):
         assert (
@@ -174,8 +165,4 @@ def test_the_layout_check_never_raises_before_its_collective(ring) -> None:
     """A non-causal, unmasked call needs no positions, so it runs with a layout that cannot split
     its lengths; comparing the layout's positions must not raise there (it would on some ranks
     only, before the check's all-reduce, when lengths differ)."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"register_layout is ring_impl's API; the implementation under test is {ring.impl.spec}"
-        )
     assert ring.rank_pool(2).run(_unsplittable_non_causal, timeout=60.0) == [True, True]

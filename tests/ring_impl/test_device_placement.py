@@ -18,8 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
-
 from .placement import DevicePlacement, backwards_checked
 
 SEQ = 256  # tokens per rank
@@ -223,11 +221,6 @@ FOUR_RANKS = ("hybrid", "hybrid_window")
     [(1, c) for c in ONE_RANK] + [(2, c) for c in TWO_RANKS] + [(4, c) for c in FOUR_RANKS],
 )
 def test_no_call_mixes_device_and_host_tensors(ring, world: int, case: str) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
-            "without --impl to check it)"
-        )
     per_rank = ring.rank_pool(world).run(_mixes, case)
     for rank, mixes in enumerate(per_rank):
         assert not mixes, (

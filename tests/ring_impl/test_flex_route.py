@@ -8,8 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
-
 from .oracle import assert_ring_matches_oracle
 from .rank_results import local_results, seeded_inputs
 
@@ -59,14 +57,6 @@ def _run(ctx, layout, dtype, via_module):
     return local_results(out, lse, q, k, v, restored=routed_back)
 
 
-def _skip_other_impls(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "flex routing is ring_impl's API here; the implementation under test is "
-            f"{ring.impl.spec}"
-        )
-
-
 @pytest.mark.parametrize(
     "world,layout,dtype,via_module",
     [
@@ -76,7 +66,6 @@ def _skip_other_impls(ring):
     ],
 )
 def test_flex_call_under_a_route_matches_the_oracle(ring, world, layout, dtype, via_module) -> None:
-    _skip_other_impls(ring)
     results = ring.rank_pool(world).run(_run, layout, dtype, via_module, timeout=120.0)
     assert all(r["restored"] for r in results), (
         "flex_attention was not put back when the route ended"
@@ -150,7 +139,6 @@ def _refused(ctx, kind, compiled):
 def test_unsupported_flex_calls_raise_on_every_rank(ring, kind, pattern, culprit, compiled) -> None:
     """The rank with the bad call names the cause; the others raise too, naming that rank; and
     every rank names the function called, compiled (fullgraph) as eagerly."""
-    _skip_other_impls(ring)
     import re
 
     messages = ring.rank_pool(2).run(_refused, kind, compiled, timeout=120.0)

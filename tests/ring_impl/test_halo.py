@@ -20,7 +20,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
@@ -260,11 +259,6 @@ def _baseline(q, k, v, dout, glse, vis, sinks, op_name: str) -> dict[str, torch.
     return result
 
 
-def _skip_other_impl(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"halo= is ring_impl's API; the implementation under test is {ring.impl.spec}")
-
-
 _DTYPES = ((torch.float64, "math"), (torch.float32, "cpu_flash"), (torch.bfloat16, "cpu_flash"))
 _HALO_CASES = []
 for _i, (_name, _world) in enumerate(
@@ -312,7 +306,6 @@ for _i, (_name, _world) in enumerate(
 def test_halo_matches_the_oracle_and_sends_the_minimum(
     ring, name, world, dtype, op, heads_kv, sinks, lse_grad
 ) -> None:
-    _skip_other_impl(ring)
     spec, is_causal, rows = _case(name, world)
     assert rows is not None
     results = ring.rank_pool(world).run(
@@ -358,7 +351,6 @@ _FALLBACK = [
 @pytest.mark.parametrize("name,world,layout,halo", _FALLBACK)
 def test_what_the_halo_cannot_serve_runs_on_the_ring(ring, name, world, layout, halo) -> None:
     """The oracle's result, and the ring's schedule (the declaration falls back with the call)."""
-    _skip_other_impl(ring)
 
     spec, is_causal, _ = _case(name, world)
     dtype, op, heads_kv, label = torch.float32, "cpu_flash", 2, f"ring, {name}, W={world}, {layout}"
@@ -408,7 +400,6 @@ def _kernel_calls(ctx, spec):
 def test_one_kernel_call_per_rank_and_none_where_nothing_is_seen(ring) -> None:
     """The halo path runs the kernel once per pass on [halo | local | halo]; the rank whose rows
     are all padding runs none, yet exchanges (its neighbours wait for its rows)."""
-    _skip_other_impl(ring)
     calls = ring.rank_pool(4).run(_kernel_calls, _window(3, 2), timeout=60.0)
     assert calls == [{"forward": 1, "backward": 1}] * 4, calls
     spec, _, _ = _case("padded_rank", 3)
@@ -421,7 +412,6 @@ def test_a_nan_in_a_halo_key_reaches_the_neighbour_rows_that_see_it(ring) -> Non
     row, rank 1's first three) get NaN outputs and LSEs, as the oracle's dependency rule says;
     gradients are NaN wherever the oracle's are (a superset, as the ring's:
     ring_impl.numerics.nonfinite)."""
-    _skip_other_impl(ring)
     world, spec, nan_key = 2, _window(3), SHARD - 1
     results = ring.rank_pool(world).run(
         _run, spec, False, torch.float64, "math", 2, False, nan_key=nan_key, timeout=60.0
@@ -487,7 +477,6 @@ def _bad(ctx, kind: str):
     ],
 )
 def test_bad_halo_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
-    _skip_other_impl(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     assert_input_error_on_every_rank(outcomes, pattern)
 

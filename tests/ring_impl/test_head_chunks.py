@@ -14,7 +14,6 @@ import itertools
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from ring_impl import collective_schedule
 from ring_impl.exchanges.heads import check_head_chunks, head_spans
 from suites.cases import RingCase
@@ -89,13 +88,6 @@ def test_schedule_multiplies_calls_and_keeps_bytes() -> None:
                 )
 
 
-def _ring_impl_only(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"head_chunks is ring_impl's option; the implementation under test is {ring.impl.spec}"
-        )
-
-
 def _cases() -> list:
     out = []
     # (world, rotate, causal, layout, dtype, heads, heads_kv, chunks)
@@ -139,7 +131,6 @@ def _cases() -> list:
 
 @pytest.mark.parametrize("case", _cases())
 def test_chunked_ring_matches_reference_and_schedule(ring, case: RingCase) -> None:
-    _ring_impl_only(ring)
     case = ring.prepare(case)
     results = ring.run(case)
     ring.check(case, results=results)
@@ -163,7 +154,6 @@ def test_chunked_ring_compiles_in_one_order(ring, backend: str, rotate: str) -> 
     program order without heads.py's ordering tie, so this checks the compiled chunked ring's
     results, not the tie itself.
     """
-    _ring_impl_only(ring)
     spec = InputSpec(
         batch=1, heads=4, heads_kv=4, seq_q=24, seq_kv=24, head_dim=16, dtype="float32", seed=77
     )
@@ -182,7 +172,6 @@ def test_chunked_ring_compiles_in_one_order(ring, backend: str, rotate: str) -> 
 def test_chunked_records_cover_every_head(ring) -> None:
     """Per-step partials (for diagnosis) are joined across chunks:
     the same records as one ring's."""
-    _ring_impl_only(ring)
     spec = InputSpec(
         batch=1, heads=4, heads_kv=2, seq_q=12, seq_kv=12, head_dim=8, dtype="float64", seed=5
     )
@@ -220,7 +209,6 @@ def _bad_chunks(ctx, kind: str):
     ],
 )
 def test_bad_head_chunks_raise_on_every_rank(ring, kind: str, pattern: str) -> None:
-    _ring_impl_only(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_chunks, kind, timeout=30.0)
     assert_input_error_on_every_rank(outcomes, pattern)
 
@@ -240,7 +228,6 @@ def _routed_with_chunks(ctx) -> dict:
 
 
 def test_context_parallel_routes_head_chunks(ring) -> None:
-    _ring_impl_only(ring)
     for rank, r in enumerate(ring.rank_pool(2).run(_routed_with_chunks, timeout=60.0)):
         for route in ("cp", "style"):
             (o1, log1), (o2, log2) = r[f"{route}1"], r[f"{route}2"]

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from benchmarks.host_work import VIEWS
-from conformance.implementation import DEFAULT_IMPL_SPEC
 
 from .counting import AtenOps
 
@@ -85,11 +84,6 @@ LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 2, "documen
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", sorted(LIMITS))
 def test_no_host_sync_per_block(ring, case: str, world: int) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
-            "without --impl to check it)"
-        )
     syncs, made = zip(*ring.rank_pool(world).run(_syncs, case))
     # W=2: the forward's verdict comes with the cross-rank check's own read; the backward reads
     # one flag of its gradients
@@ -170,8 +164,6 @@ def test_a_multi_rank_call_skips_the_propagation_on_the_groups_verdict(ring, exc
     grad_out puts every one of its backward blocks through the gradients' propagation (its first
     step's blocks run twice, the speculated results dropped). A NaN in one rank's key puts every
     block of every rank through the whole propagation (the verdict is the group's)."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     pool = ring.rank_pool(2)
     blocks = []  # per rank, the backward's blocks of a finite call
     for nan_in in (None, "grad_out"):
@@ -253,8 +245,6 @@ def test_a_one_rank_call_reads_right_before_its_kernel(ring, case: str) -> None:
     overlaps the kernel: one read and one kernel call per direction, in that order. (Read after
     the launch, the read waits for the kernel and all of that follows it: docs/benchmarks.md,
     "Where each read goes".)"""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     (events,) = ring.rank_pool(1).run(_order, case)
     assert events == {"forward": ["read", "kernel"], "backward": ["read", "kernel"]}, events
 
@@ -264,8 +254,6 @@ def test_a_multi_rank_backward_reads_after_its_first_kernels(ring, case: str) ->
     """At W=2, as on a GPU: the forward reads nothing (the group's verdict comes with the
     cross-rank check), and the backward reads its gradients' flag once, after its first kernel
     is launched."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl property; the implementation under test is {ring.impl.spec}")
     for rank, events in enumerate(ring.rank_pool(2).run(_order, case)):
         forward, backward = events["forward"], events["backward"]
         assert forward and set(forward) == {"kernel"}, (rank, events)
@@ -360,11 +348,6 @@ def test_a_one_rank_call_launches_little_beside_its_kernel(ring, case: str) -> N
     """On a GPU a one-rank call is host-bound below tens of thousands of tokens: every launch
     beside the kernel costs the host more than the device. Counted with the kernels' CPU
     emulations, reads as on a GPU, in a warm call (counts are exact)."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
-            "without --impl to check it)"
-        )
     (launches,) = ring.rank_pool(1).run(_launches, case)
     for direction, limit in LAUNCHES.items():
         n = sum(launches[direction].values())

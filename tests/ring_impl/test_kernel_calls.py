@@ -15,8 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
-
 from .counting import AtenOps, varlen_kernel_calls
 
 OP = "cpu_flash_varlen_layout"
@@ -69,14 +67,6 @@ def _counted_call(ctx, name: str, seq: int, layout: str):
     return calls["forward"], calls["backward"], [len(p.blocks) for p in plan], sum(ops.ops.values())
 
 
-def _skip_other_impls(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"a ring_impl property; the implementation under test is {ring.impl.spec} (run "
-            "without --impl to check it)"
-        )
-
-
 @pytest.mark.parametrize("name", ["documents_16", "documents_64", "window", "documents_and_window"])
 @pytest.mark.parametrize(
     "world,layout", [(1, "contiguous"), (2, "contiguous"), (2, "head_tail"), (4, "head_tail")]
@@ -84,7 +74,6 @@ def _skip_other_impls(ring) -> None:
 def test_one_kernel_call_per_ring_step_per_direction(
     ring, name: str, world: int, layout: str
 ) -> None:
-    _skip_other_impls(ring)
     results = ring.rank_pool(world).run(_counted_call, name, 1024, layout, timeout=120.0)
     for rank, (fwd, bwd, blocks, _) in enumerate(results):
         assert max(blocks) <= 1, f"rank {rank}: a step planned as {max(blocks)} blocks"
@@ -96,7 +85,6 @@ def test_one_kernel_call_per_ring_step_per_direction(
 
 def test_host_work_does_not_grow_with_the_documents(ring) -> None:
     """16 and 64 documents at W=1: the same aten ops dispatched, within 10%."""
-    _skip_other_impls(ring)
     pool = ring.rank_pool(1)
     (few,) = pool.run(_counted_call, "documents_16", 4096, "contiguous", timeout=120.0)
     (many,) = pool.run(_counted_call, "documents_64", 4096, "contiguous", timeout=120.0)
@@ -117,7 +105,6 @@ def _halo_calls(ctx, seq: int):
 
 
 def test_the_halo_block_of_a_window_is_one_call(ring) -> None:
-    _skip_other_impls(ring)
     assert ring.rank_pool(3).run(_halo_calls, 768, timeout=120.0) == [(1, 1)] * 3
 
 
@@ -139,7 +126,6 @@ def test_one_rank_takes_the_kernels_own_path(ring, dtype: str) -> None:
     """W=1, causal: one kernel call each way and nothing around it that holds memory: no packed
     key/value copy (stack), no accumulators (zeros), no dtype conversions of the output or the
     gradients (_to_copy)."""
-    _skip_other_impls(ring)
     (ops,) = ring.rank_pool(1).run(_one_rank_ops, dtype, timeout=60.0)
     assert ops.get("aten._scaled_dot_product_flash_attention_for_cpu") == 1, ops
     assert ops.get("aten._scaled_dot_product_flash_attention_for_cpu_backward") == 1, ops

@@ -10,17 +10,11 @@ import itertools
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from tests.ring_impl.oracle import assert_ring_matches_oracle
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
 
 SEQ_LOCAL, HEADS, HEADS_KV, DIM = 24, 4, 2, 16
 WINDOW = 9
-
-
-def _skip_other_impls(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl mask; the implementation under test is {ring.impl.spec}")
 
 
 def _document_ids(seq: int) -> torch.Tensor:
@@ -101,7 +95,6 @@ def test_a_tabulated_mask_mod_matches_the_oracle_without_being_evaluated(
     """A MaskMod of one key range per query (causal documents in a window, padding at the end),
     tabulated once, runs on every exchange as the float64 oracle says its mask should, and the
     call never calls its function."""
-    _skip_other_impls(ring)
     results = ring.rank_pool(world).run(_run, exchange, layout)
     assert [r.pop("evaluations") for r in results] == [0] * world
     seq = SEQ_LOCAL * world
@@ -170,7 +163,6 @@ def test_key_ranges_run_as_documents_with_one_kernel_call_and_one_plan(ring, wor
     """On an op taking row bounds, KeyRanges make the kernel calls Documents make (one per block:
     one per step here), give their results bit for bit, and a second call with an equal
     KeyRanges builds no plan (cached by its description)."""
-    _skip_other_impls(ring)
     for rank, run in enumerate(ring.rank_pool(world).run(_kernel_calls)):
         first, second, doc = run["calls"]
         assert first == second == doc <= world, (rank, run["calls"])
@@ -234,6 +226,5 @@ def _bad_bounds(ctx):
 
 
 def test_bad_bounds_raise_on_every_rank(ring) -> None:
-    _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_bounds, timeout=60.0)
     assert_input_error_on_every_rank(outcomes, "KeyRanges.end must lie in [0, 16]")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
@@ -28,13 +27,6 @@ from tests.ring_impl.test_halo import (
     assert_nan_where_the_oracle_has_it,
 )
 from tests.ring_impl.test_masks import every_fourth_head_sees_back
-
-
-def _skip_other_impls(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"sparse_kv= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
 
 
 def _doc_ids(seq: int) -> list[int]:
@@ -175,7 +167,6 @@ CASES = [
 def test_sparse_gather_matches_the_oracle_with_minimum_bytes(
     ring, name, world, layout, dtype, heads_kv, sinks, lse_grad
 ) -> None:
-    _skip_other_impls(ring)
 
     seq = 24 * world
     results = ring.rank_pool(world).run(
@@ -242,7 +233,6 @@ def test_a_nan_key_reaches_the_rows_that_see_it_whether_sent_or_kept(ring, op, n
     NaN wherever the oracle's are (a superset, as the ring's: ring_impl.numerics.nonfinite). The own
     rows' kernel calls run while the gathered rows travel, so each part must carry its own NaN
     check: with a kernel that hides NaN, only that check puts them there."""
-    _skip_other_impls(ring)
 
     seq = 48
     results = ring.rank_pool(2).run(
@@ -327,7 +317,6 @@ def test_the_gather_computes_the_own_rows_while_its_transfers_travel(ring) -> No
     """Forward, the calls on a rank's own rows alone run between posting the all-to-all and
     waiting for it; backward, between posting the received rows' dK/dV and waiting for this
     rank's own (the transfers' only overlap: there is no ring)."""
-    _skip_other_impls(ring)
     for rank, phases in enumerate(ring.rank_pool(2).run(_events, timeout=60.0)):
         for phase, events in zip(("forward", "backward"), phases):
             assert events.count("s") == 1 and events.count("w") == 1, (
@@ -411,7 +400,6 @@ def _bad(ctx, kind: str):
     ],
 )
 def test_bad_sparse_options_raise_on_every_rank(ring, kind, pattern) -> None:
-    _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     summary = assert_every_rank_raised(outcomes, "InputError", clip=200)
     assert all(pattern in o.exc_message for o in outcomes), summary

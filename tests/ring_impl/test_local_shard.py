@@ -8,8 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
-
 SEQ = 32
 
 
@@ -36,8 +34,6 @@ def _run(ctx, dims: tuple[str, str]) -> dict:
 
 @pytest.mark.parametrize("dims", [("ring", "ulysses"), ("ulysses", "ring")])
 def test_local_shard_follows_the_mesh(ring, dims) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl helper; the implementation under test is {ring.impl.spec}")
     results = ring.rank_pool(4).run(_run, dims)
     assert all(r["error"] < 1e-12 for r in results), [r["error"] for r in results]
     # The global-rank coordinates are right for ("ring", "ulysses") only: the pitfall is real.
@@ -56,6 +52,4 @@ def _ring_shard_equal(ctx) -> bool:
 
 
 def test_local_shard_of_the_ring_is_the_layouts_shard(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(f"a ring_impl helper; the implementation under test is {ring.impl.spec}")
     assert all(ring.rank_pool(2).run(_ring_shard_equal))

@@ -14,19 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
-
 SEQ_LOCAL = 16
 #: the one position whose table entry is corrupt: off the check's grid (0, 2, 4, ... at 32 tokens,
 #: 0, 4, 8, ... at 64), held by rank 0 under the contiguous layout
 BAD = 5
-
-
-def _skip_other_impls(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
 
 
 def _call(ctx, how: str, corrupt: bool, counter: list | None = None):
@@ -102,7 +93,6 @@ def _off_grid_failure_then_a_good_call(ctx, how: str):
     ],
 )
 def test_a_mask_mod_failing_off_the_probe_grid_raises_on_every_rank(ring, how, world) -> None:
-    _skip_other_impls(ring)
     runs = ring.rank_pool(world).run(_off_grid_failure_then_a_good_call, how, timeout=120.0)
     for rank, r in enumerate(runs):
         msg = r["refused"]
@@ -124,7 +114,6 @@ def _evaluations(ctx, how: str):
 def test_the_backward_evaluates_no_mask_again(ring, how) -> None:
     """The plans made before the check serve the forward and the backward: the mask_mod's
     evaluations all happen before the first collective's results are used, none in the backward."""
-    _skip_other_impls(ring)
     for rank, r in enumerate(ring.rank_pool(2).run(_evaluations, how, timeout=120.0)):
         assert r["forward"] > 0 and r["all"] == r["forward"], f"{how}, rank {rank}: {r}"
 
@@ -189,7 +178,6 @@ def test_a_compiled_mask_mod_failing_on_some_ranks_data_raises_on_every_rank(
     left the others waiting in the op's cross-rank check. Evaluated under
     ring_impl.planning.mask_table.EvaluationGuard, it is refused with InputError on every rank, and
     the same graph then runs good data."""
-    _skip_other_impls(ring)
     runs = ring.rank_pool(2).run(_compiled_call, backend, failure, corrupt_ranks, timeout=240.0)
     for rank, r in enumerate(runs):
         assert r["first"] and r["after"], f"rank {rank}: the good calls: {r}"
@@ -255,7 +243,6 @@ def test_a_mask_mod_of_one_key_range_per_row_runs_as_the_built_in_mask(ring, wor
     """A mask_mod whose rows each see one range of keys (packed causal documents spelled as a
     function) reaches an op taking row bounds as one call per block, as ``Documents`` does
     (evaluated on every call, its ranges read from what it shows), with the same results."""
-    _skip_other_impls(ring)
     for rank, got in enumerate(ring.rank_pool(world).run(_calls_and_results, layout)):
         c_doc, c_mod = got["calls"]
         assert c_mod == c_doc > 0, f"rank {rank}: kernel calls {got['calls']} (Documents, MaskMod)"
@@ -374,7 +361,6 @@ def test_a_mask_mod_of_key_ranges_is_cut_once_per_distinct_result(ring, world) -
     distinct ranges: a repeated call and another layer's mask_mod over the same table build
     nothing, a table refilled in place builds anew, and every call matches the oracle of the
     documents the table held."""
-    _skip_other_impls(ring)
     for rank, runs in enumerate(ring.rank_pool(world).run(_ranges_reuse)):
         # (a block whose rows all see the same keys is full or causal: no plan of its bounds)
         assert runs["first"]["blocks"] > 0 and runs["first"]["plans"] > 0, f"rank {rank}: {runs}"

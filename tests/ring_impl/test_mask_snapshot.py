@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference.attention import attention
 from reference.masks import visibility
 
@@ -101,11 +100,6 @@ DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 def test_ids_written_between_calls_are_the_ids_the_next_call_runs(
     ring, dtype: str, write: str
 ) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "a ring_impl property (its plan cache); the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     from reference.layout import unshard
 
     runs = ring.rank_pool(2).run(_calls, dtype, write)
@@ -316,11 +310,6 @@ def test_a_mask_mod_is_cut_once_per_visibility_and_never_runs_stale(ring) -> Non
     place between calls): every call evaluates it, the second call on unchanged data cuts no
     block (its blocks are kept by a hash of every bit of each step's visibility), and the call
     after the write runs the new documents."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "a ring_impl property (its plan cache); the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     from reference.layout import unshard
 
     runs = ring.rank_pool(2).run(_maskmod_calls)
@@ -419,11 +408,6 @@ def test_ids_on_a_device_are_compared_with_a_read_the_call_makes_anyway(ring, wo
     last snapshot with the compare left on the device, read with the one-rank forward's read or
     the cross-rank check's all-reduce. Ids refilled in place are found by that read, and the
     call runs again from a snapshot of the new ids: the new documents, every rank."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "a ring_impl property (its snapshots); the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     from reference.layout import unshard
 
     runs = ring.rank_pool(world).run(_device_ids_calls, tuple(range(world)))
@@ -450,11 +434,6 @@ def test_a_rank_whose_ids_alone_changed_makes_every_rank_run_again(ring) -> None
     """One rank refills its ids: every rank learns it in the cross-rank check's all-reduce and
     runs the call again (no rank raises on the stale rank's old description, none is left
     waiting); the second run finds the ranks' masks differ, and every rank raises that."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "a ring_impl property (its snapshots); the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     runs = ring.rank_pool(2).run(_device_ids_calls, (1,))
     for rank, rows in enumerate(runs):
         third = rows[2]
@@ -490,11 +469,6 @@ def _unread_compare_calls(ctx) -> list[torch.Tensor]:
 def test_a_compare_nobody_read_is_read_before_the_call_returns(ring) -> None:
     """A path that leaves the ids' compare unread (a variant's forward) still never returns what
     a stale snapshot computed: the call reads the compare at its end and runs again."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "a ring_impl property (its snapshots); the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     old, new = ring.rank_pool(1).run(_unread_compare_calls)[0]
     assert float((old - _oracle(OLD)).abs().max()) < 1e-12
     assert float((new - _oracle(NEW)).abs().max()) < 1e-12, (
@@ -552,11 +526,6 @@ def test_packed_lengths_on_a_device_are_read_once_and_then_compared_there(ring, 
     plan from that one copy); a repeat reads nothing, its documents served with the lengths'
     compare left on the device; lengths refilled in place are found by that compare and the call
     runs the new documents."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "a ring_impl property (its packed documents); the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     from reference.layout import unshard
 
     runs = ring.rank_pool(world).run(_thd_calls)

@@ -11,7 +11,6 @@ import itertools
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
@@ -133,10 +132,6 @@ def _cases(strategy: str = "ring"):
 def test_masked_ring_matches_the_oracle(
     ring, name, world, layout, rotate, dtype, op, sinks, strategy
 ) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
 
     seq = 24 * world
     spec = _masks(seq)[name]
@@ -201,10 +196,6 @@ def _work(ctx, spec, seq, layout):
 def test_blocks_nobody_sees_are_never_computed(ring) -> None:
     """A narrow causal window over W=4 contiguous shards: each rank's queries reach its own block
     and the previous rank's only, so 2 kernel calls per rank (rank 0: 1), not 4."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
     seq = 32
     calls = ring.rank_pool(4).run(
         _work, {"kind": "sliding_window", "left": 3, "right": 0}, seq, "contiguous", timeout=60.0
@@ -257,10 +248,6 @@ def _bad(ctx, kind: str):
     ],
 )
 def test_bad_masks_and_sinks_raise_on_every_rank(ring, kind: str, pattern: str) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     assert_input_error_on_every_rank(outcomes, pattern)
 
@@ -318,10 +305,6 @@ def _hybrid_cases():
 def test_masked_hybrid_matches_the_oracle(ring, name, layout, rotate, dtype, op, sinks) -> None:
     """The hybrid 2x2: Ulysses in rows, the masked ring
     (its plan on global positions) across rows."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
     seq = 48
     _check_hybrid(ring, name, _masks(seq)[name], seq, layout, rotate, dtype, op, sinks)
 
@@ -355,10 +338,6 @@ def test_hybrid_plans_a_head_dependent_mask_for_its_heads(
 ) -> None:
     """The hybrid's ring runs the query heads of its rank's head slice: a mask that depends on
     the head is planned for those (global) heads, in head chunks too."""
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
     seq = 32
     spec = {"kind": "mask_mod", "fn": every_head_its_own_band}
     _check_hybrid(

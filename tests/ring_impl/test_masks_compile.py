@@ -21,17 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from tests.ring_impl.outcomes import assert_every_rank_raised
 
 SEQ, HEADS, HEADS_KV, HEAD_DIM = 32, 4, 2, 8
-
-
-def _skip_other_impls(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"mask= is ring_impl's API here; the implementation under test is {ring.impl.spec}"
-        )
 
 
 def _mask(kind: str, variant: int):
@@ -155,7 +147,6 @@ def _compiled_vs_eager(ctx, kind, strategy, layout, backend, with_sinks, sparse_
 def test_masked_attention_under_compile_equals_eager(
     ring, kind, strategy, layout, backend, with_sinks, sparse_kv
 ) -> None:
-    _skip_other_impls(ring)
     world = 4 if strategy == "hybrid" else 2
     runs = ring.rank_pool(world).run(
         _compiled_vs_eager, kind, strategy, layout, backend, with_sinks, sparse_kv, timeout=240.0
@@ -220,7 +211,6 @@ def _saved_state_lifetime(ctx):
 def test_compiled_masked_call_frees_its_saved_state(ring) -> None:
     """What the backward op needs lives as long as the graph that will call it, as autograd's
     saved tensors: through a retained graph's second backward, and not past its release."""
-    _skip_other_impls(ring)
     for rank, counts in enumerate(ring.rank_pool(2).run(_saved_state_lifetime, timeout=240.0)):
         assert counts == {
             "after forward": 1,
@@ -263,7 +253,6 @@ def _bad_input_compiled(ctx, case):
 def test_compiled_masked_call_refuses_bad_input_on_every_rank(ring, case) -> None:
     """The op runs the eager call's checks, the cross-rank agreement included: a MaskMod's table
     is compared whole (eagerly its values over the call's range: ring_impl.masks.probe_text)."""
-    _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad_input_compiled, case, timeout=120.0)
     summary = assert_every_rank_raised(outcomes, "InputError", clip=300)
     word = "entries" if case == "ids_of_wrong_length" else "mask"
@@ -294,7 +283,6 @@ def _fullgraph(ctx):
 def test_fullgraph_names_why_a_mask_mod_breaks_the_graph(ring) -> None:
     """A MaskMod whose table would exceed MAX_TABLE_BITS runs eagerly: fullgraph=True refuses it
     on every rank, naming why."""
-    _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_fullgraph, timeout=60.0)
     summary = assert_every_rank_raised(outcomes, clip=300)
     assert all(
@@ -329,7 +317,6 @@ def test_a_mask_mod_that_asserts_is_refused_on_every_rank(ring, fullgraph) -> No
     """In the graph a failing assertion would raise on its own rank while the others wait in the
     op's check: a MaskMod whose code asserts or raises runs eagerly, its failure an InputError on
     every rank (or, where the graph cannot break, a refusal naming why on every rank)."""
-    _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_asserting_mask_mod, fullgraph, timeout=120.0)
     summary = assert_every_rank_raised(outcomes, clip=300)
     assert all(
@@ -413,7 +400,6 @@ def _flex_compiled(ctx):
 def test_routed_flex_call_under_compile_equals_eager(ring) -> None:
     """``flex_attention(..., block_mask=)`` under context parallel, inside a function compiled with
     ``fullgraph=True``: routed to the masked ring, its mask_mod evaluated in the graph."""
-    _skip_other_impls(ring)
     for rank, run in enumerate(ring.rank_pool(2).run(_flex_compiled, timeout=240.0)):
         assert run["frames"] == 1, (
             f"rank {rank}: {run['frames']} compiled frames, expected one graph"

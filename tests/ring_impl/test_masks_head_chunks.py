@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
@@ -61,11 +60,6 @@ def _run(ctx, spec, seq, dtype, layout, head_chunks):
     ],
 )
 def test_head_chunks_with_masks_match_the_oracle(ring, name, world, layout, head_chunks) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "mask= and head_chunks= are ring_impl's API here; the implementation under test is "
-            f"{ring.impl.spec}"
-        )
 
     seq, dtype = 24 * world, torch.float64
     spec = _spec(name, seq)

@@ -16,20 +16,11 @@ import pytest
 import torch
 
 import ring_impl.numerics.max_logit as max_logit_module
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference.attention import max_logit as oracle_max_logit
 from reference.layout import shard, unshard
 from ring_impl import collective_schedule
 from ring_impl.numerics.max_logit import block_max_logit, max_logit_problem
 from tests.ring_impl.outcomes import assert_input_error_on_every_rank
-
-
-def _ring_impl_only(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            f"these are ring_impl's own tests; the implementation under test is {ring.impl.spec}"
-        )
-
 
 # ------------------------------------------------------------------------------ one block
 
@@ -226,7 +217,6 @@ def _ring_values(
 def test_ring_max_logit_matches_the_oracle(
     ring, world, layout, rotate, chunks, masked, nan
 ) -> None:
-    _ring_impl_only(ring)
     seq = 8 * world
     results = ring.rank_pool(world).run(
         _ring_values, seq, layout, rotate, chunks, masked, nan, timeout=60.0
@@ -290,7 +280,6 @@ def _compiled(ctx, backend: str):
 
 
 def test_under_compile_it_runs_eagerly(ring) -> None:
-    _ring_impl_only(ring)
     for rank, (out_c, ml_c, out_e, ml_e) in enumerate(
         ring.rank_pool(2).run(_compiled, "aot_eager", timeout=120.0)
     ):
@@ -321,7 +310,6 @@ def _halo_window(ctx):
 def test_a_call_the_halo_would_serve_runs_on_the_ring(ring) -> None:
     from ring_impl.masks import SlidingWindow
 
-    _ring_impl_only(ring)
     world, seq = 3, 24
     results = ring.rank_pool(world).run(_halo_window, timeout=60.0)
     q, k, v = _inputs(seq)
@@ -381,6 +369,5 @@ def _bad(ctx, kind: str):
     ],
 )
 def test_bad_max_logit_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
-    _ring_impl_only(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     assert_input_error_on_every_rank(outcomes, pattern)

@@ -11,7 +11,6 @@ import itertools
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
@@ -69,11 +68,6 @@ def _run(ctx, total: int, dtype, layout: str, causal: bool, exchange: str, cu_as
 def test_packed_inputs_match_the_oracle(
     ring, world, layout, causal, dtype, exchange, cu_as
 ) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "cu_seqlens= is ring_impl's API here; the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     import ring_impl
 
     total = 24 * world
@@ -150,10 +144,5 @@ def _bad(ctx, kind: str) -> str:
     ],
 )
 def test_bad_packed_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "cu_seqlens= is ring_impl's API here; the implementation under test is "
-            f"{ring.impl.spec}"
-        )
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     assert_input_error_on_every_rank(outcomes, pattern)

@@ -11,20 +11,10 @@ import re
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from tests.ring_impl.oracle import QUANTITIES, assert_float64_results_match_oracle
 from tests.ring_impl.rank_results import leaves, local_results
 
 HEADS, HEADS_KV, HEAD_DIM = 4, 2, 8
-
-
-def _skip_other_impls(ring):
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "score_mod descriptors and refusals are ring_impl's API; the implementation under "
-            f"test is "
-            f"{ring.impl.spec}"
-        )
 
 
 def head_and_position_mod(score, b, h, q_idx, kv_idx):
@@ -112,7 +102,6 @@ def test_float64_ring_with_a_score_mod_matches_the_oracle(
 ) -> None:
     """out, LSE and dQ/dK/dV (the loss using the LSE too) in float64 against the oracle, to the
     numerics policy's float64 bounds (about 1e-12 relative)."""
-    _skip_other_impls(ring)
     import ring_impl
     from reference import attention_grads
     from reference.budget import error_scales
@@ -284,7 +273,6 @@ def _refused(ctx, kind):
 )
 def test_bad_score_mods_raise_on_every_rank(ring, kind, pattern, culprit) -> None:
     """The rank with the bad argument names it, the others raise naming that rank; none hangs."""
-    _skip_other_impls(ring)
     messages = ring.rank_pool(2).run(_refused, kind, timeout=120.0)
     for rank, msg in enumerate(messages):
         want = pattern if culprit in (None, rank) else rf"rank {culprit} rejected their input"
@@ -318,7 +306,6 @@ def _compiled(ctx, fullgraph):
 def test_compiled_call_with_a_score_mod_runs_eagerly(ring) -> None:
     """Under torch.compile a score_mod call is a graph break: it runs eagerly, with the eager
     result; with fullgraph=True dynamo refuses it, naming the reason (SCORE_MODS_RUN_EAGERLY)."""
-    _skip_other_impls(ring)
     diffs = ring.rank_pool(2).run(_compiled, False, timeout=120.0)
     assert all(d == 0.0 for d in diffs), diffs
     errors = ring.rank_pool(2).run(_compiled, True, timeout=120.0)
@@ -367,7 +354,6 @@ def test_strategies_with_a_score_mod_match_the_oracle(
 ) -> None:
     """Ulysses (the gathered sequence's global positions, each rank's global head indices; 2
     key/value heads replicated over 4 ranks) and the hybrid (its ring's blocks) in float64."""
-    _skip_other_impls(ring)
     from reference import attention_grads
     from reference.budget import assert_close, error_scales
     from reference.strategies import unshard

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference.attention import attention
 from ring_impl import collective_schedule
 from ring_impl.checks.mesh import strategy_problem
@@ -263,18 +262,9 @@ def test_mesh_coordinates_are_row_major(rank_pool) -> None:
     assert got == [f"(2, 2) ({r % 2}, {r // 2}) {r}" for r in range(4)]
 
 
-def _ring_impl_only(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "head_chunks and the LSE-only loss are checked on ring_impl; the implementation "
-            f"under test is {ring.impl.spec}"
-        )
-
-
 @pytest.mark.parametrize("rotate,chunks", [("alltoall", 2), ("p2p", 3)])
 def test_hybrid_ring_runs_head_chunks(ring, rotate: str, chunks: int) -> None:
     """head_chunks reaches the hybrid's ring: the result is right and the ring's calls multiply."""
-    _ring_impl_only(ring)
     spec = InputSpec(
         batch=1, heads=12, heads_kv=6, seq_q=16, seq_kv=16, head_dim=8, dtype="float32", seed=11
     )
@@ -323,7 +313,6 @@ def _lse_only(ctx):
 
 def test_loss_through_the_lse_only(ring) -> None:
     """Only the LSE reaches the loss: its gradient travels back through the all-to-all."""
-    _ring_impl_only(ring)
     from reference.strategies import unshard
 
     res = ring.rank_pool(4).run(_lse_only)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
@@ -21,14 +20,6 @@ from tests.ring_impl.oracle import (
 from tests.ring_impl.rank_results import local_results
 
 HEADS, HEADS_KV, HEAD_DIM, BATCH = 4, 2, 8, 2
-
-
-def _skip_other_impls(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "shard_lengths= is ring_impl's API here; the implementation under test is "
-            f"{ring.impl.spec}"
-        )
 
 
 def _inputs(seq: int, dtype: torch.dtype):
@@ -118,7 +109,6 @@ CASES = [
 def test_uneven_shards_match_the_oracle(
     ring, world, lengths, layout, kind, exchange, dtype, extras
 ) -> None:
-    _skip_other_impls(ring)
     seq = sum(lengths)
     results = ring.rank_pool(world).run(
         _run, lengths, layout, kind, exchange, dtype, extras, timeout=120.0
@@ -169,7 +159,6 @@ def _run_packed(ctx, lengths, cu):
 
 def test_packed_inputs_on_uneven_shards_match_the_oracle(ring) -> None:
     """THD inputs whose packed tokens split unevenly: cu_seqlens over the sum of the lengths."""
-    _skip_other_impls(ring)
     lengths, cu = [6, 2, 5], [0, 4, 9, 11]
     seq = sum(lengths)
     results = ring.rank_pool(3).run(_run_packed, lengths, cu, timeout=120.0)
@@ -227,7 +216,6 @@ def _bad(ctx, kind: str) -> str:
     ],
 )
 def test_bad_uneven_input_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
-    _skip_other_impls(ring)
     outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
     summary = [(o.rank, o.ok, o.exc_type, o.exc_message) for o in outcomes]
     assert all(not o.ok and o.exc_type.endswith("InputError") for o in outcomes), summary
@@ -282,7 +270,6 @@ def _run_compiled(ctx, lengths):
 def test_compiled_uneven_call_matches_the_eager_one(ring) -> None:
     """Under torch.compile the padded layout is built from its name where the compiled op runs
     (no registration to replay): the compiled call gives the eager call's output and gradient."""
-    _skip_other_impls(ring)
     for (eager_out, eager_dq), (out, dq) in ring.rank_pool(2).run(
         _run_compiled, [6, 2], timeout=300.0
     ):
@@ -293,7 +280,6 @@ def test_compiled_uneven_call_matches_the_eager_one(ring) -> None:
 def test_a_balanced_layout_of_an_uneven_length_runs_uneven_shards(ring) -> None:
     """The work-aware balancer's layout of a length the ranks do not divide: its shard_lengths
     run as they are (the layout's own split) and match the oracle."""
-    _skip_other_impls(ring)
     results = ring.rank_pool(3).run(_run_balanced, 50, timeout=120.0)
     q, k, v, dout = _inputs(50, torch.float64)
     vis = visibility({"kind": "causal"}, 50, 50)
@@ -372,6 +358,5 @@ def _run_even(ctx):
 def test_equal_shard_lengths_run_the_plain_call(ring) -> None:
     """shard_lengths that are the layout's own even split run the call as it is (bit for bit),
     without the padded call and its mask: that is made for the uneven split only."""
-    _skip_other_impls(ring)
     for same, padded in ring.rank_pool(2).run(_run_even):
         assert same and padded == [(5, 3)], padded

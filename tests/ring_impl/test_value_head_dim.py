@@ -18,7 +18,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conformance.implementation import DEFAULT_IMPL_SPEC
 from reference import attention_grads
 from reference.budget import error_scales
 from reference.masks import visibility
@@ -29,14 +28,6 @@ BATCH, HEADS = 1, 4
 D_QK, D_V = 12, 20  # value's head dim wider than query's and key's...
 D_QK_WIDE, D_V_NARROW = 24, 8  # ...and narrower (DeepSeek: 192 and 128)
 SHARD = 8
-
-
-def _skip_other_impl(ring) -> None:
-    if ring.impl.spec != DEFAULT_IMPL_SPEC:
-        pytest.skip(
-            "these calls use ring_impl's own API; the implementation under test is "
-            f"{ring.impl.spec}"
-        )
 
 
 def _inputs(seq: int, dtype: torch.dtype, heads_kv: int, d: int, dv: int, seed: int = 0):
@@ -344,7 +335,6 @@ for _w in (1, 2, 4):
 def test_ring_with_a_value_head_dim_matches_the_oracle_and_its_schedule(
     ring, world, rotate, layout, causal, dtype, d, dv, heads_kv, chunks, lse_grad
 ) -> None:
-    _skip_other_impl(ring)
 
     kwargs = {"rotate_method": rotate, "layout": layout, "is_causal": causal, "head_chunks": chunks}
     results = ring.rank_pool(world).run(
@@ -385,7 +375,6 @@ def _docs(seq: int) -> dict:
 def test_masked_paths_with_a_value_head_dim_match_the_oracle_and_their_schedule(
     ring, path, world
 ) -> None:
-    _skip_other_impl(ring)
     from ring_impl.masks import from_spec
 
     seq = SHARD * world
@@ -429,7 +418,6 @@ def test_masked_paths_with_a_value_head_dim_match_the_oracle_and_their_schedule(
     [("ulysses", (2, 1), 1), ("ulysses", (4, 1), 4), ("hybrid", (2, 2), 2)],
 )
 def test_head_parallel_strategies_with_a_value_head_dim(ring, strategy, mesh, heads_kv) -> None:
-    _skip_other_impl(ring)
 
     world = mesh[0] * mesh[1]
     kwargs = {
@@ -568,7 +556,6 @@ def _compiled_vs_eager(ctx, masked: bool, strategy: str):
 def test_compiled_calls_with_a_value_head_dim_equal_eager(ring, masked, strategy) -> None:
     """fullgraph=True: the ring's autograd Function, the masked ring's custom op (whose fake
     output takes value's head dim) and Ulysses give eager's output and gradients."""
-    _skip_other_impl(ring)
     for rank, (compiled, eager) in enumerate(
         ring.rank_pool(2).run(_compiled_vs_eager, masked, strategy, timeout=300.0)
     ):
