@@ -429,6 +429,8 @@ class RaisesOnOneRankOnly:
         from ring_impl.checks.inputs import LocalCall, local_problem
         from ring_impl.ops import resolve_op
 
+        if options.get("cu_seqlens") is not None:  # packed (THD) input: checked as usual
+            return _RING(query, key, value, **options)
         op_obj, op_error = None, None
         try:
             op_obj = resolve_op(
