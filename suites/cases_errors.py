@@ -84,6 +84,20 @@ def _differing_mask_mod(kind: str, last: bool):
     return MaskSpec({"kind": "mask_mod", "fn": causal_mask_mod})
 
 
+def document_cut(total: int, last: bool) -> int:
+    """Where the two documents of ``total`` tokens meet in the bad-input cases whose ranks
+    disagree on the documents: one token later on the last rank."""
+    return total // 2 + (1 if last else 0)
+
+
+def two_documents(total: int, last: bool) -> MaskSpec:
+    """Two causal documents of ``total`` tokens cut at :func:`document_cut`."""
+    cut = document_cut(total, last)
+    return MaskSpec(
+        {"kind": "document", "doc_ids": [0] * cut + [1] * (total - cut), "causal": True}
+    )
+
+
 def _qkv(ctx, batch=2, heads=4, heads_kv=4, seq=8, seq_kv=None, head_dim=16, dtype=torch.float32):
     seq_kv = seq if seq_kv is None else seq_kv
     q = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=ctx.device)
@@ -149,11 +163,7 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
         q, k, v = _qkv(ctx, seq=48)  # a global sequence of at least 96
         kw["mask"] = _differing_mask_mod(kind, last)
     elif kind == "documents_differ_between_ranks":
-        seq = 8 * ctx.world_size
-        split = seq // 2 + (1 if last else 0)
-        kw["mask"] = MaskSpec(
-            {"kind": "document", "doc_ids": [0] * split + [1] * (seq - split), "causal": True}
-        )
+        kw["mask"] = two_documents(q.shape[2] * ctx.world_size, last)
     elif kind == "window_differs_between_ranks":
         kw["mask"] = MaskSpec({"kind": "sliding_window", "left": 4 if last else 3, "right": 0})
     elif kind == "mask_on_some_ranks_only":
@@ -169,8 +179,8 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
     elif kind == "cu_seqlens_differ_between_ranks":
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (tokens, heads, d)
         total = q.shape[0] * ctx.world_size
-        split = total // 2 + (1 if last else 0)
-        kw["cu_seqlens"] = torch.tensor([0, split, total], dtype=torch.int32, device=ctx.device)
+        cut = document_cut(total, last)
+        kw["cu_seqlens"] = torch.tensor([0, cut, total], dtype=torch.int32, device=ctx.device)
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):

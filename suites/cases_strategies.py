@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
-from conformance.specs import MaskSpec
 from suites.cases import strategy_group
+from suites.cases_errors import two_documents
 
 __all__ = ["BAD_INPUTS", "MASKED_BAD_INPUTS", "strategy_bad_input_case"]
 
@@ -78,11 +78,7 @@ def strategy_bad_input_case(
     elif kind == "unknown_strategy":
         kw["strategy"] = "ulysess"
     elif kind == "documents_differ_on_one_rank":
-        total = seq * ctx.world_size
-        split = total // 2 + (1 if last else 0)
-        kw["mask"] = MaskSpec(
-            {"kind": "document", "doc_ids": [0] * split + [1] * (total - split), "causal": True}
-        )
+        kw["mask"] = two_documents(seq * ctx.world_size, last)
     q = torch.randn(2, heads, seq, 8, device=ctx.device)
     k = torch.randn(2, heads_kv, seq, 8, device=ctx.device)
     impl.obj.ring_attention(q, k, torch.randn_like(k), **kw)
