@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Protocol, TypedDict, cast
 
 import torch
 
-from .call import Call, exchange_of
+from .call import Call, exchange_of, replicated_problem
 from .checks.inputs import (
     InputError,
     LocalCall,
@@ -287,6 +287,8 @@ def call_path(
     call's description)."""
     if call.mask is not None and not torch.compiler.is_compiling():
         call = call.with_(mask=snapshot(call.mask, ids))
+    if call.replicated_kv is not False and call.problem is None:
+        call = call.with_(problem=replicated_problem(call))
     try:
         if call.strategy == "ring":
             return ring_path(impl, call, query, key, value, ids)
@@ -348,10 +350,11 @@ def ring_path(
         or max_logit_problem(call.return_max_logit, exchange=call.exchange)
     )
     max_logit = call.return_max_logit is True
+    replicated = call.replicated_kv is True  # (a ring of one: ring_impl.call.replicated_problem)
     folded = fold_causal(mask, call.is_causal)
     reach = None
     gather = False  # the sparse gather (ring_impl.exchanges.kv_gather) serves the call
-    if problem is None:
+    if problem is None and not replicated:
         if call.exchange == "gather":
             problem = gather_refusal(
                 mask, world_size=world, head_chunks=head_chunks, strategy="ring"
@@ -378,10 +381,10 @@ def ring_path(
         # local_problem passed: query 4-D, scale a number or None, op resolved (no op_error)
         assert effective_scale is not None and op_obj is not None
         cfg = RingConfig(
-            group=RingGroup.of(pg, query.device),
+            group=(RingGroup.alone if replicated else RingGroup.of)(pg, query.device),
             is_causal=bool(call.is_causal),
             scale=effective_scale,
-            layout=layout,
+            layout="contiguous" if replicated else layout,  # (alone, positions are not read)
             rotate_method=call.rotate_method,
             op=op_obj,
             head_chunks=head_chunks,
@@ -419,12 +422,12 @@ def ring_path(
             group=pg,
             device=query.device if isinstance(query, torch.Tensor) else torch.device("cpu"),
             mask_code=code,
-            exchange=_exchange_taken(gather, reach),
+            exchange=_exchange_taken(gather, reach, replicated),
             finite=(query, key, value) if problem is None else (),
             ids=ids,
         )
-        if group_finite is not None and cfg is not None and cfg.verdicts is not None:
-            cfg.verdicts["group_finite"] = group_finite
+        if cfg is not None:
+            _keep_finite(cfg, group_finite)
     elif problem is not None:
         raise InputError(f"ring_attention: {problem}")
     assert cfg is not None
@@ -455,12 +458,11 @@ def _checked_again(
             group=pg,
             device=query.device,
             mask_code=hit.mask_code,
-            exchange=_exchange_taken(hit.gather, hit.reach),
+            exchange=_exchange_taken(hit.gather, hit.reach, hit.local.replicated_kv is True),
             finite=(query, key, value),
             ids=ids,
         )
-        if group_finite is not None:
-            cfg.verdicts["group_finite"] = group_finite
+        _keep_finite(cfg, group_finite)
     if ids is not None:
         cfg.verdicts["ids"] = ids
     return _path(impl, cfg, query, key, hit.gather, hit.reach, plan=False)
@@ -488,10 +490,25 @@ _scored_eagerly = torch._dynamo.disable(_eager, reason=SCORE_MODS_RUN_EAGERLY)
 _max_logit_eagerly = torch._dynamo.disable(_eager, reason=MAX_LOGIT_RUNS_EAGERLY)
 
 
-def _exchange_taken(gather: bool, reach) -> str:
+def _exchange_taken(gather: bool, reach, replicated: bool) -> str:
     """The exchange a ring call takes, as the cross-rank check compares it: ranks that would take
-    different ones (one passed exchange="ring", another "gather") raise together, naming them."""
+    different ones (one passed exchange="ring", another "gather"; one replicated_kv=True, another
+    not) raise together, naming them."""
+    if replicated:
+        return "replicated_kv"
     return "gather" if gather else "halo" if reach is not None else "ring"
+
+
+def _keep_finite(cfg: RingConfig, group_finite: bool | None) -> None:
+    """Keep the cross-rank check's verdict that every rank's query, key and value are finite
+    where the path reads it: a ring of more ranks per call, a ring of one (replicated key/value)
+    in place of its forward's own read."""
+    if group_finite is None or cfg.verdicts is None:
+        return
+    if cfg.group.world_size > 1:
+        cfg.verdicts["group_finite"] = group_finite
+    elif group_finite:
+        cfg.verdicts["inputs_finite"] = True
 
 
 def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
@@ -523,6 +540,7 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
         exchange: str = "auto",
         cu_seqlens: torch.Tensor | Sequence[int] | None = None,
         shard_lengths: Sequence[int] | None = None,
+        replicated_kv: bool = False,
         strategy: str | None = None,
         halo: bool | None = None,
         sparse_kv: bool | None = None,
@@ -641,6 +659,18 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 "ring", "gather" and "ulysses" (not "halo" or "hybrid"); with cu_seqlens, the
                 packed tokens per rank. Returns this rank's rows only. See
                 ring_impl.planning.uneven.
+            replicated_kv: key and value are the whole key/value sequence, equal on every rank
+                (cross-attention over tokens every rank holds: a text encoder's output, an
+                image's patches), (batch, heads_kv, seq_kv, head_dim) with any seq_kv; query is
+                sharded as usual. Each rank attends its own query rows to all of it: no
+                key/value moves, only the cross-rank input check runs
+                (collective_schedule(..., replicated_kv=True)). Each rank's key/value gradient is
+                its own rows' contribution; their sum over the group is the gradient of the
+                replicated tensors (reduce it like a parameter's, as for sinks). Any layout,
+                op, GQA, head_chunks and sinks; is_causal, mask, score_mod, return_max_logit,
+                exchanges other than "auto"/"ring", cu_seqlens and shard_lengths raise InputError
+                on every rank (the keys have no positions on the query's sequence). Passing
+                such key/value without the flag is attention over W copies of it.
             strategy, halo, sparse_kv: deprecated aliases of ``exchange`` (strategy="ulysses"
                 -> "ulysses", halo=True -> "halo", halo=False -> "ring", sparse_kv=True ->
                 "gather"); a DeprecationWarning, and InputError when they contradict.
@@ -671,8 +701,22 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
             sinks=sinks,
             score_mod=score_mod,
             exchange=exchange,
+            replicated_kv=replicated_kv,
             problem=problem,
         )
+        if replicated_kv is not False and (cu_seqlens is not None or shard_lengths is not None):
+            form = "cu_seqlens" if cu_seqlens is not None else "shard_lengths"
+            return attend(
+                bound,
+                call.with_(
+                    problem=problem
+                    or f"replicated_kv=True takes no {form}=: only the query is sharded; pass the "
+                    "query's rows as a 4-D shard"
+                ),
+                query,
+                key,
+                value,
+            )
         if cu_seqlens is not None:
             return _packed(bound, call, query, key, value, cu_seqlens, shard_lengths)
         if shard_lengths is not None:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["EXCHANGES", "Call", "exchange_of", "strategy_of"]
+__all__ = ["EXCHANGES", "Call", "exchange_of", "replicated_problem", "strategy_of"]
 
 #: ``exchange=`` values. ``"auto"``: the halo exchange where the mask is narrow enough
 #: (:func:`ring_impl.exchanges.halo.halo_reach`), else the ring. ``"ring"``: the ring always.
@@ -71,6 +71,7 @@ class Call(NamedTuple):
     sinks: torch.Tensor | None = None
     score_mod: Any = None
     exchange: str = "auto"
+    replicated_kv: bool = False
     problem: str | None = None
     routed_from: str | None = None
     backward: bool | None = None
@@ -169,3 +170,42 @@ def _unknown(exchange) -> str | None:
     if isinstance(exchange, str) and exchange in EXCHANGES:
         return None
     return f"unknown exchange {exchange!r}; expected one of {EXCHANGES}"
+
+
+def replicated_problem(call: Call) -> str | None:
+    """What ``replicated_kv=`` cannot serve in ``call``, or None. With ``replicated_kv=True``
+    every rank holds the whole key/value sequence (cross-attention over text tokens, say): each
+    rank attends its own query rows to all of it and nothing is exchanged. Its keys have no
+    positions on the query's sequence, so causality, masks and score_mods, which are defined on
+    those positions, are refused rather than guessed; so are the other exchanges and the max
+    logit (an all-reduce of the ring's). (``ring_attention`` refuses the packed and uneven forms
+    with it: the query's are the only shards.) Never raises."""
+    replicated = call.replicated_kv
+    if not isinstance(replicated, bool):
+        return f"replicated_kv must be True or False, got {replicated!r}"
+    if not replicated:
+        return None
+    refused = [
+        name
+        for name, given in (
+            ("is_causal=True", call.is_causal is True),
+            ("mask=", call.mask is not None),
+            ("score_mod=", call.score_mod is not None),
+            ("return_max_logit=True", call.return_max_logit is True),
+        )
+        if given
+    ]
+    if refused:
+        return (
+            "replicated_kv=True (key and value the whole key/value sequence on every rank) takes "
+            f"no {', '.join(refused)}: its keys have no positions on the query's sequence for "
+            "causality, a mask or a score_mod to read; pass them without replicated_kv, with "
+            "key/value sharded like the query"
+        )
+    if call.exchange not in ("auto", "ring"):
+        return (
+            f"replicated_kv=True moves no key/value, so it takes no exchange={call.exchange!r}: "
+            "pass exchange='auto' (each rank attends its query rows to the whole key/value it "
+            "holds; group= the group the query is sharded over)"
+        )
+    return None

@@ -75,3 +75,18 @@ class RingGroup:
             stage_on_host=device.type != "cpu" and backend == "gloo",
             pg=pg,
         )
+
+    @staticmethod
+    def alone(pg: dist.ProcessGroup, device: torch.device) -> RingGroup:
+        """This rank of ``pg`` as a ring of one: its own key and value are the only block and
+        nothing travels (key/value every rank holds whole, ``replicated_kv=True``)."""
+        me = dist.get_global_rank(pg, dist.get_rank(pg))
+        return RingGroup(
+            group_name=pg.group_name,
+            rank=0,
+            world_size=1,
+            next_global=me,
+            prev_global=me,
+            stage_on_host=False,
+            pg=pg,
+        )

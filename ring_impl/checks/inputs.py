@@ -95,7 +95,8 @@ def routed_error(exc: InputError, caller: str) -> InputError:
 STRATEGIES = ("ring", "ulysses", "hybrid")
 #: The exchanges a call can take (``exchange=`` resolved: "auto" takes the halo or the ring), in
 #: the order the cross-rank check codes them; the strategies first, in their own order.
-EXCHANGE_PATHS = (*STRATEGIES, "halo", "gather")
+#: "replicated_kv": none, every rank holding the whole key/value (``replicated_kv=True``).
+EXCHANGE_PATHS = (*STRATEGIES, "halo", "gather", "replicated_kv")
 #: Fields beyond :data:`SIGNATURE_FIELDS` in every row, each equal on every rank: the ring's own
 #: check carries them too (a 1 x W mesh), so ranks that take different exchanges exchange tables
 #: of one size and all raise, naming the exchanges, instead of pairing one rank's collectives
@@ -216,6 +217,9 @@ class LocalCall:
     #: requiring grad. A rank's backward takes part in the others' (key/value gradients travel),
     #: so the ranks must agree on it.
     needs_grad: bool = False
+    #: ``replicated_kv=``: key and value are the whole key/value sequence (any length, whatever
+    #: the layout), not shards (ring_impl.call.replicated_problem).
+    replicated_kv: Any = False
 
     @classmethod
     def of(cls, call: Call, query, key, value, *, score_mod: object = None) -> LocalCall:
@@ -246,6 +250,7 @@ class LocalCall:
             needs_grad=needs_backward(query, key, value, call.sinks)
             if call.backward is None
             else call.backward,
+            replicated_kv=call.replicated_kv,
         )
 
 
@@ -333,7 +338,7 @@ def local_problem(local: LocalCall, world_size: int | None = None) -> str | None
         )
     if not is_layout(layout):
         return f"unknown layout {layout!r}; expected one of {layouts()}"
-    if layout == "head_tail" and (sq % 2 or skv % 2):
+    if layout == "head_tail" and (sq % 2 or (skv % 2 and local.replicated_kv is not True)):
         return (
             "layout 'head_tail' holds two equal chunks per rank, so local lengths must be even; "
             f"got query {sq}, key/value {skv}; shard a sequence that is a multiple of 2 * "

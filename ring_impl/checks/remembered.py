@@ -83,6 +83,8 @@ class CheckedCalls:
             id(group),
             *(type(v) for v in (c.is_causal, c.scale, c.return_lse, c.return_max_logit)),
             *(type(v) for v in (c.head_chunks, c.layout, c.rotate_method, c.exchange, op)),
+            type(c.replicated_kv),
+            c.replicated_kv,
             c.is_causal,
             c.scale,
             c.return_lse,

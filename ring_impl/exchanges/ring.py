@@ -664,8 +664,12 @@ class RingAttention:
         # More ranks: per step, where reads are free.
         group_finite = False
         if alone:
-            ids = None if cfg.verdicts is None else cfg.verdicts.get("ids")
-            query_finite = self.all_finite(query, key, value, once=True, ids=ids)
+            verdicts = cfg.verdicts or {}
+            ids = verdicts.get("ids")
+            # (a ring of one inside a larger group, replicated key/value: the group's check
+            # has said so already, ring_impl.api._keep_finite)
+            known = ids is None and verdicts.get("inputs_finite") is True
+            query_finite = known or self.all_finite(query, key, value, once=True, ids=ids)
         else:
             # every rank's query, key and value finite (the cross-rank check's verdict): no
             # block needs the propagation, whatever rotates in; else decided per step below

@@ -54,12 +54,16 @@ A call with ``sparse_kv=True`` (:mod:`ring_impl.exchanges.kv_gather`) has no rin
 ``all_to_all`` whose input is the key/value rows of this rank that other ranks' queries see
 (input dtype); backward, one ``all_to_all`` whose input is the dK/dV of the rows it received
 (accumulation dtype); plus the input check. Both depend on the mask, the layout and ``rank``.
+
+A call with ``replicated_kv=True`` (every rank holding the whole key/value) exchanges nothing:
+its collectives are the forward's input check alone.
 """  # noqa: E501
 
 from __future__ import annotations
 
 import torch
 
+from ..checks.inputs import exchange_nbytes
 from ..exchanges.halo import halo_reach, halo_refusal
 from ..masks import Mask, fold_causal
 from .halo import halo_schedule
@@ -94,6 +98,7 @@ def collective_schedule(
     return_max_logit: bool = False,
     exchange: str | None = None,
     head_dim_v: int | None = None,
+    replicated_kv: bool = False,
 ) -> Schedule:
     """``{phase: {kind: {"calls": n, "bytes": b}}}`` for one forward and one backward call.
 
@@ -113,6 +118,9 @@ def collective_schedule(
     ``strategy``, ``halo`` and ``sparse_kv`` (ValueError when given with a contradicting one).
     ``return_max_logit=True`` (with ``heads``) adds the max logit's all-reduce (the ring only;
     ValueError with another strategy, ``sparse_kv`` or ``halo=True``, which refuse it).
+    ``replicated_kv=True`` (``seq_kv`` the whole key/value length): no key/value moves, only the
+    input check's all-reduce (ValueError with what such a call refuses: a mask, ``is_causal``,
+    the max logit, an exchange but the ring's).
     """
     if mask is not None and not isinstance(mask, Mask):
         # (ring_attention refuses such a mask on every rank: no schedule is the call's)
@@ -125,6 +133,30 @@ def collective_schedule(
     if not isinstance(return_max_logit, bool):
         raise ValueError(
             f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}"
+        )
+    if replicated_kv is not False:
+        return _replicated_schedule(
+            world_size,
+            rotate_method,
+            replicated_kv,
+            compiled=compiled,
+            head_chunks=head_chunks,
+            refused={
+                "strategy other than 'ring'": strategy != "ring",
+                "halo=True": halo is True,
+                "sparse_kv=True": bool(sparse_kv),
+                "mask": mask is not None,
+                "is_causal=True": is_causal is True,
+                "return_max_logit=True": return_max_logit is True,
+            },
+            kv=KVShards.of(
+                batch=batch,
+                heads_kv=heads_kv,
+                seq_kv=seq_kv,
+                head_dim=head_dim,
+                dtype=dtype,
+                head_dim_v=head_dim_v,
+            ),
         )
     kv = KVShards.of(
         batch=batch,
@@ -219,6 +251,27 @@ def collective_schedule(
                 f"{refusal}"
             )
     return ring_schedule(world_size, rotate_method, kv, compiled=compiled, head_chunks=head_chunks)
+
+
+def _replicated_schedule(
+    world_size, rotate_method, replicated_kv, *, compiled, head_chunks, refused, kv: KVShards
+) -> Schedule:
+    """A ``replicated_kv=True`` call's: the forward's input check, nothing else (each rank
+    attends its rows to the key/value it holds whole). ValueError for what the call refuses."""
+    if not isinstance(replicated_kv, bool):
+        raise ValueError(
+            f"collective_schedule: replicated_kv must be True or False, got {replicated_kv!r}"
+        )
+    given = [name for name, present in refused.items() if present]
+    if given:
+        raise ValueError(
+            f"collective_schedule: replicated_kv=True takes no {', '.join(given)} "
+            "(ring_attention refuses them on every rank)"
+        )
+    # (the sizes, transport, compiled and head_chunks checked as for any call)
+    ring_schedule(world_size, rotate_method, kv, compiled=compiled, head_chunks=head_chunks)
+    forward = {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)}}
+    return {"forward": forward if world_size > 1 else {}, "backward": {}}
 
 
 def _exchange_options(exchange, strategy, halo, sparse_kv) -> tuple[str, bool | None, bool]:

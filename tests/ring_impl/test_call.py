@@ -37,6 +37,7 @@ PARAMETERS = (
     "exchange",
     "cu_seqlens",
     "shard_lengths",
+    "replicated_kv",
     "strategy",
     "halo",
     "sparse_kv",

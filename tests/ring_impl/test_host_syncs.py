@@ -42,6 +42,8 @@ def _syncs(ctx, case: str) -> int:
         "causal": dict(is_causal=True, op="cpu_efficient_layout"),
         "window": dict(mask=SlidingWindow(256, 0), op="cpu_efficient_layout"),
         "window_varlen": dict(mask=SlidingWindow(256, 0), op="cpu_flash_varlen_layout"),
+        # (a ring of one inside the group: the check's verdict serves its forward)
+        "replicated_kv": dict(replicated_kv=True, op="cpu_efficient_layout"),
         # (the ids live on the CPU: the checks that read them read host memory)
         "documents": dict(
             mask=Documents.from_cu_seqlens([0, 100, 400, 401, 900, 1500, 2000], SEQ),
@@ -78,7 +80,14 @@ READS = ("aten._local_scalar_dense", "aten.equal")
 
 #: case -> device-to-host reads of one call at W=1: the forward's non-finite decision and the
 #: backward's (of its gradients)
-LIMITS = {"causal": 2, "window": 2, "window_varlen": 2, "documents": 2, "documents_on_device": 2}
+LIMITS = {
+    "causal": 2,
+    "window": 2,
+    "window_varlen": 2,
+    "documents": 2,
+    "documents_on_device": 2,
+    "replicated_kv": 2,
+}
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -1,0 +1,324 @@
+"""Key/value every rank holds whole (``ring_attention(..., replicated_kv=True)``): cross-attention
+of sequence-sharded queries over text tokens, an image's patches, any key/value not on the query's
+sequence.
+
+Each rank attends its own query rows to all of the key/value once and nothing is exchanged: the
+ranks' outputs and LSEs, unsharded, and their dQ are the float64 oracle's on the global query
+(judged by the numerics policy as one block), and the sum over ranks of dK, dV (and dsinks) is
+the oracle's gradient of the replicated tensors (judged as W partial sums). Every layout, op,
+dtype, GQA, a value head dim of its own, head_chunks, sinks and a loss through the LSE. The only
+collective is the cross-rank input check, as ``collective_schedule(..., replicated_kv=True)``
+declares; the same key/value passed without the flag is attention over W copies of it (the LSE
+off by exactly log W), the bug class this keyword exists for. What the keyword cannot serve is
+refused on every rank, and ranks that disagree on it raise together, also when the call was
+checked before (ring_impl.checks.remembered).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conformance.baseline import single_device_baseline
+from reference import attention_grads
+from reference.budget import assert_close, error_scales
+from tests.ring_impl.outcomes import assert_input_error_on_every_rank
+
+BATCH, HEADS, SHARD = 2, 4, 6
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _inputs(world, dtype, heads_kv, seq_kv, d, dv, *, sinks=False, lse_grad=False, seed=0):
+    """Global query (b, h, S, d), the whole key (b, hkv, L, d) and value (b, hkv, L, dv),
+    grad_out, and grad_lse / sinks (or None): drawn in float64, rounded to ``dtype`` (grad_lse
+    and sinks exact in float32)."""
+    gen = torch.Generator().manual_seed(1000 * seed + 10 * world + seq_kv)
+    seq = SHARD * world
+
+    def draw(*shape, to=dtype):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(to)
+
+    q, k, v = (
+        draw(BATCH, HEADS, seq, d),
+        draw(BATCH, heads_kv, seq_kv, d),
+        draw(BATCH, heads_kv, seq_kv, dv),
+    )
+    dout = draw(BATCH, HEADS, seq, dv)
+    glse = draw(BATCH, HEADS, seq, to=torch.float32).double() if lse_grad else None
+    sink = draw(HEADS, to=torch.float32).double() if sinks else None
+    return q, k, v, dout, glse, sink
+
+
+CASES = {
+    # name: (world, layout, dtype, heads_kv, seq_kv, d, dv, options)
+    "w2_f64": (2, "contiguous", torch.float64, 2, 7, 16, 16, {}),
+    "w3_head_tail_sinks": (3, "head_tail", torch.float32, 4, 5, 16, 16, {"sinks": True}),
+    "w2_bf16_gqa_head_chunks": (
+        2,
+        "contiguous",
+        torch.bfloat16,
+        2,
+        9,
+        16,
+        16,
+        {"op": "cpu_flash", "head_chunks": 2},
+    ),
+    "w4_one_key_lse_loss": (4, "contiguous", torch.float32, 1, 1, 16, 16, {"lse_grad": True}),
+    "w2_value_head_dim": (2, "head_tail", torch.float64, 2, 11, 12, 20, {"sinks": True}),
+}
+
+
+def _run(ctx, name):
+    import ring_impl
+    from harness.accounting import CollectiveLog
+
+    world, layout, dtype, heads_kv, seq_kv, d, dv, options = CASES[name]
+    options = dict(options)
+    sinks, lse_grad = options.pop("sinks", False), options.pop("lse_grad", False)
+    q, k, v, dout, glse, sink = _inputs(
+        world, dtype, heads_kv, seq_kv, d, dv, sinks=sinks, lse_grad=lse_grad
+    )
+    w, r = ctx.world_size, ctx.rank
+    q, dout = (ring_impl.shard(t, w, r, layout=layout) for t in (q, dout))
+    if glse is not None:
+        glse = ring_impl.shard(glse.unsqueeze(-1), w, r, layout=layout).squeeze(-1)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    if sink is not None:
+        options["sinks"] = sink.to(lse_dtype(dtype)).requires_grad_()
+    with CollectiveLog() as log:
+        with log.phase("forward"):
+            out, lse = ring_impl.ring_attention(
+                q,
+                k,
+                v,
+                group=ctx.group,
+                layout=layout,
+                return_lse=True,
+                replicated_kv=True,
+                **options,
+            )
+        with log.phase("backward"):
+            loss = (out * dout).sum()
+            if glse is not None:
+                loss = loss + (lse * glse.to(lse.dtype)).sum()
+            loss.backward()
+    sinks_grad = options["sinks"].grad if sink is not None else None
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "dsinks": sinks_grad,
+        "log": log.summary(),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_replicated_key_value_match_the_oracle(ring, name: str) -> None:
+    import ring_impl
+
+    world, layout, dtype, heads_kv, seq_kv, d, dv, options = CASES[name]
+    results = ring.rank_pool(world).run(_run, name)
+    q, k, v, dout, glse, sink = _inputs(
+        world,
+        dtype,
+        heads_kv,
+        seq_kv,
+        d,
+        dv,
+        sinks=options.get("sinks", False),
+        lse_grad=options.get("lse_grad", False),
+    )
+    oracle = dict(grad_lse=glse, sinks=sink)
+    ref = attention_grads(q, k, v, dout, **oracle)
+    scales = error_scales(q, k, v, dout, **oracle, input_dtype=dtype)
+    base = single_device_baseline(q, k, v, dout, op_spec=options.get("op", "auto"), **oracle)
+    declared = ring_impl.collective_schedule(
+        world,
+        "allgather",
+        batch=BATCH,
+        heads_kv=heads_kv,
+        seq_kv=seq_kv,
+        head_dim=d,
+        head_dim_v=dv,
+        dtype=dtype,
+        head_chunks=options.get("head_chunks", 1),
+        replicated_kv=True,
+    )
+    assert set(declared["forward"]) == {"all_reduce"} and not declared["backward"]
+    for rank, res in enumerate(results):
+        assert res["log"] == {p: kinds for p, kinds in declared.items() if kinds}, (
+            f"rank {rank} issued {res['log']}, declared {declared}: a replicated key/value moves "
+            f"nowhere, only the input check runs [{name}]"
+        )
+        assert (res["dk"].shape, res["dv"].shape) == (k.shape, v.shape), name
+    for n in ("out", "lse", "dq"):  # each row's result: one block, its rank's own
+        got = ring_impl.unshard([res[n] for res in results], layout=layout)
+        assert_close(
+            f"{n} [{name}]",
+            got.to(torch.float64),
+            getattr(ref, n),
+            base[n].to(torch.float64),
+            dtype=dtype,
+            result_dtype=lse_dtype(dtype) if n == "lse" else dtype,
+            scales=scales[n],
+            world_size=1,
+        )
+    summed = ["dk", "dv", *(["dsinks"] if sink is not None else [])]
+    for n in summed:  # the replicated tensors' gradients: every rank's share, summed
+        got = torch.stack([res[n].to(torch.float64) for res in results]).sum(0)
+        assert_close(
+            f"{n} summed over ranks [{name}]",
+            got,
+            getattr(ref, n),
+            base[n].to(torch.float64),
+            dtype=dtype,
+            result_dtype=lse_dtype(dtype) if n == "dsinks" else dtype,
+            scales=scales[n],
+            world_size=world,
+            **({"roundings": BATCH * SHARD * world} if n == "dsinks" else {}),
+        )
+
+
+def _without_the_flag(ctx):
+    """The same call with and without replicated_kv=True: (out, lse) of each."""
+    import ring_impl
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    return [
+        ring_impl.ring_attention(q, k, v, group=ctx.group, return_lse=True, replicated_kv=flag)
+        for flag in (True, False)
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_without_the_flag_every_rank_sees_w_copies(ring, world: int) -> None:
+    """What the keyword prevents: the whole key/value taken for a shard is attention over W
+    copies of it. The output does not show it (equal keys keep the softmax); the LSE is off by
+    exactly log W."""
+    for (out, lse), (dup_out, dup_lse) in ring.rank_pool(world).run(_without_the_flag):
+        torch.testing.assert_close(dup_out, out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dup_lse - lse, torch.full_like(lse, math.log(world)))
+
+
+def _bad(ctx, kind: str) -> str:
+    import ring_impl
+    from ring_impl.masks import SlidingWindow
+    from ring_impl.score_mods import SoftCap
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 8, generator=gen)
+    k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(2))
+    kwargs: dict = {"replicated_kv": True}
+    if kind == "causal":
+        kwargs.update(is_causal=True)
+        k, v = k[:, :, :4], v[:, :, :4]
+    elif kind == "mask":
+        kwargs.update(mask=SlidingWindow(2, 0))
+    elif kind == "score_mod":
+        kwargs.update(score_mod=SoftCap(20.0))
+    elif kind == "max_logit":
+        kwargs.update(return_max_logit=True)
+    elif kind == "ulysses":
+        kwargs.update(exchange="ulysses")
+    elif kind == "halo":
+        kwargs.update(exchange="halo")
+    elif kind == "cu_seqlens":
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+        kwargs.update(cu_seqlens=[0, 4 * ctx.world_size])
+    elif kind == "shard_lengths":
+        kwargs.update(shard_lengths=[4] * ctx.world_size)
+    elif kind == "not_a_bool":
+        kwargs.update(replicated_kv="yes")
+    elif kind == "differs":  # the last rank takes its key/value for a shard
+        kwargs.update(replicated_kv=ctx.rank != ctx.world_size - 1)
+    elif kind == "differs_after_a_checked_call":
+        # (rank 0's second call finds its first checked: ring_impl.checks.remembered)
+        ring_impl.ring_attention(q, k, v, group=ctx.group, replicated_kv=True)
+        kwargs.update(replicated_kv=ctx.rank == 0)
+    ring_impl.ring_attention(q, k, v, group=ctx.group, **kwargs)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        (
+            "causal",
+            "replicated_kv=True (key and value the whole key/value sequence on every rank) "
+            "takes no is_causal=True",
+        ),
+        ("mask", "takes no mask="),
+        ("score_mod", "takes no score_mod="),
+        ("max_logit", "takes no return_max_logit=True"),
+        ("ulysses", "replicated_kv=True moves no key/value, so it takes no exchange='ulysses'"),
+        ("halo", "so it takes no exchange='halo'"),
+        ("cu_seqlens", "replicated_kv=True takes no cu_seqlens="),
+        ("shard_lengths", "replicated_kv=True takes no shard_lengths="),
+        ("not_a_bool", "replicated_kv must be True or False, got 'yes'"),
+        ("differs", "ranks disagree on exchange (rank 0 'replicated_kv'; rank 1 'ring')"),
+        (
+            "differs_after_a_checked_call",
+            "ranks disagree on exchange (rank 0 'replicated_kv'; rank 1 'ring')",
+        ),
+    ],
+)
+def test_what_it_cannot_serve_raises_on_every_rank(ring, kind: str, pattern: str) -> None:
+    outcomes = ring.rank_pool(2).run_outcomes(_bad, kind, timeout=30.0)
+    assert_input_error_on_every_rank(outcomes, pattern)
+
+
+def test_the_schedule_refuses_what_the_call_refuses() -> None:
+    import ring_impl
+
+    sizes = dict(batch=1, heads_kv=2, seq_kv=5, head_dim=8, dtype=torch.float32)
+    assert ring_impl.collective_schedule(1, "p2p", **sizes, replicated_kv=True) == {
+        "forward": {},
+        "backward": {},
+    }
+    for options, words in (
+        ({"is_causal": True}, "is_causal=True"),
+        ({"exchange": "ulysses", "heads": 2, "seq_q": 4}, "strategy other than 'ring'"),
+        ({"exchange": "gather"}, "sparse_kv=True"),
+        ({"replicated_kv": 1}, "replicated_kv must be True or False"),
+    ):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+            ring_impl.collective_schedule(
+                2, "allgather", **sizes, **{"replicated_kv": True, **options}
+            )
+
+
+def _compiled(ctx):
+    import ring_impl
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 4, 8, generator=gen)
+    k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(2))
+
+    def attend(q, k, v):
+        return ring_impl.ring_attention(q, k, v, group=ctx.group, replicated_kv=True)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = torch.compile(attend, fullgraph=True, backend="aot_eager")(*leaves)
+    out.sum().backward()
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attend(*eager)
+    want.sum().backward()
+    return [
+        (a.detach(), b.detach())
+        for a, b in zip((out, *(t.grad for t in leaves)), (want, *(t.grad for t in eager)))
+    ]
+
+
+def test_compiled_it_matches_the_eager_call(ring) -> None:
+    for pairs in ring.rank_pool(2).run(_compiled):
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
