@@ -93,6 +93,24 @@ own query, key and value rows (its inputs' shapes); causality, masks and windows
 true global positions (rank ``r``'s first token is at ``n_0 + ... + n_{r-1}``). Whatever an
 implementation pads a shard with must be seen by no query and returned to no caller.
 
+``replicated_kv`` (capability ``replicated_kv``) is passed to ``ring_attention`` by the
+replicated key/value suite (``suites/test_replicated_kv.py``): ``replicated_kv=True`` says that
+``key`` ``(batch, heads_kv, seq_kv, head_dim)`` and ``value`` ``(batch, heads_kv, seq_kv,
+head_dim_v)`` are the *whole* key/value sequence, equal on every rank (the text tokens of a
+cross-attention every rank holds), while ``query`` ``(batch, heads, seq_q_local, head_dim)`` is
+this rank's shard of the global query in ``layout`` as usual; ``seq_kv`` is unrelated to the
+query's length (1 key is a case). The call is non-causal with no mask and no score_mod; ``sinks``
+and ``op`` may come with it, ``rotate_method`` may be left out (nothing rotates). Every query row
+attends to all ``seq_kv`` keys once: the local output ``(batch, heads, seq_q_local, head_dim_v)``
+and, with ``return_lse=True``, the local LSE ``(batch, heads, seq_q_local)``. Gradients: dQ of
+the rank's own rows; dK and dV on each rank are that rank's query rows' contribution, of key's and
+value's shapes, and their **sum over the ranks** is the gradient of the replicated tensors (the
+caller reduces it over the group as it reduces a parameter's gradient; an implementation that
+reduces it itself returns W times the gradient in that sum); each rank's ``sinks.grad`` covers its
+own rows, summed over the ranks by the suite. Treating the replicated key/value as sequence
+shards (rotating or all-to-all-ing it) shows every query W copies: the LSE is off by ``log W``,
+the output with sinks too.
+
 ``balanced_layout(balancer, mask, seq_len, world_size)``
     (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``
     (head_tail per packed document) and ``"work_aware"`` (chunks dealt by their work under the
@@ -245,6 +263,9 @@ class Capabilities:
     packed: bool | None = None
     #: balanced_layout(balancer, [(mask, weight), ...], ...): one layout for several masks
     multi_mask_layouts: bool | None = None
+    #: ring_attention(replicated_kv=True): key/value whole and equal on every rank (cross-attention
+    #: text tokens), the query sharded; dK/dV per rank are its rows' share, summed over ranks
+    replicated_kv: bool | None = None
 
     @staticmethod
     def of(obj: Any) -> Capabilities:

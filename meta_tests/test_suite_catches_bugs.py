@@ -1,10 +1,10 @@
 """Proof that the conformance suites catch real bugs: each broken implementation of
 meta_tests/broken*.py (one per bug class of shared/bug-classes.md: rings, context-parallel APIs,
-masks and load balance, score_mods, uneven shards, packed inputs, head-parallel strategies) makes
-the suites it names fail, with a failure message that matches its own ``expect`` pattern and no
-other broken implementation's, so the message names the cause rather than a symptom every bug
-shares. And the correct side: an implementation that declares nothing is tested on everything
-(no case N/A) and passes.
+masks and load balance, score_mods, uneven shards, packed inputs, replicated key/value,
+head-parallel strategies) makes the suites it names fail, with a failure message that matches its
+own ``expect`` pattern and no other broken implementation's, so the message names the cause rather
+than a symptom every bug shares. And the correct side: an implementation that declares nothing is
+tested on everything (no case N/A) and passes.
 
 Each run is a separate pytest process (``-x``: the first failure is enough) so a broken
 implementation can hang or crash its ranks without touching this session's pools. Each test
@@ -29,13 +29,14 @@ from meta_tests.broken import Broken
 from meta_tests.broken_api import BROKEN_API
 from meta_tests.broken_masks import BROKEN_MASKS
 from meta_tests.broken_packed import BROKEN_PACKED
+from meta_tests.broken_replicated_kv import BROKEN_REPLICATED_KV
 from meta_tests.broken_score_mods import BROKEN_SCORE_MODS
 from meta_tests.broken_strategies import BROKEN_STRATEGIES
 from meta_tests.broken_uneven import BROKEN_UNEVEN
 
 #: The module of each registry of broken implementations: rings, context-parallel APIs around a
-#: correct ring, rings with mask, load-balance, packed-input and uneven-shard bugs, score_mod
-#: bugs, and head-parallel strategies.
+#: correct ring, rings with mask, load-balance, packed-input, uneven-shard and replicated
+#: key/value bugs, score_mod bugs, and head-parallel strategies.
 REGISTRIES = {
     "meta_tests.broken": BROKEN_RINGS,
     "meta_tests.broken_api": BROKEN_API,
@@ -43,6 +44,7 @@ REGISTRIES = {
     "meta_tests.broken_score_mods": BROKEN_SCORE_MODS,
     "meta_tests.broken_uneven": BROKEN_UNEVEN,
     "meta_tests.broken_packed": BROKEN_PACKED,
+    "meta_tests.broken_replicated_kv": BROKEN_REPLICATED_KV,
     "meta_tests.broken_strategies": BROKEN_STRATEGIES,
 }
 #: Every deliberately broken implementation, by name (names are unique across the registries).

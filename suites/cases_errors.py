@@ -21,8 +21,8 @@ __all__ = ["BAD_INPUTS", "bad_input_case"]
 
 #: kind -> (what the error message must mention (regex, case-insensitive), needs)
 #: ``needs``: None, "context_parallel" (the SDPA route), "cuda", "ops", "sinks", "score_mod",
-#: "packed", or a mask kind of :data:`reference.masks.MASK_KINDS` ("mask_mod", "document",
-#: "sliding_window").
+#: "packed", "replicated_kv", or a mask kind of :data:`reference.masks.MASK_KINDS` ("mask_mod",
+#: "document", "sliding_window").
 BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "dtype_on_one_rank": (r"dtype", None),
     "device_mismatch": (r"device", "cuda"),
@@ -62,6 +62,9 @@ BAD_INPUTS: dict[str, tuple[str, str | None]] = {
     "softcap_differs_between_ranks": (r"score.?mod|soft.?cap", "score_mod"),
     # packed (THD) lengths shared in one process group but not in the context-parallel one
     "cu_seqlens_differ_between_ranks": (r"cu_seqlens|seqlen|doc|mask", "packed"),
+    # a cross-attention layer whose text tokens one rank takes for a sequence shard: that rank
+    # would join a ring the others never start
+    "replicated_kv_differs_between_ranks": (r"replicated", "replicated_kv"),
 }
 
 #: Where the last rank's mask_mod hides one more key, per kind (global positions; seq_q >= 96)
@@ -181,6 +184,9 @@ def bad_input_case(ctx, impl_spec: str | None, kind: str) -> str:
         total = q.shape[0] * ctx.world_size
         cut = document_cut(total, last)
         kw["cu_seqlens"] = torch.tensor([0, cut, total], dtype=torch.int32, device=ctx.device)
+    elif kind == "replicated_kv_differs_between_ranks":
+        kw["replicated_kv"] = not last  # key/value of the query's length: a valid shard too
+        del kw["rotate_method"]
     elif kind == "nan_scale":
         kw["scale"] = float("nan")
     elif kind in ("sdpa_attn_mask", "sdpa_dropout"):

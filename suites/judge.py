@@ -7,7 +7,8 @@ R and B depend only on the inputs (not on world size, rotation or layout), so th
 computed once per input spec and cached for the session (:func:`baseline`, the one B of every
 suite). The masked suites (masks, score_mods, uneven shards, packed) judge through
 :func:`judge_outputs`: their results unsharded by each rank's global positions, the rows that
-see nothing held to LSE -inf first, and dsinks summed over ranks.
+see nothing held to LSE -inf first, and dsinks summed over ranks; the replicated key/value
+suite's (key and value whole on every rank) with dK/dV summed over ranks too.
 
 A strategy case (Ulysses, the hybrid) is unsharded with the oracle's layout of its strategy
 (:mod:`reference.strategies`), and the policy's ``world_size`` is the number of key/value blocks
@@ -298,6 +299,7 @@ def judge_outputs(
     causal_kernel: bool = False,
     call: str = "ring_attention",
     known_failure: Callable[[], str] | None = None,
+    replicated_kv: bool = False,
 ) -> list[Verdict]:
     """Verdicts for ``names`` (of out, lse, dq, dk, dv) and, with ``sinks``, dsinks summed over
     ranks, each against the float64 oracle under ``visible``, ``sinks`` and ``score_mod``
@@ -316,6 +318,12 @@ def judge_outputs(
     compared as 0. A rank that returned none of a quantity: AssertionError naming ``call``. With
     ``known_failure``, a failed verdict raises ``"{name}: {known_failure()} [label]"`` when it
     names a bug class (it runs only then).
+
+    ``replicated_kv``: key and value are the whole sequence on every rank (capability
+    ``replicated_kv``). out, lse and dq are unsharded by ``positions`` and judged as the result of
+    one key/value block (the policy's world_size 1: a row merges nothing); dk and dv are each
+    rank's contribution, of key's and value's global shapes, summed over the ranks in float64 and
+    judged with the case's world_size, as dsinks are.
     """
     __tracebackhide__ = True
     spec = case.inputs
@@ -333,7 +341,7 @@ def judge_outputs(
         score_mod=score_mod,
     )
     lse_dtype = compute_dtype(spec.torch_dtype)
-    blocks = merged_blocks(case)
+    blocks = 1 if replicated_kv else merged_blocks(case)
     verdicts = []
     for name in names:
         parts = [r.get(name) for r in results]
@@ -342,8 +350,25 @@ def judge_outputs(
                 f"{name}: a rank returned no {name} ({call} with return_lse=True returns "
                 "(out, lse) and gradients for query, key, value)"
             )
-        got = unshard_by_positions(parts, positions).to(torch.float64)
         want, b = getattr(ref, name), base[name].to(torch.float64)
+        if replicated_kv and name in ("dk", "dv"):  # each rank's rows' share of the whole's
+            got = torch.stack([p.to(torch.float64) for p in parts]).sum(0)
+            verdicts.append(
+                check(
+                    name,
+                    got,
+                    want,
+                    b,
+                    dtype=spec.torch_dtype,
+                    scales=scales[name],
+                    world_size=case.world_size,
+                    context=f"[{case.label}] (summed over ranks)",
+                )
+            )
+            if known_failure is not None and not verdicts[-1].passed and known_failure():
+                raise AssertionError(f"{name}: {known_failure()} [{case.label}]")
+            continue
+        got = unshard_by_positions(parts, positions).to(torch.float64)
         if name == "lse":  # rows that see nothing (and no sink): exactly -inf, compared as 0
             nothing = torch.isneginf(want)
             if not torch.equal(torch.isneginf(got), nothing):

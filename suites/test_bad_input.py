@@ -45,7 +45,7 @@ def test_bad_input_raises_on_every_rank(ring, w: int, kind: str) -> None:
         ring.require("context_parallel", why="the SDPA route")
     if needs == "ops":
         ring.require("ops", "*", why="selecting an op by name")
-    if needs in ("sinks", "score_mod", "packed"):
+    if needs in ("sinks", "score_mod", "packed", "replicated_kv"):
         ring.require(needs, why=f"a {needs} that differs between ranks")
     if needs in ("mask_mod", "document", "sliding_window"):
         ring.require("masks", needs, why=f"a {needs} mask that differs between ranks")

@@ -41,6 +41,7 @@ CAPABILITIES = Capabilities(
     uneven_shards=True,
     packed=True,
     multi_mask_layouts=True,
+    replicated_kv=True,
 )
 
 

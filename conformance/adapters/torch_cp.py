@@ -60,6 +60,11 @@ and, in brackets, the same for single-process CPU flash in the same dtype):
   ``h`` to key/value head ``h // group`` itself (forward and backward), and PyTorch's ring moves
   only the ``heads_kv`` heads. On CUDA the adapter passes ``enable_gqa`` to SDPA.
 - cross attention (non-causal, seq_kv != seq_q, ``contiguous``): works.
+- a key/value every rank holds whole (cross-attention text tokens, ``replicated_kv``): not in
+  PyTorch. Its SDPA handler wraps query, key and value alike as sequence shards
+  (``DTensor.from_local(..., [Shard(2)])``) and ``context_parallel(buffers=...)`` shards every
+  buffer it is given, so the ring would rotate each rank's whole copy and every query would see
+  W copies; declared lacking (``replicated_kv=False``).
 - a value head dim other than query's (multi-head latent attention): its CPU kernel raises "Q/K/V
   should have the same head size" (declared, ``value_head_dim=False``).
 - LSE: returned (``return_lse=True``) in the kernel's LSE dtype, not differentiable: PyTorch's
@@ -363,6 +368,12 @@ class TorchContextParallel:
             uneven_shards=False,  # context_parallel shards by equal chunks only (no lengths)
             packed=False,  # its ring takes (batch, heads, seq, dim) only: no cu_seqlens
             multi_mask_layouts=False,  # no balancers (above)
+            # A key/value every rank holds whole (cross-attention text tokens) has no place in
+            # PyTorch's context parallel: context_parallel(buffers=...) shards every buffer it is
+            # given on its sequence dim, and its SDPA handler (sdpa_input_fn) wraps query, key and
+            # value alike as DTensor.from_local(..., [Shard(seq_dim)]), so the ring rotates each
+            # rank's whole copy as a shard and every query sees W copies.
+            replicated_kv=False,
         )
         self.baseline_op = "auto"
 

@@ -136,6 +136,7 @@ _FIELDS = (
     "layout",
     "rotate_method",
     "scale",
+    "replicated_kv",
 )
 
 
@@ -146,7 +147,16 @@ def check_bytes() -> int:
 
 
 #: What a rank's problem is about; its index + 1 is the flag it sends, so every rank can name it.
-_ARGUMENTS = ("query/key/value", "is_causal", "scale", "layout", "rotate_method", "op", "arguments")
+_ARGUMENTS = (
+    "query/key/value",
+    "is_causal",
+    "scale",
+    "layout",
+    "rotate_method",
+    "op",
+    "arguments",
+    "replicated_kv",
+)
 
 Problem = tuple[str, str]  # (argument from _ARGUMENTS, what is wrong and what to do)
 
@@ -172,7 +182,18 @@ def _is_dtensor(t) -> bool:
 
 
 def _checked(
-    query, key, value, *, is_causal, scale, layout, rotate_method, rotate_methods, op_problem
+    query,
+    key,
+    value,
+    *,
+    is_causal,
+    scale,
+    layout,
+    rotate_method,
+    rotate_methods,
+    op_problem,
+    replicated_kv=False,
+    replicated_problem=None,
 ) -> Problem | None:
     tensors = _tensor_problem(query, key, value)
     if tensors is not None:
@@ -184,6 +205,11 @@ def _checked(
             f"is_causal must be a bool (True or False), got {is_causal!r} of type "
             f"{type(is_causal).__name__}",
         )
+    if is_causal and replicated_kv:
+        return "is_causal", (
+            "replicated_kv=True (the whole key/value on every rank, a cross-attention's) is "
+            "non-causal only; pass is_causal=False"
+        )
     if is_causal and sq != skv:
         return "is_causal", (
             f"causal attention needs equal local query and key/value lengths, got {sq} and {skv}; "
@@ -191,7 +217,7 @@ def _checked(
         )
     if layout not in LAYOUTS:
         return "layout", f"unknown layout {layout!r}; expected one of {LAYOUTS}"
-    if layout == "head_tail" and (sq % 2 or skv % 2):
+    if layout == "head_tail" and (sq % 2 or (skv % 2 and not replicated_kv)):
         return "layout", (
             "layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, "
             f"got query {sq} and key/value {skv}; shard a sequence whose length is a multiple of "
@@ -206,6 +232,8 @@ def _checked(
         isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
     ):
         return "scale", f"scale must be a finite number or None, got {scale!r}"
+    if replicated_problem is not None:
+        return "replicated_kv", replicated_problem
     return None if op_problem is None else ("op", op_problem)
 
 
@@ -255,7 +283,7 @@ def _tensor_problem(query, key, value) -> str | None:
 def _describe(field: str, value: int) -> str:
     if field == "dtype":
         return _CODE_NAMES.get(value, f"code {value}")
-    if field == "is_causal":
+    if field in ("is_causal", "replicated_kv"):
         return str(bool(value))
     if field == "layout":
         return repr(LAYOUTS[value])
@@ -282,10 +310,14 @@ def check_inputs(
     rotate_method,
     rotate_methods,
     op_problem: str | None = None,
+    replicated_kv: bool = False,
+    replicated_problem: str | None = None,
 ) -> RingSetup:
     """Check the call on every rank; raise :class:`CorrectRingError` on every rank if any rank's
-    input is bad or the ranks disagree (shapes, dtype, options, scale), before any ring collective.
-    ``op_problem``: what the ring found wrong with its ``op=`` argument, if anything.
+    input is bad or the ranks disagree (shapes, dtype, options, scale, ``replicated_kv``), before
+    any ring collective. ``op_problem``: what the ring found wrong with its ``op=`` argument, if
+    anything; ``replicated_kv``: key/value are the whole sequence on every rank (their length is
+    not the layout's to split), ``replicated_problem`` what the ring cannot do with them.
 
     One all-gather of ``1 + len(_FIELDS)`` int64 per rank (see :func:`check_bytes`); none at W=1.
     """
@@ -302,6 +334,8 @@ def check_inputs(
         rotate_method=rotate_method,
         rotate_methods=rotate_methods,
         op_problem=op_problem,
+        replicated_kv=replicated_kv,
+        replicated_problem=replicated_problem,
     )
     if world == 1:
         if problem is not None:
@@ -323,6 +357,7 @@ def check_inputs(
             LAYOUTS.index(layout),
             ROTATE_METHODS.index(rotate_method),
             struct.unpack("<q", struct.pack("<d", resolved))[0],
+            int(replicated_kv),
         ]
         mine = torch.tensor([0, *fields], dtype=torch.int64)
     else:

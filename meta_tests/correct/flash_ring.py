@@ -545,6 +545,7 @@ class FlashRing:
         max_logit=False,  # returns no max logit (ring_attention takes no return_max_logit)
         uneven_shards=False,  # its input check requires equal shard lengths on every rank
         packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
+        replicated_kv=False,  # key/value are sequence shards: every block travels the ring
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

@@ -218,6 +218,7 @@ class GatherStrategies:
         balancers=frozenset(),
         max_logit=False,
         packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
+        replicated_kv=False,  # key/value are sequence shards, gathered over the mesh
     )
     ring_attention = staticmethod(ring_attention)
 

@@ -18,6 +18,12 @@ Rotations (every rank issues the same collectives in the same order, whatever it
 A block no query of this rank sees (causal) is not computed; a block some queries see is
 computed with the mask from global positions.
 
+Replicated key/value (``replicated_kv=True``: key and value the whole sequence, equal on every
+rank, a cross-attention's text tokens): nothing rotates. Each rank attends its own query rows to
+the key/value it holds, as one block of the same online softmax (non-causal, no mask), and its
+backward returns dQ of its rows and its rows' contribution to dK/dV, which the caller sums over
+the group; the only collective is the input check's all-gather.
+
 The max logit (``return_max_logit=True``): each computed block's masked scores give their
 per-head maximum, kept as a running maximum over the steps (``torch.maximum``, which keeps a
 NaN); the ranks' maxima are all-gathered and their maximum taken (``amax``, which keeps a NaN
@@ -203,6 +209,54 @@ def _record(setup: RingSetup, step: int, kv_rank: int, s: torch.Tensor, v: torch
     )
 
 
+class _ReplicatedFn(torch.autograd.Function):
+    """This rank's query rows against the whole key/value it holds (``replicated_kv=True``): one
+    block, no collective. Backward: dQ of the rows, and their contribution to dK/dV."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, setup: RingSetup):
+        acc = accumulation_dtype(query.dtype)
+        b, h, sq, d = query.shape
+        hkv = key.shape[1]
+        q5 = _grouped(widened(query, acc), hkv)
+        state = _Online(q5)
+        k, v = widened(key, acc), widened(value, acc)
+        s = _scores(q5, k, setup.scale, None)
+        state.add(s, v)
+        if recording():
+            _record(setup, 0, setup.rank, s, v)
+        out5, lse5 = state.result()
+        out = out5.reshape(b, h, sq, d).to(query.dtype)
+        lse = lse5.reshape(b, h, sq)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.setup = setup
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        setup = ctx.setup
+        acc = accumulation_dtype(query.dtype)
+        b, h, sq, d = query.shape
+        hkv = key.shape[1]
+        q5 = _grouped(widened(query, acc), hkv)
+        do5 = _grouped(widened(grad_out, acc), hkv)
+        lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
+        delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
+        if grad_lse is not None:
+            delta = delta - _grouped(widened(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
+        k, v = widened(key, acc), widened(value, acc)
+        s = _scores(q5, k, setup.scale, None)
+        p = torch.exp(s - lse5.unsqueeze(-1))
+        dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
+        dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2))
+        ds = p * (dp - delta.unsqueeze(-1))
+        dq5 = torch.matmul(ds, k.unsqueeze(2)) * setup.scale
+        dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * setup.scale
+        dq = dq5.reshape(b, h, sq, d).to(query.dtype)
+        return dq, dk.to(key.dtype), dv.to(value.dtype), None
+
+
 class _MathRingFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -346,6 +400,7 @@ def ring_attention(
     return_lse=False,
     return_max_logit=False,
     shard_lengths=None,
+    replicated_kv=False,
 ):
     """Ring attention over ``group``; differentiable in query, key and value (and through the LSE).
 
@@ -359,6 +414,10 @@ def ring_attention(
     ``torch.tensor_split`` cuts). Every shard is padded with zero rows to the longest and the
     padding is masked out of every block (it sees and is seen by nothing); the result is cut
     back to the rank's own rows.
+
+    ``replicated_kv=True``: key/value (batch, heads_kv, seq_kv, head_dim) are the whole sequence,
+    equal on every rank, any ``seq_kv``; the rank's queries attend to them once (non-causal, no
+    rotation). dK/dV are this rank's rows' contribution: their sum over the ranks is the gradient.
     """
     rotate_method = "p2p" if rotate_method is None else rotate_method
     problem = (
@@ -369,7 +428,15 @@ def ring_attention(
     )
     lengths = None
     check_layout = layout
-    if shard_lengths is not None:
+    replicated = bool(replicated_kv)
+    replicated_problem = None
+    if replicated and shard_lengths is not None:
+        replicated_problem = (
+            "replicated_kv=True takes the whole key/value on every rank and no shard_lengths"
+        )
+    elif replicated and return_max_logit:
+        replicated_problem = "math_ring returns no max logit with replicated_kv=True"
+    if shard_lengths is not None and not replicated:
         lengths = tuple(int(n) for n in shard_lengths)
         problem = problem or _uneven_problem(query, key, value, lengths, group, layout)
         if problem is None:  # equal padded shards: the input check compares them across ranks
@@ -390,7 +457,12 @@ def ring_attention(
         rotate_method=rotate_method,
         rotate_methods=ROTATE_METHODS,
         op_problem=problem,
+        replicated_kv=replicated,
+        replicated_problem=replicated_problem,
     )
+    if replicated:
+        out, lse = _ReplicatedFn.apply(query, key, value, setup)
+        return (out, lse) if return_lse else out
     args = (query, key, value, setup, bool(is_causal), layout, rotate_method)
     out, lse, *max_logit = _MathRingFn.apply(*args, bool(return_max_logit), lengths)
     if lengths is not None:
@@ -478,6 +550,7 @@ class MathRing:
         sinks=False,
         score_mod=False,
         packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
+        replicated_kv=True,  # its rows against the whole key/value it holds, nothing rotated
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)

@@ -1,8 +1,8 @@
 """A vendor-style implementation that declares what it lacks: only the contiguous layout,
 allgather and float32 on CPU; no LSE, no op objects, no collective schedule, no step records, no
-context-parallel API, no max logit, the ring strategy only. What it leaves undeclared (GQA,
-cross attention, compile, bad-input errors) it claims. Used to check N/A reporting and the plug-in
-path."""
+context-parallel API, no max logit, no replicated key/value, the ring strategy only. What it
+leaves undeclared (GQA, cross attention, compile, bad-input errors) it claims. Used to check N/A
+reporting and the plug-in path."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class MinimalRing:
         sinks=False,
         score_mod=False,
         max_logit=False,
+        replicated_kv=False,
     )
 
     @staticmethod

@@ -24,6 +24,7 @@ from suites import (
     test_collectives,
     test_lse_layouts,
     test_masks,
+    test_replicated_kv,
     test_shapes,
 )
 from suites.cases_balance import BALANCER_LAYOUTS
@@ -210,6 +211,27 @@ MATRICES = {
             and c.inputs.scale is None
             and c.inputs.head_dim_v is None
         ),
+    ),
+    "replicated_kv": Matrix(
+        test_replicated_kv._cases,
+        lambda c: (
+            c.world_size,
+            c.layout,
+            c.inputs.dtype,
+            c.inputs.heads_kv,
+            c.inputs.seq_kv,
+            c.sinks,
+        ),
+        (
+            (2, 3, 4),
+            LAYOUTS,
+            test_replicated_kv.DTYPES,
+            test_replicated_kv.HEADS_KV,
+            test_replicated_kv.SEQ_KV,
+            FT,
+        ),
+        14,
+        part=lambda c: c.inputs.head_dim_v is None,
     ),
     "shapes gqa": Matrix(
         test_shapes._gqa,

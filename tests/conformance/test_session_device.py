@@ -83,6 +83,14 @@ def _uneven_baseline():
     return baseline(SPEC, PROBE_OP, visible=_visible(case))
 
 
+def _replicated_kv_baseline():
+    from suites.cases_masks import _sinks
+    from suites.judge import baseline
+
+    spec = SPEC.with_(seq_kv=5)  # the whole key/value: any length
+    return baseline(spec, PROBE_OP, sinks=_sinks(spec))
+
+
 def _probed(run) -> tuple[str, ...]:
     with pytest.raises(Probed) as info:
         run()
@@ -99,6 +107,7 @@ BASELINES = {
     "mask suite with sinks": lambda: _mask_baseline("window_narrow", sinks=True),
     "score_mod suite": lambda: _score_mod_baseline(),
     "uneven-shard suite": lambda: _uneven_baseline(),
+    "replicated key/value suite": lambda: _replicated_kv_baseline(),
 }
 
 
@@ -176,6 +185,13 @@ def _uneven_case():
     return uneven_case(MetaRank(), case)
 
 
+def _replicated_kv_case():
+    from suites.cases_replicated_kv import ReplicatedKVCase, replicated_kv_case
+
+    case = ReplicatedKVCase(SPEC.with_(seq_kv=5), 1, sinks=True, impl=PROBE_IMPL)
+    return replicated_kv_case(MetaRank(), case)
+
+
 def _strategy_case():
     """ring_case's strategy path (its shards by reference.strategies, its group)."""
     from suites.cases import RingCase, ring_case
@@ -218,6 +234,7 @@ RANK_FUNCTIONS = {
     "suites.cases_uneven.uneven_case": _uneven_case,
     "suites.cases_balance.multi_mask_case": _multi_mask_case,
     "suites.cases_packed.packed_case": _packed_case,
+    "suites.cases_replicated_kv.replicated_kv_case": _replicated_kv_case,
 }
 
 #: Rank functions that need no probe here, and why.
