@@ -26,7 +26,9 @@ compiled)``
     ``value_head_dim``) also pass ``head_dim_v=``; masked cases (capability ``masks``) pass
     ``mask=`` (the call's :class:`conformance.specs.MaskSpec`), ``is_causal=``, ``layout=``,
     ``rank=`` (the rank whose collectives are asked: an exchange sized by the mask, a halo or a
-    sparse gather, differs between ranks), ``heads=`` and ``seq_q=`` (local).
+    sparse gather, differs between ranks), ``heads=`` and ``seq_q=`` (local). Replicated
+    key/value cases (capability ``replicated_kv``) pass ``replicated_kv=True`` with
+    ``rotate_method`` None (nothing rotates) and ``seq_kv`` the whole key/value's length.
 ``record_steps()``
     (capability ``record_steps``) a context manager yielding an object with ``records`` (see
     :mod:`ring_impl.debug`): the per-step partials that ``test_causal_layouts`` compares with

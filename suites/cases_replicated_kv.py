@@ -21,6 +21,7 @@ over the group on every rank (their sum over ranks is W times the gradient).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +32,14 @@ from conformance.implementation import load_implementation
 from reference.attention import attention, attention_grads
 from reference.budget import Verdict, compute_dtype
 from reference.layout import positions
-from suites.cases import RingCase
+from suites.cases import RingCase, collective_phases
 from suites.cases_masks import _sinks
 from suites.inputs import make_inputs
 from suites.judge import judge_outputs, produced, unshard_by_positions
 
 __all__ = [
     "DUPLICATED",
+    "EXCHANGED",
     "GRADS_REDUCED",
     "ReplicatedKVCase",
     "diagnose_replicated_kv",
@@ -48,6 +50,10 @@ __all__ = [
 
 #: The bug classes' names as the diagnosis states them (the meta-tests' expected patterns).
 DUPLICATED = "key/value duplicated W-fold (treated as sequence shards: LSE off by log W)"
+#: What a collectives failure of the suite says first: a replicated key/value needs no exchange,
+#: so collectives beyond the declared input check mean one (an output that hides it: no LSE
+#: returned, no sinks, equal keys keeping the softmax).
+EXCHANGED = "replicated key/value exchanged between ranks"
 GRADS_REDUCED = (
     "dK/dV reduced over the group on every rank (their sum over ranks is W times the gradient)"
 )
@@ -100,10 +106,14 @@ def replicated_kv_case(ctx, case: ReplicatedKVCase) -> dict[str, Any]:
         from suites.cases import resolve_case_op
 
         kwargs["op"] = resolve_case_op(case, ctx.device)
-    res = impl.obj.ring_attention(q, k, v, **kwargs)
-    out, lse = res if case.return_lse else (res, None)
-    if case.backward:
-        out.backward(g.grad_out[:, :, rows].to(ctx.device))
+    with contextlib.ExitStack() as stack:
+        log, phase = collective_phases(stack, case.account)
+        with phase("forward"):
+            res = impl.obj.ring_attention(q, k, v, **kwargs)
+        out, lse = res if case.return_lse else (res, None)
+        if case.backward:
+            with phase("backward"):
+                out.backward(g.grad_out[:, :, rows].to(ctx.device))
 
     def cpu(t):
         return None if t is None else t.detach().cpu()
@@ -115,6 +125,7 @@ def replicated_kv_case(ctx, case: ReplicatedKVCase) -> dict[str, Any]:
         "dk": cpu(k.grad),
         "dv": cpu(v.grad),
         "dsinks": None if sinks is None else cpu(sinks.grad),
+        "collectives": None if log is None else log.summary(),
     }
 
 

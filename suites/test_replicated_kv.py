@@ -14,7 +14,9 @@ key/value's lengths, dtype, GQA and sinks.
 
 Failures name the bug classes: the key/value duplicated W-fold (taken for sequence shards, the LSE
 off by ``log W``), dK/dV reduced over the group on every rank (their sum over ranks W times the
-gradient).
+gradient). Where the schedule is claimed, every rank's collectives must be
+``collective_schedule(..., replicated_kv=True)``'s: duplicated copies that no output shows (no
+LSE returned, no sinks: equal keys keep the softmax) show there, as the key/value exchanged.
 
 Capability ``replicated_kv`` (undeclared claims it); ``sinks``, ``lse``, ``backward``, ``gqa``,
 ``cross_attention`` and ``value_head_dim`` for the cases that use them.
@@ -26,6 +28,7 @@ import pytest
 from hypothesis import strategies as st
 
 from suites.cases_replicated_kv import (
+    EXCHANGED,
     ReplicatedKVCase,
     diagnose_replicated_kv,
     judge_replicated_kv,
@@ -136,15 +139,46 @@ def _prepare(ring, case: ReplicatedKVCase) -> ReplicatedKVCase:
     return ring.prepare(case)
 
 
-def _run_and_judge(ring, case: ReplicatedKVCase) -> None:
+def _run_and_judge(ring, case: ReplicatedKVCase) -> list:
     __tracebackhide__ = True
-    ring.judged(case, replicated_kv_case, judge_replicated_kv, diagnose_replicated_kv)
+    return ring.judged(case, replicated_kv_case, judge_replicated_kv, diagnose_replicated_kv)
 
 
 def test_replicated_kv_matches_reference(ring, case: ReplicatedKVCase) -> None:
     """out, LSE, dQ of every rank's own rows and dK, dV, dsinks summed over the ranks against the
-    float64 oracle."""
-    _run_and_judge(ring, _prepare(ring, case))
+    float64 oracle; then every rank's collectives against ``collective_schedule(...,
+    replicated_kv=True)`` where the schedule is claimed."""
+    case = _prepare(ring, case)
+    schedule = None
+    if ring.caps.claims("collective_schedule"):
+        schedule = ring.protocol(
+            "collective_schedule", why="a replicated key/value call's collectives are asserted"
+        )
+        case = case.with_(account=True)
+    results = _run_and_judge(ring, case)
+    if schedule is not None:
+        spec = case.inputs
+        value_dim = {} if spec.head_dim_v is None else {"head_dim_v": spec.head_dim_v}
+        expected = schedule(
+            case.world_size,
+            None,  # nothing rotates
+            batch=spec.batch,
+            heads_kv=spec.heads_kv,
+            seq_kv=spec.seq_kv,  # the whole key/value, every rank's
+            head_dim=spec.head_dim,
+            dtype=spec.torch_dtype,
+            compiled=False,
+            replicated_kv=True,
+            **value_dim,
+        )
+        ring.check_collectives(
+            case,
+            expected,
+            results,
+            headline=f"{EXCHANGED}: collectives differ from collective_schedule(..., "
+            "replicated_kv=True), which declares no exchange of it (each rank attends its rows "
+            "to the key/value it holds)",
+        )
 
 
 @drawn

@@ -505,6 +505,7 @@ def collective_schedule(
     compiled=False,
     heads=None,
     return_max_logit=False,
+    replicated_kv=False,
     **_,
 ):
     """``{phase: {kind: {"calls", "bytes"}}}`` of one forward and one backward
@@ -513,7 +514,12 @@ def collective_schedule(
     kv = 2*batch*heads_kv*seq_kv*head_dim elements in the input dtype, dkv the same elements in
     the accumulation dtype. Forward adds the input check's all-gather, and with
     ``return_max_logit`` an all-gather of ``heads`` maxima. W = 1 issues nothing.
+    ``replicated_kv=True`` (nothing rotates, ``rotate_method`` may be None): the input check only.
     """
+    if replicated_kv:
+        check_schedule_request("math_ring", rotate_method or ROTATE_METHODS[0], compiled)
+        forward = {"all_gather": {"calls": 1, "bytes": check_bytes()}}
+        return {"forward": forward if world_size > 1 else {}, "backward": {}}
     check_schedule_request("math_ring", rotate_method, compiled)
     w = world_size
     if w == 1:

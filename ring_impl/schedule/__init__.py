@@ -118,9 +118,9 @@ def collective_schedule(
     ``strategy``, ``halo`` and ``sparse_kv`` (ValueError when given with a contradicting one).
     ``return_max_logit=True`` (with ``heads``) adds the max logit's all-reduce (the ring only;
     ValueError with another strategy, ``sparse_kv`` or ``halo=True``, which refuse it).
-    ``replicated_kv=True`` (``seq_kv`` the whole key/value length): no key/value moves, only the
-    input check's all-reduce (ValueError with what such a call refuses: a mask, ``is_causal``,
-    the max logit, an exchange but the ring's).
+    ``replicated_kv=True`` (``seq_kv`` the whole key/value length; ``rotate_method`` may be
+    None): no key/value moves, only the input check's all-reduce (ValueError with what such a
+    call refuses: a mask, ``is_causal``, the max logit, an exchange but the ring's).
     """
     if mask is not None and not isinstance(mask, Mask):
         # (ring_attention refuses such a mask on every rank: no schedule is the call's)
@@ -268,8 +268,10 @@ def _replicated_schedule(
             f"collective_schedule: replicated_kv=True takes no {', '.join(given)} "
             "(ring_attention refuses them on every rank)"
         )
-    # (the sizes, transport, compiled and head_chunks checked as for any call)
-    ring_schedule(world_size, rotate_method, kv, compiled=compiled, head_chunks=head_chunks)
+    # (the sizes, a transport given, compiled and head_chunks checked as for any call; nothing
+    # rotates, so rotate_method may be None)
+    transport = "allgather" if rotate_method is None else rotate_method
+    ring_schedule(world_size, transport, kv, compiled=compiled, head_chunks=head_chunks)
     forward = {"all_reduce": {"calls": 1, "bytes": exchange_nbytes(world_size)}}
     return {"forward": forward if world_size > 1 else {}, "backward": {}}
 

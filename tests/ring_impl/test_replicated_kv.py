@@ -284,6 +284,10 @@ def test_the_schedule_refuses_what_the_call_refuses() -> None:
         "forward": {},
         "backward": {},
     }
+    # nothing rotates: no rotation needs naming
+    assert ring_impl.collective_schedule(3, None, **sizes, replicated_kv=True) == (
+        ring_impl.collective_schedule(3, "alltoall", **sizes, replicated_kv=True)
+    )
     for options, words in (
         ({"is_causal": True}, "is_causal=True"),
         ({"exchange": "ulysses", "heads": 2, "seq_q": 4}, "strategy other than 'ring'"),
