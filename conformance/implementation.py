@@ -105,10 +105,11 @@ query's length (1 key is a case). The call is non-causal with no mask and no sco
 and ``op`` may come with it, ``rotate_method`` may be left out (nothing rotates). Every query row
 attends to all ``seq_kv`` keys once: the local output ``(batch, heads, seq_q_local, head_dim_v)``
 and, with ``return_lse=True``, the local LSE ``(batch, heads, seq_q_local)``. Gradients: dQ of
-the rank's own rows; dK and dV on each rank are that rank's query rows' contribution, of key's and
-value's shapes, and their **sum over the ranks** is the gradient of the replicated tensors (the
-caller reduces it over the group as it reduces a parameter's gradient; an implementation that
-reduces it itself returns W times the gradient in that sum); each rank's ``sinks.grad`` covers its
+the rank's own rows; dK and dV on each rank are of key's and value's shapes and their **sum over
+the ranks** is the gradient of the replicated tensors, which is what the suite judges (the caller
+reduces them over the group as it reduces a parameter's gradient, so any split with that sum
+trains alike; ring_impl's and math_ring's: each rank its own query rows' contribution; an
+implementation that reduces them itself returns W times the gradient in that sum); each rank's ``sinks.grad`` covers its
 own rows, summed over the ranks by the suite. Treating the replicated key/value as sequence
 shards (rotating or all-to-all-ing it) shows every query W copies: the LSE is off by ``log W``,
 the output with sinks too.
