@@ -83,7 +83,8 @@ class RouteOptions:
 
     layout: a ring_impl layout; rotate_method: None (the process default) or a rotation
     method; op: None / "auto", a registered op name or an AttentionOp object; head_chunks: a
-    positive int; strategy: one of ``CP_STRATEGIES``.
+    positive int; strategy: one of ``CP_STRATEGIES``; replicated_kv: the routed calls' key and
+    value are whole on every rank (a cross-attention module's; ``ContextParallel`` only).
     """
 
     layout: str = DEFAULT_CP_LAYOUT
@@ -91,6 +92,7 @@ class RouteOptions:
     op: str | AttentionOp | None = None
     head_chunks: int = 1
     strategy: str = "ring"
+    replicated_kv: bool = False
 
     def problem(self) -> str | None:
         """The problem with these options, or None. Never raises."""
@@ -110,6 +112,14 @@ class RouteOptions:
                 resolve_op(self.op, torch.device("cpu"), torch.float32, 1)
         except (TypeError, ValueError) as exc:
             return str(exc)
+        if not isinstance(self.replicated_kv, bool):
+            return f"replicated_kv must be True or False, got {self.replicated_kv!r}"
+        if self.replicated_kv and self.strategy != "ring":
+            return (
+                "replicated_kv=True moves no key/value, so it takes no "
+                f"strategy={self.strategy!r}: pass strategy='ring' (each rank attends its query "
+                "rows to the key/value it holds)"
+            )
         if self.strategy == "ulysses":
             return ulysses_head_chunks_problem(self.head_chunks)
         return check_head_chunks(self.head_chunks, None)
@@ -124,6 +134,7 @@ class RouteOptions:
             self.op,
             self.head_chunks,
             self.strategy,
+            self.replicated_kv,
             mesh=mesh,
         )
 

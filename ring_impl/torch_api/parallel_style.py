@@ -55,6 +55,11 @@ class ContextParallel(ParallelStyle):
             object.
         head_chunks: a positive int (see ``ring_attention``).
         strategy: "ring" (default) or "ulysses" (see ``ring_attention``).
+        replicated_kv: True for a cross-attention module whose key and value every rank holds
+            whole (a text encoder's output; computed from tensors that are not sharded): its
+            SDPA calls run as ``ring_attention(replicated_kv=True)``, each rank's query rows
+            against all of them, nothing exchanged. Without it they are taken for shards and
+            every query attends W copies. Strategy "ring" only.
     """
 
     def __init__(
@@ -65,9 +70,10 @@ class ContextParallel(ParallelStyle):
         op: str | AttentionOp | None = None,
         head_chunks: int = 1,
         strategy: str = "ring",
+        replicated_kv: bool = False,
     ):
         super().__init__()
-        self.options = RouteOptions(layout, rotate_method, op, head_chunks, strategy)
+        self.options = RouteOptions(layout, rotate_method, op, head_chunks, strategy, replicated_kv)
         problem = self.options.problem()
         if problem is not None:
             raise ContextParallelError(f"ContextParallel: {problem}")

@@ -103,7 +103,8 @@ class Route:
     first that takes its dtype, head size, scale and causality, as SDPA itself picks (filled in by
     :func:`routing`; reading those flags inside a compiled region would break the graph). ``key``:
     the route as plain values (group name, layout, rotation, op name or the op object's identity,
-    head chunks, kernel ops); compiled code is guarded on it (see :func:`_pin`).
+    head chunks, strategy, replicated key/value, kernel ops); compiled code is guarded on it
+    (see :func:`_pin`).
     """
 
     group: dist.ProcessGroup
@@ -112,6 +113,9 @@ class Route:
     op: str | AttentionOp | None
     head_chunks: int = 1
     strategy: str = "ring"
+    #: the routed calls' key/value are whole on every rank (``ring_attention(replicated_kv=True)``:
+    #: a cross-attention module's, under ``ContextParallel(replicated_kv=True)``)
+    replicated_kv: bool = False
     #: the 2-D DeviceMesh routed calls take (strategy "hybrid";
     #: ``group`` is then the mesh flattened)
     mesh: object = field(default=None, compare=False, repr=False)
@@ -130,6 +134,7 @@ class Route:
             else self.rotate_method,
             head_chunks=self.head_chunks,
             exchange="auto" if self.strategy == "ring" else self.strategy,
+            replicated_kv=self.replicated_kv,
             problem=problem,
             routed_from=routed_from,
             **options,
@@ -151,6 +156,7 @@ class Route:
                 op_key,
                 self.head_chunks,
                 self.strategy,
+                self.replicated_kv,
                 *self.kernel_ops,
             ),
         )

@@ -326,3 +326,105 @@ def test_compiled_it_matches_the_eager_call(ring) -> None:
     for pairs in ring.rank_pool(2).run(_compiled):
         for got, want in pairs:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- the parallel style
+
+
+class _CrossAttention(torch.nn.Module):
+    """Queries from the sequence, key/value from text tokens every rank holds whole."""
+
+    def __init__(self, causal: bool = False):
+        super().__init__()
+        self.causal = causal
+        self.q = torch.nn.Linear(16, 16, dtype=torch.float64)
+        self.kv = torch.nn.Linear(12, 32, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 2, 8).transpose(1, 2)
+        k, v = self.kv(text).view(b, text.shape[1], 2, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+def _cross_attention(ctx, layout: str) -> dict:
+    """The module whole on one process, then under ContextParallel(replicated_kv=True) on this
+    rank's rows of the sequence and the whole text: the output rows and parameter gradients."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import ring_impl
+    from harness.accounting import CollectiveLog
+
+    torch.manual_seed(4)
+    module = _CrossAttention()
+    x = torch.randn(2, 4 * ctx.world_size, 16, dtype=torch.float64)
+    text = torch.randn(2, 5, 12, dtype=torch.float64)
+    module(x, text).pow(2).sum().backward()
+    whole = {name: p.grad.clone() for name, p in module.named_parameters()}
+    module.zero_grad()
+    expected = ring_impl.shard(
+        module(x, text).detach(), ctx.world_size, ctx.rank, layout=layout, dim=2
+    )
+    mesh = DeviceMesh.from_group(ctx.group, "cpu")
+    parallelize_module(module, mesh, ring_impl.ContextParallel(layout=layout, replicated_kv=True))
+    local = ring_impl.shard(x, ctx.world_size, ctx.rank, layout=layout, dim=1)
+    with CollectiveLog() as log:
+        with log.phase("forward"):
+            out = module(local, text)
+        with log.phase("backward"):
+            out.pow(2).sum().backward()
+    return {
+        "log": log.summary(),
+        "error": float((out.detach() - expected).abs().max()),
+        "grads": {name: p.grad for name, p in module.named_parameters()},
+        "whole": whole,
+    }
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+def test_a_cross_attention_module_under_the_parallel_style(ring, layout: str) -> None:
+    """ContextParallel(replicated_kv=True) on a cross-attention module: its rows of the output are
+    the whole module's, and its parameters' gradients, summed over the ranks (as a data-parallel
+    reduction over them sums), are the whole module's."""
+    import ring_impl
+
+    results = ring.rank_pool(2).run(_cross_attention, layout)
+    # (the collectives tell it from the route without the flag, which gives the same output and
+    # summed gradients: equal keys keep the softmax)
+    declared = ring_impl.collective_schedule(
+        2, None, batch=2, heads_kv=2, seq_kv=5, head_dim=8, dtype=torch.float64, replicated_kv=True
+    )
+    for rank, r in enumerate(results):
+        assert r["error"] < 1e-12, f"rank {rank}: output off by {r['error']}"
+        assert r["log"] == {p: kinds for p, kinds in declared.items() if kinds}, (rank, r["log"])
+    for name, want in results[0]["whole"].items():
+        got = sum(r["grads"][name] for r in results)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _causal_cross_attention(ctx) -> str:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import ring_impl
+
+    module = _CrossAttention(causal=True)
+    mesh = DeviceMesh.from_group(ctx.group, "cpu")
+    parallelize_module(module, mesh, ring_impl.ContextParallel(replicated_kv=True))
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    module(x, torch.randn(1, 4, 12, dtype=torch.float64))
+    return "no error"
+
+
+def test_the_parallel_style_refuses_what_replicated_kv_cannot_serve(ring) -> None:
+    import ring_impl
+    from ring_impl.torch_api.context_parallel import ContextParallelError
+
+    with pytest.raises(ContextParallelError, match="takes no strategy='ulysses'"):
+        ring_impl.ContextParallel(strategy="ulysses", replicated_kv=True)
+    with pytest.raises(ContextParallelError, match="replicated_kv must be True or False"):
+        ring_impl.ContextParallel(replicated_kv="yes")
+    outcomes = ring.rank_pool(2).run_outcomes(_causal_cross_attention, timeout=30.0)
+    assert_input_error_on_every_rank(outcomes, "takes no is_causal=True")
+    assert any("scaled_dot_product_attention" in o.exc_message for o in outcomes)
