@@ -32,6 +32,7 @@ __all__ = [
     "CountingOp",
     "RingCase",
     "collective_phases",
+    "local_results",
     "resolve_case_op",
     "ring_case",
     "ring_case_twice",
@@ -232,6 +233,23 @@ def resolve_case_op(case: RingCase, device: torch.device):
     return load_op(case.op)
 
 
+def local_results(out, lse, query, key, value, **more: Any) -> dict[str, Any]:
+    """What a rank function hands back: ``out``, ``lse`` and the gradients ``dq``, ``dk``, ``dv``
+    of query, key and value, detached on the CPU (None where there is none), then ``more``."""
+
+    def cpu(t):
+        return None if t is None else t.detach().cpu()
+
+    return {
+        "out": cpu(out),
+        "lse": cpu(lse),
+        "dq": cpu(query.grad),
+        "dk": cpu(key.grad),
+        "dv": cpu(value.grad),
+        **more,
+    }
+
+
 def ring_case(ctx, case: RingCase) -> dict[str, Any]:
     """Run the case on this rank; return the local results as CPU tensors.
 
@@ -294,21 +312,18 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
                 else:  # (an LSE without a gradient is reported, the judge says what it costs)
                     out.backward(inp.grad_out)
 
-    def cpu(t):
-        return None if t is None else t.detach().cpu()
-
-    return {
-        "out": cpu(out),
-        "lse": cpu(lse),
-        "dq": cpu(inp.query.grad),
-        "dk": cpu(inp.key.grad),
-        "dv": cpu(inp.value.grad),
-        "collectives": log.summary() if log is not None else None,
-        "records": list(recorder.records) if recorder is not None else None,
-        "work": op.work if isinstance(op, CountingOp) else None,
-        "input_strides": [tuple(t.stride()) for t in (inp.query, inp.key, inp.value)],
-        "lse_requires_grad": lse_requires_grad,
-    }
+    return local_results(
+        out,
+        lse,
+        inp.query,
+        inp.key,
+        inp.value,
+        collectives=log.summary() if log is not None else None,
+        records=list(recorder.records) if recorder is not None else None,
+        work=op.work if isinstance(op, CountingOp) else None,
+        input_strides=[tuple(t.stride()) for t in (inp.query, inp.key, inp.value)],
+        lse_requires_grad=lse_requires_grad,
+    )
 
 
 def collective_phases(stack: contextlib.ExitStack, account: bool):

@@ -25,7 +25,7 @@ from conformance.implementation import load_implementation
 from reference.budget import Verdict
 from reference.layout import positions as reference_positions
 from reference.masks import visibility
-from suites.cases import RingCase
+from suites.cases import RingCase, local_results, resolve_case_op
 from suites.cases_masks import MaskCase, _equals_attention_under
 from suites.inputs import make_inputs
 from suites.judge import judge_outputs, produced
@@ -147,20 +147,12 @@ def packed_case(ctx, case: PackedCase) -> dict[str, Any]:
         cu = torch.tensor(cu, dtype=torch.int32, device=ctx.device)
     kwargs = case.call_keywords(ctx.group, cu_seqlens=cu)
     if case.op is not None:
-        from suites.cases import resolve_case_op
-
         kwargs["op"] = resolve_case_op(case, ctx.device)
     result = impl.obj.ring_attention(q, k, v, **kwargs)
     out, lse = result if case.return_lse else (result, None)
     if case.backward:
         out.backward(shard(g.grad_out))
-    return {
-        "out": out.detach().cpu(),
-        "lse": None if lse is None else lse.detach().cpu(),
-        "dq": None if q.grad is None else q.grad.cpu(),
-        "dk": None if k.grad is None else k.grad.cpu(),
-        "dv": None if v.grad is None else v.grad.cpu(),
-    }
+    return local_results(out, lse, q, k, v)
 
 
 # ---------------------------------------------------------------------- the pytest side

@@ -32,7 +32,7 @@ from conformance.implementation import load_implementation
 from reference.attention import attention, attention_grads
 from reference.budget import Verdict, compute_dtype
 from reference.layout import positions
-from suites.cases import RingCase, collective_phases
+from suites.cases import RingCase, collective_phases, local_results, resolve_case_op
 from suites.cases_masks import _sinks
 from suites.inputs import make_inputs
 from suites.judge import judge_outputs, produced, unshard_by_positions
@@ -103,8 +103,6 @@ def replicated_kv_case(ctx, case: ReplicatedKVCase) -> dict[str, Any]:
     if sinks is not None:
         kwargs["sinks"] = sinks
     if case.op is not None:
-        from suites.cases import resolve_case_op
-
         kwargs["op"] = resolve_case_op(case, ctx.device)
     with contextlib.ExitStack() as stack:
         log, phase = collective_phases(stack, case.account)
@@ -115,18 +113,15 @@ def replicated_kv_case(ctx, case: ReplicatedKVCase) -> dict[str, Any]:
             with phase("backward"):
                 out.backward(g.grad_out[:, :, rows].to(ctx.device))
 
-    def cpu(t):
-        return None if t is None else t.detach().cpu()
-
-    return {
-        "out": cpu(out),
-        "lse": cpu(lse),
-        "dq": cpu(q.grad),
-        "dk": cpu(k.grad),
-        "dv": cpu(v.grad),
-        "dsinks": None if sinks is None else cpu(sinks.grad),
-        "collectives": None if log is None else log.summary(),
-    }
+    return local_results(
+        out,
+        lse,
+        q,
+        k,
+        v,
+        dsinks=None if sinks is None or sinks.grad is None else sinks.grad.detach().cpu(),
+        collectives=None if log is None else log.summary(),
+    )
 
 
 def _contract(case: ReplicatedKVCase, results: list[dict[str, Any]]) -> None:

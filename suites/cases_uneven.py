@@ -27,7 +27,7 @@ from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import split_lengths, split_positions
 from reference.masks import visibility
-from suites.cases import RingCase
+from suites.cases import RingCase, local_results, resolve_case_op
 from suites.cases_masks import mask_spec
 from suites.inputs import make_inputs
 from suites.judge import judge_outputs, produced, unshard_by_positions
@@ -121,24 +121,12 @@ def uneven_case(ctx, case: UnevenCase) -> dict[str, Any]:
     if data is not None and case.mask != "causal":
         kwargs["mask"] = MaskSpec(data)
     if case.op is not None:
-        from suites.cases import resolve_case_op
-
         kwargs["op"] = resolve_case_op(case, ctx.device)
     res = impl.obj.ring_attention(q, k, v, **kwargs)
     out, lse = res if case.return_lse else (res, None)
     if case.backward:
         out.backward(g.grad_out[:, :, rows].to(ctx.device))
-
-    def cpu(t):
-        return None if t is None else t.detach().cpu()
-
-    return {
-        "out": cpu(out),
-        "lse": cpu(lse),
-        "dq": cpu(q.grad),
-        "dk": cpu(k.grad),
-        "dv": cpu(v.grad),
-    }
+    return local_results(out, lse, q, k, v)
 
 
 def _visible(case: UnevenCase) -> torch.Tensor | None:

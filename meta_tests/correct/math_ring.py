@@ -209,6 +209,20 @@ def _record(setup: RingSetup, step: int, kv_rank: int, s: torch.Tensor, v: torch
     )
 
 
+def _row_terms(query, key, out, lse, grad_out, grad_lse):
+    """A backward's per-row inputs, grouped by key/value head in the accumulation dtype: query,
+    dO, the LSE and the row term delta = rowsum(dO * O) of the final output (an LSE gradient adds
+    P * dLSE to dS, i.e. lowers the row term)."""
+    acc, hkv = accumulation_dtype(query.dtype), key.shape[1]
+    q5 = _grouped(widened(query, acc), hkv)
+    do5 = _grouped(widened(grad_out, acc), hkv)
+    lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
+    delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - _grouped(widened(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
+    return q5, do5, lse5, delta
+
+
 class _ReplicatedFn(torch.autograd.Function):
     """This rank's query rows against the whole key/value it holds (``replicated_kv=True``): one
     block, no collective. Backward: dQ of the rows, and their contribution to dK/dV."""
@@ -238,13 +252,7 @@ class _ReplicatedFn(torch.autograd.Function):
         setup = ctx.setup
         acc = accumulation_dtype(query.dtype)
         b, h, sq, d = query.shape
-        hkv = key.shape[1]
-        q5 = _grouped(widened(query, acc), hkv)
-        do5 = _grouped(widened(grad_out, acc), hkv)
-        lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
-        delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
-        if grad_lse is not None:
-            delta = delta - _grouped(widened(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
+        q5, do5, lse5, delta = _row_terms(query, key, out, lse, grad_out, grad_lse)
         k, v = widened(key, acc), widened(value, acc)
         s = _scores(q5, k, setup.scale, None)
         p = torch.exp(s - lse5.unsqueeze(-1))
@@ -324,14 +332,7 @@ class _MathRingFn(torch.autograd.Function):
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
-        q5 = _grouped(widened(query, acc), hkv)
-        do5 = _grouped(widened(grad_out, acc), hkv)
-        lse5 = _grouped(lse.to(acc).unsqueeze(-1), hkv).squeeze(-1)
-        # rowsum(dO * O) of the final output; an LSE gradient adds P * dLSE to dS,
-        # i.e. lowers the row term.
-        delta = (do5 * _grouped(out.to(acc), hkv)).sum(-1)
-        if grad_lse is not None:
-            delta = delta - _grouped(widened(grad_lse, acc).unsqueeze(-1), hkv).squeeze(-1)
+        q5, do5, lse5, delta = _row_terms(query, key, out, lse, grad_out, grad_lse)
         dq5 = torch.zeros_like(q5)
 
         def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:

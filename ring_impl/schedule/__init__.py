@@ -134,6 +134,14 @@ def collective_schedule(
         raise ValueError(
             f"collective_schedule: return_max_logit must be a bool, got {return_max_logit!r}"
         )
+    kv = KVShards.of(
+        batch=batch,
+        heads_kv=heads_kv,
+        seq_kv=seq_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        head_dim_v=head_dim_v,
+    )
     if replicated_kv is not False:
         return _replicated_schedule(
             world_size,
@@ -149,23 +157,8 @@ def collective_schedule(
                 "is_causal=True": is_causal is True,
                 "return_max_logit=True": return_max_logit is True,
             },
-            kv=KVShards.of(
-                batch=batch,
-                heads_kv=heads_kv,
-                seq_kv=seq_kv,
-                head_dim=head_dim,
-                dtype=dtype,
-                head_dim_v=head_dim_v,
-            ),
+            kv=kv,
         )
-    kv = KVShards.of(
-        batch=batch,
-        heads_kv=heads_kv,
-        seq_kv=seq_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        head_dim_v=head_dim_v,
-    )
     if return_max_logit:
         if strategy != "ring" or sparse_kv or halo is True:
             raise ValueError(
