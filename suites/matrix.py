@@ -137,7 +137,9 @@ def draw_world_size(data, config: pytest.Config, **bounds: int | None) -> int:
     the property is skipped, saying why, when none is enabled."""
     sizes = world_sizes(config, **bounds)
     if not sizes:
-        pytest.skip("no world size is enabled (--world-sizes); the property needs one")
+        low, high = bounds.get("at_least"), bounds.get("at_most")
+        within = "" if low is None and high is None else f" in {low or 1}..{high or 'any'}"
+        pytest.skip(f"no world size{within} is enabled (--world-sizes); the property needs one")
     return data.draw(st.sampled_from(sizes), label="world_size")
 
 

@@ -36,7 +36,16 @@ from suites.cases_replicated_kv import (
 )
 from suites.coverage import combos
 from suites.inputs import SHORT, InputSpec
-from suites.matrix import LAYOUTS, draw_claimed, draw_inputs, drawn, seed_for, tier, world_sizes
+from suites.matrix import (
+    LAYOUTS,
+    draw_claimed,
+    draw_inputs,
+    draw_world_size,
+    drawn,
+    seed_for,
+    tier,
+    world_sizes,
+)
 
 #: The cases' dtypes, key/value heads (of 4 query heads: MHA and GQA) and key/value lengths.
 DTYPES = ("float64", "float32", "bfloat16")
@@ -186,10 +195,7 @@ def test_any_replicated_kv_matches_reference(ring, pytestconfig, data) -> None:
     """Any W in 2..4, layout, query and key/value lengths (one key included), float64/float32,
     GQA, sinks where claimed."""
     caps = ring.caps
-    sizes = world_sizes(pytestconfig, at_least=2, at_most=4)
-    if not sizes:
-        pytest.skip("no world size in 2..4 is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig, at_least=2, at_most=4)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     chunks = w if layout == "contiguous" else 2 * w
     seq_q = chunks * data.draw(st.integers(1, 3), label="rows_per_chunk")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import strategies as st
 
 from reference.layout import split_lengths
@@ -43,6 +42,7 @@ from suites.matrix import (
     ROTATIONS,
     draw_claimed,
     draw_inputs,
+    draw_world_size,
     drawn,
     params,
     seed_for,
@@ -141,10 +141,7 @@ def test_any_split_matches_reference(ring, pytestconfig, data) -> None:
     """Any split at W 2..4 (ranks with no token included; head_tail: its own split of any
     length), causal or not, every rotation, float64/float32, GQA."""
     caps = ring.caps
-    sizes = world_sizes(pytestconfig, at_least=2, at_most=4)
-    if not sizes:
-        pytest.skip("no world size in 2..4 is enabled (--world-sizes); the property needs one")
-    w = data.draw(st.sampled_from(sizes), label="world_size")
+    w = draw_world_size(data, pytestconfig, at_least=2, at_most=4)
     layout = draw_claimed(data, caps, "layouts", LAYOUTS, "layout")
     if layout == "contiguous":
         lengths = tuple(data.draw(st.lists(st.integers(0, 6), min_size=w, max_size=w), "lengths"))
