@@ -3,10 +3,11 @@ value the whole sequence on every rank, a cross-attention's text tokens), each c
 replicated key/value suite (``suites/test_replicated_kv.py``) with a failure that names the bug:
 
 - ``replicated_kv_as_sequence_shards``: ring_impl given the call without ``replicated_kv``, so
-  its ring takes every rank's whole key/value for that rank's sequence shard and rotates it:
-  every query attends W copies (the all-to-all of a context-parallel hook that treats the text
-  tokens as sequence-sharded). The output is unchanged without sinks; the LSE is off by
-  ``log W``, the output with sinks moves.
+  that every rank's whole key/value is taken for that rank's sequence shard: Ulysses' all-to-all
+  (the bug class's own words: a context-parallel hook that treats the text tokens as
+  sequence-sharded) where the heads divide over the group, else the ring's rotation. Every query
+  attends W copies: the output is unchanged without sinks; the LSE is off by ``log W``, the
+  output with sinks moves, and the collectives are an exchange the call does not have.
 - ``replicated_kv_grads_reduced``: the forward right, but dK/dV all-reduced (summed) over the
   group on every rank, so that their sum over ranks (what the caller's reduction makes of them)
   is W times the gradient.
@@ -40,10 +41,17 @@ RING_IMPL_REPLICATES = "replicated_kv" in inspect.signature(ring_impl.ring_atten
 
 
 def _as_sequence_shards(query, key, value, *, replicated_kv=False, strategy=None, **options):
-    """ring_impl's call with ``replicated_kv`` dropped: the whole key/value of every rank is that
-    rank's sequence shard to its ring."""
+    """ring_impl's call with ``replicated_kv`` dropped, so that each rank's whole key/value is
+    taken for that rank's sequence shard: on Ulysses, whose all-to-all hands every rank its heads
+    of W copies (the bug class as context-parallel hooks built on Ulysses ship it), where the
+    query heads divide over the group; on the ring, which rotates the W copies, elsewhere."""
     if strategy not in (None, "ring"):  # Ulysses and the hybrid: ring_impl's own
         return RingImplAdapter().ring_attention(query, key, value, strategy=strategy, **options)
+    group = options.get("group")
+    world = dist.get_world_size(_process_group(group))
+    if replicated_kv and query.shape[1] % world == 0:
+        options.pop("rotate_method", None)
+        return ring_impl.ring_attention(query, key, value, exchange="ulysses", **options)
     return ring_impl.ring_attention(query, key, value, **options)
 
 
@@ -112,9 +120,9 @@ BROKEN_REPLICATED_KV: dict[str, Broken] = by_name(
         suites=_SUITE,
         # on the contiguous layout (head_tail's even chunks would refuse an odd key/value length
         # as a shard first): the copies show in the LSE and with sinks; where neither is there,
-        # in the collectives (the ring's rotation of the copies)
+        # in the collectives (the all-to-all or rotation of the copies)
         select=("-k", "test_replicated_kv_matches_reference and contiguous"),
-        min_failures=9,  # (every one of the quick tier's 11)
+        min_failures=9,  # (every one of the quick tier's 11: Ulysses at W 2 and 4, the ring at 3)
     ),
     Broken(
         "replicated_kv_grads_reduced",
