@@ -11,6 +11,9 @@
   once, equal shares, increasing order: its layout passes every layout check, the outputs are
   right) but deals the longest documents out first, filling rank 0, then rank 1, ...: one rank
   gets the long documents and most of the work.
+- ``mask_dropped_for_causal``: the mask dropped and ``is_causal=True`` run in its place, as a
+  context-parallel hook that keeps ``is_causal`` and drops the attention mask: a sliding,
+  chunked or document layer silently trains with full causal attention.
 - ``tail_padding_attended``: the padding after the last document taken as one more document
   (padding recognised only before or between documents): the padding tokens see each other.
 - ``odd_lengths_rounded_down``: documents rebuilt from their lengths rounded down to even: each
@@ -39,6 +42,7 @@ suite against each and requires a failure matching its ``expect`` pattern and no
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,6 +54,7 @@ from ring_impl import RingAttention
 from ring_impl.layout import Layout, layout_runs
 from ring_impl.masks import And, Documents, Mask, MaskMod, Or, SlidingWindow
 from ring_impl.planning.balance import document_spans
+from suites.cases_masks import MASK_DROPPED
 
 __all__ = ["BROKEN_MASKS"]
 
@@ -359,6 +364,19 @@ def _halo_wider_than_the_mask():
     return function_adapter("halo_wider_than_the_mask", ring_attention)
 
 
+def _mask_dropped_for_causal():
+    """ring_impl's call with its mask dropped and ``is_causal=True`` in its place, as a
+    context-parallel hook that keeps ``is_causal`` and drops the attention mask runs a sliding,
+    chunked or document layer."""
+    adapter = RingImplAdapter()
+
+    def ring_attention(query, key, value, *, mask=None, is_causal=False, **options):
+        is_causal = True if mask is not None else is_causal
+        return adapter.ring_attention(query, key, value, is_causal=is_causal, **options)
+
+    return function_adapter("mask_dropped_for_causal", ring_attention)
+
+
 BROKEN_MASKS: dict[str, Broken] = by_name(
     Broken(
         "window_off_by_one_at_block_edge",
@@ -373,6 +391,16 @@ BROKEN_MASKS: dict[str, Broken] = by_name(
         r"document boundaries taken from local positions",
         ring_adapter("documents_at_local_positions", DocumentsAtLocalPositions()),
         suites="suites/test_balance.py",
+    ),
+    Broken(
+        "mask_dropped_for_causal",
+        "masks: a layer's mask dropped under context parallelism, plain causal run in its place",
+        re.escape(MASK_DROPPED),
+        _mask_dropped_for_causal(),
+        suites="suites/test_masks.py",
+        # (a per-head mask_mod whose head 0 is causal: causal attention is also that mask
+        # evaluated at head 0 for every head, the narrower cause the diagnosis names first)
+        select=("-k", "not mask_mod"),
     ),
     Broken(
         "tail_padding_attended",

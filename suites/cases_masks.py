@@ -414,6 +414,7 @@ def judge_masked(
             or _tail_padding_attended(case, g, results, pos)
             or _lengths_rounded_down(case, g, results, pos)
             or _wrong_axis(case, g, results, pos)
+            or _mask_dropped_for_causal(case, g, results, pos)
             or f"rows that see no key must have LSE -inf and only they: {differ} rows differ"
         )
 
@@ -498,6 +499,34 @@ def _equals_attention_under(
         (lse - wrong.lse).masked_fill(~seen, 0.0).abs().max()
     )  # rows that see nothing: -inf on both sides
     return float((out - wrong.out).abs().max()) <= tol and float(lse_err) <= tol
+
+
+#: How the diagnosis names a mask dropped and plain causal attention run in its place (the
+#: meta-tests' expected pattern).
+MASK_DROPPED = "the mask was dropped and plain causal attention ran"
+
+
+def _mask_dropped_for_causal(
+    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]
+) -> str:
+    """Name the bug class 'a layer's mask dropped under context parallelism and replaced by plain
+    causal attention', or "": the out and LSE are causal attention where the mask is not."""
+    spec = case.inputs
+    causal = {"kind": "causal"}
+    shape = dict(batch=spec.batch, heads=spec.heads)
+    data = case.mask_data()
+    if torch.equal(
+        visibility(data, spec.seq_q, spec.seq_kv, **shape),
+        visibility(causal, spec.seq_q, spec.seq_kv, **shape),
+    ) or not _equals_attention_under(case, g, results, pos, causal):
+        return ""
+    return (
+        f"{MASK_DROPPED}: the out and LSE are causal attention over the whole sequence, not "
+        f"attention under the case's mask ({data['kind']}). A context-parallel hook that keeps "
+        "is_causal and drops the attention mask, or reads a window from a field the model does "
+        "not set, trains the layer with full causal attention: every rank's call must carry the "
+        "mask"
+    )
 
 
 def _lengths_rounded_down(
@@ -659,6 +688,9 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
             else ""
         )
         or _wrong_axis(case, g, results, pos)
+        # (after the narrower causes: a per-head mask_mod whose head 0 is causal, evaluated at
+        # head 0 for every head, is causal attention too)
+        or _mask_dropped_for_causal(case, g, results, pos)
         # With sinks no row's LSE is -inf, so the judge's -inf comparison cannot name these.
         or _tail_padding_attended(case, g, results, pos)
         or _lengths_rounded_down(case, g, results, pos)

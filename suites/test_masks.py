@@ -8,7 +8,11 @@ layouts the implementation's balancers build for the mask (``document_head_tail`
 float64/float32/bfloat16, GQA, softmax scales <= 0, and under ``torch.compile(fullgraph=True)``
 (capability ``compile``; each after a call with other mask data in the same compiled function).
 Judged against the float64 oracle with the same mask (reference.masks) by the numerics policy; rows
-that see nothing must come back as nothing (out 0, LSE -inf).
+that see nothing must come back as nothing (out 0, LSE -inf). Failures name the mask bug classes
+the output matches (suites/cases_masks.py ``diagnose_masked``): the mask dropped and plain causal
+attention run in its place, stale documents, tail padding attended, odd lengths rounded down, a
+mask_mod evaluated at batch or head 0, sinks applied on some ranks only, hidden rows merged with
+the kernel's LSE.
 
 The named masks run under Ulysses and the hybrid too (capability ``strategies``), on the 4-rank
 meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks
