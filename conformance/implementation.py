@@ -109,10 +109,10 @@ the rank's own rows; dK and dV on each rank are of key's and value's shapes and 
 the ranks** is the gradient of the replicated tensors, which is what the suite judges (the caller
 reduces them over the group as it reduces a parameter's gradient, so any split with that sum
 trains alike; ring_impl's and math_ring's: each rank its own query rows' contribution; an
-implementation that reduces them itself returns W times the gradient in that sum); each rank's ``sinks.grad`` covers its
-own rows, summed over the ranks by the suite. Treating the replicated key/value as sequence
-shards (rotating or all-to-all-ing it) shows every query W copies: the LSE is off by ``log W``,
-the output with sinks too.
+implementation that reduces them itself returns W times the gradient in that sum); each rank's
+``sinks.grad`` covers its own rows, summed over the ranks by the suite. Treating the replicated
+key/value as sequence shards (rotating or all-to-all-ing it) shows every query W copies: the LSE
+is off by ``log W``, the output with sinks too.
 
 ``balanced_layout(balancer, mask, seq_len, world_size)``
     (capability ``balancers``: the names of the balancers it has, ``"document_head_tail"``

@@ -27,6 +27,10 @@
 - ``mask_evaluated_at_batch_0`` / ``mask_evaluated_at_head_0``: every ``MaskMod`` evaluated with
   its batch (head) index 0, as ``create_block_mask(B=None)`` (``H=None``) builds a block mask.
 - ``window_right_side_dropped``: a ``SlidingWindow(left, right)`` planned as ``(left, 0)``.
+- ``window_clamped_to_stream_start``: a sliding window over packed documents whose left edge is
+  ``max(q - left, 0)`` on stream positions rather than ``max(q - left, document start)`` in the
+  ring's block plans: the first queries of each document see the previous document's last keys.
+  (The halo exchange and Ulysses plan their blocks elsewhere: their cases pass.)
 - ``halo_wider_than_the_mask``: the halo exchange sized by a window's reach plus two rows each
   way: every output is right (the kernels mask the extra rows out), but each rank sends rows no
   query of its neighbour sees, more than the schedule it declares; only the masked call's
@@ -54,7 +58,7 @@ from ring_impl import RingAttention
 from ring_impl.layout import Layout, layout_runs
 from ring_impl.masks import And, Documents, Mask, MaskMod, Or, SlidingWindow
 from ring_impl.planning.balance import document_spans
-from suites.cases_masks import MASK_DROPPED
+from suites.cases_masks import MASK_DROPPED, WINDOW_ACROSS_DOCUMENTS
 
 __all__ = ["BROKEN_MASKS"]
 
@@ -318,6 +322,25 @@ def _right_dropped(m):
     return SlidingWindow(m.left, 0) if type(m) is SlidingWindow and m.right else None
 
 
+def _one_stream(ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Document ids with every document merged into one (padding stays padding)."""
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids)
+    return torch.where(ids >= 0, torch.zeros_like(ids), torch.full_like(ids, -1))
+
+
+def _window_from_stream_start(m):
+    """A window over packed documents (``Documents & SlidingWindow``) whose left edge is
+    ``max(q - left, 0)`` on stream positions: within the window the document starts are not
+    seen, so a query near its document's start sees the previous document's last keys."""
+    if type(m) is not And or {type(m.a), type(m.b)} != {Documents, SlidingWindow}:
+        return None
+    docs = m.a if type(m.a) is Documents else m.b
+    stream = Documents(_one_stream(docs.doc_ids), docs.causal, _one_stream(docs.kv_doc_ids))
+    return And(stream, m.b) if docs is m.a else And(m.a, stream)
+
+
 # ------------------------------------------------------------ a mask_mod compared at its start only
 
 
@@ -466,6 +489,15 @@ BROKEN_MASKS: dict[str, Broken] = by_name(
         suites="suites/test_masks.py",
         select=("-k", "window_wide or prefix_lm_window"),
         min_failures=3,
+    ),
+    Broken(
+        "window_clamped_to_stream_start",
+        "masks: a window over packed documents clamped to the stream start, not the document's",
+        re.escape(WINDOW_ACROSS_DOCUMENTS),
+        ring_adapter("window_clamped_to_stream_start", _MaskRewritten(_window_from_stream_start)),
+        suites="suites/test_masks.py",
+        select=("-k", "documents_window"),
+        min_failures=6,
     ),
     Broken(
         "halo_wider_than_the_mask",

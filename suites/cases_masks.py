@@ -413,7 +413,7 @@ def judge_masked(
             _stale_documents(case, g, results, pos)
             or _tail_padding_attended(case, g, results, pos)
             or _lengths_rounded_down(case, g, results, pos)
-            or _wrong_axis(case, g, results, pos)
+            or _mask_rewritten(case, g, results, pos)
             or _mask_dropped_for_causal(case, g, results, pos)
             or f"rows that see no key must have LSE -inf and only they: {differ} rows differ"
         )
@@ -504,6 +504,8 @@ def _equals_attention_under(
 #: How the diagnosis names a mask dropped and plain causal attention run in its place (the
 #: meta-tests' expected pattern).
 MASK_DROPPED = "the mask was dropped and plain causal attention ran"
+#: How the diagnosis names a window over packed documents clamped to the stream's start.
+WINDOW_ACROSS_DOCUMENTS = "the window was clamped to the stream start, not the document start"
 
 
 def _mask_dropped_for_causal(
@@ -578,11 +580,16 @@ def _stale_documents(
     )
 
 
-def _rewritten(data: dict[str, Any], change) -> dict[str, Any]:
-    """``data`` with every leaf replaced by ``change(leaf)`` (a leaf it returns as it is stays)."""
-    if data["kind"] in ("and", "or"):
-        return {**data, "masks": [_rewritten(m, change) for m in data["masks"]]}
-    return change(data)
+def _each_leaf(change):
+    """A rewrite of a whole plain mask: every leaf replaced by ``change(leaf)`` (a leaf it returns
+    as it is stays), inside ``and``/``or`` too."""
+
+    def rewrite(data: dict[str, Any]) -> dict[str, Any]:
+        if data["kind"] in ("and", "or"):
+            return {**data, "masks": [rewrite(m) for m in data["masks"]]}
+        return change(data)
+
+    return rewrite
 
 
 def _at_index_zero(which: str):
@@ -606,36 +613,66 @@ def _window_right_dropped(leaf: dict[str, Any]) -> dict[str, Any]:
     return leaf
 
 
-#: (hypothesis, message): a mask evaluated on the wrong axis or cut short, which the output equals
-_AXIS_HYPOTHESES = (
+def _window_from_stream_start(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every window over packed documents (an ``and`` of a document mask and a
+    sliding window) opened across document starts: the documents merged into one stream (the
+    padding still padding), so a query near its document's start sees the previous document's
+    last keys inside its window, as a window bound ``max(q - left, 0)`` on stream positions
+    gives them."""
+    if data["kind"] not in ("and", "or"):
+        return data
+    parts = [_window_from_stream_start(m) for m in data["masks"]]
+    if data["kind"] == "and" and {m["kind"] for m in parts} >= {"document", "sliding_window"}:
+        parts = [
+            {**m, "doc_ids": [0 if i >= 0 else -1 for i in m["doc_ids"]]}
+            if m["kind"] == "document" and "doc_ids" in m
+            else m
+            for m in parts
+        ]
+    return {**data, "masks": parts}
+
+
+#: (rewrite, message): a mask evaluated on the wrong axis, cut short or opened across documents,
+#: which the output equals
+_MASK_REWRITES = (
     (
-        _at_index_zero("batch"),
+        _each_leaf(_at_index_zero("batch")),
         "the mask was evaluated at batch 0 for every batch row (as create_block_mask(B=None) "
         "builds it): a mask_mod that depends on the batch index must be evaluated at each row's "
         "own index",
     ),
     (
-        _at_index_zero("head"),
+        _each_leaf(_at_index_zero("head")),
         "the mask was evaluated at head 0 for every head (as create_block_mask(H=None) builds "
         "it): a mask_mod that depends on the head must be evaluated at each head's own index",
     ),
     (
-        _window_right_dropped,
+        _each_leaf(_window_right_dropped),
         "the sliding window's right side was dropped: keys after the query that the window shows "
         "are missing (SlidingWindow(left, right) shows q - left <= kv <= q + right)",
+    ),
+    (
+        _window_from_stream_start,
+        f"{WINDOW_ACROSS_DOCUMENTS}: queries near a document's start see the previous document's "
+        "last keys inside their window, as a window start max(q - left, 0) on stream positions "
+        "gives them; a window over packed documents starts at max(q - left, the document's "
+        "start)",
     ),
 )
 
 
-def _wrong_axis(case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]) -> str:
-    """Name a mask evaluated on the wrong axis (batch or head 0 for all) or a window missing its
-    right side, when the output is attention under that mask and that mask differs; or ""."""
+def _mask_rewritten(
+    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]
+) -> str:
+    """Name a mask evaluated on the wrong axis (batch or head 0 for all), a window missing its
+    right side, or a window clamped to the stream start instead of its document's, when the
+    output is attention under that mask and that mask differs; or ""."""
     spec = case.inputs
     data = case.mask_data()
     dims = dict(batch=spec.batch, heads=spec.heads)
     true = visibility(data, spec.seq_q, spec.seq_kv, **dims)
-    for change, message in _AXIS_HYPOTHESES:
-        altered = _rewritten(data, change)
+    for rewrite, message in _MASK_REWRITES:
+        altered = rewrite(data)
         if torch.equal(visibility(altered, spec.seq_q, spec.seq_kv, **dims), true):
             continue  # the same mask: says nothing
         if _equals_attention_under(case, g, results, pos, altered):
@@ -687,7 +724,7 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
             if case.mesh_shape is not None
             else ""
         )
-        or _wrong_axis(case, g, results, pos)
+        or _mask_rewritten(case, g, results, pos)
         # (after the narrower causes: a per-head mask_mod whose head 0 is causal, evaluated at
         # head 0 for every head, is causal attention too)
         or _mask_dropped_for_causal(case, g, results, pos)
