@@ -33,6 +33,7 @@ mask bounded on both sides by less than a shard runs as a halo exchange
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import hashlib
 import operator
@@ -297,13 +298,20 @@ class Documents(Mask):
         # per call instead of a copy, a hash and the checks of a new snapshot); the kept copy is
         # this object's own, so no write to the caller's ids can reach it. Ids on a device are
         # compared there, read later with a read the call makes anyway (IdsCheck).
+        check = _UNVERIFIED.get()
+        on_device = not all(map(reads_are_free, tensors)) and not torch.compiler.is_compiling()
+        kind = _ids_kind(self, tensors) if on_device else None
+        # Ids on a device in a new object (a data loader hands every step new tensors) serve the
+        # last snapshot of ids of their kind too: what decides is the compare, never the object.
         last = self._cache.get("snapshot")
+        if last is None and check is not None and kind is not None:
+            last = _DEVICE_SNAPSHOTS.get(kind)
         if last is not None and len(last[0]) == len(tensors):
             if all(map(_same_layout, tensors, last[0])):
-                check = _UNVERIFIED.get()
-                if check is not None and not all(map(reads_are_free, tensors)):
-                    # Ids on a device: the compare stays there, unread (IdsCheck)
+                if check is not None and kind is not None:
+                    # the compare stays on the device, unread (IdsCheck)
                     check.compare(tensors, last[0])
+                    self._cache["snapshot"] = last
                     return last[1]
                 if all(map(torch.equal, tensors, last[0])):
                     return last[1]
@@ -323,6 +331,11 @@ class Documents(Mask):
             for t, u in zip(tensors, [x for x in (snap.doc_ids, snap.kv_doc_ids) if x is not None])
         ]
         self._cache["snapshot"] = (kept, snap)
+        if kind is not None:
+            _DEVICE_SNAPSHOTS[kind] = (kept, snap)
+            _DEVICE_SNAPSHOTS.move_to_end(kind)
+            while len(_DEVICE_SNAPSHOTS) > _DEVICE_SNAPSHOTS_KEPT:
+                _DEVICE_SNAPSHOTS.popitem(last=False)
         return snap
 
     def _ids(self, kv: bool, device: torch.device) -> torch.Tensor:
@@ -778,6 +791,25 @@ def probe_text(fn, batch: int, heads: int, seq_q: int, seq_kv: int, device=None)
         except Exception as exc:  # a fn failing here fails the call's own checks, on every rank
             failure = f"unprobed:{type(exc).__name__}"
     return failure
+
+
+#: (type, causal, the ids' dtypes, shapes and devices) -> the last snapshot of device ids of
+#: that kind (the kept copies of the ids, the snapshot): served to an equal new object with its
+#: compare left unread (Documents.frozen). The 8 most recent kinds.
+_DEVICE_SNAPSHOTS: collections.OrderedDict[tuple, tuple[list[torch.Tensor], Documents]] = (
+    collections.OrderedDict()
+)
+_DEVICE_SNAPSHOTS_KEPT = 8
+
+
+def _ids_kind(documents, tensors) -> tuple:
+    """The :data:`_DEVICE_SNAPSHOTS` key of ``documents`` holding the id tensors ``tensors``."""
+    return (
+        type(documents),
+        documents.causal,
+        documents.kv_doc_ids is None,
+        tuple((t.dtype, tuple(t.shape), t.device) for t in tensors),
+    )
 
 
 def _same_layout(t: torch.Tensor, kept: torch.Tensor) -> bool:

@@ -77,7 +77,9 @@ class DeviceReads(TorchFunctionMode):
     stand for tensors on the device, and so does every tensor a torch function computes from
     one of them; a read (``.cpu()``, ``.item()``, ``.tolist()``, ``.numpy()``, ``bool``, ``int``,
     ``float``, an index) of such a tensor is counted in ``reads``. What ``.cpu()`` returns is a
-    host copy (a clone here, since on CPU it returns the tensor itself): reading it is free."""
+    host copy (a clone here, since on CPU it returns the tensor itself): reading it is free.
+    ``direct`` counts the reads of the ``on_device`` tensors themselves (a copy of them to the
+    host), apart from those of what is computed from them."""
 
     READS = frozenset(
         {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
@@ -86,7 +88,9 @@ class DeviceReads(TorchFunctionMode):
     def __init__(self, *on_device: torch.Tensor):
         super().__init__()
         self.reads = 0
-        self._device = {id(t) for t in on_device}
+        self.direct = 0
+        self._given = {id(t) for t in on_device}
+        self._device = set(self._given)
         self._held = list(on_device)  # (the ids above stay theirs while counted)
 
     def _on_device(self, tree) -> bool:
@@ -100,6 +104,10 @@ class DeviceReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if on_device and name in self.READS:
             self.reads += 1
+            self.direct += any(
+                isinstance(x, torch.Tensor) and id(x) in self._given
+                for x in pytree.tree_leaves((args, kwargs))
+            )
         result = func(*args, **kwargs)
         if name == "cpu":
             with torch._C.DisableTorchFunction():

@@ -385,3 +385,93 @@ def test_the_read_judges_the_sums_on_the_host() -> None:
         spoiled = lse.clone()
         spoiled[0, 1, 2] = bad
         assert not impl.all_finite(*_gradient_inputs(grad_out, spoiled), once=True), bad
+
+
+def _kept_and_anew(ctx, form: str) -> dict[str, tuple[int, ...]]:
+    """Per way of passing the documents ("kept": one object every call, as a model's layers
+    share one; "anew": an equal one built for every call, as a data loader hands each step new
+    tensors), the counts of the second call, the first having warmed the caches: (copies of the
+    ids or lengths to the host, reads of anything computed from them, device syncs, aten ops,
+    varlen kernel calls),
+    forward and backward, reads counted as on a GPU. ``form``: "documents"
+    (``mask=Documents(ids)``, ids on the device) or "cu_seqlens" (a packed call's lengths on
+    the device)."""
+    import ring_impl
+    from ring_impl import masks
+    from ring_impl.exchanges.ring import RingAttention
+    from ring_impl.masks import Documents
+
+    from .counting import DeviceReads, varlen_kernel_calls
+
+    world = ctx.world_size
+    cuts = [0, 100, 400, 401, 900, 1500, 2000]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 4, SEQ // world, 32, generator=gen) for _ in range(4))
+    ids = Documents.from_cu_seqlens(cuts, SEQ).doc_ids.to(torch.int32)
+    lengths = torch.tensor(cuts, dtype=torch.int32)
+
+    def call(documents):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if form == "documents":
+            out = ring_impl.ring_attention(
+                *leaves, group=ctx.group, mask=documents, op="cpu_flash_varlen_layout"
+            )
+            out.backward(do)
+            return
+        thd = [t[0].transpose(0, 1) for t in leaves]  # (tokens_local, heads, head_dim)
+        out = ring_impl.ring_attention(
+            *thd,
+            group=ctx.group,
+            cu_seqlens=documents,
+            is_causal=True,
+            op="cpu_flash_varlen_layout",
+        )
+        out.backward(do[0].transpose(0, 1))
+
+    def built(source: torch.Tensor):
+        return Documents(source) if form == "documents" else source
+
+    counts = {}
+    shortcut, free = RingAttention.reads_are_free, masks.reads_are_free
+    RingAttention.reads_are_free = lambda self, tensors: False  # as on a GPU
+    masks.reads_are_free = lambda t: False
+    try:
+        for way in ("kept", "anew"):
+            source = (ids if form == "documents" else lengths).clone()
+            kept = built(source)
+            for _ in range(2):  # the second call is counted
+                if way == "anew":
+                    source = source.clone()
+                with (
+                    DeviceReads(source) as reads,
+                    AtenOps(traced=("aten._local_scalar_dense",)) as ops,
+                    varlen_kernel_calls() as kernels,
+                ):
+                    call(kept if way == "kept" else built(source))
+            counts[way] = (
+                reads.direct,
+                reads.reads,
+                ops.ops["aten._local_scalar_dense"],
+                sum(ops.ops.values()),
+                kernels["forward"] + kernels["backward"],
+            )
+    finally:
+        RingAttention.reads_are_free, masks.reads_are_free = shortcut, free
+    return counts
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("form", ["documents", "cu_seqlens"])
+def test_documents_built_anew_each_call_take_the_kept_path(ring, form: str, world: int) -> None:
+    """Documents whose ids (or packed lengths) arrive as a new tensor each call, equal to the
+    last, take the path a kept object takes: the same reads of anything computed from them (the
+    compare with the kept copy, read with the call's own sync), the same device syncs and kernel
+    calls, and the same host work. A path chosen by the object's identity (a cache keyed by
+    ``id()``, a padding test by ``is``) would read, re-plan or take a slower kernel path for
+    every new object: correct outputs, a host sync per call."""
+    for rank, counts in enumerate(ring.rank_pool(world).run(_kept_and_anew, form)):
+        assert counts["anew"] == counts["kept"], (
+            f"{form} at W={world}, rank {rank}: (copies of the ids to the host, reads of what is "
+            f"computed from them, device syncs, aten ops, kernel calls) of one call are "
+            f"{counts['anew']} for an equal new object, {counts['kept']} for a kept one"
+        )

@@ -366,7 +366,8 @@ def _as_on_a_gpu(counts: dict[str, int]):
 def _device_ids_calls(ctx, refilling: tuple[int, ...]) -> list[dict]:
     """Four calls with the masks' reads as on a GPU (``ring_impl.masks.reads_are_free``):
     the first snapshots int32 ids, the second repeats it, the ranks in ``refilling`` then refill
-    the ids in place before the third, and the fourth passes a new Documents of the new ids.
+    the ids in place before the third, and the fourth and fifth pass each a new Documents of
+    the new ids.
     Per call: the output (or the InputError's message), host compares of ids (``aten.equal``),
     compares left on the device (``IdsCheck.compare``) and StaleIds raised."""
     import ring_impl
@@ -399,6 +400,7 @@ def _device_ids_calls(ctx, refilling: tuple[int, ...]) -> list[dict]:
             ids.copy_(torch.tensor(NEW, dtype=ids.dtype))
         rows.append(call(mask))
         rows.append(call(Documents(torch.tensor(NEW, dtype=torch.int32))))
+        rows.append(call(Documents(torch.tensor(NEW, dtype=torch.int32))))
     return rows
 
 
@@ -407,12 +409,14 @@ def test_ids_on_a_device_are_compared_with_a_read_the_call_makes_anyway(ring, wo
     """Ids on a GPU are not compared on the host (a device sync per call): a repeat serves the
     last snapshot with the compare left on the device, read with the one-rank forward's read or
     the cross-rank check's all-reduce. Ids refilled in place are found by that read, and the
-    call runs again from a snapshot of the new ids: the new documents, every rank."""
+    call runs again from a snapshot of the new ids: the new documents, every rank. A new object
+    is served the last snapshot of ids of its kind the same way, whether it holds those ids
+    (the fifth call) or others (the fourth: found stale, run again)."""
     from reference.layout import unshard
 
     runs = ring.rank_pool(world).run(_device_ids_calls, tuple(range(world)))
     old, new = _oracle(OLD), _oracle(NEW)
-    for i, want in enumerate((old, old, new, new)):
+    for i, want in enumerate((old, old, new, new, new)):
         got = unshard([r[i]["out"] for r in runs], "contiguous", dim=2)
         assert float((got - want).abs().max()) < 1e-12, (
             f"call {i + 1} at W={world} ran other documents than its ids held"
@@ -427,6 +431,13 @@ def test_ids_on_a_device_are_compared_with_a_read_the_call_makes_anyway(ring, wo
         assert seen[2]["compares"] == 1 and seen[2]["stale"] == 1, (
             f"rank {rank}: the refilled ids were not compared on the device and found stale "
             f"once: {seen}"
+        )
+        # A new object holding the ids the last snapshot of their kind holds is served it, the
+        # compare left on the device as for the same object: the object's identity decides
+        # nothing.
+        assert seen[4] == {"equal": 0, "compares": 1, "stale": 0}, (
+            f"rank {rank}: a new Documents of the ids the last call ran was not served their "
+            f"snapshot through the device compare: {seen}"
         )
 
 
