@@ -415,6 +415,7 @@ def judge_masked(
             or _lengths_rounded_down(case, g, results, pos)
             or _mask_rewritten(case, g, results, pos)
             or _mask_dropped_for_causal(case, g, results, pos)
+            or _mask_rows_from_the_start(case, g, results, pos)
             or f"rows that see no key must have LSE -inf and only they: {differ} rows differ"
         )
 
@@ -482,12 +483,21 @@ def _with_lengths_rounded_down(data: dict[str, Any], multiple: int = 2) -> dict[
 
 
 def _equals_attention_under(
-    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor], data: dict[str, Any]
+    case: MaskCase,
+    g,
+    results: list[dict[str, Any]],
+    pos: list[torch.Tensor],
+    data: dict[str, Any] | torch.Tensor,
 ) -> bool:
-    """Whether the ranks' out and LSE are attention under the mask ``data`` (plain form): rows
-    that see nothing exactly, the others within 1% of the largest output."""
+    """Whether the ranks' out and LSE are attention under the mask ``data`` (plain form, or its
+    visibility ``(batch, heads, seq_q, seq_kv)``): rows that see nothing exactly, the others
+    within 1% of the largest output."""
     spec = case.inputs
-    vis = visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    vis = (
+        data
+        if isinstance(data, torch.Tensor)
+        else visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    )
     wrong = oracle_attention(case, g, vis)
     out = unshard_by_positions([r["out"] for r in results], pos).to(torch.float64)
     lse = unshard_by_positions([r["lse"] for r in results], pos).to(torch.float64)
@@ -528,6 +538,33 @@ def _mask_dropped_for_causal(
         "is_causal and drops the attention mask, or reads a window from a field the model does "
         "not set, trains the layer with full causal attention: every rank's call must carry the "
         "mask"
+    )
+
+
+#: How the diagnosis names a mask whose rows were read from the sequence's start on every rank.
+MASK_ROWS_FROM_THE_START = "the mask's rows were read at the queries' local indices"
+
+
+def _mask_rows_from_the_start(
+    case: MaskCase, g, results: list[dict[str, Any]], pos: list[torch.Tensor]
+) -> str:
+    """Name the bug class 'a mask or indexer padded to the global length where the local shard's
+    length was meant': the out and LSE are attention under the mask with each rank's query rows
+    taken from the sequence's first positions (row ``i`` of the rank's shard sees what position
+    ``i`` sees), or ""."""
+    spec = case.inputs
+    true = visibility(case.mask_data(), spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
+    altered = true.clone()
+    for rows in pos:
+        altered[:, :, rows] = true[:, :, : rows.numel()]
+    if torch.equal(altered, true) or not _equals_attention_under(case, g, results, pos, altered):
+        return ""
+    return (
+        f"{MASK_ROWS_FROM_THE_START}: each rank's query i saw what global position i sees, the "
+        "rows at the sequence's start, not the rank's own rows (a mask or index built or padded "
+        "to the global length and cut from its start where the rank's rows, or the shard's "
+        "length, were meant); a rank's rows are the mask at the global positions its layout "
+        "gives it"
     )
 
 
@@ -728,6 +765,7 @@ def diagnose_masked(case: MaskCase, results: list[dict[str, Any]]) -> str:
         # (after the narrower causes: a per-head mask_mod whose head 0 is causal, evaluated at
         # head 0 for every head, is causal attention too)
         or _mask_dropped_for_causal(case, g, results, pos)
+        or _mask_rows_from_the_start(case, g, results, pos)
         # With sinks no row's LSE is -inf, so the judge's -inf comparison cannot name these.
         or _tail_padding_attended(case, g, results, pos)
         or _lengths_rounded_down(case, g, results, pos)
