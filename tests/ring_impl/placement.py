@@ -116,8 +116,11 @@ class DevicePlacement(TorchFunctionMode):
                 ]
                 self.mixes[(name, tuple(frames[-4:]))] += 1
         result = func(*args, **kwargs)
+        # (an input returned as it is, or a view of it, keeps the input's place: a tensor made
+        # before the check stays neither, whatever no-op conversion it goes through)
+        inputs = {_storage(x) for x in tensors}
         if name in _TO_HOST:
-            return self._host_copy(result)
+            return self._host_copy(result, inputs)
         if name == "__get__" and from_device and isinstance(result, torch.device):
             self._devices[id(result)] = result  # q.device: a device object of the device
             return result
@@ -131,14 +134,14 @@ class DevicePlacement(TorchFunctionMode):
             if to_device:
                 placed = True
             elif any(isinstance(x, (str, torch.device)) for x in targets):
-                return self._host_copy(result)
+                return self._host_copy(result, inputs)
         if name in _FACTORIES or (name.endswith("_like") and not from_device):
             placed = self._device_object(kwargs.get("device"))
         for x in pytree.tree_leaves(result):
             if isinstance(x, torch.Tensor):
                 if placed:
                     self.mark(x)
-                else:
+                elif _storage(x) not in inputs:
                     self._mark_host(x)
         return result
 
@@ -147,9 +150,11 @@ class DevicePlacement(TorchFunctionMode):
         if ptr and not self.on_device(t):
             self._host.add(ptr)
 
-    def _host_copy(self, result):
+    def _host_copy(self, result, inputs: set[int | None]):
+        """``result`` of a copy to the host, made a host tensor of its own where on CPU it is
+        its input itself (a device tensor's, or one made before the check began)."""
         if isinstance(result, torch.Tensor):
-            if self.on_device(result):
+            if self.on_device(result) or _storage(result) in inputs:
                 with torch._C.DisableTorchFunction():
                     result = result.clone()
             self._mark_host(result)
