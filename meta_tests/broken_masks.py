@@ -82,6 +82,16 @@ def _all_runs(cfg, seq_kv: int):
     return [layout_runs(cfg.layout, seq_kv * w, w, r) for r in range(w)]
 
 
+def _local_index(cfg, seq: int) -> torch.Tensor:
+    """(seq * W,) int64: each global position's index in its rank's shard under ``cfg``'s
+    layout (``seq`` tokens per rank)."""
+    local = torch.zeros(seq * cfg.group.world_size, dtype=torch.int64)
+    for runs in _all_runs(cfg, seq):
+        held = torch.cat([torch.arange(a, b) for a, b in runs])
+        local[held] = torch.arange(held.numel())
+    return local
+
+
 # ------------------------------------------------------------------------ window off by one
 
 
@@ -142,10 +152,7 @@ class _DocumentsAtLocalIndex(Mask):
 class DocumentsAtLocalPositions(RingAttention):
     def plan(self, cfg, seq_q, seq_kv):
         if cfg.mask is not None:
-            local = torch.zeros(seq_kv * cfg.group.world_size, dtype=torch.int64)
-            for runs in _all_runs(cfg, seq_kv):
-                held = torch.cat([torch.arange(a, b) for a, b in runs])
-                local[held] = torch.arange(held.numel())
+            local = _local_index(cfg, seq_kv)
             mask = _replace_in(
                 cfg.mask,
                 lambda m: (
@@ -180,11 +187,7 @@ class _RowsAtLocalIndex(Mask):
 class MaskRowsFromTheStart(RingAttention):
     def plan(self, cfg, seq_q, seq_kv):
         if cfg.mask is not None:
-            local = torch.zeros(seq_q * cfg.group.world_size, dtype=torch.int64)
-            for runs in _all_runs(cfg, seq_q):
-                held = torch.cat([torch.arange(a, b) for a, b in runs])
-                local[held] = torch.arange(held.numel())
-            cfg = replace(cfg, mask=_RowsAtLocalIndex(cfg.mask, local))
+            cfg = replace(cfg, mask=_RowsAtLocalIndex(cfg.mask, _local_index(cfg, seq_q)))
         return super().plan(cfg, seq_q, seq_kv)
 
 
