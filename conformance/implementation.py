@@ -101,9 +101,12 @@ replicated key/value suite (``suites/test_replicated_kv.py``): ``replicated_kv=T
 head_dim_v)`` are the *whole* key/value sequence, equal on every rank (the text tokens of a
 cross-attention every rank holds), while ``query`` ``(batch, heads, seq_q_local, head_dim)`` is
 this rank's shard of the global query in ``layout`` as usual; ``seq_kv`` is unrelated to the
-query's length (1 key is a case). The call is non-causal with no mask and no score_mod; ``sinks``
-and ``op`` may come with it, ``rotate_method`` may be left out (nothing rotates). Every query row
-attends to all ``seq_kv`` keys once: the local output ``(batch, heads, seq_q_local, head_dim_v)``
+query's length (1 key is a case). The call is non-causal with no score_mod; ``sinks`` and
+``op`` may come with it, ``rotate_method`` may be left out (nothing rotates), and (capability
+``masks`` with ``mask_mod``) a ``mask=`` whose ``visible(b, h, q, kv)`` takes the query's global
+position and the key's index ``0..seq_kv-1`` (a key padding mask, documents across the two
+sequences). Every query row attends to all ``seq_kv`` keys (those its mask shows) once: the
+local output ``(batch, heads, seq_q_local, head_dim_v)``
 and, with ``return_lse=True``, the local LSE ``(batch, heads, seq_q_local)``. Gradients: dQ of
 the rank's own rows; dK and dV on each rank are of key's and value's shapes and their **sum over
 the ranks** is the gradient of the replicated tensors, which is what the suite judges (the caller

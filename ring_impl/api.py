@@ -23,8 +23,17 @@ from .exchanges.heads import plan_chunks
 from .exchanges.kv_gather import gather_path, gather_refusal
 from .exchanges.ring import Path, PathFunction, RingAttention, RingConfig, RingPath
 from .group import RingGroup, resolve_group
-from .layout import layout_divisor
-from .masks import IdsCheck, Mask, StaleIds, fold_causal, mask_code, masking_problem, snapshot
+from .layout import layout_divisor, layout_runs
+from .masks import (
+    AtQueryPositions,
+    IdsCheck,
+    Mask,
+    StaleIds,
+    fold_causal,
+    mask_code,
+    masking_problem,
+    snapshot,
+)
 from .numerics.max_logit import max_logit_problem
 from .ops import AttentionOp
 from .planning.packed import (
@@ -337,7 +346,14 @@ def ring_path(
     problem = (
         call.problem
         or local_problem(local, world_size=world)
-        or masking_problem(query, key, mask, sinks, world_size=world)
+        or masking_problem(
+            query,
+            key,
+            mask,
+            sinks,
+            world_size=world,
+            kv_world_size=1 if call.replicated_kv is True else world,
+        )
         or score_mod_problem(
             score_mod,
             query,
@@ -352,6 +368,9 @@ def ring_path(
     max_logit = call.return_max_logit is True
     replicated = call.replicated_kv is True  # (a ring of one: ring_impl.call.replicated_problem)
     folded = fold_causal(mask, call.is_causal)
+    if replicated and folded is not None and problem is None:
+        # a ring of one plans rows 0..n-1: the mask reads them at their global positions
+        folded = AtQueryPositions(folded, _query_positions(layout, query.shape[2], world, pg))
     reach = None
     gather = False  # the sparse gather (ring_impl.exchanges.kv_gather) serves the call
     if problem is None and not replicated:
@@ -409,7 +428,12 @@ def ring_path(
             code = mask_code(
                 mask,
                 sinks,
-                (query.shape[0], query.shape[1], query.shape[2] * world, key.shape[2] * world),
+                (
+                    query.shape[0],
+                    query.shape[1],
+                    query.shape[2] * world,
+                    key.shape[2] * (1 if replicated else world),
+                ),
                 query.device,
                 score_mod=score_mod,
             )
@@ -488,6 +512,12 @@ def _path(
 _masked_eagerly = torch._dynamo.disable(_eager, reason=MASKS_RUN_EAGERLY)
 _scored_eagerly = torch._dynamo.disable(_eager, reason=SCORE_MODS_RUN_EAGERLY)
 _max_logit_eagerly = torch._dynamo.disable(_eager, reason=MAX_LOGIT_RUNS_EAGERLY)
+
+
+def _query_positions(layout: str, rows: int, world: int, pg) -> torch.Tensor:
+    """(rows,) int64: the global position of each of this rank's query rows under ``layout``."""
+    runs = layout_runs(layout, rows * world, world, torch.distributed.get_rank(pg))
+    return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in runs])
 
 
 def _exchange_taken(gather: bool, reach, replicated: bool) -> str:
@@ -667,10 +697,12 @@ def bind(impl: RingAttention, *, strategies=None) -> RingAttentionFunction:
                 (collective_schedule(..., replicated_kv=True)). Each rank's key/value gradient is
                 its own rows' contribution; their sum over the group is the gradient of the
                 replicated tensors (reduce it like a parameter's, as for sinks). Any layout,
-                op, GQA, head_chunks and sinks; is_causal, mask, score_mod, return_max_logit,
+                op, GQA, head_chunks and sinks; a mask is read at (the query's global position,
+                the key's index 0..seq_kv-1): a key padding MaskMod, or cross-attention
+                Documents(q_ids, kv_doc_ids=kv_ids). is_causal, score_mod, return_max_logit,
                 exchanges other than "auto"/"ring", cu_seqlens and shard_lengths raise InputError
-                on every rank (the keys have no positions on the query's sequence). Passing
-                such key/value without the flag is attention over W copies of it.
+                on every rank (the keys have no positions on the query's sequence to compare).
+                Passing such key/value without the flag is attention over W copies of it.
             strategy, halo, sparse_kv: deprecated aliases of ``exchange`` (strategy="ulysses"
                 -> "ulysses", halo=True -> "halo", halo=False -> "ring", sparse_kv=True ->
                 "gather"); a DeprecationWarning, and InputError when they contradict.

@@ -176,10 +176,12 @@ def replicated_problem(call: Call) -> str | None:
     """What ``replicated_kv=`` cannot serve in ``call``, or None. With ``replicated_kv=True``
     every rank holds the whole key/value sequence (cross-attention over text tokens, say): each
     rank attends its own query rows to all of it and nothing is exchanged. Its keys have no
-    positions on the query's sequence, so causality, masks and score_mods, which are defined on
-    those positions, are refused rather than guessed; so are the other exchanges and the max
-    logit (an all-reduce of the ring's). (``ring_attention`` refuses the packed and uneven forms
-    with it: the query's are the only shards.) Never raises."""
+    positions on the query's sequence, so causality and score_mods, which compare the two, are
+    refused rather than guessed; a mask is read at (the query's global position, the key's index
+    ``0..L-1``), which is what a key padding mask or cross-attention documents
+    (``Documents(q_ids, kv_doc_ids=kv_ids)``) say. The other exchanges and the max logit (an
+    all-reduce of the ring's) are refused too. (``ring_attention`` refuses the packed and
+    uneven forms with it: the query's are the only shards.) Never raises."""
     replicated = call.replicated_kv
     if not isinstance(replicated, bool):
         return f"replicated_kv must be True or False, got {replicated!r}"
@@ -189,7 +191,6 @@ def replicated_problem(call: Call) -> str | None:
         name
         for name, given in (
             ("is_causal=True", call.is_causal is True),
-            ("mask=", call.mask is not None),
             ("score_mod=", call.score_mod is not None),
             ("return_max_logit=True", call.return_max_logit is True),
         )
@@ -199,8 +200,9 @@ def replicated_problem(call: Call) -> str | None:
         return (
             "replicated_kv=True (key and value the whole key/value sequence on every rank) takes "
             f"no {', '.join(refused)}: its keys have no positions on the query's sequence for "
-            "causality, a mask or a score_mod to read; pass them without replicated_kv, with "
-            "key/value sharded like the query"
+            "causality or a score_mod to compare with the query's; pass a mask= on (query "
+            "position, key index) instead, or pass them without replicated_kv, with key/value "
+            "sharded like the query"
         )
     if call.exchange not in ("auto", "ring"):
         return (

@@ -45,6 +45,7 @@ import torch
 
 __all__ = [
     "And",
+    "AtQueryPositions",
     "Causal",
     "ChunkedCausal",
     "Documents",
@@ -822,6 +823,34 @@ def reads_are_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+@dataclass(frozen=True, eq=False)
+class AtQueryPositions(Mask):
+    """``mask`` with each local query row read at its global position: what a ring of one plans
+    (``replicated_kv=True``: the rank's rows ``0..n-1`` against the whole key/value ``0..L-1``)
+    when the user's mask is defined on the query's global positions and the key's index.
+
+    ``positions`` (n,) int64: the global position of each local query row (the layout's runs of
+    the rank, in order)."""
+
+    mask: Mask
+    positions: torch.Tensor
+
+    def visible(self, b, h, q, kv):
+        return self.mask.visible(b, h, self.positions.to(q.device)[q], kv)
+
+    def describe(self) -> str:
+        rows = self.positions.to(torch.int64).cpu().contiguous().numpy().tobytes()
+        return (
+            f"at_query_positions({zlib.crc32(rows)},{self.positions.numel()},"
+            f"{self.mask.describe()})"
+        )
+
+    @property
+    def exact_digest(self) -> bool:
+        # the positions are in the description (their checksum and count), the mask its own
+        return self.mask.exact_digest
+
+
 class StaleIds(Exception):
     """Document ids a call served from their last snapshot without reading them
     (:class:`IdsCheck`) differ from it: the call runs again from a snapshot of what they hold
@@ -1042,8 +1071,12 @@ def _mask_problem(
     return None
 
 
-def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
-    """The problem with ``mask=`` / ``sinks=`` of a ring call on local shards, or None."""
+def masking_problem(
+    query, key, mask, sinks, *, world_size: int, kv_world_size: int | None = None
+) -> str | None:
+    """The problem with ``mask=`` / ``sinks=`` of a ring call on local shards, or None.
+    ``kv_world_size``: how many shards make the global key/value (1: every rank holds it whole,
+    ``replicated_kv=True``); ``world_size`` when None."""
     from .sinks import sinks_problem
 
     if mask is None and sinks is None:
@@ -1059,7 +1092,7 @@ def masking_problem(query, key, mask, sinks, *, world_size: int) -> str | None:
     problem = mask_problem(
         mask,
         seq_q=sq * world_size,
-        seq_kv=key.shape[2] * world_size,
+        seq_kv=key.shape[2] * (world_size if kv_world_size is None else kv_world_size),
         batch=b,
         heads=h,
         device=query.device,

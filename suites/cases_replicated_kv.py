@@ -29,9 +29,11 @@ from typing import Any
 import torch
 
 from conformance.implementation import load_implementation
+from conformance.specs import MaskSpec
 from reference.attention import attention, attention_grads
 from reference.budget import Verdict, compute_dtype
 from reference.layout import positions
+from reference.masks import visibility
 from suites.cases import RingCase, collective_phases, local_results, resolve_case_op
 from suites.cases_masks import _sinks
 from suites.inputs import make_inputs
@@ -41,11 +43,13 @@ __all__ = [
     "DUPLICATED",
     "EXCHANGED",
     "GRADS_REDUCED",
+    "MASKS",
     "ReplicatedKVCase",
     "diagnose_replicated_kv",
     "judge_replicated_kv",
     "rank_positions",
     "replicated_kv_case",
+    "replicated_kv_mask",
 ]
 
 #: The bug classes' names as the diagnosis states them (the meta-tests' expected patterns).
@@ -59,13 +63,59 @@ GRADS_REDUCED = (
 )
 
 
+#: The masks a replicated key/value case may carry (:func:`replicated_kv_mask`).
+MASKS = ("key_padding", "cross_documents")
+
+
+def replicated_kv_mask(name: str, batch: int, seq_q: int, seq_kv: int) -> dict[str, Any]:
+    """The plain-data mask ``name`` of a replicated key/value call, on (the query's global
+    position, the key's index): ``key_padding``, each batch row's keys after its own length
+    padding (a caption's padding: row ``b`` keeps ``seq_kv - 1 - b`` keys, at least one);
+    ``cross_documents``, query documents each seeing the keys of their own document (ids per
+    query position and per key, cut at other places; the last query rows padding, seeing
+    nothing)."""
+    if name == "key_padding":
+        kept = torch.tensor([max(1, seq_kv - 1 - b) for b in range(batch)])
+
+        def key_padding_mod(b, h, q_idx, kv_idx):
+            return kv_idx < kept[b]
+
+        return {"kind": "mask_mod", "fn": key_padding_mod}
+    q_ids = torch.arange(seq_q) * 3 // seq_q
+    q_ids[-max(1, seq_q // 8) :] = -1
+    kv_ids = torch.arange(seq_kv) * 3 // max(seq_kv, 1)
+
+    def cross_documents_mod(b, h, q_idx, kv_idx):
+        dq = q_ids.to(q_idx.device)[q_idx]
+        return (dq == kv_ids.to(kv_idx.device)[kv_idx]) & (dq >= 0)
+
+    return {"kind": "mask_mod", "fn": cross_documents_mod}
+
+
 @dataclass(frozen=True)
 class ReplicatedKVCase(RingCase):
     """A call with ``replicated_kv=True``: ``inputs.seq_q`` the global query (sharded in
-    ``layout``), ``inputs.seq_kv`` the whole key/value every rank holds; non-causal, no mask;
-    ``sinks``: per-head sink logits (each rank's own leaf, their gradients summed)."""
+    ``layout``), ``inputs.seq_kv`` the whole key/value every rank holds; non-causal; ``mask``: a
+    name of :data:`MASKS` or None; ``sinks``: per-head sink logits (each rank's own leaf, their
+    gradients summed)."""
 
     sinks: bool = False
+    mask: str | None = None
+
+    def mask_data(self) -> dict[str, Any] | None:
+        spec = self.inputs
+        if self.mask is None:
+            return None
+        return replicated_kv_mask(self.mask, spec.batch, spec.seq_q, spec.seq_kv)
+
+    def visible(self) -> torch.Tensor | None:
+        """The mask's visibility (batch, heads, seq_q, seq_kv) on the global query and the whole
+        key/value, or None."""
+        spec = self.inputs
+        data = self.mask_data()
+        if data is None:
+            return None
+        return visibility(data, spec.seq_q, spec.seq_kv, batch=spec.batch, heads=spec.heads)
 
     @property
     def rotates(self) -> bool:
@@ -77,7 +127,8 @@ class ReplicatedKVCase(RingCase):
         return (
             RingCase.label.fget(self)[:-1]  # type: ignore[attr-defined]
             + f", replicated_kv=True, seq_kv={self.inputs.seq_kv} on every rank, "
-            f"sinks={self.sinks}, return_lse={self.return_lse}, backward={self.backward})"
+            f"mask={self.mask}, sinks={self.sinks}, return_lse={self.return_lse}, "
+            f"backward={self.backward})"
         )
 
 
@@ -102,6 +153,8 @@ def replicated_kv_case(ctx, case: ReplicatedKVCase) -> dict[str, Any]:
     del kwargs["rotate_method"]  # nothing rotates; the protocol leaves it out
     if sinks is not None:
         kwargs["sinks"] = sinks
+    if case.mask is not None:
+        kwargs["mask"] = MaskSpec(case.mask_data())
     if case.op is not None:
         kwargs["op"] = resolve_case_op(case, ctx.device)
     with contextlib.ExitStack() as stack:
@@ -181,7 +234,8 @@ def judge_replicated_kv(
     def on_lse_mismatch(differ: int) -> str:
         return (
             f"{differ} rows are -inf where the oracle's are not, or the reverse (every row sees "
-            f"all {case.inputs.seq_kv} replicated keys). {diagnose_replicated_kv(case, results)}"
+            f"the replicated keys its mask shows, all {case.inputs.seq_kv} without one). "
+            f"{diagnose_replicated_kv(case, results)}"
         )
 
     return judge_outputs(
@@ -189,7 +243,7 @@ def judge_replicated_kv(
         results,
         positions=rank_positions(case),
         names=produced(case),
-        visible=None,
+        visible=case.visible(),
         sinks=_sinks(case.inputs) if case.sinks else None,
         baseline_op=baseline_op,
         on_lse_mismatch=on_lse_mismatch,
@@ -236,12 +290,18 @@ def diagnose_replicated_kv(case: ReplicatedKVCase, results: list[dict[str, Any]]
         return ""
     g = make_inputs(spec)
     sinks = _sinks(spec) if case.sinks else None
-    right = attention(g.query, g.key, g.value, scale=spec.scale, sinks=sinks)
+    vis = case.visible()
+    right = attention(g.query, g.key, g.value, visible=vis, scale=spec.scale, sinks=sinks)
     lines = []
-    # W copies of every key/value: what a ring or all-to-all that takes each rank's whole copy
-    # for its sequence shard computes
+    # W copies of every key/value (each under the mask's columns): what a ring or all-to-all
+    # that takes each rank's whole copy for its sequence shard computes
     copies = attention(
-        g.query, g.key.repeat(1, 1, w, 1), g.value.repeat(1, 1, w, 1), scale=spec.scale, sinks=sinks
+        g.query,
+        g.key.repeat(1, 1, w, 1),
+        g.value.repeat(1, 1, w, 1),
+        visible=None if vis is None else vis.repeat(1, 1, 1, w),
+        scale=spec.scale,
+        sinks=sinks,
     )
     lse, out = got["lse"], got["out"]
     if lse is not None and _points_at([lse], [copies.lse], [right.lse]):
@@ -262,7 +322,9 @@ def diagnose_replicated_kv(case: ReplicatedKVCase, results: list[dict[str, Any]]
             "key/value it holds, once."
         )
     if sums["dk"] is not None and sums["dv"] is not None:
-        ref = attention_grads(g.query, g.key, g.value, g.grad_out, scale=spec.scale, sinks=sinks)
+        ref = attention_grads(
+            g.query, g.key, g.value, g.grad_out, visible=vis, scale=spec.scale, sinks=sinks
+        )
         grads = [sums["dk"], sums["dv"]]
         if _points_at(grads, [w * ref.dk, w * ref.dv], [ref.dk, ref.dv]):
             lines.append(

@@ -18,8 +18,12 @@ gradient). Where the schedule is claimed, every rank's collectives must be
 ``collective_schedule(..., replicated_kv=True)``'s: duplicated copies that no output shows (no
 LSE returned, no sinks: equal keys keep the softmax) show there, as the key/value exchanged.
 
+Masked cases (``masks`` with ``mask_mod``): a key padding mask per batch row and query documents
+each seeing their own keys, read at (the query's global position, the key's index
+``0..seq_kv-1``), in both layouts, with and without sinks.
+
 Capability ``replicated_kv`` (undeclared claims it); ``sinks``, ``lse``, ``backward``, ``gqa``,
-``cross_attention`` and ``value_head_dim`` for the cases that use them.
+``cross_attention``, ``value_head_dim`` and ``masks`` for the cases that use them.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def _case(
     return_lse: bool = True,
     backward: bool = True,
     head_dim_v: int | None = None,
+    mask: str | None = None,
 ) -> ReplicatedKVCase:
     spec = InputSpec(
         batch=2 if seq_kv % 2 else 1,
@@ -92,6 +97,7 @@ def _case(
         return_lse=return_lse,
         backward=backward,
         sinks=sinks,
+        mask=mask,
     )
 
 
@@ -105,6 +111,7 @@ def _id(c: ReplicatedKVCase) -> str:
             f"kv{s.seq_kv}",
             f"hkv{s.heads_kv}",
             *(() if s.head_dim_v is None else (f"dv{s.head_dim_v}",)),
+            *(() if c.mask is None else (c.mask,)),
             *(("sinks",) if c.sinks else ()),
             *(() if c.return_lse else ("nolse",)),
             *(() if c.backward else ("nobw",)),
@@ -122,6 +129,15 @@ def _cases(config) -> list:
     ]
     if 2 in sizes:  # value's own head dim (multi-head latent attention), once
         cases.append(_case(2, "contiguous", "float32", 2, 7, False, head_dim_v=8))
+    # masks on (the query's global position, the key's index): a key padding mask per batch row
+    # and query documents each seeing their own keys, in both layouts
+    masked = [
+        (2, "head_tail", "float32", 2, 13, True, "key_padding"),
+        (3, "contiguous", "float64", 4, 5, False, "key_padding"),
+        (2, "contiguous", "bfloat16", 2, 24, False, "cross_documents"),
+        (4, "head_tail", "float64", 4, 13, True, "cross_documents"),
+    ]
+    cases += [_case(*row[:-1], mask=row[-1]) for row in masked if row[0] in sizes]
     out = []
     for case in cases:
         cid = _id(case)
@@ -145,6 +161,12 @@ def _prepare(ring, case: ReplicatedKVCase) -> ReplicatedKVCase:
         ring.require("sinks", why="per-head sink logits")
     if case.return_lse:
         ring.require("lse")
+    if case.mask is not None:
+        ring.require(
+            "masks",
+            "mask_mod",
+            why=f"a {case.mask} mask on (query position, key index) over the replicated keys",
+        )
     return ring.prepare(case)
 
 

@@ -260,8 +260,9 @@ def _groups(strategy, group) -> tuple[str, int]:
     return f"('pg', {_literal(pg.group_name)})", pg.size()
 
 
-def _grid(query, key, world: int) -> dict:
-    """The global grid a MaskMod is evaluated on: batch, query heads and global lengths."""
+def _grid(query, key, world: int, kv_world: int) -> dict:
+    """The global grid a MaskMod is evaluated on: batch, query heads and global lengths
+    (``kv_world``: the key/value's shards, 1 where every rank holds it whole)."""
     if not (
         isinstance(query, torch.Tensor)
         and isinstance(key, torch.Tensor)
@@ -272,7 +273,7 @@ def _grid(query, key, world: int) -> dict:
     b, h, sq, skv = (
         operator.index(n) for n in (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     )
-    return {"batch": b, "heads": h, "seq_q": sq * world, "seq_kv": skv * world}
+    return {"batch": b, "heads": h, "seq_q": sq * world, "seq_kv": skv * kv_world}
 
 
 def _group(names: tuple):
@@ -298,7 +299,13 @@ def describe_call(impl_name: str, query, key, call: Call) -> tuple[str, list, in
         structure = (
             "None"
             if mask is None
-            else _structure(mask, tensors, _grid(query, key, world) if _has_mask_mod(mask) else {})
+            else _structure(
+                mask,
+                tensors,
+                _grid(query, key, world, 1 if call.replicated_kv is True else world)
+                if _has_mask_mod(mask)
+                else {},
+            )
         )
         fields = [
             f"'impl': {_literal(impl_name)}",

@@ -153,7 +153,6 @@ def collective_schedule(
                 "strategy other than 'ring'": strategy != "ring",
                 "halo=True": halo is True,
                 "sparse_kv=True": bool(sparse_kv),
-                "mask": mask is not None,
                 "is_causal=True": is_causal is True,
                 "return_max_logit=True": return_max_logit is True,
             },
@@ -250,7 +249,8 @@ def _replicated_schedule(
     world_size, rotate_method, replicated_kv, *, compiled, head_chunks, refused, kv: KVShards
 ) -> Schedule:
     """A ``replicated_kv=True`` call's: the forward's input check, nothing else (each rank
-    attends its rows to the key/value it holds whole). ValueError for what the call refuses."""
+    attends its rows to the key/value it holds whole, under a mask too). ValueError for what the
+    call refuses."""
     if not isinstance(replicated_kv, bool):
         raise ValueError(
             f"collective_schedule: replicated_kv must be True or False, got {replicated_kv!r}"

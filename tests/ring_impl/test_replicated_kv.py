@@ -6,7 +6,9 @@ Each rank attends its own query rows to all of the key/value once and nothing is
 ranks' outputs and LSEs, unsharded, and their dQ are the float64 oracle's on the global query
 (judged by the numerics policy as one block), and the sum over ranks of dK, dV (and dsinks) is
 the oracle's gradient of the replicated tensors (judged as W partial sums). Every layout, op,
-dtype, GQA, a value head dim of its own, head_chunks, sinks and a loss through the LSE. The only
+dtype, GQA, a value head dim of its own, head_chunks, sinks, a loss through the LSE, and masks
+read at (the query's global position, the key's index): a key padding MaskMod reading a per-key
+table, and Documents with kv_doc_ids (eager and compiled). The only
 collective is the cross-rank input check, as ``collective_schedule(..., replicated_kv=True)``
 declares; the same key/value passed without the flag is attention over W copies of it (the LSE
 off by exactly log W), the bug class this keyword exists for. What the keyword cannot serve is
@@ -70,7 +72,61 @@ CASES = {
     ),
     "w4_one_key_lse_loss": (4, "contiguous", torch.float32, 1, 1, 16, 16, {"lse_grad": True}),
     "w2_value_head_dim": (2, "head_tail", torch.float64, 2, 11, 12, 20, {"sinks": True}),
+    # a key padding mask per batch row (a MaskMod reading a per-key table), and query documents
+    # each seeing their own keys (Documents with kv_doc_ids): read at the query's global positions
+    "w3_head_tail_key_padding": (
+        3,
+        "head_tail",
+        torch.float32,
+        2,
+        9,
+        16,
+        16,
+        {"mask": "key_padding", "sinks": True},
+    ),
+    "w2_cross_documents": (
+        2,
+        "contiguous",
+        torch.float64,
+        4,
+        10,
+        16,
+        16,
+        {"mask": "cross_documents", "op": "cpu_flash"},
+    ),
+    "w4_head_tail_cross_documents_bf16": (
+        4,
+        "head_tail",
+        torch.bfloat16,
+        2,
+        6,
+        16,
+        16,
+        {"mask": "cross_documents"},
+    ),
 }
+
+
+def _mask(name: str, world: int, seq_kv: int):
+    """(the ring_impl mask, its visibility (batch, 1, S, seq_kv) for the oracle) of the mask
+    ``name`` on the global query (S = SHARD * world) and the whole key/value."""
+    from ring_impl.masks import Documents, MaskMod
+
+    seq = SHARD * world
+    if name == "key_padding":
+        # row 0 keeps its first keys, row 1 all but its last two: padding after the caption
+        keep = torch.arange(seq_kv).view(1, -1) < torch.tensor([[seq_kv // 2], [seq_kv - 2]])
+        mask = MaskMod(lambda b, h, q, kv: keep[b, kv])
+        visible = keep.view(BATCH, 1, 1, seq_kv).expand(BATCH, 1, seq, seq_kv)
+        return mask, visible
+    # query documents cut at other places than the key documents; the last queries padding,
+    # and one key document no query has
+    q_ids = torch.arange(seq) * 3 // seq
+    q_ids[-2:] = -1
+    kv_ids = torch.arange(seq_kv) * 4 // seq_kv
+    mask = Documents(q_ids, causal=False, kv_doc_ids=kv_ids)
+    visible = (q_ids.view(-1, 1) == kv_ids.view(1, -1)) & (q_ids.view(-1, 1) >= 0)
+    return mask, visible.expand(BATCH, 1, seq, seq_kv)
 
 
 def _run(ctx, name):
@@ -80,6 +136,8 @@ def _run(ctx, name):
     world, layout, dtype, heads_kv, seq_kv, d, dv, options = CASES[name]
     options = dict(options)
     sinks, lse_grad = options.pop("sinks", False), options.pop("lse_grad", False)
+    if "mask" in options:
+        options["mask"] = _mask(options["mask"], world, seq_kv)[0]
     q, k, v, dout, glse, sink = _inputs(
         world, dtype, heads_kv, seq_kv, d, dv, sinks=sinks, lse_grad=lse_grad
     )
@@ -135,7 +193,8 @@ def test_replicated_key_value_match_the_oracle(ring, name: str) -> None:
         sinks=options.get("sinks", False),
         lse_grad=options.get("lse_grad", False),
     )
-    oracle = dict(grad_lse=glse, sinks=sink)
+    visible = _mask(options["mask"], world, seq_kv)[1] if "mask" in options else None
+    oracle = dict(grad_lse=glse, sinks=sink, visible=visible)
     ref = attention_grads(q, k, v, dout, **oracle)
     scales = error_scales(q, k, v, dout, **oracle, input_dtype=dtype)
     base = single_device_baseline(q, k, v, dout, op_spec=options.get("op", "auto"), **oracle)
@@ -211,7 +270,7 @@ def test_without_the_flag_every_rank_sees_w_copies(ring, world: int) -> None:
 
 def _bad(ctx, kind: str) -> str:
     import ring_impl
-    from ring_impl.masks import SlidingWindow
+    from ring_impl.masks import Documents
     from ring_impl.score_mods import SoftCap
 
     gen = torch.Generator().manual_seed(0)
@@ -221,8 +280,9 @@ def _bad(ctx, kind: str) -> str:
     if kind == "causal":
         kwargs.update(is_causal=True)
         k, v = k[:, :, :4], v[:, :, :4]
-    elif kind == "mask":
-        kwargs.update(mask=SlidingWindow(2, 0))
+    elif kind == "kv_ids_for_shards":  # key ids for W shards of 5 keys: the keys are 5, whole
+        ids = torch.zeros(4 * ctx.world_size, dtype=torch.int64)
+        kwargs.update(mask=Documents(ids, kv_doc_ids=torch.zeros(5 * ctx.world_size).long()))
     elif kind == "score_mod":
         kwargs.update(score_mod=SoftCap(20.0))
     elif kind == "max_logit":
@@ -256,7 +316,7 @@ def _bad(ctx, kind: str) -> str:
             "replicated_kv=True (key and value the whole key/value sequence on every rank) "
             "takes no is_causal=True",
         ),
-        ("mask", "takes no mask="),
+        ("kv_ids_for_shards", "kv_doc_ids"),
         ("score_mod", "takes no score_mod="),
         ("max_logit", "takes no return_max_logit=True"),
         ("ulysses", "replicated_kv=True moves no key/value, so it takes no exchange='ulysses'"),
@@ -300,15 +360,22 @@ def test_the_schedule_refuses_what_the_call_refuses() -> None:
             )
 
 
-def _compiled(ctx):
+def _compiled(ctx, masked: bool):
     import ring_impl
+    from ring_impl.masks import MaskMod
 
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 2, 4, 8, generator=gen)
-    k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(2))
+    q = torch.randn(2, 2, 4, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 5, 8, generator=gen) for _ in range(2))
+    # (a key padding mask per batch row: evaluated on the query's global positions and the
+    # five keys, a table in the graph)
+    kept = torch.tensor([2, 5])
+    mask = MaskMod(lambda b, h, q_idx, kv_idx: kv_idx < kept[b]) if masked else None
 
     def attend(q, k, v):
-        return ring_impl.ring_attention(q, k, v, group=ctx.group, replicated_kv=True)
+        return ring_impl.ring_attention(
+            q, k, v, group=ctx.group, replicated_kv=True, mask=mask, layout="head_tail"
+        )
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = torch.compile(attend, fullgraph=True, backend="aot_eager")(*leaves)
@@ -322,8 +389,9 @@ def _compiled(ctx):
     ]
 
 
-def test_compiled_it_matches_the_eager_call(ring) -> None:
-    for pairs in ring.rank_pool(2).run(_compiled):
+@pytest.mark.parametrize("masked", [False, True])
+def test_compiled_it_matches_the_eager_call(ring, masked: bool) -> None:
+    for pairs in ring.rank_pool(2).run(_compiled, masked):
         for got, want in pairs:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
