@@ -416,9 +416,15 @@ class Documents(Mask):
                     "as a CPU (or the inputs' device) tensor"
                 )
             if ids.numel() != n:
+                whole = (
+                    "local length x world size; with replicated_kv=True, the key/value every "
+                    "rank holds"
+                    if name == "kv_doc_ids"
+                    else "local length x world size"
+                )
                 return (
                     f"Documents.{name} has {ids.numel()} entries but the global sequence has {n} "
-                    "tokens (local length x world size): give one id per global position"
+                    f"tokens ({whole}): give one id per global position"
                 )
             ids = ids.to(torch.int64)  # (an unsigned dtype compares -1 as its largest value)
             real = ids[ids >= 0]

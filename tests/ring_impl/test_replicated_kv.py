@@ -270,7 +270,7 @@ def test_without_the_flag_every_rank_sees_w_copies(ring, world: int) -> None:
 
 def _bad(ctx, kind: str) -> str:
     import ring_impl
-    from ring_impl.masks import Documents
+    from ring_impl.masks import Documents, MaskMod
     from ring_impl.score_mods import SoftCap
 
     gen = torch.Generator().manual_seed(0)
@@ -283,6 +283,9 @@ def _bad(ctx, kind: str) -> str:
     elif kind == "kv_ids_for_shards":  # key ids for W shards of 5 keys: the keys are 5, whole
         ids = torch.zeros(4 * ctx.world_size, dtype=torch.int64)
         kwargs.update(mask=Documents(ids, kv_doc_ids=torch.zeros(5 * ctx.world_size).long()))
+    elif kind == "masks_differ":  # the last rank pads one key more
+        kept = 3 if ctx.rank == ctx.world_size - 1 else 4
+        kwargs.update(mask=MaskMod(lambda b, h, q_idx, kv_idx: kv_idx < kept))
     elif kind == "score_mod":
         kwargs.update(score_mod=SoftCap(20.0))
     elif kind == "max_logit":
@@ -317,6 +320,7 @@ def _bad(ctx, kind: str) -> str:
             "takes no is_causal=True",
         ),
         ("kv_ids_for_shards", "kv_doc_ids"),
+        ("masks_differ", "disagree"),
         ("score_mod", "takes no score_mod="),
         ("max_logit", "takes no return_max_logit=True"),
         ("ulysses", "replicated_kv=True moves no key/value, so it takes no exchange='ulysses'"),
