@@ -54,6 +54,7 @@ from ..call import Call
 from ..checks.inputs import InputError, routed_error
 from ..group import resolve_group
 from ..layout import check_layout
+from ..masks import MaskMod
 from ..ops import AttentionOp, default_scale, get_op
 from . import flex_route
 
@@ -259,19 +260,28 @@ def routed_sdpa(
             scale=scale,
             enable_gqa=enable_gqa,
         )
-    problem = None
+    problem, mask = None, None
     if attn_mask is not None:
-        problem = (
-            "attn_mask is not supported under context parallel (a mask over the global sequence "
-            "cannot be applied per shard); use is_causal=True or no mask"
+        mask = (
+            key_padding_mask(attn_mask, key)
+            if route.replicated_kv is True and isinstance(key, torch.Tensor)
+            else None
         )
-    elif dropout_p:
+        if mask is None:
+            problem = (
+                "attn_mask is not supported under context parallel (a mask over the global "
+                "sequence cannot be applied per shard); use is_causal=True or no mask. Under "
+                "ContextParallel(replicated_kv=True) a boolean attn_mask equal for every query "
+                "(shape (batch or 1, heads or 1, 1, seq_kv): a key padding mask) is taken"
+            )
+    if problem is None and dropout_p:
         problem = (
             f"dropout_p={dropout_p} is not supported under context parallel; set attention "
             "dropout to 0"
         )
     elif (
-        isinstance(query, torch.Tensor)
+        problem is None
+        and isinstance(query, torch.Tensor)
         and isinstance(key, torch.Tensor)
         and query.dim() == key.dim()
         and query.dim() >= 3
@@ -296,9 +306,32 @@ def routed_sdpa(
         op=op,
         problem=problem,
         routed_from="scaled_dot_product_attention",
+        **({} if mask is None else {"mask": mask}),
     )
     out = api.attend(api.ring_attention.bound, call, query, key, value)
     return out.squeeze(0) if squeeze else out
+
+
+def key_padding_mask(attn_mask, key: torch.Tensor) -> MaskMod | None:
+    """SDPA's ``attn_mask`` as a mask of a replicated key/value call, where it is one: a boolean
+    tensor equal for every query, broadcastable to ``(batch, heads, 1, seq_kv)`` (True: the key
+    is attended), key padding of the text every rank holds; None for any other (the route
+    refuses it). Its rows are the same on every rank, so the ranks agree on it."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+        return None
+    if not 1 <= attn_mask.dim() <= 4 or attn_mask.shape[-1] != key.shape[-2]:
+        return None
+    table = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if table.shape[2] != 1:
+        return None  # rows of this rank's queries: not the same on every rank
+    table = table[:, :, 0]  # (batch or 1, heads or 1, seq_kv)
+
+    def key_padding(b, h, q_idx, kv_idx):
+        rows = b if table.shape[0] > 1 else torch.zeros_like(b)
+        heads = h if table.shape[1] > 1 else torch.zeros_like(h)
+        return table.to(kv_idx.device)[rows, heads, kv_idx]
+
+    return MaskMod(key_padding)
 
 
 def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:

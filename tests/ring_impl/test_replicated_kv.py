@@ -412,14 +412,20 @@ class _CrossAttention(torch.nn.Module):
         self.q = torch.nn.Linear(16, 16, dtype=torch.float64)
         self.kv = torch.nn.Linear(12, 32, dtype=torch.float64)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, text: torch.Tensor, text_mask=None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q(x).view(b, s, 2, 8).transpose(1, 2)
         k, v = self.kv(text).view(b, text.shape[1], 2, 2, 8).permute(2, 0, 3, 1, 4)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=text_mask, is_causal=self.causal
+        )
 
 
-def _cross_attention(ctx, layout: str) -> dict:
+#: a key padding attn_mask (batch, 1, 1, text tokens): row 0's caption is 3 tokens, row 1's 5
+TEXT_MASK = torch.tensor([[True, True, True, False, False], [True] * 5]).view(2, 1, 1, 5)
+
+
+def _cross_attention(ctx, layout: str, padded: bool = False) -> dict:
     """The module whole on one process, then under ContextParallel(replicated_kv=True) on this
     rank's rows of the sequence and the whole text: the output rows and parameter gradients."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -432,18 +438,19 @@ def _cross_attention(ctx, layout: str) -> dict:
     module = _CrossAttention()
     x = torch.randn(2, 4 * ctx.world_size, 16, dtype=torch.float64)
     text = torch.randn(2, 5, 12, dtype=torch.float64)
-    module(x, text).pow(2).sum().backward()
+    text_mask = TEXT_MASK if padded else None
+    module(x, text, text_mask).pow(2).sum().backward()
     whole = {name: p.grad.clone() for name, p in module.named_parameters()}
     module.zero_grad()
     expected = ring_impl.shard(
-        module(x, text).detach(), ctx.world_size, ctx.rank, layout=layout, dim=2
+        module(x, text, text_mask).detach(), ctx.world_size, ctx.rank, layout=layout, dim=2
     )
     mesh = DeviceMesh.from_group(ctx.group, "cpu")
     parallelize_module(module, mesh, ring_impl.ContextParallel(layout=layout, replicated_kv=True))
     local = ring_impl.shard(x, ctx.world_size, ctx.rank, layout=layout, dim=1)
     with CollectiveLog() as log:
         with log.phase("forward"):
-            out = module(local, text)
+            out = module(local, text, text_mask)
         with log.phase("backward"):
             out.pow(2).sum().backward()
     return {
@@ -454,14 +461,14 @@ def _cross_attention(ctx, layout: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
-def test_a_cross_attention_module_under_the_parallel_style(ring, layout: str) -> None:
+@pytest.mark.parametrize("layout,padded", [("contiguous", False), ("head_tail", True)])
+def test_a_cross_attention_module_under_the_parallel_style(ring, layout: str, padded: bool) -> None:
     """ContextParallel(replicated_kv=True) on a cross-attention module: its rows of the output are
     the whole module's, and its parameters' gradients, summed over the ranks (as a data-parallel
     reduction over them sums), are the whole module's."""
     import ring_impl
 
-    results = ring.rank_pool(2).run(_cross_attention, layout)
+    results = ring.rank_pool(2).run(_cross_attention, layout, padded)
     # (the collectives tell it from the route without the flag, which gives the same output and
     # summed gradients: equal keys keep the softmax)
     declared = ring_impl.collective_schedule(
@@ -475,17 +482,19 @@ def test_a_cross_attention_module_under_the_parallel_style(ring, layout: str) ->
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def _causal_cross_attention(ctx) -> str:
+def _refused_cross_attention(ctx, kind: str) -> str:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     import ring_impl
 
-    module = _CrossAttention(causal=True)
+    module = _CrossAttention(causal=kind == "causal")
     mesh = DeviceMesh.from_group(ctx.group, "cpu")
     parallelize_module(module, mesh, ring_impl.ContextParallel(replicated_kv=True))
     x = torch.randn(1, 4, 16, dtype=torch.float64)
-    module(x, torch.randn(1, 4, 12, dtype=torch.float64))
+    # (a mask with rows of this rank's queries: not the same on every rank)
+    per_query = torch.ones(1, 1, 4, 4, dtype=torch.bool) if kind == "per_query_mask" else None
+    module(x, torch.randn(1, 4, 12, dtype=torch.float64), per_query)
     return "no error"
 
 
@@ -497,6 +506,10 @@ def test_the_parallel_style_refuses_what_replicated_kv_cannot_serve(ring) -> Non
         ring_impl.ContextParallel(strategy="ulysses", replicated_kv=True)
     with pytest.raises(ContextParallelError, match="replicated_kv must be True or False"):
         ring_impl.ContextParallel(replicated_kv="yes")
-    outcomes = ring.rank_pool(2).run_outcomes(_causal_cross_attention, timeout=30.0)
-    assert_input_error_on_every_rank(outcomes, "takes no is_causal=True")
-    assert any("scaled_dot_product_attention" in o.exc_message for o in outcomes)
+    for kind, pattern in (
+        ("causal", "takes no is_causal=True"),
+        ("per_query_mask", "a boolean attn_mask equal for every query"),
+    ):
+        outcomes = ring.rank_pool(2).run_outcomes(_refused_cross_attention, kind, timeout=30.0)
+        assert_input_error_on_every_rank(outcomes, pattern)
+        assert any("scaled_dot_product_attention" in o.exc_message for o in outcomes)
