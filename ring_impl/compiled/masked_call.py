@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ast
 import dis
+import functools
 import itertools
 import operator
 import types
@@ -193,7 +194,10 @@ def _structure(mask, tensors: list, grid: dict) -> str:
         tensors.extend((mask.start, mask.end))
         return f"('ranges', {len(tensors) - 2}, {len(tensors) - 1})"
     if kind is MaskMod:
-        if raises_itself(mask.fn):
+        fn = mask.fn
+        while isinstance(fn, functools.partial):  # its code is its function's; the rest is data
+            fn = fn.func
+        if raises_itself(fn):
             # An assert (or raise) on the data would fail in the graph on its own rank, while
             # the others wait in the op's check: such a function is evaluated eagerly, where its
             # failure is refused on every rank.

@@ -39,6 +39,7 @@ Routes nest: the innermost active route decides (group, layout, rotation, op, he
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -324,14 +325,16 @@ def key_padding_mask(attn_mask, key: torch.Tensor) -> MaskMod | None:
     table = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     if table.shape[2] != 1:
         return None  # rows of this rank's queries: not the same on every rank
-    table = table[:, :, 0]  # (batch or 1, heads or 1, seq_kv)
+    # (a function of the module with the table bound, not a closure: compiled, the route runs
+    # inside the traced code, which can bind a graph tensor but not close over one)
+    return MaskMod(functools.partial(_key_padding, table[:, :, 0]))
 
-    def key_padding(b, h, q_idx, kv_idx):
-        rows = b if table.shape[0] > 1 else torch.zeros_like(b)
-        heads = h if table.shape[1] > 1 else torch.zeros_like(h)
-        return table.to(kv_idx.device)[rows, heads, kv_idx]
 
-    return MaskMod(key_padding)
+def _key_padding(table: torch.Tensor, b, h, q_idx, kv_idx):
+    """``table`` (batch or 1, heads or 1, seq_kv) bool at the keys ``kv_idx``, for every query."""
+    rows = b if table.shape[0] > 1 else torch.zeros_like(b)
+    heads = h if table.shape[1] > 1 else torch.zeros_like(h)
+    return table.to(kv_idx.device)[rows, heads, kv_idx]
 
 
 def _reject_on_every_rank(route: Route, problem: str, anchor) -> None:

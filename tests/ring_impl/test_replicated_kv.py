@@ -425,7 +425,7 @@ class _CrossAttention(torch.nn.Module):
 TEXT_MASK = torch.tensor([[True, True, True, False, False], [True] * 5]).view(2, 1, 1, 5)
 
 
-def _cross_attention(ctx, layout: str, padded: bool = False) -> dict:
+def _cross_attention(ctx, layout: str, padded: bool = False, compiled: bool = False) -> dict:
     """The module whole on one process, then under ContextParallel(replicated_kv=True) on this
     rank's rows of the sequence and the whole text: the output rows and parameter gradients."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -448,27 +448,40 @@ def _cross_attention(ctx, layout: str, padded: bool = False) -> dict:
     mesh = DeviceMesh.from_group(ctx.group, "cpu")
     parallelize_module(module, mesh, ring_impl.ContextParallel(layout=layout, replicated_kv=True))
     local = ring_impl.shard(x, ctx.world_size, ctx.rank, layout=layout, dim=1)
-    with CollectiveLog() as log:
-        with log.phase("forward"):
-            out = module(local, text, text_mask)
-        with log.phase("backward"):
-            out.pow(2).sum().backward()
+    if compiled:  # (ranks live across tests: a reset keeps dynamo's limits to this one)
+        torch._dynamo.reset()
+    if compiled:  # (the log's mode would keep dynamo from the frame: collectives asserted eagerly)
+        out = torch.compile(module, fullgraph=True, backend="aot_eager")(local, text, text_mask)
+        out.pow(2).sum().backward()
+        summary = None
+    else:
+        with CollectiveLog() as log:
+            with log.phase("forward"):
+                out = module(local, text, text_mask)
+            with log.phase("backward"):
+                out.pow(2).sum().backward()
+        summary = log.summary()
     return {
-        "log": log.summary(),
+        "log": summary,
         "error": float((out.detach() - expected).abs().max()),
         "grads": {name: p.grad for name, p in module.named_parameters()},
         "whole": whole,
     }
 
 
-@pytest.mark.parametrize("layout,padded", [("contiguous", False), ("head_tail", True)])
-def test_a_cross_attention_module_under_the_parallel_style(ring, layout: str, padded: bool) -> None:
+@pytest.mark.parametrize(
+    "layout,padded,compiled",
+    [("contiguous", False, False), ("head_tail", True, False), ("head_tail", True, True)],
+)
+def test_a_cross_attention_module_under_the_parallel_style(
+    ring, layout: str, padded: bool, compiled: bool
+) -> None:
     """ContextParallel(replicated_kv=True) on a cross-attention module: its rows of the output are
     the whole module's, and its parameters' gradients, summed over the ranks (as a data-parallel
     reduction over them sums), are the whole module's."""
     import ring_impl
 
-    results = ring.rank_pool(2).run(_cross_attention, layout, padded)
+    results = ring.rank_pool(2).run(_cross_attention, layout, padded, compiled)
     # (the collectives tell it from the route without the flag, which gives the same output and
     # summed gradients: equal keys keep the softmax)
     declared = ring_impl.collective_schedule(
@@ -476,7 +489,11 @@ def test_a_cross_attention_module_under_the_parallel_style(ring, layout: str, pa
     )
     for rank, r in enumerate(results):
         assert r["error"] < 1e-12, f"rank {rank}: output off by {r['error']}"
-        assert r["log"] == {p: kinds for p, kinds in declared.items() if kinds}, (rank, r["log"])
+        if not compiled:
+            assert r["log"] == {p: kinds for p, kinds in declared.items() if kinds}, (
+                rank,
+                r["log"],
+            )
     for name, want in results[0]["whole"].items():
         got = sum(r["grads"][name] for r in results)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
