@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Protocol, TypedDict, cast
 
 import torch
 
-from .call import Call, exchange_of, replicated_problem
+from .call import Call, exchange_of, kv_shards, replicated_problem
 from .checks.inputs import (
     InputError,
     LocalCall,
@@ -352,7 +352,7 @@ def ring_path(
             mask,
             sinks,
             world_size=world,
-            kv_world_size=1 if call.replicated_kv is True else world,
+            kv_world_size=kv_shards(call, world),
         )
         or score_mod_problem(
             score_mod,
@@ -432,7 +432,7 @@ def ring_path(
                     query.shape[0],
                     query.shape[1],
                     query.shape[2] * world,
-                    key.shape[2] * (1 if replicated else world),
+                    key.shape[2] * kv_shards(call, world),
                 ),
                 query.device,
                 score_mod=score_mod,

@@ -172,6 +172,12 @@ def _unknown(exchange) -> str | None:
     return f"unknown exchange {exchange!r}; expected one of {EXCHANGES}"
 
 
+def kv_shards(call: Call, world: int) -> int:
+    """How many shards make the global key/value of ``call`` over ``world`` ranks: 1 where every
+    rank holds it whole (``replicated_kv=True``), else ``world``."""
+    return 1 if call.replicated_kv is True else world
+
+
 def replicated_problem(call: Call) -> str | None:
     """What ``replicated_kv=`` cannot serve in ``call``, or None. With ``replicated_kv=True``
     every rank holds the whole key/value sequence (cross-attention over text tokens, say): each

@@ -56,7 +56,7 @@ from functools import lru_cache
 
 import torch
 
-from ..call import Call, strategy_of
+from ..call import Call, kv_shards, strategy_of
 from ..exchanges.ring import RingAttention
 from ..masks import (
     And,
@@ -306,9 +306,7 @@ def describe_call(impl_name: str, query, key, call: Call) -> tuple[str, list, in
             else _structure(
                 mask,
                 tensors,
-                _grid(query, key, world, 1 if call.replicated_kv is True else world)
-                if _has_mask_mod(mask)
-                else {},
+                _grid(query, key, world, kv_shards(call, world)) if _has_mask_mod(mask) else {},
             )
         )
         fields = [

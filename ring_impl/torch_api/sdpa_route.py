@@ -307,7 +307,7 @@ def routed_sdpa(
         op=op,
         problem=problem,
         routed_from="scaled_dot_product_attention",
-        **({} if mask is None else {"mask": mask}),
+        mask=mask,
     )
     out = api.attend(api.ring_attention.bound, call, query, key, value)
     return out.squeeze(0) if squeeze else out
