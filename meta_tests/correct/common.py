@@ -10,6 +10,7 @@ rank r holds chunks r and 2W-1-r, in that order.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import struct
 from collections.abc import Iterator, Sequence
@@ -35,6 +36,8 @@ __all__ = [
     "chunk_ids",
     "chunk_rows",
     "correct_capabilities",
+    "digest",
+    "group_rank",
     "local_positions",
     "record_step",
     "record_steps",
@@ -137,7 +140,20 @@ _FIELDS = (
     "rotate_method",
     "scale",
     "replicated_kv",
+    "mask",
+    "sinks",
+    "score_mod",
 )
+
+
+def digest(t: torch.Tensor) -> int:
+    """A nonzero int64 digest of a CPU tensor's shape, dtype and values, for the check exchange
+    (0 stands for "none given")."""
+    t = t.detach().contiguous()
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True) or 1
 
 
 def check_bytes() -> int:
@@ -156,6 +172,9 @@ _ARGUMENTS = (
     "op",
     "arguments",
     "replicated_kv",
+    "mask",
+    "sinks",
+    "score_mod",
 )
 
 Problem = tuple[str, str]  # (argument from _ARGUMENTS, what is wrong and what to do)
@@ -194,6 +213,9 @@ def _checked(
     op_problem,
     replicated_kv=False,
     replicated_problem=None,
+    mask_problem=None,
+    sinks_problem=None,
+    score_mod_problem=None,
 ) -> Problem | None:
     tensors = _tensor_problem(query, key, value)
     if tensors is not None:
@@ -234,6 +256,12 @@ def _checked(
         return "scale", f"scale must be a finite number or None, got {scale!r}"
     if replicated_problem is not None:
         return "replicated_kv", replicated_problem
+    if mask_problem is not None:
+        return "mask", mask_problem
+    if sinks_problem is not None:
+        return "sinks", sinks_problem
+    if score_mod_problem is not None:
+        return "score_mod", score_mod_problem
     return None if op_problem is None else ("op", op_problem)
 
 
@@ -291,6 +319,8 @@ def _describe(field: str, value: int) -> str:
         return repr(ROTATE_METHODS[value])
     if field == "scale":
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    if field in ("mask", "sinks", "score_mod"):
+        return f"no {field}" if value == 0 else f"{field} digest {value & (2**64 - 1):016x}"
     return str(value)
 
 
@@ -312,18 +342,26 @@ def check_inputs(
     op_problem: str | None = None,
     replicated_kv: bool = False,
     replicated_problem: str | None = None,
+    mask_problem: str | None = None,
+    sinks_problem: str | None = None,
+    score_mod_problem: str | None = None,
+    digests: tuple[int, int, int] = (0, 0, 0),
 ) -> RingSetup:
     """Check the call on every rank; raise :class:`CorrectRingError` on every rank if any rank's
-    input is bad or the ranks disagree (shapes, dtype, options, scale, ``replicated_kv``), before
-    any ring collective. ``op_problem``: what the ring found wrong with its ``op=`` argument, if
-    anything; ``replicated_kv``: key/value are the whole sequence on every rank (their length is
-    not the layout's to split), ``replicated_problem`` what the ring cannot do with them.
+    input is bad or the ranks disagree (shapes, dtype, options, scale, ``replicated_kv``, the mask
+    the sinks and the score_mod), before any
+    ring collective. ``op_problem``: what the ring found wrong with its
+    ``op=`` argument, if anything; ``replicated_kv``: key/value are the whole sequence on every
+    rank (their length is not the layout's to split), ``replicated_problem`` what the ring cannot
+    do with them; ``mask_problem`` / ``sinks_problem`` what is wrong with those arguments;
+    ``digests``: nonzero int64 digests of the call's whole mask and of its sinks (0: none given),
+    which every rank must hold alike.
 
     One all-gather of ``1 + len(_FIELDS)`` int64 per rank (see :func:`check_bytes`); none at W=1.
     """
     if hasattr(group, "get_group"):  # a 1-D DeviceMesh
         group = group.get_group()
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = group_rank(group)
     problem = _local_problem(
         query,
         key,
@@ -336,6 +374,9 @@ def check_inputs(
         op_problem=op_problem,
         replicated_kv=replicated_kv,
         replicated_problem=replicated_problem,
+        mask_problem=mask_problem,
+        sinks_problem=sinks_problem,
+        score_mod_problem=score_mod_problem,
     )
     if world == 1:
         if problem is not None:
@@ -358,6 +399,7 @@ def check_inputs(
             ROTATE_METHODS.index(rotate_method),
             struct.unpack("<q", struct.pack("<d", resolved))[0],
             int(replicated_kv),
+            *digests,
         ]
         mine = torch.tensor([0, *fields], dtype=torch.int64)
     else:
@@ -410,6 +452,13 @@ def check_inputs(
             f"ring_attention (rank {rank}): ranks disagree on " + " | ".join(differences) + hint
         )
     return RingSetup(group, world, rank, resolved)
+
+
+def group_rank(group) -> tuple[int, int]:
+    """(world size, rank) of ``group`` (a process group, a 1-D DeviceMesh, or None: the world)."""
+    if hasattr(group, "get_group"):  # a 1-D DeviceMesh
+        group = group.get_group()
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _resolved_scale(scale: float | None, head_dim: int) -> float:

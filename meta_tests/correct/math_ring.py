@@ -15,14 +15,24 @@ Rotations (every rank issues the same collectives in the same order, whatever it
 - ``allgather``: one all-gather of every block in forward, kept for backward; every rank's
   dK/dV contributions go to their owners in one ``all_to_all_single``.
 
-A block no query of this rank sees (causal) is not computed; a block some queries see is
-computed with the mask from global positions.
+A block no query of this rank sees (causal, or under the mask) is not computed; a block some
+queries see is computed with the mask from global positions.
+
+Masks, sinks and score_mods come as the conformance protocol hands them (conformance/specs.py)
+and are read only through it: ``mask.visible(b, h, q_idx, kv_idx)`` is evaluated once per call
+on every global (batch row, head, query, key) and each block takes its rows and columns of
+that; a sink is a key of logit ``sinks[h]`` and no value, the state every row's online softmax
+starts from; a score_mod changes each block's scaled logits before the mask, at global positions
+and query heads, and backward reaches the logits through its autograd derivative. The ranks
+compare digests of the whole mask, the sinks and the score_mod's values on a probe of scores in
+the input check, so a rank holding another one raises with the rest.
 
 Replicated key/value (``replicated_kv=True``: key and value the whole sequence, equal on every
 rank, a cross-attention's text tokens): nothing rotates. Each rank attends its own query rows to
-the key/value it holds, as one block of the same online softmax (non-causal, no mask), and its
-backward returns dQ of its rows and its rows' contribution to dK/dV, which the caller sums over
-the group; the only collective is the input check's all-gather.
+the key/value it holds, as one block of the same online softmax (non-causal; a mask reads key
+indices 0..seq_kv-1), and its backward returns dQ of its rows and its rows' contribution to
+dK/dV, which the caller sums over the group; the only collective is the input check's
+all-gather.
 
 The max logit (``return_max_logit=True``): each computed block's masked scores give their
 per-head maximum, kept as a running maximum over the steps (``torch.maximum``, which keeps a
@@ -52,6 +62,8 @@ from meta_tests.correct.common import (
     check_inputs,
     check_schedule_request,
     correct_capabilities,
+    digest,
+    group_rank,
     local_positions,
     record_step,
     record_steps,
@@ -104,10 +116,18 @@ def _grouped(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
 
 
 def _scores(
-    q5: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor | None
+    q5: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None,
+    modify=None,
 ) -> torch.Tensor:
-    """q5 (b, hkv, g, sq, d), k (b, hkv, sk, d) in the accumulation dtype -> (b, hkv, g, sq, sk)."""
+    """q5 (b, hkv, g, sq, d), k (b, hkv, sk, d) in the accumulation dtype -> (b, hkv, g, sq, sk):
+    the scaled logits, changed by ``modify`` (a block's score_mod) when given, then -inf where
+    ``visible`` ((sq, sk) or (b, hkv, g, sq, sk) bool) is False."""
     s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if modify is not None:
+        s = modify(s)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     return s
@@ -127,43 +147,109 @@ def _uneven_rows(layout: str, lengths: tuple[int, ...], rank: int, rows: int) ->
     return torch.cat([real, torch.full((rows - real.numel(),), -1, dtype=torch.int64)])
 
 
-def _visibility(
-    setup: RingSetup,
-    layout: str,
-    is_causal: bool,
-    kv_rank: int,
-    sq: int,
-    sk: int,
-    lengths: tuple[int, ...] | None = None,
-):
-    """(kind, mask): kind "full" (mask None), "skip" or "masked" with a (sq, sk) bool mask.
-    ``lengths``: uneven shards padded to the longest, the padding seeing and seen by nothing."""
-    if lengths is not None:
-        qpos = _uneven_rows(layout, lengths, setup.rank, sq)
-        kpos = _uneven_rows(layout, lengths, kv_rank, sk)
+def _mask_visibility(mask, batch: int, heads: int, seq_q: int, seq_kv: int) -> torch.Tensor:
+    """(batch, heads, seq_q, seq_kv) bool: ``mask.visible`` (conformance.specs.MaskSpec) at every
+    global (batch row, head, query position, key position)."""
+    index = (
+        torch.arange(batch).view(-1, 1, 1, 1),
+        torch.arange(heads).view(1, -1, 1, 1),
+        torch.arange(seq_q).view(1, 1, -1, 1),
+        torch.arange(seq_kv).view(1, 1, 1, -1),
+    )
+    visible = torch.as_tensor(mask.visible(*index))
+    if visible.dtype != torch.bool:
+        raise TypeError(f"mask.visible returned {visible.dtype}, not torch.bool")
+    return visible.expand(batch, heads, seq_q, seq_kv)
+
+
+class _Blocks:
+    """Which keys each of this rank's query rows sees in the block of ``kv_rank``: causality, the
+    call's mask and uneven shards' padding, all on global positions.
+
+    ``mask``: the whole call's (batch, heads, seq_q, seq_kv) visibility, or None; ``lengths``:
+    uneven shards padded to the longest (the padding sees and is seen by nothing);
+    ``replicated``: the key/value block is the whole key/value (positions 0..seq_kv-1)."""
+
+    def __init__(
+        self,
+        setup: RingSetup,
+        layout: str,
+        is_causal: bool,
+        heads_kv: int,
+        lengths: tuple[int, ...] | None = None,
+        mask: torch.Tensor | None = None,
+        replicated: bool = False,
+        score_mod=None,
+    ):
+        self.setup, self.layout, self.is_causal = setup, layout, is_causal
+        self.heads_kv, self.lengths, self.mask, self.replicated = (
+            heads_kv,
+            lengths,
+            mask,
+            replicated,
+        )
+        self.score_mod = score_mod
+
+    def _positions(self, rank: int, rows: int) -> torch.Tensor:
+        if self.lengths is not None:
+            return _uneven_rows(self.layout, self.lengths, rank, rows)
+        return local_positions(self.layout, self.setup.world_size, rank, rows)
+
+    def modifier(self, kv_rank: int, sq: int, sk: int):
+        """The block's score change, (b, hkv, g, sq, sk) -> the same: the call's ``score_mod``
+        at the global query heads and the rows' and keys' global positions; None without one."""
+        if self.score_mod is None:
+            return None
+        qpos = self._positions(self.setup.rank, sq).clamp(min=0)  # padding: masked anyway
+        kpos = self._positions(kv_rank, sk).clamp(min=0)
+
+        def modify(s5: torch.Tensor) -> torch.Tensor:
+            b, hkv, g = s5.shape[:3]
+            index = (
+                torch.arange(b).view(-1, 1, 1, 1),
+                torch.arange(hkv * g).view(1, -1, 1, 1),
+                qpos.view(1, 1, -1, 1),
+                kpos.view(1, 1, 1, -1),
+            )
+            out = self.score_mod(s5.reshape(b, hkv * g, sq, sk), *index)
+            return out.expand(b, hkv * g, sq, sk).reshape(s5.shape)
+
+        return modify
+
+    def visibility(self, kv_rank: int, sq: int, sk: int):
+        """(kind, mask): kind "full" (mask None), "skip" or "masked" with a (sq, sk) or
+        (b, hkv, g, sq, sk) bool mask."""
+        if self.lengths is None and self.mask is None and not self.is_causal:
+            return "full", None
+        qpos = self._positions(self.setup.rank, sq)
+        kpos = torch.arange(sk) if self.replicated else self._positions(kv_rank, sk)
         visible = (qpos[:, None] >= 0) & (kpos[None, :] >= 0)
-        if is_causal:
+        if self.is_causal:
             visible = visible & (kpos[None, :] <= qpos[:, None])
-    elif not is_causal:
-        return "full", None
-    else:
-        qpos = local_positions(layout, setup.world_size, setup.rank, sq)
-        kpos = local_positions(layout, setup.world_size, kv_rank, sk)
-        visible = kpos[None, :] <= qpos[:, None]
-    if bool(visible.all()):
-        return "full", None
-    if not bool(visible.any()):
-        return "skip", None
-    return "masked", visible
+        if self.mask is not None:
+            rows = self.mask[:, :, qpos.clamp(min=0)][:, :, :, kpos.clamp(min=0)]
+            b, h = rows.shape[:2]
+            visible = (visible & rows).reshape(b, self.heads_kv, h // self.heads_kv, sq, sk)
+        if bool(visible.all()):
+            return "full", None
+        if not bool(visible.any()):
+            return "skip", None
+        return "masked", visible
 
 
 class _Online:
-    """Online-softmax state of one rank's queries: running max m, sum l, accumulator acc."""
+    """Online-softmax state of one rank's queries: running max m, sum l, accumulator acc. With
+    sink logits (1, hkv, g, 1) the state starts from the sink, a key of weight exp(sink) and no
+    value."""
 
-    def __init__(self, q5: torch.Tensor):
+    def __init__(self, q5: torch.Tensor, sink5: torch.Tensor | None = None):
         b, hkv, g, sq, _ = q5.shape
-        self.m = torch.full((b, hkv, g, sq), float("-inf"), dtype=q5.dtype)
-        self.l = torch.zeros((b, hkv, g, sq), dtype=q5.dtype)
+        if sink5 is None:
+            self.m = torch.full((b, hkv, g, sq), float("-inf"), dtype=q5.dtype)
+            self.l = torch.zeros((b, hkv, g, sq), dtype=q5.dtype)
+        else:
+            self.m = sink5.expand(b, hkv, g, sq).clone()
+            self.l = torch.ones((b, hkv, g, sq), dtype=q5.dtype)
         self.acc = torch.zeros_like(q5)
 
     def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
@@ -179,7 +265,8 @@ class _Online:
         self.m = m_new
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf.
+        """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf
+        (the sink logit with a sink).
 
         A row saw nothing exactly when its running max is still -inf. A NaN input makes the max
         (and so l and acc) NaN in every row it reaches: those rows must come back NaN, so they
@@ -190,6 +277,13 @@ class _Online:
         )
         lse = torch.where(seen, self.m + torch.log(self.l), float("-inf"))
         return out, lse
+
+
+def _sink_logits(sinks: torch.Tensor | None, heads_kv: int, acc: torch.dtype):
+    """(heads,) sink logits -> (1, hkv, g, 1) in ``acc``, or None."""
+    if sinks is None:
+        return None
+    return sinks.detach().to(acc).reshape(1, heads_kv, -1, 1)
 
 
 def _record(setup: RingSetup, step: int, kv_rank: int, s: torch.Tensor, v: torch.Tensor) -> None:
@@ -223,46 +317,14 @@ def _row_terms(query, key, out, lse, grad_out, grad_lse):
     return q5, do5, lse5, delta
 
 
-class _ReplicatedFn(torch.autograd.Function):
-    """This rank's query rows against the whole key/value it holds (``replicated_kv=True``): one
-    block, no collective. Backward: dQ of the rows, and their contribution to dK/dV."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, setup: RingSetup):
-        acc = accumulation_dtype(query.dtype)
-        b, h, sq, d = query.shape
-        hkv = key.shape[1]
-        q5 = _grouped(widened(query, acc), hkv)
-        state = _Online(q5)
-        k, v = widened(key, acc), widened(value, acc)
-        s = _scores(q5, k, setup.scale, None)
-        state.add(s, v)
-        if recording():
-            _record(setup, 0, setup.rank, s, v)
-        out5, lse5 = state.result()
-        out = out5.reshape(b, h, sq, d).to(query.dtype)
-        lse = lse5.reshape(b, h, sq)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.setup = setup
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, lse = ctx.saved_tensors
-        setup = ctx.setup
-        acc = accumulation_dtype(query.dtype)
-        b, h, sq, d = query.shape
-        q5, do5, lse5, delta = _row_terms(query, key, out, lse, grad_out, grad_lse)
-        k, v = widened(key, acc), widened(value, acc)
-        s = _scores(q5, k, setup.scale, None)
-        p = torch.exp(s - lse5.unsqueeze(-1))
-        dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
-        dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2))
-        ds = p * (dp - delta.unsqueeze(-1))
-        dq5 = torch.matmul(ds, k.unsqueeze(2)) * setup.scale
-        dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * setup.scale
-        dq = dq5.reshape(b, h, sq, d).to(query.dtype)
-        return dq, dk.to(key.dtype), dv.to(value.dtype), None
+def _sinks_grad(sinks, lse5: torch.Tensor, delta: torch.Tensor, heads_kv: int):
+    """The gradient of this rank's rows' loss in the (heads,) sink logits, or None: the sink is a
+    key of logit ``sink`` and value 0, so its probability p = exp(sink - LSE) gives
+    dsink = -sum over rows of p * delta (delta lowered by the LSE gradient, as for any key)."""
+    if sinks is None:
+        return None
+    p = torch.exp(_sink_logits(sinks, heads_kv, lse5.dtype) - lse5)
+    return (-(p * delta).sum(dim=(0, 3))).reshape(-1).to(sinks.dtype)
 
 
 class _MathRingFn(torch.autograd.Function):
@@ -272,48 +334,54 @@ class _MathRingFn(torch.autograd.Function):
         query,
         key,
         value,
+        sinks,
         setup: RingSetup,
-        is_causal: bool,
-        layout: str,
+        blocks: _Blocks,
         method: str,
         with_max_logit: bool = False,
-        lengths: tuple[int, ...] | None = None,
     ):
         acc = accumulation_dtype(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
+        # Replicated key/value: one block, the whole key/value this rank holds; nothing rotates.
+        steps = 1 if blocks.replicated else w
         q5 = _grouped(widened(query, acc), hkv)
         kv = torch.stack([key, value])  # (2, b, hkv, sk, d): one transfer per hop
         gathered = None
-        if method == "allgather" and w > 1:
+        if method == "allgather" and steps > 1:
             gathered = torch.empty((w, *kv.shape), dtype=kv.dtype)
             all_gather(gathered.view(-1), kv.contiguous().view(-1), group=setup.group)
         hop = _Hop(setup, method)
-        state = _Online(q5)
+        state = _Online(q5, _sink_logits(sinks, hkv, acc))
         best = torch.full((h,), float("-inf"), dtype=acc) if with_max_logit else None
-        for step in range(w):
+        for step in range(steps):
             kv_rank = (r - step) % w
             block = gathered[kv_rank] if gathered is not None else kv
-            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk, lengths)
+            kind, visible = blocks.visibility(kv_rank, sq, sk)
             if kind != "skip":
                 k, v = widened(block[0], acc), widened(block[1], acc)
-                s = _scores(q5, k, setup.scale, visible)
+                s = _scores(q5, k, setup.scale, visible, blocks.modifier(kv_rank, sq, sk))
                 if best is not None:  # s (b, hkv, g, sq, sk): head kv * g + j
                     best = torch.maximum(best, s.amax(dim=(0, 3, 4)).reshape(h))
                 state.add(s, v)
                 if recording():
                     _record(setup, step, kv_rank, s, v)
-            if gathered is None and step < w - 1:
+            if gathered is None and step < steps - 1:
                 kv = hop(kv)
         out5, lse5 = state.result()
         out = out5.reshape(b, h, sq, d).to(query.dtype)
         lse = lse5.reshape(b, h, sq)
         ctx.save_for_backward(
-            query, key, value, out, lse, gathered if gathered is not None else torch.empty(0)
+            query,
+            key,
+            value,
+            out,
+            lse,
+            gathered if gathered is not None else torch.empty(0),
+            sinks,
         )
-        ctx.setup, ctx.is_causal, ctx.layout, ctx.method = setup, is_causal, layout, method
-        ctx.lengths = lengths
+        ctx.setup, ctx.blocks, ctx.method, ctx.steps = setup, blocks, method, steps
         ctx.gathered = gathered is not None
         if best is None:
             return out, lse
@@ -326,8 +394,8 @@ class _MathRingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_max_logit=None):
-        query, key, value, out, lse, gathered = ctx.saved_tensors
-        setup, is_causal, layout, method = ctx.setup, ctx.is_causal, ctx.layout, ctx.method
+        query, key, value, out, lse, gathered, sinks = ctx.saved_tensors
+        setup, blocks, method, steps = ctx.setup, ctx.blocks, ctx.method, ctx.steps
         acc = accumulation_dtype(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
@@ -338,11 +406,20 @@ class _MathRingFn(torch.autograd.Function):
         def block_grads(block: torch.Tensor, kv_rank: int) -> torch.Tensor | None:
             """(2, b, hkv, sk, d) dK/dV contribution of
             this rank's queries to one block, or None."""
-            kind, visible = _visibility(setup, layout, is_causal, kv_rank, sq, sk, ctx.lengths)
+            kind, visible = blocks.visibility(kv_rank, sq, sk)
             if kind == "skip":
                 return None
             k, v = widened(block[0], acc), widened(block[1], acc)
-            s = _scores(q5, k, setup.scale, visible)
+            modify = blocks.modifier(kv_rank, sq, sk)
+            if modify is None:
+                s = _scores(q5, k, setup.scale, visible)
+            else:  # dS reaches the scaled logits through the score_mod's own derivative
+                with torch.enable_grad():
+                    raw = _scores(q5, k, setup.scale, None).requires_grad_()
+                    modified = modify(raw)
+                s = modified.detach()
+                if visible is not None:
+                    s = s.masked_fill(~visible, float("-inf"))
             p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there ...
             if visible is not None:
                 # ... unless the row's LSE is NaN (a NaN input reaches the row): exp(-inf - NaN)
@@ -353,6 +430,8 @@ class _MathRingFn(torch.autograd.Function):
             ds = p * (dp - delta.unsqueeze(-1))
             if visible is not None:  # p = 0 times a NaN of dP (a NaN value the row does not see)
                 ds = ds.masked_fill(~visible, 0.0)
+            if modify is not None:
+                ds = torch.autograd.grad(modified, raw, ds)[0]
             dq5.add_(torch.matmul(ds, k.unsqueeze(2)) * setup.scale)
             dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * setup.scale
             return torch.stack([dk, dv])
@@ -372,19 +451,20 @@ class _MathRingFn(torch.autograd.Function):
             hop = _Hop(setup, method)
             kv = torch.stack([key, value])
             dkv = torch.zeros((2, b, hkv, sk, d), dtype=acc)
-            for step in range(w):
+            for step in range(steps):
                 kv_rank = (r - step) % w
                 g = block_grads(kv, kv_rank)
                 if g is not None:
                     dkv = dkv + g
-                if w > 1:
-                    if step < w - 1:
+                if steps > 1:
+                    if step < steps - 1:
                         kv = hop(kv)
                     # The accumulator travels with its block;
                     # after W hops it is back with its owner.
                     dkv = hop(dkv)
         dq = dq5.reshape(b, h, sq, d).to(query.dtype)
-        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None, None, None
+        dsinks = _sinks_grad(sinks, lse5, delta, hkv)
+        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), dsinks, None, None, None, None
 
 
 def ring_attention(
@@ -402,6 +482,9 @@ def ring_attention(
     return_max_logit=False,
     shard_lengths=None,
     replicated_kv=False,
+    mask=None,
+    sinks=None,
+    score_mod=None,
 ):
     """Ring attention over ``group``; differentiable in query, key and value (and through the LSE).
 
@@ -419,6 +502,18 @@ def ring_attention(
     ``replicated_kv=True``: key/value (batch, heads_kv, seq_kv, head_dim) are the whole sequence,
     equal on every rank, any ``seq_kv``; the rank's queries attend to them once (non-causal, no
     rotation). dK/dV are this rank's rows' contribution: their sum over the ranks is the gradient.
+
+    ``mask``: a :class:`conformance.specs.MaskSpec` on global positions (with ``replicated_kv``,
+    key indices 0..seq_kv-1), and-ed with ``is_causal``; every rank evaluates it on the whole
+    call once, and the ranks compare digests of it in the input check. ``sinks``: (heads,)
+    per-head sink logits, a key of that logit and no value in every row's softmax; this rank's
+    rows' share of their gradient comes back in ``sinks.grad``. Rows that see nothing: out 0,
+    LSE -inf (the sink logit with sinks).
+
+    ``score_mod``: flex attention's ``score_mod(score, b, h, q_idx, kv_idx)`` on every block's
+    scaled logits before the mask, at the global query head and global positions; backward goes
+    through its own derivative (autograd of the callable). The ranks compare digests of its
+    values on a probe of the whole call's scores.
     """
     rotate_method = "p2p" if rotate_method is None else rotate_method
     problem = (
@@ -437,6 +532,8 @@ def ring_attention(
         )
     elif replicated and return_max_logit:
         replicated_problem = "math_ring returns no max logit with replicated_kv=True"
+    elif replicated and score_mod is not None:
+        replicated_problem = "replicated_kv=True takes no score_mod (its call is plain attention)"
     if shard_lengths is not None and not replicated:
         lengths = tuple(int(n) for n in shard_lengths)
         problem = problem or _uneven_problem(query, key, value, lengths, group, layout)
@@ -447,6 +544,11 @@ def ring_attention(
                 for t in (query, key, value)
             )
             check_layout = "contiguous"  # the rows' positions are _uneven_rows', not chunks
+    visibility, mask_digest, mask_problem = _call_mask(mask, query, key, group, lengths, replicated)
+    sinks_digest, sinks_problem = _call_sinks(sinks, query)
+    score_digest, score_problem = _call_score_mod(score_mod, query, key, group, lengths)
+    if score_problem is None and score_mod is not None and return_max_logit:
+        score_problem = "math_ring returns no max logit with a score_mod: pass one or the other"
     setup = check_inputs(
         query,
         key,
@@ -460,24 +562,118 @@ def ring_attention(
         op_problem=problem,
         replicated_kv=replicated,
         replicated_problem=replicated_problem,
+        mask_problem=mask_problem,
+        sinks_problem=sinks_problem,
+        score_mod_problem=score_problem,
+        digests=(mask_digest, sinks_digest, score_digest),
     )
-    if replicated:
-        out, lse = _ReplicatedFn.apply(query, key, value, setup)
-        return (out, lse) if return_lse else out
-    args = (query, key, value, setup, bool(is_causal), layout, rotate_method)
-    out, lse, *max_logit = _MathRingFn.apply(*args, bool(return_max_logit), lengths)
+    blocks = _Blocks(
+        setup, layout, is_causal, key.shape[1], lengths, visibility, replicated, score_mod
+    )
+    args = (query, key, value, sinks, setup, blocks, rotate_method, bool(return_max_logit))
+    out, lse, *max_logit = _MathRingFn.apply(*args)
     if lengths is not None:
         n = lengths[setup.rank]
         out, lse = out[:, :, :n], lse[:, :, :n]
     return (out, *((lse,) if return_lse else ()), *max_logit) if return_lse or max_logit else out
 
 
+def _call_mask(mask, query, key, group, lengths, replicated: bool):
+    """(visibility, digest, problem) of a call's ``mask``: its (batch, heads, seq_q, seq_kv) bool
+    visibility on the call's global positions and the digest the ranks compare, or (None, 0,
+    what is wrong) for a mask this ring cannot take (raised on every rank by the input check)."""
+    if mask is None:
+        return None, 0, None
+    if not callable(getattr(mask, "visible", None)):
+        return (
+            None,
+            0,
+            (
+                "mask must be a conformance.specs.MaskSpec (plain mask data with .visible(b, h, "
+                f"q_idx, kv_idx)), got {type(mask).__name__}"
+            ),
+        )
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
+        return None, 0, None  # the input check says what is wrong with the tensors
+    world = group_rank(group)[0]
+    batch, heads, sq = query.shape[:3]
+    if lengths is not None:
+        seq_q = seq_kv = sum(lengths)
+    else:
+        seq_q, seq_kv = sq * world, key.shape[2] * (1 if replicated else world)
+    try:
+        visibility = _mask_visibility(mask, batch, heads, seq_q, seq_kv)
+    except Exception as exc:  # a mask_mod that cannot run here fails on every rank, not this one
+        return (
+            None,
+            0,
+            (
+                f"mask.visible could not be evaluated on the call's {seq_q} x {seq_kv} global "
+                f"positions ({type(exc).__name__}: {exc})"
+            ),
+        )
+    return visibility, digest(visibility), None
+
+
+def _call_score_mod(score_mod, query, key, group, lengths) -> tuple[int, str | None]:
+    """(digest, problem) of a call's ``score_mod``: a callable, whose digest is that of its values
+    on a fixed probe of scores over every global (batch row, head, query, key)."""
+    if score_mod is None:
+        return 0, None
+    if not callable(score_mod):
+        return (
+            0,
+            "score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx), got "
+            f"{score_mod!r}",
+        )
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
+        return 0, None  # the input check says what is wrong with the tensors
+    world = group_rank(group)[0]
+    batch, heads, sq = query.shape[:3]
+    seq_q, seq_kv = (
+        (sum(lengths),) * 2 if lengths is not None else (sq * world, key.shape[2] * world)
+    )
+    acc = accumulation_dtype(query.dtype)
+    probe = torch.linspace(-4.0, 4.0, seq_q * seq_kv, dtype=acc).reshape(1, 1, seq_q, seq_kv)
+    index = (
+        torch.arange(batch).view(-1, 1, 1, 1),
+        torch.arange(heads).view(1, -1, 1, 1),
+        torch.arange(seq_q).view(1, 1, -1, 1),
+        torch.arange(seq_kv).view(1, 1, 1, -1),
+    )
+    try:
+        values = score_mod(probe.expand(batch, heads, seq_q, seq_kv), *index)
+        return digest(torch.as_tensor(values).expand(batch, heads, seq_q, seq_kv)), None
+    except Exception as exc:  # raised on every rank by the input check, not on this one
+        return 0, (
+            f"score_mod could not be evaluated on the call's {seq_q} x {seq_kv} global positions "
+            f"({type(exc).__name__}: {exc})"
+        )
+
+
+def _call_sinks(sinks, query) -> tuple[int, str | None]:
+    """(digest, problem) of a call's ``sinks``: (heads,) floating-point logits."""
+    if sinks is None:
+        return 0, None
+    heads = query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 4 else None
+    if (
+        not isinstance(sinks, torch.Tensor)
+        or not sinks.is_floating_point()
+        or (heads is not None and tuple(sinks.shape) != (heads,))
+    ):
+        what = (
+            f"{sinks.dtype} of shape {tuple(sinks.shape)}"
+            if isinstance(sinks, torch.Tensor)
+            else type(sinks).__name__
+        )
+        return 0, f"sinks must be a floating-point (heads,) = ({heads},) tensor, got {what}"
+    return digest(sinks), None
+
+
 def _uneven_problem(query, key, value, lengths, group, layout) -> str | None:
     """What is wrong with ``shard_lengths`` on this rank, or None (raised on every rank by the
     input check)."""
-    if hasattr(group, "get_group"):
-        group = group.get_group()
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = group_rank(group)
     if len(lengths) != world or min(lengths) < 0 or sum(lengths) < 1:
         return f"shard_lengths must hold {world} ints >= 0 with a positive sum, got {list(lengths)}"
     if layout == "head_tail":
@@ -553,9 +749,8 @@ class MathRing:
         value_head_dim=False,  # its hops carry key and value stacked: one head dim
         input_errors=True,
         strategies=frozenset({"ring"}),
-        masks=frozenset(),
-        sinks=False,
-        score_mod=False,
+        balancers=frozenset(),  # the built-in layouts only
+        multi_mask_layouts=False,
         packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
         replicated_kv=True,  # its rows against the whole key/value it holds, nothing rotated
     )
