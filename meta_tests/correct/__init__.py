@@ -3,8 +3,8 @@ the conformance suites judge rightly: each must pass the whole quick tier
 (``pytest suites --impl meta_tests.correct:<name>``) with no failure.
 
 - :data:`math_ring`: plain torch math per step, online-softmax merge in float32, explicit
-  backward from the float32 LSE; ring rotations, and masks, sinks and score_mods read through
-  the protocol's plain data (``meta_tests/correct/math_ring.py``).
+  backward from the float32 LSE; ring rotations, and masks, sinks, score_mods and packed
+  ``cu_seqlens`` read through the protocol's plain data (``meta_tests/correct/math_ring.py``).
 - :data:`flash_ring`: the CPU flash kernel per step, every block fetched at once, one
   LSE-weighted merge at the end in float64 (``meta_tests/correct/flash_ring.py``).
 

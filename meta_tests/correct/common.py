@@ -216,8 +216,9 @@ def _checked(
     mask_problem=None,
     sinks_problem=None,
     score_mod_problem=None,
+    packed=False,
 ) -> Problem | None:
-    tensors = _tensor_problem(query, key, value)
+    tensors = _tensor_problem(query, key, value, packed)
     if tensors is not None:
         return "query/key/value", tensors
     sq, skv = query.shape[2], key.shape[2]
@@ -265,7 +266,7 @@ def _checked(
     return None if op_problem is None else ("op", op_problem)
 
 
-def _tensor_problem(query, key, value) -> str | None:
+def _tensor_problem(query, key, value, packed: bool = False) -> str | None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if _is_dtensor(t):
             return (
@@ -275,6 +276,11 @@ def _tensor_problem(query, key, value) -> str | None:
             )
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            if packed:  # the ring takes 3-D shards as (1, heads, tokens_local, head_dim) views
+                return (
+                    f"{name} must be a 3-D tensor (tokens_local, heads, head_dim) with "
+                    f"cu_seqlens, got {shape}"
+                )
             return f"{name} must be a 4-D tensor (batch, heads, seq_local, head_dim), got {shape}"
         if t.dtype not in _DTYPE_CODES:
             return (
@@ -346,16 +352,18 @@ def check_inputs(
     sinks_problem: str | None = None,
     score_mod_problem: str | None = None,
     digests: tuple[int, int, int] = (0, 0, 0),
+    packed: bool = False,
 ) -> RingSetup:
     """Check the call on every rank; raise :class:`CorrectRingError` on every rank if any rank's
-    input is bad or the ranks disagree (shapes, dtype, options, scale, ``replicated_kv``, the mask
-    the sinks and the score_mod), before any
-    ring collective. ``op_problem``: what the ring found wrong with its
-    ``op=`` argument, if anything; ``replicated_kv``: key/value are the whole sequence on every
-    rank (their length is not the layout's to split), ``replicated_problem`` what the ring cannot
-    do with them; ``mask_problem`` / ``sinks_problem`` what is wrong with those arguments;
-    ``digests``: nonzero int64 digests of the call's whole mask and of its sinks (0: none given),
-    which every rank must hold alike.
+    input is bad or the ranks disagree (shapes, dtype, options, scale, ``replicated_kv``, the
+    mask, the sinks and the score_mod), before any ring collective. ``op_problem``: what the ring
+    found wrong with its ``op=`` argument, if anything; ``replicated_kv``: key/value are the whole
+    sequence on every rank (their length is not the layout's to split), ``replicated_problem``
+    what the ring cannot do with them; ``mask_problem`` / ``sinks_problem`` /
+    ``score_mod_problem`` what is wrong with those arguments; ``digests``: nonzero int64 digests
+    of the call's whole mask, its sinks and its score_mod (0: none given), which every rank must
+    hold alike; ``packed``: the call's tensors are packed (THD) shards, taken as (1, heads,
+    tokens_local, head_dim) views.
 
     One all-gather of ``1 + len(_FIELDS)`` int64 per rank (see :func:`check_bytes`); none at W=1.
     """
@@ -377,6 +385,7 @@ def check_inputs(
         mask_problem=mask_problem,
         sinks_problem=sinks_problem,
         score_mod_problem=score_mod_problem,
+        packed=packed,
     )
     if world == 1:
         if problem is not None:

@@ -25,7 +25,8 @@ that; a sink is a key of logit ``sinks[h]`` and no value, the state every row's 
 starts from; a score_mod changes each block's scaled logits before the mask, at global positions
 and query heads, and backward reaches the logits through its autograd derivative. The ranks
 compare digests of the whole mask, the sinks and the score_mod's values on a probe of scores in
-the input check, so a rank holding another one raises with the rest.
+the input check, so a rank holding another one raises with the rest. Packed (THD) shards with
+``cu_seqlens`` run as one batch row under their documents' mask.
 
 Replicated key/value (``replicated_kv=True``: key and value the whole sequence, equal on every
 rank, a cross-attention's text tokens): nothing rotates. Each rank attends its own query rows to
@@ -48,6 +49,8 @@ head group).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -485,6 +488,7 @@ def ring_attention(
     mask=None,
     sinks=None,
     score_mod=None,
+    cu_seqlens=None,
 ):
     """Ring attention over ``group``; differentiable in query, key and value (and through the LSE).
 
@@ -514,7 +518,24 @@ def ring_attention(
     scaled logits before the mask, at the global query head and global positions; backward goes
     through its own derivative (autograd of the callable). The ranks compare digests of its
     values on a probe of the whole call's scores.
+
+    ``cu_seqlens`` (a list of ints or a 1-D integer tensor, equal on every rank): packed (THD)
+    shards, query/key/value (tokens_local, heads, head_dim) in ``layout`` on dim 0, attending
+    within the documents ``[cu_seqlens[i], cu_seqlens[i + 1])`` of the global packed sequence
+    (causally with ``is_causal``); tokens past ``cu_seqlens[-1]`` are padding (out 0, LSE -inf).
+    They run as a (1, heads, tokens_local, head_dim) call under the documents' mask; out comes
+    back (tokens_local, heads, head_dim), the LSE (heads, tokens_local).
     """
+    packed = cu_seqlens is not None
+    cu_problem = None
+    if packed:
+        query, key, value = (
+            t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+            for t in (query, key, value)
+        )
+        mask, cu_problem = _packed_documents(
+            cu_seqlens, query, group, mask, shard_lengths or replicated_kv
+        )
     rotate_method = "p2p" if rotate_method is None else rotate_method
     problem = (
         None
@@ -545,6 +566,7 @@ def ring_attention(
             )
             check_layout = "contiguous"  # the rows' positions are _uneven_rows', not chunks
     visibility, mask_digest, mask_problem = _call_mask(mask, query, key, group, lengths, replicated)
+    mask_problem = cu_problem or mask_problem
     sinks_digest, sinks_problem = _call_sinks(sinks, query)
     score_digest, score_problem = _call_score_mod(score_mod, query, key, group, lengths)
     if score_problem is None and score_mod is not None and return_max_logit:
@@ -566,6 +588,7 @@ def ring_attention(
         sinks_problem=sinks_problem,
         score_mod_problem=score_problem,
         digests=(mask_digest, sinks_digest, score_digest),
+        packed=packed,
     )
     blocks = _Blocks(
         setup, layout, is_causal, key.shape[1], lengths, visibility, replicated, score_mod
@@ -575,7 +598,58 @@ def ring_attention(
     if lengths is not None:
         n = lengths[setup.rank]
         out, lse = out[:, :, :n], lse[:, :, :n]
+    if packed:
+        out, lse = out[0].transpose(0, 1), lse[0]
     return (out, *((lse,) if return_lse else ()), *max_logit) if return_lse or max_logit else out
+
+
+class _Documents:
+    """The documents of packed shards' ``cu_seqlens`` as a mask, on global positions: a query sees
+    the keys of its own document; padding (past ``cu_seqlens[-1]``) sees and is seen by nothing."""
+
+    def __init__(self, bounds: list[int], tokens: int):
+        positions = torch.arange(tokens)
+        ids = torch.searchsorted(torch.tensor(bounds[1:], dtype=torch.int64), positions, right=True)
+        self.ids = torch.where(positions < bounds[-1], ids, -1)
+
+    def visible(self, b, h, q_idx, kv_idx):
+        doc = self.ids[q_idx]
+        return (doc == self.ids[kv_idx]) & (doc >= 0)
+
+
+def _packed_documents(cu_seqlens, query, group, mask, other_shards):
+    """(mask, problem) of a packed call: its documents as a mask over the global packed sequence
+    of ``tokens_local * W`` tokens, or what is wrong with ``cu_seqlens`` (raised on every rank by
+    the input check). ``other_shards``: shard_lengths or replicated_kv given too."""
+    if mask is not None or other_shards:
+        return None, (
+            "cu_seqlens is the packed call's mask over equal shards: pass no mask=, "
+            "shard_lengths= or replicated_kv= with it"
+        )
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            return None, (
+                "cu_seqlens must be a 1-D integer tensor or a list of ints, got "
+                f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
+        bounds = cu_seqlens.tolist()
+    else:
+        bounds = list(cu_seqlens)
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        return None, None  # the input check says what is wrong with the tensors
+    tokens = query.shape[2] * group_rank(group)[0]
+    if (
+        not bounds
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in bounds)
+        or bounds[0] != 0
+        or any(b < a for a, b in itertools.pairwise(bounds))
+        or bounds[-1] > tokens
+    ):
+        return None, (
+            f"cu_seqlens {bounds} must be ints rising from 0 to at most the {tokens} packed tokens "
+            "of the global sequence"
+        )
+    return _Documents(bounds, tokens), None
 
 
 def _call_mask(mask, query, key, group, lengths, replicated: bool):
@@ -751,7 +825,6 @@ class MathRing:
         strategies=frozenset({"ring"}),
         balancers=frozenset(),  # the built-in layouts only
         multi_mask_layouts=False,
-        packed=False,  # (batch, heads, seq, dim) shards only: no cu_seqlens
         replicated_kv=True,  # its rows against the whole key/value it holds, nothing rotated
     )
     ring_attention = staticmethod(ring_attention)
