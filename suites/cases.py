@@ -31,8 +31,10 @@ __all__ = [
     "MESH_DIMS",
     "CountingOp",
     "RingCase",
+    "backpropagate",
     "collective_phases",
     "local_results",
+    "lse_shard",
     "resolve_case_op",
     "ring_case",
     "ring_case_twice",
@@ -140,9 +142,10 @@ class RingCase:
         heads = "" if s.heads == s.heads_kv else f", heads {s.heads}/{s.heads_kv}"
         rotate = f", rotate={self.rotate_method}" if self.rotates else ""
         compiled = f", compile={self.compile}" if self.compile else ""
+        loss = ", loss with the LSE" if s.lse_grad else ""
         return (
             f"ring_attention({where}, {s.dtype}, causal={self.is_causal}{rotate}, "
-            f"layout={self.layout}, op={self.op or 'default'}{dims}{heads}{compiled})"
+            f"layout={self.layout}, op={self.op or 'default'}{dims}{heads}{compiled}{loss})"
         )
 
 
@@ -300,17 +303,7 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         lse_requires_grad = lse is not None and lse.requires_grad
         if case.backward:
             with phase("backward"):
-                # the loss uses the LSE too; an LSE of the wrong shape takes no gradient (autograd
-                # would raise on the ranks): the judge names its layout from the returned tensor
-                if (
-                    inp.grad_lse is not None
-                    and lse is not None
-                    and lse_requires_grad
-                    and lse.shape == inp.grad_lse.shape
-                ):
-                    torch.autograd.backward([out, lse], [inp.grad_out, inp.grad_lse])
-                else:  # (an LSE without a gradient is reported, the judge says what it costs)
-                    out.backward(inp.grad_out)
+                backpropagate(out, lse, inp.grad_out, inp.grad_lse)
 
     return local_results(
         out,
@@ -324,6 +317,36 @@ def ring_case(ctx, case: RingCase) -> dict[str, Any]:
         input_strides=[tuple(t.stride()) for t in (inp.query, inp.key, inp.value)],
         lse_requires_grad=lse_requires_grad,
     )
+
+
+def backpropagate(
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+) -> None:
+    """The backward of a case's loss ``(out * grad_out).sum()``, plus ``(lse * grad_lse).sum()``
+    when ``grad_lse`` is given (the loss uses the LSE too: ``InputSpec.lse_grad``). An LSE that
+    does not require grad, or of another shape than ``grad_lse``, takes no gradient (autograd
+    would raise on the ranks): the judge names it, from the returned tensor and its
+    ``lse_requires_grad``."""
+    if (
+        grad_lse is not None
+        and lse is not None
+        and lse.requires_grad
+        and lse.shape == grad_lse.shape
+    ):
+        torch.autograd.backward([out, lse], [grad_out, grad_lse])
+    else:
+        out.backward(grad_out)
+
+
+def lse_shard(grad_lse: torch.Tensor | None, shard, device) -> torch.Tensor | None:
+    """This rank's rows of the global LSE gradient (b, h, seq_q), or None: ``shard`` cuts a
+    (b, h, seq, d) tensor's rows as the case cuts the query's."""
+    if grad_lse is None:
+        return None
+    return shard(grad_lse.unsqueeze(-1)).squeeze(-1).to(device)
 
 
 def collective_phases(stack: contextlib.ExitStack, account: bool):

@@ -27,14 +27,14 @@ from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
-from suites.cases import RingCase, collective_phases
+from suites.cases import RingCase, backpropagate, collective_phases, lse_shard
 from suites.cases_balance import (
     BALANCER_LAYOUTS,
     as_runs,
     balanced_layout_problem,
     runs_positions,
 )
-from suites.inputs import InputSpec, make_inputs
+from suites.inputs import InputSpec, in_memory, make_inputs
 from suites.judge import judge_outputs, unshard_by_positions
 
 __all__ = [
@@ -258,19 +258,30 @@ def optional_keywords(
 
 
 def call_with_sinks(
-    attention, q, k, v, dout, sinks, kwargs: dict[str, Any], *, account: bool = False
+    attention,
+    q,
+    k,
+    v,
+    dout,
+    sinks,
+    kwargs: dict[str, Any],
+    *,
+    account: bool = False,
+    dlse: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """This rank's call ``attention(q, k, v, **kwargs)`` (returning out and LSE) and its backward
-    from ``dout``: out, lse, dq, dk, dv and ``dsinks`` (the gradient of this rank's ``sinks``, None
-    without), on CPU; with ``account``, ``collectives``: what the rank issued per phase
-    (harness.accounting's summary)."""
+    from ``dout`` (and ``dlse``, the LSE's gradient, when the loss uses it): out, lse, dq, dk, dv,
+    ``lse_requires_grad`` and ``dsinks`` (the gradient of this rank's ``sinks``, None without), on
+    CPU; with ``account``, ``collectives``: what the rank issued per phase (harness.accounting's
+    summary)."""
     with contextlib.ExitStack() as stack:
         log, phase = collective_phases(stack, account)
         with phase("forward"):
             out, lse = attention(q, k, v, **kwargs)
         with phase("backward"):
-            out.backward(dout)
+            backpropagate(out, lse, dout, dlse)
     return {
+        "lse_requires_grad": lse.requires_grad,
         "out": out.detach().cpu(),
         "lse": lse.detach().cpu(),
         "dq": q.grad.cpu(),
@@ -330,8 +341,14 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         def shard(t: torch.Tensor) -> torch.Tensor:
             return oracle_shard(t, case.layout, w, r)
 
-    q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
-    dout = shard(g.grad_out).to(ctx.device)
+    # in the memory the spec asks for: a (batch, seq, heads, dim) model's transposed views, a
+    # head dim of stride 2
+    q, k, v = (
+        in_memory(shard(t).to(ctx.device), spec).detach().requires_grad_()
+        for t in (g.query, g.key, g.value)
+    )
+    dout = in_memory(shard(g.grad_out).to(ctx.device), spec)
+    dlse = lse_shard(g.grad_lse, shard, ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
     kwargs = case.call_keywords(group, is_causal=False, layout=layout, return_lse=True, mask=mask)
     kwargs.update(optional_keywords(case, sinks, ctx.device))
@@ -347,7 +364,9 @@ def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
         # result is dropped: a graph that baked that mask's plan in would serve it to the next.
         warm = attention(q, k, v, **{**kwargs, "mask": MaskSpec(other_mask_data(case.mask_data()))})
         del warm
-    results = call_with_sinks(attention, q, k, v, dout, sinks, kwargs, account=case.account)
+    results = call_with_sinks(
+        attention, q, k, v, dout, sinks, kwargs, account=case.account, dlse=dlse
+    )
     return {**results, "runs": runs}
 
 

@@ -34,7 +34,13 @@ from reference.attention import attention, attention_grads
 from reference.budget import Verdict, compute_dtype
 from reference.layout import positions
 from reference.masks import visibility
-from suites.cases import RingCase, collective_phases, local_results, resolve_case_op
+from suites.cases import (
+    RingCase,
+    backpropagate,
+    collective_phases,
+    local_results,
+    resolve_case_op,
+)
 from suites.cases_masks import _sinks
 from suites.inputs import make_inputs
 from suites.judge import judge_outputs, produced, unshard_by_positions
@@ -164,7 +170,8 @@ def replicated_kv_case(ctx, case: ReplicatedKVCase) -> dict[str, Any]:
         out, lse = res if case.return_lse else (res, None)
         if case.backward:
             with phase("backward"):
-                out.backward(g.grad_out[:, :, rows].to(ctx.device))
+                dlse = None if g.grad_lse is None else g.grad_lse[:, :, rows].to(ctx.device)
+                backpropagate(out, lse, g.grad_out[:, :, rows].to(ctx.device), dlse)
 
     return local_results(
         out,
@@ -174,6 +181,7 @@ def replicated_kv_case(ctx, case: ReplicatedKVCase) -> dict[str, Any]:
         v,
         dsinks=None if sinks is None or sinks.grad is None else sinks.grad.detach().cpu(),
         collectives=None if log is None else log.summary(),
+        lse_requires_grad=lse is not None and lse.requires_grad,
     )
 
 

@@ -21,7 +21,7 @@ from reference.budget import Verdict
 from reference.layout import positions
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
-from suites.cases import RingCase
+from suites.cases import RingCase, lse_shard
 from suites.cases_masks import (
     _sinks,
     call_with_sinks,
@@ -29,7 +29,7 @@ from suites.cases_masks import (
     optional_keywords,
     oracle_attention,
 )
-from suites.inputs import InputSpec, make_inputs
+from suites.inputs import InputSpec, in_memory, make_inputs
 from suites.judge import judge_outputs, unshard_by_positions
 
 __all__ = [
@@ -174,8 +174,12 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     impl = load_implementation(case.impl)
     spec = case.inputs
     g = make_inputs(spec)
-    q, k, v = (shard(t).to(ctx.device).requires_grad_() for t in (g.query, g.key, g.value))
-    dout = shard(g.grad_out).to(ctx.device)
+    q, k, v = (
+        in_memory(shard(t).to(ctx.device), spec).detach().requires_grad_()
+        for t in (g.query, g.key, g.value)
+    )
+    dout = in_memory(shard(g.grad_out).to(ctx.device), spec)
+    dlse = lse_shard(g.grad_lse, shard, ctx.device)
     sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
     kwargs = case.call_keywords(
         group,
@@ -185,7 +189,7 @@ def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     if case.mask:
         kwargs["mask"] = MaskSpec(mask_spec(case.mask, spec.seq_q))
     kwargs.update(optional_keywords(case, sinks, ctx.device))
-    return call_with_sinks(impl.obj.ring_attention, q, k, v, dout, sinks, kwargs)
+    return call_with_sinks(impl.obj.ring_attention, q, k, v, dout, sinks, kwargs, dlse=dlse)
 
 
 def _visible(case: ScoreModCase) -> torch.Tensor | None:

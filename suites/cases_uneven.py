@@ -27,7 +27,7 @@ from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import split_lengths, split_positions
 from reference.masks import visibility
-from suites.cases import RingCase, local_results, resolve_case_op
+from suites.cases import RingCase, backpropagate, local_results, resolve_case_op
 from suites.cases_masks import mask_spec
 from suites.inputs import make_inputs
 from suites.judge import judge_outputs, produced, unshard_by_positions
@@ -125,8 +125,9 @@ def uneven_case(ctx, case: UnevenCase) -> dict[str, Any]:
     res = impl.obj.ring_attention(q, k, v, **kwargs)
     out, lse = res if case.return_lse else (res, None)
     if case.backward:
-        out.backward(g.grad_out[:, :, rows].to(ctx.device))
-    return local_results(out, lse, q, k, v)
+        dlse = None if g.grad_lse is None else g.grad_lse[:, :, rows].to(ctx.device)
+        backpropagate(out, lse, g.grad_out[:, :, rows].to(ctx.device), dlse)
+    return local_results(out, lse, q, k, v, lse_requires_grad=lse is not None and lse.requires_grad)
 
 
 def _visible(case: UnevenCase) -> torch.Tensor | None:

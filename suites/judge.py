@@ -304,7 +304,9 @@ def judge_outputs(
     """Verdicts for ``names`` (of out, lse, dq, dk, dv) and, with ``sinks``, dsinks summed over
     ranks, each against the float64 oracle under ``visible``, ``sinks`` and ``score_mod``
     (reference.attention_grads), relative to the single-device :func:`baseline` of the same
-    kernel given the same (``case.op``, else ``baseline_op``).
+    kernel given the same (``case.op``, else ``baseline_op``). With ``case.inputs.lse_grad`` the
+    loss is ``(out * dO).sum() + (lse * dLSE).sum()`` for all three, and an LSE returned
+    detached (``lse_requires_grad`` False on a rank) is named before any verdict.
 
     results: per rank, local tensors with the sequence on dim 2 (out (b, h, n_r, dv), lse
     (b, h, n_r), dq, dk, dv, dsinks (h,)); positions: per rank, the global positions (n_r,) of
@@ -328,8 +330,14 @@ def judge_outputs(
     __tracebackhide__ = True
     spec = case.inputs
     g = make_inputs(spec)
+    if spec.lse_grad:  # named before the verdicts, which it would only make wrong
+        detached = detached_lse(case, results)
+        if detached:
+            raise AssertionError(f"lse: {detached}")
     inputs = (g.query, g.key, g.value, g.grad_out)
-    oracle = dict(visible=visible, sinks=sinks, scale=spec.scale, score_mod=score_mod)
+    oracle = dict(
+        visible=visible, sinks=sinks, scale=spec.scale, score_mod=score_mod, grad_lse=g.grad_lse
+    )
     ref = attention_grads(*inputs, **oracle)
     scales = error_scales(*inputs, **oracle, input_dtype=spec.torch_dtype)
     base = baseline(
@@ -339,6 +347,7 @@ def judge_outputs(
         visible=None if causal_kernel else visible,
         sinks=sinks,
         score_mod=score_mod,
+        grad_lse=spec.lse_grad,
     )
     lse_dtype = compute_dtype(spec.torch_dtype)
     blocks = 1 if replicated_kv else merged_blocks(case)

@@ -28,6 +28,7 @@ __all__ = [
     "ROTATIONS",
     "case_id",
     "draw_inputs",
+    "draw_lse_grad",
     "draw_world_size",
     "generate",
     "padded_lse_ops",
@@ -177,6 +178,17 @@ def draw_inputs(
         seq_kv=seq,
         head_dim=head_dim,
         dtype=dtype,
+    )
+
+
+def draw_lse_grad(data, caps) -> bool:
+    """A Hypothesis draw (labelled ``lse_grad``) of whether the case's loss uses the returned LSE
+    too (``InputSpec.lse_grad``); False without a draw where the implementation declares it lacks
+    the LSE or its gradient."""
+    return bool(
+        caps.claims("lse")
+        and caps.claims("lse_grad")
+        and data.draw(st.booleans(), label="lse_grad")
     )
 
 

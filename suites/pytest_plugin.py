@@ -129,6 +129,16 @@ class RingRunner:
         )
         return op
 
+    def loss_of(self, case):
+        """``case`` with a loss on the output only where its loss uses the LSE
+        (``inputs.lse_grad``) but the case returns no LSE, or the implementation declares it
+        lacks the LSE or its gradient: the LSE's gradient has its own suite
+        (test_lse_gradient), which is N/A for it."""
+        lse = getattr(case, "return_lse", True) and self.caps.claims("lse")
+        if case.inputs.lse_grad and not (lse and self.caps.claims("lse_grad")):
+            return replace(case, inputs=case.inputs.with_(lse_grad=False))
+        return case
+
     def prepare(self, case):
         """Check capabilities (N/A) and fill in the session's implementation and op."""
         __tracebackhide__ = True
@@ -143,9 +153,7 @@ class RingRunner:
         if case.record:
             self.require("record_steps", why="per-step partials")
         self.require_inputs(case, op)
-        if case.inputs.lse_grad and not (self.caps.claims("lse") and self.caps.claims("lse_grad")):
-            # the loss on the output only: the LSE's gradient has its own suite (test_lse_gradient)
-            case = replace(case, inputs=case.inputs.with_(lse_grad=False))
+        case = self.loss_of(case)
         return replace(
             case, impl=self.impl.spec, op=op, return_lse=case.return_lse and self.caps.claims("lse")
         )

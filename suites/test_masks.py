@@ -1,33 +1,33 @@
 """Masks under context parallelism: packed documents (causal and full, uneven, crossing shard
-boundaries, one-token documents, padding), sliding windows narrower and wider than a shard,
-chunked causal, prefix-LM, documents combined with a window, a prefix with a window, a
-head-dependent mask_mod, a mask_mod that differs for every batch row and head (its cases carry
-two of each), and attention sinks; every rotation, both built-in layouts and the
-layouts the implementation's balancers build for the mask (``document_head_tail``,
-``work_aware``: sharded and unsharded by the runs it returns), W 1..4 (nightly 5..8),
-float64/float32/bfloat16, GQA, softmax scales <= 0, and under ``torch.compile(fullgraph=True)``
-(capability ``compile``; each after a call with other mask data in the same compiled function).
-Judged against the float64 oracle with the same mask (reference.masks) by the numerics policy; rows
-that see nothing must come back as nothing (out 0, LSE -inf). Failures name the mask bug classes
-the output matches (suites/cases_masks.py ``diagnose_masked``): the mask dropped and plain causal
+boundaries, one-token documents, padding), sliding windows narrower and wider than a shard, chunked
+causal, prefix-LM, documents combined with a window, a prefix with a window, a head-dependent
+mask_mod, a mask_mod that differs for every batch row and head (its cases carry two of each), and
+attention sinks; every rotation, both built-in layouts and the layouts the implementation's
+balancers build for the mask (``document_head_tail``, ``work_aware``: sharded and unsharded by the
+runs it returns), W 1..4 (nightly 5..8), float64/float32/bfloat16, GQA, softmax scales <= 0, and
+under ``torch.compile(fullgraph=True)`` (capability ``compile``; each after a call with other mask
+data in the same compiled function). Every other case's loss uses the returned LSE too (capability
+``lse_grad``): its gradient enters every masked block's backward and the sinks' gradient. Judged
+against the float64 oracle with the same mask (reference.masks) by the numerics policy; rows that
+see nothing must come back as nothing (out 0, LSE -inf). Failures name the mask bug classes the
+output matches (suites/cases_masks.py ``diagnose_masked``): the mask dropped and plain causal
 attention run in its place, stale documents, tail padding attended, odd lengths rounded down, a
 mask_mod evaluated at batch or head 0, sinks applied on some ranks only, hidden rows merged with
 the kernel's LSE.
 
 The named masks run under Ulysses and the hybrid too (capability ``strategies``), on the 4-rank
-meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks
-(documents of any lengths with padding anywhere, windows of any extents, chunked causal,
-prefix-LM, a window differing per batch row and head, their ``and``/``or``) with any layout,
-balancer, rotation, world size, dtype, GQA and sinks, and judges each the same way.
+meshes of the strategy suite. Beside the named zoo, a Hypothesis property draws masks (documents of
+any lengths with padding anywhere, windows of any extents, chunked causal, prefix-LM, a window
+differing per batch row and head, their ``and``/``or``) with any layout, balancer, rotation, world
+size, dtype, GQA and sinks, and judges each the same way.
 
 With ``collective_schedule`` claimed, windows, documents and chunks (both layouts, W 2..4) also
 have every rank's collectives asserted against the schedule the implementation declares for the
-call's mask and that rank: an exchange sized by the mask (a halo) that sends more than it
-declares computes the right answer and shows nowhere else.
+call's mask and that rank: an exchange sized by the mask (a halo) that sends more than it declares
+computes the right answer and shows nowhere else.
 
-Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles),
-``sinks``, ``layouts``, ``strategies`` and ``balancers`` (with ``balanced_layout``); undeclared
-claims them.
+Capabilities: ``masks`` (the mask kinds of reference.masks the implementation handles), ``sinks``,
+``layouts``, ``strategies`` and ``balancers`` (with ``balanced_layout``); undeclared claims them.
 """
 
 from __future__ import annotations
@@ -89,6 +89,15 @@ def _turned(name: str, w: int, layout: str, dtype: str) -> tuple[str, int, bool]
     return matrix.ROTATIONS[m % 3], (4, 2)[m % 2], m % 5 == 0
 
 
+def _loss_and_memory(name: str, w: int, layout: str, dtype: str) -> dict[str, bool]:
+    """The InputSpec fields a named mask's case turns by a hash of its (mask, W, layout, dtype),
+    the same in both tiers: a loss that uses the LSE too on about half the cases, shards in a
+    (batch, seq, heads, dim) model's memory (transposed views) on a third, a head dim of stride 2
+    on a fifth."""
+    t = matrix.seed_for(f"loss and memory {name} {w} {layout} {dtype}")
+    return {"lse_grad": t % 2 == 1, "noncontiguous": t % 3 == 1, "strided_head_dim": t % 5 == 3}
+
+
 def _named(name, w, layout, dtype, rotate, heads_kv, sinks) -> bool:
     # A balancer's layout on one rank is the whole sequence: W >= 2 only.
     return (w > 1 or layout in matrix.LAYOUTS) and (rotate, heads_kv, sinks) == _turned(
@@ -123,6 +132,7 @@ def _cases(config) -> list:
             seq_kv=seq,
             head_dim=16,
             dtype=dtype,
+            **_loss_and_memory(name, w, layout, dtype),
         )
         out.append(MaskCase(spec, w, layout=layout, rotate_method=rotate, mask=name, sinks=sinks))
     out += (
@@ -138,6 +148,9 @@ def _cases(config) -> list:
             *((c.strategy, f"{c.mesh_shape[0]}x{c.mesh_shape[1]}") if c.mesh_shape else ()),
             c.mask,
             *(("sinks",) if c.sinks else ()),
+            *(("lse-grad",) if c.inputs.lse_grad else ()),
+            *(("bshd-views",) if c.inputs.noncontiguous else ()),
+            *(("strided-head-dim",) if c.inputs.strided_head_dim else ()),
             *(
                 (f"d{c.inputs.head_dim}-dv{c.inputs.head_dim_v}",)
                 if c.inputs.head_dim_v is not None
@@ -276,6 +289,7 @@ def _compile_cases(config) -> list[MaskCase]:
             batch=_batch(name),
             heads_kv=2 if (j // 2 + b) % 2 else 4,
             dtype=("float32", "float64")[j % 2],
+            lse_grad=(j + b) % 2 == 1,
         )
         out.append(
             MaskCase(
@@ -314,6 +328,7 @@ def _strategy_cases(config) -> list[MaskCase]:
                 seq_kv=96,
                 head_dim=16,
                 dtype=dtype,
+                lse_grad=(i + j) % 2 == 0,
             )
             out.append(
                 MaskCase(
@@ -416,7 +431,7 @@ def _prepare(ring, case: MaskCase) -> MaskCase:
     ring.require_exchange(case)
     ring.require("backward")
     ring.require_inputs(case, op)
-    return replace(case, impl=ring.impl.spec, op=op)
+    return replace(ring.loss_of(case), impl=ring.impl.spec, op=op)
 
 
 def test_masked_attention_matches_reference(ring, case: MaskCase) -> None:
@@ -545,6 +560,7 @@ def test_any_mask_matches_reference(ring, pytestconfig, data) -> None:
     )  # differs between batch rows and heads: 2 of each at least
     pairs = 2 if per_row else None  # 2 batch rows and 2 key/value heads, or drawn
     spec = matrix.draw_inputs(data, caps, seq, heads_kv=pairs, batch=pairs)
+    spec = spec.with_(lse_grad=matrix.draw_lse_grad(data, caps))
     rotate = data.draw(
         st.sampled_from(
             [m for m in matrix.ROTATIONS if caps.claims("rotate_methods", m)]

@@ -43,6 +43,7 @@ from suites.matrix import (
     ROTATIONS,
     draw_claimed,
     draw_inputs,
+    draw_lse_grad,
     draw_world_size,
     drawn,
     generate,
@@ -82,6 +83,10 @@ def _case(w, layout, rotate, dtype, gqa, causal, cu_as, documents, lse, backward
         seq_kv=tokens,
         head_dim=HEAD_DIM,
         dtype=dtype,
+        # the loss uses the LSE too, on every other case that returns one and runs backward
+        lse_grad=lse
+        and backward
+        and seed_for(f"lse-grad {w} {layout} {documents} {cu_as}") % 2 == 1,
     )
     return PackedCase(
         spec,
@@ -129,6 +134,7 @@ def _cases(config) -> list:
             *(("gqa",) if c.inputs.heads_kv != c.inputs.heads else ()),
             *(() if c.return_lse else ("nolse",)),
             *(() if c.backward else ("fwd",)),
+            *(("lse-grad",) if c.inputs.lse_grad else ()),
         ),
     )
 
@@ -144,7 +150,7 @@ def _prepare(ring, case: PackedCase) -> PackedCase:
     if case.return_lse:
         ring.require("lse")
     ring.require_inputs(case, op)
-    return replace(case, impl=ring.impl.spec, op=op)
+    return replace(ring.loss_of(case), impl=ring.impl.spec, op=op)
 
 
 def _run_and_judge(ring, case: PackedCase) -> None:
@@ -198,6 +204,7 @@ def test_any_cu_seqlens_matches_reference(ring, pytestconfig, data) -> None:
     lse = caps.claims("lse") and data.draw(st.booleans(), label="return_lse")
     backward = caps.claims("backward") and data.draw(st.booleans(), label="backward")
     spec = draw_inputs(data, caps, tokens, dtype=dtype, batch=1)
+    spec = spec.with_(lse_grad=lse and backward and draw_lse_grad(data, caps))
     case = PackedCase(
         spec.with_(seed=seed_for(f"{spec!r} {cuts}")),
         w,

@@ -44,6 +44,7 @@ from suites.matrix import (
     LAYOUTS,
     draw_claimed,
     draw_inputs,
+    draw_lse_grad,
     draw_world_size,
     drawn,
     seed_for,
@@ -89,6 +90,10 @@ def _case(
         head_dim=16,
         head_dim_v=head_dim_v,
         dtype=dtype,
+        # the loss uses the LSE too, on every other case that returns one and runs backward
+        lse_grad=return_lse
+        and backward
+        and seed_for(f"lse-grad {w} {layout} {dtype} {heads_kv} {seq_kv} {sinks} {mask}") % 2 == 1,
     )
     return ReplicatedKVCase(
         spec,
@@ -115,6 +120,7 @@ def _id(c: ReplicatedKVCase) -> str:
             *(("sinks",) if c.sinks else ()),
             *(() if c.return_lse else ("nolse",)),
             *(() if c.backward else ("nobw",)),
+            *(("lse-grad",) if c.inputs.lse_grad else ()),
         ]
     )
 
@@ -224,6 +230,7 @@ def test_any_replicated_kv_matches_reference(ring, pytestconfig, data) -> None:
     seq_kv = data.draw(st.integers(1, 24), label="seq_kv")
     spec = draw_inputs(data, caps, seq_q).with_(seq_kv=seq_kv)
     sinks = caps.claims("sinks") and data.draw(st.booleans(), label="sinks")
+    spec = spec.with_(lse_grad=draw_lse_grad(data, caps))
     spec = spec.with_(seed=seed_for(f"{spec!r} {layout} {w} {sinks}"))
     case = ReplicatedKVCase(spec, w, layout=layout, sinks=sinks)
     _run_and_judge(ring, _prepare(ring, case))

@@ -73,6 +73,8 @@ def _cases(config) -> list:
                 batch=2 if (i + j) % 4 == 1 else 1,
                 heads_kv=2 if (i + j) % 2 else 4,
                 dtype=dtype,
+                lse_grad=(i // 2 + j) % 2 == 1,  # the loss uses the LSE too
+                noncontiguous=(i + j) % 3 == 2,  # a (batch, seq, heads, dim) model's views
             )
             out.append(
                 ScoreModCase(
@@ -94,6 +96,8 @@ def _cases(config) -> list:
             c.score_mod,
             *((c.mask,) if c.mask else ()),
             *(("sinks",) if c.sinks else ()),
+            *(("lse-grad",) if c.inputs.lse_grad else ()),
+            *(("bshd-views",) if c.inputs.noncontiguous else ()),
         ),
     )
 
@@ -116,6 +120,7 @@ def _strategy_cases(config) -> list[ScoreModCase]:
             seq_kv=64,
             head_dim=16,
             dtype=("float64", "float32")[i % 2],
+            lse_grad=i % 4 < 2,
         )
         out.append(
             ScoreModCase(
@@ -158,7 +163,7 @@ def _prepare(ring, case: ScoreModCase) -> ScoreModCase:
                 "explicit scores); the score_mod cases run with --op math or without --op"
             )
     ring.require_inputs(case, op)
-    return case.with_(impl=ring.impl.spec, op=op)
+    return ring.loss_of(case).with_(impl=ring.impl.spec, op=op)
 
 
 def _run_and_judge(ring, case: ScoreModCase) -> None:

@@ -42,6 +42,7 @@ from suites.matrix import (
     ROTATIONS,
     draw_claimed,
     draw_inputs,
+    draw_lse_grad,
     draw_world_size,
     drawn,
     params,
@@ -65,6 +66,7 @@ def _case(w, split, layout, mask, dtype, i, *, lse=True, backward=True) -> Uneve
         seq_kv=seq,
         head_dim=16,
         dtype=dtype,
+        lse_grad=lse and backward and i % 4 in (0, 1),  # the loss uses the LSE too
     )
     return UnevenCase(
         spec,
@@ -108,6 +110,7 @@ def _id(c: UnevenCase) -> tuple[str, ...]:
         f"hkv{c.inputs.heads_kv}",
         *(() if c.return_lse else ("nolse",)),
         *(() if c.backward else ("nobw",)),
+        *(("lse-grad",) if c.inputs.lse_grad else ()),
     )
 
 
@@ -155,6 +158,7 @@ def test_any_split_matches_reference(ring, pytestconfig, data) -> None:
     rotate = draw_claimed(data, caps, "rotate_methods", ROTATIONS, "rotate_method")
     dtype = data.draw(st.sampled_from(("float64", "float32")), label="dtype")
     spec = draw_inputs(data, caps, sum(lengths), dtype=dtype)
+    spec = spec.with_(lse_grad=draw_lse_grad(data, caps))
     spec = spec.with_(seed=seed_for(f"{spec!r} {lengths}"))
     case = UnevenCase(
         spec,
