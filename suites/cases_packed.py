@@ -25,7 +25,7 @@ from conformance.implementation import load_implementation
 from reference.budget import Verdict
 from reference.layout import positions as reference_positions
 from reference.masks import visibility
-from suites.cases import RingCase, backpropagate, local_results, resolve_case_op
+from suites.cases import RingCase, backpropagate, local_results, lse_shard, resolve_case_op
 from suites.cases_masks import MaskCase, _equals_attention_under
 from suites.inputs import make_inputs
 from suites.judge import judge_outputs, produced
@@ -151,9 +151,9 @@ def packed_case(ctx, case: PackedCase) -> dict[str, Any]:
     result = impl.obj.ring_attention(q, k, v, **kwargs)
     out, lse = result if case.return_lse else (result, None)
     if case.backward:
-        # the LSE's gradient in the packed LSE's layout: (heads, tokens_local)
-        dlse = None if g.grad_lse is None else shard(g.grad_lse.unsqueeze(-1)).squeeze(-1).T
-        backpropagate(out, lse, shard(g.grad_out), dlse)
+        dlse = lse_shard(g.grad_lse, shard, ctx.device)  # (tokens_local, heads)
+        # in the packed LSE's layout: (heads, tokens_local)
+        backpropagate(out, lse, shard(g.grad_out), None if dlse is None else dlse.T)
     return local_results(out, lse, q, k, v, lse_requires_grad=lse is not None and lse.requires_grad)
 
 

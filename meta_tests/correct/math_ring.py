@@ -150,16 +150,30 @@ def _uneven_rows(layout: str, lengths: tuple[int, ...], rank: int, rows: int) ->
     return torch.cat([real, torch.full((rows - real.numel(),), -1, dtype=torch.int64)])
 
 
-def _mask_visibility(mask, batch: int, heads: int, seq_q: int, seq_kv: int) -> torch.Tensor:
-    """(batch, heads, seq_q, seq_kv) bool: ``mask.visible`` (conformance.specs.MaskSpec) at every
-    global (batch row, head, query position, key position)."""
-    index = (
+def _grid(batch: int, heads: int, seq_q: int, seq_kv: int) -> tuple[torch.Tensor, ...]:
+    """flex attention's broadcasting index tensors b, h, q_idx, kv_idx over every (batch row,
+    head, query position, key position)."""
+    return (
         torch.arange(batch).view(-1, 1, 1, 1),
         torch.arange(heads).view(1, -1, 1, 1),
         torch.arange(seq_q).view(1, 1, -1, 1),
         torch.arange(seq_kv).view(1, 1, 1, -1),
     )
-    visible = torch.as_tensor(mask.visible(*index))
+
+
+def _global_lengths(query, key, group, lengths, replicated: bool) -> tuple[int, int]:
+    """(seq_q, seq_kv) of the call's global sequence: the shards' sum with ``lengths``, the whole
+    key/value with ``replicated``, else W equal shards of each."""
+    if lengths is not None:
+        return sum(lengths), sum(lengths)
+    world = group_rank(group)[0]
+    return query.shape[2] * world, key.shape[2] * (1 if replicated else world)
+
+
+def _mask_visibility(mask, batch: int, heads: int, seq_q: int, seq_kv: int) -> torch.Tensor:
+    """(batch, heads, seq_q, seq_kv) bool: ``mask.visible`` (conformance.specs.MaskSpec) at every
+    global (batch row, head, query position, key position)."""
+    visible = torch.as_tensor(mask.visible(*_grid(batch, heads, seq_q, seq_kv)))
     if visible.dtype != torch.bool:
         raise TypeError(f"mask.visible returned {visible.dtype}, not torch.bool")
     return visible.expand(batch, heads, seq_q, seq_kv)
@@ -669,12 +683,8 @@ def _call_mask(mask, query, key, group, lengths, replicated: bool):
         )
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
         return None, 0, None  # the input check says what is wrong with the tensors
-    world = group_rank(group)[0]
-    batch, heads, sq = query.shape[:3]
-    if lengths is not None:
-        seq_q = seq_kv = sum(lengths)
-    else:
-        seq_q, seq_kv = sq * world, key.shape[2] * (1 if replicated else world)
+    batch, heads = query.shape[:2]
+    seq_q, seq_kv = _global_lengths(query, key, group, lengths, replicated)
     try:
         visibility = _mask_visibility(mask, batch, heads, seq_q, seq_kv)
     except Exception as exc:  # a mask_mod that cannot run here fails on every rank, not this one
@@ -702,20 +712,12 @@ def _call_score_mod(score_mod, query, key, group, lengths) -> tuple[int, str | N
         )
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
         return 0, None  # the input check says what is wrong with the tensors
-    world = group_rank(group)[0]
-    batch, heads, sq = query.shape[:3]
-    seq_q, seq_kv = (
-        (sum(lengths),) * 2 if lengths is not None else (sq * world, key.shape[2] * world)
-    )
+    batch, heads = query.shape[:2]
+    seq_q, seq_kv = _global_lengths(query, key, group, lengths, False)
     acc = accumulation_dtype(query.dtype)
     probe = torch.linspace(-4.0, 4.0, seq_q * seq_kv, dtype=acc).reshape(1, 1, seq_q, seq_kv)
-    index = (
-        torch.arange(batch).view(-1, 1, 1, 1),
-        torch.arange(heads).view(1, -1, 1, 1),
-        torch.arange(seq_q).view(1, 1, -1, 1),
-        torch.arange(seq_kv).view(1, 1, 1, -1),
-    )
     try:
+        index = _grid(batch, heads, seq_q, seq_kv)
         values = score_mod(probe.expand(batch, heads, seq_q, seq_kv), *index)
         return digest(torch.as_tensor(values).expand(batch, heads, seq_q, seq_kv)), None
     except Exception as exc:  # raised on every rank by the input check, not on this one
