@@ -4,7 +4,9 @@ declare, the bytes of a key/value block for their schedules, and per-step record
 
 Written from the layout definition (design.md, "Layouts"), not from ring_impl: ``contiguous``
 cuts the sequence into W chunks and rank r holds chunk r; ``head_tail`` cuts it into 2W chunks and
-rank r holds chunks r and 2W-1-r, in that order.
+rank r holds chunks r and 2W-1-r, in that order. A balancer's layout is every rank's runs of
+global positions, registered on the process under a name derived from what built it
+(:func:`register_runs_layout`).
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ __all__ = [
     "digest",
     "group_rank",
     "local_positions",
+    "normalized_lse",
+    "op_problem",
     "record_step",
     "record_steps",
     "recording",
     "reduce_scatter",
+    "register_runs_layout",
     "widened",
 ]
 
@@ -91,8 +96,34 @@ def chunk_rows(layout: str, world_size: int, rank: int, seq_local: int) -> list[
     return [(c, slice(i * n, (i + 1) * n)) for i, c in enumerate(ids)]
 
 
+#: Runs layouts built on this process: name -> every rank's runs ((start, stop), ...) of global
+#: positions, in local order.
+_RUNS_LAYOUTS: dict[str, tuple[tuple[tuple[int, int], ...], ...]] = {}
+
+
+def register_runs_layout(name: str, runs) -> str:
+    """Register every rank's ``runs`` (one sequence of (start, stop) per rank) as layout ``name``
+    on this process (call it on every rank alike); returns ``name``."""
+    _RUNS_LAYOUTS[name] = tuple(tuple((int(a), int(b)) for a, b in rank_runs) for rank_runs in runs)
+    return name
+
+
+def _layout_code(layout: str) -> int:
+    """The check exchange's int64 for ``layout``: its index among the built-in ones, else a
+    digest of its runs above them."""
+    if layout in LAYOUTS:
+        return LAYOUTS.index(layout)
+    runs = repr(_RUNS_LAYOUTS[layout]).encode()
+    return len(LAYOUTS) + int.from_bytes(hashlib.blake2b(runs, digest_size=7).digest(), "little")
+
+
 def local_positions(layout: str, world_size: int, rank: int, seq_local: int) -> torch.Tensor:
     """(seq_local,) int64: the global sequence position of every local row."""
+    if layout in _RUNS_LAYOUTS:
+        runs = _RUNS_LAYOUTS[layout][rank]
+        return torch.cat(
+            [torch.arange(a, b) for a, b in runs] or [torch.zeros(0, dtype=torch.long)]
+        )
     parts = [
         torch.arange(c * (rows.stop - rows.start), (c + 1) * (rows.stop - rows.start))
         for c, rows in chunk_rows(layout, world_size, rank, seq_local)
@@ -238,8 +269,10 @@ def _checked(
             f"causal attention needs equal local query and key/value lengths, got {sq} and {skv}; "
             "cross attention (different lengths) is non-causal only"
         )
-    if layout not in LAYOUTS:
-        return "layout", f"unknown layout {layout!r}; expected one of {LAYOUTS}"
+    if not isinstance(layout, str) or layout not in (*LAYOUTS, *_RUNS_LAYOUTS):
+        return "layout", (
+            f"unknown layout {layout!r}; expected one of {LAYOUTS} or a balanced layout's name"
+        )
     if layout == "head_tail" and (sq % 2 or (skv % 2 and not replicated_kv)):
         return "layout", (
             "layout 'head_tail' holds two equal chunks per rank, so local lengths must be even, "
@@ -264,6 +297,23 @@ def _checked(
     if score_mod_problem is not None:
         return "score_mod", score_mod_problem
     return None if op_problem is None else ("op", op_problem)
+
+
+def _runs_problem(layout, world: int, rank: int, query, key, replicated_kv: bool):
+    """What is wrong with a runs layout for this rank's shards, or None (also for the built-in
+    layouts); called once the shards and the layout's name have passed :func:`_checked`."""
+    if layout not in _RUNS_LAYOUTS:
+        return None
+    runs = _RUNS_LAYOUTS[layout]
+    held = sum(b - a for a, b in runs[rank]) if len(runs) == world else None
+    sq, skv = query.shape[2], key.shape[2]
+    if held == sq and (skv == sq or replicated_kv):
+        return None
+    return "layout", (
+        f"layout {layout!r} was built for {len(runs)} ranks, rank {rank} holding {held} tokens, "
+        f"but this call is on {world} ranks with query {sq} and key/value {skv} local tokens; "
+        "build the layout for this call's sequence and group"
+    )
 
 
 def _tensor_problem(query, key, value, packed: bool = False) -> str | None:
@@ -320,7 +370,9 @@ def _describe(field: str, value: int) -> str:
     if field in ("is_causal", "replicated_kv"):
         return str(bool(value))
     if field == "layout":
-        return repr(LAYOUTS[value])
+        if value < len(LAYOUTS):
+            return repr(LAYOUTS[value])
+        return f"a balanced layout (digest {value - len(LAYOUTS):014x})"
     if field == "rotate_method":
         return repr(ROTATE_METHODS[value])
     if field == "scale":
@@ -386,7 +438,7 @@ def check_inputs(
         sinks_problem=sinks_problem,
         score_mod_problem=score_mod_problem,
         packed=packed,
-    )
+    ) or _runs_problem(layout, world, rank, query, key, replicated_kv)
     if world == 1:
         if problem is not None:
             raise CorrectRingError(f"ring_attention: {problem[1]}")
@@ -404,7 +456,7 @@ def check_inputs(
             d,
             _DTYPE_CODES[query.dtype],
             int(is_causal),
-            LAYOUTS.index(layout),
+            _layout_code(layout),
             ROTATE_METHODS.index(rotate_method),
             struct.unpack("<q", struct.pack("<d", resolved))[0],
             int(replicated_kv),
@@ -472,6 +524,68 @@ def group_rank(group) -> tuple[int, int]:
 
 def _resolved_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+# ------------------------------------------------------------------------- attention ops
+
+
+def op_problem(op, query, *, scale, is_causal, ring: str, fallback: str) -> str | None:
+    """Why ``op=`` (an attention-op object: ``forward``, ``backward``, ``capabilities`` as in
+    ring_impl/ops/contract.py) cannot run this call in ``ring``, or None; ``fallback`` names what
+    runs with ``op=None``. Never raises: a raise on one rank would leave the others waiting in
+    the check's all-gather."""
+    if op is None:
+        return None
+    if isinstance(op, str) or not all(
+        hasattr(op, a) for a in ("forward", "backward", "capabilities")
+    ):
+        return (
+            f"op={op!r}: {ring} takes an attention op object (forward, backward, capabilities "
+            f"as in ring_impl/ops.py), not a name; leave op=None for {fallback}"
+        )
+    name = getattr(op, "name", op)
+    try:
+        caps = op.capabilities
+        if getattr(caps, "lse_layout", None) not in ("bhs", "bhs1", "bhs_padded32"):
+            return (
+                f"attention op {name!r} declares an unknown LSE layout "
+                f"{getattr(caps, 'lse_layout', None)!r}"
+            )
+        if isinstance(query, torch.Tensor) and query.dim() == 4:
+            try:  # with the call's scale and causality, where the op takes them (its known faults)
+                why = caps.unsupported(
+                    query.device, query.dtype, query.shape[-1], scale=scale, is_causal=is_causal
+                )
+            except TypeError:
+                why = caps.unsupported(query.device, query.dtype, query.shape[-1])
+            if why is not None:
+                return (
+                    f"attention op {name!r} does not support this input (scale {scale!r}, "
+                    f"is_causal {is_causal!r}): {why}; leave op=None for {fallback}"
+                )
+    except Exception as exc:
+        return (
+            f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: "
+            f"{exc})"
+        )
+    return None
+
+
+def normalized_lse(op, lse: torch.Tensor, batch: int, heads: int, seq_q: int) -> torch.Tensor:
+    """An op's forward LSE in its declared layout (``bhs``, ``bhs1``: (b, h, s, 1), or
+    ``bhs_padded32``: (b, h, ceil(s/32)*32), the padding not part of the result) as (b, h, s)."""
+    layout = op.capabilities.lse_layout
+    if layout == "bhs1":
+        lse = lse.squeeze(-1)
+    elif layout == "bhs_padded32":
+        lse = lse[..., :seq_q]
+    if tuple(lse.shape) != (batch, heads, seq_q):
+        raise RuntimeError(
+            f"attention op {getattr(op, 'name', op)!r} returned LSE {tuple(lse.shape)} in layout "
+            f"{layout!r}, expected (batch, heads, seq_q) = {(batch, heads, seq_q)} after "
+            "normalising"
+        )
+    return lse
 
 
 # ------------------------------------------------------------------ capabilities and schedules

@@ -53,6 +53,8 @@ from meta_tests.correct.common import (
     check_schedule_request,
     chunk_rows,
     correct_capabilities,
+    normalized_lse,
+    op_problem,
     record_step,
     record_steps,
     recording,
@@ -176,29 +178,18 @@ class _OpKernel:
     def __init__(self, op):
         self.op = op
         self.gqa = bool(op.capabilities.gqa)
-        self.lse_layout = op.capabilities.lse_layout
 
     def forward(self, q, k, v, *, is_causal, scale):
         out, lse = self.op.forward(q, k, v, is_causal=is_causal, scale=scale)
-        b, h, sq = q.shape[:3]
-        if self.lse_layout == "bhs1":
-            lse = lse.squeeze(-1)
-        elif self.lse_layout == "bhs_padded32":
-            lse = lse[..., :sq]  # the padding beyond seq_q is not part of the result
-        if tuple(lse.shape) != (b, h, sq):
-            raise RuntimeError(
-                f"attention op {self.op.name!r} returned LSE {tuple(lse.shape)} in layout "
-                f"{self.lse_layout!r}, expected (batch, heads, seq_q) = {(b, h, sq)} after "
-                "normalising"
-            )
-        return out, lse
+        return out, normalized_lse(self.op, lse, *q.shape[:3])
 
     def backward(self, do, q, k, v, o, lse, *, is_causal, scale):
         return self.op.backward(do, q, k, v, o, lse, is_causal=is_causal, scale=scale)
 
     @staticmethod
     def faults(*, is_causal: bool, scale: float) -> bool:
-        """An op's declared faults reject the call up front (see :func:`_op_problem`)."""
+        """An op's declared faults reject the call up front
+        (:func:`meta_tests.correct.common.op_problem`)."""
         return False
 
 
@@ -275,48 +266,6 @@ def _kernel_for(kernel, *tensors: torch.Tensor, is_causal: bool, scale: float):
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
         return _Exact
     return kernel
-
-
-def _op_problem(op, query, *, scale, is_causal) -> str | None:
-    """Why ``op=`` cannot be used for this call, or None (never raises)."""
-    if op is None:
-        return None
-    if isinstance(op, str) or not all(
-        hasattr(op, a) for a in ("forward", "backward", "capabilities")
-    ):
-        return (
-            f"op={op!r}: flash_ring takes an attention op object (forward, backward, capabilities "
-            "as in ring_impl/ops.py), not a name; leave op=None for the CPU flash kernel"
-        )
-    name = getattr(op, "name", op)
-    try:
-        caps = op.capabilities
-        if getattr(caps, "lse_layout", None) not in ("bhs", "bhs1", "bhs_padded32"):
-            return (
-                f"attention op {name!r} declares an unknown LSE layout "
-                f"{getattr(caps, 'lse_layout', None)!r}"
-            )
-        if isinstance(query, torch.Tensor) and query.dim() == 4:
-            try:  # with the call's scale and causality, where the op takes them (its known faults)
-                why = caps.unsupported(
-                    query.device, query.dtype, query.shape[-1], scale=scale, is_causal=is_causal
-                )
-            except TypeError:
-                why = caps.unsupported(query.device, query.dtype, query.shape[-1])
-            if why is not None:
-                return (
-                    f"attention op {name!r} does not support this input (scale {scale!r}, "
-                    f"is_causal {is_causal!r}): {why}; leave op=None for the CPU flash kernel, "
-                    "which is routed around its faults"
-                )
-    except (
-        Exception
-    ) as exc:  # raising here on one rank only would leave the others in the check's collective
-        return (
-            f"attention op {name!r}: its capabilities could not be read ({type(exc).__name__}: "
-            f"{exc})"
-        )
-    return None
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -480,7 +429,14 @@ def ring_attention(
         layout=layout,
         rotate_method=rotate_method,
         rotate_methods=ROTATE_METHODS,
-        op_problem=_op_problem(op, query, scale=scale, is_causal=is_causal),
+        op_problem=op_problem(
+            op,
+            query,
+            scale=scale,
+            is_causal=is_causal,
+            ring="flash_ring",
+            fallback="the CPU flash kernel, which is routed around its faults",
+        ),
     )
     kernel = _CpuFlash() if op is None else _OpKernel(op)
     out, lse = _FlashRingFn.apply(

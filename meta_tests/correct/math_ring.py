@@ -18,6 +18,19 @@ Rotations (every rank issues the same collectives in the same order, whatever it
 A block no query of this rank sees (causal, or under the mask) is not computed; a block some
 queries see is computed with the mask from global positions.
 
+With ``op=`` an attention-op object (ring_impl/ops/contract.py's contract, what the suites pass
+to count or record kernel calls), a block runs as that op's calls on its pieces: one per (run of
+consecutive query positions, run of key positions) that holds a visible pair, without a mask
+when all of it is visible, ``is_causal`` when it is exactly top-left causal, else with its
+visibility as ``attn_mask`` (this ring's own math for an op without ``masks``). Every visible
+pair is computed once, no hidden one, and no call computes nothing. The pieces' normalised
+partials join the same online softmax; backward gives the op the final output and LSE.
+
+Layouts: ``contiguous``, ``head_tail``, and the balancers' (:func:`balanced_layout`, for one
+mask or a model's weighted masks): ``document_head_tail``, head_tail within every document, and
+``work_aware``, equal chunks dealt to the ranks by the visible pairs of their rows; each is
+registered on the process under a name equal calls share.
+
 Masks, sinks and score_mods come as the conformance protocol hands them (conformance/specs.py)
 and are read only through it: ``mask.visible(b, h, q_idx, kv_idx)`` is evaluated once per call
 on every global (batch row, head, query, key) and each block takes its rows and columns of
@@ -51,6 +64,7 @@ head group).
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -68,9 +82,12 @@ from meta_tests.correct.common import (
     digest,
     group_rank,
     local_positions,
+    normalized_lse,
+    op_problem,
     record_step,
     record_steps,
     recording,
+    register_runs_layout,
     widened,
 )
 
@@ -212,6 +229,12 @@ class _Blocks:
             return _uneven_rows(self.layout, self.lengths, rank, rows)
         return local_positions(self.layout, self.setup.world_size, rank, rows)
 
+    def positions(self, kv_rank: int, sq: int, sk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sq,) and (sk,) int64: the global positions of this rank's query rows and of the
+        block's keys (-1 for an uneven shard's padding)."""
+        qpos = self._positions(self.setup.rank, sq)
+        return qpos, torch.arange(sk) if self.replicated else self._positions(kv_rank, sk)
+
     def modifier(self, kv_rank: int, sq: int, sk: int):
         """The block's score change, (b, hkv, g, sq, sk) -> the same: the call's ``score_mod``
         at the global query heads and the rows' and keys' global positions; None without one."""
@@ -238,8 +261,7 @@ class _Blocks:
         (b, hkv, g, sq, sk) bool mask."""
         if self.lengths is None and self.mask is None and not self.is_causal:
             return "full", None
-        qpos = self._positions(self.setup.rank, sq)
-        kpos = torch.arange(sk) if self.replicated else self._positions(kv_rank, sk)
+        qpos, kpos = self.positions(kv_rank, sq, sk)
         visible = (qpos[:, None] >= 0) & (kpos[None, :] >= 0)
         if self.is_causal:
             visible = visible & (kpos[None, :] <= qpos[:, None])
@@ -269,17 +291,35 @@ class _Online:
             self.l = torch.ones((b, hkv, g, sq), dtype=q5.dtype)
         self.acc = torch.zeros_like(q5)
 
-    def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
-        """Fold in one block: scores s (b, hkv, g, sq, sk)
-        (-inf where masked), v (b, hkv, sk, d)."""
-        m_new = torch.maximum(self.m, s.amax(-1))
+    def add(self, s: torch.Tensor, v: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Fold in one block: scores s (b, hkv, g, n, sk) of the rows ``rows`` (-inf where
+        masked), v (b, hkv, sk, d)."""
+        self._fold(rows, s.amax(-1), lambda shift: torch.exp(s - shift.unsqueeze(-1)), v)
+
+    def add_partial(self, out5: torch.Tensor, lse5: torch.Tensor, rows: slice = slice(None)):
+        """Fold in a normalised partial of the rows ``rows``: out5 (b, hkv, g, n, d) and lse5
+        (b, hkv, g, n), the softmax over some keys and its log-sum-exp (-inf: no key seen, and
+        then out5 is not read)."""
+        out5 = torch.where((lse5 == float("-inf")).unsqueeze(-1), 0.0, out5)
+        self._fold(rows, lse5, lambda shift: torch.exp(lse5 - shift), out5)
+
+    def _fold(self, rows: slice, peak: torch.Tensor, weights, values: torch.Tensor) -> None:
+        """The online-softmax step on ``rows``: ``peak`` (b, hkv, g, n) the new terms' largest
+        log-weight, ``weights(shift)`` their weights exp(. - shift), ``values`` the vectors they
+        weigh ((b, hkv, sk, d) for scores, (b, hkv, g, n, d) for one normalised partial)."""
+        m = self.m[..., rows]
+        m_new = torch.maximum(m, peak)
         # Rows that have seen no key yet keep m = -inf; shift by 0 there so exp gives 0, not NaN.
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - shift.unsqueeze(-1))
-        alpha = torch.exp(self.m - shift)
-        self.l = self.l * alpha + p.sum(-1)
-        self.acc = self.acc * alpha.unsqueeze(-1) + torch.matmul(p, v.unsqueeze(2))
-        self.m = m_new
+        p = weights(shift)
+        alpha = torch.exp(m - shift)
+        if p.dim() == 5:  # scores: p (b, hkv, g, n, sk) weighs the block's value rows
+            total, weighted = p.sum(-1), torch.matmul(p, values.unsqueeze(2))
+        else:  # a partial: one weight per row for its output
+            total, weighted = p, p.unsqueeze(-1) * values
+        self.l[..., rows] = self.l[..., rows] * alpha + total
+        self.acc[..., rows, :] = self.acc[..., rows, :] * alpha.unsqueeze(-1) + weighted
+        self.m[..., rows] = m_new
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out (b, hkv, g, sq, d), lse (b, hkv, g, sq)); rows that saw nothing: out 0, lse -inf
@@ -344,6 +384,158 @@ def _sinks_grad(sinks, lse5: torch.Tensor, delta: torch.Tensor, heads_kv: int):
     return (-(p * delta).sum(dim=(0, 3))).reshape(-1).to(sinks.dtype)
 
 
+# ------------------------------------------------------------------------- attention ops
+
+
+def _runs(pos: list[int]) -> list[slice]:
+    """Local ranges of consecutive global positions (a shard's padding, -1, is a range of its
+    own): the pieces a layout cuts a shard into (head_tail: its two chunks)."""
+    starts = [
+        i
+        for i in range(len(pos))
+        if i == 0 or (pos[i] < 0) != (pos[i - 1] < 0) or (pos[i] >= 0 and pos[i] != pos[i - 1] + 1)
+    ]
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], len(pos)])]
+
+
+def _pieces(kind: str, visible, qpos: torch.Tensor, kpos: torch.Tensor, sq: int, sk: int):
+    """The kernel calls of one block, (rows, cols, is_causal, mask): the whole block when it is
+    all visible, else one call per (run of query rows, run of keys) with a visible pair, all
+    visible (no mask), exactly top-left causal (``is_causal``), or with its visibility ((n, m)
+    or (b, hkv, g, n, m) bool). Each visible pair is computed once and no hidden one is."""
+    if kind == "full":
+        return [(slice(0, sq), slice(0, sk), False, None)]
+    pieces = []
+    for rows in _runs(qpos.tolist()):
+        for cols in _runs(kpos.tolist()):
+            vis = visible[..., rows, cols]
+            if not bool(vis.any()):
+                continue
+            n, m = vis.shape[-2:]
+            if bool(vis.all()):
+                pieces.append((rows, cols, False, None))
+            elif n == m and bool((vis == torch.ones(n, n, dtype=torch.bool).tril()).all()):
+                pieces.append((rows, cols, True, None))
+            else:
+                pieces.append((rows, cols, False, vis))
+    return pieces
+
+
+class _Op:
+    """An attention-op object given as ``op=`` (ring_impl/ops/contract.py's contract): a block's
+    pieces (:func:`_pieces`) run through its ``forward`` and ``backward``, the ones its
+    ``capabilities`` cannot express (a mask, for an op without ``masks``) through this ring's own
+    math. Its LSE comes in its declared layout (:func:`normalized_lse`); key/value heads are
+    expanded for an op without ``gqa``; an LSE gradient goes in as ``grad_lse=`` to an op with
+    ``lse_grad``, else folded into one extra head-dim column (zero for query and key and the
+    output, one for value, the LSE gradient for dO: dS gains P * dLSE)."""
+
+    def __init__(self, op):
+        self.op = op
+        caps = op.capabilities
+        self.masks, self.gqa = bool(getattr(caps, "masks", False)), bool(caps.gqa)
+        self.lse_grad = bool(getattr(caps, "lse_grad", False))
+
+    def takes(self, mask) -> bool:
+        return mask is None or self.masks
+
+    def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        return t if self.gqa else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+    @staticmethod
+    def _keywords(causal: bool, mask, scale: float) -> dict:
+        kw: dict = {"is_causal": causal, "scale": scale}
+        if mask is not None:  # (n, m) or (b, hkv, g, n, m) -> the kernel's (b | 1, h | 1, n, m)
+            b, hkv, g = mask.shape[:3] if mask.dim() == 5 else (1, 1, 1)
+            kw["attn_mask"] = mask.reshape(b, hkv * g, *mask.shape[-2:])
+        return kw
+
+    def forward(self, q, k, v, causal: bool, mask, scale: float, acc: torch.dtype):
+        """q (b, h, n, d), k/v (b, hkv, m, d) in the input dtype -> out (b, hkv, g, n, d) and
+        lse (b, hkv, g, n) in ``acc``; rows that see nothing here: LSE -inf."""
+        b, h, n = q.shape[:3]
+        hkv = k.shape[1]
+        args = (q.contiguous(), self._heads(k, h).contiguous(), self._heads(v, h).contiguous())
+        out, lse = self.op.forward(*args, **self._keywords(causal, mask, scale))
+        lse = normalized_lse(self.op, lse, b, h, n).to(acc)
+        out5, lse5 = _grouped(out.to(acc), hkv), lse.reshape(b, hkv, h // hkv, n)
+        if mask is not None:
+            lse5 = torch.where(mask.any(-1), lse5, float("-inf"))
+        return out5, lse5
+
+    def backward(self, grad_out, q, k, v, out, lse, grad_lse, causal, mask, scale, acc):
+        """grad_out/out (b, h, n, d) in the input dtype, lse/grad_lse (b, h, n) (grad_lse may be
+        None) -> dq (b, h, n, d), dk/dv (b, hkv, m, d) in ``acc``. Rows that see no key at all
+        (LSE -inf) contribute nothing: they go in with LSE 0 and a zero output gradient."""
+        h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+        unseen = lse == float("-inf")
+        lse = torch.where(unseen, 0.0, lse)
+        grad_out = torch.where(unseen.unsqueeze(-1), 0, grad_out)
+        k, v = self._heads(k, h), self._heads(v, h)
+        kw = self._keywords(causal, mask, scale)
+        if grad_lse is not None:
+            grad_lse = torch.where(unseen, 0.0, grad_lse)
+            if self.lse_grad:
+                kw["grad_lse"] = grad_lse
+            else:
+                q, k, out = (torch.nn.functional.pad(t, (0, 1)) for t in (q, k, out))
+                v = torch.nn.functional.pad(v, (0, 1), value=1.0)
+                grad_out = torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], -1)
+        args = (grad_out, q, k, v, out)
+        dq, dk, dv = self.op.backward(*(t.contiguous() for t in args), lse.contiguous(), **kw)
+        dq, dk, dv = (t[..., :d].to(acc) for t in (dq, dk, dv))
+        if not self.gqa:
+            dk, dv = (t.reshape(t.shape[0], hkv, h // hkv, *t.shape[2:]).sum(2) for t in (dk, dv))
+        return dq, dk, dv
+
+
+def _op_step(op: _Op, query, q5, block, kind: str, visible, qpos, kpos, scale: float):
+    """One ring step's partial over all of this rank's rows, (out (b, hkv, g, sq, d), lse
+    (b, hkv, g, sq)) in the accumulation dtype, from the op's calls on the block's pieces."""
+    acc, k, v = q5.dtype, block[0], block[1]
+    step = _Online(q5)
+    for rows, cols, causal, mask in _pieces(kind, visible, qpos, kpos, q5.shape[3], k.shape[2]):
+        if op.takes(mask):
+            out5, lse5 = op.forward(
+                query[:, :, rows], k[:, :, cols], v[:, :, cols], causal, mask, scale, acc
+            )
+            step.add_partial(out5, lse5, rows)
+        else:  # a mask the op cannot take: this ring's own math on the piece
+            s = _scores(q5[..., rows, :], widened(k[:, :, cols], acc), scale, mask)
+            step.add(s, widened(v[:, :, cols], acc), rows)
+    return step.result()
+
+
+def _math_grads(q5, do5, lse5, delta, k, v, scale: float, visible, modify):
+    """Gradients of one block from this ring's own math: q5/do5 (b, hkv, g, n, d), lse5/delta
+    (b, hkv, g, n), k/v (b, hkv, m, d), all in the accumulation dtype, ``visible`` the block's
+    visibility or None, ``modify`` its score change or None -> (dq5, dk, dv)."""
+    if modify is None:
+        s = _scores(q5, k, scale, visible)
+    else:  # dS reaches the scaled logits through the score_mod's own derivative
+        with torch.enable_grad():
+            raw = _scores(q5, k, scale, None).requires_grad_()
+            modified = modify(raw)
+        s = modified.detach()
+        if visible is not None:
+            s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there ...
+    if visible is not None:
+        # ... unless the row's LSE is NaN (a NaN input reaches the row): exp(-inf - NaN)
+        # is NaN, which would reach the dK/dV of keys the row does not see.
+        p = p.masked_fill(~visible, 0.0)
+    dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
+    dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    if visible is not None:  # p = 0 times a NaN of dP (a NaN value the row does not see)
+        ds = ds.masked_fill(~visible, 0.0)
+    if modify is not None:
+        ds = torch.autograd.grad(modified, raw, ds)[0]
+    dq5 = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * scale
+    return dq5, dk, dv
+
+
 class _MathRingFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -356,7 +548,9 @@ class _MathRingFn(torch.autograd.Function):
         blocks: _Blocks,
         method: str,
         with_max_logit: bool = False,
+        op: _Op | None = None,
     ):
+        ctx.set_materialize_grads(False)
         acc = accumulation_dtype(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
@@ -376,7 +570,17 @@ class _MathRingFn(torch.autograd.Function):
             kv_rank = (r - step) % w
             block = gathered[kv_rank] if gathered is not None else kv
             kind, visible = blocks.visibility(kv_rank, sq, sk)
-            if kind != "skip":
+            if kind != "skip" and op is not None:
+                qpos, kpos = blocks.positions(kv_rank, sq, sk)
+                out5, lse5 = _op_step(op, query, q5, block, kind, visible, qpos, kpos, setup.scale)
+                state.add_partial(out5, lse5)
+                if recording():
+                    q_rows, flat = (0, sq), (b, h, sq)
+                    out_s, lse_s = out5.reshape(*flat, d), lse5.reshape(flat)
+                    record_step(
+                        rank=r, step=step, kv_rank=kv_rank, q_rows=q_rows, out=out_s, lse=lse_s
+                    )
+            elif kind != "skip":
                 k, v = widened(block[0], acc), widened(block[1], acc)
                 s = _scores(q5, k, setup.scale, visible, blocks.modifier(kv_rank, sq, sk))
                 if best is not None:  # s (b, hkv, g, sq, sk): head kv * g + j
@@ -398,7 +602,7 @@ class _MathRingFn(torch.autograd.Function):
             gathered if gathered is not None else torch.empty(0),
             sinks,
         )
-        ctx.setup, ctx.blocks, ctx.method, ctx.steps = setup, blocks, method, steps
+        ctx.setup, ctx.blocks, ctx.method, ctx.steps, ctx.op = setup, blocks, method, steps, op
         ctx.gathered = gathered is not None
         if best is None:
             return out, lse
@@ -412,11 +616,13 @@ class _MathRingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_max_logit=None):
         query, key, value, out, lse, gathered, sinks = ctx.saved_tensors
-        setup, blocks, method, steps = ctx.setup, ctx.blocks, ctx.method, ctx.steps
+        setup, blocks, method, steps, op = ctx.setup, ctx.blocks, ctx.method, ctx.steps, ctx.op
         acc = accumulation_dtype(query.dtype)
         b, h, sq, d = query.shape
         hkv, sk = key.shape[1], key.shape[2]
         w, r = setup.world_size, setup.rank
+        if grad_out is None:  # a loss of the LSE alone
+            grad_out = torch.zeros_like(out)
         q5, do5, lse5, delta = _row_terms(query, key, out, lse, grad_out, grad_lse)
         dq5 = torch.zeros_like(q5)
 
@@ -427,31 +633,40 @@ class _MathRingFn(torch.autograd.Function):
             if kind == "skip":
                 return None
             k, v = widened(block[0], acc), widened(block[1], acc)
-            modify = blocks.modifier(kv_rank, sq, sk)
-            if modify is None:
-                s = _scores(q5, k, setup.scale, visible)
-            else:  # dS reaches the scaled logits through the score_mod's own derivative
-                with torch.enable_grad():
-                    raw = _scores(q5, k, setup.scale, None).requires_grad_()
-                    modified = modify(raw)
-                s = modified.detach()
-                if visible is not None:
-                    s = s.masked_fill(~visible, float("-inf"))
-            p = torch.exp(s - lse5.unsqueeze(-1))  # masked scores are -inf: p = 0 there ...
-            if visible is not None:
-                # ... unless the row's LSE is NaN (a NaN input reaches the row): exp(-inf - NaN)
-                # is NaN, which would reach the dK/dV of keys the row does not see.
-                p = p.masked_fill(~visible, 0.0)
-            dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
-            dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2))
-            ds = p * (dp - delta.unsqueeze(-1))
-            if visible is not None:  # p = 0 times a NaN of dP (a NaN value the row does not see)
-                ds = ds.masked_fill(~visible, 0.0)
-            if modify is not None:
-                ds = torch.autograd.grad(modified, raw, ds)[0]
-            dq5.add_(torch.matmul(ds, k.unsqueeze(2)) * setup.scale)
-            dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * setup.scale
-            return torch.stack([dk, dv])
+            if op is None:
+                modify = blocks.modifier(kv_rank, sq, sk)
+                dq, dk, dv = _math_grads(q5, do5, lse5, delta, k, v, setup.scale, visible, modify)
+                dq5.add_(dq)
+                return torch.stack([dk, dv])
+            dkv = torch.zeros((2, b, hkv, sk, d), dtype=acc)
+            qpos, kpos = blocks.positions(kv_rank, sq, sk)
+            for rows, cols, causal, mask in _pieces(kind, visible, qpos, kpos, sq, sk):
+                if op.takes(mask):
+                    dlse = None if grad_lse is None else grad_lse[:, :, rows]
+                    q_part = (grad_out[:, :, rows], query[:, :, rows])
+                    kv_part = (block[0][:, :, cols], block[1][:, :, cols])
+                    row_part = (out[:, :, rows], lse[:, :, rows], dlse)
+                    dq, dk, dv = op.backward(
+                        *q_part, *kv_part, *row_part, causal, mask, setup.scale, acc
+                    )
+                    dq = _grouped(dq, hkv)
+                else:  # as in forward: this ring's own math on a piece the op cannot take
+                    at = (slice(None),) * 3 + (rows,)
+                    dq, dk, dv = _math_grads(
+                        q5[at],
+                        do5[at],
+                        lse5[at],
+                        delta[at],
+                        k[:, :, cols],
+                        v[:, :, cols],
+                        setup.scale,
+                        mask,
+                        None,
+                    )
+                dq5[..., rows, :] += dq
+                dkv[0][:, :, cols] += dk
+                dkv[1][:, :, cols] += dv
+            return dkv
 
         if ctx.gathered:
             contributions = torch.zeros((w, 2, b, hkv, sk, d), dtype=acc)
@@ -481,7 +696,8 @@ class _MathRingFn(torch.autograd.Function):
                     dkv = hop(dkv)
         dq = dq5.reshape(b, h, sq, d).to(query.dtype)
         dsinks = _sinks_grad(sinks, lse5, delta, hkv)
-        return dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), dsinks, None, None, None, None
+        grads = (dq, dkv[0].to(key.dtype), dkv[1].to(value.dtype), dsinks)
+        return (*grads, None, None, None, None, None)
 
 
 def ring_attention(
@@ -551,12 +767,14 @@ def ring_attention(
             cu_seqlens, query, group, mask, shard_lengths or replicated_kv
         )
     rotate_method = "p2p" if rotate_method is None else rotate_method
-    problem = (
-        None
-        if op is None
-        else f"op={op!r} given, but math_ring always runs its own "
-        "kernel per step (capabilities.ops is empty); leave op=None"
+    problem = op_problem(
+        op, query, scale=scale, is_causal=is_causal, ring="math_ring", fallback="its own math"
     )
+    if problem is None and op is not None and (score_mod is not None or return_max_logit):
+        problem = (
+            "math_ring runs a score_mod and takes the max logit from its own scores, not an op's: "
+            "pass op=None with score_mod= or return_max_logit=True"
+        )
     lengths = None
     check_layout = layout
     replicated = bool(replicated_kv)
@@ -607,7 +825,8 @@ def ring_attention(
     blocks = _Blocks(
         setup, layout, is_causal, key.shape[1], lengths, visibility, replicated, score_mod
     )
-    args = (query, key, value, sinks, setup, blocks, rotate_method, bool(return_max_logit))
+    kernel = None if op is None else _Op(op)
+    args = (query, key, value, sinks, setup, blocks, rotate_method, bool(return_max_logit), kernel)
     out, lse, *max_logit = _MathRingFn.apply(*args)
     if lengths is not None:
         n = lengths[setup.rank]
@@ -752,6 +971,10 @@ def _uneven_problem(query, key, value, lengths, group, layout) -> str | None:
     world, rank = group_rank(group)
     if len(lengths) != world or min(lengths) < 0 or sum(lengths) < 1:
         return f"shard_lengths must hold {world} ints >= 0 with a positive sum, got {list(lengths)}"
+    if layout not in ("contiguous", "head_tail"):
+        return (
+            f"math_ring takes shard_lengths with layout 'contiguous' or 'head_tail', not {layout!r}"
+        )
     if layout == "head_tail":
         chunks = [len(c) for c in torch.arange(sum(lengths)).tensor_split(2 * world)]
         own = tuple(chunks[r] + chunks[2 * world - 1 - r] for r in range(world))
@@ -764,6 +987,145 @@ def _uneven_problem(query, key, value, lengths, group, layout) -> str | None:
         if t.dim() != 4 or t.shape[2] != lengths[rank]:
             return f"{name} must hold shard_lengths[{rank}] = {lengths[rank]} rows on rank {rank}"
     return None
+
+
+# ------------------------------------------------------------------------------- balancer
+
+
+def _document_spans(mask, seq_len: int) -> list[tuple[int, int]]:
+    """The documents of a mask's plain data (conformance.specs.MaskSpec, ``"document"`` nodes
+    anywhere under ``"and"``/``"or"``) as consecutive (start, stop) spans covering the sequence;
+    padding (id -1, or past the last ``cu_seqlens`` boundary) is a span like any other, and a
+    mask without documents is one document."""
+    found: list[list[tuple[int, int]]] = []
+
+    def walk(node) -> None:
+        if node["kind"] in ("and", "or"):
+            for inner in node["masks"]:
+                walk(inner)
+        elif node["kind"] == "document":
+            if "cu_seqlens" in node:
+                bounds = [int(x) for x in node["cu_seqlens"]]
+                ends = [*bounds[1:], *([seq_len] if bounds[-1] < seq_len else [])]
+                found.append([(a, b) for a, b in zip(bounds, ends) if b > a])
+                return
+            ids = torch.as_tensor(node["doc_ids"]).reshape(-1).tolist()
+            if len(ids) != seq_len:
+                raise ValueError(f"doc_ids hold {len(ids)} ids for a sequence of {seq_len}")
+            starts = [i for i in range(seq_len) if i == 0 or ids[i] != ids[i - 1]]
+            found.append(list(zip(starts, [*starts[1:], seq_len])))
+
+    walk(mask)
+    if any(spans != found[0] for spans in found):
+        raise ValueError("the mask's document nodes disagree on the documents")
+    return found[0] if found else [(0, seq_len)]
+
+
+def _document_head_tail(spans: list[tuple[int, int]], world: int) -> list[list[tuple[int, int]]]:
+    """Every rank's runs: head_tail within each document (2W chunks, rank r taking chunks r and
+    2W-1-r), the ``L mod 2W`` tokens a document of L leaves over dealt one per rank in turn (the
+    turn going on from document to document), to the heads first, then the tails. Over a sequence
+    of a multiple of W tokens every rank gets the same count."""
+    runs: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    turn = 0
+    for start, stop in spans:
+        base, left_over = divmod(stop - start, 2 * world)
+        head, tail = [base] * world, [base] * world
+        for i in range(left_over):
+            (head if i < world else tail)[(turn + i) % world] += 1
+        turn = (turn + left_over) % world
+        at = start
+        for rank, size in [*enumerate(head), *reversed(list(enumerate(tail)))]:
+            if size:
+                runs[rank].append((at, at + size))
+            at += size
+    return [_merged(rank_runs) for rank_runs in runs]
+
+
+def _work_aware(weights: list[float], world: int, per_rank: int) -> list[list[int]]:
+    """Every rank's chunks (ascending), ``per_rank`` each, dealt by their ``weights`` (the work
+    of each chunk's rows): heaviest first, each to the least loaded rank with room; then, while
+    some swap of a chunk of the most loaded rank with one of another rank lowers the larger of
+    the two ranks' loads below the most loaded one's, the best such swap."""
+    held: list[list[int]] = [[] for _ in range(world)]
+    load = [0.0] * world
+    for c in sorted(range(len(weights)), key=lambda c: (-weights[c], c)):
+        r = min((r for r in range(world) if len(held[r]) < per_rank), key=lambda r: (load[r], r))
+        held[r].append(c)
+        load[r] += weights[c]
+    for _ in range(4 * len(weights)):  # each swap lowers the sorted loads: a bound, not a limit
+        top = max(range(world), key=lambda r: (load[r], -r))
+        best = None
+        for r in range(world):
+            for i, c in enumerate(held[top]):
+                for j, e in enumerate(held[r]):
+                    shift = weights[c] - weights[e]
+                    worse = max(load[top] - shift, load[r] + shift)
+                    if r != top and worse < load[top] - 1e-9 and (best is None or worse < best[0]):
+                        best = (worse, r, i, j, shift)
+        if best is None:
+            break
+        _, r, i, j, shift = best
+        held[top][i], held[r][j] = held[r][j], held[top][i]
+        load[top], load[r] = load[top] - shift, load[r] + shift
+    return [sorted(chunks) for chunks in held]
+
+
+def balanced_layout(balancer, masks, seq_len, world_size):
+    """(layout name, every rank's runs) of ``balancer`` for ``masks`` (one MaskSpec, or
+    ``[(mask, weight), ...]``: a model's masks and how many of its layers run each), registered
+    on this process under a name that equal calls on every rank share.
+
+    ``"document_head_tail"``: head_tail within every document (:func:`_document_head_tail`; the
+    masks must agree on the documents). ``"work_aware"``: the sequence cut into 8 equal chunks per
+    rank (fewer where the shard does not divide), each weighed by the visible (query, key) pairs
+    of its rows summed over the masks times their weights, dealt by :func:`_work_aware`."""
+    pairs = [(masks, 1.0)] if hasattr(masks, "visible") else [(m, float(w)) for m, w in masks]
+    if not pairs or seq_len % world_size:
+        raise ValueError(
+            f"balanced_layout takes a mask or (mask, weight) pairs and a sequence of a multiple "
+            f"of {world_size} tokens, got {len(pairs)} masks and {seq_len} tokens"
+        )
+    if balancer == "document_head_tail":
+        spans = [_document_spans(mask, seq_len) for mask, _ in pairs]
+        if any(s != spans[0] for s in spans):
+            raise ValueError("document_head_tail needs masks that agree on the documents")
+        runs = _document_head_tail(spans[0], world_size)
+    elif balancer == "work_aware":
+        per_rank = next(c for c in (8, 4, 2, 1) if (seq_len // world_size) % c == 0)
+        size = seq_len // (world_size * per_rank)
+        seen = sum(
+            w * _mask_visibility(m, 1, 1, seq_len, seq_len)[0, 0].sum(1).double() for m, w in pairs
+        )
+        weights = seen.reshape(-1, size).sum(1).tolist()
+        runs = [
+            [(c * size, (c + 1) * size) for c in chunks]
+            for chunks in _work_aware(weights, world_size, per_rank)
+        ]
+        runs = [_merged(rank_runs) for rank_runs in runs]
+    else:
+        raise ValueError(
+            f"math_ring has the balancers 'document_head_tail' and 'work_aware', not {balancer!r}"
+        )
+    sizes = {sum(b - a for a, b in rank_runs) for rank_runs in runs}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{balancer} gives the ranks {sorted(sizes)} tokens: a sequence of {seq_len} does not "
+            f"split into {world_size} equal shares"
+        )
+    name = f"{balancer}-{seq_len}x{world_size}-{zlib.crc32(repr(runs).encode()):08x}"
+    return register_runs_layout(name, runs), runs
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ascending runs with touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in runs:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def collective_schedule(
@@ -821,17 +1183,18 @@ class MathRing:
     name = "math_ring"
     baseline_op = "math"
     capabilities = correct_capabilities(
-        ops=frozenset(),
+        ops=frozenset({"*"}),  # attention-op objects (names are not resolved; an error says so)
         value_head_dim=False,  # its hops carry key and value stacked: one head dim
         input_errors=True,
         strategies=frozenset({"ring"}),
-        balancers=frozenset(),  # the built-in layouts only
-        multi_mask_layouts=False,
+        balancers=frozenset({"document_head_tail", "work_aware"}),
+        multi_mask_layouts=True,
         replicated_kv=True,  # its rows against the whole key/value it holds, nothing rotated
     )
     ring_attention = staticmethod(ring_attention)
     collective_schedule = staticmethod(collective_schedule)
     record_steps = staticmethod(record_steps)
+    balanced_layout = staticmethod(balanced_layout)
 
 
 math_ring = MathRing()
