@@ -27,7 +27,7 @@ from conformance.specs import MaskSpec
 from reference.budget import Verdict
 from reference.layout import shard as oracle_shard
 from reference.masks import visibility
-from suites.cases import RingCase, backpropagate, collective_phases, lse_shard
+from suites.cases import RingCase, backpropagate, collective_phases, lse_shard, strategy_group
 from suites.cases_balance import (
     BALANCER_LAYOUTS,
     as_runs,
@@ -311,45 +311,52 @@ def oracle_attention(case: RingCase, g, visible: torch.Tensor | None, **options:
     )
 
 
+def case_shard(case: RingCase, rank: int):
+    """``shard(t)``: this rank's shard of a global (batch, heads, seq, dim) tensor of ``case``,
+    by its strategy's mesh or, without one, by its built-in layout."""
+    if case.mesh_shape is not None:
+        from reference.strategies import shard as strategy_shard
+
+        mesh = case.mesh_shape
+        return lambda t: strategy_shard(t, case.strategy, case.layout, mesh, rank).contiguous()
+    return lambda t: oracle_shard(t, case.layout, case.world_size, rank)
+
+
+def sharded_inputs(case: RingCase, g, shard, device):
+    """(q, k, v, dout, dlse, sinks) of this rank: the global inputs ``g`` cut by ``shard`` in the
+    memory the spec asks for (a (batch, seq, heads, dim) model's transposed views, a head dim of
+    stride 2), q/k/v leaves that require grad, the LSE gradient's rows (None without one), and
+    the case's sinks as a leaf (None without)."""
+    spec = case.inputs
+    q, k, v = (
+        in_memory(shard(t).to(device), spec).detach().requires_grad_()
+        for t in (g.query, g.key, g.value)
+    )
+    dout = in_memory(shard(g.grad_out).to(device), spec)
+    dlse = lse_shard(g.grad_lse, shard, device)
+    sinks = _sinks(spec).to(device).requires_grad_() if getattr(case, "sinks", False) else None
+    return q, k, v, dout, dlse, sinks
+
+
 def masked_case(ctx, case: MaskCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
-    group = ctx.group
-    if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
-        from suites.cases import strategy_group
-
-        group = strategy_group(ctx, case.strategy, case.mesh_shape)
+    # First: creating the hybrid's mesh is a collective.
+    group = strategy_group(ctx, case.strategy, case.mesh_shape) if case.mesh_shape else ctx.group
     impl = load_implementation(case.impl)
     spec = case.inputs
     g = make_inputs(spec)
     w, r = ctx.world_size, ctx.rank
     mask = MaskSpec(case.mask_data())
-    layout, runs = case.layout, None
-    if case.mesh_shape is not None:
-        from reference.strategies import shard as strategy_shard
-
-        def shard(t: torch.Tensor) -> torch.Tensor:
-            return strategy_shard(t, case.strategy, case.layout, case.mesh_shape, r).contiguous()
-    elif case.balancer is not None:  # the implementation's balancer builds the layout on every rank
+    layout, runs, shard = case.layout, None, case_shard(case, r)
+    if case.balancer is not None:  # the implementation's balancer builds the layout on every rank
         layout, runs = impl.obj.balanced_layout(case.balancer, mask, spec.seq_q, w)
         runs = as_runs(runs)
         mine = runs_positions(runs[r])
 
         def shard(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(2, mine)
-    else:
 
-        def shard(t: torch.Tensor) -> torch.Tensor:
-            return oracle_shard(t, case.layout, w, r)
-
-    # in the memory the spec asks for: a (batch, seq, heads, dim) model's transposed views, a
-    # head dim of stride 2
-    q, k, v = (
-        in_memory(shard(t).to(ctx.device), spec).detach().requires_grad_()
-        for t in (g.query, g.key, g.value)
-    )
-    dout = in_memory(shard(g.grad_out).to(ctx.device), spec)
-    dlse = lse_shard(g.grad_lse, shard, ctx.device)
-    sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
+    q, k, v, dout, dlse, sinks = sharded_inputs(case, g, shard, ctx.device)
     kwargs = case.call_keywords(group, is_causal=False, layout=layout, return_lse=True, mask=mask)
     kwargs.update(optional_keywords(case, sinks, ctx.device))
     attention = impl.obj.ring_attention

@@ -19,17 +19,18 @@ from conformance.implementation import load_implementation
 from conformance.specs import MaskSpec, ScoreModSpec
 from reference.budget import Verdict
 from reference.layout import positions
-from reference.layout import shard as oracle_shard
 from reference.masks import visibility
-from suites.cases import RingCase, lse_shard
+from suites.cases import RingCase, strategy_group
 from suites.cases_masks import (
     _sinks,
     call_with_sinks,
+    case_shard,
     mask_spec,
     optional_keywords,
     oracle_attention,
+    sharded_inputs,
 )
-from suites.inputs import InputSpec, in_memory, make_inputs
+from suites.inputs import InputSpec, make_inputs
 from suites.judge import judge_outputs, unshard_by_positions
 
 __all__ = [
@@ -156,31 +157,12 @@ class ScoreModCase(RingCase):
 
 def scored_case(ctx, case: ScoreModCase) -> dict[str, Any]:
     """Run the case on this rank: local out, lse, dq, dk, dv (CPU) and this rank's dsinks."""
-    group = ctx.group
-    w, r = ctx.world_size, ctx.rank
-    if case.mesh_shape is not None:  # first: creating the hybrid's mesh is a collective
-        from reference.strategies import shard as strategy_shard
-        from suites.cases import strategy_group
-
-        group = strategy_group(ctx, case.strategy, case.mesh_shape)
-
-        def shard(t: torch.Tensor) -> torch.Tensor:
-            return strategy_shard(t, case.strategy, case.layout, case.mesh_shape, r).contiguous()
-    else:
-
-        def shard(t: torch.Tensor) -> torch.Tensor:
-            return oracle_shard(t, case.layout, w, r)
-
+    # First: creating the hybrid's mesh is a collective.
+    group = strategy_group(ctx, case.strategy, case.mesh_shape) if case.mesh_shape else ctx.group
     impl = load_implementation(case.impl)
     spec = case.inputs
     g = make_inputs(spec)
-    q, k, v = (
-        in_memory(shard(t).to(ctx.device), spec).detach().requires_grad_()
-        for t in (g.query, g.key, g.value)
-    )
-    dout = in_memory(shard(g.grad_out).to(ctx.device), spec)
-    dlse = lse_shard(g.grad_lse, shard, ctx.device)
-    sinks = _sinks(spec).to(ctx.device).requires_grad_() if case.sinks else None
+    q, k, v, dout, dlse, sinks = sharded_inputs(case, g, case_shard(case, ctx.rank), ctx.device)
     kwargs = case.call_keywords(
         group,
         return_lse=True,
