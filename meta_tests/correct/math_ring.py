@@ -427,8 +427,8 @@ class _Op:
     ``capabilities`` cannot express (a mask, for an op without ``masks``) through this ring's own
     math. Its LSE comes in its declared layout (:func:`normalized_lse`); key/value heads are
     expanded for an op without ``gqa``; an LSE gradient goes in as ``grad_lse=`` to an op with
-    ``lse_grad``, else folded into one extra head-dim column (zero for query and key and the
-    output, one for value, the LSE gradient for dO: dS gains P * dLSE)."""
+    ``lse_grad``, else folded into two extra head-dim columns (zero for query, key and the output,
+    one for value, the LSE gradient for dO: dP, and so dS, gains P * dLSE)."""
 
     def __init__(self, op):
         self.op = op
@@ -478,9 +478,13 @@ class _Op:
             if self.lse_grad:
                 kw["grad_lse"] = grad_lse
             else:
-                q, k, out = (torch.nn.functional.pad(t, (0, 1)) for t in (q, k, out))
-                v = torch.nn.functional.pad(v, (0, 1), value=1.0)
-                grad_out = torch.cat([grad_out, grad_lse.unsqueeze(-1).to(grad_out.dtype)], -1)
+                # The LSE gradient in two columns of dO, its input-dtype rounding and what that
+                # leaves, so that a 16-bit input carries it to about twice its precision.
+                high = grad_lse.to(grad_out.dtype)
+                low = (grad_lse - high.to(grad_lse.dtype)).to(grad_out.dtype)
+                q, k, out = (torch.nn.functional.pad(t, (0, 2)) for t in (q, k, out))
+                v = torch.nn.functional.pad(v, (0, 2), value=1.0)
+                grad_out = torch.cat([grad_out, high.unsqueeze(-1), low.unsqueeze(-1)], -1)
         args = (grad_out, q, k, v, out)
         dq, dk, dv = self.op.backward(*(t.contiguous() for t in args), lse.contiguous(), **kw)
         dq, dk, dv = (t[..., :d].to(acc) for t in (dq, dk, dv))
