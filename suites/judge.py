@@ -626,6 +626,7 @@ def diagnose_case(
         lse_by_rank=lses,
         grads_by_rank=grads,
         grad_out=g.grad_out if grads else None,
+        grad_lse=g.grad_lse if grads else None,
     )
     return d.summary
 

@@ -29,12 +29,14 @@ def _block_grads(
     lse: Tensor,
     dout: Tensor,
     scale: float,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """float64 (dq, dk, dv) contribution of one (query shard, key/value block) pair to the
     gradient of the whole attention, given the final out and lse of the query rows.
 
-    q, out, dout (batch, heads, sq, d); k, v (batch, heads_kv, sk, d); lse (batch, heads, sq);
-    visible (sq, sk). dk, dv come back with heads_kv heads (query groups summed).
+    q, out, dout (batch, heads, sq, d); k, v (batch, heads_kv, sk, d); lse and dlse (the loss's
+    gradient in the LSE, or None) (batch, heads, sq); visible (sq, sk). dk, dv come back with
+    heads_kv heads (query groups summed).
     """
     heads, heads_kv = q.shape[1], k.shape[1]
     ke, ve = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
@@ -42,7 +44,8 @@ def _block_grads(
     seen = torch.isfinite(lse).unsqueeze(-1)
     p = torch.where(seen, torch.exp(scores - torch.where(seen, lse.unsqueeze(-1), 0.0)), 0.0)
     dp = dout @ ve.transpose(-2, -1)
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    row = (dout * out).sum(-1, keepdim=True)  # D; an LSE gradient g adds P * g to dS: D - g
+    ds = p * (dp - (row if dlse is None else row - dlse.unsqueeze(-1)))
     dq = ds @ ke * scale
     dk, dv = ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
     b, _, sk, _ = dk.shape
@@ -59,11 +62,13 @@ def _replay_backward(
     kv_source: Callable[[StepRecord], int],
     *,
     step_output: bool = False,
+    grad_lse: Tensor | None = None,
 ) -> dict[str, list[Tensor]]:
     """Per-rank dq, dk, dv of a ring whose backward computes step ``rec`` with the key/value block
     of rank ``kv_source(rec)`` (the contribution still goes to block ``rec.kv_rank``). With
     ``step_output`` its ``dO . O`` row term takes the step's own partial output instead of the
-    merged one (the LSE stays the merged one)."""
+    merged one (the LSE stays the merged one). ``grad_lse`` (batch, heads, seq_q): the loss's
+    gradient in the LSE, when the loss used it."""
     w = sim.world_size
     grads: dict[str, list[Tensor]] = {
         "dq": [torch.zeros_like(sim.query_shard(r)) for r in range(w)],
@@ -74,6 +79,10 @@ def _replay_backward(
     for rank in range(w):
         out, lse = sim.local_merge(rank)
         dout = layouts.shard(dout64, sim.layout, w, rank)
+        dlse = None
+        if grad_lse is not None:
+            lse64 = grad_lse.to(torch.float64).to(sim.query.device).unsqueeze(-1)
+            dlse = layouts.shard(lse64, sim.layout, w, rank).squeeze(-1)
         q = sim.query_shard(rank)
         for rec in sim.rank_steps(rank):
             if rec.kind == "skip":
@@ -89,6 +98,7 @@ def _replay_backward(
                 lse,
                 dout,
                 sim.scale,
+                dlse,
             )
             grads["dq"][rank] += dq
             grads["dk"][rec.kv_rank] += dk
@@ -104,9 +114,11 @@ def _backward_findings(
     grad_bad: dict[str, tuple[int, ...]],
     forward_ok: bool,
     earlier: list[Finding],
+    grad_lse: Tensor | None = None,
 ) -> list[Finding]:
     """Explain wrong gradients by a replayed backward bug; say the backward is at fault when the
-    forward matched and nothing explains them."""
+    forward matched and nothing explains them. ``grad_lse``: the loss's gradient in the LSE,
+    when the loss used it (every replay takes it)."""
     if any(
         "every value of the" in f.what and f.what.startswith(("dq", "dk", "dv")) for f in earlier
     ):
@@ -127,7 +139,7 @@ def _backward_findings(
 
     names = [n for n in ("dq", "dk", "dv") if n in grads_by_rank]
     if w > 1 and forward_ok:
-        own = _replay_backward(sim, grad_out, lambda rec: rec.rank)
+        own = _replay_backward(sim, grad_out, lambda rec: rec.rank, grad_lse=grad_lse)
         if matches(own, names):
             return [
                 Finding(
@@ -138,7 +150,10 @@ def _backward_findings(
                 )
             ]
         if matches(
-            _replay_backward(sim, grad_out, lambda rec: rec.kv_rank, step_output=True), names
+            _replay_backward(
+                sim, grad_out, lambda rec: rec.kv_rank, step_output=True, grad_lse=grad_lse
+            ),
+            names,
         ):
             return [
                 Finding(
@@ -149,7 +164,7 @@ def _backward_findings(
                 )
             ]
         if "dq" in grads_by_rank and not grad_bad.get("dq") and {"dk", "dv"} & set(grads_by_rank):
-            truth = _replay_backward(sim, grad_out, lambda rec: rec.kv_rank)
+            truth = _replay_backward(sim, grad_out, lambda rec: rec.kv_rank, grad_lse=grad_lse)
             kv_names = [n for n in ("dk", "dv") if n in grads_by_rank]
             for t in range(1, w):
                 shifted = {n: [truth[n][(r + t) % w] for r in range(w)] for n in kv_names}
@@ -194,15 +209,23 @@ def _grad_errors(
     grads_by_rank: Mapping[str, Sequence[Tensor]],
     grad_out: Tensor | None,
     step_rel: float,
+    grad_lse: Tensor | None = None,
 ) -> dict[str, dict[int, tuple[float, float]]]:
-    """name -> rank -> (max error of that rank's shard, tolerance), against float64 autograd."""
+    """name -> rank -> (max error of that rank's shard, tolerance), against float64 autograd of
+    the loss (with the LSE's term when ``grad_lse`` is given)."""
     if grad_out is None:
         raise ValueError(
             "diagnose(grads_by_rank=...) needs grad_out, the global upstream gradient of the "
             "run, to compute the reference gradients"
         )
     ref = attention_grads(
-        sim.query, sim.key, sim.value, grad_out, is_causal=sim.is_causal, scale=sim.scale
+        sim.query,
+        sim.key,
+        sim.value,
+        grad_out,
+        is_causal=sim.is_causal,
+        scale=sim.scale,
+        grad_lse=grad_lse,
     )._asdict()
     result: dict[str, dict[int, tuple[float, float]]] = {}
     for name, shards in grads_by_rank.items():

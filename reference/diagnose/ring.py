@@ -50,13 +50,15 @@ def diagnose(
     lse_by_rank: Sequence[Tensor] | None = None,
     grads_by_rank: Mapping[str, Sequence[Tensor]] | None = None,
     grad_out: Tensor | None = None,
+    grad_lse: Tensor | None = None,
 ) -> Diagnosis:
     """Say where a ring result diverges from the simulation.
 
     out_by_rank[r]: rank r's local output (batch, heads, seq_q_local, head_dim_v), any dtype;
     lse_by_rank[r]: (batch, heads, seq_q_local); records: see compare_records;
     grads_by_rank: {"dq"|"dk"|"dv": [per-rank local shard]} with grad_out (batch, heads, seq_q,
-    head_dim_v), the global upstream gradient of the run. dtype: the dtype the ring computed in,
+    head_dim_v), the global upstream gradient of the run, and grad_lse (batch, heads, seq_q) the
+    loss's gradient in the LSE where the loss used it. dtype: the dtype the ring computed in,
     which picks the tolerance.
     """
     step_rel = tolerance_for(dtype).step_rel
@@ -84,7 +86,9 @@ def diagnose(
         if rows:
             bad_rows[rank] = tuple(sorted(rows))
 
-    grad_errs = _grad_errors(sim, grads_by_rank, grad_out, step_rel) if grads_by_rank else {}
+    grad_errs = (
+        _grad_errors(sim, grads_by_rank, grad_out, step_rel, grad_lse) if grads_by_rank else {}
+    )
     grad_bad = {
         name: tuple(r for r, (e, tol) in errs.items() if e > tol)
         for name, errs in grad_errs.items()
@@ -96,7 +100,7 @@ def diagnose(
     if any(grad_bad.values()) and grads_by_rank is not None and grad_out is not None:
         forward_ok = not findings and not bad_rows and out_by_rank is not None
         findings += _backward_findings(
-            sim, grads_by_rank, grad_out, grad_errs, grad_bad, forward_ok, findings
+            sim, grads_by_rank, grad_out, grad_errs, grad_bad, forward_ok, findings, grad_lse
         )
 
     findings.sort(key=lambda f: (f.step if f.step is not None else math.inf, f.rank))

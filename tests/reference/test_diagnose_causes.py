@@ -177,6 +177,28 @@ def test_backward_bugs_are_named(layout: str) -> None:
     assert diagnose(sim, outs, grads_by_rank=right, grad_out=g).ok
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+def test_a_loss_with_the_lse_is_diagnosed_with_its_gradient(layout: str) -> None:
+    """Right gradients of a loss that uses the LSE are right to the diagnosis only when it is
+    given the LSE's gradient: without it, they look like a broken backward. A backward bug
+    under such a loss is still named."""
+    sim = make_sim(3, layout, True)
+    gen = torch.Generator().manual_seed(6)
+    g = torch.randn(sim.query.shape, dtype=torch.float64, generator=gen)
+    g_lse = torch.randn(sim.query.shape[:3], dtype=torch.float64, generator=gen)
+    outs = [sim.local_out(r) for r in range(3)]
+    ref = attention_grads(
+        sim.query, sim.key, sim.value, g, is_causal=True, scale=sim.scale, grad_lse=g_lse
+    )._asdict()
+    right = {n: [shard(ref[n], layout, 3, r) for r in range(3)] for n in ("dq", "dk", "dv")}
+    assert diagnose(sim, outs, grads_by_rank=right, grad_out=g, grad_lse=g_lse).ok
+    blamed = diagnose(sim, outs, grads_by_rank=right, grad_out=g)
+    assert "the backward is at fault" in blamed.summary
+    own = _replay_backward(sim, g, lambda rec: rec.rank, grad_lse=g_lse)
+    d = diagnose(sim, outs, grads_by_rank=own, grad_out=g, grad_lse=g_lse)
+    assert "the backward used each rank's own key/value block at every ring step" in d.summary
+
+
 def _grads_with_step_outputs(sim, grad_out: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """dq, dk, dv of a ring whose backward takes each step's own partial output in the row term
     ``D = rowsum(dO * O)``, written out here per step (softmax against the merged LSE) apart from
