@@ -118,7 +118,8 @@ def _layout_code(layout: str) -> int:
 
 
 def local_positions(layout: str, world_size: int, rank: int, seq_local: int) -> torch.Tensor:
-    """(seq_local,) int64: the global sequence position of every local row."""
+    """(seq_local,) int64: the global sequence position of every local row (a runs layout's:
+    this rank's runs, in order)."""
     if layout in _RUNS_LAYOUTS:
         runs = _RUNS_LAYOUTS[layout][rank]
         return torch.cat(
