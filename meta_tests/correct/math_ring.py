@@ -1083,7 +1083,8 @@ def balanced_layout(balancer, masks, seq_len, world_size):
     ``"document_head_tail"``: head_tail within every document (:func:`_document_head_tail`; the
     masks must agree on the documents). ``"work_aware"``: the sequence cut into 8 equal chunks per
     rank (fewer where the shard does not divide), each weighed by the visible (query, key) pairs
-    of its rows summed over the masks times their weights, dealt by :func:`_work_aware`."""
+    of its rows (at batch row 0 and head 0) summed over the masks times their weights, dealt by
+    :func:`_work_aware`."""
     pairs = [(masks, 1.0)] if hasattr(masks, "visible") else [(m, float(w)) for m, w in masks]
     if not pairs or seq_len % world_size:
         raise ValueError(
