@@ -43,11 +43,18 @@ The floor
   float32, or float64 for float64 inputs, for the LSE). A ring rounds each step's partial result
   to that dtype (kernels return them so); those roundings are weighted by terms whose
   magnitudes add up to at most ``M``: together at most ``u(X) * M``.
-- ``u(c)``: the unit roundoff of the compute dtype (float32; float64 for float64) in which
-  kernels form scores, probabilities and sums. ``n = W + 1`` (W, the ring's number of key/value
-  blocks): each of a row's W merges, and the backward's recomputation of the probabilities from
-  the merged LSE, may perturb the element by one rounding of its intermediates (``A``) and of
-  each probability (``C``).
+- ``u(c)``: the relative error with which kernels form scores, probabilities and sums
+  (:func:`compute_roundoff`): the unit roundoff of the compute dtype (float32; float64 for
+  float64), except for 16-bit inputs, where kernels may take exp from an approximation. PyTorch's
+  CPU flash kernel does: for bfloat16 and float16 inputs its vectorised exp is a float32
+  polynomial of at most 20 ulp (``at::vec::Vectorized<float>::exp_u20``; the scalar tail of a
+  row, fewer keys than a vector, gets the exact exp), so u(c) = 20 ulp = 40 * 2^-24 there. Held
+  to float32's roundoff instead, a correct ring's LSE of bfloat16 inputs failed the mean rule at
+  W 5-8 (2.4x the one-call error on blocks of 8 keys); its out and gradients are rounded to 16
+  bits, against which the change is 1-5% of the floor.
+- ``n = W + 1`` (W, the ring's number of key/value blocks): each of a row's W merges, and the
+  backward's recomputation of the probabilities from the merged LSE, may perturb the element by
+  one rounding of its intermediates (``A``) and of each probability (``C``).
 - The max rule takes the worst case: every rounding at its bound, all of one sign. The mean rule
   takes the typical case: round-to-nearest errors are unbiased and independent, so a sum of
   them grows like the root-sum-square of its terms (``M'``, ``A'``, ``C'``: the same terms, root
@@ -91,6 +98,7 @@ from torch import Tensor
 from reference.layout import locate
 
 __all__ = [
+    "APPROXIMATE_EXP_ROUNDOFF",
     "TOLERANCES",
     "UNIT_ROUNDOFF",
     "ErrorScale",
@@ -102,6 +110,7 @@ __all__ = [
     "baseline_error_of_both",
     "check",
     "compute_dtype",
+    "compute_roundoff",
     "error_scales",
     "floors",
     "max_logit_scale",
@@ -159,6 +168,17 @@ def unit_roundoff(dtype: torch.dtype) -> float:
             f"no unit roundoff for dtype {dtype}; known: {sorted(map(str, UNIT_ROUNDOFF))}"
         )
     return UNIT_ROUNDOFF[dtype]
+
+
+#: u(c) of 16-bit inputs: a 20-ulp float32 exp (see the module docstring).
+APPROXIMATE_EXP_ROUNDOFF = 40 * 2.0**-24
+
+
+def compute_roundoff(dtype: torch.dtype) -> float:
+    """u(c) for inputs of ``dtype``: the unit roundoff of :func:`compute_dtype`, or for 16-bit
+    inputs that of an exp of 20 ulp (:data:`APPROXIMATE_EXP_ROUNDOFF`), whichever is larger."""
+    u = unit_roundoff(compute_dtype(dtype))
+    return max(u, APPROXIMATE_EXP_ROUNDOFF) if dtype in (torch.bfloat16, torch.float16) else u
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -346,7 +366,7 @@ def _sink_scale(
     o_s = o * torch.exp(lse0 - lse_s).unsqueeze(-1)  # 0 for rows that see nothing
     t_out = sigma * (do.abs() * o_s.abs()).sum(-1)
     t_g = sigma * (g.squeeze(-1).abs() if g is not None else torch.zeros_like(sigma))
-    weight = 2 * unit_roundoff(input_dtype) / unit_roundoff(compute_dtype(input_dtype))
+    weight = 2 * unit_roundoff(input_dtype) / compute_roundoff(input_dtype)
     cond = lse_s.abs()
 
     def per_head(t: Tensor) -> tuple[Tensor, Tensor]:
@@ -410,7 +430,7 @@ def floors(
     """The floors for a quantity of ``result_dtype`` computed from inputs of ``input_dtype`` with
     ``roundings`` roundings in the compute dtype (a ring of W blocks: W + 1). See the module
     docstring."""
-    u_x, u_c = unit_roundoff(result_dtype), unit_roundoff(compute_dtype(input_dtype))
+    u_x, u_c = unit_roundoff(result_dtype), compute_roundoff(input_dtype)
     n = max(1, int(roundings))
     if scale is None:
         r64 = ref.detach().to(torch.float64)
