@@ -49,8 +49,8 @@ The floor
   CPU flash kernel does: for bfloat16 and float16 inputs its vectorised exp is a float32
   polynomial of at most 20 ulp (``at::vec::Vectorized<float>::exp_u20``; the scalar tail of a
   row, fewer keys than a vector, gets the exact exp), so u(c) = 20 ulp = 40 * 2^-24 there. Held
-  to float32's roundoff instead, a correct ring's LSE of bfloat16 inputs failed the mean rule at
-  W 5-8 (2.4x the one-call error on blocks of 8 keys); its out and gradients are rounded to 16
+  to float32's roundoff instead, a correct ring's LSE of bfloat16 inputs would fail the mean rule
+  at W 5-8 (2.4x the one-call error on blocks of 8 keys); its out and gradients are rounded to 16
   bits, against which the change is 1-5% of the floor.
 - ``n = W + 1`` (W, the ring's number of key/value blocks): each of a row's W merges, and the
   backward's recomputation of the probabilities from the merged LSE, may perturb the element by
