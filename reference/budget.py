@@ -366,7 +366,7 @@ def _sink_scale(
     o_s = o * torch.exp(lse0 - lse_s).unsqueeze(-1)  # 0 for rows that see nothing
     t_out = sigma * (do.abs() * o_s.abs()).sum(-1)
     t_g = sigma * (g.squeeze(-1).abs() if g is not None else torch.zeros_like(sigma))
-    weight = 2 * unit_roundoff(input_dtype) / compute_roundoff(input_dtype)
+    weight = 2 * unit_roundoff(input_dtype) / unit_roundoff(compute_dtype(input_dtype))
     cond = lse_s.abs()
 
     def per_head(t: Tensor) -> tuple[Tensor, Tensor]:
