@@ -51,7 +51,7 @@ The floor
   row, fewer keys than a vector, gets the exact exp), so u(c) = 20 ulp = 40 * 2^-24 there. Held
   to float32's roundoff instead, a correct ring's LSE of bfloat16 inputs would fail the mean rule
   at W 5-8 (2.4x the one-call error on blocks of 8 keys); its out and gradients are rounded to 16
-  bits, against which the change is 1-5% of the floor.
+  bits, against which the change is a few per cent of the floor.
 - ``n = W + 1`` (W, the ring's number of key/value blocks): each of a row's W merges, and the
   backward's recomputation of the probabilities from the merged LSE, may perturb the element by
   one rounding of its intermediates (``A``) and of each probability (``C``).
