@@ -636,8 +636,8 @@ class _MathRingFn(torch.autograd.Function):
             kind, visible = blocks.visibility(kv_rank, sq, sk)
             if kind == "skip":
                 return None
-            k, v = widened(block[0], acc), widened(block[1], acc)
             if op is None:
+                k, v = widened(block[0], acc), widened(block[1], acc)
                 modify = blocks.modifier(kv_rank, sq, sk)
                 dq, dk, dv = _math_grads(q5, do5, lse5, delta, k, v, setup.scale, visible, modify)
                 dq5.add_(dq)
@@ -661,8 +661,8 @@ class _MathRingFn(torch.autograd.Function):
                         do5[at],
                         lse5[at],
                         delta[at],
-                        k[:, :, cols],
-                        v[:, :, cols],
+                        widened(block[0][:, :, cols], acc),
+                        widened(block[1][:, :, cols], acc),
                         setup.scale,
                         mask,
                         None,
